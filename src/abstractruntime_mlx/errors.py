@@ -1,0 +1,213 @@
+"""The typed error tree.
+
+Every error the package raises on purpose derives from ``MLXRuntimeError`` and carries a
+stable ``code`` (part of the public API, never renamed) and an ``http_status``. The engine
+raises them, the server renders them as ``{"error": {"message", "type", "code"}}`` and the
+remote client rebuilds the same class from ``code``.
+
+    MLXRuntimeError
+    ├── InvalidRequest (400, invalid_request)
+    │   ├── InvalidControls (400, invalid_controls)
+    │   ├── InvalidMedia (400, native_media_invalid)
+    │   ├── ContextTooLong (400, context_too_long)
+    │   └── NoDrafter (400, no_drafter)
+    ├── PolicyError (400, policy_invalid)            the Core policy file is unreadable
+    ├── ModelNotFound (404, model_not_found)         weights are not on this machine
+    ├── ConflictError (409, conflict)
+    │   ├── RequestCancelled (409, cancelled)
+    │   ├── OwnerBusy (409, owner_busy)
+    │   ├── RuntimeClosed (409, runtime_closed)
+    │   └── ResidencyConflict (409, residency_conflict)
+    ├── CapacityError (503, capacity)
+    │   ├── QueueFull (503, queue_full)
+    │   └── StreamBackpressure (429, stream_backpressure)
+    ├── QueueTimeout (504, queue_timeout)
+    ├── SpeculationUnavailable (422, speculation_unavailable)
+    ├── AuthenticationError (401, unauthorized)
+    ├── LedgerError (500, ledger_error)
+    └── EngineError (500, backend_error)
+        ├── EngineCrashed (500, engine_crashed)
+        └── UpstreamError (502, upstream_error)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MLXRuntimeError(Exception):
+    code: str = "error"
+    http_status: int = 500
+    type: str = "runtime_error"
+
+    def __init__(self, message: str, *, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = dict(details or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"message": self.message, "type": self.type, "code": self.code}
+        if self.details:
+            body["details"] = self.details
+        return body
+
+
+class InvalidRequest(MLXRuntimeError):
+    code = "invalid_request"
+    http_status = 400
+    type = "invalid_request_error"
+
+
+class InvalidControls(InvalidRequest):
+    """A control value (speculation, thinking, sampling, scheduler option) is not accepted.
+
+    ``field`` names the offending field and ``value`` is what was given.
+    """
+
+    code = "invalid_controls"
+
+    def __init__(self, message: str, *, field: str | None = None, value: Any = None) -> None:
+        details = {}
+        if field is not None:
+            details = {"field": field, "value": _json_safe(value)}
+        super().__init__(message, details=details)
+        self.field = field
+        self.value = value
+
+
+class InvalidMedia(InvalidRequest):
+    code = "native_media_invalid"
+
+
+class ContextTooLong(InvalidRequest):
+    code = "context_too_long"
+
+
+class NoDrafter(InvalidRequest):
+    code = "no_drafter"
+
+
+class PolicyError(MLXRuntimeError):
+    code = "policy_invalid"
+    http_status = 400
+    type = "configuration_error"
+
+
+class ModelNotFound(MLXRuntimeError):
+    code = "model_not_found"
+    http_status = 404
+    type = "not_found_error"
+
+
+class ConflictError(MLXRuntimeError):
+    code = "conflict"
+    http_status = 409
+    type = "conflict_error"
+
+
+class RequestCancelled(ConflictError):
+    code = "cancelled"
+    type = "cancelled"
+
+
+class OwnerBusy(ConflictError):
+    code = "owner_busy"
+
+
+class RuntimeClosed(ConflictError):
+    code = "runtime_closed"
+
+
+class ResidencyConflict(ConflictError):
+    code = "residency_conflict"
+
+
+class CapacityError(MLXRuntimeError):
+    code = "capacity"
+    http_status = 503
+    type = "capacity_error"
+
+
+class QueueFull(CapacityError):
+    code = "queue_full"
+
+
+class StreamBackpressure(CapacityError):
+    code = "stream_backpressure"
+    http_status = 429
+
+
+class QueueTimeout(MLXRuntimeError):
+    code = "queue_timeout"
+    http_status = 504
+    type = "timeout_error"
+
+
+class SpeculationUnavailable(MLXRuntimeError):
+    """Strict speculation (``require_acceleration=True``) could not be honoured.
+
+    ``reason`` is a stable slug (``no_mtp_drafter_for_model``, ``mtp_logit_processors_unsupported``, ...).
+    """
+
+    code = "speculation_unavailable"
+    http_status = 422
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(f"{message} (speculation.require_acceleration=True)", details={"reason": reason})
+        self.reason = reason
+
+
+class AuthenticationError(MLXRuntimeError):
+    code = "unauthorized"
+    http_status = 401
+    type = "authentication_error"
+
+
+class LedgerError(MLXRuntimeError):
+    code = "ledger_error"
+    http_status = 500
+    type = "ledger_error"
+
+
+class EngineError(MLXRuntimeError):
+    code = "backend_error"
+    http_status = 500
+    type = "native_runtime_error"
+
+
+class EngineCrashed(EngineError):
+    code = "engine_crashed"
+
+
+class UpstreamError(EngineError):
+    code = "upstream_error"
+    http_status = 502
+
+
+def _all_error_classes() -> list[type[MLXRuntimeError]]:
+    seen: list[type[MLXRuntimeError]] = []
+    stack: list[type[MLXRuntimeError]] = [MLXRuntimeError]
+    while stack:
+        cls = stack.pop()
+        seen.append(cls)
+        stack.extend(cls.__subclasses__())
+    return seen
+
+
+def error_class_for_code(code: str | None) -> type[MLXRuntimeError]:
+    """The class whose stable ``code`` is ``code`` (the remote client rebuilds errors with it)."""
+    for cls in _all_error_classes():
+        if cls.code == code:
+            return cls
+    return MLXRuntimeError
+
+
+def _json_safe(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    return repr(value)
