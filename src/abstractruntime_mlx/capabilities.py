@@ -1,0 +1,174 @@
+"""Execution capabilities of one model route, without loading weights.
+
+The shape matches AbstractCore's ``get_execution_capabilities`` (version 1)::
+
+    {"version": 1, "provider": "mlx", "model": NAME,
+     "speculation": {"supported", "ready", "reason", "message", "companion", "head_present",
+                     "supported_depths", "default", "effective_default", "requires_reload"},
+     "concurrency": {"supported", "source", "reason"}}
+
+Evidence comes from config files and safetensors headers only (see ``artifacts``). ``ready``
+is ``null`` (unknown) unless a loaded ``instance`` answers ``speculation_ready()``; unknown
+is not proof that a head is ready. A model that is not on this machine is reported
+(``supported: false, reason: "model_not_found"``, with the download command in ``message``)
+rather than raised, so a discovery UI can render it; a corrupt policy file still raises
+``PolicyError``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Final
+
+from . import artifacts
+from .controls import UNSET, normalize_speculation, resolve_speculation
+from .errors import InvalidRequest, ModelNotFound
+from .policy import read_speculation_policy
+
+CAPABILITIES_VERSION: Final = 1
+SUPPORTED_PROVIDERS: Final = frozenset({"mlx"})
+SUPPORTED_DEPTHS: Final[tuple[int, ...]] = (1, 2, 3, 4, 5)
+
+
+def get_execution_capabilities(
+    model_name: str,
+    provider: str = "mlx",
+    instance: Any = None,
+    *,
+    head: str | None = None,
+    policy_path: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Describe MTP support/readiness and concurrency for ``model_name`` on ``provider``.
+
+    ``instance`` (optional) is a loaded provider; it may offer ``speculation_ready() -> bool``,
+    ``supports_concurrent_generation() -> bool`` and ``speculation_default()`` (its
+    constructor-level speculation, any form ``normalize_speculation`` accepts; ``None`` =
+    inherits the policy). ``head`` names a companion MTP head explicitly. ``policy_path``
+    overrides the Core config file; ``cache_dir`` the Hugging Face cache.
+    """
+    return {
+        "version": CAPABILITIES_VERSION,
+        "provider": provider,
+        "model": model_name,
+        "speculation": describe_speculation(
+            model_name, provider, instance, head=head, policy_path=policy_path, cache_dir=cache_dir
+        ),
+        "concurrency": describe_concurrency(instance),
+    }
+
+
+def describe_concurrency(instance: Any) -> dict[str, Any]:
+    if instance is None:
+        return {"supported": None, "source": "unknown", "reason": None}
+    probe = getattr(instance, "supports_concurrent_generation", None)
+    if not callable(probe):
+        return {"supported": None, "source": "loaded_instance", "reason": "capability_probe_missing"}
+    answer = probe()
+    if not isinstance(answer, bool):
+        return {"supported": None, "source": "loaded_instance", "reason": "invalid_capability_probe"}
+    return {"supported": answer, "source": "loaded_instance", "reason": None}
+
+
+def describe_speculation(
+    model_name: str,
+    provider: str,
+    instance: Any = None,
+    *,
+    head: str | None = None,
+    policy_path: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """The ``speculation`` block of ``get_execution_capabilities``."""
+    policy = read_speculation_policy(policy_path)
+    default_wire = None if policy is None else policy.to_wire()
+    evidence, reason, message = _artifact_evidence(model_name, provider, head=head, cache_dir=cache_dir)
+    if reason is not None:
+        return {
+            "supported": False,
+            "ready": False,
+            "reason": reason,
+            "message": message,
+            "companion": evidence.get("companion") if evidence else None,
+            "head_present": evidence.get("head_present") if evidence else None,
+            "supported_depths": [],
+            "default": default_wire,
+            "effective_default": False,
+            "requires_reload": None,
+        }
+    assert evidence is not None
+    ready = _instance_ready(instance)
+    head_present = True if ready else evidence["head_present"]
+    if ready:
+        reason = None
+    elif head_present is False:
+        reason = "mtp_head_not_cached"
+    elif instance is None:
+        reason = "model_not_loaded"
+    elif ready is False:
+        reason = "speculation_is_load_time"
+    else:
+        reason = "readiness_unknown"
+    if reason == "mtp_head_not_cached" and evidence["companion"]:
+        companion = evidence["companion"]
+        message = (
+            f"MTP acceleration off: companion head {companion} is not on this machine; "
+            f"download it with `{artifacts.DOWNLOAD_COMMAND.format(name=companion)}`"
+        )
+    provider_level: Any = UNSET
+    if instance is not None:
+        hook = getattr(instance, "speculation_default", None)
+        if callable(hook):
+            provider_level = normalize_speculation(hook(), field="instance.speculation_default")
+    effective, _source = resolve_speculation(provider=provider_level, policy=policy, verified_default=True)
+    return {
+        "supported": True,
+        "ready": ready,
+        "reason": reason,
+        "message": message,
+        "companion": evidence["companion"],
+        "head_present": head_present,
+        "supported_depths": list(SUPPORTED_DEPTHS),
+        "default": default_wire,
+        "effective_default": effective.to_wire(),
+        "requires_reload": (not ready) if isinstance(ready, bool) else None,
+    }
+
+
+def _instance_ready(instance: Any) -> bool | None:
+    if instance is None:
+        return None
+    probe = getattr(instance, "speculation_ready", None)
+    if not callable(probe):
+        return None
+    answer = probe()
+    return answer if isinstance(answer, bool) else None
+
+
+def _artifact_evidence(
+    model_name: str, provider: str, *, head: str | None, cache_dir: str | Path | None
+) -> tuple[dict[str, Any] | None, str | None, str | None]:
+    """``(evidence, reason, message)``; ``reason`` is set when MTP cannot run for this route."""
+    if provider not in SUPPORTED_PROVIDERS:
+        return None, "native_mtp_backend_unavailable", None
+    try:
+        path = artifacts.resolve_model_path(model_name, cache_dir=cache_dir)
+        evidence = artifacts.detect_mtp(path, name=model_name, head=head, cache_dir=cache_dir)
+    except ModelNotFound as exc:
+        return None, "model_not_found", exc.message
+    except InvalidRequest as exc:
+        return None, "checkpoint_unreadable", exc.message
+    if evidence["is_head"]:
+        return evidence, "model_is_mtp_head", f"{model_name} is an MTP head; load its target model instead"
+    if not evidence["verified"]:
+        if evidence["config_mtp_layers"]:
+            return (
+                evidence,
+                "embedded_mtp_weights_missing",
+                f"the config of {model_name} declares MTP layers but its weights carry no mtp.* tensors",
+            )
+        return evidence, "mtp_artifact_unverified", None
+    if importlib.util.find_spec("mlx_vlm") is None:
+        return evidence, "mlx_vlm_missing", "native MTP needs mlx-vlm; install it with `pip install mlx-vlm`"
+    return evidence, None, None

@@ -1,0 +1,214 @@
+"""The precedence resolver: call (node) → run → provider (constructor) → policy → verified default.
+
+One mechanism for every control: walk the levels from the least specific to the most
+specific, lay each level that says something onto what is below it, and remember the most
+specific level that said something: that level *decided* and is reported as the source.
+
+- speculation: a level's partial object merges onto the levels below it
+  (``merge_speculation``), so ``{"num_draft_tokens": 3}`` at the call inherits
+  ``require_acceleration`` from the run/provider/policy; off at the deciding level wins; a
+  more specific ``native_mtp`` overrides a less specific off. Nothing said anywhere:
+  ``verified_default=True`` gives optional native MTP (source ``"verified_default"``), otherwise
+  off (source ``"off"``). After resolving, ``require_acceleration`` is always a bool.
+- thinking: scalar, so the most specific level that says something wins outright. Nothing
+  said anywhere: ``None`` (the model's own chat-template default), source ``"model_default"``.
+
+``UNSET`` (argument not given) and ``None`` both mean "this level says nothing, inherit";
+``False`` means off. ``UNSET`` exists so a caller forwarding controls can tell "not passed"
+from "passed null" (e.g. to omit a key from a wire payload); the resolver treats both alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+from ..errors import InvalidControls
+from .models import SpeculationControl, ThinkingValue, merge_speculation, normalize_speculation, normalize_thinking
+
+LEVELS: Final[tuple[str, ...]] = ("call", "run", "provider", "policy")
+"""Most specific first. ``call`` is the node/call level."""
+
+SPECULATION_SOURCES: Final[tuple[str, ...]] = (*LEVELS, "verified_default", "off")
+THINKING_SOURCES: Final[tuple[str, ...]] = (*LEVELS, "model_default")
+LAYER_KEYS: Final[frozenset[str]] = frozenset({"speculation", "thinking"})
+
+
+class _Unset:
+    _instance: _Unset | None = None
+
+    def __new__(cls) -> _Unset:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __reduce__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = _Unset()
+"""Sentinel: the argument was not given (inherit). Distinct from ``None`` only for forwarding."""
+
+VERIFIED_DEFAULT: Final = SpeculationControl(mode="native_mtp", require_acceleration=False)
+"""What a model with verified MTP support runs when nobody configured anything."""
+
+T = TypeVar("T")
+
+
+def _walk(
+    levels: Mapping[str, Any],
+    *,
+    normalize: Callable[[Any], T | None],
+    merge: Callable[[T | None, T | None], T | None],
+) -> tuple[T | None, str | None]:
+    """Merge every level that says something, least specific first; return (value, deciding level)."""
+    value: T | None = None
+    decided: str | None = None
+    for name in reversed(LEVELS):
+        raw = levels.get(name, UNSET)
+        if raw is UNSET:
+            continue
+        said = normalize(raw)
+        if said is None:
+            continue
+        value = merge(value, said)
+        decided = name
+    return value, decided
+
+
+def resolve_speculation(
+    *,
+    call: Any = UNSET,
+    run: Any = UNSET,
+    provider: Any = UNSET,
+    policy: Any = UNSET,
+    verified_default: bool,
+) -> tuple[SpeculationControl, str]:
+    """Effective speculation and the level that decided it (a name in ``SPECULATION_SOURCES``).
+
+    Each level accepts any form ``normalize_speculation`` accepts. The result is never ``None``:
+    off is ``SpeculationControl(mode="off")``; when on, ``require_acceleration`` is a bool.
+    """
+    value, decided = _walk(
+        {"call": call, "run": run, "provider": provider, "policy": policy},
+        normalize=normalize_speculation,
+        merge=merge_speculation,
+    )
+    if value is None or decided is None:
+        if verified_default:
+            return VERIFIED_DEFAULT, "verified_default"
+        return SpeculationControl.off(), "off"
+    if value.enabled and value.require_acceleration is None:
+        value = value.model_copy(update={"require_acceleration": False})
+    return value, decided
+
+
+def resolve_thinking(
+    *,
+    call: Any = UNSET,
+    run: Any = UNSET,
+    provider: Any = UNSET,
+    policy: Any = UNSET,
+) -> tuple[ThinkingValue, str]:
+    """Effective thinking and the level that decided it (a name in ``THINKING_SOURCES``)."""
+    value, decided = _walk(
+        {"call": call, "run": run, "provider": provider, "policy": policy},
+        normalize=normalize_thinking,
+        merge=lambda _below, above: above,
+    )
+    if decided is None:
+        return None, "model_default"
+    return value, decided
+
+
+@dataclass(frozen=True)
+class ResolvedControls:
+    """The effective controls of one call and where each came from (``sources``)."""
+
+    speculation: SpeculationControl
+    thinking: ThinkingValue
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def to_metadata(self) -> dict[str, Any]:
+        """JSON: ``{"speculation", "speculation_source", "thinking", "thinking_source"}``."""
+        return {
+            "speculation": self.speculation.to_wire(),
+            "speculation_source": self.sources["speculation"],
+            "thinking": self.thinking,
+            "thinking_source": self.sources["thinking"],
+        }
+
+    @classmethod
+    def from_metadata(cls, data: Mapping[str, Any]) -> ResolvedControls:
+        """Inverse of ``to_metadata`` (exact round trip)."""
+        speculation = normalize_speculation(data["speculation"])
+        if speculation is None:
+            raise InvalidControls("resolved speculation cannot be null", field="speculation", value=None)
+        source = data["speculation_source"]
+        thinking_source = data["thinking_source"]
+        if source not in SPECULATION_SOURCES:
+            raise InvalidControls(f"unknown speculation source {source!r}", field="speculation_source", value=source)
+        if thinking_source not in THINKING_SOURCES:
+            raise InvalidControls(
+                f"unknown thinking source {thinking_source!r}", field="thinking_source", value=thinking_source
+            )
+        return cls(
+            speculation=speculation,
+            thinking=normalize_thinking(data["thinking"]),
+            sources={"speculation": source, "thinking": thinking_source},
+        )
+
+
+def resolve_controls(
+    *,
+    call: Any = UNSET,
+    run: Any = UNSET,
+    provider: Any = UNSET,
+    policy: Any = UNSET,
+    verified_default: bool,
+) -> ResolvedControls:
+    """Resolve speculation and thinking across the levels in one call.
+
+    Each level is ``UNSET``/``None`` (says nothing) or a mapping with keys from
+    ``{"speculation", "thinking"}``; a missing key says nothing for that control. Unknown keys
+    raise ``InvalidControls``.
+    """
+    layers = {name: _layer(value, name) for name, value in zip(LEVELS, (call, run, provider, policy))}
+    speculation, speculation_source = resolve_speculation(
+        **{name: layer.get("speculation", UNSET) for name, layer in layers.items()},
+        verified_default=verified_default,
+    )
+    thinking, thinking_source = resolve_thinking(
+        **{name: layer.get("thinking", UNSET) for name, layer in layers.items()},
+    )
+    return ResolvedControls(
+        speculation=speculation,
+        thinking=thinking,
+        sources={"speculation": speculation_source, "thinking": thinking_source},
+    )
+
+
+def _layer(value: Any, level: str) -> Mapping[str, Any]:
+    if value is UNSET or value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidControls(
+            f"{level} controls must be an object with keys {sorted(LAYER_KEYS)}; got {type(value).__name__}",
+            field=level,
+            value=value,
+        )
+    for key in value:
+        if key not in LAYER_KEYS:
+            raise InvalidControls(
+                f"unknown control {key!r} at the {level} level; accepted: {sorted(LAYER_KEYS)}",
+                field=str(key),
+                value=value[key],
+            )
+    return value

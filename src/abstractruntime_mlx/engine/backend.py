@@ -1,0 +1,242 @@
+"""The one adapter over mlx-vlm's batch generator.
+
+Every private upstream field the package reads is read here, and only here
+(``PromptProcessingBatch`` row counters for prefill progress, the generation batch for
+batch sizes, the prefill admission gate). Supported range: mlx-vlm >=0.7.1,<0.8.0, pinned in
+``pyproject.toml``; ``tests/test_backend_contract.py`` checks these fields exist.
+
+A ``BatchBackend`` is one upstream ``BatchGenerator``: the continuous lane keeps one alive
+while greedy requests flow through it; a cohort (MTP) or an exclusive (sampled) request
+gets its own, built with exactly the controls it asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import mlx.core as mx
+
+from ..errors import EngineError, UpstreamError
+from .request import Sampling
+from .sampling import make_sampler
+
+PREFILL_STEP_SIZE = 256
+
+
+@contextlib.contextmanager
+def map_upstream_errors(what: str) -> Iterator[None]:
+    """Turn an exception from mlx / mlx-vlm into our ``UpstreamError`` (chained)."""
+    try:
+        yield
+    except EngineError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - upstream raises plain exceptions of every kind
+        raise UpstreamError(f"{what} failed in mlx-vlm: {type(exc).__name__}: {exc}") from exc
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    uid: int
+    token: int
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class PrefillRow:
+    processed: int
+    total: int
+    cached: int
+
+
+@dataclass(slots=True)
+class StepResult:
+    tokens: list[TokenEvent] = field(default_factory=list)
+    prompt_done: dict[int, int] = field(default_factory=dict)  # uid -> cached tokens
+    prefill: dict[int, PrefillRow] = field(default_factory=dict)
+    batch_uids: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Drafter:
+    model: Any
+    kind: str = "mtp"
+
+
+def make_logits_processors(sampling: Sampling) -> list[Any]:
+    from mlx_lm.sample_utils import make_logits_processors as _make
+
+    return _make(
+        logit_bias=dict(sampling.logit_bias) or None,
+        repetition_penalty=sampling.repetition_penalty,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+    )
+
+
+class BatchBackend:
+    """One upstream BatchGenerator and the uids it holds."""
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        *,
+        max_batch_size: int,
+        sampling: Sampling | None = None,
+        drafter: Drafter | None = None,
+        draft_tokens: int = 0,
+        prefill_step_size: int = PREFILL_STEP_SIZE,
+        stream: Any = None,
+    ) -> None:
+        from mlx_vlm.generate.ar import BatchGenerator
+
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self._logits_processors = make_logits_processors(sampling) if sampling and sampling.has_logit_processors() else None
+        kwargs: dict[str, Any] = {}
+        if sampling is not None and not sampling.is_greedy_neutral():
+            kwargs["sampler"] = make_sampler(sampling)
+        else:
+            kwargs["greedy_sampling"] = True
+        if drafter is not None and draft_tokens > 0:
+            # Upstream's block size includes the target's seed token; ours counts proposals.
+            kwargs.update(draft_model=drafter.model, draft_kind=drafter.kind, draft_block_size=draft_tokens + 1)
+        with map_upstream_errors("creating the batch generator"):
+            self._gen = BatchGenerator(
+                getattr(model, "language_model", model),
+                processor,
+                completion_batch_size=max_batch_size,
+                prefill_batch_size=max_batch_size,
+                prefill_step_size=prefill_step_size,
+                compute_logprobs=False,
+                stream=stream,
+                **kwargs,
+            )
+        self.uids: set[int] = set()
+
+    # --- admission -------------------------------------------------------------------
+    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any]) -> int:
+        lp = [self._logits_processors] if self._logits_processors else None
+        with map_upstream_errors("inserting a prompt"):
+            (uid,) = self._gen.insert([prompt_ids], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=lp)
+        self.uids.add(uid)
+        return uid
+
+    def free_slots(self) -> int:
+        return self.max_batch_size - len(self.uids)
+
+    def allow_partial_prefill(self) -> None:
+        """Let a late request start prefilling while others decode.
+
+        Upstream admits queued prompts only when free slots >= ``prefill_batch_size``; with that
+        left at the batch size a request arriving mid-decode would wait for the whole batch
+        (continuous admission silently becoming cohorts). Setting it to the free-slot count
+        keeps admission continuous.
+        """
+        decoding = len(self._gen._generation_batch)
+        self._gen.prefill_batch_size = max(1, self.max_batch_size - decoding)
+
+    def remove(self, uid: int) -> bool:
+        with map_upstream_errors("removing a request"):
+            removed = bool(self._gen.remove(uid))
+        if removed:
+            self.uids.discard(uid)
+        return removed
+
+    def forget(self, uid: int) -> None:
+        """The uid finished upstream on its own (stop or length)."""
+        self.uids.discard(uid)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._gen.has_work)
+
+    # --- stepping --------------------------------------------------------------------
+    def step(self, *, observe_prefill: bool) -> StepResult:
+        with map_upstream_errors("a batch step"):
+            prompt_responses, responses = self._gen.next()
+        result = StepResult()
+        for p in prompt_responses:
+            result.prompt_done[int(p.uid)] = int(getattr(p, "cached_tokens", 0) or 0)
+        for r in responses:
+            result.tokens.append(TokenEvent(int(r.uid), int(r.token), r.finish_reason))
+        result.batch_uids = self._batch_uids()
+        if observe_prefill:
+            result.prefill = self._prefill_rows()
+        return result
+
+    def _batch_uids(self) -> set[int]:
+        uids = set(self._gen._generation_batch.uids)
+        prompt_batch = self._gen._prompt_batch
+        if prompt_batch is not None:
+            uids.update(prompt_batch.uids)
+        return uids
+
+    def _prefill_rows(self) -> dict[int, PrefillRow]:
+        """Per-row prompt tokens already in the KV cache, read from the prefill batch."""
+        batch = self._gen._prompt_batch
+        if batch is None:
+            return {}
+        rows: dict[int, PrefillRow] = {}
+        columns = int(batch._processed_prompt_columns)
+        right_pad = batch._right_pad_per_row
+        for i, uid in enumerate(batch.uids):
+            suffix = int(batch._suffix_lens[i])
+            cached = int(batch._cached_tokens_per_row[i]) if batch._cached_tokens_per_row else 0
+            if right_pad is not None:
+                done = min(suffix, max(0, columns))
+            else:
+                done = min(suffix, max(0, columns - int(batch._left_padding_per_row[i])))
+            rows[int(uid)] = PrefillRow(processed=cached + done, total=cached + suffix, cached=cached)
+        return rows
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._gen.close()
+            # Work the generator scheduled ahead (async_eval) must finish before the
+            # stream can be dropped.
+            mx.synchronize(self._gen.stream())
+        self.uids.clear()
+
+
+def text_prompt_kwargs(model: Any, prompt_ids: list[int]) -> dict[str, Any]:
+    """Row kwargs for a text prompt: the embeddings plus rope metadata.
+
+    Needed even without images: hybrid Qwen rows that get left-padded diverge unless the
+    row carries its own position ids.
+    """
+    if not hasattr(model, "get_input_embeddings"):
+        return {}
+    with map_upstream_errors("embedding a prompt"):
+        out = model.get_input_embeddings(mx.array([prompt_ids]), None)
+    kwargs = {k: v for k, v in out.to_dict().items() if v is not None}
+    if "position_ids" not in kwargs and _needs_positions(model):
+        n = len(prompt_ids)
+        kwargs["position_ids"] = mx.arange(n)[None]
+        kwargs["rope_deltas"] = mx.zeros((1, 1))
+    return kwargs
+
+
+def image_prompt_inputs(model: Any, processor: Any, prompt: str, images: list[Any]) -> tuple[list[int], dict[str, Any]]:
+    """Tokenise a prompt with its images and return (prompt ids, row kwargs with embeddings)."""
+    from mlx_vlm.utils import prepare_inputs
+
+    config = getattr(model, "config", None)
+    image_token_index = getattr(config, "image_token_index", None) or getattr(config, "image_token_id", None)
+    with map_upstream_errors("preparing image inputs"):
+        inputs = prepare_inputs(processor, images=images, prompts=[prompt], image_token_index=image_token_index)
+        input_ids = inputs["input_ids"]
+        extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+        out = model.get_input_embeddings(input_ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra)
+    kwargs = {k: v for k, v in out.to_dict().items() if v is not None}
+    for key in ("image_grid_thw",):
+        if key in extra and key not in kwargs:
+            kwargs[key] = extra[key]
+    return [int(t) for t in input_ids[0].tolist()], kwargs
+
+
+def _needs_positions(model: Any) -> bool:
+    model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
+    return model_type.startswith("qwen3_5")

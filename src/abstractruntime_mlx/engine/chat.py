@@ -1,0 +1,90 @@
+"""Rendering every prompt through the model's own chat template (one path for every lane)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..errors import InvalidRequest
+
+# Reasoning levels map onto the template's thinking switch; the level itself is passed as
+# ``reasoning_effort`` for templates that read it.
+THINKING_LEVELS = ("low", "medium", "high")
+
+
+def build_messages(
+    *,
+    prompt: str | None,
+    messages: list[dict[str, Any]] | None,
+    system_prompt: str | None,
+    num_images: int = 0,
+) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if system_prompt:
+        out.append({"role": "system", "content": system_prompt})
+    for message in messages or []:
+        if not isinstance(message, dict) or "role" not in message:
+            raise InvalidRequest("each message must be an object with a 'role'")
+        if message["role"] == "system" and system_prompt:
+            continue  # the explicit system prompt replaces a system turn in history
+        out.append(_normalise_message(message))
+    if prompt:
+        out.append({"role": "user", "content": prompt})
+    if num_images:
+        _attach_images(out, num_images)
+    if not out:
+        raise InvalidRequest("nothing to generate from: give a prompt or messages")
+    return out
+
+
+def render_prompt(
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    thinking: bool | str | None = None,
+) -> str:
+    kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
+    if tools:
+        kwargs["tools"] = tools
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking is not False
+        if isinstance(thinking, str):
+            kwargs["reasoning_effort"] = thinking
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequest("this model has no chat template; it cannot render chat messages")
+    try:
+        return tokenizer.apply_chat_template(conversation, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - jinja raises many kinds
+        raise InvalidRequest(f"the model's chat template rejected the conversation: {exc}") from exc
+
+
+def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:
+    msg = dict(message)
+    calls = msg.get("tool_calls")
+    if calls:
+        normalised = []
+        for call in calls:
+            fn = dict(call.get("function", call))
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                try:
+                    fn["arguments"] = json.loads(args)
+                except json.JSONDecodeError:
+                    pass
+            normalised.append({"type": "function", "function": fn, **({"id": call["id"]} if "id" in call else {})})
+        msg["tool_calls"] = normalised
+    if msg.get("content") is None:
+        msg["content"] = ""
+    return msg
+
+
+def _attach_images(conversation: list[dict[str, Any]], num_images: int) -> None:
+    for message in reversed(conversation):
+        if message["role"] == "user":
+            content = message["content"]
+            parts = list(content) if isinstance(content, list) else [{"type": "text", "text": content}]
+            parts = [{"type": "image"} for _ in range(num_images)] + [p for p in parts if p.get("type") != "image"]
+            message["content"] = parts
+            return
+    raise InvalidRequest("images need a user message to attach to")

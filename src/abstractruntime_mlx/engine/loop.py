@@ -1,0 +1,605 @@
+"""The engine: one worker thread owns every MLX call for one resident model.
+
+Callers ``submit`` requests and read them back through a ``RequestStream``. The worker
+admits (see ``scheduler``), steps the current group's batch generator, detokenises, applies
+stop strings, and hands tokens to each request's bounded output queue. Cancels and
+controls are applied between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from ..errors import (
+    EngineCrashed,
+    MLXRuntimeError,
+    QueueFull,
+    QueueTimeout,
+    RequestCancelled,
+    RuntimeClosed,
+    StreamBackpressure,
+)
+from .backend import PREFILL_STEP_SIZE, BatchBackend, Drafter, StepResult, text_prompt_kwargs
+from .model import LoadedModel
+from .request import (
+    EngineRequest,
+    ExecutionMode,
+    Outcome,
+    PrefillObservation,
+    RequestStatus,
+    TokenDelta,
+)
+from .threads import POOL, WorkerHandle
+from .scheduler import GroupKey, count_compatible_head, group_key, take_compatible
+from .stops import StopMatcher
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_IDLE_WAIT_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_batch_size: int = 4
+    max_queue_size: int = 32
+    batch_wait_ms: float = 10.0
+    queue_timeout_s: float = 120.0
+    output_queue_size: int = 256
+    prefill_step_size: int = PREFILL_STEP_SIZE
+
+
+@dataclass(slots=True)
+class _Running:
+    request: EngineRequest
+    detokenizer: Any
+    stops: StopMatcher
+
+
+@dataclass(slots=True)
+class _Group:
+    key: GroupKey
+    backend: BatchBackend
+    running: dict[int, _Running] = field(default_factory=dict)
+    tombstones: set[int] = field(default_factory=set)
+
+    @property
+    def mode(self) -> str:
+        return self.key.mode
+
+
+@dataclass(slots=True)
+class _Control:
+    fn: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    submitted: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    rejected: int = 0
+    peak_batch_size: int = 0
+
+
+_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_engines() -> None:
+    for engine in list(_LIVE_ENGINES):
+        engine.stop(timeout_s=2.0)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.loaded = loaded
+        self.config = config or EngineConfig()
+        self._cond = threading.Condition()
+        self._waiting: deque[EngineRequest] = deque()
+        self._controls: deque[_Control] = deque()
+        self._group: _Group | None = None
+        self._live: dict[str, EngineRequest] = {}
+        self._stopping = False
+        self._closed = False
+        self._fatal: BaseException | None = None
+        self._stream: Any = None
+        self.stats = EngineStats()
+        self._thread: WorkerHandle | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread = POOL.run(self._run, name=f"abstractruntime-mlx:{self.loaded.path.name}")
+        _LIVE_ENGINES.add(self)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._fatal is None
+
+    @property
+    def active_count(self) -> int:
+        with self._cond:
+            return len(self._live)
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Stop the worker: waiting requests are cancelled, running ones finish as cancelled."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None and thread.is_alive() and not thread.is_current():
+            thread.join(timeout_s)
+        stopped = thread is None or not thread.is_alive()
+        if stopped:
+            self._closed = True
+            _LIVE_ENGINES.discard(self)
+        return stopped
+
+    # --- caller side ------------------------------------------------------------------
+    def submit(self, request: EngineRequest) -> "RequestStream":
+        with self._cond:
+            if self._stopping or self._closed or self._fatal is not None:
+                raise RuntimeClosed("the MLX engine is closed; load the model again")
+            if len(self._waiting) >= self.config.max_queue_size:
+                self.stats.rejected += 1
+                raise QueueFull(
+                    f"the waiting queue is full ({self.config.max_queue_size} requests); "
+                    "retry after active requests finish or raise mlx_max_queue_size"
+                )
+            request.submitted_at = time.perf_counter()
+            self._waiting.append(request)
+            self._live[request.request_id] = request
+            self.stats.submitted += 1
+            self._cond.notify_all()
+        return RequestStream(self, request)
+
+    def cancel(self, request: EngineRequest) -> None:
+        request.cancel_event.set()
+        with self._cond:
+            self._cond.notify_all()
+
+    def control(self, fn: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+        """Run ``fn`` on the worker thread between steps and return its result."""
+        if self._thread is not None and self._thread.is_current():
+            return fn()
+        item = _Control(fn)
+        with self._cond:
+            if self._closed or self._fatal is not None:
+                raise RuntimeClosed("the MLX engine is closed")
+            self._controls.append(item)
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout_s
+        while not item.done.wait(_POLL_S):
+            if not self._worker_alive():
+                raise EngineCrashed("the MLX worker stopped before running a control")
+            if time.monotonic() > deadline:
+                raise QueueTimeout("a control did not run on the MLX worker in time")
+        if item.error is not None:
+            raise item.error
+        return item.result
+
+    def _worker_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cond:
+            return {
+                "submitted": self.stats.submitted,
+                "completed": self.stats.completed,
+                "cancelled": self.stats.cancelled,
+                "failed": self.stats.failed,
+                "rejected": self.stats.rejected,
+                "peak_batch_size": self.stats.peak_batch_size,
+                "queued": len(self._waiting),
+                "active": len(self._live) - len(self._waiting),
+                "closed": self._closed,
+                "max_batch_size": self.config.max_batch_size,
+                "max_queue_size": self.config.max_queue_size,
+            }
+
+    # --- worker -------------------------------------------------------------------------
+    def _run(self) -> None:
+        import mlx.core as mx
+
+        # The worker's own stream: upstream's thread-local generation stream, used from a
+        # worker thread, aborts the interpreter at exit ("terminate called without an
+        # active exception").
+        self._stream = mx.new_stream(mx.default_device())
+        try:
+            with mx.stream(self._stream):
+                self._loop()
+        finally:
+            mx.synchronize(self._stream)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                if not self._wait_for_work():
+                    break
+                self._run_controls()
+                self._apply_cancels()
+                self._expire_waiting()
+                if self._group is None:
+                    self._start_group()
+                elif self._group.mode == ExecutionMode.CONTINUOUS:
+                    self._admit_late()
+                if self._group is not None:
+                    self._step_group()
+        except BaseException as exc:  # noqa: BLE001 - a crash must fail every live request
+            log.exception("MLX worker crashed")
+            self._fatal = exc
+            self._fail_all(EngineCrashed(f"the MLX worker crashed: {type(exc).__name__}: {exc}"))
+        finally:
+            if self._group is not None:
+                self._group.backend.close()
+                self._group = None
+            self._closed = True
+
+    def _wait_for_work(self) -> bool:
+        with self._cond:
+            while True:
+                if self._stopping:
+                    self._drain_for_stop()
+                    return False
+                if self._group is not None or self._waiting or self._controls:
+                    return True
+                self._cond.wait(_IDLE_WAIT_S)
+
+    def _drain_for_stop(self) -> None:
+        error = RuntimeClosed("the MLX engine was closed before the request completed")
+        for request in list(self._live.values()):
+            self._finish(request, RequestStatus.FINISHED_CANCELLED, error=error, locked=True)
+        self._waiting.clear()
+        while self._controls:
+            item = self._controls.popleft()
+            item.error = RuntimeClosed("the MLX engine closed before running the control")
+            item.done.set()
+
+    def _run_controls(self) -> None:
+        while True:
+            with self._cond:
+                if not self._controls:
+                    return
+                item = self._controls.popleft()
+            try:
+                item.result = item.fn()
+            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+                item.error = exc
+            item.done.set()
+
+    def _apply_cancels(self) -> None:
+        with self._cond:
+            cancelled = [r for r in self._waiting if r.cancelled]
+            for request in cancelled:
+                self._waiting.remove(request)
+        for request in cancelled:
+            self._finish(request, RequestStatus.FINISHED_CANCELLED)
+        group = self._group
+        if group is None:
+            return
+        for uid, running in list(group.running.items()):
+            if running.request.cancelled:
+                self._drop_row(group, uid)
+                self._finish(running.request, RequestStatus.FINISHED_CANCELLED)
+        self._retry_tombstones(group)
+        self._close_group_if_idle()
+
+    def _drop_row(self, group: _Group, uid: int) -> None:
+        group.running.pop(uid, None)
+        if not group.backend.remove(uid):
+            # Mid multi-row prefill upstream cannot drop a row; its tokens are never
+            # delivered and the row is retried at the next boundary.
+            group.tombstones.add(uid)
+
+    def _retry_tombstones(self, group: _Group) -> None:
+        for uid in list(group.tombstones):
+            if group.backend.remove(uid):
+                group.tombstones.discard(uid)
+
+    def _expire_waiting(self) -> None:
+        now = time.perf_counter()
+        limit = self.config.queue_timeout_s
+        with self._cond:
+            expired = [r for r in self._waiting if now - r.submitted_at > limit]
+            for request in expired:
+                self._waiting.remove(request)
+        for request in expired:
+            error = QueueTimeout(
+                f"the request waited {limit:g}s without being admitted; retry later or raise mlx_queue_timeout_s"
+            )
+            self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
+
+    def _start_group(self) -> None:
+        with self._cond:
+            if not self._waiting:
+                return
+            key = group_key(self._waiting[0])
+        if key.mode == ExecutionMode.EXCLUSIVE:
+            limit = 1
+        else:
+            limit = self.config.max_batch_size
+            self._collect_window(key, limit)
+        with self._cond:
+            requests = take_compatible(self._waiting, key, limit) if key.mode != ExecutionMode.EXCLUSIVE else [self._waiting.popleft()]
+        head = requests[0]
+        drafter = Drafter(self.loaded.drafter) if key.draft_tokens and self.loaded.drafter is not None else None
+        backend = BatchBackend(
+            self.loaded.model,
+            self.loaded.processor,
+            max_batch_size=limit,
+            sampling=head.sampling if key.mode == ExecutionMode.EXCLUSIVE else None,
+            drafter=drafter,
+            draft_tokens=key.draft_tokens if drafter is not None else 0,
+            prefill_step_size=self.config.prefill_step_size,
+            stream=self._stream,
+        )
+        self._group = _Group(key=key, backend=backend)
+        for request in requests:
+            self._admit(request)
+
+    def _collect_window(self, key: GroupKey, limit: int) -> None:
+        """Wait up to ``batch_wait_ms`` for compatible requests to arrive before starting."""
+        deadline = time.perf_counter() + self.config.batch_wait_ms / 1000.0
+        with self._cond:
+            while count_compatible_head(self._waiting, key) < limit and not self._stopping:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+
+    def _admit_late(self) -> None:
+        group = self._group
+        assert group is not None
+        free = group.backend.free_slots() - len(group.tombstones)
+        if free <= 0:
+            return
+        with self._cond:
+            requests = take_compatible(self._waiting, group.key, free)
+        for request in requests:
+            self._admit(request)
+
+    def _admit(self, request: EngineRequest) -> None:
+        group = self._group
+        assert group is not None
+        try:
+            factory = request.prompt_kwargs_factory
+            kwargs = factory() if factory is not None else text_prompt_kwargs(self.loaded.model, request.prompt_ids)
+            uid = group.backend.insert(request.prompt_ids, request.max_tokens, kwargs)
+        except MLXRuntimeError as exc:
+            self._finish(request, RequestStatus.FINISHED_ERROR, error=exc)
+            return
+        request.uid = uid
+        request.mode = group.mode
+        request.started_at = time.perf_counter()
+        request.transition(RequestStatus.PREFILLING)
+        group.running[uid] = _Running(request, self.loaded.new_detokenizer(), StopMatcher(request.stop))
+        if request.observe_prefill:
+            self._deliver(request, PrefillObservation(processed=0, total=request.num_prompt_tokens), droppable=True)
+
+    def _step_group(self) -> None:
+        group = self._group
+        assert group is not None
+        if group.mode == ExecutionMode.CONTINUOUS:
+            group.backend.allow_partial_prefill()
+        observe = any(r.request.observe_prefill for r in group.running.values())
+        result = group.backend.step(observe_prefill=observe)
+        self._record_batch(group, result)
+        for uid, row in result.prefill.items():
+            running = group.running.get(uid)
+            if running is not None and running.request.observe_prefill and running.request.first_token_at is None:
+                obs = PrefillObservation(processed=row.processed, total=row.total, cached=row.cached)
+                self._deliver(running.request, obs, droppable=True)
+        for uid, cached in result.prompt_done.items():
+            running = group.running.get(uid)
+            if running is not None:
+                running.request.cached_tokens = cached
+        for event in result.tokens:
+            if event.uid in group.tombstones:
+                if event.finish_reason is not None:
+                    group.tombstones.discard(event.uid)
+                    group.backend.forget(event.uid)
+                continue
+            running = group.running.get(event.uid)
+            if running is None:
+                continue
+            self._on_token(group, running, event.token, event.finish_reason)
+        self._close_group_if_idle()
+
+    def _record_batch(self, group: _Group, result: StepResult) -> None:
+        size = len(result.batch_uids - group.tombstones)
+        if size > self.stats.peak_batch_size:
+            self.stats.peak_batch_size = size
+        for uid in result.batch_uids:
+            running = group.running.get(uid)
+            if running is not None and size > running.request.peak_batch_size:
+                running.request.peak_batch_size = size
+
+    def _on_token(self, group: _Group, running: _Running, token: int, finish_reason: str | None) -> None:
+        request = running.request
+        if request.status == RequestStatus.PREFILLING:
+            request.transition(RequestStatus.DECODING)
+        is_eos = token in self.loaded.eos_token_ids
+        if not (is_eos and finish_reason == "stop"):
+            request.append_tokens([token])
+            running.detokenizer.add_token(token)
+            text, stopped = running.stops.feed(running.detokenizer.last_segment)
+            if text:
+                if not self._deliver(request, TokenDelta(text, [token])):
+                    return
+            if stopped:
+                self._drop_row(group, request.uid)  # type: ignore[arg-type]
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                return
+        elif request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+        if finish_reason is not None:
+            group.running.pop(request.uid, None)  # type: ignore[arg-type]
+            group.backend.forget(request.uid)  # type: ignore[arg-type]
+            running.detokenizer.finalize()
+            tail = running.stops.flush(running.detokenizer.last_segment)
+            if tail:
+                self._deliver(request, TokenDelta(tail, []))
+            status = RequestStatus.FINISHED_LENGTH if finish_reason == "length" else RequestStatus.FINISHED_STOPPED
+            self._finish(request, status)
+
+    def _deliver(self, request: EngineRequest, item: Any, *, droppable: bool = False) -> bool:
+        if request.is_finished() or request.cancelled:
+            return False
+        q = request.outputs
+        if droppable and q.qsize() * 2 >= q.maxsize:
+            return True  # prefill observations yield to tokens when the consumer lags
+        try:
+            q.put_nowait(item)
+        except queue.Full:
+            if droppable:
+                return True
+            error = StreamBackpressure(
+                f"the stream consumer is too slow: {q.maxsize} undelivered outputs; "
+                "read the stream faster or raise mlx_output_queue_size"
+            )
+            group = self._group
+            if group is not None and request.uid in group.running:
+                self._drop_row(group, request.uid)  # type: ignore[arg-type]
+            self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
+            return False
+        request.notify()
+        return True
+
+    def _close_group_if_idle(self) -> None:
+        group = self._group
+        if group is not None and not group.running:
+            group.backend.close()
+            self._group = None
+
+    def _finish(self, request: EngineRequest, status: RequestStatus, *, error: MLXRuntimeError | None = None, locked: bool = False) -> None:
+        if request.is_finished():
+            return
+        if status == RequestStatus.FINISHED_CANCELLED and error is None:
+            error = RequestCancelled("the request was cancelled")
+        request.transition(status)
+        request.finished_at = time.perf_counter()
+        request.outcome = Outcome(
+            finish_reason=request.finish_reason() or "error",
+            prompt_tokens=request.num_prompt_tokens,
+            completion_tokens=request.num_output_tokens,
+            cached_tokens=request.cached_tokens,
+            execution=request.execution_metadata(),
+            speculation=request.speculation,
+            error=error,
+        )
+        if locked:
+            self._account(request, status)
+        else:
+            with self._cond:
+                self._account(request, status)
+        request.done.set()
+        request.notify()
+
+    def _account(self, request: EngineRequest, status: RequestStatus) -> None:
+        self._live.pop(request.request_id, None)
+        if status == RequestStatus.FINISHED_CANCELLED:
+            self.stats.cancelled += 1
+        elif status == RequestStatus.FINISHED_ERROR:
+            self.stats.failed += 1
+        else:
+            self.stats.completed += 1
+
+    def _fail_all(self, error: MLXRuntimeError) -> None:
+        with self._cond:
+            live = list(self._live.values())
+            self._waiting.clear()
+            controls = list(self._controls)
+            self._controls.clear()
+        for request in live:
+            if not request.is_finished():
+                request.status = RequestStatus.FINISHED_ERROR
+                request.outcome = Outcome("error", request.num_prompt_tokens, request.num_output_tokens, request.cached_tokens, request.execution_metadata(), request.speculation, error)
+                request.done.set()
+                request.notify()
+        for item in controls:
+            item.error = error
+            item.done.set()
+
+
+class RequestStream:
+    """Iterate a request's outputs (``TokenDelta`` / ``PrefillObservation``) on the caller's thread.
+
+    ``outcome`` is set once iteration ends. Closing the stream cancels the request.
+    """
+
+    def __init__(self, engine: Engine, request: EngineRequest) -> None:
+        self.engine = engine
+        self.request = request
+        self.outcome: Outcome | None = None
+
+    def __iter__(self) -> Iterator[TokenDelta | PrefillObservation]:
+        request = self.request
+        try:
+            while True:
+                try:
+                    item = request.outputs.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if request.done.is_set() and request.outputs.empty():
+                        break
+                    if not self.engine._worker_alive() and not request.done.is_set():
+                        raise EngineCrashed("the MLX worker stopped while the request was live")
+                    continue
+                yield item
+            self._finish()
+        finally:
+            if not request.done.is_set():
+                self.engine.cancel(request)
+
+    def _finish(self) -> None:
+        outcome = self.request.outcome
+        assert outcome is not None
+        self.outcome = outcome
+        if outcome.error is not None:
+            raise outcome.error
+
+    def close(self) -> None:
+        if not self.request.done.is_set():
+            self.engine.cancel(self.request)
+
+    async def aiter(self):
+        """Async twin of ``__iter__``: wakes on the worker's notification, never blocks the loop."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        request = self.request
+        request.waker = lambda: loop.call_soon_threadsafe(wake.set)
+        try:
+            while True:
+                try:
+                    item = request.outputs.get_nowait()
+                except queue.Empty:
+                    if request.done.is_set() and request.outputs.empty():
+                        break
+                    if not self.engine._worker_alive() and not request.done.is_set():
+                        raise EngineCrashed("the MLX worker stopped while the request was live")
+                    wake.clear()
+                    if request.outputs.empty() and not request.done.is_set():
+                        try:
+                            await asyncio.wait_for(wake.wait(), timeout=_IDLE_WAIT_S)
+                        except asyncio.TimeoutError:
+                            pass
+                    continue
+                yield item
+            self._finish()
+        finally:
+            request.waker = None
+            if not request.done.is_set():
+                self.engine.cancel(request)

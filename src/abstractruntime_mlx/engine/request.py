@@ -1,0 +1,203 @@
+"""The request lifecycle: one object per request, a status that only moves forward."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Callable
+
+from ..errors import MLXRuntimeError
+
+
+class RequestStatus(IntEnum):
+    WAITING = 0
+    PREFILLING = 1
+    DECODING = 2
+    # Finished states sort last, so ``is_finished`` is one comparison.
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_CANCELLED = 12
+    FINISHED_ERROR = 13
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_CANCELLED: "cancelled",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+_ALLOWED = {
+    RequestStatus.WAITING: {RequestStatus.PREFILLING, RequestStatus.FINISHED_CANCELLED, RequestStatus.FINISHED_ERROR},
+    RequestStatus.PREFILLING: {
+        RequestStatus.DECODING,
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_CANCELLED,
+        RequestStatus.FINISHED_ERROR,
+    },
+    RequestStatus.DECODING: {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_CANCELLED,
+        RequestStatus.FINISHED_ERROR,
+    },
+}
+
+
+class ExecutionMode:
+    CONTINUOUS = "continuous"
+    COHORT = "cohort"
+    EXCLUSIVE = "exclusive"
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling controls as the engine sees them (validated at the provider boundary)."""
+
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+
+    def is_greedy_neutral(self) -> bool:
+        return (
+            self.temperature == 0
+            and self.min_p in (None, 0)
+            and self.repetition_penalty in (None, 1)
+            and self.presence_penalty in (None, 0)
+            and self.frequency_penalty in (None, 0)
+            and not self.logit_bias
+        )
+
+    def has_logit_processors(self) -> bool:
+        return (
+            self.repetition_penalty not in (None, 1)
+            or self.presence_penalty not in (None, 0)
+            or self.frequency_penalty not in (None, 0)
+            or bool(self.logit_bias)
+        )
+
+
+# Messages from the worker to the consumer of one request. Terminal outcomes are not
+# queued: they are stored on the request, so a full output queue can never lose them.
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class PrefillObservation:
+    """A real per-chunk observation: ``processed`` prompt tokens are in the KV cache."""
+
+    processed: int
+    total: int
+    cached: int | None = None
+
+
+@dataclass(slots=True)
+class Outcome:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None
+    execution: dict[str, Any]
+    speculation: dict[str, Any] | None
+    error: MLXRuntimeError | None = None
+
+
+@dataclass(slots=True, eq=False)
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()
+    draft_tokens: int = 0
+    prompt_kwargs_factory: Callable[[], dict[str, Any]] | None = None
+    cache_group: Any = None
+    output_queue_size: int = 256
+    observe_prefill: bool = False
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+
+    status: RequestStatus = RequestStatus.WAITING
+    mode: str | None = None
+    uid: int | None = None
+    submitted_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    peak_batch_size: int = 0
+    cached_tokens: int | None = None
+    speculation: dict[str, Any] | None = None
+    outputs: queue.Queue = field(init=False)
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: Outcome | None = None
+    waker: Callable[[], None] | None = None
+    _token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.outputs = queue.Queue(maxsize=self.output_queue_size)
+
+    # lifecycle ------------------------------------------------------------------------
+    def transition(self, new: RequestStatus) -> None:
+        if new == self.status:
+            return
+        if new not in _ALLOWED.get(self.status, set()):
+            raise RuntimeError(f"request {self.request_id}: illegal transition {self.status.name} -> {new.name}")
+        self.status = new
+
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self.status)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self._token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def append_tokens(self, token_ids: list[int]) -> None:
+        if token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self._token_ids.extend(token_ids)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set()
+
+    def execution_metadata(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.mode is not None:
+            out["mode"] = self.mode
+        if self.peak_batch_size:
+            out["peak_batch_size"] = self.peak_batch_size
+        if self.started_at is not None:
+            out["queue_s"] = round(self.started_at - self.submitted_at, 6)
+        if self.first_token_at is not None:
+            out["ttft_s"] = round(self.first_token_at - self.submitted_at, 6)
+        return out
+
+    def notify(self) -> None:
+        waker = self.waker
+        if waker is not None:
+            waker()

@@ -1,0 +1,64 @@
+"""Admission decisions: which waiting requests start, join, or wait. Plain logic, no MLX.
+
+Policy (the fairness rule):
+- Requests are considered in arrival order. The head of the waiting queue decides what the
+  next group is: continuous (greedy, no speculation), cohort (greedy MTP of one depth) or
+  exclusive (anything sampled or otherwise incompatible, alone with its own controls).
+- A running continuous group admits later compatible requests into free slots, but only
+  while the head of the queue is compatible: an incompatible request at the head is a
+  barrier, so the group drains and that request runs next. A stream of batchable
+  requests therefore cannot starve a sampled one; it waits at most one group's lifetime.
+- Cohorts never admit late joiners (upstream cannot extend a speculative batch).
+- Requests with different prefix-cache groups never share a group.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+from .request import EngineRequest, ExecutionMode
+
+
+@dataclass(frozen=True, slots=True)
+class GroupKey:
+    mode: str
+    draft_tokens: int
+    cache_group: Hashable
+
+    def admits(self, request: EngineRequest) -> bool:
+        return self.mode != ExecutionMode.EXCLUSIVE and group_key(request) == self
+
+
+def group_key(request: EngineRequest) -> GroupKey:
+    cache_group = request.cache_group
+    if not request.sampling.is_greedy_neutral():
+        return GroupKey(ExecutionMode.EXCLUSIVE, request.draft_tokens, (cache_group, request.request_id))
+    if request.draft_tokens > 0:
+        return GroupKey(ExecutionMode.COHORT, request.draft_tokens, cache_group)
+    return GroupKey(ExecutionMode.CONTINUOUS, 0, cache_group)
+
+
+def take_compatible(waiting: deque[EngineRequest], key: GroupKey, limit: int) -> list[EngineRequest]:
+    """Pop up to ``limit`` requests from the head of ``waiting`` that ``key`` admits.
+
+    Stops at the first request it does not admit (the fairness barrier).
+    """
+    taken: list[EngineRequest] = []
+    while waiting and len(taken) < limit and key.admits(waiting[0]):
+        taken.append(waiting.popleft())
+    return taken
+
+
+def count_compatible_head(waiting: deque[EngineRequest], key: GroupKey) -> int:
+    n = 0
+    for request in waiting:
+        if not key.admits(request):
+            break
+        n += 1
+    return n
+
+
+def describe(waiting: deque[Any]) -> list[str]:
+    return [getattr(r, "request_id", "?") for r in waiting]

@@ -1,0 +1,59 @@
+"""The durable ledger: runs, step records and ``abstract.progress`` rows behind one SQLAlchemy URL.
+
+    ledger = Ledger("sqlite:///~/.abstractruntime-mlx/ledger.db")   # or postgresql+psycopg://...
+    writer = ledger.progress_writer()
+    key = NodeKey(run_id, node_id, workflow_id=..., step_id=..., attempt=1)
+    writer.put({"kind": "llm", "phase": "prefill", "prompt_tokens": 812}, key)   # non-blocking
+    writer.flush(key)            # every event of that node so far is committed
+    ledger.node_timeline(run_id) # -> [ProgressRow, ...]
+    ledger.close()
+
+Imports neither AbstractRuntime, MLX nor HTTP; ``runtime_plugin`` adapts it to AbstractRuntime's
+``RunStore`` / ``LedgerStore``. See ``docs/ledger.md``.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    DuplicateEvent,
+    LedgerError,
+    LedgerSchemaError,
+    LedgerTimeout,
+    LedgerWriteFailed,
+    wrap_db_errors,
+)
+from .models import SCHEMA_VERSION
+from .queries import ProgressRow, RunDetail, RunSummary, StepRow
+from .store import (
+    DEFAULT_BUSY_TIMEOUT_MS,
+    Ledger,
+    NodeKey,
+    ProgressEvent,
+    open_ledger,
+    progress_idempotency_key,
+    sqlite_url,
+)
+from .writer import ProgressWriter, WriterState
+
+__all__ = [
+    "DEFAULT_BUSY_TIMEOUT_MS",
+    "SCHEMA_VERSION",
+    "DuplicateEvent",
+    "Ledger",
+    "LedgerError",
+    "LedgerSchemaError",
+    "LedgerTimeout",
+    "LedgerWriteFailed",
+    "NodeKey",
+    "ProgressEvent",
+    "ProgressRow",
+    "ProgressWriter",
+    "RunDetail",
+    "RunSummary",
+    "StepRow",
+    "WriterState",
+    "open_ledger",
+    "progress_idempotency_key",
+    "sqlite_url",
+    "wrap_db_errors",
+]

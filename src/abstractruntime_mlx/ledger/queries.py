@@ -1,0 +1,208 @@
+"""Read-side queries for inspection and replay. Each takes an open ``Session`` and returns plain
+frozen dataclasses, never ORM rows (``Ledger`` wraps them in a read transaction)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import distinct, func, select
+from sqlalchemy.orm import Session
+
+from .models import Progress, Run, Step
+
+__all__ = [
+    "ProgressRow",
+    "RunDetail",
+    "RunSummary",
+    "StepRow",
+    "get_run",
+    "list_runs",
+    "node_timeline",
+    "run_steps",
+    "step_record",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """One line of ``runs``.
+
+    ``duration_s`` is ``updated_at - created_at`` (up to the last checkpoint); ``node_count``
+    counts distinct node ids among the run's step records; ``progress_count`` its progress rows.
+    """
+
+    run_id: str
+    workflow_id: str
+    status: str
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    duration_s: float
+    node_count: int
+    progress_count: int
+    parent_run_id: str | None
+    wait_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunDetail(RunSummary):
+    """A run summary plus its provenance, its step count and the saved run-state dict."""
+
+    session_id: str | None
+    actor_id: str | None
+    step_count: int
+    state: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """One step record. ``record`` is the record exactly as appended."""
+
+    seq: int
+    step_id: str
+    node_id: str
+    status: str
+    attempt: int
+    idempotency_key: str | None
+    effect_type: str | None
+    started_at: dt.datetime | None
+    ended_at: dt.datetime | None
+    duration_s: float | None
+    error: str | None
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressRow:
+    """One ``abstract.progress`` row; a key the event did not carry is None. ``event`` is the whole event."""
+
+    seq: int
+    run_id: str
+    workflow_id: str | None
+    node_id: str
+    step_id: str | None
+    attempt: int | None
+    idempotency_key: str
+    kind: str | None
+    phase: str | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    fed_tokens: int | None
+    generated_tokens: int | None
+    prefill_processed_tokens: int | None
+    ttft_s: float | None
+    tokens_per_second: float | None
+    prefill_tokens_per_second: float | None
+    elapsed_s: float | None
+    event_index: int | None
+    final: bool | None
+    finish_reason: str | None
+    created_at: dt.datetime
+    event: dict[str, Any]
+
+
+def step_record(row: Step) -> dict[str, Any]:
+    """The step record as appended: ``other_fields`` plus ``effect`` and ``result``."""
+    record = dict(row.other_fields)
+    record["effect"] = row.effect
+    record["result"] = row.result
+    return record
+
+
+def _seconds(start: dt.datetime | None, end: dt.datetime | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return (end - start).total_seconds()
+
+
+def _counts(session: Session, column: Any, run_column: Any, run_ids: Sequence[str]) -> dict[str, int]:
+    if not run_ids:
+        return {}
+    stmt = select(run_column, column).where(run_column.in_(run_ids)).group_by(run_column)
+    return {run_id: int(count) for run_id, count in session.execute(stmt)}
+
+
+def _summary_fields(run: Run, node_counts: dict[str, int], progress_counts: dict[str, int]) -> dict[str, Any]:
+    return {
+        "run_id": run.run_id,
+        "workflow_id": run.workflow_id,
+        "status": run.status,
+        "created_at": run.created_at,
+        "updated_at": run.updated_at,
+        "duration_s": (run.updated_at - run.created_at).total_seconds(),
+        "node_count": node_counts.get(run.run_id, 0),
+        "progress_count": progress_counts.get(run.run_id, 0),
+        "parent_run_id": run.parent_run_id,
+        "wait_reason": run.wait_reason,
+    }
+
+
+def list_runs(session: Session, *, limit: int = 50, status: str | None = None) -> list[RunSummary]:
+    """The ``limit`` most recently updated runs (optionally of one ``status``)."""
+    stmt = select(Run).order_by(Run.updated_at.desc(), Run.run_id).limit(max(0, int(limit)))
+    if status is not None:
+        stmt = stmt.where(Run.status == str(getattr(status, "value", status)))
+    runs = list(session.scalars(stmt))
+    run_ids = [run.run_id for run in runs]
+    node_counts = _counts(session, func.count(distinct(Step.node_id)), Step.run_id, run_ids)
+    progress_counts = _counts(session, func.count(Progress.id), Progress.run_id, run_ids)
+    return [RunSummary(**_summary_fields(run, node_counts, progress_counts)) for run in runs]
+
+
+def get_run(session: Session, run_id: str) -> RunDetail | None:
+    run = session.get(Run, run_id)
+    if run is None:
+        return None
+    node_counts = _counts(session, func.count(distinct(Step.node_id)), Step.run_id, [run_id])
+    progress_counts = _counts(session, func.count(Progress.id), Progress.run_id, [run_id])
+    step_counts = _counts(session, func.count(Step.id), Step.run_id, [run_id])
+    return RunDetail(
+        **_summary_fields(run, node_counts, progress_counts),
+        session_id=run.session_id,
+        actor_id=run.actor_id,
+        step_count=step_counts.get(run_id, 0),
+        state=dict(run.run_json),
+    )
+
+
+def run_steps(session: Session, run_id: str) -> list[StepRow]:
+    """The run's step records in append order."""
+    out: list[StepRow] = []
+    for row in session.scalars(select(Step).where(Step.run_id == run_id).order_by(Step.seq)):
+        effect = row.effect
+        effect_type = effect.get("type") if isinstance(effect, dict) else None
+        record = step_record(row)
+        out.append(
+            StepRow(
+                seq=row.seq,
+                step_id=row.step_id,
+                node_id=row.node_id,
+                status=row.status,
+                attempt=row.attempt,
+                idempotency_key=row.idempotency_key,
+                effect_type=effect_type if isinstance(effect_type, str) else None,
+                started_at=row.started_at,
+                ended_at=row.ended_at,
+                duration_s=_seconds(row.started_at, row.ended_at),
+                error=row.error,
+                record=record,
+            )
+        )
+    return out
+
+
+_PROGRESS_FIELDS = tuple(name for name in ProgressRow.__dataclass_fields__ if name != "event")
+
+
+def node_timeline(session: Session, run_id: str, node_id: str | None = None) -> list[ProgressRow]:
+    """The run's progress rows (of one node, if given) ordered by ``seq``."""
+    stmt = select(Progress).where(Progress.run_id == run_id)
+    if node_id is not None:
+        stmt = stmt.where(Progress.node_id == node_id)
+    stmt = stmt.order_by(Progress.seq)
+    return [
+        ProgressRow(**{name: getattr(row, name) for name in _PROGRESS_FIELDS}, event=dict(row.event))
+        for row in session.scalars(stmt)
+    ]

@@ -1,0 +1,708 @@
+"""``Ledger``: one database URL, one engine, short units of work.
+
+The store speaks plain dicts (the shapes AbstractRuntime serialises ``RunState`` and
+``StepRecord`` to) and never imports AbstractRuntime; ``runtime_plugin`` adapts it to
+``RunStore`` / ``LedgerStore``.
+
+Concurrency: every write is one transaction. On SQLite a write transaction starts with
+``BEGIN IMMEDIATE`` (it holds the database write lock from its first statement, so the
+read-then-write inside it is atomic, and ``busy_timeout`` absorbs contention); reads use a
+plain deferred ``BEGIN``. On PostgreSQL the per-run sequence head is locked with
+``SELECT ... FOR UPDATE`` before it is read, so two writers of one run serialise there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import functools
+import json
+import os
+import threading
+import uuid
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from sqlalchemy import Engine, create_engine, event, inspect, insert, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from . import queries
+from .errors import LedgerError, LedgerSchemaError, wrap_db_errors
+from .models import (
+    LEDGER_TABLES,
+    PROGRESS_FLOAT_KEYS,
+    PROGRESS_INT_KEYS,
+    PROGRESS_STR_KEYS,
+    SCHEMA_VERSION,
+    Base,
+    LedgerMeta,
+    Progress,
+    Run,
+    SeqHead,
+    Step,
+)
+
+if TYPE_CHECKING:
+    from .writer import ProgressWriter
+
+__all__ = [
+    "DEFAULT_BUSY_TIMEOUT_MS",
+    "Ledger",
+    "NodeKey",
+    "ProgressEvent",
+    "open_ledger",
+    "progress_idempotency_key",
+    "sqlite_url",
+]
+
+DEFAULT_BUSY_TIMEOUT_MS = 30_000
+STEPS_STREAM = "steps"
+PROGRESS_STREAM = "progress"
+_IN_CHUNK = 500  # bound on bind parameters per IN (...) list
+_PG_SCHEMA_LOCK_KEY = 0x4D4C584C  # pg_advisory_xact_lock key serialising schema creation
+
+SqliteSynchronous = Literal["OFF", "NORMAL", "FULL", "EXTRA"]
+
+
+# --------------------------------------------------------------------------------------
+# Plain input types
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeKey:
+    """Where progress events come from: one LLM node (attempt) of one run.
+
+    ``run_id`` and ``node_id`` identify the node for ``flush``; ``step_id`` (the runtime's
+    step id of the LLM_CALL STARTED record) and ``attempt`` are recorded on every row and
+    make the default idempotency key deterministic.
+    """
+
+    run_id: str
+    node_id: str
+    workflow_id: str | None = None
+    step_id: str | None = None
+    attempt: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise ValueError(f"NodeKey.run_id must be a non-empty string (got {self.run_id!r})")
+        if not isinstance(self.node_id, str) or not self.node_id:
+            raise ValueError(f"NodeKey.node_id must be a non-empty string (got {self.node_id!r})")
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressEvent:
+    """One phase event waiting to be written. ``created_at`` is ``time.time()`` when observed."""
+
+    key: NodeKey
+    event: Mapping[str, Any]
+    idempotency_key: str
+    created_at: float
+
+
+def progress_idempotency_key(key: NodeKey, event: Mapping[str, Any]) -> str:
+    """The default idempotency key of a progress event.
+
+    Deterministic, so a retried write of the same event is stored once, when the event says
+    which one it is: ``progress:<run_id>:<step_id>:<attempt>:<phase>:<event_index>`` if both
+    ``key.step_id`` and ``event["event_index"]`` are known. Otherwise a fresh random key
+    (``progress:<run_id>:<uuid4 hex>``): such events cannot be deduplicated.
+    """
+    index = event.get("event_index")
+    if key.step_id is not None and index is not None:
+        return f"progress:{key.run_id}:{key.step_id}:{key.attempt or 1}:{event.get('phase')}:{index}"
+    return f"progress:{key.run_id}:{uuid.uuid4().hex}"
+
+
+# --------------------------------------------------------------------------------------
+# Value helpers
+# --------------------------------------------------------------------------------------
+
+
+def sqlite_url(path: str | os.PathLike[str]) -> str:
+    """``sqlite:///<absolute path>`` for a file path (``~`` expanded)."""
+    return f"sqlite:///{Path(path).expanduser().resolve()}"
+
+
+def _json_default(obj: Any) -> Any:
+    # Same rule as AbstractRuntime's serializer: dataclasses nested in run vars become dicts.
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
+_json_dumps = functools.partial(json.dumps, separators=(",", ":"), ensure_ascii=False, default=_json_default)
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _enum_value(value: Any) -> Any:
+    return getattr(value, "value", value)
+
+
+def _opt_str(value: Any) -> str | None:
+    if value is None:
+        return None
+    return str(_enum_value(value))
+
+
+def _required_str(data: Mapping[str, Any], name: str, what: str) -> str:
+    value = data.get(name)
+    if value is None or not str(_enum_value(value)).strip():
+        raise ValueError(f"{what}.{name} must be a non-empty string (got {value!r})")
+    return str(_enum_value(value))
+
+
+def parse_timestamp(value: Any) -> dt.datetime | None:
+    """An aware UTC datetime from an ISO-8601 string or a datetime; naive values are read as UTC."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, dt.datetime):
+        parsed = value
+    elif isinstance(value, str):
+        try:
+            parsed = dt.datetime.fromisoformat(value)
+        except ValueError as exc:
+            raise ValueError(f"not an ISO-8601 timestamp: {value!r}") from exc
+    else:
+        raise ValueError(f"not a timestamp: {value!r}")
+    if parsed.tzinfo is None:
+        return parsed.replace(tzinfo=dt.timezone.utc)
+    return parsed.astimezone(dt.timezone.utc)
+
+
+def _as_int(value: Any) -> int | None:
+    if type(value) is int:
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _as_str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _as_bool(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _chunks(items: Sequence[Any], size: int = _IN_CHUNK) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _run_row(run: Mapping[str, Any]) -> dict[str, Any]:
+    run_id = _required_str(run, "run_id", "run")
+    waiting = run.get("waiting")
+    wait_reason = _opt_str(waiting.get("reason")) if isinstance(waiting, Mapping) else None
+    now = _utcnow()
+    return {
+        "run_id": run_id,
+        "workflow_id": _required_str(run, "workflow_id", "run"),
+        "status": _required_str(run, "status", "run"),
+        "created_at": parse_timestamp(run.get("created_at")) or now,
+        "updated_at": parse_timestamp(run.get("updated_at")) or now,
+        "parent_run_id": _opt_str(run.get("parent_run_id")),
+        "session_id": _opt_str(run.get("session_id")),
+        "actor_id": _opt_str(run.get("actor_id")),
+        "wait_reason": wait_reason,
+        "run_json": dict(run),
+    }
+
+
+_STEP_STR_COLUMNS = ("error", "actor_id", "session_id", "idempotency_key", "prev_hash", "record_hash", "signature")
+
+
+def _step_row(record: Mapping[str, Any]) -> dict[str, Any]:
+    other = dict(record)
+    effect = other.pop("effect", None)
+    result = other.pop("result", None)
+    attempt = _as_int(record.get("attempt"))
+    row: dict[str, Any] = {
+        "run_id": _required_str(record, "run_id", "step record"),
+        "step_id": _required_str(record, "step_id", "step record"),
+        "node_id": _opt_str(record.get("node_id")) or "",
+        "status": _required_str(record, "status", "step record"),
+        "effect": effect,
+        "result": result,
+        "started_at": parse_timestamp(record.get("started_at")),
+        "ended_at": parse_timestamp(record.get("ended_at")),
+        "attempt": 1 if attempt is None else attempt,
+        "other_fields": other,
+    }
+    for name in _STEP_STR_COLUMNS:
+        row[name] = _opt_str(record.get(name))
+    return row
+
+
+def _progress_row(item: ProgressEvent, seq: int) -> dict[str, Any]:
+    event = item.event
+    key = item.key
+    row: dict[str, Any] = {
+        "run_id": key.run_id,
+        "workflow_id": key.workflow_id,
+        "node_id": key.node_id,
+        "step_id": key.step_id,
+        "attempt": key.attempt,
+        "seq": seq,
+        "idempotency_key": item.idempotency_key,
+        "final": _as_bool(event.get("final")),
+        "created_at": dt.datetime.fromtimestamp(item.created_at, dt.timezone.utc),
+        "event": event,
+    }
+    for name in PROGRESS_INT_KEYS:
+        row[name] = _as_int(event.get(name))
+    for name in PROGRESS_FLOAT_KEYS:
+        row[name] = _as_float(event.get(name))
+    for name in PROGRESS_STR_KEYS:
+        row[name] = _as_str(event.get(name))
+    return row
+
+
+# --------------------------------------------------------------------------------------
+# Dialect-specific statements
+# --------------------------------------------------------------------------------------
+
+
+def _insert_ignoring_conflicts(
+    session: Session, model: type[Base], rows: Sequence[dict[str, Any]], conflict_columns: Sequence[str]
+) -> int:
+    """Insert ``rows``, skipping any whose ``conflict_columns`` key exists. Returns rows inserted.
+
+    SQLite and PostgreSQL: one ``INSERT ... ON CONFLICT DO NOTHING`` (executemany). Other
+    dialects: one insert per row inside a SAVEPOINT, skipping unique violations.
+    """
+    if not rows:
+        return 0
+    table = model.__table__  # Core statements: a CursorResult with a rowcount, no ORM bulk path
+    name = session.get_bind().dialect.name
+    if name in ("sqlite", "postgresql"):
+        dialect_insert = sqlite_insert if name == "sqlite" else pg_insert
+        stmt = dialect_insert(table).on_conflict_do_nothing(index_elements=list(conflict_columns))
+        result = session.execute(stmt, list(rows))
+        return int(result.rowcount)  # type: ignore[attr-defined]
+    inserted = 0
+    for row in rows:
+        try:
+            with session.begin_nested():
+                session.execute(insert(table), [row])
+            inserted += 1
+        except IntegrityError:
+            continue
+    return inserted
+
+
+def _lock_heads(session: Session, stream: str, run_ids: Sequence[str]) -> dict[str, int]:
+    """Create missing heads, lock them (PostgreSQL ``FOR UPDATE``; SQLite holds the write lock
+    already) and return ``run_id -> last_seq``."""
+    _insert_ignoring_conflicts(
+        session,
+        SeqHead,
+        [{"run_id": run_id, "stream": stream, "last_seq": 0} for run_id in run_ids],
+        ("run_id", "stream"),
+    )
+    heads: dict[str, int] = {}
+    for chunk in _chunks(run_ids):
+        stmt = (
+            select(SeqHead.run_id, SeqHead.last_seq)
+            .where(SeqHead.stream == stream, SeqHead.run_id.in_(chunk))
+            .order_by(SeqHead.run_id)
+            .with_for_update()
+        )
+        heads.update({run_id: int(last) for run_id, last in session.execute(stmt)})
+    return heads
+
+
+def _advance_head(session: Session, stream: str, run_id: str, last_seq: int) -> None:
+    session.execute(
+        update(SeqHead.__table__).where(SeqHead.run_id == run_id, SeqHead.stream == stream).values(last_seq=last_seq)
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The store
+# --------------------------------------------------------------------------------------
+
+
+class Ledger:
+    """The durable store of runs, step records and progress events behind one SQLAlchemy URL.
+
+    ``Ledger("sqlite:///path/ledger.db")`` (the parent directory is created) or
+    ``Ledger("postgresql+psycopg://user@host/db")``. Opening creates the tables on a fresh
+    database, accepts an existing one of the same ``SCHEMA_VERSION``, and raises
+    ``LedgerSchemaError`` for anything else. Thread-safe: share one instance per URL and
+    process; every method is its own short transaction.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+        sqlite_synchronous: SqliteSynchronous = "NORMAL",
+        echo: bool = False,
+    ) -> None:
+        if busy_timeout_ms < 0:
+            raise ValueError(f"busy_timeout_ms must be >= 0 (got {busy_timeout_ms})")
+        if sqlite_synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+            raise ValueError(f"sqlite_synchronous must be OFF, NORMAL, FULL or EXTRA (got {sqlite_synchronous!r})")
+        with wrap_db_errors(f"open ledger {url!r}"):
+            parsed = make_url(url)
+        self._url = parsed
+        self._closed = False
+        self._writers: weakref.WeakSet[ProgressWriter] = weakref.WeakSet()
+        self._writers_lock = threading.Lock()
+        is_sqlite = parsed.get_backend_name() == "sqlite"
+        if is_sqlite:
+            _prepare_sqlite_path(parsed.database, str(parsed.query.get("mode", "")), url)
+        with wrap_db_errors(f"open ledger {parsed.render_as_string(hide_password=True)}"):
+            engine = create_engine(parsed, echo=echo, json_serializer=_json_dumps, json_deserializer=json.loads)
+        if is_sqlite:
+            _install_sqlite_hooks(engine, busy_timeout_ms=busy_timeout_ms, synchronous=sqlite_synchronous)
+        self._engine: Engine = engine
+        write_engine = engine.execution_options(ledger_write=True)
+        self._read_sessions = sessionmaker(bind=engine, expire_on_commit=False)
+        self._write_sessions = sessionmaker(bind=write_engine, expire_on_commit=False)
+        try:
+            self._init_schema()
+        except BaseException:
+            engine.dispose()
+            raise
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The URL, password hidden."""
+        return self._url.render_as_string(hide_password=True)
+
+    @property
+    def dialect_name(self) -> str:
+        return self._engine.dialect.name
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, *, timeout_s: float = 30.0) -> None:
+        """Stop every writer made by ``progress_writer()`` (draining it), then dispose the engine.
+
+        A writer's failure is re-raised after the engine is disposed. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        with self._writers_lock:
+            writers = list(self._writers)
+        first_error: BaseException | None = None
+        for writer in writers:
+            try:
+                writer.stop(timeout_s=timeout_s)
+            except LedgerError as exc:
+                first_error = first_error or exc
+        self._engine.dispose()
+        if first_error is not None:
+            raise first_error
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Ledger({self.url!r})"
+
+    def progress_writer(self, *, max_batch: int = 1000, idle_wait_s: float = 0.25) -> ProgressWriter:
+        """A started ``ProgressWriter`` on this ledger; ``close()`` stops it."""
+        from .writer import ProgressWriter
+
+        self._check_open()
+        writer = ProgressWriter(self, max_batch=max_batch, idle_wait_s=idle_wait_s)
+        with self._writers_lock:
+            self._writers.add(writer)
+        return writer.start()
+
+    # -- sessions -------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+
+    @contextmanager
+    def _write(self, action: str) -> Iterator[Session]:
+        self._check_open()
+        with wrap_db_errors(action), self._write_sessions.begin() as session:
+            yield session
+
+    @contextmanager
+    def _read(self, action: str) -> Iterator[Session]:
+        self._check_open()
+        with wrap_db_errors(action), self._read_sessions.begin() as session:
+            yield session
+
+    def _init_schema(self) -> None:
+        with wrap_db_errors(f"open ledger {self.url}"), self._write_sessions.begin() as session:
+            if self.dialect_name == "postgresql":
+                session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_SCHEMA_LOCK_KEY})
+            conn = session.connection()
+            tables = set(inspect(conn).get_table_names())
+            version: str | None = None
+            if LedgerMeta.__tablename__ in tables:
+                version = session.scalar(select(LedgerMeta.value).where(LedgerMeta.key == "schema_version"))
+                if version is None:
+                    raise LedgerSchemaError(f"{self.url}: table ledger_meta has no schema_version row")
+                if version != str(SCHEMA_VERSION):
+                    raise LedgerSchemaError(
+                        f"{self.url}: ledger schema_version {version!r} is not supported by this "
+                        f"abstractruntime-mlx (it reads and writes version {SCHEMA_VERSION}); "
+                        "upgrade abstractruntime-mlx or point the ledger at another database",
+                        details={"found": version, "supported": SCHEMA_VERSION},
+                    )
+            else:
+                clashing = sorted(tables & set(LEDGER_TABLES))
+                if clashing:
+                    raise LedgerSchemaError(
+                        f"{self.url}: tables {clashing} exist but were not created by the "
+                        "abstractruntime-mlx ledger (no ledger_meta table); use another database",
+                        details={"tables": clashing},
+                    )
+            Base.metadata.create_all(conn)
+            if version is None:
+                session.execute(insert(LedgerMeta.__table__).values(key="schema_version", value=str(SCHEMA_VERSION)))
+
+    def schema_version(self) -> int:
+        with self._read("read schema version") as session:
+            value = session.scalar(select(LedgerMeta.value).where(LedgerMeta.key == "schema_version"))
+        return int(value or 0)
+
+    # -- runs (RunStore) ------------------------------------------------------------
+
+    def save_run(self, run: Mapping[str, Any]) -> None:
+        """Insert or replace a run checkpoint (``run`` is the run-state dict)."""
+        row = _run_row(run)
+        with self._write(f"save run {row['run_id']}") as session:
+            if _insert_ignoring_conflicts(session, Run, [row], ("run_id",)) == 0:
+                changes = {k: v for k, v in row.items() if k not in ("run_id", "created_at")}
+                session.execute(update(Run.__table__).where(Run.run_id == row["run_id"]).values(**changes))
+
+    def create_run_if_absent(self, run: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Create the run unless its id exists: ``(run, True)``, or ``(stored run dict, False)``.
+
+        Never overwrites. Checking that the stored run has the same creation identity is the
+        caller's job (``runtime_plugin`` uses AbstractRuntime's ``verify_run_identity``).
+        """
+        row = _run_row(run)
+        with self._write(f"create run {row['run_id']}") as session:
+            created = _insert_ignoring_conflicts(session, Run, [row], ("run_id",)) == 1
+            if created:
+                return dict(run), True
+            stored = session.scalar(select(Run.run_json).where(Run.run_id == row["run_id"]))
+        if stored is None:  # pragma: no cover - the conflict implies the row
+            raise LedgerError(f"run {row['run_id']} conflicted on insert but is not readable")
+        return dict(stored), False
+
+    def load_run(self, run_id: str) -> dict[str, Any] | None:
+        """The saved run-state dict, or None."""
+        with self._read(f"load run {run_id}") as session:
+            stored = session.scalar(select(Run.run_json).where(Run.run_id == run_id))
+        return None if stored is None else dict(stored)
+
+    def list_run_states(
+        self,
+        *,
+        status: str | None = None,
+        workflow_id: str | None = None,
+        wait_reason: str | None = None,
+        parent_run_id: str | None = None,
+        limit: int = 100,
+    ) -> list[dict[str, Any]]:
+        """Saved run-state dicts matching every given filter, most recently updated first."""
+        stmt = select(Run.run_json)
+        if status is not None:
+            stmt = stmt.where(Run.status == str(_enum_value(status)))
+        if workflow_id is not None:
+            stmt = stmt.where(Run.workflow_id == workflow_id)
+        if wait_reason is not None:
+            stmt = stmt.where(Run.wait_reason == str(_enum_value(wait_reason)))
+        if parent_run_id is not None:
+            stmt = stmt.where(Run.parent_run_id == parent_run_id)
+        stmt = stmt.order_by(Run.updated_at.desc(), Run.run_id).limit(max(0, int(limit)))
+        with self._read("list run states") as session:
+            return [dict(value) for value in session.scalars(stmt)]
+
+    # -- steps (LedgerStore) --------------------------------------------------------
+
+    def append_step(self, record: Mapping[str, Any]) -> int:
+        """Append one step record (the dict of an AbstractRuntime ``StepRecord``); returns its seq.
+
+        ``seq`` is allocated per run, 1, 2, 3, ... in commit order, atomically across threads
+        and processes. Appending a record whose ``(run_id, step_id, status)`` is already stored
+        (a retried append) stores nothing and returns the stored seq.
+        """
+        row = _step_row(record)
+        run_id = row["run_id"]
+        with self._write(f"append step {row['step_id']} of run {run_id}") as session:
+            last_seq = _lock_heads(session, STEPS_STREAM, [run_id])[run_id]
+            stored_seq = session.scalar(
+                select(Step.seq).where(
+                    Step.run_id == run_id, Step.step_id == row["step_id"], Step.status == row["status"]
+                )
+            )
+            if stored_seq is not None:
+                return int(stored_seq)
+            seq = last_seq + 1
+            _advance_head(session, STEPS_STREAM, run_id, seq)
+            session.execute(insert(Step.__table__), [{**row, "seq": seq}])
+        return seq
+
+    def list_steps(self, run_id: str) -> list[dict[str, Any]]:
+        """Every step record of the run, in append order (as appended)."""
+        with self._read(f"list steps of run {run_id}") as session:
+            rows = session.scalars(select(Step).where(Step.run_id == run_id).order_by(Step.seq))
+            return [queries.step_record(row) for row in rows]
+
+    def last_step(self, run_id: str) -> dict[str, Any] | None:
+        """The run's most recently appended step record, or None."""
+        with self._read(f"read last step of run {run_id}") as session:
+            row = session.scalar(select(Step).where(Step.run_id == run_id).order_by(Step.seq.desc()).limit(1))
+            return None if row is None else queries.step_record(row)
+
+    def find_completed_result(self, run_id: str, idempotency_key: str) -> dict[str, Any] | None:
+        """The ``result`` of the oldest COMPLETED record with this key in the run, or None."""
+        if not idempotency_key:
+            return None
+        stmt = (
+            select(Step.result)
+            .where(Step.run_id == run_id, Step.idempotency_key == idempotency_key, Step.status == "completed")
+            .order_by(Step.seq)
+            .limit(1)
+        )
+        with self._read(f"find completed result of run {run_id}") as session:
+            result = session.scalar(stmt)
+        return None if result is None else dict(result)
+
+    # -- progress -------------------------------------------------------------------
+
+    def append_progress(self, items: Iterable[ProgressEvent]) -> int:
+        """Write progress events in one transaction; returns how many were new.
+
+        Events whose ``idempotency_key`` is already stored (or repeated within ``items``) are
+        skipped, so retrying a batch is safe. New rows get per-run ``seq`` values in ``items``
+        order. ``ProgressWriter`` calls this from its thread; call it directly only for
+        synchronous writes.
+        """
+        batch = list(items)
+        if not batch:
+            return 0
+        with self._write(f"append {len(batch)} progress rows") as session:
+            return _write_progress_batch(session, batch)
+
+    # -- queries (plain dataclasses) ------------------------------------------------
+
+    def list_runs(self, limit: int = 50, *, status: str | None = None) -> list[queries.RunSummary]:
+        """Run summaries, most recently updated first (see ``queries.RunSummary``)."""
+        with self._read("list runs") as session:
+            return queries.list_runs(session, limit=limit, status=status)
+
+    def get_run(self, run_id: str) -> queries.RunDetail | None:
+        with self._read(f"get run {run_id}") as session:
+            return queries.get_run(session, run_id)
+
+    def run_steps(self, run_id: str) -> list[queries.StepRow]:
+        with self._read(f"read steps of run {run_id}") as session:
+            return queries.run_steps(session, run_id)
+
+    def node_timeline(self, run_id: str, node_id: str | None = None) -> list[queries.ProgressRow]:
+        with self._read(f"read progress of run {run_id}") as session:
+            return queries.node_timeline(session, run_id, node_id)
+
+
+def open_ledger(url: str, **options: Any) -> Ledger:
+    """``Ledger(url, **options)``."""
+    return Ledger(url, **options)
+
+
+def _write_progress_batch(session: Session, batch: Sequence[ProgressEvent]) -> int:
+    run_ids = sorted({item.key.run_id for item in batch})
+    heads = _lock_heads(session, PROGRESS_STREAM, run_ids)
+    keys = list(dict.fromkeys(item.idempotency_key for item in batch))
+    seen: set[str] = set()
+    for chunk in _chunks(keys):
+        seen.update(session.scalars(select(Progress.idempotency_key).where(Progress.idempotency_key.in_(chunk))))
+    rows: list[dict[str, Any]] = []
+    for item in batch:
+        if item.idempotency_key in seen:
+            continue
+        seen.add(item.idempotency_key)
+        run_id = item.key.run_id
+        heads[run_id] += 1
+        rows.append(_progress_row(item, heads[run_id]))
+    if not rows:
+        return 0
+    for run_id in run_ids:
+        _advance_head(session, PROGRESS_STREAM, run_id, heads[run_id])
+    _insert_ignoring_conflicts(session, Progress, rows, ("idempotency_key",))
+    return len(rows)
+
+
+# --------------------------------------------------------------------------------------
+# SQLite specifics
+# --------------------------------------------------------------------------------------
+
+
+def _prepare_sqlite_path(database: str | None, mode: str, url: str) -> None:
+    if not database or database == ":memory:" or mode == "memory":
+        raise LedgerError(
+            f"ledger URL {url!r} is an in-memory SQLite database, which every connection sees "
+            "empty; use a file (sqlite:///path/ledger.db), a temporary one in tests"
+        )
+    if database.startswith("file:"):
+        return
+    try:
+        Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LedgerError(f"cannot create the directory of ledger database {database!r}: {exc}") from exc
+
+
+def _install_sqlite_hooks(engine: Engine, *, busy_timeout_ms: int, synchronous: SqliteSynchronous) -> None:
+    """WAL, busy_timeout, foreign_keys and synchronous on every connection; SQLAlchemy emits BEGIN.
+
+    pysqlite's own transaction handling is switched off (``isolation_level = None``) so that a
+    write session can start with ``BEGIN IMMEDIATE`` and a read session with ``BEGIN``.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+            cursor.execute("PRAGMA journal_mode = WAL")
+            cursor.execute(f"PRAGMA synchronous = {synchronous}")
+            cursor.execute("PRAGMA foreign_keys = ON")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        immediate = conn.get_execution_options().get("ledger_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")

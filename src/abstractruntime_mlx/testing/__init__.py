@@ -1,0 +1,7 @@
+"""Offline test helpers: tiny random-weight checkpoints and test images."""
+
+from __future__ import annotations
+
+from .tiny import KINDS, build_from_cli, read_marker, tiny_image, tiny_model
+
+__all__ = ["KINDS", "build_from_cli", "read_marker", "tiny_image", "tiny_model"]
