@@ -16,8 +16,16 @@ from abstractruntime_mlx.errors import InvalidRequest, ModelNotFound, PolicyErro
 
 SEED = {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": False}
 SPECULATION_KEYS = {
-    "supported", "ready", "reason", "message", "companion", "head_present",
-    "supported_depths", "default", "effective_default", "requires_reload",
+    "supported",
+    "ready",
+    "reason",
+    "message",
+    "companion",
+    "head_present",
+    "supported_depths",
+    "default",
+    "effective_default",
+    "requires_reload",
 }
 
 
@@ -126,7 +134,13 @@ def test_headers_only(tmp_path):
 
 @pytest.mark.parametrize(
     "content",
-    [b"", b"\x01\x02", struct.pack("<Q", 10**12) + b"{}", struct.pack("<Q", 4) + b"[1]\x00", struct.pack("<Q", 3) + b"{x}"],
+    [
+        b"",
+        b"\x01\x02",
+        struct.pack("<Q", 10**12) + b"{}",
+        struct.pack("<Q", 4) + b"[1]\x00",
+        struct.pack("<Q", 3) + b"{x}",
+    ],
 )
 def test_corrupt_header(tmp_path, content):
     (tmp_path / "model.safetensors").write_bytes(content)
@@ -171,9 +185,10 @@ def test_detect_companion_head_in_hub_cache(tmp_path):
     other = tmp_path / "hub2"
     hub_cache(other, "org/Z-4bit")
     hub_cache(other, "org/Z-4bit-MTP", model_type="qwen3")
-    assert artifacts.detect_mtp(other / "models--org--Z-4bit" / "snapshots" / "c0ffee", cache_dir=other)[
-        "companion"
-    ] is None
+    assert (
+        artifacts.detect_mtp(other / "models--org--Z-4bit" / "snapshots" / "c0ffee", cache_dir=other)["companion"]
+        is None
+    )
 
 
 def test_detect_sibling_head_directory(tmp_path):
@@ -230,12 +245,16 @@ def test_policy_default_and_seed(tmp_path, no_weight_loading):
     seed = get_execution_capabilities(str(model), policy_path=tmp_path / "missing.json")["speculation"]
     assert seed["default"] == SEED and seed["effective_default"] == SEED
     off_file = tmp_path / "off.json"
-    off_file.write_text(json.dumps({"capability_defaults": {"routes": {"input.text": {"options": {"speculation": False}}}}}))
+    off_file.write_text(
+        json.dumps({"capability_defaults": {"routes": {"input.text": {"options": {"speculation": False}}}}})
+    )
     off = get_execution_capabilities(str(model), policy_path=off_file)["speculation"]
     assert off["supported"] is True and off["default"] is False and off["effective_default"] is False
     partial = tmp_path / "partial.json"
     partial.write_text(
-        json.dumps({"capability_defaults": {"routes": {"input.text": {"options": {"speculation": {"num_draft_tokens": 4}}}}}})
+        json.dumps(
+            {"capability_defaults": {"routes": {"input.text": {"options": {"speculation": {"num_draft_tokens": 4}}}}}}
+        )
     )
     got = get_execution_capabilities(str(model), policy_path=partial)["speculation"]
     assert got["default"] == {"mode": "native_mtp", "num_draft_tokens": 4}
@@ -269,7 +288,9 @@ def test_model_is_a_head(tmp_path, no_policy):
 
 
 def test_unsupported_provider(tmp_path, no_policy):
-    report = get_execution_capabilities(str(checkpoint(tmp_path / "m", mtp=True)), provider="ollama", policy_path=no_policy)
+    report = get_execution_capabilities(
+        str(checkpoint(tmp_path / "m", mtp=True)), provider="ollama", policy_path=no_policy
+    )
     spec = report["speculation"]
     assert (spec["supported"], spec["ready"], spec["effective_default"]) == (False, False, False)
     assert spec["reason"] == "native_mtp_backend_unavailable"
@@ -287,6 +308,13 @@ def test_unreadable_checkpoint_is_reported(tmp_path, no_policy):
     (model / "model.safetensors").write_bytes(b"\x00")
     spec = get_execution_capabilities(str(model), policy_path=no_policy)["speculation"]
     assert spec["reason"] == "checkpoint_unreadable" and str(model) in spec["message"]
+
+
+def test_checkpoint_without_weights(tmp_path, no_policy):
+    model = checkpoint(tmp_path / "m")
+    (model / "model.safetensors").unlink()
+    spec = get_execution_capabilities(str(model), policy_path=no_policy)["speculation"]
+    assert spec["reason"] == "checkpoint_unreadable" and "no *.safetensors" in spec["message"]
 
 
 def test_companion_head_not_cached(tmp_path, no_policy):
@@ -324,7 +352,9 @@ class Instance:
     ],
 )
 def test_with_instance(tmp_path, no_policy, instance, ready, reason, reload):
-    report = get_execution_capabilities(str(checkpoint(tmp_path / "m", mtp=True)), instance=instance, policy_path=no_policy)
+    report = get_execution_capabilities(
+        str(checkpoint(tmp_path / "m", mtp=True)), instance=instance, policy_path=no_policy
+    )
     spec = report["speculation"]
     assert (spec["ready"], spec["reason"], spec["requires_reload"]) == (ready, reason, reload)
     assert report["concurrency"] == {"supported": True, "source": "loaded_instance", "reason": None}
@@ -332,7 +362,9 @@ def test_with_instance(tmp_path, no_policy, instance, ready, reason, reload):
 
 def test_instance_concurrency_and_provider_default(tmp_path, no_policy):
     model = str(checkpoint(tmp_path / "m", mtp=True))
-    report = get_execution_capabilities(model, instance=Instance(concurrent=False, default=False), policy_path=no_policy)
+    report = get_execution_capabilities(
+        model, instance=Instance(concurrent=False, default=False), policy_path=no_policy
+    )
     assert report["concurrency"]["supported"] is False
     assert report["speculation"]["effective_default"] is False
     strict = {"mode": "native_mtp", "num_draft_tokens": 3, "require_acceleration": True}
@@ -343,9 +375,9 @@ def test_instance_concurrency_and_provider_default(tmp_path, no_policy):
 
 
 def test_unsupported_model_ready_is_false_even_with_instance(tmp_path, no_policy):
-    spec = get_execution_capabilities(str(checkpoint(tmp_path / "m")), instance=Instance(ready=True), policy_path=no_policy)[
-        "speculation"
-    ]
+    spec = get_execution_capabilities(
+        str(checkpoint(tmp_path / "m")), instance=Instance(ready=True), policy_path=no_policy
+    )["speculation"]
     assert spec["ready"] is False and spec["supported"] is False
 
 

@@ -50,7 +50,10 @@ def test_set_default_round_trip(config_file, capsys):
     config_file.parent.mkdir(parents=True)
     original = {
         "api_keys": {"x": "y"},
-        "capability_defaults": {"version": 1, "routes": {"input.text": {"provider": "mlx", "options": {"temperature": 0}}}},
+        "capability_defaults": {
+            "version": 1,
+            "routes": {"input.text": {"provider": "mlx", "options": {"temperature": 0}}},
+        },
     }
     config_file.write_text(json.dumps(original))
 

@@ -6,6 +6,7 @@ import json
 import pickle
 
 import pytest
+from pydantic import ValidationError
 
 from abstractruntime_mlx.controls import (
     UNSET,
@@ -112,12 +113,12 @@ def test_rejection_field_prefix_is_configurable():
 
 def test_model_is_frozen_and_strict():
     control = mtp(num_draft_tokens=2)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         control.num_draft_tokens = 3  # type: ignore[misc]
     for bad in ({"num_draft_tokens": True}, {"num_draft_tokens": 0}, {"require_acceleration": 1}, {"extra": 1}):
-        with pytest.raises(Exception):
+        with pytest.raises(ValidationError):
             SpeculationControl(mode="native_mtp", **bad)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         SpeculationControl(mode="off", drafter="x")
 
 
@@ -190,10 +191,21 @@ def test_nothing_set_unverified_is_off():
 @pytest.mark.parametrize(
     ("levels", "expected_depth", "source"),
     [
-        ({"call": {"num_draft_tokens": 1}, "run": {"num_draft_tokens": 2}, "provider": {"num_draft_tokens": 3},
-          "policy": {"num_draft_tokens": 4}}, 1, "call"),
-        ({"run": {"num_draft_tokens": 2}, "provider": {"num_draft_tokens": 3}, "policy": {"num_draft_tokens": 4}},
-         2, "run"),
+        (
+            {
+                "call": {"num_draft_tokens": 1},
+                "run": {"num_draft_tokens": 2},
+                "provider": {"num_draft_tokens": 3},
+                "policy": {"num_draft_tokens": 4},
+            },
+            1,
+            "call",
+        ),
+        (
+            {"run": {"num_draft_tokens": 2}, "provider": {"num_draft_tokens": 3}, "policy": {"num_draft_tokens": 4}},
+            2,
+            "run",
+        ),
         ({"provider": {"num_draft_tokens": 3}, "policy": {"num_draft_tokens": 4}}, 3, "provider"),
         ({"policy": {"num_draft_tokens": 4}}, 4, "policy"),
         ({"call": None, "policy": {"num_draft_tokens": 4}}, 4, "policy"),
@@ -427,8 +439,21 @@ def test_sampling_rejected(kwargs, field):
     ("kwargs", "greedy"),
     [
         ({"temperature": 0}, True),
-        ({"temperature": 0, "min_p": 0, "repetition_penalty": 1, "presence_penalty": 0, "frequency_penalty": 0,
-          "logit_bias": {}, "top_p": 0.5, "top_k": 3, "seed": 1, "stop": "x"}, True),
+        (
+            {
+                "temperature": 0,
+                "min_p": 0,
+                "repetition_penalty": 1,
+                "presence_penalty": 0,
+                "frequency_penalty": 0,
+                "logit_bias": {},
+                "top_p": 0.5,
+                "top_k": 3,
+                "seed": 1,
+                "stop": "x",
+            },
+            True,
+        ),
         ({}, False),
         ({"temperature": 0.7}, False),
         ({"temperature": 0, "min_p": 0.1}, False),

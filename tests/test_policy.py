@@ -87,10 +87,14 @@ def test_ensure_seeded_creates_only_once(tmp_path):
         ({"capability_defaults": {"routes": {"input.text": {"provider": "mlx"}}}}, None),
         ({"capability_defaults": {"routes": {"output.text": {"options": {"speculation": False}}}}}, False),
         (
-            {"capability_defaults": {"routes": {
-                "output.text": {"source": "not_configured", "options": {"speculation": False}},
-                "input.text": {"options": {"speculation": SEED}},
-            }}},
+            {
+                "capability_defaults": {
+                    "routes": {
+                        "output.text": {"source": "not_configured", "options": {"speculation": False}},
+                        "input.text": {"options": {"speculation": SEED}},
+                    }
+                }
+            },
             SEED,
         ),
     ],
@@ -109,14 +113,24 @@ def test_read_forms(tmp_path, document, expected):
         ({"capability_defaults": []}, "capability_defaults"),
         ({"capability_defaults": {"routes": 3}}, "capability_defaults.routes"),
         ({"capability_defaults": {"routes": {"input.text": "x"}}}, "capability_defaults.routes.input.text"),
-        ({"capability_defaults": {"routes": {"input.text": {"options": []}}}},
-         "capability_defaults.routes.input.text.options"),
+        (
+            {"capability_defaults": {"routes": {"input.text": {"options": []}}}},
+            "capability_defaults.routes.input.text.options",
+        ),
         (doc_with("turbo"), "capability_defaults.routes.input.text.options.speculation"),
         (doc_with(2), "capability_defaults.routes.input.text.options.speculation"),
-        (doc_with({"num_draft_tokens": "2"}), "capability_defaults.routes.input.text.options.speculation.num_draft_tokens"),
-        (doc_with({"require_acceleration": "no"}),
-         "capability_defaults.routes.input.text.options.speculation.require_acceleration"),
-        (doc_with({"mode": "native_mtp", "speed": 1}), "capability_defaults.routes.input.text.options.speculation.speed"),
+        (
+            doc_with({"num_draft_tokens": "2"}),
+            "capability_defaults.routes.input.text.options.speculation.num_draft_tokens",
+        ),
+        (
+            doc_with({"require_acceleration": "no"}),
+            "capability_defaults.routes.input.text.options.speculation.require_acceleration",
+        ),
+        (
+            doc_with({"mode": "native_mtp", "speed": 1}),
+            "capability_defaults.routes.input.text.options.speculation.speed",
+        ),
     ],
 )
 def test_corrupt_file_names_path_and_key(tmp_path, content, key):
@@ -283,7 +297,9 @@ def test_abstractcore_reads_what_we_write(tmp_path):
     path = write(tmp_path / "c.json", full_document())
     policy.set_default_speculation("output.text", 3, path)
     assert speculation.configured_speculation_default(config_file=str(path)) == {
-        "mode": "native_mtp", "num_draft_tokens": 3, "require_acceleration": False,
+        "mode": "native_mtp",
+        "num_draft_tokens": 3,
+        "require_acceleration": False,
     }
     policy.set_default_speculation("output.text", "off", path)
     assert speculation.configured_speculation_default(config_file=str(path)) is False

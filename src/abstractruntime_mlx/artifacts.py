@@ -30,7 +30,10 @@ MAX_HEADER_BYTES: Final = 100 * 1024 * 1024
 MTP_KEY_PREFIX: Final = "mtp."
 HEAD_MODEL_TYPE_SUFFIX: Final = "_mtp"
 COMPANION_SUFFIX: Final = "-MTP"
-_QUANT_SUFFIX = re.compile(r"^(?P<base>.+?)(?P<suffix>-(?:\d+(?:\.\d+)?bit|bf16|fp16|fp8|mxfp4|nvfp4|q\d\w*)(?:-.*)?)$", re.I)
+_QUANT_SUFFIX = re.compile(
+    r"^(?P<base>.+?)(?P<suffix>-(?:\d+(?:\.\d+)?bit|bf16|fp16|fp8|mxfp4|nvfp4|q\d\w*)(?:-.*)?)$",
+    re.IGNORECASE,
+)
 _CONFIG_MTP_LAYER_KEYS: Final = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "num_mtp_layers")
 _FINGERPRINT_SMALL_FILES: Final = (
     "config.json",
@@ -67,9 +70,7 @@ def resolve_model_path(name: str | Path, *, cache_dir: str | Path | None = None)
     if local.is_dir():
         return local.resolve()
     if isinstance(name, Path) or looks_like_path(text) or local.exists():
-        raise ModelNotFound(
-            f"model directory {text!r} does not exist (or is not a directory)", details={"model": text}
-        )
+        raise ModelNotFound(f"model directory {text!r} does not exist (or is not a directory)", details={"model": text})
     snapshot = hub_snapshot(text, cache_dir=cache_dir)
     if snapshot is None:
         raise ModelNotFound(
@@ -232,6 +233,7 @@ def detect_mtp(
     snapshot path when omitted); ``head`` names a companion head explicitly. Returns::
 
         {"model_type": str|None,
+         "num_weight_files": int,      # *.safetensors files found
          "is_head": bool,              # path itself is a companion head (model_type *_mtp)
          "embedded": bool,             # tensor keys under mtp. present
          "num_mtp_keys": int,
@@ -244,7 +246,8 @@ def detect_mtp(
     root = Path(path)
     config = read_config(root)
     kind = model_type(config)
-    keys = tensor_names(read_safetensors_headers(root))
+    headers = read_safetensors_headers(root)
+    keys = tensor_names(headers)
     num_mtp = sum(1 for key in keys if is_mtp_key(key))
     embedded = num_mtp > 0
     companion: str | None = None
@@ -266,6 +269,7 @@ def detect_mtp(
         head_present = None
     return {
         "model_type": kind,
+        "num_weight_files": len(headers),
         "is_head": bool(kind and kind.endswith(HEAD_MODEL_TYPE_SUFFIX)),
         "embedded": embedded,
         "num_mtp_keys": num_mtp,

@@ -159,6 +159,8 @@ def _artifact_evidence(
         return None, "model_not_found", exc.message
     except InvalidRequest as exc:
         return None, "checkpoint_unreadable", exc.message
+    if evidence["num_weight_files"] == 0:
+        return evidence, "checkpoint_unreadable", f"no *.safetensors files in {path}"
     if evidence["is_head"]:
         return evidence, "model_is_mtp_head", f"{model_name} is an MTP head; load its target model instead"
     if not evidence["verified"]:

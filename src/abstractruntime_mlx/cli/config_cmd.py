@@ -1,7 +1,7 @@
 """``abstractruntime-mlx config``: show and change the Core MTP policy (AbstractCore's config file).
 
-    abstractruntime-mlx config show
-    abstractruntime-mlx config set-default output.text --speculation 2|off|inherit
+abstractruntime-mlx config show
+abstractruntime-mlx config set-default output.text --speculation 2|off|inherit
 """
 
 from __future__ import annotations

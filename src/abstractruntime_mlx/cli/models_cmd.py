@@ -60,8 +60,8 @@ def _snapshot_download(name: str, *, revision: str | None, cache_dir: str | None
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
-        HFValidationError,
         HfHubHTTPError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,

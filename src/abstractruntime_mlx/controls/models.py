@@ -138,7 +138,9 @@ def normalize_speculation(value: Any, *, field: str = "speculation") -> Speculat
             )
         drafter = drafter.strip()
     if mode == "off":
-        extra = {k: value[k] for k in ("drafter", "num_draft_tokens", "require_acceleration") if value.get(k) is not None}
+        extra = {
+            k: value[k] for k in ("drafter", "num_draft_tokens", "require_acceleration") if value.get(k) is not None
+        }
         if extra:
             raise InvalidControls(
                 f"{field} with mode 'off' takes no other fields (got {sorted(extra)}); send false to switch MTP off",
@@ -299,10 +301,10 @@ def normalize_sampling(**kw: Any) -> SamplingControls:
     (int, or decimal-string keys as JSON sends them) to numbers in [-100, 100]; seed >= 0;
     stop is a string or a list of non-empty strings; max_output_tokens >= 1.
     """
-    for name in kw:
+    for name, value in kw.items():
         if name not in SAMPLING_FIELDS:
             raise InvalidControls(
-                f"unknown sampling control {name!r}; accepted: {list(SAMPLING_FIELDS)}", field=name, value=kw[name]
+                f"unknown sampling control {name!r}; accepted: {list(SAMPLING_FIELDS)}", field=name, value=value
             )
     get = kw.get
     return SamplingControls(

@@ -20,9 +20,10 @@ from "passed null" (e.g. to omit a key from a wire payload); the resolver treats
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 from ..errors import InvalidControls
 from .models import SpeculationControl, ThinkingValue, merge_speculation, normalize_speculation, normalize_thinking
@@ -35,13 +36,8 @@ THINKING_SOURCES: Final[tuple[str, ...]] = (*LEVELS, "model_default")
 LAYER_KEYS: Final[frozenset[str]] = frozenset({"speculation", "thinking"})
 
 
-class _Unset:
-    _instance: _Unset | None = None
-
-    def __new__(cls) -> _Unset:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
+class _Unset(enum.Enum):
+    UNSET = "UNSET"
 
     def __repr__(self) -> str:
         return "UNSET"
@@ -49,11 +45,8 @@ class _Unset:
     def __bool__(self) -> bool:
         return False
 
-    def __reduce__(self) -> str:
-        return "UNSET"
 
-
-UNSET: Final = _Unset()
+UNSET: Final = _Unset.UNSET
 """Sentinel: the argument was not given (inherit). Distinct from ``None`` only for forwarding."""
 
 VERIFIED_DEFAULT: Final = SpeculationControl(mode="native_mtp", require_acceleration=False)
@@ -125,7 +118,7 @@ def resolve_thinking(
     )
     if decided is None:
         return None, "model_default"
-    return value, decided
+    return cast(ThinkingValue, value), decided
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 from ..errors import (
     EngineCrashed,
     MLXRuntimeError,
+    UpstreamError,
     QueueFull,
     QueueTimeout,
     RequestCancelled,
@@ -105,9 +106,17 @@ def _stop_live_engines() -> None:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
-        self.loaded = loaded
+    """Owns one resident model. ``load`` runs on the worker thread, so every MLX call,
+    loading included, happens there."""
+
+    def __init__(self, load: Callable[[], LoadedModel], config: EngineConfig | None = None, *, name: str = "model") -> None:
+        self._load = load
+        self.loaded: LoadedModel | None = None  # type: ignore[assignment]
+        self.name = name
         self.config = config or EngineConfig()
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._retiring = False
         self._cond = threading.Condition()
         self._waiting: deque[EngineRequest] = deque()
         self._controls: deque[_Control] = deque()
@@ -121,10 +130,20 @@ class Engine:
         self._thread: WorkerHandle | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
-    def start(self) -> "Engine":
-        self._thread = POOL.run(self._run, name=f"abstractruntime-mlx:{self.loaded.path.name}")
+    def start(self, timeout_s: float | None = None) -> "Engine":
+        """Start the worker and wait until the model is loaded (its load error is raised here)."""
+        self._thread = POOL.run(self._run, name=f"abstractruntime-mlx:{self.name}")
         _LIVE_ENGINES.add(self)
+        self._ready.wait(timeout_s)
+        if self._load_error is not None:
+            raise self._load_error
         return self
+
+    def retire(self) -> None:
+        """Stop once idle, without waiting: garbage collection of the last owner lands here."""
+        with self._cond:
+            self._retiring = True
+            self._cond.notify_all()
 
     @property
     def alive(self) -> bool:
@@ -221,9 +240,19 @@ class Engine:
         self._stream = mx.new_stream(mx.default_device())
         try:
             with mx.stream(self._stream):
+                try:
+                    self.loaded = self._load()
+                except BaseException as exc:  # noqa: BLE001 - handed to start()
+                    self._load_error = exc
+                    self._closed = True
+                    return
+                finally:
+                    self._ready.set()
                 self._loop()
         finally:
             mx.synchronize(self._stream)
+            self.loaded = None  # the worker owns the weights; they go with it
+            mx.clear_cache()
 
     def _loop(self) -> None:
         try:
@@ -254,6 +283,9 @@ class Engine:
             while True:
                 if self._stopping:
                     self._drain_for_stop()
+                    return False
+                if self._retiring and not self._live and self._group is None:
+                    self._stopping = True
                     return False
                 if self._group is not None or self._waiting or self._controls:
                     return True
@@ -328,6 +360,11 @@ class Engine:
             if not self._waiting:
                 return
             key = group_key(self._waiting[0])
+        if self.loaded.lane == "mlx_lm":
+            with self._cond:
+                request = self._waiting.popleft()
+            self._run_serial(request)
+            return
         if key.mode == ExecutionMode.EXCLUSIVE:
             limit = 1
         else:
@@ -419,6 +456,54 @@ class Engine:
             self._on_token(group, running, event.token, event.finish_reason)
         self._close_group_if_idle()
 
+    def _run_serial(self, request: EngineRequest) -> None:
+        """The ordinary mlx-lm lane: one request at a time through ``stream_generate``."""
+        import mlx_lm
+
+        from .backend import make_logits_processors
+        from .sampling import make_sampler
+
+        loaded = self.loaded
+        request.mode = ExecutionMode.EXCLUSIVE
+        request.started_at = time.perf_counter()
+        request.peak_batch_size = 1
+        request.transition(RequestStatus.PREFILLING)
+        running = _Running(request, loaded.new_detokenizer(), StopMatcher(request.stop))
+        group = _Group(key=group_key(request), backend=None)  # type: ignore[arg-type]
+        self.stats.peak_batch_size = max(self.stats.peak_batch_size, 1)
+
+        def on_prefill(processed: int, total: int) -> None:
+            if request.observe_prefill and request.first_token_at is None:
+                self._deliver(request, PrefillObservation(processed=processed, total=total, cached=0), droppable=True)
+            if request.cancelled:
+                raise _Cancelled()
+
+        kwargs: dict[str, Any] = {"sampler": make_sampler(request.sampling), "prompt_progress_callback": on_prefill}
+        if request.sampling.has_logit_processors():
+            kwargs["logits_processors"] = make_logits_processors(request.sampling)
+        request.cached_tokens = 0
+        try:
+            for response in mlx_lm.stream_generate(
+                loaded.model, loaded.processor, request.prompt_ids, max_tokens=request.max_tokens, stream=self._stream, **kwargs
+            ):
+                if request.cancelled:
+                    self._finish(request, RequestStatus.FINISHED_CANCELLED)
+                    return
+                finish = response.finish_reason
+                self._on_token(group, running, int(response.token), finish, serial=True)
+                if request.is_finished():
+                    return
+                self._apply_cancels()
+                self._expire_waiting()
+        except _Cancelled:
+            self._finish(request, RequestStatus.FINISHED_CANCELLED)
+        except MLXRuntimeError as exc:
+            self._finish(request, RequestStatus.FINISHED_ERROR, error=exc)
+        except Exception as exc:  # noqa: BLE001 - upstream raises plain exceptions
+            self._finish(request, RequestStatus.FINISHED_ERROR, error=UpstreamError(f"mlx-lm generation failed: {type(exc).__name__}: {exc}"))
+        if not request.is_finished():
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+
     def _record_batch(self, group: _Group, result: StepResult) -> None:
         size = len(result.batch_uids - group.tombstones)
         if size > self.stats.peak_batch_size:
@@ -428,7 +513,7 @@ class Engine:
             if running is not None and size > running.request.peak_batch_size:
                 running.request.peak_batch_size = size
 
-    def _on_token(self, group: _Group, running: _Running, token: int, finish_reason: str | None) -> None:
+    def _on_token(self, group: _Group, running: _Running, token: int, finish_reason: str | None, *, serial: bool = False) -> None:
         request = running.request
         if request.status == RequestStatus.PREFILLING:
             request.transition(RequestStatus.DECODING)
@@ -441,14 +526,16 @@ class Engine:
                 if not self._deliver(request, TokenDelta(text, [token])):
                     return
             if stopped:
-                self._drop_row(group, request.uid)  # type: ignore[arg-type]
+                if not serial:
+                    self._drop_row(group, request.uid)  # type: ignore[arg-type]
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
         elif request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         if finish_reason is not None:
-            group.running.pop(request.uid, None)  # type: ignore[arg-type]
-            group.backend.forget(request.uid)  # type: ignore[arg-type]
+            if not serial:
+                group.running.pop(request.uid, None)  # type: ignore[arg-type]
+                group.backend.forget(request.uid)  # type: ignore[arg-type]
             running.detokenizer.finalize()
             tail = running.stops.flush(running.detokenizer.last_segment)
             if tail:
@@ -472,7 +559,7 @@ class Engine:
                 "read the stream faster or raise mlx_output_queue_size"
             )
             group = self._group
-            if group is not None and request.uid in group.running:
+            if group is not None and request.uid is not None and request.uid in group.running:
                 self._drop_row(group, request.uid)  # type: ignore[arg-type]
             self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
             return False
@@ -533,6 +620,10 @@ class Engine:
         for item in controls:
             item.error = error
             item.done.set()
+
+
+class _Cancelled(Exception):
+    """Raised inside mlx-lm's prefill callback to stop a cancelled request mid-prefill."""
 
 
 class RequestStream:

@@ -285,10 +285,11 @@ def _progress_row(item: ProgressEvent, seq: int) -> dict[str, Any]:
 def _insert_ignoring_conflicts(
     session: Session, model: type[Base], rows: Sequence[dict[str, Any]], conflict_columns: Sequence[str]
 ) -> int:
-    """Insert ``rows``, skipping any whose ``conflict_columns`` key exists. Returns rows inserted.
+    """Insert ``rows``, skipping any whose ``conflict_columns`` key exists. Returns rows inserted
+    when one row is given (exact on every dialect); for several, callers must not rely on it.
 
-    SQLite and PostgreSQL: one ``INSERT ... ON CONFLICT DO NOTHING`` (executemany). Other
-    dialects: one insert per row inside a SAVEPOINT, skipping unique violations.
+    SQLite and PostgreSQL: ``INSERT ... ON CONFLICT DO NOTHING`` (executemany for several rows).
+    Other dialects: one insert per row inside a SAVEPOINT, skipping unique violations.
     """
     if not rows:
         return 0
@@ -297,13 +298,17 @@ def _insert_ignoring_conflicts(
     if name in ("sqlite", "postgresql"):
         dialect_insert = sqlite_insert if name == "sqlite" else pg_insert
         stmt = dialect_insert(table).on_conflict_do_nothing(index_elements=list(conflict_columns))
-        result = session.execute(stmt, list(rows))
-        return int(result.rowcount)  # type: ignore[attr-defined]
+        if len(rows) == 1:
+            # rowcount of an INSERT is only kept (psycopg) when asked for
+            result = session.execute(stmt.execution_options(preserve_rowcount=True), rows[0])
+            return int(result.rowcount)  # type: ignore[attr-defined]
+        session.execute(stmt, list(rows))
+        return len(rows)
     inserted = 0
     for row in rows:
         try:
             with session.begin_nested():
-                session.execute(insert(table), [row])
+                session.execute(insert(table), row)
             inserted += 1
         except IntegrityError:
             continue
@@ -409,15 +414,15 @@ class Ledger:
         """
         if self._closed:
             return
-        self._closed = True
         with self._writers_lock:
             writers = list(self._writers)
         first_error: BaseException | None = None
-        for writer in writers:
+        for writer in writers:  # drain them while the engine is still open
             try:
                 writer.stop(timeout_s=timeout_s)
             except LedgerError as exc:
                 first_error = first_error or exc
+        self._closed = True
         self._engine.dispose()
         if first_error is not None:
             raise first_error

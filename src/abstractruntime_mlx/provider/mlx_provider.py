@@ -1,0 +1,511 @@
+"""The local MLX provider: ``generate`` / ``agenerate`` (and streams) on one resident model."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import re
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator
+
+from ..artifacts import detect_mtp, resolve_model_path
+from ..controls import (
+    UNSET,
+    SpeculationControl,
+    normalize_sampling,
+    normalize_speculation,
+    normalize_thinking,
+    resolve_speculation,
+)
+from ..engine.chat import build_messages, render_prompt
+from ..engine.loop import EngineConfig, RequestStream
+from ..engine.request import EngineRequest, Outcome, PrefillObservation, Sampling, TokenDelta
+from ..errors import (
+    InvalidControls,
+    InvalidMedia,
+    InvalidRequest,
+    MLXRuntimeError,
+    RuntimeClosed,
+    SpeculationUnavailable,
+)
+from ..results import GenerationChunk, GenerationResult
+from . import residency
+from .progress import DEFAULT_MIN_INTERVAL_S, ProgressTracker, pick_progress_callback
+
+DEFAULT_MAX_OUTPUT_TOKENS = 1024
+DEFAULT_DRAFT_TOKENS = 2
+
+# Constructor options and their defaults (the seed's "four batch slots, 32 waiting requests,
+# a 10 ms collection window, a 120-second queue timeout and 256 buffered output records").
+EXECUTION_DEFAULTS: dict[str, Any] = {
+    "mlx_batching": False,
+    "mlx_max_batch_size": 4,
+    "mlx_max_queue_size": 32,
+    "mlx_batch_wait_ms": 10,
+    "mlx_queue_timeout_s": 120.0,
+    "mlx_output_queue_size": 256,
+}
+
+_lease_ids = itertools.count(1)
+_THINK_END = "</think>"
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+@dataclass(slots=True)
+class _Prepared:
+    request: EngineRequest
+    tracker: ProgressTracker | None
+    speculation: dict[str, Any]
+    thinking: Any
+    prompt_cache_key: str | None
+    started: float
+
+
+class MLXProvider:
+    """``create_llm("mlx", model=...)``. Thread-safe: many threads may call ``generate`` at once."""
+
+    provider = "mlx"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        speculation: Any = None,
+        mtp_head: str | None = None,
+        progress_min_interval_s: float = DEFAULT_MIN_INTERVAL_S,
+        **options: Any,
+    ) -> None:
+        unknown = set(options) - set(EXECUTION_DEFAULTS)
+        if unknown:
+            raise InvalidRequest(f"unknown create_llm option(s): {', '.join(sorted(unknown))}")
+        self.model = model
+        self.execution_options = _validate_options({**EXECUTION_DEFAULTS, **options})
+        self._speculation_default = normalize_speculation(speculation, field="speculation")
+        self.progress_min_interval_s = float(progress_min_interval_s)
+        self.path = resolve_model_path(model)
+        head = resolve_model_path(mtp_head) if mtp_head else None
+        self._mtp = detect_mtp(self.path, name=model, head=head)
+        batching = self.execution_options["mlx_batching"]
+        lane = "native" if batching else "mlx_lm"
+        # Heads are a load-time choice: load one when the inherited default would use it.
+        default, _ = self._resolve_speculation(UNSET)
+        load_drafter = batching and default.enabled and bool(self._mtp.get("head_present"))
+        config = EngineConfig(
+            max_batch_size=self.execution_options["mlx_max_batch_size"],
+            max_queue_size=self.execution_options["mlx_max_queue_size"],
+            batch_wait_ms=self.execution_options["mlx_batch_wait_ms"],
+            queue_timeout_s=self.execution_options["mlx_queue_timeout_s"],
+            output_queue_size=self.execution_options["mlx_output_queue_size"],
+        )
+        self._lease = next(_lease_ids)
+        self._resident: residency.Resident | None = residency.acquire(
+            self.path,
+            head=head,
+            lane=lane,
+            load_drafter=load_drafter,
+            options={**self.execution_options, "mtp_head": str(head) if head else None, "load_drafter": load_drafter},
+            config=config,
+            lease=self._lease,
+        )
+        self._finalizer = weakref.finalize(self, residency.retire, self._resident, self._lease)
+
+    # --- capabilities -----------------------------------------------------------------
+    def supports_concurrent_generation(self) -> bool:
+        return bool(self.execution_options["mlx_batching"]) and self._resident is not None
+
+    def supports_text_progress_events(self) -> bool:
+        return True
+
+    def speculation_default(self) -> Any:
+        """The constructor-level speculation setting (wire form); ``None`` inherits the policy."""
+        return None if self._speculation_default is None else self._speculation_default.to_wire()
+
+    def speculation_ready(self) -> bool:
+        return self._resident is not None and self._engine.loaded.drafter is not None
+
+    @property
+    def _engine(self):
+        if self._resident is None:
+            raise RuntimeClosed(f"{self.model} was unloaded from this provider; create it again")
+        return self._resident.engine
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def unload_model(self, model_name: str | None = None) -> bool:
+        """Release this provider's hold on the model; the last holder frees it.
+
+        Refused (``OwnerBusy``) while requests on this model are queued or running.
+        """
+        if model_name not in (None, self.model, str(self.path)):
+            raise InvalidRequest(f"this provider serves {self.model!r}, not {model_name!r}")
+        if self._resident is None:
+            return False
+        residency.release(self._resident, self._lease)
+        self._finalizer.detach()
+        self._resident = None
+        return True
+
+    def get_prompt_cache_stats(self) -> dict[str, Any]:
+        return {"backend": None, "enabled": False, "reason": "prefix_cache_not_configured", "execution": self._engine.snapshot()}
+
+    def prompt_cache_clear(self, key: str | None = None) -> dict[str, Any]:
+        return {"scope": "none", "cleared": 0, "key": key}
+
+    # --- generation ----------------------------------------------------------------------
+    def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | Iterator[GenerationChunk]:
+        prepared = self._prepare(prompt, kwargs)
+        chunks = self._stream(prepared)
+        if stream:
+            return chunks
+        return _collect(chunks, prepared)
+
+    async def agenerate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | AsyncIterator[GenerationChunk]:
+        prepared = self._prepare(prompt, kwargs)
+        chunks = self._astream(prepared)
+        if stream:
+            return chunks
+        parts: list[GenerationChunk] = []
+        async for chunk in chunks:
+            parts.append(chunk)
+        return _result_from_chunks(parts, prepared)
+
+    # --- internals --------------------------------------------------------------------------
+    def _resolve_speculation(self, call: Any) -> tuple[SpeculationControl, str]:
+        if self._speculation_default is not None:
+            levels = {"provider": self._speculation_default}
+        else:
+            from ..policy import read_speculation_policy
+
+            levels = {"policy": read_speculation_policy()}
+        return resolve_speculation(call=call, verified_default=bool(self._mtp.get("verified")), **levels)
+
+    def _prepare(self, prompt: str, kwargs: dict[str, Any]) -> _Prepared:
+        args = dict(kwargs)
+        callback = pick_progress_callback(args)
+        for name in ("on_progress", "progress_callback", "progress_event_callback"):
+            args.pop(name, None)
+        messages = args.pop("messages", None)
+        system_prompt = args.pop("system_prompt", None)
+        tools = args.pop("tools", None)
+        media = args.pop("media", None)
+        thinking = normalize_thinking(args.pop("thinking", None))
+        speculation_arg = args.pop("speculation", None)
+        prompt_cache_key = args.pop("prompt_cache_key", None)
+        cancel_event = args.pop("cancel_event", None)
+        args.pop("trace_metadata", None)
+        max_tokens_alias = args.pop("max_tokens", None)
+        sampling_args = {k: args.pop(k) for k in list(args) if k in _SAMPLING_NAMES}
+        if args:
+            raise InvalidRequest(f"unknown generate() argument(s): {', '.join(sorted(args))}")
+        if max_tokens_alias is not None and sampling_args.get("max_output_tokens") is None:
+            sampling_args["max_output_tokens"] = max_tokens_alias
+        controls = normalize_sampling(**sampling_args)
+        sampling = Sampling(
+            temperature=0.0 if controls.temperature is None else float(controls.temperature),
+            top_p=controls.top_p,
+            top_k=controls.top_k,
+            min_p=controls.min_p,
+            repetition_penalty=controls.repetition_penalty,
+            presence_penalty=controls.presence_penalty,
+            frequency_penalty=controls.frequency_penalty,
+            logit_bias=tuple(sorted((controls.logit_bias or {}).items())),
+            seed=controls.seed,
+        )
+        if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
+            raise InvalidControls("prompt_cache_key must be a string", field="prompt_cache_key", value=prompt_cache_key)
+        if cancel_event is not None and not isinstance(cancel_event, threading.Event):
+            raise InvalidControls("cancel_event must be a threading.Event", field="cancel_event", value=cancel_event)
+
+        engine = self._engine
+        loaded = engine.loaded
+        images = _load_images(media, loaded)
+        conversation = build_messages(prompt=prompt, messages=messages, system_prompt=system_prompt, num_images=len(images))
+        text = render_prompt(loaded.tokenizer, conversation, tools=tools, thinking=thinking)
+        prompt_ids = loaded.encode(text)
+        draft_tokens, speculation_meta = self._speculation_for_call(speculation_arg, sampling)
+
+        request = EngineRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_ids=prompt_ids,
+            max_tokens=controls.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
+            sampling=sampling,
+            stop=controls.stop,
+            draft_tokens=draft_tokens,
+            cache_group=None,
+            output_queue_size=self.execution_options["mlx_output_queue_size"],
+            observe_prefill=callback is not None,
+            cancel_event=cancel_event or threading.Event(),
+        )
+        if images:
+            request.prompt_kwargs_factory = _image_kwargs_factory(request, loaded, text, images)
+        tracker = ProgressTracker(callback, min_interval_s=self.progress_min_interval_s) if callback else None
+        return _Prepared(request, tracker, speculation_meta, thinking, prompt_cache_key, time.perf_counter())
+
+    def _speculation_for_call(self, call: Any, sampling: Sampling) -> tuple[int, dict[str, Any]]:
+        call_value = UNSET if call is None else normalize_speculation(call)
+        effective, source = self._resolve_speculation(call_value)
+        meta: dict[str, Any] = {"requested": effective.enabled, "mode": effective.mode, "source": source}
+        loaded = self._engine.loaded
+        if not effective.enabled:
+            meta["used"] = False
+            if source == "call":
+                meta["reason"] = "disabled_for_this_call"
+            return 0, meta
+        depth = effective.num_draft_tokens or DEFAULT_DRAFT_TOKENS
+        meta.update(num_draft_tokens=depth, require_acceleration=bool(effective.require_acceleration))
+        reason, message = None, None
+        if loaded.lane != "native":
+            reason, message = "speculation_needs_batching_lane", "native MTP runs on the mlx_batching=True lane (mlx-vlm)"
+        elif loaded.drafter is None:
+            if self._mtp.get("head_present"):
+                reason, message = "speculation_is_load_time", "the MTP head was not loaded with the model; create the provider with speculation enabled"
+            else:
+                reason, message = "no_mtp_drafter_for_model", "this model has no MTP head (embedded or companion)"
+        elif sampling.has_logit_processors() or sampling.min_p not in (None, 0):
+            reason, message = "mtp_logit_processors_unsupported", "native MTP cannot honor penalties or logit bias"
+        if reason is not None:
+            if effective.require_acceleration:
+                raise SpeculationUnavailable(message or reason, reason=reason)
+            meta.update(used=False, reason=reason, message=message)
+            return 0, meta
+        meta.update(used=True, runtime="mlx_vlm", draft_kind="mtp", drafter=loaded.drafter_source)
+        return depth, meta
+
+    def _stream(self, prepared: _Prepared) -> Iterator[GenerationChunk]:
+        engine = self._engine
+        request = prepared.request
+        if prepared.tracker is not None:
+            prepared.tracker.start(request.num_prompt_tokens)
+        stream = engine.submit(request)
+        items = iter(stream)
+        try:
+            for item in items:
+                chunk = self._on_item(prepared, item)
+                if chunk is not None:
+                    yield chunk
+        except MLXRuntimeError as exc:
+            if stream.outcome is None or stream.outcome.finish_reason != "cancelled" or exc.code != "cancelled":
+                raise
+        finally:
+            items.close()  # type: ignore[attr-defined]
+        yield self._final_chunk(prepared, stream.outcome or request.outcome)
+
+    async def _astream(self, prepared: _Prepared) -> AsyncIterator[GenerationChunk]:
+        engine = self._engine
+        request = prepared.request
+        if prepared.tracker is not None:
+            prepared.tracker.start(request.num_prompt_tokens)
+        stream = engine.submit(request)
+        items = stream.aiter()
+        try:
+            async for item in items:
+                chunk = self._on_item(prepared, item)
+                if chunk is not None:
+                    yield chunk
+        except MLXRuntimeError as exc:
+            if exc.code != "cancelled":
+                raise
+        finally:
+            await items.aclose()
+        yield self._final_chunk(prepared, stream.outcome or request.outcome)
+
+    def _on_item(self, prepared: _Prepared, item: Any) -> GenerationChunk | None:
+        tracker = prepared.tracker
+        match item:
+            case TokenDelta(text=text, token_ids=ids):
+                if tracker is not None and ids:
+                    tracker.tokens(len(ids))
+                return GenerationChunk(content=text, token_ids=list(ids), model=self.model) if text else None
+            case PrefillObservation(processed=processed, total=total, cached=cached):
+                if tracker is not None:
+                    tracker.prefill(processed, total, cached)
+                return None
+        return None
+
+    def _final_chunk(self, prepared: _Prepared, outcome: Outcome | None) -> GenerationChunk:
+        assert outcome is not None
+        request = prepared.request
+        usage = {
+            "prompt_tokens": outcome.prompt_tokens,
+            "completion_tokens": outcome.completion_tokens,
+            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+            "input_tokens": outcome.prompt_tokens,
+            "output_tokens": outcome.completion_tokens,
+        }
+        if outcome.cached_tokens is not None:
+            usage["cached_input_tokens"] = outcome.cached_tokens
+        metadata: dict[str, Any] = {"execution": outcome.execution, "speculation": dict(prepared.speculation)}
+        performance = _performance(request)
+        if performance:
+            metadata["performance"] = performance
+        if prepared.prompt_cache_key is not None:
+            metadata["prompt_cache"] = {
+                "mode": "key",
+                "key": prepared.prompt_cache_key,
+                "outcome": "not_cached",
+                "reason": "prefix_cache_not_configured",
+            }
+        if prepared.thinking is not None:
+            metadata["thinking"] = prepared.thinking
+        if prepared.tracker is not None:
+            prepared.tracker.complete(
+                outcome.finish_reason,
+                prompt_tokens=outcome.prompt_tokens,
+                cached_tokens=outcome.cached_tokens,
+                generated_tokens=outcome.completion_tokens,
+            )
+            metadata["progress"] = prepared.tracker.metadata()
+        return GenerationChunk(
+            content="",
+            finish_reason=outcome.finish_reason,  # type: ignore[arg-type]
+            usage=usage,
+            metadata=metadata,
+            token_ids=list(request.token_ids),
+            model=self.model,
+        )
+
+
+_SAMPLING_NAMES = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "seed",
+    "stop",
+    "max_output_tokens",
+}
+
+
+def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
+    def positive_int(name: str, lo: int = 1) -> None:
+        value = options[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise InvalidControls(f"{name} must be an integer >= {lo}", field=name, value=value)
+
+    if not isinstance(options["mlx_batching"], bool):
+        raise InvalidControls("mlx_batching must be a boolean", field="mlx_batching", value=options["mlx_batching"])
+    positive_int("mlx_max_batch_size")
+    positive_int("mlx_max_queue_size")
+    positive_int("mlx_output_queue_size", lo=2)
+    wait = options["mlx_batch_wait_ms"]
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1000:
+        raise InvalidControls("mlx_batch_wait_ms must be a number in [0, 1000]", field="mlx_batch_wait_ms", value=wait)
+    timeout = options["mlx_queue_timeout_s"]
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise InvalidControls("mlx_queue_timeout_s must be a positive number", field="mlx_queue_timeout_s", value=timeout)
+    return dict(options)
+
+
+def _load_images(media: Any, loaded: Any) -> list[Any]:
+    if not media:
+        return []
+    if not isinstance(media, (list, tuple)):
+        media = [media]
+    if not loaded.supports_images:
+        raise InvalidMedia(
+            "this model takes no images: it has no vision tower"
+            if loaded.lane == "native"
+            else "images need the mlx_batching=True lane (mlx-vlm)"
+        )
+    from PIL import Image, UnidentifiedImageError
+
+    images = []
+    for i, item in enumerate(media):
+        try:
+            if isinstance(item, Image.Image):
+                image = item
+            elif isinstance(item, (bytes, bytearray)):
+                image = Image.open(io.BytesIO(item))
+            elif isinstance(item, (str, Path)):
+                if not Path(item).is_file():
+                    raise InvalidMedia(f"media[{i}]: no file at {item}")
+                image = Image.open(item)
+            else:
+                raise InvalidMedia(f"media[{i}]: expected a file path, image bytes or a PIL image, got {type(item).__name__}")
+            images.append(image.convert("RGB"))
+        except (UnidentifiedImageError, OSError) as exc:
+            raise InvalidMedia(f"media[{i}] is not a readable image: {exc}") from exc
+    return images
+
+
+def _image_kwargs_factory(request: EngineRequest, loaded: Any, text: str, images: list[Any]):
+    from ..engine.backend import image_prompt_inputs
+
+    def factory() -> dict[str, Any]:
+        ids, kwargs = image_prompt_inputs(loaded.model, loaded.processor, text, images)
+        request.prompt_ids = ids
+        return kwargs
+
+    return factory
+
+
+def _performance(request: EngineRequest) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if request.first_token_at is not None and request.started_at is not None:
+        prefill_s = request.first_token_at - request.started_at
+        fed = request.num_prompt_tokens - (request.cached_tokens or 0)
+        if prefill_s > 0:
+            out["prompt_tokens_per_second"] = round(fed / prefill_s, 3)
+    if request.finished_at is not None and request.first_token_at is not None and request.num_output_tokens > 1:
+        decode_s = request.finished_at - request.first_token_at
+        if decode_s > 0:
+            out["generation_tokens_per_second"] = round((request.num_output_tokens - 1) / decode_s, 3)
+    return out
+
+
+def _collect(chunks: Iterator[GenerationChunk], prepared: _Prepared) -> GenerationResult:
+    return _result_from_chunks(list(chunks), prepared)
+
+
+def _result_from_chunks(chunks: list[GenerationChunk], prepared: _Prepared) -> GenerationResult:
+    final = chunks[-1]
+    text = "".join(c.content for c in chunks)
+    content, reasoning = _split_reasoning(text)
+    content, tool_calls = _extract_tool_calls(content)
+    finish = final.finish_reason
+    return GenerationResult(
+        content=content,
+        finish_reason=finish,
+        usage=final.usage or {},
+        metadata=final.metadata or {},
+        model=final.model,
+        reasoning=reasoning,
+        tool_calls=tool_calls,
+        token_ids=final.token_ids,
+    )
+
+
+def _split_reasoning(text: str) -> tuple[str, str | None]:
+    if _THINK_END not in text:
+        return text, None
+    reasoning, _, content = text.partition(_THINK_END)
+    return content.lstrip("\n"), reasoning.replace("<think>", "").strip()
+
+
+def _extract_tool_calls(text: str) -> tuple[str, list[dict[str, Any]] | None]:
+    calls = []
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            payload = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(payload, dict) and "name" in payload:
+            calls.append(
+                {
+                    "id": f"call_{uuid.uuid4().hex[:12]}",
+                    "type": "function",
+                    "function": {"name": payload["name"], "arguments": json.dumps(payload.get("arguments", {}))},
+                }
+            )
+    if not calls:
+        return text, None
+    return _TOOL_CALL.sub("", text).strip(), calls
