@@ -478,7 +478,11 @@ class Engine:
             if request.cancelled:
                 raise _Cancelled()
 
-        kwargs: dict[str, Any] = {"sampler": make_sampler(request.sampling), "prompt_progress_callback": on_prefill}
+        kwargs: dict[str, Any] = {
+            "sampler": make_sampler(request.sampling),
+            "prompt_progress_callback": on_prefill,
+            "prefill_step_size": self.config.prefill_step_size,
+        }
         if request.sampling.has_logit_processors():
             kwargs["logits_processors"] = make_logits_processors(request.sampling)
         request.cached_tokens = 0

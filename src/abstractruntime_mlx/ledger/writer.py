@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 1000
 DEFAULT_IDLE_WAIT_S = 0.25
+DEFAULT_LINGER_S = 0.02
 DEFAULT_FLUSH_TIMEOUT_S = 30.0
 _LIVENESS_POLL_S = 0.5
 
@@ -71,24 +72,31 @@ class ProgressWriter:
         ledger: Ledger,
         *,
         max_batch: int = DEFAULT_MAX_BATCH,
+        linger_s: float = DEFAULT_LINGER_S,
         idle_wait_s: float = DEFAULT_IDLE_WAIT_S,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
+        if linger_s < 0:
+            raise ValueError(f"linger_s must be >= 0 (got {linger_s})")
         if idle_wait_s <= 0:
             raise ValueError(f"idle_wait_s must be > 0 (got {idle_wait_s})")
         self._ledger = ledger
         self._max_batch = max_batch
+        self._linger_s = linger_s
         self._idle_wait_s = idle_wait_s
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the writer waits here for rows
         self._done = threading.Condition(self._lock)  # flushers wait here for commits
         self._queue: deque[ProgressEvent] = deque()
         self._state = WriterState.UNSTARTED
-        self._writer_idle = False
+        self._writer_idle = False  # waiting for a first row: the next put() wakes the writer
+        self._lingering = False  # gathering a batch: only a full batch or a flush wakes it
+        self._flush_waiters = 0
         self._enqueued = 0  # tickets handed out: the n-th put() is ticket n
         self._dequeued = 0  # tickets taken by the writer (FIFO, so a batch ends at this ticket)
         self._committed = 0  # every ticket <= this is committed
+        self._batches = 0
         self._last_by_run: dict[str, int] = {}
         self._last_by_node: dict[tuple[str, str], int] = {}
         self._error: BaseException | None = None
@@ -177,6 +185,11 @@ class ProgressWriter:
         """Rows committed (or found already stored) since start."""
         return self._committed
 
+    @property
+    def batches(self) -> int:
+        """Transactions committed since start (``committed / batches`` is the mean batch size)."""
+        return self._batches
+
     def _failure(self) -> LedgerWriteFailed:
         failure = LedgerWriteFailed(
             f"ledger progress writer failed ({self._error}); {self._unwritten} rows were not written",
@@ -205,7 +218,7 @@ class ProgressWriter:
             self._queue.append(item)
             self._last_by_run[key.run_id] = ticket
             self._last_by_node[(key.run_id, key.node_id)] = ticket
-            if self._writer_idle:
+            if self._writer_idle or (self._lingering and len(self._queue) >= self._max_batch):
                 self._work.notify()
         return item.idempotency_key
 
@@ -230,24 +243,42 @@ class ProgressWriter:
                 wanted = self._last_by_node.get((target.run_id, target.node_id), 0)
             else:
                 wanted = self._last_by_run.get(target, 0)
-            while self._committed < wanted and self._state is not WriterState.FAILED:
-                thread = self._thread
-                if thread is None or not thread.is_alive():
-                    raise LedgerError(
-                        f"ledger progress writer thread is not running ({self._state.name}); "
-                        f"{wanted - self._committed} rows cannot be flushed"
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise LedgerTimeout(
-                        f"flush timed out after {timeout_s}s; {wanted - self._committed} rows not yet committed",
-                        details={"pending_rows": wanted - self._committed},
-                    )
-                self._done.wait(min(remaining, _LIVENESS_POLL_S))
+            self._flush_waiters += 1
+            try:
+                self._wait_committed(wanted, deadline, timeout_s)
+            finally:
+                self._flush_waiters -= 1
             if self._state is WriterState.FAILED:
                 raise self._failure()
 
+    def _wait_committed(self, wanted: int, deadline: float, timeout_s: float) -> None:
+        # called with the lock held
+        if self._committed < wanted and (self._lingering or self._writer_idle):
+            self._work.notify()  # no more gathering: a flush is waiting
+        while self._committed < wanted and self._state is not WriterState.FAILED:
+            thread = self._thread
+            if thread is None or not thread.is_alive():
+                raise LedgerError(
+                    f"ledger progress writer thread is not running ({self._state.name}); "
+                    f"{wanted - self._committed} rows cannot be flushed"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LedgerTimeout(
+                    f"flush timed out after {timeout_s}s; {wanted - self._committed} rows not yet committed",
+                    details={"pending_rows": wanted - self._committed},
+                )
+            self._done.wait(min(remaining, _LIVENESS_POLL_S))
+
     # -- writer thread --------------------------------------------------------------
+
+    def _should_linger(self) -> bool:
+        return (
+            self._linger_s > 0
+            and self._state is WriterState.RUNNING
+            and self._flush_waiters == 0
+            and 0 < len(self._queue) < self._max_batch
+        )
 
     def _run(self) -> None:
         while True:
@@ -256,6 +287,12 @@ class ProgressWriter:
                     self._writer_idle = True
                     self._work.wait(self._idle_wait_s)
                     self._writer_idle = False
+                if self._should_linger():
+                    # Gather a batch: the producers' put() stays a plain append (no wake-up)
+                    # until the batch is full; a flush or stop cuts the wait short.
+                    self._lingering = True
+                    self._work.wait(self._linger_s)
+                    self._lingering = False
                 if not self._queue:
                     return  # stopping, and everything is written
                 count = min(len(self._queue), self._max_batch)
@@ -274,6 +311,7 @@ class ProgressWriter:
                 return
             with self._lock:
                 self._committed = last_ticket
+                self._batches += 1
                 if self._committed == self._enqueued:
                     self._last_by_run.clear()
                     self._last_by_node.clear()

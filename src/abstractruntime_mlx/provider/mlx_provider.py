@@ -36,7 +36,7 @@ from ..errors import (
 )
 from ..results import GenerationChunk, GenerationResult
 from . import residency
-from .progress import DEFAULT_MIN_INTERVAL_S, ProgressTracker, pick_progress_callback
+from .progress import ProgressTracker, pick_progress_callback, progress_interval_from_env
 
 DEFAULT_MAX_OUTPUT_TOKENS = 1024
 DEFAULT_DRAFT_TOKENS = 2
@@ -50,6 +50,7 @@ EXECUTION_DEFAULTS: dict[str, Any] = {
     "mlx_batch_wait_ms": 10,
     "mlx_queue_timeout_s": 120.0,
     "mlx_output_queue_size": 256,
+    "mlx_prefill_step_size": 256,
 }
 
 _lease_ids = itertools.count(1)
@@ -78,7 +79,7 @@ class MLXProvider:
         *,
         speculation: Any = None,
         mtp_head: str | None = None,
-        progress_min_interval_s: float = DEFAULT_MIN_INTERVAL_S,
+        progress_min_interval_s: float | None = None,
         **options: Any,
     ) -> None:
         unknown = set(options) - set(EXECUTION_DEFAULTS)
@@ -87,7 +88,9 @@ class MLXProvider:
         self.model = model
         self.execution_options = _validate_options({**EXECUTION_DEFAULTS, **options})
         self._speculation_default = normalize_speculation(speculation, field="speculation")
-        self.progress_min_interval_s = float(progress_min_interval_s)
+        self.progress_min_interval_s = (
+            progress_interval_from_env() if progress_min_interval_s is None else float(progress_min_interval_s)
+        )
         self.path = resolve_model_path(model)
         head = resolve_model_path(mtp_head) if mtp_head else None
         self._mtp = detect_mtp(self.path, name=model, head=head)
@@ -102,6 +105,7 @@ class MLXProvider:
             batch_wait_ms=self.execution_options["mlx_batch_wait_ms"],
             queue_timeout_s=self.execution_options["mlx_queue_timeout_s"],
             output_queue_size=self.execution_options["mlx_output_queue_size"],
+            prefill_step_size=self.execution_options["mlx_prefill_step_size"],
         )
         self._lease = next(_lease_ids)
         self._resident: residency.Resident | None = residency.acquire(
@@ -159,16 +163,18 @@ class MLXProvider:
     # --- generation ----------------------------------------------------------------------
     def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | Iterator[GenerationChunk]:
         prepared = self._prepare(prompt, kwargs)
-        chunks = self._stream(prepared)
+        submitted = self._submit(prepared)
+        chunks = self._stream(prepared, submitted)
         if stream:
-            return chunks
+            return ChunkStream(chunks, submitted)
         return _collect(chunks, prepared)
 
     async def agenerate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | AsyncIterator[GenerationChunk]:
         prepared = self._prepare(prompt, kwargs)
-        chunks = self._astream(prepared)
+        submitted = self._submit(prepared)
+        chunks = self._astream(prepared, submitted)
         if stream:
-            return chunks
+            return AsyncChunkStream(chunks, submitted)
         parts: list[GenerationChunk] = []
         async for chunk in chunks:
             parts.append(chunk)
@@ -276,12 +282,15 @@ class MLXProvider:
         meta.update(used=True, runtime="mlx_vlm", draft_kind="mtp", drafter=loaded.drafter_source)
         return depth, meta
 
-    def _stream(self, prepared: _Prepared) -> Iterator[GenerationChunk]:
-        engine = self._engine
-        request = prepared.request
+    def _submit(self, prepared: _Prepared) -> RequestStream:
+        """Submit now, so a full queue or a closed engine raises at call time, not at first read."""
+        stream = self._engine.submit(prepared.request)
         if prepared.tracker is not None:
-            prepared.tracker.start(request.num_prompt_tokens)
-        stream = engine.submit(request)
+            prepared.tracker.start(prepared.request.num_prompt_tokens)
+        return stream
+
+    def _stream(self, prepared: _Prepared, stream: RequestStream) -> Iterator[GenerationChunk]:
+        request = prepared.request
         items = iter(stream)
         try:
             for item in items:
@@ -295,12 +304,8 @@ class MLXProvider:
             items.close()  # type: ignore[attr-defined]
         yield self._final_chunk(prepared, stream.outcome or request.outcome)
 
-    async def _astream(self, prepared: _Prepared) -> AsyncIterator[GenerationChunk]:
-        engine = self._engine
+    async def _astream(self, prepared: _Prepared, stream: RequestStream) -> AsyncIterator[GenerationChunk]:
         request = prepared.request
-        if prepared.tracker is not None:
-            prepared.tracker.start(request.num_prompt_tokens)
-        stream = engine.submit(request)
         items = stream.aiter()
         try:
             async for item in items:
@@ -370,6 +375,54 @@ class MLXProvider:
         )
 
 
+class ChunkStream:
+    """The chunks of one request. ``close()`` cancels it, also before the first read."""
+
+    def __init__(self, chunks: Iterator[GenerationChunk], submitted: RequestStream) -> None:
+        self._chunks = chunks
+        self._submitted = submitted
+
+    def __iter__(self) -> "ChunkStream":
+        return self
+
+    def __next__(self) -> GenerationChunk:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        self._submitted.close()
+        self._chunks.close()  # type: ignore[attr-defined]
+
+    def __enter__(self) -> "ChunkStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncChunkStream:
+    """Async twin of ``ChunkStream``: ``await stream.aclose()`` cancels the request."""
+
+    def __init__(self, chunks: AsyncIterator[GenerationChunk], submitted: RequestStream) -> None:
+        self._chunks = chunks
+        self._submitted = submitted
+
+    def __aiter__(self) -> "AsyncChunkStream":
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        self._submitted.close()
+        await self._chunks.aclose()  # type: ignore[attr-defined]
+
+    async def __aenter__(self) -> "AsyncChunkStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
 _SAMPLING_NAMES = {
     "temperature",
     "top_p",
@@ -396,6 +449,7 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
     positive_int("mlx_max_batch_size")
     positive_int("mlx_max_queue_size")
     positive_int("mlx_output_queue_size", lo=2)
+    positive_int("mlx_prefill_step_size", lo=16)
     wait = options["mlx_batch_wait_ms"]
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1000:
         raise InvalidControls("mlx_batch_wait_ms must be a number in [0, 1000]", field="mlx_batch_wait_ms", value=wait)

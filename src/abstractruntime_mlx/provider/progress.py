@@ -9,8 +9,11 @@ the first-token event and ``complete`` always fire; every other event is dropped
 from __future__ import annotations
 
 import logging
+import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
+
+from ..errors import InvalidControls
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +21,22 @@ DEFAULT_MIN_INTERVAL_S = 0.5
 PROGRESS_ALIASES = ("on_progress", "progress_callback", "progress_event_callback")
 
 ProgressCallback = Callable[[dict[str, Any]], Any]
+
+
+def progress_interval_from_env(env: Mapping[str, str] = os.environ) -> float:
+    """``ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S`` (shared with AbstractCore), default 0.5 s."""
+    raw = env.get("ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S")
+    if raw is None or raw.strip() == "":
+        return DEFAULT_MIN_INTERVAL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidControls(
+            "ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S must be a number of seconds", field="ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S", value=raw
+        ) from None
+    if value < 0:
+        raise InvalidControls("ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S must be >= 0", field="ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S", value=raw)
+    return value
 
 
 def pick_progress_callback(values: dict[str, Any]) -> ProgressCallback | None:

@@ -1,0 +1,185 @@
+"""Server-sent events: framing, and the pump that feeds one provider call into a response.
+
+``ProviderPump`` runs one ``agenerate`` call as an asyncio task and merges what it produces
+(stream chunks, or the one result) with the provider's phase events (``on_progress``, called
+on any thread) into one queue of typed items, in arrival order. Chunks are bounded
+(``max_pending``) so a slow HTTP client slows the pump, and the engine's own backpressure
+(``StreamBackpressure``) still applies. ``close()`` is synchronous and idempotent: it sets the
+request's ``cancel_event`` (the engine frees the slot at its next step) and cancels the task,
+whose ``finally`` closes the provider stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ..errors import UpstreamError
+from ..results import GenerationChunk, GenerationResult
+
+DONE: Final = "data: [DONE]\n\n"
+DEFAULT_MAX_PENDING: Final = 64
+SSE_HEADERS: Final = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def data_event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def named_event(name: str, payload: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+# --------------------------------------------------------------------------- pump items
+
+
+@dataclass(slots=True)
+class ChunkItem:
+    chunk: GenerationChunk
+
+
+@dataclass(slots=True)
+class ResultItem:
+    result: GenerationResult
+
+
+@dataclass(slots=True)
+class ProgressItem:
+    event: dict[str, Any]
+
+
+@dataclass(slots=True)
+class FailureItem:
+    error: BaseException
+
+
+@dataclass(slots=True)
+class EndItem:
+    pass
+
+
+PumpItem = ChunkItem | ResultItem | ProgressItem | FailureItem | EndItem
+ProviderCall = Callable[[Callable[[dict[str, Any]], None] | None], Awaitable[Any]]
+
+
+class ProviderPump:
+    """One provider call, its outputs and its phase events, as one ordered queue.
+
+    ``call(on_progress)`` must start the provider call (``llm.agenerate(...)``) with the given
+    progress callback (``None`` when progress was not asked for).
+    """
+
+    def __init__(
+        self,
+        call: ProviderCall,
+        *,
+        stream: bool,
+        cancel_event: threading.Event,
+        with_progress: bool,
+        max_pending: int = DEFAULT_MAX_PENDING,
+    ) -> None:
+        self._call = call
+        self._stream = stream
+        self.cancel_event = cancel_event
+        self._with_progress = with_progress
+        self._queue: asyncio.Queue[PumpItem] = asyncio.Queue()
+        self._slots = asyncio.Semaphore(max_pending)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def start(self) -> ProviderPump:
+        if self._task is not None:
+            raise RuntimeError("the pump was already started")
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def next(self) -> PumpItem:
+        item = await self._queue.get()
+        if isinstance(item, ChunkItem):
+            self._slots.release()
+        return item
+
+    def next_nowait(self) -> PumpItem | None:
+        try:
+            item = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+        if isinstance(item, ChunkItem):
+            self._slots.release()
+        return item
+
+    def close(self) -> None:
+        """Cancel the call if it is still running (never blocks, safe to repeat)."""
+        if self._closed:
+            return
+        self._closed = True
+        task = self._task
+        if task is not None and not task.done():
+            self.cancel_event.set()
+            task.cancel()
+
+    # --- internals -------------------------------------------------------------------------
+    def _on_progress(self, event: dict[str, Any]) -> None:
+        """The provider's ``on_progress``: may run on the loop or on a worker thread."""
+        item = ProgressItem(dict(event))
+        if threading.get_ident() == self._loop_thread:
+            self._queue.put_nowait(item)
+        elif self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def _run(self) -> None:
+        callback = self._on_progress if self._with_progress else None
+        try:
+            if self._stream:
+                iterator: AsyncIterator[GenerationChunk] = await self._call(callback)
+                try:
+                    async for chunk in iterator:
+                        await self._slots.acquire()
+                        self._queue.put_nowait(ChunkItem(chunk))
+                finally:
+                    aclose = getattr(iterator, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+            else:
+                result = await self._call(callback)
+                if not isinstance(result, GenerationResult):
+                    raise UpstreamError(f"the provider returned {type(result).__name__}, not a GenerationResult")
+                self._queue.put_nowait(ResultItem(result))
+        except asyncio.CancelledError:
+            self.cancel_event.set()
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure travels to the response as an item
+            self._queue.put_nowait(FailureItem(exc))
+        finally:
+            # Scheduled, so phase events already posted from other threads stay ahead of it.
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon(self._queue.put_nowait, EndItem())
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response that runs ``on_close`` however the stream ends.
+
+    Starlette cancels the body on client disconnect, possibly before the body iterator ever
+    started, so cleanup cannot live only in the iterator's ``finally``.
+    """
+
+    def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

@@ -1,0 +1,143 @@
+"""OpenAI-compatible JSON bodies built from ``GenerationResult`` / ``GenerationChunk``.
+
+Pure functions, no I/O. Additive fields (AbstractCore's):
+
+- ``usage.prompt_tokens_details.cached_tokens`` mirrors ``usage.cached_input_tokens``; the
+  provider's own usage keys (``input_tokens``, ``output_tokens``, ``cached_input_tokens``)
+  are kept alongside OpenAI's three.
+- ``abstractcore``: ``{execution, speculation, performance, prompt_cache}`` (the keys the
+  provider reported; absent ones stay absent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, Final
+
+from ..errors import MLXRuntimeError
+from ..results import GenerationChunk, GenerationResult
+
+log = logging.getLogger(__name__)
+
+ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache")
+_USAGE_EXTRAS: Final = ("input_tokens", "output_tokens", "cached_input_tokens")
+
+
+def new_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def usage_to_wire(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not usage:
+        return None
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    out: dict[str, Any] = {
+        "prompt_tokens": int(prompt or 0),
+        "completion_tokens": int(completion or 0),
+        "total_tokens": int(usage.get("total_tokens", (prompt or 0) + (completion or 0))),
+    }
+    for key in _USAGE_EXTRAS:
+        if usage.get(key) is not None:
+            out[key] = usage[key]
+    if usage.get("cached_input_tokens") is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": int(usage["cached_input_tokens"])}
+    return out
+
+
+def abstractcore_block(metadata: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not metadata:
+        return None
+    block = {k: metadata[k] for k in ABSTRACTCORE_KEYS if metadata.get(k) is not None}
+    return block or None
+
+
+def completion_body(result: GenerationResult, *, completion_id: str, model: str, created: int) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": result.content}
+    if result.reasoning:
+        message["reasoning"] = result.reasoning
+    if result.tool_calls:
+        message["tool_calls"] = format_tool_calls(result.tool_calls)
+    body: dict[str, Any] = {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": result.finish_reason or "stop"}],
+    }
+    usage = usage_to_wire(result.usage)
+    if usage is not None:
+        body["usage"] = usage
+    block = abstractcore_block(result.metadata)
+    if block is not None:
+        body["abstractcore"] = block
+    return body
+
+
+def chunk_body(
+    *,
+    completion_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    finish_reason: str | None = None,
+    usage: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+    }
+    wire_usage = usage_to_wire(usage)
+    if wire_usage is not None:
+        body["usage"] = wire_usage
+    block = abstractcore_block(metadata)
+    if block is not None:
+        body["abstractcore"] = block
+    return body
+
+
+def format_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's ``{"id", "type": "function", "function": {"name", "arguments": str}}``."""
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call.get("function"), dict) else call
+        arguments = fn.get("arguments", "")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        out.append(
+            {
+                "id": call.get("id") or f"call_{uuid.uuid4().hex[:12]}",
+                "type": "function",
+                "function": {"name": fn.get("name"), "arguments": arguments},
+            }
+        )
+    return out
+
+
+def error_payload(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """``(http_status, {"error": {...}})`` for any exception; unexpected ones are logged."""
+    if isinstance(exc, MLXRuntimeError):
+        return exc.http_status, {"error": exc.to_dict()}
+    log.error("unexpected server error", exc_info=exc)
+    return 500, {
+        "error": {
+            "message": f"internal server error: {type(exc).__name__}: {exc}",
+            "type": "server_error",
+            "code": "internal_error",
+        }
+    }
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def chunk_is_terminal(chunk: GenerationChunk) -> bool:
+    return chunk.finish_reason is not None

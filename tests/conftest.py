@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny offline models, built once per test session."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from abstractruntime_mlx.testing import tiny_model
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def dense_model(models_dir):
+    return str(tiny_model(models_dir / "dense", kind="dense", seed=0))
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(models_dir):
+    return str(tiny_model(models_dir / "hybrid-mtp", kind="hybrid-mtp", seed=0, mtp_alpha=0.05))
+
+
+@pytest.fixture(scope="session")
+def vision_model(models_dir):
+    return str(tiny_model(models_dir / "vision", kind="vision", seed=0))
+
+
+@pytest.fixture()
+def policy_file(tmp_path, monkeypatch):
+    """Point the Core policy at a private file (absent: the fresh-install seed applies)."""
+    path = tmp_path / "abstractcore.json"
+    monkeypatch.setenv("ABSTRACTCORE_CONFIG_FILE", str(path))
+    return path
+
+
+@pytest.fixture()
+def make_llm(policy_file):
+    """create_llm that unloads everything it made at the end of the test."""
+    from abstractruntime_mlx import create_llm
+
+    made = []
+
+    def factory(model, **options):
+        llm = create_llm("mlx", model=model, **options)
+        made.append(llm)
+        return llm
+
+    yield factory
+    for llm in made:
+        try:
+            llm.unload_model()
+        except Exception:  # noqa: BLE001 - a test may have left a stream open on purpose
+            pass
+    gc.collect()
