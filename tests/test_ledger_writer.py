@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,18 @@ from abstractruntime_mlx.ledger import (
     WriterState,
     sqlite_url,
 )
+
+
+PG_URL = os.environ.get("LEDGER_TEST_URL")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return sqlite_url(tmp_path / "ledger.db")
+    if not PG_URL:
+        pytest.skip("LEDGER_TEST_URL is not set")
+    return PG_URL
 
 
 @pytest.fixture
@@ -155,6 +168,59 @@ def test_concurrent_producers(ledger: Ledger, db_path: Path) -> None:
     assert [r.seq for r in rows] == list(range(1, n_threads * per_thread + 1))
     for t in range(n_threads):
         assert [r.event_index for r in rows if r.node_id == f"node{t}"] == list(range(per_thread))
+
+
+def test_two_writers_on_two_engines_share_one_run(ledger_url: str) -> None:
+    """Two processes recording one run: seqs stay unique and dense, every row is readable."""
+    run_id = f"run-{uuid.uuid4().hex[:12]}"
+    stores = [Ledger(ledger_url), Ledger(ledger_url)]
+    writers = [store.progress_writer(max_batch=50) for store in stores]
+    try:
+
+        def produce(n: int) -> None:
+            key = NodeKey(run_id, f"node{n}", step_id=f"s{n}", attempt=1)
+            for i in range(400):
+                writers[n].put(_event(i), key)
+            writers[n].flush(key)
+
+        threads = [threading.Thread(target=produce, args=(n,)) for n in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        rows = stores[1].node_timeline(run_id)
+        assert [r.seq for r in rows] == list(range(1, 801))
+        for n in range(2):
+            assert [r.event_index for r in rows if r.node_id == f"node{n}"] == list(range(400))
+    finally:
+        for store in stores:
+            store.close()
+
+
+def test_linger_gathers_a_batch_but_flush_does_not_wait_for_it(ledger: Ledger, db_path: Path) -> None:
+    key = NodeKey("r1", "llm", step_id="s1", attempt=1)
+    writer = ledger.progress_writer(linger_s=30.0)
+    for i in range(5):
+        writer.put(_event(i), key)
+    started = time.monotonic()
+    writer.flush(key, timeout_s=10)
+    assert time.monotonic() - started < 5
+    assert _count_rows(db_path, "r1") == 5
+    writer.stop()
+
+
+def test_rows_commit_without_flush_within_the_linger(ledger: Ledger, db_path: Path) -> None:
+    writer = ledger.progress_writer(linger_s=0.05)
+    writer.put(_event(0), NodeKey("r1", "llm", step_id="s1", attempt=1))
+    full = ledger.progress_writer(linger_s=30.0, max_batch=10)  # a full batch is written at once
+    for i in range(10):
+        full.put(_event(i), NodeKey("r2", "llm", step_id="s2", attempt=1))
+    deadline = time.monotonic() + 5
+    while (_count_rows(db_path, "r1"), _count_rows(db_path, "r2")) != (1, 10) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (_count_rows(db_path, "r1"), _count_rows(db_path, "r2")) == (1, 10)
+    writer.stop()
+    full.stop()
 
 
 def test_lifecycle_misuse(ledger: Ledger) -> None:

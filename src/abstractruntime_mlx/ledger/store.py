@@ -436,12 +436,12 @@ class Ledger:
     def __repr__(self) -> str:
         return f"Ledger({self.url!r})"
 
-    def progress_writer(self, *, max_batch: int = 1000, idle_wait_s: float = 0.25) -> ProgressWriter:
-        """A started ``ProgressWriter`` on this ledger; ``close()`` stops it."""
+    def progress_writer(self, **options: Any) -> ProgressWriter:
+        """A started ``ProgressWriter(self, **options)``; ``close()`` stops it (draining it first)."""
         from .writer import ProgressWriter
 
         self._check_open()
-        writer = ProgressWriter(self, max_batch=max_batch, idle_wait_s=idle_wait_s)
+        writer = ProgressWriter(self, **options)
         with self._writers_lock:
             self._writers.add(writer)
         return writer.start()
