@@ -98,7 +98,9 @@ def _keys(run_id: str, nodes: int) -> list[NodeKey]:
     return [NodeKey(run_id, f"llm{n}", workflow_id="bench", step_id=f"step{n}", attempt=1) for n in range(nodes)]
 
 
-def measure_sustained_rate(ledger: Ledger, rows: int, *, nodes: int = 8, run_id: str = "bench-sustained") -> SustainedRate:
+def measure_sustained_rate(
+    ledger: Ledger, rows: int, *, nodes: int = 8, run_id: str = "bench-sustained"
+) -> SustainedRate:
     keys = _keys(run_id, nodes)
     writer = ledger.progress_writer()
     try:

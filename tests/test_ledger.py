@@ -201,7 +201,7 @@ def test_runs_save_load_create_if_absent(ledger: Ledger) -> None:
     detail = ledger.get_run(rid)
     assert detail is not None
     assert detail.status == "completed" and detail.duration_s == 42.0 and detail.session_id == "sess"
-    assert detail.created_at == dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    assert detail.created_at == dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
 
 def test_list_run_states_filters(ledger: Ledger) -> None:

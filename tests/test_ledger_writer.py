@@ -29,7 +29,6 @@ from abstractruntime_mlx.ledger import (
     sqlite_url,
 )
 
-
 PG_URL = os.environ.get("LEDGER_TEST_URL")
 
 
@@ -65,10 +64,10 @@ def _count_rows(db_path: Path, run_id: str, node_id: str | None = None) -> int:
     """Read through an independent connection (not the ledger's engine)."""
     with sqlite3.connect(db_path) as conn:
         if node_id is None:
-            return conn.execute("SELECT COUNT(*) FROM progress WHERE run_id=?", (run_id,)).fetchone()[0]
-        return conn.execute(
-            "SELECT COUNT(*) FROM progress WHERE run_id=? AND node_id=?", (run_id, node_id)
-        ).fetchone()[0]
+            return int(conn.execute("SELECT COUNT(*) FROM progress WHERE run_id=?", (run_id,)).fetchone()[0])
+        return int(
+            conn.execute("SELECT COUNT(*) FROM progress WHERE run_id=? AND node_id=?", (run_id, node_id)).fetchone()[0]
+        )
 
 
 def test_flush_makes_rows_visible_to_another_connection(ledger: Ledger, db_path: Path) -> None:

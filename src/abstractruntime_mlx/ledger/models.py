@@ -68,14 +68,14 @@ class DateTimeUTC(TypeDecorator[dt.datetime]):
             return None
         if value.tzinfo is None:
             raise TypeError(f"naive datetime {value!r} refused: the ledger stores UTC-aware datetimes")
-        return value.astimezone(dt.timezone.utc)
+        return value.astimezone(dt.UTC)
 
     def process_result_value(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
         if value is None:
             return None
         if value.tzinfo is None:
-            return value.replace(tzinfo=dt.timezone.utc)
-        return value.astimezone(dt.timezone.utc)
+            return value.replace(tzinfo=dt.UTC)
+        return value.astimezone(dt.UTC)
 
 
 JsonB = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")

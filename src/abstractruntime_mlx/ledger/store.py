@@ -25,13 +25,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
-from sqlalchemy import Engine, create_engine, event, inspect, insert, select, text, update
+from sqlalchemy import Engine, Table, create_engine, event, insert, inspect, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import queries
@@ -144,7 +144,7 @@ _json_dumps = functools.partial(json.dumps, separators=(",", ":"), ensure_ascii=
 
 
 def _utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def _enum_value(value: Any) -> Any:
@@ -178,8 +178,8 @@ def parse_timestamp(value: Any) -> dt.datetime | None:
     else:
         raise ValueError(f"not a timestamp: {value!r}")
     if parsed.tzinfo is None:
-        return parsed.replace(tzinfo=dt.timezone.utc)
-    return parsed.astimezone(dt.timezone.utc)
+        return parsed.replace(tzinfo=dt.UTC)
+    return parsed.astimezone(dt.UTC)
 
 
 def _as_int(value: Any) -> int | None:
@@ -265,7 +265,7 @@ def _progress_row(item: ProgressEvent, seq: int) -> dict[str, Any]:
         "seq": seq,
         "idempotency_key": item.idempotency_key,
         "final": _as_bool(event.get("final")),
-        "created_at": dt.datetime.fromtimestamp(item.created_at, dt.timezone.utc),
+        "created_at": dt.datetime.fromtimestamp(item.created_at, dt.UTC),
         "event": event,
     }
     for name in PROGRESS_INT_KEYS:
@@ -282,6 +282,10 @@ def _progress_row(item: ProgressEvent, seq: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------
 
 
+def _table(model: type[Base]) -> Table:
+    return cast(Table, model.__table__)
+
+
 def _insert_ignoring_conflicts(
     session: Session, model: type[Base], rows: Sequence[dict[str, Any]], conflict_columns: Sequence[str]
 ) -> int:
@@ -293,7 +297,7 @@ def _insert_ignoring_conflicts(
     """
     if not rows:
         return 0
-    table = model.__table__  # Core statements: a CursorResult with a rowcount, no ORM bulk path
+    table = _table(model)  # Core statements: a CursorResult with a rowcount, no ORM bulk path
     name = session.get_bind().dialect.name
     if name in ("sqlite", "postgresql"):
         dialect_insert = sqlite_insert if name == "sqlite" else pg_insert
@@ -338,7 +342,7 @@ def _lock_heads(session: Session, stream: str, run_ids: Sequence[str]) -> dict[s
 
 def _advance_head(session: Session, stream: str, run_id: str, last_seq: int) -> None:
     session.execute(
-        update(SeqHead.__table__).where(SeqHead.run_id == run_id, SeqHead.stream == stream).values(last_seq=last_seq)
+        update(_table(SeqHead)).where(SeqHead.run_id == run_id, SeqHead.stream == stream).values(last_seq=last_seq)
     )
 
 
@@ -492,7 +496,7 @@ class Ledger:
                     )
             Base.metadata.create_all(conn)
             if version is None:
-                session.execute(insert(LedgerMeta.__table__).values(key="schema_version", value=str(SCHEMA_VERSION)))
+                session.execute(insert(_table(LedgerMeta)).values(key="schema_version", value=str(SCHEMA_VERSION)))
 
     def schema_version(self) -> int:
         with self._read("read schema version") as session:
@@ -507,7 +511,7 @@ class Ledger:
         with self._write(f"save run {row['run_id']}") as session:
             if _insert_ignoring_conflicts(session, Run, [row], ("run_id",)) == 0:
                 changes = {k: v for k, v in row.items() if k not in ("run_id", "created_at")}
-                session.execute(update(Run.__table__).where(Run.run_id == row["run_id"]).values(**changes))
+                session.execute(update(_table(Run)).where(Run.run_id == row["run_id"]).values(**changes))
 
     def create_run_if_absent(self, run: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
         """Create the run unless its id exists: ``(run, True)``, or ``(stored run dict, False)``.
@@ -576,7 +580,7 @@ class Ledger:
                 return int(stored_seq)
             seq = last_seq + 1
             _advance_head(session, STEPS_STREAM, run_id, seq)
-            session.execute(insert(Step.__table__), [{**row, "seq": seq}])
+            session.execute(insert(_table(Step)), [{**row, "seq": seq}])
         return seq
 
     def list_steps(self, run_id: str) -> list[dict[str, Any]]:

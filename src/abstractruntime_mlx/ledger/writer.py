@@ -110,9 +110,7 @@ class ProgressWriter:
         with self._lock:
             if self._state is not WriterState.UNSTARTED:
                 raise RuntimeError(f"ProgressWriter cannot start: it is {self._state.name}")
-            self._thread = threading.Thread(
-                target=self._run, name="abstractruntime-mlx-ledger-writer", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name="abstractruntime-mlx-ledger-writer", daemon=True)
             self._state = WriterState.RUNNING
         atexit.register(self._atexit_hook)
         self._thread.start()
@@ -207,9 +205,7 @@ class ProgressWriter:
         not carry become NULL columns. Without ``idempotency_key`` the default is
         ``progress_idempotency_key(key, event)``.
         """
-        item = ProgressEvent(
-            key, dict(event), idempotency_key or progress_idempotency_key(key, event), time.time()
-        )
+        item = ProgressEvent(key, dict(event), idempotency_key or progress_idempotency_key(key, event), time.time())
         with self._lock:
             if self._state is not WriterState.RUNNING:
                 raise self._not_running()

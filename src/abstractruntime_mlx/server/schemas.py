@@ -33,20 +33,15 @@ TOLERATED_CHAT_FIELDS: frozenset[str] = frozenset(
     }
 )
 
-# Options /acore/models/load forwards to ``create_llm`` (AbstractCore's ``_MLX_RUNTIME_OPTIONS``
-# that this package implements).
-LOAD_OPTIONS: frozenset[str] = frozenset(
-    {
-        "mlx_batching",
-        "mlx_max_batch_size",
-        "mlx_max_queue_size",
-        "mlx_batch_wait_ms",
-        "mlx_queue_timeout_s",
-        "mlx_output_queue_size",
-        "speculation",
-        "mtp_head",
-    }
-)
+# Load options besides the provider's execution options (``EXECUTION_DEFAULTS``).
+LOAD_TIME_CONTROLS: frozenset[str] = frozenset({"speculation", "mtp_head"})
+
+
+def load_options() -> frozenset[str]:
+    """Options ``/acore/models/load`` forwards to ``create_llm`` (AbstractCore's ``options``)."""
+    from ..provider.mlx_provider import EXECUTION_DEFAULTS
+
+    return frozenset(EXECUTION_DEFAULTS) | LOAD_TIME_CONTROLS
 
 
 class StreamOptions(BaseModel):
@@ -139,9 +134,10 @@ class LoadModelRequest(BaseModel):
             raise InvalidRequest(f"this server loads provider 'mlx' only, not {self.provider!r}")
         if self.task not in (None, "text_generation", "text"):
             raise InvalidRequest(f"this server serves text generation only, not task {self.task!r}")
-        unknown = sorted(set(self.options) - LOAD_OPTIONS)
+        accepted = load_options()
+        unknown = sorted(set(self.options) - accepted)
         if unknown:
-            raise InvalidRequest(f"unknown load option(s) {unknown}; accepted: {sorted(LOAD_OPTIONS)}")
+            raise InvalidRequest(f"unknown load option(s) {unknown}; accepted: {sorted(accepted)}")
         return dict(self.options)
 
 

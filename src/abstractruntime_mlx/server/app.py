@@ -1,0 +1,613 @@
+"""The ASGI app serving one resident provider (one server process per resident model).
+
+Routes (see ``docs/server.md``)::
+
+    GET  /health                               never needs auth
+    GET  /v1/models
+    GET  /v1/models/execution-capabilities     ?model_name=&provider=mlx
+    POST /v1/chat/completions                  OpenAI-compatible, stream or not
+    POST /acore/models/load                    {model, provider?, options{}}
+    POST /acore/models/unload                  {model?}
+    GET  /acore/prompt_cache/stats
+    POST /acore/prompt_cache/clear             {key?}
+    POST /acore/prompt_cache/key_meta          {provider?, model?, key, meta}
+    GET  /acore/prompt_cache/key_meta          ?key=
+
+Every failure is ``{"error": {"message", "type", "code"}}`` with the error's HTTP status;
+after the first SSE byte it is a ``data: {"error": ...}`` event followed by ``[DONE]``.
+Generation runs through the provider's ``agenerate`` on the event loop (the engine's worker
+thread does the MLX work), so concurrent requests reach the engine together and are batched.
+A client that disconnects cancels its request: the ``cancel_event`` is set and the provider
+stream closed, which frees the engine slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Final
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..capabilities import get_execution_capabilities
+from ..controls import normalize_speculation
+from ..errors import (
+    AuthenticationError,
+    InvalidRequest,
+    MLXRuntimeError,
+    ModelNotFound,
+    ResidencyConflict,
+    UpstreamError,
+)
+from .media import extract_images
+from .schemas import (
+    ChatCompletionRequest,
+    LoadModelRequest,
+    PromptCacheClearRequest,
+    PromptCacheKeyMetaRequest,
+    UnloadModelRequest,
+    parse_body,
+)
+from .sse import (
+    DONE,
+    ChunkItem,
+    EndItem,
+    FailureItem,
+    ProgressItem,
+    ProviderPump,
+    PumpItem,
+    ResultItem,
+    SSEResponse,
+    data_event,
+    named_event,
+)
+from .wire import chunk_body, completion_body, error_payload, new_completion_id, now_s
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES: Final = 64 * 1024 * 1024  # 16 images of 10 MiB in base64 fit
+MAX_KEY_META_ENTRIES: Final = 4096
+MAX_KEY_META_BYTES: Final = 16 * 1024
+RESERVED_META_KEYS: Final = frozenset({"fed_token_ids", "fed_token_count", "backend", "token_count", "provider", "model"})
+PUBLIC_PATHS: Final = frozenset({"/health"})
+_SAMPLING_FIELDS: Final = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "seed",
+    "stop",
+)
+
+ModelFactory = Callable[..., Any]
+
+
+def _default_factory(model: str, **options: Any) -> Any:
+    from ..provider import create_llm
+
+    return create_llm("mlx", model=model, **options)
+
+
+# --------------------------------------------------------------------------- residency
+
+
+class ServedModel:
+    """The provider this server serves (or none), and the rules for replacing it.
+
+    Load/unload are serialised by one lock; chat requests take a snapshot of the provider
+    and never wait on that lock.
+    """
+
+    def __init__(self, provider: Any | None, *, factory: ModelFactory) -> None:
+        self.provider = provider
+        self._factory = factory
+        self._owned = False  # True when this app created the provider (it unloads it at shutdown)
+        self._lock = asyncio.Lock()
+        self.key_meta: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    @property
+    def name(self) -> str | None:
+        return None if self.provider is None else str(self.provider.model)
+
+    def require(self, requested: str | None = None) -> Any:
+        provider = self.provider
+        if provider is None:
+            raise ModelNotFound("no model is loaded on this server; POST /acore/models/load first")
+        if requested and not self.matches(requested):
+            raise ModelNotFound(
+                f"this server serves {provider.model!r}, but the request asked for {requested!r}; "
+                "run one server per model"
+            )
+        return provider
+
+    def matches(self, requested: str) -> bool:
+        served = self.name
+        if served is None:
+            return False
+        name = requested.strip()
+        if name.lower().startswith("mlx/"):
+            name = name[4:]
+        if name in ("", "default", served):
+            return True
+        if name == Path(served).name:
+            return True
+        return _same_path(name, served)
+
+    async def load(self, model: str, options: dict[str, Any]) -> dict[str, Any]:
+        async with self._lock:
+            current = self.provider
+            if current is not None:
+                if not self.matches(model):
+                    raise ResidencyConflict(
+                        f"{current.model!r} is resident; unload it first (POST /acore/models/unload) "
+                        f"before loading {model!r}"
+                    )
+                differing = _differing_options(current, options)
+                if differing:
+                    raise ResidencyConflict(
+                        f"{current.model!r} is resident with different execution options {differing}; "
+                        "changing resident execution options requires unloading first (POST /acore/models/unload)"
+                    )
+                return {"loaded_new": False, "provider": current}
+            provider = await asyncio.to_thread(self._factory, model, **options)
+            self.provider = provider
+            self._owned = True
+            return {"loaded_new": True, "provider": provider}
+
+    async def unload(self, model: str | None) -> dict[str, Any]:
+        async with self._lock:
+            current = self.provider
+            if current is None:
+                return {"unloaded": False, "model": None}
+            if model and not self.matches(model):
+                raise ModelNotFound(f"{model!r} is not loaded here; this server serves {current.model!r}")
+            await asyncio.to_thread(current.unload_model, current.model)
+            self.provider = None
+            self._owned = False
+            return {"unloaded": True, "model": str(current.model)}
+
+    async def shutdown(self) -> None:
+        if self.provider is not None and self._owned:
+            with contextlib.suppress(MLXRuntimeError):
+                await self.unload(None)
+
+    def remember_key_meta(self, key: str, meta: dict[str, Any]) -> dict[str, Any]:
+        merged = {**self.key_meta.pop(key, {}), **meta}
+        self.key_meta[key] = merged
+        while len(self.key_meta) > MAX_KEY_META_ENTRIES:
+            self.key_meta.popitem(last=False)
+        return merged
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        pa, pb = Path(a), Path(b)
+        return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+    except OSError:
+        return False
+
+
+def _differing_options(provider: Any, requested: dict[str, Any]) -> dict[str, Any]:
+    """Requested options whose value differs from the resident one (``{name: {resident, requested}}``)."""
+    resident = dict(getattr(provider, "execution_options", None) or {})
+    out: dict[str, Any] = {}
+    for name, value in requested.items():
+        if name == "speculation":
+            hook = getattr(provider, "speculation_default", None)
+            have = normalize_speculation(hook() if callable(hook) else None)
+            want = normalize_speculation(value)
+            if have != want:
+                out[name] = {"resident": None if have is None else have.to_wire(), "requested": value}
+            continue
+        have_value = resident.get(name, getattr(provider, name, None))
+        if not _option_equal(have_value, value):
+            out[name] = {"resident": have_value, "requested": value}
+    return out
+
+
+def _option_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    return bool(a == b)
+
+
+# --------------------------------------------------------------------------- auth
+
+
+class BearerAuth:
+    """Pure ASGI middleware: every HTTP path except ``/health`` needs ``Authorization: Bearer KEY``."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                given = value
+                break
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+            error = AuthenticationError(
+                "missing or wrong API key: send 'Authorization: Bearer <key>'"
+                if given
+                else "this server needs an API key: send 'Authorization: Bearer <key>'"
+            )
+            status, body = error_payload(error)
+            response = JSONResponse(body, status_code=status, headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _served(request: Request) -> ServedModel:
+    return request.app.state.served  # type: ignore[no-any-return]
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    status, body = error_payload(exc)
+    return JSONResponse(body, status_code=status)
+
+
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise InvalidRequest(f"the request body exceeds {MAX_BODY_BYTES // (1024 * 1024)} MiB")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise InvalidRequest(f"the request body exceeds {MAX_BODY_BYTES // (1024 * 1024)} MiB")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _first_item(request: Request, pump: ProviderPump) -> PumpItem | None:
+    """The pump's first item, or ``None`` when the client went away first."""
+    getter = asyncio.ensure_future(pump.next())
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if getter.done():
+        return getter.result()
+    getter.cancel()
+    return None
+
+
+def _generation_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """``agenerate`` keyword arguments from the chat body (controls validated by the provider)."""
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    native = extract_images(messages)
+    kwargs: dict[str, Any] = {"messages": native.messages}
+    if native.images:
+        kwargs["media"] = native.images
+    cap = body.max_output()
+    if cap is not None:
+        kwargs["max_output_tokens"] = cap
+    for name in _SAMPLING_FIELDS:
+        value = getattr(body, name)
+        if value is not None:
+            kwargs[name] = value
+    thinking = body.thinking if body.thinking is not None else body.reasoning_effort
+    if thinking is not None:
+        kwargs["thinking"] = thinking
+    if body.speculation is not None:
+        kwargs["speculation"] = body.speculation
+    if body.tools:
+        kwargs["tools"] = body.tools
+    if body.prompt_cache_key is not None:
+        kwargs["prompt_cache_key"] = body.prompt_cache_key
+    return kwargs
+
+
+# --------------------------------------------------------------------------- routes
+
+
+async def health(request: Request) -> Response:
+    served = _served(request)
+    return JSONResponse(
+        {"status": "healthy", "server": "abstractruntime-mlx", "model": served.name, "loaded": served.provider is not None}
+    )
+
+
+async def list_models(request: Request) -> Response:
+    served = _served(request)
+    data = []
+    if served.provider is not None:
+        data.append({"id": served.name, "object": "model", "created": request.app.state.created, "owned_by": "abstractruntime-mlx"})
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def execution_capabilities(request: Request) -> Response:
+    served = _served(request)
+    name = request.query_params.get("model_name") or request.query_params.get("model") or served.name
+    provider_name = request.query_params.get("provider") or "mlx"
+    if not name:
+        raise InvalidRequest("model_name is required when no model is loaded")
+    instance = served.provider if served.provider is not None and served.matches(name) else None
+    if instance is not None:
+        name = str(instance.model)
+    caps = await asyncio.to_thread(get_execution_capabilities, name, provider=provider_name, instance=instance)
+    return JSONResponse(caps)
+
+
+async def load_model(request: Request) -> Response:
+    body = parse_body(LoadModelRequest, await _read_body(request))
+    options = body.checked_options()
+    outcome = await _served(request).load(body.model, options)
+    provider = outcome["provider"]
+    return JSONResponse(
+        {
+            "ok": True,
+            "success": True,
+            "loaded_new": outcome["loaded_new"],
+            "provider": "mlx",
+            "model": str(provider.model),
+            "options": _json_safe(getattr(provider, "execution_options", {})),
+            "concurrency": bool(provider.supports_concurrent_generation()),
+        }
+    )
+
+
+async def unload_model(request: Request) -> Response:
+    body = parse_body(UnloadModelRequest, await _read_body(request))
+    if body.force:
+        raise InvalidRequest("force unload is not supported: close or cancel the active streams, then unload")
+    outcome = await _served(request).unload(body.model)
+    return JSONResponse({"ok": True, "success": True, **outcome})
+
+
+async def prompt_cache_stats(request: Request) -> Response:
+    provider = _served(request).require()
+    stats = await asyncio.to_thread(provider.get_prompt_cache_stats)
+    return JSONResponse({"supported": True, "operation": "stats", "stats": _json_safe(stats)})
+
+
+async def prompt_cache_clear(request: Request) -> Response:
+    body = parse_body(PromptCacheClearRequest, await _read_body(request))
+    provider = _served(request).require()
+    result = await asyncio.to_thread(provider.prompt_cache_clear, body.key)
+    return JSONResponse({"supported": True, "operation": "clear", "ok": True, "result": _json_safe(result)})
+
+
+async def prompt_cache_key_meta(request: Request) -> Response:
+    served = _served(request)
+    if request.method == "GET":
+        key = request.query_params.get("key")
+        if not key:
+            raise InvalidRequest("key is required")
+        if key not in served.key_meta:
+            raise ModelNotFound(f"no metadata is stored for prompt cache key {key!r}")
+        return JSONResponse({"ok": True, "operation": "key_meta", "key": key, "meta": served.key_meta[key]})
+    body = parse_body(PromptCacheKeyMetaRequest, await _read_body(request))
+    if body.model and not served.matches(body.model):
+        raise ModelNotFound(f"{body.model!r} is not loaded here; this server serves {served.name!r}")
+    reserved = sorted(k for k in body.meta if k in RESERVED_META_KEYS)
+    if reserved:
+        raise InvalidRequest(f"meta field(s) {reserved} are reserved cache bookkeeping and cannot be set")
+    size = len(json.dumps(body.meta, default=str).encode())
+    if size > MAX_KEY_META_BYTES:
+        raise InvalidRequest(f"meta is {size} bytes serialized; the limit is {MAX_KEY_META_BYTES}")
+    merged = served.remember_key_meta(body.key, body.meta)
+    return JSONResponse({"ok": True, "supported": True, "operation": "key_meta", "key": body.key, "meta": merged})
+
+
+async def chat_completions(request: Request) -> Response:
+    body = parse_body(ChatCompletionRequest, await _read_body(request))
+    unknown = body.unknown_fields()
+    if unknown:
+        log.warning("chat request: ignoring unknown field(s) %s", ", ".join(unknown))
+    served = _served(request)
+    llm = served.require(body.model)
+    kwargs = _generation_kwargs(body)
+    if body.stream_options is not None and body.stream_options.include_progress and not _progress_supported(llm):
+        raise InvalidRequest("this provider emits no phase events; drop stream_options.include_progress")
+
+    cancel_event = threading.Event()
+
+    def call(on_progress: Callable[[dict[str, Any]], None] | None) -> Any:
+        extra = {} if on_progress is None else {"on_progress": on_progress}
+        return llm.agenerate("", stream=body.stream, cancel_event=cancel_event, **kwargs, **extra)
+
+    pump = ProviderPump(call, stream=body.stream, cancel_event=cancel_event, with_progress=body.include_progress).start()
+    try:
+        first = await _first_item(request, pump)
+    except BaseException:
+        pump.close()
+        raise
+    if first is None:  # the client left before anything happened
+        pump.close()
+        return Response(status_code=499)
+    if isinstance(first, FailureItem):
+        pump.close()
+        return _error_response(first.error)
+
+    completion_id, created, model = new_completion_id(), now_s(), str(llm.model)
+    if not body.stream and not body.include_progress:
+        if not isinstance(first, ResultItem):  # pragma: no cover - the pump's contract
+            pump.close()
+            return _error_response(UpstreamError(f"unexpected first item {type(first).__name__}"))
+        return JSONResponse(completion_body(first.result, completion_id=completion_id, model=model, created=created))
+    events = _sse_events(first, pump, completion_id=completion_id, model=model, created=created, stream=body.stream)
+    return SSEResponse(events, on_close=pump.close)
+
+
+def _progress_supported(llm: Any) -> bool:
+    probe = getattr(llm, "supports_text_progress_events", None)
+    return callable(probe) and probe() is True
+
+
+async def _sse_events(
+    first: PumpItem, pump: ProviderPump, *, completion_id: str, model: str, created: int, stream: bool
+) -> AsyncIterator[str]:
+    """SSE records for one call; text deltas that queued up together go out as one delta."""
+
+    def chunk(delta: dict[str, Any], **extra: Any) -> str:
+        return data_event(chunk_body(completion_id=completion_id, model=model, created=created, delta=delta, **extra))
+
+    pending: list[PumpItem] = [first]
+    finished = False
+    if stream:
+        yield chunk({"role": "assistant", "content": ""})
+    while True:
+        if not pending:
+            pending.append(await pump.next())
+            while (more := pump.next_nowait()) is not None:
+                pending.append(more)
+        out: list[str] = []
+        text: list[str] = []
+
+        def flush_text() -> None:
+            if text:
+                out.append(chunk({"content": "".join(text)}))
+                text.clear()
+
+        for item in pending:
+            match item:
+                case ChunkItem(chunk=piece) if piece.finish_reason is None:
+                    if piece.content:
+                        text.append(piece.content)
+                case ChunkItem(chunk=piece):
+                    text.append(piece.content)
+                    joined = "".join(text)
+                    text.clear()
+                    out.append(
+                        chunk(
+                            {"content": joined} if joined else {},
+                            finish_reason=piece.finish_reason,
+                            usage=piece.usage,
+                            metadata=piece.metadata,
+                        )
+                    )
+                    finished = True
+                case ProgressItem(event=event):
+                    flush_text()
+                    out.append(named_event("progress", event))
+                case ResultItem(result=result):
+                    out.append(named_event("result", completion_body(result, completion_id=completion_id, model=model, created=created)))
+                    finished = True
+                case FailureItem(error=error):
+                    flush_text()
+                    out.append(data_event(error_payload(error)[1]))
+                    out.append(DONE)
+                    yield "".join(out)
+                    return
+                case EndItem():
+                    flush_text()
+                    if not finished:
+                        failure = UpstreamError("the provider stream ended without a terminal chunk")
+                        out.append(data_event(error_payload(failure)[1]))
+                    out.append(DONE)
+                    yield "".join(out)
+                    return
+        flush_text()
+        pending = []
+        if out:
+            yield "".join(out)
+
+
+def _json_safe(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+# --------------------------------------------------------------------------- app
+
+
+def _guarded(endpoint: Callable[[Request], Any]) -> Callable[[Request], Any]:
+    """Render every failure of ``endpoint`` as the JSON error body (typed errors keep their status)."""
+
+    async def run(request: Request) -> Response:
+        try:
+            return await endpoint(request)  # type: ignore[no-any-return]
+        except Exception as exc:  # noqa: BLE001 - unexpected ones are logged by error_payload
+            return _error_response(exc)
+
+    run.__name__ = getattr(endpoint, "__name__", "endpoint")
+    return run
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return JSONResponse(
+        {"error": {"message": f"{exc.detail}: {request.method} {request.url.path}", "type": "invalid_request_error", "code": code}},
+        status_code=exc.status_code,
+    )
+
+
+def create_app(
+    provider_instance: Any | None = None,
+    *,
+    api_key: str | None = None,
+    model_factory: ModelFactory | None = None,
+) -> Starlette:
+    """The ASGI app serving ``provider_instance`` (or none until ``/acore/models/load``).
+
+    ``model_factory(model, **options)`` builds a provider for ``/acore/models/load``; the
+    default is ``abstractruntime_mlx.create_llm("mlx", model=..., **options)``. With
+    ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
+    A provider this app loaded is unloaded at shutdown; ``provider_instance`` stays the
+    caller's to unload.
+    """
+    served = ServedModel(provider_instance, factory=model_factory or _default_factory)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await served.shutdown()
+
+    routes = [
+        Route(path, _guarded(endpoint), methods=methods)
+        for path, endpoint, methods in (
+            ("/health", health, ["GET"]),
+            ("/v1/models", list_models, ["GET"]),
+            ("/v1/models/execution-capabilities", execution_capabilities, ["GET"]),
+            ("/v1/chat/completions", chat_completions, ["POST"]),
+            ("/acore/models/load", load_model, ["POST"]),
+            ("/acore/models/unload", unload_model, ["POST"]),
+            ("/acore/prompt_cache/stats", prompt_cache_stats, ["GET"]),
+            ("/acore/prompt_cache/clear", prompt_cache_clear, ["POST"]),
+            ("/acore/prompt_cache/key_meta", prompt_cache_key_meta, ["GET", "POST"]),
+        )
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _on_http_error}, lifespan=lifespan)
+    app.state.served = served
+    app.state.created = now_s()
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    return app

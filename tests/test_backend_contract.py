@@ -1,0 +1,57 @@
+"""The private upstream fields ``engine/backend.py`` reads, pinned to the supported mlx-vlm range."""
+
+from __future__ import annotations
+
+import inspect
+from importlib.metadata import version
+
+from packaging.version import Version
+
+
+def test_supported_versions():
+    assert Version("0.7.1") <= Version(version("mlx-vlm")) < Version("0.8.0")
+    assert Version("0.31.3") <= Version(version("mlx-lm")) < Version("0.33")
+
+
+def test_batch_generator_fields():
+    from mlx_vlm.generate.ar import BatchGenerator, PromptProcessingBatch
+
+    params = inspect.signature(BatchGenerator.__init__).parameters
+    for name in ("completion_batch_size", "prefill_batch_size", "prefill_step_size", "greedy_sampling", "draft_model", "draft_kind", "draft_block_size", "stream", "compute_logprobs"):
+        assert name in params, name
+    insert = inspect.signature(BatchGenerator.insert).parameters
+    assert {"prompts", "max_tokens", "prompt_kwargs", "logits_processors"} <= set(insert)
+    source = inspect.getsource(BatchGenerator)
+    for attr in ("self._generation_batch", "self._prompt_batch", "self.prefill_batch_size"):
+        assert attr in source, attr
+    # the prefill admission gate that ``allow_partial_prefill`` works around
+    assert "num_to_add >= self.prefill_batch_size" in source
+    batch_source = inspect.getsource(PromptProcessingBatch)
+    for attr in ("_processed_prompt_columns", "_suffix_lens", "_left_padding_per_row", "_cached_tokens_per_row", "_right_pad_per_row"):
+        assert f"self.{attr}" in batch_source, attr
+
+
+def test_row_counters_on_a_live_batch(dense_model):
+    import mlx_vlm
+
+    from abstractruntime_mlx.engine.backend import BatchBackend, text_prompt_kwargs
+
+    model, processor = mlx_vlm.load(dense_model)
+    backend = BatchBackend(model, processor, max_batch_size=2, prefill_step_size=16)
+    tokenizer = processor.tokenizer if hasattr(processor, "tokenizer") else processor
+    rows = [tokenizer.encode("a b c d " * 20), tokenizer.encode("x y " * 10)]
+    uids = [backend.insert(ids, 4, text_prompt_kwargs(model, ids)) for ids in rows]
+    seen: dict[int, list[int]] = {uid: [] for uid in uids}
+    finished = set()
+    while backend.has_work:
+        result = backend.step(observe_prefill=True)
+        for uid, row in result.prefill.items():
+            seen[uid].append(row.processed)
+            assert row.total == len(rows[uids.index(uid)])
+        for event in result.tokens:
+            if event.finish_reason:
+                finished.add(event.uid)
+    backend.close()
+    assert finished == set(uids)
+    for uid, processed in seen.items():
+        assert processed == sorted(processed) and processed, processed
