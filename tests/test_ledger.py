@@ -7,6 +7,7 @@ when ``LEDGER_TEST_URL`` is set (they use fresh run ids, so a shared database is
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
 import os
 import sqlite3
 import threading
@@ -174,6 +175,12 @@ def test_memory_sqlite_is_refused() -> None:
 def test_unknown_driver_is_a_ledger_error() -> None:
     with pytest.raises(LedgerError, match="open ledger"):
         Ledger("nosuchdb://user@host/db")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pg8000") is not None, reason="pg8000 is installed")
+def test_missing_driver_is_a_ledger_error() -> None:
+    with pytest.raises(LedgerError, match="driver is not installed"):
+        Ledger("postgresql+pg8000://user@127.0.0.1:1/db")
 
 
 def test_closed_ledger_refuses_use(tmp_path: Path) -> None:

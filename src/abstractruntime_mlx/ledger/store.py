@@ -382,8 +382,15 @@ class Ledger:
         is_sqlite = parsed.get_backend_name() == "sqlite"
         if is_sqlite:
             _prepare_sqlite_path(parsed.database, str(parsed.query.get("mode", "")), url)
-        with wrap_db_errors(f"open ledger {parsed.render_as_string(hide_password=True)}"):
-            engine = create_engine(parsed, echo=echo, json_serializer=_json_dumps, json_deserializer=json.loads)
+        shown = parsed.render_as_string(hide_password=True)
+        try:
+            with wrap_db_errors(f"open ledger {shown}"):
+                engine = create_engine(parsed, echo=echo, json_serializer=_json_dumps, json_deserializer=json.loads)
+        except ImportError as exc:
+            raise LedgerError(
+                f"open ledger {shown}: the database driver is not installed ({exc}); "
+                "for PostgreSQL: pip install 'psycopg[binary]'"
+            ) from exc
         if is_sqlite:
             _install_sqlite_hooks(engine, busy_timeout_ms=busy_timeout_ms, synchronous=sqlite_synchronous)
         self._engine: Engine = engine

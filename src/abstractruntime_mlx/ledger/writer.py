@@ -3,8 +3,9 @@
 ``put()`` copies the event and appends it to an in-memory FIFO (no I/O, a few microseconds).
 One writer thread, owned by the ``ProgressWriter``, takes everything queued (up to
 ``max_batch``) and writes it with ``Ledger.append_progress``: one transaction, one
-executemany. While a batch is being committed the next one accumulates, so the batch size
-follows the load.
+executemany. While a batch is being committed the next one accumulates, and after a first
+row the writer lingers up to ``linger_s`` (a full batch, a flush or a stop cuts it short), so
+the batch size follows the load and a steady trickle of events costs no thread wake-ups.
 
 Durability contract: when ``flush()`` returns, every event ``put()`` before the call (for the
 given run or node, or all of them) is committed. A failed write is never dropped quietly: the

@@ -1,0 +1,695 @@
+"""Concurrency benchmark: our MLX provider against the bare library and its peers.
+
+    python bench/concurrency.py                  # tiny + ~27M model, c = 1, 2, 4, 8 (~6 min on 2 cores)
+    python bench/concurrency.py --quick          # tiny model only, c = 1, 4 (~1 min)
+    python bench/concurrency.py --json out.json  # also write every figure
+    python bench/concurrency.py --targets ours,raw --models small --concurrency 1,8
+
+In ONE process, on the same random-weight checkpoints and the same prompts (distinct
+40-80-token user messages rendered through the chat template with thinking off, greedy,
+64 new tokens), for each concurrency c the benchmark sends N = 2c requests (``--requests-per-slot``)
+from a thread pool of c threads to:
+
+- ``raw``: mlx-vlm's ``BatchGenerator`` driven directly on the main thread, all N prompts
+  inserted at once, ``completion_batch_size = c``, greedy, no detokenisation; the admission
+  gate is re-opened every step as our engine does, so a finished row is back-filled at once.
+  The limit. TTFT counts from the common insert, so rows of the second wave include the
+  first wave's decode;
+- ``stream_generate``: ``mlx_lm.stream_generate`` on one long-lived worker thread, requests
+  served one at a time in arrival order (a lock, in effect) -- the single-request reference;
+- ``ours``: ``abstractruntime_mlx.create_llm("mlx", mlx_batching=True, mlx_max_batch_size=8,
+  speculation=False)``, ``generate(stream=True)``;
+- ``abstractcore``: AbstractCore's MLX provider, same options (``speculation=False``);
+- ``mlx_lm.server``: a ``python -m mlx_lm.server`` subprocess on loopback, OpenAI chat
+  requests streamed with httpx (``max_tokens``, ``temperature: 0``,
+  ``chat_template_kwargs: {enable_thinking: false}``).
+
+Client TTFT is from the moment the request is handed over to its first chunk carrying
+text. Aggregate tok/s is completion tokens of all N requests over the wall time from the
+first submit to the last completion. Every target is warmed up (one request per batch
+width used) before it is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import queue
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _load_models_module() -> Any:
+    """Import ``bench/_models.py`` by path. ``bench/`` itself is taken off ``sys.path``:
+    ``python bench/X.py`` puts it first, where a sibling such as ``bench/http.py`` would
+    shadow the standard library module of the same name."""
+    import importlib.util
+
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != here]
+    spec = importlib.util.spec_from_file_location("_bench_models", here / "_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_models = _load_models_module()
+
+MAX_TOKENS = 64
+MAX_BATCH = 8
+TARGETS = ("raw", "stream_generate", "ours", "abstractcore", "mlx_lm.server")
+FLOORS = {  # ours / X: the floor each ratio should reach, per concurrency (None = any)
+    "raw": {None: 0.95},
+    "stream_generate": {1: 1.0},
+    "abstractcore": {1: 1.2, 4: 1.0, 8: 1.0},
+    "mlx_lm.server": {1: 1.1, 4: 1.0, 8: 1.0},
+}
+
+WORDS = (
+    "the model reads a long request about rivers cities music planets gardens engines "
+    "history language weather bridges markets forests oceans trains libraries and "
+    "mountains while every answer should stay short clear kind careful useful honest "
+    "quick simple bright quiet green small large old new first last next other"
+).split()
+
+
+# --- results ---------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    tokens: int = 0
+    ttft_s: float | None = None
+    engine_ttft_s: float | None = None
+    start: float = 0.0
+    end: float = 0.0
+
+
+@dataclass
+class Point:
+    model: str
+    target: str
+    concurrency: int
+    requests: int
+    completion_tokens: int
+    wall_s: float
+    tok_s: float
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+    engine_ttft_p50_ms: float | None = None
+    error: str | None = None
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    if len(values) == 1:
+        return values[0]
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summarise(model: str, target: str, c: int, reqs: list[Request], wall: float) -> Point:
+    tokens = sum(r.tokens for r in reqs)
+    ttft = [r.ttft_s * 1000 for r in reqs if r.ttft_s is not None]
+    eng = [r.engine_ttft_s * 1000 for r in reqs if r.engine_ttft_s is not None]
+    return Point(
+        model=model,
+        target=target,
+        concurrency=c,
+        requests=len(reqs),
+        completion_tokens=tokens,
+        wall_s=round(wall, 4),
+        tok_s=round(tokens / wall, 2) if wall > 0 else 0.0,
+        ttft_p50_ms=_round(_pct(ttft, 0.5)),
+        ttft_p95_ms=_round(_pct(ttft, 0.95)),
+        engine_ttft_p50_ms=_round(_pct(eng, 0.5)),
+    )
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+# --- prompts ---------------------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    text: str
+    ids: list[int]
+
+
+class PromptBook:
+    """Distinct prompts per (concurrency, index), the same for every target."""
+
+    def __init__(self, tokenizer: Any, seed: int = 0) -> None:
+        self.tok = tokenizer
+        self.seed = seed
+
+    def _text(self, key: str) -> str:
+        rng = random.Random(f"{self.seed}:{key}")
+        goal = rng.randint(40, 80)
+        words = [f"Request {key}:"]
+        while len(self.tok.encode(" ".join(words), add_special_tokens=False)) < goal:
+            words.append(rng.choice(WORDS))
+        while len(self.tok.encode(" ".join(words), add_special_tokens=False)) > goal and len(words) > 2:
+            words.pop()
+        return " ".join(words)
+
+    def prompt(self, key: str) -> Prompt:
+        text = self._text(key)
+        rendered = self.tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False, enable_thinking=False
+        )
+        return Prompt(text, list(self.tok.encode(rendered, add_special_tokens=False)))
+
+    def batch(self, tag: str, c: int, n: int) -> list[Prompt]:
+        return [self.prompt(f"{tag}-c{c}-{i}") for i in range(n)]
+
+
+# --- client-driven targets ---------------------------------------------------------------
+
+
+class ClientTarget:
+    """A target driven by a pool of ``c`` client threads, one ``call`` per request."""
+
+    name = ""
+    skip_reason: str | None = None
+
+    def setup(self, path: Path) -> None: ...
+
+    def call(self, prompt: Prompt) -> Request:
+        raise NotImplementedError
+
+    def teardown(self) -> None: ...
+
+    def run(self, prompts: list[Prompt], c: int) -> tuple[list[Request], float]:
+        with ThreadPoolExecutor(max_workers=c, thread_name_prefix=f"client-{self.name}") as pool:
+            t0 = time.perf_counter()
+            futures = [pool.submit(self.call, p) for p in prompts]
+            reqs = [f.result() for f in futures]
+        wall = max(r.end for r in reqs) - t0
+        return reqs, wall
+
+
+class StreamGenerateTarget(ClientTarget):
+    """mlx-lm ``stream_generate`` on one worker thread that never exits (MLX thread state)."""
+
+    name = "stream_generate"
+
+    def setup(self, path: Path) -> None:
+        import mlx_lm
+
+        self.model, self.tokenizer = mlx_lm.load(str(path))
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._serve, name="stream-generate-worker", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import mlx_lm
+
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            prompt, out = job
+            try:
+                n, first = 0, False
+                for response in mlx_lm.stream_generate(self.model, self.tokenizer, prompt.ids, max_tokens=MAX_TOKENS):
+                    if response.finish_reason != "stop" or response.token not in self.tokenizer.eos_token_ids:
+                        n += 1
+                    if response.text and not first:
+                        first = True
+                        out.put(("first", time.perf_counter()))
+                out.put(("done", n))
+            except BaseException as exc:  # noqa: BLE001
+                out.put(("error", exc))
+
+    def call(self, prompt: Prompt) -> Request:
+        req = Request(start=time.perf_counter())
+        out: queue.Queue = queue.Queue()
+        self.jobs.put((prompt, out))
+        while True:
+            kind, value = out.get()
+            if kind == "first":
+                req.ttft_s = value - req.start
+            elif kind == "error":
+                raise value
+            else:
+                req.tokens = value
+                break
+        req.end = time.perf_counter()
+        return req
+
+    def teardown(self) -> None:
+        # The worker parks on the queue forever: a thread that ran MLX work must not exit.
+        self.model = self.tokenizer = None
+
+
+class ProviderTarget(ClientTarget):
+    """``create_llm(...).generate(stream=True)``: ours or AbstractCore's."""
+
+    def __init__(self, name: str, factory: Callable[[Path], Any]) -> None:
+        self.name = name
+        self.factory = factory
+        self.llm: Any = None
+
+    def setup(self, path: Path) -> None:
+        self.llm = self.factory(path)
+
+    def call(self, prompt: Prompt) -> Request:
+        req = Request(start=time.perf_counter())
+        last = None
+        n_text = 0
+        for chunk in self.llm.generate(
+            prompt.text, stream=True, thinking=False, temperature=0, max_output_tokens=MAX_TOKENS
+        ):
+            if getattr(chunk, "content", None):
+                n_text += 1
+                if req.ttft_s is None:
+                    req.ttft_s = time.perf_counter() - req.start
+            last = chunk
+        req.end = time.perf_counter()
+        usage = getattr(last, "usage", None) or {}
+        req.tokens = int(usage.get("completion_tokens") or usage.get("output_tokens") or n_text)
+        execution = (getattr(last, "metadata", None) or {}).get("execution") or {}
+        if execution.get("ttft_s") is not None:
+            req.engine_ttft_s = float(execution["ttft_s"])
+        return req
+
+    def teardown(self) -> None:
+        if self.llm is not None:
+            with contextlib.suppress(Exception):
+                self.llm.unload_model(self.llm.model)
+            self.llm = None
+
+
+def ours_factory(path: Path) -> Any:
+    from abstractruntime_mlx import create_llm
+
+    return create_llm("mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=MAX_BATCH, speculation=False)
+
+
+def abstractcore_factory(path: Path) -> Any:
+    import warnings
+
+    from abstractcore import create_llm
+
+    # AbstractCore warns on every length-truncated answer; all of ours are.
+    warnings.filterwarnings("ignore", message="Output truncated", category=RuntimeWarning)
+    return create_llm("mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=MAX_BATCH, speculation=False)
+
+
+class ServerTarget(ClientTarget):
+    """``python -m mlx_lm.server`` on loopback, streamed OpenAI chat completions."""
+
+    name = "mlx_lm.server"
+
+    def setup(self, path: Path) -> None:
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = tempfile.NamedTemporaryFile(prefix="mlx_lm_server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_lm.server", "--model", str(path), "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.client = httpx.Client(timeout=httpx.Timeout(300.0), limits=httpx.Limits(max_connections=32))
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlx_lm.server exited with {self.proc.returncode}; log: {self.log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                if self.client.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mlx_lm.server not ready after 120 s; log: {self.log.name}")
+            time.sleep(0.2)
+
+    def call(self, prompt: Prompt) -> Request:
+        body = {
+            "messages": [{"role": "user", "content": prompt.text}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+        req = Request(start=time.perf_counter())
+        n_text = 0
+        usage: dict[str, Any] = {}
+        with self.client.stream("POST", self.base + "/v1/chat/completions", json=body) as resp:
+            resp.raise_for_status()
+            for line in resp.iter_lines():
+                if not line.startswith("data:"):
+                    continue  # ": keepalive" comments and blank lines
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        n_text += 1
+                        if req.ttft_s is None:
+                            req.ttft_s = time.perf_counter() - req.start
+        req.end = time.perf_counter()
+        req.tokens = int(usage.get("completion_tokens") or n_text)
+        return req
+
+    def teardown(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        with contextlib.suppress(Exception):
+            self.log.close()
+            os.unlink(self.log.name)
+
+
+# --- the raw upstream loop -------------------------------------------------------------------
+
+
+class RawLoopTarget:
+    """mlx-vlm ``BatchGenerator`` driven on this thread: the ceiling for a batching provider."""
+
+    name = "raw"
+    skip_reason: str | None = None
+
+    def setup(self, path: Path) -> None:
+        import mlx_vlm
+
+        self.model, self.processor = mlx_vlm.load(str(path))
+        self.lm = getattr(self.model, "language_model", self.model)
+        tok = self.processor.tokenizer if hasattr(self.processor, "tokenizer") else self.processor
+        eos = getattr(tok, "eos_token_ids", None)
+        if eos is None:
+            eos = tok.eos_token_id
+        self.eos = {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
+
+    def _kwargs(self, ids: list[int]) -> dict[str, Any]:
+        import mlx.core as mx
+
+        if not hasattr(self.model, "get_input_embeddings"):
+            return {}
+        out = self.model.get_input_embeddings(mx.array([ids]), None)
+        return {k: v for k, v in out.to_dict().items() if v is not None}
+
+    def run(self, prompts: list[Prompt], c: int) -> tuple[list[Request], float]:
+        from mlx_vlm.generate.ar import BatchGenerator
+
+        gen = BatchGenerator(
+            self.lm,
+            self.processor,
+            completion_batch_size=c,
+            prefill_batch_size=c,
+            prefill_step_size=256,
+            compute_logprobs=False,
+            greedy_sampling=True,
+        )
+        t0 = time.perf_counter()
+        uids = gen.insert(
+            [p.ids for p in prompts],
+            max_tokens=[MAX_TOKENS] * len(prompts),
+            prompt_kwargs=[self._kwargs(p.ids) for p in prompts],
+        )
+        reqs = {uid: Request(start=t0) for uid in uids}
+        while gen.has_work:
+            # Re-open the admission gate as the engine does (else a freed slot waits for all).
+            gen.prefill_batch_size = max(1, c - len(gen._generation_batch))
+            _, responses = gen.next()
+            now = time.perf_counter()
+            for r in responses:
+                req = reqs[r.uid]
+                if req.ttft_s is None:
+                    req.ttft_s = now - t0
+                if not (r.finish_reason == "stop" and r.token in self.eos):
+                    req.tokens += 1
+                if r.finish_reason is not None:
+                    req.end = now
+        gen.close()
+        out = [reqs[u] for u in uids]
+        return out, max(r.end for r in out) - t0
+
+    def teardown(self) -> None:
+        import mlx.core as mx
+
+        self.model = self.processor = self.lm = None
+        mx.clear_cache()
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+
+def make_target(name: str) -> Any:
+    if name == "raw":
+        return RawLoopTarget()
+    if name == "stream_generate":
+        return StreamGenerateTarget()
+    if name == "ours":
+        return ProviderTarget("ours", ours_factory)
+    if name == "abstractcore":
+        return ProviderTarget("abstractcore", abstractcore_factory)
+    if name == "mlx_lm.server":
+        return ServerTarget()
+    raise SystemExit(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
+
+
+def bench_model(label: str, path: Path, targets: list[str], concs: list[int], per_slot: int, repeats: int, log: Callable[[str], None]) -> list[Point]:
+    from transformers import AutoTokenizer
+
+    book = PromptBook(AutoTokenizer.from_pretrained(str(path)))
+    # Distinct prompts for every repeat too: mlx_lm.server keeps a prefix cache.
+    sets = {c: [book.batch(f"m{r}", c, per_slot * c) for r in range(repeats)] for c in concs}
+    n_prompt = [len(p.ids) for runs in sets.values() for ps in runs for p in ps]
+    log(
+        f"[{label}] prompts: {len(n_prompt)} requests ({repeats} repeat(s) of {per_slot} x c per point), "
+        f"{min(n_prompt)}-{max(n_prompt)} prompt tokens (mean {statistics.mean(n_prompt):.0f})"
+    )
+    points: list[Point] = []
+    for name in targets:
+        target = make_target(name)
+        t_setup = time.perf_counter()
+        try:
+            target.setup(path)
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is skipped, with why
+            reason = f"{type(exc).__name__}: {exc}"
+            log(f"[{label}] {name}: SKIPPED, setup failed: {reason}")
+            for c in concs:
+                points.append(Point(label, name, c, 0, 0, 0.0, 0.0, None, None, error=reason))
+            with contextlib.suppress(Exception):
+                target.teardown()
+            continue
+        try:
+            # Warm up every batch width once (first-use compilation, allocator growth).
+            for c in concs:
+                target.run(book.batch(f"warm-{name}", c, c), c)
+            log(f"[{label}] {name}: ready in {time.perf_counter() - t_setup:.1f}s (setup + warm-up)")
+            for c in concs:
+                try:
+                    reqs, wall = [], 0.0
+                    for prompts in sets[c]:
+                        got, took = target.run(prompts, c)
+                        reqs += got
+                        wall += took
+                    point = summarise(label, name, c, reqs, wall)
+                except Exception as exc:  # noqa: BLE001
+                    traceback.print_exc()
+                    point = Point(label, name, c, 0, 0, 0.0, 0.0, None, None, error=f"{type(exc).__name__}: {exc}")
+                points.append(point)
+                log(
+                    f"[{label}] {name:16s} c={c}: {point.tok_s:8.1f} tok/s  ttft p50 {_fmt(point.ttft_p50_ms)} ms"
+                    f"  p95 {_fmt(point.ttft_p95_ms)} ms  ({point.completion_tokens} tokens in {point.wall_s:.2f}s)"
+                )
+        finally:
+            target.teardown()
+    return points
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def ratios(points: list[Point]) -> list[dict[str, Any]]:
+    by = {(p.model, p.target, p.concurrency): p for p in points}
+    out = []
+    for p in points:
+        if p.target != "ours" or p.error:
+            continue
+        for ref, floors in FLOORS.items():
+            q = by.get((p.model, ref, p.concurrency))
+            if q is None or q.error or not q.tok_s:
+                continue
+            floor = floors.get(p.concurrency, floors.get(None))
+            value = p.tok_s / q.tok_s
+            out.append({
+                "model": p.model,
+                "concurrency": p.concurrency,
+                "versus": ref,
+                "ratio": round(value, 3),
+                "target": floor,
+                "meets": None if floor is None else value >= floor,
+            })
+    return out
+
+
+def print_tables(points: list[Point], rs: list[dict[str, Any]]) -> None:
+    for model in dict.fromkeys(p.model for p in points):
+        print(f"\n## {model}\n")
+        print("| target | c | tok/s | TTFT p50 ms | TTFT p95 ms | engine TTFT p50 ms | tokens | wall s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for p in points:
+            if p.model != model:
+                continue
+            if p.error:
+                print(f"| {p.target} | {p.concurrency} | skipped: {p.error} | | | | | |")
+                continue
+            print(
+                f"| {p.target} | {p.concurrency} | {p.tok_s:.1f} | {_fmt(p.ttft_p50_ms)} | {_fmt(p.ttft_p95_ms)} "
+                f"| {_fmt(p.engine_ttft_p50_ms)} | {p.completion_tokens} | {p.wall_s:.2f} |"
+            )
+        mine = [r for r in rs if r["model"] == model]
+        if mine:
+            concs = sorted({r["concurrency"] for r in mine})
+            refs = [t for t in FLOORS if any(r["versus"] == t for r in mine)]
+            print("\nours / X (aggregate tok/s; `!` = below target)\n")
+            print("| ours / | " + " | ".join(f"c={c}" for c in concs) + " |")
+            print("|---|" + "---|" * len(concs))
+            for ref in refs:
+                cells = []
+                for c in concs:
+                    r = next((r for r in mine if r["versus"] == ref and r["concurrency"] == c), None)
+                    if r is None:
+                        cells.append("-")
+                    else:
+                        mark = "" if r["meets"] is None else (" ok" if r["meets"] else " !")
+                        tgt = "" if r["target"] is None else f" (>= {r['target']})"
+                        cells.append(f"{r['ratio']:.2f}{tgt}{mark}")
+                print(f"| {ref} | " + " | ".join(cells) + " |")
+
+
+def machine() -> dict[str, Any]:
+    import mlx.core as mx
+
+    info: dict[str, Any] = {
+        "date": _dt.date.today().isoformat(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "mlx_device": str(mx.default_device()),
+    }
+    with contextlib.suppress(Exception):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    from importlib.metadata import version
+
+    for dist in ("mlx", "mlx-lm", "mlx-vlm", "abstractcore", "abstractruntime-mlx"):
+        with contextlib.suppress(Exception):
+            info[dist] = version(dist)
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model only, c = 1 and 4")
+    ap.add_argument("--models", default=None, help="comma list of: tiny, small (default both; --quick: tiny)")
+    ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma list of: {', '.join(TARGETS)}")
+    ap.add_argument("--concurrency", default=None, help="comma list (default 1,2,4,8; --quick: 1,4)")
+    ap.add_argument("--requests-per-slot", type=int, default=2, help="N = this x concurrency requests per point")
+    ap.add_argument("--repeats", default="tiny=5,small=1", help="runs per point, per model (tiny=5,small=1); figures pool all runs")
+    ap.add_argument("--model-dir", default=None, help="where to build/reuse the checkpoints (default: a temporary directory)")
+    ap.add_argument("--json", dest="json_out", default=None, help="write machine, points and ratios here")
+    args = ap.parse_args(argv)
+
+    models = (args.models or ("tiny" if args.quick else "tiny,small")).split(",")
+    concs = [int(c) for c in (args.concurrency or ("1,4" if args.quick else "1,2,4,8")).split(",")]
+    if max(concs) > MAX_BATCH:
+        raise SystemExit(f"concurrency above the providers' batch size ({MAX_BATCH}) is not measured here")
+    repeats = {"tiny": 5, "small": 1}
+    for item in args.repeats.split(","):
+        key, _, value = item.partition("=")
+        if value:
+            repeats[key.strip()] = int(value)
+        else:
+            repeats = {k: int(key) for k in repeats}
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    for t in targets:
+        if t not in TARGETS:
+            raise SystemExit(f"unknown target {t!r}; choose from {', '.join(TARGETS)}")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    info = machine()
+    log("machine: " + json.dumps(info))
+    scratch = contextlib.ExitStack()
+    root = Path(args.model_dir) if args.model_dir else Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="bench-conc-")))
+    builders = {"tiny": lambda: _models.tiny(root / "tiny"), "small": lambda: _models.small_model(root / "small")}
+    points: list[Point] = []
+    t0 = time.perf_counter()
+    with scratch:
+        for label in models:
+            if label not in builders:
+                raise SystemExit(f"unknown model {label!r}; choose tiny or small")
+            path = builders[label]()
+            params = _models.num_parameters(path)
+            log(f"[{label}] {path} ({params / 1e6:.1f}M parameters)")
+            name = f"{label} ({params / 1e6:.1f}M)"
+            points += bench_model(name, path, targets, concs, args.requests_per_slot, repeats.get(label, 1), log)
+    rs = ratios(points)
+    print_tables(points, rs)
+    elapsed = time.perf_counter() - t0
+    print(f"\ntotal {elapsed:.0f}s; command: python bench/concurrency.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    if args.json_out:
+        payload = {
+            "machine": info,
+            "settings": {"max_tokens": MAX_TOKENS, "concurrency": concs, "requests_per_slot": args.requests_per_slot, "repeats": repeats, "max_batch_size": MAX_BATCH, "models": models, "targets": targets},
+            "points": [asdict(p) for p in points],
+            "ratios": rs,
+            "elapsed_s": round(elapsed, 1),
+        }
+        Path(args.json_out).write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # MLX's per-thread state on the providers' parked worker threads can abort a normal
+    # interpreter shutdown ("terminate called without an active exception"); the figures
+    # are already out, so leave without it.
+    os._exit(code)

@@ -1,0 +1,522 @@
+"""Everything the remote clients do that is not I/O: request bodies, response decoding, errors.
+
+Pure functions and small stateful decoders; ``client.py`` only moves bytes. Works against
+this package's server and AbstractCore's servers (``abstractcore.endpoint.app`` and
+``abstractcore.server.app``), which share the wire:
+
+- the chat body is OpenAI's plus ``speculation`` (``false`` or an MTP object),
+  ``thinking``, ``prompt_cache_key``; the output cap travels as ``max_tokens`` (AbstractCore
+  reads no other name);
+- diagnostics come back under the additive ``abstractcore`` field (non-stream body, and
+  the terminal chunk of a stream);
+- errors are ``{"error": {"message", "type", "code"}}`` (AbstractCore's FastAPI
+  ``HTTPException`` wraps it in ``{"detail": ...}``); ``code`` rebuilds the typed class.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+
+from ..controls import normalize_sampling, normalize_speculation, normalize_thinking
+from ..errors import (
+    AuthenticationError,
+    CapacityError,
+    ConflictError,
+    EngineError,
+    InvalidControls,
+    InvalidMedia,
+    InvalidRequest,
+    MLXRuntimeError,
+    ModelNotFound,
+    QueueFull,
+    QueueTimeout,
+    RequestCancelled,
+    SpeculationUnavailable,
+    StreamBackpressure,
+    UpstreamError,
+    error_class_for_code,
+)
+from ..results import GenerationChunk, GenerationResult
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT: Final = httpx.Timeout(600.0, connect=5.0)
+DEFAULT_MAX_RETRIES: Final = 2
+DEFAULT_BACKOFF_S: Final = 0.25
+MAX_BACKOFF_S: Final = 8.0
+CHAT_PATH: Final = "/v1/chat/completions"
+ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache")
+RETRYABLE_CODES: Final = frozenset({QueueFull.code})
+_STATUS_FALLBACK: Final[dict[int, type[MLXRuntimeError]]] = {
+    400: InvalidRequest,
+    401: AuthenticationError,
+    403: AuthenticationError,
+    404: ModelNotFound,
+    409: ConflictError,
+    422: InvalidRequest,
+    429: StreamBackpressure,
+    499: RequestCancelled,
+    502: UpstreamError,
+    503: CapacityError,
+    504: QueueTimeout,
+}
+
+
+class ClientState(enum.Enum):
+    UNOPENED = 1
+    OPENED = 2
+    CLOSED = 3
+
+
+def check_state(state: ClientState, *, entering: bool = False) -> ClientState:
+    """The state after a use (or ``with`` entry); misuse raises ``RuntimeError`` (httpx-style)."""
+    if state is ClientState.CLOSED:
+        raise RuntimeError("cannot use a remote client after it was closed; create a new one")
+    if entering and state is ClientState.OPENED:
+        raise RuntimeError("cannot open a remote client more than once (it is already in use or in a 'with' block)")
+    return ClientState.OPENED
+
+
+def normalize_base_url(base_url: str) -> str:
+    url = str(base_url).strip().rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
+    return url
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+# --------------------------------------------------------------------------- request
+
+
+@dataclass(frozen=True, slots=True)
+class ChatCall:
+    """One prepared chat call: the JSON body and how to read the answer."""
+
+    body: dict[str, Any]
+    stream: bool  # the caller wants chunks
+    sse: bool  # the answer is read as SSE (streams, and non-streams with progress)
+    on_progress: Callable[[dict[str, Any]], Any] | None
+
+
+def build_chat_call(
+    *,
+    model: str | None,
+    prompt: str = "",
+    messages: list[dict[str, Any]] | None = None,
+    system_prompt: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    media: list[Any] | None = None,
+    thinking: Any = None,
+    speculation: Any = None,
+    prompt_cache_key: str | None = None,
+    stream: bool = False,
+    on_progress: Callable[[dict[str, Any]], Any] | None = None,
+    want_events: bool = False,
+    sampling: Mapping[str, Any] | None = None,
+) -> ChatCall:
+    """Validate controls (the same rules as the local provider) and build the body.
+
+    ``speculation=None`` inherits (the key is omitted), ``False`` is sent as ``false``.
+    ``want_events`` asks for SSE even without a callback (used for cancellation checkpoints).
+    """
+    controls = normalize_sampling(**{k: v for k, v in (sampling or {}).items() if v is not None})
+    spec = normalize_speculation(speculation)
+    think = normalize_thinking(thinking)
+    if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
+        raise InvalidControls("prompt_cache_key must be a string", field="prompt_cache_key", value=prompt_cache_key)
+
+    body: dict[str, Any] = {}
+    if model:
+        body["model"] = model
+    body["messages"] = build_messages(prompt=prompt, messages=messages, system_prompt=system_prompt, media=media)
+    wire = controls.to_dict()
+    cap = wire.pop("max_output_tokens", None)
+    body.update(wire)
+    if cap is not None:
+        body["max_tokens"] = cap
+    if think is not None:
+        body["thinking"] = think
+    if spec is not None:
+        body["speculation"] = spec.to_wire()
+    if tools:
+        body["tools"] = list(tools)
+    if prompt_cache_key is not None:
+        body["prompt_cache_key"] = prompt_cache_key
+    progress = on_progress is not None
+    body["stream"] = bool(stream)
+    sse = bool(stream) or progress or want_events
+    if sse:
+        options: dict[str, Any] = {"include_progress": progress or want_events}
+        if stream:
+            options["include_usage"] = True
+        body["stream_options"] = options
+    return ChatCall(body=body, stream=bool(stream), sse=sse, on_progress=on_progress)
+
+
+def build_messages(
+    *, prompt: str, messages: list[dict[str, Any]] | None, system_prompt: str | None, media: list[Any] | None
+) -> list[dict[str, Any]]:
+    """The provider's conversation rule: system prompt first, history, then ``prompt`` as a user turn.
+
+    Images go into the final user message as inline base64 ``image_url`` parts.
+    """
+    out: list[dict[str, Any]] = []
+    if system_prompt:
+        out.append({"role": "system", "content": system_prompt})
+    for message in messages or []:
+        if not isinstance(message, Mapping) or "role" not in message:
+            raise InvalidRequest("each message must be an object with a 'role'")
+        if message["role"] == "system" and system_prompt:
+            continue  # the explicit system prompt replaces a system turn in history
+        out.append(dict(message))
+    if prompt:
+        out.append({"role": "user", "content": prompt})
+    if not out:
+        raise InvalidRequest("nothing to generate from: give a prompt or messages")
+    if media:
+        urls = [image_data_url(item, index) for index, item in enumerate(media)]
+        for message in reversed(out):
+            if message["role"] == "user":
+                content = message.get("content")
+                parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+                if isinstance(content, list):
+                    parts.extend(p for p in content if p.get("type") != "image_url")
+                elif content:
+                    parts.append({"type": "text", "text": str(content)})
+                message["content"] = parts
+                break
+        else:
+            raise InvalidMedia("images need a user message to attach to")
+    return out
+
+
+_MIME: Final = {"png": "image/png", "jpeg": "image/jpeg", "gif": "image/gif", "webp": "image/webp"}
+
+
+def image_data_url(item: Any, index: int = 0) -> str:
+    """A ``data:image/...;base64,`` URL for a file path, raw bytes or a PIL image."""
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        data = bytes(item)
+    elif isinstance(item, (str, os.PathLike)):
+        path = Path(item)
+        if not path.is_file():
+            raise InvalidMedia(f"media[{index}]: no file at {path}")
+        data = path.read_bytes()
+    elif hasattr(item, "save") and hasattr(item, "mode"):  # a PIL image
+        import io
+
+        buffer = io.BytesIO()
+        item.save(buffer, format="PNG")
+        data = buffer.getvalue()
+    else:
+        raise InvalidMedia(f"media[{index}]: expected a file path, image bytes or a PIL image, got {type(item).__name__}")
+    kind = sniff_image_type(data)
+    if kind is None:
+        raise InvalidMedia(f"media[{index}]: not a PNG, JPEG, WebP or GIF image")
+    return f"data:{_MIME[kind]};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def sniff_image_type(data: bytes) -> str | None:
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "jpeg"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "gif"
+    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def decode_usage(wire: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The provider's usage shape from OpenAI's (``prompt_tokens_details.cached_tokens`` included)."""
+    if not wire:
+        return {}
+    prompt = wire.get("prompt_tokens", wire.get("input_tokens"))
+    completion = wire.get("completion_tokens", wire.get("output_tokens"))
+    out: dict[str, Any] = {}
+    if prompt is not None:
+        out["prompt_tokens"] = out["input_tokens"] = int(prompt)
+    if completion is not None:
+        out["completion_tokens"] = out["output_tokens"] = int(completion)
+    total = wire.get("total_tokens")
+    if total is not None:
+        out["total_tokens"] = int(total)
+    elif prompt is not None and completion is not None:
+        out["total_tokens"] = int(prompt) + int(completion)
+    cached = wire.get("cached_input_tokens")
+    details = wire.get("prompt_tokens_details")
+    if cached is None and isinstance(details, Mapping):
+        cached = details.get("cached_tokens")
+    if cached is not None:
+        out["cached_input_tokens"] = int(cached)
+    return out
+
+
+def metadata_from(block: Any) -> dict[str, Any]:
+    if not isinstance(block, Mapping):
+        return {}
+    return {k: block[k] for k in ABSTRACTCORE_KEYS if isinstance(block.get(k), Mapping)}
+
+
+def decode_completion(body: Any, *, remote: Mapping[str, Any]) -> GenerationResult:
+    """A ``GenerationResult`` from a ``chat.completion`` body; ``remote`` becomes ``metadata["remote"]``."""
+    try:
+        choice = body["choices"][0]
+        message = choice.get("message") or {}
+    except (KeyError, IndexError, TypeError) as exc:
+        raise UpstreamError(f"the server answered without choices[0].message: {str(body)[:200]}") from exc
+    reasoning = None
+    for key in ("reasoning", "reasoning_content", "thinking", "thinking_content"):
+        if isinstance(message.get(key), str) and message[key]:
+            reasoning = message[key]
+            break
+    metadata = metadata_from(body.get("abstractcore"))
+    metadata["remote"] = dict(remote)
+    return GenerationResult(
+        content=message.get("content") or "",
+        finish_reason=choice.get("finish_reason"),
+        usage=decode_usage(body.get("usage")),
+        metadata=metadata,
+        model=body.get("model"),
+        reasoning=reasoning,
+        tool_calls=message.get("tool_calls") or None,
+    )
+
+
+def decode_error(status: int, content: bytes) -> MLXRuntimeError:
+    """The typed error for an error response: ``code`` picks the class, else the status does."""
+    payload: Any = None
+    try:
+        payload = json.loads(content) if content else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        payload = None
+    error = _error_object(payload)
+    if error is None:
+        text = content.decode("utf-8", "replace").strip()[:500] if content else ""
+        return rebuild_error({"message": f"HTTP {status}: {text or 'no body'}"}, status=status)
+    return rebuild_error(error, status=status)
+
+
+def _error_object(payload: Any) -> dict[str, Any] | None:
+    if not isinstance(payload, Mapping):
+        return None
+    if isinstance(payload.get("error"), Mapping):
+        return dict(payload["error"])
+    if isinstance(payload.get("error"), str):
+        return {"message": payload["error"], "code": payload.get("code")}
+    detail = payload.get("detail")
+    if isinstance(detail, Mapping):
+        return _error_object(detail) or {"message": json.dumps(detail)[:500]}
+    if isinstance(detail, list):  # FastAPI validation errors
+        return {"message": "invalid request: " + json.dumps(detail)[:500], "code": "invalid_request"}
+    if isinstance(detail, str):
+        return {"message": detail}
+    return None
+
+
+def rebuild_error(error: Mapping[str, Any], *, status: int | None) -> MLXRuntimeError:
+    """The same class the server raised (by stable ``code``), with its message and details."""
+    code = error.get("code")
+    message = str(error.get("message") or f"HTTP {status}")
+    details = dict(error["details"]) if isinstance(error.get("details"), Mapping) else {}
+    cls = error_class_for_code(code) if isinstance(code, str) else MLXRuntimeError
+    if cls is MLXRuntimeError and status is not None:
+        cls = _STATUS_FALLBACK.get(status) or (EngineError if status >= 500 else InvalidRequest)
+    if code and cls.code != code:
+        details.setdefault("server_code", code)
+    if status is not None and status != cls.http_status:
+        details.setdefault("http_status", status)
+    exc = cls.__new__(cls)
+    MLXRuntimeError.__init__(exc, message, details=details)
+    if isinstance(exc, InvalidControls):
+        exc.field = details.get("field")
+        exc.value = details.get("value")
+    if isinstance(exc, SpeculationUnavailable):
+        exc.reason = str(details.get("reason") or "unknown")
+    return exc
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """QueueFull and failures to connect; never errors after the server accepted the call."""
+    if isinstance(exc, MLXRuntimeError):
+        return exc.code in RETRYABLE_CODES
+    return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+
+
+def backoff_s(attempt: int, base_s: float) -> float:
+    return min(MAX_BACKOFF_S, base_s * (2**attempt))
+
+
+def transport_error(exc: httpx.HTTPError, url: str) -> MLXRuntimeError:
+    """The one place httpx failures become typed errors (chained by the caller with ``from``)."""
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return UpstreamError(f"cannot reach the model server at {url}: {exc}", details={"transport": type(exc).__name__})
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamError(
+            f"the model server at {url} did not answer in time ({type(exc).__name__}); raise the client's timeout",
+            details={"transport": type(exc).__name__},
+        )
+    return UpstreamError(f"the connection to {url} failed: {type(exc).__name__}: {exc}", details={"transport": type(exc).__name__})
+
+
+# --------------------------------------------------------------------------- SSE
+
+
+@dataclass(slots=True)
+class ServerEvent:
+    event: str | None
+    data: str
+
+
+@dataclass(slots=True)
+class SSEParser:
+    """Incremental ``text/event-stream`` parser fed one line at a time (no trailing newline)."""
+
+    _event: str | None = None
+    _data: list[str] = field(default_factory=list)
+
+    def feed(self, line: str) -> ServerEvent | None:
+        if not line:
+            if not self._data and self._event is None:
+                return None
+            out = ServerEvent(self._event, "\n".join(self._data))
+            self._event, self._data = None, []
+            return out
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        return None
+
+
+class StreamDecoder:
+    """Turns server events into chunks, progress callbacks, and exactly one final chunk.
+
+    The terminal record is held back until ``[DONE]`` so that a later usage-only chunk
+    (OpenAI's ``include_usage`` shape) or ``abstractcore`` block is merged into it. A
+    non-stream call read as SSE ends with ``event: result`` (a whole ``chat.completion``).
+    """
+
+    def __init__(self, *, on_progress: Callable[[dict[str, Any]], Any] | None) -> None:
+        self._on_progress = on_progress
+        self.done = False
+        self.model: str | None = None
+        self.finish_reason: str | None = None
+        self.final_content = ""
+        self.usage: dict[str, Any] = {}
+        self.abstractcore: dict[str, Any] = {}
+        self.result_body: dict[str, Any] | None = None
+        self.num_progress_events = 0
+
+    def feed(self, event: ServerEvent) -> list[GenerationChunk]:
+        if self.done:
+            return []
+        if event.data == "[DONE]":
+            self.done = True
+            return []
+        try:
+            payload = json.loads(event.data)
+        except json.JSONDecodeError as exc:
+            raise UpstreamError(f"the server sent an undecodable SSE record: {event.data[:200]!r}") from exc
+        if isinstance(payload, Mapping) and "error" in payload and (event.event in (None, "error")):
+            error = _error_object(payload) or {"message": str(payload)[:500]}
+            raise rebuild_error(error, status=None)
+        if event.event == "progress":
+            self._progress(payload)
+            return []
+        if event.event == "result":
+            self.result_body = dict(payload)
+            return []
+        if event.event not in (None, "message"):
+            return []  # an event kind this client does not know; documented as ignorable
+        return self._chunk(payload)
+
+    def _progress(self, payload: Any) -> None:
+        self.num_progress_events += 1
+        callback = self._on_progress
+        if callback is None or not isinstance(payload, dict):
+            return
+        try:
+            callback(payload)
+        except Exception as exc:  # noqa: BLE001 - a host's callback must not break generation
+            self._on_progress = None
+            log.warning("progress callback raised %s: %s; it is disabled for the rest of this call", type(exc).__name__, exc)
+
+    def _chunk(self, payload: Any) -> list[GenerationChunk]:
+        if not isinstance(payload, Mapping):
+            return []
+        self.model = payload.get("model") or self.model
+        if isinstance(payload.get("usage"), Mapping):
+            self.usage = decode_usage(payload["usage"])
+        block = payload.get("abstractcore")
+        if isinstance(block, Mapping):
+            self.abstractcore.update(metadata_from(block))
+        choices = payload.get("choices") or []
+        if not choices:
+            return []
+        choice = choices[0]
+        delta = choice.get("delta") or {}
+        text = delta.get("content") or ""
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+            self.final_content += text
+            return []
+        if self.finish_reason is not None:  # text after the terminal record joins it
+            self.final_content += text
+            return []
+        return [GenerationChunk(content=text, model=self.model)] if text else []
+
+    def final_chunk(self, *, remote: Mapping[str, Any]) -> GenerationChunk:
+        if self.finish_reason is None:
+            raise UpstreamError("the server's stream ended without a terminal chunk (no finish_reason)")
+        metadata = dict(self.abstractcore)
+        metadata["remote"] = dict(remote)
+        return GenerationChunk(
+            content=self.final_content,
+            finish_reason=self.finish_reason,  # type: ignore[arg-type]
+            usage=dict(self.usage),
+            metadata=metadata,
+            model=self.model,
+        )
+
+    def result(self, *, remote: Mapping[str, Any]) -> GenerationResult:
+        if self.result_body is None:
+            raise UpstreamError("the server's event stream ended without a result record")
+        return decode_completion(self.result_body, remote=remote)
+
+
+def iter_sse(lines: Iterable[str], parser: SSEParser) -> Iterable[ServerEvent]:
+    for line in lines:
+        event = parser.feed(line)
+        if event is not None:
+            yield event
+
+
+def remote_block(*, base_url: str, retries: int, streamed: bool, **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"base_url": base_url, "retries": retries, "streamed": streamed}
+    out.update({k: v for k, v in extra.items() if v is not None})
+    return out

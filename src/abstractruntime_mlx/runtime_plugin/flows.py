@@ -1,0 +1,437 @@
+"""VisualFlow JSON: load, index for sibling batching, run N runs concurrently, resume.
+
+    results = run_flow("examples/fanout.json", vars={"topic": "caches"}, runs=3,
+                       ledger_url="sqlite:///runs.sqlite")
+    for r in results:
+        print(r.run_id, r.status, [(n.node_id, n.result["metadata"]["execution"]) for n in r.nodes])
+
+Each run thread compiles its own ``WorkflowSpec`` (a compiled VisualFlow keeps unlocked
+per-run caches, so sharing one spec across threads is unsafe) and its own ``Runtime`` over
+the shared stores and handler; every run's LLM nodes reach the same resident model, where
+the engine batches them.
+
+The flow and the run options are stored in the run's vars (``_runtime.mlx_pack``), so a run
+can be resumed from the ledger alone (``resume_run``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from .handler import MLXPack
+
+__all__ = [
+    "FLOW_VAR",
+    "BRANCHING_NODE_TYPES",
+    "FlowCatalog",
+    "FlowIndex",
+    "FlowRunResult",
+    "NodeOutcome",
+    "SiblingCall",
+    "load_flow",
+    "node_outcomes",
+    "resume_run",
+    "run_flow",
+    "stored_flow",
+    "stored_options",
+]
+
+log = logging.getLogger(__name__)
+
+FLOW_VAR: Final = "mlx_pack"
+"""Key under ``vars["_runtime"]`` holding the flow and the options a resume needs."""
+
+BRANCHING_NODE_TYPES: Final = frozenset({"parallel", "sequence"})
+"""Nodes whose ``then:N`` branches AbstractRuntime runs one after another on one thread."""
+
+# What a prefetchable sibling may say: everything else (tools, structured output, context,
+# memory, extra pins) makes its request unpredictable before the runtime reaches it.
+_PREDICTABLE_CONFIG: Final = frozenset(
+    {
+        "provider",
+        "model",
+        "temperature",
+        "seed",
+        "thinking",
+        "speculation",
+        "max_output_tokens",
+        "maxOutputTokens",
+        "base_url",
+        "server_base_url",
+    }
+)
+_PREDICTABLE_PINS: Final = frozenset({"prompt", "system"})
+DEFAULT_MAX_TICKS = 10_000
+
+
+def load_flow(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """A VisualFlow dict from a dict, a JSON string, or a path to a JSON file."""
+    if isinstance(source, Mapping):
+        flow = copy.deepcopy(dict(source))
+    else:
+        text = str(source)
+        if text.lstrip().startswith("{"):
+            flow = json.loads(text)
+        else:
+            path = Path(text).expanduser()
+            try:
+                flow = json.loads(path.read_text(encoding="utf-8"))
+            except FileNotFoundError as exc:
+                raise ValueError(f"no flow file at {path}") from exc
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(flow, dict) or not isinstance(flow.get("nodes"), list):
+        raise ValueError("a VisualFlow is a JSON object with a 'nodes' list (and 'edges', 'entryNode', 'id')")
+    if not flow.get("id"):
+        raise ValueError("the flow has no 'id' (AbstractRuntime uses it as the workflow id)")
+    return flow
+
+
+# --------------------------------------------------------------------------------------
+# Sibling prediction
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingCall:
+    """A later ``llm_call`` branch of the same parallel/sequence node whose inputs are known
+    before the runtime reaches it: ``payload`` is the LLM_CALL payload it will emit (as the
+    visual compiler builds it from ``effectConfig`` and ``pinDefaults``)."""
+
+    node_id: str
+    branch: int
+    payload: dict[str, Any]
+    config: dict[str, Any]
+
+
+class FlowIndex:
+    """What the handler needs to know about one flow: node configs and, per ``llm_call`` node
+    that is a direct branch of a parallel/sequence node, its predictable later siblings."""
+
+    def __init__(self, flow: Mapping[str, Any]) -> None:
+        self.workflow_id = str(flow.get("id"))
+        nodes = {str(n.get("id")): n for n in flow.get("nodes", []) if isinstance(n, Mapping)}
+        edges = [e for e in flow.get("edges", []) if isinstance(e, Mapping)]
+        self._configs: dict[str, dict[str, Any]] = {}
+        for node_id, node in nodes.items():
+            data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+            config = data.get("effectConfig") if isinstance(data.get("effectConfig"), Mapping) else {}
+            self._configs[node_id] = dict(config)
+        wired = {str(e.get("target")) for e in edges if e.get("targetHandle") not in (None, "exec-in")}
+        branches: dict[str, list[tuple[int, str]]] = {}
+        for edge in edges:
+            source = str(edge.get("source"))
+            handle = str(edge.get("sourceHandle") or "")
+            if nodes.get(source, {}).get("type") not in BRANCHING_NODE_TYPES or edge.get("targetHandle") != "exec-in":
+                continue
+            if not handle.startswith("then:") or not handle[5:].isdigit():
+                continue
+            branches.setdefault(source, []).append((int(handle[5:]), str(edge.get("target"))))
+        self._siblings: dict[str, list[SiblingCall]] = {}
+        self.unpredictable: dict[str, str] = {}
+        for targets in branches.values():
+            targets.sort()
+            calls: list[SiblingCall] = []
+            for branch, target in targets:
+                node = nodes.get(target)
+                if node is None or node.get("type") != "llm_call":
+                    continue
+                payload, reason = _predict_payload(node, wired=target in wired)
+                if payload is None:
+                    self.unpredictable[target] = reason
+                    continue
+                calls.append(SiblingCall(target, branch, payload, self._configs.get(target, {})))
+            for branch, target in targets:
+                later = [c for c in calls if c.branch > branch and c.node_id != target]
+                if later and nodes.get(target, {}).get("type") == "llm_call":
+                    self._siblings.setdefault(target, []).extend(later)
+
+    def node_config(self, node_id: str) -> dict[str, Any]:
+        return dict(self._configs.get(node_id, {}))
+
+    def later_siblings(self, node_id: str) -> list[SiblingCall]:
+        """Predictable ``llm_call`` branches after ``node_id``'s branch, in pin order."""
+        return list(self._siblings.get(node_id, ()))
+
+
+def _predict_payload(node: Mapping[str, Any], *, wired: bool) -> tuple[dict[str, Any] | None, str]:
+    if wired:
+        return None, "inputs wired from other nodes"
+    data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+    config = data.get("effectConfig") if isinstance(data.get("effectConfig"), Mapping) else {}
+    pins = data.get("pinDefaults") if isinstance(data.get("pinDefaults"), Mapping) else {}
+    extra = sorted(set(config) - _PREDICTABLE_CONFIG)
+    if extra:
+        return None, f"effectConfig keys {extra} are not predicted"
+    extra_pins = sorted(set(pins) - _PREDICTABLE_PINS)
+    if extra_pins:
+        return None, f"pinDefaults {extra_pins} are not predicted"
+    params: dict[str, Any] = {}
+    try:
+        params["temperature"] = float(config.get("temperature", 0.7))
+        seed = config.get("seed", -1)
+        if seed is not None and not isinstance(seed, bool) and int(seed) >= 0:
+            params["seed"] = int(seed)
+        max_out = config.get("max_output_tokens", config.get("maxOutputTokens"))
+        if max_out is not None and not isinstance(max_out, bool) and int(max_out) > 0:
+            params["max_output_tokens"] = int(max_out)
+    except (TypeError, ValueError):
+        return None, "sampling values are not numbers"
+    thinking = config.get("thinking")
+    if isinstance(thinking, bool) or (isinstance(thinking, str) and thinking.strip()):
+        params["thinking"] = thinking.strip() if isinstance(thinking, str) else thinking
+    if config.get("speculation") is not None:
+        params["speculation"] = copy.deepcopy(config["speculation"])
+    raw_prompt = pins.get("prompt")
+    payload: dict[str, Any] = {
+        "prompt": "" if raw_prompt is None else str(raw_prompt),
+        "system_prompt": pins.get("system", ""),
+        "tools": [],
+        "params": params,
+    }
+    for name in ("provider", "model"):
+        if isinstance(config.get(name), str) and config[name]:
+            payload[name] = config[name]
+    return payload, ""
+
+
+class FlowCatalog:
+    """Flows by workflow id, for the handler (sibling prediction and node configs)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flows: dict[str, FlowIndex] = {}
+
+    def register(self, flow: Mapping[str, Any]) -> FlowIndex:
+        index = FlowIndex(flow)
+        with self._lock:
+            self._flows[index.workflow_id] = index
+        return index
+
+    def get(self, workflow_id: str) -> FlowIndex | None:
+        with self._lock:
+            return self._flows.get(workflow_id)
+
+
+# --------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeOutcome:
+    """One LLM node of a run as the ledger recorded it (``result`` is the handler's dict)."""
+
+    node_id: str
+    step_id: str
+    attempt: int
+    result: dict[str, Any]
+    duration_s: float | None
+
+
+@dataclass(slots=True)
+class FlowRunResult:
+    run_id: str
+    workflow_id: str
+    status: str
+    output: Any
+    error: str | None
+    wall_s: float
+    nodes: list[NodeOutcome] = field(default_factory=list)
+
+
+def node_outcomes(ledger: Any, run_id: str) -> list[NodeOutcome]:
+    """The completed LLM nodes of a run, in completion order, read from the ledger alone."""
+    out: list[NodeOutcome] = []
+    for step in ledger.run_steps(run_id):
+        if step.effect_type != "llm_call" or step.status != "completed":
+            continue
+        result = step.record.get("result")
+        if isinstance(result, dict):
+            out.append(NodeOutcome(step.node_id, step.step_id, step.attempt, result, step.duration_s))
+    return out
+
+
+def run_flow(
+    flow: str | Path | Mapping[str, Any],
+    *,
+    vars: Mapping[str, Any] | None = None,
+    runs: int = 1,
+    ledger_url: str | None = None,
+    pack: MLXPack | None = None,
+    model: str | None = None,
+    force_model: bool = False,
+    provider_options: Mapping[str, Any] | None = None,
+    sibling_batching: bool = True,
+    record_progress: bool = True,
+    session_id: str | None = None,
+) -> list[FlowRunResult]:
+    """Run ``flow`` ``runs`` times concurrently (one thread, one compiled spec and one
+    ``Runtime`` per run) and return the results in start order.
+
+    Give either ``pack`` (reused, left open) or ``ledger_url`` (a pack is built with
+    ``model``/``force_model``/``provider_options``/``sibling_batching``/``record_progress`` and
+    closed at the end). ``vars`` are the run's input vars; ``vars["_runtime"]`` holds run-level
+    controls (``speculation``, ``thinking``, ``base_url``).
+    """
+    from .handler import build_pack
+
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1 (got {runs})")
+    flow_dict = load_flow(flow)
+    owned = pack is None
+    if pack is None:
+        if ledger_url is None:
+            raise ValueError("run_flow needs ledger_url=... or pack=...")
+        pack = build_pack(
+            ledger_url,
+            model=model,
+            force_model=force_model,
+            provider_options=provider_options,
+            sibling_batching=sibling_batching,
+            record_progress=record_progress,
+        )
+    try:
+        pack.flows.register(flow_dict)
+        run_vars = copy.deepcopy(dict(vars or {}))
+        runtime_ns = run_vars.setdefault("_runtime", {})
+        if not isinstance(runtime_ns, dict):
+            raise ValueError("vars['_runtime'] must be an object")
+        runtime_ns[FLOW_VAR] = {"flow": flow_dict, **pack.resume_options()}
+        if runs == 1:
+            return [_one_run(pack, flow_dict, run_vars, session_id)]
+        with ThreadPoolExecutor(max_workers=runs, thread_name_prefix="abstractruntime-mlx-run") as pool:
+            futures = [pool.submit(_one_run, pack, flow_dict, run_vars, session_id) for _ in range(runs)]
+            return [f.result() for f in futures]
+    finally:
+        if owned:
+            pack.close()
+
+
+def _one_run(pack: MLXPack, flow: dict[str, Any], run_vars: dict[str, Any], session_id: str | None) -> FlowRunResult:
+    from abstractruntime.visualflow_compiler import compile_visualflow
+
+    spec = compile_visualflow(flow)  # one per thread: compiled flows keep unlocked per-run caches
+    runtime = pack.runtime()
+    started = time.perf_counter()
+    run_id = runtime.start(workflow=spec, vars=copy.deepcopy(run_vars), session_id=session_id)
+    try:
+        state = _tick_to_rest(runtime, spec, run_id)
+    finally:
+        pack.prefetcher.discard_run(run_id)
+    return _result(pack, state, time.perf_counter() - started)
+
+
+def _tick_to_rest(runtime: Any, spec: Any, run_id: str) -> Any:
+    from abstractruntime.core.models import RunStatus
+
+    state = runtime.get_state(run_id)
+    for _ in range(DEFAULT_MAX_TICKS):
+        if state.status != RunStatus.RUNNING:
+            return state
+        state = runtime.tick(workflow=spec, run_id=run_id)
+    raise RuntimeError(f"run {run_id} did not come to rest after {DEFAULT_MAX_TICKS} ticks")
+
+
+def _result(pack: MLXPack, state: Any, wall_s: float) -> FlowRunResult:
+    return FlowRunResult(
+        run_id=state.run_id,
+        workflow_id=state.workflow_id,
+        status=str(getattr(state.status, "value", state.status)),
+        output=state.output,
+        error=state.error,
+        wall_s=wall_s,
+        nodes=node_outcomes(pack.ledger, state.run_id),
+    )
+
+
+def resume_run(
+    run_id: str,
+    *,
+    ledger_url: str | None = None,
+    pack: MLXPack | None = None,
+    model: str | None = None,
+) -> FlowRunResult:
+    """Continue an interrupted run from its last checkpoint, using the flow stored in the run.
+
+    Nodes whose result is in the ledger are not run again: the runtime resumes at the saved
+    node, and an effect whose COMPLETED record landed before the crash is reused by its
+    idempotency key. ``model`` replaces the stored default model (e.g. the same weights at a
+    new path). A run that is not ``running`` is returned as it is.
+    """
+    from abstractruntime.core.models import RunStatus
+    from abstractruntime.visualflow_compiler import compile_visualflow
+
+    from .handler import build_pack
+
+    owned = pack is None
+    if pack is None:
+        if ledger_url is None:
+            raise ValueError("resume_run needs ledger_url=... or pack=...")
+        pack = _pack_for_stored_run(ledger_url, run_id, model=model, build_pack=build_pack)
+    try:
+        state = pack.run_store.load(run_id)
+        if state is None:
+            raise ValueError(f"no run {run_id} in {pack.ledger.url}")
+        started = time.perf_counter()
+        if state.status != RunStatus.RUNNING:
+            return _result(pack, state, 0.0)
+        stored = stored_flow(state.vars)
+        if stored is None:
+            raise ValueError(f"run {run_id} was not started by run_flow: it carries no _runtime.{FLOW_VAR}.flow to resume with")
+        pack.flows.register(stored)
+        spec = compile_visualflow(stored)
+        runtime = pack.runtime()
+        try:
+            state = _tick_to_rest(runtime, spec, run_id)
+        finally:
+            pack.prefetcher.discard_run(run_id)
+        return _result(pack, state, time.perf_counter() - started)
+    finally:
+        if owned:
+            pack.close()
+
+
+def stored_flow(run_vars: Mapping[str, Any]) -> dict[str, Any] | None:
+    runtime_ns = run_vars.get("_runtime") if isinstance(run_vars, Mapping) else None
+    stored = runtime_ns.get(FLOW_VAR) if isinstance(runtime_ns, Mapping) else None
+    flow = stored.get("flow") if isinstance(stored, Mapping) else None
+    return dict(flow) if isinstance(flow, Mapping) else None
+
+
+def stored_options(run_vars: Mapping[str, Any]) -> dict[str, Any]:
+    runtime_ns = run_vars.get("_runtime") if isinstance(run_vars, Mapping) else None
+    stored = runtime_ns.get(FLOW_VAR) if isinstance(runtime_ns, Mapping) else None
+    if not isinstance(stored, Mapping):
+        return {}
+    return {k: copy.deepcopy(v) for k, v in stored.items() if k != "flow"}
+
+
+def _pack_for_stored_run(ledger_url: str, run_id: str, *, model: str | None, build_pack: Any) -> MLXPack:
+    from ..ledger import Ledger
+
+    probe = Ledger(ledger_url)
+    try:
+        data = probe.load_run(run_id)
+    finally:
+        probe.close()
+    if data is None:
+        raise ValueError(f"no run {run_id} in {ledger_url}")
+    options = stored_options(data.get("vars") or {})
+    return build_pack(
+        ledger_url,
+        model=model or options.get("model"),
+        force_model=bool(options.get("force_model", False)),
+        provider_options=options.get("provider_options") or None,
+        sibling_batching=bool(options.get("sibling_batching", True)),
+    )

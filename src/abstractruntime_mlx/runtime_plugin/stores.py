@@ -1,0 +1,133 @@
+"""AbstractRuntime ``RunStore`` / ``LedgerStore`` adapters over our SQLAlchemy ``Ledger``.
+
+    ledger = Ledger("sqlite:///runs.sqlite")
+    Runtime(run_store=LedgerRunStore(ledger), ledger_store=LedgerStepStore(ledger), ...)
+
+``LedgerRunStore``: ``save`` / ``load`` / ``create_if_absent`` (first creation wins, identity
+checked with AbstractRuntime's ``verify_run_identity``) / ``list_runs`` / ``list_children``.
+``LedgerStepStore``: ``append`` (append-only; a retried append of the same record is stored
+once) / ``list`` (append order) / ``find_completed_result`` (an indexed point query) /
+``last_record``. The run state and step records are stored as the dicts AbstractRuntime
+serialises them to, so a stored run round-trips exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from abstractruntime.core.models import RunState, RunStatus, StepRecord, WaitReason, WaitState
+from abstractruntime.core.run_identity import verify_run_identity
+from abstractruntime.storage.base import LedgerStore, RunStore
+from abstractruntime.storage.serialize import runstate_to_dict, steprecord_to_dict
+
+from ..ledger import Ledger
+
+__all__ = ["LedgerRunStore", "LedgerStepStore", "run_from_dict"]
+
+
+def run_from_dict(data: dict[str, Any]) -> RunState:
+    """A ``RunState`` from its stored dict (the inverse of ``runstate_to_dict``)."""
+    raw_waiting = data.get("waiting")
+    waiting: WaitState | None = None
+    if isinstance(raw_waiting, dict):
+        reason = raw_waiting.get("reason")
+        if reason is None:
+            raise ValueError(f"stored run {data.get('run_id')!r}: waiting state has no reason")
+        waiting = WaitState(
+            reason=reason if isinstance(reason, WaitReason) else WaitReason(str(reason)),
+            wait_key=raw_waiting.get("wait_key"),
+            until=raw_waiting.get("until"),
+            resume_to_node=raw_waiting.get("resume_to_node"),
+            result_key=raw_waiting.get("result_key"),
+            prompt=raw_waiting.get("prompt"),
+            choices=raw_waiting.get("choices"),
+            allow_free_text=bool(raw_waiting.get("allow_free_text", True)),
+            details=raw_waiting.get("details"),
+        )
+    status = data.get("status")
+    return RunState(
+        run_id=str(data.get("run_id") or ""),
+        workflow_id=str(data.get("workflow_id") or ""),
+        status=status if isinstance(status, RunStatus) else RunStatus(str(status)),
+        current_node=str(data.get("current_node") or ""),
+        vars=dict(data.get("vars") or {}),
+        waiting=waiting,
+        output=data.get("output"),
+        error=data.get("error"),
+        created_at=str(data.get("created_at") or ""),
+        updated_at=str(data.get("updated_at") or ""),
+        actor_id=data.get("actor_id"),
+        session_id=data.get("session_id"),
+        parent_run_id=data.get("parent_run_id"),
+    )
+
+
+class LedgerRunStore(RunStore):
+    """Run checkpoints in the ledger's ``runs`` table. Thread-safe (the ledger is)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def save(self, run: RunState) -> None:
+        self.ledger.save_run(runstate_to_dict(run))
+
+    def load(self, run_id: str) -> RunState | None:
+        data = self.ledger.load_run(run_id)
+        return None if data is None else run_from_dict(data)
+
+    def create_if_absent(self, run: RunState) -> tuple[RunState, bool]:
+        stored, created = self.ledger.create_run_if_absent(runstate_to_dict(run))
+        if created:
+            return run, True
+        existing = run_from_dict(stored)
+        verify_run_identity(existing, run)
+        return existing, False
+
+    def list_runs(
+        self,
+        *,
+        status: RunStatus | None = None,
+        wait_reason: WaitReason | None = None,
+        workflow_id: str | None = None,
+        limit: int = 100,
+    ) -> list[RunState]:
+        rows = self.ledger.list_run_states(
+            status=None if status is None else str(getattr(status, "value", status)),
+            wait_reason=None if wait_reason is None else str(getattr(wait_reason, "value", wait_reason)),
+            workflow_id=workflow_id,
+            limit=limit,
+        )
+        return [run_from_dict(row) for row in rows]
+
+    def list_children(self, *, parent_run_id: str, status: RunStatus | None = None) -> list[RunState]:
+        rows = self.ledger.list_run_states(
+            parent_run_id=parent_run_id,
+            status=None if status is None else str(getattr(status, "value", status)),
+            limit=10_000,
+        )
+        return [run_from_dict(row) for row in rows]
+
+
+class LedgerStepStore(LedgerStore):
+    """Step records in the ledger's ``steps`` table: append-only and idempotent.
+
+    Phase events do not come through here when our LLM_CALL handler runs on this ledger: the
+    node writes them to the ``progress`` table through a batching writer (see
+    ``handler.LLMCallHandler``). ``abstract.progress`` records that other handlers send
+    through AbstractRuntime's channel are stored like any other step record.
+    """
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def append(self, record: StepRecord) -> None:
+        self.ledger.append_step(steprecord_to_dict(record))
+
+    def list(self, run_id: str) -> list[dict[str, Any]]:
+        return self.ledger.list_steps(run_id)
+
+    def find_completed_result(self, run_id: str, idempotency_key: str) -> dict[str, Any] | None:
+        return self.ledger.find_completed_result(run_id, idempotency_key)
+
+    def last_record(self, run_id: str) -> dict[str, Any] | None:
+        return self.ledger.last_step(run_id)
