@@ -339,3 +339,24 @@ def test_vision_images_change_output(make_llm, vision_model, tmp_path):
         llm.generate("x", media=[b"not an image"])
     with pytest.raises(errors.InvalidMedia):
         llm.generate("x", media=[str(tmp_path / "missing.png")])
+
+
+def test_upstream_failure_fails_the_group_not_the_engine(make_llm, dense_model, monkeypatch):
+    from abstractruntime_mlx.engine import backend
+
+    llm = make_llm(dense_model, mlx_batching=True)
+    real_step = backend.BatchBackend.step
+    calls = {"n": 0}
+
+    def flaky(self, *, observe_prefill):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            with backend.map_upstream_errors("a batch step"):
+                raise ValueError("simulated kernel failure")
+        return real_step(self, observe_prefill=observe_prefill)
+
+    monkeypatch.setattr(backend.BatchBackend, "step", flaky)
+    with pytest.raises(errors.UpstreamError, match="simulated kernel failure"):
+        llm.generate(PROMPTS[0], max_output_tokens=8)
+    assert llm.generate(PROMPTS[1], max_output_tokens=3).finish_reason == "length"
+    assert llm._engine.snapshot()["failed"] == 1

@@ -262,12 +262,17 @@ class Engine:
                 self._run_controls()
                 self._apply_cancels()
                 self._expire_waiting()
-                if self._group is None:
-                    self._start_group()
-                elif self._group.mode == ExecutionMode.CONTINUOUS:
-                    self._admit_late()
-                if self._group is not None:
-                    self._step_group()
+                try:
+                    if self._group is None:
+                        self._start_group()
+                    elif self._group.mode == ExecutionMode.CONTINUOUS:
+                        self._admit_late()
+                    if self._group is not None:
+                        self._step_group()
+                except UpstreamError as exc:
+                    # mlx-vlm failed inside one group: fail that group's requests, keep serving.
+                    log.error("batch step failed: %s", exc)
+                    self._fail_group(exc)
         except BaseException as exc:  # noqa: BLE001 - a crash must fail every live request
             log.exception("MLX worker crashed")
             self._fatal = exc
@@ -608,6 +613,15 @@ class Engine:
             self.stats.failed += 1
         else:
             self.stats.completed += 1
+
+    def _fail_group(self, error: MLXRuntimeError) -> None:
+        group = self._group
+        self._group = None
+        if group is None:
+            return
+        for running in list(group.running.values()):
+            self._finish(running.request, RequestStatus.FINISHED_ERROR, error=error)
+        group.backend.close()
 
     def _fail_all(self, error: MLXRuntimeError) -> None:
         with self._cond:
