@@ -1,0 +1,104 @@
+"""AbstractRuntime integration: the only package that imports ``abstractruntime``.
+
+    from abstractruntime_mlx.runtime_plugin import build_runtime, run_flow
+
+    runtime = build_runtime("sqlite:///runs.sqlite", model="/models/qwen")   # a Runtime
+    results = run_flow("examples/fanout.json", runs=3, ledger_url="sqlite:///runs.sqlite")
+
+- ``register(effect_handlers=None, **pack_options)``: the entry point
+  (``[project.entry-points."abstractruntime.packs"] mlx``); puts our LLM_CALL handler into a
+  ``Runtime(effect_handlers=...)`` dict and returns it.
+- ``build_pack`` / ``build_runtime``: ledger-backed ``RunStore`` + ``LedgerStore``, the
+  handler, sibling-branch batching.
+- ``run_flow`` / ``resume_run``: run VisualFlow JSON N times concurrently (one compiled spec
+  per thread), resume an interrupted run from the ledger alone.
+
+MLX is imported on the first LLM call, never at import. See ``docs/runtime-plugin.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from abstractruntime import Runtime
+from abstractruntime.core.models import EffectType
+
+from .flows import FlowCatalog, FlowIndex, FlowRunResult, NodeOutcome, load_flow, node_outcomes, resume_run, run_flow
+from .handler import LLMCallHandler, MLXPack, SiblingPrefetcher, build_pack, normalize_ledger_url, request_from_payload
+from .stores import LedgerRunStore, LedgerStepStore
+
+__all__ = [
+    "FlowCatalog",
+    "FlowIndex",
+    "FlowRunResult",
+    "LLMCallHandler",
+    "LedgerRunStore",
+    "LedgerStepStore",
+    "MLXPack",
+    "NodeOutcome",
+    "SiblingPrefetcher",
+    "build_pack",
+    "build_runtime",
+    "load_flow",
+    "node_outcomes",
+    "normalize_ledger_url",
+    "pack_of",
+    "register",
+    "request_from_payload",
+    "resume_run",
+    "run_flow",
+]
+
+_PACK_ATTRIBUTE = "_abstractruntime_mlx_pack"
+
+
+def register(effect_handlers: dict[Any, Any] | None = None, *, pack: MLXPack | None = None, **pack_options: Any) -> dict[Any, Any]:
+    """Install the MLX LLM_CALL handler: returns ``effect_handlers`` (or a new dict) with
+    ``EffectType.LLM_CALL`` set, for ``Runtime(effect_handlers=...)``.
+
+    ``pack`` reuses a built pack; otherwise ``pack_options`` go to ``build_pack`` (e.g.
+    ``ledger_url=``, ``model=``). Without a ledger the handler forwards phase events to
+    AbstractRuntime's progress channel, so the host's own ledger store records them.
+    """
+    handlers = effect_handlers if effect_handlers is not None else {}
+    pack = pack or build_pack(**pack_options)
+    handlers[EffectType.LLM_CALL] = pack.handler
+    return handlers
+
+
+def build_runtime(ledger_url: str, *, model: str | None = None, **options: Any) -> Runtime:
+    """A ``Runtime`` whose runs, steps and phase events live in the ledger at ``ledger_url``
+    (SQLAlchemy URL or SQLite path) and whose LLM_CALL effects run on MLX.
+
+    ``model`` is the default model of nodes that name none. Other ``options`` go to
+    ``build_pack`` (``force_model``, ``sibling_batching``, ``server_base_url``,
+    ``record_progress``, ``effect_policy``...) except ``provider_options`` entries, which may
+    also be given directly (``mlx_max_batch_size=8``). ``pack_of(runtime).close()`` releases
+    the ledger and the writer.
+    """
+    pack_keys = {
+        "ledger",
+        "force_model",
+        "provider_options",
+        "server_base_url",
+        "sibling_batching",
+        "record_progress",
+        "runtime_progress",
+        "registry",
+        "effect_policy",
+    }
+    pack_options = {k: v for k, v in options.items() if k in pack_keys}
+    provider_options = dict(pack_options.pop("provider_options", None) or {})
+    provider_options.update({k: v for k, v in options.items() if k not in pack_keys})
+    pack = build_pack(ledger_url, model=model, provider_options=provider_options, **pack_options)
+    runtime = pack.runtime()
+    setattr(runtime, _PACK_ATTRIBUTE, pack)
+    return runtime
+
+
+def pack_of(runtime: Runtime) -> MLXPack:
+    """The pack behind a runtime made by ``build_runtime``."""
+    pack = getattr(runtime, _PACK_ATTRIBUTE, None)
+    if pack is None:
+        raise ValueError("this Runtime was not made by abstractruntime_mlx.runtime_plugin.build_runtime")
+    return pack
