@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Hashable
 
 from .request import EngineRequest, ExecutionMode
 
@@ -59,6 +59,3 @@ def count_compatible_head(waiting: deque[EngineRequest], key: GroupKey) -> int:
         n += 1
     return n
 
-
-def describe(waiting: deque[Any]) -> list[str]:
-    return [getattr(r, "request_id", "?") for r in waiting]

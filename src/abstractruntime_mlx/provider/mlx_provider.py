@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Iterator
 
 from ..artifacts import detect_mtp, resolve_model_path
 from ..controls import (
+    SAMPLING_FIELDS,
     UNSET,
     SpeculationControl,
     normalize_sampling,
@@ -205,7 +206,7 @@ class MLXProvider:
         cancel_event = args.pop("cancel_event", None)
         args.pop("trace_metadata", None)
         max_tokens_alias = args.pop("max_tokens", None)
-        sampling_args = {k: args.pop(k) for k in list(args) if k in _SAMPLING_NAMES}
+        sampling_args = {k: args.pop(k) for k in list(args) if k in SAMPLING_FIELDS}
         if args:
             raise InvalidRequest(f"unknown generate() argument(s): {', '.join(sorted(args))}")
         if max_tokens_alias is not None and sampling_args.get("max_output_tokens") is None:
@@ -421,21 +422,6 @@ class AsyncChunkStream:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-_SAMPLING_NAMES = {
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "seed",
-    "stop",
-    "max_output_tokens",
-}
 
 
 def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
