@@ -406,7 +406,7 @@ class Engine:
     def _admit_late(self) -> None:
         group = self._group
         assert group is not None
-        free = group.backend.free_slots() - len(group.tombstones)
+        free = group.backend.free_slots()  # tombstoned rows still hold their slot upstream
         if free <= 0:
             return
         with self._cond:
