@@ -19,6 +19,7 @@ from ..controls import normalize_speculation
 API_KEY_ENV = "ABSTRACTRUNTIME_MLX_API_KEY"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
+SHUTDOWN_GRACE_S = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,7 @@ class ServeSettings:
     port: int = DEFAULT_PORT
     api_key: str | None = None
     log_level: str = "warning"
+    stream_interval_ms: float = 5.0
     # create_llm options (only those given on the command line)
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -55,6 +57,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help="constructor speculation: 'off', 'native_mtp', or a draft depth N (default: inherit the policy)",
     )
     parser.add_argument("--mtp-head", default=None, help="companion MTP head (repo id or directory)")
+    parser.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=5.0,
+        help="shortest gap between two text writes of one stream; faster tokens are sent together (default 5; 0 = every chunk)",
+    )
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(handler=_serve)
 
@@ -81,6 +89,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         port=args.port,
         api_key=args.api_key or env.get(API_KEY_ENV) or None,
         log_level=args.log_level,
+        stream_interval_ms=args.stream_interval_ms,
         options=options,
     )
 
@@ -106,8 +115,16 @@ def serve(settings: ServeSettings) -> int:
             file=sys.stderr,
         )
     llm = create_llm("mlx", model=settings.model, **settings.options) if settings.model else None
-    app = create_app(llm, api_key=settings.api_key)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on")
+    app = create_app(llm, api_key=settings.api_key, stream_interval_ms=settings.stream_interval_ms)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        lifespan="on",
+        # Open streams are cancelled (their engine slots freed) this long after a stop signal.
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
     server = uvicorn.Server(config)
     print(f"abstractruntime-mlx: serving {settings.model or '(no model)'} on http://{settings.host}:{settings.port}", file=sys.stderr)
     try:

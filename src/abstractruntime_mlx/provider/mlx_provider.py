@@ -171,6 +171,8 @@ class MLXProvider:
         return _collect(chunks, prepared)
 
     async def agenerate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | AsyncIterator[GenerationChunk]:
+        # Validation, rendering and admission happen before the first await, so a caller
+        # (the server) sees an early error (bad controls, full queue) at once.
         prepared = self._prepare(prompt, kwargs)
         submitted = self._submit(prepared)
         chunks = self._astream(prepared, submitted)

@@ -20,7 +20,7 @@ import enum
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -57,6 +57,7 @@ MAX_BACKOFF_S: Final = 8.0
 CHAT_PATH: Final = "/v1/chat/completions"
 ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache")
 RETRYABLE_CODES: Final = frozenset({QueueFull.code})
+_STRICT_SPECULATION_SUFFIX: Final = "(speculation.require_acceleration=True)"
 _STATUS_FALLBACK: Final[dict[int, type[MLXRuntimeError]]] = {
     400: InvalidRequest,
     401: AuthenticationError,
@@ -339,6 +340,9 @@ def rebuild_error(error: Mapping[str, Any], *, status: int | None) -> MLXRuntime
     message = str(error.get("message") or f"HTTP {status}")
     details = dict(error["details"]) if isinstance(error.get("details"), Mapping) else {}
     cls = error_class_for_code(code) if isinstance(code, str) else MLXRuntimeError
+    if cls is MLXRuntimeError and message.endswith(_STRICT_SPECULATION_SUFFIX):
+        # AbstractCore sends strict-MTP refusals as untyped native_runtime_error with this suffix.
+        cls = SpeculationUnavailable
     if cls is MLXRuntimeError and status is not None:
         cls = _STATUS_FALLBACK.get(status) or (EngineError if status >= 500 else InvalidRequest)
     if code and cls.code != code:
@@ -352,6 +356,7 @@ def rebuild_error(error: Mapping[str, Any], *, status: int | None) -> MLXRuntime
         exc.value = details.get("value")
     if isinstance(exc, SpeculationUnavailable):
         exc.reason = str(details.get("reason") or "unknown")
+        details.setdefault("reason", exc.reason)
     return exc
 
 
@@ -389,10 +394,35 @@ class ServerEvent:
 
 @dataclass(slots=True)
 class SSEParser:
-    """Incremental ``text/event-stream`` parser fed one line at a time (no trailing newline)."""
+    """Incremental ``text/event-stream`` parser: ``feed_bytes`` takes raw network chunks
+    (``feed`` takes one decoded line without its newline)."""
 
     _event: str | None = None
     _data: list[str] = field(default_factory=list)
+    _buffer: bytes = b""
+
+    def feed_bytes(self, chunk: bytes) -> list[ServerEvent]:
+        data = self._buffer + chunk
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n")
+        events: list[ServerEvent] = []
+        start = 0
+        while True:
+            end = data.find(b"\n\n", start)
+            if end < 0:
+                break
+            block = data[start:end]
+            start = end + 2
+            if block.startswith(b"data: ") and b"\n" not in block and self._event is None and not self._data:
+                events.append(ServerEvent(None, block[6:].decode("utf-8")))  # the common one-line record
+                continue
+            for line in block.decode("utf-8").split("\n"):
+                self.feed(line)
+            event = self.feed("")
+            if event is not None:
+                events.append(event)
+        self._buffer = data[start:]
+        return events
 
     def feed(self, line: str) -> ServerEvent | None:
         if not line:
@@ -507,13 +537,6 @@ class StreamDecoder:
         if self.result_body is None:
             raise UpstreamError("the server's event stream ended without a result record")
         return decode_completion(self.result_body, remote=remote)
-
-
-def iter_sse(lines: Iterable[str], parser: SSEParser) -> Iterable[ServerEvent]:
-    for line in lines:
-        event = parser.feed(line)
-        if event is not None:
-            yield event
 
 
 def remote_block(*, base_url: str, retries: int, streamed: bool, **extra: Any) -> dict[str, Any]:

@@ -283,14 +283,13 @@ class RemoteClient(_ClientCore):
                 return decode_completion(body, remote=self._remote(prepared, retries))
             decoder = StreamDecoder(on_progress=prepared.call.on_progress)
             parser = SSEParser()
-            for line in response.iter_lines():
+            for data in response.iter_bytes():
                 if prepared.cancel_event is not None and prepared.cancel_event.is_set():
                     return self._cancelled_result(prepared, retries, "")
-                event = parser.feed(line)
-                if event is not None:
+                for event in parser.feed_bytes(data):
                     decoder.feed(event)
-                    if decoder.done:
-                        break
+                # After [DONE] keep reading to the end of the body: a response read to its end
+                # returns its connection to the pool, one closed early costs a new connection.
             return decoder.result(remote=self._remote(prepared, retries))
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url) from exc
@@ -382,19 +381,17 @@ class SyncChunkStream:
                 return
             decoder = StreamDecoder(on_progress=prepared.call.on_progress)
             parser = SSEParser()
-            for line in response.iter_lines():
+            for data in response.iter_bytes():
                 if prepared.cancel_event is not None and prepared.cancel_event.is_set():
                     yield client._cancelled_chunk(prepared, self._retries)
                     return
-                event = parser.feed(line)
-                if event is None:
-                    continue
-                for chunk in decoder.feed(event):
-                    if first_at is None:
-                        first_at = time.perf_counter()
-                    yield chunk
-                if decoder.done:
-                    break
+                for event in parser.feed_bytes(data):
+                    for chunk in decoder.feed(event):
+                        if first_at is None:
+                            first_at = time.perf_counter()
+                        yield chunk
+                # After [DONE] keep reading to the end of the body: a response read to its end
+                # returns its connection to the pool, one closed early costs a new connection.
             ttft = None if first_at is None else round(first_at - prepared.started, 6)
             yield decoder.final_chunk(remote=client._remote(prepared, self._retries, ttft_s=ttft))
         except httpx.HTTPError as exc:
@@ -494,14 +491,13 @@ class AsyncRemoteClient(_ClientCore):
                 return decode_completion(body, remote=self._remote(prepared, retries))
             decoder = StreamDecoder(on_progress=prepared.call.on_progress)
             parser = SSEParser()
-            async for line in response.aiter_lines():
+            async for data in response.aiter_bytes():
                 if prepared.cancel_event is not None and prepared.cancel_event.is_set():
                     return self._cancelled_result(prepared, retries, "")
-                event = parser.feed(line)
-                if event is not None:
+                for event in parser.feed_bytes(data):
                     decoder.feed(event)
-                    if decoder.done:
-                        break
+                # After [DONE] keep reading to the end of the body: a response read to its end
+                # returns its connection to the pool, one closed early costs a new connection.
             return decoder.result(remote=self._remote(prepared, retries))
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url) from exc
@@ -586,19 +582,17 @@ class AsyncChunkStream:
                 return
             decoder = StreamDecoder(on_progress=prepared.call.on_progress)
             parser = SSEParser()
-            async for line in response.aiter_lines():
+            async for data in response.aiter_bytes():
                 if prepared.cancel_event is not None and prepared.cancel_event.is_set():
                     yield client._cancelled_chunk(prepared, self._retries)
                     return
-                event = parser.feed(line)
-                if event is None:
-                    continue
-                for chunk in decoder.feed(event):
-                    if first_at is None:
-                        first_at = time.perf_counter()
-                    yield chunk
-                if decoder.done:
-                    break
+                for event in parser.feed_bytes(data):
+                    for chunk in decoder.feed(event):
+                        if first_at is None:
+                            first_at = time.perf_counter()
+                        yield chunk
+                # After [DONE] keep reading to the end of the body: a response read to its end
+                # returns its connection to the pool, one closed early costs a new connection.
             ttft = None if first_at is None else round(first_at - prepared.started, 6)
             yield decoder.final_chunk(remote=client._remote(prepared, self._retries, ttft_s=ttft))
         except httpx.HTTPError as exc:

@@ -26,6 +26,7 @@ from ..results import GenerationChunk, GenerationResult
 
 DONE: Final = "data: [DONE]\n\n"
 DEFAULT_MAX_PENDING: Final = 64
+_SETTLE_TURNS: Final = 2
 SSE_HEADERS: Final = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -109,6 +110,18 @@ class ProviderPump:
         if isinstance(item, ChunkItem):
             self._slots.release()
         return item
+
+    async def settled(self) -> PumpItem | None:
+        """The first item if the call already produced one, after letting it start.
+
+        Preparing and submitting a call are synchronous in the provider (controls
+        validation, chat-template rendering, queue admission), so once the task has had
+        its first turns every early failure (``InvalidControls``, ``QueueFull`` ...) is
+        queued. A stream can then send its headers without waiting for the first token.
+        """
+        for _ in range(_SETTLE_TURNS):
+            await asyncio.sleep(0)
+        return self.next_nowait()
 
     def next_nowait(self) -> PumpItem | None:
         try:

@@ -1,0 +1,175 @@
+"""Helpers shared by the HTTP tests (no tests here): a uvicorn server on a free loopback port
+in a background thread, a scripted fake provider, and small image builders."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+
+from abstractruntime_mlx.errors import MLXRuntimeError
+from abstractruntime_mlx.results import GenerationChunk, GenerationResult
+
+
+@contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Run ``app`` with uvicorn on 127.0.0.1 (a free port); yield its base URL."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+
+
+def engine_stats(llm: Any) -> dict[str, Any]:
+    """The engine counters (submitted/completed/cancelled/active/queued) of a real provider."""
+    return dict(llm.get_prompt_cache_stats().get("execution") or {})
+
+
+def wait_until(predicate: Any, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
+# --------------------------------------------------------------------------- images
+
+
+def png_bytes(color: tuple[int, int, int] = (255, 0, 0), size: tuple[int, int] = (8, 8)) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def jpeg_bytes() -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (0, 0, 255)).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(url: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url, **extra}}
+
+
+# --------------------------------------------------------------------------- fake provider
+
+
+class FakeProvider:
+    """A scripted provider: records every call's keyword arguments.
+
+    ``texts`` are streamed as chunks; ``fail_after`` raises ``error`` after that many chunks
+    (0 = before the first); ``delay_s`` sleeps between chunks; progress events are sent when
+    ``on_progress`` is given.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str = "fake-model",
+        texts: tuple[str, ...] = ("Hello", " world"),
+        error: MLXRuntimeError | None = None,
+        fail_after: int | None = None,
+        delay_s: float = 0.0,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.execution_options = {"mlx_batching": True, "mlx_max_batch_size": 4}
+        self.texts = texts
+        self.error = error
+        self.fail_after = fail_after
+        self.delay_s = delay_s
+        self.metadata = metadata or {
+            "execution": {"mode": "continuous", "peak_batch_size": 1, "queue_s": 0.001, "ttft_s": 0.002},
+            "speculation": {"requested": False, "mode": "off", "used": False, "reason": "disabled_for_this_call"},
+        }
+        self.calls: list[dict[str, Any]] = []
+        self.cancel_events: list[threading.Event] = []
+        self.unloaded = False
+
+    def supports_concurrent_generation(self) -> bool:
+        return True
+
+    def supports_text_progress_events(self) -> bool:
+        return True
+
+    def speculation_default(self) -> Any:
+        return None
+
+    def unload_model(self, name: str | None = None) -> bool:
+        self.unloaded = True
+        return True
+
+    def get_prompt_cache_stats(self) -> dict[str, Any]:
+        return {"backend": None, "execution": {"submitted": len(self.calls)}}
+
+    def prompt_cache_clear(self, key: str | None = None) -> dict[str, Any]:
+        return {"scope": "none", "cleared": 0, "key": key}
+
+    def _usage(self) -> dict[str, Any]:
+        n = len(self.texts)
+        return {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n, "cached_input_tokens": 2}
+
+    async def agenerate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> Any:
+        self.calls.append({"prompt": prompt, "stream": stream, **kwargs})
+        cancel = kwargs.get("cancel_event")
+        if cancel is not None:
+            self.cancel_events.append(cancel)
+        chunks = self._chunks(kwargs.get("on_progress"))
+        if stream:
+            return chunks
+        text = ""
+        final: GenerationChunk | None = None
+        async for chunk in chunks:
+            text += chunk.content
+            final = chunk
+        assert final is not None
+        return GenerationResult(
+            content=text, finish_reason=final.finish_reason, usage=final.usage or {}, metadata=final.metadata or {}, model=self.model
+        )
+
+    async def _chunks(self, on_progress: Any) -> Any:
+        if on_progress is not None:
+            on_progress({"kind": "llm", "phase": "prefill", "prompt_tokens": 5})
+        for index, text in enumerate(self.texts):
+            if self.fail_after is not None and index == self.fail_after:
+                assert self.error is not None
+                raise self.error
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            if index == 0 and on_progress is not None:
+                on_progress({"kind": "llm", "phase": "generate", "first_token": True, "generated_tokens": 1})
+            yield GenerationChunk(content=text, model=self.model)
+        if self.fail_after is not None and self.fail_after >= len(self.texts):
+            assert self.error is not None
+            raise self.error
+        if on_progress is not None:
+            on_progress({"kind": "llm", "phase": "complete", "final": True, "finish_reason": "stop"})
+        yield GenerationChunk(content="", finish_reason="stop", usage=self._usage(), metadata=dict(self.metadata), model=self.model)
