@@ -323,11 +323,12 @@ class ProviderRegistry:
                 lock = self._model_locks.setdefault(str(getattr(provider, "path", model)), threading.Lock())
         return _LocalEntry(provider=provider, verified=verified, lock=lock)
 
-    def remote(self, base_url: str, options: Mapping[str, Any] | None = None) -> Any:
-        """The shared ``remote_client.RemoteClient`` for ``base_url``."""
+    def remote(self, base_url: str, model: str | None = None, options: Mapping[str, Any] | None = None) -> Any:
+        """The shared ``remote_client.RemoteClient`` for (``base_url``, ``model``)."""
         url = base_url.rstrip("/")
+        key = f"{url} {model or ''} {_canonical(dict(options or {}))}"
         with self._lock:
-            client = self._remote.get(url)
+            client = self._remote.get(key)
             if client is None:
                 try:
                     from ..remote_client import RemoteClient
@@ -335,8 +336,8 @@ class ProviderRegistry:
                     raise InvalidRequest(
                         f"a remote node ({url}) needs abstractruntime_mlx.remote_client, which is not available: {exc}"
                     ) from exc
-                client = RemoteClient(url, **dict(options or {}))
-                self._remote[url] = client
+                client = RemoteClient(url, model=model, **dict(options or {}))
+                self._remote[key] = client
         return client
 
     def close(self) -> None:
@@ -491,8 +492,10 @@ class LLMNode:
         policy_reader: Callable[[], Any] | None = None,
     ) -> None:
         self.ledger = ledger
-        self._owns_writer = writer is None and ledger is not None
-        self.writer = writer if writer is not None else (ledger.progress_writer() if ledger is not None else None)
+        self._owns_writer = writer is None and ledger is not None and record_progress
+        if writer is None and ledger is not None and record_progress:
+            writer = ledger.progress_writer()
+        self.writer = writer
         self.registry = registry or default_registry()
         self.default_model = default_model
         self.provider_options = dict(provider_options or {})
@@ -539,10 +542,8 @@ class LLMNode:
         controls = resolve_node_controls(request)
         send = controls.sources["speculation"] in ("call", "run")
         kwargs = _generate_kwargs(request, controls, send_speculation=send)
-        if model:
-            kwargs["model"] = model
         base_url = str(request.base_url).rstrip("/")
-        return _prepared("remote", f"remote:{base_url}", provider_name, model, base_url, controls, send, kwargs)
+        return _prepared("remote", f"remote:{base_url}:{model or ''}", provider_name, model, base_url, controls, send, kwargs)
 
     def execute(
         self,
@@ -578,7 +579,7 @@ class LLMNode:
 
     def _call(self, prepared: PreparedCall, kwargs: dict[str, Any]) -> tuple[GenerationResult, str]:
         if prepared.client_kind == "remote":
-            client = self.registry.remote(str(prepared.base_url), self.remote_options)
+            client = self.registry.remote(str(prepared.base_url), prepared.model, self.remote_options)
             return client.generate(**kwargs), "remote"
         assert prepared.model is not None
         entry = self.registry.local(prepared.model, self.provider_options)
@@ -586,6 +587,22 @@ class LLMNode:
             return entry.provider.generate(**kwargs), "concurrent"
         with entry.lock:
             return entry.provider.generate(**kwargs), "serialized"
+
+    def headroom(self, prepared: PreparedCall) -> int | None:
+        """How many more requests the local engine behind ``prepared`` can take now (free batch
+        slots plus free queue places); ``None`` when unknown (remote clients)."""
+        if prepared.client_kind != "local" or prepared.model is None:
+            return None
+        stats = self.registry.local(prepared.model, self.provider_options).provider.get_prompt_cache_stats()
+        execution = stats.get("execution") if isinstance(stats, Mapping) else None
+        if not isinstance(execution, Mapping):
+            return None
+        try:
+            capacity = int(execution["max_batch_size"]) + int(execution["max_queue_size"])
+            in_use = int(execution["queued"]) + int(execution["active"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        return max(0, capacity - in_use)
 
     def route_for(self, key: NodeKey | None, callback: ProgressCallback | None = None) -> ProgressRoute:
         """The progress route of a node: this node's ledger writer under ``key`` (when recording)

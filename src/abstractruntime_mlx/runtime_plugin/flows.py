@@ -324,11 +324,12 @@ def _one_run(pack: MLXPack, flow: dict[str, Any], run_vars: dict[str, Any], sess
     spec = compile_visualflow(flow)  # one per thread: compiled flows keep unlocked per-run caches
     runtime = pack.runtime()
     started = time.perf_counter()
-    run_id = runtime.start(workflow=spec, vars=copy.deepcopy(run_vars), session_id=session_id)
-    try:
-        state = _tick_to_rest(runtime, spec, run_id)
-    finally:
-        pack.prefetcher.discard_run(run_id)
+    with pack.prefetcher.run_in_progress():
+        run_id = runtime.start(workflow=spec, vars=copy.deepcopy(run_vars), session_id=session_id)
+        try:
+            state = _tick_to_rest(runtime, spec, run_id)
+        finally:
+            pack.prefetcher.discard_run(run_id)
     return _result(pack, state, time.perf_counter() - started)
 
 
@@ -392,10 +393,11 @@ def resume_run(
         pack.flows.register(stored)
         spec = compile_visualflow(stored)
         runtime = pack.runtime()
-        try:
-            state = _tick_to_rest(runtime, spec, run_id)
-        finally:
-            pack.prefetcher.discard_run(run_id)
+        with pack.prefetcher.run_in_progress():
+            try:
+                state = _tick_to_rest(runtime, spec, run_id)
+            finally:
+                pack.prefetcher.discard_run(run_id)
         return _result(pack, state, time.perf_counter() - started)
     finally:
         if owned:

@@ -28,17 +28,19 @@ from __future__ import annotations
 
 import copy
 import logging
+from contextlib import contextmanager
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from abstractruntime import Runtime
 from abstractruntime.core.effect_cancellation import current_effect_cancel_event
 from abstractruntime.core.models import Effect, EffectType, RunState
+from abstractruntime.core.policy import RetryPolicy
 from abstractruntime.core.progress_channel import current_effect_progress_callback
 from abstractruntime.core.runtime import EffectOutcome
 from abstractruntime.turn_grounding import strip_turn_grounding
@@ -61,6 +63,7 @@ from .stores import LedgerRunStore, LedgerStepStore
 __all__ = [
     "LLMCallHandler",
     "MLXPack",
+    "PrefetchStats",
     "SiblingPrefetcher",
     "build_pack",
     "normalize_ledger_url",
@@ -90,7 +93,7 @@ _NOT_RETRYABLE: Final = (
     AuthenticationError,
     ConflictError,
 )
-DEFAULT_PREFETCH_WORKERS: Final = 16
+DEFAULT_PREFETCH_WORKERS: Final = 32
 DEFAULT_PREFETCH_TTL_S: Final = 600.0
 DEFAULT_MAX_PREFETCHES: Final = 256
 
@@ -225,8 +228,9 @@ class PrefetchStats:
     used: int = 0
     mismatched: int = 0
     failed: int = 0
+    unstarted: int = 0
+    throttled: int = 0
     discarded: int = 0
-    skipped: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -234,6 +238,8 @@ class PrefetchStats:
             "used": self.used,
             "mismatched": self.mismatched,
             "failed": self.failed,
+            "unstarted": self.unstarted,
+            "throttled": self.throttled,
             "discarded": self.discarded,
         }
 
@@ -262,25 +268,77 @@ class SiblingPrefetcher:
         self._pending: dict[tuple[str, str], _Prefetch] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        self._active_runs = 0
+        self._active_calls = 0
         self.stats = PrefetchStats()
+
+    @contextmanager
+    def run_in_progress(self) -> Iterator[None]:
+        """Mark a run as ticking (``run_flow`` does), so prefetches leave it room in the engine."""
+        with self._lock:
+            self._active_runs += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active_runs -= 1
+
+    @contextmanager
+    def call_in_progress(self) -> Iterator[None]:
+        """Mark a handler call in progress (the handler does)."""
+        with self._lock:
+            self._active_calls += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active_calls -= 1
+
+    def note(self, outcome: str) -> None:
+        """Count a claim outcome: ``used``, ``mismatched``, ``failed`` or ``unstarted``."""
+        with self._lock:
+            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
 
     def has(self, run_id: str, node_id: str) -> bool:
         with self._lock:
             return (run_id, node_id) in self._pending
 
     def launch(self, run_id: str, trigger_node: str, calls: list[tuple[str, PreparedCall]], *, buffer: bool) -> list[str]:
-        """Start ``calls`` (``(node_id, prepared)``) for ``run_id``; returns the node ids started."""
+        """Start ``calls`` (``(node_id, prepared)``) for ``run_id``; returns the node ids started.
+
+        Prefetches only take what the engine can spare: its free batch slots and queue places,
+        minus the prefetches already in flight, minus one place per run or call in progress
+        (each may submit one request of its own at any moment), halved (the rest stays for
+        other users of the engine). So a burst of prefetches does not make a real call fail
+        with ``QueueFull``. Engines that do not report their load (remote) get at most
+        ``max_workers`` prefetches in flight.
+        """
         started: list[str] = []
+        budgets: dict[str, int] = {}
         with self._lock:
             if self._closed:
                 return started
             self._expire_locked()
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="abstractruntime-mlx-sibling")
+            in_flight = sum(1 for e in self._pending.values() if e.future is not None and not e.future.done())
             for node_id, prepared in calls:
                 key = (run_id, node_id)
-                if key in self._pending or len(self._pending) >= self._max_pending:
+                if key in self._pending or len(self._pending) >= self._max_pending or in_flight >= self._max_workers:
                     continue
+                if prepared.client_id not in budgets:
+                    headroom = self._node.headroom(prepared)
+                    # In-flight prefetches may not have reached the engine yet: count them as
+                    # taken. Each run/call in progress may submit a request of its own.
+                    reserve = max(self._active_runs, self._active_calls)
+                    budgets[prepared.client_id] = (
+                        self._max_workers if headroom is None else max(0, headroom - in_flight - reserve) // 2
+                    )
+                if budgets[prepared.client_id] <= 0:
+                    self.stats.throttled += 1
+                    continue
+                budgets[prepared.client_id] -= 1
+                in_flight += 1
                 entry = _Prefetch(
                     run_id=run_id,
                     node_id=node_id,
@@ -317,7 +375,8 @@ class SiblingPrefetcher:
             entry.cancel_event.set()
             self.stats.discarded += 1
 
-    def close(self, *, timeout_s: float = 30.0) -> None:
+    def close(self) -> None:
+        """Cancel every unclaimed prefetch and join the pool (cancelled calls end quickly)."""
         with self._lock:
             self._closed = True
             entries = list(self._pending.values())
@@ -367,7 +426,10 @@ class LLMCallHandler:
 
     def __call__(self, run: RunState, effect: Effect, default_next_node: str | None = None) -> EffectOutcome:
         try:
-            return self._handle(run, effect)
+            if self.prefetcher is None:
+                return self._handle(run, effect)
+            with self.prefetcher.call_in_progress():
+                return self._handle(run, effect)
         except MLXRuntimeError as exc:
             retryable = not isinstance(exc, _NOT_RETRYABLE)
             return EffectOutcome.failed(f"[{exc.code}] {exc.message}", retryable=retryable)
@@ -434,17 +496,22 @@ class LLMCallHandler:
         info: dict[str, Any] = {"role": "sibling", "trigger_node": entry.trigger_node}
         if entry.prepared.fingerprint != prepared.fingerprint:
             entry.cancel_event.set()
-            self.prefetcher.stats.mismatched += 1
+            self.prefetcher.note("mismatched")
             log.info("sibling prefetch of %s/%s not used: the request changed", run_id, node_id)
             return None, {"sibling_batch": {**info, "used": False, "reason": "request_changed"}}
+        if entry.future is not None and entry.future.cancel():
+            # Still queued behind other prefetches: calling it here is no slower.
+            self.prefetcher.note("unstarted")
+            return None, {"sibling_batch": {**info, "used": False, "reason": "not_started"}}
         claimed_at = time.perf_counter()
         ready = entry.future is not None and entry.future.done()
         try:
             result = entry.wait(cancel_event)
-        except MLXRuntimeError as exc:
-            self.prefetcher.stats.failed += 1
-            log.warning("sibling prefetch of %s/%s failed (%s); calling again", run_id, node_id, exc.code)
-            return None, {"sibling_batch": {**info, "used": False, "reason": "prefetch_failed", "error": exc.code}}
+        except Exception as exc:  # noqa: BLE001 - recorded by name; the node's own call decides
+            code = exc.code if isinstance(exc, MLXRuntimeError) else type(exc).__name__
+            self.prefetcher.note("failed")
+            log.warning("sibling prefetch of %s/%s failed (%s); calling again", run_id, node_id, code)
+            return None, {"sibling_batch": {**info, "used": False, "reason": "prefetch_failed", "error": code}}
         writer = self.node.writer if self.node.record_progress else None
         entry.route.attach(
             ledger=self.node.ledger if writer is not None else None,
@@ -453,7 +520,7 @@ class LLMCallHandler:
             callback=callback,
         )
         entry.route.flush()
-        self.prefetcher.stats.used += 1
+        self.prefetcher.note("used")
         info.update(used=True, ready_when_reached=ready, waited_s=round(time.perf_counter() - claimed_at, 6))
         return result, {"sibling_batch": info}
 
@@ -572,7 +639,7 @@ def build_pack(
     record_progress: bool = True,
     runtime_progress: RuntimeProgress = "auto",
     registry: ProviderRegistry | None = None,
-    effect_policy: Any = None,
+    effect_policy: Any = UNSET,
 ) -> MLXPack:
     """Open (or reuse) the ledger and wire node, handler, prefetcher and stores.
 
@@ -584,7 +651,13 @@ def build_pack(
     by default). ``server_base_url``: send every node to a remote server unless it names its
     own. ``sibling_batching``: prefetch independent sibling branches (see module doc).
     ``record_progress=False``: no progress rows (everything else unchanged).
+    ``effect_policy``: the runtime's retry policy; default ``RetryPolicy(llm_max_attempts=3)``
+    with a short backoff, as AbstractRuntime's own factories do (capacity errors such as
+    ``QueueFull`` are retried; requests that are wrong are not); ``None``: the kernel default
+    (one attempt).
     """
+    if effect_policy is UNSET:
+        effect_policy = RetryPolicy(llm_max_attempts=3, tool_max_attempts=1, backoff_base=0.25, backoff_max=4.0)
     owns = False
     if ledger is None and ledger_url is not None:
         ledger = Ledger(normalize_ledger_url(ledger_url))
