@@ -9,5 +9,5 @@ LEDGER="sqlite:///$(pwd)/.demo/ledger.sqlite"
 mkdir -p .demo
 abstractruntime-mlx run examples/fanout.json --runs 3 --ledger "$LEDGER"
 abstractruntime-mlx runs list --ledger "$LEDGER"
-RUN_ID=$(abstractruntime-mlx runs list --ledger "$LEDGER" --ids --limit 1)
+RUN_ID=$(abstractruntime-mlx runs list --ledger "$LEDGER" --limit 1 --json | python -c "import json,sys; print(json.load(sys.stdin)[0]['run_id'])")
 abstractruntime-mlx runs show "$RUN_ID" --ledger "$LEDGER"

@@ -56,7 +56,7 @@ def test_run_list_show_replay_with_the_embedded_model(cli_env, capsys):
     assert "thinking: high (from call)" in out
     assert "sibling batch: prefetched, launched by plain" in out
     assert "3/3 runs completed" in out
-    assert (Path(os.environ["XDG_CACHE_HOME"]) / "abstractruntime-mlx" / "tiny-dense" / "config.json").exists()
+    assert (Path(os.environ["XDG_CACHE_HOME"]) / "abstractruntime-mlx" / "tiny-hybrid-mtp" / "config.json").exists()
     assert cli_env.exists()
 
     code, out, _ = cli(capsys, "runs", "list")

@@ -8,9 +8,9 @@ Prints each LLM node's answer with its execution, speculation and thinking metad
 where each control came from). Every run, step and phase event is recorded in the ledger:
 ``--ledger URL_OR_PATH``, else ``$ABSTRACTRUNTIME_MLX_LEDGER``, else
 ``~/.abstractruntime-mlx/ledger.sqlite``. Without ``--model``, nodes that name no model use
-the embedded tiny dense model, built offline on first use in
-``$XDG_CACHE_HOME/abstractruntime-mlx/tiny-dense`` (``~/.cache/...``); ``--model`` replaces
-the model of every node.
+the embedded tiny hybrid model with an MTP head (so per-node speculation really runs),
+built offline on first use in ``$XDG_CACHE_HOME/abstractruntime-mlx/tiny-hybrid-mtp``
+(``~/.cache/...``); ``--model`` replaces the model of every node.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Final
 
 LEDGER_ENV: Final = "ABSTRACTRUNTIME_MLX_LEDGER"
 DEFAULT_LEDGER_PATH: Final = Path("~/.abstractruntime-mlx/ledger.sqlite")
-TINY_MODEL_DIR: Final = "abstractruntime-mlx/tiny-dense"
+TINY_MODEL_DIR: Final = "abstractruntime-mlx/tiny-hybrid-mtp"
 
 
 @dataclass(frozen=True)
@@ -69,11 +69,11 @@ def default_ledger_url(explicit: str | None = None, env: Mapping[str, str] = os.
 
 
 def default_model_path(env: Mapping[str, str] = os.environ) -> str:
-    """The embedded tiny dense model (built offline on first use, ~1 s)."""
+    """The embedded tiny hybrid model with an aligned MTP head (built offline on first use, ~1 s)."""
     from ..testing import tiny_model
 
     cache = Path(env.get("XDG_CACHE_HOME") or "~/.cache").expanduser()
-    return str(tiny_model(cache / TINY_MODEL_DIR, kind="dense", seed=0))
+    return str(tiny_model(cache / TINY_MODEL_DIR, kind="hybrid-mtp", seed=0, mtp_alpha=0.05))
 
 
 def parse_vars(items: Sequence[str]) -> dict[str, Any]:
