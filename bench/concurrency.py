@@ -1,33 +1,38 @@
 """Concurrency benchmark: our MLX provider against the bare library and its peers.
 
-    python bench/concurrency.py                  # tiny + ~27M model, c = 1, 2, 4, 8 (~6 min on 2 cores)
-    python bench/concurrency.py --quick          # tiny model only, c = 1, 4 (~1 min)
+    python bench/concurrency.py                  # tiny + ~27M model, c = 1, 2, 4, 8 (~7 min on 2 cores)
+    python bench/concurrency.py --quick          # tiny model only, c = 1, 4 (~20 s)
     python bench/concurrency.py --json out.json  # also write every figure
-    python bench/concurrency.py --targets ours,raw --models small --concurrency 1,8
+    python bench/concurrency.py --targets ours,raw --models small --concurrency 1,8 --repeats 3
 
-In ONE process, on the same random-weight checkpoints and the same prompts (distinct
-40-80-token user messages rendered through the chat template with thinking off, greedy,
-64 new tokens), for each concurrency c the benchmark sends N = 2c requests (``--requests-per-slot``)
-from a thread pool of c threads to:
+In ONE process, on the same random-weight checkpoints (``bench/_models.py``: the package's
+tiny dense model and a 27M-parameter qwen3) and the same prompts (distinct 40-80-token user
+messages rendered through the chat template with thinking off; greedy; 64 new tokens), each
+concurrency c sends N requests (``--requests-per-slot`` x c: 2c on the tiny model, c on the
+27M one) from a pool of c client threads, repeated ``--repeats`` times with fresh prompts, to:
 
 - ``raw``: mlx-vlm's ``BatchGenerator`` driven directly on the main thread, all N prompts
   inserted at once, ``completion_batch_size = c``, greedy, no detokenisation; the admission
   gate is re-opened every step as our engine does, so a finished row is back-filled at once.
-  The limit. TTFT counts from the common insert, so rows of the second wave include the
-  first wave's decode;
+  The limit. Its TTFT counts from the common insert, so second-wave rows include the first
+  wave's decode;
 - ``stream_generate``: ``mlx_lm.stream_generate`` on one long-lived worker thread, requests
-  served one at a time in arrival order (a lock, in effect) -- the single-request reference;
+  served one at a time in arrival order (a lock, in effect): the single-request reference;
 - ``ours``: ``abstractruntime_mlx.create_llm("mlx", mlx_batching=True, mlx_max_batch_size=8,
   speculation=False)``, ``generate(stream=True)``;
-- ``abstractcore``: AbstractCore's MLX provider, same options (``speculation=False``);
+- ``abstractcore``: AbstractCore's MLX provider with the same options (``speculation=False``);
 - ``mlx_lm.server``: a ``python -m mlx_lm.server`` subprocess on loopback, OpenAI chat
   requests streamed with httpx (``max_tokens``, ``temperature: 0``,
   ``chat_template_kwargs: {enable_thinking: false}``).
 
-Client TTFT is from the moment the request is handed over to its first chunk carrying
-text. Aggregate tok/s is completion tokens of all N requests over the wall time from the
-first submit to the last completion. Every target is warmed up (one request per batch
-width used) before it is measured.
+All targets are loaded and warmed up (every batch width once) first; then every repeat runs
+every target once, in a rotating order, so a slow spell of a shared machine hits all alike.
+Aggregate tok/s is the completion tokens of a point's runs over their summed wall time (first
+submit to last completion). Two TTFTs, both from the moment the request is handed over:
+to the first token (raw loop; ``stream_generate``; the providers' own
+``metadata.execution.ttft_s``) and to the first chunk carrying text, as the client sees it
+(mlx-lm's streaming detokenizer holds text back to word boundaries, so this depends on the
+output text too). A target that cannot load is skipped with the reason printed.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 

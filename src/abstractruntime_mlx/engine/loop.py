@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import queue
 import threading
@@ -32,6 +33,7 @@ from ..errors import (
 from .backend import PREFILL_STEP_SIZE, BatchBackend, Drafter, StepResult, text_prompt_kwargs
 from .model import LoadedModel
 from .request import (
+    END_OF_STREAM,
     EngineRequest,
     ExecutionMode,
     Outcome,
@@ -374,7 +376,10 @@ class Engine:
             limit = 1
         else:
             limit = self.config.max_batch_size
-            self._collect_window(key, limit)
+            if key.mode == ExecutionMode.COHORT:
+                # A cohort cannot be joined later: give concurrent arrivals the window.
+                # The continuous lane starts at once; later requests join its free slots.
+                self._collect_window(key, limit)
         with self._cond:
             requests = take_compatible(self._waiting, key, limit) if key.mode != ExecutionMode.EXCLUSIVE else [self._waiting.popleft()]
         head = requests[0]
@@ -556,9 +561,12 @@ class Engine:
         if request.is_finished() or request.cancelled:
             return False
         q = request.outputs
-        if droppable and q.qsize() * 2 >= q.maxsize:
+        budget = request.output_queue_size
+        if droppable and q.qsize() * 2 >= budget:
             return True  # prefill observations yield to tokens when the consumer lags
         try:
+            if q.qsize() >= budget:
+                raise queue.Full
             q.put_nowait(item)
         except queue.Full:
             if droppable:
@@ -603,6 +611,7 @@ class Engine:
             with self._cond:
                 self._account(request, status)
         request.done.set()
+        request.outputs.put_nowait(END_OF_STREAM)
         request.notify()
 
     def _account(self, request: EngineRequest, status: RequestStatus) -> None:
@@ -634,6 +643,8 @@ class Engine:
                 request.status = RequestStatus.FINISHED_ERROR
                 request.outcome = Outcome("error", request.num_prompt_tokens, request.num_output_tokens, request.cached_tokens, request.execution_metadata(), request.speculation, error)
                 request.done.set()
+                with contextlib.suppress(queue.Full):
+                    request.outputs.put_nowait(END_OF_STREAM)
                 request.notify()
         for item in controls:
             item.error = error
@@ -662,11 +673,11 @@ class RequestStream:
                 try:
                     item = request.outputs.get(timeout=_POLL_S)
                 except queue.Empty:
-                    if request.done.is_set() and request.outputs.empty():
-                        break
                     if not self.engine._worker_alive() and not request.done.is_set():
                         raise EngineCrashed("the MLX worker stopped while the request was live")
                     continue
+                if item is END_OF_STREAM:
+                    break
                 yield item
             self._finish()
         finally:
@@ -695,17 +706,17 @@ class RequestStream:
                 try:
                     item = request.outputs.get_nowait()
                 except queue.Empty:
-                    if request.done.is_set() and request.outputs.empty():
-                        break
                     if not self.engine._worker_alive() and not request.done.is_set():
                         raise EngineCrashed("the MLX worker stopped while the request was live")
                     wake.clear()
-                    if request.outputs.empty() and not request.done.is_set():
+                    if request.outputs.empty():
                         try:
                             await asyncio.wait_for(wake.wait(), timeout=_IDLE_WAIT_S)
                         except asyncio.TimeoutError:
                             pass
                     continue
+                if item is END_OF_STREAM:
+                    break
                 yield item
             self._finish()
         finally:

@@ -106,6 +106,13 @@ class PrefillObservation:
     cached: int | None = None
 
 
+class EndOfStream:
+    """Queued last, so a consumer wakes the moment its request finishes."""
+
+
+END_OF_STREAM = EndOfStream()
+
+
 @dataclass(slots=True)
 class Outcome:
     finish_reason: str
@@ -148,7 +155,8 @@ class EngineRequest:
     _token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.outputs = queue.Queue(maxsize=self.output_queue_size)
+        # One slot beyond the consumer's budget is reserved for the end marker.
+        self.outputs = queue.Queue(maxsize=self.output_queue_size + 1)
 
     # lifecycle ------------------------------------------------------------------------
     def transition(self, new: RequestStatus) -> None:
