@@ -1,0 +1,25 @@
+"""The Python examples of the README and the provider docs run as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ["README.md", "docs/provider.md", "docs/progress.md"]
+
+
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_examples_run(doc, policy_file, tmp_path, monkeypatch):
+    blocks = [b for b in python_blocks(ROOT / doc) if "tiny_model(" in b]
+    assert blocks, f"{doc} has no runnable example"
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        code = block.replace("/tmp/arm-", str(tmp_path / "arm-"))
+        exec(compile(code, f"{doc}:example", "exec"), {"__name__": "__doc_example__"})
