@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from ..controls import SAMPLING_FIELDS
 from ..errors import InvalidRequest, UpstreamError
 from ..results import GenerationChunk, GenerationResult
 from ._base import (
@@ -44,19 +45,6 @@ from ._base import (
     transport_error,
 )
 
-_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "seed",
-    "stop",
-    "max_output_tokens",
-)
 _PROGRESS_ALIASES = ("on_progress", "progress_callback", "progress_event_callback")
 _OTHER_KEYWORDS = frozenset(
     {"messages", "system_prompt", "tools", "media", "thinking", "speculation", "prompt_cache_key", "cancel_event", "trace_metadata", "max_tokens"}
@@ -117,13 +105,13 @@ class _ClientCore:
             value = args.pop(name, None)
             if on_progress is None and callable(value):
                 on_progress = value
-        unknown = sorted(k for k in args if k not in _OTHER_KEYWORDS and k not in _SAMPLING)
+        unknown = sorted(k for k in args if k not in _OTHER_KEYWORDS and k not in SAMPLING_FIELDS)
         if unknown:
             raise InvalidRequest(f"unknown generate() argument(s): {', '.join(unknown)}")
         cancel_event = args.get("cancel_event")
         if cancel_event is not None and not isinstance(cancel_event, threading.Event):
             raise InvalidRequest("cancel_event must be a threading.Event")
-        sampling = {k: args.get(k) for k in _SAMPLING}
+        sampling = {k: args.get(k) for k in SAMPLING_FIELDS}
         if sampling["max_output_tokens"] is None:
             sampling["max_output_tokens"] = args.get("max_tokens")
         call = build_chat_call(

@@ -42,7 +42,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..capabilities import get_execution_capabilities
-from ..controls import normalize_speculation
+from ..controls import SAMPLING_FIELDS, normalize_speculation
 from ..errors import (
     AuthenticationError,
     InvalidRequest,
@@ -86,18 +86,8 @@ MAX_KEY_META_ENTRIES: Final = 4096
 MAX_KEY_META_BYTES: Final = 16 * 1024
 RESERVED_META_KEYS: Final = frozenset({"fed_token_ids", "fed_token_count", "backend", "token_count", "provider", "model"})
 PUBLIC_PATHS: Final = frozenset({"/health"})
-_SAMPLING_FIELDS: Final = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "seed",
-    "stop",
-)
+# The output cap has three spellings on the wire (max_tokens, max_output_tokens, max_completion_tokens).
+_SAMPLING_FIELDS: Final = tuple(f for f in SAMPLING_FIELDS if f != "max_output_tokens")
 
 ModelFactory = Callable[..., Any]
 
