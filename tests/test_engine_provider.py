@@ -107,14 +107,20 @@ def test_mtp_cohort_separate_from_target_only(make_llm, hybrid_model):
         target_only = target_only.result()
     for r in cohort:
         assert r.metadata["execution"]["mode"] == "cohort"
-        assert r.metadata["speculation"]["used"] is True
-        assert r.metadata["speculation"]["num_draft_tokens"] == 2
+        spec = r.metadata["speculation"]
+        assert spec["used"] is True and spec["num_draft_tokens"] == 2
+        assert spec["rounds"] > 0 and spec["drafted_tokens"] > 0
+        assert spec["accounting"] == "cohort" and spec["counter_semantics"] == "sum_of_round_means_not_batch_token_totals"
     assert max(r.metadata["execution"]["peak_batch_size"] for r in cohort) == 2
     assert target_only.metadata["execution"]["mode"] == "continuous"
     assert target_only.metadata["execution"]["peak_batch_size"] == 1
     assert target_only.metadata["speculation"] == {**target_only.metadata["speculation"], "used": False, "reason": "disabled_for_this_call"}
     # MTP preserves greedy output
     assert cohort[0].token_ids == plain.token_ids
+    alone = llm.generate(PROMPTS[0], thinking=False, max_output_tokens=12)
+    assert alone.metadata["speculation"]["accounting"] == "request"
+    assert alone.metadata["speculation"]["accepted_tokens"] > 0  # the aligned head agrees with the target
+    assert alone.metadata["speculation"]["rounds"] < 12  # fewer verify rounds than tokens
 
 
 def test_strict_mtp_refuses_penalties_optional_reports(make_llm, hybrid_model):

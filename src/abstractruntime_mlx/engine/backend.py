@@ -192,6 +192,15 @@ class BatchBackend:
             rows[int(uid)] = PrefillRow(processed=cached + done, total=cached + suffix, cached=cached)
         return rows
 
+    def speculation_counters(self) -> tuple[int, float, int] | None:
+        """The drafter's lifetime (rounds, accepted, drafted) counters, or None without one."""
+        drafter = self._gen.draft_model
+        if drafter is None:
+            return None
+        from mlx_vlm.speculative.common import speculative_stats_snapshot
+
+        return speculative_stats_snapshot(drafter)
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._gen.close()

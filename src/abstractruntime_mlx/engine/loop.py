@@ -74,6 +74,8 @@ class _Group:
     backend: BatchBackend
     running: dict[int, _Running] = field(default_factory=dict)
     tombstones: set[int] = field(default_factory=set)
+    speculation_baseline: tuple[int, float, int] | None = None
+    size: int = 0
 
     @property
     def mode(self) -> str:
@@ -394,7 +396,7 @@ class Engine:
             prefill_step_size=self.config.prefill_step_size,
             stream=self._stream,
         )
-        self._group = _Group(key=key, backend=backend)
+        self._group = _Group(key=key, backend=backend, speculation_baseline=backend.speculation_counters(), size=len(requests))
         for request in requests:
             self._admit(request)
 
@@ -596,6 +598,7 @@ class Engine:
             error = RequestCancelled("the request was cancelled")
         request.transition(status)
         request.finished_at = time.perf_counter()
+        self._record_speculation(request)
         request.outcome = Outcome(
             finish_reason=request.finish_reason() or "error",
             prompt_tokens=request.num_prompt_tokens,
@@ -613,6 +616,25 @@ class Engine:
         request.done.set()
         request.outputs.put_nowait(END_OF_STREAM)
         request.notify()
+
+    def _record_speculation(self, request: EngineRequest) -> None:
+        """MTP counters since the group started. A cohort's rounds are batch-wide, and upstream
+        sums the per-round mean acceptance, so they are shared diagnostics, not token totals."""
+        group = self._group
+        if group is None or group.speculation_baseline is None or not request.draft_tokens:
+            return
+        now = group.backend.speculation_counters()
+        if now is None:
+            return
+        rounds0, accepted0, drafted0 = group.speculation_baseline
+        shared = group.size > 1
+        request.speculation = {
+            "rounds": now[0] - rounds0,
+            "accepted_tokens": round(now[1] - accepted0, 3),
+            "drafted_tokens": now[2] - drafted0,
+            "accounting": "cohort" if shared else "request",
+            "counter_semantics": "sum_of_round_means_not_batch_token_totals" if shared else "request_tokens",
+        }
 
     def _account(self, request: EngineRequest, status: RequestStatus) -> None:
         self._live.pop(request.request_id, None)

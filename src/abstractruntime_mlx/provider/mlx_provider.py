@@ -347,7 +347,7 @@ class MLXProvider:
         }
         if outcome.cached_tokens is not None:
             usage["cached_input_tokens"] = outcome.cached_tokens
-        metadata: dict[str, Any] = {"execution": outcome.execution, "speculation": dict(prepared.speculation)}
+        metadata: dict[str, Any] = {"execution": outcome.execution, "speculation": {**prepared.speculation, **(outcome.speculation or {})}}
         performance = _performance(request)
         if performance:
             metadata["performance"] = performance
