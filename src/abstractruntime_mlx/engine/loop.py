@@ -569,12 +569,12 @@ class Engine:
         try:
             if q.qsize() >= budget:
                 raise queue.Full
-            q.put_nowait(item)
+            q.put(item)
         except queue.Full:
             if droppable:
                 return True
             error = StreamBackpressure(
-                f"the stream consumer is too slow: {q.maxsize} undelivered outputs; "
+                f"the stream consumer is too slow: {budget} undelivered outputs; "
                 "read the stream faster or raise mlx_output_queue_size"
             )
             group = self._group
@@ -614,7 +614,7 @@ class Engine:
             with self._cond:
                 self._account(request, status)
         request.done.set()
-        request.outputs.put_nowait(END_OF_STREAM)
+        request.outputs.put(END_OF_STREAM)
         request.notify()
 
     def _record_speculation(self, request: EngineRequest) -> None:
@@ -665,8 +665,7 @@ class Engine:
                 request.status = RequestStatus.FINISHED_ERROR
                 request.outcome = Outcome("error", request.num_prompt_tokens, request.num_output_tokens, request.cached_tokens, request.execution_metadata(), request.speculation, error)
                 request.done.set()
-                with contextlib.suppress(queue.Full):
-                    request.outputs.put_nowait(END_OF_STREAM)
+                request.outputs.put(END_OF_STREAM)
                 request.notify()
         for item in controls:
             item.error = error

@@ -148,15 +148,17 @@ class EngineRequest:
     peak_batch_size: int = 0
     cached_tokens: int | None = None
     speculation: dict[str, Any] | None = None
-    outputs: queue.Queue = field(init=False)
+    outputs: queue.SimpleQueue = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Outcome | None = None
     waker: Callable[[], None] | None = None
     _token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        # One slot beyond the consumer's budget is reserved for the end marker.
-        self.outputs = queue.Queue(maxsize=self.output_queue_size + 1)
+        # Bounded by the worker (``output_queue_size``), which checks ``qsize()`` before each
+        # put; a SimpleQueue's put is far cheaper than a Queue's on the per-token path. The end
+        # marker may go past the bound, so it can never be refused.
+        self.outputs = queue.SimpleQueue()
 
     # lifecycle ------------------------------------------------------------------------
     def transition(self, new: RequestStatus) -> None:
