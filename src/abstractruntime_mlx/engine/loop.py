@@ -8,9 +8,7 @@ controls are applied between steps.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import contextlib
 import logging
 import queue
 import threading
@@ -18,7 +16,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ..errors import (
     EngineCrashed,
@@ -41,6 +39,7 @@ from .request import (
     RequestStatus,
     TokenDelta,
 )
+from .stream import RequestStream
 from .threads import POOL, WorkerHandle
 from .scheduler import GroupKey, count_compatible_head, group_key, take_compatible
 from .stops import StopMatcher
@@ -98,6 +97,10 @@ class EngineStats:
     failed: int = 0
     rejected: int = 0
     peak_batch_size: int = 0
+
+
+class _Cancelled(Exception):
+    """Raised inside mlx-lm's prefill callback to stop a cancelled request mid-prefill."""
 
 
 _LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -173,7 +176,7 @@ class Engine:
         return stopped
 
     # --- caller side ------------------------------------------------------------------
-    def submit(self, request: EngineRequest) -> "RequestStream":
+    def submit(self, request: EngineRequest) -> RequestStream:
         with self._cond:
             if self._stopping or self._closed or self._fatal is not None:
                 raise RuntimeClosed("the MLX engine is closed; load the model again")
@@ -671,76 +674,3 @@ class Engine:
             item.error = error
             item.done.set()
 
-
-class _Cancelled(Exception):
-    """Raised inside mlx-lm's prefill callback to stop a cancelled request mid-prefill."""
-
-
-class RequestStream:
-    """Iterate a request's outputs (``TokenDelta`` / ``PrefillObservation``) on the caller's thread.
-
-    ``outcome`` is set once iteration ends. Closing the stream cancels the request.
-    """
-
-    def __init__(self, engine: Engine, request: EngineRequest) -> None:
-        self.engine = engine
-        self.request = request
-        self.outcome: Outcome | None = None
-
-    def __iter__(self) -> Iterator[TokenDelta | PrefillObservation]:
-        request = self.request
-        try:
-            while True:
-                try:
-                    item = request.outputs.get(timeout=_POLL_S)
-                except queue.Empty:
-                    if not self.engine._worker_alive() and not request.done.is_set():
-                        raise EngineCrashed("the MLX worker stopped while the request was live")
-                    continue
-                if item is END_OF_STREAM:
-                    break
-                yield item
-            self._finish()
-        finally:
-            if not request.done.is_set():
-                self.engine.cancel(request)
-
-    def _finish(self) -> None:
-        outcome = self.request.outcome
-        assert outcome is not None
-        self.outcome = outcome
-        if outcome.error is not None:
-            raise outcome.error
-
-    def close(self) -> None:
-        if not self.request.done.is_set():
-            self.engine.cancel(self.request)
-
-    async def aiter(self):
-        """Async twin of ``__iter__``: wakes on the worker's notification, never blocks the loop."""
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        request = self.request
-        request.waker = lambda: loop.call_soon_threadsafe(wake.set)
-        try:
-            while True:
-                try:
-                    item = request.outputs.get_nowait()
-                except queue.Empty:
-                    if not self.engine._worker_alive() and not request.done.is_set():
-                        raise EngineCrashed("the MLX worker stopped while the request was live")
-                    wake.clear()
-                    if request.outputs.empty():
-                        try:
-                            await asyncio.wait_for(wake.wait(), timeout=_IDLE_WAIT_S)
-                        except asyncio.TimeoutError:
-                            pass
-                    continue
-                if item is END_OF_STREAM:
-                    break
-                yield item
-            self._finish()
-        finally:
-            request.waker = None
-            if not request.done.is_set():
-                self.engine.cancel(request)

@@ -25,7 +25,8 @@ from ..controls import (
     resolve_speculation,
 )
 from ..engine.chat import build_messages, render_prompt
-from ..engine.loop import EngineConfig, RequestStream
+from ..engine.loop import EngineConfig
+from ..engine.stream import RequestStream
 from ..engine.request import EngineRequest, Outcome, PrefillObservation, Sampling, TokenDelta
 from ..errors import (
     InvalidControls,

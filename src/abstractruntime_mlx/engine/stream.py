@@ -1,0 +1,86 @@
+"""Reading one request back on the caller's thread (sync) or event loop (async)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from typing import TYPE_CHECKING, AsyncIterator, Iterator
+
+from ..errors import EngineCrashed
+from .request import END_OF_STREAM, EngineRequest, Outcome, PrefillObservation, TokenDelta
+
+if TYPE_CHECKING:
+    from .loop import Engine
+
+_POLL_S = 0.05
+_IDLE_WAIT_S = 0.5
+
+
+class RequestStream:
+    """Iterate a request's outputs (``TokenDelta`` / ``PrefillObservation``) on the caller's thread.
+
+    ``outcome`` is set once iteration ends. Closing the stream cancels the request.
+    """
+
+    def __init__(self, engine: "Engine", request: EngineRequest) -> None:
+        self.engine = engine
+        self.request = request
+        self.outcome: Outcome | None = None
+
+    def __iter__(self) -> Iterator[TokenDelta | PrefillObservation]:
+        request = self.request
+        try:
+            while True:
+                try:
+                    item = request.outputs.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if not self.engine._worker_alive() and not request.done.is_set():
+                        raise EngineCrashed("the MLX worker stopped while the request was live")
+                    continue
+                if item is END_OF_STREAM:
+                    break
+                yield item
+            self._finish()
+        finally:
+            if not request.done.is_set():
+                self.engine.cancel(request)
+
+    def _finish(self) -> None:
+        outcome = self.request.outcome
+        assert outcome is not None
+        self.outcome = outcome
+        if outcome.error is not None:
+            raise outcome.error
+
+    def close(self) -> None:
+        if not self.request.done.is_set():
+            self.engine.cancel(self.request)
+
+    async def aiter(self) -> AsyncIterator[TokenDelta | PrefillObservation]:
+        """Async twin of ``__iter__``: wakes on the worker's notification, never blocks the loop."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        request = self.request
+        request.waker = lambda: loop.call_soon_threadsafe(wake.set)
+        try:
+            while True:
+                try:
+                    item = request.outputs.get_nowait()
+                except queue.Empty:
+                    if not self.engine._worker_alive() and not request.done.is_set():
+                        raise EngineCrashed("the MLX worker stopped while the request was live")
+                    wake.clear()
+                    if request.outputs.empty():
+                        try:
+                            await asyncio.wait_for(wake.wait(), timeout=_IDLE_WAIT_S)
+                        except asyncio.TimeoutError:
+                            pass
+                    continue
+                if item is END_OF_STREAM:
+                    break
+                yield item
+            self._finish()
+        finally:
+            request.waker = None
+            if not request.done.is_set():
+                self.engine.cancel(request)
