@@ -366,3 +366,14 @@ def test_upstream_failure_fails_the_group_not_the_engine(make_llm, dense_model, 
         llm.generate(PROMPTS[0], max_output_tokens=8)
     assert llm.generate(PROMPTS[1], max_output_tokens=3).finish_reason == "length"
     assert llm._engine.snapshot()["failed"] == 1
+
+
+def test_cancelled_waiting_request_frees_its_queue_place_at_once(make_llm, dense_model):
+    llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=1, mlx_max_queue_size=1)
+    running = llm.generate(PROMPTS[0], max_output_tokens=2000, stream=True)
+    next(running)
+    waiting = llm.generate(PROMPTS[1], max_output_tokens=4, stream=True)
+    waiting.close()  # cancelled while queued: its place is free before the worker notices
+    replacement = llm.generate(PROMPTS[2], max_output_tokens=4, stream=True)
+    running.close()
+    assert list(replacement)[-1].finish_reason == "length"

@@ -180,7 +180,7 @@ class Engine:
         with self._cond:
             if self._stopping or self._closed or self._fatal is not None:
                 raise RuntimeClosed("the MLX engine is closed; load the model again")
-            if len(self._waiting) >= self.config.max_queue_size:
+            if self._num_waiting() >= self.config.max_queue_size:
                 self.stats.rejected += 1
                 raise QueueFull(
                     f"the waiting queue is full ({self.config.max_queue_size} requests); "
@@ -218,6 +218,11 @@ class Engine:
             raise item.error
         return item.result
 
+    def _num_waiting(self) -> int:
+        """Waiting requests that still hold a queue place: a cancelled one frees its place at
+        once, before the worker gets round to finishing it."""
+        return sum(1 for r in self._waiting if not r.cancelled)
+
     def _worker_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -230,7 +235,7 @@ class Engine:
                 "failed": self.stats.failed,
                 "rejected": self.stats.rejected,
                 "peak_batch_size": self.stats.peak_batch_size,
-                "queued": len(self._waiting),
+                "queued": self._num_waiting(),
                 "active": len(self._live) - len(self._waiting),
                 "closed": self._closed,
                 "max_batch_size": self.config.max_batch_size,
