@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import gc
+import os
+from pathlib import Path
 
 import pytest
 
 from abstractruntime_mlx.testing import tiny_model
+
+PG_URL = os.environ.get("LEDGER_TEST_URL")
 
 
 @pytest.fixture(scope="session")
@@ -56,3 +60,25 @@ def make_llm(policy_file):
         except Exception:  # noqa: BLE001 - a test may have left a stream open on purpose
             pass
     gc.collect()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A ledger URL per backend: a fresh SQLite file always, PostgreSQL when LEDGER_TEST_URL is set."""
+    from abstractruntime_mlx.ledger import sqlite_url
+
+    if request.param == "sqlite":
+        return sqlite_url(tmp_path / "ledger.db")
+    if not PG_URL:
+        pytest.skip("LEDGER_TEST_URL is not set")
+    return PG_URL
+
+
+@pytest.fixture(scope="module")
+def registry():
+    """Resident providers shared by one test module's nodes, closed at its end."""
+    from abstractruntime_mlx.nodes import ProviderRegistry
+
+    reg = ProviderRegistry()
+    yield reg
+    reg.close()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.util
-import os
 import sqlite3
 import threading
 import uuid
@@ -32,16 +31,6 @@ from abstractruntime_mlx.ledger import (
     wrap_db_errors,
 )
 
-PG_URL = os.environ.get("LEDGER_TEST_URL")
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return sqlite_url(tmp_path / "ledger.db")
-    if not PG_URL:
-        pytest.skip("LEDGER_TEST_URL is not set")
-    return PG_URL
 
 
 @pytest.fixture

@@ -29,16 +29,6 @@ from abstractruntime_mlx.ledger import (
     sqlite_url,
 )
 
-PG_URL = os.environ.get("LEDGER_TEST_URL")
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return sqlite_url(tmp_path / "ledger.db")
-    if not PG_URL:
-        pytest.skip("LEDGER_TEST_URL is not set")
-    return PG_URL
 
 
 @pytest.fixture

@@ -25,13 +25,6 @@ def model(tmp_path_factory):
     return str(tiny_model(tmp_path_factory.mktemp("nodes") / "dense", kind="dense", seed=0))
 
 
-@pytest.fixture(scope="module")
-def registry():
-    reg = ProviderRegistry()
-    yield reg
-    reg.close()
-
-
 @pytest.fixture()
 def ledger(tmp_path):
     with Ledger(f"sqlite:///{tmp_path}/ledger.sqlite") as led:

@@ -78,13 +78,6 @@ def model(tmp_path_factory):
     return str(tiny_model(tmp_path_factory.mktemp("plugin") / "dense", kind="dense", seed=0))
 
 
-@pytest.fixture(scope="module")
-def registry():
-    reg = ProviderRegistry()
-    yield reg
-    reg.close()
-
-
 @pytest.fixture()
 def ledger_url(tmp_path):
     return f"sqlite:///{tmp_path}/ledger.sqlite"

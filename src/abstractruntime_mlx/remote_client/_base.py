@@ -46,6 +46,7 @@ from ..errors import (
     UpstreamError,
     error_class_for_code,
 )
+from ..image_types import MIME_BY_TYPE, sniff_image_type
 from ..results import GenerationChunk, GenerationResult
 
 log = logging.getLogger(__name__)
@@ -206,7 +207,6 @@ def build_messages(
     return out
 
 
-_MIME: Final = {"png": "image/png", "jpeg": "image/jpeg", "gif": "image/gif", "webp": "image/webp"}
 
 
 def image_data_url(item: Any, index: int = 0) -> str:
@@ -229,19 +229,7 @@ def image_data_url(item: Any, index: int = 0) -> str:
     kind = sniff_image_type(data)
     if kind is None:
         raise InvalidMedia(f"media[{index}]: not a PNG, JPEG, WebP or GIF image")
-    return f"data:{_MIME[kind]};base64,{base64.b64encode(data).decode('ascii')}"
-
-
-def sniff_image_type(data: bytes) -> str | None:
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "png"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "jpeg"
-    if data[:6] in (b"GIF87a", b"GIF89a"):
-        return "gif"
-    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "webp"
-    return None
+    return f"data:{MIME_BY_TYPE[kind]};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 # --------------------------------------------------------------------------- responses

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ..errors import InvalidMedia
+from ..image_types import sniff_image_type
 
 MiB: Final = 1024 * 1024
 MAX_IMAGE_BYTES: Final = 10 * MiB
@@ -148,16 +149,3 @@ def _strict_b64decode(payload: str, where: str) -> bytes:
     if base64.b64encode(data).decode("ascii") != payload:
         raise InvalidMedia(f"{where}: the base64 payload must be canonical, padded base64")
     return data
-
-
-def sniff_image_type(data: bytes) -> str | None:
-    """``png``/``jpeg``/``gif``/``webp`` from the magic bytes, else ``None``."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "png"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "jpeg"
-    if data[:6] in (b"GIF87a", b"GIF89a"):
-        return "gif"
-    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "webp"
-    return None
