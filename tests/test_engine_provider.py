@@ -28,7 +28,10 @@ def wait_until(predicate, timeout=10.0):
 def test_seed_example_two_threads(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=4)
 
+    start = threading.Barrier(2)
+
     def answer(question):
+        start.wait()  # both arrive together, as two concurrent callers would
         return llm.generate(question, thinking=False, temperature=0, max_output_tokens=24)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -89,8 +92,14 @@ def test_greedy_identical_alone_or_batched(make_llm, request, model_fixture):
     model = request.getfixturevalue(model_fixture)
     llm = make_llm(model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=100, speculation=False)
     alone = [llm.generate(p, thinking=False, max_output_tokens=16).token_ids for p in PROMPTS]
+    start = threading.Barrier(len(PROMPTS))
+
+    def together(prompt):
+        start.wait()
+        return llm.generate(prompt, thinking=False, max_output_tokens=16)
+
     with ThreadPoolExecutor(max_workers=4) as pool:
-        batched = list(pool.map(lambda p: llm.generate(p, thinking=False, max_output_tokens=16), PROMPTS))
+        batched = list(pool.map(together, PROMPTS))
     assert max(r.metadata["execution"]["peak_batch_size"] for r in batched) > 1
     assert [r.token_ids for r in batched] == alone
 
@@ -100,8 +109,11 @@ def test_mtp_cohort_separate_from_target_only(make_llm, hybrid_model):
     llm = make_llm(hybrid_model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=100, speculation=mtp)
     assert llm.speculation_ready()
     plain = llm.generate(PROMPTS[0], thinking=False, max_output_tokens=12, speculation=False)
+    submitted = llm._engine.snapshot()["submitted"]
     with ThreadPoolExecutor(max_workers=3) as pool:
         cohort = [pool.submit(llm.generate, p, thinking=False, max_output_tokens=12) for p in PROMPTS[:2]]
+        # both MTP requests are queued before the target-only one (arrival order decides groups)
+        assert wait_until(lambda: llm._engine.snapshot()["submitted"] >= submitted + 2)
         target_only = pool.submit(llm.generate, PROMPTS[2], thinking=False, max_output_tokens=12, speculation=False)
         cohort = [c.result() for c in cohort]
         target_only = target_only.result()

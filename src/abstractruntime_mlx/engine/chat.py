@@ -5,12 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..conversation import assemble_conversation, final_user_message
 from ..errors import InvalidRequest
-
-# Reasoning levels map onto the template's thinking switch; the level itself is passed as
-# ``reasoning_effort`` for templates that read it.
-THINKING_LEVELS = ("low", "medium", "high")
-
 
 def build_messages(
     *,
@@ -19,21 +15,9 @@ def build_messages(
     system_prompt: str | None,
     num_images: int = 0,
 ) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    if system_prompt:
-        out.append({"role": "system", "content": system_prompt})
-    for message in messages or []:
-        if not isinstance(message, dict) or "role" not in message:
-            raise InvalidRequest("each message must be an object with a 'role'")
-        if message["role"] == "system" and system_prompt:
-            continue  # the explicit system prompt replaces a system turn in history
-        out.append(_normalise_message(message))
-    if prompt:
-        out.append({"role": "user", "content": prompt})
+    out = [_normalise_message(m) for m in assemble_conversation(prompt=prompt, messages=messages, system_prompt=system_prompt)]
     if num_images:
         _attach_images(out, num_images)
-    if not out:
-        raise InvalidRequest("nothing to generate from: give a prompt or messages")
     return out
 
 
@@ -80,11 +64,7 @@ def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _attach_images(conversation: list[dict[str, Any]], num_images: int) -> None:
-    for message in reversed(conversation):
-        if message["role"] == "user":
-            content = message["content"]
-            parts = list(content) if isinstance(content, list) else [{"type": "text", "text": content}]
-            parts = [{"type": "image"} for _ in range(num_images)] + [p for p in parts if p.get("type") != "image"]
-            message["content"] = parts
-            return
-    raise InvalidRequest("images need a user message to attach to")
+    message = final_user_message(conversation)
+    content = message["content"]
+    parts = list(content) if isinstance(content, list) else [{"type": "text", "text": content}]
+    message["content"] = [{"type": "image"} for _ in range(num_images)] + [p for p in parts if p.get("type") != "image"]

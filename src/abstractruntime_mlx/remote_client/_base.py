@@ -28,6 +28,7 @@ from typing import Any, Final
 import httpx
 
 from ..controls import normalize_sampling, normalize_speculation, normalize_thinking
+from ..conversation import assemble_conversation, final_user_message
 from ..errors import (
     AuthenticationError,
     CapacityError,
@@ -173,40 +174,20 @@ def build_chat_call(
 def build_messages(
     *, prompt: str, messages: list[dict[str, Any]] | None, system_prompt: str | None, media: list[Any] | None
 ) -> list[dict[str, Any]]:
-    """The provider's conversation rule: system prompt first, history, then ``prompt`` as a user turn.
-
-    Images go into the final user message as inline base64 ``image_url`` parts.
-    """
-    out: list[dict[str, Any]] = []
-    if system_prompt:
-        out.append({"role": "system", "content": system_prompt})
-    for message in messages or []:
-        if not isinstance(message, Mapping) or "role" not in message:
-            raise InvalidRequest("each message must be an object with a 'role'")
-        if message["role"] == "system" and system_prompt:
-            continue  # the explicit system prompt replaces a system turn in history
-        out.append(dict(message))
-    if prompt:
-        out.append({"role": "user", "content": prompt})
-    if not out:
-        raise InvalidRequest("nothing to generate from: give a prompt or messages")
+    """The provider's conversation rule; images go into the final user message as inline
+    base64 ``image_url`` parts."""
+    out = assemble_conversation(prompt=prompt, messages=messages, system_prompt=system_prompt)
     if media:
         urls = [image_data_url(item, index) for index, item in enumerate(media)]
-        for message in reversed(out):
-            if message["role"] == "user":
-                content = message.get("content")
-                parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
-                if isinstance(content, list):
-                    parts.extend(p for p in content if p.get("type") != "image_url")
-                elif content:
-                    parts.append({"type": "text", "text": str(content)})
-                message["content"] = parts
-                break
-        else:
-            raise InvalidMedia("images need a user message to attach to")
+        message = final_user_message(out)
+        content = message.get("content")
+        parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        if isinstance(content, list):
+            parts.extend(p for p in content if p.get("type") != "image_url")
+        elif content:
+            parts.append({"type": "text", "text": str(content)})
+        message["content"] = parts
     return out
-
-
 
 
 def image_data_url(item: Any, index: int = 0) -> str:

@@ -1,0 +1,39 @@
+"""The conversation rule shared by the local provider and the remote client (pure, no MLX).
+
+The system prompt comes first (replacing a system turn in the history), then the history,
+then ``prompt`` as a user turn. Images always attach to the final user message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import InvalidMedia, InvalidRequest
+
+
+def assemble_conversation(
+    *, prompt: str | None, messages: list[Mapping[str, Any]] | None, system_prompt: str | None
+) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if system_prompt:
+        out.append({"role": "system", "content": system_prompt})
+    for message in messages or []:
+        if not isinstance(message, Mapping) or "role" not in message:
+            raise InvalidRequest("each message must be an object with a 'role'")
+        if message["role"] == "system" and system_prompt:
+            continue
+        out.append(dict(message))
+    if prompt:
+        out.append({"role": "user", "content": prompt})
+    if not out:
+        raise InvalidRequest("nothing to generate from: give a prompt or messages")
+    return out
+
+
+def final_user_message(conversation: list[dict[str, Any]]) -> dict[str, Any]:
+    """The message images attach to."""
+    for message in reversed(conversation):
+        if message["role"] == "user":
+            return message
+    raise InvalidMedia("images need a user message to attach to")
