@@ -10,7 +10,8 @@ remote client rebuilds the same class from ``code``.
     │   ├── InvalidControls (400, invalid_controls)
     │   ├── InvalidMedia (400, native_media_invalid)
     │   ├── ContextTooLong (400, context_too_long)
-    │   └── NoDrafter (400, no_drafter)
+    │   ├── NoDrafter (400, no_drafter)
+    │   └── RequestTooLarge (413, request_too_large)
     ├── PolicyError (400, policy_invalid)            the Core policy file is unreadable
     ├── ModelNotFound (404, model_not_found)         weights are not on this machine
     ├── ConflictError (409, conflict)
@@ -85,6 +86,13 @@ class ContextTooLong(InvalidRequest):
 
 class NoDrafter(InvalidRequest):
     code = "no_drafter"
+
+
+class RequestTooLarge(InvalidRequest):
+    """The HTTP body is over the server's size limit."""
+
+    code = "request_too_large"
+    http_status = 413
 
 
 class PolicyError(MLXRuntimeError):

@@ -48,11 +48,13 @@ from ..errors import (
     InvalidRequest,
     MLXRuntimeError,
     ModelNotFound,
+    RequestTooLarge,
     ResidencyConflict,
     UpstreamError,
 )
 from .media import extract_images
 from .schemas import (
+    MAX_MODEL_NAME_CHARS,
     ChatCompletionRequest,
     LoadModelRequest,
     PromptCacheClearRequest,
@@ -269,15 +271,18 @@ def _error_response(exc: BaseException) -> JSONResponse:
 
 
 async def _read_body(request: Request) -> bytes:
+    too_large = RequestTooLarge(
+        f"the request body exceeds {MAX_BODY_BYTES // (1024 * 1024)} MiB", details={"limit_bytes": MAX_BODY_BYTES}
+    )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise InvalidRequest(f"the request body exceeds {MAX_BODY_BYTES // (1024 * 1024)} MiB")
+        raise too_large
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise InvalidRequest(f"the request body exceeds {MAX_BODY_BYTES // (1024 * 1024)} MiB")
+            raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -352,7 +357,11 @@ async def execution_capabilities(request: Request) -> Response:
     name = request.query_params.get("model_name") or request.query_params.get("model") or served.name
     provider_name = request.query_params.get("provider") or "mlx"
     if not name:
-        raise InvalidRequest("model_name is required when no model is loaded")
+        raise InvalidRequest("model_name is required when no model is loaded", details={"field": "model_name"})
+    if len(name) > MAX_MODEL_NAME_CHARS:
+        raise InvalidRequest(
+            f"model_name is longer than {MAX_MODEL_NAME_CHARS} characters", details={"field": "model_name"}
+        )
     instance = served.provider if served.provider is not None and served.matches(name) else None
     if instance is not None:
         name = str(instance.model)

@@ -6,18 +6,34 @@ this server has no use for (``user``, ``tool_choice`` ...): those in ``TOLERATED
 are accepted and dropped by name; any other unknown field is reported in a warning log line
 naming it, never dropped silently. Our own routes (``/acore/*``) forbid unknown fields.
 
-``parse_body(model, raw)`` turns a validation failure into ``InvalidRequest`` (400) whose
-message names the offending field.
+``parse_body(model, raw)`` turns every bad body into ``InvalidRequest`` (400) whose message
+and ``details.field`` name the offending field: invalid JSON, JSON nested deeper than
+``MAX_JSON_DEPTH``, a non-finite number (``NaN``, ``Infinity``, ``1e999``) or a lone UTF-16
+surrogate anywhere in the body, and every schema violation. Numeric fields are strict: an
+integer field takes only a JSON integer (not ``"10"``, ``true`` or ``10.0``), a float field a
+finite JSON number (not a string or a boolean).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+import math
+from typing import Annotated, Any, Final, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, ValidationError
 
 from ..errors import InvalidRequest
+
+MAX_JSON_DEPTH: Final = 64
+"""Deepest nesting of objects and arrays a body may have (tool schemas need far less)."""
+MAX_MESSAGES: Final = 4096
+"""Most chat messages one request may carry."""
+MAX_MODEL_NAME_CHARS: Final = 255
+"""Longest model name (a hub id or a directory path) any route accepts."""
+
+FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
+"""A finite JSON number (an integer is fine); never a string, a boolean, NaN or Infinity."""
+ModelName = Annotated[StrictStr, Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
 
 # OpenAI / AbstractCore fields accepted for compatibility that change nothing here.
 TOLERATED_CHAT_FIELDS: frozenset[str] = frozenset(
@@ -52,48 +68,66 @@ class StreamOptions(BaseModel):
     include_progress: StrictBool = False
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: StrictStr
+    # OpenAI sends a JSON string; AbstractCore and chat templates also take the decoded object.
+    arguments: StrictStr | dict[str, Any] = ""
+
+
+class ToolCall(BaseModel):
+    """An assistant turn's tool call (OpenAI's ``{"id", "type": "function", "function": {...}}``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     """One chat turn. Extra keys (``refusal``, ``reasoning`` ...) travel on to the chat template."""
 
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
+    content: StrictStr | list[dict[str, Any]] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
 
 
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    model: ModelName | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, ge=1, le=1)
+    n: StrictInt | None = Field(default=None, ge=1, le=1)
 
-    # sampling
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    max_tokens: int | None = None
-    max_output_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    # sampling (ranges and the model-dependent checks are the provider's)
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: FiniteFloat | None = None
+    repetition_penalty: FiniteFloat | None = None
+    presence_penalty: FiniteFloat | None = None
+    frequency_penalty: FiniteFloat | None = None
+    logit_bias: dict[str, FiniteFloat] | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    max_tokens: StrictInt | None = None
+    max_output_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
 
     # AbstractCore controls
     # Validated by ``controls.normalize_speculation`` / ``normalize_thinking`` (every accepted form).
     speculation: Any = None
     thinking: Any = None
-    reasoning_effort: str | None = None
-    prompt_cache_key: str | None = None
+    reasoning_effort: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
     tools: list[dict[str, Any]] | None = None
 
     def unknown_fields(self) -> list[str]:
@@ -123,11 +157,11 @@ class LoadModelRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1)
-    provider: str = "mlx"
+    model: ModelName
+    provider: StrictStr = "mlx"
     options: dict[str, Any] = Field(default_factory=dict)
-    task: str | None = None
-    pin: bool = True
+    task: StrictStr | None = None
+    pin: StrictBool = True
 
     def checked_options(self) -> dict[str, Any]:
         if self.provider.strip().lower() != "mlx":
@@ -144,17 +178,17 @@ class LoadModelRequest(BaseModel):
 class UnloadModelRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
-    provider: str | None = None
-    force: bool = False
-    task: str | None = None
+    model: ModelName | None = None
+    provider: StrictStr | None = None
+    force: StrictBool = False
+    task: StrictStr | None = None
     options: dict[str, Any] = Field(default_factory=dict)
 
 
 class PromptCacheClearRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    key: str | None = None
+    key: StrictStr | None = None
 
 
 class PromptCacheKeyMetaRequest(BaseModel):
@@ -162,10 +196,10 @@ class PromptCacheKeyMetaRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    key: str = Field(min_length=1)
+    key: StrictStr = Field(min_length=1)
     meta: dict[str, Any] = Field(default_factory=dict)
-    provider: str | None = None
-    model: str | None = None
+    provider: StrictStr | None = None
+    model: ModelName | None = None
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -180,22 +214,88 @@ def parse_body(model: type[M], raw: bytes) -> M:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise _bad_value("body", f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    check_json_values(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise InvalidRequest(_describe(exc), details={"errors": _errors(exc)}) from exc
+        errors = _errors(exc, data)
+        raise InvalidRequest(_describe(errors), details={"field": errors[0]["field"], "errors": errors}) from exc
 
 
-def _describe(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:5]:
-        where = ".".join(str(p) for p in err["loc"]) or "body"
-        parts.append(f"{where}: {err['msg']}")
-    more = exc.error_count() - len(parts)
+def check_json_values(data: Any, *, where: str = "") -> None:
+    """Reject what JSON cannot carry faithfully: deep nesting, non-finite numbers, lone surrogates.
+
+    Walks iteratively (no recursion, so any depth is safe to inspect); the error names the
+    first offending field as a dotted path (``messages.0.content``, ``logit_bias.5``).
+    """
+    stack: list[tuple[Any, str, int]] = [(data, where, 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise _bad_value(path or "body", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                child = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and not _encodable(key):
+                    raise _bad_value(child, "the key holds a lone UTF-16 surrogate (not valid Unicode)")
+                stack.append((item, child, depth + 1))
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise _bad_value(path or "body", f"{_spelled(value)} is not a finite number (JSON has no NaN or Infinity)")
+        elif isinstance(value, str) and not _encodable(value):
+            raise _bad_value(path or "body", "the text holds a lone UTF-16 surrogate (not valid Unicode)")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _bad_value(field: str, problem: str) -> InvalidRequest:
+    return InvalidRequest(f"invalid request: {field}: {problem}", details={"field": field})
+
+
+def _describe(errors: list[dict[str, Any]]) -> str:
+    parts = [f"{err['field']}: {err['msg']}" for err in errors[:5]]
+    more = len(errors) - len(parts)
     return "invalid request: " + "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
 
 
-def _errors(exc: ValidationError) -> list[dict[str, Any]]:
-    return [{"loc": [str(p) for p in err["loc"]], "msg": err["msg"]} for err in exc.errors()[:20]]
+def _errors(exc: ValidationError, data: Any) -> list[dict[str, Any]]:
+    """One entry per offending field (a union reports each member; the first message is kept)."""
+    out: dict[str, dict[str, Any]] = {}
+    for err in exc.errors():
+        field = _field_path(err["loc"], data)
+        out.setdefault(field, {"field": field, "msg": err["msg"]})
+    return list(out.values())[:20]
+
+
+def _field_path(loc: tuple[int | str, ...], data: Any) -> str:
+    """The dotted path of ``loc`` in the body, without pydantic's union member tags (``str``, ``list[str]``)."""
+    parts: list[str] = []
+    node = data
+    for i, step in enumerate(loc):
+        if isinstance(node, dict):
+            if step in node:
+                parts.append(str(step))
+                node = node[step]
+            elif i == len(loc) - 1:
+                parts.append(str(step))  # a missing field
+        elif isinstance(node, list):
+            if isinstance(step, int) and 0 <= step < len(node):
+                parts.append(str(step))
+                node = node[step]
+        else:
+            break  # a scalar: what follows names a union member, not a field
+    return ".".join(parts) or "body"
+
+
+def _spelled(value: float) -> str:
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")

@@ -1,0 +1,200 @@
+"""Strict validation at the HTTP edge: every bad value is a 400 naming its field, and the
+provider never sees the request.
+
+The rules run before the provider, so a scripted fake provider behind Starlette's
+in-process client is enough here; ``test_server_fuzz.py`` drives a real server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+from test_server_harness import FakeProvider
+
+from abstractruntime_mlx.server import create_app
+from abstractruntime_mlx.server.app import MAX_BODY_BYTES
+from abstractruntime_mlx.server.schemas import MAX_JSON_DEPTH, MAX_MESSAGES
+
+USER = [{"role": "user", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture()
+def fake() -> FakeProvider:
+    return FakeProvider()
+
+
+@pytest.fixture()
+def client(fake: FakeProvider) -> Any:
+    with TestClient(create_app(fake)) as c:
+        yield c
+
+
+def post_raw(client: Any, path: str, raw: str | bytes) -> Any:
+    return client.post(path, content=raw, headers={"Content-Type": "application/json"})
+
+
+def assert_bad(reply: Any, field: str, *, code: str = "invalid_request", status: int = 400) -> dict[str, Any]:
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == code
+    assert error["details"]["field"] == field
+    assert field in error["message"]
+    return dict(error)
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ('{"messages": %s, "temperature": NaN}', "temperature"),
+        ('{"messages": %s, "top_p": Infinity}', "top_p"),
+        ('{"messages": %s, "top_p": -Infinity}', "top_p"),
+        ('{"messages": %s, "min_p": 1e999}', "min_p"),
+        ('{"messages": %s, "logit_bias": {"5": NaN}}', "logit_bias.5"),
+        ('{"messages": %s, "metadata": {"deep": [1, NaN]}}', "metadata.deep.1"),
+    ],
+)
+def test_non_finite_numbers_are_rejected_anywhere(client: Any, fake: FakeProvider, raw: str, field: str) -> None:
+    import json
+
+    assert_bad(post_raw(client, CHAT, raw % json.dumps(USER)), field)
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 10.0}, "max_tokens"),
+        ({"max_completion_tokens": "5"}, "max_completion_tokens"),
+        ({"seed": "1"}, "seed"),
+        ({"seed": False}, "seed"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"n": True}, "n"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+        ({"stop": 5}, "stop"),
+        ({"stream": "yes"}, "stream"),
+        ({"model": "m" * 256}, "model"),
+        ({"model": 5}, "model"),
+        ({"prompt_cache_key": 7}, "prompt_cache_key"),
+    ],
+)
+def test_numbers_and_strings_are_strict(client: Any, fake: FakeProvider, extra: dict[str, Any], field: str) -> None:
+    assert_bad(client.post(CHAT, json={"messages": USER, **extra}), field)
+    assert fake.calls == []
+
+
+def test_accepted_numbers_reach_the_provider_unchanged(client: Any, fake: FakeProvider) -> None:
+    reply = client.post(CHAT, json={"messages": USER, "max_tokens": 7, "temperature": 1, "top_p": 0.5, "seed": 3})
+    assert reply.status_code == 200, reply.text
+    call = fake.calls[0]
+    assert call["max_output_tokens"] == 7 and call["seed"] == 3 and call["top_p"] == 0.5
+    assert call["temperature"] == 1.0 and isinstance(call["temperature"], float)
+
+
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [
+        ({"role": "user", "content": "a\ud800b"}, "messages.0.content"),
+        ({"role": "user", "content": [{"type": "text", "text": "\udfff"}]}, "messages.0.content.0.text"),
+        ({"role": "user", "content": "x", "name": "\ud83d"}, "messages.0.name"),
+    ],
+)
+def test_lone_surrogates_are_rejected(client: Any, fake: FakeProvider, message: dict[str, Any], field: str) -> None:
+    import json
+
+    raw = json.dumps({"messages": [message]})  # ensure_ascii keeps the lone surrogate as an escape
+    assert_bad(post_raw(client, CHAT, raw), field)
+    assert fake.calls == []
+
+
+def test_lone_surrogate_sent_as_raw_bytes_is_rejected(client: Any) -> None:
+    raw = b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}'  # CESU-8 of U+D800
+    reply = post_raw(client, CHAT, raw)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_request"
+
+
+def test_a_paired_surrogate_is_a_normal_character(client: Any, fake: FakeProvider) -> None:
+    reply = post_raw(client, CHAT, '{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
+    assert reply.status_code == 200, reply.text
+    assert fake.calls[0]["messages"][0]["content"] == "\U0001f600"
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 100_000])
+def test_deeply_nested_json_is_a_400(client: Any, fake: FakeProvider, depth: int) -> None:
+    raw = '{"messages": %s, "metadata": %s}' % ('[{"role": "user", "content": "x"}]', "[" * depth + "]" * depth)
+    reply = post_raw(client, CHAT, raw)
+    assert reply.status_code == 400, reply.text
+    assert "nested deeper" in reply.json()["error"]["message"]
+    assert fake.calls == []
+
+
+def test_nesting_up_to_the_limit_is_accepted(client: Any) -> None:
+    depth = MAX_JSON_DEPTH - 2  # the body object and the metadata key are two levels
+    raw = '{"messages": [{"role": "user", "content": "x"}], "metadata": %s}' % ("[" * depth + "]" * depth)
+    assert post_raw(client, CHAT, raw).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("tool_calls", "field"),
+    [
+        ([{"function": "x"}], "messages.1.tool_calls.0.function"),
+        ([{"function": {"arguments": "{}"}}], "messages.1.tool_calls.0.function.name"),
+        ([{"type": "web", "function": {"name": "f"}}], "messages.1.tool_calls.0.type"),
+        (["f"], "messages.1.tool_calls.0"),
+        ({"function": {"name": "f"}}, "messages.1.tool_calls"),
+    ],
+)
+def test_malformed_tool_calls_are_rejected(client: Any, fake: FakeProvider, tool_calls: Any, field: str) -> None:
+    messages = [*USER, {"role": "assistant", "content": "", "tool_calls": tool_calls}]
+    assert_bad(client.post(CHAT, json={"messages": messages}), field)
+    assert fake.calls == []
+
+
+def test_well_formed_tool_calls_reach_the_template(client: Any, fake: FakeProvider) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    messages = [*USER, {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    assert client.post(CHAT, json={"messages": messages}).status_code == 200
+    assert fake.calls[0]["messages"][1]["tool_calls"] == [call]
+
+
+def test_message_count_is_limited(client: Any, fake: FakeProvider) -> None:
+    reply = client.post(CHAT, json={"messages": USER * (MAX_MESSAGES + 1)})
+    assert_bad(reply, "messages")
+    assert fake.calls == []
+
+
+def test_an_oversized_body_is_a_413(client: Any) -> None:
+    reply = post_raw(client, CHAT, b" " * (MAX_BODY_BYTES + 1))
+    assert reply.status_code == 413
+    assert reply.json()["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/acore/models/load", {"model": "m" * 256}, "model"),
+        ("/acore/models/load", {"model": "x", "pin": "yes"}, "pin"),
+        ("/acore/models/unload", {"model": "m" * 256}, "model"),
+        ("/acore/prompt_cache/key_meta", {"key": "k", "model": "m" * 256}, "model"),
+        ("/acore/prompt_cache/clear", {"key": 5}, "key"),
+    ],
+)
+def test_acore_routes_validate_their_bodies(client: Any, path: str, body: dict[str, Any], field: str) -> None:
+    assert_bad(client.post(path, json=body), field)
+
+
+def test_key_meta_rejects_non_finite_values(client: Any) -> None:
+    reply = post_raw(client, "/acore/prompt_cache/key_meta", '{"key": "k", "meta": {"score": Infinity}}')
+    assert_bad(reply, "meta.score")
+    assert client.get("/acore/prompt_cache/key_meta", params={"key": "k"}).status_code == 404
+
+
+def test_capabilities_model_name_is_length_limited(client: Any) -> None:
+    reply = client.get("/v1/models/execution-capabilities", params={"model_name": "a" * 300})
+    assert_bad(reply, "model_name")
