@@ -269,21 +269,22 @@ def test_load_same_options_is_a_no_op_and_different_ones_conflict(server_url: st
     assert unknown.status_code == 400 and "warp" in unknown.json()["error"]["message"]
 
 
-def test_unload_then_load_through_the_factory(model_path: str) -> None:
+def test_unload_then_load_through_the_factory(tmp_path: Any) -> None:
     built: list[tuple[str, dict[str, Any]]] = []
+    (tmp_path / "second").mkdir()
 
     def factory(model: str, **options: Any) -> FakeProvider:
         built.append((model, options))
         return FakeProvider(model=model)
 
-    app = create_app(FakeProvider(model="first"), model_factory=factory)
+    app = create_app(FakeProvider(model="first"), model_factory=factory, model_roots=[tmp_path])
     with TestClient(app) as client:
         assert client.post("/acore/models/unload", json={"model": "first"}).json()["unloaded"] is True
         gone = client.post("/v1/chat/completions", json={"messages": USER})
         assert gone.status_code == 404 and "load" in gone.json()["error"]["message"]
         loaded = client.post("/acore/models/load", json={"model": "second", "options": {"mlx_max_batch_size": 2}})
         assert loaded.json()["loaded_new"] is True
-        assert built == [("second", {"mlx_max_batch_size": 2})]
+        assert built == [(str((tmp_path / "second").resolve()), {"mlx_max_batch_size": 2})]
         assert client.post("/v1/chat/completions", json={"messages": USER}).status_code == 200
         conflict = client.post("/acore/models/load", json={"model": "third"})
         assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "residency_conflict"

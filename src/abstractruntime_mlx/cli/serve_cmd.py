@@ -2,7 +2,9 @@
 
 Binds 127.0.0.1 by default. ``--api-key`` (or ``ABSTRACTRUNTIME_MLX_API_KEY``) makes every
 route but ``/health`` require ``Authorization: Bearer KEY``. Without ``--model`` the server
-starts empty and waits for ``POST /acore/models/load``.
+starts empty and waits for ``POST /acore/models/load``, which (like the capabilities route)
+reaches only repo ids in the Hugging Face cache, directories under ``--model-root DIR``
+(repeatable) and the ``--model`` directory itself.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import ipaddress
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..controls import normalize_speculation
@@ -30,6 +33,8 @@ class ServeSettings:
     api_key: str | None = None
     log_level: str = "warning"
     stream_interval_ms: float = 5.0
+    # directories /acore/models/load may read (besides the Hugging Face cache)
+    model_roots: tuple[str, ...] = ()
     # create_llm options (only those given on the command line)
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -37,6 +42,13 @@ class ServeSettings:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser("serve", help="serve one model over HTTP (OpenAI-compatible + /acore routes)")
     parser.add_argument("--model", default=None, help="checkpoint directory or Hugging Face repo id to load at start")
+    parser.add_argument(
+        "--model-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory whose models POST /acore/models/load may load (repeatable; the Hugging Face cache always is one)",
+    )
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default: {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
     parser.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
@@ -90,6 +102,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         api_key=args.api_key or env.get(API_KEY_ENV) or None,
         log_level=args.log_level,
         stream_interval_ms=args.stream_interval_ms,
+        model_roots=tuple(args.model_root),
         options=options,
     )
 
@@ -115,7 +128,12 @@ def serve(settings: ServeSettings) -> int:
             file=sys.stderr,
         )
     llm = create_llm("mlx", model=settings.model, **settings.options) if settings.model else None
-    app = create_app(llm, api_key=settings.api_key, stream_interval_ms=settings.stream_interval_ms)
+    roots = list(settings.model_roots)
+    if settings.model and Path(settings.model).expanduser().is_dir():
+        roots.append(settings.model)  # it can be loaded again after an unload
+    app = create_app(
+        llm, api_key=settings.api_key, stream_interval_ms=settings.stream_interval_ms, model_roots=roots
+    )
     config = uvicorn.Config(
         app,
         host=settings.host,

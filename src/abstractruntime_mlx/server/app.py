@@ -28,9 +28,10 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any, Final
 
@@ -53,6 +54,7 @@ from ..errors import (
     UpstreamError,
 )
 from .media import extract_images
+from .model_roots import ModelRoots
 from .schemas import (
     MAX_MODEL_NAME_CHARS,
     ChatCompletionRequest,
@@ -110,9 +112,10 @@ class ServedModel:
     and never wait on that lock.
     """
 
-    def __init__(self, provider: Any | None, *, factory: ModelFactory) -> None:
+    def __init__(self, provider: Any | None, *, factory: ModelFactory, roots: ModelRoots) -> None:
         self.provider = provider
         self._factory = factory
+        self.roots = roots
         self._owned = False  # True when this app created the provider (it unloads it at shutdown)
         self._lock = asyncio.Lock()
         self.key_meta: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -161,10 +164,18 @@ class ServedModel:
                         "changing resident execution options requires unloading first (POST /acore/models/unload)"
                     )
                 return {"loaded_new": False, "provider": current}
+            model, options = await asyncio.to_thread(self._inside_roots, model, options)
             provider = await asyncio.to_thread(self._factory, model, **options)
             self.provider = provider
             self._owned = True
             return {"loaded_new": True, "provider": provider}
+
+    def _inside_roots(self, model: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """``model`` (and an ``mtp_head`` directory) resolved inside the model roots, or ``ModelNotFound``."""
+        head = options.get("mtp_head")
+        if isinstance(head, str):
+            options = {**options, "mtp_head": self.roots.resolve(head, field="options.mtp_head")}
+        return self.roots.resolve(model), options
 
     async def unload(self, model: str | None) -> dict[str, Any]:
         async with self._lock:
@@ -365,6 +376,8 @@ async def execution_capabilities(request: Request) -> Response:
     instance = served.provider if served.provider is not None and served.matches(name) else None
     if instance is not None:
         name = str(instance.model)
+    else:
+        name = await asyncio.to_thread(served.roots.resolve, name, field="model_name")
     caps = await asyncio.to_thread(get_execution_capabilities, name, provider=provider_name, instance=instance)
     return JSONResponse(caps)
 
@@ -610,6 +623,7 @@ def create_app(
     api_key: str | None = None,
     model_factory: ModelFactory | None = None,
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS,
+    model_roots: Iterable[str | os.PathLike[str]] = (),
 ) -> Starlette:
     """The ASGI app serving ``provider_instance`` (or none until ``/acore/models/load``).
 
@@ -619,10 +633,14 @@ def create_app(
     A provider this app loaded is unloaded at shutdown; ``provider_instance`` stays the
     caller's to unload. ``stream_interval_ms`` is the shortest gap between two text writes
     of one SSE stream (tokens arriving faster are sent together; 0 = one write per chunk).
+    Load and capabilities reach only repo ids in the Hugging Face cache and directories
+    under ``model_roots`` (see ``model_roots.py``); ``provider_instance`` is exempt.
     """
     if stream_interval_ms < 0:
         raise ValueError("stream_interval_ms must be >= 0")
-    served = ServedModel(provider_instance, factory=model_factory or _default_factory)
+    served = ServedModel(
+        provider_instance, factory=model_factory or _default_factory, roots=ModelRoots.with_hub_cache(model_roots)
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
