@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/provider.md", "docs/progress.md"]
+DOCS = ["README.md", "docs/provider.md", "docs/progress.md", "docs/check.md"]
 
 
 def python_blocks(path: Path) -> list[str]:

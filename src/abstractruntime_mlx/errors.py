@@ -11,7 +11,8 @@ remote client rebuilds the same class from ``code``.
     │   ├── InvalidMedia (400, native_media_invalid)
     │   ├── ContextTooLong (400, context_too_long)
     │   ├── NoDrafter (400, no_drafter)
-    │   └── RequestTooLarge (413, request_too_large)
+    │   ├── RequestTooLarge (413, request_too_large)
+    │   └── InvalidFlow (400, invalid_flow)          ``check`` found problems in a flow
     ├── PolicyError (400, policy_invalid)            the Core policy file is unreadable
     ├── ModelNotFound (404, model_not_found)         weights are not on this machine
     ├── ConflictError (409, conflict)
@@ -93,6 +94,12 @@ class RequestTooLarge(InvalidRequest):
 
     code = "request_too_large"
     http_status = 413
+
+
+class InvalidFlow(InvalidRequest):
+    """A flow cannot run as written; ``details["problems"]`` lists every problem ``check`` found."""
+
+    code = "invalid_flow"
 
 
 class PolicyError(MLXRuntimeError):

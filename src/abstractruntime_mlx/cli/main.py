@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "models_cmd",
     "generate_cmd",
     "serve_cmd",
+    "check_cmd",
     "run_cmd",
     "runs_cmd",
 )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -125,7 +126,19 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
 
 def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if not check_before_run(settings):
+        return 1
     return run_and_print(settings)
+
+
+def check_before_run(settings: RunSettings) -> bool:
+    """``check`` the flow as this run would use it; print its findings on stderr. False: do not run."""
+    from ..runtime_plugin.check import check_flow
+
+    report = check_flow(settings.flow, vars=settings.vars, model=settings.model, force_model=settings.force_model)
+    if report.problems:
+        print(report.render(), file=sys.stderr)
+    return report.ok
 
 
 def run_and_print(settings: RunSettings) -> int:

@@ -1,0 +1,80 @@
+"""``abstractruntime-mlx check``: every problem of a flow in one report, before anything runs.
+
+    abstractruntime-mlx check FLOW.json [--var KEY=VALUE ...] [--model M] [--json] [--no-probe]
+
+Exit status 0 when the flow can run (warnings are printed and do not block), 1 when it has
+errors. ``run`` performs the same check first and refuses to start a flow with errors. Nothing
+is loaded, run or written: models are looked up on disk only, and each remote ``base_url`` gets
+one ``GET /health``. See ``docs/check.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .run_cmd import parse_vars
+
+__all__ = ["CheckSettings", "add_parser", "check_and_print"]
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    flow: str
+    vars: dict[str, Any]
+    model: str | None
+    force_model: bool
+    probe_remote: bool = True
+    as_json: bool = False
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "check",
+        help="check a VisualFlow JSON flow without running it (every problem, node by node)",
+        description="Report every problem of a flow before it runs: wires to missing nodes, unreachable "
+        "nodes, unknown node types, unknown effectConfig/_runtime keys, invalid controls, models not on "
+        "this machine, remote servers that do not answer. Exit 1 when there is an error.",
+    )
+    parser.add_argument("flow", help="path to a VisualFlow JSON file")
+    parser.add_argument("--var", action="append", default=[], metavar="KEY=VALUE", help="a run variable, as for `run` (_runtime.speculation=false)")
+    parser.add_argument("--model", default=None, help="the model `run --model` would serve every LLM node with (checked on disk only)")
+    parser.add_argument("--no-probe", action="store_true", help="do not contact remote base_url servers")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(handler=_check)
+
+
+def _check(args: argparse.Namespace) -> int:
+    settings = CheckSettings(
+        flow=args.flow,
+        vars=parse_vars(args.var),
+        model=args.model,
+        force_model=args.model is not None,
+        probe_remote=not args.no_probe,
+        as_json=args.json,
+    )
+    return check_and_print(settings)
+
+
+def check_and_print(settings: CheckSettings) -> int:
+    from ..runtime_plugin.check import check_flow
+
+    model = settings.model
+    if model is None:
+        from .run_cmd import default_model_path
+
+        model = default_model_path()  # what `run` gives nodes that name no model
+    report = check_flow(
+        settings.flow,
+        vars=settings.vars,
+        model=model,
+        force_model=settings.force_model,
+        probe_remote=settings.probe_remote,
+    )
+    if settings.as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.render())
+    return 0 if report.ok else 1

@@ -1,0 +1,796 @@
+"""Check a VisualFlow before anything runs: every problem at once, each naming the node and field.
+
+    report = check_flow("flow.json", vars={"_runtime": {"speculation": False}}, model="/models/qwen")
+    if not report.ok:
+        print(report.render())          # or report.raise_for_problems() -> InvalidFlow
+    report.to_dict()                    # {"flow_id", "ok", "problems": [{"code", "node_id", ...}]}
+
+What is checked, in this order (a problem never stops the checks after it):
+
+1. the document: JSON object, ``id``, ``nodes``/``edges`` lists, node ids present and unique;
+2. edges: a ``source``/``target`` that names no node, a handle that names no pin of a node that
+   declares its pins;
+3. the host's compiler (AbstractRuntime's own ``visual_to_flow`` + ``compile_flow``): node types
+   it has no handler for (every one, not only the first), the graph errors it raises, and the
+   execution nodes it would silently ignore because the entry cannot reach them;
+4. LLM nodes (``llm_call``; ``agent`` for its controls): ``effectConfig`` keys nobody reads (with
+   a did-you-mean), speculation / thinking / sampling values our controls refuse, a provider
+   that is not served here, a model that is not on this machine (offline lookup, no download),
+   a remote ``base_url`` that does not answer;
+5. run variables: ``_runtime`` keys nobody reads (did-you-mean) and run-level controls.
+
+A problem is an ``error`` (the run would fail, or silently do something else than written) or a
+``warning`` (reported, not blocking: a node with no wire at all, which the host skips).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from ..controls import SPECULATION_KEYS, normalize_sampling, normalize_speculation, normalize_thinking
+from ..errors import InvalidControls, InvalidFlow, MLXRuntimeError
+
+__all__ = [
+    "HOST_RUNTIME_KEYS",
+    "LLM_CALL_CONFIG_KEYS",
+    "PACK_RUNTIME_KEYS",
+    "CheckReport",
+    "Problem",
+    "check_flow",
+]
+
+Severity = Literal["error", "warning"]
+
+LLM_CALL_CONFIG_KEYS: Final = frozenset(
+    {
+        # read by AbstractRuntime's visual compiler for an llm_call node (executor._create_llm_call_handler)
+        "provider",
+        "model",
+        "temperature",
+        "seed",
+        "thinking",
+        "speculation",
+        "tools",
+        "include_context",
+        "use_context",
+        "max_input_tokens",
+        "maxInputTokens",
+        "max_output_tokens",
+        "maxOutputTokens",
+        "output",
+        "outputs",
+        "structured_output_fallback",
+        # read by the compiler for every effect node
+        "continueOnError",
+        "continue_on_error",
+        # read by this pack's LLM_CALL handler from the flow JSON
+        "base_url",
+        "server_base_url",
+    }
+)
+"""``effectConfig`` keys somebody reads for an ``llm_call`` node; any other key is ignored silently."""
+
+HOST_RUNTIME_KEYS: Final = frozenset(
+    {
+        # run-level settings AbstractRuntime 0.13 reads from vars["_runtime"]
+        "speculation",
+        "thinking",
+        "stream",
+        "prompt_cache",
+        "provider",
+        "model",
+        "system_prompt",
+        "allowed_tools",
+        "tool_policy",
+        "untrusted_input",
+        "history_window_tokens",
+        "disable_input_trimming",
+        "max_attachment_bytes",
+        "audio_policy",
+        "audio_language",
+        "stt_language",
+        "session_history",
+        "inbox",
+        "control",
+        "automation",
+        "automation_context",
+        "entity",
+        "agora_agent",
+        "turn_id",
+        "llm_payload_extras",
+        "email_account",
+        "email_allowed_recipients",
+        "operator_email",
+        "workspace_read_only",
+        "workspace_read_only_paths",
+        "workspace_writable_paths",
+        "active_memory",
+        "memory_spans",
+        # bookkeeping the runtime writes itself
+        "effect_seq",
+        "node_traces",
+        "pending_media",
+        "workflow_snapshot",
+        "steer_watermark",
+        "wait_until_streak",
+        "evidence_warnings",
+        "evidence_warnings_dropped",
+    }
+)
+"""Keys of ``vars["_runtime"]`` that AbstractRuntime reads or writes."""
+
+PACK_RUNTIME_KEYS: Final = frozenset({"base_url", "server_base_url", "mlx_pack"})
+"""Keys of ``vars["_runtime"]`` this pack reads."""
+
+LLM_NODE_TYPES: Final = frozenset({"llm_call", "agent"})
+_CONTROL_PINS: Final = ("speculation", "thinking", "temperature", "seed", "max_output_tokens", "max_out_tokens", "max_input_tokens")
+_SEED_RANDOM: Final = -1  # the compiler's default seed: "no seed"
+DEFAULT_PROBE_TIMEOUT_S: Final = 2.0
+
+
+# --------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One finding. ``field`` is a path into the flow document (``edges[3].target``,
+    ``nodes[2].data.effectConfig.speculation.num_draft_tokens``) or into the run vars
+    (``vars._runtime.speculaton``)."""
+
+    code: str
+    message: str
+    node_id: str | None = None
+    label: str | None = None
+    field: str | None = None
+    severity: Severity = "error"
+
+    def render(self) -> str:
+        where = ""
+        if self.node_id is not None:
+            where = f"node {self.node_id!r}" + (f" ({self.label})" if self.label and self.label != self.node_id else "")
+        if self.field:
+            where = f"{where} {self.field}" if where else self.field
+        return f"{self.severity}: {where + ': ' if where else ''}{self.message} [{self.code}]"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckReport:
+    flow_id: str | None
+    source: str | None
+    problems: tuple[Problem, ...] = field(default_factory=tuple)
+
+    @property
+    def errors(self) -> tuple[Problem, ...]:
+        return tuple(p for p in self.problems if p.severity == "error")
+
+    @property
+    def warnings(self) -> tuple[Problem, ...]:
+        return tuple(p for p in self.problems if p.severity == "warning")
+
+    @property
+    def ok(self) -> bool:
+        """No errors (warnings do not block a run)."""
+        return not self.errors
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "flow_id": self.flow_id,
+            "source": self.source,
+            "ok": self.ok,
+            "errors": len(self.errors),
+            "warnings": len(self.warnings),
+            "problems": [asdict(p) for p in self.problems],
+        }
+
+    def render(self) -> str:
+        name = self.source or self.flow_id or "flow"
+        lines = [p.render() for p in self.problems]
+        verdict = "ok" if self.ok else "not runnable"
+        lines.append(f"{name}: {verdict} ({len(self.errors)} errors, {len(self.warnings)} warnings)")
+        return "\n".join(lines)
+
+    def raise_for_problems(self) -> CheckReport:
+        """Raise ``InvalidFlow`` (carrying every problem) when there is an error; else return self."""
+        if not self.ok:
+            first = self.errors[0]
+            more = f" (and {len(self.errors) - 1} more)" if len(self.errors) > 1 else ""
+            raise InvalidFlow(
+                f"flow {self.flow_id or self.source!r} cannot run: {first.render()}{more}",
+                details=self.to_dict(),
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------
+# The check
+# --------------------------------------------------------------------------------------
+
+
+class _Findings:
+    def __init__(self, nodes: Mapping[str, tuple[int, Mapping[str, Any]]]) -> None:
+        self.items: list[Problem] = []
+        self._nodes = nodes
+
+    def add(
+        self,
+        code: str,
+        message: str,
+        *,
+        node: str | None = None,
+        field: str | None = None,
+        severity: Severity = "error",
+    ) -> None:
+        label = None
+        if node is not None and node in self._nodes:
+            label = _label(self._nodes[node][1])
+            if field is not None and field.startswith(("data", "type")):
+                field = f"nodes[{self._nodes[node][0]}].{field}"
+        self.items.append(Problem(code, message, node, label, field, severity))
+
+
+def check_flow(
+    source: str | Path | Mapping[str, Any],
+    *,
+    vars: Mapping[str, Any] | None = None,
+    model: str | None = None,
+    force_model: bool = False,
+    default_base_url: str | None = None,
+    probe_remote: bool = True,
+    probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+    resolve_model: Callable[[str], Any] | None = None,
+) -> CheckReport:
+    """Check ``source`` (a path, a JSON string or a dict) for a run with ``vars``.
+
+    ``model``/``force_model``/``default_base_url`` mean what they mean to ``run_flow``: the
+    default model of nodes that name none (or of every node), and the server nodes are sent to.
+    ``resolve_model`` finds a model on this machine or raises ``ModelNotFound``
+    (default: ``artifacts.resolve_model_path``, offline). ``probe_remote=False`` skips the
+    request to each remote ``base_url``.
+    """
+    shown = str(source) if isinstance(source, (str, Path)) and not str(source).lstrip().startswith("{") else None
+    raw, load_error = _load(source)
+    if raw is None:
+        return CheckReport(None, shown, (Problem("invalid_document", load_error or "not a VisualFlow"),))
+    flow_id = raw.get("id") if isinstance(raw.get("id"), str) else None
+    nodes, findings = _index_nodes(raw)
+    _check_document(raw, findings)
+    _check_edges(raw, nodes, findings)
+    _check_with_compiler(raw, nodes, findings)
+    run_vars = dict(vars or {})
+    _check_runtime_vars(run_vars, findings)
+    _check_llm_nodes(
+        nodes,
+        run_vars,
+        findings,
+        model=model,
+        force_model=force_model,
+        default_base_url=default_base_url,
+        probe_remote=probe_remote,
+        probe_timeout_s=probe_timeout_s,
+        resolve_model=resolve_model or _default_resolve_model,
+    )
+    return CheckReport(flow_id, shown, tuple(findings.items))
+
+
+def _load(source: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    if isinstance(source, Mapping):
+        return dict(source), None
+    text = str(source)
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            return None, f"not valid JSON: {exc}"
+    else:
+        path = Path(text).expanduser()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None, f"no flow file at {path}"
+        except (OSError, UnicodeDecodeError) as exc:
+            return None, f"cannot read {path}: {exc}"
+        except json.JSONDecodeError as exc:
+            return None, f"{path} is not valid JSON: {exc}"
+    if not isinstance(data, dict):
+        return None, f"a VisualFlow is a JSON object, not {type(data).__name__}"
+    return data, None
+
+
+def _label(node: Mapping[str, Any]) -> str | None:
+    data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+    for value in (data.get("label"), node.get("label")):
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+    return None
+
+
+def _index_nodes(raw: Mapping[str, Any]) -> tuple[dict[str, tuple[int, Mapping[str, Any]]], _Findings]:
+    nodes: dict[str, tuple[int, Mapping[str, Any]]] = {}
+    duplicates: list[tuple[int, str]] = []
+    malformed: list[tuple[int, str]] = []
+    raw_nodes = raw.get("nodes")
+    for i, node in enumerate(raw_nodes if isinstance(raw_nodes, list) else []):
+        if not isinstance(node, Mapping):
+            malformed.append((i, f"node is a {type(node).__name__}, not an object"))
+            continue
+        node_id = node.get("id")
+        if not isinstance(node_id, str) or not node_id.strip():
+            malformed.append((i, "node has no id (the host skips it)"))
+            continue
+        if node_id in nodes:
+            duplicates.append((i, node_id))
+            continue
+        nodes[node_id] = (i, node)
+    findings = _Findings(nodes)
+    for i, message in malformed:
+        findings.add("invalid_node", message, field=f"nodes[{i}]")
+    for i, node_id in duplicates:
+        findings.add("duplicate_node_id", f"node id {node_id!r} is used by nodes[{nodes[node_id][0]}] too", field=f"nodes[{i}].id")
+    for node_id, (_, node) in nodes.items():
+        node_type = node.get("type")
+        if not isinstance(node_type, str) or not node_type.strip():
+            findings.add("invalid_node", "node has no type", node=node_id, field="type")
+        if "data" in node and not isinstance(node.get("data"), Mapping):
+            findings.add("invalid_node", "node data must be an object", node=node_id, field="data")
+    return nodes, findings
+
+
+def _check_document(raw: Mapping[str, Any], findings: _Findings) -> None:
+    if not isinstance(raw.get("id"), str) or not raw["id"].strip():
+        findings.add("invalid_document", "the flow has no 'id' (AbstractRuntime uses it as the workflow id)", field="id")
+    if not isinstance(raw.get("nodes"), list):
+        findings.add("invalid_document", "'nodes' must be a list of nodes", field="nodes")
+    if "edges" in raw and not isinstance(raw.get("edges"), list):
+        findings.add("invalid_document", "'edges' must be a list of edges", field="edges")
+
+
+def _pins(node: Mapping[str, Any], side: str) -> set[str] | None:
+    """The declared pin ids of one side (``inputs``/``outputs``), or None when the node declares none."""
+    data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+    inputs, outputs = data.get("inputs"), data.get("outputs")
+    if not (isinstance(inputs, list) and inputs) and not (isinstance(outputs, list) and outputs):
+        return None  # hand-written flows often declare no pins: nothing to compare with
+    pins = data.get(side)
+    return {str(p.get("id")) for p in pins if isinstance(p, Mapping) and p.get("id")} if isinstance(pins, list) else set()
+
+
+def _check_edges(raw: Mapping[str, Any], nodes: Mapping[str, tuple[int, Mapping[str, Any]]], findings: _Findings) -> None:
+    edges = raw.get("edges") if isinstance(raw.get("edges"), list) else []
+    for i, edge in enumerate(edges):
+        where = f"edges[{i}]"
+        if not isinstance(edge, Mapping):
+            findings.add("invalid_edge", f"edge is a {type(edge).__name__}, not an object", field=where)
+            continue
+        ends = {}
+        for end, handle_key, side in (("source", "sourceHandle", "outputs"), ("target", "targetHandle", "inputs")):
+            node_id = edge.get(end)
+            handle = edge.get(handle_key)
+            if not isinstance(node_id, str) or not node_id.strip():
+                findings.add("invalid_edge", f"edge has no {end} (the host drops it)", field=f"{where}.{end}")
+                continue
+            ends[end] = node_id
+            if node_id not in nodes:
+                hint = _did_you_mean(node_id, nodes)
+                findings.add("edge_to_missing_node", f"{end} {node_id!r} is not a node of this flow{hint}", field=f"{where}.{end}")
+                continue
+            if not isinstance(handle, str) or not handle.strip():
+                findings.add("invalid_edge", f"edge has no {handle_key} (the host drops it)", node=node_id, field=f"{where}.{handle_key}")
+                continue
+            pins = _pins(nodes[node_id][1], side)
+            if pins is not None and handle not in pins and not _implicit_pin(nodes[node_id][1], handle, side):
+                # Saved pin lists are editor snapshots (the host renames and adds pins), so a
+                # data handle outside them may still carry a value: a warning, not an error.
+                hint = _did_you_mean(handle, pins)
+                findings.add(
+                    "edge_to_missing_pin",
+                    f"{handle_key} {handle!r} is not a declared pin of node {node_id!r}{hint}; "
+                    "the wire carries a value only if the node's output has that key",
+                    node=node_id,
+                    field=f"{where}.{handle_key}",
+                    severity="warning",
+                )
+
+
+def _implicit_pin(node: Mapping[str, Any], handle: str, side: str) -> bool:
+    # Pins every execution node has even when the editor did not list them.
+    return handle in ("exec-in", "exec-out") and side == ("inputs" if handle == "exec-in" else "outputs")
+
+
+def _check_with_compiler(
+    raw: Mapping[str, Any], nodes: Mapping[str, tuple[int, Mapping[str, Any]]], findings: _Findings
+) -> None:
+    """What AbstractRuntime's own compiler says: unknown node types, graph errors, ignored nodes."""
+    from abstractruntime.visualflow_compiler import compile_flow, load_visualflow_json, visual_to_flow
+
+    wired = _wired_nodes(raw)
+    unknown = False
+    for node_id, (_, node) in nodes.items():
+        node_type = node.get("type")
+        if isinstance(node_type, str) and node_type.strip() and not _compiler_knows(node_type.strip()):
+            unknown = True
+            hint = _did_you_mean(node_type, _KNOWN_TYPE_HINTS)
+            findings.add(
+                "unknown_node_type",
+                f"AbstractRuntime's compiler has no node type {node_type!r}{hint}"
+                + ("" if node_id in wired else " (not wired: the host skips it)"),
+                node=node_id,
+                field="type",
+                severity="error" if node_id in wired else "warning",
+            )
+    if not isinstance(raw.get("id"), str) or not isinstance(raw.get("nodes"), list):
+        return  # reported above; the compiler cannot read the document
+    document = dict(raw)
+    if unknown:
+        # The compiler stops at the first unknown type. For the rest of its verdict (what the
+        # entry reaches) stand a plain execution node in for each unknown one.
+        document["nodes"] = [
+            {**n, "type": _STAND_IN_TYPE} if isinstance(n, Mapping) and _is_unknown(n) else n for n in raw["nodes"]
+        ]
+    try:
+        flow = visual_to_flow(load_visualflow_json(document))
+    except Exception as exc:  # noqa: BLE001 - the compiler's own refusal is the finding
+        if not unknown:
+            findings.add("compile_error", _compiler_message(exc), node=_named_node(str(exc), nodes))
+        return
+    ignored = {n for n in getattr(flow, "_ignored_exec_nodes", None) or () if n in nodes}
+    _report_unreachable(raw, ignored, _live_nodes(raw, set(getattr(flow, "nodes", {}) or {}), ignored), wired, findings)
+    if unknown:
+        return
+    try:
+        compile_flow(flow)
+    except Exception as exc:  # noqa: BLE001
+        findings.add("compile_error", _compiler_message(exc), node=_named_node(str(exc), nodes))
+
+
+def _live_nodes(raw: Mapping[str, Any], compiled: set[str], ignored: set[str]) -> set[str]:
+    """Nodes that take part in a run: the execution nodes the compiler kept, and the data
+    nodes whose outputs reach one of them (transitively)."""
+    feeds: dict[str, set[str]] = {}
+    for edge in raw.get("edges") if isinstance(raw.get("edges"), list) else []:
+        if isinstance(edge, Mapping) and edge.get("targetHandle") != "exec-in":
+            feeds.setdefault(str(edge.get("target")), set()).add(str(edge.get("source")))
+    live = set(compiled)
+    todo = list(compiled)
+    while todo:
+        for source in feeds.get(todo.pop(), ()):
+            if source not in live and source not in ignored:
+                live.add(source)
+                todo.append(source)
+    return live
+
+
+def _report_unreachable(
+    raw: Mapping[str, Any], ignored: set[str], live: set[str], wired: set[str], findings: _Findings
+) -> None:
+    """Execution nodes the entry cannot reach (the compiler drops them without a word).
+
+    An error when a node that does run reads one of their outputs (it would read nothing, as
+    after a mistyped exec wire); otherwise a warning: a dead branch, or a chain started by
+    another trigger node (``on_event``, a second ``on_flow_start``) that ``run`` does not fire.
+    """
+    consumers: dict[str, list[str]] = {}
+    for edge in raw.get("edges") if isinstance(raw.get("edges"), list) else []:
+        if isinstance(edge, Mapping) and edge.get("targetHandle") != "exec-in":
+            consumers.setdefault(str(edge.get("source")), []).append(str(edge.get("target")))
+    for node_id in sorted(ignored):
+        if node_id not in wired:
+            findings.add("unreachable_node", "node has no wires; the host ignores it", node=node_id, severity="warning")
+            continue
+        readers = sorted({t for t in consumers.get(node_id, ()) if t in live and t != node_id})
+        if readers:
+            findings.add(
+                "unreachable_node",
+                f"no execution path from the entry node reaches this node, so it never runs, yet "
+                f"{', '.join(repr(r) for r in readers)} read{'s' if len(readers) == 1 else ''} its output "
+                "(check the exec wires into it and the flow's entryNode)",
+                node=node_id,
+            )
+        else:
+            findings.add(
+                "unreachable_node",
+                "no execution path from the entry node reaches this node: it never runs in this run",
+                node=node_id,
+                severity="warning",
+            )
+
+
+_STAND_IN_TYPE: Final = "answer_user"  # an execution node the compiler knows, for reachability only
+
+
+def _is_unknown(node: Mapping[str, Any]) -> bool:
+    node_type = node.get("type")
+    return isinstance(node_type, str) and bool(node_type.strip()) and not _compiler_knows(node_type.strip())
+
+
+def _compiler_message(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return f"AbstractRuntime's compiler refuses the flow: {text}"
+
+
+def _named_node(message: str, nodes: Mapping[str, Any]) -> str | None:
+    quoted = [n for n in nodes if f"'{n}'" in message]
+    return quoted[0] if len(quoted) == 1 else None
+
+
+def _wired_nodes(raw: Mapping[str, Any]) -> set[str]:
+    out: set[str] = set()
+    for edge in raw.get("edges") if isinstance(raw.get("edges"), list) else []:
+        if isinstance(edge, Mapping):
+            out.update(str(edge.get(end)) for end in ("source", "target") if edge.get(end))
+    return out
+
+
+_KNOWN_TYPE_HINTS: Final = (
+    "on_flow_start",
+    "on_flow_end",
+    "llm_call",
+    "agent",
+    "subflow",
+    "parallel",
+    "sequence",
+    "if",
+    "switch",
+    "loop",
+    "while",
+    "for",
+    "code",
+    "function",
+    "ask_user",
+    "answer_user",
+    "emit_event",
+    "wait_event",
+    "wait_until",
+    "tool_calls",
+    "call_tool",
+    "set_var",
+    "get_var",
+    "literal_string",
+    "literal_number",
+    "literal_json",
+    "concat",
+    "memory_note",
+    "memory_query",
+)
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiler_knows(node_type: str) -> bool:
+    """Whether AbstractRuntime's compiler has a handler for ``node_type``: the compiler is asked
+    with a two-node probe flow (it refuses a wired unknown type with ``UnknownNodeTypeError``)."""
+    from abstractruntime.visualflow_compiler import compile_visualflow
+    from abstractruntime.visualflow_compiler.visual.models import UnknownNodeTypeError
+
+    probe = {
+        "id": "abstractruntime-mlx-type-probe",
+        "entryNode": "start",
+        "nodes": [
+            {"id": "start", "type": "on_flow_start", "data": {}},
+            {"id": "probe", "type": node_type, "data": {}},
+        ],
+        "edges": [{"source": "start", "sourceHandle": "exec-out", "target": "probe", "targetHandle": "exec-in"}],
+    }
+    try:
+        compile_visualflow(probe)
+    except UnknownNodeTypeError:
+        return False
+    except Exception:  # noqa: BLE001 - a known type that needs configuration the probe lacks
+        return True
+    return True
+
+
+def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in candidates], n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# --------------------------------------------------------------------------------------
+# Run vars and LLM nodes
+# --------------------------------------------------------------------------------------
+
+
+def _check_runtime_vars(run_vars: Mapping[str, Any], findings: _Findings) -> None:
+    runtime_ns = run_vars.get("_runtime")
+    if runtime_ns is None:
+        return
+    if not isinstance(runtime_ns, Mapping):
+        findings.add("invalid_vars", "_runtime must be an object of run-level settings", field="vars._runtime")
+        return
+    known = HOST_RUNTIME_KEYS | PACK_RUNTIME_KEYS
+    for key in runtime_ns:
+        if key not in known:
+            hint = _did_you_mean(key, known)
+            findings.add(
+                "unknown_runtime_key",
+                f"neither AbstractRuntime nor this pack reads _runtime.{key}{hint}; it would be ignored",
+                field=f"vars._runtime.{key}",
+            )
+    _check_controls(runtime_ns, findings, prefix="vars._runtime", node=None)
+    stream = runtime_ns.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        findings.add("invalid_controls", "_runtime.stream must be true or false", field="vars._runtime.stream")
+    for key in ("base_url", "server_base_url"):
+        value = runtime_ns.get(key)
+        if value is not None and not (isinstance(value, str) and value.strip()):
+            findings.add("invalid_controls", f"_runtime.{key} must be a URL string", field=f"vars._runtime.{key}")
+
+
+def _positive_int(key: str) -> Callable[[Any], Any]:
+    def check(value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidControls(f"{key} must be an integer >= 1", field=key, value=value)
+
+    return check
+
+
+def _seed(value: Any) -> Any:
+    return None if value == _SEED_RANDOM else normalize_sampling(seed=value)
+
+
+_CONTROL_RULES: Final[dict[str, Callable[[Any], Any]]] = {
+    "speculation": normalize_speculation,
+    "thinking": normalize_thinking,
+    "temperature": lambda v: normalize_sampling(temperature=v),
+    "seed": _seed,
+    **{key: _positive_int(key) for key in ("max_output_tokens", "maxOutputTokens", "max_out_tokens", "max_input_tokens", "maxInputTokens")},
+}
+
+
+def _check_controls(source: Mapping[str, Any], findings: _Findings, *, prefix: str, node: str | None) -> None:
+    """Speculation, thinking and sampling values, as our controls accept them."""
+    for key, value in source.items():
+        rule = _CONTROL_RULES.get(key)
+        if rule is None or value is None:
+            continue
+        try:
+            rule(value)
+        except InvalidControls as exc:
+            where, hint = key, ""
+            if key == "speculation" and exc.field and exc.field.startswith("speculation."):
+                where = exc.field
+                if exc.field.split(".", 1)[1] not in SPECULATION_KEYS:
+                    hint = _did_you_mean(exc.field.split(".", 1)[1], SPECULATION_KEYS)
+            findings.add("invalid_controls", exc.message + hint, node=node, field=f"{prefix}.{where}")
+
+
+def _check_llm_nodes(
+    nodes: Mapping[str, tuple[int, Mapping[str, Any]]],
+    run_vars: Mapping[str, Any],
+    findings: _Findings,
+    *,
+    model: str | None,
+    force_model: bool,
+    default_base_url: str | None,
+    probe_remote: bool,
+    probe_timeout_s: float,
+    resolve_model: Callable[[str], Any],
+) -> None:
+    runtime_ns = run_vars.get("_runtime") if isinstance(run_vars.get("_runtime"), Mapping) else {}
+    run_base_url = _first_str(runtime_ns.get("base_url"), runtime_ns.get("server_base_url"), default_base_url)
+    models_seen: dict[str, str | None] = {}
+    urls_seen: dict[str, str | None] = {}
+    for node_id, (_, node) in nodes.items():
+        node_type = node.get("type")
+        if node_type not in LLM_NODE_TYPES:
+            continue
+        data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+        config_key = "effectConfig" if node_type == "llm_call" else "agentConfig"
+        config = data.get(config_key)
+        if config is None:
+            config = {}
+        if not isinstance(config, Mapping):
+            findings.add("invalid_node", f"{config_key} must be an object", node=node_id, field=f"data.{config_key}")
+            continue
+        if node_type == "llm_call":
+            for key in config:
+                if key not in LLM_CALL_CONFIG_KEYS:
+                    hint = _did_you_mean(key, LLM_CALL_CONFIG_KEYS)
+                    findings.add(
+                        "unknown_config_key",
+                        f"nobody reads effectConfig.{key}{hint}; it would be ignored",
+                        node=node_id,
+                        field=f"data.effectConfig.{key}",
+                    )
+        _check_controls(config, findings, prefix=f"data.{config_key}", node=node_id)
+        pins = data.get("pinDefaults")
+        if isinstance(pins, Mapping):
+            _check_controls({k: pins[k] for k in _CONTROL_PINS if k in pins}, findings, prefix="data.pinDefaults", node=node_id)
+        if node_type != "llm_call":
+            continue
+        base_url = _first_str(config.get("base_url"), config.get("server_base_url"), run_base_url)
+        if base_url is not None:
+            if probe_remote:
+                if base_url not in urls_seen:
+                    urls_seen[base_url] = _probe_url(base_url, probe_timeout_s)
+                if urls_seen[base_url] is not None:
+                    findings.add(
+                        "remote_unreachable",
+                        f"the server at {base_url} does not answer ({urls_seen[base_url]})",
+                        node=node_id,
+                        field=_base_url_field(config, runtime_ns, default_base_url),
+                    )
+            continue
+        provider = config.get("provider")
+        provider_text = provider.strip().lower() if isinstance(provider, str) else ""
+        node_model = config.get("model") if isinstance(config.get("model"), str) and config.get("model") else None
+        if provider_text not in ("", "mlx") and not force_model:
+            findings.add(
+                "provider_not_served",
+                f"provider {provider!r} is not served here: local nodes run on MLX; pass --model "
+                "to serve every LLM node on one local model, or give the node or the run a base_url",
+                node=node_id,
+                field="data.effectConfig.provider",
+            )
+            continue
+        chosen = model if force_model or node_model is None else node_model
+        if chosen is None:
+            findings.add(
+                "no_model",
+                "the node names no model and the run has no default model (--model)",
+                node=node_id,
+                field="data.effectConfig.model",
+            )
+            continue
+        if chosen not in models_seen:
+            try:
+                resolve_model(chosen)
+                models_seen[chosen] = None
+            except MLXRuntimeError as exc:
+                models_seen[chosen] = exc.message
+        if models_seen[chosen] is not None:
+            named_here = chosen == node_model and not force_model
+            findings.add(
+                "model_not_found",
+                str(models_seen[chosen]),
+                node=node_id,
+                field="data.effectConfig.model" if named_here else "--model",
+            )
+
+
+def _base_url_field(config: Mapping[str, Any], runtime_ns: Mapping[str, Any], default: str | None) -> str:
+    for key in ("base_url", "server_base_url"):
+        if _first_str(config.get(key)):
+            return f"data.effectConfig.{key}"
+    for key in ("base_url", "server_base_url"):
+        if _first_str(runtime_ns.get(key)):
+            return f"vars._runtime.{key}"
+    return "--base-url" if default else "base_url"
+
+
+def _first_str(*values: Any) -> str | None:
+    for value in values:
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+    return None
+
+
+def _default_resolve_model(name: str) -> Any:
+    from ..artifacts import resolve_model_path
+
+    return resolve_model_path(name)
+
+
+def _probe_url(base_url: str, timeout_s: float) -> str | None:
+    """None when anything answers HTTP at ``base_url`` (any status), else why not."""
+    import httpx
+
+    url = base_url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        return "not an http(s) URL"
+    try:
+        httpx.get(f"{url}/health", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return None
+
+
+def problems_of(reports: Sequence[CheckReport]) -> list[Problem]:
+    """Every problem of several reports, in order."""
+    return [p for r in reports for p in r.problems]
