@@ -9,7 +9,7 @@ from packaging.version import Version
 
 
 def test_supported_versions():
-    assert Version("0.7.1") <= Version(version("mlx-vlm")) < Version("0.8.0")
+    assert Version("0.7.10") <= Version(version("mlx-vlm")) < Version("0.8.0")
     assert Version("0.31.3") <= Version(version("mlx-lm")) < Version("0.33")
 
 
@@ -55,3 +55,29 @@ def test_row_counters_on_a_live_batch(dense_model):
     assert finished == set(uids)
     for uid, processed in seen.items():
         assert processed == sorted(processed) and processed, processed
+
+
+def test_prefix_cache_upstream_surface():
+    """What ``engine/prefix_cache.py`` uses of mlx-vlm's APC (verified on 0.7.10)."""
+    from mlx_vlm import apc
+    from mlx_vlm.generate.ar import APC_PRIVATE_PROMPT_KEYS, BatchGenerator
+
+    assert Version(version("mlx-vlm")) >= Version("0.7.10")
+    assert "apc_manager" in inspect.signature(BatchGenerator.__init__).parameters
+    assert "_apc_semantic_hash" in APC_PRIVATE_PROMPT_KEYS
+    assert {"tenant", "image_hash"} <= set(inspect.signature(apc.semantic_extra_hash).parameters)
+    manager_source = inspect.getsource(apc.APCManager)
+    for key in ("memory_max_gb", "memory_reserve_gb", "checkpoint_interval_tokens", "checkpoint_entries", "checkpoint_guard_tokens"):
+        assert f'"{key}"' in manager_source, key
+    for attr in ("self.hash_table", "self._exact_cache", "self.lock"):
+        assert attr in manager_source, attr
+    manager = apc.APCManager(num_blocks=4, block_size=16, overrides={"memory_max_gb": 0.001})
+    snap = manager.stats_snapshot()
+    for name in ("stores", "exact_stores", "lookups_hit", "exact_hits", "lookups_miss", "memory_skips", "rejects", "disk_hits"):
+        assert isinstance(snap[name], int), name
+    assert manager.memory_max_bytes == int(0.001 * (1 << 30))
+    store_params = inspect.signature(apc.DiskBlockStore.__init__).parameters
+    assert {"root", "namespace", "max_bytes", "num_workers", "overrides"} <= set(store_params)
+    for attr in ("flush", "close", "_clear_disk_state_after_external_delete", "disk_bytes", "pending_bytes", "num_blocks_indexed", "num_exact_indexed"):
+        assert hasattr(apc.DiskBlockStore, attr), attr
+    assert callable(apc._free_ram_bytes)

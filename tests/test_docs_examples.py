@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/provider.md", "docs/progress.md", "docs/check.md"]
+DOCS = ["README.md", "docs/provider.md", "docs/progress.md", "docs/check.md", "docs/prompt-cache.md"]
 
 
 def python_blocks(path: Path) -> list[str]:

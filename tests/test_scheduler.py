@@ -47,6 +47,20 @@ def test_limit_and_depths_and_cache_groups_are_separate_groups():
     assert len(take_compatible(waiting, group_key(waiting[0]), limit=3)) == 3
 
 
+def test_keyed_and_keyless_requests_need_different_cache_managers():
+    def keyed(name, key, **kw):
+        r = req(name, **kw)
+        r.prompt_cache_key = key
+        return r
+
+    # keyed rows use the prefix cache's manager, keyless rows none: never one group
+    waiting = deque([keyed("a", "k1"), keyed("b", "k2"), req("c"), keyed("d", "k1")])
+    assert [r.request_id for r in take_compatible(waiting, group_key(waiting[0]), limit=8)] == ["a", "b"]
+    assert [r.request_id for r in take_compatible(waiting, group_key(waiting[0]), limit=8)] == ["c"]
+    assert group_key(keyed("x", "k", draft=2)).mode == ExecutionMode.COHORT
+    assert group_key(keyed("x", "k", draft=2)) != group_key(req("y", draft=2))
+
+
 def test_exclusive_never_admits_another():
     first, second = req("x", temperature=0.5), req("y", temperature=0.5)
     assert not group_key(first).admits(second)

@@ -128,10 +128,10 @@ class FakeProvider:
         return True
 
     def get_prompt_cache_stats(self) -> dict[str, Any]:
-        return {"backend": None, "execution": {"submitted": len(self.calls)}}
+        return {"enabled": True, "backend": "fake", "execution": {"submitted": len(self.calls)}}
 
     def prompt_cache_clear(self, key: str | None = None) -> dict[str, Any]:
-        return {"scope": "none", "cleared": 0, "key": key}
+        return {"cleared": True, "scope": "all_keys", "ram_entries_removed": 0, "disk_files_removed": 0, "key": key}
 
     def _usage(self) -> dict[str, Any]:
         n = len(self.texts)

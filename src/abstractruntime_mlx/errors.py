@@ -12,14 +12,16 @@ remote client rebuilds the same class from ``code``.
     │   ├── ContextTooLong (400, context_too_long)
     │   ├── NoDrafter (400, no_drafter)
     │   ├── RequestTooLarge (413, request_too_large)
-    │   └── InvalidFlow (400, invalid_flow)          ``check`` found problems in a flow
+    │   ├── InvalidFlow (400, invalid_flow)          ``check`` found problems in a flow
+    │   └── PromptCachePathUnsafe (400, prompt_cache_path_unsafe)   symlinked or non-private cache dir
     ├── PolicyError (400, policy_invalid)            the Core policy file is unreadable
     ├── ModelNotFound (404, model_not_found)         weights are not on this machine
     ├── ConflictError (409, conflict)
     │   ├── RequestCancelled (409, cancelled)
     │   ├── OwnerBusy (409, owner_busy)
     │   ├── RuntimeClosed (409, runtime_closed)
-    │   └── ResidencyConflict (409, residency_conflict)
+    │   ├── ResidencyConflict (409, residency_conflict)
+    │   └── PromptCacheLocked (409, prompt_cache_locked)   another live process owns the SSD namespace
     ├── CapacityError (503, capacity)
     │   ├── QueueFull (503, queue_full)
     │   └── StreamBackpressure (429, stream_backpressure)
@@ -102,6 +104,14 @@ class InvalidFlow(InvalidRequest):
     code = "invalid_flow"
 
 
+class PromptCachePathUnsafe(InvalidRequest):
+    code = "prompt_cache_path_unsafe"
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message, details={"path": path})
+        self.path = path
+
+
 class PolicyError(MLXRuntimeError):
     code = "policy_invalid"
     http_status = 400
@@ -135,6 +145,14 @@ class RuntimeClosed(ConflictError):
 
 class ResidencyConflict(ConflictError):
     code = "residency_conflict"
+
+
+class PromptCacheLocked(ConflictError):
+    code = "prompt_cache_locked"
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message, details={"path": path})
+        self.path = path
 
 
 class CapacityError(MLXRuntimeError):

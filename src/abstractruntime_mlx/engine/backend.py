@@ -2,8 +2,12 @@
 
 Every private upstream field the package reads is read here, and only here
 (``PromptProcessingBatch`` row counters for prefill progress, the generation batch for
-batch sizes, the prefill admission gate). Supported range: mlx-vlm >=0.7.1,<0.8.0, pinned in
+batch sizes, the prefill admission gate). Supported range: mlx-vlm >=0.7.10,<0.8.0 (the prefix cache needs 0.7.10), pinned in
 ``pyproject.toml``; ``tests/test_backend_contract.py`` checks these fields exist.
+
+Prefix reuse: a group of keyed requests passes the resident model's ``APCManager`` (see
+``prefix_cache``); each row carries its salt as ``_apc_semantic_hash``, so upstream keys blocks
+by tokens plus that salt instead of hashing the whole prompt's embeddings.
 
 A ``BatchBackend`` is one upstream ``BatchGenerator``: the continuous lane keeps one alive
 while greedy requests flow through it; a cohort (MTP) or an exclusive (sampled) request
@@ -89,6 +93,7 @@ class BatchBackend:
         draft_tokens: int = 0,
         prefill_step_size: int = PREFILL_STEP_SIZE,
         stream: Any = None,
+        apc_manager: Any = None,
     ) -> None:
         from mlx_vlm.generate.ar import BatchGenerator
 
@@ -112,6 +117,7 @@ class BatchBackend:
                 prefill_step_size=prefill_step_size,
                 compute_logprobs=False,
                 stream=stream,
+                apc_manager=apc_manager,
                 **kwargs,
             )
         self.uids: set[int] = set()
@@ -148,6 +154,11 @@ class BatchBackend:
     def forget(self, uid: int) -> None:
         """The uid finished upstream on its own (stop or length)."""
         self.uids.discard(uid)
+
+    @property
+    def prefilling(self) -> bool:
+        """A prompt batch is mid-prefill: its prefix-cache blocks are leased until it ends."""
+        return self._gen._prompt_batch is not None
 
     @property
     def has_work(self) -> bool:

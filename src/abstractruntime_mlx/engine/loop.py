@@ -30,6 +30,7 @@ from ..errors import (
 )
 from .backend import PREFILL_STEP_SIZE, BatchBackend, Drafter, StepResult, text_prompt_kwargs
 from .model import LoadedModel
+from .prefix_cache import GUARD_TOKENS, CacheOptions, PrefixCache
 from .request import (
     END_OF_STREAM,
     EngineRequest,
@@ -84,6 +85,8 @@ class _Group:
 @dataclass(slots=True)
 class _Control:
     fn: Callable[[], Any]
+    # Runs only while no prompt batch is mid-prefill (prefix-cache blocks are leased then).
+    between_prefills: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
@@ -116,8 +119,17 @@ class Engine:
     """Owns one resident model. ``load`` runs on the worker thread, so every MLX call,
     loading included, happens there."""
 
-    def __init__(self, load: Callable[[], LoadedModel], config: EngineConfig | None = None, *, name: str = "model") -> None:
+    def __init__(
+        self,
+        load: Callable[[], LoadedModel],
+        config: EngineConfig | None = None,
+        *,
+        name: str = "model",
+        cache_options: CacheOptions | None = None,
+    ) -> None:
         self._load = load
+        self._cache_options = cache_options
+        self.prefix_cache: PrefixCache | None = None
         self.loaded: LoadedModel | None = None  # type: ignore[assignment]
         self.name = name
         self.config = config or EngineConfig()
@@ -198,11 +210,15 @@ class Engine:
         with self._cond:
             self._cond.notify_all()
 
-    def control(self, fn: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-        """Run ``fn`` on the worker thread between steps and return its result."""
+    def control(self, fn: Callable[[], Any], timeout_s: float = 60.0, *, between_prefills: bool = False) -> Any:
+        """Run ``fn`` on the worker thread between steps and return its result.
+
+        ``between_prefills``: wait for a step boundary where no prompt batch is mid-prefill
+        (late joiners are held back meanwhile), as clearing the prefix cache needs.
+        """
         if self._thread is not None and self._thread.is_current():
             return fn()
-        item = _Control(fn)
+        item = _Control(fn, between_prefills=between_prefills)
         with self._cond:
             if self._closed or self._fatal is not None:
                 raise RuntimeClosed("the MLX engine is closed")
@@ -254,6 +270,8 @@ class Engine:
             with mx.stream(self._stream):
                 try:
                     self.loaded = self._load()
+                    if self._cache_options is not None:
+                        self.prefix_cache = PrefixCache(self.loaded, self._cache_options, max_batch_size=self.config.max_batch_size)
                 except BaseException as exc:  # noqa: BLE001 - handed to start()
                     self._load_error = exc
                     self._closed = True
@@ -263,6 +281,12 @@ class Engine:
                 self._loop()
         finally:
             mx.synchronize(self._stream)
+            if self.prefix_cache is not None:
+                try:
+                    self.prefix_cache.close()  # flushes the SSD tier for later processes
+                except Exception:  # noqa: BLE001 - unloading must not fail on a cache flush
+                    log.exception("flushing the prefix cache failed")
+                self.prefix_cache = None
             self.loaded = None  # the worker owns the weights; they go with it
             mx.clear_cache()
 
@@ -319,16 +343,36 @@ class Engine:
             item.done.set()
 
     def _run_controls(self) -> None:
-        while True:
-            with self._cond:
-                if not self._controls:
-                    return
-                item = self._controls.popleft()
-            try:
-                item.result = item.fn()
-            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
-                item.error = exc
-            item.done.set()
+        deferred: list[_Control] = []
+        try:
+            while True:
+                with self._cond:
+                    if not self._controls:
+                        return
+                    item = self._controls.popleft()
+                if item.between_prefills and self._prefilling():
+                    deferred.append(item)
+                    continue
+                self._run_control(item)
+        finally:
+            if deferred:
+                with self._cond:
+                    self._controls.extendleft(reversed(deferred))
+
+    def _prefilling(self) -> bool:
+        group = self._group
+        return group is not None and group.backend.prefilling
+
+    def _quiet_control_pending(self) -> bool:
+        with self._cond:
+            return any(item.between_prefills for item in self._controls)
+
+    def _run_control(self, item: _Control) -> None:
+        try:
+            item.result = item.fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            item.error = exc
+        item.done.set()
 
     def _apply_cancels(self) -> None:
         with self._cond:
@@ -403,10 +447,17 @@ class Engine:
             draft_tokens=key.draft_tokens if drafter is not None else 0,
             prefill_step_size=self.config.prefill_step_size,
             stream=self._stream,
+            apc_manager=self._cache_manager_for(head),
         )
         self._group = _Group(key=key, backend=backend, speculation_baseline=backend.speculation_counters(), size=len(requests))
         for request in requests:
             self._admit(request)
+
+    def _cache_manager_for(self, head: EngineRequest) -> Any:
+        """The resident model's prefix-cache manager for a group of keyed requests, else None."""
+        if head.prompt_cache_key is None or self.prefix_cache is None:
+            return None
+        return self.prefix_cache.manager
 
     def _collect_window(self, key: GroupKey, limit: int) -> None:
         """Wait up to ``batch_wait_ms`` for compatible requests to arrive before starting."""
@@ -422,7 +473,7 @@ class Engine:
         group = self._group
         assert group is not None
         free = group.backend.free_slots()  # tombstoned rows still hold their slot upstream
-        if free <= 0:
+        if free <= 0 or (self.prefix_cache is not None and self._quiet_control_pending()):
             return
         with self._cond:
             requests = take_compatible(self._waiting, group.key, free)
@@ -435,6 +486,11 @@ class Engine:
         try:
             factory = request.prompt_kwargs_factory
             kwargs = factory() if factory is not None else text_prompt_kwargs(self.loaded.model, request.prompt_ids)
+            if request.prompt_cache_key is not None and self.prefix_cache is not None:
+                layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"
+                kwargs["_apc_semantic_hash"] = self.prefix_cache.salt(request, layout)
+                request.cache_layout = layout
+                request.cache_counters = self.prefix_cache.counters()
             uid = group.backend.insert(request.prompt_ids, request.max_tokens, kwargs)
         except MLXRuntimeError as exc:
             self._finish(request, RequestStatus.FINISHED_ERROR, error=exc)
@@ -492,9 +548,13 @@ class Engine:
         group = _Group(key=group_key(request), backend=None)  # type: ignore[arg-type]
         self.stats.peak_batch_size = max(self.stats.peak_batch_size, 1)
 
-        def on_prefill(processed: int, total: int) -> None:
+        total = request.num_prompt_tokens
+        offset = 0  # prompt tokens already in the cache before stream_generate runs
+
+        def on_prefill(processed: int, _total: int) -> None:
             if request.observe_prefill and request.first_token_at is None:
-                self._deliver(request, PrefillObservation(processed=processed, total=total, cached=0), droppable=True)
+                obs = PrefillObservation(processed=offset + processed, total=total, cached=request.cached_tokens or 0)
+                self._deliver(request, obs, droppable=True)
             if request.cancelled:
                 raise _Cancelled()
 
@@ -507,8 +567,10 @@ class Engine:
             kwargs["logits_processors"] = make_logits_processors(request.sampling)
         request.cached_tokens = 0
         try:
+            if request.prompt_cache_key is not None and self.prefix_cache is not None:
+                kwargs["prompt_cache"], offset = self._serial_prefix(request, on_prefill)
             for response in mlx_lm.stream_generate(
-                loaded.model, loaded.processor, request.prompt_ids, max_tokens=request.max_tokens, stream=self._stream, **kwargs
+                loaded.model, loaded.processor, request.prompt_ids[offset:], max_tokens=request.max_tokens, stream=self._stream, **kwargs
             ):
                 if request.cancelled:
                     self._finish(request, RequestStatus.FINISHED_CANCELLED)
@@ -527,6 +589,39 @@ class Engine:
             self._finish(request, RequestStatus.FINISHED_ERROR, error=UpstreamError(f"mlx-lm generation failed: {type(exc).__name__}: {exc}"))
         if not request.is_finished():
             self._finish(request, RequestStatus.FINISHED_STOPPED)
+
+    def _serial_prefix(self, request: EngineRequest, on_prefill: Callable[[int, int], None]) -> tuple[list[Any], int]:
+        """Restore the key's snapshot, prefill up to the checkpoint and keep a new snapshot there.
+
+        Returns the prompt cache and how many prompt tokens it already holds.
+        """
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = self.prefix_cache
+        assert cache is not None and cache.serial is not None
+        request.cache_layout = "serial"
+        request.cache_counters = cache.counters()
+        salt = cache.salt(request, "serial")
+        prompt = request.prompt_ids
+        prompt_cache, cached = cache.serial.lookup(salt, prompt)
+        if prompt_cache is None:
+            prompt_cache = make_prompt_cache(self.loaded.model)
+        request.cached_tokens = cached
+        checkpoint = len(prompt) - GUARD_TOKENS
+        if checkpoint <= cached:
+            return prompt_cache, cached
+        step = self.config.prefill_step_size
+        position = cached
+        on_prefill(position, 0)  # absolute positions: stream_generate's offset is still 0
+        while position < checkpoint:
+            end = min(checkpoint, position + step)
+            self.loaded.model(mx.array([prompt[position:end]]), cache=prompt_cache)
+            mx.eval([c.state for c in prompt_cache])
+            position = end
+            on_prefill(position, 0)
+        cache.serial.store(salt, prompt[:checkpoint], prompt_cache)
+        return prompt_cache, checkpoint
 
     def _record_batch(self, group: _Group, result: StepResult) -> None:
         size = len(result.batch_uids - group.tombstones)
@@ -607,6 +702,7 @@ class Engine:
         request.transition(status)
         request.finished_at = time.perf_counter()
         self._record_speculation(request)
+        self._record_prompt_cache(request)
         request.outcome = Outcome(
             finish_reason=request.finish_reason() or "error",
             prompt_tokens=request.num_prompt_tokens,
@@ -615,6 +711,7 @@ class Engine:
             execution=request.execution_metadata(),
             speculation=request.speculation,
             error=error,
+            prompt_cache=request.prompt_cache,
         )
         if locked:
             self._account(request, status)
@@ -643,6 +740,25 @@ class Engine:
             "accounting": "cohort" if shared else "request",
             "counter_semantics": "sum_of_round_means_not_batch_token_totals" if shared else "request_tokens",
         }
+
+    def _record_prompt_cache(self, request: EngineRequest) -> None:
+        cache = self.prefix_cache
+        if cache is None or request.cache_counters is None or request.cache_layout is None:
+            return
+        try:
+            request.prompt_cache = cache.report(
+                request, request.cache_counters, shared=request.peak_batch_size > 1, layout=request.cache_layout
+            )
+        except Exception:  # noqa: BLE001 - a report must never fail the request it describes
+            log.exception("prefix-cache report failed")
+
+    def prompt_cache_stats(self) -> dict[str, Any] | None:
+        """The prefix cache's stats, read on the worker; None when this model has none."""
+        return self.control(lambda: self.prefix_cache.stats() if self.prefix_cache is not None else None)
+
+    def prompt_cache_clear(self) -> dict[str, Any] | None:
+        """Drop every owned RAM and SSD entry, between prefills; None without a prefix cache."""
+        return self.control(lambda: self.prefix_cache.clear() if self.prefix_cache is not None else None, between_prefills=True)
 
     def _account(self, request: EngineRequest, status: RequestStatus) -> None:
         self._live.pop(request.request_id, None)

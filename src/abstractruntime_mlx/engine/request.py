@@ -122,6 +122,7 @@ class Outcome:
     execution: dict[str, Any]
     speculation: dict[str, Any] | None
     error: MLXRuntimeError | None = None
+    prompt_cache: dict[str, Any] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -134,6 +135,8 @@ class EngineRequest:
     draft_tokens: int = 0
     prompt_kwargs_factory: Callable[[], dict[str, Any]] | None = None
     cache_group: Any = None
+    prompt_cache_key: str | None = None
+    media_hash: int = 0
     output_queue_size: int = 256
     observe_prefill: bool = False
     cancel_event: threading.Event = field(default_factory=threading.Event)
@@ -148,6 +151,9 @@ class EngineRequest:
     peak_batch_size: int = 0
     cached_tokens: int | None = None
     speculation: dict[str, Any] | None = None
+    cache_counters: dict[str, int] | None = None  # prefix-cache counters at admission
+    cache_layout: str | None = None
+    prompt_cache: dict[str, Any] | None = None
     outputs: queue.SimpleQueue = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Outcome | None = None

@@ -9,7 +9,8 @@ Policy (the fairness rule):
   barrier, so the group drains and that request runs next. A stream of batchable
   requests therefore cannot starve a sampled one; it waits at most one group's lifetime.
 - Cohorts never admit late joiners (upstream cannot extend a speculative batch).
-- Requests with different prefix-cache groups never share a group.
+- Requests with different prefix-cache groups never share a group: keyed requests (which
+  look up and store in the resident model's prefix cache) never batch with keyless ones.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class GroupKey:
 
 
 def group_key(request: EngineRequest) -> GroupKey:
-    cache_group = request.cache_group
+    cache_group = request.cache_group if request.prompt_cache_key is None else ("prefix", request.cache_group)
     if not request.sampling.is_greedy_neutral():
         return GroupKey(ExecutionMode.EXCLUSIVE, request.draft_tokens, (cache_group, request.request_id))
     if request.draft_tokens > 0:

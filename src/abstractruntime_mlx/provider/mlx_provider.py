@@ -26,6 +26,7 @@ from ..controls import (
 )
 from ..engine.chat import build_messages, render_prompt
 from ..engine.loop import EngineConfig
+from ..engine.prefix_cache import image_hash, validate_options as validate_cache_options
 from ..engine.stream import RequestStream
 from ..engine.request import EngineRequest, Outcome, PrefillObservation, Sampling, TokenDelta
 from ..errors import (
@@ -53,6 +54,11 @@ EXECUTION_DEFAULTS: dict[str, Any] = {
     "mlx_queue_timeout_s": 120.0,
     "mlx_output_queue_size": 256,
     "mlx_prefill_step_size": 256,
+    # Prefix reuse (see docs/prompt-cache.md): RAM budget override, opt-in SSD tier, identity scope.
+    "mlx_cache_memory_max_gb": None,
+    "mlx_cache_disk_path": None,
+    "mlx_cache_disk_max_gb": None,
+    "mlx_cache_scope": "local",
 }
 
 _lease_ids = itertools.count(1)
@@ -118,6 +124,7 @@ class MLXProvider:
             options={**self.execution_options, "mtp_head": str(head) if head else None, "load_drafter": load_drafter},
             config=config,
             lease=self._lease,
+            cache_options=validate_cache_options(self.execution_options),
         )
         self._finalizer = weakref.finalize(self, residency.retire, self._resident, self._lease)
 
@@ -157,10 +164,28 @@ class MLXProvider:
         return True
 
     def get_prompt_cache_stats(self) -> dict[str, Any]:
-        return {"backend": None, "enabled": False, "reason": "prefix_cache_not_configured", "execution": self._engine.snapshot()}
+        """Prefix-cache state since load: budget, RAM and SSD entries and bytes, hit counters."""
+        engine = self._engine
+        stats = engine.prompt_cache_stats()
+        if stats is None:
+            stats = {"enabled": False, "reason": "prefix_cache_not_loaded"}
+        return {**stats, "execution": engine.snapshot()}
 
     def prompt_cache_clear(self, key: str | None = None) -> dict[str, Any]:
-        return {"scope": "none", "cleared": 0, "key": key}
+        """Drop every owned RAM and SSD prefix entry of this model (between engine steps).
+
+        Keys share one namespace, so a ``key`` still clears all of them; the result says so.
+        """
+        if key is not None and not isinstance(key, str):
+            raise InvalidControls("key must be a string", field="key", value=key)
+        result = self._engine.prompt_cache_clear()
+        if result is None:
+            return {"cleared": False, "scope": "none", "reason": "prefix_cache_not_loaded"}
+        out: dict[str, Any] = {"cleared": True, **result}
+        if key is not None:
+            out["key"] = key
+            out["warning"] = "a key-specific clear clears the whole prompt-cache namespace: every key of this model"
+        return out
 
     # --- generation ----------------------------------------------------------------------
     def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | Iterator[GenerationChunk]:
@@ -226,8 +251,13 @@ class MLXProvider:
             logit_bias=tuple(sorted((controls.logit_bias or {}).items())),
             seed=controls.seed,
         )
-        if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
-            raise InvalidControls("prompt_cache_key must be a string", field="prompt_cache_key", value=prompt_cache_key)
+        if prompt_cache_key is not None and (not isinstance(prompt_cache_key, str) or not prompt_cache_key):
+            raise InvalidControls("prompt_cache_key must be a non-empty string", field="prompt_cache_key", value=prompt_cache_key)
+        if prompt_cache_key is not None and messages is None:
+            raise InvalidRequest(
+                "prefix reuse with prompt_cache_key needs messages holding the complete conversation "
+                "(messages=[] for a standalone prompt); no hidden history is appended"
+            )
         if cancel_event is not None and not isinstance(cancel_event, threading.Event):
             raise InvalidControls("cancel_event must be a threading.Event", field="cancel_event", value=cancel_event)
 
@@ -247,6 +277,8 @@ class MLXProvider:
             stop=controls.stop,
             draft_tokens=draft_tokens,
             cache_group=None,
+            prompt_cache_key=prompt_cache_key,
+            media_hash=image_hash(images),
             output_queue_size=self.execution_options["mlx_output_queue_size"],
             observe_prefill=callback is not None,
             cancel_event=cancel_event or threading.Event(),
@@ -352,13 +384,11 @@ class MLXProvider:
         performance = _performance(request)
         if performance:
             metadata["performance"] = performance
-        if prepared.prompt_cache_key is not None:
-            metadata["prompt_cache"] = {
-                "mode": "key",
-                "key": prepared.prompt_cache_key,
-                "outcome": "not_cached",
-                "reason": "prefix_cache_not_configured",
-            }
+        if outcome.prompt_cache is not None:
+            metadata["prompt_cache"] = outcome.prompt_cache
+        elif prepared.prompt_cache_key is not None:
+            # The request ended before it reached the cache (rejected, cancelled while waiting).
+            metadata["prompt_cache"] = {"mode": "key", "key": prepared.prompt_cache_key, "outcome": "not_reached"}
         if prepared.thinking is not None:
             metadata["thinking"] = prepared.thinking
         if prepared.tracker is not None:
@@ -439,6 +469,7 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
     positive_int("mlx_max_queue_size")
     positive_int("mlx_output_queue_size", lo=2)
     positive_int("mlx_prefill_step_size", lo=16)
+    validate_cache_options(options)
     wait = options["mlx_batch_wait_ms"]
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1000:
         raise InvalidControls("mlx_batch_wait_ms must be a number in [0, 1000]", field="mlx_batch_wait_ms", value=wait)

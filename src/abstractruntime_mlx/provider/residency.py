@@ -9,6 +9,7 @@ from typing import Any
 
 from ..engine.loop import Engine, EngineConfig
 from ..engine.model import load_model
+from ..engine.prefix_cache import CacheOptions
 from ..errors import OwnerBusy, ResidencyConflict
 
 
@@ -33,6 +34,7 @@ def acquire(
     options: dict[str, Any],
     config: EngineConfig,
     lease: int,
+    cache_options: CacheOptions | None = None,
 ) -> Resident:
     """Attach ``lease`` to the resident engine for ``path``, loading it on first use."""
     key = (str(path.resolve()), str(head.resolve()) if head else None, lane)
@@ -50,6 +52,7 @@ def acquire(
             lambda: load_model(path, lane=lane, head=head, load_drafter=load_drafter),
             config,
             name=path.name,
+            cache_options=cache_options,
         )
         engine.start()
         resident = Resident(key=key, options=dict(options), engine=engine, leases={lease})

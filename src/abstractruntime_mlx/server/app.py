@@ -411,14 +411,15 @@ async def unload_model(request: Request) -> Response:
 async def prompt_cache_stats(request: Request) -> Response:
     provider = _served(request).require()
     stats = await asyncio.to_thread(provider.get_prompt_cache_stats)
-    return JSONResponse({"supported": True, "operation": "stats", "stats": _json_safe(stats)})
+    return JSONResponse({"supported": bool(stats.get("enabled")), "operation": "stats", "stats": _json_safe(stats)})
 
 
 async def prompt_cache_clear(request: Request) -> Response:
     body = parse_body(PromptCacheClearRequest, await _read_body(request))
     provider = _served(request).require()
     result = await asyncio.to_thread(provider.prompt_cache_clear, body.key)
-    return JSONResponse({"supported": True, "operation": "clear", "ok": True, "result": _json_safe(result)})
+    cleared = bool(result.get("cleared"))
+    return JSONResponse({"supported": cleared, "operation": "clear", "ok": cleared, "result": _json_safe(result)})
 
 
 async def prompt_cache_key_meta(request: Request) -> Response:

@@ -1,0 +1,593 @@
+"""Prefix reuse for one resident model: a RAM-budgeted snapshot tier and an optional SSD tier.
+
+Reuse is explicit: only requests carrying a ``prompt_cache_key`` (with their complete
+conversation) look up or store anything. Each key's rows are salted with the key, the
+``mlx_cache_scope``, the MTP depth, the execution layout and the image content, so two
+conversations never share a snapshot by accident.
+
+Two backends, one report shape:
+
+- the native lane (mlx-vlm) uses upstream's ``APCManager`` inside its ``BatchGenerator``:
+  dense models keep 16-token KV blocks, hybrids keep whole-cache checkpoints. One manager per
+  resident model is shared by every group (continuous, cohort, exclusive), so one runtime
+  shares its budget across keys and depths. ``DiskBlockStore`` is the SSD tier.
+- the serialized mlx-lm lane keeps one snapshot per key: the prompt cache a few tokens short
+  of the prompt's end (so the next turn's re-rendered history still extends it), restored
+  by copy.
+
+Everything here runs on the engine's worker thread except ``stats`` readers, which only
+read counters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import stat
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidControls, PromptCacheLocked, PromptCachePathUnsafe
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+MAX_BUDGET_BYTES = 8 * GIB
+RESERVE_BYTES = 512 << 20
+DEFAULT_DISK_MAX_GB = 4.0
+BLOCK_SIZE = 16
+NUM_BLOCKS = 8192
+# A checkpoint this many tokens short of the prompt's end: the next turn re-renders the
+# assistant header differently (the generation prompt), so the last few tokens diverge.
+GUARD_TOKENS = 8
+CHECKPOINTS_PER_SLOT = 2
+IDENTITY_FILE = "abstractruntime-mlx-identity.json"
+LOCK_FILE = "abstractruntime-mlx-owner.lock"
+SCHEMA = "abstractruntime-mlx-prefix-cache/v1"
+# Per-call counters reported under ``prompt_cache.apc`` (deltas over the call's lifetime).
+CALL_COUNTERS = ("stores", "exact_stores", "hits", "exact_hits", "misses", "memory_skips", "rejects", "disk_hits")
+_MAX_TRACKED_KEYS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOptions:
+    """The constructor options ``mlx_cache_memory_max_gb``, ``mlx_cache_disk_path``,
+    ``mlx_cache_disk_max_gb`` and ``mlx_cache_scope``."""
+
+    memory_max_gb: float | None = None
+    disk_path: str | None = None
+    disk_max_gb: float = DEFAULT_DISK_MAX_GB
+    scope: str = "local"
+
+
+def validate_options(options: dict[str, Any]) -> CacheOptions:
+    """Build ``CacheOptions`` from provider options, with typed errors naming the field."""
+
+    def number(name: str, value: Any, *, allow_zero: bool) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
+            raise InvalidControls(f"{name} must be a finite number of GiB", field=name, value=value)
+        if value < 0 or (value == 0 and not allow_zero):
+            raise InvalidControls(f"{name} must be {'>= 0' if allow_zero else '> 0'}", field=name, value=value)
+        return float(value)
+
+    memory = options.get("mlx_cache_memory_max_gb")
+    disk_path = options.get("mlx_cache_disk_path")
+    disk_max = options.get("mlx_cache_disk_max_gb")
+    scope = options.get("mlx_cache_scope", "local")
+    if memory is not None:
+        memory = number("mlx_cache_memory_max_gb", memory, allow_zero=True)
+    if disk_path is not None and (not isinstance(disk_path, (str, os.PathLike)) or not str(disk_path)):
+        raise InvalidControls("mlx_cache_disk_path must be a non-empty path", field="mlx_cache_disk_path", value=disk_path)
+    if disk_max is None:
+        disk_max = DEFAULT_DISK_MAX_GB
+    else:
+        disk_max = number("mlx_cache_disk_max_gb", disk_max, allow_zero=False)
+    if not isinstance(scope, str) or not scope or len(scope) > 256:
+        raise InvalidControls("mlx_cache_scope must be a non-empty string (at most 256 characters)", field="mlx_cache_scope", value=scope)
+    return CacheOptions(memory, str(disk_path) if disk_path is not None else None, disk_max, scope)
+
+
+# --- the RAM budget ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    max_bytes: int
+    reserve_bytes: int
+    working_set_bytes: int | None
+    source: str  # "mlx_cache_memory_max_gb" | "metal_recommended_working_set" | "cuda_device_memory" | "system_memory"
+
+
+def working_set() -> tuple[int | None, str]:
+    """The accelerator's recommended working set, derived honestly per backend.
+
+    Metal reports ``max_recommended_working_set_size``. CUDA reports the device's total
+    memory (``memory_size``), used as is. On CPU the working set is the machine's physical
+    memory: the model and its caches live there.
+    """
+    import mlx.core as mx
+
+    info: dict[str, Any] = {}
+    with contextlib.suppress(Exception):
+        info = dict(mx.device_info())
+    if info.get("max_recommended_working_set_size"):
+        return int(info["max_recommended_working_set_size"]), "metal_recommended_working_set"
+    if info.get("memory_size") and mx.default_device() == mx.gpu:
+        return int(info["memory_size"]), "cuda_device_memory"
+    with contextlib.suppress(Exception):
+        import psutil
+
+        return int(psutil.virtual_memory().total), "system_memory"
+    with contextlib.suppress(Exception):
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")), "system_memory"
+    return None, "unknown"
+
+
+def memory_budget(memory_max_gb: float | None) -> Budget:
+    """min(8 GiB, working set / 4), or ``mlx_cache_memory_max_gb``; a 512 MiB reserve over free memory."""
+    ws, source = working_set()
+    if memory_max_gb is not None:
+        return Budget(int(memory_max_gb * GIB), RESERVE_BYTES, ws, "mlx_cache_memory_max_gb")
+    if ws is None:
+        return Budget(MAX_BUDGET_BYTES, RESERVE_BYTES, None, "default_8gib")
+    return Budget(min(MAX_BUDGET_BYTES, ws // 4), RESERVE_BYTES, ws, source)
+
+
+# --- identity and salts ------------------------------------------------------------------
+
+
+def image_hash(images: list[Any]) -> int:
+    """Content hash of a request's images (index, size, mode and pixels), 0 without images."""
+    if not images:
+        return 0
+    digest = hashlib.sha256()
+    for i, image in enumerate(images):
+        raw = image.tobytes()
+        digest.update(i.to_bytes(8, "big"))
+        digest.update(f"{image.mode}:{image.size[0]}x{image.size[1]}".encode())
+        digest.update(len(raw).to_bytes(8, "big"))
+        digest.update(raw)
+    return int.from_bytes(digest.digest()[:8], "big", signed=True)
+
+
+def request_salt(*, scope: str, key: str, draft_tokens: int, layout: str, media_hash: int) -> int:
+    """The APC salt of one request: key, scope, MTP depth and layout partition the cache."""
+    from mlx_vlm.apc import semantic_extra_hash
+
+    tenant = json.dumps(["abstractruntime-mlx", scope, key, int(draft_tokens), layout])
+    return int(semantic_extra_hash(tenant=tenant, image_hash=media_hash))
+
+
+def cache_identity(loaded: Any, *, scope: str) -> dict[str, Any]:
+    """What a snapshot on disk depends on. A change to any of it never reuses old files."""
+    import importlib.metadata as md
+
+    from ..artifacts import model_fingerprint
+
+    def version(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    head = None
+    if loaded.drafter_source is not None:
+        head = {"path": str(Path(loaded.drafter_source).resolve()), "fingerprint": model_fingerprint(loaded.drafter_source)}
+    return {
+        "schema": SCHEMA,
+        "model": str(Path(loaded.path).resolve()),
+        "weights_fingerprint": model_fingerprint(loaded.path),
+        "head": head,
+        "config": hashlib.sha256(json.dumps(loaded.config, sort_keys=True).encode()).hexdigest(),
+        "engine_versions": {"mlx": version("mlx"), "mlx-vlm": version("mlx-vlm"), "mlx-lm": version("mlx-lm")},
+        "lane": loaded.lane,
+        "block_size": BLOCK_SIZE,
+        "scope": scope,
+    }
+
+
+def namespace_for(identity: dict[str, Any]) -> str:
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return "armlx-apc-v1-" + hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+# --- the SSD namespace -------------------------------------------------------------------
+
+
+def _private_dir(path: Path, what: str) -> None:
+    """Create ``path`` 0700, or check an existing one is a private directory (not a symlink)."""
+    if path.is_symlink():
+        raise PromptCachePathUnsafe(f"{what} {path} is a symlink; use a real private directory", path=str(path))
+    if not path.exists():
+        path.mkdir(mode=0o700, parents=True)
+        path.chmod(0o700)
+        return
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise PromptCachePathUnsafe(f"{what} {path} is not a directory", path=str(path))
+    if info.st_mode & 0o077:
+        raise PromptCachePathUnsafe(
+            f"{what} {path} is readable by other users (mode {stat.S_IMODE(info.st_mode):o}); run chmod 700 on it",
+            path=str(path),
+        )
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise PromptCachePathUnsafe(f"{what} {path} belongs to another user", path=str(path))
+
+
+class DiskNamespace:
+    """The private, single-writer directory of one cache identity under ``mlx_cache_disk_path``."""
+
+    def __init__(self, root: str, identity: dict[str, Any]) -> None:
+        import fcntl
+
+        self.root = Path(root).expanduser().absolute()
+        _private_dir(self.root, "mlx_cache_disk_path")
+        self.namespace = namespace_for(identity)
+        self.dir = self.root / self.namespace
+        _private_dir(self.dir, "the prompt-cache namespace")
+        self._lock_fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise PromptCacheLocked(
+                f"the prompt-cache namespace {self.dir} is already owned by another live runtime; "
+                "choose a different mlx_cache_disk_path or close its owner",
+                path=str(self.dir),
+            ) from None
+        self._write_identity(identity)
+
+    def _write_identity(self, identity: dict[str, Any]) -> None:
+        marker = self.dir / IDENTITY_FILE
+        body = json.dumps(identity, sort_keys=True, indent=2)
+        if marker.is_file() and not marker.is_symlink():
+            try:
+                if json.loads(marker.read_text()) == identity:
+                    return
+            except (OSError, ValueError):
+                pass
+            log.warning("prompt cache %s: identity marker differs or is damaged; starting the namespace empty", self.dir)
+            self.remove_snapshots()
+        with contextlib.suppress(FileNotFoundError):
+            marker.unlink()
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(body)
+
+    def snapshot_files(self) -> list[Path]:
+        return [p for p in self.dir.glob("*.safetensors") if p.is_file() and not p.is_symlink()]
+
+    def remove_snapshots(self) -> int:
+        removed = 0
+        for path in self.snapshot_files():
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed += 1
+        return removed
+
+    def close(self) -> None:
+        import fcntl
+
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None  # type: ignore[assignment]
+
+
+# --- per-key bookkeeping -----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _KeyState:
+    prompt_ids: tuple[int, ...]
+    retained: bool
+    reason: str | None = None
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    """The prefix cache of one resident model (worker thread only)."""
+
+    def __init__(self, loaded: Any, options: CacheOptions, *, max_batch_size: int) -> None:
+        self.options = options
+        self.lane = loaded.lane
+        self.budget = memory_budget(options.memory_max_gb)
+        self.disk: DiskNamespace | None = None
+        self._keys: OrderedDict[tuple[str, int], _KeyState] = OrderedDict()
+        self.totals = {"requests": 0, "hits": 0, "partial": 0, "misses": 0, "not_retained": 0}
+        self.manager: Any = None
+        self.serial: SerialStore | None = None
+        if options.disk_path is not None:
+            if loaded.lane != "native":
+                raise InvalidControls(
+                    "mlx_cache_disk_path needs the mlx_batching=True lane (mlx-vlm's SSD tier)",
+                    field="mlx_cache_disk_path",
+                    value=options.disk_path,
+                )
+            self.disk = DiskNamespace(options.disk_path, cache_identity(loaded, scope=options.scope))
+        if loaded.lane == "native":
+            self.manager = self._native_manager(max_batch_size)
+            self.backend = "mlx_vlm_apc"
+        else:
+            self.serial = SerialStore(self.budget.max_bytes)
+            self.backend = "mlx_lm_prompt_cache"
+
+    def _native_manager(self, max_batch_size: int) -> Any:
+        from mlx_vlm.apc import APCManager, DiskBlockStore
+
+        store = None
+        if self.disk is not None:
+            max_bytes = int(self.options.disk_max_gb * GIB)
+            store = DiskBlockStore(
+                self.disk.root,
+                namespace=self.disk.namespace,
+                max_bytes=max_bytes,
+                num_workers=1,
+                overrides={"disk_queue_max_gb": min(0.25, self.options.disk_max_gb / 4), "disk_shard_max_blocks": 32},
+            )
+        return APCManager(
+            num_blocks=NUM_BLOCKS,
+            block_size=BLOCK_SIZE,
+            disk=store,
+            overrides={
+                "memory_max_gb": self.budget.max_bytes / GIB,
+                "memory_reserve_gb": self.budget.reserve_bytes / GIB,
+                # One checkpoint at the end of each prompt (minus the guard), none in between.
+                "checkpoint_interval_tokens": 1 << 20,
+                "checkpoint_entries": CHECKPOINTS_PER_SLOT * max_batch_size,
+                "checkpoint_guard_tokens": GUARD_TOKENS,
+            },
+        )
+
+    # --- per request --------------------------------------------------------------------
+    def salt(self, request: Any, layout: str) -> int:
+        return request_salt(
+            scope=self.options.scope,
+            key=request.prompt_cache_key,
+            draft_tokens=request.draft_tokens,
+            layout=layout,
+            media_hash=request.media_hash,
+        )
+
+    def counters(self) -> dict[str, int]:
+        if self.manager is not None:
+            snap = self.manager.stats_snapshot()
+            return {
+                "stores": snap["stores"],
+                "exact_stores": snap["exact_stores"],
+                "hits": snap["lookups_hit"],
+                "exact_hits": snap["exact_hits"],
+                "misses": snap["lookups_miss"],
+                "memory_skips": snap["memory_skips"],
+                "rejects": snap["rejects"],
+                "disk_hits": snap["disk_hits"],
+            }
+        assert self.serial is not None
+        return self.serial.counters()
+
+    def resident_bytes(self) -> int:
+        if self.manager is not None:
+            return int(self.manager.resident_bytes())
+        assert self.serial is not None
+        return self.serial.resident_bytes
+
+    def report(self, request: Any, before: dict[str, int], *, shared: bool, layout: str) -> dict[str, Any]:
+        """``metadata["prompt_cache"]`` for a finished keyed request; updates the key's record."""
+        after = self.counters()
+        delta = {name: after[name] - before.get(name, 0) for name in CALL_COUNTERS}
+        prompt = list(request.prompt_ids)
+        cached = int(request.cached_tokens or 0)
+        key = (request.prompt_cache_key, self.salt(request, layout))
+        previous = self._keys.get(key)
+        outcome, degraded = "miss", None
+        if previous is not None:
+            expected = _common_prefix(previous.prompt_ids, prompt)
+            tolerance = BLOCK_SIZE + GUARD_TOKENS
+            if cached > 0 and cached >= min(expected, len(prompt) - 1) - tolerance:
+                outcome = "hit"
+            elif cached > 0:
+                outcome = "partial"
+            elif not previous.retained and expected > tolerance:
+                outcome = "not_retained"
+            if not previous.retained and outcome != "hit":
+                degraded = previous.reason
+        elif cached > 0:
+            outcome = "hit"
+        stored = delta["stores"] + delta["exact_stores"] > 0
+        # Prompts too short for one block or checkpoint store nothing, and lose nothing.
+        retained = delta["memory_skips"] == 0 and (stored or len(prompt) < 2 * BLOCK_SIZE)
+        reason = None
+        if not retained:
+            reason = (
+                f"the previous turn's {len(prompt)}-token prefix snapshot was not retained: it did not fit the "
+                f"prefix-cache memory budget ({self.budget.max_bytes / (1 << 20):.1f} MiB) or the free memory "
+                f"(memory_skips={delta['memory_skips']}, stores={delta['stores'] + delta['exact_stores']}); "
+                "raise mlx_cache_memory_max_gb above the conversation's snapshot size"
+            )
+        self._keys[key] = _KeyState(tuple(prompt), retained, reason)
+        self._keys.move_to_end(key)
+        while len(self._keys) > _MAX_TRACKED_KEYS:
+            self._keys.popitem(last=False)
+        self.totals["requests"] += 1
+        self.totals[{"hit": "hits", "partial": "partial", "miss": "misses", "not_retained": "not_retained"}[outcome]] += 1
+        meta: dict[str, Any] = {
+            "mode": "key",
+            "key": request.prompt_cache_key,
+            "backend": self.backend,
+            "cached_tokens": cached,
+            "fed_tokens": len(prompt) - cached,
+            "outcome": outcome,
+            "apc": {
+                **delta,
+                "accounting": "shared" if shared else "request",
+                "memory_max_bytes": self.budget.max_bytes,
+                "resident_bytes": self.resident_bytes(),
+            },
+        }
+        if degraded is not None:
+            meta["degraded_reason"] = degraded
+        return meta
+
+    # --- control ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        counters = self.counters()
+        out: dict[str, Any] = {
+            "enabled": True,
+            "backend": self.backend,
+            "full_history_required": True,
+            "scope": self.options.scope,
+            "memory": {
+                "max_bytes": self.budget.max_bytes,
+                "reserve_bytes": self.budget.reserve_bytes,
+                "working_set_bytes": self.budget.working_set_bytes,
+                "budget_source": self.budget.source,
+                "resident_bytes": self.resident_bytes(),
+                "entries": self._ram_entries(),
+            },
+            "disk": self._disk_stats(),
+            "counters": counters,
+            "requests": dict(self.totals),
+            "keys_tracked": len(self._keys),
+        }
+        return out
+
+    def _ram_entries(self) -> int:
+        if self.manager is not None:
+            with self.manager.lock:
+                return len(self.manager.hash_table) + len(self.manager._exact_cache)
+        assert self.serial is not None
+        return len(self.serial.entries)
+
+    def _disk_stats(self) -> dict[str, Any]:
+        if self.disk is None or self.manager is None:
+            return {"enabled": False}
+        store = self.manager.disk
+        return {
+            "enabled": True,
+            "path": str(self.disk.dir),
+            "namespace": self.disk.namespace,
+            "max_bytes": store.max_bytes,
+            "bytes": int(store.disk_bytes),
+            "pending_bytes": int(store.pending_bytes),
+            "files": len(self.disk.snapshot_files()),
+            "blocks_indexed": int(store.num_blocks_indexed),
+            "snapshots_indexed": int(store.num_exact_indexed),
+        }
+
+    def clear(self) -> dict[str, Any]:
+        """Drop every owned RAM and SSD entry (the whole namespace: keys share it)."""
+        ram = self._ram_entries()
+        disk_removed = 0
+        if self.manager is not None:
+            store = self.manager.disk
+            if store is not None:
+                store.flush()
+            self.manager.clear()
+            if store is not None and self.disk is not None:
+                disk_removed = self.disk.remove_snapshots()
+                store._clear_disk_state_after_external_delete()
+        else:
+            assert self.serial is not None
+            self.serial.clear()
+        self._keys.clear()
+        return {"scope": "all_keys", "ram_entries_removed": ram, "disk_files_removed": disk_removed}
+
+    def flush(self) -> None:
+        if self.manager is not None and self.manager.disk is not None:
+            self.manager.disk.flush()
+
+    def close(self) -> None:
+        """Flush the SSD tier, stop its writer and release the namespace lock."""
+        try:
+            if self.manager is not None:
+                self.flush()
+                self.manager.close()
+        finally:
+            if self.disk is not None:
+                self.disk.close()
+
+
+# --- the serialized mlx-lm lane ----------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _SerialEntry:
+    tokens: tuple[int, ...]
+    cache: list[Any]
+    nbytes: int
+
+
+def clone_cache(cache: list[Any]) -> list[Any]:
+    """A private copy of an mlx-lm prompt cache (generation mutates the one it is given);
+    mlx-lm's own ``LRUPromptCache`` copies the same way."""
+    import copy
+
+    return copy.deepcopy(cache)
+
+
+def cache_bytes(cache: list[Any]) -> int:
+    return sum(int(layer.nbytes) for layer in cache)
+
+
+class SerialStore:
+    """One snapshot per salt for the mlx-lm lane, LRU within the RAM budget."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[int, _SerialEntry] = OrderedDict()
+        self.resident_bytes = 0
+        self._counters = {name: 0 for name in CALL_COUNTERS}
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._counters)
+
+    def lookup(self, salt: int, prompt: list[int]) -> tuple[list[Any] | None, int]:
+        """A copy of the key's snapshot when it is a prefix of ``prompt`` (leaving a token to feed)."""
+        entry = self.entries.get(salt)
+        if entry is None or len(entry.tokens) >= len(prompt) or tuple(prompt[: len(entry.tokens)]) != entry.tokens:
+            self._counters["misses"] += 1
+            return None, 0
+        self.entries.move_to_end(salt)
+        self._counters["hits"] += 1
+        self._counters["exact_hits"] += 1
+        return clone_cache(entry.cache), len(entry.tokens)
+
+    def store(self, salt: int, tokens: list[int], cache: list[Any]) -> bool:
+        """Keep a copy of ``cache`` (holding exactly ``tokens``); False when it does not fit."""
+        size = cache_bytes(cache)
+        old = self.entries.pop(salt, None)
+        if old is not None:
+            self.resident_bytes -= old.nbytes
+        if size > self.max_bytes or not self._make_room(size):
+            self._counters["memory_skips"] += 1
+            return False
+        self.entries[salt] = _SerialEntry(tuple(tokens), clone_cache(cache), size)
+        self.resident_bytes += size
+        self._counters["exact_stores"] += 1
+        return True
+
+    def _make_room(self, size: int) -> bool:
+        from mlx_vlm.apc import _free_ram_bytes
+
+        while self.entries and self.resident_bytes + size > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.resident_bytes -= old.nbytes
+        free = _free_ram_bytes()
+        return free is None or free - RESERVE_BYTES >= size
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.resident_bytes = 0

@@ -1,0 +1,287 @@
+"""Prefix reuse keyed by ``prompt_cache_key``: every lane, real MLX, tiny offline models."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from abstractruntime_mlx import errors
+from abstractruntime_mlx.engine import prefix_cache
+
+SYSTEM = "You are a careful assistant who answers briefly. " * 12
+
+
+def conversation(llm, key, *, turns=3, max_output_tokens=8, **kwargs):
+    """Run a growing conversation; return each turn's result."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    results = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question {turn}: what does a cache keep?"})
+        call = dict(messages=messages, max_output_tokens=max_output_tokens, thinking=False, **kwargs)
+        if key is not None:
+            call["prompt_cache_key"] = key
+        result = llm.generate("", **call)
+        results.append(result)
+        messages = messages + [{"role": "assistant", "content": result.content}]
+    return results
+
+
+def assert_reused(results, key):
+    first, *later = results
+    assert first.metadata["prompt_cache"]["outcome"] == "miss"
+    assert first.usage["cached_input_tokens"] == 0
+    for result in later:
+        cache = result.metadata["prompt_cache"]
+        assert cache["mode"] == "key" and cache["key"] == key
+        assert cache["outcome"] == "hit", cache
+        assert cache["cached_tokens"] == result.usage["cached_input_tokens"] > 0
+        assert cache["cached_tokens"] + cache["fed_tokens"] == result.usage["prompt_tokens"]
+        # the whole previous prompt but its last few tokens was restored
+        assert cache["cached_tokens"] >= results[0].usage["prompt_tokens"] - prefix_cache.BLOCK_SIZE - prefix_cache.GUARD_TOKENS
+        assert cache["apc"]["memory_max_bytes"] >= cache["apc"]["resident_bytes"] > 0
+        assert cache["apc"]["hits"] + cache["apc"]["exact_hits"] >= 1
+        assert "degraded_reason" not in cache
+
+
+LANES = [
+    pytest.param("dense_model", {"mlx_batching": True, "speculation": False}, "continuous", id="dense-continuous"),
+    pytest.param("hybrid_model", {"mlx_batching": True, "speculation": False}, "continuous", id="hybrid-continuous"),
+    pytest.param(
+        "hybrid_model",
+        {"mlx_batching": True, "speculation": {"mode": "native_mtp", "num_draft_tokens": 2}},
+        "cohort",
+        id="hybrid-mtp-cohort",
+    ),
+    pytest.param("dense_model", {"mlx_batching": False}, "exclusive", id="dense-serial-mlx-lm"),
+    pytest.param("hybrid_model", {"mlx_batching": False}, "exclusive", id="hybrid-serial-mlx-lm"),
+]
+
+
+@pytest.mark.parametrize("model_name, options, mode", LANES)
+def test_greedy_identity_and_reuse_on_every_lane(request, make_llm, model_name, options, mode):
+    llm = make_llm(request.getfixturevalue(model_name), **options)
+    plain = conversation(llm, None)
+    cached = conversation(llm, "conversation-1")
+    for a, b in zip(plain, cached):
+        assert a.token_ids == b.token_ids
+        assert "prompt_cache" not in a.metadata
+        assert a.usage.get("cached_input_tokens", 0) == 0
+        assert b.metadata["execution"]["mode"] == mode
+    assert_reused(cached, "conversation-1")
+    if mode == "cohort":
+        assert all(r.metadata["speculation"]["used"] for r in cached)
+    stats = llm.get_prompt_cache_stats()
+    assert stats["enabled"] is True
+    assert stats["requests"] == {"requests": 3, "hits": 2, "partial": 0, "misses": 1, "not_retained": 0}
+    assert stats["memory"]["entries"] > 0
+    assert 0 < stats["memory"]["resident_bytes"] <= stats["memory"]["max_bytes"]
+    assert stats["disk"] == {"enabled": False}
+
+
+def test_exclusive_sampled_lane_reuses(make_llm, dense_model):
+    llm = make_llm(dense_model, mlx_batching=True)
+    results = conversation(llm, "sampled", temperature=0.8, seed=3)
+    assert_reused(results, "sampled")
+    assert {r.metadata["execution"]["mode"] for r in results} <= {"exclusive", "continuous"}
+
+
+def test_key_needs_the_complete_conversation(make_llm, dense_model):
+    llm = make_llm(dense_model, mlx_batching=True)
+    with pytest.raises(errors.InvalidRequest) as info:
+        llm.generate("hello", prompt_cache_key="k", max_output_tokens=2)
+    assert info.value.code == "invalid_request"
+    assert "messages" in str(info.value) and "complete conversation" in str(info.value)
+    with pytest.raises(errors.InvalidControls):
+        llm.generate("hello", messages=[], prompt_cache_key="", max_output_tokens=2)
+    # messages=[] is a standalone prompt: accepted
+    result = llm.generate("hello", messages=[], prompt_cache_key="k", max_output_tokens=2)
+    assert result.metadata["prompt_cache"]["outcome"] == "miss"
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("mlx_cache_memory_max_gb", -1),
+        ("mlx_cache_memory_max_gb", float("nan")),
+        ("mlx_cache_memory_max_gb", "8"),
+        ("mlx_cache_disk_max_gb", 0),
+        ("mlx_cache_disk_path", ""),
+        ("mlx_cache_scope", ""),
+    ],
+)
+def test_bad_cache_options_are_typed(make_llm, dense_model, option, value):
+    with pytest.raises(errors.InvalidControls) as info:
+        make_llm(dense_model, mlx_batching=True, **{option: value})
+    assert info.value.field == option
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["native", "serial"])
+def test_budget_too_small_for_one_snapshot(make_llm, hybrid_model, batching):
+    # A hybrid snapshot of ~200 prompt tokens is several hundred KB; 64 KiB holds none.
+    llm = make_llm(hybrid_model, mlx_batching=batching, speculation=False, mlx_cache_memory_max_gb=64 / (1 << 20))
+    first, second = conversation(llm, "tight", turns=2)
+    assert first.metadata["prompt_cache"]["apc"]["memory_skips"] >= 1
+    assert first.metadata["prompt_cache"]["apc"]["memory_max_bytes"] == 64 << 10
+    cache = second.metadata["prompt_cache"]
+    assert cache["outcome"] == "not_retained"
+    assert cache["cached_tokens"] == 0
+    assert "not retained" in cache["degraded_reason"] and "mlx_cache_memory_max_gb" in cache["degraded_reason"]
+    for result in (first, second):
+        apc = result.metadata["prompt_cache"]["apc"]
+        assert apc["resident_bytes"] <= apc["memory_max_bytes"]
+    stats = llm.get_prompt_cache_stats()
+    assert stats["memory"]["budget_source"] == "mlx_cache_memory_max_gb"
+    assert stats["requests"]["not_retained"] == 1
+
+
+def test_machine_budget_rule(monkeypatch):
+    monkeypatch.setattr(prefix_cache, "working_set", lambda: (24 << 30, "system_memory"))
+    budget = prefix_cache.memory_budget(None)
+    assert budget.max_bytes == 6 << 30 and budget.reserve_bytes == 512 << 20
+    monkeypatch.setattr(prefix_cache, "working_set", lambda: (128 << 30, "metal_recommended_working_set"))
+    assert prefix_cache.memory_budget(None).max_bytes == 8 << 30
+    assert prefix_cache.memory_budget(0.5).max_bytes == 512 << 20
+    assert prefix_cache.memory_budget(0.5).source == "mlx_cache_memory_max_gb"
+
+
+def test_real_working_set_on_this_machine():
+    ws, source = prefix_cache.working_set()
+    assert source in {"metal_recommended_working_set", "cuda_device_memory", "system_memory"}
+    assert ws is not None and ws > 1 << 30
+
+
+def test_stats_and_clear_tell_the_truth(make_llm, dense_model):
+    llm = make_llm(dense_model, mlx_batching=True)
+    conversation(llm, "a", turns=2)
+    stats = llm.get_prompt_cache_stats()
+    assert stats["enabled"] and stats["backend"] == "mlx_vlm_apc" and stats["full_history_required"]
+    assert stats["memory"]["entries"] > 0 and stats["counters"]["stores"] > 0
+    assert stats["execution"]["completed"] == 2
+    cleared = llm.prompt_cache_clear("a")
+    assert cleared["cleared"] is True and cleared["scope"] == "all_keys"
+    assert cleared["ram_entries_removed"] == stats["memory"]["entries"]
+    assert "whole prompt-cache namespace" in cleared["warning"]
+    after = llm.get_prompt_cache_stats()
+    assert after["memory"]["entries"] == 0 and after["memory"]["resident_bytes"] == 0
+    # the conversation starts over: its next turn misses
+    again = conversation(llm, "a", turns=1)[0]
+    assert again.metadata["prompt_cache"]["outcome"] == "miss"
+    assert again.usage["cached_input_tokens"] == 0
+
+
+def test_keyless_requests_store_nothing(make_llm, dense_model):
+    llm = make_llm(dense_model, mlx_batching=True)
+    conversation(llm, None, turns=2)
+    stats = llm.get_prompt_cache_stats()
+    assert stats["memory"]["entries"] == 0 and stats["counters"]["stores"] == 0
+
+
+def test_concurrent_conversations_on_different_keys(make_llm, dense_model):
+    llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=50)
+    keys = ["k0", "k1", "k2"]
+    start = threading.Barrier(len(keys))
+
+    def run(key):
+        start.wait()
+        return conversation(llm, key, turns=3)
+
+    with ThreadPoolExecutor(len(keys)) as pool:
+        runs = list(pool.map(run, keys))
+    plain = conversation(llm, None, turns=3)
+    for key, results in zip(keys, runs):
+        assert [r.token_ids for r in results] == [p.token_ids for p in plain]
+        assert_reused(results, key)
+    assert max(r.metadata["execution"]["peak_batch_size"] for rs in runs for r in rs) >= 2
+    shared = [r.metadata["prompt_cache"]["apc"]["accounting"] for rs in runs for r in rs]
+    assert "shared" in shared
+
+
+def test_clear_during_traffic(make_llm, dense_model):
+    llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=4)
+    plain = conversation(llm, None, turns=2, max_output_tokens=40)
+    conversation(llm, "busy", turns=1)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Question 0: what does a cache keep?"}]
+    stream = llm.generate("", messages=messages, prompt_cache_key="busy", max_output_tokens=40, thinking=False, stream=True)
+    next(stream)  # decoding now
+    cleared = llm.prompt_cache_clear()
+    rest = list(stream)
+    assert cleared["cleared"] is True and cleared["ram_entries_removed"] > 0
+    assert rest[-1].finish_reason == "length"
+    assert rest[-1].token_ids == plain[0].token_ids  # the request running through the clear is intact
+    # requests after the clear still give the uncached tokens
+    again = conversation(llm, "busy", turns=2, max_output_tokens=40)
+    assert [r.token_ids for r in again] == [p.token_ids for p in plain]
+
+
+def test_phase_events_carry_the_cached_fed_split(make_llm, dense_model):
+    llm = make_llm(dense_model, mlx_batching=True)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Question 0"}]
+    first = llm.generate("", messages=messages, prompt_cache_key="p", max_output_tokens=4, thinking=False)
+    messages = messages + [{"role": "assistant", "content": first.content}, {"role": "user", "content": "Question 1"}]
+    events = []
+    second = llm.generate("", messages=messages, prompt_cache_key="p", max_output_tokens=4, thinking=False, on_progress=events.append)
+    cached = second.usage["cached_input_tokens"]
+    assert cached > 0
+    final = events[-1]
+    assert final["phase"] == "complete"
+    assert final["cached_tokens"] == cached and final["fed_tokens"] == second.usage["prompt_tokens"] - cached
+    assert any(e.get("cached_tokens") == cached for e in events if e["phase"] == "prefill")
+
+
+def test_image_bytes_change_the_identity(make_llm, vision_model, tmp_path):
+    from abstractruntime_mlx.testing import tiny_image
+
+    red_blue = tiny_image(tmp_path / "rb.png", (255, 0, 0), (0, 0, 255))
+    blue_red = tiny_image(tmp_path / "br.png", (0, 0, 255), (255, 0, 0))
+    llm = make_llm(vision_model, mlx_batching=True, speculation=False)
+
+    def ask(image):
+        return llm.generate(
+            "Describe the two halves of this image in detail, please, left then right.",
+            messages=[{"role": "system", "content": SYSTEM}],
+            media=[str(image)],
+            prompt_cache_key="img",
+            max_output_tokens=4,
+        )
+
+    first = ask(red_blue)
+    other = ask(blue_red)
+    same = ask(red_blue)
+    assert first.usage["cached_input_tokens"] == 0
+    assert other.usage["cached_input_tokens"] == 0  # different pixels: nothing shared
+    assert same.usage["cached_input_tokens"] > 0
+    assert same.token_ids == first.token_ids
+
+
+def test_image_hash_is_content_based(tmp_path):
+    from PIL import Image
+
+    a = Image.new("RGB", (8, 8), (255, 0, 0))
+    b = Image.new("RGB", (8, 8), (255, 0, 1))
+    assert prefix_cache.image_hash([]) == 0
+    assert prefix_cache.image_hash([a]) == prefix_cache.image_hash([a.copy()])
+    assert prefix_cache.image_hash([a]) != prefix_cache.image_hash([b])
+    assert prefix_cache.image_hash([a, b]) != prefix_cache.image_hash([b, a])
+
+
+def test_http_routes_and_remote_client_report_the_same(make_llm, dense_model):
+    from test_server_harness import serve_in_thread
+
+    from abstractruntime_mlx.remote_client import RemoteClient
+    from abstractruntime_mlx.server import create_app
+
+    llm = make_llm(dense_model, mlx_batching=True)
+    with serve_in_thread(create_app(llm)) as url, RemoteClient(url) as client:
+        remote = conversation(client, "http", turns=2)
+        local_stats = llm.get_prompt_cache_stats()
+        remote_stats = client.get_prompt_cache_stats()
+        assert {k: v for k, v in remote_stats.items() if k != "execution"} == {
+            k: v for k, v in local_stats.items() if k != "execution"
+        }
+        cleared = client.prompt_cache_clear("http")
+    cache = remote[1].metadata["prompt_cache"]
+    assert cache["outcome"] == "hit" and remote[1].usage["cached_input_tokens"] == cache["cached_tokens"] > 0
+    assert cleared["cleared"] is True and cleared["ram_entries_removed"] == local_stats["memory"]["entries"] > 0
+    assert "warning" in cleared
