@@ -29,6 +29,7 @@ remote client rebuilds the same class from ``code``.
     ├── SpeculationUnavailable (422, speculation_unavailable)
     ├── AuthenticationError (401, unauthorized)
     ├── LedgerError (500, ledger_error)
+    │   └── LedgerNotFound (404, ledger_not_found)
     └── EngineError (500, backend_error)
         ├── EngineCrashed (500, engine_crashed)
         └── UpstreamError (502, upstream_error)
@@ -201,6 +202,13 @@ class LedgerError(MLXRuntimeError):
     code = "ledger_error"
     http_status = 500
     type = "ledger_error"
+
+
+class LedgerNotFound(LedgerError):
+    """An inspection command named a ledger database that does not exist (nothing is created)."""
+
+    code = "ledger_not_found"
+    http_status = 404
 
 
 class EngineError(MLXRuntimeError):

@@ -3,15 +3,31 @@
 Each command group lives in its own module with ``add_parser(subparsers)``; the parser sets
 ``handler`` to a function taking the parsed namespace and returning an exit code. Handlers build
 typed settings and call library functions; library code never sees the namespace.
+
+A command that fails prints one line on stderr, ``error: [code] message``, and exits 1: the
+stable ``code`` of a typed error, ``io_error`` for a file system failure (an unwritable path,
+a full disk), ``invalid_request`` for a bad argument or input file, ``internal_error`` for
+anything unexpected. ``ABSTRACTRUNTIME_MLX_DEBUG=1`` adds the traceback. Log records of this
+package go to stderr as one line each (their tracebacks only in debug mode), never to stdout,
+which carries the command's output alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
+import os
 import sys
+import traceback
+from collections.abc import Iterator
+from typing import Final
 
 from ..errors import MLXRuntimeError
+
+DEBUG_ENV: Final = "ABSTRACTRUNTIME_MLX_DEBUG"
+PACKAGE_LOGGER: Final = "abstractruntime_mlx"
 
 # Modules that contribute subcommands, in help order.
 COMMAND_MODULES = (
@@ -44,17 +60,97 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers (imported by mlx-lm/mlx-vlm for tokenizers) otherwise prints a PyTorch
+    # advisory on every command; this package never uses PyTorch.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()
         return 2
+    debug = os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    with _package_logs_on_stderr(debug):
+        try:
+            return int(handler(args) or 0)
+        except KeyboardInterrupt:
+            print("error: [interrupted] stopped by Ctrl-C", file=sys.stderr)
+            return 130
+        except SystemExit as exc:
+            if not isinstance(exc.code, str):
+                raise
+            print(error_line(exc), file=sys.stderr)
+            return 1
+        except Exception as exc:  # noqa: BLE001 - every failure becomes one line
+            if debug:
+                traceback.print_exc()
+            print(error_line(exc), file=sys.stderr)
+            return 1
+
+
+def error_line(exc: BaseException) -> str:
+    """``error: [code] message`` for any exception."""
+    if isinstance(exc, MLXRuntimeError):
+        return f"error: [{exc.code}] {exc.message}"
+    if isinstance(exc, SystemExit):
+        return f"error: [invalid_request] {str(exc.code).removeprefix('error: ')}"
+    if isinstance(exc, OSError):
+        where = " ".join(repr(str(f)) for f in (exc.filename, exc.filename2) if f is not None)
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        return f"error: [io_error] {reason}" + (f": {where}" if where else "")
+    if isinstance(exc, ValueError):
+        return f"error: [invalid_request] {exc}"
+    return f"error: [internal_error] {type(exc).__name__}: {exc} (set {DEBUG_ENV}=1 for the traceback)"
+
+
+class _OneLine(logging.Formatter):
+    """``module level: message`` (plus ``: ExcType: text`` of an attached exception) on one line.
+
+    The module prefix keeps these context lines apart from the command's own ``error:`` line.
+    """
+
+    def __init__(self, *, debug: bool) -> None:
+        super().__init__("%(message)s")
+        self._debug = debug
+
+    def format(self, record: logging.LogRecord) -> str:
+        source = record.name.removeprefix(PACKAGE_LOGGER + ".")
+        head = f"{source} {record.levelname.lower()}: "
+        if self._debug:
+            return head + super().format(record)
+        line = head + record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            line += f": {type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+        return " ".join(line.split("\n"))
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at emit time (tests swap it)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _package_logs_on_stderr(debug: bool) -> Iterator[None]:
+    logger = logging.getLogger(PACKAGE_LOGGER)
+    handler = _StderrHandler()
+    handler.setFormatter(_OneLine(debug=debug))
+    saved = (logger.propagate, logger.level)
+    logger.addHandler(handler)
+    logger.propagate = False  # a host library's root handler may print to stdout
+    logger.setLevel(logging.DEBUG if debug else logging.WARNING)
     try:
-        return int(handler(args) or 0)
-    except MLXRuntimeError as exc:
-        print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
-        return 1
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = saved[0]
+        logger.setLevel(saved[1])
 
 
 if __name__ == "__main__":  # pragma: no cover

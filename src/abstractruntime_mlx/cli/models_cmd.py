@@ -3,7 +3,7 @@
     abstractruntime-mlx models download NAME [--head NAME] [--revision REV]
     abstractruntime-mlx models list [--cache-dir DIR]
     abstractruntime-mlx models path NAME [--cache-dir DIR]
-    abstractruntime-mlx models tiny PATH --kind dense|hybrid-mtp|vision [--seed N]
+    abstractruntime-mlx models tiny PATH --kind dense|hybrid-mtp|vision [--seed N] [--force]
 
 Downloads use ``huggingface_hub.snapshot_download`` (its own progress bars); everything else
 is offline.
@@ -46,6 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     tiny.add_argument("path", help="output directory")
     tiny.add_argument("--kind", required=True, choices=TINY_KINDS)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--force", action="store_true", help="replace a non-empty directory (default: refuse it)")
     tiny.set_defaults(handler=_tiny)
 
 
@@ -116,6 +117,6 @@ def _path(args: argparse.Namespace) -> int:
 def _tiny(args: argparse.Namespace) -> int:
     from ..testing.tiny import build_from_cli
 
-    result = build_from_cli(args.path, args.kind, args.seed)
+    result = build_from_cli(args.path, args.kind, args.seed, force=args.force)
     print(result if result is not None else args.path)
     return 0

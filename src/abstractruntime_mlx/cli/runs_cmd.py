@@ -5,7 +5,10 @@
     abstractruntime-mlx runs replay RUN_ID      # re-render from the ledger; resume if interrupted
 
 ``RUN_ID`` may be a unique prefix. The ledger is ``--ledger URL_OR_PATH``, else
-``$ABSTRACTRUNTIME_MLX_LEDGER``, else ``~/.abstractruntime-mlx/ledger.sqlite``.
+``$ABSTRACTRUNTIME_MLX_LEDGER``, else ``~/.abstractruntime-mlx/ledger.sqlite``. ``list`` and
+``show`` only read: a SQLite ledger that does not exist is an error (nothing is created) and
+one is opened read-only, so a ledger on a read-only file system or copied from elsewhere
+can be inspected.
 """
 
 from __future__ import annotations
@@ -13,11 +16,17 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Final
 
+from ..errors import LedgerNotFound
 from ..ledger import Ledger
 from .run_cmd import default_ledger_url
+
+# AbstractRuntime's RunStatus values.
+RUN_STATUSES: Final = ("running", "waiting", "completed", "failed", "cancelled")
 
 BAR_WIDTH = 48
 TEXT_WIDTH = 72
@@ -30,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
     listing = actions.add_parser("list", help="recent runs, newest first")
     listing.add_argument("--limit", type=int, default=20)
-    listing.add_argument("--status", default=None, help="only runs with this status (running, completed, failed...)")
+    listing.add_argument("--status", default=None, choices=RUN_STATUSES, help="only runs with this status")
     listing.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
     listing.add_argument("--json", action="store_true")
     listing.set_defaults(handler=_list)
@@ -59,7 +68,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def _open(url_or_path: str | None) -> Ledger:
-    return Ledger(default_ledger_url(url_or_path))
+    """The ledger, opened for reading only."""
+    return open_for_inspection(default_ledger_url(url_or_path))
+
+
+def open_for_inspection(url: str) -> Ledger:
+    """``Ledger(url)`` for reading: a missing SQLite file is ``LedgerNotFound``, an existing one opens read-only.
+
+    Read-only is SQLite's ``mode=ro``; where the directory cannot be written either (a
+    read-only file system) the file is also opened ``immutable``, since no one can change it.
+    Other databases open as usual.
+    """
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    database = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or not database or database.startswith("file:") or parsed.query:
+        return Ledger(url)
+    path = Path(database).expanduser().resolve()
+    if not path.is_file():
+        raise LedgerNotFound(
+            f"no ledger at {path}: no run has been recorded there (`abstractruntime-mlx run FLOW --ledger {path}` creates it)",
+            details={"path": str(path)},
+        )
+    options = "mode=ro&uri=true"
+    if not os.access(path.parent, os.W_OK):
+        options += "&immutable=1"
+    return Ledger(f"sqlite:///file:{path}?{options}")
 
 
 def resolve_run_id(ledger: Ledger, run_id: str) -> str:
@@ -74,12 +109,13 @@ def resolve_run_id(ledger: Ledger, run_id: str) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    with _open(args.ledger) as ledger:
+    url = default_ledger_url(args.ledger)
+    with open_for_inspection(url) as ledger:
         rows = ledger.list_runs(limit=args.limit, status=args.status)
         if args.json:
             print(json.dumps([_summary_dict(r) for r in rows], indent=2, default=str))
             return 0
-        print(f"ledger: {ledger.url}")
+        print(f"ledger: {url}")
         if not rows:
             print("no runs")
             return 0

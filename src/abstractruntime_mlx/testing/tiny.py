@@ -91,9 +91,30 @@ def tiny_model(
     return path
 
 
-def build_from_cli(path: str, kind: str, seed: int) -> Path:
-    """Entry point for ``abstractruntime-mlx models tiny PATH --kind K --seed N``."""
-    return tiny_model(path, kind=kind, seed=seed)
+def build_from_cli(path: str, kind: str, seed: int, *, force: bool = False) -> Path:
+    """Entry point for ``abstractruntime-mlx models tiny PATH --kind K --seed N [--force]``.
+
+    Builds into a missing or empty directory; the same tiny model already there is kept. Any
+    other non-empty directory (another kind or seed, or files that are no tiny model) is
+    refused with ``InvalidRequest`` unless ``force``, which replaces the whole directory.
+    """
+    from ..errors import InvalidRequest
+
+    target = Path(path).expanduser()
+    if target.exists() and not target.is_dir():
+        raise InvalidRequest(f"{target} is a file, not a directory", details={"path": str(target)})
+    if target.is_dir() and any(target.iterdir()):
+        current = read_marker(target)
+        if current == _spec(kind, seed, None):
+            return target
+        if not force:
+            held = "files that are no tiny model" if current is None else f"a tiny {current.get('kind')!r} model (seed {current.get('seed')})"
+            raise InvalidRequest(
+                f"{target} is not empty (it holds {held}); choose an empty directory or pass --force to replace it",
+                details={"path": str(target)},
+            )
+        shutil.rmtree(target)
+    return tiny_model(target, kind=kind, seed=seed)
 
 
 def read_marker(path: str | os.PathLike[str]) -> dict[str, Any] | None:
