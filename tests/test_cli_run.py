@@ -94,8 +94,9 @@ def test_run_vars_model_and_json(cli_env, capsys, tmp_path):
 
 def test_unknown_run_id_is_reported(cli_env, capsys):
     cli(capsys, "run", str(EXAMPLE))
-    with pytest.raises(SystemExit, match="no run"):
-        main(["runs", "show", "does-not-exist"])
+    code, out, err = cli(capsys, "runs", "show", "does-not-exist")
+    assert code == 1 and out == ""
+    assert err.startswith("error: [invalid_request] no run 'does-not-exist'")
 
 
 SLOW_FLOW = {

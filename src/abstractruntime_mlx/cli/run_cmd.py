@@ -77,6 +77,28 @@ def default_model_path(env: Mapping[str, str] = os.environ) -> str:
     return str(tiny_model(cache / TINY_MODEL_DIR, kind="hybrid-mtp", seed=0, mtp_alpha=0.05))
 
 
+def served_model(run_vars: Mapping[str, Any]) -> str | None:
+    """The model served at ``_runtime.base_url`` (or ``server_base_url``), asked over HTTP; ``None`` without one.
+
+    Nodes that name no model then ask the server for what it serves rather than for the
+    embedded tiny model.
+    """
+    from ..errors import ModelNotFound
+    from ..remote_client import RemoteClient
+
+    runtime = run_vars.get("_runtime")
+    if not isinstance(runtime, Mapping):
+        return None
+    urls = [v.strip() for v in (runtime.get("base_url"), runtime.get("server_base_url")) if isinstance(v, str) and v.strip()]
+    if not urls:
+        return None
+    with RemoteClient(urls[0], max_retries=0) as client:
+        models = client.list_models()
+    if not models:
+        raise ModelNotFound(f"the server at {urls[0]} has no model loaded; load one (POST /acore/models/load) or pass --model")
+    return str(models[0]["id"])
+
+
 def parse_vars(items: Sequence[str]) -> dict[str, Any]:
     """``["a=1", "_runtime.thinking=low"]`` -> ``{"a": 1, "_runtime": {"thinking": "low"}}``."""
     out: dict[str, Any] = {}
@@ -108,6 +130,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         flow = load_flow(args.flow)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
+    run_vars = parse_vars(args.var)
     options: dict[str, Any] = {}
     if args.max_batch_size is not None:
         options["mlx_max_batch_size"] = args.max_batch_size
@@ -115,9 +138,9 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         flow=flow,
         runs=args.runs,
         ledger_url=default_ledger_url(args.ledger),
-        model=args.model or default_model_path(),
+        model=args.model or served_model(run_vars) or default_model_path(),
         force_model=args.model is not None,
-        vars=parse_vars(args.var),
+        vars=run_vars,
         provider_options=options,
         sibling_batching=not args.no_sibling_batching,
         as_json=args.json,

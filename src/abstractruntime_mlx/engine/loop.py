@@ -173,6 +173,20 @@ class Engine:
         with self._cond:
             return len(self._live)
 
+    def settle(self, timeout_s: float) -> int:
+        """Wait (at most ``timeout_s``) until no cancelled request is still live; return the live count.
+
+        A closed stream only asks the worker to cancel; its request leaves at the next step.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while any(r.cancel_event.is_set() for r in self._live.values()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._worker_alive():
+                    break
+                self._cond.wait(min(remaining, 0.01))
+            return len(self._live)
+
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Stop the worker: waiting requests are cancelled, running ones finish as cancelled."""
         with self._cond:

@@ -60,8 +60,18 @@ def acquire(
         return resident
 
 
+UNLOAD_SETTLE_S = 5.0
+"""How long an unload waits for cancelled requests (streams just closed) to leave the engine."""
+
+
 def release(resident: Resident, lease: int, *, force_check: bool = True) -> bool:
-    """Drop ``lease``; the last lease stops the engine. Refused while this owner has live requests."""
+    """Drop ``lease``; the last lease stops the engine. Refused while this owner has live requests.
+
+    Requests already cancelled (a stream closed just before) are waited for, up to
+    ``UNLOAD_SETTLE_S``; open streams make it ``OwnerBusy`` at once.
+    """
+    if force_check:
+        resident.engine.settle(UNLOAD_SETTLE_S)
     with _LOCK:
         if lease not in resident.leases:
             return False

@@ -1,0 +1,213 @@
+"""CLI failure handling: one ``error: [code] message`` line and never a traceback, for typed
+errors, bad input, an unwritable path and a disk that fills up mid-run; ``models tiny`` and
+``runs`` refusing what they should; ``run`` against a server defaulting to its model."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_server_harness import serve_in_thread
+
+from abstractruntime_mlx import create_llm
+from abstractruntime_mlx.cli.main import error_line, main
+from abstractruntime_mlx.cli.runs_cmd import open_for_inspection
+from abstractruntime_mlx.errors import LedgerError, QueueFull
+from abstractruntime_mlx.ledger import Ledger
+from abstractruntime_mlx.nodes import default_registry
+from abstractruntime_mlx.server import create_app
+from abstractruntime_mlx.testing.tiny import read_marker
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def one_node_flow(path: Path, node_type: str = "llm_call") -> Path:
+    flow = {
+        "id": "one",
+        "entryNode": "start",
+        "nodes": [
+            {"id": "start", "type": "on_flow_start", "data": {}},
+            {"id": "ask", "type": node_type, "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 3}, "pinDefaults": {"prompt": "hi"}}},
+            {"id": "end", "type": "on_flow_end", "data": {}},
+        ],
+        "edges": [
+            {"source": "start", "sourceHandle": "exec-out", "target": "ask", "targetHandle": "exec-in"},
+            {"source": "ask", "sourceHandle": "exec-out", "target": "end", "targetHandle": "exec-in"},
+        ],
+    }
+    path.write_text(json.dumps(flow))
+    return path
+
+
+def cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture()
+def cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy_file: Any) -> Any:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("ABSTRACTRUNTIME_MLX_LEDGER", str(tmp_path / "runs.sqlite"))
+    yield tmp_path
+    default_registry().close()
+
+
+# --------------------------------------------------------------------------- the error line
+
+
+@pytest.mark.parametrize(
+    ("exc", "line"),
+    [
+        (QueueFull("busy"), "error: [queue_full] busy"),
+        (OSError(28, "No space left on device", "/data/l.sqlite"), "error: [io_error] No space left on device: '/data/l.sqlite'"),
+        (ValueError("bad flow"), "error: [invalid_request] bad flow"),
+        (SystemExit("error: --runs must be >= 1"), "error: [invalid_request] --runs must be >= 1"),
+    ],
+)
+def test_error_line_has_a_code_for_every_failure(exc: BaseException, line: str) -> None:
+    assert error_line(exc) == line
+
+
+def test_an_unexpected_exception_is_one_line_naming_the_debug_switch() -> None:
+    line = error_line(KeyError("x"))
+    assert line.startswith("error: [internal_error] KeyError:") and "ABSTRACTRUNTIME_MLX_DEBUG=1" in line
+
+
+def test_unknown_node_type_is_one_error_line(cli_env: Path, capsys: Any) -> None:
+    flow = one_node_flow(cli_env / "bad.json", node_type="no_such_node")
+    code, out, err = cli(capsys, "run", str(flow))
+    assert code == 1 and "Traceback" not in out + err
+    assert "no_such_node" in err and "no_such_node" not in out
+
+
+def test_unwritable_ledger_path_is_one_error_line(cli_env: Path, capsys: Any) -> None:
+    blocker = cli_env / "file"
+    blocker.write_text("not a directory")
+    flow = one_node_flow(cli_env / "flow.json")
+    code, out, err = cli(capsys, "run", str(flow), "--ledger", str(blocker / "ledger.sqlite"))
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("error: [ledger_error] ")
+
+
+def test_unwritable_model_directory_is_an_io_error(tmp_path: Path, capsys: Any) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, out, err = cli(capsys, "models", "tiny", str(blocker / "model"), "--kind", "dense")
+    assert code == 1 and out == ""
+    assert err.startswith("error: [io_error] ") and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_disk_full_mid_run_is_one_error_line_and_nothing_on_stdout(tmp_path: Path, dense_model: str) -> None:
+    """A real write failure: the process may write files of at most 100 KiB (RLIMIT_FSIZE),
+    so the ledger opens and then fails while the runs are being recorded."""
+    flow = one_node_flow(tmp_path / "flow.json")
+
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, 100 * 1024))
+
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONDONTWRITEBYTECODE": "1"}
+    argv = [sys.executable, "-m", "abstractruntime_mlx.cli.main", "run", str(flow), "--runs", "4"]
+    argv += ["--model", dense_model, "--ledger", str(tmp_path / "ledger.sqlite")]
+    done = subprocess.run(argv, preexec_fn=limit_file_size, capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: [ledger_error] ") and "I/O error" in last
+
+
+def test_no_transformers_banner(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
+    argv = [sys.executable, "-m", "abstractruntime_mlx.cli.main", "models", "tiny", str(tmp_path / "m"), "--kind", "dense"]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "PyTorch" not in done.stdout + done.stderr
+
+
+# --------------------------------------------------------------------------- models tiny
+
+
+def test_models_tiny_refuses_a_non_empty_directory_unless_forced(tmp_path: Path, capsys: Any) -> None:
+    target = tmp_path / "m"
+    assert cli(capsys, "models", "tiny", str(target), "--kind", "dense")[0] == 0
+    assert cli(capsys, "models", "tiny", str(target), "--kind", "dense")[0] == 0  # the same model: kept
+
+    code, out, err = cli(capsys, "models", "tiny", str(target), "--kind", "vision")
+    assert code == 1 and out == ""
+    assert err.startswith("error: [invalid_request] ") and "--force" in err and "'dense'" in err
+    assert read_marker(target)["kind"] == "dense"
+
+    assert cli(capsys, "models", "tiny", str(target), "--kind", "vision", "--force")[0] == 0
+    assert read_marker(target)["kind"] == "vision"
+
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "todo.txt").write_text("keep me")
+    code, _, err = cli(capsys, "models", "tiny", str(foreign), "--kind", "dense")
+    assert code == 1 and "no tiny model" in err
+    assert (foreign / "todo.txt").read_text() == "keep me"
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def test_runs_list_on_a_missing_ledger_says_so_and_creates_nothing(tmp_path: Path, capsys: Any) -> None:
+    missing = tmp_path / "nowhere" / "ledger.sqlite"
+    for argv in (("runs", "list", "--ledger", str(missing)), ("runs", "show", "abc", "--ledger", str(missing))):
+        code, out, err = cli(capsys, *argv)
+        assert code == 1 and out == ""
+        assert err.startswith(f"error: [ledger_not_found] no ledger at {missing}")
+    assert not missing.parent.exists()
+
+
+def test_runs_list_rejects_an_unknown_status(tmp_path: Path, capsys: Any) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["runs", "list", "--ledger", str(tmp_path / "l.sqlite"), "--status", "done"])
+    assert caught.value.code == 2
+    assert "invalid choice: 'done'" in capsys.readouterr().err
+
+
+def test_inspection_opens_the_ledger_read_only(tmp_path: Path, capsys: Any) -> None:
+    path = tmp_path / "ledger" / "l.sqlite"
+    Ledger(f"sqlite:///{path}").close()
+    with open_for_inspection(f"sqlite:///{path}") as ledger:
+        assert ledger.list_runs() == []
+        with pytest.raises(LedgerError, match="readonly"):
+            ledger.save_run({"run_id": "r1", "workflow_id": "w", "status": "running"})
+    path.chmod(0o444)
+    path.parent.chmod(0o555)
+    try:
+        code, out, err = cli(capsys, "runs", "list", "--ledger", str(path))
+        assert code == 0, err
+        assert out.splitlines() == [f"ledger: sqlite:///{path}", "no runs"]
+    finally:
+        path.parent.chmod(0o755)
+        path.chmod(0o644)
+
+
+# --------------------------------------------------------------------------- run against a server
+
+
+def test_run_against_a_server_uses_its_model_without_model_flag(cli_env: Path, capsys: Any, dense_model: str) -> None:
+    llm = create_llm("mlx", model=dense_model)
+    try:
+        with serve_in_thread(create_app(llm)) as url:
+            flow = one_node_flow(cli_env / "flow.json")
+            code, out, err = cli(capsys, "run", str(flow), "--var", f"_runtime.base_url={url}", "--json")
+    finally:
+        llm.unload_model(llm.model)
+    assert code == 0, err
+    (run,) = json.loads(out)
+    assert run["status"] == "completed"
+    assert run["nodes"][0]["result"]["model"] == dense_model
