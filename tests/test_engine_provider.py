@@ -196,16 +196,16 @@ def test_cancel_from_another_thread_frees_slot(make_llm, dense_model):
     cancel = threading.Event()
     timer = threading.Timer(0.2, cancel.set)
     timer.start()
-    result = llm.generate(PROMPTS[0], max_output_tokens=5000, cancel_event=cancel)
+    result = llm.generate(PROMPTS[0], max_output_tokens=4000, cancel_event=cancel)
     assert result.finish_reason == "cancelled"
-    assert result.usage["completion_tokens"] < 5000
+    assert result.usage["completion_tokens"] < 4000
     assert wait_until(lambda: llm._engine.snapshot()["active"] == 0)
     assert llm.generate(PROMPTS[1], max_output_tokens=3).finish_reason == "length"
 
 
 def test_closing_stream_cancels(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=1)
-    stream = llm.generate(PROMPTS[0], max_output_tokens=5000, stream=True)
+    stream = llm.generate(PROMPTS[0], max_output_tokens=4000, stream=True)
     next(stream)
     stream.close()
     engine = llm._engine
@@ -217,7 +217,7 @@ def test_async_stream_aclose_cancels(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=1)
 
     async def main():
-        stream = await llm.agenerate(PROMPTS[0], max_output_tokens=5000, stream=True)
+        stream = await llm.agenerate(PROMPTS[0], max_output_tokens=4000, stream=True)
         got = 0
         async for chunk in stream:
             got += 1

@@ -245,6 +245,11 @@ SAMPLING_FIELDS: tuple[str, ...] = (
 )
 
 
+MAX_SEED = 2**64 - 1  # MLX random keys are unsigned 64-bit
+# Far past any context window; the loaded model's context is the real bound (context_too_long).
+MAX_OUTPUT_TOKENS = 1_048_576
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingControls:
     """Validated sampling settings; ``None`` means "not given" (the engine's default applies).
@@ -298,8 +303,8 @@ def normalize_sampling(**kw: Any) -> SamplingControls:
 
     Ranges: temperature >= 0; 0 < top_p <= 1; top_k >= 0 (0 = off); 0 <= min_p <= 1;
     repetition_penalty > 0; presence/frequency penalty in [-2, 2]; logit_bias maps token ids
-    (int, or decimal-string keys as JSON sends them) to numbers in [-100, 100]; seed >= 0;
-    stop is a string or a list of non-empty strings; max_output_tokens >= 1.
+    (int, or decimal-string keys as JSON sends them) to numbers in [-100, 100]; 0 <= seed < 2**64;
+    stop is a string or a list of non-empty strings; 1 <= max_output_tokens <= 1,048,576.
     """
     for name, value in kw.items():
         if name not in SAMPLING_FIELDS:
@@ -316,9 +321,9 @@ def normalize_sampling(**kw: Any) -> SamplingControls:
         presence_penalty=_number(get("presence_penalty"), "presence_penalty", lo=-2.0, hi=2.0),
         frequency_penalty=_number(get("frequency_penalty"), "frequency_penalty", lo=-2.0, hi=2.0),
         logit_bias=_logit_bias(get("logit_bias")),
-        seed=_integer(get("seed"), "seed", lo=0),
+        seed=_integer(get("seed"), "seed", lo=0, hi=MAX_SEED),
         stop=_stop(get("stop")),
-        max_output_tokens=_integer(get("max_output_tokens"), "max_output_tokens", lo=1),
+        max_output_tokens=_integer(get("max_output_tokens"), "max_output_tokens", lo=1, hi=MAX_OUTPUT_TOKENS),
     )
 
 
@@ -337,13 +342,15 @@ def _number(
     return number
 
 
-def _integer(value: Any, name: str, *, lo: int) -> int | None:
+def _integer(value: Any, name: str, *, lo: int, hi: int | None = None) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidControls(f"{name} must be an integer", field=name, value=value)
     if value < lo:
         raise InvalidControls(f"{name} must be >= {lo}", field=name, value=value)
+    if hi is not None and value > hi:
+        raise InvalidControls(f"{name} must be <= {hi}", field=name, value=value)
     return value
 
 

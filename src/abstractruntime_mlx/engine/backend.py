@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import mlx.core as mx
 
@@ -62,6 +62,22 @@ class StepResult:
     batch_uids: set[int] = field(default_factory=set)
 
 
+class Backend(Protocol):
+    """What the engine drives: ``BatchBackend`` (mlx-vlm) and ``serial.SerialBackend`` (mlx-lm)."""
+
+    max_batch_size: int
+    uids: set[int]
+
+    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any]) -> int: ...
+    def free_slots(self) -> int: ...
+    def allow_partial_prefill(self) -> None: ...
+    def remove(self, uid: int) -> bool: ...
+    def forget(self, uid: int) -> None: ...
+    def step(self, *, observe_prefill: bool) -> StepResult: ...
+    def speculation_counters(self) -> tuple[int, float, int] | None: ...
+    def close(self) -> None: ...
+
+
 @dataclass(slots=True)
 class Drafter:
     model: Any
@@ -99,16 +115,18 @@ class BatchBackend:
 
         self.model = model
         self.max_batch_size = max_batch_size
-        self._logits_processors = make_logits_processors(sampling) if sampling and sampling.has_logit_processors() else None
         kwargs: dict[str, Any] = {}
-        if sampling is not None and not sampling.is_greedy_neutral():
-            kwargs["sampler"] = make_sampler(sampling)
-        else:
-            kwargs["greedy_sampling"] = True
         if drafter is not None and draft_tokens > 0:
             # Upstream's block size includes the target's seed token; ours counts proposals.
             kwargs.update(draft_model=drafter.model, draft_kind=drafter.kind, draft_block_size=draft_tokens + 1)
+        # The sampler and processors touch MLX with request values (seed, bias ids): a value
+        # MLX refuses fails this backend's requests, never the worker.
         with map_upstream_errors("creating the batch generator"):
+            self._logits_processors = make_logits_processors(sampling) if sampling and sampling.has_logit_processors() else None
+            if sampling is not None and not sampling.is_greedy_neutral():
+                kwargs["sampler"] = make_sampler(sampling)
+            else:
+                kwargs["greedy_sampling"] = True
             self._gen = BatchGenerator(
                 getattr(model, "language_model", model),
                 processor,

@@ -20,15 +20,15 @@ from typing import Any, Callable
 
 from ..errors import (
     EngineCrashed,
+    EngineError,
     MLXRuntimeError,
-    UpstreamError,
     QueueFull,
     QueueTimeout,
     RequestCancelled,
     RuntimeClosed,
     StreamBackpressure,
 )
-from .backend import PREFILL_STEP_SIZE, BatchBackend, Drafter, StepResult, text_prompt_kwargs
+from .backend import PREFILL_STEP_SIZE, Backend, BatchBackend, Drafter, PrefillRow, StepResult, text_prompt_kwargs
 from .model import LoadedModel
 from .prefix_cache import GUARD_TOKENS, CacheOptions, PrefixCache
 from .request import (
@@ -43,6 +43,7 @@ from .request import (
 from .stream import RequestStream
 from .threads import POOL, WorkerHandle
 from .scheduler import GroupKey, count_compatible_head, group_key, take_compatible
+from .serial import SerialBackend
 from .stops import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class _Running:
 @dataclass(slots=True)
 class _Group:
     key: GroupKey
-    backend: BatchBackend
+    backend: Backend
     running: dict[int, _Running] = field(default_factory=dict)
     tombstones: set[int] = field(default_factory=set)
     speculation_baseline: tuple[int, float, int] | None = None
@@ -102,8 +103,11 @@ class EngineStats:
     peak_batch_size: int = 0
 
 
-class _Cancelled(Exception):
-    """Raised inside mlx-lm's prefill callback to stop a cancelled request mid-prefill."""
+class EngineState:
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"  # the worker could not go on; unload and load the model again
+    CLOSED = "closed"
 
 
 _LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -140,6 +144,7 @@ class Engine:
         self._waiting: deque[EngineRequest] = deque()
         self._controls: deque[_Control] = deque()
         self._group: _Group | None = None
+        self._admitting: list[EngineRequest] = []  # taken from the queue, not yet in a group
         self._live: dict[str, EngineRequest] = {}
         self._stopping = False
         self._closed = False
@@ -167,6 +172,19 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._fatal is None
+
+    @property
+    def state(self) -> str:
+        if self._fatal is not None:
+            return EngineState.FAILED
+        if self._closed or self._stopping:
+            return EngineState.CLOSED
+        return EngineState.READY if self._ready.is_set() else EngineState.LOADING
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the worker stopped serving (None while it serves)."""
+        return self._fatal
 
     @property
     def active_count(self) -> int:
@@ -203,9 +221,15 @@ class Engine:
 
     # --- caller side ------------------------------------------------------------------
     def submit(self, request: EngineRequest) -> RequestStream:
+        """Queue ``request``; what the loaded model cannot run is refused here, before MLX sees it."""
+        self._check_serving()
+        loaded = self.loaded
+        if loaded is not None:
+            loaded.check_request(
+                prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens, logit_bias=request.sampling.logit_bias
+            )
         with self._cond:
-            if self._stopping or self._closed or self._fatal is not None:
-                raise RuntimeClosed("the MLX engine is closed; load the model again")
+            self._check_serving()
             if self._num_waiting() >= self.config.max_queue_size:
                 self.stats.rejected += 1
                 raise QueueFull(
@@ -218,6 +242,24 @@ class Engine:
             self.stats.submitted += 1
             self._cond.notify_all()
         return RequestStream(self, request)
+
+    def serving_model(self) -> LoadedModel:
+        """The loaded model, or the typed reason this engine serves no requests."""
+        loaded = self.loaded  # read first: the worker clears it only after it stops serving
+        self._check_serving()
+        if loaded is None:
+            raise RuntimeClosed("the MLX engine is closed; load the model again")
+        return loaded
+
+    def _check_serving(self) -> None:
+        fatal = self._fatal
+        if fatal is not None:
+            raise EngineCrashed(
+                f"the model {self.name} failed and serves no requests ({type(fatal).__name__}: {fatal}); "
+                "unload it and load it again"
+            )
+        if self._stopping or self._closed:
+            raise RuntimeClosed("the MLX engine is closed; load the model again")
 
     def cancel(self, request: EngineRequest) -> None:
         request.cancel_event.set()
@@ -234,8 +276,7 @@ class Engine:
             return fn()
         item = _Control(fn, between_prefills=between_prefills)
         with self._cond:
-            if self._closed or self._fatal is not None:
-                raise RuntimeClosed("the MLX engine is closed")
+            self._check_serving()
             self._controls.append(item)
             self._cond.notify_all()
         deadline = time.monotonic() + timeout_s
@@ -268,6 +309,7 @@ class Engine:
                 "queued": self._num_waiting(),
                 "active": len(self._live) - len(self._waiting),
                 "closed": self._closed,
+                "state": self.state,
                 "max_batch_size": self.config.max_batch_size,
                 "max_queue_size": self.config.max_queue_size,
             }
@@ -306,32 +348,42 @@ class Engine:
 
     def _loop(self) -> None:
         try:
-            while True:
-                if not self._wait_for_work():
-                    break
+            while self._wait_for_work():
                 self._run_controls()
-                self._apply_cancels()
-                self._expire_waiting()
                 try:
-                    if self._group is None:
-                        self._start_group()
-                    elif self._group.mode == ExecutionMode.CONTINUOUS:
-                        self._admit_late()
-                    if self._group is not None:
-                        self._step_group()
-                except UpstreamError as exc:
-                    # mlx-vlm failed inside one group: fail that group's requests, keep serving.
-                    log.error("batch step failed: %s", exc)
-                    self._fail_group(exc)
-        except BaseException as exc:  # noqa: BLE001 - a crash must fail every live request
-            log.exception("MLX worker crashed")
+                    self._schedule_and_step()
+                except Exception as exc:  # noqa: BLE001 - upstream and our own faults alike
+                    # Fail the requests this step touched, keep serving the rest.
+                    log.exception("an engine step failed")
+                    self._fail_group(_as_engine_error(exc))
+                    self._check_device()
+        except BaseException as exc:  # noqa: BLE001 - the worker cannot go on: fail every live request
+            log.exception("MLX worker failed; the model is marked failed")
             self._fatal = exc
-            self._fail_all(EngineCrashed(f"the MLX worker crashed: {type(exc).__name__}: {exc}"))
+            self._fail_all(EngineCrashed(f"the MLX worker failed: {type(exc).__name__}: {exc}"))
         finally:
-            if self._group is not None:
-                self._group.backend.close()
-                self._group = None
+            self._close_group()
             self._closed = True
+
+    def _schedule_and_step(self) -> None:
+        self._apply_cancels()
+        self._expire_waiting()
+        if self._group is None:
+            self._start_group()
+        elif self._group.mode == ExecutionMode.CONTINUOUS:
+            self._admit_late()
+        if self._group is not None:
+            self._step_group()
+
+    def _check_device(self) -> None:
+        """After a failed step, MLX must still compute on the worker's stream; if it does not,
+        the worker cannot go on (raised past the step's handler)."""
+        import mlx.core as mx
+
+        try:
+            mx.eval(mx.arange(4).sum())
+        except Exception as exc:  # noqa: BLE001
+            raise _WorkerBroken(f"MLX no longer computes after a failed step: {type(exc).__name__}: {exc}") from exc
 
     def _wait_for_work(self) -> bool:
         with self._cond:
@@ -435,26 +487,43 @@ class Engine:
             if not self._waiting:
                 return
             key = group_key(self._waiting[0])
-        if self.loaded.lane == "mlx_lm":
-            with self._cond:
-                request = self._waiting.popleft()
-            self._run_serial(request)
-            return
-        if key.mode == ExecutionMode.EXCLUSIVE:
+        serial = self.loaded.lane == "mlx_lm"
+        if serial or key.mode == ExecutionMode.EXCLUSIVE:
             limit = 1
+            with self._cond:
+                head = self._waiting.popleft()
+            requests = [head]
+            key = GroupKey(ExecutionMode.EXCLUSIVE, key.draft_tokens, (head.cache_group, head.request_id))
         else:
             limit = self.config.max_batch_size
             if key.mode == ExecutionMode.COHORT:
                 # A cohort cannot be joined later: give concurrent arrivals the window.
                 # The continuous lane starts at once; later requests join its free slots.
                 self._collect_window(key, limit)
-        with self._cond:
-            requests = take_compatible(self._waiting, key, limit) if key.mode != ExecutionMode.EXCLUSIVE else [self._waiting.popleft()]
-        head = requests[0]
-        drafter = Drafter(self.loaded.drafter) if key.draft_tokens and self.loaded.drafter is not None else None
-        backend = BatchBackend(
-            self.loaded.model,
-            self.loaded.processor,
+            with self._cond:
+                requests = take_compatible(self._waiting, key, limit)
+        self._admitting = requests
+        backend = self._new_backend(key, requests[0], limit, serial=serial)
+        self._group = _Group(key=key, backend=backend, speculation_baseline=backend.speculation_counters(), size=len(requests))
+        self._admitting = []
+        for request in requests:
+            self._admit(request)
+
+    def _new_backend(self, key: GroupKey, head: EngineRequest, limit: int, *, serial: bool) -> Backend:
+        loaded = self.loaded
+        if serial:
+            return SerialBackend(
+                loaded.model,
+                loaded.processor,
+                sampling=head.sampling,
+                prefill_step_size=self.config.prefill_step_size,
+                stream=self._stream,
+                on_prefill=self._on_prefill_row,
+            )
+        drafter = Drafter(loaded.drafter) if key.draft_tokens and loaded.drafter is not None else None
+        return BatchBackend(
+            loaded.model,
+            loaded.processor,
             max_batch_size=limit,
             sampling=head.sampling if key.mode == ExecutionMode.EXCLUSIVE else None,
             drafter=drafter,
@@ -463,9 +532,6 @@ class Engine:
             stream=self._stream,
             apc_manager=self._cache_manager_for(head),
         )
-        self._group = _Group(key=key, backend=backend, speculation_baseline=backend.speculation_counters(), size=len(requests))
-        for request in requests:
-            self._admit(request)
 
     def _cache_manager_for(self, head: EngineRequest) -> Any:
         """The resident model's prefix-cache manager for a group of keyed requests, else None."""
@@ -499,12 +565,22 @@ class Engine:
         assert group is not None
         try:
             factory = request.prompt_kwargs_factory
-            kwargs = factory() if factory is not None else text_prompt_kwargs(self.loaded.model, request.prompt_ids)
+            if factory is not None:
+                kwargs = factory()  # images expand the prompt: check its final length again
+                self.loaded.check_request(prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens)
+            elif isinstance(group.backend, BatchBackend):
+                kwargs = text_prompt_kwargs(self.loaded.model, request.prompt_ids)
+            else:
+                kwargs = {}
             if request.prompt_cache_key is not None and self.prefix_cache is not None:
-                layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"
-                kwargs["_apc_semantic_hash"] = self.prefix_cache.salt(request, layout)
-                request.cache_layout = layout
-                request.cache_counters = self.prefix_cache.counters()
+                if isinstance(group.backend, SerialBackend):
+                    kwargs["prompt_cache"], kwargs["prefilled"] = self._serial_prefix(request)
+                    kwargs["cached"] = request.cached_tokens or 0
+                else:
+                    layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"
+                    kwargs["_apc_semantic_hash"] = self.prefix_cache.salt(request, layout)
+                    request.cache_layout = layout
+                    request.cache_counters = self.prefix_cache.counters()
             uid = group.backend.insert(request.prompt_ids, request.max_tokens, kwargs)
         except MLXRuntimeError as exc:
             self._finish(request, RequestStatus.FINISHED_ERROR, error=exc)
@@ -526,10 +602,7 @@ class Engine:
         result = group.backend.step(observe_prefill=observe)
         self._record_batch(group, result)
         for uid, row in result.prefill.items():
-            running = group.running.get(uid)
-            if running is not None and running.request.observe_prefill and running.request.first_token_at is None:
-                obs = PrefillObservation(processed=row.processed, total=row.total, cached=row.cached)
-                self._deliver(running.request, obs, droppable=True)
+            self._on_prefill_row(uid, row)
         for uid, cached in result.prompt_done.items():
             running = group.running.get(uid)
             if running is not None:
@@ -546,68 +619,26 @@ class Engine:
             self._on_token(group, running, event.token, event.finish_reason)
         self._close_group_if_idle()
 
-    def _run_serial(self, request: EngineRequest) -> None:
-        """The ordinary mlx-lm lane: one request at a time through ``stream_generate``."""
-        import mlx_lm
+    def _on_prefill_row(self, uid: int, row: PrefillRow) -> bool:
+        """Deliver one prefill observation; False when the row's request was cancelled (a
+        backend that prefills in one call stops there)."""
+        group = self._group
+        running = group.running.get(uid) if group is not None else None
+        if running is None:
+            return True
+        request = running.request
+        if request.cancelled:
+            return False
+        if request.observe_prefill and request.first_token_at is None:
+            obs = PrefillObservation(processed=row.processed, total=row.total, cached=row.cached)
+            self._deliver(request, obs, droppable=True)
+        return True
 
-        from .backend import make_logits_processors
-        from .sampling import make_sampler
-
-        loaded = self.loaded
-        request.mode = ExecutionMode.EXCLUSIVE
-        request.started_at = time.perf_counter()
-        request.peak_batch_size = 1
-        request.transition(RequestStatus.PREFILLING)
-        running = _Running(request, loaded.new_detokenizer(), StopMatcher(request.stop))
-        group = _Group(key=group_key(request), backend=None)  # type: ignore[arg-type]
-        self.stats.peak_batch_size = max(self.stats.peak_batch_size, 1)
-
-        total = request.num_prompt_tokens
-        offset = 0  # prompt tokens already in the cache before stream_generate runs
-
-        def on_prefill(processed: int, _total: int) -> None:
-            if request.observe_prefill and request.first_token_at is None:
-                obs = PrefillObservation(processed=offset + processed, total=total, cached=request.cached_tokens or 0)
-                self._deliver(request, obs, droppable=True)
-            if request.cancelled:
-                raise _Cancelled()
-
-        kwargs: dict[str, Any] = {
-            "sampler": make_sampler(request.sampling),
-            "prompt_progress_callback": on_prefill,
-            "prefill_step_size": self.config.prefill_step_size,
-        }
-        if request.sampling.has_logit_processors():
-            kwargs["logits_processors"] = make_logits_processors(request.sampling)
-        request.cached_tokens = 0
-        try:
-            if request.prompt_cache_key is not None and self.prefix_cache is not None:
-                kwargs["prompt_cache"], offset = self._serial_prefix(request, on_prefill)
-            for response in mlx_lm.stream_generate(
-                loaded.model, loaded.processor, request.prompt_ids[offset:], max_tokens=request.max_tokens, stream=self._stream, **kwargs
-            ):
-                if request.cancelled:
-                    self._finish(request, RequestStatus.FINISHED_CANCELLED)
-                    return
-                finish = response.finish_reason
-                self._on_token(group, running, int(response.token), finish, serial=True)
-                if request.is_finished():
-                    return
-                self._apply_cancels()
-                self._expire_waiting()
-        except _Cancelled:
-            self._finish(request, RequestStatus.FINISHED_CANCELLED)
-        except MLXRuntimeError as exc:
-            self._finish(request, RequestStatus.FINISHED_ERROR, error=exc)
-        except Exception as exc:  # noqa: BLE001 - upstream raises plain exceptions
-            self._finish(request, RequestStatus.FINISHED_ERROR, error=UpstreamError(f"mlx-lm generation failed: {type(exc).__name__}: {exc}"))
-        if not request.is_finished():
-            self._finish(request, RequestStatus.FINISHED_STOPPED)
-
-    def _serial_prefix(self, request: EngineRequest, on_prefill: Callable[[int, int], None]) -> tuple[list[Any], int]:
+    def _serial_prefix(self, request: EngineRequest) -> tuple[list[Any], int]:
         """Restore the key's snapshot, prefill up to the checkpoint and keep a new snapshot there.
 
-        Returns the prompt cache and how many prompt tokens it already holds.
+        Returns the prompt cache and how many prompt tokens it already holds (a cancel stops
+        the prefill early, keeping no snapshot; the request then finishes as cancelled).
         """
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
@@ -627,13 +658,22 @@ class Engine:
             return prompt_cache, cached
         step = self.config.prefill_step_size
         position = cached
-        on_prefill(position, 0)  # absolute positions: stream_generate's offset is still 0
+
+        def observe() -> bool:
+            if request.observe_prefill:
+                obs = PrefillObservation(processed=position, total=len(prompt), cached=cached)
+                self._deliver(request, obs, droppable=True)
+            return not request.cancelled
+
+        if not observe():
+            return prompt_cache, position
         while position < checkpoint:
             end = min(checkpoint, position + step)
             self.loaded.model(mx.array([prompt[position:end]]), cache=prompt_cache)
             mx.eval([c.state for c in prompt_cache])
             position = end
-            on_prefill(position, 0)
+            if not observe():
+                return prompt_cache, position
         cache.serial.store(salt, prompt[:checkpoint], prompt_cache)
         return prompt_cache, checkpoint
 
@@ -646,7 +686,7 @@ class Engine:
             if running is not None and size > running.request.peak_batch_size:
                 running.request.peak_batch_size = size
 
-    def _on_token(self, group: _Group, running: _Running, token: int, finish_reason: str | None, *, serial: bool = False) -> None:
+    def _on_token(self, group: _Group, running: _Running, token: int, finish_reason: str | None) -> None:
         request = running.request
         if request.status == RequestStatus.PREFILLING:
             request.transition(RequestStatus.DECODING)
@@ -659,16 +699,14 @@ class Engine:
                 if not self._deliver(request, TokenDelta(text, [token])):
                     return
             if stopped:
-                if not serial:
-                    self._drop_row(group, request.uid)  # type: ignore[arg-type]
+                self._drop_row(group, request.uid)  # type: ignore[arg-type]
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
         elif request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         if finish_reason is not None:
-            if not serial:
-                group.running.pop(request.uid, None)  # type: ignore[arg-type]
-                group.backend.forget(request.uid)  # type: ignore[arg-type]
+            group.running.pop(request.uid, None)  # type: ignore[arg-type]
+            group.backend.forget(request.uid)  # type: ignore[arg-type]
             running.detokenizer.finalize()
             tail = running.stops.flush(running.detokenizer.last_segment)
             if tail:
@@ -705,8 +743,15 @@ class Engine:
     def _close_group_if_idle(self) -> None:
         group = self._group
         if group is not None and not group.running:
-            group.backend.close()
-            self._group = None
+            self._close_group()
+
+    def _close_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            try:
+                group.backend.close()
+            except Exception:  # noqa: BLE001 - a backend that failed may not close cleanly
+                log.exception("closing a batch backend failed")
 
     def _finish(self, request: EngineRequest, status: RequestStatus, *, error: MLXRuntimeError | None = None, locked: bool = False) -> None:
         if request.is_finished():
@@ -784,28 +829,36 @@ class Engine:
             self.stats.completed += 1
 
     def _fail_group(self, error: MLXRuntimeError) -> None:
+        """Fail the requests a failed step touched: the group's rows and any being admitted."""
         group = self._group
-        self._group = None
-        if group is None:
-            return
-        for running in list(group.running.values()):
-            self._finish(running.request, RequestStatus.FINISHED_ERROR, error=error)
-        group.backend.close()
+        touched = [running.request for running in group.running.values()] if group is not None else []
+        touched += self._admitting
+        self._admitting = []
+        self._close_group()
+        for request in touched:
+            self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
 
     def _fail_all(self, error: MLXRuntimeError) -> None:
+        """The worker cannot go on: every live request and control fails, through ``_finish``."""
+        self._admitting = []
+        self._close_group()
         with self._cond:
             live = list(self._live.values())
             self._waiting.clear()
             controls = list(self._controls)
             self._controls.clear()
         for request in live:
-            if not request.is_finished():
-                request.status = RequestStatus.FINISHED_ERROR
-                request.outcome = Outcome("error", request.num_prompt_tokens, request.num_output_tokens, request.cached_tokens, request.execution_metadata(), request.speculation, error)
-                request.done.set()
-                request.outputs.put(END_OF_STREAM)
-                request.notify()
+            self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
         for item in controls:
             item.error = error
             item.done.set()
 
+
+class _WorkerBroken(BaseException):
+    """MLX stopped working on the worker's stream: not a failure of one step."""
+
+
+def _as_engine_error(exc: Exception) -> MLXRuntimeError:
+    if isinstance(exc, MLXRuntimeError):
+        return exc
+    return EngineError(f"an engine step failed: {type(exc).__name__}: {exc}")

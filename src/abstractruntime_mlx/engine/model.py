@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelNotFound, UpstreamError
+from ..errors import ContextTooLong, InvalidControls, ModelNotFound, UpstreamError
 
 
 @dataclass(slots=True)
@@ -27,6 +27,54 @@ class LoadedModel:
     eos_token_ids: frozenset[int] = frozenset()
     _detokenizer: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _max_token_chars: int | None = None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Rows of the output logits: a token id at or past it is no token of this model."""
+        size = _text_setting(self.config, "vocab_size")
+        if size is None:
+            size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else None
+        return size
+
+    @property
+    def context_length(self) -> int | None:
+        """Positions the model was trained for (prompt plus output); None when the config has none."""
+        return _text_setting(self.config, "max_position_embeddings")
+
+    def check_request(self, *, prompt_tokens: int, max_tokens: int, logit_bias: tuple[tuple[int, float], ...] = ()) -> None:
+        """Refuse what this model cannot run: bias on a token it does not have (MLX would
+        index past the logits) and a prompt plus output cap past its context."""
+        vocab = self.vocab_size
+        if vocab is not None:
+            for token, _bias in logit_bias:
+                if not 0 <= token < vocab:
+                    raise InvalidControls(
+                        f"logit_bias.{token}: token id {token} is outside this model's vocabulary (0..{vocab - 1})",
+                        field=f"logit_bias.{token}",
+                        value=token,
+                    )
+        context = self.context_length
+        if context is not None and prompt_tokens + max_tokens > context:
+            raise ContextTooLong(
+                f"the prompt has {prompt_tokens} tokens and the output cap is {max_tokens}: "
+                f"{prompt_tokens + max_tokens} exceeds this model's context of {context} tokens; "
+                "shorten the conversation or lower max_output_tokens",
+                details={"prompt_tokens": prompt_tokens, "max_output_tokens": max_tokens, "context_length": context},
+            )
+
+    def min_prompt_tokens(self, text: str) -> int:
+        """A lower bound on the tokens ``text`` encodes to, without encoding it.
+
+        Every vocabulary entry spells at most ``max_token_chars`` characters of text, so a text
+        of n characters needs at least n / max_token_chars tokens: an oversized prompt is
+        refused before the tokenizer spends minutes and gigabytes on it.
+        """
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._max_token_chars = max((len(piece) for piece in vocab), default=0) or 0
+        longest = self._max_token_chars
+        return len(text) // longest if longest else 0
 
     @property
     def model_type(self) -> str:
@@ -46,11 +94,21 @@ class LoadedModel:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
-def load_model(path: Path, *, lane: str, head: Path | None = None, load_drafter: bool = True) -> LoadedModel:
+def load_model(path: Path, *, lane: str, drafter_source: Path | None = None) -> LoadedModel:
+    """Load ``path`` for ``lane``; ``drafter_source`` is the MTP head to load with it (the
+    checkpoint itself for an embedded head, a companion directory, or None for no head)."""
     config = _read_config(path)
     if lane == "mlx_lm":
         return _load_mlx_lm(path, config)
-    return _load_native(path, config, head=head, load_drafter=load_drafter)
+    return _load_native(path, config, drafter_source=drafter_source)
+
+
+def _text_setting(config: dict[str, Any], name: str) -> int | None:
+    for source in (config, config.get("text_config") or {}):
+        value = source.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -60,7 +118,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     return json.loads(config_file.read_text())
 
 
-def _load_native(path: Path, config: dict[str, Any], *, head: Path | None, load_drafter: bool) -> LoadedModel:
+def _load_native(path: Path, config: dict[str, Any], *, drafter_source: Path | None) -> LoadedModel:
     import mlx_vlm
 
     try:
@@ -68,9 +126,7 @@ def _load_native(path: Path, config: dict[str, Any], *, head: Path | None, load_
     except Exception as exc:  # noqa: BLE001 - upstream raises plain exceptions
         raise UpstreamError(f"mlx-vlm could not load {path}: {type(exc).__name__}: {exc}") from exc
     tokenizer = processor.tokenizer if hasattr(processor, "tokenizer") else processor
-    drafter, source = (None, None)
-    if load_drafter:
-        drafter, source = _load_drafter(path, head)
+    drafter = _load_drafter(drafter_source) if drafter_source is not None else None
     return LoadedModel(
         path=path,
         lane="native",
@@ -79,29 +135,20 @@ def _load_native(path: Path, config: dict[str, Any], *, head: Path | None, load_
         tokenizer=tokenizer,
         config=config,
         drafter=drafter,
-        drafter_source=source,
+        drafter_source=str(drafter_source) if drafter is not None else None,
         eos_token_ids=_eos_ids(config, tokenizer),
         _detokenizer=processor.detokenizer,
     )
 
 
-def _load_drafter(path: Path, head: Path | None) -> tuple[Any, str | None]:
-    """Load an embedded MTP head, or a companion head directory; (None, None) if neither."""
-    from ..artifacts import detect_mtp
-
-    source = str(head) if head is not None else None
-    if head is None:
-        info = detect_mtp(path)
-        if not info.get("embedded"):
-            return None, None
-        source = str(path)
+def _load_drafter(source: Path) -> Any:
     from mlx_vlm.speculative.drafters import load_drafter
 
     try:
-        drafter, _kind = load_drafter(source, kind="mtp")
+        drafter, _kind = load_drafter(str(source), kind="mtp")
     except Exception as exc:  # noqa: BLE001
         raise UpstreamError(f"mlx-vlm could not load the MTP head at {source}: {type(exc).__name__}: {exc}") from exc
-    return drafter, source
+    return drafter
 
 
 def _load_mlx_lm(path: Path, config: dict[str, Any]) -> LoadedModel:

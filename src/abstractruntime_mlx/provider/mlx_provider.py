@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import itertools
 import json
@@ -30,6 +31,7 @@ from ..engine.prefix_cache import image_hash, validate_options as validate_cache
 from ..engine.stream import RequestStream
 from ..engine.request import EngineRequest, Outcome, PrefillObservation, Sampling, TokenDelta
 from ..errors import (
+    ContextTooLong,
     InvalidControls,
     InvalidMedia,
     InvalidRequest,
@@ -107,6 +109,7 @@ class MLXProvider:
         # Heads are a load-time choice: load one when the inherited default would use it.
         default, _ = self._resolve_speculation(UNSET)
         load_drafter = batching and default.enabled and bool(self._mtp.get("head_present"))
+        drafter_source = _drafter_source(self.path, head, self._mtp) if load_drafter else None
         config = EngineConfig(
             max_batch_size=self.execution_options["mlx_max_batch_size"],
             max_queue_size=self.execution_options["mlx_max_queue_size"],
@@ -120,7 +123,7 @@ class MLXProvider:
             self.path,
             head=head,
             lane=lane,
-            load_drafter=load_drafter,
+            drafter_source=drafter_source,
             options={**self.execution_options, "mtp_head": str(head) if head else None, "load_drafter": load_drafter},
             config=config,
             lease=self._lease,
@@ -140,7 +143,25 @@ class MLXProvider:
         return None if self._speculation_default is None else self._speculation_default.to_wire()
 
     def speculation_ready(self) -> bool:
-        return self._resident is not None and self._engine.loaded.drafter is not None
+        if self._resident is None:
+            return False
+        engine = self._resident.engine
+        loaded = engine.loaded
+        return loaded is not None and engine.failure is None and loaded.drafter is not None
+
+    def health(self) -> dict[str, Any]:
+        """``{"state": "ready"|"loading"|"failed"|"closed"|"unloaded"}``, with ``error`` when failed.
+
+        A failed model serves no request until it is unloaded and loaded again.
+        """
+        if self._resident is None:
+            return {"state": "unloaded"}
+        engine = self._resident.engine
+        out: dict[str, Any] = {"state": engine.state}
+        failure = engine.failure
+        if failure is not None:
+            out["error"] = {"type": type(failure).__name__, "message": str(failure)}
+        return out
 
     @property
     def _engine(self):
@@ -197,9 +218,9 @@ class MLXProvider:
         return _collect(chunks, prepared)
 
     async def agenerate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | AsyncIterator[GenerationChunk]:
-        # Validation, rendering and admission happen before the first await, so a caller
-        # (the server) sees an early error (bad controls, full queue) at once.
-        prepared = self._prepare(prompt, kwargs)
+        # Rendering and tokenizing run on a thread (a huge prompt must not stall the event
+        # loop); errors (bad controls, context too long, full queue) raise from this await.
+        prepared = await asyncio.to_thread(self._prepare, prompt, kwargs)
         submitted = self._submit(prepared)
         chunks = self._astream(prepared, submitted)
         if stream:
@@ -262,17 +283,17 @@ class MLXProvider:
             raise InvalidControls("cancel_event must be a threading.Event", field="cancel_event", value=cancel_event)
 
         engine = self._engine
-        loaded = engine.loaded
+        loaded = engine.serving_model()
         images = _load_images(media, loaded)
         conversation = build_messages(prompt=prompt, messages=messages, system_prompt=system_prompt, num_images=len(images))
         text = render_prompt(loaded.tokenizer, conversation, tools=tools, thinking=thinking)
-        prompt_ids = loaded.encode(text)
+        prompt_ids = _encode_within_context(loaded, text, controls.max_output_tokens)
         draft_tokens, speculation_meta = self._speculation_for_call(speculation_arg, sampling)
 
         request = EngineRequest(
             request_id=uuid.uuid4().hex,
             prompt_ids=prompt_ids,
-            max_tokens=controls.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
+            max_tokens=_output_cap(loaded, len(prompt_ids), controls.max_output_tokens),
             sampling=sampling,
             stop=controls.stop,
             draft_tokens=draft_tokens,
@@ -292,7 +313,7 @@ class MLXProvider:
         call_value = UNSET if call is None else normalize_speculation(call)
         effective, source = self._resolve_speculation(call_value)
         meta: dict[str, Any] = {"requested": effective.enabled, "mode": effective.mode, "source": source}
-        loaded = self._engine.loaded
+        loaded = self._engine.serving_model()
         if not effective.enabled:
             meta["used"] = False
             if source == "call":
@@ -477,6 +498,41 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise InvalidControls("mlx_queue_timeout_s must be a positive number", field="mlx_queue_timeout_s", value=timeout)
     return dict(options)
+
+
+def _drafter_source(path: Path, head: Path | None, mtp: dict[str, Any]) -> Path | None:
+    """The MTP head to load, from the one detection made for this model."""
+    if head is not None:
+        return head
+    if mtp.get("embedded"):
+        return path
+    companion = mtp.get("companion_path")
+    return Path(companion) if companion else None
+
+
+def _encode_within_context(loaded: Any, text: str, cap: int | None) -> list[int]:
+    """Tokenize ``text``, refusing at once (before encoding) a text that cannot fit the context."""
+    context = loaded.context_length
+    if context is not None:
+        at_least = loaded.min_prompt_tokens(text)
+        if at_least + (cap or 1) > context:
+            raise ContextTooLong(
+                f"the prompt needs at least {at_least} tokens ({len(text)} characters) and the output cap is "
+                f"{cap or 1}; this model's context is {context} tokens",
+                details={"prompt_tokens_at_least": at_least, "max_output_tokens": cap or 1, "context_length": context},
+            )
+    return loaded.encode(text)
+
+
+def _output_cap(loaded: Any, prompt_tokens: int, cap: int | None) -> int:
+    """The caller's cap, or the default shrunk to what the context leaves (at least 1, so a
+    prompt that fills the context is refused as ``context_too_long`` by the engine)."""
+    if cap is not None:
+        return cap
+    context = loaded.context_length
+    if context is None:
+        return DEFAULT_MAX_OUTPUT_TOKENS
+    return max(1, min(DEFAULT_MAX_OUTPUT_TOKENS, context - prompt_tokens))
 
 
 def _load_images(media: Any, loaded: Any) -> list[Any]:

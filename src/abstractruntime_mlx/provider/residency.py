@@ -1,4 +1,9 @@
-"""Resident models: providers sharing a target (and head) share one engine and its weights."""
+"""Resident models: providers sharing a target (and head) share one engine and its weights.
+
+The registry lock guards the table only, never a load: the first provider of a model puts
+a loading entry in the table and loads outside the lock; providers of the same model wait
+on that entry, and every other model (loads, releases, garbage-collection retires) goes on.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +17,21 @@ from ..engine.model import load_model
 from ..engine.prefix_cache import CacheOptions
 from ..errors import OwnerBusy, ResidencyConflict
 
+ResidentKey = tuple[str, str | None, str]
+
 
 @dataclass(slots=True)
 class Resident:
-    key: tuple[str, str | None, str]
+    key: ResidentKey
     options: dict[str, Any]
     engine: Engine
     leases: set[int] = field(default_factory=set)
+    loaded: threading.Event = field(default_factory=threading.Event)
+    load_error: BaseException | None = None
 
 
 _LOCK = threading.Lock()
-_RESIDENTS: dict[tuple[str, str | None, str], Resident] = {}
+_RESIDENTS: dict[ResidentKey, Resident] = {}
 
 
 def acquire(
@@ -30,34 +39,71 @@ def acquire(
     *,
     head: Path | None,
     lane: str,
-    load_drafter: bool,
+    drafter_source: Path | None,
     options: dict[str, Any],
     config: EngineConfig,
     lease: int,
     cache_options: CacheOptions | None = None,
 ) -> Resident:
-    """Attach ``lease`` to the resident engine for ``path``, loading it on first use."""
+    """Attach ``lease`` to the resident engine for ``path``, loading it on first use.
+
+    ``head`` names an explicit companion head (part of the residency key); ``drafter_source``
+    is the head the load reads (None: no head).
+    """
     key = (str(path.resolve()), str(head.resolve()) if head else None, lane)
-    with _LOCK:
-        resident = _RESIDENTS.get(key)
-        if resident is not None and resident.engine.alive:
-            if resident.options != options:
-                raise ResidencyConflict(
-                    f"{path} is already resident with different execution/cache settings "
-                    f"({resident.options}); use the same options or unload it first"
-                )
-            resident.leases.add(lease)
-            return resident
-        engine = Engine(
-            lambda: load_model(path, lane=lane, head=head, load_drafter=load_drafter),
-            config,
-            name=path.name,
-            cache_options=cache_options,
+    while True:
+        with _LOCK:
+            resident = _RESIDENTS.get(key)
+            if resident is None or (resident.loaded.is_set() and not resident.engine.alive):
+                resident = _new_resident(key, path, lane, drafter_source, options, config, lease, cache_options)
+                _RESIDENTS[key] = resident
+                break
+            _check_options(resident, path, options)
+            if resident.loaded.is_set():
+                resident.leases.add(lease)
+                return resident
+        # Another provider is loading this model: wait for it outside the lock.
+        resident.loaded.wait()
+        if resident.load_error is not None:
+            raise resident.load_error
+    try:
+        resident.engine.start()
+    except BaseException as exc:
+        resident.load_error = exc
+        with _LOCK:
+            if _RESIDENTS.get(key) is resident:
+                _RESIDENTS.pop(key, None)
+        raise
+    finally:
+        resident.loaded.set()
+    return resident
+
+
+def _new_resident(
+    key: ResidentKey,
+    path: Path,
+    lane: str,
+    drafter_source: Path | None,
+    options: dict[str, Any],
+    config: EngineConfig,
+    lease: int,
+    cache_options: CacheOptions | None,
+) -> Resident:
+    engine = Engine(
+        lambda: load_model(path, lane=lane, drafter_source=drafter_source),
+        config,
+        name=path.name,
+        cache_options=cache_options,
+    )
+    return Resident(key=key, options=dict(options), engine=engine, leases={lease})
+
+
+def _check_options(resident: Resident, path: Path, options: dict[str, Any]) -> None:
+    if resident.options != options:
+        raise ResidencyConflict(
+            f"{path} is already resident with different execution/cache settings "
+            f"({resident.options}); use the same options or unload it first"
         )
-        engine.start()
-        resident = Resident(key=key, options=dict(options), engine=engine, leases={lease})
-        _RESIDENTS[key] = resident
-        return resident
 
 
 UNLOAD_SETTLE_S = 5.0
@@ -82,7 +128,7 @@ def release(resident: Resident, lease: int, *, force_check: bool = True) -> bool
             )
         resident.leases.discard(lease)
         last = not resident.leases
-        if last:
+        if last and _RESIDENTS.get(resident.key) is resident:
             _RESIDENTS.pop(resident.key, None)
     if last:
         resident.engine.stop()
@@ -102,4 +148,4 @@ def retire(resident: Resident, lease: int) -> None:
 
 def resident_count() -> int:
     with _LOCK:
-        return sum(1 for r in _RESIDENTS.values() if r.engine.alive)
+        return sum(1 for r in _RESIDENTS.values() if r.loaded.is_set() and r.engine.alive)

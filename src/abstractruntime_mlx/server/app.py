@@ -148,9 +148,21 @@ class ServedModel:
             return True
         return _same_path(name, served)
 
+    def model_health(self) -> dict[str, Any] | None:
+        probe = getattr(self.provider, "health", None)
+        return probe() if callable(probe) else None
+
+    def failed(self) -> bool:
+        health = self.model_health()
+        return health is not None and health.get("state") == "failed"
+
     async def load(self, model: str, options: dict[str, Any]) -> dict[str, Any]:
         async with self._lock:
             current = self.provider
+            if current is not None and self.failed() and self.matches(model):
+                # A failed model is replaced, not returned: unload it, then load it afresh.
+                await asyncio.to_thread(current.unload_model, current.model)
+                self.provider = current = None
             if current is not None:
                 if not self.matches(model):
                     raise ResidencyConflict(
@@ -349,10 +361,21 @@ def _generation_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
 
 
 async def health(request: Request) -> Response:
+    """200 while the server can serve; 503 when its model failed (unload and load it again)."""
     served = _served(request)
-    return JSONResponse(
-        {"status": "healthy", "server": "abstractruntime-mlx", "model": served.name, "loaded": served.provider is not None}
-    )
+    model_health = served.model_health()
+    body: dict[str, Any] = {
+        "status": "healthy",
+        "server": "abstractruntime-mlx",
+        "model": served.name,
+        "loaded": served.provider is not None,
+    }
+    if model_health is not None:
+        body["model_state"] = model_health["state"]
+        if model_health["state"] == "failed":
+            body.update(status="unhealthy", error=model_health.get("error"))
+            return JSONResponse(body, status_code=503)
+    return JSONResponse(body)
 
 
 async def list_models(request: Request) -> Response:

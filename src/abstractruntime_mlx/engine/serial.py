@@ -1,0 +1,146 @@
+"""The serialized mlx-lm lane (``mlx_batching=False``) behind the backend protocol.
+
+One request at a time through ``mlx_lm.stream_generate``: each ``step`` pulls one token.
+The engine drives it exactly like a ``BatchBackend`` of one slot, so admission, cancels,
+stop strings, queue timeouts and every way a request finishes share one code path.
+
+mlx-lm prefills a whole prompt inside the first pull; ``on_prefill`` is called after each
+prefill chunk, and a ``False`` answer (the request was cancelled) abandons the prefill there.
+
+``insert``'s row kwargs may carry a restored prefix: ``prompt_cache`` (mlx-lm KV cache),
+``prefilled`` (prompt tokens already in it) and ``cached`` (of those, tokens a snapshot gave).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterator
+
+from ..errors import UpstreamError
+from .backend import PrefillRow, StepResult, TokenEvent, make_logits_processors, map_upstream_errors
+from .request import Sampling
+from .sampling import make_sampler
+
+PrefillHook = Callable[[int, PrefillRow], bool]
+
+
+class _PrefillAbandoned(Exception):
+    """Raised from mlx-lm's prefill callback to stop a cancelled request between chunks."""
+
+
+class SerialBackend:
+    """mlx-lm generation for one request at a time, with the ``BatchBackend`` interface."""
+
+    max_batch_size = 1
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        sampling: Sampling,
+        prefill_step_size: int,
+        stream: Any,
+        on_prefill: PrefillHook,
+    ) -> None:
+        self.model = model
+        self._tokenizer = tokenizer
+        self._prefill_step_size = prefill_step_size
+        self._stream = stream
+        self._on_prefill = on_prefill
+        with map_upstream_errors("building the sampler"):
+            self._sampler = make_sampler(sampling)
+            self._processors = make_logits_processors(sampling) if sampling.has_logit_processors() else None
+        self._uids = itertools.count()
+        self._uid: int | None = None
+        self._responses: Iterator[Any] | None = None
+        self._prompt_reported = False
+        self._prefilled = 0
+        self._cached = 0
+        self.uids: set[int] = set()
+
+    # --- admission -------------------------------------------------------------------
+    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any]) -> int:
+        import mlx_lm
+
+        if self.uids:
+            raise RuntimeError("the serialized lane runs one request at a time")
+        uid = next(self._uids)
+        kwargs: dict[str, Any] = {
+            "sampler": self._sampler,
+            "prompt_progress_callback": self._progress,
+            "prefill_step_size": self._prefill_step_size,
+        }
+        if self._processors:
+            kwargs["logits_processors"] = self._processors
+        prefilled = int(prompt_kwargs.get("prefilled", 0))
+        if prompt_kwargs.get("prompt_cache") is not None:
+            kwargs["prompt_cache"] = prompt_kwargs["prompt_cache"]
+        # A generator: nothing runs until the first step.
+        self._responses = mlx_lm.stream_generate(
+            self.model, self._tokenizer, prompt_ids[prefilled:], max_tokens=max_tokens, stream=self._stream, **kwargs
+        )
+        self._uid = uid
+        self._prompt_reported = False
+        self._prefilled = prefilled
+        self._cached = int(prompt_kwargs.get("cached", 0))
+        self.uids.add(uid)
+        return uid
+
+    def free_slots(self) -> int:
+        return self.max_batch_size - len(self.uids)
+
+    def allow_partial_prefill(self) -> None:
+        """Nothing to allow: a lane of one slot never admits during another's decode."""
+
+    def remove(self, uid: int) -> bool:
+        self.forget(uid)
+        return True
+
+    def forget(self, uid: int) -> None:
+        if uid != self._uid:
+            return
+        responses, self._responses, self._uid = self._responses, None, None
+        self.uids.discard(uid)
+        close = getattr(responses, "close", None)
+        if close is not None:
+            close()
+
+    @property
+    def has_work(self) -> bool:
+        return self._responses is not None
+
+    # --- stepping --------------------------------------------------------------------
+    def step(self, *, observe_prefill: bool) -> StepResult:
+        result = StepResult()
+        uid, responses = self._uid, self._responses
+        if uid is None or responses is None:
+            return result
+        result.batch_uids = {uid}
+        with map_upstream_errors("a generation step (mlx-lm)"):
+            try:
+                response = next(responses, None)
+            except _PrefillAbandoned:
+                self.forget(uid)
+                return result
+        if response is None:
+            self.forget(uid)
+            raise UpstreamError("mlx-lm ended a generation without its final response")
+        if not self._prompt_reported:
+            self._prompt_reported = True
+            result.prompt_done[uid] = self._cached
+        result.tokens.append(TokenEvent(uid, int(response.token), response.finish_reason))
+        return result
+
+    def _progress(self, processed: int, total: int) -> None:
+        uid = self._uid
+        row = PrefillRow(processed=self._prefilled + processed, total=self._prefilled + total, cached=self._cached)
+        if uid is not None and not self._on_prefill(uid, row):
+            raise _PrefillAbandoned()
+
+    def speculation_counters(self) -> tuple[int, float, int] | None:
+        return None
+
+    def close(self) -> None:
+        if self._uid is not None:
+            self.forget(self._uid)
