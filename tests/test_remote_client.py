@@ -349,7 +349,7 @@ def test_cancel_event_stops_the_call_and_frees_the_slot(real: Any) -> None:
     cancel = threading.Event()
     before = engine_stats(llm)["cancelled"]
     with RemoteClient(url) as client:
-        stream = client.generate("Say something.", messages=[], temperature=0, max_output_tokens=100_000, stream=True, cancel_event=cancel, speculation=False)
+        stream = client.generate("Say something.", messages=[], temperature=0, max_output_tokens=4000, stream=True, cancel_event=cancel, speculation=False)
         assert next(stream).content
         cancel.set()
         rest = list(stream)
@@ -361,7 +361,7 @@ def test_closing_an_abandoned_stream_cancels_it(real: Any) -> None:
     llm, url = real
     before = engine_stats(llm)["cancelled"]
     with RemoteClient(url) as client:
-        with client.generate("Say something.", messages=[], temperature=0, max_output_tokens=100_000, stream=True) as stream:
+        with client.generate("Say something.", messages=[], temperature=0, max_output_tokens=4000, stream=True) as stream:
             next(stream)
     assert wait_until(lambda: engine_stats(llm)["cancelled"] == before + 1 and engine_stats(llm)["active"] == 0, timeout_s=10)
 

@@ -189,7 +189,7 @@ def _idle(provider: Any) -> bool:
     return stats.get("active") == 0 and stats.get("queued") == 0
 
 
-LONG = {"messages": USER, "max_tokens": 100_000, "temperature": 0, "speculation": False}
+LONG = {"messages": USER, "max_tokens": 4000, "temperature": 0, "speculation": False}
 
 
 def test_stream_disconnect_cancels_and_frees_the_slot(narrow: Any) -> None:

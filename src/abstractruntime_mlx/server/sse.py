@@ -26,7 +26,6 @@ from ..results import GenerationChunk, GenerationResult
 
 DONE: Final = "data: [DONE]\n\n"
 DEFAULT_MAX_PENDING: Final = 64
-_SETTLE_TURNS: Final = 2
 SSE_HEADERS: Final = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -96,6 +95,7 @@ class ProviderPump:
         self._loop_thread: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._admitted = asyncio.Event()
 
     def start(self) -> ProviderPump:
         if self._task is not None:
@@ -112,15 +112,16 @@ class ProviderPump:
         return item
 
     async def settled(self) -> PumpItem | None:
-        """The first item if the call already produced one, after letting it start.
+        """The first item if the call already produced one, once the call was admitted.
 
-        Preparing and submitting a call are synchronous in the provider (controls
-        validation, chat-template rendering, queue admission), so once the task has had
-        its first turns every early failure (``InvalidControls``, ``QueueFull`` ...) is
-        queued. A stream can then send its headers without waiting for the first token.
+        Admitted means the provider finished preparing and submitting it (controls
+        validation, chat-template rendering, tokenizing, queue admission): a streamed call
+        returned its stream, the first phase event (the provider emits one on admission)
+        arrived, or the call ended. Every early failure (``InvalidControls``,
+        ``ContextTooLong``, ``QueueFull`` ...) is queued by then, and a stream can send its
+        headers without waiting for the first token.
         """
-        for _ in range(_SETTLE_TURNS):
-            await asyncio.sleep(0)
+        await self._admitted.wait()
         return self.next_nowait()
 
     def next_nowait(self) -> PumpItem | None:
@@ -147,15 +148,20 @@ class ProviderPump:
         """The provider's ``on_progress``: may run on the loop or on a worker thread."""
         item = ProgressItem(dict(event))
         if threading.get_ident() == self._loop_thread:
-            self._queue.put_nowait(item)
+            self._put_progress(item)
         elif self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._put_progress, item)
+
+    def _put_progress(self, item: ProgressItem) -> None:
+        self._queue.put_nowait(item)
+        self._admitted.set()
 
     async def _run(self) -> None:
         callback = self._on_progress if self._with_progress else None
         try:
             if self._stream:
                 iterator: AsyncIterator[GenerationChunk] = await self._call(callback)
+                self._admitted.set()
                 try:
                     async for chunk in iterator:
                         await self._slots.acquire()
@@ -177,7 +183,11 @@ class ProviderPump:
         finally:
             # Scheduled, so phase events already posted from other threads stay ahead of it.
             if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon(self._queue.put_nowait, EndItem())
+                self._loop.call_soon(self._end)
+
+    def _end(self) -> None:
+        self._queue.put_nowait(EndItem())
+        self._admitted.set()
 
 
 class SSEResponse(StreamingResponse):
