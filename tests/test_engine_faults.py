@@ -211,7 +211,9 @@ def test_server_refuses_bad_values_and_recovers_a_failed_model(dense_model, poli
         return create_llm("mlx", model=dense_model, **options)
 
     user = [{"role": "user", "content": PROMPT}]
-    app = create_app(factory(dense_model, mlx_batching=True), model_factory=factory)
+    from pathlib import Path
+
+    app = create_app(factory(dense_model, mlx_batching=True), model_factory=factory, model_roots=[Path(dense_model).parent])
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         chat = lambda **extra: client.post("/v1/chat/completions", json={"messages": user, "max_tokens": 3, **extra})  # noqa: E731
         bias = chat(logit_bias={"2000": 5})

@@ -107,6 +107,11 @@ class SerialBackend:
             close()
 
     @property
+    def prefilling(self) -> bool:
+        """Never between steps: mlx-lm prefills a whole prompt inside one step."""
+        return False
+
+    @property
     def has_work(self) -> bool:
         return self._responses is not None
 
