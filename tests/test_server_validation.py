@@ -113,6 +113,12 @@ def test_lone_surrogates_are_rejected(client: Any, fake: FakeProvider, message: 
     assert fake.calls == []
 
 
+def test_an_error_quoting_a_lone_surrogate_still_reaches_the_client(client: Any) -> None:
+    reply = post_raw(client, CHAT, '{"messages": [{"role": "user", "content": "x"}], "metadata": {"\\ud800": 1}}')
+    assert_bad(reply, "metadata.\ufffd")
+    assert "\ud800" not in reply.text
+
+
 def test_lone_surrogate_sent_as_raw_bytes_is_rejected(client: Any) -> None:
     raw = b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}'  # CESU-8 of U+D800
     reply = post_raw(client, CHAT, raw)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any, Final
@@ -22,6 +23,7 @@ from ..results import GenerationChunk, GenerationResult
 
 log = logging.getLogger(__name__)
 
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")  # in a str every surrogate is a lone one
 ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache")
 _USAGE_EXTRAS: Final = ("input_tokens", "output_tokens", "cached_input_tokens")
 
@@ -122,17 +124,33 @@ def format_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def error_payload(exc: BaseException) -> tuple[int, dict[str, Any]]:
-    """``(http_status, {"error": {...}})`` for any exception; unexpected ones are logged."""
+    """``(http_status, {"error": {...}})`` for any exception; unexpected ones are logged.
+
+    Messages may quote what the client sent, so every string is made encodable first (a
+    lone surrogate becomes U+FFFD): the error itself must always reach the client.
+    """
     if isinstance(exc, MLXRuntimeError):
-        return exc.http_status, {"error": exc.to_dict()}
+        return exc.http_status, {"error": _encodable(exc.to_dict())}
     log.error("unexpected server error", exc_info=exc)
     return 500, {
-        "error": {
-            "message": f"internal server error: {type(exc).__name__}: {exc}",
-            "type": "server_error",
-            "code": "internal_error",
-        }
+        "error": _encodable(
+            {
+                "message": f"internal server error: {type(exc).__name__}: {exc}",
+                "type": "server_error",
+                "code": "internal_error",
+            }
+        )
     }
+
+
+def _encodable(value: Any) -> Any:
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encodable(v) for v in value]
+    return value
 
 
 def now_s() -> int:
