@@ -1,8 +1,10 @@
 """Property-based fuzzing of a real server (uvicorn on 127.0.0.1, the tiny dense model).
 
 Hypothesis builds chat bodies (valid shapes with hostile values, wrong types, raw JSON
-with NaN, deep nesting, lone surrogates, bytes that are not UTF-8) and bodies and queries
-for the other routes. For each one: the answer comes within the client timeout, it is not
+with NaN, deep nesting, lone surrogates, bytes that are not UTF-8), bodies that pass the
+edge with extreme values (token ids past the vocabulary, seeds past 64 bits, huge output
+caps, odd controls) so that the provider and the engine are fuzzed too, and bodies and
+queries for the other routes. For each one: the answer comes within the client timeout, it is not
 a 5xx (nor a 5xx error event inside a stream), and a normal request right after still
 answers. Examples are derandomized, so a run is reproducible and CI sees the same ones.
 """
@@ -15,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_server_harness import serve_in_thread
 
@@ -24,9 +26,9 @@ from abstractruntime_mlx.server import create_app
 
 TIMEOUT_S = 30.0  # a request slower than this counts as a hang
 NORMAL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
-VOCAB_SIZE = 2000  # the tiny model's; ids at or past it are the provider's vocabulary check
+VOCAB_SIZE = 2000  # the tiny model's
 FUZZ = settings(
-    max_examples=30,
+    max_examples=40,
     deadline=None,
     derandomize=True,
     database=None,
@@ -53,10 +55,13 @@ json_values = st.recursive(
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(texts, inner, max_size=4)),
     max_leaves=12,
 )
-# The provider bounds these by the model (vocabulary) and by 64 bits; values past that
-# are the provider's checks, fuzzed here within the range it accepts.
-token_ids = st.integers(min_value=0, max_value=VOCAB_SIZE - 1).map(str)
-seeds = st.integers(min_value=-(2**63), max_value=2**64 - 1)
+# Token ids around and far past the vocabulary, seeds past 64 bits: the provider's checks
+# against the loaded model.
+token_ids = st.one_of(st.integers(min_value=0, max_value=VOCAB_SIZE + 5), big_ints).map(str)
+seeds = big_ints
+# Output caps stay small when valid, so a valid body never generates for long; the large
+# ones are past the tiny model's context.
+output_caps = st.one_of(st.integers(min_value=-3, max_value=4), st.sampled_from([10**6, 2**63, 10**28]))
 
 content_parts = st.lists(
     st.one_of(
@@ -101,8 +106,8 @@ chat_fields = {
     "logit_bias": st.one_of(st.dictionaries(st.one_of(token_ids, texts.filter(lambda k: not k.strip().isdigit())), st.one_of(floats, json_values), max_size=3), json_values),
     "seed": st.one_of(seeds, json_values),
     "stop": st.one_of(texts, st.lists(texts, max_size=3), json_values),
-    "max_output_tokens": st.one_of(st.integers(min_value=-3, max_value=4), json_values),
-    "max_completion_tokens": st.one_of(st.integers(min_value=-3, max_value=4), json_values),
+    "max_output_tokens": st.one_of(output_caps, json_values),
+    "max_completion_tokens": st.one_of(output_caps, json_values),
     "speculation": json_values,
     "thinking": json_values,
     "reasoning_effort": json_values,
@@ -111,10 +116,50 @@ chat_fields = {
     "metadata": json_values,
     "user": json_values,
 }
-# max_tokens stays small when it is a number, so a valid body never generates for long.
 chat_bodies = st.fixed_dictionaries(
-    {"messages": st.one_of(messages, json_values), "max_tokens": st.one_of(st.integers(min_value=-3, max_value=4), json_values)},
+    {"messages": st.one_of(messages, json_values), "max_tokens": st.one_of(output_caps, json_values)},
     optional=chat_fields,
+)
+# Bodies that pass the edge (right types, valid JSON) with extreme values, so that the
+# provider's checks and the engine are what is fuzzed.
+unicode_texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
+finite = st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([0, 0.5, 1, 2, 1e-9, 1e9]))
+engine_fields = {
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_progress": st.booleans(), "include_usage": st.booleans()}),
+    "temperature": finite,
+    "top_p": finite,
+    "top_k": st.one_of(st.integers(min_value=-1, max_value=50), big_ints),
+    "min_p": finite,
+    "repetition_penalty": finite,
+    "presence_penalty": finite,
+    "frequency_penalty": finite,
+    "logit_bias": st.dictionaries(token_ids, finite, max_size=3),
+    "seed": big_ints,
+    "stop": st.one_of(unicode_texts, st.lists(unicode_texts, max_size=3)),
+    "speculation": st.one_of(
+        st.none(),
+        st.booleans(),
+        st.sampled_from(["off", "native_mtp", "warp"]),
+        st.fixed_dictionaries({"mode": st.sampled_from(["native_mtp", "off", "x"])}, optional={"num_draft_tokens": big_ints, "require_acceleration": st.booleans()}),
+    ),
+    "thinking": st.one_of(st.booleans(), st.sampled_from(["low", "medium", "high", "max", ""])),
+    "prompt_cache_key": unicode_texts,
+    "tools": st.lists(
+        st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({"name": unicode_texts}, optional={"parameters": json_values})}),
+        max_size=2,
+    ),
+}
+engine_bodies = st.fixed_dictionaries(
+    {
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": unicode_texts}),
+            min_size=1,
+            max_size=3,
+        ),
+        "max_tokens": st.integers(min_value=1, max_value=4),
+    },
+    optional=engine_fields,
 )
 raw_bodies = st.one_of(
     st.binary(max_size=64),
@@ -179,7 +224,18 @@ def assert_still_serving(client: httpx.Client) -> None:
 @FUZZ
 @given(body=chat_bodies)
 def test_fuzzed_chat_bodies(server: httpx.Client, body: dict[str, Any]) -> None:
-    assert_answered(server.post("/v1/chat/completions", content=dumps(body), headers={"Content-Type": "application/json"}))
+    reply = server.post("/v1/chat/completions", content=dumps(body), headers={"Content-Type": "application/json"})
+    event(f"status {reply.status_code}")
+    assert_answered(reply)
+    assert_still_serving(server)
+
+
+@FUZZ
+@given(body=engine_bodies)
+def test_fuzzed_values_that_reach_the_provider(server: httpx.Client, body: dict[str, Any]) -> None:
+    reply = server.post("/v1/chat/completions", content=dumps(body), headers={"Content-Type": "application/json"})
+    event(f"status {reply.status_code}")
+    assert_answered(reply)
     assert_still_serving(server)
 
 
