@@ -211,3 +211,16 @@ def test_run_against_a_server_uses_its_model_without_model_flag(cli_env: Path, c
     (run,) = json.loads(out)
     assert run["status"] == "completed"
     assert run["nodes"][0]["result"]["model"] == dense_model
+
+
+def test_runs_replay_on_a_missing_ledger_creates_nothing(tmp_path: Path, capsys: Any) -> None:
+    missing = tmp_path / "l.sqlite"
+    code, out, err = cli(capsys, "runs", "replay", "abc", "--ledger", str(missing))
+    assert code == 1 and err.startswith("error: [ledger_not_found]")
+    assert not missing.exists()
+
+
+def test_serve_refuses_a_model_root_that_is_not_a_directory(tmp_path: Path, capsys: Any) -> None:
+    code, out, err = cli(capsys, "serve", "--model-root", str(tmp_path / "missing"), "--port", "1")
+    assert code == 1 and out == ""
+    assert err.strip() == f"error: [invalid_request] --model-root '{tmp_path / 'missing'}' is not a directory"

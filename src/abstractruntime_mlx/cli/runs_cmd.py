@@ -5,9 +5,9 @@
     abstractruntime-mlx runs replay RUN_ID      # re-render from the ledger; resume if interrupted
 
 ``RUN_ID`` may be a unique prefix. The ledger is ``--ledger URL_OR_PATH``, else
-``$ABSTRACTRUNTIME_MLX_LEDGER``, else ``~/.abstractruntime-mlx/ledger.sqlite``. ``list`` and
-``show`` only read: a SQLite ledger that does not exist is an error (nothing is created) and
-one is opened read-only, so a ledger on a read-only file system or copied from elsewhere
+``$ABSTRACTRUNTIME_MLX_LEDGER``, else ``~/.abstractruntime-mlx/ledger.sqlite``. ``list``,
+``show`` and ``replay`` (unless it resumes) only read: a SQLite ledger that does not exist
+is an error (nothing is created) and one is opened read-only, so a ledger on a read-only file system or copied from elsewhere
 can be inspected.
 """
 
@@ -143,7 +143,7 @@ def _replay(args: argparse.Namespace) -> int:
     from ..runtime_plugin import resume_run
 
     url = default_ledger_url(args.ledger)
-    with Ledger(url) as ledger:
+    with open_for_inspection(url) as ledger:  # only a resume writes, through its own store
         run_id = resolve_run_id(ledger, args.run_id)
         detail = ledger.get_run(run_id)
     assert detail is not None
@@ -154,7 +154,7 @@ def _replay(args: argparse.Namespace) -> int:
         return 0 if result.status == "completed" else 1
     from ..runtime_plugin import FlowRunResult, node_outcomes
 
-    with Ledger(url) as ledger:
+    with open_for_inspection(url) as ledger:
         state = detail.state
         result = FlowRunResult(
             run_id=run_id,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..controls import normalize_speculation
+from ..errors import InvalidRequest
 
 API_KEY_ENV = "ABSTRACTRUNTIME_MLX_API_KEY"
 DEFAULT_HOST = "127.0.0.1"
@@ -127,6 +128,9 @@ def serve(settings: ServeSettings) -> int:
             f"warning: serving on {settings.host} without an API key; anyone who can reach it can use the model",
             file=sys.stderr,
         )
+    for root in settings.model_roots:
+        if not Path(root).expanduser().is_dir():
+            raise InvalidRequest(f"--model-root {root!r} is not a directory", details={"field": "--model-root"})
     llm = create_llm("mlx", model=settings.model, **settings.options) if settings.model else None
     roots = list(settings.model_roots)
     if settings.model and Path(settings.model).expanduser().is_dir():
