@@ -81,3 +81,16 @@ def test_prefix_cache_upstream_surface():
     for attr in ("flush", "close", "_clear_disk_state_after_external_delete", "disk_bytes", "pending_bytes", "num_blocks_indexed", "num_exact_indexed"):
         assert hasattr(apc.DiskBlockStore, attr), attr
     assert callable(apc._free_ram_bytes)
+
+
+def test_per_row_sampling_seams():
+    """``_RowSampler`` tells prefill rows (position 0) from decode rows (position >= 1) and reads
+    the rows' uids from the batch being sampled; ``step`` toggles the decode batch's greedy flag."""
+    from mlx_vlm.generate.ar import GenerationBatch, PromptProcessingBatch, _sample_with_positions
+
+    assert "sample_target" in inspect.getsource(_sample_with_positions)
+    prefill = inspect.getsource(PromptProcessingBatch.generate)
+    assert "positions=[0] * len(self.uids)" in prefill
+    decode = inspect.getsource(GenerationBatch._step)
+    assert "positions=[n + 1 for n in self._num_tokens]" in decode
+    assert "self.greedy_sampling" in inspect.getsource(GenerationBatch._fused_greedy_step)

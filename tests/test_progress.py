@@ -12,9 +12,11 @@ from abstractruntime_mlx.provider.progress import ProgressTracker, pick_progress
 LONG_PROMPT = "The cache keeps the most recent entries and drops the oldest ones. " * 30
 LANES = {
     "batched": ({"mlx_batching": True}, {}),
-    "exclusive": ({"mlx_batching": True}, {"temperature": 0.8, "seed": 1}),
+    "sampled": ({"mlx_batching": True}, {"temperature": 0.8, "seed": 1}),
+    "exclusive": ({"mlx_batching": True, "mlx_sampled_exclusive": True}, {"temperature": 0.8, "seed": 1}),
     "serialized": ({"mlx_batching": False}, {}),
 }
+LANE_MODE = {"batched": "continuous", "sampled": "continuous", "exclusive": "exclusive", "serialized": "exclusive"}
 
 
 def run(llm, events, **kwargs):
@@ -47,6 +49,9 @@ def check_sequence(events, result):
         if e["phase"] != "prefill":
             assert "prefill_processed_tokens" not in e and "prefill_tokens_per_second" not in e
     assert events[-1]["generated_tokens"] == result.usage["completion_tokens"]
+    # which lane ran: known from admission on, so absent on the start event only
+    assert "execution_mode" not in events[0]
+    assert {e["execution_mode"] for e in events[1:]} == {result.metadata["execution"]["mode"]}
     return processed
 
 
@@ -56,6 +61,7 @@ def test_event_sequence_per_lane(make_llm, dense_model, lane):
     llm = make_llm(dense_model, mlx_prefill_step_size=64, progress_min_interval_s=0.0, **options)
     events = []
     result = run(llm, events, **call)
+    assert result.metadata["execution"]["mode"] == LANE_MODE[lane]
     processed = check_sequence(events, result)
     # several real per-chunk observations, ending at the whole prompt
     assert len(processed) >= 3, processed

@@ -25,16 +25,27 @@ def req(name, *, temperature=0.0, draft=0, cache=None, penalty=None):
 def test_lanes():
     assert group_key(req("a")).mode == ExecutionMode.CONTINUOUS
     assert group_key(req("b", draft=2)).mode == ExecutionMode.COHORT
-    assert group_key(req("c", temperature=0.7)).mode == ExecutionMode.EXCLUSIVE
-    assert group_key(req("d", penalty=1.2)).mode == ExecutionMode.EXCLUSIVE  # greedy but not neutral
+    # sampled rows and penalties are per-row controls: they share the continuous batch
+    assert group_key(req("c", temperature=0.7)) == group_key(req("a"))
+    assert group_key(req("d", penalty=1.2)) == group_key(req("a"))
+    # except with speculation (one sampler per speculative generator), or by option
+    spec = group_key(req("e", temperature=0.7, draft=2))
+    assert (spec.mode, spec.reason) == (ExecutionMode.EXCLUSIVE, "sampled_speculation")
+    for r in (req("f", temperature=0.7), req("g", penalty=1.2)):
+        key = group_key(r, sampled_exclusive=True)
+        assert (key.mode, key.reason) == (ExecutionMode.EXCLUSIVE, "sampled_exclusive")
+    assert group_key(req("h"), sampled_exclusive=True).mode == ExecutionMode.CONTINUOUS
 
 
-def test_continuous_admits_until_the_first_incompatible_request():
-    waiting = deque([req("a"), req("b"), req("s", temperature=0.9), req("c")])
-    key = group_key(waiting[0])
-    taken = take_compatible(waiting, key, limit=8)
-    assert [r.request_id for r in taken] == ["a", "b"]
-    assert [r.request_id for r in waiting] == ["s", "c"]  # the sampled one is next: no starvation
+def test_continuous_admits_sampled_rows_until_the_first_incompatible_request():
+    waiting = deque([req("a"), req("s", temperature=0.9), req("m", draft=2), req("c")])
+    taken = take_compatible(waiting, group_key(waiting[0]), limit=8)
+    assert [r.request_id for r in taken] == ["a", "s"]
+    assert [r.request_id for r in waiting] == ["m", "c"]  # the cohort is next: no starvation
+    waiting = deque([req("a"), req("s", temperature=0.9), req("c")])
+    key = group_key(waiting[0], sampled_exclusive=True)
+    assert [r.request_id for r in take_compatible(waiting, key, limit=8)] == ["a"]
+    assert [r.request_id for r in waiting] == ["s", "c"]
 
 
 def test_limit_and_depths_and_cache_groups_are_separate_groups():
@@ -62,9 +73,11 @@ def test_keyed_and_keyless_requests_need_different_cache_managers():
 
 
 def test_exclusive_never_admits_another():
-    first, second = req("x", temperature=0.5), req("y", temperature=0.5)
+    first, second = req("x", temperature=0.5, draft=2), req("y", temperature=0.5, draft=2)
     assert not group_key(first).admits(second)
     assert not group_key(first).admits(first)
+    first, second = req("x", temperature=0.5), req("y", temperature=0.5)
+    assert not group_key(first, sampled_exclusive=True).admits(second)
 
 
 def test_status_only_moves_forward():

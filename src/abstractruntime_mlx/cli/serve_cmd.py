@@ -65,6 +65,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--mlx-queue-timeout-s", type=float, default=None, help="queue timeout in s (default 120)")
     parser.add_argument("--mlx-output-queue-size", type=int, default=None, help="buffered outputs per request (default 256)")
     parser.add_argument(
+        "--mlx-sampled-exclusive",
+        action="store_true",
+        default=None,
+        help="run sampled requests alone, one at a time, instead of in the shared batch (same tokens; default: shared)",
+    )
+    parser.add_argument(
         "--speculation",
         default=None,
         help="constructor speculation: 'off', 'native_mtp', or a draft depth N (default: inherit the policy)",
@@ -89,6 +95,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         "mlx_batch_wait_ms",
         "mlx_queue_timeout_s",
         "mlx_output_queue_size",
+        "mlx_sampled_exclusive",
         "mtp_head",
     ):
         value = getattr(args, name)

@@ -10,8 +10,13 @@ Prefix reuse: a group of keyed requests passes the resident model's ``APCManager
 by tokens plus that salt instead of hashing the whole prompt's embeddings.
 
 A ``BatchBackend`` is one upstream ``BatchGenerator``: the continuous lane keeps one alive
-while greedy requests flow through it; a cohort (MTP) or an exclusive (sampled) request
-gets its own, built with exactly the controls it asked for.
+while requests flow through it; a cohort (MTP) or an exclusive request gets its own.
+
+Upstream takes one sampler per generator but per-row logits processors. Each row therefore
+brings its own penalties and logit bias as processors, and the one sampler upstream sees
+(``_RowSampler``) draws each row with that row's own controls and random stream
+(``sampling.sample_rows``). It finds which request a row is from the batch it samples: the
+prefill batch (every position 0) or the decoding batch, in upstream's row order.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import mlx.core as mx
 
 from ..errors import EngineError, UpstreamError
 from .request import Sampling
-from .sampling import make_sampler
+from .sampling import RowStream, make_sampler, sample_rows
 
 PREFILL_STEP_SIZE = 256
 
@@ -68,7 +73,7 @@ class Backend(Protocol):
     max_batch_size: int
     uids: set[int]
 
-    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any]) -> int: ...
+    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any], sampling: Sampling | None = None) -> int: ...
     def free_slots(self) -> int: ...
     def allow_partial_prefill(self) -> None: ...
     def remove(self, uid: int) -> bool: ...
@@ -97,8 +102,33 @@ def make_logits_processors(sampling: Sampling) -> list[Any]:
     )
 
 
+class _RowSampler:
+    """The one sampler upstream calls: each row drawn with its own request's stream."""
+
+    def __init__(self, backend: "BatchBackend") -> None:
+        self._backend = backend
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        raise RuntimeError("mlx-vlm sampled without row positions; per-row sampling needs a supported mlx-vlm (>=0.7.10,<0.8.0)")
+
+    def sample_target(self, logprobs: mx.array, *, row_ids: list[int], positions: list[int]) -> mx.array:
+        gen = self._backend._gen
+        # Upstream samples a prefill batch's first tokens at position 0, decode steps from 1.
+        batch = gen._generation_batch if any(positions) else gen._prompt_batch
+        uids = list(batch.uids) if batch is not None else []
+        if len(uids) != logprobs.shape[0]:
+            raise RuntimeError(f"mlx-vlm sampled {logprobs.shape[0]} rows of a batch holding {len(uids)}")
+        rows = self._backend._rows
+        return sample_rows(logprobs, [rows.get(uid) for uid in uids])
+
+
 class BatchBackend:
-    """One upstream BatchGenerator and the uids it holds."""
+    """One upstream BatchGenerator and the uids it holds.
+
+    Without a drafter every row is sampled with its own controls (``insert(..., sampling)``).
+    A speculative generator (MTP) draws through one sampler: ``speculative_sampling`` for a
+    sampled request running exclusive, greedy otherwise.
+    """
 
     def __init__(
         self,
@@ -106,9 +136,9 @@ class BatchBackend:
         processor: Any,
         *,
         max_batch_size: int,
-        sampling: Sampling | None = None,
         drafter: Drafter | None = None,
         draft_tokens: int = 0,
+        speculative_sampling: Sampling | None = None,
         prefill_step_size: int = PREFILL_STEP_SIZE,
         stream: Any = None,
         apc_manager: Any = None,
@@ -117,18 +147,23 @@ class BatchBackend:
 
         self.model = model
         self.max_batch_size = max_batch_size
-        kwargs: dict[str, Any] = {}
+        self._rows: dict[int, RowStream] = {}  # sampled rows only; greedy rows are absent
+        kwargs: dict[str, Any] = {"greedy_sampling": True}
+        speculative = False
         if drafter is not None and draft_tokens > 0:
+            speculative = True
             # Upstream's block size includes the target's seed token; ours counts proposals.
             kwargs.update(draft_model=drafter.model, draft_kind=drafter.kind, draft_block_size=draft_tokens + 1)
-        # The sampler and processors touch MLX with request values (seed, bias ids): a value
-        # MLX refuses fails this backend's requests, never the worker.
+        self._per_row = not speculative
+        # The sampler touches MLX with request values (the seed): a value MLX refuses fails
+        # this backend's requests, never the worker.
         with map_upstream_errors("creating the batch generator"):
-            self._logits_processors = make_logits_processors(sampling) if sampling and sampling.has_logit_processors() else None
-            if sampling is not None and not sampling.is_greedy_neutral():
-                kwargs["sampler"] = make_sampler(sampling)
-            else:
-                kwargs["greedy_sampling"] = True
+            if not speculative:
+                # Greedy stays on (upstream's fused greedy head, where a model has one) while
+                # no sampled row decodes; ``step`` switches it per step.
+                kwargs["sampler"] = _RowSampler(self)
+            elif speculative_sampling is not None and speculative_sampling.temperature != 0:
+                kwargs.update(sampler=make_sampler(speculative_sampling), greedy_sampling=False)
             self._gen = BatchGenerator(
                 getattr(model, "language_model", model),
                 processor,
@@ -143,10 +178,17 @@ class BatchBackend:
         self.uids: set[int] = set()
 
     # --- admission -------------------------------------------------------------------
-    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any]) -> int:
-        lp = [self._logits_processors] if self._logits_processors else None
+    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any], sampling: Sampling | None = None) -> int:
+        """Queue one row with its own sampling controls (greedy when None)."""
+        sampling = sampling or Sampling()
         with map_upstream_errors("inserting a prompt"):
-            (uid,) = self._gen.insert([prompt_ids], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=lp)
+            # Built before the row exists: a value refused here (seed, bias ids) fails this
+            # request only, never the batch it would have joined.
+            row = RowStream.for_sampling(sampling) if self._per_row else None
+            processors = make_logits_processors(sampling) if sampling.has_logit_processors() else None
+            (uid,) = self._gen.insert([prompt_ids], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors])
+        if row is not None:
+            self._rows[uid] = row
         self.uids.add(uid)
         return uid
 
@@ -169,11 +211,13 @@ class BatchBackend:
             removed = bool(self._gen.remove(uid))
         if removed:
             self.uids.discard(uid)
+            self._rows.pop(uid, None)
         return removed
 
     def forget(self, uid: int) -> None:
         """The uid finished upstream on its own (stop or length)."""
         self.uids.discard(uid)
+        self._rows.pop(uid, None)
 
     @property
     def prefilling(self) -> bool:
@@ -186,6 +230,9 @@ class BatchBackend:
 
     # --- stepping --------------------------------------------------------------------
     def step(self, *, observe_prefill: bool) -> StepResult:
+        if self._per_row:
+            decoding = self._gen._generation_batch
+            decoding.greedy_sampling = not any(uid in self._rows for uid in decoding.uids)
         with map_upstream_errors("a batch step"):
             prompt_responses, responses = self._gen.next()
         result = StepResult()
@@ -239,6 +286,7 @@ class BatchBackend:
             # stream can be dropped.
             mx.synchronize(self._gen.stream())
         self.uids.clear()
+        self._rows.clear()
 
 
 def text_prompt_kwargs(model: Any, prompt_ids: list[int]) -> dict[str, Any]:

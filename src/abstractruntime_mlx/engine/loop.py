@@ -34,6 +34,7 @@ from .prefix_cache import GUARD_TOKENS, CacheOptions, PrefixCache
 from .request import (
     END_OF_STREAM,
     EngineRequest,
+    ExclusiveReason,
     ExecutionMode,
     Outcome,
     PrefillObservation,
@@ -60,6 +61,9 @@ class EngineConfig:
     queue_timeout_s: float = 120.0
     output_queue_size: int = 256
     prefill_step_size: int = PREFILL_STEP_SIZE
+    # Sampled requests run alone, one at a time (the seed's behaviour), instead of sharing
+    # the continuous batch; their tokens are the same either way.
+    sampled_exclusive: bool = False
 
 
 @dataclass(slots=True)
@@ -486,14 +490,15 @@ class Engine:
         with self._cond:
             if not self._waiting:
                 return
-            key = group_key(self._waiting[0])
+            key = group_key(self._waiting[0], sampled_exclusive=self.config.sampled_exclusive)
         serial = self.loaded.lane == "mlx_lm"
         if serial or key.mode == ExecutionMode.EXCLUSIVE:
             limit = 1
             with self._cond:
                 head = self._waiting.popleft()
             requests = [head]
-            key = GroupKey(ExecutionMode.EXCLUSIVE, key.draft_tokens, (head.cache_group, head.request_id))
+            reason = ExclusiveReason.SERIALIZED_LANE if serial else key.reason
+            key = GroupKey(ExecutionMode.EXCLUSIVE, key.draft_tokens, (head.cache_group, head.request_id), reason)
         else:
             limit = self.config.max_batch_size
             if key.mode == ExecutionMode.COHORT:
@@ -525,9 +530,9 @@ class Engine:
             loaded.model,
             loaded.processor,
             max_batch_size=limit,
-            sampling=head.sampling if key.mode == ExecutionMode.EXCLUSIVE else None,
             drafter=drafter,
             draft_tokens=key.draft_tokens if drafter is not None else 0,
+            speculative_sampling=head.sampling if key.mode == ExecutionMode.EXCLUSIVE else None,
             prefill_step_size=self.config.prefill_step_size,
             stream=self._stream,
             apc_manager=self._cache_manager_for(head),
@@ -581,12 +586,13 @@ class Engine:
                     kwargs["_apc_semantic_hash"] = self.prefix_cache.salt(request, layout)
                     request.cache_layout = layout
                     request.cache_counters = self.prefix_cache.counters()
-            uid = group.backend.insert(request.prompt_ids, request.max_tokens, kwargs)
+            uid = group.backend.insert(request.prompt_ids, request.max_tokens, kwargs, request.sampling)
         except MLXRuntimeError as exc:
             self._finish(request, RequestStatus.FINISHED_ERROR, error=exc)
             return
         request.uid = uid
         request.mode = group.mode
+        request.exclusive_reason = group.key.reason
         request.started_at = time.perf_counter()
         request.transition(RequestStatus.PREFILLING)
         group.running[uid] = _Running(request, self.loaded.new_detokenizer(), StopMatcher(request.stop))

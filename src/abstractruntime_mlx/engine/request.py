@@ -54,6 +54,14 @@ class ExecutionMode:
     EXCLUSIVE = "exclusive"
 
 
+class ExclusiveReason:
+    """Why a request ran alone (``execution.reason``)."""
+
+    SERIALIZED_LANE = "serialized_lane"  # mlx_batching=False: the mlx-lm lane runs one at a time
+    SAMPLED_SPECULATION = "sampled_speculation"  # an MTP generator draws every row with one sampler
+    SAMPLED_EXCLUSIVE = "sampled_exclusive"  # the mlx_sampled_exclusive option
+
+
 @dataclass(frozen=True, slots=True)
 class Sampling:
     """Sampling controls as the engine sees them (validated at the provider boundary)."""
@@ -143,6 +151,7 @@ class EngineRequest:
 
     status: RequestStatus = RequestStatus.WAITING
     mode: str | None = None
+    exclusive_reason: str | None = None
     uid: int | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
@@ -205,6 +214,8 @@ class EngineRequest:
         out: dict[str, Any] = {}
         if self.mode is not None:
             out["mode"] = self.mode
+        if self.exclusive_reason is not None:
+            out["reason"] = self.exclusive_reason
         if self.peak_batch_size:
             out["peak_batch_size"] = self.peak_batch_size
         if self.started_at is not None:

@@ -1,66 +1,134 @@
-"""Samplers for the exclusive lane.
+"""Samplers: one random stream per request, drawn row by row inside a shared batch.
 
-Sampling draws from an explicit key chain, never from MLX's global random state: that
-global state, advanced on the worker thread, aborts the interpreter at exit ("terminate
-called without an active exception"). It also makes a seeded request reproducible whatever
-ran before it. mlx-lm's samplers are compiled over the global state, hence these.
+Sampling draws from explicit keys, never from MLX's global random state: that global
+state, advanced on the worker thread, aborts the interpreter at exit ("terminate called
+without an active exception"). mlx-lm's samplers are compiled over the global state, hence
+these.
+
+Each sampled request owns a ``RowStream``: its temperature, top_k, top_p, min_p and seed.
+Its n-th token draws with a key derived from ``(seed, n)`` alone, so a seeded request gets
+the same tokens whatever else shares its batch, and in whichever lane it runs.
+``sample_rows`` draws one token for every row of a batch, each with its own controls;
+greedy rows (``None``) take the argmax. Penalties and logit bias are logits processors,
+applied per row before sampling (``backend.make_logits_processors``).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
 import mlx.core as mx
 
 from .request import Sampling
 
 _NEG_INF = float("-inf")
+_MASK64 = (1 << 64) - 1
+
+
+def _stream_key(seed: int, position: int) -> tuple[int, int]:
+    """The key of token ``position`` of the stream ``seed`` (splitmix64 of both), as MLX's two words."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z >> 32, z & 0xFFFFFFFF
+
+
+class RowStream:
+    """One sampled request's controls and random stream; ``position`` counts its draws."""
+
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "position")
+
+    def __init__(self, sampling: Sampling) -> None:
+        self.temperature = float(sampling.temperature)
+        self.top_k = int(sampling.top_k or 0)
+        self.top_p = float(sampling.top_p or 0.0)
+        self.min_p = float(sampling.min_p or 0.0)
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
+        if not 0 <= seed <= _MASK64:
+            raise ValueError(f"seed {seed} is outside [0, 2**64 - 1]")
+        self.seed = int(seed)
+        self.position = 0
+
+    @classmethod
+    def for_sampling(cls, sampling: Sampling) -> "RowStream | None":
+        """The stream of a sampled request, or None for a greedy one (temperature 0)."""
+        return None if sampling.temperature == 0 else cls(sampling)
+
+    def next_key(self) -> tuple[int, int]:
+        key = _stream_key(self.seed, self.position)
+        self.position += 1
+        return key
+
+
+def sample_rows(logprobs: mx.array, rows: Sequence[RowStream | None]) -> mx.array:
+    """One token per row of ``logprobs`` (B, V), row ``i`` drawn with ``rows[i]``'s controls.
+
+    A control no row uses adds no work; a row that does not use a control present in the
+    batch sees it as the identity, so each row's draw is the same in any batch.
+    """
+    if not any(rows):
+        return mx.argmax(logprobs, axis=-1)
+    lp = logprobs
+    top_k = [r.top_k if r else 0 for r in rows]
+    if any(top_k):
+        lp = _top_k(lp, mx.array(top_k)[:, None])
+    top_p = [r.top_p if r and 0.0 < r.top_p < 1.0 else 1.0 for r in rows]
+    if any(p < 1.0 for p in top_p):
+        lp = _top_p(lp, mx.array(top_p)[:, None])
+    min_p = [r.min_p if r else 0.0 for r in rows]
+    if any(min_p):
+        lp = _min_p(lp, mx.array(min_p)[:, None])
+    inverse_temperature = mx.array([1.0 / r.temperature if r else 1.0 for r in rows])[:, None]
+    keys = mx.array([r.next_key() if r else (0, 0) for r in rows], dtype=mx.uint32)
+    drawn = mx.vmap(_draw)(lp * inverse_temperature, keys)
+    if all(rows):
+        return drawn
+    greedy = mx.array([r is None for r in rows])
+    return mx.where(greedy, mx.argmax(logprobs, axis=-1), drawn)
 
 
 def make_sampler(sampling: Sampling) -> Callable[[mx.array], mx.array]:
-    seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
-    state = {"key": mx.random.key(int(seed))}
-    temperature = float(sampling.temperature)
-    top_k = int(sampling.top_k or 0)
-    top_p = float(sampling.top_p or 0.0)
-    min_p = float(sampling.min_p or 0.0)
+    """A sampler for one request (the serialized and speculative lanes): the same stream and
+    draws as its row in a shared batch. Speculative verification hands several positions at
+    once; each takes the stream's next key."""
+    row = RowStream.for_sampling(sampling)
 
     def sample(logprobs: mx.array) -> mx.array:
-        if temperature == 0:
+        if row is None:
             return mx.argmax(logprobs, axis=-1)
-        if top_k > 0:
-            logprobs = _top_k(logprobs, top_k)
-        if 0.0 < top_p < 1.0:
-            logprobs = _top_p(logprobs, top_p)
-        if min_p > 0.0:
-            logprobs = _min_p(logprobs, min_p)
-        key, sub = mx.random.split(state["key"])
-        state["key"] = key
-        return mx.random.categorical(logprobs * (1.0 / temperature), key=sub)
+        flat = logprobs.reshape(-1, logprobs.shape[-1])
+        return sample_rows(flat, [row] * flat.shape[0]).reshape(logprobs.shape[:-1])
 
     return sample
 
 
-def _top_k(logprobs: mx.array, k: int) -> mx.array:
-    k = min(k, logprobs.shape[-1])
-    kth = mx.sort(logprobs, axis=-1)[..., -k][..., None]
-    return mx.where(logprobs < kth, _NEG_INF, logprobs)
+def _draw(logits: mx.array, key: mx.array) -> mx.array:
+    return mx.random.categorical(logits, key=key)
 
 
-def _top_p(logprobs: mx.array, top_p: float) -> mx.array:
+def _top_k(logprobs: mx.array, k: mx.array) -> mx.array:
+    """Keep each row's ``k`` best (``k`` == 0: keep all)."""
+    vocab = logprobs.shape[-1]
+    kth = mx.take_along_axis(mx.sort(logprobs, axis=-1), vocab - mx.clip(k, 1, vocab), axis=-1)
+    return mx.where((k > 0) & (logprobs < kth), _NEG_INF, logprobs)
+
+
+def _top_p(logprobs: mx.array, top_p: mx.array) -> mx.array:
+    """Keep each row's smallest prefix whose mass reaches ``top_p`` (1.0: keep all)."""
     order = mx.argsort(-logprobs, axis=-1)
     sorted_lp = mx.take_along_axis(logprobs, order, axis=-1)
     probs = mx.softmax(sorted_lp, axis=-1)
     cumulative = mx.cumsum(probs, axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    keep_sorted = (cumulative - probs) < top_p
-    filtered_sorted = mx.where(keep_sorted, sorted_lp, _NEG_INF)
-    inverse = mx.argsort(order, axis=-1)
-    return mx.take_along_axis(filtered_sorted, inverse, axis=-1)
+    # the first token always stays
+    keep = ((cumulative - probs) < top_p) | (top_p >= 1.0)
+    filtered = mx.where(keep, sorted_lp, _NEG_INF)
+    return mx.take_along_axis(filtered, mx.argsort(order, axis=-1), axis=-1)
 
 
-def _min_p(logprobs: mx.array, min_p: float) -> mx.array:
+def _min_p(logprobs: mx.array, min_p: mx.array) -> mx.array:
+    """Drop tokens below ``min_p`` times each row's top probability (0: keep all)."""
     probs = mx.softmax(logprobs, axis=-1)
     threshold = mx.max(probs, axis=-1, keepdims=True) * min_p
     return mx.where(probs < threshold, _NEG_INF, logprobs)

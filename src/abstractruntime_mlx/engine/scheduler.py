@@ -2,8 +2,12 @@
 
 Policy (the fairness rule):
 - Requests are considered in arrival order. The head of the waiting queue decides what the
-  next group is: continuous (greedy, no speculation), cohort (greedy MTP of one depth) or
-  exclusive (anything sampled or otherwise incompatible, alone with its own controls).
+  next group is: continuous (no speculation; greedy and sampled rows side by side, each with
+  its own controls), cohort (greedy MTP of one depth) or exclusive (alone with its own
+  controls, where a control cannot be applied per row; ``reason`` says which).
+- Exclusive: sampling or penalties with MTP speculation (a speculative generator draws
+  every row with one sampler), and every sampled request under ``sampled_exclusive`` (the
+  seed's behaviour, kept as an option).
 - A running continuous group admits later compatible requests into free slots, but only
   while the head of the queue is compatible: an incompatible request at the head is a
   barrier, so the group drains and that request runs next. A stream of batchable
@@ -16,10 +20,10 @@ Policy (the fairness rule):
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable
 
-from .request import EngineRequest, ExecutionMode
+from .request import EngineRequest, ExclusiveReason, ExecutionMode
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,18 +31,26 @@ class GroupKey:
     mode: str
     draft_tokens: int
     cache_group: Hashable
+    reason: str | None = field(default=None, compare=False)
+    sampled_exclusive: bool = field(default=False, compare=False)
 
     def admits(self, request: EngineRequest) -> bool:
-        return self.mode != ExecutionMode.EXCLUSIVE and group_key(request) == self
+        return self.mode != ExecutionMode.EXCLUSIVE and group_key(request, sampled_exclusive=self.sampled_exclusive) == self
 
 
-def group_key(request: EngineRequest) -> GroupKey:
+def group_key(request: EngineRequest, *, sampled_exclusive: bool = False) -> GroupKey:
     cache_group = request.cache_group if request.prompt_cache_key is None else ("prefix", request.cache_group)
     if not request.sampling.is_greedy_neutral():
-        return GroupKey(ExecutionMode.EXCLUSIVE, request.draft_tokens, (cache_group, request.request_id))
-    if request.draft_tokens > 0:
+        reason = None
+        if request.draft_tokens > 0:
+            reason = ExclusiveReason.SAMPLED_SPECULATION
+        elif sampled_exclusive:
+            reason = ExclusiveReason.SAMPLED_EXCLUSIVE
+        if reason is not None:
+            return GroupKey(ExecutionMode.EXCLUSIVE, request.draft_tokens, (cache_group, request.request_id), reason)
+    elif request.draft_tokens > 0:
         return GroupKey(ExecutionMode.COHORT, request.draft_tokens, cache_group)
-    return GroupKey(ExecutionMode.CONTINUOUS, 0, cache_group)
+    return GroupKey(ExecutionMode.CONTINUOUS, 0, cache_group, sampled_exclusive=sampled_exclusive)
 
 
 def take_compatible(waiting: deque[EngineRequest], key: GroupKey, limit: int) -> list[EngineRequest]:

@@ -60,7 +60,8 @@ class SerialBackend:
         self.uids: set[int] = set()
 
     # --- admission -------------------------------------------------------------------
-    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any]) -> int:
+    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any], sampling: Sampling | None = None) -> int:
+        """``sampling`` is the one given at construction (one request per backend)."""
         import mlx_lm
 
         if self.uids:

@@ -61,6 +61,7 @@ EXECUTION_DEFAULTS: dict[str, Any] = {
     "mlx_cache_disk_path": None,
     "mlx_cache_disk_max_gb": None,
     "mlx_cache_scope": "local",
+    "mlx_sampled_exclusive": False,
 }
 
 _lease_ids = itertools.count(1)
@@ -117,6 +118,7 @@ class MLXProvider:
             queue_timeout_s=self.execution_options["mlx_queue_timeout_s"],
             output_queue_size=self.execution_options["mlx_output_queue_size"],
             prefill_step_size=self.execution_options["mlx_prefill_step_size"],
+            sampled_exclusive=self.execution_options["mlx_sampled_exclusive"],
         )
         self._lease = next(_lease_ids)
         self._resident: residency.Resident | None = residency.acquire(
@@ -378,6 +380,8 @@ class MLXProvider:
 
     def _on_item(self, prepared: _Prepared, item: Any) -> GenerationChunk | None:
         tracker = prepared.tracker
+        if tracker is not None and tracker.execution_mode is None:
+            tracker.execution_mode = prepared.request.mode  # set at admission, before any output
         match item:
             case TokenDelta(text=text, token_ids=ids):
                 if tracker is not None and ids:
@@ -413,6 +417,7 @@ class MLXProvider:
         if prepared.thinking is not None:
             metadata["thinking"] = prepared.thinking
         if prepared.tracker is not None:
+            prepared.tracker.execution_mode = request.mode
             prepared.tracker.complete(
                 outcome.finish_reason,
                 prompt_tokens=outcome.prompt_tokens,
@@ -484,8 +489,9 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise InvalidControls(f"{name} must be an integer >= {lo}", field=name, value=value)
 
-    if not isinstance(options["mlx_batching"], bool):
-        raise InvalidControls("mlx_batching must be a boolean", field="mlx_batching", value=options["mlx_batching"])
+    for name in ("mlx_batching", "mlx_sampled_exclusive"):
+        if not isinstance(options[name], bool):
+            raise InvalidControls(f"{name} must be a boolean", field=name, value=options[name])
     positive_int("mlx_max_batch_size")
     positive_int("mlx_max_queue_size")
     positive_int("mlx_output_queue_size", lo=2)

@@ -72,6 +72,7 @@ class ProgressTracker:
         self._generated = 0
         self._first_token_at: float | None = None
         self._finished = False
+        self.execution_mode: str | None = None
 
     # --- observations ------------------------------------------------------------------
     def start(self, prompt_tokens: int) -> None:
@@ -154,6 +155,8 @@ class ProgressTracker:
         if not force and self._last_emit is not None and now - self._last_emit < self.min_interval_s:
             return
         full: dict[str, Any] = {"kind": "llm", **event}
+        if self.execution_mode is not None:
+            full["execution_mode"] = self.execution_mode
         if self._prompt_tokens is not None:
             full["prompt_tokens"] = self._prompt_tokens
         if self._cached is not None:
