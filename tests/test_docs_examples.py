@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/provider.md", "docs/progress.md", "docs/check.md", "docs/prompt-cache.md"]
+DOCS = [
+    "README.md",
+    "docs/provider.md",
+    "docs/progress.md",
+    "docs/check.md",
+    "docs/prompt-cache.md",
+    "docs/inspector.md",
+]
 
 
 def python_blocks(path: Path) -> list[str]:
@@ -20,6 +27,7 @@ def test_examples_run(doc, policy_file, tmp_path, monkeypatch):
     blocks = [b for b in python_blocks(ROOT / doc) if "tiny_model(" in b]
     assert blocks, f"{doc} has no runnable example"
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # examples name repo paths, as run from the root
     for block in blocks:
         code = block.replace("/tmp/arm-", str(tmp_path / "arm-"))
         exec(compile(code, f"{doc}:example", "exec"), {"__name__": "__doc_example__"})

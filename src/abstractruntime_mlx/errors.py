@@ -16,6 +16,7 @@ remote client rebuilds the same class from ``code``.
     │   └── PromptCachePathUnsafe (400, prompt_cache_path_unsafe)   symlinked or non-private cache dir
     ├── PolicyError (400, policy_invalid)            the Core policy file is unreadable
     ├── ModelNotFound (404, model_not_found)         weights are not on this machine
+    ├── RunNotFound (404, run_not_found)             the ledger has no such run
     ├── ConflictError (409, conflict)
     │   ├── RequestCancelled (409, cancelled)
     │   ├── OwnerBusy (409, owner_busy)
@@ -121,6 +122,12 @@ class PolicyError(MLXRuntimeError):
 
 class ModelNotFound(MLXRuntimeError):
     code = "model_not_found"
+    http_status = 404
+    type = "not_found_error"
+
+
+class RunNotFound(MLXRuntimeError):
+    code = "run_not_found"
     http_status = 404
     type = "not_found_error"
 

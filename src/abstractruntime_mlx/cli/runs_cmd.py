@@ -3,6 +3,7 @@
     abstractruntime-mlx runs list [--limit 20] [--status completed]
     abstractruntime-mlx runs show RUN_ID        # steps, node results, phase timeline
     abstractruntime-mlx runs replay RUN_ID      # re-render from the ledger; resume if interrupted
+    abstractruntime-mlx runs web                # the same in a browser, live (runs_web_cmd)
 
 ``RUN_ID`` may be a unique prefix. The ledger is ``--ledger URL_OR_PATH``, else
 ``$ABSTRACTRUNTIME_MLX_LEDGER``, else ``~/.abstractruntime-mlx/ledger.sqlite``. ``list``,
@@ -60,6 +61,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     replay.add_argument("--no-resume", action="store_true", help="only render, even if the run is unfinished")
     replay.add_argument("--json", action="store_true")
     replay.set_defaults(handler=_replay)
+
+    from . import runs_web_cmd
+
+    runs_web_cmd.add_parser(actions)
 
 
 # --------------------------------------------------------------------------------------

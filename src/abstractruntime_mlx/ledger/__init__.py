@@ -23,7 +23,7 @@ from .errors import (
     wrap_db_errors,
 )
 from .models import SCHEMA_VERSION
-from .queries import ProgressRow, RunDetail, RunSummary, StepRow
+from .queries import ProgressRow, RunCursor, RunDetail, RunSummary, StepRow
 from .store import (
     DEFAULT_BUSY_TIMEOUT_MS,
     Ledger,
@@ -48,6 +48,7 @@ __all__ = [
     "ProgressEvent",
     "ProgressRow",
     "ProgressWriter",
+    "RunCursor",
     "RunDetail",
     "RunSummary",
     "StepRow",

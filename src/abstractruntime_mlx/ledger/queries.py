@@ -16,11 +16,14 @@ from .models import Progress, Run, Step
 __all__ = [
     "ProgressRow",
     "RunDetail",
+    "RunCursor",
     "RunSummary",
     "StepRow",
     "get_run",
     "list_runs",
+    "list_workflows",
     "node_timeline",
+    "run_cursor",
     "run_steps",
     "step_record",
 ]
@@ -32,6 +35,9 @@ class RunSummary:
 
     ``duration_s`` is ``updated_at - created_at`` (up to the last checkpoint); ``node_count``
     counts distinct node ids among the run's step records; ``progress_count`` its progress rows.
+    ``prompt_tokens`` / ``generated_tokens`` sum, over the run's LLM calls (node, step, attempt),
+    the largest count any of the call's progress rows reported (so a call still running counts
+    what it has so far).
     """
 
     run_id: str
@@ -44,6 +50,19 @@ class RunSummary:
     progress_count: int
     parent_run_id: str | None
     wait_reason: str | None
+    prompt_tokens: int
+    generated_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunCursor:
+    """What changes while a run is live: a poller compares two cursors to know whether to re-read."""
+
+    run_id: str
+    status: str
+    updated_at: dt.datetime
+    last_step_seq: int
+    last_progress_seq: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +143,29 @@ def _counts(session: Session, column: Any, run_column: Any, run_ids: Sequence[st
     return {run_id: int(count) for run_id, count in session.execute(stmt)}
 
 
-def _summary_fields(run: Run, node_counts: dict[str, int], progress_counts: dict[str, int]) -> dict[str, Any]:
+def _token_sums(session: Session, run_ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+    if not run_ids:
+        return {}
+    per_call = (
+        select(
+            Progress.run_id.label("run_id"),
+            func.max(Progress.prompt_tokens).label("prompt"),
+            func.max(Progress.generated_tokens).label("generated"),
+        )
+        .where(Progress.run_id.in_(run_ids))
+        .group_by(Progress.run_id, Progress.node_id, Progress.step_id, Progress.attempt)
+        .subquery()
+    )
+    stmt = select(per_call.c.run_id, func.sum(per_call.c.prompt), func.sum(per_call.c.generated)).group_by(
+        per_call.c.run_id
+    )
+    return {run_id: (int(prompt or 0), int(generated or 0)) for run_id, prompt, generated in session.execute(stmt)}
+
+
+def _summary_fields(
+    run: Run, node_counts: dict[str, int], progress_counts: dict[str, int], tokens: dict[str, tuple[int, int]]
+) -> dict[str, Any]:
+    prompt_tokens, generated_tokens = tokens.get(run.run_id, (0, 0))
     return {
         "run_id": run.run_id,
         "workflow_id": run.workflow_id,
@@ -136,19 +177,48 @@ def _summary_fields(run: Run, node_counts: dict[str, int], progress_counts: dict
         "progress_count": progress_counts.get(run.run_id, 0),
         "parent_run_id": run.parent_run_id,
         "wait_reason": run.wait_reason,
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": generated_tokens,
     }
 
 
-def list_runs(session: Session, *, limit: int = 50, status: str | None = None) -> list[RunSummary]:
-    """The ``limit`` most recently updated runs (optionally of one ``status``)."""
+def list_runs(
+    session: Session,
+    *,
+    limit: int = 50,
+    status: str | None = None,
+    workflow_id: str | None = None,
+    session_id: str | None = None,
+) -> list[RunSummary]:
+    """The ``limit`` most recently updated runs matching every given filter."""
     stmt = select(Run).order_by(Run.updated_at.desc(), Run.run_id).limit(max(0, int(limit)))
     if status is not None:
         stmt = stmt.where(Run.status == str(getattr(status, "value", status)))
+    if workflow_id is not None:
+        stmt = stmt.where(Run.workflow_id == workflow_id)
+    if session_id is not None:
+        stmt = stmt.where(Run.session_id == session_id)
     runs = list(session.scalars(stmt))
     run_ids = [run.run_id for run in runs]
     node_counts = _counts(session, func.count(distinct(Step.node_id)), Step.run_id, run_ids)
     progress_counts = _counts(session, func.count(Progress.id), Progress.run_id, run_ids)
-    return [RunSummary(**_summary_fields(run, node_counts, progress_counts)) for run in runs]
+    tokens = _token_sums(session, run_ids)
+    return [RunSummary(**_summary_fields(run, node_counts, progress_counts, tokens)) for run in runs]
+
+
+def list_workflows(session: Session) -> list[str]:
+    """Every workflow id with at least one run, sorted."""
+    return sorted(session.scalars(select(Run.workflow_id).distinct()))
+
+
+def run_cursor(session: Session, run_id: str) -> RunCursor | None:
+    """The run's status, last checkpoint time and last step / progress ``seq`` (0 when none)."""
+    run = session.execute(select(Run.status, Run.updated_at).where(Run.run_id == run_id)).first()
+    if run is None:
+        return None
+    last_step = session.scalar(select(func.max(Step.seq)).where(Step.run_id == run_id))
+    last_progress = session.scalar(select(func.max(Progress.seq)).where(Progress.run_id == run_id))
+    return RunCursor(run_id, run.status, run.updated_at, int(last_step or 0), int(last_progress or 0))
 
 
 def get_run(session: Session, run_id: str) -> RunDetail | None:
@@ -159,7 +229,7 @@ def get_run(session: Session, run_id: str) -> RunDetail | None:
     progress_counts = _counts(session, func.count(Progress.id), Progress.run_id, [run_id])
     step_counts = _counts(session, func.count(Step.id), Step.run_id, [run_id])
     return RunDetail(
-        **_summary_fields(run, node_counts, progress_counts),
+        **_summary_fields(run, node_counts, progress_counts, _token_sums(session, [run_id])),
         session_id=run.session_id,
         actor_id=run.actor_id,
         step_count=step_counts.get(run_id, 0),
@@ -196,9 +266,15 @@ def run_steps(session: Session, run_id: str) -> list[StepRow]:
 _PROGRESS_FIELDS = tuple(name for name in ProgressRow.__dataclass_fields__ if name != "event")
 
 
-def node_timeline(session: Session, run_id: str, node_id: str | None = None) -> list[ProgressRow]:
-    """The run's progress rows (of one node, if given) ordered by ``seq``."""
-    stmt = select(Progress).where(Progress.run_id == run_id)
+def node_timeline(
+    session: Session, run_id: str, node_id: str | None = None, *, after_seq: int = 0
+) -> list[ProgressRow]:
+    """The run's progress rows (of one node, if given) with ``seq > after_seq``, ordered by ``seq``.
+
+    ``seq`` is allocated per run in commit order on every dialect, so a tail that remembers the
+    last ``seq`` it saw misses nothing.
+    """
+    stmt = select(Progress).where(Progress.run_id == run_id, Progress.seq > int(after_seq))
     if node_id is not None:
         stmt = stmt.where(Progress.node_id == node_id)
     stmt = stmt.order_by(Progress.seq)

@@ -634,10 +634,29 @@ class Ledger:
 
     # -- queries (plain dataclasses) ------------------------------------------------
 
-    def list_runs(self, limit: int = 50, *, status: str | None = None) -> list[queries.RunSummary]:
+    def list_runs(
+        self,
+        limit: int = 50,
+        *,
+        status: str | None = None,
+        workflow_id: str | None = None,
+        session_id: str | None = None,
+    ) -> list[queries.RunSummary]:
         """Run summaries, most recently updated first (see ``queries.RunSummary``)."""
         with self._read("list runs") as session:
-            return queries.list_runs(session, limit=limit, status=status)
+            return queries.list_runs(
+                session, limit=limit, status=status, workflow_id=workflow_id, session_id=session_id
+            )
+
+    def list_workflows(self) -> list[str]:
+        """Every workflow id with a run in this ledger, sorted."""
+        with self._read("list workflows") as session:
+            return queries.list_workflows(session)
+
+    def run_cursor(self, run_id: str) -> queries.RunCursor | None:
+        """Cheap change detection for a live run (see ``queries.RunCursor``)."""
+        with self._read(f"read cursor of run {run_id}") as session:
+            return queries.run_cursor(session, run_id)
 
     def get_run(self, run_id: str) -> queries.RunDetail | None:
         with self._read(f"get run {run_id}") as session:
@@ -647,9 +666,11 @@ class Ledger:
         with self._read(f"read steps of run {run_id}") as session:
             return queries.run_steps(session, run_id)
 
-    def node_timeline(self, run_id: str, node_id: str | None = None) -> list[queries.ProgressRow]:
+    def node_timeline(
+        self, run_id: str, node_id: str | None = None, *, after_seq: int = 0
+    ) -> list[queries.ProgressRow]:
         with self._read(f"read progress of run {run_id}") as session:
-            return queries.node_timeline(session, run_id, node_id)
+            return queries.node_timeline(session, run_id, node_id, after_seq=after_seq)
 
 
 def open_ledger(url: str, **options: Any) -> Ledger:

@@ -1,0 +1,410 @@
+"""What a person looks at for one run, built from the ledger alone.
+
+    view = run_view(ledger, run_id)      # -> RunView (None if the run is unknown)
+    view.calls[0].segments()             # prefill / generation spans of one LLM call
+    view.as_dict()                       # JSON-safe, what the web inspector ships
+
+One ``CallView`` per LLM call (node, step, attempt): a node that runs twice in a loop is two
+calls. Times are seconds since the run was created. The prefill segment runs from the call's
+start (its first phase event minus that event's ``elapsed_s``) to its first token; the
+generation segment from the first token to ``complete`` (or to the latest event while the
+call is still running). Controls, execution, speculation and prompt-cache figures come from
+the call's recorded result; while it runs, the controls the node asked for are shown with the
+source ``requested``.
+
+Reads through ``Ledger``'s query methods only; used by ``runs show``, ``runs web`` and the
+live view of ``run``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .ledger import Ledger, ProgressRow, RunDetail, RunSummary, StepRow
+
+__all__ = [
+    "CallSample",
+    "CallView",
+    "ControlView",
+    "RunView",
+    "call_views",
+    "control_text",
+    "node_labels",
+    "run_view",
+    "summary_dict",
+]
+
+TERMINAL_STEP_STATUSES = frozenset({"completed", "failed", "cancelled"})
+
+
+@dataclass(frozen=True, slots=True)
+class CallSample:
+    """One phase event of a call, as a point on its charts."""
+
+    t: float
+    phase: str
+    prompt_tokens: int | None
+    prefill_processed_tokens: int | None
+    generated_tokens: int | None
+    tokens_per_second: float | None
+    prefill_tokens_per_second: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ControlView:
+    """One control's effective value and the level that decided it (call, node, run, policy, ...)."""
+
+    name: str
+    value: str
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallView:
+    key: str
+    node_id: str
+    label: str
+    step_id: str | None
+    attempt: int
+    status: str
+    lane: str | None
+    start_s: float | None
+    first_token_s: float | None
+    end_s: float | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    generated_tokens: int | None
+    ttft_s: float | None
+    tokens_per_second: float | None
+    prefill_tokens_per_second: float | None
+    finish_reason: str | None
+    prompt: str | None
+    system_prompt: str | None
+    response: str | None
+    error: str | None
+    controls: list[ControlView]
+    usage: dict[str, Any]
+    execution: dict[str, Any]
+    speculation: dict[str, Any]
+    prompt_cache: dict[str, Any]
+    sibling_batch: dict[str, Any]
+    client: dict[str, Any]
+    samples: list[CallSample] = field(default_factory=list)
+
+    @property
+    def phase(self) -> str:
+        """``queued``, ``prefill``, ``generate``, or the terminal status."""
+        if self.status in TERMINAL_STEP_STATUSES:
+            return self.status
+        if not self.samples:
+            return "queued"
+        return self.samples[-1].phase
+
+    @property
+    def prefill_processed_tokens(self) -> int | None:
+        """Prompt tokens in the KV cache: all of them once a token exists, else the latest position."""
+        if self.first_token_s is not None:
+            return self.prompt_tokens
+        for sample in reversed(self.samples):
+            if sample.prefill_processed_tokens is not None:
+                return sample.prefill_processed_tokens
+        return None
+
+    @property
+    def acceptance(self) -> float | None:
+        """MTP draft acceptance (accepted / drafted tokens), when speculation ran."""
+        drafted = self.speculation.get("drafted_tokens")
+        accepted = self.speculation.get("accepted_tokens")
+        if isinstance(drafted, (int, float)) and isinstance(accepted, (int, float)) and drafted > 0:
+            return float(accepted) / float(drafted)
+        return None
+
+    def segments(self) -> list[tuple[str, float, float]]:
+        """``[("queue", a, b), ("prefill", b, c), ("generate", c, d)]`` in run seconds, as far as known.
+
+        The queue segment exists once the result reports ``execution.queue_s``; before that the
+        time waiting for a batch slot is part of the prefill segment.
+        """
+        if self.start_s is None:
+            return []
+        end = max(self.end_s if self.end_s is not None else self.start_s, self.start_s)
+        prefill_end = end if self.first_token_s is None else self.first_token_s
+        out: list[tuple[str, float, float]] = []
+        prefill_start = self.start_s
+        queue_s = self.execution.get("queue_s")
+        if isinstance(queue_s, (int, float)) and queue_s > 0:
+            prefill_start = min(self.start_s + float(queue_s), prefill_end)
+            out.append(("queue", self.start_s, prefill_start))
+        out.append(("prefill", prefill_start, prefill_end))
+        if self.first_token_s is not None:
+            out.append(("generate", self.first_token_s, max(end, self.first_token_s)))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class RunView:
+    summary: RunSummary
+    error: str | None
+    current_node: str | None
+    steps: list[StepRow]
+    calls: list[CallView]
+    last_step_seq: int
+    last_progress_seq: int
+
+    @property
+    def live(self) -> bool:
+        return self.summary.status == "running"
+
+    @property
+    def horizon_s(self) -> float:
+        """The end of the time axis: the run's duration or the latest call end, whichever is later."""
+        ends = [c.end_s for c in self.calls if c.end_s is not None]
+        return max([self.summary.duration_s, *ends, 1e-3])
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "run": summary_dict(self.summary),
+            "error": self.error,
+            "current_node": self.current_node,
+            "live": self.live,
+            "horizon_s": self.horizon_s,
+            "last_step_seq": self.last_step_seq,
+            "last_progress_seq": self.last_progress_seq,
+            "steps": [_step_dict(s) for s in self.steps],
+            "calls": [_call_dict(c) for c in self.calls],
+        }
+
+
+def summary_dict(summary: RunSummary) -> dict[str, Any]:
+    """A run summary as JSON-safe values (datetimes as ISO-8601 UTC)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(RunSummary):
+        value = getattr(summary, f.name)
+        out[f.name] = value.isoformat() if isinstance(value, dt.datetime) else value
+    return out
+
+
+def _step_dict(step: StepRow) -> dict[str, Any]:
+    effect = step.effect_type
+    if effect == "emit_event":
+        payload = (step.record.get("effect") or {}).get("payload") or {}
+        effect = str(payload.get("name") or effect)
+    return {
+        "seq": step.seq,
+        "node_id": step.node_id,
+        "status": step.status,
+        "effect": effect,
+        "attempt": step.attempt,
+        "duration_s": step.duration_s,
+        "error": step.error,
+    }
+
+
+def _call_dict(call: CallView) -> dict[str, Any]:
+    out = dataclasses.asdict(call)
+    out["phase"] = call.phase
+    out["prefill_processed_tokens"] = call.prefill_processed_tokens
+    out["acceptance"] = call.acceptance
+    out["segments"] = [{"phase": p, "start_s": a, "end_s": b} for p, a, b in call.segments()]
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Building
+# --------------------------------------------------------------------------------------
+
+
+def run_view(ledger: Ledger, run_id: str) -> RunView | None:
+    """Everything the inspector shows about one run, or None if the ledger has no such run."""
+    detail = ledger.get_run(run_id)
+    if detail is None:
+        return None
+    steps = ledger.run_steps(run_id)
+    progress = ledger.node_timeline(run_id)
+    state = detail.state
+    error = state.get("error")
+    current = state.get("current_node")
+    return RunView(
+        summary=_summary_of(detail),
+        error=str(error) if error else None,
+        current_node=str(current) if current else None,
+        steps=steps,
+        calls=call_views(detail, steps, progress),
+        last_step_seq=max((s.seq for s in steps), default=0),
+        last_progress_seq=max((p.seq for p in progress), default=0),
+    )
+
+
+def _summary_of(detail: RunDetail) -> RunSummary:
+    return RunSummary(**{f.name: getattr(detail, f.name) for f in dataclasses.fields(RunSummary)})
+
+
+def node_labels(run_state: Mapping[str, Any]) -> dict[str, str]:
+    """``node_id -> label`` from the flow stored with the run (the node id when it has no label)."""
+    runtime_ns = (run_state.get("vars") or {}).get("_runtime") if isinstance(run_state.get("vars"), Mapping) else None
+    stored = runtime_ns.get("mlx_pack") if isinstance(runtime_ns, Mapping) else None
+    flow = stored.get("flow") if isinstance(stored, Mapping) else None
+    labels: dict[str, str] = {}
+    for node in (flow or {}).get("nodes", []) if isinstance(flow, Mapping) else []:
+        if not isinstance(node, Mapping) or not node.get("id"):
+            continue
+        data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+        label = data.get("label") or data.get("title")
+        labels[str(node["id"])] = str(label) if label else str(node["id"])
+    return labels
+
+
+def call_views(detail: RunDetail, steps: Sequence[StepRow], progress: Sequence[ProgressRow]) -> list[CallView]:
+    """One ``CallView`` per LLM call of the run, ordered by start time."""
+    origin = detail.created_at
+    labels = node_labels(detail.state)
+    started: dict[tuple[str, int], StepRow] = {}
+    ended: dict[tuple[str, int], StepRow] = {}
+    for step in steps:
+        if step.effect_type != "llm_call":
+            continue
+        key = (step.step_id, step.attempt)
+        if step.status in TERMINAL_STEP_STATUSES:
+            ended[key] = step
+        else:
+            started.setdefault(key, step)
+    rows_by_call: dict[tuple[str, int], list[ProgressRow]] = {}
+    node_of: dict[tuple[str, int], str] = {}
+    for row in progress:
+        key = (row.step_id or f"node:{row.node_id}", row.attempt or 1)
+        rows_by_call.setdefault(key, []).append(row)
+        node_of.setdefault(key, row.node_id)
+    for key, step in [*started.items(), *ended.items()]:
+        node_of.setdefault(key, step.node_id)
+    calls = [
+        _call_view(key, node_of[key], labels, started.get(key), ended.get(key), rows_by_call.get(key, []), origin)
+        for key in node_of
+    ]
+    return sorted(calls, key=lambda c: (c.start_s if c.start_s is not None else float("inf"), c.node_id))
+
+
+def _secs(when: dt.datetime | None, origin: dt.datetime) -> float | None:
+    return None if when is None else (when - origin).total_seconds()
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return dict(value) if isinstance(value, Mapping) else {}
+
+
+def _call_view(
+    key: tuple[str, int],
+    node_id: str,
+    labels: Mapping[str, str],
+    started: StepRow | None,
+    ended: StepRow | None,
+    rows: Sequence[ProgressRow],
+    origin: dt.datetime,
+) -> CallView:
+    step_id, attempt = key
+    recorded = ended or started
+    record = recorded.record if recorded is not None else {}
+    payload = _dict(_dict(record.get("effect")).get("payload"))
+    result = _dict(record.get("result")) if ended is not None else {}
+    meta = _dict(result.get("metadata"))
+    execution = _dict(meta.get("execution"))
+    client = _dict(meta.get("client"))
+
+    samples = [
+        CallSample(
+            t=round(_secs(r.created_at, origin) or 0.0, 6),
+            phase=r.phase or "?",
+            prompt_tokens=r.prompt_tokens,
+            prefill_processed_tokens=r.prefill_processed_tokens,
+            generated_tokens=r.generated_tokens,
+            tokens_per_second=r.tokens_per_second,
+            prefill_tokens_per_second=r.prefill_tokens_per_second,
+        )
+        for r in rows
+    ]
+    start_s = first_token_s = end_s = None
+    if rows:
+        first = rows[0]
+        start_s = (_secs(first.created_at, origin) or 0.0) - float(first.elapsed_s or 0.0)
+        ttft = next((r.ttft_s for r in rows if r.ttft_s is not None), None)
+        first_token_s = start_s + ttft if ttft is not None else None
+        end_s = max(s.t for s in samples)
+    elif recorded is not None:  # a call recorded without phase events
+        start_s = _secs(recorded.started_at, origin)
+        end_s = _secs(recorded.ended_at, origin)
+    last = rows[-1] if rows else None
+    status = ended.status if ended is not None else ("completed" if last is not None and last.final else "running")
+    lane = execution.get("mode")
+    if client.get("kind") == "remote":
+        lane = f"remote/{lane}" if lane else "remote"
+    usage = _dict(result.get("usage"))
+
+    def latest(name: str) -> Any:
+        return next((getattr(r, name) for r in reversed(rows) if getattr(r, name) is not None), None)
+
+    return CallView(
+        key=f"{step_id}:{attempt}",
+        node_id=node_id,
+        label=labels.get(node_id, node_id),
+        step_id=None if step_id.startswith("node:") else step_id,
+        attempt=attempt,
+        status=status,
+        lane=str(lane) if lane else None,
+        start_s=_round(start_s),
+        first_token_s=_round(first_token_s),
+        end_s=_round(end_s),
+        prompt_tokens=latest("prompt_tokens") or usage.get("prompt_tokens"),
+        cached_tokens=latest("cached_tokens"),
+        generated_tokens=latest("generated_tokens") or usage.get("completion_tokens"),
+        ttft_s=latest("ttft_s") or execution.get("ttft_s"),
+        tokens_per_second=latest("tokens_per_second"),
+        prefill_tokens_per_second=latest("prefill_tokens_per_second"),
+        finish_reason=(last.finish_reason if last is not None else None) or result.get("finish_reason"),
+        prompt=_opt_text(payload.get("prompt")),
+        system_prompt=_opt_text(payload.get("system_prompt")),
+        response=_opt_text(result.get("content")) if ended is not None else None,
+        error=ended.error if ended is not None else None,
+        controls=_controls(meta, payload),
+        usage=usage,
+        execution=execution,
+        speculation=_dict(meta.get("speculation")),
+        prompt_cache=_dict(meta.get("prompt_cache")),
+        sibling_batch=_dict(meta.get("sibling_batch")),
+        client=client,
+        samples=samples,
+    )
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def _opt_text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _controls(meta: Mapping[str, Any], payload: Mapping[str, Any]) -> list[ControlView]:
+    recorded = _dict(meta.get("controls"))
+    if recorded:
+        names = [k for k in recorded if not k.endswith("_source")]
+        return [ControlView(n, control_text(recorded[n]), str(recorded.get(f"{n}_source") or "?")) for n in names]
+    params = _dict(payload.get("params"))
+    return [ControlView(n, control_text(params[n]), "requested") for n in ("speculation", "thinking") if n in params]
+
+
+def control_text(value: Any) -> str:
+    """A control value as a person reads it: ``off``, ``on``, ``native_mtp(depth=2)``, ``model default``."""
+    if value is None:
+        return "model default"
+    if value is False:
+        return "off"
+    if value is True:
+        return "on"
+    if isinstance(value, Mapping):
+        mode = value.get("mode") or "native_mtp"
+        depth = value.get("num_draft_tokens")
+        return f"{mode}(depth={depth})" if depth else str(mode)
+    return str(value)

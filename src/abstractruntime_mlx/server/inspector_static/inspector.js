@@ -1,0 +1,308 @@
+// The run inspector's pages. No dependencies: the server embeds the first data in
+// <script id="initial">, the page renders it, then server-sent events keep it current.
+"use strict";
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "class") node.className = v;
+    else node.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const child of children.flat(Infinity)) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function svg(tag, attrs, ...children) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v !== null && v !== undefined) node.setAttribute(k, String(v));
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function setChildren(node, ...children) {
+  // Like replaceChildren, but nested arrays are flattened and null/undefined skipped.
+  node.replaceChildren(...children.flat(Infinity).filter((c) => c !== null && c !== undefined && c !== false));
+}
+
+function utc(iso) {
+  if (!iso) return "";
+  return new Date(iso).toISOString().replace("T", " ").slice(0, 19);
+}
+
+function seconds(value) {
+  if (value === null || value === undefined) return "";
+  return value < 1 ? `${Math.round(value * 1000)} ms` : `${value.toFixed(2)} s`;
+}
+
+function count(value) {
+  return value === null || value === undefined ? "" : Number(value).toLocaleString("en-US");
+}
+
+function statusBadge(status) {
+  return el("span", { class: `status status-${status}` }, status);
+}
+
+function initial() {
+  return JSON.parse(document.getElementById("initial").textContent);
+}
+
+function follow(url, handlers) {
+  // EventSource reconnects by itself after a dropped connection; "end" closes it for good.
+  const source = new EventSource(url);
+  const live = document.getElementById("live");
+  for (const [name, handler] of Object.entries(handlers)) {
+    source.addEventListener(name, (event) => handler(JSON.parse(event.data)));
+  }
+  source.addEventListener("end", () => { source.close(); live.hidden = true; });
+  source.onopen = () => { live.hidden = false; };
+  source.onerror = () => { live.hidden = true; };
+  return source;
+}
+
+// ------------------------------------------------------------------ run list
+
+function renderList(data) {
+  document.getElementById("ledger").textContent = data.ledger;
+  const statusSelect = document.getElementById("status");
+  const workflowSelect = document.getElementById("workflow");
+  fillSelect(statusSelect, data.statuses, data.filters.status);
+  fillSelect(workflowSelect, data.workflows, data.filters.workflow);
+  const body = document.querySelector("#runs tbody");
+  body.replaceChildren(...data.runs.map((r) => el("tr", { "data-run-id": r.run_id, "data-status": r.status },
+    el("td", { class: "mono" }, el("a", { href: `/runs/${encodeURIComponent(r.run_id)}` }, r.run_id)),
+    el("td", {}, statusBadge(r.status)),
+    el("td", {}, r.workflow_id),
+    el("td", {}, utc(r.created_at)),
+    el("td", { class: "num" }, seconds(r.duration_s)),
+    el("td", { class: "num" }, r.node_count),
+    el("td", { class: "num" }, count(r.prompt_tokens)),
+    el("td", { class: "num" }, count(r.generated_tokens)),
+    el("td", { class: "num" }, r.progress_count),
+  )));
+  document.getElementById("empty").hidden = data.runs.length > 0;
+}
+
+function fillSelect(select, values, chosen) {
+  const keep = select.options[0];
+  select.replaceChildren(keep, ...values.map((v) => el("option", { value: v, selected: v === chosen }, v)));
+}
+
+function listPage() {
+  const data = initial();
+  renderList(data);
+  const query = new URLSearchParams();
+  if (data.filters.status) query.set("status", data.filters.status);
+  if (data.filters.workflow) query.set("workflow", data.filters.workflow);
+  query.set("limit", data.filters.limit);
+  follow(`/api/runs/stream?${query}`, { runs: renderList });
+  for (const id of ["status", "workflow"]) {
+    document.getElementById(id).addEventListener("change", () => document.getElementById("filters").submit());
+  }
+}
+
+// ------------------------------------------------------------------ run page
+
+let selectedKey = null;
+let current = null;
+
+function renderRun(data) {
+  current = data;
+  const run = data.run;
+  document.getElementById("crumb").textContent = `${run.workflow_id} / ${run.run_id}`;
+  const fact = (label, value) => el("span", { class: "fact" }, `${label} `, el("b", {}, value));
+  setChildren(document.getElementById("summary"),
+    el("h1", { class: "mono" }, run.run_id),
+    statusBadge(run.status),
+    fact("workflow", run.workflow_id),
+    fact("started", `${utc(run.created_at)} UTC`),
+    fact("duration", seconds(run.duration_s)),
+    fact("steps", data.steps.length),
+    fact("LLM calls", data.calls.length),
+    fact("tokens", `${count(run.prompt_tokens)} in / ${count(run.generated_tokens)} out`),
+    fact("phase events", run.progress_count),
+    run.parent_run_id ? fact("parent", run.parent_run_id) : null,
+    run.wait_reason ? fact("waiting for", run.wait_reason) : null,
+  );
+  const error = document.getElementById("run-error");
+  error.hidden = !data.error;
+  error.textContent = data.error ? `error: ${data.error}` : "";
+  if (!data.calls.some((c) => c.key === selectedKey)) selectedKey = data.calls.length ? data.calls[0].key : null;
+  renderTimeline(data);
+  renderCharts(data);
+  renderPanel(data);
+  renderSteps(data);
+}
+
+function renderTimeline(data) {
+  const box = document.getElementById("timeline");
+  if (!data.calls.length) {
+    box.replaceChildren(el("p", { class: "message" }, "no LLM calls recorded yet"));
+    return;
+  }
+  const width = Math.max(box.clientWidth || 900, 500);
+  const labelWidth = 170, right = 190, rowHeight = 24, top = 22;
+  const plot = width - labelWidth - right;
+  const horizon = Math.max(data.horizon_s, 1e-3);
+  const x = (t) => labelWidth + (Math.max(0, t) / horizon) * plot;
+  const height = top + data.calls.length * rowHeight + 6;
+  const root = svg("svg", { viewBox: `0 0 ${width} ${height}`, height, role: "img", "aria-label": "timeline" });
+  const axis = svg("g", { class: "axis" });
+  for (let i = 0; i <= 5; i++) {
+    const t = (horizon * i) / 5;
+    axis.append(svg("line", { x1: x(t), x2: x(t), y1: top - 4, y2: height }),
+      svg("text", { x: x(t), y: 12, "text-anchor": "middle" }, `${t.toFixed(2)}s`));
+  }
+  root.append(axis);
+  data.calls.forEach((call, i) => {
+    const y = top + i * rowHeight;
+    const bar = svg("g", { class: `bar${call.key === selectedKey ? " selected" : ""}`, "data-call": call.key, "data-node": call.node_id });
+    bar.append(svg("rect", { class: "track", x: 0, y, width, height: rowHeight, fill: "transparent" }));
+    bar.append(svg("text", { class: "label", x: 6, y: y + 16 }, truncate(call.label === call.node_id ? call.node_id : `${call.label} (${call.node_id})`, 26)));
+    for (const seg of call.segments) {
+      const x0 = x(seg.start_s), x1 = Math.max(x(seg.end_s), x0 + 1.5);
+      bar.append(svg("rect", { class: `seg seg-${seg.phase}`, "data-phase": seg.phase, x: x0, y: y + 5, width: x1 - x0, height: rowHeight - 10, rx: 2 },
+        svg("title", {}, `${call.node_id} ${seg.phase}: ${seg.start_s.toFixed(3)}s → ${seg.end_s.toFixed(3)}s`)));
+    }
+    const facts = [call.lane || call.phase, call.generated_tokens != null ? `${call.generated_tokens} tok` : null,
+      call.tokens_per_second != null ? `${Math.round(call.tokens_per_second)} tok/s` : null].filter(Boolean).join(" · ");
+    bar.append(svg("text", { x: labelWidth + plot + 8, y: y + 16, class: "facts" }, facts));
+    bar.addEventListener("click", () => select(call.key));
+    root.append(bar);
+  });
+  box.replaceChildren(root);
+}
+
+function truncate(text, width) {
+  return text.length <= width ? text : `${text.slice(0, width - 1)}…`;
+}
+
+function renderCharts(data) {
+  const box = document.getElementById("charts");
+  box.replaceChildren(...data.calls.map((call) => {
+    const card = el("div", { class: `chart${call.key === selectedKey ? " selected" : ""}`, "data-call": call.key },
+      el("h3", {}, `${call.label}`, el("span", { class: "muted" }, `  ${call.phase}${call.lane ? " · " + call.lane : ""}`)),
+      chart(call));
+    card.addEventListener("click", () => select(call.key));
+    return card;
+  }));
+}
+
+function chart(call) {
+  const width = 420, height = 90, left = 34, rightPad = 34, top = 6, bottom = 16;
+  const samples = call.samples;
+  const root = svg("svg", { viewBox: `0 0 ${width} ${height}`, preserveAspectRatio: "none" });
+  if (!samples.length) {
+    root.append(svg("text", { x: left, y: 40 }, "no phase events"));
+    return root;
+  }
+  const t0 = call.start_s ?? samples[0].t;
+  const t1 = Math.max(...samples.map((s) => s.t), t0 + 1e-3);
+  const x = (t) => left + ((t - t0) / (t1 - t0)) * (width - left - rightPad);
+  const tpsPoints = samples.filter((s) => s.tokens_per_second != null).map((s) => [s.t, s.tokens_per_second]);
+  const maxTps = Math.max(1, ...tpsPoints.map((p) => p[1]));
+  const yTps = (v) => top + (1 - v / maxTps) * (height - top - bottom);
+  const prefillPoints = [];
+  for (const s of samples) {
+    const total = s.prompt_tokens;
+    if (!total) continue;
+    let done = s.prefill_processed_tokens;
+    if (s.phase !== "prefill") done = total;  // a token exists: the prompt is in the cache
+    if (done == null) done = 0;
+    prefillPoints.push([s.t, Math.min(1, done / total)]);
+  }
+  if (call.start_s != null && call.prompt_tokens) prefillPoints.unshift([call.start_s, 0]);
+  const yPct = (v) => top + (1 - v) * (height - top - bottom);
+  root.append(svg("g", { class: "axis" },
+    svg("line", { x1: left, x2: width - rightPad, y1: height - bottom, y2: height - bottom }),
+    svg("text", { x: left - 4, y: top + 8, "text-anchor": "end" }, Math.round(maxTps)),
+    svg("text", { x: left - 4, y: height - bottom, "text-anchor": "end" }, "0"),
+    svg("text", { x: width - rightPad + 4, y: top + 8 }, "100%"),
+    svg("text", { x: left, y: height - 3 }, `${t0.toFixed(2)}s`),
+    svg("text", { x: width - rightPad, y: height - 3, "text-anchor": "end" }, `${t1.toFixed(2)}s`)));
+  const line = (points, cls, y) => {
+    if (!points.length) return;
+    root.append(svg("polyline", { class: cls, points: points.map(([t, v]) => `${x(t).toFixed(1)},${y(v).toFixed(1)}`).join(" ") }));
+    for (const [t, v] of points) root.append(svg("circle", { class: cls.replace("line", "dot"), cx: x(t), cy: y(v), r: 2.2 }));
+  };
+  line(prefillPoints, "line-prefill", yPct);
+  line(tpsPoints, "line-tps", yTps);
+  root.append(svg("title", {}, `${call.node_id}: tokens/s (blue, left axis) and prefill progress (amber, right axis)`));
+  return root;
+}
+
+function select(key) {
+  selectedKey = key;
+  renderTimeline(current);
+  renderCharts(current);
+  renderPanel(current);
+}
+
+function table(rows) {
+  const shown = rows.filter(([, v]) => v !== null && v !== undefined && v !== "");
+  if (!shown.length) return el("p", { class: "message" }, "none recorded");
+  return el("table", {}, shown.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, v))));
+}
+
+function renderPanel(data) {
+  const panel = document.getElementById("panel");
+  const call = data.calls.find((c) => c.key === selectedKey);
+  if (!call) {
+    panel.replaceChildren(el("p", { class: "message" }, "select a call on the timeline"));
+    return;
+  }
+  const ex = call.execution, spec = call.speculation;
+  setChildren(panel,
+    el("h2", {}, call.label, el("span", { class: "muted" }, ` ${call.node_id} · attempt ${call.attempt} · `), statusBadge(call.status)),
+    el("h3", {}, "controls"),
+    call.controls.length
+      ? el("table", { class: "controls" }, el("tr", {}, el("th", {}, "control"), el("th", {}, "value"), el("th", {}, "decided by")),
+          call.controls.map((c) => el("tr", { "data-control": c.name }, el("td", {}, c.name), el("td", { class: "mono" }, c.value), el("td", { class: "source" }, c.source))))
+      : el("p", { class: "message" }, "none recorded"),
+    el("h3", {}, "execution"),
+    table([["lane", call.lane], ["peak batch", ex.peak_batch_size], ["queue", seconds(ex.queue_s)], ["TTFT", seconds(call.ttft_s)],
+      ["prompt tokens", count(call.prompt_tokens)], ["generated tokens", count(call.generated_tokens)],
+      ["tokens/s", call.tokens_per_second != null ? call.tokens_per_second.toFixed(1) : null],
+      ["prefill tokens/s", call.prefill_tokens_per_second != null ? call.prefill_tokens_per_second.toFixed(1) : null],
+      ["finish", call.finish_reason], ["client", call.client.kind], ["phase events", call.samples.length]]),
+    el("h3", {}, "speculation"),
+    table([["used", spec.used === undefined ? null : String(spec.used)], ["mode", spec.mode], ["draft depth", spec.num_draft_tokens],
+      ["rounds", spec.rounds], ["accepted tokens", spec.accepted_tokens], ["drafted tokens", spec.drafted_tokens],
+      ["acceptance", call.acceptance != null ? `${(100 * call.acceptance).toFixed(1)}%` : null], ["reason", spec.reason]]),
+    el("h3", {}, "prompt cache"),
+    table([["cached prompt tokens", count(call.cached_tokens)], ...Object.entries(call.prompt_cache).map(([k, v]) => [k.replaceAll("_", " "), typeof v === "object" ? JSON.stringify(v) : String(v)])]),
+    call.sibling_batch.role || call.sibling_batch.launched
+      ? [el("h3", {}, "sibling batch"), table(Object.entries(call.sibling_batch).map(([k, v]) => [k.replaceAll("_", " "), typeof v === "object" ? JSON.stringify(v) : String(v)]))]
+      : null,
+    call.error ? [el("h3", {}, "error"), el("pre", { class: "error" }, call.error)] : null,
+    call.system_prompt ? [el("h3", {}, "system prompt"), el("pre", {}, call.system_prompt)] : null,
+    el("h3", {}, "prompt"), el("pre", { class: "prompt" }, call.prompt ?? ""),
+    el("h3", {}, "response"), el("pre", { class: "response" }, call.response ?? (call.status === "running" ? "(generating…)" : "")),
+  );
+}
+
+function renderSteps(data) {
+  document.querySelector("#steps tbody").replaceChildren(...data.steps.map((s) => el("tr", {},
+    el("td", { class: "num" }, s.seq), el("td", {}, s.node_id), el("td", {}, s.status), el("td", {}, s.effect || ""),
+    el("td", { class: "num" }, s.attempt), el("td", { class: "num" }, seconds(s.duration_s)), el("td", { class: "error" }, s.error || ""))));
+}
+
+function runPage() {
+  const data = initial();
+  renderRun(data);
+  if (data.live) follow(`/api/runs/${encodeURIComponent(data.run.run_id)}/stream`, { run: renderRun });
+  window.addEventListener("resize", () => current && renderTimeline(current));
+}
+
+if (document.body.dataset.page === "list") listPage();
+else if (document.body.dataset.page === "run") runPage();
