@@ -48,8 +48,10 @@ class CallSample:
     t: float
     phase: str
     prompt_tokens: int | None
+    cached_tokens: int | None
     prefill_processed_tokens: int | None
     generated_tokens: int | None
+    ttft_s: float | None
     tokens_per_second: float | None
     prefill_tokens_per_second: float | None
 
@@ -93,6 +95,8 @@ class CallView:
     prompt_cache: dict[str, Any]
     sibling_batch: dict[str, Any]
     client: dict[str, Any]
+    recorded: bool = False
+    """The call's terminal step record (its result or error) is in the ledger."""
     samples: list[CallSample] = field(default_factory=list)
 
     @property
@@ -318,8 +322,10 @@ def _call_view(
             t=round(_secs(r.created_at, origin) or 0.0, 6),
             phase=r.phase or "?",
             prompt_tokens=r.prompt_tokens,
+            cached_tokens=r.cached_tokens,
             prefill_processed_tokens=r.prefill_processed_tokens,
             generated_tokens=r.generated_tokens,
+            ttft_s=r.ttft_s,
             tokens_per_second=r.tokens_per_second,
             prefill_tokens_per_second=r.prefill_tokens_per_second,
         )
@@ -374,6 +380,7 @@ def _call_view(
         prompt_cache=_dict(meta.get("prompt_cache")),
         sibling_batch=_dict(meta.get("sibling_batch")),
         client=client,
+        recorded=ended is not None,
         samples=samples,
     )
 

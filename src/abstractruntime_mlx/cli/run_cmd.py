@@ -16,6 +16,7 @@ built offline on first use in ``$XDG_CACHE_HOME/abstractruntime-mlx/tiny-hybrid-
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import sys
@@ -166,19 +167,22 @@ def check_before_run(settings: RunSettings) -> bool:
 
 def run_and_print(settings: RunSettings) -> int:
     from ..runtime_plugin import run_flow
+    from .live import LiveRuns, pick_mode
     from .runs_cmd import print_results
 
     started = time.perf_counter()
-    results = run_flow(
-        settings.flow,
-        vars=settings.vars,
-        runs=settings.runs,
-        ledger_url=settings.ledger_url,
-        model=settings.model,
-        force_model=settings.force_model,
-        provider_options=settings.provider_options,
-        sibling_batching=settings.sibling_batching,
-    )
+    live = LiveRuns(settings.ledger_url, since=dt.datetime.now(dt.UTC), mode=pick_mode(settings.as_json, sys.stdout), out=sys.stdout)
+    with live:
+        results = run_flow(
+            settings.flow,
+            vars=settings.vars,
+            runs=settings.runs,
+            ledger_url=settings.ledger_url,
+            model=settings.model,
+            force_model=settings.force_model,
+            provider_options=settings.provider_options,
+            sibling_batching=settings.sibling_batching,
+        )
     wall_s = time.perf_counter() - started
     print_results(results, as_json=settings.as_json, ledger_url=settings.ledger_url, wall_s=wall_s)
     return 0 if all(r.status == "completed" for r in results) else 1

@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..errors import LedgerNotFound
+from ..inspection import run_view
 from ..ledger import Ledger
 from .run_cmd import default_ledger_url
+from .show_view import calls_table, calls_timeline
 
 # AbstractRuntime's RunStatus values.
 RUN_STATUSES: Final = ("running", "waiting", "completed", "failed", "cancelled")
 
-BAR_WIDTH = 48
 TEXT_WIDTH = 72
 
 
@@ -308,63 +309,31 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False) -> str:
         out.append("")
         out.append("llm nodes")
         out.extend(format_node(n.node_id, n.result) for n in nodes)
-    if progress:
+    view = run_view(ledger, run_id)
+    if view is not None and view.calls:
+        out += ["", "llm calls", calls_table(view), "", calls_timeline(view)]
+    if progress and events:
         out.append("")
-        out.extend(_timeline(progress, steps, detail.created_at, events=events))
+        out.extend(_event_lines(progress, detail.created_at))
     return "\n".join(out)
 
 
-def _timeline(progress: Sequence[Any], steps: Sequence[Any], run_start: dt.datetime, *, events: bool) -> list[str]:
-    by_node: dict[str, list[Any]] = {}
+def _event_lines(progress: Sequence[Any], run_start: dt.datetime) -> list[str]:
+    lines = ["phase events"]
     for row in progress:
-        by_node.setdefault(row.node_id, []).append(row)
-    spans: dict[str, tuple[float, float | None, float]] = {}
-    for node_id, rows in by_node.items():
-        first = min(rows, key=lambda r: r.created_at)
-        start = _secs(first.created_at, run_start) - float(first.elapsed_s or 0.0)
-        token_rows = [r for r in rows if r.ttft_s is not None]
-        first_token = start + float(token_rows[0].ttft_s) if token_rows else None
-        end = max(_secs(r.created_at, run_start) for r in rows)
-        spans[node_id] = (start, first_token, end)
-    horizon = max([end for _, _, end in spans.values()] + [1e-6])
-    lines = [f"phase timeline (seconds since the run started; ░ prefill/queue, █ generation; {len(progress)} events)"]
-    lines.append(f"  {'NODE':14}  0{' ' * (BAR_WIDTH - 1)}{horizon:.2f}s")
-    scale = BAR_WIDTH / horizon
-    for node_id, (start, first_token, end) in sorted(spans.items(), key=lambda kv: kv[1][0]):
-        a = max(0, min(BAR_WIDTH, int(round(start * scale))))
-        b = max(a, min(BAR_WIDTH, int(round((first_token if first_token is not None else end) * scale))))
-        c = max(b, min(BAR_WIDTH, int(round(end * scale))))
-        if c == a:
-            c = min(BAR_WIDTH, a + 1)
-        bar = " " * a + "░" * (b - a) + "█" * (c - b)
-        rows = by_node[node_id]
-        last = rows[-1]
-        facts = [f"{start:.3f}→{end:.3f}s"]
-        if first_token is not None:
-            facts.append(f"ttft {1000 * (first_token - start):.0f}ms")
-        if last.generated_tokens is not None:
-            facts.append(f"{last.generated_tokens} tok")
-        if last.tokens_per_second is not None:
-            facts.append(f"{last.tokens_per_second:.0f} tok/s")
-        facts.append(f"{len(rows)} events")
-        lines.append(f"  {node_id[:14]:14}  |{bar:{BAR_WIDTH}}|  {'  '.join(facts)}")
-    if events:
-        lines.append("")
-        lines.append("phase events")
-        for row in progress:
-            t = _secs(row.created_at, run_start)
-            bits = [f"+{t:7.3f}s", f"{row.node_id[:14]:14}", f"{(row.phase or '?'):8}"]
-            for name in ("prompt_tokens", "cached_tokens", "prefill_processed_tokens", "generated_tokens"):
-                value = getattr(row, name)
-                if value is not None:
-                    bits.append(f"{name}={value}")
-            if row.ttft_s is not None:
-                bits.append(f"ttft={row.ttft_s * 1000:.0f}ms")
-            if row.tokens_per_second is not None:
-                bits.append(f"{row.tokens_per_second:.0f}tok/s")
-            if row.finish_reason:
-                bits.append(f"finish={row.finish_reason}")
-            lines.append("  " + "  ".join(bits))
+        t = _secs(row.created_at, run_start)
+        bits = [f"+{t:7.3f}s", f"{row.node_id[:14]:14}", f"{(row.phase or '?'):8}"]
+        for name in ("prompt_tokens", "cached_tokens", "prefill_processed_tokens", "generated_tokens"):
+            value = getattr(row, name)
+            if value is not None:
+                bits.append(f"{name}={value}")
+        if row.ttft_s is not None:
+            bits.append(f"ttft={row.ttft_s * 1000:.0f}ms")
+        if row.tokens_per_second is not None:
+            bits.append(f"{row.tokens_per_second:.0f}tok/s")
+        if row.finish_reason:
+            bits.append(f"finish={row.finish_reason}")
+        lines.append("  " + "  ".join(bits))
     return lines
 
 

@@ -189,8 +189,10 @@ def list_runs(
     status: str | None = None,
     workflow_id: str | None = None,
     session_id: str | None = None,
+    created_after: dt.datetime | None = None,
 ) -> list[RunSummary]:
-    """The ``limit`` most recently updated runs matching every given filter."""
+    """The ``limit`` most recently updated runs matching every given filter
+    (``created_after``: created at or after that instant)."""
     stmt = select(Run).order_by(Run.updated_at.desc(), Run.run_id).limit(max(0, int(limit)))
     if status is not None:
         stmt = stmt.where(Run.status == str(getattr(status, "value", status)))
@@ -198,6 +200,8 @@ def list_runs(
         stmt = stmt.where(Run.workflow_id == workflow_id)
     if session_id is not None:
         stmt = stmt.where(Run.session_id == session_id)
+    if created_after is not None:
+        stmt = stmt.where(Run.created_at >= created_after)
     runs = list(session.scalars(stmt))
     run_ids = [run.run_id for run in runs]
     node_counts = _counts(session, func.count(distinct(Step.node_id)), Step.run_id, run_ids)

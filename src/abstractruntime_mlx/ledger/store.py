@@ -641,11 +641,17 @@ class Ledger:
         status: str | None = None,
         workflow_id: str | None = None,
         session_id: str | None = None,
+        created_after: dt.datetime | None = None,
     ) -> list[queries.RunSummary]:
         """Run summaries, most recently updated first (see ``queries.RunSummary``)."""
         with self._read("list runs") as session:
             return queries.list_runs(
-                session, limit=limit, status=status, workflow_id=workflow_id, session_id=session_id
+                session,
+                limit=limit,
+                status=status,
+                workflow_id=workflow_id,
+                session_id=session_id,
+                created_after=created_after,
             )
 
     def list_workflows(self) -> list[str]:

@@ -1,0 +1,324 @@
+"""Live phase progress of ``run`` in the terminal, read from the ledger as rows land.
+
+    with LiveRuns(ledger_url, since=started, mode=pick_mode(as_json, sys.stdout)):
+        results = run_flow(...)
+
+A thread re-reads the runs created on the ledger since ``since`` (cheap cursor first, the
+full ``inspection.RunView`` only when a run moved) and hands them to a renderer:
+
+- ``rich`` (stdout is a terminal): one table, a section per run, a row per LLM call: node
+  label, lane, phase, prefill processed / total with a bar, generated tokens, tokens/s, MTP
+  acceptance and prompt-cache hit tokens, redrawn in place.
+- ``plain`` (stdout is a file or a pipe): one line per phase change of each call.
+- ``off`` (``--json``): nothing, so stdout stays one JSON document.
+
+Every run started on the ledger since the command began is shown, also one started by
+another process on the same ledger (the ledger is the only source).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Sequence
+from typing import IO, Any, Literal
+
+from ..inspection import TERMINAL_STEP_STATUSES, CallSample, CallView, RunView, run_view
+from ..ledger import Ledger, RunCursor
+
+__all__ = ["LiveMode", "LiveRuns", "PlainRenderer", "RichRenderer", "pick_mode", "call_line", "runs_table", "sample_line"]
+
+LiveMode = Literal["rich", "plain", "off"]
+DEFAULT_POLL_S = 0.25
+BAR_WIDTH = 10
+
+
+def pick_mode(as_json: bool, stream: IO[str]) -> LiveMode:
+    """``off`` for ``--json``, ``rich`` on a terminal, ``plain`` otherwise."""
+    if as_json:
+        return "off"
+    isatty = getattr(stream, "isatty", None)
+    return "rich" if callable(isatty) and isatty() else "plain"
+
+
+# --------------------------------------------------------------------------------------
+# Formatting shared by both renderers
+# --------------------------------------------------------------------------------------
+
+
+def _int(value: int | None) -> str:
+    return "" if value is None else f"{value:,}"
+
+
+def _prefill_text(call: CallView) -> str:
+    total = call.prompt_tokens
+    done = call.prefill_processed_tokens
+    if not total:
+        return ""
+    done = done or 0
+    return f"{done:,} / {total:,} ({done / total:.0%})"
+
+
+def _prefill_short(call: CallView) -> str:
+    total = call.prompt_tokens
+    if not total:
+        return ""
+    return f"{call.prefill_processed_tokens or 0:,}/{total:,}"
+
+
+def _acceptance_text(call: CallView) -> str:
+    rate = call.acceptance
+    return "" if rate is None else f"{rate:.0%}"
+
+
+def _head(run: RunView, call: CallView) -> str:
+    head = f"[{run.summary.run_id[:8]}] {call.label}"
+    if call.label != call.node_id:
+        head += f" ({call.node_id})"
+    if call.attempt > 1:
+        head += f" attempt {call.attempt}"
+    return head
+
+
+def sample_line(run: RunView, call: CallView, sample: CallSample) -> str:
+    """The line of a phase change: prefill started (with any cache hit) or first token."""
+    bits = [_head(run, call), sample.phase]
+    if sample.phase == "prefill":
+        if sample.prompt_tokens:
+            done = sample.prefill_processed_tokens or 0
+            bits.append(f"{done:,} / {sample.prompt_tokens:,} prompt tokens")
+        if sample.cached_tokens:
+            bits.append(f"cache hit {sample.cached_tokens:,} tokens")
+    else:
+        if sample.ttft_s is not None:
+            bits.append(f"first token after {sample.ttft_s * 1000:.0f}ms")
+        if sample.cached_tokens:
+            bits.append(f"cache hit {sample.cached_tokens:,} tokens")
+    return "  ".join(bits)
+
+
+def call_line(run: RunView, call: CallView) -> str:
+    """One plain line describing ``call`` in its current phase."""
+    phase = call.phase
+    head = _head(run, call)
+    bits = [head, phase]
+    if phase in ("prefill", "queued"):
+        if call.prompt_tokens:
+            bits.append(f"prefill {_prefill_text(call)}")
+        if call.cached_tokens:
+            bits.append(f"cache hit {call.cached_tokens:,} tokens")
+    elif phase == "generate":
+        if call.ttft_s is not None:
+            bits.append(f"ttft {call.ttft_s * 1000:.0f}ms")
+        if call.generated_tokens is not None:
+            bits.append(f"{call.generated_tokens:,} tokens")
+    else:
+        if call.lane:
+            bits.append(f"lane {call.lane}")
+        if call.prompt_tokens is not None:
+            bits.append(f"prompt {call.prompt_tokens:,}")
+        if call.cached_tokens:
+            bits.append(f"cache hit {call.cached_tokens:,}")
+        if call.generated_tokens is not None:
+            bits.append(f"generated {call.generated_tokens:,}")
+        if call.tokens_per_second is not None:
+            bits.append(f"{call.tokens_per_second:.1f} tok/s")
+        if call.acceptance is not None:
+            bits.append(f"mtp acceptance {_acceptance_text(call)}")
+        if call.finish_reason:
+            bits.append(f"finish {call.finish_reason}")
+        if call.error:
+            bits.append(f"error {call.error}")
+    return "  ".join(bits)
+
+
+# --------------------------------------------------------------------------------------
+# Renderers
+# --------------------------------------------------------------------------------------
+
+
+class PlainRenderer:
+    """One line per phase change of each call: prefill started, first token, then the call's
+    end with its lane, counts, rate and MTP acceptance. Phase changes are read from the call's
+    recorded events, so one that began and ended between two polls still gets its line."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self._out = out
+        self._phases: dict[tuple[str, str], str] = {}
+        self._samples_seen: dict[tuple[str, str], int] = {}
+        self._ended: set[tuple[str, str]] = set()
+        self._runs: dict[str, str] = {}
+
+    def update(self, runs: Sequence[RunView]) -> None:
+        for run in sorted(runs, key=lambda r: r.summary.created_at):
+            run_id = run.summary.run_id
+            if run_id not in self._runs:
+                self._runs[run_id] = run.summary.status
+                self._write(f"[{run_id[:8]}] run {run_id} {run.summary.workflow_id} {run.summary.status}")
+            for call in run.calls:
+                key = (run_id, call.key)
+                for sample in call.samples[self._samples_seen.get(key, 0) :]:
+                    if sample.phase in ("prefill", "generate") and sample.phase != self._phases.get(key):
+                        self._phases[key] = sample.phase
+                        self._write(sample_line(run, call, sample))
+                self._samples_seen[key] = len(call.samples)
+                # The end is told with the recorded result (lane, speculation), or when the run stopped.
+                ended = call.recorded or (call.status in TERMINAL_STEP_STATUSES and run.summary.status != "running")
+                if ended and key not in self._ended:
+                    self._ended.add(key)
+                    self._write(call_line(run, call))
+            if run.summary.status != self._runs[run_id]:
+                self._runs[run_id] = run.summary.status
+                self._write(f"[{run_id[:8]}] run {run.summary.status}")
+
+    def close(self) -> None:
+        self._out.flush()
+
+    def _write(self, line: str) -> None:
+        self._out.write(line + "\n")
+        self._out.flush()
+
+
+def runs_table(runs: Sequence[RunView]) -> Any:
+    """A ``rich`` table: a section per run, a row per LLM call."""
+    from rich import box
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, expand=False, show_edge=False, pad_edge=False, header_style="bold")
+    # Figures keep their width; the node label gives way first on a narrow terminal.
+    for name, justify, min_width in (
+        ("run", "left", 8),
+        ("node", "left", 4),
+        ("lane", "left", 10),
+        ("phase", "left", 9),
+        ("prefill", "left", BAR_WIDTH),
+        ("", "right", 9),
+        ("gen", "right", 4),
+        ("tok/s", "right", 6),
+        ("mtp", "right", 4),
+        ("cache", "right", 5),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True, min_width=min_width)  # type: ignore[arg-type]
+    styles = {"prefill": "yellow", "generate": "cyan", "completed": "green", "failed": "red", "queued": "dim"}
+    for index, run in enumerate(sorted(runs, key=lambda r: r.summary.created_at)):
+        if index:
+            table.add_section()
+        run_cell = Text(run.summary.run_id[:8], style=styles.get(run.summary.status, ""))
+        if not run.calls:
+            table.add_row(run_cell, Text(run.summary.workflow_id, style="dim"))
+            continue
+        for position, call in enumerate(run.calls):
+            total = call.prompt_tokens or 0
+            done = call.prefill_processed_tokens or 0
+            bar = ProgressBar(total=max(total, 1), completed=min(done, total) if total else 0, width=BAR_WIDTH)
+            table.add_row(
+                run_cell if position == 0 else "",
+                call.label,
+                call.lane or "",
+                Text(call.phase, style=styles.get(call.phase, "")),
+                bar,
+                _prefill_short(call),
+                _int(call.generated_tokens),
+                "" if call.tokens_per_second is None else f"{call.tokens_per_second:.1f}",
+                _acceptance_text(call),
+                _int(call.cached_tokens) if call.cached_tokens else "",
+            )
+    return table
+
+
+class RichRenderer:
+    """The table above, redrawn in place (``rich.live.Live``); the last state stays on screen."""
+
+    def __init__(self, out: IO[str]) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self._live = Live(console=Console(file=out), refresh_per_second=8, transient=False, auto_refresh=True)
+        self._live.start()
+
+    def update(self, runs: Sequence[RunView]) -> None:
+        self._live.update(runs_table(runs), refresh=True)
+
+    def close(self) -> None:
+        self._live.stop()
+
+
+# --------------------------------------------------------------------------------------
+# The follower
+# --------------------------------------------------------------------------------------
+
+
+class LiveRuns:
+    """Follow the runs created on the ledger since ``since`` and render them until closed."""
+
+    def __init__(
+        self,
+        ledger_url: str,
+        *,
+        since: dt.datetime,
+        mode: LiveMode,
+        out: IO[str],
+        poll_s: float = DEFAULT_POLL_S,
+    ) -> None:
+        self.mode = mode
+        self._url = ledger_url
+        self._since = since
+        self._out = out
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ledger: Ledger | None = None
+        self._renderer: PlainRenderer | RichRenderer | None = None
+        self._cursors: dict[str, RunCursor | None] = {}
+        self._views: dict[str, RunView] = {}
+
+    def __enter__(self) -> LiveRuns:
+        if self.mode == "off":
+            return self
+        self._ledger = Ledger(self._url)
+        self._renderer = RichRenderer(self._out) if self.mode == "rich" else PlainRenderer(self._out)
+        self._thread = threading.Thread(target=self._follow, name="abstractruntime-mlx-live", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.poll()  # the final state, after the runs' last rows were committed
+        finally:
+            assert self._renderer is not None and self._ledger is not None
+            self._renderer.close()
+            self._ledger.close()
+
+    @property
+    def views(self) -> list[RunView]:
+        """The latest view of every run followed so far."""
+        return list(self._views.values())
+
+    def poll(self) -> list[RunView]:
+        """Re-read what moved and render; returns the current views."""
+        assert self._ledger is not None and self._renderer is not None
+        for summary in self._ledger.list_runs(limit=10_000, created_after=self._since):
+            cursor = self._ledger.run_cursor(summary.run_id)
+            if cursor == self._cursors.get(summary.run_id):
+                continue
+            view = run_view(self._ledger, summary.run_id)
+            if view is not None:
+                self._cursors[summary.run_id] = cursor
+                self._views[summary.run_id] = view
+        views = list(self._views.values())
+        self._renderer.update(views)
+        return views
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            try:
+                self.poll()
+            except Exception as exc:  # noqa: BLE001 - the view must never break the run it watches
+                self._out.write(f"live view stopped: {type(exc).__name__}: {exc}\n")
+                return

@@ -1,0 +1,158 @@
+"""Live phase progress of ``run``: the plain and rich renderers and the ledger follower."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from abstractruntime_mlx.cli.live import LiveRuns, PlainRenderer, pick_mode, runs_table
+from abstractruntime_mlx.cli.main import main
+from abstractruntime_mlx.inspection import run_view
+from abstractruntime_mlx.ledger import Ledger, NodeKey, ProgressEvent, sqlite_url
+from abstractruntime_mlx.nodes import default_registry
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fanout.json"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat()
+
+
+def _run(run_id: str, status: str = "running") -> dict[str, Any]:
+    return {"run_id": run_id, "workflow_id": "wf", "status": status, "created_at": _now(), "updated_at": _now(), "vars": {}}
+
+
+def _event(key: NodeKey, **event: Any) -> ProgressEvent:
+    return ProgressEvent(key=key, event={"kind": "llm", **event}, idempotency_key=f"p:{uuid.uuid4().hex}", created_at=time.time())
+
+
+def _step(run_id: str, step_id: str, node_id: str, status: str, result: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "step_id": step_id,
+        "node_id": node_id,
+        "status": status,
+        "attempt": 1,
+        "effect": {"type": "llm_call", "payload": {"prompt": "hi", "params": {"speculation": {"mode": "native_mtp", "num_draft_tokens": 2}}}},
+        "result": result,
+        "started_at": _now(),
+        "ended_at": _now() if status == "completed" else None,
+    }
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_pick_mode() -> None:
+    assert pick_mode(True, FakeTTY()) == "off"
+    assert pick_mode(False, FakeTTY()) == "rich"
+    assert pick_mode(False, io.StringIO()) == "plain"
+
+
+def test_plain_lines_one_per_phase_change(tmp_path: Path) -> None:
+    with Ledger(sqlite_url(tmp_path / "l.sqlite")) as ledger:
+        ledger.save_run(_run("r1"))
+        ledger.append_step(_step("r1", "s1", "ask", "started"))
+        key = NodeKey("r1", "ask", workflow_id="wf", step_id="s1", attempt=1)
+        out = io.StringIO()
+        renderer = PlainRenderer(out)
+
+        def lines() -> list[str]:
+            view = run_view(ledger, "r1")
+            assert view is not None
+            before = out.getvalue()
+            renderer.update([view])
+            return out.getvalue()[len(before) :].splitlines()
+
+        assert lines() == ["[r1] run r1 wf running"]
+        ledger.append_progress([_event(key, phase="prefill", prompt_tokens=5642, elapsed_s=0.0, event_index=0)])
+        assert lines() == ["[r1] ask  prefill  0 / 5,642 prompt tokens"]
+        # More prefill: not a phase change. Prefill then first token between two polls: one line, the change.
+        ledger.append_progress([
+            _event(key, phase="prefill", prompt_tokens=5642, prefill_processed_tokens=2100, cached_tokens=1024, elapsed_s=0.4, event_index=1),
+            _event(key, phase="generate", prompt_tokens=5642, cached_tokens=1024, generated_tokens=1, ttft_s=0.9, elapsed_s=0.9, event_index=2),
+        ])
+        assert lines() == ["[r1] ask  generate  first token after 900ms  cache hit 1,024 tokens"]
+        assert lines() == []  # nothing moved
+        ledger.append_progress([_event(key, phase="complete", final=True, prompt_tokens=5642, cached_tokens=1024, generated_tokens=64, tokens_per_second=48.5, finish_reason="stop", elapsed_s=2.2, event_index=3)])
+        assert lines() == []  # the call's end is told once its result is recorded
+        result = {
+            "content": "x",
+            "finish_reason": "stop",
+            "metadata": {
+                "execution": {"mode": "cohort", "queue_s": 0.01},
+                "speculation": {"used": True, "accepted_tokens": 30.0, "drafted_tokens": 40},
+            },
+        }
+        ledger.append_step(_step("r1", "s1", "ask", "completed", result))
+        ledger.save_run(_run("r1", status="completed"))
+        assert lines() == [
+            "[r1] ask  completed  lane cohort  prompt 5,642  cache hit 1,024  generated 64  48.5 tok/s  mtp acceptance 75%  finish stop",
+            "[r1] run completed",
+        ]
+
+
+def test_rich_table_shows_each_call_with_bar_and_figures(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    with Ledger(sqlite_url(tmp_path / "l.sqlite")) as ledger:
+        for run_id in ("run-a", "run-b"):
+            ledger.save_run(_run(run_id))
+            key = NodeKey(run_id, "summarize", workflow_id="wf", step_id=f"s-{run_id}", attempt=1)
+            ledger.append_progress([_event(key, phase="prefill", prompt_tokens=4000, prefill_processed_tokens=1000, cached_tokens=512, elapsed_s=0.2, event_index=0)])
+        views = [v for v in (run_view(ledger, "run-a"), run_view(ledger, "run-b")) if v is not None]
+    console = Console(record=True, width=120, file=io.StringIO())
+    console.print(runs_table(views))
+    text = console.export_text()
+    assert text.count("summarize") == 2 and "run-a" in text and "run-b" in text
+    assert "1,000/4,000" in text and "512" in text and "prefill" in text
+
+
+def test_follower_shows_only_runs_started_since(tmp_path: Path) -> None:
+    url = sqlite_url(tmp_path / "l.sqlite")
+    with Ledger(url) as ledger:
+        ledger.save_run(_run("before", status="completed"))
+        since = dt.datetime.now(dt.UTC)
+        out = io.StringIO()
+        with LiveRuns(url, since=since, mode="plain", out=out, poll_s=0.05) as live:
+            ledger.save_run(_run("after"))
+        assert [v.summary.run_id for v in live.views] == ["after"]
+    assert "before" not in out.getvalue() and "[after] run after wf running" in out.getvalue()
+
+
+def test_off_mode_writes_nothing(tmp_path: Path) -> None:
+    out = io.StringIO()
+    with LiveRuns(sqlite_url(tmp_path / "l.sqlite"), since=dt.datetime.now(dt.UTC), mode="off", out=out):
+        pass
+    assert out.getvalue() == "" and not (tmp_path / "l.sqlite").exists()
+
+
+@pytest.fixture()
+def cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy_file: Path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("ABSTRACTRUNTIME_MLX_LEDGER", str(tmp_path / "runs.sqlite"))
+    yield tmp_path / "runs.sqlite"
+    default_registry().close()
+
+
+def test_run_prints_phase_lines_when_not_a_terminal_and_pure_json_with_json(cli_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(EXAMPLE), "--runs", "2"]) == 0
+    out = capsys.readouterr().out
+    phase_lines = [line for line in out.splitlines() if line.startswith("[")]
+    for node in ("plain", "mtp2", "inherit", "think"):
+        assert sum(f"] {node}  prefill" in line for line in phase_lines) == 2
+        assert sum(f"] {node}  generate  first token after" in line for line in phase_lines) == 2
+        assert sum(f"] {node}  completed  lane " in line for line in phase_lines) == 2
+    assert sum(line.endswith("] run completed") for line in phase_lines) == 2
+    assert any("mtp acceptance" in line for line in phase_lines)
+    assert main(["run", str(EXAMPLE), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["status"] == "completed"
