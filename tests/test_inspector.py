@@ -340,3 +340,39 @@ def test_in_a_real_browser(flow_ledger: str, hybrid_model: str, tmp_path: Path) 
                 page.wait_for_selector("#live[hidden]", state="attached", timeout=20_000)
         finally:
             browser.close()
+
+
+# ----------------------------------------------------------------------------- both databases
+
+
+def test_inspector_queries_on_sqlite_and_postgresql(ledger_url: str) -> None:
+    """The inspector's queries (filters, token sums per call, cursors, progress after a seq)
+    answer the same on both dialects, through the app."""
+    prefix = uuid.uuid4().hex[:8]  # a shared PostgreSQL database may hold other tests' runs
+    workflow = f"wf-{prefix}"
+    run_a, run_b = f"{prefix}-a", f"{prefix}-b"
+    with Ledger(ledger_url) as ledger:
+        ledger.save_run(_run_state(run_a, status="completed", workflow_id=workflow))
+        ledger.save_run(_run_state(run_b, workflow_id=workflow))
+        for step, generated in (("s1", 10), ("s2", 7)):  # two calls of one node: 10 + 7 generated tokens
+            key = NodeKey(run_a, "ask", workflow_id=workflow, step_id=step, attempt=1)
+            ledger.append_progress([
+                _progress(key, {"phase": "prefill", "prompt_tokens": 100, "elapsed_s": 0.0, "event_index": 0}),
+                _progress(key, {"phase": "generate", "prompt_tokens": 100, "generated_tokens": 1, "ttft_s": 0.1, "elapsed_s": 0.1, "event_index": 1}),
+                _progress(key, {"phase": "complete", "final": True, "prompt_tokens": 100, "generated_tokens": generated, "elapsed_s": 0.3, "event_index": 2}),
+            ])
+        cursor = ledger.run_cursor(run_a)
+        assert cursor is not None and cursor.last_progress_seq == 6 and cursor.last_step_seq == 0
+        assert [r.seq for r in ledger.node_timeline(run_a, after_seq=4)] == [5, 6]
+        assert ledger.run_cursor("absent") is None
+        assert workflow in ledger.list_workflows()
+        with TestClient(create_inspector_app(ledger)) as c:
+            runs = {r["run_id"]: r for r in c.get("/api/runs", params={"workflow": workflow}).json()["runs"]}
+            assert set(runs) == {run_a, run_b}
+            assert (runs[run_a]["prompt_tokens"], runs[run_a]["generated_tokens"]) == (200, 17)
+            assert (runs[run_b]["prompt_tokens"], runs[run_b]["generated_tokens"]) == (0, 0)
+            running = c.get("/api/runs", params={"workflow": workflow, "status": "running"}).json()["runs"]
+            assert [r["run_id"] for r in running] == [run_b]
+            view = c.get(f"/api/runs/{run_a}").json()
+            assert [call["generated_tokens"] for call in view["calls"]] == [10, 7]
+            assert all([s["phase"] for s in call["segments"]] == ["prefill", "generate"] for call in view["calls"])
