@@ -79,9 +79,11 @@ def test_plain_lines_one_per_phase_change(tmp_path: Path) -> None:
         # More prefill: not a phase change. Prefill then first token between two polls: one line, the change.
         ledger.append_progress([
             _event(key, phase="prefill", prompt_tokens=5642, prefill_processed_tokens=2100, cached_tokens=1024, elapsed_s=0.4, event_index=1),
-            _event(key, phase="generate", prompt_tokens=5642, cached_tokens=1024, generated_tokens=1, ttft_s=0.9, elapsed_s=0.9, event_index=2),
+            _event(key, phase="generate", execution_mode="cohort", prompt_tokens=5642, cached_tokens=1024, generated_tokens=1, ttft_s=0.9, elapsed_s=0.9, event_index=2),
         ])
         assert lines() == ["[r1] ask  generate  first token after 900ms  cache hit 1,024 tokens"]
+        view = run_view(ledger, "r1")
+        assert view is not None and view.calls[0].lane == "cohort"  # known from the events before the result
         assert lines() == []  # nothing moved
         ledger.append_progress([_event(key, phase="complete", final=True, prompt_tokens=5642, cached_tokens=1024, generated_tokens=64, tokens_per_second=48.5, finish_reason="stop", elapsed_s=2.2, event_index=3)])
         assert lines() == []  # the call's end is told once its result is recorded

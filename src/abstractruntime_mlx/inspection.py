@@ -343,7 +343,10 @@ def _call_view(
         end_s = _secs(recorded.ended_at, origin)
     last = rows[-1] if rows else None
     status = ended.status if ended is not None else ("completed" if last is not None and last.final else "running")
-    lane = execution.get("mode")
+    # The lane: from the recorded result, or (while the call runs) from its phase events.
+    lane = execution.get("mode") or next(
+        (r.event.get("execution_mode") for r in reversed(rows) if r.event.get("execution_mode")), None
+    )
     if client.get("kind") == "remote":
         lane = f"remote/{lane}" if lane else "remote"
     usage = _dict(result.get("usage"))
