@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from .prediction import Unpredictable, plan_payload, resolve_payload
+
 if TYPE_CHECKING:
     from .handler import MLXPack
 
@@ -54,23 +56,6 @@ FLOW_VAR: Final = "mlx_pack"
 BRANCHING_NODE_TYPES: Final = frozenset({"parallel", "sequence"})
 """Nodes whose ``then:N`` branches AbstractRuntime runs one after another on one thread."""
 
-# What a prefetchable sibling may say: everything else (tools, structured output, context,
-# memory, extra pins) makes its request unpredictable before the runtime reaches it.
-_PREDICTABLE_CONFIG: Final = frozenset(
-    {
-        "provider",
-        "model",
-        "temperature",
-        "seed",
-        "thinking",
-        "speculation",
-        "max_output_tokens",
-        "maxOutputTokens",
-        "base_url",
-        "server_base_url",
-    }
-)
-_PREDICTABLE_PINS: Final = frozenset({"prompt", "system"})
 DEFAULT_MAX_TICKS = 10_000
 
 
@@ -105,13 +90,17 @@ def load_flow(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class SiblingCall:
     """A later ``llm_call`` branch of the same parallel/sequence node whose inputs are known
-    before the runtime reaches it: ``payload`` is the LLM_CALL payload it will emit (as the
-    visual compiler builds it from ``effectConfig`` and ``pinDefaults``)."""
+    before the runtime reaches it: ``payload`` is the LLM_CALL payload it will emit, as a
+    template over the run's vars (``prediction``)."""
 
     node_id: str
     branch: int
     payload: dict[str, Any]
     config: dict[str, Any]
+
+    def payload_for(self, run_vars: Mapping[str, Any]) -> dict[str, Any]:
+        """The payload for one run; raises ``prediction.Unpredictable``."""
+        return resolve_payload(self.payload, run_vars)
 
 
 class FlowIndex:
@@ -127,7 +116,6 @@ class FlowIndex:
             data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
             config = data.get("effectConfig") if isinstance(data.get("effectConfig"), Mapping) else {}
             self._configs[node_id] = dict(config)
-        wired = {str(e.get("target")) for e in edges if e.get("targetHandle") not in (None, "exec-in")}
         branches: dict[str, list[tuple[int, str]]] = {}
         for edge in edges:
             source = str(edge.get("source"))
@@ -146,9 +134,10 @@ class FlowIndex:
                 node = nodes.get(target)
                 if node is None or node.get("type") != "llm_call":
                     continue
-                payload, reason = _predict_payload(node, wired=target in wired)
-                if payload is None:
-                    self.unpredictable[target] = reason
+                try:
+                    payload = plan_payload(flow, target)
+                except Unpredictable as exc:
+                    self.unpredictable[target] = str(exc)
                     continue
                 calls.append(SiblingCall(target, branch, payload, self._configs.get(target, {})))
             for branch, target in targets:
@@ -162,47 +151,6 @@ class FlowIndex:
     def later_siblings(self, node_id: str) -> list[SiblingCall]:
         """Predictable ``llm_call`` branches after ``node_id``'s branch, in pin order."""
         return list(self._siblings.get(node_id, ()))
-
-
-def _predict_payload(node: Mapping[str, Any], *, wired: bool) -> tuple[dict[str, Any] | None, str]:
-    if wired:
-        return None, "inputs wired from other nodes"
-    data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
-    config = data.get("effectConfig") if isinstance(data.get("effectConfig"), Mapping) else {}
-    pins = data.get("pinDefaults") if isinstance(data.get("pinDefaults"), Mapping) else {}
-    extra = sorted(set(config) - _PREDICTABLE_CONFIG)
-    if extra:
-        return None, f"effectConfig keys {extra} are not predicted"
-    extra_pins = sorted(set(pins) - _PREDICTABLE_PINS)
-    if extra_pins:
-        return None, f"pinDefaults {extra_pins} are not predicted"
-    params: dict[str, Any] = {}
-    try:
-        params["temperature"] = float(config.get("temperature", 0.7))
-        seed = config.get("seed", -1)
-        if seed is not None and not isinstance(seed, bool) and int(seed) >= 0:
-            params["seed"] = int(seed)
-        max_out = config.get("max_output_tokens", config.get("maxOutputTokens"))
-        if max_out is not None and not isinstance(max_out, bool) and int(max_out) > 0:
-            params["max_output_tokens"] = int(max_out)
-    except (TypeError, ValueError):
-        return None, "sampling values are not numbers"
-    thinking = config.get("thinking")
-    if isinstance(thinking, bool) or (isinstance(thinking, str) and thinking.strip()):
-        params["thinking"] = thinking.strip() if isinstance(thinking, str) else thinking
-    if config.get("speculation") is not None:
-        params["speculation"] = copy.deepcopy(config["speculation"])
-    raw_prompt = pins.get("prompt")
-    payload: dict[str, Any] = {
-        "prompt": "" if raw_prompt is None else str(raw_prompt),
-        "system_prompt": pins.get("system", ""),
-        "tools": [],
-        "params": params,
-    }
-    for name in ("provider", "model"):
-        if isinstance(config.get(name), str) and config[name]:
-            payload[name] = config[name]
-    return payload, ""
 
 
 class FlowCatalog:

@@ -58,6 +58,7 @@ from ..errors import (
 from ..ledger import Ledger, NodeKey, sqlite_url
 from ..nodes import LLMNode, NodeRequest, NodeResult, PreparedCall, ProgressRoute, ProviderRegistry
 from .flows import FlowCatalog
+from .prediction import Unpredictable
 from .stores import LedgerRunStore, LedgerStepStore
 
 __all__ = [
@@ -534,8 +535,13 @@ class LLMCallHandler:
             if self.prefetcher.has(run.run_id, sibling.node_id):
                 continue
             try:
+                payload = sibling.payload_for(run.vars)
+            except Unpredictable as exc:
+                log.info("not prefetching %s: %s", sibling.node_id, exc)
+                continue
+            try:
                 request = request_from_payload(
-                    sibling.payload,
+                    payload,
                     run.vars,
                     node_config=sibling.config,
                     default_model=self.model,

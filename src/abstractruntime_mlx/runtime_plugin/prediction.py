@@ -1,0 +1,224 @@
+"""Sibling prediction: the LLM_CALL payload of a later ``llm_call`` branch, before the runtime
+reaches it.
+
+A payload is predictable when every input of the node is known before any branch runs:
+``effectConfig`` values, ``pinDefaults``, the start node's pins (the run's input vars), and
+pure data nodes over those (literals, ``concat``, ``format``), computed the way the
+VisualFlow executor computes them. An input wired from any other node (an earlier branch's
+answer, a variable, a tool) makes the branch unpredictable, with the reason. So does a
+control the prediction does not model (tools, structured output, context); ``include_context:
+false`` and ``use_context: false``, which the editor writes by default, change nothing and are
+accepted.
+
+``plan_payload(flow, node_id)`` returns a payload template whose values may be expressions
+over the run's vars; ``resolve_payload(template, run_vars)`` computes it for one run. A
+prediction is only ever a guess: the handler uses a prefetched result only when the real
+request's fingerprint matches.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from abstractruntime.visualflow_compiler.visual.builtins import get_builtin_handler
+
+__all__ = ["Unpredictable", "plan_payload", "resolve_payload"]
+
+# effectConfig keys a predicted request honours; anything else makes the node unpredictable.
+PREDICTABLE_CONFIG: Final = frozenset(
+    {"provider", "model", "temperature", "seed", "thinking", "speculation", "max_output_tokens", "maxOutputTokens", "base_url", "server_base_url"}
+)
+# Data pins of an llm_call node a prediction computes (wired in or from pinDefaults).
+PREDICTABLE_PINS: Final = frozenset({"prompt", "system", "provider", "model", "temperature", "seed"})
+# Flags the editor writes as ``false`` by default: false is no dependency.
+NO_OP_WHEN_FALSE: Final = frozenset({"include_context", "use_context"})
+# Pure data nodes computed here: literals and string building.
+LITERAL_TYPES: Final = frozenset({"literal_string", "literal_number", "literal_boolean", "literal_json", "literal_array"})
+COMPUTED_TYPES: Final = LITERAL_TYPES | {"concat", "format"}
+START_TYPES: Final = frozenset({"on_flow_start"})
+DEFAULT_TEMPERATURE: Final = 0.7  # the VisualFlow compiler's default for an llm_call node
+
+
+class Unpredictable(Exception):
+    """The node's request cannot be known before the runtime reaches it (message: why)."""
+
+
+# --- expressions over the run's vars -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StartPin:
+    """A start-node pin: the run var of that name, else the start node's default, else None."""
+
+    pin: str
+    default: Any = None
+
+    def evaluate(self, run_vars: Mapping[str, Any]) -> Any:
+        return run_vars[self.pin] if self.pin in run_vars else copy.deepcopy(self.default)
+
+
+@dataclass(frozen=True, slots=True)
+class Concat:
+    """The executor's ``concat``: present pins in pin order, None as "", joined by the separator."""
+
+    parts: tuple[Any, ...]
+    separator: str
+
+    def evaluate(self, run_vars: Mapping[str, Any]) -> Any:
+        values = (_evaluate(p, run_vars) for p in self.parts)
+        return self.separator.join("" if v is None else str(v) for v in values)
+
+
+@dataclass(frozen=True, slots=True)
+class Builtin:
+    """A builtin pure node (literals, ``format``), called as the executor's wrapper calls it."""
+
+    node_type: str
+    inputs: tuple[tuple[str, Any], ...]
+    literal: Any
+    pin_order: tuple[str, ...]
+
+    def evaluate(self, run_vars: Mapping[str, Any]) -> Any:
+        handler = get_builtin_handler(self.node_type)
+        if handler is None:
+            raise Unpredictable(f"no builtin for {self.node_type!r}")
+        inputs = {name: _evaluate(value, run_vars) for name, value in self.inputs}
+        if self.literal is not None:
+            inputs["_literalValue"] = copy.deepcopy(self.literal)
+        if self.pin_order:
+            inputs["_pin_order"] = list(self.pin_order)
+        try:
+            return handler(inputs)
+        except Exception as exc:  # noqa: BLE001 - the node would fail or differ at run time too
+            raise Unpredictable(f"{self.node_type} node failed on the known inputs: {type(exc).__name__}") from exc
+
+
+_EXPRESSIONS = (StartPin, Concat, Builtin)
+
+
+def _evaluate(value: Any, run_vars: Mapping[str, Any]) -> Any:
+    if isinstance(value, _EXPRESSIONS):
+        return value.evaluate(run_vars)
+    if isinstance(value, dict):
+        return {k: _evaluate(v, run_vars) for k, v in value.items()}
+    return copy.deepcopy(value)
+
+
+# --- planning ---------------------------------------------------------------------------
+
+
+class _Graph:
+    def __init__(self, flow: Mapping[str, Any]) -> None:
+        self.nodes = {str(n.get("id")): n for n in flow.get("nodes", []) if isinstance(n, Mapping)}
+        self.inputs: dict[str, dict[str, tuple[str, str]]] = {}  # target -> pin -> (source, handle)
+        for edge in flow.get("edges", []):
+            if not isinstance(edge, Mapping) or edge.get("targetHandle") in (None, "exec-in"):
+                continue
+            pins = self.inputs.setdefault(str(edge.get("target")), {})
+            pins[str(edge.get("targetHandle"))] = (str(edge.get("source")), str(edge.get("sourceHandle") or ""))
+
+    def data(self, node_id: str) -> Mapping[str, Any]:
+        data = self.nodes.get(node_id, {}).get("data")
+        return data if isinstance(data, Mapping) else {}
+
+    def pin_defaults(self, node_id: str) -> dict[str, Any]:
+        defaults = self.data(node_id).get("pinDefaults")
+        return dict(defaults) if isinstance(defaults, Mapping) else {}
+
+    def node_inputs(self, node_id: str, seen: frozenset[str]) -> dict[str, Any]:
+        """The node's data inputs: its pin defaults, overridden by what is wired in."""
+        values: dict[str, Any] = self.pin_defaults(node_id)
+        for pin, (source, handle) in self.inputs.get(node_id, {}).items():
+            values[pin] = self.output(source, handle, seen | {node_id})
+        return values
+
+    def output(self, node_id: str, handle: str, seen: frozenset[str]) -> Any:
+        node_type = self.nodes.get(node_id, {}).get("type")
+        if node_type in START_TYPES:
+            return StartPin(handle, self.pin_defaults(node_id).get(handle))
+        if node_type not in COMPUTED_TYPES:
+            raise Unpredictable(f"input from {node_type or 'a missing'} node {node_id!r}")
+        if node_id in seen:
+            raise Unpredictable(f"a data cycle through node {node_id!r}")
+        data = self.data(node_id)
+        inputs = self.node_inputs(node_id, seen)
+        pin_order = tuple(
+            str(p["id"]) for p in data.get("inputs", []) or [] if isinstance(p, Mapping) and p.get("type") != "execution" and p.get("id")
+        )
+        if node_type == "concat":
+            config = data.get("concatConfig") if isinstance(data.get("concatConfig"), Mapping) else {}
+            separator = config.get("separator") if isinstance(config.get("separator"), str) else " "
+            separator = separator.replace("\\n", "\n").replace("\\t", "\t").replace("\\r", "\r")
+            if not pin_order:
+                letters = sorted(k for k in inputs if len(k) == 1 and "a" <= k <= "z")
+                pin_order = tuple(letters + sorted(k for k in inputs if k not in letters))
+            return Concat(tuple(inputs[p] for p in pin_order if p in inputs), separator)
+        return Builtin(str(node_type), tuple(sorted(inputs.items())), data.get("literalValue"), pin_order)
+
+
+def plan_payload(flow: Mapping[str, Any], node_id: str) -> dict[str, Any]:
+    """The payload template of ``llm_call`` node ``node_id``; raises ``Unpredictable``."""
+    graph = _Graph(flow)
+    data = graph.data(node_id)
+    config = data.get("effectConfig") if isinstance(data.get("effectConfig"), Mapping) else {}
+    extra = sorted(k for k in set(config) - PREDICTABLE_CONFIG if not (k in NO_OP_WHEN_FALSE and config[k] is False))
+    if extra:
+        raise Unpredictable(f"effectConfig keys {extra} are not predicted")
+    defaults = graph.pin_defaults(node_id)
+    wired = graph.inputs.get(node_id, {})
+    extra = sorted(
+        k for k in (set(defaults) | set(wired)) - PREDICTABLE_PINS if not (k in NO_OP_WHEN_FALSE and k not in wired and defaults[k] is False)
+    )
+    if extra:
+        raise Unpredictable(f"inputs {extra} are not predicted")
+    inputs = graph.node_inputs(node_id, frozenset())
+    params: dict[str, Any] = {"temperature": inputs.get("temperature", config.get("temperature", DEFAULT_TEMPERATURE))}
+    if "seed" in inputs or "seed" in config:
+        params["seed"] = inputs.get("seed", config.get("seed"))
+    max_out = config.get("max_output_tokens", config.get("maxOutputTokens"))
+    if max_out is not None:
+        params["max_output_tokens"] = max_out
+    thinking = config.get("thinking")
+    if isinstance(thinking, bool) or (isinstance(thinking, str) and thinking.strip()):
+        params["thinking"] = thinking.strip() if isinstance(thinking, str) else thinking
+    if config.get("speculation") is not None:
+        params["speculation"] = copy.deepcopy(config["speculation"])
+    payload: dict[str, Any] = {"prompt": inputs.get("prompt"), "system_prompt": inputs.get("system", ""), "tools": [], "params": params}
+    for name in ("provider", "model"):
+        value = inputs.get(name, config.get(name))
+        if value is not None:
+            payload[name] = value
+    # fail now on constants that cannot be a request (a wrong type would fail at run time too)
+    if not any(isinstance(v, _EXPRESSIONS) for v in (*payload.values(), *params.values())):
+        resolve_payload(payload, {})
+    return payload
+
+
+def resolve_payload(template: Mapping[str, Any], run_vars: Mapping[str, Any]) -> dict[str, Any]:
+    """The payload ``template`` gives for a run with ``run_vars``; raises ``Unpredictable``."""
+    payload = _evaluate(dict(template), run_vars)
+    payload["prompt"] = "" if payload.get("prompt") is None else str(payload["prompt"])
+    system = payload.get("system_prompt")
+    payload["system_prompt"] = "" if system is None else system
+    for name in ("provider", "model"):
+        if not (isinstance(payload.get(name), str) and payload[name]):
+            payload.pop(name, None)
+    raw = payload.get("params") if isinstance(payload.get("params"), dict) else {}
+    params = dict(raw)
+    try:
+        params["temperature"] = float(DEFAULT_TEMPERATURE if raw.get("temperature") is None else raw["temperature"])
+        seed = raw.get("seed")
+        params.pop("seed", None)
+        if seed is not None and not isinstance(seed, bool) and int(seed) >= 0:
+            params["seed"] = int(seed)
+        max_out = raw.get("max_output_tokens")
+        params.pop("max_output_tokens", None)
+        if max_out is not None and not isinstance(max_out, bool) and int(max_out) > 0:
+            params["max_output_tokens"] = int(max_out)
+    except (TypeError, ValueError) as exc:
+        raise Unpredictable("sampling values are not numbers") from exc
+    payload["params"] = params
+    return payload
