@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import importlib.util
 import sqlite3
+import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -20,12 +21,14 @@ from sqlalchemy import create_engine, text
 
 from abstractruntime_mlx.errors import LedgerError
 from abstractruntime_mlx.ledger import (
+    SCHEMA_REVISION,
     SCHEMA_VERSION,
     DuplicateEvent,
     Ledger,
     LedgerSchemaError,
     NodeKey,
     ProgressEvent,
+    host_progress_key,
     progress_idempotency_key,
     sqlite_url,
     wrap_db_errors,
@@ -116,7 +119,8 @@ def test_fresh_path_creates_schema_and_parent_directory(tmp_path: Path) -> None:
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         assert {"runs", "steps", "progress", "ledger_meta", "ledger_seq_heads"} <= tables
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert conn.execute("SELECT value FROM ledger_meta WHERE key='schema_version'").fetchone()[0] == "1"
+        assert conn.execute("SELECT value FROM ledger_meta WHERE key='schema_version'").fetchone()[0] == "2"
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [(SCHEMA_REVISION,)]
 
 
 def test_existing_path_reopens_and_reads_back(tmp_path: Path) -> None:
@@ -130,22 +134,28 @@ def test_existing_path_reopens_and_reads_back(tmp_path: Path) -> None:
         assert second.load_run("r1") == _run("r1")
         assert second.list_steps("r1") == [_step("r1", "s1")]
         [row] = second.node_timeline("r1")
-        assert (row.seq, row.phase, row.prompt_tokens) == (1, "prefill", 10)
-        # sequences continue where they stopped
-        assert second.append_step(_step("r1", "s2")) == 2
+        assert (row.seq, row.phase, row.prompt_tokens) == (2, "prefill", 10)  # steps and progress share seq
+        # the sequence continues where it stopped
+        assert second.append_step(_step("r1", "s2")) == 3
         second.append_progress(_progress(key, [_event(1)]))
-        assert [r.seq for r in second.node_timeline("r1")] == [1, 2]
+        assert [r.seq for r in second.node_timeline("r1")] == [2, 4]
 
 
-def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
+def test_newer_schema_revision_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "ledger.db"
     Ledger(sqlite_url(path)).close()
     with sqlite3.connect(path) as conn:
-        conn.execute("UPDATE ledger_meta SET value='99' WHERE key='schema_version'")
-    with pytest.raises(LedgerSchemaError, match="schema_version '99' is not supported") as info:
+        conn.execute("UPDATE alembic_version SET version_num='9999'")
+    with pytest.raises(LedgerSchemaError, match="schema revision '9999', which this abstractruntime-mlx does not know") as info:
         Ledger(sqlite_url(path))
     assert info.value.code == "ledger_error"
-    assert info.value.details == {"found": "99", "supported": SCHEMA_VERSION}
+    assert info.value.details == {"found": "9999", "supported": SCHEMA_REVISION}
+    # a database from before revision markers, with a schema_version nobody knows
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE alembic_version")
+        conn.execute("UPDATE ledger_meta SET value='99' WHERE key='schema_version'")
+    with pytest.raises(LedgerSchemaError, match="schema_version '99' has no revision marker"):
+        Ledger(sqlite_url(path))
 
 
 def test_foreign_tables_are_refused(tmp_path: Path) -> None:
@@ -370,11 +380,16 @@ def test_progress_idempotency_key_twice_is_one_row(ledger: Ledger) -> None:
 
 def test_default_progress_key() -> None:
     with_step = NodeKey("r", "n", step_id="s", attempt=2)
-    assert progress_idempotency_key(with_step, _event(3)) == "progress:r:s:2:generate:3"
+    # AbstractRuntime's form, system:progress:<step_id>:<12 hex>, deterministic for a known event
+    key = progress_idempotency_key(with_step, _event(3))
+    assert key == progress_idempotency_key(with_step, _event(3))
+    assert re.fullmatch(r"system:progress:s:[0-9a-f]{12}", key)
+    assert key == host_progress_key("s", "progress:r:s:2:generate:3")
     assert progress_idempotency_key(with_step, _event(3, "prefill")) != progress_idempotency_key(with_step, _event(3))
     # without a step id (or an event index) events cannot be told apart: never deduplicated
     no_step = NodeKey("r", "n")
     assert progress_idempotency_key(no_step, _event(3)) != progress_idempotency_key(no_step, _event(3))
+    assert progress_idempotency_key(no_step, _event(3)).startswith("system:progress:r:")
     with pytest.raises(ValueError, match="run_id"):
         NodeKey("", "n")
 

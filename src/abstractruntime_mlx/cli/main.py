@@ -39,6 +39,7 @@ COMMAND_MODULES = (
     "check_cmd",
     "run_cmd",
     "runs_cmd",
+    "ledger_cmd",
 )
 
 

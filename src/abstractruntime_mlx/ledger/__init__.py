@@ -22,13 +22,14 @@ from .errors import (
     LedgerWriteFailed,
     wrap_db_errors,
 )
-from .models import SCHEMA_VERSION
+from .models import SCHEMA_REVISION, SCHEMA_VERSION
 from .queries import ProgressRow, RunCursor, RunDetail, RunSummary, StepRow
 from .store import (
     DEFAULT_BUSY_TIMEOUT_MS,
     Ledger,
     NodeKey,
     ProgressEvent,
+    host_progress_key,
     open_ledger,
     progress_idempotency_key,
     sqlite_url,
@@ -37,6 +38,7 @@ from .writer import ProgressWriter, WriterState
 
 __all__ = [
     "DEFAULT_BUSY_TIMEOUT_MS",
+    "SCHEMA_REVISION",
     "SCHEMA_VERSION",
     "DuplicateEvent",
     "Ledger",
@@ -53,6 +55,7 @@ __all__ = [
     "RunSummary",
     "StepRow",
     "WriterState",
+    "host_progress_key",
     "open_ledger",
     "progress_idempotency_key",
     "sqlite_url",

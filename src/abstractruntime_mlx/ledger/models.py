@@ -1,16 +1,19 @@
 """The ledger schema: SQLAlchemy 2.x typed ORM models, portable across SQLite and PostgreSQL.
 
-Tables (``SCHEMA_VERSION`` 1):
+Tables (revision ``SCHEMA_REVISION``; every change ships as an Alembic migration in
+``ledger/migrations``, see ``docs/ledger.md``):
 
 - ``runs``: one row per run, the whole run-state dict in ``run_json`` plus the columns the
   queries filter on. Backs AbstractRuntime's ``RunStore``.
-- ``steps``: one row per appended step record (AbstractRuntime's ``StepRecord``), with a
-  per-run ``seq`` in append order. Backs ``LedgerStore``.
-- ``progress``: one row per phase event (``abstract.progress``), with a per-run ``seq`` and a
-  unique ``idempotency_key``. Typed columns are projections of ``event``, which keeps the
-  whole event.
-- ``ledger_seq_heads``: the per-run sequence allocator (one row per run and stream).
-- ``ledger_meta``: ``schema_version`` (and room for more keys).
+- ``steps``: one row per appended step record (AbstractRuntime's ``StepRecord``).
+- ``progress``: one row per phase event (``abstract.progress``), with an idempotency key in
+  the host's form (``system:progress:<step_id>:<12 hex>``, unique within the run). Typed
+  columns are projections of ``event``, which keeps the whole event.
+- ``ledger_seq_heads``: the per-run sequence allocator. Step records and progress rows of a
+  run share one ``seq`` (stream ``records``), so their union ordered by ``seq`` is the run's
+  ledger in append order, as AbstractRuntime's own stores number it.
+- ``ledger_meta``: ``schema_version`` (the revision number, read by releases that predate
+  Alembic so that they refuse a newer database); ``alembic_version`` records the revision.
 
 There are no foreign keys from ``steps``/``progress`` to ``runs``: the journal may be written
 before (or without) the run checkpoint, exactly as AbstractRuntime's own SQLite schema allows.
@@ -37,8 +40,11 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 1
-"""The schema this code writes. A database whose ``ledger_meta.schema_version`` differs is refused."""
+SCHEMA_REVISION = "0002"
+"""The Alembic revision this code reads and writes (``ledger/migrations/versions``)."""
+
+SCHEMA_VERSION = 2
+"""``SCHEMA_REVISION`` as the number kept in ``ledger_meta.schema_version``."""
 
 NAMING_CONVENTION: dict[str, str] = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -119,7 +125,7 @@ class Run(Base):
 
 
 class Step(Base):
-    """One appended step record, in per-run append order (``seq`` = 1, 2, ...).
+    """One appended step record, in per-run append order (``seq`` increasing, shared with ``progress``).
 
     ``effect`` and ``result`` are stored once, in their columns; ``other_fields`` holds every
     other key of the record (so a field added to ``StepRecord`` later still round-trips).
@@ -159,7 +165,8 @@ class Step(Base):
 
 
 class Progress(Base):
-    """One ``abstract.progress`` phase event. Absent event keys are NULL columns."""
+    """One ``abstract.progress`` phase event. Absent event keys are NULL columns. ``seq`` is
+    the event's place in the run's ledger, shared with ``steps``."""
 
     __tablename__ = "progress"
 
@@ -170,7 +177,7 @@ class Progress(Base):
     step_id: Mapped[str | None] = mapped_column(String(255))
     attempt: Mapped[int | None] = mapped_column(Integer)
     seq: Mapped[int] = mapped_column(BigInteger)
-    idempotency_key: Mapped[str] = mapped_column(String(512), unique=True)
+    idempotency_key: Mapped[str] = mapped_column(String(512))
     kind: Mapped[str | None] = mapped_column(String(32))
     phase: Mapped[str | None] = mapped_column(String(32))
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
@@ -190,12 +197,13 @@ class Progress(Base):
 
     __table_args__ = (
         UniqueConstraint("run_id", "seq"),
+        UniqueConstraint("run_id", "idempotency_key"),
         Index(None, "run_id", "node_id", "seq"),
     )
 
 
 class SeqHead(Base):
-    """Per-run sequence allocator: ``last_seq`` of ``stream`` (``steps`` or ``progress``)."""
+    """Per-run sequence allocator: ``last_seq`` of ``stream`` (``records``: steps and progress)."""
 
     __tablename__ = "ledger_seq_heads"
 

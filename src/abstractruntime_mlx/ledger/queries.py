@@ -4,7 +4,8 @@ frozen dataclasses, never ORM rows (``Ledger`` wraps them in a read transaction)
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,9 @@ __all__ = [
     "list_runs",
     "list_workflows",
     "node_timeline",
+    "progress_record",
     "run_cursor",
+    "run_records",
     "run_steps",
     "step_record",
 ]
@@ -286,3 +289,112 @@ def node_timeline(
         ProgressRow(**{name: getattr(row, name) for name in _PROGRESS_FIELDS}, event=dict(row.event))
         for row in session.scalars(stmt)
     ]
+
+
+# --------------------------------------------------------------------------------------
+# The run's ledger as AbstractRuntime records
+# --------------------------------------------------------------------------------------
+
+PROGRESS_EVENT_NAME = "abstract.progress"
+_RECORD_ID_NAMESPACE = uuid.UUID("6f1c1a52-31f4-4d0e-9a55-6b3c9a6e2d10")
+
+
+@dataclass(frozen=True, slots=True)
+class _Anchor:
+    """What a progress record copies from the STARTED record of its LLM step."""
+
+    idempotency_key: str | None
+    actor_id: str | None
+    session_id: str | None
+
+
+def progress_record(row: Progress, anchor: _Anchor | None = None) -> dict[str, Any]:
+    """A progress row as the record AbstractRuntime appends for ``abstract.progress`` itself:
+    a completed ``emit_event`` step whose payload carries the run / workflow / node / step /
+    attempt identity and the LLM step's idempotency key, then the event; idempotency key
+    ``system:progress:<step_id>:<12 hex>``. The record's own ``step_id`` is derived from that key
+    (stable across reads). Identity values the row does not know are absent."""
+    identity = {
+        "run_id": row.run_id,
+        "workflow_id": row.workflow_id,
+        "node_id": row.node_id,
+        "step_id": row.step_id,
+        "idempotency_key": anchor.idempotency_key if anchor is not None else None,
+        "attempt": row.attempt,
+    }
+    payload = {k: v for k, v in identity.items() if v is not None}
+    payload.update(row.event)
+    at = row.created_at.isoformat()
+    return {
+        "run_id": row.run_id,
+        "step_id": str(uuid.uuid5(_RECORD_ID_NAMESPACE, f"{row.run_id}:{row.idempotency_key}")),
+        "node_id": row.node_id,
+        "status": "completed",
+        "effect": {
+            "type": "emit_event",
+            "payload": {"name": PROGRESS_EVENT_NAME, "scope": "run", "payload": dict(payload)},
+            "result_key": None,
+        },
+        "result": {"emitted": True, "name": PROGRESS_EVENT_NAME, "payload": dict(payload)},
+        "error": None,
+        "started_at": at,
+        "ended_at": at,
+        "actor_id": anchor.actor_id if anchor is not None else None,
+        "session_id": anchor.session_id if anchor is not None else None,
+        "attempt": 1,
+        "idempotency_key": row.idempotency_key,
+        "prev_hash": None,
+        "record_hash": None,
+        "signature": None,
+    }
+
+
+def _anchors(session: Session, run_id: str, step_ids: Iterable[str | None]) -> dict[str, _Anchor]:
+    wanted = sorted({s for s in step_ids if s})
+    if not wanted:
+        return {}
+    stmt = select(Step.step_id, Step.idempotency_key, Step.actor_id, Step.session_id).where(
+        Step.run_id == run_id, Step.status == "started", Step.step_id.in_(wanted)
+    )
+    return {step_id: _Anchor(key, actor, sess) for step_id, key, actor, sess in session.execute(stmt)}
+
+
+def render_progress(session: Session, rows: Sequence[Progress]) -> list[dict[str, Any]]:
+    """Progress rows (of any runs) as host records, in the given order."""
+    anchors: dict[tuple[str, str], _Anchor] = {}
+    for run_id in sorted({row.run_id for row in rows}):
+        found = _anchors(session, run_id, (row.step_id for row in rows if row.run_id == run_id))
+        anchors.update({(run_id, step_id): anchor for step_id, anchor in found.items()})
+    return [progress_record(row, anchors.get((row.run_id, row.step_id or ""))) for row in rows]
+
+
+def run_records(session: Session, run_id: str, *, after: int = 0, limit: int | None = None) -> list[tuple[int, dict[str, Any]]]:
+    """``(seq, record)`` of the run's ledger after ``after``, in order: step records as appended
+    and progress rows as host ``abstract.progress`` records (they share one sequence)."""
+    steps_stmt = select(Step).where(Step.run_id == run_id, Step.seq > after).order_by(Step.seq)
+    progress_stmt = select(Progress).where(Progress.run_id == run_id, Progress.seq > after).order_by(Progress.seq)
+    if limit is not None:
+        steps_stmt = steps_stmt.limit(limit)
+        progress_stmt = progress_stmt.limit(limit)
+    steps = list(session.scalars(steps_stmt))
+    progress = list(session.scalars(progress_stmt))
+    merged: list[tuple[int, Step | Progress]] = sorted(
+        [(row.seq, row) for row in steps] + [(row.seq, row) for row in progress], key=lambda item: item[0]
+    )
+    if limit is not None:
+        merged = merged[:limit]
+    used = [row for _, row in merged if isinstance(row, Progress)]
+    anchors = _anchors(session, run_id, (row.step_id for row in used))
+    return [
+        (seq, step_record(row) if isinstance(row, Step) else progress_record(row, anchors.get(row.step_id or "")))
+        for seq, row in merged
+    ]
+
+
+def last_record(session: Session, run_id: str) -> dict[str, Any] | None:
+    """The record with the highest seq of the run (a step record or a progress record)."""
+    step = session.scalar(select(Step).where(Step.run_id == run_id).order_by(Step.seq.desc()).limit(1))
+    prog = session.scalar(select(Progress).where(Progress.run_id == run_id).order_by(Progress.seq.desc()).limit(1))
+    if prog is not None and (step is None or prog.seq > step.seq):
+        return progress_record(prog, _anchors(session, run_id, [prog.step_id]).get(prog.step_id or ""))
+    return None if step is None else step_record(step)

@@ -16,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import functools
+import hashlib
 import json
+import logging
 import os
 import threading
 import uuid
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +36,12 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from . import queries
-from .errors import LedgerError, LedgerSchemaError, wrap_db_errors
+from . import queries, schema
+from .errors import LedgerError, wrap_db_errors
 from .models import (
-    LEDGER_TABLES,
     PROGRESS_FLOAT_KEYS,
     PROGRESS_INT_KEYS,
     PROGRESS_STR_KEYS,
-    SCHEMA_VERSION,
     Base,
     LedgerMeta,
     Progress,
@@ -63,9 +63,10 @@ __all__ = [
     "sqlite_url",
 ]
 
+log = logging.getLogger(__name__)
+
 DEFAULT_BUSY_TIMEOUT_MS = 30_000
-STEPS_STREAM = "steps"
-PROGRESS_STREAM = "progress"
+RECORDS_STREAM = "records"  # steps and progress rows of a run share one sequence
 _IN_CHUNK = 500  # bound on bind parameters per IN (...) list
 _PG_SCHEMA_LOCK_KEY = 0x4D4C584C  # pg_advisory_xact_lock key serialising schema creation
 
@@ -110,17 +111,25 @@ class ProgressEvent:
 
 
 def progress_idempotency_key(key: NodeKey, event: Mapping[str, Any]) -> str:
-    """The default idempotency key of a progress event.
+    """The default idempotency key of a progress event, in AbstractRuntime's form
+    ``system:progress:<step_id>:<12 hex>`` (``<run_id>`` stands in for an unknown step id).
 
-    Deterministic, so a retried write of the same event is stored once, when the event says
-    which one it is: ``progress:<run_id>:<step_id>:<attempt>:<phase>:<event_index>`` if both
-    ``key.step_id`` and ``event["event_index"]`` are known. Otherwise a fresh random key
-    (``progress:<run_id>:<uuid4 hex>``): such events cannot be deduplicated.
+    Deterministic when the event says which one it is (``key.step_id`` and
+    ``event["event_index"]`` known), so a retried write of the same event is stored once;
+    otherwise the 12 hex digits are random and such events cannot be deduplicated. Keys are
+    unique within a run.
     """
     index = event.get("event_index")
     if key.step_id is not None and index is not None:
-        return f"progress:{key.run_id}:{key.step_id}:{key.attempt or 1}:{event.get('phase')}:{index}"
-    return f"progress:{key.run_id}:{uuid.uuid4().hex}"
+        identity = f"progress:{key.run_id}:{key.step_id}:{key.attempt or 1}:{event.get('phase')}:{index}"
+    else:
+        identity = f"progress:{key.run_id}:{uuid.uuid4().hex}"
+    return host_progress_key(key.step_id or key.run_id, identity)
+
+
+def host_progress_key(anchor: str, identity: str) -> str:
+    """``system:progress:<anchor>:<sha256(identity)[:12]>`` (migration 0002 rewrites old keys the same way)."""
+    return f"system:progress:{anchor}:{hashlib.sha256(identity.encode('utf-8')).hexdigest()[:12]}"
 
 
 # --------------------------------------------------------------------------------------
@@ -355,9 +364,10 @@ class Ledger:
     """The durable store of runs, step records and progress events behind one SQLAlchemy URL.
 
     ``Ledger("sqlite:///path/ledger.db")`` (the parent directory is created) or
-    ``Ledger("postgresql+psycopg://user@host/db")``. Opening creates the tables on a fresh
-    database, accepts an existing one of the same ``SCHEMA_VERSION``, and raises
-    ``LedgerSchemaError`` for anything else. Thread-safe: share one instance per URL and
+    ``Ledger("postgresql+psycopg://user@host/db")``. Opening creates the newest schema on a
+    fresh database and accepts one at ``SCHEMA_REVISION``. A database at an older revision is
+    migrated when ``upgrade=True`` and refused otherwise, with a ``LedgerSchemaError`` naming
+    ``abstractruntime-mlx ledger upgrade URL``; a newer or foreign one is refused. Thread-safe: share one instance per URL and
     process; every method is its own short transaction.
     """
 
@@ -368,6 +378,7 @@ class Ledger:
         busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
         sqlite_synchronous: SqliteSynchronous = "NORMAL",
         echo: bool = False,
+        upgrade: bool = False,
     ) -> None:
         if busy_timeout_ms < 0:
             raise ValueError(f"busy_timeout_ms must be >= 0 (got {busy_timeout_ms})")
@@ -379,6 +390,8 @@ class Ledger:
         self._closed = False
         self._writers: weakref.WeakSet[ProgressWriter] = weakref.WeakSet()
         self._writers_lock = threading.Lock()
+        self._listeners: list[Callable[[str, list[dict[str, Any]]], None]] = []
+        self.upgraded_from: str | None = None
         is_sqlite = parsed.get_backend_name() == "sqlite"
         if is_sqlite:
             _prepare_sqlite_path(parsed.database, str(parsed.query.get("mode", "")), url)
@@ -398,7 +411,7 @@ class Ledger:
         self._read_sessions = sessionmaker(bind=engine, expire_on_commit=False)
         self._write_sessions = sessionmaker(bind=write_engine, expire_on_commit=False)
         try:
-            self._init_schema()
+            self._init_schema(upgrade=upgrade)
         except BaseException:
             engine.dispose()
             raise
@@ -475,40 +488,30 @@ class Ledger:
         with wrap_db_errors(action), self._read_sessions.begin() as session:
             yield session
 
-    def _init_schema(self) -> None:
+    def _init_schema(self, *, upgrade: bool) -> None:
         with wrap_db_errors(f"open ledger {self.url}"), self._write_sessions.begin() as session:
             if self.dialect_name == "postgresql":
                 session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_SCHEMA_LOCK_KEY})
             conn = session.connection()
-            tables = set(inspect(conn).get_table_names())
-            version: str | None = None
-            if LedgerMeta.__tablename__ in tables:
-                version = session.scalar(select(LedgerMeta.value).where(LedgerMeta.key == "schema_version"))
-                if version is None:
-                    raise LedgerSchemaError(f"{self.url}: table ledger_meta has no schema_version row")
-                if version != str(SCHEMA_VERSION):
-                    raise LedgerSchemaError(
-                        f"{self.url}: ledger schema_version {version!r} is not supported by this "
-                        f"abstractruntime-mlx (it reads and writes version {SCHEMA_VERSION}); "
-                        "upgrade abstractruntime-mlx or point the ledger at another database",
-                        details={"found": version, "supported": SCHEMA_VERSION},
-                    )
-            else:
-                clashing = sorted(tables & set(LEDGER_TABLES))
-                if clashing:
-                    raise LedgerSchemaError(
-                        f"{self.url}: tables {clashing} exist but were not created by the "
-                        "abstractruntime-mlx ledger (no ledger_meta table); use another database",
-                        details={"tables": clashing},
-                    )
-            Base.metadata.create_all(conn)
-            if version is None:
-                session.execute(insert(_table(LedgerMeta)).values(key="schema_version", value=str(SCHEMA_VERSION)))
+            found = schema.read_revision(conn, shown_url=self.url)
+            action = schema.check_revision(found, shown_url=self.url, may_upgrade=upgrade)
+            if action == "create":
+                schema.create_current(conn)
+            elif action == "upgrade":
+                assert found is not None
+                schema.upgrade(conn, found)
+                self.upgraded_from = found
 
     def schema_version(self) -> int:
+        """``ledger_meta.schema_version`` (the revision as a number, for older releases to read)."""
         with self._read("read schema version") as session:
             value = session.scalar(select(LedgerMeta.value).where(LedgerMeta.key == "schema_version"))
         return int(value or 0)
+
+    def schema_revision(self) -> str | None:
+        """The Alembic revision the database records (``SCHEMA_REVISION`` once opened)."""
+        with self._read("read schema revision") as session:
+            return schema.read_revision(session.connection(), shown_url=self.url)
 
     # -- runs (RunStore) ------------------------------------------------------------
 
@@ -577,7 +580,7 @@ class Ledger:
         row = _step_row(record)
         run_id = row["run_id"]
         with self._write(f"append step {row['step_id']} of run {run_id}") as session:
-            last_seq = _lock_heads(session, STEPS_STREAM, [run_id])[run_id]
+            last_seq = _lock_heads(session, RECORDS_STREAM, [run_id])[run_id]
             stored_seq = session.scalar(
                 select(Step.seq).where(
                     Step.run_id == run_id, Step.step_id == row["step_id"], Step.status == row["status"]
@@ -586,8 +589,9 @@ class Ledger:
             if stored_seq is not None:
                 return int(stored_seq)
             seq = last_seq + 1
-            _advance_head(session, STEPS_STREAM, run_id, seq)
+            _advance_head(session, RECORDS_STREAM, run_id, seq)
             session.execute(insert(_table(Step)), [{**row, "seq": seq}])
+        self._notify([dict(record)])
         return seq
 
     def list_steps(self, run_id: str) -> list[dict[str, Any]]:
@@ -630,7 +634,66 @@ class Ledger:
         if not batch:
             return 0
         with self._write(f"append {len(batch)} progress rows") as session:
-            return _write_progress_batch(session, batch)
+            rows = _write_progress_batch(session, batch)
+            records = queries.render_progress(session, [Progress(**row) for row in rows]) if self._listeners else []
+        self._notify(records)
+        return len(rows)
+
+    # -- the run's ledger as AbstractRuntime records ---------------------------------
+
+    def list_records(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's whole ledger in append order, as AbstractRuntime's own stores list it: the
+        step records as appended, and each phase event as the ``abstract.progress`` record the
+        host writes itself (see ``queries.progress_record``)."""
+        with self._read(f"list records of run {run_id}") as session:
+            return [record for _, record in queries.run_records(session, run_id)]
+
+    def records_after(self, run_id: str, after: int = 0, limit: int = 1000) -> tuple[list[dict[str, Any]], int]:
+        """A page of ``list_records``: the records with ``seq > after`` (at most ``limit``) and
+        the cursor to pass next (the last ``seq`` returned, else ``after``)."""
+        with self._read(f"list records of run {run_id}") as session:
+            page = queries.run_records(session, run_id, after=max(0, int(after)), limit=max(1, int(limit)))
+        return [record for _, record in page], (page[-1][0] if page else int(after))
+
+    def last_record(self, run_id: str) -> dict[str, Any] | None:
+        """The run's most recent record (a step record or a progress record), or None."""
+        with self._read(f"read last record of run {run_id}") as session:
+            return queries.last_record(session, run_id)
+
+    def subscribe(self, callback: Callable[[dict[str, Any]], None], *, run_id: str | None = None) -> Callable[[], None]:
+        """Call ``callback(record)`` after each step record or progress record of ``run_id`` (or of
+        every run) is committed through this ``Ledger``; returns the unsubscribe function.
+
+        Progress records arrive from the writer thread, in commit order. A callback that raises
+        is logged and skipped: observers never break a write.
+        """
+
+        def listener(rid: str, records: list[dict[str, Any]]) -> None:
+            if run_id is None or rid == run_id:
+                for record in records:
+                    callback(record)
+
+        with self._writers_lock:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._writers_lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def _notify(self, records: list[dict[str, Any]]) -> None:
+        if not records or not self._listeners:
+            return
+        with self._writers_lock:
+            listeners = list(self._listeners)
+        for record in records:
+            for listener in listeners:
+                try:
+                    listener(str(record.get("run_id")), [record])
+                except Exception:  # noqa: BLE001 - observability must not break durability
+                    log.warning("ledger subscriber raised; record skipped for it", exc_info=True)
 
     # -- queries (plain dataclasses) ------------------------------------------------
 
@@ -684,27 +747,33 @@ def open_ledger(url: str, **options: Any) -> Ledger:
     return Ledger(url, **options)
 
 
-def _write_progress_batch(session: Session, batch: Sequence[ProgressEvent]) -> int:
+def _write_progress_batch(session: Session, batch: Sequence[ProgressEvent]) -> list[dict[str, Any]]:
     run_ids = sorted({item.key.run_id for item in batch})
-    heads = _lock_heads(session, PROGRESS_STREAM, run_ids)
+    heads = _lock_heads(session, RECORDS_STREAM, run_ids)
     keys = list(dict.fromkeys(item.idempotency_key for item in batch))
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()
     for chunk in _chunks(keys):
-        seen.update(session.scalars(select(Progress.idempotency_key).where(Progress.idempotency_key.in_(chunk))))
+        found = session.execute(
+            select(Progress.run_id, Progress.idempotency_key).where(
+                Progress.run_id.in_(run_ids), Progress.idempotency_key.in_(chunk)
+            )
+        )
+        seen.update((run_id, key) for run_id, key in found)
     rows: list[dict[str, Any]] = []
     for item in batch:
-        if item.idempotency_key in seen:
+        identity = (item.key.run_id, item.idempotency_key)
+        if identity in seen:
             continue
-        seen.add(item.idempotency_key)
+        seen.add(identity)
         run_id = item.key.run_id
         heads[run_id] += 1
         rows.append(_progress_row(item, heads[run_id]))
     if not rows:
-        return 0
+        return []
     for run_id in run_ids:
-        _advance_head(session, PROGRESS_STREAM, run_id, heads[run_id])
-    _insert_ignoring_conflicts(session, Progress, rows, ("idempotency_key",))
-    return len(rows)
+        _advance_head(session, RECORDS_STREAM, run_id, heads[run_id])
+    _insert_ignoring_conflicts(session, Progress, rows, ("run_id", "idempotency_key"))
+    return rows
 
 
 # --------------------------------------------------------------------------------------

@@ -6,13 +6,16 @@
 ``LedgerRunStore``: ``save`` / ``load`` / ``create_if_absent`` (first creation wins, identity
 checked with AbstractRuntime's ``verify_run_identity``) / ``list_runs`` / ``list_children``.
 ``LedgerStepStore``: ``append`` (append-only; a retried append of the same record is stored
-once) / ``list`` (append order) / ``find_completed_result`` (an indexed point query) /
+once) / ``list`` (append order, phase events included as the host's ``abstract.progress``
+records) / ``list_after`` (cursor paging) / ``subscribe`` (observers, as
+``ObservableLedgerStore`` offers) / ``find_completed_result`` (an indexed point query) /
 ``last_record``. The run state and step records are stored as the dicts AbstractRuntime
 serialises them to, so a stored run round-trips exactly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from abstractruntime.core.models import RunState, RunStatus, StepRecord, WaitReason, WaitState
@@ -111,10 +114,13 @@ class LedgerRunStore(RunStore):
 class LedgerStepStore(LedgerStore):
     """Step records in the ledger's ``steps`` table: append-only and idempotent.
 
-    Phase events do not come through here when our LLM_CALL handler runs on this ledger: the
-    node writes them to the ``progress`` table through a batching writer (see
-    ``handler.LLMCallHandler``). ``abstract.progress`` records that other handlers send
-    through AbstractRuntime's channel are stored like any other step record.
+    Our LLM_CALL handler does not send phase events through ``append``: the node writes them to
+    the ``progress`` table through a batching writer (see ``handler.LLMCallHandler``). Reads
+    put them back where AbstractRuntime would have appended them: ``list``, ``list_after``,
+    ``last_record`` and ``subscribe`` present every phase event as the ``abstract.progress``
+    record the host writes itself, in order among the run's step records (one shared ``seq``).
+    ``abstract.progress`` records that other handlers send through AbstractRuntime's channel
+    are stored like any other step record.
     """
 
     def __init__(self, ledger: Ledger) -> None:
@@ -124,10 +130,18 @@ class LedgerStepStore(LedgerStore):
         self.ledger.append_step(steprecord_to_dict(record))
 
     def list(self, run_id: str) -> list[dict[str, Any]]:
-        return self.ledger.list_steps(run_id)
+        return self.ledger.list_records(run_id)
+
+    def list_after(self, *, run_id: str, after: int, limit: int = 1000) -> tuple[list[dict[str, Any]], int]:
+        """Records with ``seq > after`` (cursor semantics of AbstractRuntime's ``SqliteLedgerStore``)."""
+        return self.ledger.records_after(run_id, after=after, limit=limit)
+
+    def subscribe(self, callback: Callable[[dict[str, Any]], None], *, run_id: str | None = None) -> Callable[[], None]:
+        """Observers (``Runtime.subscribe_ledger``): every committed record, progress records included."""
+        return self.ledger.subscribe(callback, run_id=run_id)
 
     def find_completed_result(self, run_id: str, idempotency_key: str) -> dict[str, Any] | None:
         return self.ledger.find_completed_result(run_id, idempotency_key)
 
     def last_record(self, run_id: str) -> dict[str, Any] | None:
-        return self.ledger.last_step(run_id)
+        return self.ledger.last_record(run_id)
