@@ -203,5 +203,6 @@ def test_cli_status_and_upgrade(tmp_path, capsys):
     assert main(["ledger", "upgrade", str(path)]) == 0
     assert "nothing to do" in capsys.readouterr().out
     assert main(["runs", "list", "--ledger", str(path)]) == 0
-    with pytest.raises(SystemExit, match="no ledger at"):
-        main(["ledger", "upgrade", str(tmp_path / "absent.sqlite")])
+    assert main(["ledger", "upgrade", str(tmp_path / "absent.sqlite")]) == 1
+    assert "no ledger at" in capsys.readouterr().err
+    assert not (tmp_path / "absent.sqlite").exists()
