@@ -41,8 +41,8 @@ def flow() -> dict[str, Any]:
     return json.loads(EXAMPLE.read_text())
 
 
-def test_host_apis_see_every_phase_event_in_order(tmp_path, flow, dense_model, policy_file):
-    pack = build_pack(sqlite_url(tmp_path / "ledger.db"), model=str(dense_model))
+def test_host_apis_see_every_phase_event_in_order(tmp_path, flow, dense_model, policy_file, registry):
+    pack = build_pack(sqlite_url(tmp_path / "ledger.db"), model=str(dense_model), registry=registry)
     try:
         runtime = pack.runtime()
         observed: list[dict[str, Any]] = []
@@ -93,10 +93,10 @@ def test_host_apis_see_every_phase_event_in_order(tmp_path, flow, dense_model, p
         pack.close()
 
 
-def test_records_have_the_shape_the_host_writes_itself(tmp_path, flow, dense_model, policy_file):
+def test_records_have_the_shape_the_host_writes_itself(tmp_path, flow, dense_model, policy_file, registry):
     """The same flow with the host's own stores (the handler forwards to its progress channel)
     and with ours: the progress records have the same fields, identity and key form."""
-    host_pack = build_pack(model=str(dense_model), sibling_batching=False)  # no ledger of ours
+    host_pack = build_pack(model=str(dense_model), sibling_batching=False, registry=registry)  # no ledger of ours
     try:
         host_pack.flows.register(flow)
         runtime = Runtime(
@@ -107,7 +107,7 @@ def test_records_have_the_shape_the_host_writes_itself(tmp_path, flow, dense_mod
         host_records = [r for r in runtime.get_ledger(state.run_id) if is_progress(r)]
     finally:
         host_pack.close()
-    pack = build_pack(sqlite_url(tmp_path / "ledger.db"), model=str(dense_model), sibling_batching=False)
+    pack = build_pack(sqlite_url(tmp_path / "ledger.db"), model=str(dense_model), sibling_batching=False, registry=registry)
     try:
         [result] = run_flow(flow, pack=pack)
         ours = [r for r in pack.runtime().get_ledger(result.run_id) if is_progress(r)]
