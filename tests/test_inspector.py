@@ -108,7 +108,8 @@ def test_run_view_has_one_bar_per_call_with_phase_segments_and_control_sources(c
     assert calls["mtp2"]["speculation"]["used"] is True and 0 < calls["mtp2"]["acceptance"] <= 1
     assert calls["plain"]["acceptance"] is None
     assert calls["plain"]["execution"]["peak_batch_size"] >= 1
-    assert [s["seq"] for s in view["steps"]] == list(range(1, len(view["steps"]) + 1))
+    seqs = [s["seq"] for s in view["steps"]]  # ledger order; phase events share the sequence
+    assert seqs[0] == 1 and seqs == sorted(set(seqs))
 
 
 def test_unknown_run_is_a_typed_404(client: TestClient) -> None:
