@@ -163,7 +163,8 @@ def test_queue_timeout_only_expires_waiting(make_llm, dense_model):
     with pytest.raises(errors.QueueTimeout) as info:
         llm.generate(PROMPTS[1], max_output_tokens=4)
     assert info.value.code == "queue_timeout" and info.value.http_status == 504
-    time.sleep(0.4)
+    # The running request started before the expired one was queued: it is past the timeout too.
+    assert time.perf_counter() - running._submitted.request.submitted_at > 0.3
     chunks = [next(running) for _ in range(3)]  # the running request never expires
     assert all(c.finish_reason is None for c in chunks)
     running.close()
@@ -182,10 +183,20 @@ def test_slow_consumer_backpressure(make_llm, dense_model):
 
 def test_cancel_from_another_thread_frees_slot(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=1)
-    cancel = threading.Event()
-    timer = threading.Timer(0.2, cancel.set)
-    timer.start()
-    result = llm.generate(PROMPTS[0], max_output_tokens=4000, cancel_event=cancel)
+    cancel, decoding = threading.Event(), threading.Event()
+
+    def on_progress(event):
+        if event.get("phase") == "generate":
+            decoding.set()
+
+    def canceller():
+        if decoding.wait(30):  # the first token is out: cancel mid-decode, from this thread
+            cancel.set()
+
+    other = threading.Thread(target=canceller)
+    other.start()
+    result = llm.generate(PROMPTS[0], max_output_tokens=4000, cancel_event=cancel, on_progress=on_progress)
+    other.join()
     assert result.finish_reason == "cancelled"
     assert result.usage["completion_tokens"] < 4000
     assert wait_until(lambda: llm._engine.snapshot()["active"] == 0)
@@ -322,10 +333,26 @@ def test_garbage_collection_retires_without_blocking(policy_file, dense_model):
     engine = llm._engine
     stream = llm.generate(PROMPTS[0], max_output_tokens=40, stream=True)
     next(stream)
-    started = time.monotonic()
+    # Park the worker between steps, so the in-flight request cannot finish meanwhile; if
+    # retiring waited for it, the safety timer would release the worker and the request
+    # would be done by the time the collection returns.
+    gate, parked = threading.Event(), threading.Event()
+
+    def hold():
+        parked.set()
+        gate.wait()
+
+    holder = threading.Thread(target=engine.control, args=(hold,))
+    holder.start()
+    assert parked.wait(10)
+    safety = threading.Timer(10, gate.set)
+    safety.start()
     del llm
     gc.collect()
-    assert time.monotonic() - started < 1.0  # did not wait for the in-flight request
+    assert not stream._submitted.request.done.is_set()  # did not wait for the in-flight request
+    gate.set()
+    safety.cancel()
+    holder.join()
     assert list(stream)[-1].finish_reason == "length"  # the in-flight request completed
     assert wait_until(lambda: not engine.alive)
     assert residency.resident_count() == 0
