@@ -151,6 +151,8 @@ def test_nesting_up_to_the_limit_is_accepted(client: Any) -> None:
     [
         ([{"function": "x"}], "messages.1.tool_calls.0.function"),
         ([{"function": {"arguments": "{}"}}], "messages.1.tool_calls.0.function.name"),
+        ([{"id": "c1", "arguments": "{}"}], "messages.1.tool_calls.0"),
+        ([{"name": 5}], "messages.1.tool_calls.0.name"),
         ([{"type": "web", "function": {"name": "f"}}], "messages.1.tool_calls.0.type"),
         (["f"], "messages.1.tool_calls.0"),
         ({"function": {"name": "f"}}, "messages.1.tool_calls"),
@@ -162,8 +164,15 @@ def test_malformed_tool_calls_are_rejected(client: Any, fake: FakeProvider, tool
     assert fake.calls == []
 
 
-def test_well_formed_tool_calls_reach_the_template(client: Any, fake: FakeProvider) -> None:
-    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+@pytest.mark.parametrize(
+    "call",
+    [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}},
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}},
+        {"call_id": "c1", "name": "add", "arguments": {"a": 1}},  # AbstractCore's flat form
+    ],
+)
+def test_well_formed_tool_calls_reach_the_template(client: Any, fake: FakeProvider, call: dict[str, Any]) -> None:
     messages = [*USER, {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "2"}]
     assert client.post(CHAT, json={"messages": messages}).status_code == 200
     assert fake.calls[0]["messages"][1]["tool_calls"] == [call]

@@ -20,7 +20,18 @@ import json
 import math
 from typing import Annotated, Any, Final, Literal, TypeVar
 
-from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
 from ..errors import InvalidRequest
 
@@ -77,13 +88,22 @@ class ToolCallFunction(BaseModel):
 
 
 class ToolCall(BaseModel):
-    """An assistant turn's tool call (OpenAI's ``{"id", "type": "function", "function": {...}}``)."""
+    """An assistant turn's tool call: OpenAI's ``{"id", "type": "function", "function": {"name", "arguments"}}``,
+    or AbstractCore's flat ``{"name", "arguments", "call_id"?}`` (chat templates read both)."""
 
     model_config = ConfigDict(extra="allow")
 
     id: StrictStr | None = None
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
+    type: Literal["function"] | None = None
+    function: ToolCallFunction | None = None
+    name: StrictStr | None = None
+    arguments: StrictStr | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _names_a_function(self) -> ToolCall:
+        if self.function is None and self.name is None:
+            raise ValueError('a tool call needs "function": {"name", "arguments"} (or a flat "name")')
+        return self
 
 
 class ChatMessage(BaseModel):
