@@ -12,11 +12,13 @@ from safetensors.numpy import save_file
 
 from abstractruntime_mlx import artifacts
 from abstractruntime_mlx.capabilities import get_execution_capabilities
+from abstractruntime_mlx.controls import ControlLevel
 from abstractruntime_mlx.errors import InvalidRequest, ModelNotFound, PolicyError
 
 SEED = {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": False}
 SPECULATION_KEYS = {
     "supported",
+    "effective_source",
     "ready",
     "reason",
     "message",
@@ -224,7 +226,8 @@ def test_fingerprint(tmp_path):
 def test_embedded_mtp_without_loading_weights(tmp_path, no_policy, no_weight_loading):
     model = checkpoint(tmp_path / "m", mtp=True, corrupt_data=True)
     report = get_execution_capabilities(str(model), policy_path=no_policy)
-    assert set(report) == {"version", "provider", "model", "speculation", "concurrency"}
+    assert set(report) == {"version", "provider", "model", "speculation", "thinking", "concurrency"}
+    assert report["thinking"] == {"effective_default": None, "effective_source": "model_default"}
     assert report["version"] == 1 and report["provider"] == "mlx" and report["model"] == str(model)
     spec = report["speculation"]
     assert set(spec) == SPECULATION_KEYS
@@ -234,7 +237,8 @@ def test_embedded_mtp_without_loading_weights(tmp_path, no_policy, no_weight_loa
     assert spec["head_present"] is True
     assert spec["supported_depths"] == [1, 2, 3, 4, 5]
     assert spec["default"] is None
-    assert spec["effective_default"] == {"mode": "native_mtp", "require_acceleration": False}
+    assert spec["effective_default"] == {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": False}
+    assert spec["effective_source"] == "verified_default"
     assert spec["requires_reload"] is None
     assert report["concurrency"] == {"supported": None, "source": "unknown", "reason": None}
     json.dumps(report)
@@ -340,7 +344,7 @@ class Instance:
             self.speculation_ready = lambda: ready
         self.supports_concurrent_generation = lambda: concurrent
         if default != "missing":
-            self.speculation_default = lambda: default
+            self.control_defaults = lambda: ControlLevel.parse(speculation=default)
 
 
 @pytest.mark.parametrize(
@@ -367,11 +371,13 @@ def test_instance_concurrency_and_provider_default(tmp_path, no_policy):
     )
     assert report["concurrency"]["supported"] is False
     assert report["speculation"]["effective_default"] is False
+    assert report["speculation"]["effective_source"] == "provider"
     strict = {"mode": "native_mtp", "num_draft_tokens": 3, "require_acceleration": True}
     got = get_execution_capabilities(model, instance=Instance(default=strict), policy_path=no_policy)
     assert got["speculation"]["effective_default"] == strict
     inherit = get_execution_capabilities(model, instance=Instance(default=None), policy_path=tmp_path / "none.json")
     assert inherit["speculation"]["effective_default"] == SEED
+    assert inherit["speculation"]["effective_source"] == "policy"
 
 
 def test_unsupported_model_ready_is_false_even_with_instance(tmp_path, no_policy):

@@ -12,10 +12,12 @@ from abstractruntime_mlx.controls import (
     UNSET,
     VERIFIED_DEFAULT,
     ResolvedControls,
-    SamplingControls,
+    Sampling,
     SpeculationControl,
     merge_speculation,
+    normalize_max_output_tokens,
     normalize_sampling,
+    normalize_stop,
     normalize_speculation,
     normalize_thinking,
     resolve_controls,
@@ -179,7 +181,7 @@ def spec(**levels):
 
 def test_nothing_set_verified_gives_optional_mtp():
     assert spec(verified=True) == (VERIFIED_DEFAULT, "verified_default")
-    assert VERIFIED_DEFAULT.to_wire() == {"mode": "native_mtp", "require_acceleration": False}
+    assert VERIFIED_DEFAULT.to_wire() == {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": False}
 
 
 def test_nothing_set_unverified_is_off():
@@ -270,7 +272,7 @@ def test_seed_policy_under_constructor_default():
 
 
 def test_unverified_model_honours_explicit_request():
-    assert spec(call=True) == (mtp(require_acceleration=False), "call")
+    assert spec(call=True) == (mtp(num_draft_tokens=2, require_acceleration=False), "call")
 
 
 def test_invalid_level_names_the_field():
@@ -347,7 +349,7 @@ def test_resolve_controls_records_sources_and_round_trips():
 def test_resolve_controls_defaults():
     resolved = resolve_controls(verified_default=True)
     assert resolved.to_metadata() == {
-        "speculation": {"mode": "native_mtp", "require_acceleration": False},
+        "speculation": {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": False},
         "speculation_source": "verified_default",
         "thinking": None,
         "thinking_source": "model_default",
@@ -388,16 +390,28 @@ def test_sampling_accepts_and_normalizes():
         frequency_penalty=2,
         logit_bias={"42": -5, 7: 100},
         seed=0,
-        stop="###",
-        max_output_tokens=16,
     )
     assert controls.temperature == 0.0 and isinstance(controls.temperature, float)
-    assert controls.logit_bias == {42: -5.0, 7: 100.0}
-    assert controls.stop == ("###",)
+    assert controls.logit_bias == ((7, 100.0), (42, -5.0))
     assert normalize_sampling(**json.loads(json.dumps(controls.to_dict()))) == controls
-    assert normalize_sampling() == SamplingControls()
-    assert normalize_sampling(stop=["a", "b"]).stop == ("a", "b")
+    assert normalize_sampling() == Sampling()
     assert normalize_sampling().to_dict() == {}
+    assert hash(controls) == hash(normalize_sampling(**controls.to_dict()))
+
+
+def test_limits_normalize():
+    assert normalize_stop("###") == ("###",)
+    assert normalize_stop(["a", "b"]) == ("a", "b")
+    assert normalize_stop(None) == ()
+    assert normalize_max_output_tokens(16) == 16
+    for bad, check in (([""], normalize_stop), (5, normalize_stop), (["a", 1], normalize_stop)):
+        with pytest.raises(InvalidControls) as info:
+            check(bad)
+        assert info.value.field == "stop"
+    for bad in (0, True, 2.5):
+        with pytest.raises(InvalidControls) as info:
+            normalize_max_output_tokens(bad)
+        assert info.value.field == "max_output_tokens"
 
 
 @pytest.mark.parametrize(
@@ -422,11 +436,8 @@ def test_sampling_accepts_and_normalizes():
         ({"logit_bias": {1: None}}, "logit_bias.1"),
         ({"seed": -1}, "seed"),
         ({"seed": False}, "seed"),
-        ({"stop": [""]}, "stop"),
-        ({"stop": 5}, "stop"),
-        ({"stop": ["a", 1]}, "stop"),
-        ({"max_output_tokens": 0}, "max_output_tokens"),
-        ({"max_tokens": 5}, "max_tokens"),
+        ({"stop": "x"}, "stop"),
+        ({"max_output_tokens": 5}, "max_output_tokens"),
     ],
 )
 def test_sampling_rejected(kwargs, field):
@@ -450,11 +461,10 @@ def test_sampling_rejected(kwargs, field):
                 "top_p": 0.5,
                 "top_k": 3,
                 "seed": 1,
-                "stop": "x",
             },
             True,
         ),
-        ({}, False),
+        ({}, True),
         ({"temperature": 0.7}, False),
         ({"temperature": 0, "min_p": 0.1}, False),
         ({"temperature": 0, "repetition_penalty": 1.2}, False),

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from abstractruntime_mlx.controls import UNSET, SpeculationControl
+from abstractruntime_mlx.controls import UNSET, ControlLevel, SpeculationControl
 from abstractruntime_mlx.errors import InvalidControls, InvalidRequest
 from abstractruntime_mlx.ledger import Ledger, NodeKey, ProgressEvent
 from abstractruntime_mlx.nodes import LLMNode, NodeRequest, ProgressRoute, ProviderRegistry, resolve_node_controls
@@ -39,6 +39,8 @@ def ledger(tmp_path):
     [
         ({}, UNSET, MTP4, MTP4.to_wire(), "policy"),
         ({}, MTP3, MTP4, {**MTP3, "require_acceleration": False}, "provider"),
+        # a partial provider default inherits the policy's depth (one merge rule at every level)
+        ({}, {"require_acceleration": True}, MTP4, {**MTP4.to_wire(), "require_acceleration": True}, "provider"),
         ({"run_speculation": {"num_draft_tokens": 5}}, MTP3, MTP4, {**MTP3, "num_draft_tokens": 5, "require_acceleration": False}, "run"),
         ({"speculation": False, "run_speculation": MTP3}, MTP3, MTP4, False, "call"),
         ({"speculation": {"num_draft_tokens": 2}, "run_speculation": False}, UNSET, MTP4, {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": False}, "call"),
@@ -48,14 +50,18 @@ def ledger(tmp_path):
     ],
 )
 def test_speculation_precedence(request_kwargs, provider, policy, expected, source):
-    controls = resolve_node_controls(NodeRequest(**request_kwargs), provider_default=provider, policy=policy)
+    controls = resolve_node_controls(
+        NodeRequest(**request_kwargs),
+        provider_default=None if provider is UNSET else ControlLevel.parse(speculation=provider),
+        policy=None if policy is UNSET else ControlLevel(speculation=policy),
+    )
     assert controls.speculation.to_wire() == expected
     assert controls.sources["speculation"] == source
 
 
 def test_verified_default_when_nothing_is_said():
     controls = resolve_node_controls(NodeRequest(), verified_default=True)
-    assert controls.to_metadata()["speculation"] == {"mode": "native_mtp", "require_acceleration": False}
+    assert controls.to_metadata()["speculation"] == {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": False}
     assert controls.sources["speculation"] == "verified_default"
 
 
@@ -141,7 +147,7 @@ def test_unbatched_provider_is_serialized_per_model(model, policy_file):
         active, peak, lock = [0], [0], threading.Lock()
         entry = registry.local(model, {"mlx_batching": False})
         assert entry.lock is not None
-        original = entry.provider.generate
+        original = entry.provider.generate_request
 
         def counting(*args, **kwargs):
             with lock:
@@ -153,7 +159,7 @@ def test_unbatched_provider_is_serialized_per_model(model, policy_file):
                 with lock:
                     active[0] -= 1
 
-        entry.provider.generate = counting
+        entry.provider.generate_request = counting
         with ThreadPoolExecutor(3) as pool:
             results = list(pool.map(lambda i: node.run(NodeRequest(prompt=f"q{i}", sampling=GREEDY)), range(3)))
         assert peak[0] == 1
@@ -192,7 +198,7 @@ def test_fingerprint_covers_the_whole_request(model, registry, policy_file):
 
 def test_unknown_provider_and_missing_model_are_refused(model, registry):
     with pytest.raises(InvalidRequest, match="provider"):
-        LLMNode(registry=registry, default_model=model).prepare(NodeRequest(provider="openai"))
+        LLMNode(registry=registry, default_model=model).prepare(NodeRequest(prompt="x", provider="openai"))
     with pytest.raises(InvalidRequest, match="no model"):
         LLMNode(registry=registry).prepare(NodeRequest(prompt="x"))
 
@@ -200,7 +206,9 @@ def test_unknown_provider_and_missing_model_are_refused(model, registry):
 def test_remote_request_sends_only_node_or_run_speculation():
     node = LLMNode()
     inherit = node.prepare(NodeRequest(prompt="x", base_url="http://127.0.0.1:1/"))
-    assert "speculation" not in inherit.kwargs and inherit.client_kind == "remote"
+    assert inherit.request.speculation is None and inherit.client_kind == "remote"
+    assert not inherit.speculation_sent
     off = node.prepare(NodeRequest(prompt="x", base_url="http://127.0.0.1:1", run_speculation=False))
-    assert off.kwargs["speculation"] is False and off.controls.sources["speculation"] == "run"
+    assert off.request.speculation == SpeculationControl.off() and off.controls.sources["speculation"] == "run"
+    assert off.request.run == ControlLevel()  # the wire has one level: the run's word travels as the call's
     assert off.base_url == "http://127.0.0.1:1"

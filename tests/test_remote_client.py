@@ -24,7 +24,8 @@ from abstractruntime_mlx.errors import (
     UpstreamError,
 )
 from abstractruntime_mlx.remote_client import AsyncRemoteClient, RemoteClient
-from abstractruntime_mlx.remote_client._base import build_chat_call, decode_error
+from abstractruntime_mlx.remote_client._base import ChatCall, build_chat_call, decode_error
+from abstractruntime_mlx.request import GenerationRequest
 from abstractruntime_mlx.results import GenerationChunk, GenerationResult
 from abstractruntime_mlx.server import create_app
 from abstractruntime_mlx.testing import tiny_model
@@ -43,15 +44,25 @@ QUEUE_FULL = {"error": {"message": "the waiting queue is full", "type": "capacit
 # --------------------------------------------------------------------------- request building
 
 
+def chat_call(*, model: str | None = None, stream: bool = False, prompt: str = "", **kwargs: Any) -> ChatCall:
+    """The body the client sends for ``generate(prompt, stream=stream, **kwargs)``."""
+    return build_chat_call(GenerationRequest.from_kwargs(prompt, **kwargs), model=model, stream=stream)
+
+
 def test_body_forwards_controls_like_abstractcore_expects() -> None:
-    call = build_chat_call(
+    call = chat_call(
         model="m",
         prompt="Say hi",
+        messages=[],
         system_prompt="Be terse.",
         thinking="HIGH",
         speculation=False,
         prompt_cache_key="session:1",
-        sampling={"temperature": 0.2, "seed": 7, "stop": "\n\n", "max_output_tokens": 64, "logit_bias": {5: -1}},
+        temperature=0.2,
+        seed=7,
+        stop="\n\n",
+        max_output_tokens=64,
+        logit_bias={5: -1},
     )
     assert call.body == {
         "model": "m",
@@ -70,19 +81,19 @@ def test_body_forwards_controls_like_abstractcore_expects() -> None:
 
 
 def test_speculation_none_is_omitted_and_objects_are_sent_as_given() -> None:
-    assert "speculation" not in build_chat_call(model=None, prompt="x").body
-    mtp = build_chat_call(model=None, prompt="x", speculation={"mode": "native_mtp", "num_draft_tokens": 3}).body
+    assert "speculation" not in chat_call(prompt="x").body
+    mtp = chat_call(prompt="x", speculation={"mode": "native_mtp", "num_draft_tokens": 3}).body
     assert mtp["speculation"] == {"mode": "native_mtp", "num_draft_tokens": 3}
     with pytest.raises(InvalidControls) as info:
-        build_chat_call(model=None, prompt="x", speculation={"mode": "warp"})
+        chat_call(prompt="x", speculation={"mode": "warp"})
     assert info.value.field == "speculation.mode"
 
 
 def test_streams_and_progress_ask_for_sse() -> None:
-    streamed = build_chat_call(model=None, prompt="x", stream=True, on_progress=print)
+    streamed = chat_call(prompt="x", stream=True, on_progress=print)
     assert streamed.body["stream"] is True
     assert streamed.body["stream_options"] == {"include_progress": True, "include_usage": True}
-    plain_progress = build_chat_call(model=None, prompt="x", on_progress=print)
+    plain_progress = chat_call(prompt="x", on_progress=print)
     assert plain_progress.sse and plain_progress.body["stream"] is False
     assert plain_progress.body["stream_options"] == {"include_progress": True}
 
@@ -92,9 +103,7 @@ def test_media_becomes_inline_data_urls_on_the_last_user_turn(tmp_path: Any) -> 
 
     path = tmp_path / "red.png"
     path.write_bytes(png_bytes())
-    call = build_chat_call(
-        model=None,
-        prompt="",
+    call = chat_call(
         messages=[{"role": "user", "content": "first"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "what?"}],
         media=[str(path), png_bytes((0, 0, 255)), Image.new("RGB", (4, 4))],
     )
@@ -103,7 +112,7 @@ def test_media_becomes_inline_data_urls_on_the_last_user_turn(tmp_path: Any) -> 
     assert all(p["image_url"]["url"].startswith("data:image/png;base64,") for p in last[:3])
     assert call.body["messages"][0]["content"] == "first"
     with pytest.raises(InvalidMedia):
-        build_chat_call(model=None, prompt="x", media=[b"not an image"])
+        chat_call(prompt="x", media=[b"not an image"])
 
 
 # --------------------------------------------------------------------------- decoding

@@ -4,12 +4,14 @@ speculation and thinking reach the provider, execution metadata comes back, and 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
-from test_server_harness import serve_in_thread
+from test_server_harness import request_fields, serve_in_thread
 
 from abstractruntime_mlx import create_llm
+from abstractruntime_mlx.request import GenerationRequest
 from abstractruntime_mlx.server import create_app
 from abstractruntime_mlx.testing import tiny_model
 
@@ -30,11 +32,11 @@ class Recording:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
 
-    async def agenerate(self, prompt: str = "", **kwargs: Any) -> Any:
-        self.calls.append(dict(kwargs))
-        if self.stop_at_space and "stop" not in kwargs and "max_output_tokens" not in kwargs:
-            kwargs["stop"] = [" "]
-        return await self._llm.agenerate(prompt, **kwargs)
+    async def agenerate_request(self, request: GenerationRequest, *, stream: bool = False) -> Any:
+        self.calls.append(request_fields(request))
+        if self.stop_at_space and not request.stop and request.max_output_tokens is None:
+            request = dataclasses.replace(request, stop=(" ",))
+        return await self._llm.agenerate_request(request, stream=stream)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 
 from abstractruntime_mlx.errors import MLXRuntimeError
+from abstractruntime_mlx.request import GenerationRequest
 from abstractruntime_mlx.results import GenerationChunk, GenerationResult
 
 
@@ -82,6 +83,27 @@ def image_part(url: str, **extra: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- fake provider
 
 
+def request_fields(request: GenerationRequest) -> dict[str, Any]:
+    """A typed request as the flat keyword form callers wrote (only what is set)."""
+    out: dict[str, Any] = {"messages": [dict(m) for m in request.messages], **request.sampling.to_dict()}
+    out.update(request.call.to_dict())
+    if request.media:
+        out["media"] = list(request.media)
+    if request.tools:
+        out["tools"] = [dict(t) for t in request.tools]
+    if request.max_output_tokens is not None:
+        out["max_output_tokens"] = request.max_output_tokens
+    if request.stop:
+        out["stop"] = list(request.stop)
+    if request.prompt_cache_key is not None:
+        out["prompt_cache_key"] = request.prompt_cache_key
+    if request.cancel is not None:
+        out["cancel_event"] = request.cancel
+    if request.progress is not None:
+        out["on_progress"] = request.progress
+    return out
+
+
 class FakeProvider:
     """A scripted provider: records every call's keyword arguments.
 
@@ -137,12 +159,11 @@ class FakeProvider:
         n = len(self.texts)
         return {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n, "cached_input_tokens": 2}
 
-    async def agenerate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> Any:
-        self.calls.append({"prompt": prompt, "stream": stream, **kwargs})
-        cancel = kwargs.get("cancel_event")
-        if cancel is not None:
-            self.cancel_events.append(cancel)
-        chunks = self._chunks(kwargs.get("on_progress"))
+    async def agenerate_request(self, request: GenerationRequest, *, stream: bool = False) -> Any:
+        self.calls.append({"stream": stream, **request_fields(request)})
+        if request.cancel is not None:
+            self.cancel_events.append(request.cancel)
+        chunks = self._chunks(request.progress)
         if stream:
             return chunks
         text = ""

@@ -4,7 +4,9 @@ The shape matches AbstractCore's ``get_execution_capabilities`` (version 1)::
 
     {"version": 1, "provider": "mlx", "model": NAME,
      "speculation": {"supported", "ready", "reason", "message", "companion", "head_present",
-                     "supported_depths", "default", "effective_default", "requires_reload"},
+                     "supported_depths", "default", "effective_default", "effective_source",
+                     "requires_reload"},
+     "thinking": {"effective_default", "effective_source"},
      "concurrency": {"supported", "source", "reason"}}
 
 Evidence comes from config files and safetensors headers only (see ``artifacts``). ``ready``
@@ -13,6 +15,10 @@ is not proof that a head is ready. A model that is not on this machine is report
 (``supported: false, reason: "model_not_found"``, with the download command in ``message``)
 rather than raised, so a discovery UI can render it; a corrupt policy file still raises
 ``PolicyError``.
+
+``effective_default`` / ``effective_source`` come from ``controls.resolve_controls`` over the
+provider level (a loaded ``instance``'s own ``resolve_controls()``) and the Core policy: the
+same resolution, value and source that ``generate`` runs for a call that says nothing.
 """
 
 from __future__ import annotations
@@ -22,9 +28,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from . import artifacts
-from .controls import UNSET, normalize_speculation, resolve_speculation
+from .controls import ControlLevel, ResolvedControls, resolve_controls
 from .errors import InvalidRequest, ModelNotFound
-from .policy import read_speculation_policy
+from .policy import read_policy
 
 CAPABILITIES_VERSION: Final = 1
 SUPPORTED_PROVIDERS: Final = frozenset({"mlx"})
@@ -43,18 +49,20 @@ def get_execution_capabilities(
     """Describe MTP support/readiness and concurrency for ``model_name`` on ``provider``.
 
     ``instance`` (optional) is a loaded provider; it may offer ``speculation_ready() -> bool``,
-    ``supports_concurrent_generation() -> bool`` and ``speculation_default()`` (its
-    constructor-level speculation, any form ``normalize_speculation`` accepts; ``None`` =
-    inherits the policy). ``head`` names a companion MTP head explicitly. ``policy_path``
-    overrides the Core config file; ``cache_dir`` the Hugging Face cache.
+    ``supports_concurrent_generation() -> bool`` and ``control_defaults() -> ControlLevel``
+    (its constructor-level speculation and thinking). ``head`` names a companion MTP head
+    explicitly. ``policy_path`` overrides the Core config file; ``cache_dir`` the Hugging Face
+    cache.
     """
+    speculation, controls = describe_speculation(
+        model_name, provider, instance, head=head, policy_path=policy_path, cache_dir=cache_dir
+    )
     return {
         "version": CAPABILITIES_VERSION,
         "provider": provider,
         "model": model_name,
-        "speculation": describe_speculation(
-            model_name, provider, instance, head=head, policy_path=policy_path, cache_dir=cache_dir
-        ),
+        "speculation": speculation,
+        "thinking": {"effective_default": controls.thinking, "effective_source": controls.thinking_source},
         "concurrency": describe_concurrency(instance),
     }
 
@@ -79,12 +87,15 @@ def describe_speculation(
     head: str | None = None,
     policy_path: str | Path | None = None,
     cache_dir: str | Path | None = None,
-) -> dict[str, Any]:
-    """The ``speculation`` block of ``get_execution_capabilities``."""
-    policy = read_speculation_policy(policy_path)
-    default_wire = None if policy is None else policy.to_wire()
+) -> tuple[dict[str, Any], ResolvedControls]:
+    """The ``speculation`` block of ``get_execution_capabilities`` and the resolution behind it."""
+    policy = read_policy(policy_path)
+    default_wire = None if policy.speculation is None else policy.speculation.to_wire()
+    hook = getattr(instance, "control_defaults", None)
+    provider_level: ControlLevel | None = hook() if callable(hook) else None
     evidence, reason, message = _artifact_evidence(model_name, provider, head=head, cache_dir=cache_dir)
     if reason is not None:
+        controls = resolve_controls(provider=provider_level, policy=policy.controls, verified_default=False)
         return {
             "supported": False,
             "ready": False,
@@ -95,8 +106,9 @@ def describe_speculation(
             "supported_depths": [],
             "default": default_wire,
             "effective_default": False,
+            "effective_source": "unsupported",
             "requires_reload": None,
-        }
+        }, controls
     assert evidence is not None
     ready = _instance_ready(instance)
     head_present = True if ready else evidence["head_present"]
@@ -116,12 +128,7 @@ def describe_speculation(
             f"MTP acceleration off: companion head {companion} is not on this machine; "
             f"download it with `{artifacts.DOWNLOAD_COMMAND.format(name=companion)}`"
         )
-    provider_level: Any = UNSET
-    if instance is not None:
-        hook = getattr(instance, "speculation_default", None)
-        if callable(hook):
-            provider_level = normalize_speculation(hook(), field="instance.speculation_default")
-    effective, _source = resolve_speculation(provider=provider_level, policy=policy, verified_default=True)
+    controls = resolve_controls(provider=provider_level, policy=policy.controls, verified_default=True)
     return {
         "supported": True,
         "ready": ready,
@@ -131,9 +138,10 @@ def describe_speculation(
         "head_present": head_present,
         "supported_depths": list(SUPPORTED_DEPTHS),
         "default": default_wire,
-        "effective_default": effective.to_wire(),
+        "effective_default": controls.speculation.to_wire(),
+        "effective_source": controls.speculation_source,
         "requires_reload": (not ready) if isinstance(ready, bool) else None,
-    }
+    }, controls
 
 
 def _instance_ready(instance: Any) -> bool | None:

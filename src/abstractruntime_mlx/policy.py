@@ -11,6 +11,8 @@ with ``abstractcore config set-default``, the Gateway console or
   ``output.text`` then ``input.text`` (as AbstractCore does) and skip rows whose
   ``source`` is ``"not_configured"``.
 - Values: ``false`` (off), an object (native MTP), or absent (no policy: inherit).
+- Thinking: ``options.thinking`` of the same row (``true``/``false`` or a level string; absent:
+  inherit), the policy level of the thinking control.
 - Missing file: the fresh-install seed ``{"mode": "native_mtp", "num_draft_tokens": 2,
   "require_acceleration": false}`` applies. Reading never writes; ``ensure_seeded`` creates
   the file with the seed only when it does not exist, and ``set_default_speculation`` starts
@@ -32,7 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from .controls import SpeculationControl, normalize_speculation
+from .controls import ControlLevel, SpeculationControl, ThinkingValue, normalize_speculation, normalize_thinking
 from .errors import InvalidControls, PolicyError
 
 CONFIG_FILE_ENV: Final = "ABSTRACTCORE_CONFIG_FILE"
@@ -75,9 +77,15 @@ class PolicySnapshot:
     speculation: SpeculationControl | None
     source: Literal["file", "absent", "seed"]
     capability_defaults: Mapping[str, Any] | None
+    thinking: ThinkingValue = None
+
+    @property
+    def controls(self) -> ControlLevel:
+        """The policy level of the precedence chain."""
+        return ControlLevel(speculation=self.speculation, thinking=self.thinking)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "path": str(self.path),
             "exists": self.exists,
             "speculation": None if self.speculation is None else self.speculation.to_wire(),
@@ -86,6 +94,9 @@ class PolicySnapshot:
             if self.capability_defaults is not None
             else None,
         }
+        if self.thinking is not None:
+            out["thinking"] = self.thinking
+        return out
 
 
 def read_policy(path: str | Path | None = None) -> PolicySnapshot:
@@ -111,6 +122,11 @@ def read_speculation_policy(path: str | Path | None = None) -> SpeculationContro
     Cheap enough to call per request. Raises ``PolicyError`` on a corrupt file.
     """
     return read_policy(path).speculation
+
+
+def read_policy_controls(path: str | Path | None = None) -> ControlLevel:
+    """What the Core policy says about speculation and thinking (the ``policy`` level)."""
+    return read_policy(path).controls
 
 
 def ensure_seeded(path: str | Path | None = None) -> bool:
@@ -225,15 +241,40 @@ def _read_cached(path: str, inode: int, mtime_ns: int, ctime_ns: int, size: int)
         speculation=speculation,
         source="file" if found else "absent",
         capability_defaults=raw_defaults,
+        thinking=_thinking_from_defaults(raw_defaults, resolved),
     )
 
 
 def _speculation_from_defaults(defaults: dict[str, Any], path: Path) -> tuple[SpeculationControl | None, bool]:
+    for where, options in _text_route_options(defaults, path):
+        if "speculation" not in options:
+            continue
+        try:
+            return normalize_speculation(options["speculation"], field=f"{where}.options.speculation"), True
+        except InvalidControls as exc:
+            raise _corrupt(path, exc.field or f"{where}.options.speculation", exc.message) from exc
+    return None, False
+
+
+def _thinking_from_defaults(defaults: dict[str, Any], path: Path) -> ThinkingValue:
+    for where, options in _text_route_options(defaults, path):
+        if "thinking" not in options:
+            continue
+        try:
+            return normalize_thinking(options["thinking"], field=f"{where}.options.thinking")
+        except InvalidControls as exc:
+            raise _corrupt(path, exc.field or f"{where}.options.thinking", exc.message) from exc
+    return None
+
+
+def _text_route_options(defaults: dict[str, Any], path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, options)`` of the text-route rows in read order (rows not configured skipped)."""
     routes = defaults.get("routes")
     if routes is None:
-        return None, False
+        return []
     if not isinstance(routes, dict):
         raise _corrupt(path, "capability_defaults.routes", "must be an object")
+    found: list[tuple[str, dict[str, Any]]] = []
     for key in TEXT_ROUTE_READ_ORDER:
         row = routes.get(key)
         if row is None:
@@ -248,13 +289,8 @@ def _speculation_from_defaults(defaults: dict[str, Any], path: Path) -> tuple[Sp
             continue
         if not isinstance(options, dict):
             raise _corrupt(path, f"{where}.options", "must be an object")
-        if "speculation" not in options:
-            continue
-        try:
-            return normalize_speculation(options["speculation"], field=f"{where}.options.speculation"), True
-        except InvalidControls as exc:
-            raise _corrupt(path, exc.field or f"{where}.options.speculation", exc.message) from exc
-    return None, False
+        found.append((where, options))
+    return found
 
 
 def _load_document(path: Path) -> dict[str, Any]:

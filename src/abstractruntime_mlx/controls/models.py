@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
@@ -240,9 +240,8 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "frequency_penalty",
     "logit_bias",
     "seed",
-    "stop",
-    "max_output_tokens",
 )
+"""The fields of ``Sampling``, in wire order (``max_output_tokens`` and ``stop`` are limits of the request)."""
 
 
 MAX_SEED = 2**64 - 1  # MLX random keys are unsigned 64-bit
@@ -251,10 +250,13 @@ MAX_OUTPUT_TOKENS = 1_048_576
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingControls:
-    """Validated sampling settings; ``None`` means "not given" (the engine's default applies).
+class Sampling:
+    """How tokens are drawn; the one definition used from every edge down to the engine.
 
-    Build it with ``normalize_sampling(...)``, which validates; the constructor does not.
+    ``None`` means "not given": the engine's default applies (greedy for ``temperature``,
+    off for every filter and penalty). Build it with ``normalize_sampling(...)``, which
+    validates; the constructor does not. ``logit_bias`` is a sorted tuple of
+    ``(token_id, bias)`` pairs so the object stays hashable and immutable.
     """
 
     temperature: float | None = None
@@ -264,47 +266,45 @@ class SamplingControls:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: Mapping[int, float] | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
-    stop: tuple[str, ...] = field(default=())
-    max_output_tokens: int | None = None
 
-    def logits_neutral(self) -> bool:
-        """No penalty or bias would change the logits (MTP requires this)."""
+    def has_logit_processors(self) -> bool:
+        """A penalty or a bias would change the logits (native MTP cannot honor these)."""
         return (
-            (self.min_p is None or self.min_p == 0)
-            and (self.repetition_penalty is None or self.repetition_penalty == 1)
-            and (self.presence_penalty is None or self.presence_penalty == 0)
-            and (self.frequency_penalty is None or self.frequency_penalty == 0)
-            and not self.logit_bias
+            self.repetition_penalty not in (None, 1)
+            or self.presence_penalty not in (None, 0)
+            or self.frequency_penalty not in (None, 0)
+            or bool(self.logit_bias)
         )
 
+    def logits_neutral(self) -> bool:
+        """No filter, penalty or bias would change the logits (MTP requires this)."""
+        return self.min_p in (None, 0) and not self.has_logit_processors()
+
     def is_greedy_neutral(self) -> bool:
-        """``temperature == 0`` and every logits processor neutral (batchable greedy decoding)."""
-        return self.temperature == 0 and self.logits_neutral()
+        """Greedy (``temperature`` unset or 0) with every logits processor neutral: batchable."""
+        return self.temperature in (None, 0) and self.logits_neutral()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form with only the fields that are set (``logit_bias`` keys become strings)."""
         out: dict[str, Any] = {}
         for name in SAMPLING_FIELDS:
             value = getattr(self, name)
-            if value is None or (name == "stop" and not value):
-                continue
             if name == "logit_bias":
-                value = {str(k): v for k, v in value.items()}
-            elif name == "stop":
-                value = list(value)
-            out[name] = value
+                if value:
+                    out[name] = {str(token): bias for token, bias in value}
+            elif value is not None:
+                out[name] = value
         return out
 
 
-def normalize_sampling(**kw: Any) -> SamplingControls:
+def normalize_sampling(**kw: Any) -> Sampling:
     """Validate sampling keywords (names in ``SAMPLING_FIELDS``; ``None`` = not given).
 
     Ranges: temperature >= 0; 0 < top_p <= 1; top_k >= 0 (0 = off); 0 <= min_p <= 1;
     repetition_penalty > 0; presence/frequency penalty in [-2, 2]; logit_bias maps token ids
-    (int, or decimal-string keys as JSON sends them) to numbers in [-100, 100]; 0 <= seed < 2**64;
-    stop is a string or a list of non-empty strings; 1 <= max_output_tokens <= 1,048,576.
+    (int, or decimal-string keys as JSON sends them) to numbers in [-100, 100]; 0 <= seed < 2**64.
     """
     for name, value in kw.items():
         if name not in SAMPLING_FIELDS:
@@ -312,7 +312,7 @@ def normalize_sampling(**kw: Any) -> SamplingControls:
                 f"unknown sampling control {name!r}; accepted: {list(SAMPLING_FIELDS)}", field=name, value=value
             )
     get = kw.get
-    return SamplingControls(
+    return Sampling(
         temperature=_number(get("temperature"), "temperature", lo=0.0),
         top_p=_number(get("top_p"), "top_p", lo=0.0, lo_open=True, hi=1.0),
         top_k=_integer(get("top_k"), "top_k", lo=0),
@@ -322,13 +322,21 @@ def normalize_sampling(**kw: Any) -> SamplingControls:
         frequency_penalty=_number(get("frequency_penalty"), "frequency_penalty", lo=-2.0, hi=2.0),
         logit_bias=_logit_bias(get("logit_bias")),
         seed=_integer(get("seed"), "seed", lo=0, hi=MAX_SEED),
-        stop=_stop(get("stop")),
-        max_output_tokens=_integer(get("max_output_tokens"), "max_output_tokens", lo=1, hi=MAX_OUTPUT_TOKENS),
     )
 
 
+def normalize_max_output_tokens(value: object) -> int | None:
+    """``None`` (the provider's default) or an integer >= 1."""
+    return _integer(value, "max_output_tokens", lo=1, hi=MAX_OUTPUT_TOKENS)
+
+
+def normalize_stop(value: object) -> tuple[str, ...]:
+    """A string or a list of non-empty strings (``None``: no stop strings)."""
+    return _stop(value)
+
+
 def _number(
-    value: Any, name: str, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+    value: object, name: str, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False
 ) -> float | None:
     if value is None:
         return None
@@ -342,7 +350,7 @@ def _number(
     return number
 
 
-def _integer(value: Any, name: str, *, lo: int, hi: int | None = None) -> int | None:
+def _integer(value: object, name: str, *, lo: int, hi: int | None = None) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
@@ -354,9 +362,9 @@ def _integer(value: Any, name: str, *, lo: int, hi: int | None = None) -> int | 
     return value
 
 
-def _logit_bias(value: Any) -> Mapping[int, float] | None:
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     if value is None:
-        return None
+        return ()
     if not isinstance(value, Mapping):
         raise InvalidControls("logit_bias must map token ids to numbers", field="logit_bias", value=value)
     out: dict[int, float] = {}
@@ -380,10 +388,10 @@ def _logit_bias(value: Any) -> Mapping[int, float] | None:
         number = _number(bias, f"logit_bias.{key}", lo=-100.0, hi=100.0)
         assert number is not None
         out[token] = number
-    return out
+    return tuple(sorted(out.items()))
 
 
-def _stop(value: Any) -> tuple[str, ...]:
+def _stop(value: object) -> tuple[str, ...]:
     if value is None:
         return ()
     items: Iterable[Any] = [value] if isinstance(value, str) else value

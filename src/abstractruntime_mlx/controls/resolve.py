@@ -9,9 +9,14 @@ specific level that said something: that level *decided* and is reported as the 
   ``require_acceleration`` from the run/provider/policy; off at the deciding level wins; a
   more specific ``native_mtp`` overrides a less specific off. Nothing said anywhere:
   ``verified_default=True`` gives optional native MTP (source ``"verified_default"``), otherwise
-  off (source ``"off"``). After resolving, ``require_acceleration`` is always a bool.
+  off (source ``"off"``). After resolving, a native-MTP value always carries a depth
+  (``DEFAULT_DRAFT_TOKENS`` when no level names one) and ``require_acceleration`` is a bool,
+  so what is reported is exactly what runs.
 - thinking: scalar, so the most specific level that says something wins outright. Nothing
   said anywhere: ``None`` (the model's own chat-template default), source ``"model_default"``.
+
+Every place that reports or runs these controls (the node, the provider, ``capabilities``,
+the server) calls ``resolve_controls`` with the levels it knows; there is no other copy.
 
 ``UNSET`` (argument not given) and ``None`` both mean "this level says nothing, inherit";
 ``False`` means off. ``UNSET`` exists so a caller forwarding controls can tell "not passed"
@@ -49,8 +54,55 @@ class _Unset(enum.Enum):
 UNSET: Final = _Unset.UNSET
 """Sentinel: the argument was not given (inherit). Distinct from ``None`` only for forwarding."""
 
-VERIFIED_DEFAULT: Final = SpeculationControl(mode="native_mtp", require_acceleration=False)
+DEFAULT_DRAFT_TOKENS: Final = 2
+"""The MTP depth when native MTP is on and no level names a depth."""
+
+VERIFIED_DEFAULT: Final = SpeculationControl(
+    mode="native_mtp", num_draft_tokens=DEFAULT_DRAFT_TOKENS, require_acceleration=False
+)
 """What a model with verified MTP support runs when nobody configured anything."""
+
+SPECULATION_OFF_REASONS: Final[Mapping[str, str]] = {
+    "call": "disabled_for_this_call",
+    "run": "disabled_for_this_run",
+    "provider": "disabled_by_provider_default",
+    "policy": "disabled_by_policy",
+    "off": "no_verified_mtp_default",
+}
+"""``speculation.reason`` when the resolved value is off, by the level that switched it off."""
+
+
+@dataclass(frozen=True, slots=True)
+class ControlLevel:
+    """What one level (call, run, provider, policy) says; ``None`` says nothing (inherit).
+
+    Build it with ``ControlLevel.parse`` from any accepted input form (validated once there).
+    """
+
+    speculation: SpeculationControl | None = None
+    thinking: ThinkingValue = None
+
+    @classmethod
+    def parse(cls, *, speculation: object = None, thinking: object = None, prefix: str = "") -> ControlLevel:
+        """Validate both controls; ``prefix`` is prepended to the field named in errors."""
+        return cls(
+            speculation=normalize_speculation(speculation, field=f"{prefix}speculation"),
+            thinking=normalize_thinking(thinking, field=f"{prefix}thinking"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form with only what this level says."""
+        out: dict[str, Any] = {}
+        if self.speculation is not None:
+            out["speculation"] = self.speculation.to_wire()
+        if self.thinking is not None:
+            out["thinking"] = self.thinking
+        return out
+
+
+NOTHING_SAID: Final = ControlLevel()
+
+LevelInput = ControlLevel | Mapping[str, Any] | None
 
 T = TypeVar("T")
 
@@ -98,8 +150,13 @@ def resolve_speculation(
         if verified_default:
             return VERIFIED_DEFAULT, "verified_default"
         return SpeculationControl.off(), "off"
-    if value.enabled and value.require_acceleration is None:
-        value = value.model_copy(update={"require_acceleration": False})
+    if value.enabled:
+        value = value.model_copy(
+            update={
+                "num_draft_tokens": value.num_draft_tokens or DEFAULT_DRAFT_TOKENS,
+                "require_acceleration": bool(value.require_acceleration),
+            }
+        )
     return value, decided
 
 
@@ -128,6 +185,21 @@ class ResolvedControls:
     speculation: SpeculationControl
     thinking: ThinkingValue
     sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def speculation_source(self) -> str:
+        return self.sources["speculation"]
+
+    @property
+    def thinking_source(self) -> str:
+        return self.sources["thinking"]
+
+    @property
+    def speculation_off_reason(self) -> str | None:
+        """Why speculation is off (``None`` when it is on)."""
+        if self.speculation.enabled:
+            return None
+        return SPECULATION_OFF_REASONS[self.speculation_source]
 
     def to_metadata(self) -> dict[str, Any]:
         """JSON: ``{"speculation", "speculation_source", "thinking", "thinking_source"}``."""
@@ -161,25 +233,24 @@ class ResolvedControls:
 
 def resolve_controls(
     *,
-    call: Any = UNSET,
-    run: Any = UNSET,
-    provider: Any = UNSET,
-    policy: Any = UNSET,
+    call: LevelInput = None,
+    run: LevelInput = None,
+    provider: LevelInput = None,
+    policy: LevelInput = None,
     verified_default: bool,
 ) -> ResolvedControls:
-    """Resolve speculation and thinking across the levels in one call.
+    """Resolve speculation and thinking across the levels: the one resolver.
 
-    Each level is ``UNSET``/``None`` (says nothing) or a mapping with keys from
-    ``{"speculation", "thinking"}``; a missing key says nothing for that control. Unknown keys
-    raise ``InvalidControls``.
+    Each level is ``None`` (says nothing), a ``ControlLevel``, or a mapping with keys from
+    ``{"speculation", "thinking"}`` (validated here; unknown keys raise ``InvalidControls``).
     """
     layers = {name: _layer(value, name) for name, value in zip(LEVELS, (call, run, provider, policy))}
     speculation, speculation_source = resolve_speculation(
-        **{name: layer.get("speculation", UNSET) for name, layer in layers.items()},
+        **{name: layer.speculation for name, layer in layers.items()},
         verified_default=verified_default,
     )
     thinking, thinking_source = resolve_thinking(
-        **{name: layer.get("thinking", UNSET) for name, layer in layers.items()},
+        **{name: layer.thinking for name, layer in layers.items()},
     )
     return ResolvedControls(
         speculation=speculation,
@@ -188,9 +259,11 @@ def resolve_controls(
     )
 
 
-def _layer(value: Any, level: str) -> Mapping[str, Any]:
+def _layer(value: LevelInput | _Unset, level: str) -> ControlLevel:
     if value is UNSET or value is None:
-        return {}
+        return NOTHING_SAID
+    if isinstance(value, ControlLevel):
+        return value
     if not isinstance(value, Mapping):
         raise InvalidControls(
             f"{level} controls must be an object with keys {sorted(LAYER_KEYS)}; got {type(value).__name__}",
@@ -204,4 +277,4 @@ def _layer(value: Any, level: str) -> Mapping[str, Any]:
                 field=str(key),
                 value=value[key],
             )
-    return value
+    return ControlLevel.parse(speculation=value.get("speculation"), thinking=value.get("thinking"))

@@ -162,7 +162,7 @@ class BatchBackend:
                 # Greedy stays on (upstream's fused greedy head, where a model has one) while
                 # no sampled row decodes; ``step`` switches it per step.
                 kwargs["sampler"] = _RowSampler(self)
-            elif speculative_sampling is not None and speculative_sampling.temperature != 0:
+            elif speculative_sampling is not None and speculative_sampling.temperature:
                 kwargs.update(sampler=make_sampler(speculative_sampling), greedy_sampling=False)
             self._gen = BatchGenerator(
                 getattr(model, "language_model", model),

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..conversation import assemble_conversation, final_user_message
+from ..conversation import final_user_message
 from ..errors import InvalidRequest
 
-def build_messages(
-    *,
-    prompt: str | None,
-    messages: list[dict[str, Any]] | None,
-    system_prompt: str | None,
-    num_images: int = 0,
-) -> list[dict[str, Any]]:
-    out = [_normalise_message(m) for m in assemble_conversation(prompt=prompt, messages=messages, system_prompt=system_prompt)]
+
+def prepare_conversation(messages: Iterable[Mapping[str, Any]], *, num_images: int = 0) -> list[dict[str, Any]]:
+    """Copies of an assembled conversation as chat templates expect them (tool-call arguments
+    as objects, ``content`` never null), with ``num_images`` image slots on the final user turn."""
+    out = [_normalise_message(m) for m in messages]
     if num_images:
         _attach_images(out, num_images)
     return out
@@ -43,7 +41,7 @@ def render_prompt(
         raise InvalidRequest(f"the model's chat template rejected the conversation: {exc}") from exc
 
 
-def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:
+def _normalise_message(message: Mapping[str, Any]) -> dict[str, Any]:
     msg = dict(message)
     calls = msg.get("tool_calls")
     if calls:

@@ -83,7 +83,7 @@ class _Group:
     size: int = 0
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> ExecutionMode:
         return self.key.mode
 
 

@@ -6,18 +6,26 @@ import copy
 import json
 import threading
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from ..errors import ContextTooLong, InvalidControls, ModelNotFound, UpstreamError
 
 
+class Lane(StrEnum):
+    """Which upstream serves a resident model."""
+
+    NATIVE = "native"  # mlx-vlm: continuous batching, native MTP, images
+    MLX_LM = "mlx_lm"  # mlx-lm, one request at a time
+
+
 @dataclass(slots=True)
 class LoadedModel:
-    """A resident target. ``lane`` is "native" (mlx-vlm: batching, MTP, images) or "mlx_lm"."""
+    """A resident target and the lane that serves it."""
 
     path: Path
-    lane: str
+    lane: Lane
     model: Any
     processor: Any
     tokenizer: Any
@@ -82,7 +90,7 @@ class LoadedModel:
 
     @property
     def supports_images(self) -> bool:
-        return self.lane == "native" and "vision_config" in self.config
+        return self.lane == Lane.NATIVE and "vision_config" in self.config
 
     def new_detokenizer(self) -> Any:
         """A fresh streaming detokenizer (one per request: they are stateful)."""
@@ -94,11 +102,11 @@ class LoadedModel:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
-def load_model(path: Path, *, lane: str, drafter_source: Path | None = None) -> LoadedModel:
+def load_model(path: Path, *, lane: Lane, drafter_source: Path | None = None) -> LoadedModel:
     """Load ``path`` for ``lane``; ``drafter_source`` is the MTP head to load with it (the
     checkpoint itself for an embedded head, a companion directory, or None for no head)."""
     config = _read_config(path)
-    if lane == "mlx_lm":
+    if lane == Lane.MLX_LM:
         return _load_mlx_lm(path, config)
     return _load_native(path, config, drafter_source=drafter_source)
 
@@ -129,7 +137,7 @@ def _load_native(path: Path, config: dict[str, Any], *, drafter_source: Path | N
     drafter = _load_drafter(drafter_source) if drafter_source is not None else None
     return LoadedModel(
         path=path,
-        lane="native",
+        lane=Lane.NATIVE,
         model=model,
         processor=processor,
         tokenizer=tokenizer,
@@ -160,7 +168,7 @@ def _load_mlx_lm(path: Path, config: dict[str, Any]) -> LoadedModel:
         raise UpstreamError(f"mlx-lm could not load {path}: {type(exc).__name__}: {exc}") from exc
     return LoadedModel(
         path=path,
-        lane="mlx_lm",
+        lane=Lane.MLX_LM,
         model=model,
         processor=tokenizer,
         tokenizer=tokenizer._tokenizer,

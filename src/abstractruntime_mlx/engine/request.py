@@ -6,9 +6,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from typing import Any, Callable
 
+from ..controls import Sampling
 from ..errors import MLXRuntimeError
 
 
@@ -48,51 +49,20 @@ _ALLOWED = {
 }
 
 
-class ExecutionMode:
+class ExecutionMode(StrEnum):
+    """How a group of requests runs (reported as ``execution.mode``)."""
+
     CONTINUOUS = "continuous"
     COHORT = "cohort"
     EXCLUSIVE = "exclusive"
 
 
-class ExclusiveReason:
+class ExclusiveReason(StrEnum):
     """Why a request ran alone (``execution.reason``)."""
 
     SERIALIZED_LANE = "serialized_lane"  # mlx_batching=False: the mlx-lm lane runs one at a time
     SAMPLED_SPECULATION = "sampled_speculation"  # an MTP generator draws every row with one sampler
     SAMPLED_EXCLUSIVE = "sampled_exclusive"  # the mlx_sampled_exclusive option
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """Sampling controls as the engine sees them (validated at the provider boundary)."""
-
-    temperature: float = 0.0
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    seed: int | None = None
-
-    def is_greedy_neutral(self) -> bool:
-        return (
-            self.temperature == 0
-            and self.min_p in (None, 0)
-            and self.repetition_penalty in (None, 1)
-            and self.presence_penalty in (None, 0)
-            and self.frequency_penalty in (None, 0)
-            and not self.logit_bias
-        )
-
-    def has_logit_processors(self) -> bool:
-        return (
-            self.repetition_penalty not in (None, 1)
-            or self.presence_penalty not in (None, 0)
-            or self.frequency_penalty not in (None, 0)
-            or bool(self.logit_bias)
-        )
 
 
 # Messages from the worker to the consumer of one request. Terminal outcomes are not
@@ -150,8 +120,8 @@ class EngineRequest:
     cancel_event: threading.Event = field(default_factory=threading.Event)
 
     status: RequestStatus = RequestStatus.WAITING
-    mode: str | None = None
-    exclusive_reason: str | None = None
+    mode: ExecutionMode | None = None
+    exclusive_reason: ExclusiveReason | None = None
     uid: int | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None

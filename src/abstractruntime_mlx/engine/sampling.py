@@ -41,7 +41,7 @@ class RowStream:
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "position")
 
     def __init__(self, sampling: Sampling) -> None:
-        self.temperature = float(sampling.temperature)
+        self.temperature = float(sampling.temperature or 0.0)
         self.top_k = int(sampling.top_k or 0)
         self.top_p = float(sampling.top_p or 0.0)
         self.min_p = float(sampling.min_p or 0.0)
@@ -54,7 +54,7 @@ class RowStream:
     @classmethod
     def for_sampling(cls, sampling: Sampling) -> "RowStream | None":
         """The stream of a sampled request, or None for a greedy one (temperature 0)."""
-        return None if sampling.temperature == 0 else cls(sampling)
+        return None if not sampling.temperature else cls(sampling)
 
     def next_key(self) -> tuple[int, int]:
         key = _stream_key(self.seed, self.position)

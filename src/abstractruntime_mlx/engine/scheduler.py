@@ -28,7 +28,7 @@ from .request import EngineRequest, ExclusiveReason, ExecutionMode
 
 @dataclass(frozen=True, slots=True)
 class GroupKey:
-    mode: str
+    mode: ExecutionMode
     draft_tokens: int
     cache_group: Hashable
     reason: str | None = field(default=None, compare=False)

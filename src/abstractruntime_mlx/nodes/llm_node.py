@@ -6,14 +6,15 @@
     result = node.run(request, key=NodeKey(run_id, "llm_a", step_id=step_id, attempt=1))
     result.content, result.controls.sources, result.to_runtime_result()
 
-Precedence, for speculation and thinking alike, most specific first: the node (``call``), the
-run (``_runtime``), the provider's constructor default (local only), the Core policy (local
-only, and only when the provider has no constructor default, as the provider itself decides),
-then the verified default. The node resolves the chain itself so the deciding level is known
-and recorded, and passes the effective value to the client as its call-level setting
-(``False`` for off, the native-MTP object otherwise). A remote call sends only what the node or
-the run said; when neither said anything the key is omitted and the server's provider/policy
-decides (its answer's ``speculation.source`` is recorded).
+The node payload (``NodeRequest``) is validated once, into a ``GenerationRequest`` carrying the
+node's controls as its ``call`` level and the run's as its ``run`` level. Precedence, for
+speculation and thinking alike, most specific first: call, run, the provider's constructor
+default, the Core policy, the verified default; one resolver (``controls.resolve_controls``)
+decides. A local call asks the provider (``provider.resolve_controls(request)``, the same
+resolution ``generate`` runs) so what is recorded is what runs. A remote call resolves the
+call and run levels here and sends the result as the call's controls; when neither said
+anything the keys are omitted and the server's provider/policy decides (its answer's
+``speculation.source`` is recorded).
 
 Clients: a local ``MLXProvider`` from a per-process registry keyed by (model, options), so
 every node naming the same model and options shares one resident model; calls run
@@ -28,6 +29,7 @@ are imported on first use.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -35,21 +37,21 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Final
 
-from ..controls import (
-    UNSET,
-    ResolvedControls,
-    normalize_speculation,
-    normalize_thinking,
-    resolve_speculation,
-    resolve_thinking,
-)
+from ..controls import NOTHING_SAID, UNSET, ControlLevel, ResolvedControls, resolve_controls
 from ..errors import InvalidRequest, MLXRuntimeError
 from ..ledger import Ledger, NodeKey, ProgressEvent, ProgressWriter, progress_idempotency_key
+from ..request import GenerationRequest
 from ..results import GenerationResult
 
+if TYPE_CHECKING:
+    from ..provider.mlx_provider import MLXProvider
+
 __all__ = [
+    "ClientKind",
+    "Concurrency",
     "DEFAULT_PROVIDER_OPTIONS",
     "LLMNode",
     "NodeRequest",
@@ -66,15 +68,22 @@ log = logging.getLogger(__name__)
 DEFAULT_PROVIDER_OPTIONS: Final[Mapping[str, Any]] = {"mlx_batching": True}
 """Options every local provider gets unless the caller overrides them (concurrent batching on)."""
 
-_SPECULATION_OFF_REASONS: Final[Mapping[str, str]] = {
-    "call": "disabled_for_this_call",
-    "run": "disabled_for_this_run",
-    "provider": "disabled_by_provider_default",
-    "policy": "disabled_by_policy",
-    "off": "no_verified_mtp_default",
-}
-
 ProgressCallback = Callable[[dict[str, Any]], Any]
+
+
+class ClientKind(StrEnum):
+    """What serves a node: an in-process provider or a server over HTTP."""
+
+    LOCAL = "local"
+    REMOTE = "remote"
+
+
+class Concurrency(StrEnum):
+    """How a node's call ran next to others (``metadata.client.concurrency``)."""
+
+    CONCURRENT = "concurrent"  # the local engine batches it with other calls
+    SERIALIZED = "serialized"  # one call at a time per model, behind a lock
+    REMOTE = "remote"  # the server decides
 
 
 # --------------------------------------------------------------------------------------
@@ -110,18 +119,18 @@ class NodeRequest:
 
 @dataclass(frozen=True, slots=True)
 class PreparedCall:
-    """A resolved call, ready to execute: the client, the effective controls and the exact
-    ``generate`` arguments. ``fingerprint`` is the sha256 of everything that determines the
-    answer, so two prepared calls with equal fingerprints make the same request."""
+    """A resolved call, ready to execute: the client, the effective controls and the validated
+    request. ``fingerprint`` is the sha256 of everything that determines the answer, so two
+    prepared calls with equal fingerprints make the same request."""
 
-    client_kind: str  # "local" | "remote"
+    client_kind: ClientKind
     client_id: str
     provider: str
     model: str | None
     base_url: str | None
     controls: ResolvedControls
     speculation_sent: bool
-    kwargs: Mapping[str, Any]
+    request: GenerationRequest
     fingerprint: str
 
 
@@ -131,7 +140,7 @@ class NodeResult:
 
     generation: GenerationResult
     prepared: PreparedCall
-    concurrency: str  # "concurrent" | "serialized" | "remote"
+    concurrency: Concurrency
     wall_s: float
     num_progress_events: int
     extra_metadata: dict[str, Any] = field(default_factory=dict)
@@ -157,14 +166,17 @@ class NodeResult:
         gen = self.generation
         prepared = self.prepared
         metadata = copy.deepcopy(dict(gen.metadata))
-        speculation = _speculation_metadata(metadata.get("speculation"), prepared)
-        if speculation is not None:
-            metadata["speculation"] = speculation
+        speculation = metadata.get("speculation") if isinstance(metadata.get("speculation"), Mapping) else None
         controls = prepared.controls.to_metadata()
-        if not prepared.speculation_sent:
-            # A remote server decided; report what it says it ran.
-            controls["speculation_source"] = (speculation or {}).get("source", "server")
-            controls["speculation"] = _wire_from_metadata(speculation)
+        if prepared.client_kind == ClientKind.REMOTE:
+            if prepared.speculation_sent and speculation is not None:
+                # The server saw our resolution as its call level; the deciding level is ours.
+                speculation = {**speculation, "source": prepared.controls.speculation_source}
+                metadata["speculation"] = speculation
+            elif not prepared.speculation_sent:
+                # The server decided; report what it says it ran.
+                controls["speculation_source"] = (speculation or {}).get("source", "server")
+                controls["speculation"] = _wire_from_metadata(speculation)
         metadata["controls"] = controls
         client: dict[str, Any] = {"kind": prepared.client_kind, "concurrency": self.concurrency}
         if prepared.base_url:
@@ -192,19 +204,6 @@ class NodeResult:
         return out
 
 
-def _speculation_metadata(raw: Any, prepared: PreparedCall) -> dict[str, Any] | None:
-    if not isinstance(raw, Mapping):
-        return None
-    meta = dict(raw)
-    if not prepared.speculation_sent:
-        return meta
-    source = prepared.controls.sources["speculation"]
-    meta["source"] = source
-    if not prepared.controls.speculation.enabled:
-        meta["reason"] = _SPECULATION_OFF_REASONS.get(source, meta.get("reason"))
-    return meta
-
-
 def _wire_from_metadata(meta: Mapping[str, Any] | None) -> Any:
     if not meta or not meta.get("requested"):
         return False
@@ -216,49 +215,61 @@ def _wire_from_metadata(meta: Mapping[str, Any] | None) -> Any:
 
 
 # --------------------------------------------------------------------------------------
-# Precedence
+# The node payload, validated once
 # --------------------------------------------------------------------------------------
+
+
+def generation_request(request: NodeRequest) -> GenerationRequest:
+    """The typed request of a node payload (raises ``InvalidControls``/``InvalidRequest``
+    naming the bad field). ``sampling`` may also hold the limits ``max_output_tokens`` (alias
+    ``max_tokens``) and ``stop``."""
+    call, run = _levels(request)
+    sampling = {name: value for name, value in request.sampling.items() if value is not None}
+    cap = sampling.pop("max_output_tokens", None)
+    alias = sampling.pop("max_tokens", None)
+    stop = sampling.pop("stop", None)
+    return GenerationRequest.build(
+        prompt=request.prompt or "",
+        messages=copy.deepcopy(request.messages),
+        system_prompt=request.system_prompt,
+        tools=copy.deepcopy(request.tools),
+        media=request.media,
+        sampling=copy.deepcopy(sampling),
+        max_output_tokens=cap if cap is not None else alias,
+        stop=stop,
+        speculation=call.speculation,
+        thinking=call.thinking,
+        run=run,
+        prompt_cache_key=request.prompt_cache_key,
+    )
 
 
 def resolve_node_controls(
     request: NodeRequest,
     *,
-    provider_default: Any = UNSET,
-    policy: Any = UNSET,
+    provider_default: ControlLevel | None = None,
+    policy: ControlLevel | None = None,
     verified_default: bool = False,
 ) -> ResolvedControls:
-    """Effective speculation and thinking of ``request`` and the level that decided each.
-
-    ``provider_default`` is the local provider's constructor setting (``None``/``UNSET``:
-    none); ``policy`` the Core policy, consulted only when the provider has no default.
-    """
-    provider_level = normalize_speculation(None if provider_default is UNSET else provider_default)
-    levels: dict[str, Any] = {
-        "call": _said(request.speculation, "speculation"),
-        "run": _said(request.run_speculation, "_runtime.speculation"),
-    }
-    if provider_level is not None:
-        levels["provider"] = provider_level
-    elif policy is not UNSET:
-        levels["policy"] = policy
-    speculation, speculation_source = resolve_speculation(**levels, verified_default=verified_default)
-    thinking, thinking_source = resolve_thinking(
-        call=_said_thinking(request.thinking, "thinking"),
-        run=_said_thinking(request.run_thinking, "_runtime.thinking"),
-    )
-    return ResolvedControls(
-        speculation=speculation,
-        thinking=thinking,
-        sources={"speculation": speculation_source, "thinking": thinking_source},
+    """Effective speculation and thinking of ``request`` and the level that decided each,
+    given the provider and policy levels (``controls.resolve_controls`` over all four)."""
+    call, run = _levels(request)
+    return resolve_controls(
+        call=call, run=run, provider=provider_default, policy=policy, verified_default=verified_default
     )
 
 
-def _said(value: Any, name: str) -> Any:
-    return UNSET if value is UNSET or value is None else normalize_speculation(value, field=name)
+def _levels(request: NodeRequest) -> tuple[ControlLevel, ControlLevel]:
+    """The node's (call) and the run's controls, validated."""
+    call = ControlLevel.parse(speculation=_said(request.speculation), thinking=_said(request.thinking))
+    run = ControlLevel.parse(
+        speculation=_said(request.run_speculation), thinking=_said(request.run_thinking), prefix="_runtime."
+    )
+    return call, run
 
 
-def _said_thinking(value: Any, name: str) -> Any:
-    return UNSET if value is UNSET or value is None else normalize_thinking(value, field=name)
+def _said(value: Any) -> Any:
+    return None if value is UNSET else value
 
 
 # --------------------------------------------------------------------------------------
@@ -268,8 +279,7 @@ def _said_thinking(value: Any, name: str) -> Any:
 
 @dataclass(slots=True)
 class _LocalEntry:
-    provider: Any
-    verified: bool
+    provider: MLXProvider
     lock: threading.Lock | None  # None: the instance schedules concurrent calls itself
 
 
@@ -305,23 +315,14 @@ class ProviderRegistry:
         return entry
 
     def _load(self, model: str, options: dict[str, Any]) -> _LocalEntry:
-        from ..artifacts import detect_mtp, resolve_model_path
         from ..provider import create_llm
 
         provider = create_llm("mlx", model=model, **options)
-        head = options.get("mtp_head")
-        verified = bool(
-            detect_mtp(
-                resolve_model_path(model),
-                name=model,
-                head=resolve_model_path(head) if head else None,
-            ).get("verified")
-        )
         lock: threading.Lock | None = None
         if not _schedules_concurrently(provider):
             with self._lock:
                 lock = self._model_locks.setdefault(str(getattr(provider, "path", model)), threading.Lock())
-        return _LocalEntry(provider=provider, verified=verified, lock=lock)
+        return _LocalEntry(provider=provider, lock=lock)
 
     def remote(self, base_url: str, model: str | None = None, options: Mapping[str, Any] | None = None) -> Any:
         """The shared ``remote_client.RemoteClient`` for (``base_url``, ``model``)."""
@@ -489,7 +490,6 @@ class LLMNode:
         provider_options: Mapping[str, Any] | None = None,
         remote_options: Mapping[str, Any] | None = None,
         record_progress: bool = True,
-        policy_reader: Callable[[], Any] | None = None,
     ) -> None:
         self.ledger = ledger
         self._owns_writer = writer is None and ledger is not None and record_progress
@@ -501,7 +501,6 @@ class LLMNode:
         self.provider_options = dict(provider_options or {})
         self.remote_options = dict(remote_options or {})
         self.record_progress = record_progress
-        self._policy_reader = policy_reader
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -513,11 +512,13 @@ class LLMNode:
     # -- steps --------------------------------------------------------------------------
 
     def prepare(self, request: NodeRequest) -> PreparedCall:
-        """Resolve the controls and pick the client; loads the local model on first use."""
+        """Validate the payload, resolve the controls and pick the client; loads the local
+        model on first use."""
         provider_name = (request.provider or "mlx").strip().lower()
         model = request.model or self.default_model
+        typed = generation_request(request)
         if request.base_url:
-            return self._prepare_remote(request, provider_name, model)
+            return self._prepare_remote(typed, provider_name, model, str(request.base_url).rstrip("/"))
         if provider_name != "mlx":
             raise InvalidRequest(
                 f"node provider {request.provider!r} is not served here: local nodes run the 'mlx' provider; "
@@ -526,24 +527,33 @@ class LLMNode:
         if not model:
             raise InvalidRequest("the node names no model and no default model is configured")
         entry = self.registry.local(model, self.provider_options)
-        hook = getattr(entry.provider, "speculation_default", None)
-        provider_default = hook() if callable(hook) else None
-        controls = resolve_node_controls(
-            request,
-            provider_default=provider_default,
-            policy=self._read_policy() if provider_default is None else UNSET,
-            verified_default=entry.verified,
-        )
-        kwargs = _generate_kwargs(request, controls, send_speculation=True)
+        # The provider's own resolution: the same one its generate() runs.
+        controls: ResolvedControls = entry.provider.resolve_controls(typed)
         client_id = f"local:{model}:{_canonical({**DEFAULT_PROVIDER_OPTIONS, **self.provider_options})}"
-        return _prepared("local", client_id, "mlx", model, None, controls, True, kwargs)
+        return _prepared(ClientKind.LOCAL, client_id, "mlx", model, None, controls, True, typed)
 
-    def _prepare_remote(self, request: NodeRequest, provider_name: str, model: str | None) -> PreparedCall:
-        controls = resolve_node_controls(request)
-        send = controls.sources["speculation"] in ("call", "run")
-        kwargs = _generate_kwargs(request, controls, send_speculation=send)
-        base_url = str(request.base_url).rstrip("/")
-        return _prepared("remote", f"remote:{base_url}:{model or ''}", provider_name, model, base_url, controls, send, kwargs)
+    def _prepare_remote(
+        self, typed: GenerationRequest, provider_name: str, model: str | None, base_url: str
+    ) -> PreparedCall:
+        controls = resolve_controls(call=typed.call, run=typed.run, verified_default=False)
+        said = {name: source in ("call", "run") for name, source in controls.sources.items()}
+        # The wire has one level: send what the node and the run resolved to, nothing else.
+        sent = dataclasses.replace(
+            typed,
+            speculation=controls.speculation if said["speculation"] else None,
+            thinking=controls.thinking if said["thinking"] else None,
+            run=NOTHING_SAID,
+        )
+        return _prepared(
+            ClientKind.REMOTE,
+            f"remote:{base_url}:{model or ''}",
+            provider_name,
+            model,
+            base_url,
+            controls,
+            said["speculation"],
+            sent,
+        )
 
     def execute(
         self,
@@ -554,14 +564,10 @@ class LLMNode:
     ) -> NodeResult:
         """Make the call, sending phase events to ``route``; flush the node's rows before returning."""
         route = route or ProgressRoute()
-        kwargs: dict[str, Any] = dict(prepared.kwargs)
-        if route.active:
-            kwargs["on_progress"] = route
-        if cancel_event is not None:
-            kwargs["cancel_event"] = cancel_event
+        request = prepared.request.with_sinks(cancel=cancel_event, progress=route if route.active else None)
         started = time.perf_counter()
         try:
-            generation, concurrency = self._call(prepared, kwargs)
+            generation, concurrency = self._call(prepared, request)
         except BaseException:
             try:
                 route.flush()
@@ -577,21 +583,21 @@ class LLMNode:
             num_progress_events=route.num_events,
         )
 
-    def _call(self, prepared: PreparedCall, kwargs: dict[str, Any]) -> tuple[GenerationResult, str]:
-        if prepared.client_kind == "remote":
+    def _call(self, prepared: PreparedCall, request: GenerationRequest) -> tuple[GenerationResult, Concurrency]:
+        if prepared.client_kind == ClientKind.REMOTE:
             client = self.registry.remote(str(prepared.base_url), prepared.model, self.remote_options)
-            return client.generate(**kwargs), "remote"
+            return client.generate_request(request), Concurrency.REMOTE
         assert prepared.model is not None
         entry = self.registry.local(prepared.model, self.provider_options)
         if entry.lock is None:
-            return entry.provider.generate(**kwargs), "concurrent"
+            return entry.provider.generate_request(request), Concurrency.CONCURRENT
         with entry.lock:
-            return entry.provider.generate(**kwargs), "serialized"
+            return entry.provider.generate_request(request), Concurrency.SERIALIZED
 
     def headroom(self, prepared: PreparedCall) -> int | None:
         """How many more requests the local engine behind ``prepared`` can take now (free batch
         slots plus free queue places); ``None`` when unknown (remote clients)."""
-        if prepared.client_kind != "local" or prepared.model is None:
+        if prepared.client_kind != ClientKind.LOCAL or prepared.model is None:
             return None
         stats = self.registry.local(prepared.model, self.provider_options).provider.get_prompt_cache_stats()
         execution = stats.get("execution") if isinstance(stats, Mapping) else None
@@ -623,47 +629,19 @@ class LLMNode:
         prepared = self.prepare(request)
         return self.execute(prepared, route=self.route_for(key, on_progress), cancel_event=cancel_event)
 
-    def _read_policy(self) -> Any:
-        if self._policy_reader is not None:
-            return self._policy_reader()
-        from ..policy import read_speculation_policy
-
-        return read_speculation_policy()
-
-
-def _generate_kwargs(request: NodeRequest, controls: ResolvedControls, *, send_speculation: bool) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"prompt": request.prompt or ""}
-    if request.messages is not None:
-        kwargs["messages"] = copy.deepcopy(list(request.messages))
-    if request.system_prompt:
-        kwargs["system_prompt"] = request.system_prompt
-    if request.tools:
-        kwargs["tools"] = copy.deepcopy(list(request.tools))
-    if request.media:
-        kwargs["media"] = list(request.media)
-    if controls.thinking is not None:
-        kwargs["thinking"] = controls.thinking
-    if send_speculation:
-        kwargs["speculation"] = controls.speculation.to_wire()
-    if request.prompt_cache_key is not None:
-        kwargs["prompt_cache_key"] = request.prompt_cache_key
-    for name, value in request.sampling.items():
-        if value is not None:
-            kwargs[name] = copy.deepcopy(value)
-    return kwargs
 
 
 def _prepared(
-    kind: str,
+    kind: ClientKind,
     client_id: str,
     provider: str,
     model: str | None,
     base_url: str | None,
     controls: ResolvedControls,
     sent: bool,
-    kwargs: dict[str, Any],
+    request: GenerationRequest,
 ) -> PreparedCall:
-    digest = hashlib.sha256(_canonical({"client": client_id, "kwargs": kwargs}).encode("utf-8")).hexdigest()
+    digest = hashlib.sha256(_canonical({"client": client_id, "request": request.to_dict()}).encode("utf-8")).hexdigest()
     return PreparedCall(
         client_kind=kind,
         client_id=client_id,
@@ -672,6 +650,6 @@ def _prepared(
         base_url=base_url,
         controls=controls,
         speculation_sent=sent,
-        kwargs=kwargs,
+        request=request,
         fingerprint=digest,
     )

@@ -16,20 +16,13 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 from ..artifacts import detect_mtp, resolve_model_path
-from ..controls import (
-    SAMPLING_FIELDS,
-    UNSET,
-    SpeculationControl,
-    normalize_sampling,
-    normalize_speculation,
-    normalize_thinking,
-    resolve_speculation,
-)
-from ..engine.chat import build_messages, render_prompt
-from ..engine.loop import EngineConfig
+from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_controls
+from ..engine.chat import prepare_conversation, render_prompt
+from ..engine.loop import Engine, EngineConfig
+from ..engine.model import Lane, LoadedModel
 from ..engine.prefix_cache import image_hash, validate_options as validate_cache_options
 from ..engine.stream import RequestStream
-from ..engine.request import EngineRequest, Outcome, PrefillObservation, Sampling, TokenDelta
+from ..engine.request import EngineRequest, Outcome, PrefillObservation, TokenDelta
 from ..errors import (
     ContextTooLong,
     InvalidControls,
@@ -39,12 +32,13 @@ from ..errors import (
     RuntimeClosed,
     SpeculationUnavailable,
 )
+from ..policy import read_policy_controls
+from ..request import GenerationRequest
 from ..results import GenerationChunk, GenerationResult
 from . import residency
-from .progress import ProgressTracker, pick_progress_callback, progress_interval_from_env
+from .progress import ProgressTracker, progress_interval_from_env
 
 DEFAULT_MAX_OUTPUT_TOKENS = 1024
-DEFAULT_DRAFT_TOKENS = 2
 
 # Constructor options and their defaults (the seed's "four batch slots, 32 waiting requests,
 # a 10 ms collection window, a 120-second queue timeout and 256 buffered output records").
@@ -74,7 +68,7 @@ class _Prepared:
     request: EngineRequest
     tracker: ProgressTracker | None
     speculation: dict[str, Any]
-    thinking: Any
+    controls: ResolvedControls
     prompt_cache_key: str | None
     started: float
 
@@ -89,6 +83,7 @@ class MLXProvider:
         model: str,
         *,
         speculation: Any = None,
+        thinking: Any = None,
         mtp_head: str | None = None,
         progress_min_interval_s: float | None = None,
         **options: Any,
@@ -98,7 +93,7 @@ class MLXProvider:
             raise InvalidRequest(f"unknown create_llm option(s): {', '.join(sorted(unknown))}")
         self.model = model
         self.execution_options = _validate_options({**EXECUTION_DEFAULTS, **options})
-        self._speculation_default = normalize_speculation(speculation, field="speculation")
+        self._defaults = ControlLevel.parse(speculation=speculation, thinking=thinking)
         self.progress_min_interval_s = (
             progress_interval_from_env() if progress_min_interval_s is None else float(progress_min_interval_s)
         )
@@ -106,9 +101,9 @@ class MLXProvider:
         head = resolve_model_path(mtp_head) if mtp_head else None
         self._mtp = detect_mtp(self.path, name=model, head=head)
         batching = self.execution_options["mlx_batching"]
-        lane = "native" if batching else "mlx_lm"
+        lane = Lane.NATIVE if batching else Lane.MLX_LM
         # Heads are a load-time choice: load one when the inherited default would use it.
-        default, _ = self._resolve_speculation(UNSET)
+        default = self.resolve_controls().speculation
         load_drafter = batching and default.enabled and bool(self._mtp.get("head_present"))
         drafter_source = _drafter_source(self.path, head, self._mtp) if load_drafter else None
         config = EngineConfig(
@@ -142,7 +137,24 @@ class MLXProvider:
 
     def speculation_default(self) -> Any:
         """The constructor-level speculation setting (wire form); ``None`` inherits the policy."""
-        return None if self._speculation_default is None else self._speculation_default.to_wire()
+        speculation = self._defaults.speculation
+        return None if speculation is None else speculation.to_wire()
+
+    def control_defaults(self) -> ControlLevel:
+        """The provider level of the precedence chain (the constructor's ``speculation``/``thinking``)."""
+        return self._defaults
+
+    def resolve_controls(self, request: GenerationRequest | None = None) -> ResolvedControls:
+        """The effective speculation and thinking of ``request`` (of a bare call when ``None``)
+        and the level that decided each: call, run, this provider, the Core policy (read now),
+        verified default. What ``generate`` runs and ``get_execution_capabilities`` reports."""
+        return resolve_controls(
+            call=None if request is None else request.call,
+            run=None if request is None else request.run,
+            provider=self._defaults,
+            policy=read_policy_controls(),
+            verified_default=bool(self._mtp.get("verified")),
+        )
 
     def speculation_ready(self) -> bool:
         if self._resident is None:
@@ -166,7 +178,7 @@ class MLXProvider:
         return out
 
     @property
-    def _engine(self):
+    def _engine(self) -> Engine:
         if self._resident is None:
             raise RuntimeClosed(f"{self.model} was unloaded from this provider; create it again")
         return self._resident.engine
@@ -211,18 +223,25 @@ class MLXProvider:
         return out
 
     # --- generation ----------------------------------------------------------------------
-    def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | Iterator[GenerationChunk]:
-        prepared = self._prepare(prompt, kwargs)
+    def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | ChunkStream:
+        return self.generate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
+
+    async def agenerate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | AsyncChunkStream:
+        return await self.agenerate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
+
+    def generate_request(self, request: GenerationRequest, *, stream: bool = False) -> GenerationResult | ChunkStream:
+        """Run one validated request (the typed twin of ``generate``)."""
+        prepared = self._prepare(request)
         submitted = self._submit(prepared)
         chunks = self._stream(prepared, submitted)
         if stream:
             return ChunkStream(chunks, submitted)
-        return _collect(chunks, prepared)
+        return _result_from_chunks(list(chunks))
 
-    async def agenerate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | AsyncIterator[GenerationChunk]:
+    async def agenerate_request(self, request: GenerationRequest, *, stream: bool = False) -> GenerationResult | AsyncChunkStream:
         # Rendering and tokenizing run on a thread (a huge prompt must not stall the event
-        # loop); errors (bad controls, context too long, full queue) raise from this await.
-        prepared = await asyncio.to_thread(self._prepare, prompt, kwargs)
+        # loop); errors (context too long, full queue) raise from this await.
+        prepared = await asyncio.to_thread(self._prepare, request)
         submitted = self._submit(prepared)
         chunks = self._astream(prepared, submitted)
         if stream:
@@ -230,108 +249,60 @@ class MLXProvider:
         parts: list[GenerationChunk] = []
         async for chunk in chunks:
             parts.append(chunk)
-        return _result_from_chunks(parts, prepared)
+        return _result_from_chunks(parts)
 
     # --- internals --------------------------------------------------------------------------
-    def _resolve_speculation(self, call: Any) -> tuple[SpeculationControl, str]:
-        if self._speculation_default is not None:
-            levels = {"provider": self._speculation_default}
-        else:
-            from ..policy import read_speculation_policy
-
-            levels = {"policy": read_speculation_policy()}
-        return resolve_speculation(call=call, verified_default=bool(self._mtp.get("verified")), **levels)
-
-    def _prepare(self, prompt: str, kwargs: dict[str, Any]) -> _Prepared:
-        args = dict(kwargs)
-        callback = pick_progress_callback(args)
-        for name in ("on_progress", "progress_callback", "progress_event_callback"):
-            args.pop(name, None)
-        messages = args.pop("messages", None)
-        system_prompt = args.pop("system_prompt", None)
-        tools = args.pop("tools", None)
-        media = args.pop("media", None)
-        thinking = normalize_thinking(args.pop("thinking", None))
-        speculation_arg = args.pop("speculation", None)
-        prompt_cache_key = args.pop("prompt_cache_key", None)
-        cancel_event = args.pop("cancel_event", None)
-        args.pop("trace_metadata", None)
-        max_tokens_alias = args.pop("max_tokens", None)
-        sampling_args = {k: args.pop(k) for k in list(args) if k in SAMPLING_FIELDS}
-        if args:
-            raise InvalidRequest(f"unknown generate() argument(s): {', '.join(sorted(args))}")
-        if max_tokens_alias is not None and sampling_args.get("max_output_tokens") is None:
-            sampling_args["max_output_tokens"] = max_tokens_alias
-        controls = normalize_sampling(**sampling_args)
-        sampling = Sampling(
-            temperature=0.0 if controls.temperature is None else float(controls.temperature),
-            top_p=controls.top_p,
-            top_k=controls.top_k,
-            min_p=controls.min_p,
-            repetition_penalty=controls.repetition_penalty,
-            presence_penalty=controls.presence_penalty,
-            frequency_penalty=controls.frequency_penalty,
-            logit_bias=tuple(sorted((controls.logit_bias or {}).items())),
-            seed=controls.seed,
-        )
-        if prompt_cache_key is not None and (not isinstance(prompt_cache_key, str) or not prompt_cache_key):
-            raise InvalidControls("prompt_cache_key must be a non-empty string", field="prompt_cache_key", value=prompt_cache_key)
-        if prompt_cache_key is not None and messages is None:
-            raise InvalidRequest(
-                "prefix reuse with prompt_cache_key needs messages holding the complete conversation "
-                "(messages=[] for a standalone prompt); no hidden history is appended"
-            )
-        if cancel_event is not None and not isinstance(cancel_event, threading.Event):
-            raise InvalidControls("cancel_event must be a threading.Event", field="cancel_event", value=cancel_event)
-
+    def _prepare(self, call: GenerationRequest) -> _Prepared:
+        controls = self.resolve_controls(call)
         engine = self._engine
         loaded = engine.serving_model()
-        images = _load_images(media, loaded)
-        conversation = build_messages(prompt=prompt, messages=messages, system_prompt=system_prompt, num_images=len(images))
-        text = render_prompt(loaded.tokenizer, conversation, tools=tools, thinking=thinking)
-        prompt_ids = _encode_within_context(loaded, text, controls.max_output_tokens)
-        draft_tokens, speculation_meta = self._speculation_for_call(speculation_arg, sampling)
+        images = _load_images(call.media, loaded)
+        conversation = prepare_conversation(call.messages, num_images=len(images))
+        text = render_prompt(loaded.tokenizer, conversation, tools=list(call.tools), thinking=controls.thinking)
+        prompt_ids = _encode_within_context(loaded, text, call.max_output_tokens)
+        draft_tokens, speculation_meta = self._speculation_plan(controls, call.sampling, loaded)
 
         request = EngineRequest(
             request_id=uuid.uuid4().hex,
             prompt_ids=prompt_ids,
-            max_tokens=_output_cap(loaded, len(prompt_ids), controls.max_output_tokens),
-            sampling=sampling,
-            stop=controls.stop,
+            max_tokens=_output_cap(loaded, len(prompt_ids), call.max_output_tokens),
+            sampling=call.sampling,
+            stop=call.stop,
             draft_tokens=draft_tokens,
             cache_group=None,
-            prompt_cache_key=prompt_cache_key,
+            prompt_cache_key=call.prompt_cache_key,
             media_hash=image_hash(images),
             output_queue_size=self.execution_options["mlx_output_queue_size"],
-            observe_prefill=callback is not None,
-            cancel_event=cancel_event or threading.Event(),
+            observe_prefill=call.progress is not None,
+            cancel_event=call.cancel or threading.Event(),
         )
         if images:
             request.prompt_kwargs_factory = _image_kwargs_factory(request, loaded, text, images)
-        tracker = ProgressTracker(callback, min_interval_s=self.progress_min_interval_s) if callback else None
-        return _Prepared(request, tracker, speculation_meta, thinking, prompt_cache_key, time.perf_counter())
+        tracker = ProgressTracker(call.progress, min_interval_s=self.progress_min_interval_s) if call.progress else None
+        return _Prepared(request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter())
 
-    def _speculation_for_call(self, call: Any, sampling: Sampling) -> tuple[int, dict[str, Any]]:
-        call_value = UNSET if call is None else normalize_speculation(call)
-        effective, source = self._resolve_speculation(call_value)
+    def _speculation_plan(
+        self, controls: ResolvedControls, sampling: Sampling, loaded: LoadedModel
+    ) -> tuple[int, dict[str, Any]]:
+        """The draft depth the engine runs (0: none) and the ``speculation`` metadata saying why."""
+        effective, source = controls.speculation, controls.speculation_source
         meta: dict[str, Any] = {"requested": effective.enabled, "mode": effective.mode, "source": source}
-        loaded = self._engine.serving_model()
         if not effective.enabled:
             meta["used"] = False
-            if source == "call":
-                meta["reason"] = "disabled_for_this_call"
+            meta["reason"] = controls.speculation_off_reason
             return 0, meta
-        depth = effective.num_draft_tokens or DEFAULT_DRAFT_TOKENS
+        depth = effective.num_draft_tokens
+        assert depth is not None  # the resolver always fills the depth of native MTP
         meta.update(num_draft_tokens=depth, require_acceleration=bool(effective.require_acceleration))
         reason, message = None, None
-        if loaded.lane != "native":
+        if loaded.lane != Lane.NATIVE:
             reason, message = "speculation_needs_batching_lane", "native MTP runs on the mlx_batching=True lane (mlx-vlm)"
         elif loaded.drafter is None:
             if self._mtp.get("head_present"):
                 reason, message = "speculation_is_load_time", "the MTP head was not loaded with the model; create the provider with speculation enabled"
             else:
                 reason, message = "no_mtp_drafter_for_model", "this model has no MTP head (embedded or companion)"
-        elif sampling.has_logit_processors() or sampling.min_p not in (None, 0):
+        elif not sampling.logits_neutral():
             reason, message = "mtp_logit_processors_unsupported", "native MTP cannot honor penalties or logit bias"
         if reason is not None:
             if effective.require_acceleration:
@@ -414,8 +385,9 @@ class MLXProvider:
         elif prepared.prompt_cache_key is not None:
             # The request ended before it reached the cache (rejected, cancelled while waiting).
             metadata["prompt_cache"] = {"mode": "key", "key": prepared.prompt_cache_key, "outcome": "not_reached"}
-        if prepared.thinking is not None:
-            metadata["thinking"] = prepared.thinking
+        if prepared.controls.thinking is not None:
+            metadata["thinking"] = prepared.controls.thinking
+        metadata["controls"] = prepared.controls.to_metadata()
         if prepared.tracker is not None:
             prepared.tracker.execution_mode = request.mode
             prepared.tracker.complete(
@@ -541,15 +513,13 @@ def _output_cap(loaded: Any, prompt_tokens: int, cap: int | None) -> int:
     return max(1, min(DEFAULT_MAX_OUTPUT_TOKENS, context - prompt_tokens))
 
 
-def _load_images(media: Any, loaded: Any) -> list[Any]:
+def _load_images(media: tuple[Any, ...], loaded: LoadedModel) -> list[Any]:
     if not media:
         return []
-    if not isinstance(media, (list, tuple)):
-        media = [media]
     if not loaded.supports_images:
         raise InvalidMedia(
             "this model takes no images: it has no vision tower"
-            if loaded.lane == "native"
+            if loaded.lane == Lane.NATIVE
             else "images need the mlx_batching=True lane (mlx-vlm)"
         )
     from PIL import Image, UnidentifiedImageError
@@ -598,11 +568,7 @@ def _performance(request: EngineRequest) -> dict[str, Any]:
     return out
 
 
-def _collect(chunks: Iterator[GenerationChunk], prepared: _Prepared) -> GenerationResult:
-    return _result_from_chunks(list(chunks), prepared)
-
-
-def _result_from_chunks(chunks: list[GenerationChunk], prepared: _Prepared) -> GenerationResult:
+def _result_from_chunks(chunks: list[GenerationChunk]) -> GenerationResult:
     final = chunks[-1]
     text = "".join(c.content for c in chunks)
     content, reasoning = _split_reasoning(text)

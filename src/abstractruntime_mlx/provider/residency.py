@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.loop import Engine, EngineConfig
-from ..engine.model import load_model
+from ..engine.model import Lane, load_model
 from ..engine.prefix_cache import CacheOptions
 from ..errors import OwnerBusy, ResidencyConflict
 
@@ -38,7 +38,7 @@ def acquire(
     path: Path,
     *,
     head: Path | None,
-    lane: str,
+    lane: Lane,
     drafter_source: Path | None,
     options: dict[str, Any],
     config: EngineConfig,
@@ -82,7 +82,7 @@ def acquire(
 def _new_resident(
     key: ResidentKey,
     path: Path,
-    lane: str,
+    lane: Lane,
     drafter_source: Path | None,
     options: dict[str, Any],
     config: EngineConfig,

@@ -20,15 +20,14 @@ import enum
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 import httpx
 
-from ..controls import normalize_sampling, normalize_speculation, normalize_thinking
-from ..conversation import assemble_conversation, final_user_message
+from ..conversation import final_user_message
 from ..errors import (
     AuthenticationError,
     CapacityError,
@@ -48,6 +47,7 @@ from ..errors import (
     error_class_for_code,
 )
 from ..image_types import MIME_BY_TYPE, sniff_image_type
+from ..request import GenerationRequest
 from ..results import GenerationChunk, GenerationResult
 
 log = logging.getLogger(__name__)
@@ -116,51 +116,28 @@ class ChatCall:
     on_progress: Callable[[dict[str, Any]], Any] | None
 
 
-def build_chat_call(
-    *,
-    model: str | None,
-    prompt: str = "",
-    messages: list[dict[str, Any]] | None = None,
-    system_prompt: str | None = None,
-    tools: list[dict[str, Any]] | None = None,
-    media: list[Any] | None = None,
-    thinking: Any = None,
-    speculation: Any = None,
-    prompt_cache_key: str | None = None,
-    stream: bool = False,
-    on_progress: Callable[[dict[str, Any]], Any] | None = None,
-    want_events: bool = False,
-    sampling: Mapping[str, Any] | None = None,
-) -> ChatCall:
-    """Validate controls (the same rules as the local provider) and build the body.
+def build_chat_call(request: GenerationRequest, *, model: str | None, stream: bool = False, want_events: bool = False) -> ChatCall:
+    """The JSON body of ``request`` (already validated at its edge).
 
-    ``speculation=None`` inherits (the key is omitted), ``False`` is sent as ``false``.
-    ``want_events`` asks for SSE even without a callback (used for cancellation checkpoints).
+    Unsaid controls are omitted (the server's provider/policy decides); speculation off is
+    sent as ``false``. ``want_events`` asks for SSE even without a progress sink (used for
+    cancellation checkpoints).
     """
-    controls = normalize_sampling(**{k: v for k, v in (sampling or {}).items() if v is not None})
-    spec = normalize_speculation(speculation)
-    think = normalize_thinking(thinking)
-    if prompt_cache_key is not None and not isinstance(prompt_cache_key, str):
-        raise InvalidControls("prompt_cache_key must be a string", field="prompt_cache_key", value=prompt_cache_key)
-
     body: dict[str, Any] = {}
     if model:
         body["model"] = model
-    body["messages"] = build_messages(prompt=prompt, messages=messages, system_prompt=system_prompt, media=media)
-    wire = controls.to_dict()
-    cap = wire.pop("max_output_tokens", None)
-    body.update(wire)
-    if cap is not None:
-        body["max_tokens"] = cap
-    if think is not None:
-        body["thinking"] = think
-    if spec is not None:
-        body["speculation"] = spec.to_wire()
-    if tools:
-        body["tools"] = list(tools)
-    if prompt_cache_key is not None:
-        body["prompt_cache_key"] = prompt_cache_key
-    progress = on_progress is not None
+    body["messages"] = wire_messages(request.messages, request.media)
+    body.update(request.sampling.to_dict())
+    if request.max_output_tokens is not None:
+        body["max_tokens"] = request.max_output_tokens
+    if request.stop:
+        body["stop"] = list(request.stop)
+    body.update(request.call.to_dict())
+    if request.tools:
+        body["tools"] = [dict(tool) for tool in request.tools]
+    if request.prompt_cache_key is not None:
+        body["prompt_cache_key"] = request.prompt_cache_key
+    progress = request.progress is not None
     body["stream"] = bool(stream)
     sse = bool(stream) or progress or want_events
     if sse:
@@ -168,15 +145,13 @@ def build_chat_call(
         if stream:
             options["include_usage"] = True
         body["stream_options"] = options
-    return ChatCall(body=body, stream=bool(stream), sse=sse, on_progress=on_progress)
+    return ChatCall(body=body, stream=bool(stream), sse=sse, on_progress=request.progress)
 
 
-def build_messages(
-    *, prompt: str, messages: list[dict[str, Any]] | None, system_prompt: str | None, media: list[Any] | None
-) -> list[dict[str, Any]]:
-    """The provider's conversation rule; images go into the final user message as inline
-    base64 ``image_url`` parts."""
-    out = assemble_conversation(prompt=prompt, messages=messages, system_prompt=system_prompt)
+def wire_messages(messages: Iterable[Mapping[str, Any]], media: tuple[Any, ...]) -> list[dict[str, Any]]:
+    """Copies of the conversation with ``media`` as inline base64 ``image_url`` parts of the
+    final user message."""
+    out = [dict(message) for message in messages]
     if media:
         urls = [image_data_url(item, index) for index, item in enumerate(media)]
         message = final_user_message(out)

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from ..controls import SAMPLING_FIELDS
+from ..request import GenerationRequest
 from ..errors import InvalidRequest, UpstreamError
 from ..results import GenerationChunk, GenerationResult
 from ._base import (
@@ -45,10 +45,6 @@ from ._base import (
     transport_error,
 )
 
-_PROGRESS_ALIASES = ("on_progress", "progress_callback", "progress_event_callback")
-_OTHER_KEYWORDS = frozenset(
-    {"messages", "system_prompt", "tools", "media", "thinking", "speculation", "prompt_cache_key", "cancel_event", "trace_metadata", "max_tokens"}
-)
 DEFAULT_LIMITS = httpx.Limits(max_connections=128, max_keepalive_connections=64)
 
 
@@ -98,42 +94,14 @@ class _ClientCore:
     def _use(self) -> None:
         self._state = check_state(self._state)
 
-    def _prepare(self, prompt: str, stream: bool, kwargs: dict[str, Any], model: str | None) -> _Prepared:
-        args = dict(kwargs)
-        on_progress = None
-        for name in _PROGRESS_ALIASES:
-            value = args.pop(name, None)
-            if on_progress is None and callable(value):
-                on_progress = value
-        unknown = sorted(k for k in args if k not in _OTHER_KEYWORDS and k not in SAMPLING_FIELDS)
-        if unknown:
-            raise InvalidRequest(f"unknown generate() argument(s): {', '.join(unknown)}")
-        cancel_event = args.get("cancel_event")
-        if cancel_event is not None and not isinstance(cancel_event, threading.Event):
-            raise InvalidRequest("cancel_event must be a threading.Event")
-        sampling = {k: args.get(k) for k in SAMPLING_FIELDS}
-        if sampling["max_output_tokens"] is None:
-            sampling["max_output_tokens"] = args.get("max_tokens")
-        call = build_chat_call(
-            model=model,
-            prompt=prompt,
-            messages=args.get("messages"),
-            system_prompt=args.get("system_prompt"),
-            tools=args.get("tools"),
-            media=args.get("media"),
-            thinking=args.get("thinking"),
-            speculation=args.get("speculation"),
-            prompt_cache_key=args.get("prompt_cache_key"),
-            stream=stream,
-            on_progress=on_progress,
-            want_events=cancel_event is not None,
-            sampling=sampling,
-        )
+    def _prepare(self, request: GenerationRequest, stream: bool, model: str | None) -> _Prepared:
+        call = build_chat_call(request, model=model, stream=stream, want_events=request.cancel is not None)
         headers = {"Accept": "text/event-stream" if call.sse else "application/json"}
-        trace = args.get("trace_metadata")
-        if isinstance(trace, dict) and trace:
-            headers["X-AbstractCore-Trace-Metadata"] = json.dumps(trace, separators=(",", ":"), default=str)
-        return _Prepared(call, headers, cancel_event)
+        if request.trace_metadata:
+            headers["X-AbstractCore-Trace-Metadata"] = json.dumps(
+                dict(request.trace_metadata), separators=(",", ":"), default=str
+            )
+        return _Prepared(call, headers, request.cancel)
 
     def _remote(self, prepared: _Prepared, retries: int, **extra: Any) -> dict[str, Any]:
         return remote_block(
@@ -224,8 +192,14 @@ class RemoteClient(_ClientCore):
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | Iterator[GenerationChunk]:
         """The provider's ``generate`` over HTTP (same keywords, same result types)."""
+        return self.generate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
+
+    def generate_request(
+        self, request: GenerationRequest, *, stream: bool = False
+    ) -> GenerationResult | Iterator[GenerationChunk]:
+        """Send one validated request (the typed twin of ``generate``)."""
         self._use()
-        prepared = self._prepare(prompt, stream, kwargs, self._model_name())
+        prepared = self._prepare(request, stream, self._model_name())
         if prepared.cancel_event is not None and prepared.cancel_event.is_set():
             return iter([self._cancelled_chunk(prepared, 0)]) if stream else self._cancelled_result(prepared, 0, "")
         response, retries = self._open(prepared)
@@ -427,8 +401,14 @@ class AsyncRemoteClient(_ClientCore):
     async def generate(
         self, prompt: str = "", *, stream: bool = False, **kwargs: Any
     ) -> GenerationResult | AsyncIterator[GenerationChunk]:
+        return await self.generate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
+
+    async def generate_request(
+        self, request: GenerationRequest, *, stream: bool = False
+    ) -> GenerationResult | AsyncIterator[GenerationChunk]:
+        """Send one validated request (the typed twin of ``generate``)."""
         self._use()
-        prepared = self._prepare(prompt, stream, kwargs, await self._model_name())
+        prepared = self._prepare(request, stream, await self._model_name())
         if prepared.cancel_event is not None and prepared.cancel_event.is_set():
             if stream:
                 return _single(self._cancelled_chunk(prepared, 0))
@@ -441,8 +421,9 @@ class AsyncRemoteClient(_ClientCore):
         finally:
             await response.aclose()
 
-    # The provider's name for the same call.
+    # The provider's names for the same calls.
     agenerate = generate
+    agenerate_request = generate_request
 
     async def stream(self, prompt: str = "", **kwargs: Any) -> AsyncIterator[GenerationChunk]:
         return await self.generate(prompt, stream=True, **kwargs)  # type: ignore[return-value]

@@ -44,6 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..capabilities import get_execution_capabilities
 from ..controls import SAMPLING_FIELDS, normalize_speculation
+from ..request import GenerationRequest
 from ..errors import (
     AuthenticationError,
     InvalidRequest,
@@ -90,8 +91,6 @@ MAX_KEY_META_ENTRIES: Final = 4096
 MAX_KEY_META_BYTES: Final = 16 * 1024
 RESERVED_META_KEYS: Final = frozenset({"fed_token_ids", "fed_token_count", "backend", "token_count", "provider", "model"})
 PUBLIC_PATHS: Final = frozenset({"/health"})
-# The output cap has three spellings on the wire (max_tokens, max_output_tokens, max_completion_tokens).
-_SAMPLING_FIELDS: Final = tuple(f for f in SAMPLING_FIELDS if f != "max_output_tokens")
 
 ModelFactory = Callable[..., Any]
 
@@ -331,30 +330,21 @@ async def _first_item(request: Request, pump: ProviderPump) -> PumpItem | None:
     return None
 
 
-def _generation_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
-    """``agenerate`` keyword arguments from the chat body (controls validated by the provider)."""
+def _generation_request(body: ChatCompletionRequest) -> GenerationRequest:
+    """The typed request of a chat body (the HTTP edge; controls validated here, once)."""
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     native = extract_images(messages)
-    kwargs: dict[str, Any] = {"messages": native.messages}
-    if native.images:
-        kwargs["media"] = native.images
-    cap = body.max_output()
-    if cap is not None:
-        kwargs["max_output_tokens"] = cap
-    for name in _SAMPLING_FIELDS:
-        value = getattr(body, name)
-        if value is not None:
-            kwargs[name] = value
-    thinking = body.thinking if body.thinking is not None else body.reasoning_effort
-    if thinking is not None:
-        kwargs["thinking"] = thinking
-    if body.speculation is not None:
-        kwargs["speculation"] = body.speculation
-    if body.tools:
-        kwargs["tools"] = body.tools
-    if body.prompt_cache_key is not None:
-        kwargs["prompt_cache_key"] = body.prompt_cache_key
-    return kwargs
+    return GenerationRequest.build(
+        messages=native.messages,
+        media=native.images,
+        tools=body.tools,
+        sampling={name: value for name in SAMPLING_FIELDS if (value := getattr(body, name)) is not None},
+        max_output_tokens=body.max_output(),
+        stop=body.stop,
+        thinking=body.thinking if body.thinking is not None else body.reasoning_effort,
+        speculation=body.speculation,
+        prompt_cache_key=body.prompt_cache_key,
+    )
 
 
 # --------------------------------------------------------------------------- routes
@@ -474,15 +464,14 @@ async def chat_completions(request: Request) -> Response:
         log.warning("chat request: ignoring unknown field(s) %s", ", ".join(unknown))
     served = _served(request)
     llm = served.require(body.model)
-    kwargs = _generation_kwargs(body)
+    typed = _generation_request(body)
     if body.include_progress and not _progress_supported(llm):
         raise InvalidRequest("this provider emits no phase events; drop stream_options.include_progress")
 
     cancel_event = threading.Event()
 
     def call(on_progress: Callable[[dict[str, Any]], None] | None) -> Any:
-        extra = {} if on_progress is None else {"on_progress": on_progress}
-        return llm.agenerate("", stream=body.stream, cancel_event=cancel_event, **kwargs, **extra)
+        return llm.agenerate_request(typed.with_sinks(cancel=cancel_event, progress=on_progress), stream=body.stream)
 
     pump = ProviderPump(call, stream=body.stream, cancel_event=cancel_event, with_progress=body.include_progress).start()
     completion_id, created, model = new_completion_id(), now_s(), str(llm.model)

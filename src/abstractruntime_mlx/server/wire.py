@@ -24,7 +24,7 @@ from ..results import GenerationChunk, GenerationResult
 log = logging.getLogger(__name__)
 
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")  # in a str every surrogate is a lone one
-ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache")
+ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "controls")
 _USAGE_EXTRAS: Final = ("input_tokens", "output_tokens", "cached_input_tokens")
 
 

@@ -1,0 +1,233 @@
+"""The one typed request: built and validated once at an edge, read unchanged below it.
+
+Edges that build it: ``GenerationRequest.from_kwargs`` (``generate(**kwargs)`` of the local
+provider and of the remote client), ``LLMNode.prepare`` (the node payload) and the server's
+chat route (the HTTP body). Every layer below (provider, remote wire, engine) reads its fields
+and none re-parses them. Pure: no I/O, no MLX.
+
+    request = GenerationRequest.from_kwargs("Hello", temperature=0, max_output_tokens=8)
+    request.sampling.temperature, request.max_output_tokens, request.messages[-1]
+    later = dataclasses.replace(request, cancel=threading.Event())   # still frozen
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from .controls import (
+    NOTHING_SAID,
+    SAMPLING_FIELDS,
+    ControlLevel,
+    Sampling,
+    SpeculationControl,
+    ThinkingValue,
+    normalize_max_output_tokens,
+    normalize_sampling,
+    normalize_stop,
+)
+from .conversation import assemble_conversation
+from .errors import InvalidControls, InvalidRequest
+
+ProgressSink = Callable[[dict[str, Any]], Any]
+"""Receives each phase event (a JSON dict) of one request; best-effort, may be called from any thread."""
+
+Message = Mapping[str, Any]
+"""One chat turn as JSON (``role``, ``content`` ...): data from outside, kept untyped."""
+
+PROGRESS_ALIASES: Final[tuple[str, ...]] = ("on_progress", "progress_callback", "progress_event_callback")
+"""Keyword names AbstractCore callers use for the progress sink (the first callable wins)."""
+
+GENERATE_KEYWORDS: Final[frozenset[str]] = frozenset(
+    {
+        "messages",
+        "system_prompt",
+        "tools",
+        "media",
+        "thinking",
+        "speculation",
+        "prompt_cache_key",
+        "cancel_event",
+        "trace_metadata",
+        "max_output_tokens",
+        "max_tokens",
+        "stop",
+        *SAMPLING_FIELDS,
+        *PROGRESS_ALIASES,
+    }
+)
+"""Every keyword ``generate`` accepts (``max_tokens`` is an alias of ``max_output_tokens``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One generation call, validated.
+
+    - ``messages``: the conversation after the conversation rule (system prompt first,
+      ``prompt`` last as a user turn); never empty.
+    - ``tools``: tool schemas for the chat template; ``media``: images as given (paths,
+      bytes, PIL images), attached to the final user turn by whoever renders it.
+    - ``sampling``: how tokens are drawn; ``max_output_tokens`` (``None``: the provider's
+      default) and ``stop`` are the limits.
+    - ``speculation`` / ``thinking``: what the caller says (the ``call`` level; ``None``
+      inherits); ``run``: what the enclosing run says (nodes only). Resolution against the
+      provider, policy and verified default happens in ``controls.resolve_controls``.
+    - ``prompt_cache_key``: the caller's prefix-reuse key; ``trace_metadata``: passed to
+      remote servers as a header.
+    - ``cancel`` / ``progress``: the sinks of this call (not part of its identity).
+    """
+
+    messages: tuple[Message, ...]
+    tools: tuple[Message, ...] = ()
+    media: tuple[Any, ...] = ()
+    sampling: Sampling = field(default_factory=Sampling)
+    max_output_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    speculation: SpeculationControl | None = None
+    thinking: ThinkingValue = None
+    run: ControlLevel = NOTHING_SAID
+    prompt_cache_key: str | None = None
+    trace_metadata: Mapping[str, Any] | None = None
+    cancel: threading.Event | None = field(default=None, compare=False)
+    progress: ProgressSink | None = field(default=None, compare=False)
+
+    # -- building -----------------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        prompt: str | None = None,
+        messages: Sequence[Message] | None = None,
+        system_prompt: str | None = None,
+        tools: Sequence[Message] | None = None,
+        media: object = None,
+        sampling: Mapping[str, Any] | Sampling | None = None,
+        max_output_tokens: object = None,
+        stop: object = None,
+        speculation: object = None,
+        thinking: object = None,
+        run: ControlLevel = NOTHING_SAID,
+        prompt_cache_key: object = None,
+        trace_metadata: object = None,
+        cancel: object = None,
+        progress: object = None,
+    ) -> GenerationRequest:
+        """Validate every field (raising ``InvalidControls`` / ``InvalidRequest`` naming the field)."""
+        if prompt is not None and not isinstance(prompt, str):
+            raise InvalidRequest("prompt must be a string")
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise InvalidRequest("system_prompt must be a string")
+        if messages is not None and not isinstance(messages, (list, tuple)):
+            raise InvalidRequest("messages must be a list of message objects")
+        if tools is not None and (
+            not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools)
+        ):
+            raise InvalidRequest("tools must be a list of tool objects")
+        if prompt_cache_key is not None and (not isinstance(prompt_cache_key, str) or not prompt_cache_key):
+            raise InvalidControls(
+                "prompt_cache_key must be a non-empty string", field="prompt_cache_key", value=prompt_cache_key
+            )
+        if prompt_cache_key is not None and messages is None:
+            raise InvalidRequest(
+                "prefix reuse with prompt_cache_key needs messages holding the complete conversation "
+                "(messages=[] for a standalone prompt); no hidden history is appended"
+            )
+        if cancel is not None and not isinstance(cancel, threading.Event):
+            raise InvalidControls("cancel_event must be a threading.Event", field="cancel_event", value=cancel)
+        if progress is not None and not callable(progress):
+            raise InvalidControls("the progress callback must be callable", field="on_progress", value=progress)
+        if trace_metadata is not None and not isinstance(trace_metadata, Mapping):
+            raise InvalidControls("trace_metadata must be an object", field="trace_metadata", value=trace_metadata)
+        call = ControlLevel.parse(speculation=speculation, thinking=thinking)
+        return cls(
+            messages=tuple(assemble_conversation(prompt=prompt, messages=messages, system_prompt=system_prompt)),
+            tools=tuple(dict(t) for t in tools or ()),
+            media=_media(media),
+            sampling=sampling if isinstance(sampling, Sampling) else normalize_sampling(**dict(sampling or {})),
+            max_output_tokens=normalize_max_output_tokens(max_output_tokens),
+            stop=normalize_stop(stop),
+            speculation=call.speculation,
+            thinking=call.thinking,
+            run=run,
+            prompt_cache_key=prompt_cache_key,
+            trace_metadata=dict(trace_metadata) if trace_metadata else None,
+            cancel=cancel,
+            progress=progress,  # type: ignore[arg-type]  # checked callable above
+        )
+
+    @classmethod
+    def from_kwargs(cls, prompt: str = "", /, **kwargs: Any) -> GenerationRequest:
+        """The ``generate(prompt, **kwargs)`` edge: AbstractCore's keyword names, validated once.
+
+        Unknown keywords raise ``InvalidRequest`` naming them; ``max_tokens`` is an alias of
+        ``max_output_tokens``; ``on_progress`` / ``progress_callback`` /
+        ``progress_event_callback`` name the progress sink.
+        """
+        unknown = sorted(k for k in kwargs if k not in GENERATE_KEYWORDS)
+        if unknown:
+            raise InvalidRequest(f"unknown generate() argument(s): {', '.join(unknown)}")
+        progress = next((kwargs[name] for name in PROGRESS_ALIASES if callable(kwargs.get(name))), None)
+        cap = kwargs.get("max_output_tokens")
+        return cls.build(
+            prompt=prompt,
+            messages=kwargs.get("messages"),
+            system_prompt=kwargs.get("system_prompt"),
+            tools=kwargs.get("tools"),
+            media=kwargs.get("media"),
+            sampling={name: kwargs[name] for name in SAMPLING_FIELDS if kwargs.get(name) is not None},
+            max_output_tokens=cap if cap is not None else kwargs.get("max_tokens"),
+            stop=kwargs.get("stop"),
+            speculation=kwargs.get("speculation"),
+            thinking=kwargs.get("thinking"),
+            prompt_cache_key=kwargs.get("prompt_cache_key"),
+            trace_metadata=kwargs.get("trace_metadata"),
+            cancel=kwargs.get("cancel_event"),
+            progress=progress,
+        )
+
+    # -- reading ------------------------------------------------------------------------
+
+    @property
+    def call(self) -> ControlLevel:
+        """What this call says about speculation and thinking."""
+        return ControlLevel(speculation=self.speculation, thinking=self.thinking)
+
+    def with_sinks(self, *, cancel: threading.Event | None = None, progress: ProgressSink | None = None) -> GenerationRequest:
+        """The same request with these sinks (others kept)."""
+        return dataclasses.replace(
+            self,
+            cancel=cancel if cancel is not None else self.cancel,
+            progress=progress if progress is not None else self.progress,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form of what determines the answer (sinks excluded; media by ``repr``)."""
+        out: dict[str, Any] = {"messages": [dict(m) for m in self.messages]}
+        if self.tools:
+            out["tools"] = [dict(t) for t in self.tools]
+        if self.media:
+            out["media"] = [item if isinstance(item, str) else repr(item) for item in self.media]
+        out.update(self.sampling.to_dict())
+        if self.max_output_tokens is not None:
+            out["max_output_tokens"] = self.max_output_tokens
+        if self.stop:
+            out["stop"] = list(self.stop)
+        out.update(self.call.to_dict())
+        run = self.run.to_dict()
+        if run:
+            out["run"] = run
+        if self.prompt_cache_key is not None:
+            out["prompt_cache_key"] = self.prompt_cache_key
+        return out
+
+
+def _media(value: object) -> tuple[Any, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return (value,)
