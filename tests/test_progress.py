@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from abstractruntime_mlx.provider.progress import ProgressTracker, pick_progress_callback
+from abstractruntime_mlx.provider.progress import ProgressTracker
+from abstractruntime_mlx.request import pick_progress_callback
 
 LONG_PROMPT = "The cache keeps the most recent entries and drops the oldest ones. " * 30
 LANES = {

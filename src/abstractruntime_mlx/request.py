@@ -62,6 +62,15 @@ GENERATE_KEYWORDS: Final[frozenset[str]] = frozenset(
 """Every keyword ``generate`` accepts (``max_tokens`` is an alias of ``max_output_tokens``)."""
 
 
+def pick_progress_callback(values: Mapping[str, Any]) -> ProgressSink | None:
+    """The first callable among ``on_progress``, ``progress_callback``, ``progress_event_callback``."""
+    for name in PROGRESS_ALIASES:
+        value = values.get(name)
+        if callable(value):
+            return value  # type: ignore[no-any-return]
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One generation call, validated.
@@ -170,7 +179,7 @@ class GenerationRequest:
         unknown = sorted(k for k in kwargs if k not in GENERATE_KEYWORDS)
         if unknown:
             raise InvalidRequest(f"unknown generate() argument(s): {', '.join(unknown)}")
-        progress = next((kwargs[name] for name in PROGRESS_ALIASES if callable(kwargs.get(name))), None)
+        progress = pick_progress_callback(kwargs)
         cap = kwargs.get("max_output_tokens")
         return cls.build(
             prompt=prompt,

@@ -18,7 +18,6 @@ from ..errors import InvalidControls
 log = logging.getLogger(__name__)
 
 DEFAULT_MIN_INTERVAL_S = 0.5
-PROGRESS_ALIASES = ("on_progress", "progress_callback", "progress_event_callback")
 
 ProgressCallback = Callable[[dict[str, Any]], Any]
 
@@ -37,15 +36,6 @@ def progress_interval_from_env(env: Mapping[str, str] = os.environ) -> float:
     if value < 0:
         raise InvalidControls("ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S must be >= 0", field="ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S", value=raw)
     return value
-
-
-def pick_progress_callback(values: dict[str, Any]) -> ProgressCallback | None:
-    """The first callable among ``on_progress``, ``progress_callback``, ``progress_event_callback``."""
-    for name in PROGRESS_ALIASES:
-        value = values.get(name)
-        if callable(value):
-            return value
-    return None
 
 
 class ProgressTracker:
