@@ -266,3 +266,14 @@ def test_run_refuses_a_flow_with_problems_and_writes_nothing(cli_env, capsys, tm
     assert out == ""
     assert "node 'mtp2' nodes[3].data.effectConfig.speculation.num_draft_tokens" in err
     assert not cli_env.exists()  # the ledger was never opened
+
+
+def test_check_several_flows_summarises(cli_env, capsys, tmp_path, fanout, dense_model):
+    fanout["nodes"][2]["type"] = "llm_cal"
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(fanout))
+    code, out, _ = cli(capsys, "check", str(EXAMPLE), str(broken), "--model", str(dense_model))
+    assert code == 1
+    assert out.rstrip().endswith("1 of 2 flows can run")
+    code, out, _ = cli(capsys, "check", str(EXAMPLE), str(broken), "--model", str(dense_model), "--json")
+    assert [r["ok"] for r in json.loads(out)] == [True, False]

@@ -1,8 +1,8 @@
 """``abstractruntime-mlx check``: every problem of a flow in one report, before anything runs.
 
-    abstractruntime-mlx check FLOW.json [--var KEY=VALUE ...] [--model M] [--json] [--no-probe]
+    abstractruntime-mlx check FLOW.json [FLOW.json ...] [--var KEY=VALUE ...] [--model M] [--json] [--no-probe]
 
-Exit status 0 when the flow can run (warnings are printed and do not block), 1 when it has
+Exit status 0 when every flow can run (warnings are printed and do not block), 1 when one has
 errors. ``run`` performs the same check first and refuses to start a flow with errors. Nothing
 is loaded, run or written: models are looked up on disk only, and each remote ``base_url`` gets
 one ``GET /health``. See ``docs/check.md``.
@@ -22,7 +22,7 @@ __all__ = ["CheckSettings", "add_parser", "check_and_print"]
 
 @dataclass(frozen=True)
 class CheckSettings:
-    flow: str
+    flows: tuple[str, ...]
     vars: dict[str, Any]
     model: str | None
     force_model: bool
@@ -38,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "nodes, unknown node types, unknown effectConfig/_runtime keys, invalid controls, models not on "
         "this machine, remote servers that do not answer. Exit 1 when there is an error.",
     )
-    parser.add_argument("flow", help="path to a VisualFlow JSON file")
+    parser.add_argument("flows", nargs="+", metavar="FLOW", help="path to a VisualFlow JSON file (several: one report each, then a summary)")
     parser.add_argument("--var", action="append", default=[], metavar="KEY=VALUE", help="a run variable, as for `run` (_runtime.speculation=false)")
     parser.add_argument("--model", default=None, help="the model `run --model` would serve every LLM node with (checked on disk only)")
     parser.add_argument("--no-probe", action="store_true", help="do not contact remote base_url servers")
@@ -48,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def _check(args: argparse.Namespace) -> int:
     settings = CheckSettings(
-        flow=args.flow,
+        flows=tuple(args.flows),
         vars=parse_vars(args.var),
         model=args.model,
         force_model=args.model is not None,
@@ -66,15 +66,22 @@ def check_and_print(settings: CheckSettings) -> int:
         from .run_cmd import default_model_path
 
         model = default_model_path()  # what `run` gives nodes that name no model
-    report = check_flow(
-        settings.flow,
-        vars=settings.vars,
-        model=model,
-        force_model=settings.force_model,
-        probe_remote=settings.probe_remote,
-    )
+    reports = [
+        check_flow(
+            flow,
+            vars=settings.vars,
+            model=model,
+            force_model=settings.force_model,
+            probe_remote=settings.probe_remote,
+        )
+        for flow in settings.flows
+    ]
+    runnable = sum(r.ok for r in reports)
     if settings.as_json:
-        print(json.dumps(report.to_dict(), indent=2))
+        body: Any = reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports]
+        print(json.dumps(body, indent=2))
     else:
-        print(report.render())
-    return 0 if report.ok else 1
+        print("\n".join(r.render() for r in reports))
+        if len(reports) > 1:
+            print(f"{runnable} of {len(reports)} flows can run")
+    return 0 if runnable == len(reports) else 1
