@@ -250,6 +250,14 @@ def format_node(node_id: str, result: dict[str, Any]) -> str:
         spec_line += f" reason={spec['reason']}"
     lines.append(spec_line)
     lines.append(f"      thinking: {_wire(controls.get('thinking'))} (from {controls.get('thinking_source', '?')})")
+    cache = meta.get("prompt_cache")
+    if isinstance(cache, dict):
+        line = f"      prompt cache: key={cache.get('key')} {cache.get('outcome', '?')}"
+        if cache.get("cached_tokens") is not None:
+            line += f" cached={cache['cached_tokens']}/{usage.get('prompt_tokens', '?')} fed={cache.get('fed_tokens')}"
+        if cache.get("degraded_reason"):
+            line += f" degraded: {cache['degraded_reason']}"
+        lines.append(line)
     if sibling.get("role") == "sibling":
         state = "prefetched" if sibling.get("used") else f"not used ({sibling.get('reason')})"
         lines.append(f"      sibling batch: {state}, launched by {sibling.get('trigger_node')}")

@@ -72,6 +72,7 @@ LLM_CALL_CONFIG_KEYS: Final = frozenset(
         # read by this pack's LLM_CALL handler from the flow JSON
         "base_url",
         "server_base_url",
+        "prompt_cache_key",
     }
 )
 """``effectConfig`` keys somebody reads for an ``llm_call`` node; any other key is ignored silently."""
@@ -125,7 +126,7 @@ HOST_RUNTIME_KEYS: Final = frozenset(
 )
 """Keys of ``vars["_runtime"]`` that AbstractRuntime reads or writes."""
 
-PACK_RUNTIME_KEYS: Final = frozenset({"base_url", "server_base_url", "mlx_pack"})
+PACK_RUNTIME_KEYS: Final = frozenset({"base_url", "server_base_url", "mlx_pack", "prompt_cache_key"})
 """Keys of ``vars["_runtime"]`` this pack reads."""
 
 LLM_NODE_TYPES: Final = frozenset({"llm_call", "agent"})

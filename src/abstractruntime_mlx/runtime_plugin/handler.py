@@ -122,7 +122,9 @@ def request_from_payload(
     """The ``NodeRequest`` of an LLM_CALL payload (as the visual compiler emits it).
 
     Node level: ``params.speculation`` / ``params.thinking`` (absent or null inherit).
-    Run level: ``run_vars["_runtime"]["speculation"|"thinking"]``. Remote selection, first
+    Run level: ``run_vars["_runtime"]["speculation"|"thinking"]``. ``prompt_cache_key``, first
+    found: ``params.prompt_cache_key``, the node's ``effectConfig.prompt_cache_key``, a string
+    ``params.prompt_cache_binding`` (or its ``key``), ``_runtime.prompt_cache_key``. Remote selection, first
     found: ``params.base_url``, the node's ``effectConfig.base_url``/``server_base_url`` (from
     the flow JSON, which the compiler does not forward), ``_runtime.base_url``/
     ``server_base_url``, ``default_base_url``. Model: ``default_model`` when ``force_model``,
@@ -171,8 +173,16 @@ def request_from_payload(
         run_speculation=_level(runtime_ns, "speculation"),
         run_thinking=_level(runtime_ns, "thinking"),
         sampling=sampling,
-        prompt_cache_key=_str_or_none(params.get("prompt_cache_key")),
+        prompt_cache_key=_prompt_cache_key(params, config, runtime_ns),
     )
+
+
+def _prompt_cache_key(params: Mapping[str, Any], config: Mapping[str, Any], runtime_ns: Mapping[str, Any]) -> str | None:
+    """The node's prompt-cache key (node level first, then run level); None: no reuse."""
+    binding = params.get("prompt_cache_binding")
+    if isinstance(binding, Mapping):
+        binding = binding.get("key")
+    return _first_str(params.get("prompt_cache_key"), config.get("prompt_cache_key"), binding, runtime_ns.get("prompt_cache_key"))
 
 
 def _level(source: Mapping[str, Any], name: str) -> Any:
