@@ -249,3 +249,67 @@ def test_server_refuses_bad_values_and_recovers_a_failed_model(dense_model, poli
         monkeypatch.setattr(backend.BatchBackend, "step", real_step)
         assert client.post("/acore/models/unload", json={}).json()["unloaded"] is True
         assert client.get("/health").json()["loaded"] is False
+
+
+# --------------------------------------------------------------------------- residency
+
+
+def test_a_load_blocks_only_its_own_model(dense_model, models_dir, policy_file, monkeypatch):
+    """While one model loads, another model loads and serves; a second provider of the
+    loading model waits for that load and shares it."""
+    from pathlib import Path
+
+    from abstractruntime_mlx import create_llm
+    from abstractruntime_mlx.engine import model as model_module
+    from abstractruntime_mlx.testing import tiny_model
+
+    other = str(tiny_model(models_dir / "dense-other", kind="dense", seed=1))
+    real_load = model_module.load_model
+    loading, release = threading.Event(), threading.Event()
+
+    def load_model(path, **kwargs):
+        if Path(path) == Path(dense_model).resolve() or str(path) == dense_model:
+            loading.set()
+            assert release.wait(30)
+        return real_load(path, **kwargs)
+
+    monkeypatch.setattr(residency, "load_model", load_model)
+    made: list = []
+    first = threading.Thread(target=lambda: made.append(create_llm("mlx", model=dense_model, mlx_batching=True)))
+    second = threading.Thread(target=lambda: made.append(create_llm("mlx", model=dense_model, mlx_batching=True)))
+    first.start()
+    assert loading.wait(30)
+    second.start()
+    unrelated = create_llm("mlx", model=other, mlx_batching=True)  # not blocked by the pending load
+    try:
+        assert unrelated.generate(PROMPT, max_output_tokens=2).finish_reason == "length"
+        assert not made  # both providers of the loading model are still waiting
+        release.set()
+        first.join(30)
+        second.join(30)
+        assert len(made) == 2 and made[0]._resident is made[1]._resident
+        assert made[0].generate(PROMPT, max_output_tokens=2).finish_reason == "length"
+    finally:
+        release.set()
+        for llm in [unrelated, *made]:
+            llm.unload_model()
+    assert residency.resident_count() == 0
+
+
+def test_mtp_head_detection_runs_once_per_load(make_llm, hybrid_model, monkeypatch):
+    from abstractruntime_mlx import artifacts
+
+    calls: list = []
+    real = artifacts.detect_mtp
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(artifacts, "detect_mtp", counting)
+    from abstractruntime_mlx.provider import mlx_provider
+
+    monkeypatch.setattr(mlx_provider, "detect_mtp", counting)
+    llm = make_llm(hybrid_model, mlx_batching=True, speculation={"mode": "native_mtp"})
+    assert llm.speculation_ready() is True  # the head was found and loaded
+    assert len(calls) == 1
