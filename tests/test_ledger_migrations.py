@@ -26,7 +26,7 @@ from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.ledger import SCHEMA_REVISION, Ledger, LedgerSchemaError, NodeKey, ProgressEvent, sqlite_url
 from abstractruntime_mlx.ledger.models import Base
 from abstractruntime_mlx.ledger.schema import MIGRATIONS_DIR
-from abstractruntime_mlx.ledger.store import progress_idempotency_key
+from abstractruntime_mlx.ledger.keys import progress_idempotency_key
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ledger-rev1.sqlite"
 PG_URL = os.environ.get("LEDGER_TEST_URL")

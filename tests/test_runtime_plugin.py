@@ -30,7 +30,7 @@ from abstractruntime_mlx.runtime_plugin import (
     resume_run,
     run_flow,
 )
-from abstractruntime_mlx.runtime_plugin import flows as flows_module
+from abstractruntime_mlx.runtime_plugin import catalog as catalog_module
 from abstractruntime_mlx.testing import tiny_model
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fanout.json"
@@ -308,7 +308,7 @@ def test_a_changed_sibling_request_is_called_again(model, registry, ledger_url, 
 
     def wrong_prediction(self, node_id):
         return [
-            flows_module.SiblingCall(c.node_id, c.branch, {**c.payload, "prompt": "a different prompt"}, c.config)
+            catalog_module.SiblingCall(c.node_id, c.branch, {**c.payload, "prompt": "a different prompt"}, c.config)
             for c in original(self, node_id)
         ]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from .run_cmd import default_ledger_url
+from .ledger_location import default_ledger_url
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-LEDGER_ENV: Final = "ABSTRACTRUNTIME_MLX_LEDGER"
-DEFAULT_LEDGER_PATH: Final = Path("~/.abstractruntime-mlx/ledger.sqlite")
+from .ledger_location import DEFAULT_LEDGER_PATH, LEDGER_ENV, default_ledger_url
 TINY_MODEL_DIR: Final = "abstractruntime-mlx/tiny-hybrid-mtp"
 
 
@@ -60,14 +59,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--no-sibling-batching", action="store_true", help="run parallel branches strictly one after another (no prefetch)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(handler=_run)
-
-
-def default_ledger_url(explicit: str | None = None, env: Mapping[str, str] = os.environ) -> str:
-    """``explicit``, else ``$ABSTRACTRUNTIME_MLX_LEDGER``, else ``~/.abstractruntime-mlx/ledger.sqlite``."""
-    from ..runtime_plugin import normalize_ledger_url
-
-    chosen = explicit or env.get(LEDGER_ENV) or str(DEFAULT_LEDGER_PATH.expanduser())
-    return normalize_ledger_url(chosen)
 
 
 def default_model_path(env: Mapping[str, str] = os.environ) -> str:

@@ -25,7 +25,7 @@ from typing import Any, Final
 from ..errors import LedgerNotFound
 from ..inspection import run_view
 from ..ledger import Ledger
-from .run_cmd import default_ledger_url
+from .ledger_location import default_ledger_url
 from .show_view import calls_table, calls_timeline
 
 # AbstractRuntime's RunStatus values.

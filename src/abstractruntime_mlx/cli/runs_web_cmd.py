@@ -19,7 +19,7 @@ from typing import Final
 from sqlalchemy.engine import make_url
 
 from ..errors import LedgerError
-from .run_cmd import default_ledger_url
+from .ledger_location import default_ledger_url
 from .serve_cmd import API_KEY_ENV, _is_loopback
 
 DEFAULT_HOST: Final = "127.0.0.1"

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from typing import TYPE_CHECKING, AsyncIterator, Iterator
+from typing import AsyncIterator, Iterator, Protocol
 
 from ..errors import EngineCrashed
 from .request import END_OF_STREAM, EngineRequest, Outcome, PrefillObservation, TokenDelta
 
-if TYPE_CHECKING:
-    from .loop import Engine
+
+
+class Owner(Protocol):
+    """What a stream needs of the engine that runs its request."""
+
+    def cancel(self, request: EngineRequest) -> None: ...
+
+    def _worker_alive(self) -> bool: ...
 
 _POLL_S = 0.05
 _IDLE_WAIT_S = 0.5
@@ -22,7 +28,7 @@ class RequestStream:
     ``outcome`` is set once iteration ends. Closing the stream cancels the request.
     """
 
-    def __init__(self, engine: "Engine", request: EngineRequest) -> None:
+    def __init__(self, engine: Owner, request: EngineRequest) -> None:
         self.engine = engine
         self.request = request
         self.outcome: Outcome | None = None

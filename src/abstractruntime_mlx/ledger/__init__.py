@@ -24,16 +24,8 @@ from .errors import (
 )
 from .models import SCHEMA_REVISION, SCHEMA_VERSION
 from .queries import ProgressRow, RunCursor, RunDetail, RunSummary, StepRow
-from .store import (
-    DEFAULT_BUSY_TIMEOUT_MS,
-    Ledger,
-    NodeKey,
-    ProgressEvent,
-    host_progress_key,
-    open_ledger,
-    progress_idempotency_key,
-    sqlite_url,
-)
+from .keys import NodeKey, ProgressEvent, host_progress_key, progress_idempotency_key
+from .store import DEFAULT_BUSY_TIMEOUT_MS, Ledger, open_ledger, sqlite_url
 from .writer import ProgressWriter, WriterState
 
 __all__ = [

@@ -23,16 +23,22 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from enum import IntEnum
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import LedgerError, LedgerTimeout, LedgerWriteFailed
-from .store import Ledger, NodeKey, ProgressEvent, progress_idempotency_key
+from .keys import NodeKey, ProgressEvent, progress_idempotency_key
 
 __all__ = ["DEFAULT_FLUSH_TIMEOUT_S", "ProgressWriter", "WriterState"]
 
 logger = logging.getLogger(__name__)
+
+
+class ProgressStore(Protocol):
+    """What the writer needs of a ledger (``Ledger`` is one)."""
+
+    def append_progress(self, items: Iterable[ProgressEvent]) -> int: ...
 
 DEFAULT_MAX_BATCH = 1000
 DEFAULT_IDLE_WAIT_S = 0.25
@@ -70,7 +76,7 @@ class ProgressWriter:
 
     def __init__(
         self,
-        ledger: Ledger,
+        ledger: ProgressStore,
         *,
         max_batch: int = DEFAULT_MAX_BATCH,
         linger_s: float = DEFAULT_LINGER_S,

@@ -23,8 +23,12 @@ from typing import Any
 from abstractruntime import Runtime
 from abstractruntime.core.models import EffectType
 
-from .flows import FlowCatalog, FlowIndex, FlowRunResult, NodeOutcome, load_flow, node_outcomes, resume_run, run_flow
-from .handler import LLMCallHandler, MLXPack, SiblingPrefetcher, build_pack, normalize_ledger_url, request_from_payload
+from .catalog import FlowCatalog, FlowIndex
+from .flows import FlowRunResult, NodeOutcome, load_flow, node_outcomes, resume_run, run_flow
+from .handler import LLMCallHandler
+from .pack import MLXPack, build_pack, normalize_ledger_url
+from .payload import request_from_payload
+from .prefetch import SiblingPrefetcher
 from .stores import LedgerRunStore, LedgerStepStore
 
 __all__ = [

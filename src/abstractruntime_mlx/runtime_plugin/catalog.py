@@ -1,0 +1,107 @@
+"""What the handler knows about a registered flow: node configs and predictable siblings.
+
+``FlowCatalog`` holds one ``FlowIndex`` per workflow id; ``FlowIndex.later_siblings(node)``
+lists the later ``llm_call`` branches of the same parallel/sequence node whose payload
+``prediction`` can compute before the runtime reaches them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from .prediction import Unpredictable, plan_payload, resolve_payload
+
+__all__ = ["BRANCHING_NODE_TYPES", "FlowCatalog", "FlowIndex", "SiblingCall"]
+
+BRANCHING_NODE_TYPES: Final = frozenset({"parallel", "sequence"})
+"""Nodes whose ``then:N`` branches AbstractRuntime runs one after another on one thread."""
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingCall:
+    """A later ``llm_call`` branch of the same parallel/sequence node whose inputs are known
+    before the runtime reaches it: ``payload`` is the LLM_CALL payload it will emit, as a
+    template over the run's vars (``prediction``)."""
+
+    node_id: str
+    branch: int
+    payload: dict[str, Any]
+    config: dict[str, Any]
+
+    def payload_for(self, run_vars: Mapping[str, Any]) -> dict[str, Any]:
+        """The payload for one run; raises ``prediction.Unpredictable``."""
+        return resolve_payload(self.payload, run_vars)
+
+
+class FlowIndex:
+    """What the handler needs to know about one flow: node configs and, per ``llm_call`` node
+    that is a direct branch of a parallel/sequence node, its predictable later siblings."""
+
+    def __init__(self, flow: Mapping[str, Any]) -> None:
+        self.workflow_id = str(flow.get("id"))
+        nodes = {str(n.get("id")): n for n in flow.get("nodes", []) if isinstance(n, Mapping)}
+        edges = [e for e in flow.get("edges", []) if isinstance(e, Mapping)]
+        self._configs: dict[str, dict[str, Any]] = {}
+        for node_id, node in nodes.items():
+            data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+            config = data.get("effectConfig") if isinstance(data.get("effectConfig"), Mapping) else {}
+            self._configs[node_id] = dict(config)
+        branches: dict[str, list[tuple[int, str]]] = {}
+        for edge in edges:
+            source = str(edge.get("source"))
+            handle = str(edge.get("sourceHandle") or "")
+            if nodes.get(source, {}).get("type") not in BRANCHING_NODE_TYPES or edge.get("targetHandle") != "exec-in":
+                continue
+            if not handle.startswith("then:") or not handle[5:].isdigit():
+                continue
+            branches.setdefault(source, []).append((int(handle[5:]), str(edge.get("target"))))
+        self._siblings: dict[str, list[SiblingCall]] = {}
+        self.unpredictable: dict[str, str] = {}
+        for targets in branches.values():
+            targets.sort()
+            calls: list[SiblingCall] = []
+            for branch, target in targets:
+                node = nodes.get(target)
+                if node is None or node.get("type") != "llm_call":
+                    continue
+                try:
+                    payload = plan_payload(flow, target)
+                except Unpredictable as exc:
+                    self.unpredictable[target] = str(exc)
+                    continue
+                calls.append(SiblingCall(target, branch, payload, self._configs.get(target, {})))
+            for branch, target in targets:
+                later = [c for c in calls if c.branch > branch and c.node_id != target]
+                if later and nodes.get(target, {}).get("type") == "llm_call":
+                    self._siblings.setdefault(target, []).extend(later)
+
+    def node_config(self, node_id: str) -> dict[str, Any]:
+        return dict(self._configs.get(node_id, {}))
+
+    def later_siblings(self, node_id: str) -> list[SiblingCall]:
+        """Predictable ``llm_call`` branches after ``node_id``'s branch, in pin order."""
+        return list(self._siblings.get(node_id, ()))
+
+
+class FlowCatalog:
+    """Flows by workflow id, for the handler (sibling prediction and node configs)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flows: dict[str, FlowIndex] = {}
+
+    def register(self, flow: Mapping[str, Any]) -> FlowIndex:
+        index = FlowIndex(flow)
+        with self._lock:
+            self._flows[index.workflow_id] = index
+        return index
+
+    def get(self, workflow_id: str) -> FlowIndex | None:
+        with self._lock:
+            return self._flows.get(workflow_id)
+

@@ -1,0 +1,156 @@
+"""The pack: one ledger, node, handler, prefetcher and stores wired together.
+
+    pack = build_pack("sqlite:///runs.sqlite", model="/models/qwen")
+    runtime = pack.runtime()            # Runtime(run_store, ledger_store, {LLM_CALL: handler})
+    ...
+    pack.close()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from abstractruntime import Runtime
+from abstractruntime.core.models import EffectType
+from abstractruntime.core.policy import RetryPolicy
+
+from ..controls import UNSET
+from ..ledger import Ledger, sqlite_url
+from ..nodes import LLMNode, ProviderRegistry
+from .catalog import FlowCatalog
+from .handler import LLMCallHandler, RuntimeProgress
+from .prefetch import SiblingPrefetcher
+from .stores import LedgerRunStore, LedgerStepStore
+
+
+__all__ = ["MLXPack", "build_pack", "normalize_ledger_url"]
+
+
+def normalize_ledger_url(url_or_path: str) -> str:
+    """A SQLAlchemy URL: URLs pass through, plain paths become ``sqlite:///<absolute path>``."""
+    text = str(url_or_path)
+    return text if "://" in text else sqlite_url(text)
+
+
+@dataclass(slots=True)
+class MLXPack:
+    """Everything one process needs to run flows on MLX with our ledger."""
+
+    ledger: Ledger | None
+    node: LLMNode
+    handler: LLMCallHandler
+    flows: FlowCatalog
+    prefetcher: SiblingPrefetcher
+    run_store: LedgerRunStore | None
+    ledger_store: LedgerStepStore | None
+    provider_options: dict[str, Any]
+    owns_ledger: bool
+    effect_policy: Any = None
+
+    def effect_handlers(self) -> dict[EffectType, Any]:
+        return {EffectType.LLM_CALL: self.handler}
+
+    def runtime(self, **runtime_options: Any) -> Runtime:
+        """A new ``Runtime`` over this pack's stores and handler (cheap; one per thread is fine)."""
+        if self.run_store is None or self.ledger_store is None:
+            raise RuntimeError("this pack has no ledger; build it with a ledger URL to get a Runtime")
+        options: dict[str, Any] = {"effect_policy": self.effect_policy} if self.effect_policy is not None else {}
+        options.update(runtime_options)
+        return Runtime(
+            run_store=self.run_store,
+            ledger_store=self.ledger_store,
+            effect_handlers=self.effect_handlers(),
+            **options,
+        )
+
+    def resume_options(self) -> dict[str, Any]:
+        """What ``resume_run`` needs to rebuild an equivalent pack (stored in the run's vars)."""
+        return {
+            "model": self.handler.model,
+            "force_model": self.handler.force_model,
+            "provider_options": dict(self.provider_options),
+            "sibling_batching": self.handler.prefetcher is not None,
+        }
+
+    def close(self) -> None:
+        """Stop prefetches and the progress writer (draining it); close the ledger if the pack
+        opened it. Resident models stay loaded for the next pack (``ProviderRegistry``)."""
+        self.prefetcher.close()
+        self.node.close()
+        if self.owns_ledger and self.ledger is not None:
+            self.ledger.close()
+
+    def __enter__(self) -> MLXPack:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def build_pack(
+    ledger_url: str | None = None,
+    *,
+    ledger: Ledger | None = None,
+    model: str | None = None,
+    force_model: bool = False,
+    provider_options: Mapping[str, Any] | None = None,
+    server_base_url: str | None = None,
+    sibling_batching: bool = True,
+    record_progress: bool = True,
+    runtime_progress: RuntimeProgress = "auto",
+    registry: ProviderRegistry | None = None,
+    effect_policy: Any = UNSET,
+) -> MLXPack:
+    """Open (or reuse) the ledger and wire node, handler, prefetcher and stores.
+
+    ``ledger_url``: a SQLAlchemy URL or a file path (SQLite); ``ledger``: an open ``Ledger``
+    (not closed by the pack); neither: no ledger (the handler alone, for hosts that bring
+    their own stores; phase events then go to AbstractRuntime's progress channel).
+    ``model``: the default model of nodes that name none (``force_model=True``: of every
+    node). ``provider_options``: load-time options of local providers (``mlx_batching`` is on
+    by default). ``server_base_url``: send every node to a remote server unless it names its
+    own. ``sibling_batching``: prefetch independent sibling branches (see module doc).
+    ``record_progress=False``: no progress rows (everything else unchanged).
+    ``effect_policy``: the runtime's retry policy; default ``RetryPolicy(llm_max_attempts=3)``
+    with a short backoff, as AbstractRuntime's own factories do (capacity errors such as
+    ``QueueFull`` are retried; requests that are wrong are not); ``None``: the kernel default
+    (one attempt).
+    """
+    if effect_policy is UNSET:
+        effect_policy = RetryPolicy(llm_max_attempts=3, tool_max_attempts=1, backoff_base=0.25, backoff_max=4.0)
+    owns = False
+    if ledger is None and ledger_url is not None:
+        ledger = Ledger(normalize_ledger_url(ledger_url))
+        owns = True
+    node = LLMNode(
+        ledger=ledger,
+        registry=registry,
+        default_model=model,
+        provider_options=provider_options,
+        record_progress=record_progress,
+    )
+    flows = FlowCatalog()
+    prefetcher = SiblingPrefetcher(node)
+    handler = LLMCallHandler(
+        node,
+        flows=flows,
+        prefetcher=prefetcher if sibling_batching else None,
+        model=model,
+        force_model=force_model,
+        server_base_url=server_base_url,
+        runtime_progress=runtime_progress,
+    )
+    return MLXPack(
+        ledger=ledger,
+        node=node,
+        handler=handler,
+        flows=flows,
+        prefetcher=prefetcher,
+        run_store=LedgerRunStore(ledger) if ledger is not None else None,
+        ledger_store=LedgerStepStore(ledger) if ledger is not None else None,
+        provider_options=dict(provider_options or {}),
+        owns_ledger=owns,
+        effect_policy=effect_policy,
+    )

@@ -1,0 +1,125 @@
+"""The LLM_CALL payload as a node request (the node-payload edge).
+
+``request_from_payload`` turns the payload AbstractRuntime's visual compiler emits into a
+``nodes.NodeRequest``: the ``<runtime_metadata>`` grounding envelope the runtime core puts on
+every prompt is removed (``abstractruntime.turn_grounding.strip_turn_grounding``; a per-second
+timestamp in the prompt would defeat prefix reuse, batching of identical prompts and sibling
+prefetch, and the tiny/local models have no use for it) and the run-level controls are folded
+from ``run.vars["_runtime"]`` (the runtime core does not merge them into the payload). The
+node validates it once, into a ``GenerationRequest``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any, Final
+
+from abstractruntime.turn_grounding import strip_turn_grounding
+
+from ..controls import SAMPLING_FIELDS, UNSET
+from ..errors import InvalidRequest
+from ..nodes import NodeRequest
+
+
+__all__ = ["request_from_payload"]
+
+# Sampling params of the payload (a seed is taken only when it is a valid one: the editor's
+# -1 means "random"); ``stop`` is a limit of the request.
+_SAMPLING_PARAMS: Final = (*(f for f in SAMPLING_FIELDS if f != "seed"), "stop")
+
+def request_from_payload(
+    payload: Mapping[str, Any],
+    run_vars: Mapping[str, Any] | None,
+    *,
+    node_config: Mapping[str, Any] | None = None,
+    default_model: str | None = None,
+    force_model: bool = False,
+    default_base_url: str | None = None,
+) -> NodeRequest:
+    """The ``NodeRequest`` of an LLM_CALL payload (as the visual compiler emits it).
+
+    Node level: ``params.speculation`` / ``params.thinking`` (absent or null inherit).
+    Run level: ``run_vars["_runtime"]["speculation"|"thinking"]``. ``prompt_cache_key``, first
+    found: ``params.prompt_cache_key``, the node's ``effectConfig.prompt_cache_key``, a string
+    ``params.prompt_cache_binding`` (or its ``key``), ``_runtime.prompt_cache_key``. Remote selection, first
+    found: ``params.base_url``, the node's ``effectConfig.base_url``/``server_base_url`` (from
+    the flow JSON, which the compiler does not forward), ``_runtime.base_url``/
+    ``server_base_url``, ``default_base_url``. Model: ``default_model`` when ``force_model``,
+    else the payload's model, else ``default_model``.
+    """
+    if payload.get("response_schema") is not None:
+        raise InvalidRequest("structured output (response_schema) is not supported by the mlx pack's LLM node")
+    params = payload.get("params") if isinstance(payload.get("params"), Mapping) else {}
+    runtime_ns = (run_vars or {}).get("_runtime")
+    runtime_ns = runtime_ns if isinstance(runtime_ns, Mapping) else {}
+    config = node_config or {}
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        messages = [_strip_message(m) for m in messages]
+    else:
+        messages = None
+    sampling: dict[str, Any] = {name: copy.deepcopy(params[name]) for name in _SAMPLING_PARAMS if params.get(name) is not None}
+    seed = params.get("seed")
+    if seed is not None and not isinstance(seed, bool) and isinstance(seed, int) and seed >= 0:
+        sampling["seed"] = seed
+    max_out = params.get("max_output_tokens", params.get("max_tokens"))
+    if max_out is not None:
+        sampling["max_output_tokens"] = max_out
+    model = payload.get("model") if isinstance(payload.get("model"), str) and payload.get("model") else None
+    if force_model or model is None:
+        model = default_model or model
+    base_url = _first_str(
+        params.get("base_url"),
+        config.get("base_url"),
+        config.get("server_base_url"),
+        runtime_ns.get("base_url"),
+        runtime_ns.get("server_base_url"),
+        default_base_url,
+    )
+    return NodeRequest(
+        prompt=strip_turn_grounding(payload.get("prompt") or ""),
+        messages=messages,
+        system_prompt=_str_or_none(payload.get("system_prompt")),
+        tools=list(payload.get("tools") or []) or None,
+        media=list(payload.get("media") or []) or None,
+        provider=str(payload.get("provider") or "mlx"),
+        model=model,
+        base_url=base_url,
+        speculation=_level(params, "speculation"),
+        thinking=_level(params, "thinking"),
+        run_speculation=_level(runtime_ns, "speculation"),
+        run_thinking=_level(runtime_ns, "thinking"),
+        sampling=sampling,
+        prompt_cache_key=_prompt_cache_key(params, config, runtime_ns),
+    )
+
+
+def _prompt_cache_key(params: Mapping[str, Any], config: Mapping[str, Any], runtime_ns: Mapping[str, Any]) -> str | None:
+    """The node's prompt-cache key (node level first, then run level); None: no reuse."""
+    binding = params.get("prompt_cache_binding")
+    if isinstance(binding, Mapping):
+        binding = binding.get("key")
+    return _first_str(params.get("prompt_cache_key"), config.get("prompt_cache_key"), binding, runtime_ns.get("prompt_cache_key"))
+
+
+def _level(source: Mapping[str, Any], name: str) -> Any:
+    value = source.get(name)
+    return UNSET if value is None else copy.deepcopy(value)
+
+
+def _strip_message(message: Any) -> Any:
+    if isinstance(message, Mapping) and message.get("role") == "user" and isinstance(message.get("content"), str):
+        return {**message, "content": strip_turn_grounding(message["content"])}
+    return copy.deepcopy(message)
+
+
+def _first_str(*values: Any) -> str | None:
+    for value in values:
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+    return None
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
