@@ -158,3 +158,15 @@ def test_run_prints_phase_lines_when_not_a_terminal_and_pure_json_with_json(cli_
     assert any("mtp acceptance" in line for line in phase_lines)
     assert main(["run", str(EXAMPLE), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["status"] == "completed"
+
+
+def test_rich_mode_leaves_the_final_table(tmp_path: Path) -> None:
+    url = sqlite_url(tmp_path / "l.sqlite")
+    out = FakeTTY()
+    with Ledger(url) as ledger:
+        with LiveRuns(url, since=dt.datetime.now(dt.UTC), mode="rich", out=out, poll_s=0.05):
+            ledger.save_run(_run("rich-run"))
+            key = NodeKey("rich-run", "summarize", workflow_id="wf", step_id="s1", attempt=1)
+            ledger.append_progress([_event(key, phase="prefill", prompt_tokens=5642, prefill_processed_tokens=2100, elapsed_s=0.3, event_index=0)])
+    text = out.getvalue()
+    assert "summarize" in text and "2,100/5,642" in text and "rich-run" in text

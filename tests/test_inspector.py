@@ -377,3 +377,34 @@ def test_inspector_queries_on_sqlite_and_postgresql(ledger_url: str) -> None:
             view = c.get(f"/api/runs/{run_a}").json()
             assert [call["generated_tokens"] for call in view["calls"]] == [10, 7]
             assert all([s["phase"] for s in call["segments"]] == ["prefill", "generate"] for call in view["calls"])
+
+
+def test_runs_web_command_serves_the_ledger(flow_ledger: str, tmp_path: Path) -> None:
+    """The real command in a subprocess: it prints its URL (with the port it got) and serves."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-m", "abstractruntime_mlx.cli.main", "runs", "web", "--ledger", flow_ledger, "--port", "0", "--api-key", "k"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        match = re.search(r"on (http://127\.0\.0\.1:\d+/)\?key=k", line)
+        assert match, line
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                response = httpx.get(match.group(1) + "api/runs", headers={"Authorization": "Bearer k"}, timeout=5)
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert response.status_code == 200 and len(response.json()["runs"]) >= 2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    missing = subprocess.run([*cmd[:5], "--ledger", str(tmp_path / "absent.sqlite")], capture_output=True, text=True, env=env, timeout=60)
+    assert missing.returncode != 0 and "no ledger at" in missing.stderr and not (tmp_path / "absent.sqlite").exists()
+    bad_port = subprocess.run([*cmd[:5], "--ledger", flow_ledger, "--port", "70000"], capture_output=True, text=True, env=env, timeout=60)
+    assert bad_port.returncode != 0 and "--port" in bad_port.stderr

@@ -6,9 +6,9 @@
 A thread re-reads the runs created on the ledger since ``since`` (cheap cursor first, the
 full ``inspection.RunView`` only when a run moved) and hands them to a renderer:
 
-- ``rich`` (stdout is a terminal): one table, a section per run, a row per LLM call: node
-  label, lane, phase, prefill processed / total with a bar, generated tokens, tokens/s, MTP
-  acceptance and prompt-cache hit tokens, redrawn in place.
+- ``rich`` (stdout is a terminal): per run a title line and a table with a row per LLM call:
+  node label, lane, phase, prefill processed / total with a bar, generated tokens, tokens/s,
+  MTP acceptance and prompt-cache hit tokens, redrawn in place.
 - ``plain`` (stdout is a file or a pipe): one line per phase change of each call.
 - ``off`` (``--json``): nothing, so stdout stays one JSON document.
 
@@ -30,7 +30,7 @@ __all__ = ["LiveMode", "LiveRuns", "PlainRenderer", "RichRenderer", "pick_mode",
 
 LiveMode = Literal["rich", "plain", "off"]
 DEFAULT_POLL_S = 0.25
-BAR_WIDTH = 10
+BAR_WIDTH = 8
 
 
 def pick_mode(as_json: bool, stream: IO[str]) -> LiveMode:
@@ -180,56 +180,57 @@ class PlainRenderer:
 
 
 def runs_table(runs: Sequence[RunView]) -> Any:
-    """A ``rich`` table: a section per run, a row per LLM call."""
+    """``rich`` renderables: per run, a title line and a table with a row per LLM call.
+    Fits an 80-column terminal; the node label gives way first on a narrower one."""
     from rich import box
+    from rich.console import Group
     from rich.progress_bar import ProgressBar
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(box=box.SIMPLE_HEAD, expand=False, show_edge=False, pad_edge=False, header_style="bold")
-    # Figures keep their width; the node label gives way first on a narrow terminal.
-    for name, justify, min_width in (
-        ("run", "left", 8),
-        ("node", "left", 4),
-        ("lane", "left", 10),
-        ("phase", "left", 9),
-        ("prefill", "left", BAR_WIDTH),
-        ("", "right", 9),
-        ("gen", "right", 4),
-        ("tok/s", "right", 6),
-        ("mtp", "right", 4),
-        ("cache", "right", 5),
-    ):
-        table.add_column(name, justify=justify, no_wrap=True, min_width=min_width)  # type: ignore[arg-type]
     styles = {"prefill": "yellow", "generate": "cyan", "completed": "green", "failed": "red", "queued": "dim"}
-    for index, run in enumerate(sorted(runs, key=lambda r: r.summary.created_at)):
-        if index:
-            table.add_section()
-        run_cell = Text(run.summary.run_id[:8], style=styles.get(run.summary.status, ""))
+    parts: list[Any] = []
+    for run in sorted(runs, key=lambda r: r.summary.created_at):
+        status = run.summary.status
+        title = Text.assemble(
+            ("run ", "bold"), (run.summary.run_id[:8], "bold"), f"  {run.summary.workflow_id}  ", (status, styles.get(status, ""))
+        )
+        parts.append(title)
         if not run.calls:
-            table.add_row(run_cell, Text(run.summary.workflow_id, style="dim"))
             continue
-        for position, call in enumerate(run.calls):
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
+        for name, justify, min_width in (
+            ("node", "left", 6),
+            ("lane", "left", 10),
+            ("phase", "left", 9),
+            ("prefill", "left", BAR_WIDTH),
+            ("", "right", 11),
+            ("gen", "right", 4),
+            ("tok/s", "right", 6),
+            ("mtp", "right", 4),
+            ("cache", "right", 5),
+        ):
+            table.add_column(name, justify=justify, no_wrap=True, min_width=min_width)  # type: ignore[arg-type]
+        for call in run.calls:
             total = call.prompt_tokens or 0
             done = call.prefill_processed_tokens or 0
-            bar = ProgressBar(total=max(total, 1), completed=min(done, total) if total else 0, width=BAR_WIDTH)
             table.add_row(
-                run_cell if position == 0 else "",
                 call.label,
                 call.lane or "",
                 Text(call.phase, style=styles.get(call.phase, "")),
-                bar,
+                ProgressBar(total=max(total, 1), completed=min(done, total) if total else 0, width=BAR_WIDTH),
                 _prefill_short(call),
                 _int(call.generated_tokens),
                 "" if call.tokens_per_second is None else f"{call.tokens_per_second:.1f}",
                 _acceptance_text(call),
                 _int(call.cached_tokens) if call.cached_tokens else "",
             )
-    return table
+        parts.append(table)
+    return Group(*parts)
 
 
 class RichRenderer:
-    """The table above, redrawn in place (``rich.live.Live``); the last state stays on screen."""
+    """``runs_table``, redrawn in place (``rich.live.Live``); the last state stays on screen."""
 
     def __init__(self, out: IO[str]) -> None:
         from rich.console import Console
