@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..errors import LedgerNotFound
-from ..inspection import run_view
+from ..inspection import control_text, run_view
 from ..ledger import Ledger
 from .ledger_location import default_ledger_url
 from .show_view import calls_table, calls_timeline
@@ -244,12 +244,12 @@ def format_node(node_id: str, result: dict[str, Any]) -> str:
         f"  finish={result.get('finish_reason')}"
     )
     spec_value = controls.get("speculation", spec.get("requested"))
-    spec_line = f"      speculation: {_wire(spec_value)} (from {controls.get('speculation_source', spec.get('source', '?'))})"
+    spec_line = f"      speculation: {control_text(spec_value)} (from {controls.get('speculation_source', spec.get('source', '?'))})"
     spec_line += f" used={str(spec.get('used')).lower()}"
     if spec.get("reason"):
         spec_line += f" reason={spec['reason']}"
     lines.append(spec_line)
-    lines.append(f"      thinking: {_wire(controls.get('thinking'))} (from {controls.get('thinking_source', '?')})")
+    lines.append(f"      thinking: {control_text(controls.get('thinking'))} (from {controls.get('thinking_source', '?')})")
     cache = meta.get("prompt_cache")
     if isinstance(cache, dict):
         line = f"      prompt cache: key={cache.get('key')} {cache.get('outcome', '?')}"
@@ -264,19 +264,6 @@ def format_node(node_id: str, result: dict[str, Any]) -> str:
     elif sibling.get("launched"):
         lines.append(f"      sibling batch: launched {', '.join(sibling['launched'])} with this call")
     return "\n".join(lines)
-
-
-def _wire(value: Any) -> str:
-    if value is None:
-        return "model default"
-    if value is False:
-        return "off"
-    if value is True:
-        return "on"
-    if isinstance(value, dict):
-        depth = value.get("num_draft_tokens")
-        return f"native_mtp(depth={depth})" if depth else "native_mtp"
-    return str(value)
 
 
 def _clip(text: str, width: int = TEXT_WIDTH) -> str:
