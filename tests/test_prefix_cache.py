@@ -136,6 +136,20 @@ def test_budget_too_small_for_one_snapshot(make_llm, hybrid_model, batching):
     assert stats["requests"]["not_retained"] == 1
 
 
+def test_dense_snapshot_larger_than_the_budget_is_kept_in_part_and_said_so(make_llm, dense_model):
+    # ~270 prompt tokens of tiny-model KV are ~140 KB; 64 KiB holds only the first blocks.
+    llm = make_llm(dense_model, mlx_batching=True, mlx_cache_memory_max_gb=64 / (1 << 20))
+    first, second = conversation(llm, "tight", turns=2)
+    cache = second.metadata["prompt_cache"]
+    assert cache["outcome"] == "partial"
+    assert 0 < cache["cached_tokens"] < first.usage["prompt_tokens"] - prefix_cache.BLOCK_SIZE - prefix_cache.GUARD_TOKENS
+    assert "not retained in full" in cache["degraded_reason"] and "mlx_cache_memory_max_gb" in cache["degraded_reason"]
+    for result in (first, second):
+        apc = result.metadata["prompt_cache"]["apc"]
+        assert 0 < apc["resident_bytes"] <= apc["memory_max_bytes"] == 64 << 10
+    assert llm.get_prompt_cache_stats()["requests"]["partial"] == 1
+
+
 def test_machine_budget_rule(monkeypatch):
     monkeypatch.setattr(prefix_cache, "working_set", lambda: (24 << 30, "system_memory"))
     budget = prefix_cache.memory_budget(None)

@@ -394,16 +394,18 @@ class PrefixCache:
         previous = self._keys.get(key)
         outcome, degraded = "miss", None
         if previous is not None:
-            expected = _common_prefix(previous.prompt_ids, prompt)
+            shared = min(_common_prefix(previous.prompt_ids, prompt), len(prompt) - 1)
             tolerance = BLOCK_SIZE + GUARD_TOKENS
-            if cached > 0 and cached >= min(expected, len(prompt) - 1) - tolerance:
+            if cached > 0 and cached >= shared - tolerance:
                 outcome = "hit"
-            elif cached > 0:
-                outcome = "partial"
-            elif not previous.retained and expected > tolerance:
-                outcome = "not_retained"
-            if not previous.retained and outcome != "hit":
-                degraded = previous.reason
+            elif shared > tolerance:
+                outcome = "partial" if cached > 0 else "not_retained"
+                degraded = previous.reason or (
+                    f"the previous turn's snapshot was not retained in full: only {cached} of the {shared} prompt "
+                    "tokens this turn shares with it were restored; the rest was evicted to stay within the "
+                    f"prefix-cache memory budget ({self.budget.max_bytes / (1 << 20):.1f} MiB) or the free memory; "
+                    "raise mlx_cache_memory_max_gb above the conversation's snapshot size"
+                )
         elif cached > 0:
             outcome = "hit"
         stored = delta["stores"] + delta["exact_stores"] > 0
