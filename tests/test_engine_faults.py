@@ -222,6 +222,14 @@ def test_server_refuses_bad_values_and_recovers_a_failed_model(dense_model, poli
         assert seed.status_code == 400 and seed.json()["error"]["details"]["field"] == "seed"
         too_long = chat(messages=[{"role": "user", "content": " cache" * 5000}])
         assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_too_long"
+        from abstractruntime_mlx.remote_client import RemoteClient
+
+        with RemoteClient(url) as remote:  # the remote client raises the same typed error
+            with pytest.raises(errors.ContextTooLong):
+                remote.generate(" cache" * 5000, max_output_tokens=3)
+            with pytest.raises(errors.InvalidControls) as bad_bias:
+                remote.generate(PROMPT, logit_bias={"2000": 5}, max_output_tokens=3)
+            assert bad_bias.value.field == "logit_bias.2000"
         assert chat().status_code == 200
         assert client.get("/health").json()["model_state"] == "ready"
 

@@ -16,6 +16,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Callable
 
 from ..errors import (
@@ -29,7 +30,7 @@ from ..errors import (
     StreamBackpressure,
 )
 from .backend import PREFILL_STEP_SIZE, Backend, BatchBackend, Drafter, PrefillRow, StepResult, text_prompt_kwargs
-from .model import LoadedModel
+from .model import Lane, LoadedModel
 from .prefix_cache import GUARD_TOKENS, CacheOptions, PrefixCache
 from .request import (
     END_OF_STREAM,
@@ -107,7 +108,7 @@ class EngineStats:
     peak_batch_size: int = 0
 
 
-class EngineState:
+class EngineState(StrEnum):
     LOADING = "loading"
     READY = "ready"
     FAILED = "failed"  # the worker could not go on; unload and load the model again
@@ -138,7 +139,7 @@ class Engine:
         self._load = load
         self._cache_options = cache_options
         self.prefix_cache: PrefixCache | None = None
-        self.loaded: LoadedModel | None = None  # type: ignore[assignment]
+        self.loaded: LoadedModel | None = None
         self.name = name
         self.config = config or EngineConfig()
         self._ready = threading.Event()
@@ -178,7 +179,7 @@ class Engine:
         return self._thread is not None and self._thread.is_alive() and self._fatal is None
 
     @property
-    def state(self) -> str:
+    def state(self) -> EngineState:
         if self._fatal is not None:
             return EngineState.FAILED
         if self._closed or self._stopping:
@@ -246,6 +247,13 @@ class Engine:
             self.stats.submitted += 1
             self._cond.notify_all()
         return RequestStream(self, request)
+
+    @property
+    def _model(self) -> LoadedModel:
+        """The loaded model, on the worker (which holds it for as long as it serves)."""
+        loaded = self.loaded
+        assert loaded is not None, "the model is used only while it is loaded"
+        return loaded
 
     def serving_model(self) -> LoadedModel:
         """The loaded model, or the typed reason this engine serves no requests."""
@@ -491,7 +499,7 @@ class Engine:
             if not self._waiting:
                 return
             key = group_key(self._waiting[0], sampled_exclusive=self.config.sampled_exclusive)
-        serial = self.loaded.lane == "mlx_lm"
+        serial = self._model.lane == Lane.MLX_LM
         if serial or key.mode == ExecutionMode.EXCLUSIVE:
             limit = 1
             with self._cond:
@@ -515,7 +523,7 @@ class Engine:
             self._admit(request)
 
     def _new_backend(self, key: GroupKey, head: EngineRequest, limit: int, *, serial: bool) -> Backend:
-        loaded = self.loaded
+        loaded = self._model
         if serial:
             return SerialBackend(
                 loaded.model,
@@ -572,9 +580,9 @@ class Engine:
             factory = request.prompt_kwargs_factory
             if factory is not None:
                 kwargs = factory()  # images expand the prompt: check its final length again
-                self.loaded.check_request(prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens)
+                self._model.check_request(prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens)
             elif isinstance(group.backend, BatchBackend):
-                kwargs = text_prompt_kwargs(self.loaded.model, request.prompt_ids)
+                kwargs = text_prompt_kwargs(self._model.model, request.prompt_ids)
             else:
                 kwargs = {}
             if request.prompt_cache_key is not None and self.prefix_cache is not None:
@@ -595,7 +603,7 @@ class Engine:
         request.exclusive_reason = group.key.reason
         request.started_at = time.perf_counter()
         request.transition(RequestStatus.PREFILLING)
-        group.running[uid] = _Running(request, self.loaded.new_detokenizer(), StopMatcher(request.stop))
+        group.running[uid] = _Running(request, self._model.new_detokenizer(), StopMatcher(request.stop))
         if request.observe_prefill:
             self._deliver(request, PrefillObservation(processed=0, total=request.num_prompt_tokens), droppable=True)
 
@@ -657,7 +665,7 @@ class Engine:
         prompt = request.prompt_ids
         prompt_cache, cached = cache.serial.lookup(salt, prompt)
         if prompt_cache is None:
-            prompt_cache = make_prompt_cache(self.loaded.model)
+            prompt_cache = make_prompt_cache(self._model.model)
         request.cached_tokens = cached
         checkpoint = len(prompt) - GUARD_TOKENS
         if checkpoint <= cached:
@@ -675,7 +683,7 @@ class Engine:
             return prompt_cache, position
         while position < checkpoint:
             end = min(checkpoint, position + step)
-            self.loaded.model(mx.array([prompt[position:end]]), cache=prompt_cache)
+            self._model.model(mx.array([prompt[position:end]]), cache=prompt_cache)
             mx.eval([c.state for c in prompt_cache])
             position = end
             if not observe():
@@ -696,7 +704,7 @@ class Engine:
         request = running.request
         if request.status == RequestStatus.PREFILLING:
             request.transition(RequestStatus.DECODING)
-        is_eos = token in self.loaded.eos_token_ids
+        is_eos = token in self._model.eos_token_ids
         if not (is_eos and finish_reason == "stop"):
             request.append_tokens([token])
             running.detokenizer.add_token(token)

@@ -31,7 +31,7 @@ class GroupKey:
     mode: ExecutionMode
     draft_tokens: int
     cache_group: Hashable
-    reason: str | None = field(default=None, compare=False)
+    reason: ExclusiveReason | None = field(default=None, compare=False)
     sampled_exclusive: bool = field(default=False, compare=False)
 
     def admits(self, request: EngineRequest) -> bool:
