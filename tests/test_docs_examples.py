@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from abstractruntime_mlx.nodes import default_registry
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [
     "README.md",
@@ -15,6 +17,7 @@ DOCS = [
     "docs/check.md",
     "docs/prompt-cache.md",
     "docs/inspector.md",
+    "docs/flows.md",
 ]
 
 
@@ -28,6 +31,11 @@ def test_examples_run(doc, policy_file, tmp_path, monkeypatch):
     assert blocks, f"{doc} has no runnable example"
     monkeypatch.chdir(tmp_path)
     (tmp_path / "examples").symlink_to(ROOT / "examples")  # examples name repo paths, as run from the root
-    for block in blocks:
-        code = block.replace("/tmp/arm-", str(tmp_path / "arm-"))
-        exec(compile(code, f"{doc}:example", "exec"), {"__name__": "__doc_example__"})
+    try:
+        for block in blocks:
+            code = block.replace("/tmp/arm-", str(tmp_path / "arm-"))
+            exec(compile(code, f"{doc}:example", "exec"), {"__name__": "__doc_example__"})
+    finally:
+        # Flow examples leave their model resident in the process-wide registry, as a user's
+        # process would; later tests count resident models.
+        default_registry().close()

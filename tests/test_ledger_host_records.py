@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 from abstractruntime import Runtime
 from abstractruntime.storage.in_memory import InMemoryLedgerStore, InMemoryRunStore
+from abstractruntime import WorkflowRegistry
 from abstractruntime.visualflow_compiler import compile_visualflow
 
 from abstractruntime_mlx.ledger import sqlite_url
 from abstractruntime_mlx.runtime_plugin import build_pack, run_flow
-from abstractruntime_mlx.runtime_plugin.flows import _tick_to_rest
+from abstractruntime_mlx.runtime_plugin.host import drive
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fanout.json"
 IDENTITY = {"run_id", "workflow_id", "node_id", "step_id", "idempotency_key", "attempt"}
@@ -103,7 +104,9 @@ def test_records_have_the_shape_the_host_writes_itself(tmp_path, flow, dense_mod
             run_store=InMemoryRunStore(), ledger_store=InMemoryLedgerStore(), effect_handlers=host_pack.effect_handlers()
         )
         spec = compile_visualflow(flow)
-        state = _tick_to_rest(runtime, spec, runtime.start(workflow=spec))
+        workflows = WorkflowRegistry()
+        workflows.register(spec)
+        state = drive(runtime, workflows, runtime.start(workflow=spec))
         host_records = [r for r in runtime.get_ledger(state.run_id) if is_progress(r)]
     finally:
         host_pack.close()

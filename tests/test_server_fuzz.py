@@ -47,7 +47,7 @@ big_ints = st.one_of(
 )
 floats = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([0.0, -0.0, 1e-300, 1e300, -1.0, 2.0, 100.0, 101.0]),
+    st.sampled_from([0.0, -0.0, 1e-300, 1e300, -1.0, 2.0, 100.0, 101.0, math.nan, math.inf, -math.inf]),
 )
 scalars = st.one_of(st.none(), st.booleans(), big_ints, floats, texts)
 json_values = st.recursive(

@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from ..errors import MLXRuntimeError
+from ..runtime_plugin.routing import parse_route, routes_from_config
 from .ledger_location import DEFAULT_LEDGER_PATH, LEDGER_ENV, default_ledger_url
+from .runs_cmd import EXIT_FAILED, EXIT_OK, EXIT_WAITING, exit_code, print_results
 TINY_MODEL_DIR: Final = "abstractruntime-mlx/tiny-hybrid-mtp"
 
 
@@ -41,6 +44,11 @@ class RunSettings:
     provider_options: dict[str, Any] = field(default_factory=dict)
     sibling_batching: bool = True
     as_json: bool = False
+    routes: tuple[str, ...] = ()
+    flows_dir: str | None = None
+    artifacts_dir: str | None = None
+    allow_network_tools: bool = False
+    max_timer_wait_s: float = 60.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -57,6 +65,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--ledger", default=None, help=f"ledger URL or SQLite path (default ${LEDGER_ENV} or {DEFAULT_LEDGER_PATH})")
     parser.add_argument("--max-batch-size", type=int, default=None, help="engine batch slots (mlx_max_batch_size; default 4)")
     parser.add_argument("--no-sibling-batching", action="store_true", help="run parallel branches strictly one after another (no prefetch)")
+    parser.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        metavar="PROVIDER[/MODEL]=mlx:MODEL|URL",
+        help="serve the LLM nodes naming PROVIDER (and MODEL) on a local model or a server; repeatable; "
+        "exact PROVIDER/MODEL routes win over PROVIDER routes, both over --model",
+    )
+    parser.add_argument("--config", default=None, metavar="FILE", help='JSON run settings: {"model": ..., "routes": {...}, "flows_dir": ..., "allow_network_tools": false}')
+    parser.add_argument("--flows-dir", default=None, help="where subflows are looked up as <id>.json (default: the flow file's directory)")
+    parser.add_argument("--artifacts", default=None, metavar="DIR", help="artifact store directory (default: <ledger file>.artifacts beside a SQLite ledger)")
+    parser.add_argument("--allow-network-tools", action="store_true", help="let agents and tool nodes use tools that reach outside this machine (web_search, fetch_url...)")
+    parser.add_argument("--max-timer-wait", type=float, default=60.0, metavar="SECONDS", help="how long run sleeps for wait_until timers before leaving the run waiting (default 60)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(handler=_run)
 
@@ -126,17 +147,57 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
     options: dict[str, Any] = {}
     if args.max_batch_size is not None:
         options["mlx_max_batch_size"] = args.max_batch_size
+    config = read_run_config(args.config) if args.config else {}
+    model = args.model or config.get("model")
+    routes = tuple(routes_from_config(config.get("routes"), source=str(args.config))) + tuple(args.route)
+    for spec in routes:
+        try:
+            parse_route(spec)
+        except MLXRuntimeError as exc:
+            raise SystemExit(f"error: --route {exc.message}") from exc
+    if args.max_timer_wait < 0:
+        raise SystemExit("error: --max-timer-wait must be >= 0")
     return RunSettings(
         flow=flow,
         runs=args.runs,
         ledger_url=default_ledger_url(args.ledger),
-        model=args.model or served_model(run_vars) or default_model_path(),
-        force_model=args.model is not None,
+        model=model or served_model(run_vars) or default_model_path(),
+        force_model=model is not None,
         vars=run_vars,
         provider_options=options,
         sibling_batching=not args.no_sibling_batching,
         as_json=args.json,
+        routes=routes,
+        flows_dir=args.flows_dir or config.get("flows_dir") or str(Path(args.flow).expanduser().resolve().parent),
+        artifacts_dir=args.artifacts or config.get("artifacts_dir"),
+        allow_network_tools=bool(args.allow_network_tools or config.get("allow_network_tools", False)),
+        max_timer_wait_s=args.max_timer_wait,
     )
+
+
+RUN_CONFIG_KEYS: Final = frozenset({"model", "routes", "flows_dir", "artifacts_dir", "allow_network_tools"})
+
+
+def read_run_config(path: str) -> dict[str, Any]:
+    """The JSON object of ``--config FILE`` (keys: ``RUN_CONFIG_KEYS``); a flag given on the
+    command line wins over the file."""
+    file = Path(path).expanduser()
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise SystemExit(f"error: no config file at {file}") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"error: {file} is not a readable JSON file: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SystemExit(f"error: {file} must hold a JSON object")
+    unknown = sorted(set(data) - RUN_CONFIG_KEYS)
+    if unknown:
+        raise SystemExit(f"error: {file}: unknown keys {unknown} (known: {sorted(RUN_CONFIG_KEYS)})")
+    try:
+        routes_from_config(data.get("routes"), source=str(file))
+    except MLXRuntimeError as exc:
+        raise SystemExit(f"error: {exc.message}") from exc
+    return data
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -150,17 +211,29 @@ def check_before_run(settings: RunSettings) -> bool:
     """``check`` the flow as this run would use it; print its findings on stderr. False: do not run."""
     from ..runtime_plugin.check import check_flow
 
-    report = check_flow(settings.flow, vars=settings.vars, model=settings.model, force_model=settings.force_model)
+    report = check_flow(settings.flow, vars=settings.vars, model=settings.model, force_model=settings.force_model, routes=settings.routes)
     if report.problems:
         print(report.render(), file=sys.stderr)
     return report.ok
 
 
 def run_and_print(settings: RunSettings) -> int:
-    from ..runtime_plugin import run_flow
+    from ..runtime_plugin import DriveLimits, FlowBundle, network_tool_uses, run_flow
     from .live import LiveRuns, pick_mode
-    from .runs_cmd import print_results
 
+    try:
+        bundle = FlowBundle.resolve(settings.flow, flows_dir=settings.flows_dir)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    if not settings.allow_network_tools:
+        uses = network_tool_uses(bundle)
+        if uses:
+            flow_id, node_id, tool = uses[0]
+            more = f" (and {len(uses) - 1} more)" if len(uses) > 1 else ""
+            raise SystemExit(
+                f"error: node {node_id!r} of flow {flow_id!r} uses {tool!r}, a tool that reaches outside this machine{more}; "
+                "pass --allow-network-tools to allow it"
+            )
     started = time.perf_counter()
     live = LiveRuns(settings.ledger_url, since=dt.datetime.now(dt.UTC), mode=pick_mode(settings.as_json, sys.stdout), out=sys.stdout)
     with live:
@@ -173,7 +246,12 @@ def run_and_print(settings: RunSettings) -> int:
             force_model=settings.force_model,
             provider_options=settings.provider_options,
             sibling_batching=settings.sibling_batching,
+            routes=settings.routes,
+            flows_dir=settings.flows_dir,
+            artifacts_dir=settings.artifacts_dir,
+            allow_network_tools=settings.allow_network_tools,
+            limits=DriveLimits(max_timer_wait_s=settings.max_timer_wait_s),
         )
     wall_s = time.perf_counter() - started
     print_results(results, as_json=settings.as_json, ledger_url=settings.ledger_url, wall_s=wall_s)
-    return 0 if all(r.status == "completed" for r in results) else 1
+    return exit_code(results)

@@ -4,6 +4,8 @@
     abstractruntime-mlx runs show RUN_ID        # steps, node results, phase timeline
     abstractruntime-mlx runs replay RUN_ID      # re-render from the ledger; resume if interrupted
     abstractruntime-mlx runs web                # the same in a browser, live (runs_web_cmd)
+    abstractruntime-mlx runs resume RUN_ID --answer TEXT     # continue a waiting run
+    abstractruntime-mlx runs resume RUN_ID --event NAME[=JSON]
 
 ``RUN_ID`` may be a unique prefix. The ledger is ``--ledger URL_OR_PATH``, else
 ``$ABSTRACTRUNTIME_MLX_LEDGER``, else ``~/.abstractruntime-mlx/ledger.sqlite``. ``list``,
@@ -31,6 +33,7 @@ from .show_view import calls_table, calls_timeline
 # AbstractRuntime's RunStatus values.
 RUN_STATUSES: Final = ("running", "waiting", "completed", "failed", "cancelled")
 
+MAX_NESTING = 8
 TEXT_WIDTH = 72
 
 
@@ -66,6 +69,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     from . import runs_web_cmd
 
     runs_web_cmd.add_parser(actions)
+
+    resume = actions.add_parser(
+        "resume",
+        help="continue a waiting run: answer its question, send the event it waits for, or wait for its timer",
+    )
+    resume.add_argument("run_id", help="run id or a unique prefix (the root run or any run of its tree)")
+    what = resume.add_mutually_exclusive_group()
+    what.add_argument("--answer", default=None, metavar="TEXT", help="the answer to an ask_user question")
+    what.add_argument("--event", default=None, metavar="NAME[=JSON]", help="the event a wait_event node waits for, with an optional JSON payload")
+    resume.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
+    resume.add_argument("--model", default=None, help="model to resume with (default: the one the run was started with)")
+    resume.add_argument("--max-timer-wait", type=float, default=60.0, metavar="SECONDS", help="how long to sleep for timers (default 60)")
+    resume.add_argument("--json", action="store_true")
+    resume.set_defaults(handler=_resume)
 
 
 # --------------------------------------------------------------------------------------
@@ -175,6 +192,73 @@ def _replay(args: argparse.Namespace) -> int:
     return 0 if result.status == "completed" else 1
 
 
+def parse_event(text: str) -> tuple[str, Any]:
+    """``"approved"`` → ``("approved", {})``; ``'done={"ok": true}'`` → ``("done", {"ok": True})``;
+    a payload that is not JSON is kept as a string."""
+    name, sep, raw = text.partition("=")
+    if not name.strip():
+        raise SystemExit(f"error: --event expects NAME[=JSON], got {text!r}")
+    if not sep:
+        return name.strip(), {}
+    try:
+        return name.strip(), json.loads(raw)
+    except json.JSONDecodeError:
+        return name.strip(), raw
+
+
+def root_run_id(ledger: Ledger, run_id: str) -> str:
+    """The root of the run tree ``run_id`` belongs to."""
+    current = run_id
+    for _ in range(256):
+        detail = ledger.get_run(current)
+        if detail is None or not detail.parent_run_id:
+            return current
+        current = detail.parent_run_id
+    return current
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from ..runtime_plugin import DriveLimits, resume_run
+
+    url = default_ledger_url(args.ledger)
+    with Ledger(url) as ledger:
+        run_id = root_run_id(ledger, resolve_run_id(ledger, args.run_id))
+        detail = ledger.get_run(run_id)
+    assert detail is not None
+    if detail.status not in ("running", "waiting"):
+        raise SystemExit(f"error: run {run_id} is {detail.status}; only a waiting or interrupted run can be resumed")
+    event = parse_event(args.event) if args.event is not None else None
+    try:
+        result = resume_run(
+            run_id,
+            ledger_url=url,
+            model=args.model,
+            answer=args.answer,
+            event=event,
+            limits=DriveLimits(max_timer_wait_s=max(0.0, args.max_timer_wait)),
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    print_results([result], as_json=args.json, ledger_url=url, wall_s=result.wall_s)
+    return exit_code([result])
+
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_WAITING: Final = 3
+"""``run`` exits 0 when every run completed with no node failure, 1 when a run failed or a
+node failed, 3 when runs only wait for outside input (``runs resume`` continues them)."""
+
+
+def exit_code(results: Sequence[Any]) -> int:
+    if any(r.status not in ("completed", "waiting") or r.failures for r in results):
+        return EXIT_FAILED
+    if any(r.status == "waiting" for r in results):
+        return EXIT_WAITING
+    return EXIT_OK
+
+
+
 # --------------------------------------------------------------------------------------
 # Rendering (shared with ``run``)
 # --------------------------------------------------------------------------------------
@@ -199,7 +283,10 @@ def print_results(
                         "error": r.error,
                         "wall_s": r.wall_s,
                         "output": r.output,
-                        "nodes": [{"node_id": n.node_id, "result": n.result} for n in r.nodes],
+                        "waiting": r.waiting,
+                        "children": r.children,
+                        "failures": [{"run_id": f.run_id, "node_id": f.node_id, "error": f.error} for f in r.failures],
+                        "nodes": [{"node_id": n.node_id, "run_id": n.run_id, "result": n.result} for n in r.nodes],
                     }
                     for r in results
                 ],
@@ -214,16 +301,57 @@ def print_results(
         print(f"run {r.run_id}  {r.workflow_id}  {r.status}  ({label})")
         if r.error:
             print(f"  error: {r.error}")
+        if r.waiting:
+            print(f"  waiting: {format_wait(r.waiting)}")
         for n in r.nodes:
-            print(format_node(n.node_id, n.result))
-            peak = max(peak, int((n.result.get("metadata") or {}).get("execution", {}).get("peak_batch_size") or 0))
+            prefix = "" if n.run_id in ("", r.run_id) else f"[{n.run_id[:8]}] "
+            print(format_node(prefix + n.node_id, n.result))
+            peak = max(peak, peak_batch(n.result))
+        for f in r.failures:
+            where = "" if f.run_id == r.run_id else f" (run {f.run_id[:8]})"
+            print(f"  node failed: {f.node_id}{where}: {_clip(f.error)}")
         print()
     if wall_s is not None:
-        done = sum(1 for r in results if r.status == "completed")
-        print(f"{done}/{len(results)} runs completed in {wall_s:.2f}s; peak engine batch {peak}")
+        print(summary_line(results, wall_s=wall_s, peak=peak))
     if ledger_url:
         ids = " ".join(r.run_id[:8] for r in results[:3])
         print(f"ledger: {ledger_url}  (inspect: abstractruntime-mlx runs show {ids.split()[0] if ids else 'RUN_ID'})")
+
+
+def peak_batch(result: dict[str, Any]) -> int:
+    execution = (result.get("metadata") or {}).get("execution") or {}
+    value = execution.get("peak_batch_size") if isinstance(execution, dict) else None
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+
+def summary_line(results: Sequence[Any], *, wall_s: float, peak: int) -> str:
+    """``2/3 runs completed, 1 waiting, 0 failed; 1 node failure; 9 LLM calls; peak engine batch 4 (1.20s)``."""
+    done = sum(1 for r in results if r.status == "completed")
+    waiting = sum(1 for r in results if r.status == "waiting")
+    failed = len(results) - done - waiting
+    failures = sum(len(r.failures) for r in results)
+    calls = sum(len(r.nodes) for r in results)
+    return (
+        f"{done}/{len(results)} runs completed, {waiting} waiting, {failed} failed; "
+        f"{failures} node failure{'s' if failures != 1 else ''}; {calls} LLM call{'s' if calls != 1 else ''}; "
+        f"peak engine batch {peak} ({wall_s:.2f}s)"
+    )
+
+
+def format_wait(waiting: dict[str, Any]) -> str:
+    reason = waiting.get("reason")
+    where = f"run {str(waiting.get('run_id'))[:8]} node {waiting.get('node_id')!r}"
+    if reason == "user":
+        choices = waiting.get("choices") or []
+        text = f"an answer to {waiting.get('prompt') or '(no prompt)'!r}"
+        if choices:
+            text += f" (choices: {', '.join(str(c) for c in choices)})"
+        return f"{text} at {where}; continue with: runs resume RUN_ID --answer TEXT"
+    if reason == "until":
+        return f"a timer until {waiting.get('until')} at {where}; continue with: runs resume RUN_ID"
+    if reason == "event":
+        return f"event {waiting.get('event')!r} at {where}; continue with: runs resume RUN_ID --event NAME[=JSON]"
+    return f"{reason} ({waiting.get('wait_key')}) at {where}"
 
 
 def format_node(node_id: str, result: dict[str, Any]) -> str:
@@ -271,8 +399,10 @@ def _clip(text: str, width: int = TEXT_WIDTH) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
-def render_run(ledger: Ledger, run_id: str, *, events: bool = False) -> str:
-    """A terminal view of one run: header, steps, node results, phase timeline."""
+def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int = 0) -> str:
+    """A terminal view of one run: header, what it waits for, steps, node results, the LLM
+    calls with their timeline (one bar per call: loop iterations are drawn separately), then
+    its child runs (subflows, agents), indented."""
     from ..runtime_plugin import node_outcomes
 
     detail = ledger.get_run(run_id)
@@ -280,8 +410,9 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False) -> str:
         raise SystemExit(f"no run {run_id} in {ledger.url}")
     steps = ledger.run_steps(run_id)
     progress = ledger.node_timeline(run_id)
+    title = "run" if not detail.parent_run_id else "child run"
     out: list[str] = [
-        f"run {detail.run_id}",
+        f"{title} {detail.run_id}",
         f"  workflow {detail.workflow_id}  status {detail.status}  started {detail.created_at:%Y-%m-%d %H:%M:%S} UTC"
         f"  duration {detail.duration_s:.2f}s  steps {detail.step_count}  phase events {detail.progress_count}",
     ]
@@ -289,6 +420,9 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False) -> str:
         out.append(f"  error: {detail.state['error']}")
     if detail.status == "running":
         out.append(f"  interrupted at node {detail.state.get('current_node')!r}: `abstractruntime-mlx runs replay {run_id}` resumes it")
+    waiting = detail.state.get("waiting")
+    if detail.status == "waiting" and isinstance(waiting, dict):
+        out.extend(_wait_lines(detail.state.get("current_node"), waiting))
     out.append("")
     out.append("steps")
     out.append(f"  {'SEQ':>3}  {'NODE':14}  {'STATUS':9}  {'EFFECT':12}  {'ATT':>3}  {'TIME':>8}")
@@ -310,7 +444,38 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False) -> str:
     if progress and events:
         out.append("")
         out.extend(_event_lines(progress, detail.created_at))
+    children = ledger.list_run_states(parent_run_id=run_id, limit=10_000)
+    for child in sorted(children, key=lambda c: str(c.get("created_at") or "")):
+        if _depth >= MAX_NESTING:
+            out.append(f"\n  child run {child.get('run_id')} ({child.get('workflow_id')}): deeper than {MAX_NESTING} levels, see `runs show` on it")
+            continue
+        out.append("")
+        body = render_run(ledger, str(child["run_id"]), events=events, _depth=_depth + 1)
+        out.extend("    " + line if line else line for line in body.splitlines())
     return "\n".join(out)
+
+
+def _wait_lines(node: Any, waiting: dict[str, Any]) -> list[str]:
+    reason = waiting.get("reason")
+    lines = [f"  waiting at node {node!r} for {reason}"]
+    if reason == "user":
+        lines.append(f"    prompt: {waiting.get('prompt')!r}")
+        if waiting.get("choices"):
+            lines.append(f"    choices: {', '.join(str(c) for c in waiting['choices'])}" + ("" if waiting.get("allow_free_text", True) else " (nothing else)"))
+        lines.append("    continue: abstractruntime-mlx runs resume RUN_ID --answer TEXT")
+    elif reason == "until":
+        lines.append(f"    until: {waiting.get('until')}")
+        lines.append("    continue: abstractruntime-mlx runs resume RUN_ID")
+    elif reason == "event":
+        key = str(waiting.get("wait_key") or "")
+        lines.append(f"    event: {key.split(':', 3)[-1] if key.startswith('evt:') else key}  (key {key})")
+        lines.append("    continue: abstractruntime-mlx runs resume RUN_ID --event NAME[=JSON]")
+    elif reason == "subworkflow":
+        details = waiting.get("details") if isinstance(waiting.get("details"), dict) else {}
+        lines.append(f"    child run: {details.get('sub_run_id')} ({details.get('sub_workflow_id')}), shown below")
+    else:
+        lines.append(f"    wait key: {waiting.get('wait_key')}")
+    return lines
 
 
 def _event_lines(progress: Sequence[Any], run_start: dt.datetime) -> list[str]:

@@ -24,33 +24,57 @@ from abstractruntime import Runtime
 from abstractruntime.core.models import EffectType
 
 from .catalog import FlowCatalog, FlowIndex
-from .flows import FlowRunResult, NodeOutcome, load_flow, node_outcomes, resume_run, run_flow
+from .flows import (
+    FlowRunResult,
+    NodeFailure,
+    NodeOutcome,
+    load_flow,
+    node_failures,
+    node_outcomes,
+    resume_run,
+    run_flow,
+    run_tree,
+)
 from .handler import LLMCallHandler
+from .host import DriveLimits, FlowBundle, FlowHost, drive, network_tool_uses
 from .pack import MLXPack, build_pack, normalize_ledger_url
 from .payload import request_from_payload
 from .prefetch import SiblingPrefetcher
+from .routing import Route, RouteDecision, Routing, parse_route
 from .stores import LedgerRunStore, LedgerStepStore
 
 __all__ = [
+    "DriveLimits",
+    "FlowBundle",
     "FlowCatalog",
+    "FlowHost",
     "FlowIndex",
     "FlowRunResult",
     "LLMCallHandler",
     "LedgerRunStore",
     "LedgerStepStore",
     "MLXPack",
+    "NodeFailure",
     "NodeOutcome",
+    "Route",
+    "RouteDecision",
+    "Routing",
     "SiblingPrefetcher",
     "build_pack",
     "build_runtime",
     "load_flow",
+    "drive",
+    "network_tool_uses",
+    "node_failures",
     "node_outcomes",
+    "parse_route",
     "normalize_ledger_url",
     "pack_of",
     "register",
     "request_from_payload",
     "resume_run",
     "run_flow",
+    "run_tree",
 ]
 
 _PACK_ATTRIBUTE = "_abstractruntime_mlx_pack"
@@ -90,6 +114,7 @@ def build_runtime(ledger_url: str, *, model: str | None = None, **options: Any) 
         "runtime_progress",
         "registry",
         "effect_policy",
+        "routes",
     }
     pack_options = {k: v for k, v in options.items() if k in pack_keys}
     provider_options = dict(pack_options.pop("provider_options", None) or {})

@@ -1,4 +1,5 @@
-"""What the handler knows about a registered flow: node configs and predictable siblings.
+"""Flows by id: ``load_flow`` reads one, and what the handler knows about a registered flow
+(node configs and predictable siblings).
 
 ``FlowCatalog`` holds one ``FlowIndex`` per workflow id; ``FlowIndex.later_siblings(node)``
 lists the later ``llm_call`` branches of the same parallel/sequence node whose payload
@@ -7,17 +8,43 @@ lists the later ``llm_call`` branches of the same parallel/sequence node whose p
 
 from __future__ import annotations
 
+import copy
+import json
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 from .prediction import Unpredictable, plan_payload, resolve_payload
 
-__all__ = ["BRANCHING_NODE_TYPES", "FlowCatalog", "FlowIndex", "SiblingCall"]
+__all__ = ["BRANCHING_NODE_TYPES", "FlowCatalog", "FlowIndex", "SiblingCall", "load_flow"]
 
 BRANCHING_NODE_TYPES: Final = frozenset({"parallel", "sequence"})
 """Nodes whose ``then:N`` branches AbstractRuntime runs one after another on one thread."""
+
+
+def load_flow(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """A VisualFlow dict from a dict, a JSON string, or a path to a JSON file."""
+    if isinstance(source, Mapping):
+        flow = copy.deepcopy(dict(source))
+    else:
+        text = str(source)
+        if text.lstrip().startswith("{"):
+            flow = json.loads(text)
+        else:
+            path = Path(text).expanduser()
+            try:
+                flow = json.loads(path.read_text(encoding="utf-8"))
+            except FileNotFoundError as exc:
+                raise ValueError(f"no flow file at {path}") from exc
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(flow, dict) or not isinstance(flow.get("nodes"), list):
+        raise ValueError("a VisualFlow is a JSON object with a 'nodes' list (and 'edges', 'entryNode', 'id')")
+    if not flow.get("id"):
+        raise ValueError("the flow has no 'id' (AbstractRuntime uses it as the workflow id)")
+    return flow
 
 
 

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from ..controls import SPECULATION_KEYS, normalize_sampling, normalize_speculation, normalize_thinking
-from ..errors import InvalidControls, InvalidFlow, MLXRuntimeError
+from ..errors import InvalidControls, InvalidFlow, InvalidRequest, MLXRuntimeError
+from .routing import Routing
 
 __all__ = [
     "HOST_RUNTIME_KEYS",
@@ -247,11 +248,14 @@ def check_flow(
     probe_remote: bool = True,
     probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
     resolve_model: Callable[[str], Any] | None = None,
+    routes: Sequence[str] = (),
 ) -> CheckReport:
     """Check ``source`` (a path, a JSON string or a dict) for a run with ``vars``.
 
     ``model``/``force_model``/``default_base_url`` mean what they mean to ``run_flow``: the
     default model of nodes that name none (or of every node), and the server nodes are sent to.
+    ``routes`` are ``run --route`` specs; with ``model``/``force_model`` they decide which model
+    serves each node (``routing.Routing``, the rule the handler applies).
     ``resolve_model`` finds a model on this machine or raises ``ModelNotFound``
     (default: ``artifacts.resolve_model_path``, offline). ``probe_remote=False`` skips the
     request to each remote ``base_url``.
@@ -271,8 +275,7 @@ def check_flow(
         nodes,
         run_vars,
         findings,
-        model=model,
-        force_model=force_model,
+        routing=Routing.build(default_model=model, serve_all=force_model, routes=routes),
         default_base_url=default_base_url,
         probe_remote=probe_remote,
         probe_timeout_s=probe_timeout_s,
@@ -666,8 +669,7 @@ def _check_llm_nodes(
     run_vars: Mapping[str, Any],
     findings: _Findings,
     *,
-    model: str | None,
-    force_model: bool,
+    routing: Routing,
     default_base_url: str | None,
     probe_remote: bool,
     probe_timeout_s: float,
@@ -705,7 +707,14 @@ def _check_llm_nodes(
             _check_controls({k: pins[k] for k in _CONTROL_PINS if k in pins}, findings, prefix="data.pinDefaults", node=node_id)
         if node_type != "llm_call":
             continue
-        base_url = _first_str(config.get("base_url"), config.get("server_base_url"), run_base_url)
+        node_model = config.get("model") if isinstance(config.get("model"), str) and config.get("model") else None
+        explicit = _first_str(config.get("base_url"), config.get("server_base_url"), run_base_url)
+        try:
+            decision = routing.decide(config.get("provider"), node_model, explicit_base_url=explicit)
+        except InvalidRequest as exc:
+            findings.add("provider_not_served", exc.message, node=node_id, field="data.effectConfig.provider")
+            continue
+        base_url = decision.base_url
         if base_url is not None:
             if probe_remote:
                 if base_url not in urls_seen:
@@ -718,19 +727,7 @@ def _check_llm_nodes(
                         field=_base_url_field(config, runtime_ns, default_base_url),
                     )
             continue
-        provider = config.get("provider")
-        provider_text = provider.strip().lower() if isinstance(provider, str) else ""
-        node_model = config.get("model") if isinstance(config.get("model"), str) and config.get("model") else None
-        if provider_text not in ("", "mlx") and not force_model:
-            findings.add(
-                "provider_not_served",
-                f"provider {provider!r} is not served here: local nodes run on MLX; pass --model "
-                "to serve every LLM node on one local model, or give the node or the run a base_url",
-                node=node_id,
-                field="data.effectConfig.provider",
-            )
-            continue
-        chosen = model if force_model or node_model is None else node_model
+        chosen = decision.model
         if chosen is None:
             findings.add(
                 "no_model",
@@ -746,13 +743,8 @@ def _check_llm_nodes(
             except MLXRuntimeError as exc:
                 models_seen[chosen] = exc.message
         if models_seen[chosen] is not None:
-            named_here = chosen == node_model and not force_model
-            findings.add(
-                "model_not_found",
-                str(models_seen[chosen]),
-                node=node_id,
-                field="data.effectConfig.model" if named_here else "--model",
-            )
+            field = {"node model": "data.effectConfig.model", "--model": "--model", "default model": "--model"}.get(decision.rule, decision.rule)
+            findings.add("model_not_found", str(models_seen[chosen]), node=node_id, field=field)
 
 
 def _base_url_field(config: Mapping[str, Any], runtime_ns: Mapping[str, Any], default: str | None) -> str:

@@ -20,21 +20,28 @@ import copy
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from abstractruntime.core.models import RunStatus, WaitReason
 
+from .catalog import load_flow
+from .host import DriveLimits, FlowHost, drive, waiting_leaf
 from .pack import MLXPack, build_pack
+from .waits import describe_wait, event_envelope, event_name, wait_info
 
 __all__ = [
     "FLOW_VAR",
     "FlowRunResult",
+    "NodeFailure",
     "NodeOutcome",
     "load_flow",
+    "node_failures",
     "node_outcomes",
+    "run_tree",
     "resume_run",
     "run_flow",
     "stored_flow",
@@ -47,30 +54,6 @@ FLOW_VAR: Final = "mlx_pack"
 """Key under ``vars["_runtime"]`` holding the flow and the options a resume needs."""
 
 
-DEFAULT_MAX_TICKS = 10_000
-
-
-def load_flow(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-    """A VisualFlow dict from a dict, a JSON string, or a path to a JSON file."""
-    if isinstance(source, Mapping):
-        flow = copy.deepcopy(dict(source))
-    else:
-        text = str(source)
-        if text.lstrip().startswith("{"):
-            flow = json.loads(text)
-        else:
-            path = Path(text).expanduser()
-            try:
-                flow = json.loads(path.read_text(encoding="utf-8"))
-            except FileNotFoundError as exc:
-                raise ValueError(f"no flow file at {path}") from exc
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(flow, dict) or not isinstance(flow.get("nodes"), list):
-        raise ValueError("a VisualFlow is a JSON object with a 'nodes' list (and 'edges', 'entryNode', 'id')")
-    if not flow.get("id"):
-        raise ValueError("the flow has no 'id' (AbstractRuntime uses it as the workflow id)")
-    return flow
 
 
 # --------------------------------------------------------------------------------------
@@ -80,13 +63,26 @@ def load_flow(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class NodeOutcome:
-    """One LLM node of a run as the ledger recorded it (``result`` is the handler's dict)."""
+    """One LLM node of a run as the ledger recorded it (``result`` is the handler's dict;
+    ``run_id`` the run it ran in: the root or one of its subflow/agent runs)."""
 
     node_id: str
     step_id: str
     attempt: int
     result: dict[str, Any]
     duration_s: float | None
+    run_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFailure:
+    """A node that failed in a run of the tree: a failed step, a result with
+    ``success: false`` (also a failed tool call inside a result), or a flow error the compiler
+    recorded (``_flow_error``, e.g. an Agent node without provider/model)."""
+
+    run_id: str
+    node_id: str
+    error: str
 
 
 @dataclass(slots=True)
@@ -98,6 +94,11 @@ class FlowRunResult:
     error: str | None
     wall_s: float
     nodes: list[NodeOutcome] = field(default_factory=list)
+    failures: list[NodeFailure] = field(default_factory=list)
+    children: list[str] = field(default_factory=list)
+    waiting: dict[str, Any] | None = None
+    """What the run waits for (``waits.wait_info`` of the run its wait chain ends in, with
+    that run's ``run_id``), when ``status`` is ``waiting``."""
 
 
 def node_outcomes(ledger: Any, run_id: str) -> list[NodeOutcome]:
@@ -108,7 +109,43 @@ def node_outcomes(ledger: Any, run_id: str) -> list[NodeOutcome]:
             continue
         result = step.record.get("result")
         if isinstance(result, dict):
-            out.append(NodeOutcome(step.node_id, step.step_id, step.attempt, result, step.duration_s))
+            out.append(NodeOutcome(step.node_id, step.step_id, step.attempt, result, step.duration_s, run_id))
+    return out
+
+
+def run_tree(ledger: Any, run_id: str) -> list[str]:
+    """``run_id`` and its descendants (subflow and agent runs), parents before children."""
+    order = [run_id]
+    for current in order:
+        if len(order) > 10_000:
+            break
+        children = ledger.list_run_states(parent_run_id=current, limit=10_000)
+        order.extend(sorted((c["run_id"] for c in children), key=lambda rid: rid))
+    return order
+
+
+def node_failures(ledger: Any, run_id: str, state: Mapping[str, Any] | None = None) -> list[NodeFailure]:
+    """Every node failure the ledger holds for one run (see ``NodeFailure``)."""
+    out: list[NodeFailure] = []
+    for step in ledger.run_steps(run_id):
+        if step.status == "failed":
+            out.append(NodeFailure(run_id, step.node_id, step.error or "failed"))
+            continue
+        result = step.record.get("result") if step.status == "completed" else None
+        if not isinstance(result, dict):
+            continue
+        if result.get("success") is False:
+            out.append(NodeFailure(run_id, step.node_id, str(result.get("error") or "success: false")))
+        for item in result.get("results") or []:
+            if isinstance(item, dict) and item.get("success") is False:
+                name = item.get("name") or item.get("tool_name") or "tool"
+                out.append(NodeFailure(run_id, step.node_id, f"tool {name}: {item.get('error') or 'failed'}"))
+    run_vars = (state or {}).get("vars") if isinstance(state, Mapping) else None
+    if isinstance(run_vars, Mapping) and run_vars.get("_flow_error"):
+        node = str(run_vars.get("_flow_error_node") or "?")
+        error = str(run_vars["_flow_error"])
+        if not any(f.node_id == node and f.error == error for f in out):
+            out.append(NodeFailure(run_id, node, error))
     return out
 
 
@@ -125,19 +162,32 @@ def run_flow(
     sibling_batching: bool = True,
     record_progress: bool = True,
     session_id: str | None = None,
+    routes: Sequence[str] = (),
+    flows_dir: str | Path | None = None,
+    artifacts_dir: str | Path | None = None,
+    allow_network_tools: bool = False,
+    limits: DriveLimits | None = None,
 ) -> list[FlowRunResult]:
-    """Run ``flow`` ``runs`` times concurrently (one thread, one compiled spec and one
+    """Run ``flow`` ``runs`` times concurrently (one thread, one compiled registry and one
     ``Runtime`` per run) and return the results in start order.
 
     Give either ``pack`` (reused, left open) or ``ledger_url`` (a pack is built with
-    ``model``/``force_model``/``provider_options``/``sibling_batching``/``record_progress`` and
-    closed at the end). ``vars`` are the run's input vars; ``vars["_runtime"]`` holds run-level
-    controls (``speculation``, ``thinking``, ``base_url``).
+    ``model``/``force_model``/``routes``/``provider_options``/``sibling_batching``/
+    ``record_progress`` and closed at the end). ``vars`` are the run's input vars;
+    ``vars["_runtime"]`` holds run-level controls (``speculation``, ``thinking``, ``base_url``).
+
+    Subflows resolve from ``flows_dir`` (default: the flow file's directory); child runs are
+    driven to completion by the same loop (``host.drive``); memory nodes use a file artifact
+    store beside the ledger (``artifacts_dir`` overrides it). Each run ends completed, failed
+    (with the node and error recorded) or waiting for outside input (``resume_run`` continues
+    it).
     """
 
     if runs < 1:
         raise ValueError(f"runs must be >= 1 (got {runs})")
     flow_dict = load_flow(flow)
+    if flows_dir is None:
+        flows_dir = flow_directory(flow)
     owned = pack is None
     if pack is None:
         if ledger_url is None:
@@ -149,51 +199,74 @@ def run_flow(
             provider_options=provider_options,
             sibling_batching=sibling_batching,
             record_progress=record_progress,
+            routes=routes,
         )
     try:
-        pack.flows.register(flow_dict)
+        host = FlowHost.for_flow(pack, flow_dict, flows_dir=flows_dir, artifacts_dir=artifacts_dir, allow_network_tools=allow_network_tools)
         run_vars = copy.deepcopy(dict(vars or {}))
         runtime_ns = run_vars.setdefault("_runtime", {})
         if not isinstance(runtime_ns, dict):
             raise ValueError("vars['_runtime'] must be an object")
-        runtime_ns[FLOW_VAR] = {"flow": flow_dict, **pack.resume_options()}
+        runtime_ns[FLOW_VAR] = {
+            "flow": flow_dict,
+            "subflows": host.bundle.subflows(),
+            "allow_network_tools": allow_network_tools,
+            "artifacts_dir": None if artifacts_dir is None else str(artifacts_dir),
+            **pack.resume_options(),
+        }
+        drive_limits = limits or DriveLimits()
         if runs == 1:
-            return [_one_run(pack, flow_dict, run_vars, session_id)]
+            return [_one_run(host, run_vars, session_id, drive_limits)]
         with ThreadPoolExecutor(max_workers=runs, thread_name_prefix="abstractruntime-mlx-run") as pool:
-            futures = [pool.submit(_one_run, pack, flow_dict, run_vars, session_id) for _ in range(runs)]
+            futures = [pool.submit(_one_run, host, run_vars, session_id, drive_limits) for _ in range(runs)]
             return [f.result() for f in futures]
     finally:
         if owned:
             pack.close()
 
 
-def _one_run(pack: MLXPack, flow: dict[str, Any], run_vars: dict[str, Any], session_id: str | None) -> FlowRunResult:
-    from abstractruntime.visualflow_compiler import compile_visualflow
+def flow_directory(flow: str | Path | Mapping[str, Any]) -> Path | None:
+    """The directory of a flow given as a file path (where its subflows are looked for)."""
+    if isinstance(flow, Mapping):
+        return None
+    text = str(flow)
+    if text.lstrip().startswith("{"):
+        return None
+    return Path(text).expanduser().resolve().parent
 
-    spec = compile_visualflow(flow)  # one per thread: compiled flows keep unlocked per-run caches
-    runtime = pack.runtime()
+
+def _one_run(host: FlowHost, run_vars: dict[str, Any], session_id: str | None, limits: DriveLimits) -> FlowRunResult:
+    pack = host.pack
+    runtime, registry = host.runtime()  # one per thread: compiled flows keep unlocked per-run caches
     started = time.perf_counter()
     with pack.prefetcher.run_in_progress():
-        run_id = runtime.start(workflow=spec, vars=copy.deepcopy(run_vars), session_id=session_id)
+        run_id = runtime.start(workflow=registry.get(host.bundle.root_id), vars=copy.deepcopy(run_vars), session_id=session_id)
         try:
-            state = _tick_to_rest(runtime, spec, run_id)
+            state = drive(runtime, registry, run_id, limits=limits)
         finally:
             pack.prefetcher.discard_run(run_id)
     return _result(pack, state, time.perf_counter() - started)
 
 
-def _tick_to_rest(runtime: Any, spec: Any, run_id: str) -> Any:
-    from abstractruntime.core.models import RunStatus
-
-    state = runtime.get_state(run_id)
-    for _ in range(DEFAULT_MAX_TICKS):
-        if state.status != RunStatus.RUNNING:
-            return state
-        state = runtime.tick(workflow=spec, run_id=run_id)
-    raise RuntimeError(f"run {run_id} did not come to rest after {DEFAULT_MAX_TICKS} ticks")
-
-
 def _result(pack: MLXPack, state: Any, wall_s: float) -> FlowRunResult:
+    ledger = pack.ledger
+    tree = run_tree(ledger, state.run_id)
+    nodes: list[NodeOutcome] = []
+    failures: list[NodeFailure] = []
+    waiting: dict[str, Any] | None = None
+    for run_id in tree:
+        stored = ledger.load_run(run_id) if run_id != state.run_id else {"vars": state.vars}
+        nodes.extend(node_outcomes(ledger, run_id))
+        failures.extend(node_failures(ledger, run_id, stored))
+    if state.status == RunStatus.WAITING and pack.run_store is not None:
+        leaf = state
+        for _ in range(256):
+            child = (leaf.waiting.details or {}).get("sub_run_id") if leaf.waiting is not None and isinstance(leaf.waiting.details, dict) else None
+            loaded = pack.run_store.load(child) if isinstance(child, str) else None
+            if loaded is None or loaded.status != RunStatus.WAITING:
+                break
+            leaf = loaded
+        waiting = {"run_id": leaf.run_id, "node_id": leaf.current_node, **(wait_info(leaf.waiting) or {})}
     return FlowRunResult(
         run_id=state.run_id,
         workflow_id=state.workflow_id,
@@ -201,7 +274,10 @@ def _result(pack: MLXPack, state: Any, wall_s: float) -> FlowRunResult:
         output=state.output,
         error=state.error,
         wall_s=wall_s,
-        nodes=node_outcomes(pack.ledger, state.run_id),
+        nodes=nodes,
+        failures=failures,
+        children=tree[1:],
+        waiting=waiting,
     )
 
 
@@ -211,17 +287,20 @@ def resume_run(
     ledger_url: str | None = None,
     pack: MLXPack | None = None,
     model: str | None = None,
+    answer: str | None = None,
+    event: tuple[str, Any] | None = None,
+    limits: DriveLimits | None = None,
 ) -> FlowRunResult:
-    """Continue an interrupted run from its last checkpoint, using the flow stored in the run.
+    """Continue a run from the ledger, with the flow (and subflows) stored in the run.
 
-    Nodes whose result is in the ledger are not run again: the runtime resumes at the saved
-    node, and an effect whose COMPLETED record landed before the crash is reused by its
-    idempotency key. ``model`` replaces the stored default model (e.g. the same weights at a
-    new path). A run that is not ``running`` is returned as it is.
+    An interrupted run (``running``) continues from its last checkpoint: nodes whose result is
+    in the ledger are not run again (the runtime resumes at the saved node, and an effect whose
+    COMPLETED record landed before the crash is reused by its idempotency key). A waiting run
+    is continued at the run its wait chain ends in: ``answer`` answers an ``ask_user``,
+    ``event=(name, payload)`` delivers an event to a ``wait_event``, a timer is waited for
+    (within ``limits``). ``model`` replaces the stored default model (e.g. the same weights at
+    a new path). A finished run is returned as it is.
     """
-    from abstractruntime.core.models import RunStatus
-    from abstractruntime.visualflow_compiler import compile_visualflow
-
 
     owned = pack is None
     if pack is None:
@@ -229,27 +308,65 @@ def resume_run(
             raise ValueError("resume_run needs ledger_url=... or pack=...")
         pack = _pack_for_stored_run(ledger_url, run_id, model=model, build_pack=build_pack)
     try:
+        assert pack.run_store is not None
         state = pack.run_store.load(run_id)
         if state is None:
-            raise ValueError(f"no run {run_id} in {pack.ledger.url}")
-        started = time.perf_counter()
-        if state.status != RunStatus.RUNNING:
+            raise ValueError(f"no run {run_id} in {pack.ledger.url if pack.ledger else 'the ledger'}")
+        if state.status not in (RunStatus.RUNNING, RunStatus.WAITING):
             return _result(pack, state, 0.0)
         stored = stored_flow(state.vars)
         if stored is None:
             raise ValueError(f"run {run_id} was not started by run_flow: it carries no _runtime.{FLOW_VAR}.flow to resume with")
-        pack.flows.register(stored)
-        spec = compile_visualflow(stored)
-        runtime = pack.runtime()
+        options = stored_options(state.vars)
+        host = FlowHost.for_flow(
+            pack,
+            stored,
+            known_flows=options.get("subflows") or {},
+            artifacts_dir=options.get("artifacts_dir"),
+            allow_network_tools=bool(options.get("allow_network_tools", False)),
+        )
+        runtime, registry = host.runtime()
+        started = time.perf_counter()
         with pack.prefetcher.run_in_progress():
             try:
-                state = _tick_to_rest(runtime, spec, run_id)
+                leaf = waiting_leaf(runtime, run_id)
+                if leaf.status == RunStatus.WAITING:
+                    _answer_wait(runtime, registry, leaf, answer=answer, event=event)
+                elif answer is not None or event is not None:
+                    raise ValueError(f"run {run_id} is {leaf.status.value}, not waiting: there is nothing to answer")
+                state = drive(runtime, registry, run_id, limits=limits or DriveLimits())
             finally:
                 pack.prefetcher.discard_run(run_id)
         return _result(pack, state, time.perf_counter() - started)
     finally:
         if owned:
             pack.close()
+
+
+def _answer_wait(runtime: Any, registry: Any, leaf: Any, *, answer: str | None, event: tuple[str, Any] | None) -> None:
+    """Deliver ``answer`` or ``event`` to the run ``leaf`` waits in (a timer needs neither)."""
+    wait = leaf.waiting
+    reason = wait.reason
+    spec = registry.get(leaf.workflow_id)
+    if reason == WaitReason.USER:
+        if answer is None:
+            raise ValueError(f"run {leaf.run_id} waits for an answer ({describe_wait(wait)}): resume it with --answer TEXT")
+        if wait.choices and not wait.allow_free_text and answer not in wait.choices:
+            raise ValueError(f"run {leaf.run_id} accepts only one of {list(wait.choices)} (got {answer!r})")
+        runtime.resume(workflow=spec, run_id=leaf.run_id, wait_key=wait.wait_key, payload={"response": answer}, max_steps=0)
+    elif reason == WaitReason.EVENT:
+        if event is None:
+            raise ValueError(f"run {leaf.run_id} waits for an event ({describe_wait(wait)}): resume it with --event NAME[=JSON]")
+        name, payload = event
+        waited = event_name(wait.wait_key)
+        if waited is not None and waited != name:
+            raise ValueError(f"run {leaf.run_id} waits for event {waited!r}, not {name!r}")
+        runtime.resume(workflow=spec, run_id=leaf.run_id, wait_key=wait.wait_key, payload=event_envelope(name, payload, leaf), max_steps=0)
+    elif reason == WaitReason.UNTIL:
+        if answer is not None or event is not None:
+            raise ValueError(f"run {leaf.run_id} waits for a timer ({describe_wait(wait)}), not for an answer or an event")
+    else:
+        raise ValueError(f"run {leaf.run_id} waits for {describe_wait(wait)}, which resume cannot answer")
 
 
 def stored_flow(run_vars: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -284,4 +401,5 @@ def _pack_for_stored_run(ledger_url: str, run_id: str, *, model: str | None, bui
         force_model=bool(options.get("force_model", False)),
         provider_options=options.get("provider_options") or None,
         sibling_batching=bool(options.get("sibling_batching", True)),
+        routes=list(options.get("routes") or ()),
     )

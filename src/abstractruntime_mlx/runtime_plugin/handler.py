@@ -31,7 +31,8 @@ from ..errors import (
 from ..ledger import Ledger, NodeKey
 from ..nodes import LLMNode, NodeRequest, NodeResult, PreparedCall
 from .catalog import FlowCatalog
-from .payload import request_from_payload
+from .payload import explicit_base_url, request_from_payload
+from .routing import RouteDecision, Routing
 from .prediction import Unpredictable
 from .prefetch import SiblingPrefetcher
 from .stores import LedgerStepStore
@@ -73,6 +74,7 @@ class LLMCallHandler:
         force_model: bool = False,
         server_base_url: str | None = None,
         runtime_progress: RuntimeProgress = "auto",
+        routing: Routing | None = None,
     ) -> None:
         if runtime_progress not in ("auto", "always", "never"):
             raise ValueError(f"runtime_progress must be 'auto', 'always' or 'never' (got {runtime_progress!r})")
@@ -83,6 +85,7 @@ class LLMCallHandler:
         self.force_model = force_model
         self.server_base_url = server_base_url
         self.runtime_progress = runtime_progress
+        self.routing = routing or Routing(default_model=model, serve_all=force_model)
 
     def __call__(self, run: RunState, effect: Effect, default_next_node: str | None = None) -> EffectOutcome:
         try:
@@ -96,16 +99,16 @@ class LLMCallHandler:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _request(self, run: RunState, node_id: str, payload: Mapping[str, Any]) -> NodeRequest:
-        index = self.flows.get(run.workflow_id)
-        return request_from_payload(
-            payload,
-            run.vars,
-            node_config=index.node_config(node_id) if index is not None else None,
-            default_model=self.model,
-            force_model=self.force_model,
-            default_base_url=self.server_base_url,
+    def _request(
+        self, run_vars: Mapping[str, Any], payload: Mapping[str, Any], node_config: Mapping[str, Any] | None
+    ) -> tuple[NodeRequest, RouteDecision]:
+        """The node's request, served where ``self.routing`` says (see ``routing``)."""
+        route = self.routing.decide(
+            payload.get("provider"),
+            payload.get("model"),
+            explicit_base_url=explicit_base_url(payload, run_vars, node_config=node_config, default_base_url=self.server_base_url),
         )
+        return request_from_payload(payload, run_vars, node_config=node_config, route=route), route
 
     def _handle(self, run: RunState, effect: Effect) -> EffectOutcome:
         payload = effect.payload if isinstance(effect.payload, Mapping) else {}
@@ -123,12 +126,15 @@ class LLMCallHandler:
         forward = self._forward_runtime_progress(run)
         callback = current_effect_progress_callback() if forward else None
         cancel_event = current_effect_cancel_event()
-        prepared = self.node.prepare(self._request(run, node_id, payload))
+        index = self.flows.get(run.workflow_id)
+        request, route = self._request(run.vars, payload, index.node_config(node_id) if index is not None else None)
+        prepared = self.node.prepare(request)
 
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"route": route.to_metadata()}
         result: NodeResult | None = None
         if self.prefetcher is not None:
-            result, extra = self._claim(run.run_id, node_id, prepared, key, callback, cancel_event)
+            result, claimed = self._claim(run.run_id, node_id, prepared, key, callback, cancel_event)
+            extra.update(claimed)
             launched = self._launch_siblings(run, node_id, buffer=forward or self.node.record_progress)
             if launched:
                 extra = {**extra, "sibling_batch": {**extra.get("sibling_batch", {}), "launched": launched}}
@@ -199,14 +205,7 @@ class LLMCallHandler:
                 log.info("not prefetching %s: %s", sibling.node_id, exc)
                 continue
             try:
-                request = request_from_payload(
-                    payload,
-                    run.vars,
-                    node_config=sibling.config,
-                    default_model=self.model,
-                    force_model=self.force_model,
-                    default_base_url=self.server_base_url,
-                )
+                request, _ = self._request(run.vars, payload, sibling.config)
                 calls.append((sibling.node_id, self.node.prepare(request)))
             except MLXRuntimeError as exc:
                 # Its own turn will raise the same error on the tick thread, where it belongs.

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from ..nodes import LLMNode, ProviderRegistry
 from .catalog import FlowCatalog
 from .handler import LLMCallHandler, RuntimeProgress
 from .prefetch import SiblingPrefetcher
+from .routing import Routing
 from .stores import LedgerRunStore, LedgerStepStore
 
 
@@ -70,6 +71,7 @@ class MLXPack:
         return {
             "model": self.handler.model,
             "force_model": self.handler.force_model,
+            "routes": self.handler.routing.route_specs(),
             "provider_options": dict(self.provider_options),
             "sibling_batching": self.handler.prefetcher is not None,
         }
@@ -102,6 +104,7 @@ def build_pack(
     runtime_progress: RuntimeProgress = "auto",
     registry: ProviderRegistry | None = None,
     effect_policy: Any = UNSET,
+    routes: Sequence[str] = (),
 ) -> MLXPack:
     """Open (or reuse) the ledger and wire node, handler, prefetcher and stores.
 
@@ -113,6 +116,8 @@ def build_pack(
     by default). ``server_base_url``: send every node to a remote server unless it names its
     own. ``sibling_batching``: prefetch independent sibling branches (see module doc).
     ``record_progress=False``: no progress rows (everything else unchanged).
+    ``routes``: ``--route`` specs (``"lmstudio=mlx:/models/qwen"``, ``"openai/gpt-4o=http://..."``);
+    with ``model``/``force_model`` they make the handler's ``routing.Routing`` (see that module).
     ``effect_policy``: the runtime's retry policy; default ``RetryPolicy(llm_max_attempts=3)``
     with a short backoff, as AbstractRuntime's own factories do (capacity errors such as
     ``QueueFull`` are retried; requests that are wrong are not); ``None``: the kernel default
@@ -141,6 +146,7 @@ def build_pack(
         force_model=force_model,
         server_base_url=server_base_url,
         runtime_progress=runtime_progress,
+        routing=Routing.build(default_model=model, serve_all=force_model, routes=routes),
     )
     return MLXPack(
         ledger=ledger,

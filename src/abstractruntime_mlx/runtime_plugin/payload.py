@@ -20,9 +20,10 @@ from abstractruntime.turn_grounding import strip_turn_grounding
 from ..controls import SAMPLING_FIELDS, UNSET
 from ..errors import InvalidRequest
 from ..nodes import NodeRequest
+from .routing import RouteDecision
 
 
-__all__ = ["request_from_payload"]
+__all__ = ["explicit_base_url", "request_from_payload"]
 
 # Sampling params of the payload (a seed is taken only when it is a valid one: the editor's
 # -1 means "random"); ``stop`` is a limit of the request.
@@ -36,6 +37,7 @@ def request_from_payload(
     default_model: str | None = None,
     force_model: bool = False,
     default_base_url: str | None = None,
+    route: RouteDecision | None = None,
 ) -> NodeRequest:
     """The ``NodeRequest`` of an LLM_CALL payload (as the visual compiler emits it).
 
@@ -46,7 +48,8 @@ def request_from_payload(
     found: ``params.base_url``, the node's ``effectConfig.base_url``/``server_base_url`` (from
     the flow JSON, which the compiler does not forward), ``_runtime.base_url``/
     ``server_base_url``, ``default_base_url``. Model: ``default_model`` when ``force_model``,
-    else the payload's model, else ``default_model``.
+    else the payload's model, else ``default_model``. ``route`` (a ``routing.RouteDecision``)
+    replaces all of that: it names the provider, model and server that serve the node.
     """
     if payload.get("response_schema") is not None:
         raise InvalidRequest("structured output (response_schema) is not supported by the mlx pack's LLM node")
@@ -69,21 +72,17 @@ def request_from_payload(
     model = payload.get("model") if isinstance(payload.get("model"), str) and payload.get("model") else None
     if force_model or model is None:
         model = default_model or model
-    base_url = _first_str(
-        params.get("base_url"),
-        config.get("base_url"),
-        config.get("server_base_url"),
-        runtime_ns.get("base_url"),
-        runtime_ns.get("server_base_url"),
-        default_base_url,
-    )
+    provider = str(payload.get("provider") or "mlx")
+    base_url = explicit_base_url(payload, run_vars, node_config=config, default_base_url=default_base_url)
+    if route is not None:
+        provider, model, base_url = route.provider, route.model, route.base_url
     return NodeRequest(
         prompt=strip_turn_grounding(payload.get("prompt") or ""),
         messages=messages,
         system_prompt=_str_or_none(payload.get("system_prompt")),
         tools=list(payload.get("tools") or []) or None,
         media=list(payload.get("media") or []) or None,
-        provider=str(payload.get("provider") or "mlx"),
+        provider=provider,
         model=model,
         base_url=base_url,
         speculation=_level(params, "speculation"),
@@ -101,6 +100,30 @@ def _prompt_cache_key(params: Mapping[str, Any], config: Mapping[str, Any], runt
     if isinstance(binding, Mapping):
         binding = binding.get("key")
     return _first_str(params.get("prompt_cache_key"), config.get("prompt_cache_key"), binding, runtime_ns.get("prompt_cache_key"))
+
+
+def explicit_base_url(
+    payload: Mapping[str, Any],
+    run_vars: Mapping[str, Any] | None,
+    *,
+    node_config: Mapping[str, Any] | None = None,
+    default_base_url: str | None = None,
+) -> str | None:
+    """The server a node is sent to, first found: ``params.base_url``, the node's
+    ``effectConfig.base_url``/``server_base_url``, ``_runtime.base_url``/``server_base_url``,
+    ``default_base_url``; ``None``: local."""
+    params = payload.get("params") if isinstance(payload.get("params"), Mapping) else {}
+    runtime_ns = (run_vars or {}).get("_runtime")
+    runtime_ns = runtime_ns if isinstance(runtime_ns, Mapping) else {}
+    config = node_config or {}
+    return _first_str(
+        params.get("base_url"),
+        config.get("base_url"),
+        config.get("server_base_url"),
+        runtime_ns.get("base_url"),
+        runtime_ns.get("server_base_url"),
+        default_base_url,
+    )
 
 
 def _level(source: Mapping[str, Any], name: str) -> Any:

@@ -4,7 +4,10 @@
     Runtime(run_store=LedgerRunStore(ledger), ledger_store=LedgerStepStore(ledger), ...)
 
 ``LedgerRunStore``: ``save`` / ``load`` / ``create_if_absent`` (first creation wins, identity
-checked with AbstractRuntime's ``verify_run_identity``) / ``list_runs`` / ``list_children``.
+checked with AbstractRuntime's ``verify_run_identity``) / ``list_runs`` / ``list_children`` /
+``list_due_wait_until``: with ``list_runs`` it makes the store a ``QueryableRunStore``, which
+the host requires for ``emit_event`` (finding the runs that wait for an event) and for its
+``Scheduler`` (timers).
 ``LedgerStepStore``: ``append`` (append-only; a retried append of the same record is stored
 once) / ``list`` (append order, phase events included as the host's ``abstract.progress``
 records) / ``list_after`` (cursor paging) / ``subscribe`` (observers, as
@@ -24,6 +27,7 @@ from abstractruntime.storage.base import LedgerStore, RunStore
 from abstractruntime.storage.serialize import runstate_to_dict, steprecord_to_dict
 
 from ..ledger import Ledger
+from ..ledger.store import parse_timestamp
 
 __all__ = ["LedgerRunStore", "LedgerStepStore", "run_from_dict"]
 
@@ -101,6 +105,21 @@ class LedgerRunStore(RunStore):
             limit=limit,
         )
         return [run_from_dict(row) for row in rows]
+
+    def list_due_wait_until(self, *, now_iso: str, limit: int = 100) -> list[RunState]:
+        """Runs waiting on a timer (``wait_until``) whose deadline is at or before ``now_iso``,
+        earliest deadline first."""
+        now = parse_timestamp(now_iso)
+        if now is None:
+            raise ValueError(f"now_iso is not an ISO timestamp: {now_iso!r}")
+        due: list[tuple[Any, RunState]] = []
+        for row in self.ledger.list_run_states(status=RunStatus.WAITING.value, wait_reason=WaitReason.UNTIL.value, limit=100_000):
+            run = run_from_dict(row)
+            until = parse_timestamp(run.waiting.until) if run.waiting is not None else None
+            if until is not None and until <= now:
+                due.append((until, run))
+        due.sort(key=lambda item: item[0])
+        return [run for _, run in due[: max(0, int(limit))]]
 
     def list_children(self, *, parent_run_id: str, status: RunStatus | None = None) -> list[RunState]:
         rows = self.ledger.list_run_states(

@@ -1,0 +1,494 @@
+"""The host around a flow run, made of AbstractRuntime's own parts.
+
+AbstractRuntime's local runtime (``integrations.abstractcore.factory.create_local_runtime``)
+and the AbstractFlow editor's runner wire, around the kernel: an artifact store, a
+``WorkflowRegistry`` holding the flow, its subflows and one AbstractAgent ReAct workflow per
+Agent node, the host's ``tool_calls``/``tool_invoke`` handlers over a ``MappingToolExecutor`` of
+its default tools, and a loop that ticks child runs and resumes their parents. ``FlowHost``
+wires the same parts, with our LLM_CALL handler in place of the AbstractCore one (so agent
+turns, subflow nodes and top-level nodes all batch on the resident model) and our ledger as
+run and step store:
+
+    host = FlowHost.for_flow(pack, flow, flows_dir="flows/")
+    runtime, registry = host.runtime()          # one per thread
+    run_id = runtime.start(workflow=registry.get(flow["id"]), vars=...)
+    state = drive(runtime, registry, run_id)    # to completion, failure, or a wait for outside input
+
+Tools that reach outside the machine (``NETWORK_TOOLS``) are left out of the executor unless
+``allow_network_tools``; ``network_tool_uses(bundle)`` names the nodes that ask for one.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from abstractruntime import Runtime
+from abstractruntime.core.models import EffectType, RunState, RunStatus, StepRecord, WaitReason
+
+from ..ledger.store import parse_timestamp
+from .catalog import load_flow
+
+if TYPE_CHECKING:
+    from .pack import MLXPack
+
+__all__ = [
+    "NETWORK_TOOLS",
+    "FlowBundle",
+    "FlowHost",
+    "DriveLimits",
+    "artifact_dir_for",
+    "drive",
+    "fail_run",
+    "network_tool_uses",
+    "waiting_leaf",
+]
+
+log = logging.getLogger(__name__)
+
+NETWORK_TOOLS: Final = frozenset(
+    {
+        "web_search",
+        "fetch_url",
+        "skim_url",
+        "skim_websearch",
+        "browser_probe",
+        "send_email",
+        "list_emails",
+        "read_email",
+        "send_telegram_message",
+    }
+)
+"""Default tools that reach outside this machine: off unless ``allow_network_tools``."""
+
+_SUBFLOW_KEYS: Final = ("subflowId", "flowId", "workflowId", "workflow_id")
+DEFAULT_MAX_TIMER_WAIT_S: Final = 60.0
+_MAX_DRIVE_STEPS: Final = 100_000
+
+
+# --------------------------------------------------------------------------------------
+# Flows and their subflows
+# --------------------------------------------------------------------------------------
+
+
+def _subflow_ref(node: Mapping[str, Any]) -> str | None:
+    data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+    for key in _SUBFLOW_KEYS:
+        value = data.get(key)
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+    return None
+
+
+@dataclass(frozen=True)
+class FlowBundle:
+    """A root flow and every flow its ``subflow`` nodes reach, by id."""
+
+    root: dict[str, Any]
+    flows: dict[str, dict[str, Any]]
+
+    @property
+    def root_id(self) -> str:
+        return str(self.root["id"])
+
+    def subflows(self) -> dict[str, dict[str, Any]]:
+        return {k: v for k, v in self.flows.items() if k != self.root_id}
+
+    def nodes(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        for flow_id, flow in self.flows.items():
+            for node in flow.get("nodes") or []:
+                if isinstance(node, dict):
+                    yield flow_id, node
+
+    @classmethod
+    def resolve(
+        cls,
+        root: Mapping[str, Any],
+        *,
+        flows_dir: str | Path | None = None,
+        known: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> FlowBundle:
+        """The root plus its subflows, found in ``known`` (e.g. stored with a run), then as
+        ``FLOWS_DIR/<id>.json``, then as any ``FLOWS_DIR/*.json`` whose ``id`` matches. A missing
+        subflow raises ``ValueError`` naming the node and where it was looked for."""
+        flows: dict[str, dict[str, Any]] = {str(root["id"]): dict(root)}
+        directory = Path(flows_dir).expanduser() if flows_dir is not None else None
+        by_id: dict[str, Path] | None = None
+        queue = [str(root["id"])]
+        while queue:
+            flow = flows[queue.pop(0)]
+            for node in flow.get("nodes") or []:
+                if not isinstance(node, Mapping) or node.get("type") != "subflow":
+                    continue
+                ref = _subflow_ref(node)
+                if ref is None:
+                    raise ValueError(f"subflow node {node.get('id')!r} of flow {flow.get('id')!r} names no subflowId")
+                if ref in flows:
+                    continue
+                found: Mapping[str, Any] | None = (known or {}).get(ref)
+                if found is None and directory is not None:
+                    candidate = directory / f"{ref}.json"
+                    if not candidate.is_file():
+                        if by_id is None:
+                            by_id = _index_dir(directory)
+                        candidate = by_id.get(ref, candidate)
+                    if candidate.is_file():
+                        found = load_flow(candidate)
+                if found is None:
+                    where = f"in {directory}" if directory is not None else "(no flows directory given)"
+                    raise ValueError(
+                        f"subflow {ref!r} used by node {node.get('id')!r} of flow {flow.get('id')!r} was not found {where}; "
+                        "pass --flows-dir DIR holding it as DIR/<id>.json"
+                    )
+                flows[ref] = dict(found)
+                queue.append(ref)
+        return cls(root=dict(root), flows=flows)
+
+
+def _index_dir(directory: Path) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for path in sorted(directory.glob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("id"), str):
+            out.setdefault(data["id"], path)
+    return out
+
+
+def _agent_nodes(bundle: FlowBundle) -> list[tuple[str, str, dict[str, Any]]]:
+    out = []
+    for flow_id, node in bundle.nodes():
+        if node.get("type") == "agent":
+            data = node.get("data") if isinstance(node.get("data"), dict) else {}
+            config = data.get("agentConfig") if isinstance(data.get("agentConfig"), dict) else {}
+            out.append((flow_id, str(node.get("id")), config))
+    return out
+
+
+def network_tool_uses(bundle: FlowBundle, *, default_tools: frozenset[str] | None = None) -> list[tuple[str, str, str]]:
+    """``(flow_id, node_id, tool)`` for every node that names a tool in ``NETWORK_TOOLS``
+    (agent tool lists, ``tools_allowlist`` and ``call_tool`` nodes, ``llm_call`` tools)."""
+    uses: list[tuple[str, str, str]] = []
+    for flow_id, node in bundle.nodes():
+        data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+        names: list[Any] = []
+        for key in ("agentConfig", "effectConfig"):
+            config = data.get(key)
+            if isinstance(config, Mapping) and isinstance(config.get("tools"), list):
+                names.extend(config["tools"])
+        pins = data.get("pinDefaults")
+        if isinstance(pins, Mapping):
+            for key in ("tools", "tool_name", "tool"):
+                value = pins.get(key)
+                names.extend(value if isinstance(value, list) else [value])
+        if isinstance(data.get("literalValue"), list) and node.get("type") == "tools_allowlist":
+            names.extend(data["literalValue"])
+        for name in names:
+            if isinstance(name, str) and name.strip() in NETWORK_TOOLS:
+                uses.append((flow_id, str(node.get("id")), name.strip()))
+    return sorted(set(uses))
+
+
+# --------------------------------------------------------------------------------------
+# Artifact store
+# --------------------------------------------------------------------------------------
+
+
+def artifact_dir_for(ledger_url: str) -> Path:
+    """Where the artifacts of the ledger at ``ledger_url`` live: ``<ledger file>.artifacts/``
+    beside a SQLite ledger. Other databases need an explicit directory."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(ledger_url)
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        raise ValueError(
+            f"the artifact store lives beside a SQLite ledger file; for {url.render_as_string(hide_password=True)} "
+            "give an artifacts directory explicitly (--artifacts DIR)"
+        )
+    path = Path(url.database).expanduser()
+    return path.with_name(path.name + ".artifacts")
+
+
+# --------------------------------------------------------------------------------------
+# Wiring
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class FlowHost:
+    """What one flow's runs need besides the pack: its bundle, an artifact store and the
+    tool executor. ``runtime()`` builds a fresh ``Runtime`` + ``WorkflowRegistry`` (compiled
+    specs keep unlocked per-run caches: one pair per thread)."""
+
+    pack: MLXPack
+    bundle: FlowBundle
+    artifact_store: Any
+    allow_network_tools: bool = False
+    _tools: Any = field(default=None, repr=False)
+    _tool_defs: list[Any] | None = field(default=None, repr=False)
+
+    @classmethod
+    def for_flow(
+        cls,
+        pack: MLXPack,
+        flow: Mapping[str, Any],
+        *,
+        flows_dir: str | Path | None = None,
+        known_flows: Mapping[str, Mapping[str, Any]] | None = None,
+        artifacts_dir: str | Path | None = None,
+        allow_network_tools: bool = False,
+    ) -> FlowHost:
+        from abstractruntime.storage.artifacts import FileArtifactStore, InMemoryArtifactStore
+
+        bundle = FlowBundle.resolve(flow, flows_dir=flows_dir, known=known_flows)
+        store: Any
+        if artifacts_dir is not None:
+            store = FileArtifactStore(Path(artifacts_dir).expanduser())
+        elif pack.ledger is not None:
+            store = FileArtifactStore(artifact_dir_for(pack.ledger.url))
+        else:
+            store = InMemoryArtifactStore()
+        for index_flow in bundle.flows.values():
+            pack.flows.register(index_flow)
+        return cls(pack=pack, bundle=bundle, artifact_store=store, allow_network_tools=allow_network_tools)
+
+    # -- tools ----------------------------------------------------------------------
+
+    def _tool_executor(self) -> Any:
+        if self._tools is None:
+            from abstractruntime.integrations.abstractcore.default_tools import get_default_tools
+            from abstractruntime.integrations.abstractcore.tool_executor import MappingToolExecutor
+
+            tools = [t for t in get_default_tools() if self.allow_network_tools or _tool_name(t) not in NETWORK_TOOLS]
+            self._tools = MappingToolExecutor.from_tools(tools)
+        return self._tools
+
+    def _agent_tool_defs(self) -> list[Any]:
+        if self._tool_defs is None:
+            from abstractagent.logic.builtins import (
+                ASK_USER_TOOL,
+                COMPACT_MEMORY_TOOL,
+                DELEGATE_AGENT_TOOL,
+                INSPECT_VARS_TOOL,
+                RECALL_MEMORY_TOOL,
+                REMEMBER_TOOL,
+            )
+            from abstractcore.tools import ToolDefinition
+            from abstractruntime.integrations.abstractcore.default_tools import list_default_tool_specs
+
+            defs = [
+                ToolDefinition(name=s["name"], description=str(s.get("description") or ""), parameters=dict(s.get("parameters") or {}))
+                for s in list_default_tool_specs()
+                if isinstance(s, dict) and s.get("name") and (self.allow_network_tools or s["name"] not in NETWORK_TOOLS)
+            ]
+            seen = {d.name for d in defs}
+            for builtin in (ASK_USER_TOOL, RECALL_MEMORY_TOOL, INSPECT_VARS_TOOL, REMEMBER_TOOL, COMPACT_MEMORY_TOOL, DELEGATE_AGENT_TOOL):
+                if builtin.name not in seen:
+                    defs.append(builtin)
+                    seen.add(builtin.name)
+            self._tool_defs = defs
+        return self._tool_defs
+
+    def effect_handlers(self) -> dict[EffectType, Any]:
+        """The host's tool handlers over our executor, and our LLM_CALL handler."""
+        from abstractruntime.integrations.abstractcore.effect_handlers import make_tool_calls_handler, make_tool_invoke_handler
+
+        tools = self._tool_executor()
+        run_store = self.pack.run_store
+        return {
+            EffectType.TOOL_CALLS: make_tool_calls_handler(tools=tools, artifact_store=self.artifact_store, run_store=run_store),
+            EffectType.TOOL_INVOKE: make_tool_invoke_handler(tools=tools, artifact_store=self.artifact_store, run_store=run_store),
+            EffectType.LLM_CALL: self.pack.handler,
+        }
+
+    # -- registry and runtime ---------------------------------------------------------
+
+    def registry(self) -> Any:
+        """A ``WorkflowRegistry`` with the compiled flow, its subflows and one ReAct workflow
+        per Agent node (AbstractAgent's, as AbstractFlow registers them)."""
+        from abstractruntime import WorkflowRegistry
+        from abstractruntime.visualflow_compiler import compile_visualflow_tree
+        from abstractruntime.visualflow_compiler.visual.agent_ids import visual_react_workflow_id
+
+        registry = WorkflowRegistry()
+        specs = compile_visualflow_tree(root_id=self.bundle.root_id, flows_by_id=self.bundle.flows)
+        for spec in specs.values():
+            registry.register(spec)
+        agents = _agent_nodes(self.bundle)
+        if agents:
+            from abstractagent.adapters.react_runtime import create_react_workflow
+            from abstractagent.logic.react import ReActLogic
+
+            for flow_id, node_id, config in agents:
+                # Like AbstractFlow: an Agent node without a tools list may use every tool
+                # the executor has; an explicit list (even empty) is honoured.
+                allowed = [t.strip() for t in config.get("tools") or [] if isinstance(t, str) and t.strip()] if "tools" in config else None
+                workflow_id = config.get("_react_workflow_id") or visual_react_workflow_id(flow_id=flow_id, node_id=node_id)
+                registry.register(
+                    create_react_workflow(
+                        logic=ReActLogic(tools=self._agent_tool_defs()),
+                        workflow_id=str(workflow_id),
+                        allowed_tools=allowed,
+                    )
+                )
+        return registry
+
+    def runtime(self) -> tuple[Runtime, Any]:
+        pack = self.pack
+        if pack.run_store is None or pack.ledger_store is None:
+            raise RuntimeError("this pack has no ledger; build it with a ledger URL to run flows")
+        registry = self.registry()
+        options: dict[str, Any] = {"effect_policy": pack.effect_policy} if pack.effect_policy is not None else {}
+        runtime = Runtime(
+            run_store=pack.run_store,
+            ledger_store=pack.ledger_store,
+            effect_handlers=self.effect_handlers(),
+            workflow_registry=registry,
+            artifact_store=self.artifact_store,
+            **options,
+        )
+        return runtime, registry
+
+
+def _tool_name(tool: Any) -> str:
+    definition = getattr(tool, "_tool_definition", None)
+    name = getattr(definition, "name", None) or getattr(tool, "__name__", "")
+    return str(name or "").strip()
+
+
+# --------------------------------------------------------------------------------------
+# Driving a run tree
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DriveLimits:
+    """``max_timer_wait_s``: how long, in all, ``drive`` sleeps for ``wait_until`` timers
+    before leaving the run waiting (a later ``runs resume`` continues it)."""
+
+    max_timer_wait_s: float = DEFAULT_MAX_TIMER_WAIT_S
+
+
+def _status(state: RunState) -> str:
+    return str(getattr(state.status, "value", state.status))
+
+
+def _sub_run_id(state: RunState) -> str | None:
+    waiting = state.waiting
+    if waiting is None or waiting.reason != WaitReason.SUBWORKFLOW:
+        return None
+    details = waiting.details if isinstance(waiting.details, dict) else {}
+    child = details.get("sub_run_id")
+    if isinstance(child, str) and child:
+        return child
+    key = waiting.wait_key or ""
+    return key.split("subworkflow:", 1)[1] or None if key.startswith("subworkflow:") else None
+
+
+def waiting_leaf(runtime: Runtime, run_id: str) -> RunState:
+    """The run at the bottom of ``run_id``'s chain of subflow waits (``run_id`` itself when it
+    does not wait for a child)."""
+    state = runtime.get_state(run_id)
+    for _ in range(256):
+        child = _sub_run_id(state) if state.status == RunStatus.WAITING else None
+        if child is None:
+            return state
+        state = runtime.get_state(child)
+    return state
+
+
+def fail_run(runtime: Runtime, run_id: str, *, node_id: str | None, error: str) -> RunState:
+    """Mark a run failed at ``node_id`` with ``error`` (a failed step record, then the state):
+    what a tick that raised leaves behind instead of a run ``running`` forever."""
+    state = runtime.get_state(run_id)
+    node = node_id or state.current_node or "?"
+    record = StepRecord.start(run=state, node_id=node, effect=None)
+    runtime.ledger_store.append(record.finish_failure(error))
+    state.status = RunStatus.FAILED
+    state.error = error
+    state.waiting = None
+    state.vars.setdefault("_flow_error", error)
+    state.vars.setdefault("_flow_error_node", node)
+    state.updated_at = dt.datetime.now(dt.UTC).isoformat()
+    runtime.run_store.save(state)
+    return state
+
+
+def _guarded(runtime: Runtime, state: RunState, call: Callable[[], RunState]) -> RunState:
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - any exception inside a tick fails that run, recorded
+        current = runtime.get_state(state.run_id)
+        node = current.current_node or state.current_node
+        error = f"node {node!r}: {type(exc).__name__}: {exc}"
+        log.warning("run %s failed inside a tick: %s", state.run_id, error, exc_info=True)
+        return fail_run(runtime, state.run_id, node_id=node, error=error)
+
+
+def drive(
+    runtime: Runtime,
+    registry: Any,
+    run_id: str,
+    *,
+    limits: DriveLimits = DriveLimits(),
+    cancel: threading.Event | None = None,
+) -> RunState:
+    """Tick ``run_id`` and every child run it waits for until the tree rests: completed,
+    failed, or waiting for something from outside (a user's answer, an event, a timer further
+    away than ``limits`` allow). A finished child resumes its parent with the child's output
+    (``{"sub_run_id", "output"}``, as the host's scheduler does); a failed child fails its
+    parent. An exception inside a tick fails the run it happened in (``fail_run``)."""
+    timer_budget = limits.max_timer_wait_s
+    for _ in range(_MAX_DRIVE_STEPS):
+        if cancel is not None and cancel.is_set():
+            break
+        leaf = waiting_leaf(runtime, run_id)
+        status = leaf.status
+        if status == RunStatus.RUNNING:
+            spec = registry.get(leaf.workflow_id)
+            if spec is None:
+                fail_run(runtime, leaf.run_id, node_id=leaf.current_node, error=f"workflow {leaf.workflow_id!r} is not registered")
+                continue
+            _guarded(runtime, leaf, lambda: runtime.tick(workflow=spec, run_id=leaf.run_id))
+            continue
+        if status == RunStatus.WAITING and leaf.waiting is not None and leaf.waiting.reason == WaitReason.UNTIL:
+            due = parse_timestamp(leaf.waiting.until)
+            delay = 0.0 if due is None else max(0.0, (due - dt.datetime.now(dt.UTC)).total_seconds())
+            if delay > timer_budget:
+                break
+            timer_budget -= delay
+            if cancel is not None:
+                cancel.wait(delay)
+            else:
+                time.sleep(delay)
+            spec = registry.get(leaf.workflow_id)
+            _guarded(runtime, leaf, lambda: runtime.tick(workflow=spec, run_id=leaf.run_id))
+            continue
+        parent_id = leaf.parent_run_id if leaf.run_id != run_id else None
+        if parent_id is None or status not in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
+            break  # the tree rests: the root finished, or a run waits for outside input
+        parent = runtime.get_state(parent_id)
+        if _sub_run_id(parent) != leaf.run_id:
+            break
+        if status == RunStatus.COMPLETED:
+            parent_spec = registry.get(parent.workflow_id)
+            wait_key = parent.waiting.wait_key if parent.waiting is not None else None
+            payload = {"sub_run_id": leaf.run_id, "output": leaf.output}
+            _guarded(runtime, parent, lambda: runtime.resume(workflow=parent_spec, run_id=parent_id, wait_key=wait_key, payload=payload, max_steps=0))
+        else:
+            fail_run(
+                runtime,
+                parent_id,
+                node_id=parent.current_node,
+                error=f"subflow run {leaf.run_id} ({leaf.workflow_id}) {_status(leaf)}: {leaf.error or 'no error recorded'}",
+            )
+    return runtime.get_state(run_id)

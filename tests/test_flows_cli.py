@@ -1,0 +1,286 @@
+"""Flows shaped like the AbstractFlow editor's examples, run through the CLI: routing of remote
+providers onto the local model, subflows and agents as child runs, memory nodes with the
+artifact store, emit_event, waits answered with ``runs resume``, a tick that raises, timers,
+loop iterations in ``runs show``.
+
+The flows under ``tests/flows/`` are our own, written for these tests in the editor's format
+(provider ``lmstudio``, model ``qwen/qwen3-next-80b``, pins with ``pinDefaults``)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from abstractruntime_mlx.cli.main import main
+from abstractruntime_mlx.cli.run_cmd import EXIT_FAILED, EXIT_OK, EXIT_WAITING
+from abstractruntime_mlx.errors import InvalidRequest
+from abstractruntime_mlx.ledger import Ledger
+from abstractruntime_mlx.nodes import default_registry
+from abstractruntime_mlx.runtime_plugin import FlowBundle, Routing, network_tool_uses, parse_route
+from abstractruntime_mlx.runtime_plugin.stores import LedgerRunStore
+
+FLOWS = Path(__file__).resolve().parent / "flows"
+
+
+@pytest.fixture()
+def ledger_path(tmp_path, monkeypatch, policy_file):
+    path = tmp_path / "runs.sqlite"
+    monkeypatch.setenv("ABSTRACTRUNTIME_MLX_LEDGER", str(path))
+    yield path
+    default_registry().close()
+
+
+@pytest.fixture(scope="module")
+def agent_model(dense_model, tmp_path_factory):
+    """The tiny dense model with a 32k context, like the small models agents run on: a ReAct
+    prompt (tool definitions, the turns so far) passes the tiny model's 4096 tokens."""
+    path = tmp_path_factory.mktemp("agent-model") / "dense-32k"
+    shutil.copytree(dense_model, path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 32768
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_error(capsys, pattern, *argv):
+    """The command fails with exit 1 and exactly one ``error:`` line on stderr, matching ``pattern``."""
+    code, out, err = cli(capsys, *argv)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(lines) == 1, (code, out, err)
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+def run_json(capsys, *argv):
+    code, out, err = cli(capsys, "run", *argv, "--json")
+    return code, json.loads(out)[0], err
+
+
+def steps_of(ledger_path: Path, run_id: str):
+    with Ledger(f"sqlite:///{ledger_path}") as ledger:
+        return ledger.run_steps(run_id)
+
+
+# -- routing --------------------------------------------------------------------------
+
+
+def test_routing_rule_order():
+    routing = Routing.build(
+        default_model="/m/default",
+        serve_all=True,
+        routes=["lmstudio=mlx:/m/studio", "lmstudio/big=mlx:/m/big", "openai=http://127.0.0.1:9/v1/"],
+    )
+    exact = routing.decide("lmstudio", "big")
+    assert (exact.provider, exact.model, exact.base_url, exact.rule) == ("mlx", "/m/big", None, "--route lmstudio/big=mlx:/m/big")
+    assert routing.decide("LMStudio", "small").model == "/m/studio"
+    remote = routing.decide("openai", "gpt-4o")
+    assert (remote.base_url, remote.model) == ("http://127.0.0.1:9/v1", "gpt-4o")
+    anything = routing.decide("anthropic", "claude")
+    assert (anything.provider, anything.model, anything.rule) == ("mlx", "/m/default", "--model")
+    explicit = routing.decide("lmstudio", "big", explicit_base_url="http://127.0.0.1:8")
+    assert explicit.base_url == "http://127.0.0.1:8" and explicit.rule == "node base_url"
+    assert explicit.to_metadata()["asked"] == {"provider": "lmstudio", "model": "big"}
+
+    plain = Routing.build(default_model="/m/default", serve_all=False)
+    assert plain.decide(None, None).model == "/m/default"
+    assert plain.decide("mlx", "/m/own").model == "/m/own"
+    with pytest.raises(InvalidRequest, match="--route lmstudio=mlx:MODEL"):
+        plain.decide("lmstudio", "qwen")
+
+
+@pytest.mark.parametrize("bad", ["lmstudio", "=mlx:/m", "lmstudio=", "lmstudio/=mlx:/m", "lmstudio=ollama:/m", "lmstudio=mlx:"])
+def test_bad_routes_are_refused(bad):
+    with pytest.raises(InvalidRequest, match="route"):
+        parse_route(bad)
+
+
+def test_model_serves_a_flow_that_names_a_remote_provider(ledger_path, capsys, dense_model):
+    code, out, err = cli(capsys, "run", FLOWS / "routed.json")
+    assert code == EXIT_FAILED
+    # `check` (run first) names the node and says how to route it; nothing runs.
+    assert "node provider 'lmstudio' is not served here" in err and "--route lmstudio=mlx:MODEL" in err and "ask" in err
+    assert not ledger_path.exists() or not Ledger(f"sqlite:///{ledger_path}").list_runs()
+
+    code, result, _ = run_json(capsys, FLOWS / "routed.json", "--model", dense_model)
+    assert code == EXIT_OK and result["status"] == "completed"
+    route = result["nodes"][0]["result"]["metadata"]["route"]
+    assert route == {
+        "asked": {"provider": "lmstudio", "model": "qwen/qwen3-next-80b"},
+        "served": {"provider": "mlx", "model": dense_model},
+        "rule": "--model",
+    }
+    # The ledger keeps both: the step record holds the same metadata.
+    [llm_step] = [s for s in steps_of(ledger_path, result["run_id"]) if s.effect_type == "llm_call" and s.status == "completed"]
+    assert llm_step.record["result"]["metadata"]["route"]["asked"]["provider"] == "lmstudio"
+
+
+def test_route_flag_and_config_file(ledger_path, capsys, dense_model, tmp_path):
+    code, result, _ = run_json(capsys, FLOWS / "routed.json", "--route", f"lmstudio/qwen/qwen3-next-80b=mlx:{dense_model}")
+    assert code == EXIT_OK
+    assert result["nodes"][0]["result"]["metadata"]["route"]["rule"] == f"--route lmstudio/qwen/qwen3-next-80b=mlx:{dense_model}"
+
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"routes": {"lmstudio": f"mlx:{dense_model}"}}))
+    code, result, _ = run_json(capsys, FLOWS / "routed.json", "--config", config)
+    assert code == EXIT_OK
+    assert result["nodes"][0]["result"]["metadata"]["route"]["rule"] == f"--route lmstudio=mlx:{dense_model}"
+
+    config.write_text(json.dumps({"routes": {"lmstudio": "ollama:x"}}))
+    assert_error(capsys, "mlx:MODEL", "run", str(FLOWS / "routed.json"), "--config", str(config))
+    config.write_text(json.dumps({"rutes": {}}))
+    assert_error(capsys, "unknown keys", "run", str(FLOWS / "routed.json"), "--config", str(config))
+    assert_error(capsys, "--route", "run", str(FLOWS / "routed.json"), "--route", "lmstudio=nowhere")
+
+
+# -- subflows and agents ----------------------------------------------------------------
+
+
+def test_subflows_run_as_child_runs_shown_nested(ledger_path, capsys, dense_model):
+    code, result, _ = run_json(capsys, FLOWS / "parent.json", "--model", dense_model)
+    assert code == EXIT_OK, result
+    assert result["status"] == "completed" and len(result["children"]) == 2
+    assert {n["run_id"] for n in result["nodes"]} == set(result["children"])
+    assert set(result["output"]) >= {"first", "second"}
+    with Ledger(f"sqlite:///{ledger_path}") as ledger:
+        children = [ledger.get_run(c) for c in result["children"]]
+    assert all(c.parent_run_id == result["run_id"] and c.workflow_id == "t_child" and c.status == "completed" for c in children)
+
+    code, out, _ = cli(capsys, "runs", "show", result["run_id"][:8])
+    assert code == 0
+    assert out.count("    child run ") == 2 and "workflow t_child" in out
+
+
+def test_missing_subflow_is_one_error_line(ledger_path, capsys, dense_model, tmp_path):
+    lone = tmp_path / "parent.json"
+    lone.write_text((FLOWS / "parent.json").read_text())
+    assert_error(capsys, "subflow 't_child' used by node 'sub' of flow 't_parent' was not found", "run", str(lone), "--model", dense_model)
+    code, result, _ = run_json(capsys, lone, "--model", dense_model, "--flows-dir", FLOWS)
+    assert code == EXIT_OK and result["status"] == "completed"
+
+
+def test_agent_runs_on_the_hosts_react_workflow_with_our_llm_handler(ledger_path, capsys, agent_model):
+    code, result, _ = run_json(capsys, FLOWS / "agent.json", "--model", agent_model)
+    assert code == EXIT_OK, result
+    [child] = result["children"]
+    with Ledger(f"sqlite:///{ledger_path}") as ledger:
+        assert ledger.get_run(child).workflow_id == "visual_react_agent_t_agent_agent"
+    assert result["nodes"] and all(n["run_id"] == child for n in result["nodes"])
+    assert all(n["result"]["metadata"]["route"]["asked"]["provider"] == "lmstudio" for n in result["nodes"])
+    assert "Agent configuration error" not in json.dumps(result["output"])
+
+
+def test_network_tools_are_refused_unless_allowed():
+    flow = json.loads((FLOWS / "agent.json").read_text())
+    flow["nodes"][1]["data"]["agentConfig"]["tools"] = ["list_files", "web_search"]
+    assert network_tool_uses(FlowBundle.resolve(flow)) == [("t_agent", "agent", "web_search")]
+
+
+def test_network_tool_flow_fails_before_running(ledger_path, capsys, dense_model, tmp_path):
+    flow = json.loads((FLOWS / "agent.json").read_text())
+    flow["nodes"][1]["data"]["agentConfig"]["tools"] = ["fetch_url"]
+    path = tmp_path / "web.json"
+    path.write_text(json.dumps(flow))
+    assert_error(capsys, "node 'agent' of flow 't_agent' uses 'fetch_url'.*--allow-network-tools", "run", str(path), "--model", dense_model)
+    assert not ledger_path.exists() or not Ledger(f"sqlite:///{ledger_path}").list_runs()
+
+
+# -- memory, events, waits ----------------------------------------------------------------
+
+
+def test_memory_note_uses_a_durable_artifact_store_beside_the_ledger(ledger_path, capsys, dense_model):
+    code, result, _ = run_json(capsys, FLOWS / "memory.json", "--model", dense_model)
+    assert code == EXIT_OK, result
+    store = ledger_path.with_name(ledger_path.name + ".artifacts")
+    assert result["output"]["note_id"]
+    assert any(store.rglob("*.meta")) or any(store.rglob("*.bin"))
+
+
+def test_emit_event_works_on_the_ledger_run_store(ledger_path, capsys, dense_model):
+    code, result, _ = run_json(capsys, FLOWS / "emit.json", "--model", dense_model)
+    assert code == EXIT_OK and result["status"] == "completed", result
+
+
+def test_list_due_wait_until(tmp_path):
+    from abstractruntime.core.models import RunState, RunStatus, WaitReason, WaitState
+
+    with Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}") as ledger:
+        store = LedgerRunStore(ledger)
+        for run_id, until in (("late", "2030-01-01T00:00:00+00:00"), ("due", "2020-01-01T00:00:00+00:00"), ("earlier", "2019-01-01T00:00:00+00:00")):
+            run = RunState.new(workflow_id="w", entry_node="n", run_id=run_id)
+            run.status = RunStatus.WAITING
+            run.waiting = WaitState(reason=WaitReason.UNTIL, wait_key=f"until:{run_id}", until=until)
+            store.save(run)
+        assert [r.run_id for r in store.list_due_wait_until(now_iso="2025-01-01T00:00:00+00:00")] == ["earlier", "due"]
+        assert [r.run_id for r in store.list_due_wait_until(now_iso="2025-01-01T00:00:00+00:00", limit=1)] == ["earlier"]
+        with pytest.raises(ValueError):
+            store.list_due_wait_until(now_iso="soon")
+
+
+def test_ask_user_waits_shows_its_question_and_resumes(ledger_path, capsys, dense_model):
+    code, result, _ = run_json(capsys, FLOWS / "ask.json", "--model", dense_model)
+    assert code == EXIT_WAITING and result["status"] == "waiting"
+    assert result["waiting"]["reason"] == "user" and result["waiting"]["prompt"] == "Which topic?"
+    run_id = result["run_id"]
+
+    code, out, _ = cli(capsys, "runs", "show", run_id[:8])
+    assert "waiting at node 'ask' for user" in out and "prompt: 'Which topic?'" in out and "--answer TEXT" in out
+
+    assert_error(capsys, "waits for an answer", "runs", "resume", run_id)
+    assert_error(capsys, "waits for an answer", "runs", "resume", run_id, "--event", "go")
+    code, out, _ = cli(capsys, "runs", "resume", run_id[:8], "--answer", "caches", "--json")
+    resumed = json.loads(out)[0]
+    assert code == EXIT_OK and resumed["status"] == "completed"
+    [node] = resumed["nodes"]
+    assert node["result"]["usage"]["prompt_tokens"] > 0
+    assert_error(capsys, "only a waiting or interrupted run", "runs", "resume", run_id, "--answer", "again")
+
+
+def test_timer_is_kept_while_running_and_left_waiting_past_the_limit(ledger_path, capsys, dense_model):
+    code, result, _ = run_json(capsys, FLOWS / "timer.json", "--model", dense_model)
+    assert code == EXIT_OK and result["status"] == "completed" and result["wall_s"] >= 0.9
+
+    code, result, _ = run_json(capsys, FLOWS / "timer.json", "--model", dense_model, "--max-timer-wait", "0")
+    assert code == EXIT_WAITING and result["waiting"]["reason"] == "until"
+    code, out, _ = cli(capsys, "runs", "resume", result["run_id"], "--json")
+    assert code == EXIT_OK and json.loads(out)[0]["status"] == "completed"
+
+
+# -- failures -----------------------------------------------------------------------------
+
+
+def test_exception_inside_a_tick_fails_the_run_with_node_and_error(ledger_path, capsys, dense_model):
+    code, out, _ = cli(capsys, "run", FLOWS / "braces.json", "--model", dense_model)
+    assert code == EXIT_FAILED
+    [error_line] = [line for line in out.splitlines() if line.strip().startswith("error:")]
+    assert "node 'llm'" in error_line and "KeyError" in error_line
+    assert "1 failed; 1 node failure" in out
+    with Ledger(f"sqlite:///{ledger_path}") as ledger:
+        [run] = ledger.list_runs()
+        assert run.status == "failed"
+        assert any(s.status == "failed" and s.node_id == "llm" for s in ledger.run_steps(run.run_id))
+    assert_error(capsys, "is failed; only a waiting or interrupted run can be resumed", "runs", "resume", run.run_id)
+
+
+def test_a_node_failure_in_a_completed_run_exits_non_zero(ledger_path, capsys, dense_model):
+    # The compiler records a data node that raised (here: literal braces in a format
+    # template) as the run's flow error and completes; the summary counts it.
+    code, out, _ = cli(capsys, "run", FLOWS / "braces_end.json", "--model", dense_model)
+    assert code == EXIT_FAILED
+    assert "node failed: end" in out and "1/1 runs completed, 0 waiting, 0 failed; 1 node failure" in out
+
+
+def test_loop_iterations_are_drawn_separately(ledger_path, capsys, dense_model):
+    code, result, _ = run_json(capsys, FLOWS / "loop.json", "--model", dense_model)
+    assert code == EXIT_OK and len(result["nodes"]) == 3
+    code, out, _ = cli(capsys, "runs", "show", result["run_id"])
+    timeline = out.split("phase timeline", 1)[1]
+    assert all(f"(llm) #{i}" in timeline for i in (1, 2, 3))
