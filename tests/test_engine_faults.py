@@ -106,6 +106,33 @@ def test_worker_that_cannot_go_on_marks_the_model_failed(make_llm, dense_model, 
     assert again.generate(PROMPT, max_output_tokens=3).finish_reason == "length"
 
 
+def test_a_step_failure_after_which_mlx_no_longer_computes_fails_the_model(make_llm, dense_model, monkeypatch):
+    """A step that raises is isolated only if MLX still computes afterwards (the engine checks);
+    when it does not, the model is marked failed. MLX breaking is simulated: no input breaks it."""
+    import mlx.core as mx
+
+    from abstractruntime_mlx.engine import backend
+
+    llm = make_llm(dense_model, mlx_batching=True)
+    real_step, real_eval = backend.BatchBackend.step, mx.eval
+
+    def broken_eval(*args, **kwargs):
+        raise RuntimeError("simulated device loss")
+
+    def step(self, *, observe_prefill):
+        monkeypatch.setattr(mx, "eval", broken_eval)
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(backend.BatchBackend, "step", step)
+    with pytest.raises(errors.EngineCrashed, match="kernel failure"):
+        llm.generate(PROMPT, max_output_tokens=2)
+    monkeypatch.setattr(mx, "eval", real_eval)
+    monkeypatch.setattr(backend.BatchBackend, "step", real_step)
+    health = llm.health()
+    assert health["state"] == "failed" and "simulated device loss" in health["error"]["message"]
+    assert llm.unload_model() is True
+
+
 def test_a_failed_model_is_replaced_by_the_next_load_of_it(make_llm, dense_model, monkeypatch):
     """A new provider of a failed model loads it afresh instead of attaching to the dead engine."""
     from abstractruntime_mlx.engine import backend

@@ -367,8 +367,8 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - upstream and our own faults alike
                     # Fail the requests this step touched, keep serving the rest.
                     log.exception("an engine step failed")
+                    self._check_device(exc)
                     self._fail_group(_as_engine_error(exc))
-                    self._check_device()
         except BaseException as exc:  # noqa: BLE001 - the worker cannot go on: fail every live request
             log.exception("MLX worker failed; the model is marked failed")
             self._fatal = exc
@@ -387,15 +387,18 @@ class Engine:
         if self._group is not None:
             self._step_group()
 
-    def _check_device(self) -> None:
+    def _check_device(self, step_error: Exception) -> None:
         """After a failed step, MLX must still compute on the worker's stream; if it does not,
-        the worker cannot go on (raised past the step's handler)."""
+        the worker cannot go on (raised past the step's handler, before anything finishes)."""
         import mlx.core as mx
 
         try:
             mx.eval(mx.arange(4).sum())
         except Exception as exc:  # noqa: BLE001
-            raise _WorkerBroken(f"MLX no longer computes after a failed step: {type(exc).__name__}: {exc}") from exc
+            raise _WorkerBroken(
+                f"MLX no longer computes ({type(exc).__name__}: {exc}) after a failed step "
+                f"({type(step_error).__name__}: {step_error})"
+            ) from exc
 
     def _wait_for_work(self) -> bool:
         with self._cond:
