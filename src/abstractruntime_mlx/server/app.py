@@ -458,7 +458,8 @@ async def prompt_cache_key_meta(request: Request) -> Response:
 
 
 async def chat_completions(request: Request) -> Response:
-    body = parse_body(ChatCompletionRequest, await _read_body(request))
+    # Decoding and checking a large body (up to the body limit) takes long: off the event loop.
+    body = await asyncio.to_thread(parse_body, ChatCompletionRequest, await _read_body(request))
     unknown = body.unknown_fields()
     if unknown:
         log.warning("chat request: ignoring unknown field(s) %s", ", ".join(unknown))
