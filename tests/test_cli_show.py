@@ -58,3 +58,12 @@ def test_loop_iterations_are_separate_rows_and_bars_with_control_sources(tmp_pat
     for bar in (first, second, third):
         assert bar.index("·") < bar.index("░") < bar.index("█")
     assert first.rindex("█") < second.index("·") and second.rindex("█") < third.index("·")
+
+
+def test_node_labels_come_from_the_stored_flow() -> None:
+    from abstractruntime_mlx.inspection import node_labels
+
+    flow = {"nodes": [{"id": "a", "data": {"label": "Ask the user"}}, {"id": "b", "data": {}}, {"data": {"label": "no id"}}, "junk"]}
+    assert node_labels({"vars": {"_runtime": {"mlx_pack": {"flow": flow}}}}) == {"a": "Ask the user", "b": "b"}
+    for state in ({}, {"vars": None}, {"vars": {"_runtime": "x"}}, {"vars": {"_runtime": {"mlx_pack": {"flow": {"nodes": None}}}}}):
+        assert node_labels(state) == {}

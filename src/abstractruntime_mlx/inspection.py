@@ -249,14 +249,13 @@ def _summary_of(detail: RunDetail) -> RunSummary:
 
 def node_labels(run_state: Mapping[str, Any]) -> dict[str, str]:
     """``node_id -> label`` from the flow stored with the run (the node id when it has no label)."""
-    runtime_ns = (run_state.get("vars") or {}).get("_runtime") if isinstance(run_state.get("vars"), Mapping) else None
-    stored = runtime_ns.get("mlx_pack") if isinstance(runtime_ns, Mapping) else None
-    flow = stored.get("flow") if isinstance(stored, Mapping) else None
+    # The flow run_flow stores in the run's vars (``_runtime.mlx_pack.flow``).
+    flow = _dict(_dict(_dict(_dict(run_state.get("vars")).get("_runtime")).get("mlx_pack")).get("flow"))
     labels: dict[str, str] = {}
-    for node in (flow or {}).get("nodes", []) if isinstance(flow, Mapping) else []:
+    for node in flow.get("nodes") or []:
         if not isinstance(node, Mapping) or not node.get("id"):
             continue
-        data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+        data = _dict(node.get("data"))
         label = data.get("label") or data.get("title")
         labels[str(node["id"])] = str(label) if label else str(node["id"])
     return labels
