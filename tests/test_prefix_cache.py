@@ -72,6 +72,7 @@ def test_greedy_identity_and_reuse_on_every_lane(request, make_llm, model_name, 
     assert_reused(cached, "conversation-1")
     if mode == "cohort":
         assert all(r.metadata["speculation"]["used"] for r in cached)
+    assert {r.metadata["prompt_cache"]["apc"]["accounting"] for r in cached} == {"request"}  # alone in its batch
     stats = llm.get_prompt_cache_stats()
     assert stats["enabled"] is True
     assert stats["requests"] == {"requests": 3, "hits": 2, "partial": 0, "misses": 1, "not_retained": 0}

@@ -394,14 +394,14 @@ class PrefixCache:
         previous = self._keys.get(key)
         outcome, degraded = "miss", None
         if previous is not None:
-            shared = min(_common_prefix(previous.prompt_ids, prompt), len(prompt) - 1)
+            common = min(_common_prefix(previous.prompt_ids, prompt), len(prompt) - 1)
             tolerance = BLOCK_SIZE + GUARD_TOKENS
-            if cached > 0 and cached >= shared - tolerance:
+            if cached > 0 and cached >= common - tolerance:
                 outcome = "hit"
-            elif shared > tolerance:
+            elif common > tolerance:
                 outcome = "partial" if cached > 0 else "not_retained"
                 degraded = previous.reason or (
-                    f"the previous turn's snapshot was not retained in full: only {cached} of the {shared} prompt "
+                    f"the previous turn's snapshot was not retained in full: only {cached} of the {common} prompt "
                     "tokens this turn shares with it were restored; the rest was evicted to stay within the "
                     f"prefix-cache memory budget ({self.budget.max_bytes / (1 << 20):.1f} MiB) or the free memory; "
                     "raise mlx_cache_memory_max_gb above the conversation's snapshot size"
