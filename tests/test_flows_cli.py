@@ -178,6 +178,12 @@ def test_agent_runs_on_the_hosts_react_workflow_with_our_llm_handler(ledger_path
     assert "Agent configuration error" not in json.dumps(result["output"])
 
 
+def test_agent_without_provider_or_model_runs_on_the_run_default(ledger_path, capsys, agent_model):
+    code, result, _ = run_json(capsys, FLOWS / "agent_bare.json", "--model", agent_model)
+    assert code == EXIT_OK and not result["failures"], result
+    assert result["nodes"] and all(n["result"]["metadata"]["route"]["served"]["model"] == agent_model for n in result["nodes"])
+
+
 def test_network_tools_are_refused_unless_allowed():
     flow = json.loads((FLOWS / "agent.json").read_text())
     flow["nodes"][1]["data"]["agentConfig"]["tools"] = ["list_files", "web_search"]
