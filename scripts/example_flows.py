@@ -120,11 +120,15 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--only", nargs="*", default=None, help="flow file stems to run")
     parser.add_argument("--jsonl", default=None, help="append one JSON row per flow to this file")
+    parser.add_argument("--shard", default="0/1", metavar="I/N", help="run only every N-th flow starting at I (parallel runners)")
     args = parser.parse_args()
     env = dict(os.environ)
     rows = []
-    for path in sorted(args.flows_dir.glob("*.json")):
+    index, count = (int(x) for x in args.shard.split("/"))
+    for position, path in enumerate(sorted(args.flows_dir.glob("*.json"))):
         if args.only and path.stem not in args.only:
+            continue
+        if position % count != index:
             continue
         flow = json.loads(path.read_text(encoding="utf-8"))
         try:
