@@ -12,8 +12,10 @@ dense model and a 27M-parameter qwen3):
    48 new tokens) from c client threads to ``create_llm("mlx", mlx_batching=True,
    mlx_max_batch_size=8, speculation=False)``, as:
    - ``greedy``: temperature 0 (the continuous lane as before);
-   - ``sampled``: temperature 0.7, top_p 0.9, a distinct seed per request (now continuous);
-   - ``exclusive``: the same sampled calls under ``mlx_sampled_exclusive=True`` (the seed's
+   - ``sampled``: temperature 0.7 and a distinct seed per request, the controls of most LLM
+     nodes in the public example flows (now continuous);
+   - ``sampled_top_p``: the same with top_p 0.9 (adds a sort over the vocabulary per step);
+   - ``exclusive``: the ``sampled`` calls under ``mlx_sampled_exclusive=True`` (the seed's
      behaviour: one at a time).
    Aggregate tok/s = completion tokens over wall time, first submit to last completion,
    summed over ``--repeats`` (targets in a rotating order per repeat).
@@ -82,7 +84,8 @@ def prompts(n: int, seed: int) -> list[str]:
 def calls_for(target: str, n: int) -> list[dict[str, Any]]:
     if target == "greedy":
         return [{"temperature": 0}] * n
-    return [{"temperature": 0.7, "top_p": 0.9, "seed": 1000 + i} for i in range(n)]
+    extra = {"top_p": 0.9} if target == "sampled_top_p" else {}
+    return [{"temperature": 0.7, "seed": 1000 + i, **extra} for i in range(n)]
 
 
 def run_point(llm: Any, target: str, c: int, seed: int) -> dict[str, Any]:
@@ -121,12 +124,12 @@ def bench_requests(models: dict[str, str], concurrency: list[int], repeats: int)
     from abstractruntime_mlx import create_llm
 
     rows: list[dict[str, Any]] = []
-    targets = ["greedy", "sampled", "exclusive"]
+    targets = ["greedy", "sampled", "sampled_top_p", "exclusive"]
     for name, path in models.items():
         totals = {(t, c): {"tokens": 0, "wall_s": 0.0, "peak_batch": 0, "modes": set()} for t in targets for c in concurrency}
         options = {"mlx_batching": True, "mlx_max_batch_size": MAX_BATCH, "speculation": False}
         for repeat in range(repeats + 1):  # repeat 0 warms up every width
-            order = targets[repeat % 3 :] + targets[: repeat % 3]
+            order = targets[repeat % len(targets) :] + targets[: repeat % len(targets)]
             for target in order:
                 exclusive = target == "exclusive"
                 llm = create_llm("mlx", model=path, mlx_sampled_exclusive=exclusive, **options)
@@ -149,12 +152,15 @@ def bench_requests(models: dict[str, str], concurrency: list[int], repeats: int)
                 row[t] = {"tok_s": round(acc["tokens"] / acc["wall_s"], 1), "peak_batch": acc["peak_batch"], "modes": sorted(acc["modes"])}
             row["sampled_vs_greedy"] = round(row["sampled"]["tok_s"] / row["greedy"]["tok_s"], 2)
             row["sampled_vs_exclusive"] = round(row["sampled"]["tok_s"] / row["exclusive"]["tok_s"], 2)
+            row["top_p_vs_greedy"] = round(row["sampled_top_p"]["tok_s"] / row["greedy"]["tok_s"], 2)
             rows.append(row)
             print(
                 f"{name:5s} c{c}: greedy {row['greedy']['tok_s']:7.1f} tok/s (peak {row['greedy']['peak_batch']})  "
                 f"sampled {row['sampled']['tok_s']:7.1f} (peak {row['sampled']['peak_batch']})  "
+                f"top_p {row['sampled_top_p']['tok_s']:7.1f}  "
                 f"exclusive {row['exclusive']['tok_s']:7.1f} (peak {row['exclusive']['peak_batch']})  "
-                f"sampled/greedy {row['sampled_vs_greedy']:.2f}  sampled/exclusive {row['sampled_vs_exclusive']:.2f}",
+                f"sampled/greedy {row['sampled_vs_greedy']:.2f}  sampled/exclusive {row['sampled_vs_exclusive']:.2f}  "
+                f"top_p/greedy {row['top_p_vs_greedy']:.2f}",
                 flush=True,
             )
     return rows

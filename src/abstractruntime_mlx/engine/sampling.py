@@ -72,11 +72,14 @@ def sample_rows(logprobs: mx.array, rows: Sequence[RowStream | None]) -> mx.arra
         return mx.argmax(logprobs, axis=-1)
     lp = logprobs
     top_k = [r.top_k if r else 0 for r in rows]
-    if any(top_k):
-        lp = _top_k(lp, mx.array(top_k)[:, None])
     top_p = [r.top_p if r and 0.0 < r.top_p < 1.0 else 1.0 for r in rows]
-    if any(p < 1.0 for p in top_p):
-        lp = _top_p(lp, mx.array(top_p)[:, None])
+    if any(top_k) or any(p < 1.0 for p in top_p):
+        # One sort serves both (a sort of values is far cheaper than an argsort on CPU).
+        descending = -mx.sort(-lp, axis=-1)
+        if any(top_k):
+            lp, descending = _top_k(lp, descending, mx.array(top_k)[:, None])
+        if any(p < 1.0 for p in top_p):
+            lp = _top_p(lp, descending, mx.array(top_p)[:, None])
     min_p = [r.min_p if r else 0.0 for r in rows]
     if any(min_p):
         lp = _min_p(lp, mx.array(min_p)[:, None])
@@ -108,23 +111,23 @@ def _draw(logits: mx.array, key: mx.array) -> mx.array:
     return mx.random.categorical(logits, key=key)
 
 
-def _top_k(logprobs: mx.array, k: mx.array) -> mx.array:
-    """Keep each row's ``k`` best (``k`` == 0: keep all)."""
+def _top_k(logprobs: mx.array, descending: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
+    """Keep each row's ``k`` best, ties included (``k`` == 0: keep all); masks the sorted copy alike."""
     vocab = logprobs.shape[-1]
-    kth = mx.take_along_axis(mx.sort(logprobs, axis=-1), vocab - mx.clip(k, 1, vocab), axis=-1)
-    return mx.where((k > 0) & (logprobs < kth), _NEG_INF, logprobs)
+    kth = mx.take_along_axis(descending, mx.clip(k, 1, vocab) - 1, axis=-1)
+    on = k > 0
+    return mx.where(on & (logprobs < kth), _NEG_INF, logprobs), mx.where(on & (descending < kth), _NEG_INF, descending)
 
 
-def _top_p(logprobs: mx.array, top_p: mx.array) -> mx.array:
-    """Keep each row's smallest prefix whose mass reaches ``top_p`` (1.0: keep all)."""
-    order = mx.argsort(-logprobs, axis=-1)
-    sorted_lp = mx.take_along_axis(logprobs, order, axis=-1)
-    probs = mx.softmax(sorted_lp, axis=-1)
+def _top_p(logprobs: mx.array, descending: mx.array, top_p: mx.array) -> mx.array:
+    """Keep each row's smallest prefix (by probability) whose mass reaches ``top_p``, ties at
+    the cut included (1.0: keep all). The first token always stays."""
+    probs = mx.softmax(descending, axis=-1)
     cumulative = mx.cumsum(probs, axis=-1)
-    # the first token always stays
     keep = ((cumulative - probs) < top_p) | (top_p >= 1.0)
-    filtered = mx.where(keep, sorted_lp, _NEG_INF)
-    return mx.take_along_axis(filtered, mx.argsort(order, axis=-1), axis=-1)
+    count = mx.sum(keep, axis=-1, keepdims=True)
+    cutoff = mx.take_along_axis(descending, count - 1, axis=-1)
+    return mx.where(logprobs < cutoff, _NEG_INF, logprobs)
 
 
 def _min_p(logprobs: mx.array, min_p: mx.array) -> mx.array:
