@@ -23,7 +23,8 @@ dense model and a 27M-parameter qwen3):
 2. Flow runs. N concurrent runs (``run_flow``) of a fan-out flow: a ``parallel`` node with four
    ``llm_call`` branches that name no temperature (the compiler's default, 0.7) and take their
    prompts from the start node's pins. ``before`` = ``mlx_sampled_exclusive=True``, ``after`` =
-   the default. runs/s and the engine's peak batch. Target: after >= 2.5x before at 4 runs.
+   the default. Each node writes up to ``--flow-max-tokens`` (128) tokens. runs/s and the
+   engine's peak batch. Target: after >= 2.5x before at 4 runs.
 3. Prefetch hit rate on flows shaped like the public AbstractFlow examples: a ``sequence`` of
    independent ``llm_call`` branches over start-node inputs (a pin wired straight in, a
    ``concat`` of a literal and a pin, ``include_context: false`` as the editor writes it), then a
@@ -66,6 +67,7 @@ _models = _load_models_module()
 from abstractruntime_mlx.runtime_plugin import run_flow  # noqa: E402 - after the sys.path fix
 
 MAX_TOKENS = 48
+FLOW_MAX_TOKENS = 128  # LLM nodes of real flows write paragraphs (they set no cap: 1024)
 MAX_BATCH = 8
 WORDS = (
     "rivers cities music planets gardens engines history language weather bridges markets "
@@ -88,7 +90,7 @@ def calls_for(target: str, n: int) -> list[dict[str, Any]]:
     return [{"temperature": 0.7, "seed": 1000 + i, **extra} for i in range(n)]
 
 
-def run_point(llm: Any, target: str, c: int, seed: int) -> dict[str, Any]:
+def run_point(llm: Any, target: str, c: int, seed: int, *, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     texts = prompts(2 * c, seed)
     calls = calls_for(target, len(texts))
     start = threading.Barrier(c)
@@ -103,7 +105,7 @@ def run_point(llm: Any, target: str, c: int, seed: int) -> dict[str, Any]:
                 if not jobs:
                     return
                 text, call = jobs.pop(0)
-            r = llm.generate(text, thinking=False, max_output_tokens=MAX_TOKENS, **call)
+            r = llm.generate(text, thinking=False, max_output_tokens=max_tokens, **call)
             with lock:
                 results.append(r)
 
@@ -128,14 +130,14 @@ def bench_requests(models: dict[str, str], concurrency: list[int], repeats: int)
     for name, path in models.items():
         totals = {(t, c): {"tokens": 0, "wall_s": 0.0, "peak_batch": 0, "modes": set()} for t in targets for c in concurrency}
         options = {"mlx_batching": True, "mlx_max_batch_size": MAX_BATCH, "speculation": False}
-        for repeat in range(repeats + 1):  # repeat 0 warms up every width
+        for repeat in range(repeats + 1):  # repeat 0 warms up every width (4 tokens per request)
             order = targets[repeat % len(targets) :] + targets[: repeat % len(targets)]
             for target in order:
                 exclusive = target == "exclusive"
                 llm = create_llm("mlx", model=path, mlx_sampled_exclusive=exclusive, **options)
                 try:
                     for c in concurrency:
-                        point = run_point(llm, target, c, seed=repeat * 100 + c)
+                        point = run_point(llm, target, c, seed=repeat * 100 + c, max_tokens=MAX_TOKENS if repeat else 4)
                         if repeat == 0:
                             continue
                         acc = totals[(target, c)]
@@ -183,7 +185,7 @@ def _pack(ledger: str, model: str, options: dict[str, Any]) -> Iterator[Any]:
 # --- 2. flow runs -------------------------------------------------------------------------
 
 
-def fanout_flow() -> dict[str, Any]:
+def fanout_flow(max_tokens: int = FLOW_MAX_TOKENS) -> dict[str, Any]:
     """Four sampled branches (no temperature: the compiler's 0.7) over start-node pins."""
     topics = ["caches", "queues", "indexes", "schedulers"]
     nodes: list[dict[str, Any]] = [
@@ -200,16 +202,16 @@ def fanout_flow() -> dict[str, Any]:
             {
                 "id": f"llm{i}",
                 "type": "llm_call",
-                "data": {"effectConfig": {"provider": "mlx", "max_output_tokens": MAX_TOKENS, "thinking": False}, "pinDefaults": {"prompt": f"Write three sentences about {topic}."}},
+                "data": {"effectConfig": {"provider": "mlx", "max_output_tokens": max_tokens, "thinking": False}, "pinDefaults": {"prompt": f"Write three sentences about {topic}."}},
             }
         )
         edges.append({"source": "fan", "sourceHandle": f"then:{i}", "target": f"llm{i}", "targetHandle": "exec-in"})
     return {"id": "bench_sampled_fanout", "name": "bench_sampled_fanout", "entryNode": "start", "nodes": nodes, "edges": edges}
 
 
-def bench_flows(model: str, runs: list[int], repeats: int, workdir: Path) -> list[dict[str, Any]]:
+def bench_flows(model: str, runs: list[int], repeats: int, workdir: Path, max_tokens: int) -> list[dict[str, Any]]:
     rows = []
-    flow = fanout_flow()
+    flow = fanout_flow(max_tokens)
     for n in runs:
         row: dict[str, Any] = {"runs": n}
         for label, exclusive in (("before", True), ("after", False)):
@@ -236,7 +238,7 @@ def bench_flows(model: str, runs: list[int], repeats: int, workdir: Path) -> lis
         row["after_vs_before"] = round(row["after"]["runs_s"] / row["before"]["runs_s"], 2)
         rows.append(row)
         print(
-            f"fan-out x{n}: before {row['before']['runs_s']:.2f} runs/s (peak {row['before']['peak_batch']}, {row['before']['modes']})  "
+            f"fan-out x{n} ({max_tokens} tokens/node): before {row['before']['runs_s']:.2f} runs/s (peak {row['before']['peak_batch']}, {row['before']['modes']})  "
             f"after {row['after']['runs_s']:.2f} runs/s (peak {row['after']['peak_batch']}, {row['after']['modes']})  "
             f"after/before {row['after_vs_before']:.2f}",
             flush=True,
@@ -319,6 +321,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,8")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--flow-runs", default="1,4")
+    parser.add_argument("--flow-max-tokens", type=int, default=FLOW_MAX_TOKENS, help="max_output_tokens of the fan-out flow's nodes")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: requests, flows, prefetch")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -335,7 +338,7 @@ def main() -> None:
         out["requests"] = bench_requests(models, concurrency, args.repeats)
     tiny = models.get("tiny") or str(_models.tiny(workdir / "tiny"))
     if "flows" not in skip:
-        out["flows"] = bench_flows(tiny, [int(n) for n in args.flow_runs.split(",")], args.repeats, workdir)
+        out["flows"] = bench_flows(tiny, [int(n) for n in args.flow_runs.split(",")], args.repeats, workdir, args.flow_max_tokens)
     if "prefetch" not in skip:
         out["prefetch"] = bench_prefetch(tiny, [3, 4, 7], runs=2, workdir=workdir)
     if args.json:
