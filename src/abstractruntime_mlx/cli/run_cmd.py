@@ -46,6 +46,7 @@ class RunSettings:
     as_json: bool = False
     routes: tuple[str, ...] = ()
     flows_dir: str | None = None
+    source: str | None = None
     artifacts_dir: str | None = None
     allow_network_tools: bool = False
     max_timer_wait_s: float = 60.0
@@ -159,6 +160,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         raise SystemExit("error: --max-timer-wait must be >= 0")
     return RunSettings(
         flow=flow,
+        source=args.flow,
         runs=args.runs,
         ledger_url=default_ledger_url(args.ledger),
         model=model or served_model(run_vars) or default_model_path(),
@@ -248,6 +250,7 @@ def run_and_print(settings: RunSettings) -> int:
             sibling_batching=settings.sibling_batching,
             routes=settings.routes,
             flows_dir=settings.flows_dir,
+            source=settings.source,
             artifacts_dir=settings.artifacts_dir,
             allow_network_tools=settings.allow_network_tools,
             limits=DriveLimits(max_timer_wait_s=settings.max_timer_wait_s),

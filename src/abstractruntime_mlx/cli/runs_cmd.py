@@ -20,6 +20,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -63,6 +64,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     replay.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
     replay.add_argument("--model", default=None, help="model to resume with (default: the one the run was started with)")
     replay.add_argument("--no-resume", action="store_true", help="only render, even if the run is unfinished")
+    replay.add_argument("--flow", default=None, metavar="FILE", help="compare the run's flow with FILE (default: the file it was started from)")
     replay.add_argument("--json", action="store_true")
     replay.set_defaults(handler=_replay)
 
@@ -170,7 +172,9 @@ def _replay(args: argparse.Namespace) -> int:
         run_id = resolve_run_id(ledger, args.run_id)
         detail = ledger.get_run(run_id)
     assert detail is not None
-    if detail.status == "running" and not args.no_resume:
+    resuming = detail.status == "running" and not args.no_resume
+    report_flow_drift(run_id, detail.state, flow_file=args.flow, resuming=resuming)
+    if resuming:
         print(f"run {run_id} was interrupted at node {detail.state.get('current_node')!r}; resuming (finished nodes are reused)")
         result = resume_run(run_id, ledger_url=url, model=args.model)
         print_results([result], as_json=args.json, ledger_url=url)
@@ -190,6 +194,18 @@ def _replay(args: argparse.Namespace) -> int:
         )
     print_results([result], as_json=args.json, ledger_url=url, replayed=True)
     return 0 if result.status == "completed" else 1
+
+
+def report_flow_drift(run_id: str, state: dict[str, Any], *, flow_file: str | None = None, resuming: bool) -> None:
+    """Say on stderr what changed in the run's flow file since the run started. A resume always
+    continues the graph the run started with (stored in the run), never the edited file."""
+    from ..runtime_plugin.flowdiff import flow_drift
+
+    drift = flow_drift(state.get("vars") or {}, flow_file=flow_file)
+    if drift is None:
+        return
+    then = "resuming the graph the run started with (stored in the run)" if resuming else "the run is shown as it ran"
+    print(f"note: {drift.render(run_id)}\n{then}; start a new run to use the edited flow", file=sys.stderr)
 
 
 def parse_event(text: str) -> tuple[str, Any]:
@@ -228,6 +244,7 @@ def _resume(args: argparse.Namespace) -> int:
     if detail.status not in ("running", "waiting"):
         raise SystemExit(f"error: run {run_id} is {detail.status}; only a waiting or interrupted run can be resumed")
     event = parse_event(args.event) if args.event is not None else None
+    report_flow_drift(run_id, detail.state, resuming=True)
     try:
         result = resume_run(
             run_id,

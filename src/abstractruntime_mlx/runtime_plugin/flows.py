@@ -29,6 +29,7 @@ from typing import Any, Final
 from abstractruntime.core.models import RunStatus, WaitReason
 
 from .catalog import load_flow
+from .flowdiff import flow_hash
 from .host import DriveLimits, FlowHost, drive, waiting_leaf
 from .pack import MLXPack, build_pack
 from .routing import LOCAL_PROVIDER
@@ -168,6 +169,7 @@ def run_flow(
     artifacts_dir: str | Path | None = None,
     allow_network_tools: bool = False,
     limits: DriveLimits | None = None,
+    source: str | Path | None = None,
 ) -> list[FlowRunResult]:
     """Run ``flow`` ``runs`` times concurrently (one thread, one compiled registry and one
     ``Runtime`` per run) and return the results in start order.
@@ -182,6 +184,9 @@ def run_flow(
     store beside the ledger (``artifacts_dir`` overrides it). Each run ends completed, failed
     (with the node and error recorded) or waiting for outside input (``resume_run`` continues
     it).
+
+    The run stores the flow it started with, its hash and where it came from (``source``,
+    default: ``flow`` when it is a path), so ``runs replay`` can say what changed in the file.
     """
 
     if runs < 1:
@@ -217,6 +222,8 @@ def run_flow(
             runtime_ns["model"] = default_model
         runtime_ns[FLOW_VAR] = {
             "flow": flow_dict,
+            "flow_hash": flow_hash(flow_dict),
+            "source": _source_path(source if source is not None else flow),
             "subflows": host.bundle.subflows(),
             "allow_network_tools": allow_network_tools,
             "artifacts_dir": None if artifacts_dir is None else str(artifacts_dir),
@@ -231,6 +238,11 @@ def run_flow(
     finally:
         if owned:
             pack.close()
+
+
+def _source_path(flow: str | Path | Mapping[str, Any]) -> str | None:
+    directory = flow_directory(flow)
+    return None if directory is None else str(directory / Path(str(flow)).expanduser().name)
 
 
 def flow_directory(flow: str | Path | Mapping[str, Any]) -> Path | None:
