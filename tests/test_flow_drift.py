@@ -13,6 +13,7 @@ from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.ledger import Ledger, sqlite_url
 from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.runtime_plugin.flowdiff import flow_drift, flow_hash
+from abstractruntime_mlx.runtime_plugin.flows import stored_flow, stored_options
 
 FLOWS = Path(__file__).resolve().parent / "flows"
 
@@ -50,7 +51,8 @@ def test_resume_after_the_flow_file_changed_says_what_changed(ledger_path, capsy
     pack_vars = stored_vars(ledger_path, run_id)["_runtime"]["mlx_pack"]
     assert pack_vars["flow_hash"] == flow_hash(original)
     assert pack_vars["source"] == str(flow_file.resolve())
-    assert flow_drift(stored_vars(ledger_path, run_id)) is None  # unchanged file: nothing to say
+    run_vars = stored_vars(ledger_path, run_id)
+    assert flow_drift(stored_flow(run_vars), stored_options(run_vars)) is None  # unchanged file: nothing to say
 
     edited = json.loads(flow_file.read_text())
     llm = next(n for n in edited["nodes"] if n["id"] == "llm")

@@ -200,8 +200,10 @@ def report_flow_drift(run_id: str, state: dict[str, Any], *, flow_file: str | No
     """Say on stderr what changed in the run's flow file since the run started. A resume always
     continues the graph the run started with (stored in the run), never the edited file."""
     from ..runtime_plugin.flowdiff import flow_drift
+    from ..runtime_plugin.flows import stored_flow, stored_options
 
-    drift = flow_drift(state.get("vars") or {}, flow_file=flow_file)
+    run_vars = state.get("vars") or {}
+    drift = flow_drift(stored_flow(run_vars), stored_options(run_vars), flow_file=flow_file)
     if drift is None:
         return
     then = "resuming the graph the run started with (stored in the run)" if resuming else "the run is shown as it ran"

@@ -154,17 +154,16 @@ class FlowDrift:
         return "\n".join(lines)
 
 
-def flow_drift(run_vars: Mapping[str, Any], *, flow_file: str | Path | None = None) -> FlowDrift | None:
-    """Compare the flow stored in a run (``_runtime.mlx_pack``) with its file as it is now
-    (``flow_file``, else the ``source`` stored with the run). None: unchanged, or nothing to
-    compare with (no file recorded)."""
-    from .flows import stored_flow, stored_options
-
-    stored = stored_flow(run_vars)
-    source = flow_file if flow_file is not None else stored_options(run_vars).get("source")
+def flow_drift(
+    stored: Mapping[str, Any] | None, options: Mapping[str, Any], *, flow_file: str | Path | None = None
+) -> FlowDrift | None:
+    """Compare the flow a run started with (``stored``; ``options`` are the other keys of
+    ``_runtime.mlx_pack``: ``flow_hash``, ``source``) with its file as it is now (``flow_file``,
+    else the stored ``source``). None: unchanged, or nothing to compare with."""
+    source = flow_file if flow_file is not None else options.get("source")
     if stored is None or not isinstance(source, (str, Path)) or not str(source):
         return None
-    stored_hash = str(stored_options(run_vars).get("flow_hash") or flow_hash(stored))
+    stored_hash = str(options.get("flow_hash") or flow_hash(stored))
     path = Path(source).expanduser()
     try:
         current = json.loads(path.read_text(encoding="utf-8"))
