@@ -6,14 +6,14 @@ then ``prompt`` as a user turn. Images always attach to the final user message.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .errors import InvalidMedia, InvalidRequest
 
 
 def assemble_conversation(
-    *, prompt: str | None, messages: list[Mapping[str, Any]] | None, system_prompt: str | None
+    *, prompt: str | None, messages: Sequence[Mapping[str, Any]] | None, system_prompt: str | None
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if system_prompt:

@@ -67,7 +67,7 @@ def pick_progress_callback(values: Mapping[str, Any]) -> ProgressSink | None:
     for name in PROGRESS_ALIASES:
         value = values.get(name)
         if callable(value):
-            return value  # type: ignore[no-any-return]
+            return value
     return None
 
 
@@ -165,7 +165,7 @@ class GenerationRequest:
             prompt_cache_key=prompt_cache_key,
             trace_metadata=dict(trace_metadata) if trace_metadata else None,
             cancel=cancel,
-            progress=progress,  # type: ignore[arg-type]  # checked callable above
+            progress=progress,  # checked callable above
         )
 
     @classmethod

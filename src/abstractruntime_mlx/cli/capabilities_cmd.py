@@ -10,7 +10,7 @@ from .. import policy
 from ..capabilities import get_execution_capabilities
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "capabilities",
         help="describe MTP support and concurrency of a model without loading it (JSON)",

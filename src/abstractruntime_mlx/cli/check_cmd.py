@@ -30,7 +30,7 @@ class CheckSettings:
     as_json: bool = False
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "check",
         help="check a VisualFlow JSON flow without running it (every problem, node by node)",

@@ -14,7 +14,7 @@ from pathlib import Path
 from .. import policy
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "config",
         help="show or change the Core MTP policy",

@@ -19,7 +19,7 @@ from sqlalchemy.engine import make_url
 from .ledger_location import default_ledger_url
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("ledger", help="the ledger database's schema revision: status, upgrade")
     parser.set_defaults(handler=lambda _args: (parser.print_help(), 2)[1])
     actions = parser.add_subparsers(dest="ledger_command", metavar="ACTION")

@@ -125,10 +125,10 @@ class _OneLine(logging.Formatter):
         return " ".join(line.split("\n"))
 
 
-class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at emit time (tests swap it)."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> object:
         return sys.stderr
 

@@ -21,7 +21,7 @@ from ..errors import ModelNotFound, UpstreamError
 TINY_KINDS = ("dense", "hybrid-mtp", "vision")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("models", help="download, list or build models")
     parser.set_defaults(handler=lambda _args: (parser.print_help(), 2)[1])
     actions = parser.add_subparsers(dest="models_command", metavar="ACTION")

@@ -52,7 +52,7 @@ class RunSettings:
     max_timer_wait_s: float = 60.0
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "run",
         help="run a VisualFlow JSON flow (N concurrent runs) and print each LLM node's result",

@@ -27,6 +27,7 @@ from typing import Any, Final
 
 from ..errors import LedgerNotFound
 from ..inspection import control_text, run_view
+from ..json_values import object_at
 from ..ledger import Ledger
 from .ledger_location import default_ledger_url
 from .show_view import calls_table, calls_timeline
@@ -38,7 +39,7 @@ MAX_NESTING = 8
 TEXT_WIDTH = 72
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("runs", help="list, show or replay runs recorded in the ledger")
     parser.set_defaults(handler=lambda _args: (parser.print_help(), 2)[1])
     actions = parser.add_subparsers(dest="runs_command", metavar="ACTION")
@@ -490,7 +491,7 @@ def _wait_lines(node: Any, waiting: dict[str, Any]) -> list[str]:
         lines.append(f"    event: {key.split(':', 3)[-1] if key.startswith('evt:') else key}  (key {key})")
         lines.append("    continue: abstractruntime-mlx runs resume RUN_ID --event NAME[=JSON]")
     elif reason == "subworkflow":
-        details = waiting.get("details") if isinstance(waiting.get("details"), dict) else {}
+        details = object_at(waiting, "details")
         lines.append(f"    child run: {details.get('sub_run_id')} ({details.get('sub_workflow_id')}), shown below")
     else:
         lines.append(f"    wait key: {waiting.get('wait_key')}")

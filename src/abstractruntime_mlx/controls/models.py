@@ -394,7 +394,7 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
 def _stop(value: object) -> tuple[str, ...]:
     if value is None:
         return ()
-    items: Iterable[Any] = [value] if isinstance(value, str) else value
+    items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
         raise InvalidControls("stop must be a string or a list of strings", field="stop", value=value)
     out: list[str] = []

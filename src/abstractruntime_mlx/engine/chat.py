@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..conversation import final_user_message
@@ -23,7 +23,7 @@ def render_prompt(
     tokenizer: Any,
     conversation: list[dict[str, Any]],
     *,
-    tools: list[dict[str, Any]] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
     thinking: bool | str | None = None,
 ) -> str:
     kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}

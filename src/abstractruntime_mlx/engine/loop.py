@@ -705,6 +705,8 @@ class Engine:
 
     def _on_token(self, group: _Group, running: _Running, token: int, finish_reason: str | None) -> None:
         request = running.request
+        uid = request.uid
+        assert uid is not None  # a row of a running group always has its uid
         if request.status == RequestStatus.PREFILLING:
             request.transition(RequestStatus.DECODING)
         is_eos = token in self._model.eos_token_ids
@@ -716,14 +718,14 @@ class Engine:
                 if not self._deliver(request, TokenDelta(text, [token])):
                     return
             if stopped:
-                self._drop_row(group, request.uid)  # type: ignore[arg-type]
+                self._drop_row(group, uid)
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
         elif request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         if finish_reason is not None:
-            group.running.pop(request.uid, None)  # type: ignore[arg-type]
-            group.backend.forget(request.uid)  # type: ignore[arg-type]
+            group.running.pop(uid, None)
+            group.backend.forget(uid)
             running.detokenizer.finalize()
             tail = running.stops.flush(running.detokenizer.last_segment)
             if tail:
@@ -751,7 +753,7 @@ class Engine:
             )
             group = self._group
             if group is not None and request.uid is not None and request.uid in group.running:
-                self._drop_row(group, request.uid)  # type: ignore[arg-type]
+                self._drop_row(group, request.uid)
             self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
             return False
         request.notify()

@@ -119,6 +119,13 @@ def _text_setting(config: dict[str, Any], name: str) -> int | None:
     return None
 
 
+def _untyped(loaded: object) -> tuple[Any, ...]:
+    """An upstream loader's tuple, whose declared element types are narrower than what the
+    loaded checkpoints provide (processors carry a ``detokenizer``, tokenizers are wrapped)."""
+    assert isinstance(loaded, tuple)
+    return loaded
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -130,7 +137,7 @@ def _load_native(path: Path, config: dict[str, Any], *, drafter_source: Path | N
     import mlx_vlm
 
     try:
-        model, processor = mlx_vlm.load(str(path))
+        model, processor = _untyped(mlx_vlm.load(str(path)))
     except Exception as exc:  # noqa: BLE001 - upstream raises plain exceptions
         raise UpstreamError(f"mlx-vlm could not load {path}: {type(exc).__name__}: {exc}") from exc
     tokenizer = processor.tokenizer if hasattr(processor, "tokenizer") else processor
@@ -163,7 +170,7 @@ def _load_mlx_lm(path: Path, config: dict[str, Any]) -> LoadedModel:
     import mlx_lm
 
     try:
-        model, tokenizer = mlx_lm.load(str(path))
+        model, tokenizer = _untyped(mlx_lm.load(str(path)))[:2]
     except Exception as exc:  # noqa: BLE001
         raise UpstreamError(f"mlx-lm could not load {path}: {type(exc).__name__}: {exc}") from exc
     return LoadedModel(

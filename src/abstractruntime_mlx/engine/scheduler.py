@@ -41,7 +41,7 @@ class GroupKey:
 def group_key(request: EngineRequest, *, sampled_exclusive: bool = False) -> GroupKey:
     cache_group = request.cache_group if request.prompt_cache_key is None else ("prefix", request.cache_group)
     if not request.sampling.is_greedy_neutral():
-        reason = None
+        reason: ExclusiveReason | None = None
         if request.draft_tokens > 0:
             reason = ExclusiveReason.SAMPLED_SPECULATION
         elif sampled_exclusive:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from typing import AsyncIterator, Iterator, Protocol
+from collections.abc import AsyncGenerator, Iterator
+from typing import Protocol
 
 from ..errors import EngineCrashed
 from .request import END_OF_STREAM, EngineRequest, Outcome, PrefillObservation, TokenDelta
@@ -62,12 +63,16 @@ class RequestStream:
         if not self.request.done.is_set():
             self.engine.cancel(self.request)
 
-    async def aiter(self) -> AsyncIterator[TokenDelta | PrefillObservation]:
+    async def aiter(self) -> AsyncGenerator[TokenDelta | PrefillObservation, None]:
         """Async twin of ``__iter__``: wakes on the worker's notification, never blocks the loop."""
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
         request = self.request
-        request.waker = lambda: loop.call_soon_threadsafe(wake.set)
+
+        def wake_up() -> None:
+            loop.call_soon_threadsafe(wake.set)
+
+        request.waker = wake_up
         try:
             while True:
                 try:

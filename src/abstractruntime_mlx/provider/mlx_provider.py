@@ -13,7 +13,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator, Literal, overload
 
 from ..artifacts import detect_mtp, resolve_model_path
 from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_controls
@@ -228,6 +228,15 @@ class MLXProvider:
 
     async def agenerate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | AsyncChunkStream:
         return await self.agenerate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
+
+    @overload
+    def generate_request(self, request: GenerationRequest, *, stream: Literal[False] = False) -> GenerationResult: ...
+
+    @overload
+    def generate_request(self, request: GenerationRequest, *, stream: Literal[True]) -> ChunkStream: ...
+
+    @overload
+    def generate_request(self, request: GenerationRequest, *, stream: bool) -> GenerationResult | ChunkStream: ...
 
     def generate_request(self, request: GenerationRequest, *, stream: bool = False) -> GenerationResult | ChunkStream:
         """Run one validated request (the typed twin of ``generate``)."""

@@ -16,7 +16,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
 from typing import Any
 
 import httpx
@@ -274,7 +274,7 @@ class RemoteClient(_ClientCore):
         return self.model
 
     def health(self) -> dict[str, Any]:
-        return self._request("GET", "/health")  # type: ignore[no-any-return]
+        return self._request("GET", "/health")
 
     def list_models(self) -> list[dict[str, Any]]:
         return list(self._request("GET", "/v1/models").get("data") or [])
@@ -282,22 +282,22 @@ class RemoteClient(_ClientCore):
     def load_model(self, model: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
         body = self._request("POST", "/acore/models/load", json={"provider": "mlx", "model": model, "options": options or {}})
         self.model = model
-        return body  # type: ignore[no-any-return]
+        return body
 
     def unload_model(self, model: str | None = None) -> dict[str, Any]:
-        return self._request("POST", "/acore/models/unload", json={"model": model or self.model})  # type: ignore[no-any-return]
+        return self._request("POST", "/acore/models/unload", json={"model": model or self.model})
 
     def get_execution_capabilities(self, model_name: str | None = None, provider: str = "mlx") -> dict[str, Any]:
         params = {"provider": provider, **({"model_name": model_name or self.model} if (model_name or self.model) else {})}
-        return self._request("GET", "/v1/models/execution-capabilities", params=params)  # type: ignore[no-any-return]
+        return self._request("GET", "/v1/models/execution-capabilities", params=params)
 
     def get_prompt_cache_stats(self) -> dict[str, Any]:
         body = self._request("GET", "/acore/prompt_cache/stats")
-        return body.get("stats", body)  # type: ignore[no-any-return]
+        return body.get("stats", body)
 
     def prompt_cache_clear(self, key: str | None = None) -> dict[str, Any]:
         body = self._request("POST", "/acore/prompt_cache/clear", json={"key": key} if key is not None else {})
-        return body.get("result", body)  # type: ignore[no-any-return]
+        return body.get("result", body)
 
 
 class SyncChunkStream:
@@ -333,7 +333,7 @@ class SyncChunkStream:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
-    def _run(self) -> Iterator[GenerationChunk]:
+    def _run(self) -> Generator[GenerationChunk, None, None]:
         client, prepared, response = self._client, self._prepared, self._response
         first_at: float | None = None
         try:
@@ -489,7 +489,7 @@ class AsyncRemoteClient(_ClientCore):
         return self.model
 
     async def health(self) -> dict[str, Any]:
-        return await self._request("GET", "/health")  # type: ignore[no-any-return]
+        return await self._request("GET", "/health")
 
     async def list_models(self) -> list[dict[str, Any]]:
         return list((await self._request("GET", "/v1/models")).get("data") or [])
@@ -497,22 +497,22 @@ class AsyncRemoteClient(_ClientCore):
     async def load_model(self, model: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
         body = await self._request("POST", "/acore/models/load", json={"provider": "mlx", "model": model, "options": options or {}})
         self.model = model
-        return body  # type: ignore[no-any-return]
+        return body
 
     async def unload_model(self, model: str | None = None) -> dict[str, Any]:
-        return await self._request("POST", "/acore/models/unload", json={"model": model or self.model})  # type: ignore[no-any-return]
+        return await self._request("POST", "/acore/models/unload", json={"model": model or self.model})
 
     async def get_execution_capabilities(self, model_name: str | None = None, provider: str = "mlx") -> dict[str, Any]:
         params = {"provider": provider, **({"model_name": model_name or self.model} if (model_name or self.model) else {})}
-        return await self._request("GET", "/v1/models/execution-capabilities", params=params)  # type: ignore[no-any-return]
+        return await self._request("GET", "/v1/models/execution-capabilities", params=params)
 
     async def get_prompt_cache_stats(self) -> dict[str, Any]:
         body = await self._request("GET", "/acore/prompt_cache/stats")
-        return body.get("stats", body)  # type: ignore[no-any-return]
+        return body.get("stats", body)
 
     async def prompt_cache_clear(self, key: str | None = None) -> dict[str, Any]:
         body = await self._request("POST", "/acore/prompt_cache/clear", json={"key": key} if key is not None else {})
-        return body.get("result", body)  # type: ignore[no-any-return]
+        return body.get("result", body)
 
 
 class AsyncChunkStream:
@@ -541,7 +541,7 @@ class AsyncChunkStream:
         await self._iterator.aclose()
         await self._response.aclose()
 
-    async def _run(self) -> AsyncIterator[GenerationChunk]:
+    async def _run(self) -> AsyncGenerator[GenerationChunk, None]:
         client, prepared, response = self._client, self._prepared, self._response
         first_at: float | None = None
         try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from ..json_values import object_at
 from .prediction import Unpredictable, plan_payload, resolve_payload
 
 __all__ = ["BRANCHING_NODE_TYPES", "FlowCatalog", "FlowIndex", "SiblingCall", "load_flow"]
@@ -75,8 +76,8 @@ class FlowIndex:
         edges = [e for e in flow.get("edges", []) if isinstance(e, Mapping)]
         self._configs: dict[str, dict[str, Any]] = {}
         for node_id, node in nodes.items():
-            data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
-            config = data.get("effectConfig") if isinstance(data.get("effectConfig"), Mapping) else {}
+            data = object_at(node, "data")
+            config = object_at(data, "effectConfig")
             self._configs[node_id] = dict(config)
         branches: dict[str, list[tuple[int, str]]] = {}
         for edge in edges:
@@ -93,8 +94,8 @@ class FlowIndex:
             targets.sort()
             calls: list[SiblingCall] = []
             for branch, target in targets:
-                node = nodes.get(target)
-                if node is None or node.get("type") != "llm_call":
+                branch_node = nodes.get(target)
+                if branch_node is None or branch_node.get("type") != "llm_call":
                     continue
                 try:
                     payload = plan_payload(flow, target)

@@ -35,6 +35,7 @@ from typing import Any, Final, Literal
 
 from ..controls import SPECULATION_KEYS, normalize_sampling, normalize_speculation, normalize_thinking
 from ..errors import InvalidControls, InvalidFlow, InvalidRequest, MLXRuntimeError
+from ..json_values import array_at, object_at
 from .routing import Routing
 
 __all__ = [
@@ -309,7 +310,7 @@ def _load(source: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any] | None
 
 
 def _label(node: Mapping[str, Any]) -> str | None:
-    data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+    data = object_at(node, "data")
     for value in (data.get("label"), node.get("label")):
         if isinstance(value, str) and value.strip():
             return value.strip()
@@ -358,7 +359,7 @@ def _check_document(raw: Mapping[str, Any], findings: _Findings) -> None:
 
 def _pins(node: Mapping[str, Any], side: str) -> set[str] | None:
     """The declared pin ids of one side (``inputs``/``outputs``), or None when the node declares none."""
-    data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+    data = object_at(node, "data")
     inputs, outputs = data.get("inputs"), data.get("outputs")
     if not (isinstance(inputs, list) and inputs) and not (isinstance(outputs, list) and outputs):
         return None  # hand-written flows often declare no pins: nothing to compare with
@@ -367,7 +368,7 @@ def _pins(node: Mapping[str, Any], side: str) -> set[str] | None:
 
 
 def _check_edges(raw: Mapping[str, Any], nodes: Mapping[str, tuple[int, Mapping[str, Any]]], findings: _Findings) -> None:
-    edges = raw.get("edges") if isinstance(raw.get("edges"), list) else []
+    edges = array_at(raw, "edges")
     for i, edge in enumerate(edges):
         where = f"edges[{i}]"
         if not isinstance(edge, Mapping):
@@ -458,7 +459,7 @@ def _live_nodes(raw: Mapping[str, Any], compiled: set[str], ignored: set[str]) -
     """Nodes that take part in a run: the execution nodes the compiler kept, and the data
     nodes whose outputs reach one of them (transitively)."""
     feeds: dict[str, set[str]] = {}
-    for edge in raw.get("edges") if isinstance(raw.get("edges"), list) else []:
+    for edge in array_at(raw, "edges"):
         if isinstance(edge, Mapping) and edge.get("targetHandle") != "exec-in":
             feeds.setdefault(str(edge.get("target")), set()).add(str(edge.get("source")))
     live = set(compiled)
@@ -481,7 +482,7 @@ def _report_unreachable(
     another trigger node (``on_event``, a second ``on_flow_start``) that ``run`` does not fire.
     """
     consumers: dict[str, list[str]] = {}
-    for edge in raw.get("edges") if isinstance(raw.get("edges"), list) else []:
+    for edge in array_at(raw, "edges"):
         if isinstance(edge, Mapping) and edge.get("targetHandle") != "exec-in":
             consumers.setdefault(str(edge.get("source")), []).append(str(edge.get("target")))
     for node_id in sorted(ignored):
@@ -526,7 +527,7 @@ def _named_node(message: str, nodes: Mapping[str, Any]) -> str | None:
 
 def _wired_nodes(raw: Mapping[str, Any]) -> set[str]:
     out: set[str] = set()
-    for edge in raw.get("edges") if isinstance(raw.get("edges"), list) else []:
+    for edge in array_at(raw, "edges"):
         if isinstance(edge, Mapping):
             out.update(str(edge.get(end)) for end in ("source", "target") if edge.get(end))
     return out
@@ -675,7 +676,7 @@ def _check_llm_nodes(
     probe_timeout_s: float,
     resolve_model: Callable[[str], Any],
 ) -> None:
-    runtime_ns = run_vars.get("_runtime") if isinstance(run_vars.get("_runtime"), Mapping) else {}
+    runtime_ns = object_at(run_vars, "_runtime")
     run_base_url = _first_str(runtime_ns.get("base_url"), runtime_ns.get("server_base_url"), default_base_url)
     models_seen: dict[str, str | None] = {}
     urls_seen: dict[str, str | None] = {}
@@ -683,7 +684,7 @@ def _check_llm_nodes(
         node_type = node.get("type")
         if node_type not in LLM_NODE_TYPES:
             continue
-        data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+        data = object_at(node, "data")
         config_key = "effectConfig" if node_type == "llm_call" else "agentConfig"
         config = data.get(config_key)
         if config is None:

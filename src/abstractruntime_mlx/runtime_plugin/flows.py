@@ -270,6 +270,8 @@ def _one_run(host: FlowHost, run_vars: dict[str, Any], session_id: str | None, l
 
 def _result(pack: MLXPack, state: Any, wall_s: float) -> FlowRunResult:
     ledger = pack.ledger
+    if ledger is None:
+        raise ValueError("a flow run's result is read from the ledger; this pack has none")
     tree = run_tree(ledger, state.run_id)
     nodes: list[NodeOutcome] = []
     failures: list[NodeFailure] = []

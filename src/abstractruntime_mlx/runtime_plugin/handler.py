@@ -28,6 +28,7 @@ from ..errors import (
     PolicyError,
     SpeculationUnavailable,
 )
+from ..json_values import object_at
 from ..ledger import Ledger, NodeKey
 from ..nodes import LLMNode, NodeRequest, NodeResult, PreparedCall
 from .catalog import FlowCatalog
@@ -113,8 +114,8 @@ class LLMCallHandler:
     def _handle(self, run: RunState, effect: Effect) -> EffectOutcome:
         payload = effect.payload if isinstance(effect.payload, Mapping) else {}
         node_id = str(run.current_node)
-        params = payload.get("params") if isinstance(payload.get("params"), Mapping) else {}
-        trace = params.get("trace_metadata") if isinstance(params.get("trace_metadata"), Mapping) else {}
+        params = object_at(payload, "params")
+        trace = object_at(params, "trace_metadata")
         attempt = trace.get("attempt")
         key = NodeKey(
             run.run_id,

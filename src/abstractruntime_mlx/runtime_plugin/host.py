@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 from abstractruntime import Runtime
 from abstractruntime.core.models import EffectType, RunState, RunStatus, StepRecord, WaitReason
 
+from ..json_values import object_at
 from ..ledger.store import parse_timestamp
 from .catalog import load_flow
 
@@ -79,7 +80,7 @@ _MAX_DRIVE_STEPS: Final = 100_000
 
 
 def _subflow_ref(node: Mapping[str, Any]) -> str | None:
-    data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+    data = object_at(node, "data")
     for key in _SUBFLOW_KEYS:
         value = data.get(key)
         if isinstance(value, str) and value.strip():
@@ -164,12 +165,12 @@ def _index_dir(directory: Path) -> dict[str, Path]:
     return out
 
 
-def _agent_nodes(bundle: FlowBundle) -> list[tuple[str, str, dict[str, Any]]]:
+def _agent_nodes(bundle: FlowBundle) -> list[tuple[str, str, Mapping[str, Any]]]:
     out = []
     for flow_id, node in bundle.nodes():
         if node.get("type") == "agent":
-            data = node.get("data") if isinstance(node.get("data"), dict) else {}
-            config = data.get("agentConfig") if isinstance(data.get("agentConfig"), dict) else {}
+            data = object_at(node, "data")
+            config = object_at(data, "agentConfig")
             out.append((flow_id, str(node.get("id")), config))
     return out
 
@@ -179,7 +180,7 @@ def network_tool_uses(bundle: FlowBundle, *, default_tools: frozenset[str] | Non
     (agent tool lists, ``tools_allowlist`` and ``call_tool`` nodes, ``llm_call`` tools)."""
     uses: list[tuple[str, str, str]] = []
     for flow_id, node in bundle.nodes():
-        data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+        data = object_at(node, "data")
         names: list[Any] = []
         for key in ("agentConfig", "effectConfig"):
             config = data.get(key)

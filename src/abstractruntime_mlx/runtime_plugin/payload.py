@@ -19,6 +19,7 @@ from abstractruntime.turn_grounding import strip_turn_grounding
 
 from ..controls import SAMPLING_FIELDS, UNSET
 from ..errors import InvalidRequest
+from ..json_values import object_at
 from ..nodes import NodeRequest
 from .routing import RouteDecision
 
@@ -53,7 +54,7 @@ def request_from_payload(
     """
     if payload.get("response_schema") is not None:
         raise InvalidRequest("structured output (response_schema) is not supported by the mlx pack's LLM node")
-    params = payload.get("params") if isinstance(payload.get("params"), Mapping) else {}
+    params = object_at(payload, "params")
     runtime_ns = (run_vars or {}).get("_runtime")
     runtime_ns = runtime_ns if isinstance(runtime_ns, Mapping) else {}
     config = node_config or {}
@@ -112,7 +113,7 @@ def explicit_base_url(
     """The server a node is sent to, first found: ``params.base_url``, the node's
     ``effectConfig.base_url``/``server_base_url``, ``_runtime.base_url``/``server_base_url``,
     ``default_base_url``; ``None``: local."""
-    params = payload.get("params") if isinstance(payload.get("params"), Mapping) else {}
+    params = object_at(payload, "params")
     runtime_ns = (run_vars or {}).get("_runtime")
     runtime_ns = runtime_ns if isinstance(runtime_ns, Mapping) else {}
     config = node_config or {}

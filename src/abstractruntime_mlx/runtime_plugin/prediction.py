@@ -25,6 +25,8 @@ from typing import Any, Final
 
 from abstractruntime.visualflow_compiler.visual.builtins import get_builtin_handler
 
+from ..json_values import object_at
+
 __all__ = ["Unpredictable", "plan_payload", "resolve_payload"]
 
 # effectConfig keys a predicted request honours; anything else makes the node unpredictable.
@@ -149,8 +151,9 @@ class _Graph:
             str(p["id"]) for p in data.get("inputs", []) or [] if isinstance(p, Mapping) and p.get("type") != "execution" and p.get("id")
         )
         if node_type == "concat":
-            config = data.get("concatConfig") if isinstance(data.get("concatConfig"), Mapping) else {}
-            separator = config.get("separator") if isinstance(config.get("separator"), str) else " "
+            config = object_at(data, "concatConfig")
+            raw_separator = config.get("separator")
+            separator = raw_separator if isinstance(raw_separator, str) else " "
             separator = separator.replace("\\n", "\n").replace("\\t", "\t").replace("\\r", "\r")
             if not pin_order:
                 letters = sorted(k for k in inputs if len(k) == 1 and "a" <= k <= "z")
@@ -163,7 +166,7 @@ def plan_payload(flow: Mapping[str, Any], node_id: str) -> dict[str, Any]:
     """The payload template of ``llm_call`` node ``node_id``; raises ``Unpredictable``."""
     graph = _Graph(flow)
     data = graph.data(node_id)
-    config = data.get("effectConfig") if isinstance(data.get("effectConfig"), Mapping) else {}
+    config = object_at(data, "effectConfig")
     extra = sorted(k for k in set(config) - PREDICTABLE_CONFIG if not (k in NO_OP_WHEN_FALSE and config[k] is False))
     if extra:
         raise Unpredictable(f"effectConfig keys {extra} are not predicted")
@@ -206,7 +209,7 @@ def resolve_payload(template: Mapping[str, Any], run_vars: Mapping[str, Any]) ->
     for name in ("provider", "model"):
         if not (isinstance(payload.get(name), str) and payload[name]):
             payload.pop(name, None)
-    raw = payload.get("params") if isinstance(payload.get("params"), dict) else {}
+    raw = object_at(payload, "params")
     params = dict(raw)
     try:
         params["temperature"] = float(DEFAULT_TEMPERATURE if raw.get("temperature") is None else raw["temperature"])

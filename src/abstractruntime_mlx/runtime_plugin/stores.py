@@ -18,6 +18,7 @@ serialises them to, so a stored run round-trips exactly.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable
 from typing import Any
 
@@ -151,7 +152,7 @@ class LedgerStepStore(LedgerStore):
     def list(self, run_id: str) -> list[dict[str, Any]]:
         return self.ledger.list_records(run_id)
 
-    def list_after(self, *, run_id: str, after: int, limit: int = 1000) -> tuple[list[dict[str, Any]], int]:
+    def list_after(self, *, run_id: str, after: int, limit: int = 1000) -> tuple[builtins.list[dict[str, Any]], int]:
         """Records with ``seq > after`` (cursor semantics of AbstractRuntime's ``SqliteLedgerStore``)."""
         return self.ledger.records_after(run_id, after=after, limit=limit)
 

@@ -284,7 +284,7 @@ class BearerAuth:
 
 
 def _served(request: Request) -> ServedModel:
-    return request.app.state.served  # type: ignore[no-any-return]
+    return request.app.state.served
 
 
 def _error_response(exc: BaseException) -> JSONResponse:
@@ -614,7 +614,7 @@ def _guarded(endpoint: Callable[[Request], Any]) -> Callable[[Request], Any]:
 
     async def run(request: Request) -> Response:
         try:
-            return await endpoint(request)  # type: ignore[no-any-return]
+            return await endpoint(request)
         except Exception as exc:  # noqa: BLE001 - unexpected ones are logged by error_payload
             return _error_response(exc)
 

@@ -109,7 +109,7 @@ def format_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI's ``{"id", "type": "function", "function": {"name", "arguments": str}}``."""
     out = []
     for call in calls:
-        fn = call.get("function") if isinstance(call.get("function"), dict) else call
+        fn = spec if isinstance(spec := call.get("function"), dict) else call
         arguments = fn.get("arguments", "")
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments)

@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 from .tokenizer import build_tokenizer, save_tokenizer, token_ids
 
@@ -289,7 +289,7 @@ def _seeded(seed: int) -> Iterator[None]:
     """
     import mlx.core as mx
 
-    resume = int(mx.random.randint(0, 2**31 - 1, ()).item())
+    resume = int(cast(int, mx.random.randint(0, 2**31 - 1, ()).item()))
     mx.random.seed(seed)
     try:
         yield
