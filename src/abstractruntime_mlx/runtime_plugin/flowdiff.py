@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from ..json_values import array_at, object_at
+
 __all__ = ["FlowDrift", "flow_changes", "flow_drift", "flow_hash"]
 
 _EDITOR_NODE_KEYS: Final = frozenset(
@@ -49,8 +51,8 @@ def _edge_identity(edge: Any) -> Any:
 
 def _identity(flow: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in flow.items() if k not in _EDITOR_FLOW_KEYS and k not in ("nodes", "edges")}
-    nodes = flow.get("nodes") if isinstance(flow.get("nodes"), list) else []
-    edges = flow.get("edges") if isinstance(flow.get("edges"), list) else []
+    nodes = array_at(flow, "nodes")
+    edges = array_at(flow, "edges")
     out["nodes"] = sorted(
         (_node_identity(n) if isinstance(n, Mapping) else n for n in nodes), key=lambda n: json.dumps(n, sort_keys=True, default=str)
     )
@@ -65,12 +67,12 @@ def flow_hash(flow: Mapping[str, Any]) -> str:
 
 
 def _nodes(flow: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    nodes = flow.get("nodes") if isinstance(flow.get("nodes"), list) else []
+    nodes = array_at(flow, "nodes")
     return {str(n.get("id")): _node_identity(n) for n in nodes if isinstance(n, Mapping) and n.get("id")}
 
 
 def _named(node_id: str, node: Mapping[str, Any]) -> str:
-    data = node.get("data") if isinstance(node.get("data"), Mapping) else {}
+    data = object_at(node, "data")
     label = data.get("label")
     return f"node {node_id!r}" + (f" ({label})" if isinstance(label, str) and label and label != node_id else "")
 
