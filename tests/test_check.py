@@ -277,3 +277,37 @@ def test_check_several_flows_summarises(cli_env, capsys, tmp_path, fanout, dense
     assert out.rstrip().endswith("1 of 2 flows can run")
     code, out, _ = cli(capsys, "check", str(EXAMPLE), str(broken), "--model", str(dense_model), "--json")
     assert [r["ok"] for r in json.loads(out)] == [True, False]
+
+
+def test_subflows_and_network_tools(tmp_path, fanout, dense_model):
+    fanout["nodes"].append({"id": "sub", "type": "subflow", "data": {"label": "Helper", "subflowId": "helper"}})
+    fanout["edges"].append({"source": "sub", "sourceHandle": "exec-out", "target": "end", "targetHandle": "exec-in"})
+    path = tmp_path / "parent.json"
+    path.write_text(json.dumps(fanout))
+    (problem,) = [p for p in check_flow(path, model=str(dense_model)).errors if p.code == "subflow_not_found"]
+    assert problem.node_id == "sub" and "'helper'" in problem.message
+    helper = {
+        "id": "helper",
+        "entryNode": "s",
+        "nodes": [
+            {"id": "s", "type": "on_flow_start", "data": {}},
+            {"id": "ag", "type": "agent", "data": {"agentConfig": {"provider": "mlx", "tools": ["web_search"]}}},
+        ],
+        "edges": [{"source": "s", "sourceHandle": "exec-out", "target": "ag", "targetHandle": "exec-in"}],
+    }
+    (tmp_path / "helper.json").write_text(json.dumps(helper))
+    report = check_flow(path, model=str(dense_model))
+    assert [(p.code, p.node_id) for p in report.errors if p.code != "unreachable_node"] == [("network_tool", None)]
+    assert "'web_search'" in report.errors[-1].message and "subflow 'helper', node 'ag'" in report.errors[-1].message
+    allowed = check_flow(path, model=str(dense_model), allow_network_tools=True)
+    assert not [p for p in allowed.errors if p.code in ("network_tool", "subflow_not_found")]
+
+
+def test_check_command_takes_routes(cli_env, capsys, tmp_path, fanout, dense_model):
+    node(fanout, "think")["data"]["effectConfig"].update(provider="lmstudio", model="qwen/qwen3-next-80b")
+    routed = tmp_path / "routed.json"
+    routed.write_text(json.dumps(fanout))
+    code, out, _ = cli(capsys, "check", str(routed), "--json")
+    assert code == 1 and [p["code"] for p in json.loads(out)["problems"]] == ["provider_not_served"]
+    code, out, _ = cli(capsys, "check", str(routed), "--route", f"lmstudio=mlx:{dense_model}")
+    assert code == 0, out

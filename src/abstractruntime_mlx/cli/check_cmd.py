@@ -28,6 +28,9 @@ class CheckSettings:
     force_model: bool
     probe_remote: bool = True
     as_json: bool = False
+    flows_dir: str | None = None
+    allow_network_tools: bool = False
+    routes: tuple[str, ...] = ()
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -41,6 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("flows", nargs="+", metavar="FLOW", help="path to a VisualFlow JSON file (several: one report each, then a summary)")
     parser.add_argument("--var", action="append", default=[], metavar="KEY=VALUE", help="a run variable, as for `run` (_runtime.speculation=false)")
     parser.add_argument("--model", default=None, help="the model `run --model` would serve every LLM node with (checked on disk only)")
+    parser.add_argument("--route", action="append", default=[], metavar="SPEC", help="a routing rule, as for `run` (PROVIDER[/MODEL]=mlx:MODEL|URL)")
+    parser.add_argument("--flows-dir", default=None, metavar="DIR", help="where subflows are found, as for `run` (default: each flow file's directory)")
+    parser.add_argument("--allow-network-tools", action="store_true", help="as for `run`: tools that reach outside this machine are allowed")
     parser.add_argument("--no-probe", action="store_true", help="do not contact remote base_url servers")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(handler=_check)
@@ -54,6 +60,9 @@ def _check(args: argparse.Namespace) -> int:
         force_model=args.model is not None,
         probe_remote=not args.no_probe,
         as_json=args.json,
+        flows_dir=args.flows_dir,
+        allow_network_tools=args.allow_network_tools,
+        routes=tuple(args.route),
     )
     return check_and_print(settings)
 
@@ -73,6 +82,9 @@ def check_and_print(settings: CheckSettings) -> int:
             model=model,
             force_model=settings.force_model,
             probe_remote=settings.probe_remote,
+            flows_dir=settings.flows_dir,
+            allow_network_tools=settings.allow_network_tools,
+            routes=settings.routes,
         )
         for flow in settings.flows
     ]

@@ -213,7 +213,15 @@ def check_before_run(settings: RunSettings) -> bool:
     """``check`` the flow as this run would use it; print its findings on stderr. False: do not run."""
     from ..runtime_plugin.check import check_flow
 
-    report = check_flow(settings.flow, vars=settings.vars, model=settings.model, force_model=settings.force_model, routes=settings.routes)
+    report = check_flow(
+        settings.flow,
+        vars=settings.vars,
+        model=settings.model,
+        force_model=settings.force_model,
+        routes=settings.routes,
+        flows_dir=settings.flows_dir,
+        allow_network_tools=settings.allow_network_tools,
+    )
     if report.problems:
         print(report.render(), file=sys.stderr)
     return report.ok

@@ -250,6 +250,8 @@ def check_flow(
     probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
     resolve_model: Callable[[str], Any] | None = None,
     routes: Sequence[str] = (),
+    flows_dir: str | Path | None = None,
+    allow_network_tools: bool = False,
 ) -> CheckReport:
     """Check ``source`` (a path, a JSON string or a dict) for a run with ``vars``.
 
@@ -259,7 +261,9 @@ def check_flow(
     serves each node (``routing.Routing``, the rule the handler applies).
     ``resolve_model`` finds a model on this machine or raises ``ModelNotFound``
     (default: ``artifacts.resolve_model_path``, offline). ``probe_remote=False`` skips the
-    request to each remote ``base_url``.
+    request to each remote ``base_url``. ``flows_dir`` is where subflows are found (default:
+    the flow file's directory); a node naming a tool that reaches outside this machine is an
+    error unless ``allow_network_tools``.
     """
     shown = str(source) if isinstance(source, (str, Path)) and not str(source).lstrip().startswith("{") else None
     raw, load_error = _load(source)
@@ -270,6 +274,10 @@ def check_flow(
     _check_document(raw, findings)
     _check_edges(raw, nodes, findings)
     _check_with_compiler(raw, nodes, findings)
+    if isinstance(raw.get("id"), str) and isinstance(raw.get("nodes"), list):
+        if flows_dir is None and shown is not None:
+            flows_dir = Path(shown).expanduser().resolve().parent
+        _check_bundle(raw, nodes, findings, flows_dir=flows_dir, allow_network_tools=allow_network_tools)
     run_vars = dict(vars or {})
     _check_runtime_vars(run_vars, findings)
     _check_llm_nodes(
@@ -283,6 +291,36 @@ def check_flow(
         resolve_model=resolve_model or _default_resolve_model,
     )
     return CheckReport(flow_id, shown, tuple(findings.items))
+
+
+def _check_bundle(
+    raw: Mapping[str, Any],
+    nodes: Mapping[str, tuple[int, Mapping[str, Any]]],
+    findings: _Findings,
+    *,
+    flows_dir: str | Path | None,
+    allow_network_tools: bool,
+) -> None:
+    """Subflows that cannot be found, and tools that reach outside this machine (``run``'s rules)."""
+    from .host import FlowBundle, network_tool_uses
+
+    try:
+        bundle = FlowBundle.resolve(raw, flows_dir=flows_dir)
+    except ValueError as exc:
+        node = _named_node(str(exc), nodes)
+        findings.add("subflow_not_found", str(exc), node=node, field="data.subflowId" if node else None)
+        return
+    if allow_network_tools:
+        return
+    for flow_id, node_id, tool in network_tool_uses(bundle):
+        here = flow_id == bundle.root_id
+        findings.add(
+            "network_tool",
+            f"uses {tool!r}, a tool that reaches outside this machine"
+            + ("" if here else f" (in subflow {flow_id!r}, node {node_id!r})")
+            + "; pass --allow-network-tools to allow it",
+            node=node_id if here else None,
+        )
 
 
 def _load(source: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
