@@ -195,7 +195,7 @@ def test_network_tool_flow_fails_before_running(ledger_path, capsys, dense_model
     flow["nodes"][1]["data"]["agentConfig"]["tools"] = ["fetch_url"]
     path = tmp_path / "web.json"
     path.write_text(json.dumps(flow))
-    assert_error(capsys, "node 'agent' of flow 't_agent' uses 'fetch_url'.*--allow-network-tools", "run", str(path), "--model", dense_model)
+    assert_error(capsys, r"node 'agent'.*uses 'fetch_url'.*--allow-network-tools.*\[network_tool\]", "run", str(path), "--model", dense_model)
     assert not ledger_path.exists() or not Ledger(f"sqlite:///{ledger_path}").list_runs()
 
 
