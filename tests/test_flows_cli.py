@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from abstractruntime_mlx.ledger import Ledger
 from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.runtime_plugin import FlowBundle, Routing, network_tool_uses, parse_route
 from abstractruntime_mlx.runtime_plugin.stores import LedgerRunStore
+from abstractruntime_mlx.testing import tiny_model
 
 FLOWS = Path(__file__).resolve().parent / "flows"
 
@@ -35,15 +35,17 @@ def ledger_path(tmp_path, monkeypatch, policy_file):
 
 
 @pytest.fixture(scope="module")
-def agent_model(dense_model, tmp_path_factory):
-    """The tiny dense model with a 32k context, like the small models agents run on: a ReAct
-    prompt (tool definitions, the turns so far) passes the tiny model's 4096 tokens."""
-    path = tmp_path_factory.mktemp("agent-model") / "dense-32k"
-    shutil.copytree(dense_model, path)
-    config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = 32768
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
+def agent_model(tmp_path_factory):
+    """The tiny ``dense-long`` model (32k context), like the small models agents run on: a
+    ReAct prompt (tool definitions, the turns so far) passes the ``dense`` model's 4096 tokens."""
+    return str(tiny_model(tmp_path_factory.mktemp("agent-model") / "dense-long", kind="dense-long"))
+
+
+def test_dense_long_is_the_dense_model_with_a_long_context(dense_model, agent_model):
+    dense, long = (json.loads((Path(p) / "config.json").read_text()) for p in (dense_model, agent_model))
+    assert (dense["max_position_embeddings"], long["max_position_embeddings"]) == (4096, 32768)
+    assert {k: v for k, v in dense.items() if k != "max_position_embeddings"} == {k: v for k, v in long.items() if k != "max_position_embeddings"}
+    assert (Path(dense_model) / "model.safetensors").read_bytes() == (Path(agent_model) / "model.safetensors").read_bytes()
 
 
 def cli(capsys, *argv):
@@ -182,6 +184,17 @@ def test_agent_without_provider_or_model_runs_on_the_run_default(ledger_path, ca
     code, result, _ = run_json(capsys, FLOWS / "agent_bare.json", "--model", agent_model)
     assert code == EXIT_OK and not result["failures"], result
     assert result["nodes"] and all(n["result"]["metadata"]["route"]["served"]["model"] == agent_model for n in result["nodes"])
+
+
+def test_agent_inside_a_subflow_inherits_the_run_default(ledger_path, capsys, agent_model):
+    code, result, _ = run_json(capsys, FLOWS / "agent_in_sub.json", "--model", agent_model)
+    assert code == EXIT_OK and not result["failures"], result
+    subflow_run, agent_run = result["children"]
+    assert result["nodes"] and all(n["run_id"] == agent_run for n in result["nodes"])
+    assert all(n["result"]["metadata"]["route"]["served"]["model"] == agent_model for n in result["nodes"])
+    with Ledger(f"sqlite:///{ledger_path}") as ledger:
+        runtime_ns = ledger.load_run(subflow_run)["vars"]["_runtime"]
+    assert (runtime_ns["provider"], runtime_ns["model"]) == ("mlx", agent_model)
 
 
 def test_network_tools_are_refused_unless_allowed():

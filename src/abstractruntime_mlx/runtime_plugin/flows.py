@@ -32,7 +32,6 @@ from .catalog import load_flow
 from .flowdiff import flow_hash
 from .host import DriveLimits, FlowHost, drive, waiting_leaf
 from .pack import MLXPack, build_pack
-from .routing import LOCAL_PROVIDER
 from .waits import describe_wait, event_envelope, event_name, wait_info
 
 __all__ = [
@@ -213,13 +212,6 @@ def run_flow(
         runtime_ns = run_vars.setdefault("_runtime", {})
         if not isinstance(runtime_ns, dict):
             raise ValueError("vars['_runtime'] must be an object")
-        # The run-scoped defaults a host gives nodes that name no provider/model (the
-        # compiler reads them for Agent nodes, which otherwise stop with a configuration
-        # error): the local provider and the pack's default model.
-        default_model = pack.handler.routing.default_model
-        if default_model and not runtime_ns.get("provider") and not runtime_ns.get("model"):
-            runtime_ns["provider"] = LOCAL_PROVIDER
-            runtime_ns["model"] = default_model
         runtime_ns[FLOW_VAR] = {
             "flow": flow_dict,
             "flow_hash": flow_hash(flow_dict),

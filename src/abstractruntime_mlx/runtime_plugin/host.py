@@ -31,11 +31,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from abstractruntime import Runtime
+from abstractruntime.core.config import RuntimeConfig
 from abstractruntime.core.models import EffectType, RunState, RunStatus, StepRecord, WaitReason
 
 from ..json_values import object_at
 from ..ledger.store import parse_timestamp
 from .catalog import load_flow
+from .routing import LOCAL_PROVIDER
 
 if TYPE_CHECKING:
     from .pack import MLXPack
@@ -343,6 +345,15 @@ class FlowHost:
                 )
         return registry
 
+    def run_defaults(self) -> RuntimeConfig:
+        """The defaults every run of the tree starts with: the local provider and the pack's
+        default model as ``_runtime.provider``/``model``. The compiler reads them for Agent
+        nodes that name no provider/model (which otherwise stop with a configuration error);
+        the runtime seeds them at every start, so a subflow's or an agent's child run has them
+        too (a run's own ``provider``/``model`` vars still win)."""
+        model = self.pack.handler.routing.default_model
+        return RuntimeConfig(provider=LOCAL_PROVIDER, model=model) if model else RuntimeConfig()
+
     def runtime(self) -> tuple[Runtime, Any]:
         pack = self.pack
         if pack.run_store is None or pack.ledger_store is None:
@@ -350,6 +361,7 @@ class FlowHost:
         registry = self.registry()
         options: dict[str, Any] = {"effect_policy": pack.effect_policy} if pack.effect_policy is not None else {}
         runtime = Runtime(
+            config=self.run_defaults(),
             run_store=pack.run_store,
             ledger_store=pack.ledger_store,
             effect_handlers=self.effect_handlers(),

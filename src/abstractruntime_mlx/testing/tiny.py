@@ -7,6 +7,8 @@ processor config) that ``mlx_lm.load`` and/or ``mlx_vlm.load`` accept without ne
 Kinds:
 
 - ``dense``: a 2-layer ``qwen3`` model; loads with both mlx-lm and mlx-vlm.
+- ``dense-long``: the same weights with a 32768-token context (``LONG_CONTEXT``), for flows
+  whose agent prompts (tool definitions plus the turns so far) pass ``dense``'s 4096.
 - ``hybrid-mtp``: a Qwen3.5 hybrid (gated-delta and full-attention layers) under the
   ``qwen3_5`` root type, with a small vision tower and embedded ``mtp.*`` weights that
   ``mlx_vlm.speculative.drafters.load_drafter(path, kind="mtp")`` picks up.
@@ -32,7 +34,8 @@ from typing import Any, Iterator, cast
 from .tokenizer import build_tokenizer, save_tokenizer, token_ids
 
 BUILDER_VERSION = 1
-KINDS = ("dense", "hybrid-mtp", "vision")
+KINDS = ("dense", "hybrid-mtp", "vision", "dense-long")
+LONG_CONTEXT = 32768
 MARKER_FILE = "tiny_model.json"
 WEIGHTS_FILE = "model.safetensors"
 
@@ -263,9 +266,11 @@ def _build(out: Path, kind: str, seed: int, mtp_alpha: float | None) -> None:
     vocab_size = len(tokenizer)
     save_tokenizer(tokenizer, out)
 
-    if kind == "dense":
+    if kind in ("dense", "dense-long"):
         config = dense_config(vocab_size, ids["<|im_end|>"])
         weights = _dense_weights(config, seed)
+        if kind == "dense-long":
+            config["max_position_embeddings"] = LONG_CONTEXT
     else:
         config = vlm_config(vocab_size, ids)
         weights = _vlm_weights(config, seed)
