@@ -230,7 +230,8 @@ def test_embedded_mtp_without_loading_weights(tmp_path, no_policy, no_weight_loa
     assert report["thinking"] == {"effective_default": None, "effective_source": "model_default"}
     assert report["version"] == 1 and report["provider"] == "mlx" and report["model"] == str(model)
     spec = report["speculation"]
-    assert set(spec) == SPECULATION_KEYS
+    assert set(spec) == SPECULATION_KEYS | {"head_path", "head_fingerprint"}
+    assert spec["head_path"] == str(model) and spec["head_fingerprint"] == artifacts.model_fingerprint(model)
     assert spec["supported"] is True
     assert spec["ready"] is None
     assert spec["reason"] == "model_not_loaded"

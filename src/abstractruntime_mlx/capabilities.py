@@ -5,13 +5,16 @@ The shape matches AbstractCore's ``get_execution_capabilities`` (version 1)::
     {"version": 1, "provider": "mlx", "model": NAME,
      "speculation": {"supported", "ready", "reason", "message", "companion", "head_present",
                      "supported_depths", "default", "effective_default", "effective_source",
-                     "requires_reload"},
+                     "requires_reload", "head_path"?, "head_fingerprint"?},
      "thinking": {"effective_default", "effective_source"},
      "concurrency": {"supported", "source", "reason"}}
 
 Evidence comes from config files and safetensors headers only (see ``artifacts``). ``ready``
 is ``null`` (unknown) unless a loaded ``instance`` answers ``speculation_ready()``; unknown
-is not proof that a head is ready. A model that is not on this machine is reported
+is not proof that a head is ready. A loaded instance whose head is on this machine but not
+attached yet (``speculation_attachable()``) reports ``mtp_head_attaches_on_first_use`` and
+``requires_reload: false``. ``head_path`` / ``head_fingerprint`` (bounded, see
+``artifacts.model_fingerprint``) identify the local head and are absent when there is none. A model that is not on this machine is reported
 (``supported: false, reason: "model_not_found"``, with the download command in ``message``)
 rather than raised, so a discovery UI can render it; a corrupt policy file still raises
 ``PolicyError``.
@@ -112,12 +115,15 @@ def describe_speculation(
     assert evidence is not None
     ready = _instance_ready(instance)
     head_present = True if ready else evidence["head_present"]
+    attachable = ready is False and head_present is True and _instance_attachable(instance)
     if ready:
         reason = None
     elif head_present is False:
         reason = "mtp_head_not_cached"
     elif instance is None:
         reason = "model_not_loaded"
+    elif attachable:
+        reason = "mtp_head_attaches_on_first_use"
     elif ready is False:
         reason = "speculation_is_load_time"
     else:
@@ -140,8 +146,26 @@ def describe_speculation(
         "default": default_wire,
         "effective_default": controls.speculation.to_wire(),
         "effective_source": controls.speculation_source,
-        "requires_reload": (not ready) if isinstance(ready, bool) else None,
+        "requires_reload": (not ready and not attachable) if isinstance(ready, bool) else None,
+        **_head_identity(evidence),
     }, controls
+
+
+def _head_identity(evidence: dict[str, Any]) -> dict[str, Any]:
+    """``head_path`` and ``head_fingerprint`` of the local head (a companion directory, or the
+    checkpoint itself for embedded ``mtp.*`` weights); absent when no head is on this machine."""
+    path = evidence.get("companion_path") or (evidence.get("path") if evidence.get("embedded") else None)
+    if not path:
+        return {}
+    try:
+        return {"head_path": str(path), "head_fingerprint": artifacts.model_fingerprint(path)}
+    except InvalidRequest:
+        return {}
+
+
+def _instance_attachable(instance: Any) -> bool:
+    probe = getattr(instance, "speculation_attachable", None)
+    return bool(probe()) if callable(probe) else False
 
 
 def _instance_ready(instance: Any) -> bool | None:
@@ -162,7 +186,7 @@ def _artifact_evidence(
         return None, "native_mtp_backend_unavailable", None
     try:
         path = artifacts.resolve_model_path(model_name, cache_dir=cache_dir)
-        evidence = artifacts.detect_mtp(path, name=model_name, head=head, cache_dir=cache_dir)
+        evidence = {**artifacts.detect_mtp(path, name=model_name, head=head, cache_dir=cache_dir), "path": str(path)}
     except ModelNotFound as exc:
         return None, "model_not_found", exc.message
     except InvalidRequest as exc:

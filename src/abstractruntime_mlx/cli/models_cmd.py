@@ -3,7 +3,7 @@
     abstractruntime-mlx models download NAME [--head NAME] [--revision REV]
     abstractruntime-mlx models list [--cache-dir DIR]
     abstractruntime-mlx models path NAME [--cache-dir DIR]
-    abstractruntime-mlx models tiny PATH --kind dense|hybrid-mtp|vision|dense-long [--seed N] [--force]
+    abstractruntime-mlx models tiny PATH --kind dense|hybrid-mtp|vision|dense-long|hybrid-companion [--seed N] [--force]
 
 Downloads use ``huggingface_hub.snapshot_download`` (its own progress bars); everything else
 is offline.
@@ -18,7 +18,7 @@ from typing import Any
 from .. import artifacts
 from ..errors import ModelNotFound, UpstreamError
 
-TINY_KINDS = ("dense", "hybrid-mtp", "vision", "dense-long")
+TINY_KINDS = ("dense", "hybrid-mtp", "vision", "dense-long", "hybrid-companion")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -301,6 +301,19 @@ class Engine:
             raise item.error
         return item.result
 
+    def attach_head(self, timeout_s: float = 600.0) -> float | None:
+        """Attach the resident target's MTP head on the worker, between steps, once.
+
+        Returns the seconds this call spent attaching it, or None when it was already
+        attached (by an earlier call or at load). A running group keeps the generator it
+        started with; groups started afterwards draft with the head. Raises
+        ``UpstreamError`` when the head cannot be attached (remembered: not retried).
+        """
+        loaded = self.serving_model()
+        if loaded.drafter is not None:
+            return None
+        return self.control(loaded.attach_drafter, timeout_s)
+
     def _num_waiting(self) -> int:
         """Waiting requests that still hold a queue place: a cancelled one frees its place at
         once, before the worker gets round to finishing it."""

@@ -1,10 +1,18 @@
-"""Loading a target (and its MTP head) once, for whichever lane serves it."""
+"""Loading a target (and its MTP head) once, for whichever lane serves it.
+
+The MTP head of a resident target is loaded with it when the load asks for it, or attached
+later, on the worker between steps, by ``LoadedModel.attach_drafter``: only the head's own
+tensors are read (an embedded head's ``mtp.*`` keys, or a companion directory), the target
+is not reloaded, and the head shares the target's embeddings and output head, so the
+memory it adds is its own parameters (``drafter_bytes``).
+"""
 
 from __future__ import annotations
 
 import copy
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -32,6 +40,11 @@ class LoadedModel:
     config: dict[str, Any]
     drafter: Any = None
     drafter_source: str | None = None
+    # The local MTP head this target attaches (embedded: the checkpoint itself; a companion
+    # directory), known at load whether or not it was loaded then; None: no head here.
+    head_source: str | None = None
+    drafter_bytes: int | None = None  # what the attached head adds to resident memory
+    drafter_error: str | None = None  # why attaching the head failed (it is not retried)
     eos_token_ids: frozenset[int] = frozenset()
     _detokenizer: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -84,6 +97,31 @@ class LoadedModel:
         longest = self._max_token_chars
         return len(text) // longest if longest else 0
 
+    def attach_drafter(self) -> float | None:
+        """Load the MTP head of ``head_source`` onto this resident target (worker thread only).
+
+        Returns the seconds it took, or None when a head is already attached. Raises
+        ``UpstreamError`` when the head cannot be loaded or does not fit the target; the error
+        is remembered in ``drafter_error`` and every later call raises it again at once.
+        """
+        if self.drafter is not None:
+            return None
+        if self.drafter_error is not None:
+            raise UpstreamError(self.drafter_error)
+        if self.lane != Lane.NATIVE or self.head_source is None:
+            raise UpstreamError(f"{self.path} has no MTP head this lane can attach")
+        started = time.perf_counter()
+        try:
+            drafter = _load_drafter(Path(self.head_source))
+            _check_drafter_fits(drafter, self.model)
+        except UpstreamError as exc:
+            self.drafter_error = exc.message
+            raise
+        self.drafter = drafter
+        self.drafter_source = self.head_source
+        self.drafter_bytes = parameter_bytes(drafter)
+        return time.perf_counter() - started
+
     @property
     def model_type(self) -> str:
         return str(self.config.get("model_type", ""))
@@ -102,13 +140,36 @@ class LoadedModel:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
-def load_model(path: Path, *, lane: Lane, drafter_source: Path | None = None) -> LoadedModel:
-    """Load ``path`` for ``lane``; ``drafter_source`` is the MTP head to load with it (the
-    checkpoint itself for an embedded head, a companion directory, or None for no head)."""
+def load_model(path: Path, *, lane: Lane, head_source: Path | None = None, load_head: bool = False) -> LoadedModel:
+    """Load ``path`` for ``lane``. ``head_source`` is its local MTP head (the checkpoint itself
+    for an embedded head, a companion directory, or None for no head); ``load_head`` loads it
+    now, else it is attached on first use (``LoadedModel.attach_drafter``)."""
     config = _read_config(path)
     if lane == Lane.MLX_LM:
         return _load_mlx_lm(path, config)
-    return _load_native(path, config, drafter_source=drafter_source)
+    loaded = _load_native(path, config)
+    loaded.head_source = str(head_source) if head_source is not None else None
+    if load_head and head_source is not None:
+        loaded.attach_drafter()
+    return loaded
+
+
+def parameter_bytes(module: Any) -> int:
+    """Bytes of a module's parameters (what loading it adds to resident memory)."""
+    from mlx.utils import tree_flatten
+
+    leaves: Any = tree_flatten(module.parameters())
+    return sum(int(value.nbytes) for _name, value in leaves)
+
+
+def _check_drafter_fits(drafter: Any, target: Any) -> None:
+    """The head drafts from the target's hidden states: their widths must agree."""
+    from mlx_vlm.speculative.drafters import validate_drafter_compatibility
+
+    try:
+        validate_drafter_compatibility(target, drafter, "mtp")
+    except Exception as exc:  # noqa: BLE001 - upstream raises ValueError
+        raise UpstreamError(f"the MTP head does not fit this model: {exc}") from exc
 
 
 def _text_setting(config: dict[str, Any], name: str) -> int | None:
@@ -133,7 +194,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     return json.loads(config_file.read_text())
 
 
-def _load_native(path: Path, config: dict[str, Any], *, drafter_source: Path | None) -> LoadedModel:
+def _load_native(path: Path, config: dict[str, Any]) -> LoadedModel:
     import mlx_vlm
 
     try:
@@ -141,7 +202,6 @@ def _load_native(path: Path, config: dict[str, Any], *, drafter_source: Path | N
     except Exception as exc:  # noqa: BLE001 - upstream raises plain exceptions
         raise UpstreamError(f"mlx-vlm could not load {path}: {type(exc).__name__}: {exc}") from exc
     tokenizer = processor.tokenizer if hasattr(processor, "tokenizer") else processor
-    drafter = _load_drafter(drafter_source) if drafter_source is not None else None
     return LoadedModel(
         path=path,
         lane=Lane.NATIVE,
@@ -149,8 +209,6 @@ def _load_native(path: Path, config: dict[str, Any], *, drafter_source: Path | N
         processor=processor,
         tokenizer=tokenizer,
         config=config,
-        drafter=drafter,
-        drafter_source=str(drafter_source) if drafter is not None else None,
         eos_token_ids=_eos_ids(config, tokenizer),
         _detokenizer=processor.detokenizer,
     )

@@ -176,8 +176,9 @@ def cache_identity(loaded: Any, *, scope: str) -> dict[str, Any]:
             return None
 
     head = None
-    if loaded.drafter_source is not None:
-        head = {"path": str(Path(loaded.drafter_source).resolve()), "fingerprint": model_fingerprint(loaded.drafter_source)}
+    head_source = loaded.head_source or loaded.drafter_source  # the head this target attaches, attached or not
+    if head_source is not None:
+        head = {"path": str(Path(head_source).resolve()), "fingerprint": model_fingerprint(head_source)}
     return {
         "schema": SCHEMA,
         "model": str(Path(loaded.path).resolve()),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Literal, overload
 
-from ..artifacts import detect_mtp, resolve_model_path
+from ..artifacts import DOWNLOAD_COMMAND, companion_candidates, detect_mtp, looks_like_path, resolve_model_path
 from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_controls
 from ..engine.chat import prepare_conversation, render_prompt
 from ..engine.loop import Engine, EngineConfig
@@ -31,6 +31,7 @@ from ..errors import (
     MLXRuntimeError,
     RuntimeClosed,
     SpeculationUnavailable,
+    UpstreamError,
 )
 from ..policy import read_policy_controls
 from ..request import GenerationRequest
@@ -102,10 +103,11 @@ class MLXProvider:
         self._mtp = detect_mtp(self.path, name=model, head=head)
         batching = self.execution_options["mlx_batching"]
         lane = Lane.NATIVE if batching else Lane.MLX_LM
-        # Heads are a load-time choice: load one when the inherited default would use it.
+        # The head is loaded with the target when the inherited default would use it, and
+        # attached on first use otherwise (a call or node that asks for MTP gets it).
+        head_source = _drafter_source(self.path, head, self._mtp) if self._mtp.get("head_present") else None
         default = self.resolve_controls().speculation
-        load_drafter = batching and default.enabled and bool(self._mtp.get("head_present"))
-        drafter_source = _drafter_source(self.path, head, self._mtp) if load_drafter else None
+        load_head = batching and default.enabled and head_source is not None
         config = EngineConfig(
             max_batch_size=self.execution_options["mlx_max_batch_size"],
             max_queue_size=self.execution_options["mlx_max_queue_size"],
@@ -118,15 +120,23 @@ class MLXProvider:
         self._lease = next(_lease_ids)
         self._resident: residency.Resident | None = residency.acquire(
             self.path,
-            head=head,
+            head=head_source if batching else None,
             lane=lane,
-            drafter_source=drafter_source,
-            options={**self.execution_options, "mtp_head": str(head) if head else None, "load_drafter": load_drafter},
+            head_source=head_source if batching else None,
+            load_head=load_head,
+            options=dict(self.execution_options),
             config=config,
             lease=self._lease,
             cache_options=validate_cache_options(self.execution_options),
         )
         self._finalizer = weakref.finalize(self, residency.retire, self._resident, self._lease)
+        if load_head and self._resident.engine.loaded is not None and self._resident.engine.loaded.drafter is None:
+            # Resident already, loaded by a provider whose default was off: attach now, as a
+            # load that asked for MTP would have.
+            try:
+                self._resident.engine.attach_head()
+            except MLXRuntimeError:
+                pass  # reported by name on the first MTP request (``mtp_head_attach_failed``)
 
     # --- capabilities -----------------------------------------------------------------
     def supports_concurrent_generation(self) -> bool:
@@ -162,6 +172,20 @@ class MLXProvider:
         engine = self._resident.engine
         loaded = engine.loaded
         return loaded is not None and engine.failure is None and loaded.drafter is not None
+
+    def speculation_attachable(self) -> bool:
+        """A head is on this machine and this lane attaches it on the first MTP request
+        (no reload), though it is not attached yet."""
+        if self._resident is None:
+            return False
+        loaded = self._resident.engine.loaded
+        return (
+            loaded is not None
+            and loaded.drafter is None
+            and loaded.lane == Lane.NATIVE
+            and loaded.head_source is not None
+            and loaded.drafter_error is None
+        )
 
     def health(self) -> dict[str, Any]:
         """``{"state": "ready"|"loading"|"failed"|"closed"|"unloaded"}``, with ``error`` when failed.
@@ -304,22 +328,44 @@ class MLXProvider:
         assert depth is not None  # the resolver always fills the depth of native MTP
         meta.update(num_draft_tokens=depth, require_acceleration=bool(effective.require_acceleration))
         reason, message = None, None
+        attach_s: float | None = None
         if loaded.lane != Lane.NATIVE:
             reason, message = "speculation_needs_batching_lane", "native MTP runs on the mlx_batching=True lane (mlx-vlm)"
-        elif loaded.drafter is None:
-            if self._mtp.get("head_present"):
-                reason, message = "speculation_is_load_time", "the MTP head was not loaded with the model; create the provider with speculation enabled"
-            else:
-                reason, message = "no_mtp_drafter_for_model", "this model has no MTP head (embedded or companion)"
+        elif loaded.drafter is None and loaded.head_source is None:
+            reason, message = "no_mtp_drafter_for_model", self._no_head_message()
         elif not sampling.logits_neutral():
             reason, message = "mtp_logit_processors_unsupported", "native MTP cannot honor penalties or logit bias"
+        elif loaded.drafter is None:
+            try:
+                attach_s = self._engine.attach_head()
+            except UpstreamError as exc:
+                reason, message = "mtp_head_attach_failed", f"the MTP head at {loaded.head_source} could not be attached: {exc.message}"
         if reason is not None:
             if effective.require_acceleration:
                 raise SpeculationUnavailable(message or reason, reason=reason)
             meta.update(used=False, reason=reason, message=message)
             return 0, meta
         meta.update(used=True, runtime="mlx_vlm", draft_kind="mtp", drafter=loaded.drafter_source)
+        if attach_s is not None:
+            # This request attached the head (once per resident model): what it cost.
+            meta.update(head_attach_s=round(attach_s, 6), head_bytes=loaded.drafter_bytes)
         return depth, meta
+
+    def _no_head_message(self) -> str:
+        """Why no MTP head is available here, naming the command that downloads one."""
+        names = companion_candidates(self.model) if not looks_like_path(self.model) and not Path(self.model).expanduser().is_dir() else []
+        if names:
+            return (
+                f"{self.model} has no MTP head on this machine (no embedded mtp.* weights, no companion head "
+                f"{' or '.join(names)} in the model cache); download one with "
+                f"`{DOWNLOAD_COMMAND.format(name=names[-1])}`, or pass mtp_head="
+            )
+        siblings = [str(self.path.parent / name) for name in companion_candidates(self.path.name)]
+        return (
+            f"{self.model} has no MTP head on this machine (no embedded mtp.* weights, no companion head at "
+            f"{' or '.join(siblings)}); download one with `{DOWNLOAD_COMMAND.format(name='<org>/<model>-MTP')}` "
+            "and pass it as mtp_head="
+        )
 
     def _submit(self, prepared: _Prepared) -> RequestStream:
         """Submit now, so a full queue or a closed engine raises at call time, not at first read."""

@@ -39,7 +39,8 @@ def acquire(
     *,
     head: Path | None,
     lane: Lane,
-    drafter_source: Path | None,
+    head_source: Path | None,
+    load_head: bool,
     options: dict[str, Any],
     config: EngineConfig,
     lease: int,
@@ -47,15 +48,18 @@ def acquire(
 ) -> Resident:
     """Attach ``lease`` to the resident engine for ``path``, loading it on first use.
 
-    ``head`` names an explicit companion head (part of the residency key); ``drafter_source``
-    is the head the load reads (None: no head).
+    ``head`` is the head that identifies the residency (part of its key: a target pairs with
+    one head, whether it was named with ``mtp_head=`` or found by the companion lookup);
+    ``head_source`` is the local MTP head the target attaches (None: no head), loaded with the target when
+    ``load_head``, else attached on first use. Whether the head was loaded up front is not
+    part of the residency: providers with different speculation defaults share one engine.
     """
     key = (str(path.resolve()), str(head.resolve()) if head else None, lane)
     while True:
         with _LOCK:
             resident = _RESIDENTS.get(key)
             if resident is None or (resident.loaded.is_set() and not resident.engine.alive):
-                resident = _new_resident(key, path, lane, drafter_source, options, config, lease, cache_options)
+                resident = _new_resident(key, path, lane, head_source, load_head, options, config, lease, cache_options)
                 _RESIDENTS[key] = resident
                 break
             _check_options(resident, path, options)
@@ -83,14 +87,15 @@ def _new_resident(
     key: ResidentKey,
     path: Path,
     lane: Lane,
-    drafter_source: Path | None,
+    head_source: Path | None,
+    load_head: bool,
     options: dict[str, Any],
     config: EngineConfig,
     lease: int,
     cache_options: CacheOptions | None,
 ) -> Resident:
     engine = Engine(
-        lambda: load_model(path, lane=lane, drafter_source=drafter_source),
+        lambda: load_model(path, lane=lane, head_source=head_source, load_head=load_head),
         config,
         name=path.name,
         cache_options=cache_options,

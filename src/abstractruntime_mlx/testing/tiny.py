@@ -15,6 +15,11 @@ Kinds:
   ``mtp_alpha=None`` gives a random MTP head (drafts are never accepted); a float α gives
   the "aligned" construction, where α=0 makes every draft accepted and small α some.
 - ``vision``: the same ``qwen3_5`` model with its vision tower, without MTP weights.
+- ``hybrid-companion``: the ``hybrid-mtp`` target without its ``mtp.*`` weights, plus the
+  same head as a separate companion directory (``model_type: qwen3_5_mtp``, keys without
+  the ``mtp.`` prefix), written next to the target under the name the lookup expects
+  (``companion_head_path``: ``Model-MTP-4bit`` for ``Model-4bit``, else ``Model-MTP``).
+  ``mtp_alpha`` applies as for ``hybrid-mtp``; same seed and α give the same tokens.
 
 Weights and tokenizer depend only on ``seed`` (and the builder version): two builds with
 the same seed are byte-identical. A ``tiny_model.json`` marker written last records what
@@ -34,7 +39,8 @@ from typing import Any, Iterator, cast
 from .tokenizer import build_tokenizer, save_tokenizer, token_ids
 
 BUILDER_VERSION = 1
-KINDS = ("dense", "hybrid-mtp", "vision", "dense-long")
+KINDS = ("dense", "hybrid-mtp", "vision", "dense-long", "hybrid-companion")
+MTP_KINDS = ("hybrid-mtp", "hybrid-companion")
 LONG_CONTEXT = 32768
 MARKER_FILE = "tiny_model.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -60,8 +66,8 @@ def tiny_model(
     """
     if kind not in KINDS:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(KINDS)}")
-    if mtp_alpha is not None and kind != "hybrid-mtp":
-        raise ValueError(f"mtp_alpha applies to kind 'hybrid-mtp' only, not {kind!r}")
+    if mtp_alpha is not None and kind not in MTP_KINDS:
+        raise ValueError(f"mtp_alpha applies to kinds {', '.join(MTP_KINDS)} only, not {kind!r}")
     if mtp_alpha is not None and mtp_alpha < 0:
         raise ValueError(f"mtp_alpha must be >= 0, got {mtp_alpha}")
 
@@ -73,14 +79,35 @@ def tiny_model(
             raise FileExistsError(f"{path} exists and is not empty")
         if current is None:
             raise FileExistsError(f"{path} is not empty and holds no tiny model; not overwriting it")
-        if current == spec:
+        if current == spec and (kind != "hybrid-companion" or read_marker(companion_head_path(path)) == _head_spec(spec)):
             return path
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "hybrid-companion":
+        # The head first: a target marked complete always has its head next to it.
+        _build_atomic(companion_head_path(path), _head_spec(spec), lambda out: _build_head(out, seed, mtp_alpha))
+    _build_atomic(path, spec, lambda out: _build(out, kind, seed, mtp_alpha))
+    return path
+
+
+def companion_head_path(path: str | os.PathLike[str]) -> Path:
+    """Where a ``hybrid-companion`` target's head lives: the sibling directory the companion
+    lookup finds (``artifacts.companion_candidates``: the ``-MTP-`` form for a quantized name)."""
+    from ..artifacts import companion_candidates
+
+    target = Path(path)
+    return target.parent / companion_candidates(target.name)[-1]
+
+
+def _build_atomic(path: Path, spec: dict[str, Any], build: Any) -> None:
+    if read_marker(path) == spec:
+        return
+    if path.exists() and any(path.iterdir()) and read_marker(path) is None:
+        raise FileExistsError(f"{path} is not empty and holds no tiny model; not overwriting it")
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     staging.chmod(0o755)  # mkdtemp makes it private
     try:
-        _build(staging, kind, seed, mtp_alpha)
+        build(staging)
         _write_json(staging / MARKER_FILE, spec)  # last: marks the checkpoint complete
         if path.exists():
             shutil.rmtree(path)
@@ -91,7 +118,6 @@ def tiny_model(
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return path
 
 
 def build_from_cli(path: str, kind: str, seed: int, *, force: bool = False) -> Path:
@@ -260,6 +286,32 @@ def _spec(kind: str, seed: int, mtp_alpha: float | None) -> dict[str, Any]:
     }
 
 
+def _head_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**spec, "part": "mtp_head"}
+
+
+def head_config(text: dict[str, Any]) -> dict[str, Any]:
+    """A companion head's ``config.json`` (what ``mlx_vlm.split_mtp`` writes)."""
+    return {
+        "model_type": "qwen3_5_mtp",
+        "text_config": text,
+        "block_size": MTP_BLOCK_SIZE,
+        "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
+    }
+
+
+def _build_head(out: Path, seed: int, mtp_alpha: float | None) -> None:
+    tokenizer = build_tokenizer()
+    ids = token_ids(tokenizer)
+    text = vlm_config(len(tokenizer), ids)["text_config"]
+    mtp = _mtp_weights(text, seed)
+    if mtp_alpha is not None:
+        _align_head(mtp)
+    save_tokenizer(tokenizer, out)
+    _write_json(out / "config.json", head_config(text))
+    _save_weights(out / WEIGHTS_FILE, mtp)
+
+
 def _build(out: Path, kind: str, seed: int, mtp_alpha: float | None) -> None:
     tokenizer = build_tokenizer()
     ids = token_ids(tokenizer)
@@ -279,6 +331,8 @@ def _build(out: Path, kind: str, seed: int, mtp_alpha: float | None) -> None:
             if mtp_alpha is not None:
                 _align(weights, mtp, mtp_alpha)
             weights.update({f"mtp.{key}": value for key, value in mtp.items()})
+        elif kind == "hybrid-companion" and mtp_alpha is not None:
+            _align_target(weights, mtp_alpha)  # the head, aligned alike, is written separately
         _write_json(out / "preprocessor_config.json", preprocessor_config(config["vision_config"]))
 
     _write_json(out / "config.json", config)
@@ -343,13 +397,21 @@ def _align(target: dict[str, Any], mtp: dict[str, Any], alpha: float) -> None:
     untied ``lm_head``. The head's ``fc`` keeps just the token embedding (``[I | 0]``) and
     its layer adds nothing (``o_proj``/``down_proj`` zeroed), so it predicts the same.
     """
-    import mlx.core as mx
+    _align_target(target, alpha)
+    _align_head(mtp)
 
+
+def _align_target(target: dict[str, Any], alpha: float) -> None:
     for key, value in target.items():
         if key.startswith("language_model.model.layers.") and key.endswith(
             ("out_proj.weight", "o_proj.weight", "down_proj.weight")
         ):
             target[key] = value * alpha
+
+
+def _align_head(mtp: dict[str, Any]) -> None:
+    import mlx.core as mx
+
     hidden = mtp["fc.weight"].shape[0]
     mtp["fc.weight"] = mx.concatenate([mx.eye(hidden), mx.zeros((hidden, hidden))], axis=1)
     for key, value in mtp.items():
