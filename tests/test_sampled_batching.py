@@ -85,7 +85,8 @@ def test_unseeded_rows_draw_independent_streams(make_llm, dense_model):
 
 
 def test_sampling_with_speculation_runs_exclusive_and_says_why(make_llm, hybrid_model):
-    mtp = {"mode": "native_mtp", "num_draft_tokens": 2}
+    # Strict: optional MTP would share the batch target-only with the plain request (under load).
+    mtp = {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": True}
     llm = make_llm(hybrid_model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=100, speculation=mtp)
     calls = [{"temperature": 0.8, "seed": 1}, {"temperature": 0}, {"temperature": 0.8, "seed": 2, "speculation": False}]
     results = together(llm, calls, PROMPTS, max_output_tokens=8)

@@ -11,13 +11,14 @@ from abstractruntime_mlx.engine.stops import StopMatcher
 import pytest
 
 
-def req(name, *, temperature=0.0, draft=0, cache=None, penalty=None):
+def req(name, *, temperature=0.0, draft=0, cache=None, penalty=None, strict=False):
     return EngineRequest(
         request_id=name,
         prompt_ids=[1, 2, 3],
         max_tokens=4,
         sampling=Sampling(temperature=temperature, repetition_penalty=penalty),
         draft_tokens=draft,
+        speculation_required=strict,
         cache_group=cache,
     )
 
@@ -38,10 +39,13 @@ def test_lanes():
 
 
 def test_continuous_admits_sampled_rows_until_the_first_incompatible_request():
-    waiting = deque([req("a"), req("s", temperature=0.9), req("m", draft=2), req("c")])
+    waiting = deque([req("a"), req("s", temperature=0.9), req("m", draft=2, strict=True), req("c")])
     taken = take_compatible(waiting, group_key(waiting[0]), limit=8)
     assert [r.request_id for r in taken] == ["a", "s"]
     assert [r.request_id for r in waiting] == ["m", "c"]  # the cohort is next: no starvation
+    # Optional MTP is no barrier: under load it joins the batch target-only.
+    waiting = deque([req("a"), req("o", draft=2), req("c")])
+    assert [r.request_id for r in take_compatible(waiting, group_key(waiting[0]), limit=8)] == ["a", "o", "c"]
     waiting = deque([req("a"), req("s", temperature=0.9), req("c")])
     key = group_key(waiting[0], sampled_exclusive=True)
     assert [r.request_id for r in take_compatible(waiting, key, limit=8)] == ["a"]

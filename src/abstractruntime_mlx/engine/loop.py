@@ -44,7 +44,7 @@ from .request import (
 )
 from .stream import RequestStream
 from .threads import POOL, WorkerHandle
-from .scheduler import GroupKey, count_compatible_head, group_key, take_compatible
+from .scheduler import GroupKey, count_compatible_head, group_key, take_compatible, under_load
 from .serial import SerialBackend
 from .stops import StopMatcher
 
@@ -52,6 +52,12 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _IDLE_WAIT_S = 0.5
+
+DEFERRED_UNDER_LOAD: dict[str, Any] = {
+    "used": False,
+    "reason": "deferred_under_load",
+    "message": "optional MTP ran target-only in the continuous batch while target-only work waited or ran",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -515,6 +521,8 @@ class Engine:
             if not self._waiting:
                 return
             key = group_key(self._waiting[0], sampled_exclusive=self.config.sampled_exclusive)
+            # Optional MTP with target-only work right behind it runs target-only, with that work.
+            key = under_load(self._waiting, sampled_exclusive=self.config.sampled_exclusive) or key
         serial = self._model.lane == Lane.MLX_LM
         if serial or key.mode == ExecutionMode.EXCLUSIVE:
             limit = 1
@@ -530,6 +538,8 @@ class Engine:
                 # The continuous lane starts at once; later requests join its free slots.
                 self._collect_window(key, limit)
             with self._cond:
+                if key.mode == ExecutionMode.COHORT:
+                    key = under_load(self._waiting, sampled_exclusive=self.config.sampled_exclusive) or key
                 requests = take_compatible(self._waiting, key, limit)
         self._admitting = requests
         backend = self._new_backend(key, requests[0], limit, serial=serial)
@@ -571,8 +581,13 @@ class Engine:
     def _collect_window(self, key: GroupKey, limit: int) -> None:
         """Wait up to ``batch_wait_ms`` for compatible requests to arrive before starting."""
         deadline = time.perf_counter() + self.config.batch_wait_ms / 1000.0
+        sampled_exclusive = self.config.sampled_exclusive
         with self._cond:
-            while count_compatible_head(self._waiting, key) < limit and not self._stopping:
+            while (
+                count_compatible_head(self._waiting, key) < limit
+                and under_load(self._waiting, sampled_exclusive=sampled_exclusive) is None
+                and not self._stopping
+            ):
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
@@ -617,6 +632,8 @@ class Engine:
         request.uid = uid
         request.mode = group.mode
         request.exclusive_reason = group.key.reason
+        if group.mode == ExecutionMode.CONTINUOUS and request.draft_tokens > 0:
+            request.speculation_deferred = True  # optional MTP under load: target-only, in the batch
         request.started_at = time.perf_counter()
         request.transition(RequestStatus.PREFILLING)
         group.running[uid] = _Running(request, self._model.new_detokenizer(), StopMatcher(request.stop))
@@ -793,6 +810,8 @@ class Engine:
         request.transition(status)
         request.finished_at = time.perf_counter()
         self._record_speculation(request)
+        if request.speculation_deferred:
+            request.speculation = dict(DEFERRED_UNDER_LOAD)
         self._record_prompt_cache(request)
         request.outcome = Outcome(
             finish_reason=request.finish_reason() or "error",

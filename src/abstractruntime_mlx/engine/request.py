@@ -111,6 +111,9 @@ class EngineRequest:
     sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()
     draft_tokens: int = 0
+    # Strict MTP (``require_acceleration``): never deferred. Optional MTP runs target-only in
+    # the continuous batch while target-only work waits or runs (``speculation_deferred``).
+    speculation_required: bool = False
     prompt_kwargs_factory: Callable[[], dict[str, Any]] | None = None
     cache_group: Any = None
     prompt_cache_key: str | None = None
@@ -130,6 +133,7 @@ class EngineRequest:
     peak_batch_size: int = 0
     cached_tokens: int | None = None
     speculation: dict[str, Any] | None = None
+    speculation_deferred: bool = False  # optional MTP admitted target-only under load
     cache_counters: dict[str, int] | None = None  # prefix-cache counters at admission
     cache_layout: str | None = None
     prompt_cache: dict[str, Any] | None = None
@@ -175,6 +179,11 @@ class EngineRequest:
         if token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self._token_ids.extend(token_ids)
+
+    @property
+    def deferrable(self) -> bool:
+        """Optional MTP: under load it may run target-only instead of waiting for a cohort."""
+        return self.draft_tokens > 0 and not self.speculation_required
 
     @property
     def cancelled(self) -> bool:

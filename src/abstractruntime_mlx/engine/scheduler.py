@@ -13,6 +13,13 @@ Policy (the fairness rule):
   barrier, so the group drains and that request runs next. A stream of batchable
   requests therefore cannot starve a sampled one; it waits at most one group's lifetime.
 - Cohorts never admit late joiners (upstream cannot extend a speculative batch).
+- Load-aware optional MTP: an optional MTP request (``require_acceleration`` false) runs
+  target-only in the continuous batch, as if it had asked for no speculation, when
+  target-only work is there to share it: a continuous group admits it as a late joiner
+  (that group is the work running), and at the head of the queue it defers when target-only
+  requests wait right behind it (``under_load``: the run of requests the target-only group
+  would take holds one that asked for no MTP). Alone, or with only MTP requests of its depth
+  behind it, it runs MTP (a cohort). Strict MTP requests are never deferred.
 - Requests with different prefix-cache groups never share a group: keyed requests (which
   look up and store in the resident model's prefix cache) never batch with keyless ones.
 """
@@ -35,22 +42,53 @@ class GroupKey:
     sampled_exclusive: bool = field(default=False, compare=False)
 
     def admits(self, request: EngineRequest) -> bool:
-        return self.mode != ExecutionMode.EXCLUSIVE and group_key(request, sampled_exclusive=self.sampled_exclusive) == self
+        if self.mode == ExecutionMode.EXCLUSIVE:
+            return False
+        if group_key(request, sampled_exclusive=self.sampled_exclusive) == self:
+            return True
+        # A continuous group is target-only work running: optional MTP joins it target-only.
+        return self.mode == ExecutionMode.CONTINUOUS and request.deferrable and self == target_only_key(request, sampled_exclusive=self.sampled_exclusive)
 
 
-def group_key(request: EngineRequest, *, sampled_exclusive: bool = False) -> GroupKey:
+def group_key(request: EngineRequest, *, sampled_exclusive: bool = False, target_only: bool = False) -> GroupKey:
+    """The group ``request`` runs in; ``target_only``: the group it runs in without its MTP."""
     cache_group = request.cache_group if request.prompt_cache_key is None else ("prefix", request.cache_group)
+    draft_tokens = 0 if target_only else request.draft_tokens
     if not request.sampling.is_greedy_neutral():
         reason: ExclusiveReason | None = None
-        if request.draft_tokens > 0:
+        if draft_tokens > 0:
             reason = ExclusiveReason.SAMPLED_SPECULATION
         elif sampled_exclusive:
             reason = ExclusiveReason.SAMPLED_EXCLUSIVE
         if reason is not None:
-            return GroupKey(ExecutionMode.EXCLUSIVE, request.draft_tokens, (cache_group, request.request_id), reason)
-    elif request.draft_tokens > 0:
-        return GroupKey(ExecutionMode.COHORT, request.draft_tokens, cache_group)
+            return GroupKey(ExecutionMode.EXCLUSIVE, draft_tokens, (cache_group, request.request_id), reason)
+    elif draft_tokens > 0:
+        return GroupKey(ExecutionMode.COHORT, draft_tokens, cache_group)
     return GroupKey(ExecutionMode.CONTINUOUS, 0, cache_group, sampled_exclusive=sampled_exclusive)
+
+
+def target_only_key(request: EngineRequest, *, sampled_exclusive: bool = False) -> GroupKey:
+    return group_key(request, sampled_exclusive=sampled_exclusive, target_only=True)
+
+
+def under_load(waiting: deque[EngineRequest], *, sampled_exclusive: bool = False) -> GroupKey | None:
+    """The continuous key the head of ``waiting`` defers to, or None when it runs its MTP.
+
+    The head defers when it is optional MTP and the run of requests its target-only group
+    would take (from the head, up to the first it does not admit) holds a request that asked
+    for no MTP: target-only work is waiting to share the batch.
+    """
+    if not waiting or not waiting[0].deferrable:
+        return None
+    key = target_only_key(waiting[0], sampled_exclusive=sampled_exclusive)
+    if key.mode != ExecutionMode.CONTINUOUS:
+        return None
+    for request in list(waiting)[1:]:
+        if not key.admits(request):
+            return None
+        if request.draft_tokens == 0:
+            return key
+    return None
 
 
 def take_compatible(waiting: deque[EngineRequest], key: GroupKey, limit: int) -> list[EngineRequest]:

@@ -302,6 +302,7 @@ class MLXProvider:
             sampling=call.sampling,
             stop=call.stop,
             draft_tokens=draft_tokens,
+            speculation_required=bool(draft_tokens and controls.speculation.require_acceleration),
             cache_group=None,
             prompt_cache_key=call.prompt_cache_key,
             media_hash=image_hash(images),
@@ -406,8 +407,9 @@ class MLXProvider:
 
     def _on_item(self, prepared: _Prepared, item: Any) -> GenerationChunk | None:
         tracker = prepared.tracker
-        if tracker is not None and tracker.execution_mode is None:
+        if tracker is not None and tracker.execution_mode is None and prepared.request.mode is not None:
             tracker.execution_mode = prepared.request.mode  # set at admission, before any output
+            tracker.speculation = _speculation_event(prepared)
         match item:
             case TokenDelta(text=text, token_ids=ids):
                 if tracker is not None and ids:
@@ -431,7 +433,11 @@ class MLXProvider:
         }
         if outcome.cached_tokens is not None:
             usage["cached_input_tokens"] = outcome.cached_tokens
-        metadata: dict[str, Any] = {"execution": outcome.execution, "speculation": {**prepared.speculation, **(outcome.speculation or {})}}
+        speculation = {**prepared.speculation, **(outcome.speculation or {})}
+        if speculation.get("used") is False:
+            for key in ("runtime", "draft_kind", "drafter"):  # what would have run, had MTP run
+                speculation.pop(key, None)
+        metadata: dict[str, Any] = {"execution": outcome.execution, "speculation": speculation}
         performance = _performance(request)
         if performance:
             metadata["performance"] = performance
@@ -445,6 +451,8 @@ class MLXProvider:
         metadata["controls"] = prepared.controls.to_metadata()
         if prepared.tracker is not None:
             prepared.tracker.execution_mode = request.mode
+            if request.mode is not None:
+                prepared.tracker.speculation = _speculation_event(prepared)
             prepared.tracker.complete(
                 outcome.finish_reason,
                 prompt_tokens=outcome.prompt_tokens,
@@ -508,6 +516,16 @@ class AsyncChunkStream:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _speculation_event(prepared: _Prepared) -> dict[str, Any]:
+    """What phase events say about speculation once the request is admitted: whether MTP runs
+    and, when it does not, the named reason (``deferred_under_load`` decided at admission)."""
+    if prepared.request.speculation_deferred:
+        return {"speculation_used": False, "speculation_reason": "deferred_under_load"}
+    if prepared.speculation.get("used"):
+        return {"speculation_used": True}
+    return {"speculation_used": False, "speculation_reason": prepared.speculation.get("reason")}
 
 
 def _validate_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -63,6 +63,8 @@ class ProgressTracker:
         self._first_token_at: float | None = None
         self._finished = False
         self.execution_mode: str | None = None
+        # ``speculation_used`` (and ``speculation_reason`` when not), known from admission on.
+        self.speculation: dict[str, Any] = {}
 
     # --- observations ------------------------------------------------------------------
     def start(self, prompt_tokens: int) -> None:
@@ -147,6 +149,7 @@ class ProgressTracker:
         full: dict[str, Any] = {"kind": "llm", **event}
         if self.execution_mode is not None:
             full["execution_mode"] = self.execution_mode
+        full.update({key: value for key, value in self.speculation.items() if value is not None})
         if self._prompt_tokens is not None:
             full["prompt_tokens"] = self._prompt_tokens
         if self._cached is not None:

@@ -1,0 +1,288 @@
+"""Per-node MTP on a resident model: the head attached on first use (no reload), companion
+heads, load-aware optional MTP, exact limits in cohorts, greedy parity at every depth."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from abstractruntime_mlx import artifacts, errors, get_execution_capabilities
+from abstractruntime_mlx.controls import Sampling
+from abstractruntime_mlx.engine import model as model_module
+from abstractruntime_mlx.engine.request import EngineRequest, ExecutionMode
+from abstractruntime_mlx.engine.scheduler import group_key, take_compatible, target_only_key, under_load
+from abstractruntime_mlx.testing import companion_head_path, tiny_model
+
+PROMPTS = ["Explain TTL caches.", "Explain LRU caches.", "What is a prefix cache?", "Why batch requests?"]
+OPTIONAL = {"mode": "native_mtp", "num_draft_tokens": 2}
+STRICT = {**OPTIONAL, "require_acceleration": True}
+
+
+def strict(depth: int) -> dict:
+    return {"mode": "native_mtp", "num_draft_tokens": depth, "require_acceleration": True}
+
+
+@pytest.fixture(scope="module")
+def companion_model(models_dir) -> Path:
+    # A quantized-looking name, so the lookup that finds the head is the ``-MTP-`` insertion.
+    return tiny_model(models_dir / "tiny-hybrid-4bit", kind="hybrid-companion", seed=0, mtp_alpha=0.05)
+
+
+@pytest.fixture(scope="module")
+def aligned_model(models_dir) -> str:
+    """Every draft accepted (alpha 0): the most tokens a verify round can hand back at once."""
+    return str(tiny_model(models_dir / "hybrid-a0", kind="hybrid-mtp", seed=0, mtp_alpha=0.0))
+
+
+def together(llm, calls: list[dict]) -> list:
+    """Submit ``calls`` at once from as many threads (each a dict of generate kwargs)."""
+    start = threading.Barrier(len(calls))
+
+    def one(kwargs):
+        start.wait()
+        return llm.generate(**kwargs)
+
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        return list(pool.map(one, calls))
+
+
+# -- the head attaches to the resident target ------------------------------------------------
+
+
+def test_head_attaches_once_on_the_worker_without_reloading(make_llm, hybrid_model, monkeypatch):
+    llm = make_llm(hybrid_model, mlx_batching=True, speculation=False)
+    loaded = llm._engine.loaded
+    target = loaded.model
+    assert loaded.drafter is None and not llm.speculation_ready() and llm.speculation_attachable()
+    caps = get_execution_capabilities(hybrid_model, instance=llm)["speculation"]
+    assert (caps["ready"], caps["reason"], caps["requires_reload"]) == (False, "mtp_head_attaches_on_first_use", False)
+
+    threads: list[str] = []
+    real_attach = model_module.LoadedModel.attach_drafter
+
+    def attach(self):
+        threads.append(threading.current_thread().name)
+        return real_attach(self)
+
+    monkeypatch.setattr(model_module.LoadedModel, "attach_drafter", attach)
+    off = llm.generate(PROMPTS[0], thinking=False, max_output_tokens=12)
+    first = llm.generate(PROMPTS[0], thinking=False, max_output_tokens=12, speculation=STRICT)
+    spec = first.metadata["speculation"]
+    assert spec["used"] is True and spec["source"] == "call"
+    assert spec["head_attach_s"] >= 0 and spec["head_bytes"] == loaded.drafter_bytes > 0
+    assert first.token_ids == off.token_ids
+    assert threads == [f"abstractruntime-mlx:{Path(hybrid_model).name}"]  # on the model's worker, once
+
+    again = llm.generate(PROMPTS[0], thinking=False, max_output_tokens=12, speculation=OPTIONAL)
+    assert again.metadata["speculation"]["used"] is True and "head_attach_s" not in again.metadata["speculation"]
+    assert threads == [threads[0]]
+    # Same resident target, same weights: the head was added, nothing was reloaded.
+    assert llm._engine.loaded is loaded and loaded.model is target and llm.speculation_ready()
+    assert loaded.drafter_bytes < model_module.parameter_bytes(target) / 2  # the head, not a second target
+    # A provider whose default is MTP shares the same resident target and head.
+    other = make_llm(hybrid_model, mlx_batching=True, speculation=STRICT)
+    assert other._resident is llm._resident
+    assert other.generate(PROMPTS[0], thinking=False, max_output_tokens=12).token_ids == off.token_ids
+
+
+def test_no_head_on_this_machine_strict_fails_optional_names_the_reason(make_llm, dense_model):
+    llm = make_llm(dense_model, mlx_batching=True, speculation=False)
+    with pytest.raises(errors.SpeculationUnavailable) as info:
+        llm.generate(PROMPTS[0], max_output_tokens=2, speculation=STRICT)
+    assert info.value.reason == "no_mtp_drafter_for_model"
+    assert "abstractruntime-mlx models download" in info.value.message and "mtp_head=" in info.value.message
+    optional = llm.generate(PROMPTS[0], max_output_tokens=2, speculation=OPTIONAL)
+    assert optional.metadata["speculation"]["used"] is False
+    assert optional.metadata["speculation"]["reason"] == "no_mtp_drafter_for_model"
+
+
+def test_companion_head_found_by_lookup_and_named_with_mtp_head(make_llm, companion_model, hybrid_model):
+    head = companion_head_path(companion_model)
+    assert head.name == "tiny-hybrid-MTP-4bit" and artifacts.is_mtp_head(head)
+    found = artifacts.detect_mtp(companion_model)
+    assert found["embedded"] is False and found["config_mtp_layers"] == 1
+    assert Path(found["companion_path"]).resolve() == head.resolve() and found["head_present"] is True
+    caps = get_execution_capabilities(str(companion_model))["speculation"]
+    assert caps["supported"] is True and caps["head_present"] is True
+    assert caps["head_fingerprint"] == artifacts.model_fingerprint(head)
+    assert caps["head_fingerprint"] != get_execution_capabilities(hybrid_model)["speculation"]["head_fingerprint"]
+
+    llm = make_llm(str(companion_model), mlx_batching=True, speculation=False)
+    off = llm.generate(PROMPTS[1], thinking=False, max_output_tokens=16)
+    mtp = llm.generate(PROMPTS[1], thinking=False, max_output_tokens=16, speculation=STRICT)
+    spec = mtp.metadata["speculation"]
+    assert spec["used"] is True and Path(spec["drafter"]).resolve() == head.resolve() and "head_attach_s" in spec
+    assert mtp.token_ids == off.token_ids
+    # Naming the same head explicitly is the same target/head pair: one resident copy.
+    named = make_llm(str(companion_model), mlx_batching=True, mtp_head=str(head), speculation=STRICT)
+    assert named._resident is llm._resident
+    # The same seed and alpha as the embedded kind: the same tokens and the same drafts.
+    embedded = make_llm(hybrid_model, mlx_batching=True, speculation=STRICT)
+    same = embedded.generate(PROMPTS[1], thinking=False, max_output_tokens=16)
+    assert same.token_ids == mtp.token_ids
+    assert same.metadata["speculation"]["accepted_tokens"] == spec["accepted_tokens"] > 0
+
+
+def test_explicit_head_that_does_not_fit_is_reported_by_name(make_llm, dense_model, hybrid_model):
+    """A head of another width: strict fails, optional runs target-only, both with the reason."""
+    llm = make_llm(dense_model, mlx_batching=True, mtp_head=hybrid_model, speculation=False)
+    with pytest.raises(errors.SpeculationUnavailable) as info:
+        llm.generate(PROMPTS[0], max_output_tokens=2, speculation=STRICT)
+    assert info.value.reason == "mtp_head_attach_failed"
+    optional = llm.generate(PROMPTS[0], max_output_tokens=2, speculation=OPTIONAL)
+    assert optional.metadata["speculation"]["reason"] == "mtp_head_attach_failed"
+    assert optional.finish_reason == "length"
+
+
+# -- load-aware optional MTP ------------------------------------------------------------------
+
+
+def _request(i: int, draft: int = 0, *, required: bool = False, temperature: float | None = None) -> EngineRequest:
+    return EngineRequest(
+        request_id=f"r{i}",
+        prompt_ids=[1, 2, 3],
+        max_tokens=4,
+        draft_tokens=draft,
+        speculation_required=required and draft > 0,
+        sampling=Sampling(temperature=temperature),
+    )
+
+
+@pytest.mark.parametrize(
+    ("queue", "defers"),
+    [
+        ([(2, False)], False),  # alone: MTP
+        ([(2, False), (0, False)], True),  # target-only work right behind it
+        ([(2, False), (2, False)], False),  # only MTP work: a cohort
+        ([(2, False), (3, False), (0, False)], True),  # another optional one defers with it
+        ([(2, False), (2, True), (0, False)], False),  # a strict one behind it: the cohort they share
+        ([(2, True), (0, False)], False),  # strict is never deferred
+        ([(0, False), (2, False)], False),  # the head is target-only: nothing to defer
+    ],
+)
+def test_optional_mtp_defers_only_when_target_only_work_waits(queue, defers):
+    waiting = deque(_request(i, draft, required=req) for i, (draft, req) in enumerate(queue))
+    key = under_load(waiting)
+    if not defers:
+        assert key is None
+        return
+    assert key is not None and key.mode == ExecutionMode.CONTINUOUS
+    taken = take_compatible(waiting, key, 8)
+    assert [r.request_id for r in taken] == [f"r{i}" for i in range(len(queue))]
+
+
+def test_a_continuous_group_admits_optional_mtp_never_strict():
+    plain, optional, required = _request(0), _request(1, 2), _request(2, 2, required=True)
+    key = group_key(plain)
+    assert key.admits(optional) and not key.admits(required)
+    assert group_key(optional).mode == ExecutionMode.COHORT and target_only_key(optional) == key
+    # Sampled optional MTP would run exclusive; under load it shares the batch (own sampler).
+    sampled = _request(3, 2, temperature=0.7)
+    assert group_key(sampled).mode == ExecutionMode.EXCLUSIVE and key.admits(sampled)
+    assert under_load(deque([sampled, _request(4)])) == key
+    assert under_load(deque([sampled, _request(4)]), sampled_exclusive=True) is None
+
+
+def test_optional_mtp_joins_the_batch_under_load_and_runs_mtp_alone(make_llm, hybrid_model):
+    llm = make_llm(hybrid_model, mlx_batching=True, mlx_max_batch_size=4, speculation=False)
+    reference = llm.generate(PROMPTS[1], thinking=False, max_output_tokens=12)
+    running = llm.generate(PROMPTS[0], max_output_tokens=300, stream=True)
+    next(running)  # target-only work is decoding
+    events: list[dict] = []
+    late = llm.generate(PROMPTS[1], thinking=False, max_output_tokens=12, speculation=OPTIONAL, on_progress=events.append)
+    list(running)
+    assert late.metadata["execution"]["mode"] == "continuous" and late.metadata["execution"]["peak_batch_size"] == 2
+    spec = late.metadata["speculation"]
+    assert spec["requested"] is True and spec["num_draft_tokens"] == 2 and spec["require_acceleration"] is False
+    assert spec["used"] is False and spec["reason"] == "deferred_under_load"
+    assert not {"rounds", "runtime", "drafter"} & set(spec)
+    assert late.token_ids == reference.token_ids
+    admitted = [e for e in events if "execution_mode" in e]
+    assert admitted and admitted[-1]["phase"] == "complete"
+    assert all(e["speculation_used"] is False and e["speculation_reason"] == "deferred_under_load" for e in admitted)
+
+    alone_events: list[dict] = []
+    alone = llm.generate(PROMPTS[1], thinking=False, max_output_tokens=12, speculation=OPTIONAL, on_progress=alone_events.append)
+    assert alone.metadata["execution"]["mode"] == "cohort" and alone.metadata["speculation"]["used"] is True
+    assert alone.metadata["speculation"]["rounds"] > 0 and alone.token_ids == reference.token_ids
+    assert all(e["speculation_used"] is True and "speculation_reason" not in e for e in alone_events if "execution_mode" in e)
+
+
+def test_strict_mtp_is_never_deferred(make_llm, hybrid_model):
+    llm = make_llm(hybrid_model, mlx_batching=True, mlx_max_batch_size=4, speculation=False)
+    running = llm.generate(PROMPTS[0], max_output_tokens=120, stream=True)
+    next(running)
+    required = llm.generate(PROMPTS[1], thinking=False, max_output_tokens=12, speculation=STRICT)
+    list(running)
+    assert required.metadata["execution"]["mode"] == "cohort"
+    assert required.metadata["speculation"]["used"] is True and "reason" not in required.metadata["speculation"]
+
+
+def test_optional_and_target_only_submitted_together_share_the_batch(make_llm, hybrid_model):
+    # A long collection window: a cohort's head waits for company, and target-only company defers it.
+    llm = make_llm(hybrid_model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=1000, speculation=False)
+    results = together(
+        llm,
+        [
+            {"prompt": PROMPTS[0], "thinking": False, "max_output_tokens": 10, "speculation": OPTIONAL},
+            {"prompt": PROMPTS[1], "thinking": False, "max_output_tokens": 10},
+        ],
+    )
+    optional, plain = results
+    assert optional.metadata["speculation"]["reason"] == "deferred_under_load"
+    assert optional.metadata["execution"]["mode"] == plain.metadata["execution"]["mode"] == "continuous"
+
+
+# -- cohorts: exact limits, stop strings, parity --------------------------------------------
+
+
+def test_cohort_keeps_exact_output_caps(make_llm, aligned_model):
+    llm = make_llm(aligned_model, mlx_batching=True, mlx_max_batch_size=2, mlx_batch_wait_ms=1000, speculation=False)
+    caps = (3, 11)
+    off = [llm.generate(PROMPTS[i], thinking=False, max_output_tokens=n) for i, n in enumerate(caps)]
+    for depth in (1, 3, 5):
+        cohort = together(
+            llm,
+            [{"prompt": PROMPTS[i], "thinking": False, "max_output_tokens": n, "speculation": strict(depth)} for i, n in enumerate(caps)],
+        )
+        for result, cap, reference in zip(cohort, caps, off):
+            assert result.metadata["execution"]["mode"] == "cohort" and result.metadata["execution"]["peak_batch_size"] == 2
+            assert result.usage["completion_tokens"] == len(result.token_ids) == cap
+            assert result.finish_reason == "length" and result.token_ids == reference.token_ids
+        assert cohort[1].metadata["speculation"]["accepted_tokens"] > 0
+
+
+def test_cohort_stops_exactly_at_a_stop_string(make_llm, aligned_model):
+    llm = make_llm(aligned_model, mlx_batching=True, mlx_max_batch_size=2, mlx_batch_wait_ms=1000, speculation=False)
+    text = llm.generate(PROMPTS[0], thinking=False, max_output_tokens=24).content
+    at = next(i for i in range(6, len(text) - 3) if text.find(text[i : i + 3]) == i)
+    stop = text[at : at + 3]
+    target_only = llm.generate(PROMPTS[0], thinking=False, max_output_tokens=24, stop=[stop])
+    assert target_only.finish_reason == "stop" and target_only.content == text[:at]
+    for depth in (2, 4):
+        mtp, other = together(
+            llm,
+            [
+                {"prompt": PROMPTS[0], "thinking": False, "max_output_tokens": 24, "stop": [stop], "speculation": strict(depth)},
+                {"prompt": PROMPTS[1], "thinking": False, "max_output_tokens": 24, "speculation": strict(depth)},
+            ],
+        )
+        assert mtp.metadata["execution"]["mode"] == "cohort" and mtp.metadata["execution"]["peak_batch_size"] == 2
+        assert mtp.finish_reason == "stop" and mtp.content == target_only.content
+        assert mtp.token_ids == target_only.token_ids and mtp.usage["completion_tokens"] == target_only.usage["completion_tokens"]
+        assert other.usage["completion_tokens"] == 24
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 5])
+def test_greedy_tokens_identical_with_mtp_on_and_off(make_llm, hybrid_model, depth):
+    llm = make_llm(hybrid_model, mlx_batching=True, mlx_max_batch_size=2, mlx_batch_wait_ms=1000, speculation=False)
+    off = [llm.generate(p, thinking=False, max_output_tokens=16).token_ids for p in PROMPTS[:2]]
+    alone = llm.generate(PROMPTS[0], thinking=False, max_output_tokens=16, speculation=strict(depth))
+    assert alone.metadata["speculation"]["num_draft_tokens"] == depth and alone.token_ids == off[0]
+    cohort = together(llm, [{"prompt": p, "thinking": False, "max_output_tokens": 16, "speculation": strict(depth)} for p in PROMPTS[:2]])
+    assert [r.metadata["execution"]["peak_batch_size"] for r in cohort] == [2, 2]
+    assert [r.token_ids for r in cohort] == off
