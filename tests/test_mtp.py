@@ -286,3 +286,174 @@ def test_greedy_tokens_identical_with_mtp_on_and_off(make_llm, hybrid_model, dep
     cohort = together(llm, [{"prompt": p, "thinking": False, "max_output_tokens": 16, "speculation": strict(depth)} for p in PROMPTS[:2]])
     assert [r.metadata["execution"]["peak_batch_size"] for r in cohort] == [2, 2]
     assert [r.token_ids for r in cohort] == off
+
+
+# -- the same speculation forms at every edge -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "wire"),
+    [
+        (2, {"mode": "native_mtp", "num_draft_tokens": 2}),
+        ("3", {"mode": "native_mtp", "num_draft_tokens": 3}),
+        ("off", False),
+        (False, False),
+        ("native_mtp", {"mode": "native_mtp"}),
+        ('{"num_draft_tokens": 4, "require_acceleration": true}', {"mode": "native_mtp", "num_draft_tokens": 4, "require_acceleration": True}),
+        ({"mode": "native_mtp", "num_draft_tokens": 1}, {"mode": "native_mtp", "num_draft_tokens": 1}),
+        ("inherit", None),
+    ],
+)
+def test_speculation_option_forms(given, wire):
+    from abstractruntime_mlx.controls import parse_speculation_option
+
+    control = parse_speculation_option(given)
+    assert (None if control is None else control.to_wire()) == wire
+
+
+@pytest.mark.parametrize("bad", [0, -1, "0", "fast", "{not json", [2]])
+def test_speculation_option_refusals(bad):
+    from abstractruntime_mlx.controls import parse_speculation_option
+
+    with pytest.raises(errors.InvalidControls):
+        parse_speculation_option(bad, field="--speculation")
+
+
+def test_run_and_serve_take_the_same_speculation_flag(dense_model):
+    import argparse
+
+    from abstractruntime_mlx.cli import run_cmd, serve_cmd
+
+    flow = str(Path(__file__).resolve().parents[1] / "examples" / "fanout.json")
+    for text, wire in (("2", {"mode": "native_mtp", "num_draft_tokens": 2}), ("off", False), ('{"num_draft_tokens": 3}', {"mode": "native_mtp", "num_draft_tokens": 3})):
+        parser = argparse.ArgumentParser()
+        subparsers = parser.add_subparsers()
+        run_cmd.add_parser(subparsers)
+        serve_cmd.add_parser(subparsers)
+        run = run_cmd.settings_from_args(parser.parse_args(["run", flow, "--model", dense_model, "--speculation", text]))
+        assert run.provider_options["speculation"] == wire
+        serve = serve_cmd.settings_from_args(parser.parse_args(["serve", "--model", dense_model, "--speculation", text]), environ={})
+        assert serve.options["speculation"] == wire
+    parser = argparse.ArgumentParser()
+    run_cmd.add_parser(parser.add_subparsers())
+    assert "speculation" not in run_cmd.settings_from_args(parser.parse_args(["run", flow, "--model", dense_model, "--speculation", "inherit"])).provider_options
+    with pytest.raises(SystemExit, match="--speculation"):
+        run_cmd.settings_from_args(parser.parse_args(["run", flow, "--model", dense_model, "--speculation", "0"]))
+
+
+def test_models_load_takes_the_serve_forms(hybrid_model, policy_file):
+    from starlette.testclient import TestClient
+
+    from abstractruntime_mlx.server import create_app
+
+    app = create_app(model_roots=[str(Path(hybrid_model).parent)])
+    with TestClient(app) as client:
+        loaded = client.post("/acore/models/load", json={"model": hybrid_model, "speculation": 2, "options": {"mlx_batching": True}})
+        assert loaded.status_code == 200, loaded.json()
+        assert app.state.served.provider.speculation_default() == {"mode": "native_mtp", "num_draft_tokens": 2}
+        same = client.post("/acore/models/load", json={"model": hybrid_model, "options": {"mlx_batching": True, "speculation": "2"}})
+        assert same.status_code == 200 and same.json()["loaded_new"] is False
+        other = client.post("/acore/models/load", json={"model": hybrid_model, "options": {"mlx_batching": True, "speculation": 3}})
+        assert other.status_code == 409 and other.json()["error"]["code"] == "residency_conflict"
+        both = client.post("/acore/models/load", json={"model": hybrid_model, "speculation": 2, "options": {"speculation": "off"}})
+        assert both.status_code == 400 and "disagree" in both.json()["error"]["message"]
+        bad = client.post("/acore/models/load", json={"model": hybrid_model, "speculation": 0})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_controls"
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0})
+        assert chat.status_code == 200 and chat.json()["abstractcore"]["speculation"]["used"] is True
+
+
+# -- per-node MTP through a real VisualFlow run --------------------------------------------
+
+
+def chain(nodes: dict[str, dict], *, flow_id: str = "chain") -> dict:
+    """start -> one llm_call per entry of ``nodes`` ({id: effectConfig}), one after another -> end."""
+    ids = list(nodes)
+    flow_nodes = [{"id": "start", "type": "on_flow_start", "data": {}}]
+    edges = []
+    previous = "start"
+    for node_id in ids:
+        config = {"provider": "mlx", "temperature": 0, "max_output_tokens": 8, **nodes[node_id]}
+        flow_nodes.append(
+            {"id": node_id, "type": "llm_call", "data": {"effectConfig": config, "pinDefaults": {"prompt": f"Say something about {node_id}."}}}
+        )
+        edges.append({"source": previous, "sourceHandle": "exec-out", "target": node_id, "targetHandle": "exec-in"})
+        previous = node_id
+    flow_nodes.append({"id": "end", "type": "on_flow_end", "data": {"inputs": [{"id": "exec-in", "type": "execution"}]}})
+    edges.append({"source": previous, "sourceHandle": "exec-out", "target": "end", "targetHandle": "exec-in"})
+    return {"id": flow_id, "entryNode": "start", "nodes": flow_nodes, "edges": edges}
+
+
+PER_NODE = chain(
+    {
+        "n_strict": {"speculation": strict(2)},
+        "n_optional": {"speculation": {"mode": "native_mtp", "num_draft_tokens": 3}},
+        "n_off": {"speculation": False},
+        "n_inherit": {},
+    }
+)
+
+
+def _run_flow(flow, model, tmp_path, **pack_options):
+    from abstractruntime_mlx.ledger import Ledger
+    from abstractruntime_mlx.nodes import ProviderRegistry
+    from abstractruntime_mlx.runtime_plugin import build_pack, run_flow
+
+    url = f"sqlite:///{tmp_path}/ledger-{len(list(tmp_path.iterdir()))}.sqlite"
+    registry = ProviderRegistry()
+    pack = build_pack(url, model=model, registry=registry, **pack_options)
+    try:
+        (result,) = run_flow(flow, pack=pack)
+    finally:
+        pack.close()
+        registry.close()
+    assert result.status == "completed", result.error
+    with Ledger(url) as ledger:
+        steps = {s.node_id: s.record["result"]["metadata"] for s in ledger.run_steps(result.run_id) if s.effect_type == "llm_call" and s.status == "completed"}
+        rows = ledger.node_timeline(result.run_id)
+    return steps, rows
+
+
+@pytest.mark.parametrize(
+    ("policy", "provider_options", "inherit_used", "inherit_reason"),
+    [
+        ("off", {}, False, "disabled_by_policy"),
+        (2, {}, True, None),
+        ("inherit", {}, True, None),  # no policy: the verified default (optional MTP)
+        (None, {"speculation": False}, False, "disabled_by_provider_default"),  # provider default off
+    ],
+)
+def test_per_node_mtp_whatever_the_policy_or_provider_default(hybrid_model, tmp_path, policy_file, policy, provider_options, inherit_used, inherit_reason):
+    from abstractruntime_mlx.policy import set_default_speculation
+
+    if policy is not None:
+        set_default_speculation("output.text", policy, policy_file)
+    steps, rows = _run_flow(PER_NODE, hybrid_model, tmp_path, provider_options=provider_options)
+    assert set(steps) == {"n_strict", "n_optional", "n_off", "n_inherit"}
+    assert steps["n_strict"]["speculation"]["used"] is True and steps["n_strict"]["speculation"]["num_draft_tokens"] == 2
+    assert steps["n_optional"]["speculation"]["used"] is True and steps["n_optional"]["speculation"]["num_draft_tokens"] == 3
+    assert steps["n_off"]["speculation"] == {**steps["n_off"]["speculation"], "used": False, "reason": "disabled_for_this_call"}
+    assert steps["n_inherit"]["speculation"]["used"] is inherit_used
+    assert steps["n_inherit"]["speculation"].get("reason") == inherit_reason
+    # Phase events in the ledger say what ran, node by node.
+    for node_id, used in (("n_strict", True), ("n_optional", True), ("n_off", False)):
+        admitted = [r.event for r in rows if r.node_id == node_id and "execution_mode" in r.event]
+        assert admitted and all(e["speculation_used"] is used for e in admitted)
+    if policy == "off" or provider_options:
+        # The head was not loaded with the model: the first MTP node attached it, once.
+        assert "head_attach_s" in steps["n_strict"]["speculation"]
+        assert "head_attach_s" not in steps["n_optional"]["speculation"]
+
+
+def test_deferral_is_in_the_ledger(hybrid_model, tmp_path, policy_file):
+    """Sibling branches submitted together: the optional MTP one runs target-only with the plain one."""
+    from test_runtime_plugin import fanout
+
+    # The plain branch decodes long enough that the optional one meets it whichever is submitted first.
+    flow = fanout({"plain": {"speculation": False, "max_output_tokens": 200}, "optional": {"speculation": OPTIONAL}}, flow_id="load")
+    steps, rows = _run_flow(flow, hybrid_model, tmp_path, provider_options={"mlx_batch_wait_ms": 1000})
+    assert steps["optional"]["speculation"]["used"] is False
+    assert steps["optional"]["speculation"]["reason"] == "deferred_under_load"
+    assert steps["optional"]["execution"]["mode"] == "continuous"
+    events = [r.event for r in rows if r.node_id == "optional" and "execution_mode" in r.event]
+    assert events and all(e["speculation_reason"] == "deferred_under_load" for e in events)

@@ -10,7 +10,9 @@ where each control came from). Every run, step and phase event is recorded in th
 ``~/.abstractruntime-mlx/ledger.sqlite``. Without ``--model``, nodes that name no model use
 the embedded tiny hybrid model with an MTP head (so per-node speculation really runs),
 built offline on first use in ``$XDG_CACHE_HOME/abstractruntime-mlx/tiny-hybrid-mtp``
-(``~/.cache/...``); ``--model`` replaces the model of every node.
+(``~/.cache/...``); ``--model`` replaces the model of every node. ``--speculation`` sets the
+local provider's default (the forms ``serve --speculation`` takes); a node asking for MTP
+gets it whatever that default is, the head attaching on first use.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from ..controls import parse_speculation_option
 from ..errors import MLXRuntimeError
 from ..runtime_plugin.routing import parse_route, routes_from_config
 from .ledger_location import DEFAULT_LEDGER_PATH, LEDGER_ENV, default_ledger_url
@@ -65,6 +68,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--runs", type=int, default=1, help="number of concurrent runs (default 1)")
     parser.add_argument("--ledger", default=None, help=f"ledger URL or SQLite path (default ${LEDGER_ENV} or {DEFAULT_LEDGER_PATH})")
     parser.add_argument("--max-batch-size", type=int, default=None, help="engine batch slots (mlx_max_batch_size; default 4)")
+    parser.add_argument(
+        "--speculation",
+        default=None,
+        help="the local provider's default speculation, as serve takes it: 'off', 'native_mtp', a draft depth N, "
+        "'inherit' or a JSON object (default: inherit the policy); nodes and _runtime.speculation still override it",
+    )
     parser.add_argument("--no-sibling-batching", action="store_true", help="run parallel branches strictly one after another (no prefetch)")
     parser.add_argument(
         "--route",
@@ -148,6 +157,13 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
     options: dict[str, Any] = {}
     if args.max_batch_size is not None:
         options["mlx_max_batch_size"] = args.max_batch_size
+    if args.speculation is not None:
+        try:
+            control = parse_speculation_option(args.speculation, field="--speculation")
+        except MLXRuntimeError as exc:
+            raise SystemExit(f"error: {exc.message}") from exc
+        if control is not None:
+            options["speculation"] = control.to_wire()
     config = read_run_config(args.config) if args.config else {}
     model = args.model or config.get("model")
     routes = tuple(routes_from_config(config.get("routes"), source=str(args.config))) + tuple(args.route)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..controls import normalize_speculation
+from ..controls import parse_speculation_option
 from ..errors import InvalidRequest
 
 API_KEY_ENV = "ABSTRACTRUNTIME_MLX_API_KEY"
@@ -73,7 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--speculation",
         default=None,
-        help="constructor speculation: 'off', 'native_mtp', or a draft depth N (default: inherit the policy)",
+        help="constructor speculation: 'off', 'native_mtp', a draft depth N, 'inherit' or a JSON object (default: inherit the policy)",
     )
     parser.add_argument("--mtp-head", default=None, help="companion MTP head (repo id or directory)")
     parser.add_argument(
@@ -116,10 +116,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
 
 
 def _speculation_arg(text: str) -> Any:
-    word = text.strip()
-    if word.isdigit():
-        return {"mode": "native_mtp", "num_draft_tokens": int(word)}
-    control = normalize_speculation(word, field="--speculation")
+    control = parse_speculation_option(text, field="--speculation")
     return None if control is None else control.to_wire()
 
 

@@ -17,6 +17,7 @@ from .models import (
     normalize_max_output_tokens,
     normalize_sampling,
     normalize_speculation,
+    parse_speculation_option,
     normalize_stop,
     normalize_thinking,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "normalize_max_output_tokens",
     "normalize_sampling",
     "normalize_speculation",
+    "parse_speculation_option",
     "normalize_stop",
     "normalize_thinking",
     "resolve_controls",

@@ -13,6 +13,7 @@ Wire forms (JSON, shared with AbstractCore):
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -154,6 +155,32 @@ def normalize_speculation(value: Any, *, field: str = "speculation") -> Speculat
         )
     except ValidationError as exc:  # pragma: no cover - every field is checked above
         raise InvalidControls(f"invalid {field}: {exc}", field=field, value=dict(value)) from exc
+
+
+def parse_speculation_option(value: Any, *, field: str = "speculation") -> SpeculationControl | None:
+    """A load-time speculation option as ``serve --speculation``, ``run --speculation`` and
+    ``/acore/models/load`` take it: every ``normalize_speculation`` form, plus a draft depth
+    (an integer N >= 1, or its digits as a string: native MTP at depth N), ``"inherit"``
+    (say nothing: ``None``) and, from a command line, an object as JSON text. The same forms
+    at every edge."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word == "inherit":
+            return None
+        if word.isdigit():
+            value = int(word)
+        elif word.startswith("{"):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidControls(f"{field} is not a valid JSON object: {exc}", field=field, value=value) from exc
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise InvalidControls(
+                f"{field} as a draft depth must be an integer >= 1 (or 'off'); got {value}", field=field, value=value
+            )
+        return SpeculationControl(mode="native_mtp", num_draft_tokens=value)
+    return normalize_speculation(value, field=field)
 
 
 def _speculation_mode(text: str, *, field: str, shown: Any) -> Literal["native_mtp", "off"]:

@@ -33,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..controls import parse_speculation_option
 from ..errors import InvalidRequest
 
 MAX_JSON_DEPTH: Final = 64
@@ -180,6 +181,9 @@ class LoadModelRequest(BaseModel):
     model: ModelName
     provider: StrictStr = "mlx"
     options: dict[str, Any] = Field(default_factory=dict)
+    # The constructor speculation, also accepted at the top level; the same forms as
+    # ``serve --speculation`` (``2``, ``"off"``, ``"inherit"``, an object).
+    speculation: Any = None
     task: StrictStr | None = None
     pin: StrictBool = True
 
@@ -192,7 +196,16 @@ class LoadModelRequest(BaseModel):
         unknown = sorted(set(self.options) - accepted)
         if unknown:
             raise InvalidRequest(f"unknown load option(s) {unknown}; accepted: {sorted(accepted)}")
-        return dict(self.options)
+        options = dict(self.options)
+        said = (("speculation", self.speculation), ("options.speculation", options.pop("speculation", None)))
+        given = {name: value for name, value in said if value is not None}
+        controls = {name: parse_speculation_option(value, field=name) for name, value in given.items()}
+        if len({None if c is None else json.dumps(c.to_wire(), sort_keys=True) for c in controls.values()}) > 1:
+            raise InvalidRequest(f"speculation and options.speculation disagree ({given}); send one")
+        for control in controls.values():
+            if control is not None:
+                options["speculation"] = control.to_wire()
+        return options
 
 
 class UnloadModelRequest(BaseModel):
