@@ -360,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         built = time.perf_counter() - started
         llm = create_llm("mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=max([8, *levels]), speculation=False)
         try:
-            warm = one(llm, prompts(1, 0)[0], 8, {"mode": "native_mtp", "num_draft_tokens": 1, "require_acceleration": True})
+            # Every setting once (an accelerator compiles kernels per shape on first use).
+            for d in (0, *DEPTHS):
+                warm = one(llm, prompts(1, 0)[0], 8, {"mode": "native_mtp", "num_draft_tokens": d, "require_acceleration": True} if d else False)
             for c in levels:  # every batch width once, MTP and not
                 with ThreadPoolExecutor(max_workers=c) as pool:
                     list(pool.map(lambda i: one(llm, prompts(1, i)[0], 4, policy_speculation("fixed_cohorts", args.depth) if i % 2 else False), range(c)))
