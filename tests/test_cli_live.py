@@ -147,7 +147,9 @@ def cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy_file: Path):
 
 
 def test_run_prints_phase_lines_when_not_a_terminal_and_pure_json_with_json(cli_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", str(EXAMPLE), "--runs", "2"]) == 0
+    # Strict by default (nodes inherit require_acceleration): optional MTP beside the plain
+    # branch would run target-only (deferred under load), showing no acceptance.
+    assert main(["run", str(EXAMPLE), "--runs", "2", "--speculation", '{"require_acceleration": true}']) == 0
     out = capsys.readouterr().out
     phase_lines = [line for line in out.splitlines() if line.startswith("[")]
     for node in ("plain", "mtp2", "inherit", "think"):

@@ -39,7 +39,10 @@ def flow_ledger(tmp_path_factory: pytest.TempPathFactory, hybrid_model: str) -> 
     from abstractruntime_mlx.runtime_plugin import run_flow
 
     url = sqlite_url(tmp_path_factory.mktemp("inspector") / "ledger.sqlite")
-    results = run_flow(EXAMPLE, runs=2, ledger_url=url, model=hybrid_model, force_model=True)
+    # Strict MTP as the provider default (nodes inherit require_acceleration): optional MTP
+    # beside the plain branch would run target-only (deferred under load).
+    strict = {"speculation": {"require_acceleration": True}}
+    results = run_flow(EXAMPLE, runs=2, ledger_url=url, model=hybrid_model, force_model=True, provider_options=strict)
     assert [r.status for r in results] == ["completed", "completed"]
     yield url
     default_registry().close()
