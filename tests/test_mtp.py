@@ -457,3 +457,18 @@ def test_deferral_is_in_the_ledger(hybrid_model, tmp_path, policy_file):
     assert steps["optional"]["execution"]["mode"] == "continuous"
     events = [r.event for r in rows if r.node_id == "optional" and "execution_mode" in r.event]
     assert events and all(e["speculation_reason"] == "deferred_under_load" for e in events)
+
+
+def test_a_deferred_request_keys_its_prefix_as_target_only(make_llm, hybrid_model):
+    """What a deferred request stores is target-only KV: a later target-only turn restores it."""
+    system = "You are a careful assistant who answers briefly. " * 12
+    llm = make_llm(hybrid_model, mlx_batching=True, mlx_max_batch_size=4, speculation=False)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What does a cache keep?"}]
+    running = llm.generate(PROMPTS[0], messages=[], max_output_tokens=300, prompt_cache_key="other", stream=True)
+    next(running)  # keyed target-only work is decoding
+    first = llm.generate("", messages=messages, prompt_cache_key="conv", thinking=False, max_output_tokens=8, speculation=OPTIONAL)
+    list(running)
+    assert first.metadata["speculation"]["reason"] == "deferred_under_load"
+    messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "And what does it drop?"}]
+    second = llm.generate("", messages=messages, prompt_cache_key="conv", thinking=False, max_output_tokens=8)
+    assert second.metadata["prompt_cache"]["outcome"] == "hit" and second.usage["cached_input_tokens"] > 0

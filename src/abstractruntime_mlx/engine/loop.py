@@ -607,6 +607,8 @@ class Engine:
     def _admit(self, request: EngineRequest) -> None:
         group = self._group
         assert group is not None
+        if group.mode == ExecutionMode.CONTINUOUS and request.draft_tokens > 0:
+            request.speculation_deferred = True  # optional MTP under load: target-only, in the batch
         try:
             factory = request.prompt_kwargs_factory
             if factory is not None:
@@ -632,8 +634,6 @@ class Engine:
         request.uid = uid
         request.mode = group.mode
         request.exclusive_reason = group.key.reason
-        if group.mode == ExecutionMode.CONTINUOUS and request.draft_tokens > 0:
-            request.speculation_deferred = True  # optional MTP under load: target-only, in the batch
         request.started_at = time.perf_counter()
         request.transition(RequestStatus.PREFILLING)
         group.running[uid] = _Running(request, self._model.new_detokenizer(), StopMatcher(request.stop))

@@ -358,7 +358,7 @@ class PrefixCache:
         return request_salt(
             scope=self.options.scope,
             key=request.prompt_cache_key,
-            draft_tokens=request.draft_tokens,
+            draft_tokens=request.running_draft_tokens,  # a deferred request's prefix is target-only
             layout=layout,
             media_hash=request.media_hash,
         )

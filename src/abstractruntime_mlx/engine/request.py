@@ -186,6 +186,11 @@ class EngineRequest:
         return self.draft_tokens > 0 and not self.speculation_required
 
     @property
+    def running_draft_tokens(self) -> int:
+        """The depth this request runs at: 0 once deferred (it runs target-only)."""
+        return 0 if self.speculation_deferred else self.draft_tokens
+
+    @property
     def cancelled(self) -> bool:
         return self.cancel_event.is_set()
 
