@@ -98,8 +98,8 @@ def test_per_row_sampling_seams():
 
 def test_adopting_a_decoding_row():
     """What ``BatchBackend.adopt`` builds a decoding row from (the single lane's hand-off)."""
-    from mlx_lm.models.cache import BatchKVCache, KVCache
-    from mlx_vlm.generate.ar import BatchGenerator, GenerationBatch
+    from mlx_vlm.generate.ar import BatchGenerator, GenerationBatch, cache
+    from mlx_vlm.models.cache import BatchKVCache, KVCache
 
     params = inspect.signature(GenerationBatch.__init__).parameters
     for name in ("model", "uids", "inputs", "prompt_cache", "sampler", "stop_criteria", "max_tokens", "greedy_sampling", "thinking_budget_criteria"):
@@ -109,3 +109,4 @@ def test_adopting_a_decoding_row():
     for attr in ("self.uid_count", "self.sampler", "self.tokenizer", "self.greedy_sampling", "self.compute_logprobs", "def _extend_generation_batch"):
         assert attr in source, attr
     assert KVCache.merge([KVCache()]).__class__ is BatchKVCache
+    assert cache.BatchKVCache is BatchKVCache  # the class the generator builds for a prefill

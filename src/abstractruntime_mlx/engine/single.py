@@ -47,8 +47,8 @@ class DecodingRow:
 
 def supports_model(model: Any) -> bool:
     """True when ``model``'s decoding can move into a batch as is: a plain KV cache per
-    layer (what ``BatchKVCache.merge`` takes) and no per-row position ids."""
-    from mlx_lm.models.cache import KVCache
+    layer (what mlx-vlm's ``BatchKVCache.merge`` takes) and no per-row position ids."""
+    from mlx_vlm.models.cache import KVCache
 
     lm = getattr(model, "language_model", model)
     if needs_positions(model):
@@ -90,7 +90,8 @@ class SingleBackend:
 
     # --- admission -------------------------------------------------------------------
     def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any], sampling: Sampling | None = None) -> int:
-        from mlx_lm.models.cache import KVCache
+        # mlx-vlm's cache classes, the ones its batch generator builds and extends
+        from mlx_vlm.models.cache import KVCache
 
         if self.uids:
             raise RuntimeError("the single lane runs one request at a time")
