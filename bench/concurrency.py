@@ -95,6 +95,7 @@ _models = _load_models_module()
 
 MAX_TOKENS = 64
 MAX_BATCH = 8
+SERIAL_TARGETS = ("stream_generate", "mlx_lm.server")  # one request at a time
 TARGETS = ("raw", "raw_lm", "stream_generate", "ours", "ours_batch", "abstractcore", "mlx_lm.server")
 FLOORS = {  # ours / X: the floor each ratio should reach, per concurrency (None = any)
     "raw": {None: 0.95, 16: 1.3, 32: 1.3},
@@ -738,6 +739,7 @@ def bench_model(
     log: Callable[[str], None],
     warmup_tokens: int = MAX_TOKENS,
     requests: int | None = None,
+    serial_max_c: int | None = None,
 ) -> list[Point]:
     from transformers import AutoTokenizer
 
@@ -753,6 +755,10 @@ def bench_model(
     )
     points: list[Point] = []
     live: dict[str, Any] = {}
+
+    def measured(name: str, c: int) -> bool:  # serial targets only up to --serial-max-c
+        return name not in SERIAL_TARGETS or serial_max_c is None or c <= serial_max_c
+
     try:
         for name in targets:
             target = make_target(name)
@@ -761,7 +767,8 @@ def bench_model(
                 target.setup(path)
                 # Warm up every batch width once (first-use compilation, allocator growth).
                 for c in concs:
-                    target.run(book.batch(f"warm-{name}", c, c), c, warmup_tokens)
+                    if measured(name, c):
+                        target.run(book.batch(f"warm-{name}", c, c), c, warmup_tokens)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is skipped, with why
                 reason = f"{type(exc).__name__}: {exc}"
                 log(f"[{label}] {name}: SKIPPED, setup failed: {reason}")
@@ -774,8 +781,8 @@ def bench_model(
             log(f"[{label}] {name}: ready in {time.perf_counter() - t_setup:.1f}s (setup + warm-up)")
         # Interleaved: every repeat runs every target once (in a rotating order), so a slow
         # spell of this shared 2-core machine hits all targets alike.
-        names = list(live)
         for c in concs:
+            names = [n for n in live if measured(n, c)]
             runs: dict[str, tuple[list[Request], float]] = {n: ([], 0.0) for n in names}
             profiles: dict[str, Profile | None] = {}
             failed: dict[str, str] = {}
@@ -943,6 +950,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default=None, help="comma list (default 1,2,4,8; --quick: 1,4)")
     ap.add_argument("--requests-per-slot", default="tiny=2,small=1", help="N = this x c requests per run, per model (tiny=2,small=1)")
     ap.add_argument("--requests", type=int, default=None, help="a fixed N requests per run at every concurrency (instead of per slot)")
+    ap.add_argument("--serial-max-c", type=int, default=None, help="measure stream_generate and mlx_lm.server only up to this concurrency")
     ap.add_argument("--max-batch", type=int, default=None, help="the providers' mlx_max_batch_size (default: the largest concurrency)")
     ap.add_argument("--repeats", default="tiny=5,small=2", help="runs per point, per model (tiny=5,small=2); figures pool all runs")
     ap.add_argument("--model-dir", default=None, help="where to build/reuse the checkpoints (default: a temporary directory)")
@@ -990,7 +998,7 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{label} ({params / 1e6:.1f}M)"
             # The ~27M model is compute-bound on this CPU: a short warm-up reaches every code path.
             warm = 8 if label == "small" else MAX_TOKENS
-            points += bench_model(name, path, targets, concs, per_slot[label], repeats[label], log, warm, args.requests)
+            points += bench_model(name, path, targets, concs, per_slot[label], repeats[label], log, warm, args.requests, args.serial_max_c)
     rs = ratios(points)
     print_tables(points, rs)
     elapsed = time.perf_counter() - t0
