@@ -161,22 +161,27 @@ class SingleBackend:
                     result.prefill[uid] = PrefillRow(processed=done, total=self._total, cached=0)
                 if len(self._pending) > 1:
                     return result
-            if self._next is None:
-                # The last prompt token gives the first generated one.
-                self._next = self._sample(mx.array(self._pending)[None])
-                self._pending = []
-                mx.async_eval(self._next)
-                result.prompt_done[uid] = 0
             token = self._next
+            first = token is None
+            if token is None:
+                # The last prompt token gives the first generated one.
+                token = self._sample(mx.array(self._pending)[None])
+                self._pending = []
+                mx.async_eval(token)
+                result.prompt_done[uid] = 0
+            self._next = token
             self._num_tokens += 1
             if self._num_tokens % _CLEAR_CACHE_EVERY == 0:
                 mx.clear_cache()
             finish = self._num_tokens >= self._max_tokens
-            if not finish:
-                # One step ahead: the device computes token n+1 while the host reads token n.
+            # The first token goes out before step 2 is built (time to first token); from
+            # then on one step ahead: the device computes token n+1 while the host reads n.
+            value = int(cast(int, token.item())) if first else -1
+            if not finish and not (first and self._stop(value)):
                 self._next = self._sample(token[None])
                 mx.async_eval(self._next)
-            value = int(cast(int, token.item()))  # waits for token n only
+            if not first:
+                value = int(cast(int, token.item()))  # waits for token n only
         if self._stop(value):
             reason: str | None = "stop"
         elif finish:
@@ -191,7 +196,7 @@ class SingleBackend:
     def _prefill_chunk(self) -> None:
         n = min(self._prefill_step_size, len(self._pending) - 1)
         self._lm(mx.array(self._pending[:n])[None], cache=self._cache)
-        mx.eval([c.state for c in self._cache])
+        mx.async_eval([c.state for c in self._cache])  # queued: the next chunk is built meanwhile
         self._pending = self._pending[n:]
         mx.clear_cache()
 
