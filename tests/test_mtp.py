@@ -472,3 +472,20 @@ def test_a_deferred_request_keys_its_prefix_as_target_only(make_llm, hybrid_mode
     messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "And what does it drop?"}]
     second = llm.generate("", messages=messages, prompt_cache_key="conv", thinking=False, max_output_tokens=8)
     assert second.metadata["prompt_cache"]["outcome"] == "hit" and second.usage["cached_input_tokens"] > 0
+
+
+def test_companion_kind_builds_both_directories_and_rebuilds_a_missing_head(tmp_path):
+    import shutil
+
+    from abstractruntime_mlx.testing import build_from_cli, read_marker
+
+    target = build_from_cli(str(tmp_path / "m-8bit"), "hybrid-companion", 0)
+    head = companion_head_path(target)
+    assert head == tmp_path / "m-MTP-8bit" and artifacts.is_mtp_head(head)
+    assert not artifacts.detect_mtp(target)["embedded"] and artifacts.detect_mtp(target)["head_present"] is True
+    keys = artifacts.tensor_names(artifacts.read_safetensors_headers(head))
+    assert keys and not any(key.startswith("mtp.") for key in keys)
+    assert read_marker(head)["part"] == "mtp_head"
+    shutil.rmtree(head)
+    assert tiny_model(target, kind="hybrid-companion", seed=0) == target and artifacts.is_mtp_head(head)
+    assert companion_head_path(tmp_path / "plain") == tmp_path / "plain-MTP"
