@@ -2,7 +2,9 @@
 
 Every private upstream field the package reads is read here, and only here
 (``PromptProcessingBatch`` row counters for prefill progress, the generation batch for
-batch sizes, the prefill admission gate). Supported range: mlx-vlm >=0.7.10,<0.8.0 (the prefix cache needs 0.7.10), pinned in
+batch sizes, the prefill admission gate, and what ``adopt`` builds a decoding row from:
+``GenerationBatch``'s constructor and token counts, the generator's uid counter, sampler,
+stop test and ``_extend_generation_batch``). Supported range: mlx-vlm >=0.7.10,<0.8.0 (the prefix cache needs 0.7.10), pinned in
 ``pyproject.toml``; ``tests/test_backend_contract.py`` checks these fields exist.
 
 Prefix reuse: a group of keyed requests passes the resident model's ``APCManager`` (see
