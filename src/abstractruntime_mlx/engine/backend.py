@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import mlx.core as mx
 
 from ..errors import EngineError, UpstreamError
 from .request import Sampling
 from .sampling import RowStream, make_sampler, sample_rows
-
-if TYPE_CHECKING:
-    from .single import DecodingRow
 
 PREFILL_STEP_SIZE = 256
 
@@ -70,6 +67,19 @@ class StepResult:
     prompt_done: dict[int, int] = field(default_factory=dict)  # uid -> cached tokens
     prefill: dict[int, PrefillRow] = field(default_factory=dict)
     batch_uids: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class DecodingRow:
+    """A row that decoded alone (``single.SingleBackend.detach``), for ``BatchBackend.adopt``:
+    its cache holds the prompt and every token delivered; ``next_token`` (in flight) is the
+    next one to deliver."""
+
+    cache: list[Any]
+    next_token: mx.array
+    num_tokens: int
+    max_tokens: int
+    row: RowStream | None
 
 
 class Backend(Protocol):
@@ -197,7 +207,7 @@ class BatchBackend:
         self.uids.add(uid)
         return uid
 
-    def adopt(self, row: "DecodingRow") -> int:
+    def adopt(self, row: DecodingRow) -> int:
         """Take a row that decoded alone (``single.SingleBackend.detach``) into the decoding
         batch, its KV cache as is: the batch's next step decodes its token in flight."""
         from mlx_vlm.generate.ar import GenerationBatch
