@@ -25,8 +25,8 @@ the tiny tokenizer padded to it), meant for a GPU. The providers' batch size is 
 - ``raw_lm``: mlx-lm's ``BatchGenerator`` driven the same way (token ids in, no embeddings);
 - ``stream_generate``: ``mlx_lm.stream_generate`` on one long-lived worker thread, requests
   served one at a time in arrival order (a lock, in effect): the single-request reference;
-- ``ours``: ``abstractruntime_mlx.create_llm("mlx", mlx_batching=True, mlx_max_batch_size=8,
-  speculation=False)``, ``generate(stream=True)``;
+- ``ours``: ``abstractruntime_mlx.create_llm("mlx", mlx_batching=True, mlx_max_batch_size=C,
+  speculation=False)`` (C: the largest concurrency, or ``--max-batch``), ``generate(stream=True)``;
 - ``ours_batch``: the same with ``mlx_single_lane=False`` (a lone request decodes in upstream's
   batch step too): the single-request lane's before;
 - ``abstractcore``: AbstractCore's MLX provider with the same options (``speculation=False``);
@@ -94,7 +94,7 @@ def _load_models_module() -> Any:
 _models = _load_models_module()
 
 MAX_TOKENS = 64
-MAX_BATCH = 8
+MAX_BATCH = 8  # the providers' mlx_max_batch_size; main() sets it to the largest concurrency
 SERIAL_TARGETS = ("stream_generate", "mlx_lm.server")  # one request at a time
 TARGETS = ("raw", "raw_lm", "stream_generate", "ours", "ours_batch", "abstractcore", "mlx_lm.server")
 FLOORS = {  # ours / X: the floor each ratio should reach, per concurrency (None = any)

@@ -331,7 +331,9 @@ def test_garbage_collection_retires_without_blocking(policy_file, dense_model):
 
     llm = create_llm("mlx", model=dense_model, mlx_batching=True)
     engine = llm._engine
-    stream = llm.generate(PROMPTS[0], max_output_tokens=40, stream=True)
+    # Long enough that the worker is still decoding when the control below parks it (a lone
+    # request decodes on the fast single lane); within the output queue's 256 records.
+    stream = llm.generate(PROMPTS[0], max_output_tokens=200, stream=True)
     next(stream)
     # Park the worker between steps, so the in-flight request cannot finish meanwhile; if
     # retiring waited for it, the safety timer would release the worker and the request

@@ -11,7 +11,8 @@ import mlx.core as mx
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine.loop import Engine, EngineConfig
+from abstractruntime_mlx.engine.backend import BatchBackend
+from abstractruntime_mlx.engine.loop import Engine, EngineConfig, _as_engine_error
 from abstractruntime_mlx.engine.model import Lane, load_model
 from abstractruntime_mlx.engine.request import EngineRequest, PrefillObservation, Sampling, TokenDelta
 from abstractruntime_mlx.engine.single import SingleBackend
@@ -36,7 +37,12 @@ class Stepper:
         return req
 
     def step(self) -> None:
-        self.engine._schedule_and_step()
+        """One turn of the worker's loop, its fault handling included."""
+        try:
+            self.engine._schedule_and_step()
+        except Exception as exc:  # noqa: BLE001 - as Engine._loop handles a failed turn
+            self.engine._check_device(exc)
+            self.engine._fail_group(_as_engine_error(exc))
 
     def drain(self, limit: int = 500) -> None:
         for _ in range(limit):
@@ -184,3 +190,21 @@ def test_requests_that_cannot_move_as_is_use_the_batch_lane(stepper, hybrid_mode
     a, b = s.request(PROMPTS[0], max_tokens=4), s.request(PROMPTS[1], max_tokens=4)
     s.drain()
     assert {a.execution_metadata()["path"], b.execution_metadata()["path"]} == {"batch"}
+
+
+def test_a_failed_hand_off_fails_the_moving_request_only(stepper, monkeypatch):
+    def refuse(self, row):
+        raise errors.UpstreamError("simulated: the batch refused the row")
+
+    monkeypatch.setattr(BatchBackend, "adopt", refuse)
+    s = stepper(max_batch_size=4)
+    first = s.request(PROMPTS[0])
+    s.until(lambda: first.num_output_tokens == 2)
+    second = s.request(PROMPTS[1], max_tokens=6)
+    s.drain()
+    assert first.outcome is not None and isinstance(first.outcome.error, errors.UpstreamError)
+    assert first.outcome.finish_reason == "error"
+    # the newcomer was still waiting: it runs next, alone
+    assert second.outcome is not None and second.outcome.finish_reason == "length"
+    assert second.execution_metadata()["path"] == "single"
+    assert s.engine._live == {} and s.engine.stats.failed == 1

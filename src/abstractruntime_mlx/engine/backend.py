@@ -2,7 +2,9 @@
 
 Every private upstream field the package reads is read here, and only here
 (``PromptProcessingBatch`` row counters for prefill progress, the generation batch for
-batch sizes, the prefill admission gate). Supported range: mlx-vlm >=0.7.10,<0.8.0 (the prefix cache needs 0.7.10), pinned in
+batch sizes, the prefill admission gate, and what ``adopt`` builds a decoding row from:
+``GenerationBatch``'s constructor and token counts, the generator's uid counter, sampler,
+stop test and ``_extend_generation_batch``). Supported range: mlx-vlm >=0.7.10,<0.8.0 (the prefix cache needs 0.7.10), pinned in
 ``pyproject.toml``; ``tests/test_backend_contract.py`` checks these fields exist.
 
 Prefix reuse: a group of keyed requests passes the resident model's ``APCManager`` (see
@@ -23,16 +25,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import mlx.core as mx
 
 from ..errors import EngineError, UpstreamError
 from .request import Sampling
 from .sampling import RowStream, make_sampler, sample_rows
-
-if TYPE_CHECKING:
-    from .single import DecodingRow
 
 PREFILL_STEP_SIZE = 256
 
@@ -68,6 +67,19 @@ class StepResult:
     prompt_done: dict[int, int] = field(default_factory=dict)  # uid -> cached tokens
     prefill: dict[int, PrefillRow] = field(default_factory=dict)
     batch_uids: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class DecodingRow:
+    """A row that decoded alone (``single.SingleBackend.detach``), for ``BatchBackend.adopt``:
+    its cache holds the prompt and every token delivered; ``next_token`` (in flight) is the
+    next one to deliver."""
+
+    cache: list[Any]
+    next_token: mx.array
+    num_tokens: int
+    max_tokens: int
+    row: RowStream | None
 
 
 class Backend(Protocol):
@@ -195,7 +207,7 @@ class BatchBackend:
         self.uids.add(uid)
         return uid
 
-    def adopt(self, row: "DecodingRow") -> int:
+    def adopt(self, row: DecodingRow) -> int:
         """Take a row that decoded alone (``single.SingleBackend.detach``) into the decoding
         batch, its KV cache as is: the batch's next step decodes its token in flight."""
         from mlx_vlm.generate.ar import GenerationBatch

@@ -634,8 +634,9 @@ class Engine:
         single = group.backend
         assert isinstance(single, SingleBackend)
         old_uid, row = single.detach()
-        running = group.running.pop(old_uid)
-        request = running.request
+        # The row stays in ``group.running`` until the batch holds it: a failure here fails
+        # it with the group (``_fail_group``), as any failed step would.
+        request = group.running[old_uid].request
         backend = self._new_backend(group.key, request, self.config.max_batch_size, serial=False)
         assert isinstance(backend, BatchBackend)
         group.backend = backend
@@ -643,7 +644,7 @@ class Engine:
         uid = backend.adopt(row)
         request.uid = uid
         request.path = DecodePath.SINGLE_THEN_BATCH
-        group.running[uid] = running
+        group.running[uid] = group.running.pop(old_uid)
 
     def _cache_manager_for(self, head: EngineRequest) -> Any:
         """The resident model's prefix-cache manager for a group of keyed requests, else None."""

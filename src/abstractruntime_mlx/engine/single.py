@@ -21,28 +21,15 @@ sampled row draws from its own ``RowStream``, so a row's tokens are the same on 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Any, Callable, cast
 
 import mlx.core as mx
 
-from .backend import PrefillRow, StepResult, TokenEvent, map_upstream_errors, needs_positions
+from .backend import DecodingRow, PrefillRow, StepResult, TokenEvent, map_upstream_errors, needs_positions
 from .request import Sampling
 from .sampling import RowStream, sample_rows
 
 _CLEAR_CACHE_EVERY = 256  # tokens (mlx-lm's generate_step)
-
-
-@dataclass(slots=True)
-class DecodingRow:
-    """A row handed from the single lane to a batch: its cache holds the prompt and every
-    token delivered; ``next_token`` (in flight) is the next one to deliver."""
-
-    cache: list[Any]
-    next_token: mx.array
-    num_tokens: int
-    max_tokens: int
-    row: RowStream | None
 
 
 def supports_model(model: Any) -> bool:
