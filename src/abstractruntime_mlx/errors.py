@@ -13,6 +13,7 @@ remote client rebuilds the same class from ``code``.
     │   ├── NoDrafter (400, no_drafter)
     │   ├── RequestTooLarge (413, request_too_large)
     │   ├── InvalidFlow (400, invalid_flow)          ``check`` found problems in a flow
+    │   ├── InvalidResponseSchema (400, invalid_response_schema)   a structured-output schema that cannot be compiled
     │   └── PromptCachePathUnsafe (400, prompt_cache_path_unsafe)   symlinked or non-private cache dir
     ├── PolicyError (400, policy_invalid)            the Core policy file is unreadable
     ├── ModelNotFound (404, model_not_found)         weights are not on this machine
@@ -28,6 +29,7 @@ remote client rebuilds the same class from ``code``.
     │   └── StreamBackpressure (429, stream_backpressure)
     ├── QueueTimeout (504, queue_timeout)
     ├── SpeculationUnavailable (422, speculation_unavailable)
+    ├── StructuredOutputInvalid (422, structured_output_invalid)   no schema-valid answer (length cap, retries spent)
     ├── AuthenticationError (401, unauthorized)
     ├── LedgerError (500, ledger_error)
     │   └── LedgerNotFound (404, ledger_not_found)
@@ -104,6 +106,17 @@ class InvalidFlow(InvalidRequest):
     """A flow cannot run as written; ``details["problems"]`` lists every problem ``check`` found."""
 
     code = "invalid_flow"
+
+
+class InvalidResponseSchema(InvalidRequest):
+    """A ``response_schema`` / ``response_model`` / ``response_format`` that cannot be compiled to a
+    grammar; ``details["path"]`` is the JSON pointer of the offending part (``""``: the whole schema)."""
+
+    code = "invalid_response_schema"
+
+    def __init__(self, message: str, *, path: str = "") -> None:
+        super().__init__(message, details={"path": path})
+        self.path = path
 
 
 class PromptCachePathUnsafe(InvalidRequest):
@@ -197,6 +210,15 @@ class SpeculationUnavailable(MLXRuntimeError):
     def __init__(self, message: str, *, reason: str) -> None:
         super().__init__(f"{message} (speculation.require_acceleration=True)", details={"reason": reason})
         self.reason = reason
+
+
+class StructuredOutputInvalid(MLXRuntimeError):
+    """A structured-output call ended without a schema-valid answer: the output cap cut the JSON,
+    or (prompted mode) every retry gave invalid JSON. ``details``: ``mode``, ``attempts``, ``error``."""
+
+    code = "structured_output_invalid"
+    http_status = 422
+    type = "invalid_request_error"
 
 
 class AuthenticationError(MLXRuntimeError):

@@ -31,6 +31,7 @@ from .controls import (
 )
 from .conversation import assemble_conversation
 from .errors import InvalidControls, InvalidRequest
+from .structured import ResponseFormat
 
 ProgressSink = Callable[[dict[str, Any]], Any]
 """Receives each phase event (a JSON dict) of one request; best-effort, may be called from any thread."""
@@ -55,6 +56,9 @@ GENERATE_KEYWORDS: Final[frozenset[str]] = frozenset(
         "max_output_tokens",
         "max_tokens",
         "stop",
+        "response_model",
+        "response_schema",
+        "response_format",
         *SAMPLING_FIELDS,
         *PROGRESS_ALIASES,
     }
@@ -84,6 +88,7 @@ class GenerationRequest:
     - ``speculation`` / ``thinking``: what the caller says (the ``call`` level; ``None``
       inherits); ``run``: what the enclosing run says (nodes only). Resolution against the
       provider, policy and verified default happens in ``controls.resolve_controls``.
+    - ``response_format``: the structured answer asked for (None: free text), see ``structured``.
     - ``prompt_cache_key``: the caller's prefix-reuse key; ``trace_metadata``: passed to
       remote servers as a header.
     - ``cancel`` / ``progress``: the sinks of this call (not part of its identity).
@@ -98,6 +103,7 @@ class GenerationRequest:
     speculation: SpeculationControl | None = None
     thinking: ThinkingValue = None
     run: ControlLevel = NOTHING_SAID
+    response_format: ResponseFormat | None = None
     prompt_cache_key: str | None = None
     trace_metadata: Mapping[str, Any] | None = None
     cancel: threading.Event | None = field(default=None, compare=False)
@@ -120,6 +126,7 @@ class GenerationRequest:
         speculation: object = None,
         thinking: object = None,
         run: ControlLevel = NOTHING_SAID,
+        response_format: ResponseFormat | None = None,
         prompt_cache_key: object = None,
         trace_metadata: object = None,
         cancel: object = None,
@@ -162,6 +169,7 @@ class GenerationRequest:
             speculation=call.speculation,
             thinking=call.thinking,
             run=run,
+            response_format=response_format,
             prompt_cache_key=prompt_cache_key,
             trace_metadata=dict(trace_metadata) if trace_metadata else None,
             cancel=cancel,
@@ -174,7 +182,9 @@ class GenerationRequest:
 
         Unknown keywords raise ``InvalidRequest`` naming them; ``max_tokens`` is an alias of
         ``max_output_tokens``; ``on_progress`` / ``progress_callback`` /
-        ``progress_event_callback`` name the progress sink.
+        ``progress_event_callback`` name the progress sink; ``response_model`` (a pydantic
+        model), ``response_schema`` (a JSON Schema) or ``response_format`` (OpenAI's form) ask for
+        a structured answer.
         """
         unknown = sorted(k for k in kwargs if k not in GENERATE_KEYWORDS)
         if unknown:
@@ -192,6 +202,11 @@ class GenerationRequest:
             stop=kwargs.get("stop"),
             speculation=kwargs.get("speculation"),
             thinking=kwargs.get("thinking"),
+            response_format=ResponseFormat.from_call(
+                response_model=kwargs.get("response_model"),
+                response_schema=kwargs.get("response_schema"),
+                response_format=kwargs.get("response_format"),
+            ),
             prompt_cache_key=kwargs.get("prompt_cache_key"),
             trace_metadata=kwargs.get("trace_metadata"),
             cancel=kwargs.get("cancel_event"),
@@ -226,6 +241,8 @@ class GenerationRequest:
         if self.stop:
             out["stop"] = list(self.stop)
         out.update(self.call.to_dict())
+        if self.response_format is not None:
+            out["response_format"] = self.response_format.to_openai()
         run = self.run.to_dict()
         if run:
             out["run"] = run

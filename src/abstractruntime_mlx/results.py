@@ -30,6 +30,9 @@ class GenerationResult:
     reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     token_ids: list[int] | None = None
+    parsed: object = None
+    """The structured answer (``response_model`` / ``response_schema``): the pydantic instance or
+    the JSON value; None for free text."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -42,7 +45,15 @@ class GenerationResult:
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
+        parsed = self.parsed_json()
+        if parsed is not None:
+            out["parsed"] = parsed
         return out
+
+    def parsed_json(self) -> object:
+        """``parsed`` as JSON (a pydantic instance dumped); None for free text."""
+        dump = getattr(self.parsed, "model_dump", None)
+        return dump(mode="json") if callable(dump) else self.parsed
 
 
 @dataclass(slots=True)

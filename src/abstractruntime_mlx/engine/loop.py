@@ -535,6 +535,7 @@ class Engine:
                 prefill_step_size=self.config.prefill_step_size,
                 stream=self._stream,
                 on_prefill=self._on_prefill_row,
+                grammar=head.grammar,
             )
         drafter = Drafter(loaded.drafter) if key.draft_tokens and loaded.drafter is not None else None
         return BatchBackend(
@@ -597,7 +598,7 @@ class Engine:
                     kwargs["_apc_semantic_hash"] = self.prefix_cache.salt(request, layout)
                     request.cache_layout = layout
                     request.cache_counters = self.prefix_cache.counters()
-            uid = group.backend.insert(request.prompt_ids, request.max_tokens, kwargs, request.sampling)
+            uid = group.backend.insert(request.prompt_ids, request.max_tokens, kwargs, request.sampling, request.grammar)
         except MLXRuntimeError as exc:
             self._finish(request, RequestStatus.FINISHED_ERROR, error=exc)
             return

@@ -45,6 +45,7 @@ from ..errors import InvalidRequest, MLXRuntimeError
 from ..ledger import Ledger, NodeKey, ProgressEvent, ProgressWriter, progress_idempotency_key
 from ..request import GenerationRequest
 from ..results import GenerationResult
+from ..structured import ResponseFormat
 
 if TYPE_CHECKING:
     from ..provider.mlx_provider import MLXProvider
@@ -98,7 +99,9 @@ class NodeRequest:
     ``speculation``/``thinking`` are the node (call) level, ``run_speculation``/
     ``run_thinking`` the run level; ``UNSET`` or ``None`` inherit, ``False`` is off.
     ``sampling`` holds generation knobs (``temperature``, ``seed``, ``max_output_tokens``,
-    ``top_p``, ``stop`` ...). ``base_url`` selects the remote client.
+    ``top_p``, ``stop`` ...). ``base_url`` selects the remote client. ``response_schema``
+    (a JSON Schema, named ``response_schema_name``) asks for a structured answer: the result's
+    ``data`` holds it, parsed and valid.
     """
 
     prompt: str = ""
@@ -115,6 +118,8 @@ class NodeRequest:
     run_thinking: Any = UNSET
     sampling: Mapping[str, Any] = field(default_factory=dict)
     prompt_cache_key: str | None = None
+    response_schema: Mapping[str, Any] | None = None
+    response_schema_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +206,10 @@ class NodeResult:
             out["ttft_ms"] = round(float(ttft) * 1000.0, 3)
         if gen.reasoning is not None:
             out["reasoning"] = gen.reasoning
+        parsed = gen.parsed_json()
+        if parsed is not None:
+            # The host's visual compiler reads the structured answer from ``data``.
+            out["data"] = parsed
         return out
 
 
@@ -240,6 +249,11 @@ def generation_request(request: NodeRequest) -> GenerationRequest:
         speculation=call.speculation,
         thinking=call.thinking,
         run=run,
+        response_format=(
+            None
+            if request.response_schema is None
+            else ResponseFormat.build(request.response_schema, name=request.response_schema_name)
+        ),
         prompt_cache_key=request.prompt_cache_key,
     )
 

@@ -52,8 +52,6 @@ def request_from_payload(
     else the payload's model, else ``default_model``. ``route`` (a ``routing.RouteDecision``)
     replaces all of that: it names the provider, model and server that serve the node.
     """
-    if payload.get("response_schema") is not None:
-        raise InvalidRequest("structured output (response_schema) is not supported by the mlx pack's LLM node")
     params = object_at(payload, "params")
     runtime_ns = (run_vars or {}).get("_runtime")
     runtime_ns = runtime_ns if isinstance(runtime_ns, Mapping) else {}
@@ -92,7 +90,19 @@ def request_from_payload(
         run_thinking=_level(runtime_ns, "thinking"),
         sampling=sampling,
         prompt_cache_key=_prompt_cache_key(params, config, runtime_ns),
+        response_schema=_response_schema(payload.get("response_schema")),
+        response_schema_name=_str_or_none(payload.get("response_schema_name")),
     )
+
+
+def _response_schema(value: Any) -> Mapping[str, Any] | None:
+    """The node's structured-output schema (None: free text); a schema that is not an object is
+    refused, naming the field, rather than silently ignored."""
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidRequest("response_schema must be a JSON Schema object", details={"field": "response_schema"})
+    return copy.deepcopy(dict(value))
 
 
 def _prompt_cache_key(params: Mapping[str, Any], config: Mapping[str, Any], runtime_ns: Mapping[str, Any]) -> str | None:
