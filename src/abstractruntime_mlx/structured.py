@@ -31,6 +31,7 @@ ANY_OBJECT: Final[Mapping[str, object]] = {"type": "object"}
 """The schema of OpenAI's ``{"type": "json_object"}``: any JSON object."""
 
 DEFAULT_NAME: Final = "StructuredOutput"
+PROMPTED_PREFIX: Final = "Answer with one JSON value only"
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +145,7 @@ def answer_error(text: str, fmt: ResponseFormat) -> str | None:
 def prompted_instruction(fmt: ResponseFormat) -> str:
     """The system text that asks a model for the answer in prose (servers that cannot constrain)."""
     schema = json.dumps(dict(fmt.schema), ensure_ascii=False, sort_keys=True)
-    return (
-        "Answer with one JSON value only, no prose and no code fence, valid against this JSON Schema:\n"
-        f"{schema}"
-    )
+    return f"{PROMPTED_PREFIX}, no prose and no code fence, valid against this JSON Schema:\n{schema}"
 
 
 def _checked_schema(schema: Mapping[str, object]) -> Mapping[str, object]:

@@ -16,6 +16,7 @@ this package's server and AbstractCore's servers (``abstractcore.endpoint.app`` 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import enum
 import json
 import logging
@@ -43,12 +44,14 @@ from ..errors import (
     RequestCancelled,
     SpeculationUnavailable,
     StreamBackpressure,
+    StructuredOutputInvalid,
     UpstreamError,
     error_class_for_code,
 )
 from ..image_types import MIME_BY_TYPE, sniff_image_type
 from ..request import GenerationRequest
 from ..results import GenerationChunk, GenerationResult
+from ..structured import PROMPTED_PREFIX, answer_error, parse_answer, prompted_instruction
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ DEFAULT_MAX_RETRIES: Final = 2
 DEFAULT_BACKOFF_S: Final = 0.25
 MAX_BACKOFF_S: Final = 8.0
 CHAT_PATH: Final = "/v1/chat/completions"
-ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache")
+ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "structured")
 RETRYABLE_CODES: Final = frozenset({QueueFull.code})
 _STRICT_SPECULATION_SUFFIX: Final = "(speculation.require_acceleration=True)"
 _STATUS_FALLBACK: Final[dict[int, type[MLXRuntimeError]]] = {
@@ -137,6 +140,8 @@ def build_chat_call(request: GenerationRequest, *, model: str | None, stream: bo
         body["tools"] = [dict(tool) for tool in request.tools]
     if request.prompt_cache_key is not None:
         body["prompt_cache_key"] = request.prompt_cache_key
+    if request.response_format is not None:
+        body["response_format"] = request.response_format.to_openai()
     progress = request.progress is not None
     body["stream"] = bool(stream)
     sse = bool(stream) or progress or want_events
@@ -214,6 +219,49 @@ def decode_usage(wire: Mapping[str, Any] | None) -> dict[str, Any]:
     if cached is not None:
         out["cached_input_tokens"] = int(cached)
     return out
+
+
+# --------------------------------------------------------------------------- structured output
+
+DEFAULT_STRUCTURED_RETRIES: Final = 2
+
+
+def structured_step(
+    request: GenerationRequest, result: GenerationResult, *, attempts: int, max_retries: int
+) -> GenerationResult | GenerationRequest:
+    """After attempt ``attempts`` of a structured call: the finished result (``parsed`` set,
+    ``metadata["structured"]`` saying how) or the request of the next attempt.
+
+    A server that constrained decoding says so (``abstractcore.structured.mode ==
+    "constrained"``) and its answer is parsed as is. Any other server (AbstractCore's, plain
+    OpenAI-compatible ones) gets the prompted form: the answer is checked against the schema
+    and, while invalid, asked again with the schema and the error in a system message, at most
+    ``max_retries`` times; then ``StructuredOutputInvalid`` (mode ``prompted``, ``attempts``).
+    """
+    fmt = request.response_format
+    assert fmt is not None
+    reported = result.metadata.get("structured")
+    if isinstance(reported, Mapping) and reported.get("mode") == "constrained":
+        result.parsed = parse_answer(result.content, fmt, mode="constrained", finish_reason=result.finish_reason)
+        return result
+    error = answer_error(result.content, fmt)
+    if error is None:
+        result.parsed = parse_answer(result.content, fmt, mode="prompted", attempts=attempts)
+        result.metadata["structured"] = {"mode": "prompted", "schema_hash": fmt.schema_hash, "name": fmt.name, "attempts": attempts}
+        return result
+    if attempts > max_retries:
+        raise StructuredOutputInvalid(
+            f"no valid {fmt.name} JSON after {attempts} attempts: {error}",
+            details={"mode": "prompted", "attempts": attempts, "error": error},
+        )
+    instruction = f"{prompted_instruction(fmt)}\nYour previous answer was invalid: {error}"
+    messages = [m for m in request.messages if not _is_prompted_instruction(m)]
+    return dataclasses.replace(request, messages=({"role": "system", "content": instruction}, *messages))
+
+
+def _is_prompted_instruction(message: Mapping[str, Any]) -> bool:
+    content = message.get("content")
+    return message.get("role") == "system" and isinstance(content, str) and content.startswith(PROMPTED_PREFIX)
 
 
 def metadata_from(block: Any) -> dict[str, Any]:

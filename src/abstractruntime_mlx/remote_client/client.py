@@ -8,6 +8,10 @@ keyword arguments and returns the same ``GenerationResult`` (or a stream of
 
 Retries: only ``QueueFull`` answers and failures to connect, before anything was generated,
 ``max_retries`` times with exponential backoff (``backoff_s``, doubled each time).
+
+Structured output (``response_model`` / ``response_schema`` / ``response_format``) is sent as
+OpenAI's ``response_format``; against a server that does not constrain decoding the answer is
+checked and asked again up to ``structured_retries`` times (``_base.structured_step``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from ._base import (
     CHAT_PATH,
     DEFAULT_BACKOFF_S,
     DEFAULT_MAX_RETRIES,
+    DEFAULT_STRUCTURED_RETRIES,
     DEFAULT_TIMEOUT,
     ChatCall,
     ClientState,
@@ -42,6 +47,7 @@ from ._base import (
     is_retryable,
     normalize_base_url,
     remote_block,
+    structured_step,
     transport_error,
 )
 
@@ -70,9 +76,13 @@ class _ClientCore:
         timeout: httpx.Timeout,
         max_retries: int,
         backoff_s: float,
+        structured_retries: int = DEFAULT_STRUCTURED_RETRIES,
     ) -> None:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        if structured_retries < 0:
+            raise ValueError("structured_retries must be >= 0")
+        self.structured_retries = structured_retries
         self.base_url = normalize_base_url(base_url)
         self.model = model
         self.timeout = timeout
@@ -171,8 +181,17 @@ class RemoteClient(_ClientCore):
         max_retries: int = DEFAULT_MAX_RETRIES,
         backoff_s: float = DEFAULT_BACKOFF_S,
         limits: httpx.Limits = DEFAULT_LIMITS,
+        structured_retries: int = DEFAULT_STRUCTURED_RETRIES,
     ) -> None:
-        super().__init__(base_url, api_key=api_key, model=model, timeout=timeout, max_retries=max_retries, backoff_s=backoff_s)
+        super().__init__(
+            base_url,
+            api_key=api_key,
+            model=model,
+            timeout=timeout,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+            structured_retries=structured_retries,
+        )
         self._http = httpx.Client(
             base_url=self.base_url, timeout=timeout, transport=transport, headers=auth_headers(api_key), limits=limits
         )
@@ -197,7 +216,20 @@ class RemoteClient(_ClientCore):
     def generate_request(
         self, request: GenerationRequest, *, stream: bool = False
     ) -> GenerationResult | Iterator[GenerationChunk]:
-        """Send one validated request (the typed twin of ``generate``)."""
+        """Send one validated request (the typed twin of ``generate``). A structured request
+        (not streamed) comes back parsed; see ``_base.structured_step``."""
+        if request.response_format is None or stream:
+            return self._generate_once(request, stream=stream)
+        attempts, attempt = 1, request
+        while True:
+            result = self._generate_once(attempt, stream=False)
+            assert isinstance(result, GenerationResult)
+            step = structured_step(request, result, attempts=attempts, max_retries=self.structured_retries)
+            if isinstance(step, GenerationResult):
+                return step
+            attempts, attempt = attempts + 1, step
+
+    def _generate_once(self, request: GenerationRequest, *, stream: bool) -> GenerationResult | Iterator[GenerationChunk]:
         self._use()
         prepared = self._prepare(request, stream, self._model_name())
         if prepared.cancel_event is not None and prepared.cancel_event.is_set():
@@ -379,8 +411,17 @@ class AsyncRemoteClient(_ClientCore):
         max_retries: int = DEFAULT_MAX_RETRIES,
         backoff_s: float = DEFAULT_BACKOFF_S,
         limits: httpx.Limits = DEFAULT_LIMITS,
+        structured_retries: int = DEFAULT_STRUCTURED_RETRIES,
     ) -> None:
-        super().__init__(base_url, api_key=api_key, model=model, timeout=timeout, max_retries=max_retries, backoff_s=backoff_s)
+        super().__init__(
+            base_url,
+            api_key=api_key,
+            model=model,
+            timeout=timeout,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+            structured_retries=structured_retries,
+        )
         self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=timeout, transport=transport, headers=auth_headers(api_key), limits=limits
         )
@@ -406,7 +447,20 @@ class AsyncRemoteClient(_ClientCore):
     async def generate_request(
         self, request: GenerationRequest, *, stream: bool = False
     ) -> GenerationResult | AsyncIterator[GenerationChunk]:
-        """Send one validated request (the typed twin of ``generate``)."""
+        """Send one validated request (the typed twin of ``generate``). A structured request
+        (not streamed) comes back parsed; see ``_base.structured_step``."""
+        if request.response_format is None or stream:
+            return await self._generate_once(request, stream=stream)
+        attempts, attempt = 1, request
+        while True:
+            result = await self._generate_once(attempt, stream=False)
+            assert isinstance(result, GenerationResult)
+            step = structured_step(request, result, attempts=attempts, max_retries=self.structured_retries)
+            if isinstance(step, GenerationResult):
+                return step
+            attempts, attempt = attempts + 1, step
+
+    async def _generate_once(self, request: GenerationRequest, *, stream: bool) -> GenerationResult | AsyncIterator[GenerationChunk]:
         self._use()
         prepared = self._prepare(request, stream, await self._model_name())
         if prepared.cancel_event is not None and prepared.cancel_event.is_set():

@@ -45,6 +45,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..capabilities import get_execution_capabilities
 from ..controls import SAMPLING_FIELDS, normalize_speculation
 from ..request import GenerationRequest
+from ..structured import ResponseFormat
 from ..errors import (
     AuthenticationError,
     InvalidRequest,
@@ -343,6 +344,7 @@ def _generation_request(body: ChatCompletionRequest) -> GenerationRequest:
         stop=body.stop,
         thinking=body.thinking if body.thinking is not None else body.reasoning_effort,
         speculation=body.speculation,
+        response_format=None if body.response_format is None else ResponseFormat.from_openai(body.response_format),
         prompt_cache_key=body.prompt_cache_key,
     )
 

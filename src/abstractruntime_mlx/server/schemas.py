@@ -149,6 +149,8 @@ class ChatCompletionRequest(BaseModel):
     reasoning_effort: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None
     tools: list[dict[str, Any]] | None = None
+    # OpenAI's structured output; checked by ``structured.ResponseFormat.from_openai``.
+    response_format: dict[str, Any] | None = None
 
     def unknown_fields(self) -> list[str]:
         """Extra top-level fields that are neither known nor tolerated (for the warning)."""

@@ -5,8 +5,8 @@ Pure functions, no I/O. Additive fields (AbstractCore's):
 - ``usage.prompt_tokens_details.cached_tokens`` mirrors ``usage.cached_input_tokens``; the
   provider's own usage keys (``input_tokens``, ``output_tokens``, ``cached_input_tokens``)
   are kept alongside OpenAI's three.
-- ``abstractcore``: ``{execution, speculation, performance, prompt_cache}`` (the keys the
-  provider reported; absent ones stay absent).
+- ``abstractcore``: ``{execution, speculation, performance, prompt_cache, controls, structured}``
+  (the keys the provider reported; absent ones stay absent).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..results import GenerationChunk, GenerationResult
 log = logging.getLogger(__name__)
 
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")  # in a str every surrogate is a lone one
-ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "controls")
+ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "controls", "structured")
 _USAGE_EXTRAS: Final = ("input_tokens", "output_tokens", "cached_input_tokens")
 
 
