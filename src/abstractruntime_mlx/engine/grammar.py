@@ -10,12 +10,15 @@ submitted; the worker only advances matchers and computes masks (tens of microse
 The mask is applied with plain MLX ops (unpack the 32-bit words, ``where``), so it runs on
 every backend: Metal, CPU and CUDA.
 
-Two rules beyond the grammar, both reported in ``metadata.structured``:
+Objects that list ``properties`` and say nothing of other keys are compiled closed
+(``closed_objects``), as OpenAI's and xgrammar's strict modes do. Two rules beyond the
+grammar, both reported in ``metadata.structured``:
 
 - Thinking: when the prompt leaves a think block open (or thinking is asked for), the grammar
   waits for ``</think>`` and constrains the answer after it. Thinking may use half the output
   budget; then ``</think>`` is forced.
-- Budget: in the last ``closing_reserve`` tokens of the output cap the mask keeps only the
+- Budget: in the last ``closing_reserve`` tokens of the output cap (room for the schema's
+  shortest answer, at least a quarter of the cap up to 64 tokens) the mask keeps only the
   tokens that close the JSON soonest (end of answer, ``"``, ``}``/``]``, ``,``) when the
   grammar allows any of them, so an answer that would be cut at the cap is closed instead
   (``closed_at_budget: true``).
@@ -23,11 +26,12 @@ Two rules beyond the grammar, both reported in ``metadata.structured``:
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Final
 
 import llguidance
@@ -52,14 +56,61 @@ Encode = Callable[..., list[int]]
 """A Hugging Face tokenizer's ``encode(text, add_special_tokens=False)``."""
 
 
-def closing_reserve(max_tokens: int) -> int:
-    """The last tokens of the cap in which the answer is steered to close."""
-    return min(64, max(8, max_tokens // 4))
+def closing_reserve(max_tokens: int, shortest: int = 0) -> int:
+    """The last tokens of the cap in which the answer is steered to close: room for the
+    shortest answer of the schema (``shortest`` characters; a token spells at least one),
+    and at least a quarter of the cap up to 64 tokens."""
+    return min(max_tokens, max(shortest + 8, min(64, max(8, max_tokens // 4))))
+
+
+def shortest_answer_chars(schema: Mapping[str, object]) -> int:
+    """About how many characters the shortest answer of ``schema`` has (its required members
+    only, empty strings and arrays, one-digit numbers); recursion through ``$ref`` stops at a
+    few levels. An estimate for the budget rule, never a check."""
+    defs = schema.get("$defs") or schema.get("definitions") or {}
+
+    def size(node: object, depth: int) -> int:
+        if not isinstance(node, Mapping) or depth > 4:
+            return 4
+        if "const" in node:
+            return len(json.dumps(node["const"]))
+        if isinstance(node.get("enum"), list) and node["enum"]:
+            return min(len(json.dumps(v)) for v in node["enum"])
+        ref = node.get("$ref")
+        if isinstance(ref, str) and isinstance(defs, Mapping):
+            return size(defs.get(ref.rsplit("/", 1)[-1]), depth + 1)
+        for combinator in ("anyOf", "oneOf", "allOf"):
+            options = node.get(combinator)
+            if isinstance(options, list) and options:
+                sizes = [size(o, depth + 1) for o in options]
+                return sum(sizes) if combinator == "allOf" else min(sizes)
+        kind = node.get("type")
+        kind = kind[0] if isinstance(kind, list) and kind else kind
+        if kind == "object" or isinstance(node.get("properties"), Mapping):
+            props = node.get("properties")
+            props = props if isinstance(props, Mapping) else {}
+            required = node.get("required")
+            names = [k for k in required if isinstance(k, str)] if isinstance(required, list) else []
+            return 2 + sum(len(k) + 4 + size(props.get(k), depth + 1) for k in names)
+        if kind == "array":
+            count = node.get("minItems")
+            return 2 + (count if isinstance(count, int) else 0) * (size(node.get("items"), depth + 1) + 1)
+        if kind == "string":
+            length = node.get("minLength")
+            return 2 + (length if isinstance(length, int) else 0)
+        if kind in ("boolean", "null"):
+            return 5
+        return 1
+
+    return size(schema, 0)
 
 
 @dataclass(frozen=True, slots=True)
 class CompiledGrammar:
-    grammar: str
+    """A schema compiled once: a matcher that never advances (requests get copies of it)."""
+
+    template: llguidance.LLMatcher
+    shortest_chars: int
     compile_s: float
 
 
@@ -89,13 +140,16 @@ class GrammarCompiler:
                 return hit, True
         started = time.perf_counter()
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(dict(fmt.schema), overrides={"whitespace_flexible": False})
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(closed_objects(fmt.schema), overrides={"whitespace_flexible": False})
         except ValueError as exc:
             raise InvalidResponseSchema(f"the response schema cannot be compiled to a grammar: {exc}", path=_error_path(str(exc))) from None
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise InvalidResponseSchema(f"the response schema cannot be compiled to a grammar: {error}", path=_error_path(error))
-        compiled = CompiledGrammar(grammar, time.perf_counter() - started)
+        template = llguidance.LLMatcher(self._tokenizer, grammar)
+        if template.is_error():
+            raise InvalidResponseSchema(f"the response schema cannot be compiled to a grammar: {template.get_error()}")
+        compiled = CompiledGrammar(template, shortest_answer_chars(fmt.schema), time.perf_counter() - started)
         with self._lock:
             self._cache[fmt.schema_hash] = compiled
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
@@ -103,17 +157,17 @@ class GrammarCompiler:
         return compiled, False
 
     def processor(self, fmt: ResponseFormat, *, max_tokens: int, prompt_text: str, thinking: bool | str | None) -> GrammarProcessor:
-        """A fresh processor for one request (its own matcher), compiled on this thread."""
+        """A fresh processor for one request (its own copy of the matcher), compiled on this thread."""
         compiled, cached = self.compile(fmt)
         started = time.perf_counter()
-        matcher = llguidance.LLMatcher(self._tokenizer, compiled.grammar)
-        if matcher.is_error():
-            raise InvalidResponseSchema(f"the response schema cannot be compiled to a grammar: {matcher.get_error()}")
+        with self._lock:
+            matcher = compiled.template.deep_copy()
         think = _thinking_state(prompt_text, thinking, self._think_start, self._think_end)
         return GrammarProcessor(
             matcher,
             vocab_rows=self.vocab_rows,
             max_tokens=max_tokens,
+            reserve=closing_reserve(max_tokens, compiled.shortest_chars),
             closers=self._closers,
             think=think,
             meta={
@@ -151,6 +205,7 @@ class GrammarProcessor:
         *,
         vocab_rows: int,
         max_tokens: int,
+        reserve: int,
         closers: tuple[tuple[int, ...], ...],
         think: _Think | None,
         meta: dict[str, object],
@@ -159,7 +214,7 @@ class GrammarProcessor:
         self._vocab_rows = vocab_rows
         self._closers = closers
         self._think = think
-        self._close_at = max(0, max_tokens - closing_reserve(max_tokens))
+        self._close_at = max(0, max_tokens - reserve)
         self._think_close_at = int(max_tokens * THINKING_SHARE)
         self._started = False
         self._generated = 0
@@ -228,6 +283,30 @@ class GrammarProcessor:
         shifts = mx.arange(32, dtype=mx.uint32)
         allowed = ((mx.array(words)[:, None] >> shifts) & 1).reshape(-1)[: logits.shape[-1]]
         return mx.where(allowed.astype(mx.bool_), logits, _NEG_INF)
+
+
+def closed_objects(schema: Mapping[str, object]) -> dict[str, object]:
+    """``schema`` with every object that lists ``properties`` and says nothing of other keys
+    closed (``additionalProperties: false``), as OpenAI's and xgrammar's strict modes do.
+
+    An answer of the closed schema is an answer of the open one. Open objects would let the
+    model (and the budget rule) write unnamed keys without end instead of the required ones.
+    """
+
+    def close(node: object) -> object:
+        if isinstance(node, list):
+            return [close(item) for item in node]
+        if not isinstance(node, Mapping):
+            return node
+        out = {key: close(value) for key, value in node.items()}
+        says_other_keys = any(k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))
+        if isinstance(out.get("properties"), Mapping) and out["properties"] and not says_other_keys:
+            out["additionalProperties"] = False
+        return out
+
+    closed = close(schema)
+    assert isinstance(closed, dict)
+    return closed
 
 
 def _only(logits: mx.array, token_ids: tuple[int, ...]) -> mx.array:
