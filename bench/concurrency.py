@@ -2,24 +2,33 @@
 
     python bench/concurrency.py                  # tiny + ~27M model, c = 1, 2, 4, 8 (~7 min on 2 cores)
     python bench/concurrency.py --quick          # tiny model only, c = 1, 4 (~20 s)
+    python bench/concurrency.py --models tiny    # the tiny model alone, c = 1, 2, 4, 8
     python bench/concurrency.py --json out.json  # also write every figure
     python bench/concurrency.py --targets ours,raw --models small --concurrency 1,8 --repeats 3
+    # on a GPU: random bf16 Qwen3-0.6B / 4B shapes, 32 requests at every concurrency
+    python bench/concurrency.py --models 0.6b,4b --concurrency 1,4,16,32 --requests 32 --repeats 1
 
 In ONE process, on the same random-weight checkpoints (``bench/_models.py``: the package's
 tiny dense model and a 27M-parameter qwen3) and the same prompts (distinct 40-80-token user
 messages rendered through the chat template with thinking off; greedy; 64 new tokens), each
 concurrency c sends N requests (``--requests-per-slot`` x c: 2c on the tiny model, c on the
-27M one) from a pool of c client threads, repeated ``--repeats`` times with fresh prompts, to:
+27M one; or a fixed ``--requests N`` at every c) from a pool of c client threads, repeated
+``--repeats`` times with fresh prompts, to the targets below. ``--models 0.6b,4b`` builds
+random-weight bf16 checkpoints of those models' shapes (``bench/_models.py``: vocabulary 151936,
+the tiny tokenizer padded to it), meant for a GPU. The providers' batch size is the largest c.
 
 - ``raw``: mlx-vlm's ``BatchGenerator`` driven directly on the main thread, all N prompts
   inserted at once, ``completion_batch_size = c``, greedy, no detokenisation; the admission
   gate is re-opened every step as our engine does, so a finished row is back-filled at once.
   The limit. Its TTFT counts from the common insert, so second-wave rows include the first
   wave's decode;
+- ``raw_lm``: mlx-lm's ``BatchGenerator`` driven the same way (token ids in, no embeddings);
 - ``stream_generate``: ``mlx_lm.stream_generate`` on one long-lived worker thread, requests
   served one at a time in arrival order (a lock, in effect): the single-request reference;
 - ``ours``: ``abstractruntime_mlx.create_llm("mlx", mlx_batching=True, mlx_max_batch_size=8,
   speculation=False)``, ``generate(stream=True)``;
+- ``ours_batch``: the same with ``mlx_single_lane=False`` (a lone request decodes in upstream's
+  batch step too): the single-request lane's before;
 - ``abstractcore``: AbstractCore's MLX provider with the same options (``speculation=False``);
 - ``mlx_lm.server``: a ``python -m mlx_lm.server`` subprocess on loopback, OpenAI chat
   requests streamed with httpx (``max_tokens``, ``temperature: 0``,
@@ -32,7 +41,16 @@ submit to last completion). Two TTFTs, both from the moment the request is hande
 to the first token (raw loop; ``stream_generate``; the providers' own
 ``metadata.execution.ttft_s``) and to the first chunk carrying text, as the client sees it
 (mlx-lm's streaming detokenizer holds text back to word boundaries, so this depends on the
-output text too). A target that cannot load is skipped with the reason printed.
+output text too). Both are taken on the client's thread for every target (``stream_generate``'s
+worker hands each event over, as a server's would). A target that cannot load is skipped with
+the reason printed.
+
+Per-step profile, per point: decode steps, wall ms per step, and for our provider the split of
+the worker's step (its engine counters, ``Engine.step_profile``): time inside the backend's step
+(upstream bookkeeping, graph building and device waits), time handling the step's tokens
+(detokenising, stop strings, delivery), the rest (admission, cancels), and the worker thread's
+CPU time per step (the remainder of the wall time it waited on the device). With NVML present
+(``nvidia-ml-py``), the GPU's mean utilisation during the point is sampled every 20 ms.
 """
 
 from __future__ import annotations
@@ -77,11 +95,13 @@ _models = _load_models_module()
 
 MAX_TOKENS = 64
 MAX_BATCH = 8
-TARGETS = ("raw", "stream_generate", "ours", "abstractcore", "mlx_lm.server")
+TARGETS = ("raw", "raw_lm", "stream_generate", "ours", "ours_batch", "abstractcore", "mlx_lm.server")
 FLOORS = {  # ours / X: the floor each ratio should reach, per concurrency (None = any)
-    "raw": {None: 0.95},
+    "raw": {None: 0.95, 16: 1.3, 32: 1.3},
+    "raw_lm": {None: 0.95, 16: 1.3, 32: 1.3},
     "stream_generate": {1: 1.0},
-    "abstractcore": {1: 1.2, 4: 1.0, 8: 1.0},
+    "ours_batch": {1: 1.0, None: 0.95},
+    "abstractcore": {1: 1.2, 4: 1.0, 8: 1.0, 16: 1.3, 32: 1.3},
     "mlx_lm.server": {1: 1.1, 4: 1.0, 8: 1.0},
 }
 
@@ -119,6 +139,78 @@ class Point:
     token_ttft_p50_ms: float | None = None  # first token
     token_ttft_p95_ms: float | None = None
     error: str | None = None
+    # per-step profile (see the module docstring); None where the target does not expose it
+    steps: int | None = None
+    step_ms: float | None = None
+    backend_ms: float | None = None
+    tokens_ms: float | None = None
+    other_ms: float | None = None
+    cpu_ms: float | None = None
+    gpu_util: float | None = None
+
+
+@dataclass
+class Profile:
+    """Step counters summed over a point's runs."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    backend_s: float | None = None
+    tokens_s: float | None = None
+    cpu_s: float | None = None
+    gpu_util: list[float] | None = None
+
+    def add(self, other: "Profile") -> "Profile":
+        def plus(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else a + b
+
+        util = None if self.gpu_util is None or other.gpu_util is None else self.gpu_util + other.gpu_util
+        return Profile(
+            self.steps + other.steps,
+            self.step_s + other.step_s,
+            plus(self.backend_s, other.backend_s),
+            plus(self.tokens_s, other.tokens_s),
+            plus(self.cpu_s, other.cpu_s),
+            util,
+        )
+
+
+class GpuSampler:
+    """Mean GPU utilisation (NVML) while a run lasts; inert without NVML or a GPU."""
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        self.interval_s = interval_s
+        self.handle: Any = None
+        with contextlib.suppress(Exception):
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self.nvml = pynvml
+
+    @contextlib.contextmanager
+    def sample(self, into: list[float]) -> Any:
+        if self.handle is None:
+            yield
+            return
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(Exception):
+                    into.append(float(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu))
+                stop.wait(self.interval_s)
+
+        thread = threading.Thread(target=loop, name="nvml-sampler", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+
+GPU = GpuSampler()
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -132,10 +224,24 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def summarise(model: str, target: str, c: int, reqs: list[Request], wall: float) -> Point:
+def summarise(model: str, target: str, c: int, reqs: list[Request], wall: float, profile: Profile | None = None) -> Point:
     tokens = sum(r.tokens for r in reqs)
     ttft = [r.ttft_s * 1000 for r in reqs if r.ttft_s is not None]
     tok = [r.token_ttft_s * 1000 for r in reqs if r.token_ttft_s is not None]
+    extra: dict[str, Any] = {}
+    if profile is not None and profile.steps:
+        per = 1000.0 / profile.steps
+        extra = {
+            "steps": profile.steps,
+            "step_ms": round(profile.step_s * per, 3),
+            "backend_ms": None if profile.backend_s is None else round(profile.backend_s * per, 3),
+            "tokens_ms": None if profile.tokens_s is None else round(profile.tokens_s * per, 3),
+            "cpu_ms": None if profile.cpu_s is None else round(profile.cpu_s * per, 3),
+        }
+        if profile.backend_s is not None and profile.tokens_s is not None:
+            extra["other_ms"] = round((profile.step_s - profile.backend_s - profile.tokens_s) * per, 3)
+    if profile is not None and profile.gpu_util:
+        extra["gpu_util"] = round(statistics.mean(profile.gpu_util), 1)
     return Point(
         model=model,
         target=target,
@@ -148,6 +254,7 @@ def summarise(model: str, target: str, c: int, reqs: list[Request], wall: float)
         ttft_p95_ms=_round(_pct(ttft, 0.95)),
         token_ttft_p50_ms=_round(_pct(tok, 0.5)),
         token_ttft_p95_ms=_round(_pct(tok, 0.95)),
+        **extra,
     )
 
 
@@ -200,6 +307,7 @@ class ClientTarget:
 
     name = ""
     skip_reason: str | None = None
+    last_profile: Profile | None = None  # of the last run, where the target exposes one
 
     def setup(self, path: Path) -> None: ...
 
@@ -208,13 +316,31 @@ class ClientTarget:
 
     def teardown(self) -> None: ...
 
+    def counters(self) -> Profile | None:
+        """Cumulative step counters (None: the target has none)."""
+        return None
+
     def run(self, prompts: list[Prompt], c: int, max_tokens: int = MAX_TOKENS) -> tuple[list[Request], float]:
+        before = self.counters()
         with ThreadPoolExecutor(max_workers=c, thread_name_prefix=f"client-{self.name}") as pool:
             t0 = time.perf_counter()
             futures = [pool.submit(self.call, p, max_tokens) for p in prompts]
             reqs = [f.result() for f in futures]
         wall = max(r.end for r in reqs) - t0
+        after = self.counters()
+        if before is not None and after is not None:
+            self.last_profile = Profile(
+                after.steps - before.steps,
+                after.step_s - before.step_s,
+                _minus(after.backend_s, before.backend_s),
+                _minus(after.tokens_s, before.tokens_s),
+                _minus(after.cpu_s, before.cpu_s),
+            )
         return reqs, wall
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
 
 
 class StreamGenerateTarget(ClientTarget):
@@ -226,6 +352,7 @@ class StreamGenerateTarget(ClientTarget):
         import mlx_lm
 
         self.model, self.tokenizer = mlx_lm.load(str(path))
+        self.steps, self.step_s, self.cpu_s = 0, 0.0, 0.0
         self.jobs: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._serve, name="stream-generate-worker", daemon=True)
         self.thread.start()
@@ -240,14 +367,20 @@ class StreamGenerateTarget(ClientTarget):
             prompt, max_tokens, out = job
             try:
                 n, first = 0, False
+                t0, c0 = time.perf_counter(), time.thread_time()
                 for response in mlx_lm.stream_generate(self.model, self.tokenizer, prompt.ids, max_tokens=max_tokens):
+                    # Each event is handed to the client, which takes the time (as ours): a
+                    # consumer on another thread waits its turn for the interpreter alike.
                     if n == 0:
-                        out.put(("token", time.perf_counter()))
+                        out.put(("token", None))
                     if response.finish_reason != "stop" or response.token not in self.tokenizer.eos_token_ids:
                         n += 1
                     if response.text and not first:
                         first = True
-                        out.put(("text", time.perf_counter()))
+                        out.put(("text", None))
+                self.steps += n
+                self.step_s += time.perf_counter() - t0
+                self.cpu_s += time.thread_time() - c0
                 out.put(("done", n))
             except BaseException as exc:  # noqa: BLE001
                 out.put(("error", exc))
@@ -259,9 +392,9 @@ class StreamGenerateTarget(ClientTarget):
         while True:
             kind, value = out.get()
             if kind == "token":
-                req.token_ttft_s = value - req.start
+                req.token_ttft_s = time.perf_counter() - req.start
             elif kind == "text":
-                req.ttft_s = value - req.start
+                req.ttft_s = time.perf_counter() - req.start
             elif kind == "error":
                 raise value
             else:
@@ -269,6 +402,9 @@ class StreamGenerateTarget(ClientTarget):
                 break
         req.end = time.perf_counter()
         return req
+
+    def counters(self) -> Profile | None:
+        return Profile(self.steps, self.step_s, cpu_s=self.cpu_s)
 
     def teardown(self) -> None:
         # The worker parks on the queue forever: a thread that ran MLX work must not exit.
@@ -285,6 +421,13 @@ class ProviderTarget(ClientTarget):
 
     def setup(self, path: Path) -> None:
         self.llm = self.factory(path)
+
+    def counters(self) -> Profile | None:
+        engine = getattr(self.llm, "_engine", None)  # ours: the engine's step counters
+        if engine is None:
+            return None
+        p = engine.step_profile()
+        return Profile(p["num_steps"], p["step_s"], p["backend_s"], p["tokens_s"], p["cpu_s"])
 
     def call(self, prompt: Prompt, max_tokens: int) -> Request:
         req = Request(start=time.perf_counter())
@@ -313,10 +456,25 @@ class ProviderTarget(ClientTarget):
             self.llm = None
 
 
-def ours_factory(path: Path) -> Any:
+def ours_factory(path: Path, **options: Any) -> Any:
     from abstractruntime_mlx import create_llm
 
-    return create_llm("mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=MAX_BATCH, speculation=False)
+    return create_llm(
+        "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=MAX_BATCH, mlx_max_queue_size=max(32, 2 * MAX_BATCH),
+        speculation=False, **options,
+    )
+
+
+def _alias(path: Path, tag: str) -> Path:
+    """The checkpoint under a second directory of file links: one process holds one resident
+    model per directory, so a second provider with other options needs its own."""
+    alias = path.parent / f"{path.name}-{tag}"
+    alias.mkdir(exist_ok=True)
+    for file in path.iterdir():
+        link = alias / file.name
+        if not link.exists():
+            link.symlink_to(file.resolve())
+    return alias
 
 
 def abstractcore_factory(path: Path) -> Any:
@@ -426,6 +584,7 @@ class RawLoopTarget:
 
     name = "raw"
     skip_reason: str | None = None
+    last_profile: Profile | None = None
 
     def setup(self, path: Path) -> None:
         import mlx_vlm
@@ -465,10 +624,12 @@ class RawLoopTarget:
             prompt_kwargs=[self._kwargs(p.ids) for p in prompts],
         )
         reqs = {uid: Request(start=t0) for uid in uids}
+        steps, c0 = 0, time.thread_time()
         while gen.has_work:
             # Re-open the admission gate as the engine does (else a freed slot waits for all).
             gen.prefill_batch_size = max(1, c - len(gen._generation_batch))
             _, responses = gen.next()
+            steps += 1
             now = time.perf_counter()
             for r in responses:
                 req = reqs[r.uid]
@@ -480,12 +641,69 @@ class RawLoopTarget:
                     req.end = now
         gen.close()
         out = [reqs[u] for u in uids]
-        return out, max(r.end for r in out) - t0
+        wall = max(r.end for r in out) - t0
+        self.last_profile = Profile(steps, wall, cpu_s=time.thread_time() - c0)
+        return out, wall
 
     def teardown(self) -> None:
         import mlx.core as mx
 
         self.model = self.processor = self.lm = None
+        mx.clear_cache()
+
+
+class RawLmLoopTarget:
+    """mlx-lm's ``BatchGenerator`` driven on this thread, token ids in, greedy."""
+
+    name = "raw_lm"
+    skip_reason: str | None = None
+    last_profile: Profile | None = None
+
+    def setup(self, path: Path) -> None:
+        import mlx_lm
+
+        self.model, self.tokenizer = mlx_lm.load(str(path))
+        self.eos = {int(e) for e in self.tokenizer.eos_token_ids}
+
+    def run(self, prompts: list[Prompt], c: int, max_tokens: int = MAX_TOKENS) -> tuple[list[Request], float]:
+        from mlx_lm.generate import BatchGenerator
+
+        gen = BatchGenerator(
+            self.model,
+            max_tokens=max_tokens,
+            stop_tokens=[[e] for e in self.eos],
+            completion_batch_size=c,
+            prefill_batch_size=c,
+            prefill_step_size=256,
+        )
+        t0 = time.perf_counter()
+        uids = gen.insert([p.ids for p in prompts], max_tokens=[max_tokens] * len(prompts))
+        reqs = {uid: Request(start=t0) for uid in uids}
+        done: set[int] = set()
+        steps, c0 = 0, time.thread_time()
+        while len(done) < len(uids):
+            _, responses = gen.next()
+            steps += 1
+            now = time.perf_counter()
+            for r in responses:
+                req = reqs[r.uid]
+                if req.token_ttft_s is None:
+                    req.token_ttft_s = now - t0
+                if not (r.finish_reason == "stop" and r.token in self.eos):
+                    req.tokens += 1
+                if r.finish_reason is not None:
+                    req.end = now
+                    done.add(r.uid)
+        gen.close()
+        out = [reqs[u] for u in uids]
+        wall = max(r.end for r in out) - t0
+        self.last_profile = Profile(steps, wall, cpu_s=time.thread_time() - c0)
+        return out, wall
+
+    def teardown(self) -> None:
+        import mlx.core as mx
+
+        self.model = self.tokenizer = None
         mx.clear_cache()
 
 
@@ -495,10 +713,14 @@ class RawLoopTarget:
 def make_target(name: str) -> Any:
     if name == "raw":
         return RawLoopTarget()
+    if name == "raw_lm":
+        return RawLmLoopTarget()
     if name == "stream_generate":
         return StreamGenerateTarget()
     if name == "ours":
         return ProviderTarget("ours", ours_factory)
+    if name == "ours_batch":
+        return ProviderTarget("ours_batch", lambda path: ours_factory(_alias(path, "ours-batch"), mlx_single_lane=False))
     if name == "abstractcore":
         return ProviderTarget("abstractcore", abstractcore_factory)
     if name == "mlx_lm.server":
@@ -515,15 +737,18 @@ def bench_model(
     repeats: int,
     log: Callable[[str], None],
     warmup_tokens: int = MAX_TOKENS,
+    requests: int | None = None,
 ) -> list[Point]:
     from transformers import AutoTokenizer
 
     book = PromptBook(AutoTokenizer.from_pretrained(str(path)))
     # Distinct prompts for every repeat too: mlx_lm.server keeps a prefix cache.
-    sets = {c: [book.batch(f"m{r}", c, per_slot * c) for r in range(repeats)] for c in concs}
+    count = {c: requests if requests else per_slot * c for c in concs}
+    sets = {c: [book.batch(f"m{r}", c, count[c]) for r in range(repeats)] for c in concs}
     n_prompt = [len(p.ids) for runs in sets.values() for ps in runs for p in ps]
+    shape = f"{requests} per point" if requests else f"{per_slot} x c per point"
     log(
-        f"[{label}] prompts: {len(n_prompt)} requests ({repeats} repeat(s) of {per_slot} x c per point), "
+        f"[{label}] prompts: {len(n_prompt)} requests ({repeats} repeat(s) of {shape}), "
         f"{min(n_prompt)}-{max(n_prompt)} prompt tokens (mean {statistics.mean(n_prompt):.0f})"
     )
     points: list[Point] = []
@@ -552,30 +777,41 @@ def bench_model(
         names = list(live)
         for c in concs:
             runs: dict[str, tuple[list[Request], float]] = {n: ([], 0.0) for n in names}
+            profiles: dict[str, Profile | None] = {}
             failed: dict[str, str] = {}
             for r, prompts in enumerate(sets[c]):
                 k = r % len(names) if names else 0
                 for name in names[k:] + names[:k]:
                     if name in failed:
                         continue
+                    util: list[float] = []
                     try:
-                        got, took = live[name].run(prompts, c)
+                        with GPU.sample(util):
+                            got, took = live[name].run(prompts, c)
                     except Exception as exc:  # noqa: BLE001
                         traceback.print_exc()
                         failed[name] = f"{type(exc).__name__}: {exc}"
                         continue
                     reqs, wall = runs[name]
                     runs[name] = (reqs + got, wall + took)
+                    prof = live[name].last_profile
+                    if prof is not None:
+                        prof = Profile(prof.steps, prof.step_s, prof.backend_s, prof.tokens_s, prof.cpu_s, util if GPU.handle else None)
+                        prev = profiles.get(name)
+                        profiles[name] = prof if prev is None else prev.add(prof)
             for name in names:
                 if name in failed:
                     point = Point(label, name, c, 0, 0, 0.0, 0.0, None, None, error=failed[name])
                 else:
-                    point = summarise(label, name, c, *runs[name])
+                    point = summarise(label, name, c, *runs[name], profile=profiles.get(name))
                 points.append(point)
                 log(
                     f"[{label}] {name:16s} c={c}: {point.tok_s:8.1f} tok/s  TTFT p50/p95 first token "
                     f"{_fmt(point.token_ttft_p50_ms)}/{_fmt(point.token_ttft_p95_ms)} ms, first text "
                     f"{_fmt(point.ttft_p50_ms)}/{_fmt(point.ttft_p95_ms)} ms  ({point.completion_tokens} tokens in {point.wall_s:.2f}s)"
+                    f"  step {_fmt(point.step_ms, '.2f')} ms (backend {_fmt(point.backend_ms, '.2f')}, tokens "
+                    f"{_fmt(point.tokens_ms, '.2f')}, cpu {_fmt(point.cpu_ms, '.2f')}) x {point.steps or '-'}"
+                    f"  gpu {_fmt(point.gpu_util)}%"
                 )
     finally:
         for target in live.values():
@@ -631,6 +867,18 @@ def print_tables(points: list[Point], rs: list[dict[str, Any]]) -> None:
                 f"| {p.target} | {p.concurrency} | {p.tok_s:.1f} | {_fmt(p.token_ttft_p50_ms)} | {_fmt(p.token_ttft_p95_ms)} "
                 f"| {_fmt(p.ttft_p50_ms)} | {_fmt(p.ttft_p95_ms)} | {p.completion_tokens} | {p.wall_s:.2f} |"
             )
+        profiled = [p for p in points if p.model == model and p.steps]
+        if profiled:
+            print("\nper-step profile (ms per decode step; backend = inside the backend's step: upstream "
+                  "bookkeeping, graph building, device waits; tokens = our per-token host work; cpu = worker "
+                  "thread CPU time; gpu = NVML utilisation)\n")
+            print("| target | c | steps | step ms | backend ms | tokens ms | other ms | cpu ms | gpu % |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for p in profiled:
+                print(
+                    f"| {p.target} | {p.concurrency} | {p.steps} | {_fmt(p.step_ms, '.2f')} | {_fmt(p.backend_ms, '.2f')} "
+                    f"| {_fmt(p.tokens_ms, '.2f')} | {_fmt(p.other_ms, '.2f')} | {_fmt(p.cpu_ms, '.2f')} | {_fmt(p.gpu_util)} |"
+                )
         mine = [r for r in rs if r["model"] == model]
         if mine:
             concs = sorted({r["concurrency"] for r in mine})
@@ -690,21 +938,27 @@ def _per_model(spec: str, defaults: dict[str, int]) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model only, c = 1 and 4")
-    ap.add_argument("--models", default=None, help="comma list of: tiny, small (default both; --quick: tiny)")
+    ap.add_argument("--models", default=None, help="comma list of: tiny, small, 0.6b, 4b (default tiny,small; --quick: tiny)")
     ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma list of: {', '.join(TARGETS)}")
     ap.add_argument("--concurrency", default=None, help="comma list (default 1,2,4,8; --quick: 1,4)")
     ap.add_argument("--requests-per-slot", default="tiny=2,small=1", help="N = this x c requests per run, per model (tiny=2,small=1)")
+    ap.add_argument("--requests", type=int, default=None, help="a fixed N requests per run at every concurrency (instead of per slot)")
+    ap.add_argument("--max-batch", type=int, default=None, help="the providers' mlx_max_batch_size (default: the largest concurrency)")
     ap.add_argument("--repeats", default="tiny=5,small=2", help="runs per point, per model (tiny=5,small=2); figures pool all runs")
     ap.add_argument("--model-dir", default=None, help="where to build/reuse the checkpoints (default: a temporary directory)")
     ap.add_argument("--json", dest="json_out", default=None, help="write machine, points and ratios here")
     args = ap.parse_args(argv)
 
+    global MAX_BATCH
     models = (args.models or ("tiny" if args.quick else "tiny,small")).split(",")
     concs = [int(c) for c in (args.concurrency or ("1,4" if args.quick else "1,2,4,8")).split(",")]
+    MAX_BATCH = args.max_batch or max(concs)
     if max(concs) > MAX_BATCH:
         raise SystemExit(f"concurrency above the providers' batch size ({MAX_BATCH}) is not measured here")
-    repeats = _per_model(args.repeats, {"tiny": 5, "small": 2})
-    per_slot = _per_model(args.requests_per_slot, {"tiny": 2, "small": 1})
+    if max(concs) > 32:
+        raise SystemExit("concurrency above 32 is not measured here")
+    repeats = _per_model(args.repeats, {"tiny": 5, "small": 2, "0.6b": 1, "4b": 1})
+    per_slot = _per_model(args.requests_per_slot, {"tiny": 2, "small": 1, "0.6b": 1, "4b": 1})
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     for t in targets:
         if t not in TARGETS:
@@ -717,20 +971,26 @@ def main(argv: list[str] | None = None) -> int:
     log("machine: " + json.dumps(info))
     scratch = contextlib.ExitStack()
     root = Path(args.model_dir) if args.model_dir else Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="bench-conc-")))
-    builders = {"tiny": lambda: _models.tiny(root / "tiny"), "small": lambda: _models.small_model(root / "small")}
+    builders = {
+        "tiny": lambda: _models.tiny(root / "tiny"),
+        "small": lambda: _models.small_model(root / "small"),
+        "0.6b": lambda: _models.shaped_model(root / "qwen3-0.6b-shape", "0.6b"),
+        "4b": lambda: _models.shaped_model(root / "qwen3-4b-shape", "4b"),
+    }
     points: list[Point] = []
     t0 = time.perf_counter()
     with scratch:
         for label in models:
             if label not in builders:
-                raise SystemExit(f"unknown model {label!r}; choose tiny or small")
+                raise SystemExit(f"unknown model {label!r}; choose from {', '.join(builders)}")
+            t_build = time.perf_counter()
             path = builders[label]()
             params = _models.num_parameters(path)
-            log(f"[{label}] {path} ({params / 1e6:.1f}M parameters)")
+            log(f"[{label}] {path} ({params / 1e6:.1f}M parameters; built or found in {time.perf_counter() - t_build:.1f}s)")
             name = f"{label} ({params / 1e6:.1f}M)"
             # The ~27M model is compute-bound on this CPU: a short warm-up reaches every code path.
-            warm = MAX_TOKENS if label == "tiny" else 8
-            points += bench_model(name, path, targets, concs, per_slot[label], repeats[label], log, warm)
+            warm = 8 if label == "small" else MAX_TOKENS
+            points += bench_model(name, path, targets, concs, per_slot[label], repeats[label], log, warm, args.requests)
     rs = ratios(points)
     print_tables(points, rs)
     elapsed = time.perf_counter() - t0
@@ -742,6 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_tokens": MAX_TOKENS,
                 "concurrency": concs,
                 "requests_per_slot": per_slot,
+                "requests": args.requests,
                 "repeats": repeats,
                 "max_batch_size": MAX_BATCH,
                 "models": models,

@@ -94,3 +94,19 @@ def test_per_row_sampling_seams():
     decode = inspect.getsource(GenerationBatch._step)
     assert "positions=[n + 1 for n in self._num_tokens]" in decode
     assert "self.greedy_sampling" in inspect.getsource(GenerationBatch._fused_greedy_step)
+
+
+def test_adopting_a_decoding_row():
+    """What ``BatchBackend.adopt`` builds a decoding row from (the single lane's hand-off)."""
+    from mlx_vlm.generate.ar import BatchGenerator, GenerationBatch, cache
+    from mlx_vlm.models.cache import BatchKVCache, KVCache
+
+    params = inspect.signature(GenerationBatch.__init__).parameters
+    for name in ("model", "uids", "inputs", "prompt_cache", "sampler", "stop_criteria", "max_tokens", "greedy_sampling", "thinking_budget_criteria"):
+        assert name in params, name
+    assert "self._num_tokens" in inspect.getsource(GenerationBatch)
+    source = inspect.getsource(BatchGenerator)
+    for attr in ("self.uid_count", "self.sampler", "self.tokenizer", "self.greedy_sampling", "self.compute_logprobs", "def _extend_generation_batch"):
+        assert attr in source, attr
+    assert KVCache.merge([KVCache()]).__class__ is BatchKVCache
+    assert cache.BatchKVCache is BatchKVCache  # the class the generator builds for a prefill

@@ -12,6 +12,33 @@ from abstractruntime_mlx import errors
 from abstractruntime_mlx.engine.request import EngineRequest, Sampling
 from abstractruntime_mlx.provider import residency
 
+
+def patch_step(monkeypatch, step, *, batching: bool = True) -> None:
+    """Replace the step of every backend a lane may use (a lone batched request runs on the
+    single lane); ``monkeypatch.undo`` or ``restore_step`` puts them back."""
+    from abstractruntime_mlx.engine import backend, serial, single
+
+    classes = (backend.BatchBackend, single.SingleBackend) if batching else (serial.SerialBackend,)
+    for cls in classes:
+        monkeypatch.setattr(cls, "step", step)
+
+
+def restore_step(monkeypatch, *, batching: bool = True) -> None:
+    from abstractruntime_mlx.engine import backend, serial, single
+
+    classes = (backend.BatchBackend, single.SingleBackend) if batching else (serial.SerialBackend,)
+    for cls in classes:
+        monkeypatch.setattr(cls, "step", REAL_STEPS[cls])
+
+
+def _real_steps() -> dict[type, object]:
+    from abstractruntime_mlx.engine import backend, serial, single
+
+    return {cls: cls.step for cls in (backend.BatchBackend, single.SingleBackend, serial.SerialBackend)}
+
+
+REAL_STEPS = _real_steps()
+
 PROMPT = "Explain TTL caches."
 LANES = [pytest.param(True, id="batched"), pytest.param(False, id="serialized")]
 
@@ -71,20 +98,16 @@ class WorkerKilled(BaseException):
 
 @pytest.mark.parametrize("batching", LANES)
 def test_worker_that_cannot_go_on_marks_the_model_failed(make_llm, dense_model, monkeypatch, batching):
-    from abstractruntime_mlx.engine import backend, serial
-
     llm = make_llm(dense_model, mlx_batching=batching, mlx_max_batch_size=1)
     engine = llm._engine
-    cls = backend.BatchBackend if batching else serial.SerialBackend
-    real_step = cls.step
     armed = threading.Event()
 
     def step(self, *, observe_prefill):
         if armed.is_set():
             raise WorkerKilled("simulated worker fault")
-        return real_step(self, observe_prefill=observe_prefill)
+        return REAL_STEPS[type(self)](self, observe_prefill=observe_prefill)
 
-    monkeypatch.setattr(cls, "step", step)
+    patch_step(monkeypatch, step, batching=batching)
     running = llm.generate(PROMPT, max_output_tokens=400, stream=True)
     next(running)
     waiting = llm.generate(PROMPT, max_output_tokens=4, stream=True)
@@ -92,7 +115,7 @@ def test_worker_that_cannot_go_on_marks_the_model_failed(make_llm, dense_model, 
     for stream in (running, waiting):
         with pytest.raises(errors.EngineCrashed, match="WorkerKilled"):
             list(stream)
-    monkeypatch.setattr(cls, "step", real_step)
+    restore_step(monkeypatch, batching=batching)
     health = llm.health()
     assert health["state"] == "failed" and health["error"]["type"] == "WorkerKilled"
     assert engine.active_count == 0  # every live request was released
@@ -111,10 +134,8 @@ def test_a_step_failure_after_which_mlx_no_longer_computes_fails_the_model(make_
     when it does not, the model is marked failed. MLX breaking is simulated: no input breaks it."""
     import mlx.core as mx
 
-    from abstractruntime_mlx.engine import backend
-
     llm = make_llm(dense_model, mlx_batching=True)
-    real_step, real_eval = backend.BatchBackend.step, mx.eval
+    real_eval = mx.eval
 
     def broken_eval(*args, **kwargs):
         raise RuntimeError("simulated device loss")
@@ -123,11 +144,11 @@ def test_a_step_failure_after_which_mlx_no_longer_computes_fails_the_model(make_
         monkeypatch.setattr(mx, "eval", broken_eval)
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(backend.BatchBackend, "step", step)
+    patch_step(monkeypatch, step)
     with pytest.raises(errors.EngineCrashed, match="kernel failure"):
         llm.generate(PROMPT, max_output_tokens=2)
     monkeypatch.setattr(mx, "eval", real_eval)
-    monkeypatch.setattr(backend.BatchBackend, "step", real_step)
+    restore_step(monkeypatch)
     health = llm.health()
     assert health["state"] == "failed" and "simulated device loss" in health["error"]["message"]
     assert llm.unload_model() is True
@@ -135,18 +156,15 @@ def test_a_step_failure_after_which_mlx_no_longer_computes_fails_the_model(make_
 
 def test_a_failed_model_is_replaced_by_the_next_load_of_it(make_llm, dense_model, monkeypatch):
     """A new provider of a failed model loads it afresh instead of attaching to the dead engine."""
-    from abstractruntime_mlx.engine import backend
-
     llm = make_llm(dense_model, mlx_batching=True)
-    real_step = backend.BatchBackend.step
 
     def step(self, *, observe_prefill):
         raise WorkerKilled("simulated worker fault")
 
-    monkeypatch.setattr(backend.BatchBackend, "step", step)
+    patch_step(monkeypatch, step)
     with pytest.raises(errors.EngineCrashed):
         llm.generate(PROMPT, max_output_tokens=2)
-    monkeypatch.setattr(backend.BatchBackend, "step", real_step)
+    restore_step(monkeypatch)
     fresh = make_llm(dense_model, mlx_batching=True)
     assert fresh._resident is not llm._resident
     assert fresh.generate(PROMPT, max_output_tokens=3).finish_reason == "length"
@@ -231,7 +249,6 @@ def test_server_refuses_bad_values_and_recovers_a_failed_model(dense_model, poli
     from test_server_harness import serve_in_thread
 
     from abstractruntime_mlx import create_llm
-    from abstractruntime_mlx.engine import backend
     from abstractruntime_mlx.server import create_app
 
     def factory(model, **options):
@@ -260,15 +277,13 @@ def test_server_refuses_bad_values_and_recovers_a_failed_model(dense_model, poli
         assert chat().status_code == 200
         assert client.get("/health").json()["model_state"] == "ready"
 
-        real_step = backend.BatchBackend.step
-
         def step(self, *, observe_prefill):
             raise WorkerKilled("simulated worker fault")
 
-        monkeypatch.setattr(backend.BatchBackend, "step", step)
+        patch_step(monkeypatch, step)
         crashed = chat()
         assert crashed.status_code == 500 and crashed.json()["error"]["code"] == "engine_crashed"
-        monkeypatch.setattr(backend.BatchBackend, "step", real_step)
+        restore_step(monkeypatch)
         health = client.get("/health")
         assert health.status_code == 503
         assert health.json()["status"] == "unhealthy" and health.json()["model_state"] == "failed"
@@ -279,9 +294,9 @@ def test_server_refuses_bad_values_and_recovers_a_failed_model(dense_model, poli
         assert client.get("/health").status_code == 200
         assert chat().status_code == 200
         # and unload of a failed model works too
-        monkeypatch.setattr(backend.BatchBackend, "step", step)
+        patch_step(monkeypatch, step)
         assert chat().status_code == 500
-        monkeypatch.setattr(backend.BatchBackend, "step", real_step)
+        restore_step(monkeypatch)
         assert client.post("/acore/models/unload", json={}).json()["unloaded"] is True
         assert client.get("/health").json()["loaded"] is False
 

@@ -42,7 +42,7 @@ def test_seed_example_two_threads(make_llm, dense_model):
         assert answer.usage["total_tokens"] == answer.usage["prompt_tokens"] + answer.usage["completion_tokens"]
         execution = answer.metadata["execution"]
         assert execution["mode"] == "continuous"
-        assert set(execution) == {"mode", "peak_batch_size", "queue_s", "ttft_s"}
+        assert set(execution) == {"mode", "path", "peak_batch_size", "queue_s", "ttft_s"}
         assert execution["ttft_s"] >= execution["queue_s"] >= 0
     assert max(a.metadata["execution"]["peak_batch_size"] for a in answers) == 2
     assert llm.supports_concurrent_generation() is True
@@ -375,11 +375,13 @@ def test_vision_images_change_output(make_llm, vision_model, tmp_path):
         llm.generate("x", media=[str(tmp_path / "missing.png")])
 
 
-def test_upstream_failure_fails_the_group_not_the_engine(make_llm, dense_model, monkeypatch):
-    from abstractruntime_mlx.engine import backend
+@pytest.mark.parametrize("single_lane", [True, False], ids=["single", "batch"])
+def test_upstream_failure_fails_the_group_not_the_engine(make_llm, dense_model, monkeypatch, single_lane):
+    from abstractruntime_mlx.engine import backend, single
 
-    llm = make_llm(dense_model, mlx_batching=True)
-    real_step = backend.BatchBackend.step
+    llm = make_llm(dense_model, mlx_batching=True, mlx_single_lane=single_lane)
+    cls = single.SingleBackend if single_lane else backend.BatchBackend
+    real_step = cls.step
     calls = {"n": 0}
 
     def flaky(self, *, observe_prefill):
@@ -389,7 +391,7 @@ def test_upstream_failure_fails_the_group_not_the_engine(make_llm, dense_model, 
                 raise ValueError("simulated kernel failure")
         return real_step(self, observe_prefill=observe_prefill)
 
-    monkeypatch.setattr(backend.BatchBackend, "step", flaky)
+    monkeypatch.setattr(cls, "step", flaky)
     with pytest.raises(errors.UpstreamError, match="simulated kernel failure"):
         llm.generate(PROMPTS[0], max_output_tokens=8)
     assert llm.generate(PROMPTS[1], max_output_tokens=3).finish_reason == "length"

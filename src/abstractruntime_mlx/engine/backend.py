@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import mlx.core as mx
 
@@ -31,6 +31,9 @@ from ..errors import EngineError, UpstreamError
 from .grammar import GrammarProcessor
 from .request import Sampling
 from .sampling import RowStream, make_sampler, sample_rows
+
+if TYPE_CHECKING:
+    from .single import DecodingRow
 
 PREFILL_STEP_SIZE = 256
 
@@ -216,6 +219,34 @@ class BatchBackend:
         self.uids.add(uid)
         return uid
 
+    def adopt(self, row: "DecodingRow") -> int:
+        """Take a row that decoded alone (``single.SingleBackend.detach``) into the decoding
+        batch, its KV cache as is: the batch's next step decodes its token in flight."""
+        from mlx_vlm.generate.ar import GenerationBatch
+
+        gen = self._gen
+        with map_upstream_errors("moving a row into the batch"):
+            uid = int(gen.uid_count)
+            gen.uid_count += 1
+            batch = GenerationBatch(
+                model=gen.model,
+                uids=[uid],
+                inputs=row.next_token,
+                prompt_cache=[type(c).merge([c]) for c in row.cache],
+                sampler=gen.sampler,
+                stop_criteria=gen.tokenizer.stopping_criteria,
+                max_tokens=[row.max_tokens],
+                greedy_sampling=gen.greedy_sampling,
+                thinking_budget_criteria=[None],  # one slot per row, as a prefilled batch has
+            )
+            batch.compute_logprobs = gen.compute_logprobs
+            batch._num_tokens = [row.num_tokens]
+            gen._extend_generation_batch(batch)
+        if row.row is not None:
+            self._rows[uid] = row.row
+        self.uids.add(uid)
+        return uid
+
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.uids)
 
@@ -324,7 +355,7 @@ def text_prompt_kwargs(model: Any, prompt_ids: list[int]) -> dict[str, Any]:
     with map_upstream_errors("embedding a prompt"):
         out = model.get_input_embeddings(mx.array([prompt_ids]), None)
     kwargs = {k: v for k, v in out.to_dict().items() if v is not None}
-    if "position_ids" not in kwargs and _needs_positions(model):
+    if "position_ids" not in kwargs and needs_positions(model):
         n = len(prompt_ids)
         kwargs["position_ids"] = mx.arange(n)[None]
         kwargs["rope_deltas"] = mx.zeros((1, 1))
@@ -349,6 +380,6 @@ def image_prompt_inputs(model: Any, processor: Any, prompt: str, images: list[An
     return [int(t) for t in input_ids[0].tolist()], kwargs
 
 
-def _needs_positions(model: Any) -> bool:
+def needs_positions(model: Any) -> bool:
     model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
     return model_type.startswith("qwen3_5")

@@ -34,6 +34,7 @@ from .model import Lane, LoadedModel
 from .prefix_cache import GUARD_TOKENS, CacheOptions, PrefixCache
 from .request import (
     END_OF_STREAM,
+    DecodePath,
     EngineRequest,
     ExclusiveReason,
     ExecutionMode,
@@ -46,6 +47,7 @@ from .stream import RequestStream
 from .threads import POOL, WorkerHandle
 from .scheduler import GroupKey, count_compatible_head, group_key, take_compatible
 from .serial import SerialBackend
+from .single import SingleBackend, supports_model
 from .stops import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,9 @@ class EngineConfig:
     # Sampled requests run alone, one at a time (the seed's behaviour), instead of sharing
     # the continuous batch; their tokens are the same either way.
     sampled_exclusive: bool = False
+    # A continuous group of one decodes on the single-request lane (``single``) until a
+    # second request joins; off: every continuous row decodes in upstream's batch step.
+    single_lane: bool = True
 
 
 @dataclass(slots=True)
@@ -106,6 +111,12 @@ class EngineStats:
     failed: int = 0
     rejected: int = 0
     peak_batch_size: int = 0
+    # Where the worker's time goes, summed over steps (only ever go up; see ``step_profile``).
+    num_steps: int = 0
+    step_s: float = 0.0  # whole steps: cancels, admission, the backend step, token handling
+    backend_s: float = 0.0  # inside the backend's step: upstream bookkeeping, graph building, device waits
+    tokens_s: float = 0.0  # handling the step's tokens: detokenising, stop strings, delivery
+    cpu_s: float = 0.0  # the worker thread's CPU time during steps (the rest of ``step_s`` it waited)
 
 
 class EngineState(StrEnum):
@@ -155,6 +166,7 @@ class Engine:
         self._closed = False
         self._fatal: BaseException | None = None
         self._stream: Any = None
+        self._single_model: bool | None = None  # whether the loaded model can use the single lane
         self.stats = EngineStats()
         self._thread: WorkerHandle | None = None
 
@@ -324,7 +336,19 @@ class Engine:
                 "state": self.state,
                 "max_batch_size": self.config.max_batch_size,
                 "max_queue_size": self.config.max_queue_size,
+                "step_profile": self.step_profile(),
             }
+
+    def step_profile(self) -> dict[str, float | int]:
+        """Cumulative step timings: subtract two readings to profile a window."""
+        stats = self.stats
+        return {
+            "num_steps": stats.num_steps,
+            "step_s": stats.step_s,
+            "backend_s": stats.backend_s,
+            "tokens_s": stats.tokens_s,
+            "cpu_s": stats.cpu_s,
+        }
 
     # --- worker -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -378,6 +402,7 @@ class Engine:
             self._closed = True
 
     def _schedule_and_step(self) -> None:
+        start, cpu = time.perf_counter(), time.thread_time()
         self._apply_cancels()
         self._expire_waiting()
         if self._group is None:
@@ -386,6 +411,10 @@ class Engine:
             self._admit_late()
         if self._group is not None:
             self._step_group()
+            stats = self.stats
+            stats.num_steps += 1
+            stats.step_s += time.perf_counter() - start
+            stats.cpu_s += time.thread_time() - cpu
 
     def _check_device(self, step_error: Exception) -> None:
         """After a failed step, MLX must still compute on the worker's stream; if it does not,
@@ -519,7 +548,11 @@ class Engine:
             with self._cond:
                 requests = take_compatible(self._waiting, key, limit)
         self._admitting = requests
-        backend = self._new_backend(key, requests[0], limit, serial=serial)
+        backend: Backend
+        if self._single_lane_for(key, requests):
+            backend = self._single_backend()
+        else:
+            backend = self._new_backend(key, requests[0], limit, serial=serial)
         self._group = _Group(key=key, backend=backend, speculation_baseline=backend.speculation_counters(), size=len(requests))
         self._admitting = []
         for request in requests:
@@ -550,6 +583,46 @@ class Engine:
             apc_manager=self._cache_manager_for(head),
         )
 
+    def _single_lane_for(self, key: GroupKey, requests: list[EngineRequest]) -> bool:
+        """A continuous group of one, nothing else compatible waiting, a request whose row
+        can later move into a batch as is (text, no logits processors, no prefix-cache key)."""
+        if not self.config.single_lane or key.mode != ExecutionMode.CONTINUOUS or len(requests) != 1:
+            return False
+        request = requests[0]
+        if request.prompt_kwargs_factory is not None or request.sampling.has_logit_processors():
+            return False
+        if request.prompt_cache_key is not None and self.prefix_cache is not None:
+            return False
+        if self._single_model is None:
+            self._single_model = self._model.lane == Lane.NATIVE and supports_model(self._model.model)
+        return self._single_model
+
+    def _single_backend(self) -> SingleBackend:
+        processor = self._model.processor
+        tokenizer = getattr(processor, "tokenizer", processor)
+        return SingleBackend(
+            self._model.model,
+            stop_criteria=tokenizer.stopping_criteria,  # the batch's own eos test
+            prefill_step_size=self.config.prefill_step_size,
+            stream=self._stream,
+        )
+
+    def _join_batch(self, group: _Group) -> None:
+        """Move the group's single decoding row into a new batch backend, its KV cache as is."""
+        single = group.backend
+        assert isinstance(single, SingleBackend)
+        old_uid, row = single.detach()
+        running = group.running.pop(old_uid)
+        request = running.request
+        backend = self._new_backend(group.key, request, self.config.max_batch_size, serial=False)
+        assert isinstance(backend, BatchBackend)
+        group.backend = backend
+        single.close()
+        uid = backend.adopt(row)
+        request.uid = uid
+        request.path = DecodePath.SINGLE_THEN_BATCH
+        group.running[uid] = running
+
     def _cache_manager_for(self, head: EngineRequest) -> Any:
         """The resident model's prefix-cache manager for a group of keyed requests, else None."""
         if head.prompt_cache_key is None or self.prefix_cache is None:
@@ -569,6 +642,15 @@ class Engine:
     def _admit_late(self) -> None:
         group = self._group
         assert group is not None
+        if isinstance(group.backend, SingleBackend):
+            # A compatible arrival moves the row into a batch, once the row decodes.
+            if not group.backend.decoding or self.config.max_batch_size < 2:
+                return
+            with self._cond:
+                joining = count_compatible_head(self._waiting, group.key) > 0
+            if not joining:
+                return
+            self._join_batch(group)
         free = group.backend.free_slots()  # tombstoned rows still hold their slot upstream
         if free <= 0 or (self.prefix_cache is not None and self._quiet_control_pending()):
             return
@@ -604,6 +686,7 @@ class Engine:
             return
         request.uid = uid
         request.mode = group.mode
+        request.path = _path_of(group.backend)
         request.exclusive_reason = group.key.reason
         request.started_at = time.perf_counter()
         request.transition(RequestStatus.PREFILLING)
@@ -617,7 +700,10 @@ class Engine:
         if group.mode == ExecutionMode.CONTINUOUS:
             group.backend.allow_partial_prefill()
         observe = any(r.request.observe_prefill for r in group.running.values())
+        start = time.perf_counter()
         result = group.backend.step(observe_prefill=observe)
+        stepped = time.perf_counter()
+        self.stats.backend_s += stepped - start
         self._record_batch(group, result)
         for uid, row in result.prefill.items():
             self._on_prefill_row(uid, row)
@@ -635,6 +721,7 @@ class Engine:
             if running is None:
                 continue
             self._on_token(group, running, event.token, event.finish_reason)
+        self.stats.tokens_s += time.perf_counter() - stepped
         self._close_group_if_idle()
 
     def _on_prefill_row(self, uid: int, row: PrefillRow) -> bool:
@@ -872,6 +959,14 @@ class Engine:
         for item in controls:
             item.error = error
             item.done.set()
+
+
+def _path_of(backend: Backend) -> DecodePath:
+    if isinstance(backend, SingleBackend):
+        return DecodePath.SINGLE
+    if isinstance(backend, SerialBackend):
+        return DecodePath.SERIAL
+    return DecodePath.BATCH
 
 
 class _WorkerBroken(BaseException):

@@ -174,7 +174,7 @@ def _load_native(path: Path, config: dict[str, Any], *, drafter_source: Path | N
         drafter=drafter,
         drafter_source=str(drafter_source) if drafter is not None else None,
         eos_token_ids=_eos_ids(config, tokenizer),
-        _detokenizer=processor.detokenizer,
+        _detokenizer=_streaming_detokenizer(processor.detokenizer, tokenizer),
     )
 
 
@@ -217,3 +217,20 @@ def _eos_ids(config: dict[str, Any], tokenizer: Any) -> frozenset[int]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
+
+
+def _streaming_detokenizer(upstream: Any, tokenizer: Any) -> Any:
+    """mlx-lm's streaming detokenizer of the kind mlx-vlm picked for this tokenizer.
+
+    mlx-vlm's BPE detokenizer holds a token's text back until the next token starts a word,
+    so a stream's first text (and every word) comes a token late; mlx-lm's emits each token's
+    text as soon as it decodes. Both give the same text in the end.
+    """
+    from mlx_lm import tokenizer_utils
+
+    kind = type(upstream).__name__
+    if kind == "BPEStreamingDetokenizer":
+        return tokenizer_utils.BPEStreamingDetokenizer(tokenizer)
+    if kind == "SPMStreamingDetokenizer":
+        return tokenizer_utils.SPMStreamingDetokenizer(tokenizer, trim_space=bool(getattr(upstream, "trim_space", True)))
+    return upstream  # the naive detokenizer already decodes every token

@@ -58,6 +58,15 @@ class ExecutionMode(StrEnum):
     EXCLUSIVE = "exclusive"
 
 
+class DecodePath(StrEnum):
+    """Which decode loop ran a request (``execution.path``)."""
+
+    SINGLE = "single"  # alone on the single-request lane
+    SINGLE_THEN_BATCH = "single_then_batch"  # began alone, moved into a batch with its KV cache
+    BATCH = "batch"  # upstream's batch generator
+    SERIAL = "serial"  # the serialized mlx-lm lane
+
+
 class ExclusiveReason(StrEnum):
     """Why a request ran alone (``execution.reason``)."""
 
@@ -123,6 +132,7 @@ class EngineRequest:
 
     status: RequestStatus = RequestStatus.WAITING
     mode: ExecutionMode | None = None
+    path: DecodePath | None = None
     exclusive_reason: ExclusiveReason | None = None
     uid: int | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -186,6 +196,8 @@ class EngineRequest:
         out: dict[str, Any] = {}
         if self.mode is not None:
             out["mode"] = self.mode
+        if self.path is not None:
+            out["path"] = self.path
         if self.exclusive_reason is not None:
             out["reason"] = self.exclusive_reason
         if self.peak_batch_size:

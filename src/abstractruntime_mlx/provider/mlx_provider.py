@@ -57,6 +57,8 @@ EXECUTION_DEFAULTS: dict[str, Any] = {
     "mlx_cache_disk_max_gb": None,
     "mlx_cache_scope": "local",
     "mlx_sampled_exclusive": False,
+    # A lone request decodes on the single-request lane until a second one joins (docs/provider.md).
+    "mlx_single_lane": True,
 }
 
 _lease_ids = itertools.count(1)
@@ -116,6 +118,7 @@ class MLXProvider:
             output_queue_size=self.execution_options["mlx_output_queue_size"],
             prefill_step_size=self.execution_options["mlx_prefill_step_size"],
             sampled_exclusive=self.execution_options["mlx_sampled_exclusive"],
+            single_lane=self.execution_options["mlx_single_lane"],
         )
         self._lease = next(_lease_ids)
         self._resident: residency.Resident | None = residency.acquire(
@@ -486,7 +489,7 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise InvalidControls(f"{name} must be an integer >= {lo}", field=name, value=value)
 
-    for name in ("mlx_batching", "mlx_sampled_exclusive"):
+    for name in ("mlx_batching", "mlx_sampled_exclusive", "mlx_single_lane"):
         if not isinstance(options[name], bool):
             raise InvalidControls(f"{name} must be a boolean", field=name, value=options[name])
     positive_int("mlx_max_batch_size")

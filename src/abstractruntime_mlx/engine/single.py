@@ -1,0 +1,212 @@
+"""The single-request lane: one request decoding alone, one model step ahead.
+
+A continuous group that starts with one request and nothing else waiting decodes on this
+lane instead of upstream's batch step at width 1: a plain KV cache, no batch masks, and
+mlx-lm's ``generate_step`` pattern (queue step n+1 with ``mx.async_eval``, then read token n
+while the device computes). The engine drives it through the same backend protocol as a
+``BatchBackend`` of one slot, so phase events, cancels, stop strings and limits share one path.
+
+When a compatible request arrives, the running row moves into a ``BatchBackend``
+(``BatchBackend.adopt``) with its KV cache and its token already in flight: no re-prefill,
+and the batch's first step decodes that token. A request still prefilling moves once its
+first token is out.
+
+Which requests and models qualify (``supports_model``, the engine's ``_single_lane_for``):
+text prompts without logits processors or prefix-cache keys, on models whose cache is a plain
+``KVCache`` per layer and whose rows need no position ids. The prefill is chunked as upstream
+chunks a batch's (``prefill_step_size`` columns, the last prompt token on its own), and a
+sampled row draws from its own ``RowStream``, so a row's tokens are the same on either lane.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, cast
+
+import mlx.core as mx
+
+from .backend import PrefillRow, StepResult, TokenEvent, map_upstream_errors, needs_positions
+from .request import Sampling
+from .sampling import RowStream, sample_rows
+
+_CLEAR_CACHE_EVERY = 256  # tokens (mlx-lm's generate_step)
+
+
+@dataclass(slots=True)
+class DecodingRow:
+    """A row handed from the single lane to a batch: its cache holds the prompt and every
+    token delivered; ``next_token`` (in flight) is the next one to deliver."""
+
+    cache: list[Any]
+    next_token: mx.array
+    num_tokens: int
+    max_tokens: int
+    row: RowStream | None
+
+
+def supports_model(model: Any) -> bool:
+    """True when ``model``'s decoding can move into a batch as is: a plain KV cache per
+    layer (what mlx-vlm's ``BatchKVCache.merge`` takes) and no per-row position ids."""
+    from mlx_vlm.models.cache import KVCache
+
+    lm = getattr(model, "language_model", model)
+    if needs_positions(model):
+        return False
+    make_cache = getattr(lm, "make_cache", None)
+    if make_cache is None:
+        return hasattr(lm, "layers")
+    return all(type(c) is KVCache for c in make_cache())
+
+
+class SingleBackend:
+    """One request at a time on a plain KV cache, with the ``BatchBackend`` interface."""
+
+    max_batch_size = 1
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        stop_criteria: Callable[[int], bool],
+        prefill_step_size: int,
+        stream: Any,
+    ) -> None:
+        self.model = model
+        self._lm = getattr(model, "language_model", model)
+        self._stop = stop_criteria
+        self._prefill_step_size = prefill_step_size
+        self._stream = stream
+        self._uids = itertools.count()
+        self._uid: int | None = None
+        self._cache: list[Any] = []
+        self._pending: list[int] = []  # prompt tokens not yet in the cache
+        self._total = 0
+        self._next: mx.array | None = None  # the token in flight
+        self._num_tokens = 0
+        self._max_tokens = 0
+        self._row: RowStream | None = None
+        self.uids: set[int] = set()
+
+    # --- admission -------------------------------------------------------------------
+    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any], sampling: Sampling | None = None) -> int:
+        # mlx-vlm's cache classes, the ones its batch generator builds and extends
+        from mlx_vlm.models.cache import KVCache
+
+        if self.uids:
+            raise RuntimeError("the single lane runs one request at a time")
+        with map_upstream_errors("inserting a prompt"):
+            self._row = RowStream.for_sampling(sampling or Sampling())
+        make_cache = getattr(self._lm, "make_cache", None)
+        self._cache = list(make_cache()) if make_cache is not None else [KVCache() for _ in self._lm.layers]
+        self._pending = list(prompt_ids)
+        self._total = len(prompt_ids)
+        self._next = None
+        self._num_tokens = 0
+        self._max_tokens = max_tokens
+        uid = next(self._uids)
+        self._uid = uid
+        self.uids.add(uid)
+        return uid
+
+    def free_slots(self) -> int:
+        return self.max_batch_size - len(self.uids)
+
+    def allow_partial_prefill(self) -> None:
+        """Nothing to allow: a newcomer moves this row into a batch instead."""
+
+    def remove(self, uid: int) -> bool:
+        self.forget(uid)
+        return True
+
+    def forget(self, uid: int) -> None:
+        if uid != self._uid:
+            return
+        self._uid = None
+        self._cache, self._pending, self._next, self._row = [], [], None, None
+        self.uids.discard(uid)
+
+    @property
+    def prefilling(self) -> bool:
+        """Never holds prefix-cache blocks (keyed requests use the batch lane)."""
+        return False
+
+    @property
+    def decoding(self) -> bool:
+        """The row has delivered a token and has the next one in flight: it can move."""
+        return self._uid is not None and self._next is not None
+
+    def detach(self) -> tuple[int, DecodingRow]:
+        """Hand the decoding row over (``BatchBackend.adopt``); this lane is empty afterwards."""
+        uid, token = self._uid, self._next
+        if uid is None or token is None:
+            raise RuntimeError("only a decoding row can move to a batch")
+        row = DecodingRow(self._cache, token, self._num_tokens, self._max_tokens, self._row)
+        self._cache, self._next, self._row, self._uid = [], None, None, None
+        self.uids.discard(uid)
+        return uid, row
+
+    # --- stepping --------------------------------------------------------------------
+    def step(self, *, observe_prefill: bool) -> StepResult:
+        result = StepResult()
+        uid = self._uid
+        if uid is None:
+            return result
+        result.batch_uids = {uid}
+        with mx.stream(self._stream), map_upstream_errors("a single-lane step"):
+            if len(self._pending) > 1:
+                self._prefill_chunk()
+                if observe_prefill:
+                    done = self._total - len(self._pending)
+                    result.prefill[uid] = PrefillRow(processed=done, total=self._total, cached=0)
+                if len(self._pending) > 1:
+                    return result
+            if self._next is None:
+                # The last prompt token gives the first generated one.
+                self._next = self._sample(mx.array(self._pending)[None])
+                self._pending = []
+                mx.async_eval(self._next)
+                result.prompt_done[uid] = 0
+            token = self._next
+            self._num_tokens += 1
+            if self._num_tokens % _CLEAR_CACHE_EVERY == 0:
+                mx.clear_cache()
+            finish = self._num_tokens >= self._max_tokens
+            if not finish:
+                # One step ahead: the device computes token n+1 while the host reads token n.
+                self._next = self._sample(token[None])
+                mx.async_eval(self._next)
+            value = int(cast(int, token.item()))  # waits for token n only
+        if self._stop(value):
+            reason: str | None = "stop"
+        elif finish:
+            reason = "length"
+        else:
+            reason = None
+        result.tokens.append(TokenEvent(uid, value, reason))
+        if reason is not None:
+            self.forget(uid)
+        return result
+
+    def _prefill_chunk(self) -> None:
+        n = min(self._prefill_step_size, len(self._pending) - 1)
+        self._lm(mx.array(self._pending[:n])[None], cache=self._cache)
+        mx.eval([c.state for c in self._cache])
+        self._pending = self._pending[n:]
+        mx.clear_cache()
+
+    def _sample(self, inputs: mx.array) -> mx.array:
+        output = self._lm(inputs, cache=self._cache)
+        logits = getattr(output, "logits", output)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self._row is None:
+            return mx.argmax(logprobs, axis=-1)
+        return sample_rows(logprobs, [self._row])
+
+    def speculation_counters(self) -> tuple[int, float, int] | None:
+        return None
+
+    def close(self) -> None:
+        if self._uid is not None:
+            self.forget(self._uid)
+        mx.synchronize(self._stream)

@@ -1,0 +1,186 @@
+"""The single-request lane on real MLX, the engine stepped by hand (no worker thread), so
+every arrival lands at a chosen step: a lone request decodes alone, a second one moves it
+into a batch with its KV cache as is, and its tokens are the same on every path."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from abstractruntime_mlx import errors
+from abstractruntime_mlx.engine.loop import Engine, EngineConfig
+from abstractruntime_mlx.engine.model import Lane, load_model
+from abstractruntime_mlx.engine.request import EngineRequest, PrefillObservation, Sampling, TokenDelta
+from abstractruntime_mlx.engine.single import SingleBackend
+
+PROMPTS = ["Explain TTL caches.", "Explain LRU caches.", "What is a prefix cache?"]
+_ids = itertools.count()
+
+
+class Stepper:
+    """An engine whose worker steps are taken here, one ``step()`` at a time."""
+
+    def __init__(self, path: str, **config: object) -> None:
+        self.engine = Engine(lambda: load_model(Path(path), lane=Lane.NATIVE), EngineConfig(**config))  # type: ignore[arg-type]
+        self.engine.loaded = self.engine._load()
+        self.engine._stream = mx.default_stream(mx.default_device())
+
+    def request(self, prompt: str, max_tokens: int = 24, **kwargs: object) -> EngineRequest:
+        loaded = self.engine.loaded
+        assert loaded is not None
+        req = EngineRequest(request_id=f"r{next(_ids)}", prompt_ids=loaded.encode(prompt), max_tokens=max_tokens, **kwargs)  # type: ignore[arg-type]
+        self.engine.submit(req)
+        return req
+
+    def step(self) -> None:
+        self.engine._schedule_and_step()
+
+    def drain(self, limit: int = 500) -> None:
+        for _ in range(limit):
+            if not self.engine._live and self.engine._group is None:
+                return
+            self.step()
+        raise AssertionError("the engine did not finish its requests")
+
+    def until(self, predicate, limit: int = 500) -> None:  # type: ignore[no-untyped-def]
+        for _ in range(limit):
+            if predicate():
+                return
+            self.step()
+        raise AssertionError("the condition was never reached")
+
+
+def outputs(req: EngineRequest) -> list[object]:
+    items = []
+    while not req.outputs.empty():
+        items.append(req.outputs.get_nowait())
+    return items
+
+
+@pytest.fixture()
+def stepper(dense_model):
+    made: list[Stepper] = []
+
+    def factory(**config: object) -> Stepper:
+        s = Stepper(dense_model, **config)
+        made.append(s)
+        return s
+
+    yield factory
+    for s in made:
+        s.engine._close_group()
+
+
+def alone(make, prompt: str, **kwargs: object) -> EngineRequest:
+    s = make()
+    req = s.request(prompt, **kwargs)
+    s.drain()
+    return req
+
+
+def test_lone_request_decodes_on_the_single_lane_with_the_batch_tokens(stepper):
+    single = alone(stepper, PROMPTS[0])
+    batch = alone(lambda: stepper(single_lane=False), PROMPTS[0])
+    assert single.execution_metadata()["path"] == "single"
+    assert batch.execution_metadata()["path"] == "batch"
+    assert single.execution_metadata()["mode"] == batch.execution_metadata()["mode"] == "continuous"
+    assert single.token_ids == batch.token_ids and len(single.token_ids) == 24
+    assert single.outcome is not None and single.outcome.finish_reason == "length"
+    assert single.peak_batch_size == 1
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, seed=11)], ids=["greedy", "seeded"])
+def test_a_second_request_moves_the_first_into_a_batch_without_a_pause(stepper, sampling):
+    reference = alone(stepper, PROMPTS[0], sampling=sampling)
+    joiner_alone = alone(stepper, PROMPTS[1], max_tokens=8)
+    s = stepper(max_batch_size=4)
+    first = s.request(PROMPTS[0], sampling=sampling)
+    s.until(lambda: first.num_output_tokens == 5)
+    assert isinstance(s.engine._group.backend, SingleBackend)
+    second = s.request(PROMPTS[1], max_tokens=8)
+    counts = []
+    while not first.is_finished():
+        before = first.num_output_tokens
+        s.step()
+        counts.append(first.num_output_tokens - before)
+    s.drain()
+    # every step after the arrival gave the first request one token: the hand-off took no extra step
+    assert counts == [1] * (24 - 5)
+    assert first.execution_metadata()["path"] == "single_then_batch"
+    assert second.execution_metadata()["path"] == "batch"
+    assert first.peak_batch_size == second.peak_batch_size == 2
+    assert first.token_ids == reference.token_ids
+    assert second.token_ids == joiner_alone.token_ids
+    assert s.engine.stats.completed == 2
+
+
+def test_a_request_still_prefilling_moves_after_its_first_token(stepper):
+    long_prompt = " ".join(PROMPTS * 6)
+    reference = alone(lambda: stepper(prefill_step_size=8), long_prompt, max_tokens=12)
+    s = stepper(prefill_step_size=8, max_batch_size=4)
+    first = s.request(long_prompt, max_tokens=12, observe_prefill=True)
+    s.step()  # admitted, one prefill chunk
+    assert first.num_output_tokens == 0
+    second = s.request(PROMPTS[1], max_tokens=6)
+    s.until(lambda: first.num_output_tokens == 1)
+    assert isinstance(s.engine._group.backend, SingleBackend)  # it finished its prefill alone
+    s.drain()
+    assert first.execution_metadata()["path"] == "single_then_batch"
+    assert first.token_ids == reference.token_ids
+    observed = [o.processed for o in outputs(first) if isinstance(o, PrefillObservation)]
+    total = first.num_prompt_tokens
+    assert observed == [*range(0, total - 1, 8), total - 1] and total > 40
+    assert second.outcome is not None and second.outcome.completion_tokens == 6
+
+
+def test_prefill_observations_match_the_batch_lane(stepper):
+    long_prompt = " ".join(PROMPTS * 6)
+    seen = []
+    for single_lane in (True, False):
+        s = stepper(prefill_step_size=8, single_lane=single_lane)
+        req = s.request(long_prompt, max_tokens=4, observe_prefill=True)
+        s.drain()
+        seen.append([(o.processed, o.total) for o in outputs(req) if isinstance(o, PrefillObservation)])
+    assert seen[0] == seen[1] and len(seen[0]) > 3
+
+
+def test_stop_string_and_cancel_on_the_single_lane(stepper):
+    reference = alone(stepper, PROMPTS[0])
+    text = reference.outcome is not None and "".join(
+        o.text for o in outputs(reference) if isinstance(o, TokenDelta)
+    )
+    assert isinstance(text, str) and len(text) > 6
+    stop = text[3:6]
+    s = stepper()
+    stopped = s.request(PROMPTS[0], stop=(stop,))
+    s.drain()
+    delivered = "".join(o.text for o in outputs(stopped) if isinstance(o, TokenDelta))
+    assert stopped.outcome is not None and stopped.outcome.finish_reason == "stop"
+    assert delivered == text[: text.index(stop)]
+    assert stopped.execution_metadata()["path"] == "single"
+
+    s = stepper()
+    cancelled = s.request(PROMPTS[0])
+    s.until(lambda: cancelled.num_output_tokens == 3)
+    s.engine.cancel(cancelled)
+    s.step()
+    assert cancelled.outcome is not None and cancelled.outcome.finish_reason == "cancelled"
+    assert isinstance(cancelled.outcome.error, errors.RequestCancelled)
+    assert cancelled.num_output_tokens == 3 and s.engine._group is None
+
+
+def test_requests_that_cannot_move_as_is_use_the_batch_lane(stepper, hybrid_model):
+    penalised = alone(stepper, PROMPTS[0], sampling=Sampling(repetition_penalty=1.3))
+    assert penalised.execution_metadata()["path"] == "batch"
+    s = Stepper(hybrid_model)  # a hybrid cache cannot merge into a batch as is
+    hybrid = s.request(PROMPTS[0], max_tokens=4)
+    s.drain()
+    assert hybrid.execution_metadata()["path"] == "batch"
+    # two requests that arrive together start a batch at once
+    s = stepper()
+    a, b = s.request(PROMPTS[0], max_tokens=4), s.request(PROMPTS[1], max_tokens=4)
+    s.drain()
+    assert {a.execution_metadata()["path"], b.execution_metadata()["path"]} == {"batch"}
