@@ -585,11 +585,11 @@ class Engine:
 
     def _single_lane_for(self, key: GroupKey, requests: list[EngineRequest]) -> bool:
         """A continuous group of one, nothing else compatible waiting, a request whose row
-        can later move into a batch as is (text, no logits processors, no prefix-cache key)."""
+        can later move into a batch as is (text, no logits processors or grammar, no prefix-cache key)."""
         if not self.config.single_lane or key.mode != ExecutionMode.CONTINUOUS or len(requests) != 1:
             return False
         request = requests[0]
-        if request.prompt_kwargs_factory is not None or request.sampling.has_logit_processors():
+        if request.prompt_kwargs_factory is not None or request.sampling.has_logit_processors() or request.grammar is not None:
             return False
         if request.prompt_cache_key is not None and self.prefix_cache is not None:
             return False
