@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import mlx.core as mx
 
@@ -113,12 +113,16 @@ def make_logits_processors(sampling: Sampling) -> list[Any]:
     )
 
 
-def row_processors(sampling: Sampling, grammar: GrammarProcessor | None) -> list[Any] | None:
+def row_processors(sampling: Sampling, grammar: GrammarProcessor | None) -> list[LogitsProcessor] | None:
     """One request's logits processors: penalties and bias, then its grammar (None: none)."""
-    processors = make_logits_processors(sampling) if sampling.has_logit_processors() else []
+    processors: list[LogitsProcessor] = make_logits_processors(sampling) if sampling.has_logit_processors() else []
     if grammar is not None:
         processors.append(grammar)
     return processors or None
+
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+"""``processor(tokens, logits) -> logits``: one row's penalties, bias or grammar."""
 
 
 class _RowSampler:

@@ -259,7 +259,7 @@ def structured_step(
     return dataclasses.replace(request, messages=({"role": "system", "content": instruction}, *messages))
 
 
-def _is_prompted_instruction(message: Mapping[str, Any]) -> bool:
+def _is_prompted_instruction(message: Mapping[str, object]) -> bool:
     content = message.get("content")
     return message.get("role") == "system" and isinstance(content, str) and content.startswith(PROMPTED_PREFIX)
 

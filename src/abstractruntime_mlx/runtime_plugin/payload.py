@@ -95,7 +95,7 @@ def request_from_payload(
     )
 
 
-def _response_schema(value: Any) -> Mapping[str, Any] | None:
+def _response_schema(value: object) -> Mapping[str, Any] | None:
     """The node's structured-output schema (None: free text); a schema that is not an object is
     refused, naming the field, rather than silently ignored."""
     if value is None or value == {}:
