@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import io
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..inspection import CallView, RunView
+from ..json_values import as_float
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
 
 __all__ = ["TIMELINE_WIDTH", "calls_table", "calls_timeline"]
 
@@ -22,7 +26,7 @@ TIMELINE_WIDTH = 48
 _GLYPHS = {"queue": "·", "prefill": "░", "generate": "█"}
 
 
-def _render(renderable: Any, width: int) -> str:
+def _render(renderable: RenderableType, width: int) -> str:
     from rich.console import Console
 
     buffer = io.StringIO()
@@ -88,7 +92,7 @@ def calls_table(view: RunView, *, width: int | None = None) -> str:
             call.lane or "",
             "" if batch is None else str(batch),
             "" if call.start_s is None else f"{call.start_s:.3f}s",
-            _ms(call.execution.get("queue_s")),
+            _ms(as_float(call.execution.get("queue_s"))),
             _ms(call.ttft_s),
             _int(call.prompt_tokens),
             _int(call.cached_tokens),
