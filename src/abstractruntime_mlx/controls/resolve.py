@@ -262,7 +262,14 @@ def resolve_controls(
     )
 
 
-def _layer(value: LevelInput | _Unset, level: str) -> ControlLevel:
+def control_level(value: object, *, level: str) -> ControlLevel:
+    """``value`` as one level of ``resolve_controls``, validated the same way: ``None`` (or
+    ``UNSET``) says nothing; a ``ControlLevel`` as is; a mapping of ``LAYER_KEYS``. Anything else
+    raises ``InvalidControls`` naming ``level``."""
+    return _layer(value, level)
+
+
+def _layer(value: object, level: str) -> ControlLevel:
     if value is UNSET or value is None:
         return NOTHING_SAID
     if isinstance(value, ControlLevel):
