@@ -1,8 +1,8 @@
 """Reading JSON that comes from outside (flow files, effect payloads, run vars), where a value
 may be anything: the one place that narrows such values to the types code relies on.
 
-Values read from JSON are typed ``object`` (never ``Any``): a caller narrows a value with the
-helpers below, or with ``isinstance``, before using it."""
+Values read from JSON are typed ``object``: a caller narrows a value with the helpers below,
+or with ``isinstance``, before using it."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from ..inspection import CallView, RunView
 from ..json_values import as_float
 
 if TYPE_CHECKING:
-    from rich.console import RenderableType
+    from rich.console import JustifyMethod, RenderableType
 
 __all__ = ["TIMELINE_WIDTH", "calls_table", "calls_timeline"]
 
@@ -67,7 +67,7 @@ def calls_table(view: RunView, *, width: int | None = None) -> str:
     from rich.table import Table
 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
-    for name, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("node", "left"),
         ("status", "left"),
         ("lane", "left"),
@@ -81,8 +81,9 @@ def calls_table(view: RunView, *, width: int | None = None) -> str:
         ("tok/s", "right"),
         ("mtp acc", "right"),
         ("controls (value ← decided by)", "left"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=name != "controls (value ← decided by)")  # type: ignore[arg-type]
+    )
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=name != "controls (value ← decided by)")
     for name, call in zip(_visits(view), view.calls, strict=True):
         controls = "\n".join(f"{c.name} {c.value} ← {c.source}" for c in call.controls)
         batch = call.execution.get("peak_batch_size")
