@@ -7,15 +7,17 @@ then ``prompt`` as a user turn. Images always attach to the final user message.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TypeVar
 
 from .errors import InvalidMedia, InvalidRequest
 
+Message = TypeVar("Message", bound=Mapping[str, object])
+
 
 def assemble_conversation(
-    *, prompt: str | None, messages: Sequence[Mapping[str, Any]] | None, system_prompt: str | None
-) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+    *, prompt: str | None, messages: Sequence[Mapping[str, object]] | None, system_prompt: str | None
+) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
     if system_prompt:
         out.append({"role": "system", "content": system_prompt})
     for message in messages or []:
@@ -31,8 +33,8 @@ def assemble_conversation(
     return out
 
 
-def final_user_message(conversation: list[dict[str, Any]]) -> dict[str, Any]:
-    """The message images attach to."""
+def final_user_message(conversation: Sequence[Message]) -> Message:
+    """The message images attach to (the caller's own message object, to change in place)."""
     for message in reversed(conversation):
         if message["role"] == "user":
             return message

@@ -15,7 +15,6 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..controls import normalize_speculation
 from ..errors import InvalidRequest
@@ -37,7 +36,7 @@ class ServeSettings:
     # directories /acore/models/load may read (besides the Hugging Face cache)
     model_roots: tuple[str, ...] = ()
     # create_llm options (only those given on the command line)
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, object] = field(default_factory=dict)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -88,7 +87,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServeSettings:
     env = os.environ if environ is None else environ
-    options: dict[str, Any] = {"mlx_batching": bool(args.mlx_batching)}
+    options: dict[str, object] = {"mlx_batching": bool(args.mlx_batching)}
     for name in (
         "mlx_max_batch_size",
         "mlx_max_queue_size",
@@ -115,7 +114,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
     )
 
 
-def _speculation_arg(text: str) -> Any:
+def _speculation_arg(text: str) -> bool | dict[str, object] | None:
     word = text.strip()
     if word.isdigit():
         return {"mode": "native_mtp", "num_draft_tokens": int(word)}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
@@ -70,7 +70,7 @@ class SpeculationControl(BaseModel):
         """True when the caller requires MTP execution (``require_acceleration=True``)."""
         return self.require_acceleration is True
 
-    def to_wire(self) -> bool | dict[str, Any]:
+    def to_wire(self) -> bool | dict[str, object]:
         """``False`` when off, else a dict with ``mode`` and only the fields that are set."""
         if not self.enabled:
             return False
@@ -80,7 +80,7 @@ class SpeculationControl(BaseModel):
 _OFF = SpeculationControl(mode="off")
 
 
-def normalize_speculation(value: Any, *, field: str = "speculation") -> SpeculationControl | None:
+def normalize_speculation(value: object, *, field: str = "speculation") -> SpeculationControl | None:
     """Coerce every accepted speculation form into a ``SpeculationControl`` (``None`` = inherit).
 
     Accepted: ``None``; ``False`` / ``"off"`` / ``"none"`` / ``"false"`` (off); ``True`` /
@@ -156,7 +156,7 @@ def normalize_speculation(value: Any, *, field: str = "speculation") -> Speculat
         raise InvalidControls(f"invalid {field}: {exc}", field=field, value=dict(value)) from exc
 
 
-def _speculation_mode(text: str, *, field: str, shown: Any) -> Literal["native_mtp", "off"]:
+def _speculation_mode(text: str, *, field: str, shown: str) -> Literal["native_mtp", "off"]:
     word = text.strip().lower()
     if word in _OFF_WORDS:
         return "off"
@@ -201,7 +201,7 @@ def merge_speculation(
 ThinkingValue = bool | str | None
 
 
-def normalize_thinking(value: Any, *, field: str = "thinking") -> ThinkingValue:
+def normalize_thinking(value: object, *, field: str = "thinking") -> ThinkingValue:
     """Coerce a thinking control: ``None`` (inherit), a bool, or a reasoning level.
 
     Accepted strings (case-insensitive, stripped): ``"on"``/``"true"`` → ``True``;
@@ -286,9 +286,9 @@ class Sampling:
         """Greedy (``temperature`` unset or 0) with every logits processor neutral: batchable."""
         return self.temperature in (None, 0) and self.logits_neutral()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """JSON form with only the fields that are set (``logit_bias`` keys become strings)."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for name in SAMPLING_FIELDS:
             value = getattr(self, name)
             if name == "logit_bias":
@@ -299,7 +299,7 @@ class Sampling:
         return out
 
 
-def normalize_sampling(**kw: Any) -> Sampling:
+def normalize_sampling(**kw: object) -> Sampling:
     """Validate sampling keywords (names in ``SAMPLING_FIELDS``; ``None`` = not given).
 
     Ranges: temperature >= 0; 0 < top_p <= 1; top_k >= 0 (0 = off); 0 <= min_p <= 1;
