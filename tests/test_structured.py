@@ -237,3 +237,15 @@ def test_node_payload_carries_the_schema_and_refuses_a_non_object():
     with pytest.raises(InvalidRequest) as info:
         request_from_payload({"prompt": "p", "response_schema": "a string"}, {})
     assert info.value.details["field"] == "response_schema"
+
+
+def test_the_answer_cannot_end_inside_the_think_block(batched):
+    # The end-of-turn token (<|im_end|> = 2 in the tiny tokenizer) pushed up hard: unconstrained,
+    # the request would end at once, inside its think block, with no answer.
+    bias = {2: 40.0}
+    free = batched.generate("Think.", thinking=True, temperature=0, max_output_tokens=48, logit_bias=bias)
+    assert free.usage["completion_tokens"] <= 1 and free.reasoning is None
+    for seed in (1, 2):
+        result = batched.generate("Think.", thinking=True, temperature=0.9, seed=seed, max_output_tokens=96, logit_bias=bias, response_schema=RECORD)
+        assert_valid(result, RECORD)
+        assert result.reasoning is not None and result.metadata["structured"]["closed_at_budget"] is True

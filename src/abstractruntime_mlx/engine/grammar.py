@@ -15,8 +15,8 @@ Objects that list ``properties`` and say nothing of other keys are compiled clos
 grammar, both reported in ``metadata.structured``:
 
 - Thinking: when the prompt leaves a think block open (or thinking is asked for), the grammar
-  waits for ``</think>`` and constrains the answer after it. Thinking may use half the output
-  budget; then ``</think>`` is forced.
+  waits for ``</think>`` and constrains the answer after it; the answer cannot end inside the
+  think block. Thinking may use half the output budget; then ``</think>`` is forced.
 - Budget: in the last ``closing_reserve`` tokens of the output cap (room for the schema's
   shortest answer, at least a quarter of the cap up to 64 tokens) the mask keeps only the
   tokens that close the JSON soonest (end of answer, ``"``, ``}``/``]``, ``,``) when the
@@ -162,7 +162,7 @@ class GrammarCompiler:
         started = time.perf_counter()
         with self._lock:
             matcher = compiled.template.deep_copy()
-        think = _thinking_state(prompt_text, thinking, self._think_start, self._think_end)
+        think = _thinking_state(prompt_text, thinking, self._think_start, self._think_end, tuple(self.eos_token_ids))
         return GrammarProcessor(
             matcher,
             vocab_rows=self.vocab_rows,
@@ -188,6 +188,7 @@ class _Think:
     start_id: int | None
     end_id: int
     open: bool
+    eos_ids: tuple[int, ...] = ()  # the answer must not end inside the think block
 
 
 class GrammarProcessor:
@@ -272,7 +273,7 @@ class GrammarProcessor:
             if self._generated >= self._think_close_at:
                 self.closed_at_budget = True
                 return _only(logits, (think.end_id,))
-            return logits
+            return _ban(logits, think.eos_ids)
         words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint32)
         if self._generated >= self._close_at:
             narrowed = _narrow_to_closers(words, self._closers)
@@ -309,6 +310,14 @@ def closed_objects(schema: Mapping[str, object]) -> dict[str, object]:
     return closed
 
 
+def _ban(logits: mx.array, token_ids: tuple[int, ...]) -> mx.array:
+    if not token_ids:
+        return logits
+    keep = np.ones(logits.shape[-1], dtype=np.bool_)
+    keep[[t for t in token_ids if t < keep.shape[0]]] = False
+    return mx.where(mx.array(keep), logits, _NEG_INF)
+
+
 def _only(logits: mx.array, token_ids: tuple[int, ...]) -> mx.array:
     keep = np.zeros(logits.shape[-1], dtype=np.bool_)
     keep[[t for t in token_ids if t < keep.shape[0]]] = True
@@ -342,16 +351,18 @@ def _single_token(encode: Encode, text: str) -> int | None:
     return int(ids[0]) if len(ids) == 1 else None
 
 
-def _thinking_state(prompt_text: str, thinking: bool | str | None, start_id: int | None, end_id: int | None) -> _Think | None:
+def _thinking_state(
+    prompt_text: str, thinking: bool | str | None, start_id: int | None, end_id: int | None, eos_ids: tuple[int, ...] = ()
+) -> _Think | None:
     """Whether the answer starts after a think block: the prompt leaves one open, or thinking is
     asked for (then ``<think>`` is the first token)."""
     if end_id is None or thinking is False:
         return None
     opened, closed = prompt_text.rfind("<think>"), prompt_text.rfind("</think>")
     if opened > closed:
-        return _Think(start_id=start_id, end_id=end_id, open=True)
+        return _Think(start_id=start_id, end_id=end_id, open=True, eos_ids=eos_ids)
     if thinking and start_id is not None:
-        return _Think(start_id=start_id, end_id=end_id, open=False)
+        return _Think(start_id=start_id, end_id=end_id, open=False, eos_ids=eos_ids)
     return None
 
 
