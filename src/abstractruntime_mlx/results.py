@@ -6,10 +6,18 @@ client can rebuild them without knowing anything about MLX.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal, TypeAlias
 
 FinishReason = Literal["stop", "length", "cancelled", "tool_calls", "error"]
+
+JSONValue: TypeAlias = "str | int | float | bool | None | Sequence[JSONValue] | Mapping[str, JSONValue]"
+"""A value JSON can carry. Read-only containers, so a ``dict[str, int]`` or a ``list[dict[str, str]]``
+fits where a JSON value is expected; narrow with ``isinstance(value, Mapping)`` to read into it."""
+
+JSONObject: TypeAlias = "dict[str, JSONValue]"
+"""A JSON object this package builds (wire bodies, metadata blocks, error details)."""
 
 
 @dataclass(slots=True)
@@ -24,15 +32,15 @@ class GenerationResult:
 
     content: str
     finish_reason: FinishReason | None
-    usage: dict[str, Any] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
+    usage: dict[str, int] = field(default_factory=dict)
+    metadata: JSONObject = field(default_factory=dict)
     model: str | None = None
     reasoning: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[JSONObject] | None = None
     token_ids: list[int] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def to_dict(self) -> JSONObject:
+        out: JSONObject = {
             "content": self.content,
             "finish_reason": self.finish_reason,
             "usage": dict(self.usage),
@@ -52,8 +60,8 @@ class GenerationChunk:
 
     content: str = ""
     finish_reason: FinishReason | None = None
-    usage: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
+    usage: dict[str, int] | None = None
+    metadata: JSONObject | None = None
     token_ids: list[int] | None = None
     model: str | None = None
 

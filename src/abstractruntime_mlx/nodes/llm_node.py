@@ -42,9 +42,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ..controls import NOTHING_SAID, UNSET, ControlLevel, ResolvedControls, resolve_controls
 from ..errors import InvalidRequest, MLXRuntimeError
+from ..json_values import object_at
 from ..ledger import Ledger, NodeKey, ProgressEvent, ProgressWriter, progress_idempotency_key
 from ..request import GenerationRequest
-from ..results import GenerationResult
+from ..results import GenerationResult, JSONObject, JSONValue
 
 if TYPE_CHECKING:
     from ..provider.mlx_provider import MLXProvider
@@ -166,7 +167,7 @@ class NodeResult:
         gen = self.generation
         prepared = self.prepared
         metadata = copy.deepcopy(dict(gen.metadata))
-        speculation = metadata.get("speculation") if isinstance(metadata.get("speculation"), Mapping) else None
+        speculation = found if isinstance(found := metadata.get("speculation"), Mapping) else None
         controls = prepared.controls.to_metadata()
         if prepared.client_kind == ClientKind.REMOTE:
             if prepared.speculation_sent and speculation is not None:
@@ -196,7 +197,7 @@ class NodeResult:
             "gen_time": round(self.wall_s * 1000.0, 3),
             "metadata": metadata,
         }
-        ttft = (metadata.get("execution") or {}).get("ttft_s")
+        ttft = object_at(metadata, "execution").get("ttft_s")
         if isinstance(ttft, (int, float)) and not isinstance(ttft, bool):
             out["ttft_ms"] = round(float(ttft) * 1000.0, 3)
         if gen.reasoning is not None:
@@ -204,10 +205,10 @@ class NodeResult:
         return out
 
 
-def _wire_from_metadata(meta: Mapping[str, Any] | None) -> Any:
+def _wire_from_metadata(meta: Mapping[str, JSONValue] | None) -> JSONValue:
     if not meta or not meta.get("requested"):
         return False
-    out: dict[str, Any] = {"mode": meta.get("mode", "native_mtp")}
+    out: JSONObject = {"mode": meta.get("mode", "native_mtp")}
     for name in ("num_draft_tokens", "require_acceleration"):
         if name in meta:
             out[name] = meta[name]
