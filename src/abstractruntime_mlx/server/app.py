@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, Final
 
@@ -44,7 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..capabilities import get_execution_capabilities
 from ..controls import SAMPLING_FIELDS, normalize_speculation
-from ..request import GenerationRequest
+from ..request import GenerationRequest, ProgressSink
 from ..errors import (
     AuthenticationError,
     InvalidRequest,
@@ -54,6 +54,7 @@ from ..errors import (
     ResidencyConflict,
     UpstreamError,
 )
+from ..results import GenerationChunk, GenerationResult
 from .media import extract_images
 from .model_roots import ModelRoots
 from .schemas import (
@@ -471,7 +472,7 @@ async def chat_completions(request: Request) -> Response:
 
     cancel_event = threading.Event()
 
-    def call(on_progress: Callable[[dict[str, Any]], None] | None) -> Any:
+    def call(on_progress: ProgressSink | None) -> Awaitable[GenerationResult | AsyncIterator[GenerationChunk]]:
         return llm.agenerate_request(typed.with_sinks(cancel=cancel_event, progress=on_progress), stream=body.stream)
 
     pump = ProviderPump(call, stream=body.stream, cancel_event=cancel_event, with_progress=body.include_progress).start()
