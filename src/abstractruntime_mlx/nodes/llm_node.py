@@ -35,20 +35,23 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final, NotRequired, TypedDict
 
 from ..controls import NOTHING_SAID, UNSET, ControlLevel, ResolvedControls, resolve_controls
 from ..errors import InvalidRequest, MLXRuntimeError
 from ..json_values import object_at
 from ..ledger import Ledger, NodeKey, ProgressEvent, ProgressWriter, progress_idempotency_key
-from ..request import GenerationRequest
-from ..results import GenerationResult, JSONObject, JSONValue
+from ..request import GenerationRequest, Message, ProgressSink
+from ..results import FinishReason, GenerationResult, JSONObject, JSONValue
 
 if TYPE_CHECKING:
+    import httpx
+
     from ..provider.mlx_provider import MLXProvider
+    from ..remote_client import RemoteClient
 
 __all__ = [
     "ClientKind",
@@ -60,16 +63,29 @@ __all__ = [
     "PreparedCall",
     "ProgressRoute",
     "ProviderRegistry",
+    "RemoteOptions",
+    "RuntimeResult",
     "default_registry",
     "resolve_node_controls",
 ]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PROVIDER_OPTIONS: Final[Mapping[str, Any]] = {"mlx_batching": True}
+DEFAULT_PROVIDER_OPTIONS: Final[Mapping[str, object]] = {"mlx_batching": True}
 """Options every local provider gets unless the caller overrides them (concurrent batching on)."""
 
-ProgressCallback = Callable[[dict[str, Any]], Any]
+ProgressCallback = ProgressSink
+
+
+class RemoteOptions(TypedDict, total=False):
+    """``RemoteClient`` settings for a node's remote calls (the client's keyword arguments)."""
+
+    api_key: str | None
+    timeout: httpx.Timeout
+    transport: httpx.BaseTransport | None
+    max_retries: int
+    backoff_s: float
+    limits: httpx.Limits
 
 
 class ClientKind(StrEnum):
@@ -103,18 +119,19 @@ class NodeRequest:
     """
 
     prompt: str = ""
-    messages: list[dict[str, Any]] | None = None
+    messages: Sequence[Message] | None = None
     system_prompt: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    media: list[Any] | None = None
+    tools: Sequence[Message] | None = None
+    media: Sequence[object] | None = None
     provider: str = "mlx"
     model: str | None = None
     base_url: str | None = None
-    speculation: Any = UNSET
-    thinking: Any = UNSET
-    run_speculation: Any = UNSET
-    run_thinking: Any = UNSET
-    sampling: Mapping[str, Any] = field(default_factory=dict)
+    # Control values as given (validated by ``ControlLevel.parse``).
+    speculation: object = UNSET
+    thinking: object = UNSET
+    run_speculation: object = UNSET
+    run_thinking: object = UNSET
+    sampling: Mapping[str, object] = field(default_factory=dict)
     prompt_cache_key: str | None = None
 
 
@@ -135,6 +152,21 @@ class PreparedCall:
     fingerprint: str
 
 
+class RuntimeResult(TypedDict):
+    """What an LLM node returns to AbstractRuntime (see ``NodeResult.to_runtime_result``)."""
+
+    content: str
+    tool_calls: list[JSONObject]
+    finish_reason: FinishReason | None
+    usage: dict[str, int]
+    model: str | None
+    provider: str
+    gen_time: float
+    metadata: JSONObject
+    ttft_ms: NotRequired[float]
+    reasoning: NotRequired[str]
+
+
 @dataclass(slots=True)
 class NodeResult:
     """The answer of one node and how it was produced."""
@@ -144,7 +176,7 @@ class NodeResult:
     concurrency: Concurrency
     wall_s: float
     num_progress_events: int
-    extra_metadata: dict[str, Any] = field(default_factory=dict)
+    extra_metadata: JSONObject = field(default_factory=dict)
 
     @property
     def content(self) -> str:
@@ -155,10 +187,10 @@ class NodeResult:
         return self.prepared.controls
 
     @property
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self) -> JSONObject:
         return self.to_runtime_result()["metadata"]
 
-    def to_runtime_result(self) -> dict[str, Any]:
+    def to_runtime_result(self) -> RuntimeResult:
         """The dict AbstractRuntime's visual compiler reads: ``content``, ``tool_calls``,
         ``finish_reason``, ``usage``, ``model``, ``provider``, ``gen_time`` (ms), ``ttft_ms``,
         ``reasoning`` and ``metadata`` (``execution``, ``speculation``, ``performance``,
@@ -179,7 +211,7 @@ class NodeResult:
                 controls["speculation_source"] = (speculation or {}).get("source", "server")
                 controls["speculation"] = _wire_from_metadata(speculation)
         metadata["controls"] = controls
-        client: dict[str, Any] = {"kind": prepared.client_kind, "concurrency": self.concurrency}
+        client: JSONObject = {"kind": prepared.client_kind, "concurrency": self.concurrency}
         if prepared.base_url:
             client["base_url"] = prepared.base_url
         metadata["client"] = client
@@ -187,7 +219,7 @@ class NodeResult:
         if isinstance(metadata["progress"], dict):
             metadata["progress"]["recorded_events"] = self.num_progress_events
         metadata.update(copy.deepcopy(self.extra_metadata))
-        out: dict[str, Any] = {
+        out: RuntimeResult = {
             "content": gen.content,
             "tool_calls": list(gen.tool_calls or []),
             "finish_reason": gen.finish_reason,
@@ -269,7 +301,7 @@ def _levels(request: NodeRequest) -> tuple[ControlLevel, ControlLevel]:
     return call, run
 
 
-def _said(value: Any) -> Any:
+def _said(value: object) -> object:
     return None if value is UNSET else value
 
 
@@ -292,10 +324,10 @@ class ProviderRegistry:
         self._lock = threading.Lock()
         self._local: dict[tuple[str, str], _LocalEntry] = {}
         self._model_locks: dict[str, threading.Lock] = {}
-        self._remote: dict[str, Any] = {}
+        self._remote: dict[str, RemoteClient] = {}
         self._loading: dict[tuple[str, str], threading.Lock] = {}
 
-    def local(self, model: str, options: Mapping[str, Any] | None = None) -> _LocalEntry:
+    def local(self, model: str, options: Mapping[str, object] | None = None) -> _LocalEntry:
         """The shared local provider for ``model`` with ``options`` (loaded on first use)."""
         merged = {**DEFAULT_PROVIDER_OPTIONS, **dict(options or {})}
         key = (model, _canonical(merged))
@@ -315,7 +347,7 @@ class ProviderRegistry:
                 self._loading.pop(key, None)
         return entry
 
-    def _load(self, model: str, options: dict[str, Any]) -> _LocalEntry:
+    def _load(self, model: str, options: Mapping[str, object]) -> _LocalEntry:
         from ..provider import create_llm
 
         provider = create_llm("mlx", model=model, **options)
@@ -325,7 +357,7 @@ class ProviderRegistry:
                 lock = self._model_locks.setdefault(str(getattr(provider, "path", model)), threading.Lock())
         return _LocalEntry(provider=provider, lock=lock)
 
-    def remote(self, base_url: str, model: str | None = None, options: Mapping[str, Any] | None = None) -> Any:
+    def remote(self, base_url: str, model: str | None = None, options: RemoteOptions | None = None) -> RemoteClient:
         """The shared ``remote_client.RemoteClient`` for (``base_url``, ``model``)."""
         url = base_url.rstrip("/")
         key = f"{url} {model or ''} {_canonical(dict(options or {}))}"
@@ -338,7 +370,7 @@ class ProviderRegistry:
                     raise InvalidRequest(
                         f"a remote node ({url}) needs abstractruntime_mlx.remote_client, which is not available: {exc}"
                     ) from exc
-                client = RemoteClient(url, model=model, **dict(options or {}))
+                client = RemoteClient(url, model=model, **(options or RemoteOptions()))
                 self._remote[key] = client
         return client
 
@@ -359,7 +391,7 @@ class ProviderRegistry:
                 close()
 
 
-def _schedules_concurrently(provider: Any) -> bool:
+def _schedules_concurrently(provider: object) -> bool:
     probe = getattr(provider, "supports_concurrent_generation", None)
     if not callable(probe):
         return False
@@ -378,7 +410,7 @@ def default_registry() -> ProviderRegistry:
     return _DEFAULT_REGISTRY
 
 
-def _canonical(value: Any) -> str:
+def _canonical(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
 
 
@@ -409,14 +441,14 @@ class ProgressRoute:
         self._writer = writer
         self._key = key
         self._callback = callback
-        self._buffer: list[tuple[float, dict[str, Any]]] | None = [] if buffer else None
+        self._buffer: list[tuple[float, JSONObject]] | None = [] if buffer else None
         self.num_events = 0
 
     @property
     def active(self) -> bool:
         return self._writer is not None or self._callback is not None or self._buffer is not None
 
-    def __call__(self, event: dict[str, Any]) -> None:
+    def __call__(self, event: Mapping[str, JSONValue]) -> None:
         with self._lock:
             self.num_events += 1
             if self._buffer is not None:
@@ -459,7 +491,7 @@ class ProgressRoute:
             writer.flush(key, timeout_s=timeout_s)
 
 
-def _call_host(callback: ProgressCallback, event: dict[str, Any]) -> None:
+def _call_host(callback: ProgressCallback, event: Mapping[str, JSONValue]) -> None:
     try:
         callback(dict(event))
     except Exception:  # noqa: BLE001 - a host's progress sink is best-effort by its own contract
@@ -488,8 +520,8 @@ class LLMNode:
         writer: ProgressWriter | None = None,
         registry: ProviderRegistry | None = None,
         default_model: str | None = None,
-        provider_options: Mapping[str, Any] | None = None,
-        remote_options: Mapping[str, Any] | None = None,
+        provider_options: Mapping[str, object] | None = None,
+        remote_options: RemoteOptions | None = None,
         record_progress: bool = True,
     ) -> None:
         self.ledger = ledger
@@ -500,7 +532,7 @@ class LLMNode:
         self.registry = registry or default_registry()
         self.default_model = default_model
         self.provider_options = dict(provider_options or {})
-        self.remote_options = dict(remote_options or {})
+        self.remote_options: RemoteOptions = remote_options.copy() if remote_options else {}
         self.record_progress = record_progress
 
     # -- lifecycle ----------------------------------------------------------------------
