@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, Final, Literal
+from collections.abc import Mapping
+from typing import Final, Literal
 
 from abstractruntime.core.effect_cancellation import current_effect_cancel_event
 from abstractruntime.core.models import Effect, RunState
@@ -31,6 +31,8 @@ from ..errors import (
 from ..json_values import object_at
 from ..ledger import Ledger, NodeKey
 from ..nodes import LLMNode, NodeRequest, NodeResult, PreparedCall
+from ..request import ProgressSink
+from ..results import JSONObject
 from .catalog import FlowCatalog
 from .payload import explicit_base_url, request_from_payload
 from .routing import RouteDecision, Routing
@@ -101,7 +103,7 @@ class LLMCallHandler:
     # -- internals ----------------------------------------------------------------------
 
     def _request(
-        self, run_vars: Mapping[str, Any], payload: Mapping[str, Any], node_config: Mapping[str, Any] | None
+        self, run_vars: Mapping[str, object], payload: Mapping[str, object], node_config: Mapping[str, object] | None
     ) -> tuple[NodeRequest, RouteDecision]:
         """The node's request, served where ``self.routing`` says (see ``routing``)."""
         route = self.routing.decide(
@@ -131,14 +133,14 @@ class LLMCallHandler:
         request, route = self._request(run.vars, payload, index.node_config(node_id) if index is not None else None)
         prepared = self.node.prepare(request)
 
-        extra: dict[str, Any] = {"route": route.to_metadata()}
+        extra: JSONObject = {"route": route.to_metadata()}
         result: NodeResult | None = None
         if self.prefetcher is not None:
             result, claimed = self._claim(run.run_id, node_id, prepared, key, callback, cancel_event)
             extra.update(claimed)
             launched = self._launch_siblings(run, node_id, buffer=forward or self.node.record_progress)
             if launched:
-                extra = {**extra, "sibling_batch": {**extra.get("sibling_batch", {}), "launched": launched}}
+                extra = {**extra, "sibling_batch": {**object_at(extra, "sibling_batch"), "launched": launched}}
         if result is None:
             result = self.node.execute(prepared, route=self.node.route_for(key, callback), cancel_event=cancel_event)
         result.extra_metadata.update(extra)
@@ -153,14 +155,14 @@ class LLMCallHandler:
         node_id: str,
         prepared: PreparedCall,
         key: NodeKey,
-        callback: Callable[[dict[str, Any]], Any] | None,
+        callback: ProgressSink | None,
         cancel_event: threading.Event | None,
-    ) -> tuple[NodeResult | None, dict[str, Any]]:
+    ) -> tuple[NodeResult | None, JSONObject]:
         assert self.prefetcher is not None
         entry = self.prefetcher.take(run_id, node_id)
         if entry is None:
             return None, {}
-        info: dict[str, Any] = {"role": "sibling", "trigger_node": entry.trigger_node}
+        info: JSONObject = {"role": "sibling", "trigger_node": entry.trigger_node}
         if entry.prepared.fingerprint != prepared.fingerprint:
             entry.cancel_event.set()
             self.prefetcher.note("mismatched")
@@ -222,7 +224,7 @@ class LLMCallHandler:
         return not (self.node.ledger is not None and _is_store_of(store, self.node.ledger))
 
 
-def _is_store_of(store: Any, ledger: Ledger) -> bool:
+def _is_store_of(store: object, ledger: Ledger) -> bool:
     for _ in range(4):  # see through wrappers (ObservableLedgerStore._inner, ...)
         if isinstance(store, LedgerStepStore):
             return store.ledger is ledger
