@@ -94,7 +94,6 @@ RESERVED_META_KEYS: Final = frozenset({"fed_token_ids", "fed_token_count", "back
 PUBLIC_PATHS: Final = frozenset({"/health"})
 
 
-
 class ServedProvider(Protocol):
     """What the server calls on the provider it serves (an ``MLXProvider``, or a test's fake).
 
@@ -123,11 +122,15 @@ ModelFactory = Callable[..., ServedProvider]
 
 
 class LoadOutcome(TypedDict):
+    """``ServedModel.load``: the provider now resident, and whether this call loaded it."""
+
     loaded_new: bool
     provider: ServedProvider
 
 
 class UnloadOutcome(TypedDict):
+    """``ServedModel.unload`` (the body of ``/acore/models/unload`` after ``ok``/``success``)."""
+
     unloaded: bool
     model: str | None
 
