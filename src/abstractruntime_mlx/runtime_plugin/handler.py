@@ -12,10 +12,9 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 from abstractruntime.core.effect_cancellation import current_effect_cancel_event
-from abstractruntime.core.models import Effect, RunState
 from abstractruntime.core.progress_channel import current_effect_progress_callback
 from abstractruntime.core.runtime import EffectOutcome
 
@@ -46,6 +45,21 @@ __all__ = ["LLMCallHandler", "RuntimeProgress"]
 log = logging.getLogger(__name__)
 
 RuntimeProgress = Literal["auto", "always", "never"]
+
+
+class RunView(Protocol):
+    """What the handler reads of AbstractRuntime's ``RunState`` (upstream has no type information)."""
+
+    run_id: str
+    workflow_id: str
+    current_node: str
+    vars: Mapping[str, object]
+
+
+class EffectView(Protocol):
+    """What the handler reads of AbstractRuntime's ``Effect``: the LLM_CALL payload (a JSON object)."""
+
+    payload: object
 
 _NOT_RETRYABLE: Final = (
     InvalidRequest,
@@ -90,7 +104,7 @@ class LLMCallHandler:
         self.runtime_progress = runtime_progress
         self.routing = routing or Routing(default_model=model, serve_all=force_model)
 
-    def __call__(self, run: RunState, effect: Effect, default_next_node: str | None = None) -> EffectOutcome:
+    def __call__(self, run: RunView, effect: EffectView, default_next_node: str | None = None) -> EffectOutcome:
         try:
             if self.prefetcher is None:
                 return self._handle(run, effect)
@@ -113,7 +127,7 @@ class LLMCallHandler:
         )
         return request_from_payload(payload, run_vars, node_config=node_config, route=route), route
 
-    def _handle(self, run: RunState, effect: Effect) -> EffectOutcome:
+    def _handle(self, run: RunView, effect: EffectView) -> EffectOutcome:
         payload = effect.payload if isinstance(effect.payload, Mapping) else {}
         node_id = str(run.current_node)
         params = object_at(payload, "params")
@@ -193,7 +207,7 @@ class LLMCallHandler:
         info.update(used=True, ready_when_reached=ready, waited_s=round(time.perf_counter() - claimed_at, 6))
         return result, {"sibling_batch": info}
 
-    def _launch_siblings(self, run: RunState, node_id: str, *, buffer: bool) -> list[str]:
+    def _launch_siblings(self, run: RunView, node_id: str, *, buffer: bool) -> list[str]:
         assert self.prefetcher is not None
         index = self.flows.get(run.workflow_id)
         if index is None:
@@ -217,7 +231,7 @@ class LLMCallHandler:
             return []
         return self.prefetcher.launch(run.run_id, node_id, calls, buffer=buffer)
 
-    def _forward_runtime_progress(self, run: RunState) -> bool:
+    def _forward_runtime_progress(self, run: RunView) -> bool:
         if self.runtime_progress != "auto":
             return self.runtime_progress == "always"
         store = getattr(run, "_runtime_ledger_store", None)
