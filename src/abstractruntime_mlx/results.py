@@ -12,11 +12,11 @@ from typing import Literal, TypeAlias
 
 FinishReason = Literal["stop", "length", "cancelled", "tool_calls", "error"]
 
-JSONValue: TypeAlias = "str | int | float | bool | None | Sequence[JSONValue] | Mapping[str, JSONValue]"
+JSONValue: TypeAlias = str | int | float | bool | None | Sequence["JSONValue"] | Mapping[str, "JSONValue"]
 """A value JSON can carry. Read-only containers, so a ``dict[str, int]`` or a ``list[dict[str, str]]``
 fits where a JSON value is expected; narrow with ``isinstance(value, Mapping)`` to read into it."""
 
-JSONObject: TypeAlias = "dict[str, JSONValue]"
+JSONObject: TypeAlias = dict[str, JSONValue]
 """A JSON object this package builds (wire bodies, metadata blocks, error details)."""
 
 
