@@ -412,7 +412,8 @@ class StreamDecoder:
         self._on_progress = on_progress
         self.done = False
         self.model: str | None = None
-        # As the server sent it: this package's server and AbstractCore's share these reasons.
+        # The server's reason as sent: ours and AbstractCore's are FinishReason values; another
+        # server's own reason (OpenAI's "content_filter") is passed through unchanged.
         self.finish_reason: FinishReason | None = None
         self.final_content = ""
         self.usage: dict[str, int] = {}

@@ -130,7 +130,7 @@ def _level(source: Mapping[str, object], name: str) -> object:
 
 def _strip_message(message: object) -> Message:
     if not isinstance(message, Mapping):
-        # What GenerationRequest.build says of such a message, said where the payload is read.
+        # The error GenerationRequest.build raises for such a message, raised where the payload is read.
         raise InvalidRequest("each message must be an object with a 'role'")
     if message.get("role") == "user" and isinstance(message.get("content"), str):
         return {**message, "content": strip_turn_grounding(message["content"])}
