@@ -10,14 +10,15 @@ from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 from .errors import InvalidMedia, InvalidRequest
+from .json_values import JSONValue
 
 Message = TypeVar("Message", bound=Mapping[str, object])
 
 
 def assemble_conversation(
-    *, prompt: str | None, messages: Sequence[Mapping[str, object]] | None, system_prompt: str | None
-) -> list[dict[str, object]]:
-    out: list[dict[str, object]] = []
+    *, prompt: str | None, messages: Sequence[Mapping[str, JSONValue]] | None, system_prompt: str | None
+) -> list[dict[str, JSONValue]]:
+    out: list[dict[str, JSONValue]] = []
     if system_prompt:
         out.append({"role": "system", "content": system_prompt})
     for message in messages or []:

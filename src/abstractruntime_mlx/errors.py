@@ -40,7 +40,9 @@ remote client rebuilds the same class from ``code``.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+
+from .json_values import JSONObject, JSONValue
 
 
 class MLXRuntimeError(Exception):
@@ -48,13 +50,13 @@ class MLXRuntimeError(Exception):
     http_status: int = 500
     type: str = "runtime_error"
 
-    def __init__(self, message: str, *, details: dict[str, Any] | None = None) -> None:
+    def __init__(self, message: str, *, details: Mapping[str, JSONValue] | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.details = dict(details or {})
+        self.details: JSONObject = dict(details or {})
 
-    def to_dict(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"message": self.message, "type": self.type, "code": self.code}
+    def to_dict(self) -> JSONObject:
+        body: JSONObject = {"message": self.message, "type": self.type, "code": self.code}
         if self.details:
             body["details"] = self.details
         return body
@@ -74,8 +76,8 @@ class InvalidControls(InvalidRequest):
 
     code = "invalid_controls"
 
-    def __init__(self, message: str, *, field: str | None = None, value: Any = None) -> None:
-        details = {}
+    def __init__(self, message: str, *, field: str | None = None, value: object = None) -> None:
+        details: JSONObject = {}
         if field is not None:
             details = {"field": field, "value": _json_safe(value)}
         super().__init__(message, details=details)
@@ -273,7 +275,7 @@ def error_class_for_code(code: str | None) -> type[MLXRuntimeError]:
     return MLXRuntimeError
 
 
-def _json_safe(value: Any) -> Any:
+def _json_safe(value: object) -> JSONValue:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from .json_values import array_at, as_float, as_int, as_str, object_at
+from .json_values import JSONObject, array_at, as_float, as_int, as_str, object_at
 from .ledger import Ledger, ProgressRow, RunDetail, RunSummary, StepRow
 
 __all__ = [
@@ -172,7 +172,7 @@ class RunView:
         ends = [c.end_s for c in self.calls if c.end_s is not None]
         return max([self.summary.duration_s, *ends, 1e-3])
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> JSONObject:
         return {
             "run": summary_dict(self.summary),
             "error": self.error,
@@ -186,16 +186,16 @@ class RunView:
         }
 
 
-def summary_dict(summary: RunSummary) -> dict[str, object]:
+def summary_dict(summary: RunSummary) -> JSONObject:
     """A run summary as JSON-safe values (datetimes as ISO-8601 UTC)."""
-    out: dict[str, object] = {}
+    out: JSONObject = {}
     for f in dataclasses.fields(RunSummary):
         value = getattr(summary, f.name)
         out[f.name] = value.isoformat() if isinstance(value, dt.datetime) else value
     return out
 
 
-def _step_dict(step: StepRow) -> dict[str, object]:
+def _step_dict(step: StepRow) -> JSONObject:
     effect = step.effect_type
     if effect == "emit_event":
         payload = object_at(object_at(step.record, "effect"), "payload")
@@ -211,7 +211,7 @@ def _step_dict(step: StepRow) -> dict[str, object]:
     }
 
 
-def _call_dict(call: CallView) -> dict[str, object]:
+def _call_dict(call: CallView) -> JSONObject:
     out = dataclasses.asdict(call)
     out["phase"] = call.phase
     out["prefill_processed_tokens"] = call.prefill_processed_tokens

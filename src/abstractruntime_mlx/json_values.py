@@ -2,23 +2,42 @@
 may be anything: the one place that narrows such values to the types code relies on.
 
 Values read from JSON are typed ``object``: a caller narrows a value with the helpers below,
-or with ``isinstance``, before using it."""
+or with ``isinstance``, before using it. JSON the package builds (wire bodies, metadata,
+error details, ``to_dict`` forms) is a ``JSONObject``."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import TypeAlias, TypeVar
+
+JSONValue: TypeAlias = str | int | float | bool | None | Sequence["JSONValue"] | Mapping[str, "JSONValue"]
+"""A value JSON can carry. Read-only containers, so a ``dict[str, int]`` or a ``list[dict[str, str]]``
+fits where a JSON value is expected; narrow with ``isinstance(value, Mapping)`` to read into it."""
+
+JSONObject: TypeAlias = dict[str, JSONValue]
+"""A JSON object this package builds (wire bodies, metadata blocks, error details)."""
 
 
-def object_at(source: Mapping[str, object], key: str) -> Mapping[str, object]:
+V = TypeVar("V")
+"""What values of the JSON read are typed as: ``object`` for JSON from outside, ``JSONValue``
+for JSON decoded by this package; what is nested inside has the same type."""
+
+
+def object_at(source: Mapping[str, V], key: str) -> Mapping[str, V]:
     """``source[key]`` when it is a JSON object, else an empty one."""
     value = source.get(key)
     return value if isinstance(value, Mapping) else {}
 
 
-def array_at(source: Mapping[str, object], key: str) -> list[object]:
+def array_at(source: Mapping[str, V], key: str) -> list[V]:
     """``source[key]`` when it is a JSON array, else an empty one."""
     value = source.get(key)
     return value if isinstance(value, list) else []
+
+
+def objects_in(items: Sequence[V]) -> list[Mapping[str, V]]:
+    """The JSON objects among ``items`` (an array read with ``array_at``)."""
+    return [item for item in items if isinstance(item, Mapping)]
 
 
 def to_float(value: object) -> float:

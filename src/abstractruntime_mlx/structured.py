@@ -24,10 +24,11 @@ import jsonschema
 from pydantic import BaseModel, ValidationError
 
 from .errors import InvalidRequest, InvalidResponseSchema, StructuredOutputInvalid
+from .json_values import JSONObject, JSONValue
 
 FormatKind = Literal["json_schema", "json_object"]
 
-ANY_OBJECT: Final[Mapping[str, object]] = {"type": "object"}
+ANY_OBJECT: Final[Mapping[str, JSONValue]] = {"type": "object"}
 """The schema of OpenAI's ``{"type": "json_object"}``: any JSON object."""
 
 DEFAULT_NAME: Final = "StructuredOutput"
@@ -44,7 +45,7 @@ class ResponseFormat:
     """
 
     kind: FormatKind
-    schema: Mapping[str, object]
+    schema: Mapping[str, JSONValue]
     name: str = DEFAULT_NAME
     schema_hash: str = ""
     model: type[BaseModel] | None = field(default=None, compare=False)
@@ -95,30 +96,32 @@ class ResponseFormat:
             return cls.build(spec.get("schema"), name=spec.get("name"))
         raise InvalidRequest(f"response_format.type must be 'json_schema', 'json_object' or 'text' (got {kind!r})")
 
-    def to_openai(self) -> dict[str, object]:
+    def to_openai(self) -> JSONObject:
         """The wire form sent to a server (OpenAI's ``response_format``)."""
         if self.kind == "json_object":
             return {"type": "json_object"}
         return {"type": "json_schema", "json_schema": {"name": self.name, "schema": dict(self.schema), "strict": True}}
 
 
-def schema_hash(schema: Mapping[str, object]) -> str:
+def schema_hash(schema: Mapping[str, JSONValue]) -> str:
     """A short stable name of a schema: sha256 of its canonical JSON (16 hex digits)."""
     canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
-def parse_answer(text: str, fmt: ResponseFormat, *, mode: str, attempts: int = 1, finish_reason: str | None = None) -> object:
+def parse_answer(
+    text: str, fmt: ResponseFormat, *, mode: str, attempts: int = 1, finish_reason: str | None = None
+) -> JSONValue | BaseModel:
     """The parsed answer of ``text``: JSON that the schema accepts, as the pydantic model when the
     caller gave one. Raises ``StructuredOutputInvalid`` saying why not."""
     error = answer_error(text, fmt)
     if error is not None:
         hint = " (the output cap cut the answer: raise max_output_tokens)" if finish_reason == "length" else ""
-        details: dict[str, object] = {"mode": mode, "attempts": attempts, "error": error}
+        details: JSONObject = {"mode": mode, "attempts": attempts, "error": error}
         if finish_reason is not None:
             details["finish_reason"] = finish_reason
         raise StructuredOutputInvalid(f"the answer is not valid {fmt.name} JSON: {error}{hint}", details=details)
-    value = json.loads(_strip_fence(text))
+    value: JSONValue = json.loads(_strip_fence(text))
     if fmt.model is not None:
         return fmt.model.model_validate(value)
     return value
@@ -148,9 +151,9 @@ def prompted_instruction(fmt: ResponseFormat) -> str:
     return f"{PROMPTED_PREFIX}, no prose and no code fence, valid against this JSON Schema:\n{schema}"
 
 
-def _checked_schema(schema: Mapping[str, object]) -> Mapping[str, object]:
+def _checked_schema(schema: Mapping[str, object]) -> JSONObject:
     try:
-        plain: object = json.loads(json.dumps(dict(schema), allow_nan=False))  # a plain JSON copy
+        plain: JSONValue = json.loads(json.dumps(dict(schema), allow_nan=False))  # a plain JSON copy
     except (TypeError, ValueError) as exc:
         raise InvalidResponseSchema(f"the response schema is not JSON: {exc}") from None
     if not isinstance(plain, dict):

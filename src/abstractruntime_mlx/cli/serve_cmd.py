@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..controls import normalize_speculation
 from ..errors import InvalidRequest
+from ..json_values import JSONObject
 
 API_KEY_ENV = "ABSTRACTRUNTIME_MLX_API_KEY"
 DEFAULT_HOST = "127.0.0.1"
@@ -114,7 +115,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
     )
 
 
-def _speculation_arg(text: str) -> bool | dict[str, object] | None:
+def _speculation_arg(text: str) -> bool | JSONObject | None:
     word = text.strip()
     if word.isdigit():
         return {"mode": "native_mtp", "num_draft_tokens": int(word)}

@@ -21,6 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
 from ..errors import InvalidControls
+from ..json_values import JSONObject
 
 SPECULATION_MODES: tuple[str, ...] = ("native_mtp", "off")
 SPECULATION_KEYS: frozenset[str] = frozenset({"mode", "drafter", "num_draft_tokens", "require_acceleration"})
@@ -70,7 +71,7 @@ class SpeculationControl(BaseModel):
         """True when the caller requires MTP execution (``require_acceleration=True``)."""
         return self.require_acceleration is True
 
-    def to_wire(self) -> bool | dict[str, object]:
+    def to_wire(self) -> bool | JSONObject:
         """``False`` when off, else a dict with ``mode`` and only the fields that are set."""
         if not self.enabled:
             return False
@@ -286,9 +287,9 @@ class Sampling:
         """Greedy (``temperature`` unset or 0) with every logits processor neutral: batchable."""
         return self.temperature in (None, 0) and self.logits_neutral()
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> JSONObject:
         """JSON form with only the fields that are set (``logit_bias`` keys become strings)."""
-        out: dict[str, object] = {}
+        out: JSONObject = {}
         for name in SAMPLING_FIELDS:
             value = getattr(self, name)
             if name == "logit_bias":

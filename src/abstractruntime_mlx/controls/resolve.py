@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal, TypeVar, cast
 
 from ..errors import InvalidControls
+from ..json_values import JSONObject
 from .models import SpeculationControl, ThinkingValue, merge_speculation, normalize_speculation, normalize_thinking
 
 LEVELS: Final[tuple[str, ...]] = ("call", "run", "provider", "policy")
@@ -93,9 +94,9 @@ class ControlLevel:
             thinking=normalize_thinking(thinking, field=f"{prefix}thinking"),
         )
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> JSONObject:
         """JSON form with only what this level says."""
-        out: dict[str, object] = {}
+        out: JSONObject = {}
         if self.speculation is not None:
             out["speculation"] = self.speculation.to_wire()
         if self.thinking is not None:
@@ -204,7 +205,7 @@ class ResolvedControls:
             return None
         return SPECULATION_OFF_REASONS[self.speculation_source]
 
-    def to_metadata(self) -> dict[str, object]:
+    def to_metadata(self) -> JSONObject:
         """JSON: ``{"speculation", "speculation_source", "thinking", "thinking_source"}``."""
         return {
             "speculation": self.speculation.to_wire(),

@@ -20,11 +20,12 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping
+from typing import Literal, overload
 
 import httpx
 
+from ..json_values import JSONObject, JSONValue, array_at, as_str, objects_in
 from ..request import GenerationRequest
 from ..errors import InvalidRequest, UpstreamError
 from ..results import GenerationChunk, GenerationResult
@@ -113,7 +114,7 @@ class _ClientCore:
             )
         return _Prepared(call, headers, request.cancel)
 
-    def _remote(self, prepared: _Prepared, retries: int, **extra: Any) -> dict[str, Any]:
+    def _remote(self, prepared: _Prepared, retries: int, **extra: JSONValue) -> JSONObject:
         return remote_block(
             base_url=self.base_url,
             retries=retries,
@@ -143,11 +144,20 @@ def _is_sse(response: httpx.Response) -> bool:
     return response.headers.get("content-type", "").startswith("text/event-stream")
 
 
-def _json_body(content: bytes) -> Any:
+def _json_body(content: bytes) -> JSONObject:
     try:
-        return json.loads(content)
+        body: JSONValue = json.loads(content)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UpstreamError(f"the server answered with a body that is not JSON: {content[:200]!r}") from exc
+    if not isinstance(body, dict):
+        raise UpstreamError(f"the server answered with JSON that is not an object: {content[:200]!r}")
+    return body
+
+
+def _unwrap(body: JSONObject, key: str) -> JSONObject:
+    """``body[key]`` when it is an object (the server wraps some answers in one key), else ``body``."""
+    value = body.get(key, body)
+    return value if isinstance(value, dict) else body
 
 
 def _final_from_result(result: GenerationResult) -> GenerationChunk:
@@ -200,7 +210,7 @@ class RemoteClient(_ClientCore):
         self._state = check_state(self._state, entering=True)
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -209,9 +219,31 @@ class RemoteClient(_ClientCore):
             self._http.close()
 
     # --- generation -----------------------------------------------------------------------
-    def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | Iterator[GenerationChunk]:
+    @overload
+    def generate(self, prompt: str = "", *, stream: Literal[False] = False, **kwargs: object) -> GenerationResult: ...
+
+    @overload
+    def generate(self, prompt: str = "", *, stream: Literal[True], **kwargs: object) -> Iterator[GenerationChunk]: ...
+
+    @overload
+    def generate(
+        self, prompt: str = "", *, stream: bool, **kwargs: object
+    ) -> GenerationResult | Iterator[GenerationChunk]: ...
+
+    def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: object) -> GenerationResult | Iterator[GenerationChunk]:
         """The provider's ``generate`` over HTTP (same keywords, same result types)."""
         return self.generate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
+
+    @overload
+    def generate_request(self, request: GenerationRequest, *, stream: Literal[False] = False) -> GenerationResult: ...
+
+    @overload
+    def generate_request(self, request: GenerationRequest, *, stream: Literal[True]) -> Iterator[GenerationChunk]: ...
+
+    @overload
+    def generate_request(
+        self, request: GenerationRequest, *, stream: bool
+    ) -> GenerationResult | Iterator[GenerationChunk]: ...
 
     def generate_request(
         self, request: GenerationRequest, *, stream: bool = False
@@ -242,8 +274,8 @@ class RemoteClient(_ClientCore):
         finally:
             response.close()
 
-    def stream(self, prompt: str = "", **kwargs: Any) -> Iterator[GenerationChunk]:
-        return self.generate(prompt, stream=True, **kwargs)  # type: ignore[return-value]
+    def stream(self, prompt: str = "", **kwargs: object) -> Iterator[GenerationChunk]:
+        return self.generate(prompt, stream=True, **kwargs)
 
     def _open(self, prepared: _Prepared) -> tuple[httpx.Response, int]:
         attempt = 0
@@ -289,10 +321,12 @@ class RemoteClient(_ClientCore):
             raise transport_error(exc, self.base_url) from exc
 
     # --- control plane --------------------------------------------------------------------
-    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    def _request(
+        self, method: str, path: str, *, json: JSONValue = None, params: Mapping[str, str | None] | None = None
+    ) -> JSONObject:
         self._use()
         try:
-            response = self._http.request(method, path, **kwargs)
+            response = self._http.request(method, path, json=json, params=params)
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url) from exc
         if response.status_code >= 400:
@@ -301,35 +335,35 @@ class RemoteClient(_ClientCore):
 
     def _model_name(self) -> str | None:
         if self.model is None:
-            data = self._request("GET", "/v1/models").get("data") or []
-            self.model = data[0]["id"] if data else None
+            models = objects_in(array_at(self._request("GET", "/v1/models"), "data"))
+            self.model = as_str(models[0].get("id")) if models else None
         return self.model
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> JSONObject:
         return self._request("GET", "/health")
 
-    def list_models(self) -> list[dict[str, Any]]:
-        return list(self._request("GET", "/v1/models").get("data") or [])
+    def list_models(self) -> list[JSONObject]:
+        return [model for model in array_at(self._request("GET", "/v1/models"), "data") if isinstance(model, dict)]
 
-    def load_model(self, model: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    def load_model(self, model: str, options: Mapping[str, JSONValue] | None = None) -> JSONObject:
         body = self._request("POST", "/acore/models/load", json={"provider": "mlx", "model": model, "options": options or {}})
         self.model = model
         return body
 
-    def unload_model(self, model: str | None = None) -> dict[str, Any]:
+    def unload_model(self, model: str | None = None) -> JSONObject:
         return self._request("POST", "/acore/models/unload", json={"model": model or self.model})
 
-    def get_execution_capabilities(self, model_name: str | None = None, provider: str = "mlx") -> dict[str, Any]:
+    def get_execution_capabilities(self, model_name: str | None = None, provider: str = "mlx") -> JSONObject:
         params = {"provider": provider, **({"model_name": model_name or self.model} if (model_name or self.model) else {})}
         return self._request("GET", "/v1/models/execution-capabilities", params=params)
 
-    def get_prompt_cache_stats(self) -> dict[str, Any]:
+    def get_prompt_cache_stats(self) -> JSONObject:
         body = self._request("GET", "/acore/prompt_cache/stats")
-        return body.get("stats", body)
+        return _unwrap(body, "stats")
 
-    def prompt_cache_clear(self, key: str | None = None) -> dict[str, Any]:
+    def prompt_cache_clear(self, key: str | None = None) -> JSONObject:
         body = self._request("POST", "/acore/prompt_cache/clear", json={"key": key} if key is not None else {})
-        return body.get("result", body)
+        return _unwrap(body, "result")
 
 
 class SyncChunkStream:
@@ -352,7 +386,7 @@ class SyncChunkStream:
     def __enter__(self) -> SyncChunkStream:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -430,7 +464,7 @@ class AsyncRemoteClient(_ClientCore):
         self._state = check_state(self._state, entering=True)
         return self
 
-    async def __aexit__(self, *exc_info: Any) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -439,10 +473,34 @@ class AsyncRemoteClient(_ClientCore):
             await self._http.aclose()
 
     # --- generation -----------------------------------------------------------------------
+    @overload
+    async def generate(self, prompt: str = "", *, stream: Literal[False] = False, **kwargs: object) -> GenerationResult: ...
+
+    @overload
+    async def generate(self, prompt: str = "", *, stream: Literal[True], **kwargs: object) -> AsyncIterator[GenerationChunk]: ...
+
+    @overload
     async def generate(
-        self, prompt: str = "", *, stream: bool = False, **kwargs: Any
+        self, prompt: str = "", *, stream: bool, **kwargs: object
+    ) -> GenerationResult | AsyncIterator[GenerationChunk]: ...
+
+    async def generate(
+        self, prompt: str = "", *, stream: bool = False, **kwargs: object
     ) -> GenerationResult | AsyncIterator[GenerationChunk]:
         return await self.generate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
+
+    @overload
+    async def generate_request(self, request: GenerationRequest, *, stream: Literal[False] = False) -> GenerationResult: ...
+
+    @overload
+    async def generate_request(
+        self, request: GenerationRequest, *, stream: Literal[True]
+    ) -> AsyncIterator[GenerationChunk]: ...
+
+    @overload
+    async def generate_request(
+        self, request: GenerationRequest, *, stream: bool
+    ) -> GenerationResult | AsyncIterator[GenerationChunk]: ...
 
     async def generate_request(
         self, request: GenerationRequest, *, stream: bool = False
@@ -479,8 +537,8 @@ class AsyncRemoteClient(_ClientCore):
     agenerate = generate
     agenerate_request = generate_request
 
-    async def stream(self, prompt: str = "", **kwargs: Any) -> AsyncIterator[GenerationChunk]:
-        return await self.generate(prompt, stream=True, **kwargs)  # type: ignore[return-value]
+    async def stream(self, prompt: str = "", **kwargs: object) -> AsyncIterator[GenerationChunk]:
+        return await self.generate(prompt, stream=True, **kwargs)
 
     async def _open(self, prepared: _Prepared) -> tuple[httpx.Response, int]:
         attempt = 0
@@ -526,10 +584,12 @@ class AsyncRemoteClient(_ClientCore):
             raise transport_error(exc, self.base_url) from exc
 
     # --- control plane --------------------------------------------------------------------
-    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    async def _request(
+        self, method: str, path: str, *, json: JSONValue = None, params: Mapping[str, str | None] | None = None
+    ) -> JSONObject:
         self._use()
         try:
-            response = await self._http.request(method, path, **kwargs)
+            response = await self._http.request(method, path, json=json, params=params)
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url) from exc
         if response.status_code >= 400:
@@ -538,35 +598,35 @@ class AsyncRemoteClient(_ClientCore):
 
     async def _model_name(self) -> str | None:
         if self.model is None:
-            data = (await self._request("GET", "/v1/models")).get("data") or []
-            self.model = data[0]["id"] if data else None
+            models = objects_in(array_at(await self._request("GET", "/v1/models"), "data"))
+            self.model = as_str(models[0].get("id")) if models else None
         return self.model
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> JSONObject:
         return await self._request("GET", "/health")
 
-    async def list_models(self) -> list[dict[str, Any]]:
-        return list((await self._request("GET", "/v1/models")).get("data") or [])
+    async def list_models(self) -> list[JSONObject]:
+        return [model for model in array_at(await self._request("GET", "/v1/models"), "data") if isinstance(model, dict)]
 
-    async def load_model(self, model: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def load_model(self, model: str, options: Mapping[str, JSONValue] | None = None) -> JSONObject:
         body = await self._request("POST", "/acore/models/load", json={"provider": "mlx", "model": model, "options": options or {}})
         self.model = model
         return body
 
-    async def unload_model(self, model: str | None = None) -> dict[str, Any]:
+    async def unload_model(self, model: str | None = None) -> JSONObject:
         return await self._request("POST", "/acore/models/unload", json={"model": model or self.model})
 
-    async def get_execution_capabilities(self, model_name: str | None = None, provider: str = "mlx") -> dict[str, Any]:
+    async def get_execution_capabilities(self, model_name: str | None = None, provider: str = "mlx") -> JSONObject:
         params = {"provider": provider, **({"model_name": model_name or self.model} if (model_name or self.model) else {})}
         return await self._request("GET", "/v1/models/execution-capabilities", params=params)
 
-    async def get_prompt_cache_stats(self) -> dict[str, Any]:
+    async def get_prompt_cache_stats(self) -> JSONObject:
         body = await self._request("GET", "/acore/prompt_cache/stats")
-        return body.get("stats", body)
+        return _unwrap(body, "stats")
 
-    async def prompt_cache_clear(self, key: str | None = None) -> dict[str, Any]:
+    async def prompt_cache_clear(self, key: str | None = None) -> JSONObject:
         body = await self._request("POST", "/acore/prompt_cache/clear", json={"key": key} if key is not None else {})
-        return body.get("result", body)
+        return _unwrap(body, "result")
 
 
 class AsyncChunkStream:
@@ -588,7 +648,7 @@ class AsyncChunkStream:
     async def __aenter__(self) -> AsyncChunkStream:
         return self
 
-    async def __aexit__(self, *exc_info: Any) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:

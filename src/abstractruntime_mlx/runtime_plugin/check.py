@@ -35,7 +35,7 @@ from typing import Final, Literal
 
 from ..controls import SPECULATION_KEYS, Sampling, normalize_sampling, normalize_speculation, normalize_thinking
 from ..errors import InvalidControls, InvalidFlow, InvalidRequest, MLXRuntimeError
-from ..json_values import array_at, as_str, object_at
+from ..json_values import JSONObject, array_at, as_str, object_at
 from .routing import Routing
 
 __all__ = [
@@ -186,7 +186,7 @@ class CheckReport:
         """No errors (warnings do not block a run)."""
         return not self.errors
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> JSONObject:
         return {
             "flow_id": self.flow_id,
             "source": self.source,

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from ..errors import InvalidRequest
+from ..json_values import JSONObject
 
 __all__ = ["LOCAL_PROVIDER", "Route", "RouteDecision", "Routing", "parse_route"]
 
@@ -81,7 +82,7 @@ class RouteDecision:
     base_url: str | None
     rule: str
 
-    def to_metadata(self) -> dict[str, object]:
+    def to_metadata(self) -> JSONObject:
         served: dict[str, str | None] = {"provider": self.provider, "model": self.model}
         if self.base_url:
             served["base_url"] = self.base_url
