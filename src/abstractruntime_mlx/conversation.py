@@ -1,7 +1,8 @@
 """The conversation rule shared by the local provider and the remote client (pure, no MLX).
 
 The system prompt comes first (replacing a system turn in the history), then the history,
-then ``prompt`` as a user turn. Images always attach to the final user message.
+then ``prompt`` as a user turn (an empty prompt too, when there is nothing else). Images
+always attach to the final user message.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ def assemble_conversation(
         if message["role"] == "system" and system_prompt:
             continue
         out.append(dict(message))
-    if prompt:
+    if prompt or (prompt is not None and not out):
+        # An empty prompt on its own is an empty user turn, as AbstractCore sends it: flows wire
+        # a start input left empty straight into a prompt.
         out.append({"role": "user", "content": prompt})
     if not out:
         raise InvalidRequest("nothing to generate from: give a prompt or messages")
