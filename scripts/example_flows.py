@@ -40,6 +40,14 @@ MAX_ANSWERS = 8
 QUIT_WORDS = ("/q", "quit", "exit", "done", "no")
 
 
+def _uses_kg_memory(node: Any) -> bool:
+    """An LLM node that recalls from knowledge-graph memory before it calls the model."""
+    data = node.get("data") if isinstance(node, dict) else None
+    if not isinstance(data, dict):
+        return False
+    return any(isinstance(data.get(k), dict) and data[k].get("use_kg_memory") is True for k in ("pinDefaults", "effectConfig"))
+
+
 def classify(bundle: FlowBundle) -> tuple[str, str]:
     """``(class, reason)`` of a flow and everything its subflows use."""
     types = {str(node.get("type")) for _, node in bundle.nodes()}
@@ -49,6 +57,8 @@ def classify(bundle: FlowBundle) -> tuple[str, str]:
     for node_type, reason in OUTSIDE_NODE_TYPES.items():
         if node_type in types:
             return "outside", reason
+    if any(_uses_kg_memory(node) for _, node in bundle.nodes()):
+        return "outside", "knowledge-graph memory (use_kg_memory)"
     if "ask_user" in types:
         return "human", "ask_user"
     if "wait_event" in types or "on_event" in types:
