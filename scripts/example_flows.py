@@ -26,26 +26,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from abstractruntime_mlx.runtime_plugin.host import FlowBundle, network_tool_uses  # noqa: E402
+from abstractruntime_mlx.runtime_plugin.host import FlowBundle, kg_memory_uses, network_tool_uses  # noqa: E402
 
 OUTSIDE_NODE_TYPES = {
     "provider_models": "provider catalog",
-    "memory_kg_assert": "knowledge-graph memory",
-    "memory_kg_query": "knowledge-graph memory",
-    "memory_kg_resolve": "knowledge-graph memory",
     "on_schedule": "recurring schedule",
 }
 MAX_ANSWERS = 8
 # What a person types to leave a question loop (chat-style flows loop until one of these).
 QUIT_WORDS = ("/q", "quit", "exit", "done", "no")
-
-
-def _uses_kg_memory(node: Any) -> bool:
-    """An LLM node that recalls from knowledge-graph memory before it calls the model."""
-    data = node.get("data") if isinstance(node, dict) else None
-    if not isinstance(data, dict):
-        return False
-    return any(isinstance(data.get(k), dict) and data[k].get("use_kg_memory") is True for k in ("pinDefaults", "effectConfig"))
 
 
 def classify(bundle: FlowBundle) -> tuple[str, str]:
@@ -57,8 +46,8 @@ def classify(bundle: FlowBundle) -> tuple[str, str]:
     for node_type, reason in OUTSIDE_NODE_TYPES.items():
         if node_type in types:
             return "outside", reason
-    if any(_uses_kg_memory(node) for _, node in bundle.nodes()):
-        return "outside", "knowledge-graph memory (use_kg_memory)"
+    if kg_memory_uses(bundle):
+        return "outside", "knowledge-graph memory"
     if "ask_user" in types:
         return "human", "ask_user"
     if "wait_event" in types or "on_event" in types:

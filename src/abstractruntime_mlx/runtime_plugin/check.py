@@ -304,8 +304,9 @@ def _check_bundle(
     flows_dir: str | Path | None,
     allow_network_tools: bool,
 ) -> None:
-    """Subflows that cannot be found, and tools that reach outside this machine (``run``'s rules)."""
-    from .host import FlowBundle, network_tool_uses
+    """Subflows that cannot be found, knowledge-graph memory, and tools that reach outside this
+    machine (``run``'s rules)."""
+    from .host import FlowBundle, kg_memory_uses, network_tool_uses
 
     try:
         bundle = FlowBundle.resolve(raw, flows_dir=flows_dir)
@@ -313,6 +314,14 @@ def _check_bundle(
         node = _named_node(str(exc), nodes)
         findings.add("subflow_not_found", str(exc), node=node, field="data.subflowId" if node else None)
         return
+    for flow_id, node_id in kg_memory_uses(bundle):
+        here = flow_id == bundle.root_id
+        findings.add(
+            "kg_memory",
+            "uses knowledge-graph memory (a memory_kg node, or use_kg_memory), which needs a memory service this pack does not wire"
+            + ("" if here else f" (in subflow {flow_id!r}, node {node_id!r})"),
+            node=node_id if here else None,
+        )
     if allow_network_tools:
         return
     for flow_id, node_id, tool in network_tool_uses(bundle):

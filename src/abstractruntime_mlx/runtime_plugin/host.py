@@ -208,6 +208,23 @@ def network_tool_uses(bundle: FlowBundle, *, default_tools: frozenset[str] | Non
     return sorted(set(uses))
 
 
+KG_MEMORY_NODE_TYPES: Final = frozenset({"memory_kg_assert", "memory_kg_query", "memory_kg_resolve"})
+"""Knowledge-graph memory nodes: their handlers need an embedding service the pack does not wire."""
+
+
+def kg_memory_uses(bundle: FlowBundle) -> list[tuple[str, str]]:
+    """``(flow_id, node_id)`` for every knowledge-graph memory node and every LLM node that
+    recalls from it (``use_kg_memory: true``): the host runs them on a memory service, which
+    this pack does not wire."""
+    uses: list[tuple[str, str]] = []
+    for flow_id, node in bundle.nodes():
+        data = object_at(node, "data")
+        recalls = any(object_at(data, key).get("use_kg_memory") is True for key in ("pinDefaults", "effectConfig"))
+        if recalls or node.get("type") in KG_MEMORY_NODE_TYPES:
+            uses.append((flow_id, str(node.get("id"))))
+    return sorted(set(uses))
+
+
 # --------------------------------------------------------------------------------------
 # Artifact store
 # --------------------------------------------------------------------------------------
