@@ -74,7 +74,6 @@ class _Prepared:
     controls: ResolvedControls
     prompt_cache_key: str | None
     started: float
-    response_format: ResponseFormat | None = None
 
 
 class MLXProvider:
@@ -274,8 +273,9 @@ class MLXProvider:
         conversation = prepare_conversation(call.messages, num_images=len(images))
         text = render_prompt(loaded.tokenizer, conversation, tools=list(call.tools), thinking=controls.thinking)
         prompt_ids = _encode_within_context(loaded, text, call.max_output_tokens)
-        structured = call.response_format is not None
-        draft_tokens, speculation_meta = self._speculation_plan(controls, call.sampling, loaded, structured=structured)
+        draft_tokens, speculation_meta = self._speculation_plan(
+            controls, call.sampling, loaded, structured=call.response_format is not None
+        )
         max_tokens = _output_cap(loaded, len(prompt_ids), call.max_output_tokens)
         grammar = None
         if call.response_format is not None:
@@ -302,7 +302,7 @@ class MLXProvider:
         if images:
             request.prompt_kwargs_factory = _image_kwargs_factory(request, loaded, text, images)
         tracker = ProgressTracker(call.progress, min_interval_s=self.progress_min_interval_s) if call.progress else None
-        return _Prepared(request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter(), call.response_format)
+        return _Prepared(request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter())
 
     def _speculation_plan(
         self, controls: ResolvedControls, sampling: Sampling, loaded: LoadedModel, *, structured: bool = False
