@@ -6,7 +6,9 @@ and print one table row per flow (flow, class, result, seconds, LLM calls, peak 
 Each flow is classed from its nodes: ``outside`` when it needs something from outside this
 machine (a tool that reaches the network, a provider catalog, a knowledge-graph memory whose
 embedder is a service, a recurring schedule), ``human`` when it asks a person (it must end
-``waiting`` with its question shown, then complete after ``runs resume --answer``), else by
+``waiting`` with its question shown, then complete after ``runs resume --answer``: the first
+choice or ``yes``, and for a question asked a third time the words people type to leave a
+loop, ``/q``, ``quit``, ``exit``, ``done``, ``no``), else by
 what it uses (llm, agent, subflow, memory, timer, event). Flows classed ``outside`` are listed
 but not run. Subflows resolve from FLOWS_DIR.
 """
@@ -24,16 +26,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from abstractruntime_mlx.runtime_plugin.host import FlowBundle, network_tool_uses  # noqa: E402
+from abstractruntime_mlx.runtime_plugin.host import FlowBundle, kg_memory_uses, network_tool_uses  # noqa: E402
 
 OUTSIDE_NODE_TYPES = {
     "provider_models": "provider catalog",
-    "memory_kg_assert": "knowledge-graph memory",
-    "memory_kg_query": "knowledge-graph memory",
-    "memory_kg_resolve": "knowledge-graph memory",
     "on_schedule": "recurring schedule",
 }
 MAX_ANSWERS = 8
+# What a person types to leave a question loop (chat-style flows loop until one of these).
+QUIT_WORDS = ("/q", "quit", "exit", "done", "no")
 
 
 def classify(bundle: FlowBundle) -> tuple[str, str]:
@@ -45,6 +46,8 @@ def classify(bundle: FlowBundle) -> tuple[str, str]:
     for node_type, reason in OUTSIDE_NODE_TYPES.items():
         if node_type in types:
             return "outside", reason
+    if kg_memory_uses(bundle):
+        return "outside", "knowledge-graph memory"
     if "ask_user" in types:
         return "human", "ask_user"
     if "wait_event" in types or "on_event" in types:
@@ -75,6 +78,17 @@ def _cli(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, dic
     return proc.returncode, result, err
 
 
+def next_answer(waiting: dict[str, Any], asked: list[str]) -> str:
+    """A person's answer: the first choice (or "yes"); once the same question comes a third
+    time, the words people type to leave a loop, one after another, then the remaining choices."""
+    choices = [str(c) for c in waiting.get("choices") or []]
+    repeats = asked.count(asked[-1])
+    if repeats < 3:
+        return choices[0] if choices else "yes"
+    options = [*QUIT_WORDS, *choices[1:]]
+    return options[(repeats - 3) % len(options)]
+
+
 def run_one(path: Path, cls: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
     started = time.perf_counter()
     base = ["--ledger", args.ledger]
@@ -86,8 +100,7 @@ def run_one(path: Path, cls: str, args: argparse.Namespace, env: dict[str, str])
         if waiting.get("reason") != "user":
             break
         asked.append(str(waiting.get("prompt")))
-        choices = waiting.get("choices") or []
-        answer = str(choices[0]) if choices else "yes"
+        answer = next_answer(waiting, asked)
         answers += 1
         rc, result, err = _cli(["runs", "resume", result["run_id"], "--answer", answer, *base], env, args.timeout)
     seconds = time.perf_counter() - started

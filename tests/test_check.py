@@ -311,3 +311,15 @@ def test_check_command_takes_routes(cli_env, capsys, tmp_path, fanout, dense_mod
     assert code == 1 and [p["code"] for p in json.loads(out)["problems"]] == ["provider_not_served"]
     code, out, _ = cli(capsys, "check", str(routed), "--route", f"lmstudio=mlx:{dense_model}")
     assert code == 0, out
+
+
+def test_knowledge_graph_memory_is_refused_with_the_node_named(tmp_path, fanout, dense_model):
+    # An llm_call that recalls from KG memory, and a KG node: both need a memory service.
+    llm = next(n for n in fanout["nodes"] if n["type"] == "llm_call")
+    llm["data"].setdefault("pinDefaults", {})["use_kg_memory"] = True
+    fanout["nodes"].append({"id": "kg", "type": "memory_kg_query", "data": {"label": "KG"}})
+    path = tmp_path / "kg.json"
+    path.write_text(json.dumps(fanout))
+    report = check_flow(path, model=str(dense_model))
+    assert sorted(p.node_id for p in report.errors if p.code == "kg_memory") == sorted([llm["id"], "kg"])
+    assert "knowledge-graph memory" in next(p.message for p in report.errors if p.code == "kg_memory")

@@ -18,6 +18,7 @@ DOCS = [
     "docs/prompt-cache.md",
     "docs/inspector.md",
     "docs/flows.md",
+    "docs/structured-output.md",
 ]
 
 
@@ -34,7 +35,8 @@ def test_examples_run(doc, policy_file, tmp_path, monkeypatch):
     try:
         for block in blocks:
             code = block.replace("/tmp/arm-", str(tmp_path / "arm-"))
-            exec(compile(code, f"{doc}:example", "exec"), {"__name__": "__doc_example__"})
+            # dont_inherit: the example runs as a script would, without this module's future imports
+            exec(compile(code, f"{doc}:example", "exec", dont_inherit=True), {"__name__": "__doc_example__"})
     finally:
         # Flow examples leave their model resident in the process-wide registry, as a user's
         # process would; later tests count resident models.

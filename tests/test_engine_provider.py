@@ -409,3 +409,16 @@ def test_cancelled_waiting_request_frees_its_queue_place_at_once(make_llm, dense
     replacement = llm.generate(PROMPTS[2], max_output_tokens=4, stream=True)
     running.close()
     assert list(replacement)[-1].finish_reason == "length"
+
+
+def test_an_empty_prompt_alone_is_an_empty_user_turn(make_llm, dense_model):
+    # As AbstractCore does: a flow's start input left empty and wired into a prompt still runs.
+    from abstractruntime_mlx.conversation import assemble_conversation
+    from abstractruntime_mlx.errors import InvalidRequest
+
+    assert assemble_conversation(prompt="", messages=None, system_prompt=None) == [{"role": "user", "content": ""}]
+    assert assemble_conversation(prompt="", messages=None, system_prompt="s") == [{"role": "system", "content": "s"}]
+    with pytest.raises(InvalidRequest):
+        assemble_conversation(prompt=None, messages=[], system_prompt=None)
+    llm = make_llm(dense_model, mlx_batching=True, speculation=False)
+    assert llm.generate("", thinking=False, temperature=0, max_output_tokens=3).usage["completion_tokens"] == 3

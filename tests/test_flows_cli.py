@@ -303,3 +303,18 @@ def test_loop_iterations_are_drawn_separately(ledger_path, capsys, dense_model):
     code, out, _ = cli(capsys, "runs", "show", result["run_id"])
     timeline = out.split("phase timeline", 1)[1]
     assert all(f"(llm) #{i}" in timeline for i in (1, 2, 3))
+
+
+# -- structured output -------------------------------------------------------------------
+
+
+def test_structured_llm_call_feeds_the_next_node_a_field_of_its_answer(ledger_path, capsys, dense_model):
+    code, result, _ = run_json(capsys, FLOWS / "structured.json", "--model", dense_model)
+    assert code == EXIT_OK and result["status"] == "completed"
+    answer = json.loads(result["output"]["response"])
+    schema = json.loads((FLOWS / "structured.json").read_text())["nodes"][1]["data"]["pinDefaults"]["response_schema"]
+    assert set(answer) == set(schema["required"]) and answer["color"] in schema["properties"]["color"]["enum"]
+    assert result["output"]["color"] == answer["color"]  # break_object read data.color
+    [llm_step] = [s for s in steps_of(ledger_path, result["run_id"]) if s.node_id == "llm" and s.status == "completed"]
+    assert llm_step.record["result"]["data"] == answer
+    assert llm_step.record["result"]["metadata"]["structured"]["mode"] == "constrained"

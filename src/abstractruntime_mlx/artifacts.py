@@ -17,11 +17,12 @@ import hashlib
 import json
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from .errors import InvalidRequest, ModelNotFound
+from .json_values import object_at
 
 DOWNLOAD_COMMAND: Final = "abstractruntime-mlx models download {name}"
 MAX_HEADER_BYTES: Final = 100 * 1024 * 1024
@@ -114,7 +115,7 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("*.safetensors") if p.is_file())
 
 
-def read_safetensors_header(file: str | Path) -> dict[str, Any]:
+def read_safetensors_header(file: str | Path) -> dict[str, object]:
     """The JSON header of one safetensors file (reads 8 + header-length bytes, no tensor data)."""
     raw = _header_bytes(Path(file))
     try:
@@ -126,7 +127,7 @@ def read_safetensors_header(file: str | Path) -> dict[str, Any]:
     return header
 
 
-def read_safetensors_headers(path: str | Path) -> dict[str, dict[str, Any]]:
+def read_safetensors_headers(path: str | Path) -> dict[str, dict[str, object]]:
     """``{file name: header}`` for every ``*.safetensors`` file of ``path`` (a dir or a file).
 
     Raises ``InvalidRequest`` (code ``invalid_request``) naming the file if a header is corrupt.
@@ -134,7 +135,7 @@ def read_safetensors_headers(path: str | Path) -> dict[str, dict[str, Any]]:
     return {file.name: read_safetensors_header(file) for file in safetensors_files(path)}
 
 
-def tensor_names(headers: dict[str, dict[str, Any]]) -> list[str]:
+def tensor_names(headers: Mapping[str, Mapping[str, object]]) -> list[str]:
     """All tensor names in ``headers`` (the ``__metadata__`` entry excluded)."""
     return [key for header in headers.values() for key in header if key != "__metadata__"]
 
@@ -164,7 +165,7 @@ def _bad_checkpoint(file: Path, problem: str) -> InvalidRequest:
 # --------------------------------------------------------------------------- config / MTP
 
 
-def read_config(path: str | Path) -> dict[str, Any] | None:
+def read_config(path: str | Path) -> dict[str, object] | None:
     """``config.json`` of a checkpoint directory, ``None`` when absent. Corrupt → ``InvalidRequest``."""
     file = Path(path) / "config.json"
     if not file.is_file():
@@ -178,7 +179,7 @@ def read_config(path: str | Path) -> dict[str, Any] | None:
     return config
 
 
-def model_type(config: dict[str, Any] | None) -> str | None:
+def model_type(config: Mapping[str, object] | None) -> str | None:
     if not config:
         return None
     value = config.get("model_type")
@@ -196,11 +197,9 @@ def is_mtp_key(name: str) -> bool:
     return name.startswith(MTP_KEY_PREFIX) or f".{MTP_KEY_PREFIX}" in name
 
 
-def config_mtp_layers(config: dict[str, Any] | None) -> int:
+def config_mtp_layers(config: Mapping[str, object] | None) -> int:
     """MTP layers the config declares (top level or ``text_config``), 0 when none."""
-    for block in (config or {}, (config or {}).get("text_config") or {}):
-        if not isinstance(block, dict):
-            continue
+    for block in (config or {}, object_at(config or {}, "text_config")):
         for key in _CONFIG_MTP_LAYER_KEYS:
             value = block.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -226,7 +225,7 @@ def detect_mtp(
     name: str | None = None,
     head: str | Path | None = None,
     cache_dir: str | Path | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """What MTP evidence a checkpoint directory carries (headers and configs only).
 
     ``name`` is the name the model was asked for (hub id or path; derived from a cache

@@ -27,11 +27,12 @@ same resolution, value and source that ``generate`` runs for a call that says no
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from . import artifacts
-from .controls import ControlLevel, ResolvedControls, resolve_controls
+from .controls import ResolvedControls, control_level, resolve_controls
 from .errors import InvalidRequest, ModelNotFound
 from .policy import read_policy
 
@@ -43,12 +44,12 @@ SUPPORTED_DEPTHS: Final[tuple[int, ...]] = (1, 2, 3, 4, 5)
 def get_execution_capabilities(
     model_name: str,
     provider: str = "mlx",
-    instance: Any = None,
+    instance: object = None,
     *,
     head: str | None = None,
     policy_path: str | Path | None = None,
     cache_dir: str | Path | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Describe MTP support/readiness and concurrency for ``model_name`` on ``provider``.
 
     ``instance`` (optional) is a loaded provider; it may offer ``speculation_ready() -> bool``,
@@ -70,7 +71,7 @@ def get_execution_capabilities(
     }
 
 
-def describe_concurrency(instance: Any) -> dict[str, Any]:
+def describe_concurrency(instance: object) -> dict[str, object]:
     if instance is None:
         return {"supported": None, "source": "unknown", "reason": None}
     probe = getattr(instance, "supports_concurrent_generation", None)
@@ -85,17 +86,17 @@ def describe_concurrency(instance: Any) -> dict[str, Any]:
 def describe_speculation(
     model_name: str,
     provider: str,
-    instance: Any = None,
+    instance: object = None,
     *,
     head: str | None = None,
     policy_path: str | Path | None = None,
     cache_dir: str | Path | None = None,
-) -> tuple[dict[str, Any], ResolvedControls]:
+) -> tuple[dict[str, object], ResolvedControls]:
     """The ``speculation`` block of ``get_execution_capabilities`` and the resolution behind it."""
     policy = read_policy(policy_path)
     default_wire = None if policy.speculation is None else policy.speculation.to_wire()
     hook = getattr(instance, "control_defaults", None)
-    provider_level: ControlLevel | None = hook() if callable(hook) else None
+    provider_level = control_level(hook(), level="provider") if callable(hook) else None
     evidence, reason, message = _artifact_evidence(model_name, provider, head=head, cache_dir=cache_dir)
     if reason is not None:
         controls = resolve_controls(provider=provider_level, policy=policy.controls, verified_default=False)
@@ -151,11 +152,11 @@ def describe_speculation(
     }, controls
 
 
-def _head_identity(evidence: dict[str, Any]) -> dict[str, Any]:
+def _head_identity(evidence: Mapping[str, object]) -> dict[str, str]:
     """``head_path`` and ``head_fingerprint`` of the local head (a companion directory, or the
     checkpoint itself for embedded ``mtp.*`` weights); absent when no head is on this machine."""
     path = evidence.get("companion_path") or (evidence.get("path") if evidence.get("embedded") else None)
-    if not path:
+    if not isinstance(path, (str, Path)) or not path:
         return {}
     try:
         return {"head_path": str(path), "head_fingerprint": artifacts.model_fingerprint(path)}
@@ -163,12 +164,12 @@ def _head_identity(evidence: dict[str, Any]) -> dict[str, Any]:
         return {}
 
 
-def _instance_attachable(instance: Any) -> bool:
+def _instance_attachable(instance: object) -> bool:
     probe = getattr(instance, "speculation_attachable", None)
     return bool(probe()) if callable(probe) else False
 
 
-def _instance_ready(instance: Any) -> bool | None:
+def _instance_ready(instance: object) -> bool | None:
     if instance is None:
         return None
     probe = getattr(instance, "speculation_ready", None)
@@ -180,7 +181,7 @@ def _instance_ready(instance: Any) -> bool | None:
 
 def _artifact_evidence(
     model_name: str, provider: str, *, head: str | None, cache_dir: str | Path | None
-) -> tuple[dict[str, Any] | None, str | None, str | None]:
+) -> tuple[dict[str, object] | None, str | None, str | None]:
     """``(evidence, reason, message)``; ``reason`` is set when MTP cannot run for this route."""
     if provider not in SUPPORTED_PROVIDERS:
         return None, "native_mtp_backend_unavailable", None

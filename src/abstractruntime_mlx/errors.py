@@ -13,6 +13,7 @@ remote client rebuilds the same class from ``code``.
     │   ├── NoDrafter (400, no_drafter)
     │   ├── RequestTooLarge (413, request_too_large)
     │   ├── InvalidFlow (400, invalid_flow)          ``check`` found problems in a flow
+    │   ├── InvalidResponseSchema (400, invalid_response_schema)   a structured-output schema that cannot be compiled
     │   └── PromptCachePathUnsafe (400, prompt_cache_path_unsafe)   symlinked or non-private cache dir
     ├── PolicyError (400, policy_invalid)            the Core policy file is unreadable
     ├── ModelNotFound (404, model_not_found)         weights are not on this machine
@@ -28,6 +29,7 @@ remote client rebuilds the same class from ``code``.
     │   └── StreamBackpressure (429, stream_backpressure)
     ├── QueueTimeout (504, queue_timeout)
     ├── SpeculationUnavailable (422, speculation_unavailable)
+    ├── StructuredOutputInvalid (422, structured_output_invalid)   no schema-valid answer (length cap, retries spent)
     ├── AuthenticationError (401, unauthorized)
     ├── LedgerError (500, ledger_error)
     │   └── LedgerNotFound (404, ledger_not_found)
@@ -38,7 +40,9 @@ remote client rebuilds the same class from ``code``.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+
+from .json_values import JSONObject, JSONValue
 
 
 class MLXRuntimeError(Exception):
@@ -46,13 +50,13 @@ class MLXRuntimeError(Exception):
     http_status: int = 500
     type: str = "runtime_error"
 
-    def __init__(self, message: str, *, details: dict[str, Any] | None = None) -> None:
+    def __init__(self, message: str, *, details: Mapping[str, JSONValue] | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.details = dict(details or {})
+        self.details: JSONObject = dict(details or {})
 
-    def to_dict(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"message": self.message, "type": self.type, "code": self.code}
+    def to_dict(self) -> JSONObject:
+        body: JSONObject = {"message": self.message, "type": self.type, "code": self.code}
         if self.details:
             body["details"] = self.details
         return body
@@ -72,8 +76,8 @@ class InvalidControls(InvalidRequest):
 
     code = "invalid_controls"
 
-    def __init__(self, message: str, *, field: str | None = None, value: Any = None) -> None:
-        details = {}
+    def __init__(self, message: str, *, field: str | None = None, value: object = None) -> None:
+        details: JSONObject = {}
         if field is not None:
             details = {"field": field, "value": _json_safe(value)}
         super().__init__(message, details=details)
@@ -104,6 +108,17 @@ class InvalidFlow(InvalidRequest):
     """A flow cannot run as written; ``details["problems"]`` lists every problem ``check`` found."""
 
     code = "invalid_flow"
+
+
+class InvalidResponseSchema(InvalidRequest):
+    """A ``response_schema`` / ``response_model`` / ``response_format`` that cannot be compiled to a
+    grammar; ``details["path"]`` is the JSON pointer of the offending part (``""``: the whole schema)."""
+
+    code = "invalid_response_schema"
+
+    def __init__(self, message: str, *, path: str = "") -> None:
+        super().__init__(message, details={"path": path})
+        self.path = path
 
 
 class PromptCachePathUnsafe(InvalidRequest):
@@ -199,6 +214,15 @@ class SpeculationUnavailable(MLXRuntimeError):
         self.reason = reason
 
 
+class StructuredOutputInvalid(MLXRuntimeError):
+    """A structured-output call ended without a schema-valid answer: the output cap cut the JSON,
+    or (prompted mode) every retry gave invalid JSON. ``details``: ``mode``, ``attempts``, ``error``."""
+
+    code = "structured_output_invalid"
+    http_status = 422
+    type = "invalid_request_error"
+
+
 class AuthenticationError(MLXRuntimeError):
     code = "unauthorized"
     http_status = 401
@@ -251,7 +275,7 @@ def error_class_for_code(code: str | None) -> type[MLXRuntimeError]:
     return MLXRuntimeError
 
 
-def _json_safe(value: Any) -> Any:
+def _json_safe(value: object) -> JSONValue:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):

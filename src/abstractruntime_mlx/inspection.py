@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
+from .json_values import JSONObject, array_at, as_float, as_int, as_str, object_at
 from .ledger import Ledger, ProgressRow, RunDetail, RunSummary, StepRow
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
 ]
 
 TERMINAL_STEP_STATUSES = frozenset({"completed", "failed", "cancelled"})
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +92,12 @@ class CallView:
     response: str | None
     error: str | None
     controls: list[ControlView]
-    usage: dict[str, Any]
-    execution: dict[str, Any]
-    speculation: dict[str, Any]
-    prompt_cache: dict[str, Any]
-    sibling_batch: dict[str, Any]
-    client: dict[str, Any]
+    usage: dict[str, object]
+    execution: dict[str, object]
+    speculation: dict[str, object]
+    prompt_cache: dict[str, object]
+    sibling_batch: dict[str, object]
+    client: dict[str, object]
     recorded: bool = False
     """The call's terminal step record (its result or error) is in the ledger."""
     samples: list[CallSample] = field(default_factory=list)
@@ -169,7 +172,7 @@ class RunView:
         ends = [c.end_s for c in self.calls if c.end_s is not None]
         return max([self.summary.duration_s, *ends, 1e-3])
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JSONObject:
         return {
             "run": summary_dict(self.summary),
             "error": self.error,
@@ -183,19 +186,19 @@ class RunView:
         }
 
 
-def summary_dict(summary: RunSummary) -> dict[str, Any]:
+def summary_dict(summary: RunSummary) -> JSONObject:
     """A run summary as JSON-safe values (datetimes as ISO-8601 UTC)."""
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     for f in dataclasses.fields(RunSummary):
         value = getattr(summary, f.name)
         out[f.name] = value.isoformat() if isinstance(value, dt.datetime) else value
     return out
 
 
-def _step_dict(step: StepRow) -> dict[str, Any]:
+def _step_dict(step: StepRow) -> JSONObject:
     effect = step.effect_type
     if effect == "emit_event":
-        payload = (step.record.get("effect") or {}).get("payload") or {}
+        payload = object_at(object_at(step.record, "effect"), "payload")
         effect = str(payload.get("name") or effect)
     return {
         "seq": step.seq,
@@ -208,7 +211,7 @@ def _step_dict(step: StepRow) -> dict[str, Any]:
     }
 
 
-def _call_dict(call: CallView) -> dict[str, Any]:
+def _call_dict(call: CallView) -> JSONObject:
     out = dataclasses.asdict(call)
     out["phase"] = call.phase
     out["prefill_processed_tokens"] = call.prefill_processed_tokens
@@ -247,15 +250,15 @@ def _summary_of(detail: RunDetail) -> RunSummary:
     return RunSummary(**{f.name: getattr(detail, f.name) for f in dataclasses.fields(RunSummary)})
 
 
-def node_labels(run_state: Mapping[str, Any]) -> dict[str, str]:
+def node_labels(run_state: Mapping[str, object]) -> dict[str, str]:
     """``node_id -> label`` from the flow stored with the run (the node id when it has no label)."""
     # The flow run_flow stores in the run's vars (``_runtime.mlx_pack.flow``).
-    flow = _dict(_dict(_dict(_dict(run_state.get("vars")).get("_runtime")).get("mlx_pack")).get("flow"))
+    flow = object_at(object_at(object_at(object_at(run_state, "vars"), "_runtime"), "mlx_pack"), "flow")
     labels: dict[str, str] = {}
-    for node in flow.get("nodes") or []:
+    for node in array_at(flow, "nodes"):
         if not isinstance(node, Mapping) or not node.get("id"):
             continue
-        data = _dict(node.get("data"))
+        data = object_at(node, "data")
         label = data.get("label") or data.get("title")
         labels[str(node["id"])] = str(label) if label else str(node["id"])
     return labels
@@ -294,8 +297,9 @@ def _secs(when: dt.datetime | None, origin: dt.datetime) -> float | None:
     return None if when is None else (when - origin).total_seconds()
 
 
-def _dict(value: Any) -> dict[str, Any]:
-    return dict(value) if isinstance(value, Mapping) else {}
+def _latest(values: Iterable[T | None]) -> T | None:
+    """The first value that is not ``None`` (callers pass the newest first)."""
+    return next((value for value in values if value is not None), None)
 
 
 def _call_view(
@@ -310,11 +314,11 @@ def _call_view(
     step_id, attempt = key
     recorded = ended or started
     record = recorded.record if recorded is not None else {}
-    payload = _dict(_dict(record.get("effect")).get("payload"))
-    result = _dict(record.get("result")) if ended is not None else {}
-    meta = _dict(result.get("metadata"))
-    execution = _dict(meta.get("execution"))
-    client = _dict(meta.get("client"))
+    payload = object_at(object_at(record, "effect"), "payload")
+    result = object_at(record, "result") if ended is not None else {}
+    meta = object_at(result, "metadata")
+    execution = dict(object_at(meta, "execution"))
+    client = dict(object_at(meta, "client"))
 
     samples = [
         CallSample(
@@ -348,10 +352,8 @@ def _call_view(
     )
     if client.get("kind") == "remote":
         lane = f"remote/{lane}" if lane else "remote"
-    usage = _dict(result.get("usage"))
-
-    def latest(name: str) -> Any:
-        return next((getattr(r, name) for r in reversed(rows) if getattr(r, name) is not None), None)
+    usage = dict(object_at(result, "usage"))
+    newest_first = rows[::-1]
 
     return CallView(
         key=f"{step_id}:{attempt}",
@@ -364,13 +366,13 @@ def _call_view(
         start_s=_round(start_s),
         first_token_s=_round(first_token_s),
         end_s=_round(end_s),
-        prompt_tokens=latest("prompt_tokens") or usage.get("prompt_tokens"),
-        cached_tokens=latest("cached_tokens"),
-        generated_tokens=latest("generated_tokens") or usage.get("completion_tokens"),
-        ttft_s=latest("ttft_s") or execution.get("ttft_s"),
-        tokens_per_second=latest("tokens_per_second"),
-        prefill_tokens_per_second=latest("prefill_tokens_per_second"),
-        finish_reason=(last.finish_reason if last is not None else None) or result.get("finish_reason"),
+        prompt_tokens=_latest(r.prompt_tokens for r in newest_first) or as_int(usage.get("prompt_tokens")),
+        cached_tokens=_latest(r.cached_tokens for r in newest_first),
+        generated_tokens=_latest(r.generated_tokens for r in newest_first) or as_int(usage.get("completion_tokens")),
+        ttft_s=_latest(r.ttft_s for r in newest_first) or as_float(execution.get("ttft_s")),
+        tokens_per_second=_latest(r.tokens_per_second for r in newest_first),
+        prefill_tokens_per_second=_latest(r.prefill_tokens_per_second for r in newest_first),
+        finish_reason=(last.finish_reason if last is not None else None) or as_str(result.get("finish_reason")),
         prompt=_opt_text(payload.get("prompt")),
         system_prompt=_opt_text(payload.get("system_prompt")),
         response=_opt_text(result.get("content")) if ended is not None else None,
@@ -378,9 +380,9 @@ def _call_view(
         controls=_controls(meta, payload),
         usage=usage,
         execution=execution,
-        speculation=_dict(meta.get("speculation")),
-        prompt_cache=_dict(meta.get("prompt_cache")),
-        sibling_batch=_dict(meta.get("sibling_batch")),
+        speculation=dict(object_at(meta, "speculation")),
+        prompt_cache=dict(object_at(meta, "prompt_cache")),
+        sibling_batch=dict(object_at(meta, "sibling_batch")),
         client=client,
         recorded=ended is not None,
         samples=samples,
@@ -391,20 +393,20 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
 
 
-def _opt_text(value: Any) -> str | None:
+def _opt_text(value: object) -> str | None:
     return None if value is None else str(value)
 
 
-def _controls(meta: Mapping[str, Any], payload: Mapping[str, Any]) -> list[ControlView]:
-    recorded = _dict(meta.get("controls"))
+def _controls(meta: Mapping[str, object], payload: Mapping[str, object]) -> list[ControlView]:
+    recorded = object_at(meta, "controls")
     if recorded:
         names = [k for k in recorded if not k.endswith("_source")]
         return [ControlView(n, control_text(recorded[n]), str(recorded.get(f"{n}_source") or "?")) for n in names]
-    params = _dict(payload.get("params"))
+    params = object_at(payload, "params")
     return [ControlView(n, control_text(params[n]), "requested") for n in ("speculation", "thinking") if n in params]
 
 
-def control_text(value: Any) -> str:
+def control_text(value: object) -> str:
     """A control value as a person reads it: ``off``, ``on``, ``native_mtp(depth=2)``, ``model default``."""
     if value is None:
         return "model default"

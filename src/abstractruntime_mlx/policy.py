@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 from .controls import ControlLevel, SpeculationControl, ThinkingValue, normalize_speculation, normalize_thinking
 from .errors import InvalidControls, PolicyError
@@ -76,7 +76,7 @@ class PolicySnapshot:
     exists: bool
     speculation: SpeculationControl | None
     source: Literal["file", "absent", "seed"]
-    capability_defaults: Mapping[str, Any] | None
+    capability_defaults: Mapping[str, object] | None
     thinking: ThinkingValue = None
 
     @property
@@ -84,8 +84,8 @@ class PolicySnapshot:
         """The policy level of the precedence chain."""
         return ControlLevel(speculation=self.speculation, thinking=self.thinking)
 
-    def to_dict(self) -> dict[str, Any]:
-        out = {
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
             "path": str(self.path),
             "exists": self.exists,
             "speculation": None if self.speculation is None else self.speculation.to_wire(),
@@ -191,8 +191,10 @@ def canonical_route(route: str) -> str:
 def parse_speculation_setting(text: str) -> SpeculationSetting:
     """Parse a CLI/console value: ``"inherit"``, ``"off"`` or a depth N >= 1."""
     word = text.strip().lower()
-    if word in ("inherit", "off"):
-        return word  # type: ignore[return-value]
+    if word == "inherit":
+        return "inherit"
+    if word == "off":
+        return "off"
     if word.isdigit() and int(word) >= 1:
         return int(word)
     raise InvalidControls("speculation must be 'inherit', 'off' or a depth >= 1", field="speculation", value=text)
@@ -203,7 +205,8 @@ def parse_speculation_setting(text: str) -> SpeculationSetting:
 _INHERIT: Final = object()
 
 
-def _setting_to_wire(value: Any) -> Any:
+def _setting_to_wire(value: object) -> object:
+    """The JSON value to store for a ``SpeculationSetting``, or ``_INHERIT`` (remove the key)."""
     if value == "inherit" and isinstance(value, str):
         return _INHERIT
     if value == "off" and isinstance(value, str):
@@ -215,7 +218,7 @@ def _setting_to_wire(value: Any) -> Any:
     return SpeculationControl(mode="native_mtp", num_draft_tokens=value, require_acceleration=False).to_wire()
 
 
-def _seed_document() -> dict[str, Any]:
+def _seed_document() -> dict[str, object]:
     return {
         "capability_defaults": {
             "version": CAPABILITY_DEFAULTS_VERSION,
@@ -245,7 +248,7 @@ def _read_cached(path: str, inode: int, mtime_ns: int, ctime_ns: int, size: int)
     )
 
 
-def _speculation_from_defaults(defaults: dict[str, Any], path: Path) -> tuple[SpeculationControl | None, bool]:
+def _speculation_from_defaults(defaults: dict[str, object], path: Path) -> tuple[SpeculationControl | None, bool]:
     for where, options in _text_route_options(defaults, path):
         if "speculation" not in options:
             continue
@@ -256,7 +259,7 @@ def _speculation_from_defaults(defaults: dict[str, Any], path: Path) -> tuple[Sp
     return None, False
 
 
-def _thinking_from_defaults(defaults: dict[str, Any], path: Path) -> ThinkingValue:
+def _thinking_from_defaults(defaults: dict[str, object], path: Path) -> ThinkingValue:
     for where, options in _text_route_options(defaults, path):
         if "thinking" not in options:
             continue
@@ -267,14 +270,14 @@ def _thinking_from_defaults(defaults: dict[str, Any], path: Path) -> ThinkingVal
     return None
 
 
-def _text_route_options(defaults: dict[str, Any], path: Path) -> list[tuple[str, dict[str, Any]]]:
+def _text_route_options(defaults: dict[str, object], path: Path) -> list[tuple[str, dict[str, object]]]:
     """``(where, options)`` of the text-route rows in read order (rows not configured skipped)."""
     routes = defaults.get("routes")
     if routes is None:
         return []
     if not isinstance(routes, dict):
         raise _corrupt(path, "capability_defaults.routes", "must be an object")
-    found: list[tuple[str, dict[str, Any]]] = []
+    found: list[tuple[str, dict[str, object]]] = []
     for key in TEXT_ROUTE_READ_ORDER:
         row = routes.get(key)
         if row is None:
@@ -293,7 +296,7 @@ def _text_route_options(defaults: dict[str, Any], path: Path) -> list[tuple[str,
     return found
 
 
-def _load_document(path: Path) -> dict[str, Any]:
+def _load_document(path: Path) -> dict[str, object]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -310,7 +313,7 @@ def _load_document(path: Path) -> dict[str, Any]:
     return document
 
 
-def _child_object(parent: dict[str, Any], key: str, path: Path, where: str, *, create: bool) -> dict[str, Any]:
+def _child_object(parent: dict[str, object], key: str, path: Path, where: str, *, create: bool) -> dict[str, object]:
     child = parent.get(key)
     if child is None and create:
         child = parent[key] = {}
@@ -327,7 +330,7 @@ def _corrupt(path: Path, key: str, problem: str) -> PolicyError:
     )
 
 
-def _write_atomic(path: Path, document: Mapping[str, Any], *, exclusive: bool = False) -> bool:
+def _write_atomic(path: Path, document: Mapping[str, object], *, exclusive: bool = False) -> bool:
     """Write ``document`` as the whole file, atomically; False when ``exclusive`` and it exists."""
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = json.dumps(document, indent=2, ensure_ascii=False) + "\n"

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from .controls import (
     NOTHING_SAID,
@@ -31,12 +31,14 @@ from .controls import (
 )
 from .conversation import assemble_conversation
 from .errors import InvalidControls, InvalidRequest
+from .json_values import JSONObject, JSONValue
+from .structured import ResponseFormat
 
-ProgressSink = Callable[[dict[str, Any]], Any]
+ProgressSink = Callable[[JSONObject], object]
 """Receives each phase event (a JSON dict) of one request; best-effort, may be called from any thread."""
 
-Message = Mapping[str, Any]
-"""One chat turn as JSON (``role``, ``content`` ...): data from outside, kept untyped."""
+Message = Mapping[str, JSONValue]
+"""One chat turn as JSON (``role``, ``content`` ...): data from outside, checked only for its ``role``."""
 
 PROGRESS_ALIASES: Final[tuple[str, ...]] = ("on_progress", "progress_callback", "progress_event_callback")
 """Keyword names AbstractCore callers use for the progress sink (the first callable wins)."""
@@ -55,6 +57,9 @@ GENERATE_KEYWORDS: Final[frozenset[str]] = frozenset(
         "max_output_tokens",
         "max_tokens",
         "stop",
+        "response_model",
+        "response_schema",
+        "response_format",
         *SAMPLING_FIELDS,
         *PROGRESS_ALIASES,
     }
@@ -62,7 +67,7 @@ GENERATE_KEYWORDS: Final[frozenset[str]] = frozenset(
 """Every keyword ``generate`` accepts (``max_tokens`` is an alias of ``max_output_tokens``)."""
 
 
-def pick_progress_callback(values: Mapping[str, Any]) -> ProgressSink | None:
+def pick_progress_callback(values: Mapping[str, object]) -> ProgressSink | None:
     """The first callable among ``on_progress``, ``progress_callback``, ``progress_event_callback``."""
     for name in PROGRESS_ALIASES:
         value = values.get(name)
@@ -84,6 +89,7 @@ class GenerationRequest:
     - ``speculation`` / ``thinking``: what the caller says (the ``call`` level; ``None``
       inherits); ``run``: what the enclosing run says (nodes only). Resolution against the
       provider, policy and verified default happens in ``controls.resolve_controls``.
+    - ``response_format``: the structured answer asked for (None: free text), see ``structured``.
     - ``prompt_cache_key``: the caller's prefix-reuse key; ``trace_metadata``: passed to
       remote servers as a header.
     - ``cancel`` / ``progress``: the sinks of this call (not part of its identity).
@@ -91,15 +97,16 @@ class GenerationRequest:
 
     messages: tuple[Message, ...]
     tools: tuple[Message, ...] = ()
-    media: tuple[Any, ...] = ()
+    media: tuple[object, ...] = ()
     sampling: Sampling = field(default_factory=Sampling)
     max_output_tokens: int | None = None
     stop: tuple[str, ...] = ()
     speculation: SpeculationControl | None = None
     thinking: ThinkingValue = None
     run: ControlLevel = NOTHING_SAID
+    response_format: ResponseFormat | None = None
     prompt_cache_key: str | None = None
-    trace_metadata: Mapping[str, Any] | None = None
+    trace_metadata: Mapping[str, object] | None = None
     cancel: threading.Event | None = field(default=None, compare=False)
     progress: ProgressSink | None = field(default=None, compare=False)
 
@@ -110,16 +117,17 @@ class GenerationRequest:
         cls,
         *,
         prompt: str | None = None,
-        messages: Sequence[Message] | None = None,
-        system_prompt: str | None = None,
-        tools: Sequence[Message] | None = None,
+        messages: object = None,
+        system_prompt: object = None,
+        tools: object = None,
         media: object = None,
-        sampling: Mapping[str, Any] | Sampling | None = None,
+        sampling: Mapping[str, object] | Sampling | None = None,
         max_output_tokens: object = None,
         stop: object = None,
         speculation: object = None,
         thinking: object = None,
         run: ControlLevel = NOTHING_SAID,
+        response_format: ResponseFormat | None = None,
         prompt_cache_key: object = None,
         trace_metadata: object = None,
         cancel: object = None,
@@ -162,6 +170,7 @@ class GenerationRequest:
             speculation=call.speculation,
             thinking=call.thinking,
             run=run,
+            response_format=response_format,
             prompt_cache_key=prompt_cache_key,
             trace_metadata=dict(trace_metadata) if trace_metadata else None,
             cancel=cancel,
@@ -169,12 +178,14 @@ class GenerationRequest:
         )
 
     @classmethod
-    def from_kwargs(cls, prompt: str = "", /, **kwargs: Any) -> GenerationRequest:
+    def from_kwargs(cls, prompt: str = "", /, **kwargs: object) -> GenerationRequest:
         """The ``generate(prompt, **kwargs)`` edge: AbstractCore's keyword names, validated once.
 
         Unknown keywords raise ``InvalidRequest`` naming them; ``max_tokens`` is an alias of
         ``max_output_tokens``; ``on_progress`` / ``progress_callback`` /
-        ``progress_event_callback`` name the progress sink.
+        ``progress_event_callback`` name the progress sink; ``response_model`` (a pydantic
+        model), ``response_schema`` (a JSON Schema) or ``response_format`` (OpenAI's form) ask for
+        a structured answer.
         """
         unknown = sorted(k for k in kwargs if k not in GENERATE_KEYWORDS)
         if unknown:
@@ -192,6 +203,11 @@ class GenerationRequest:
             stop=kwargs.get("stop"),
             speculation=kwargs.get("speculation"),
             thinking=kwargs.get("thinking"),
+            response_format=ResponseFormat.from_call(
+                response_model=kwargs.get("response_model"),
+                response_schema=kwargs.get("response_schema"),
+                response_format=kwargs.get("response_format"),
+            ),
             prompt_cache_key=kwargs.get("prompt_cache_key"),
             trace_metadata=kwargs.get("trace_metadata"),
             cancel=kwargs.get("cancel_event"),
@@ -213,9 +229,9 @@ class GenerationRequest:
             progress=progress if progress is not None else self.progress,
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """JSON form of what determines the answer (sinks excluded; media by ``repr``)."""
-        out: dict[str, Any] = {"messages": [dict(m) for m in self.messages]}
+        out: JSONObject = {"messages": [dict(m) for m in self.messages]}
         if self.tools:
             out["tools"] = [dict(t) for t in self.tools]
         if self.media:
@@ -226,6 +242,8 @@ class GenerationRequest:
         if self.stop:
             out["stop"] = list(self.stop)
         out.update(self.call.to_dict())
+        if self.response_format is not None:
+            out["response_format"] = self.response_format.to_openai()
         run = self.run.to_dict()
         if run:
             out["run"] = run
@@ -234,7 +252,7 @@ class GenerationRequest:
         return out
 
 
-def _media(value: object) -> tuple[Any, ...]:
+def _media(value: object) -> tuple[object, ...]:
     if value is None:
         return ()
     if isinstance(value, (list, tuple)):

@@ -6,11 +6,15 @@ client can rebuild them without knowing anything about MLX.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
+
+from pydantic import BaseModel
+
+from .json_values import JSONObject, JSONValue
 
 FinishReason = Literal["stop", "length", "cancelled", "tool_calls", "error"]
-
 
 @dataclass(slots=True)
 class GenerationResult:
@@ -24,15 +28,18 @@ class GenerationResult:
 
     content: str
     finish_reason: FinishReason | None
-    usage: dict[str, Any] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
+    usage: dict[str, int] = field(default_factory=dict)
+    metadata: JSONObject = field(default_factory=dict)
     model: str | None = None
     reasoning: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[JSONObject] | None = None
     token_ids: list[int] | None = None
+    parsed: JSONValue | BaseModel = None
+    """The structured answer (``response_model`` / ``response_schema``): the pydantic instance or
+    the JSON value; None for free text."""
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def to_dict(self) -> JSONObject:
+        out: JSONObject = {
             "content": self.content,
             "finish_reason": self.finish_reason,
             "usage": dict(self.usage),
@@ -42,7 +49,17 @@ class GenerationResult:
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
+        parsed = self.parsed_json()
+        if parsed is not None:
+            out["parsed"] = parsed
         return out
+
+    def parsed_json(self) -> JSONValue:
+        """``parsed`` as JSON (a pydantic instance dumped); None for free text."""
+        if isinstance(self.parsed, BaseModel):
+            dumped: JSONObject = self.parsed.model_dump(mode="json")
+            return dumped
+        return self.parsed
 
 
 @dataclass(slots=True)
@@ -52,8 +69,8 @@ class GenerationChunk:
 
     content: str = ""
     finish_reason: FinishReason | None = None
-    usage: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
+    usage: dict[str, int] | None = None
+    metadata: JSONObject | None = None
     token_ids: list[int] | None = None
     model: str | None = None
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
-from typing import Any
 
 from .run_cmd import parse_vars
 
@@ -23,7 +22,7 @@ __all__ = ["CheckSettings", "add_parser", "check_and_print"]
 @dataclass(frozen=True)
 class CheckSettings:
     flows: tuple[str, ...]
-    vars: dict[str, Any]
+    vars: dict[str, object]
     model: str | None
     force_model: bool
     probe_remote: bool = True
@@ -90,7 +89,7 @@ def check_and_print(settings: CheckSettings) -> int:
     ]
     runnable = sum(r.ok for r in reports)
     if settings.as_json:
-        body: Any = reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports]
+        body: object = reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports]
         print(json.dumps(body, indent=2))
     else:
         print("\n".join(r.render() for r in reports))

@@ -21,10 +21,13 @@ from __future__ import annotations
 import datetime as dt
 import threading
 from collections.abc import Sequence
-from typing import IO, Any, Literal
+from typing import IO, TYPE_CHECKING, Literal
 
 from ..inspection import TERMINAL_STEP_STATUSES, CallSample, CallView, RunView, run_view
 from ..ledger import Ledger, RunCursor
+
+if TYPE_CHECKING:
+    from rich.console import Group, JustifyMethod, RenderableType
 
 __all__ = ["LiveMode", "LiveRuns", "PlainRenderer", "RichRenderer", "pick_mode", "call_line", "runs_table", "sample_line"]
 
@@ -179,7 +182,7 @@ class PlainRenderer:
         self._out.flush()
 
 
-def runs_table(runs: Sequence[RunView]) -> Any:
+def runs_table(runs: Sequence[RunView]) -> Group:
     """``rich`` renderables: per run, a title line and a table with a row per LLM call.
     Fits an 80-column terminal; the node label gives way first on a narrower one."""
     from rich import box
@@ -189,7 +192,7 @@ def runs_table(runs: Sequence[RunView]) -> Any:
     from rich.text import Text
 
     styles = {"prefill": "yellow", "generate": "cyan", "completed": "green", "failed": "red", "queued": "dim"}
-    parts: list[Any] = []
+    parts: list[RenderableType] = []
     for run in sorted(runs, key=lambda r: r.summary.created_at):
         status = run.summary.status
         title = Text.assemble(
@@ -199,7 +202,7 @@ def runs_table(runs: Sequence[RunView]) -> Any:
         if not run.calls:
             continue
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
-        for name, justify, min_width in (
+        columns: tuple[tuple[str, JustifyMethod, int], ...] = (
             ("node", "left", 6),
             ("lane", "left", 10),
             ("phase", "left", 9),
@@ -209,8 +212,9 @@ def runs_table(runs: Sequence[RunView]) -> Any:
             ("tok/s", "right", 6),
             ("mtp", "right", 4),
             ("cache", "right", 5),
-        ):
-            table.add_column(name, justify=justify, no_wrap=True, min_width=min_width)  # type: ignore[arg-type]
+        )
+        for name, justify, min_width in columns:
+            table.add_column(name, justify=justify, no_wrap=True, min_width=min_width)
         for call in run.calls:
             total = call.prompt_tokens or 0
             done = call.prefill_processed_tokens or 0

@@ -13,12 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TypedDict
 
 from .. import artifacts
 from ..errors import ModelNotFound, UpstreamError
 
 TINY_KINDS = ("dense", "hybrid-mtp", "vision", "dense-long", "hybrid-companion")
+
+
+class CachedModel(TypedDict):
+    """One model of the Hugging Face cache, as ``models list`` prints it."""
+
+    name: str
+    size_on_disk: int
+    path: str | None  # the newest revision's snapshot
+    revisions: list[str]  # newest first
+    refs: list[str]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -83,7 +93,7 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-def list_cached_models(*, cache_dir: str | None = None) -> list[dict[str, Any]]:
+def list_cached_models(*, cache_dir: str | None = None) -> list[CachedModel]:
     """Cached hub models (empty when the cache directory does not exist)."""
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
@@ -92,7 +102,7 @@ def list_cached_models(*, cache_dir: str | None = None) -> list[dict[str, Any]]:
         info = scan_cache_dir(cache_dir)
     except CacheNotFound:
         return []
-    rows = []
+    rows: list[CachedModel] = []
     for repo in sorted(info.repos, key=lambda r: r.repo_id):
         if repo.repo_type != "model":
             continue

@@ -26,10 +26,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from ..controls import parse_speculation_option
 from ..errors import MLXRuntimeError
+from ..json_values import as_str
 from ..runtime_plugin.routing import parse_route, routes_from_config
 from .ledger_location import DEFAULT_LEDGER_PATH, LEDGER_ENV, default_ledger_url
 from .runs_cmd import EXIT_FAILED, EXIT_OK, EXIT_WAITING, exit_code, print_results
@@ -38,13 +39,13 @@ TINY_MODEL_DIR: Final = "abstractruntime-mlx/tiny-hybrid-mtp"
 
 @dataclass(frozen=True)
 class RunSettings:
-    flow: dict[str, Any]
+    flow: dict[str, object]
     runs: int
     ledger_url: str
     model: str
     force_model: bool
-    vars: dict[str, Any]
-    provider_options: dict[str, Any] = field(default_factory=dict)
+    vars: dict[str, object]
+    provider_options: dict[str, object] = field(default_factory=dict)
     sibling_batching: bool = True
     as_json: bool = False
     routes: tuple[str, ...] = ()
@@ -100,7 +101,7 @@ def default_model_path(env: Mapping[str, str] = os.environ) -> str:
     return str(tiny_model(cache / TINY_MODEL_DIR, kind="hybrid-mtp", seed=0, mtp_alpha=0.05))
 
 
-def served_model(run_vars: Mapping[str, Any]) -> str | None:
+def served_model(run_vars: Mapping[str, object]) -> str | None:
     """The model served at ``_runtime.base_url`` (or ``server_base_url``), asked over HTTP; ``None`` without one.
 
     Nodes that name no model then ask the server for what it serves rather than for the
@@ -122,15 +123,15 @@ def served_model(run_vars: Mapping[str, Any]) -> str | None:
     return str(models[0]["id"])
 
 
-def parse_vars(items: Sequence[str]) -> dict[str, Any]:
+def parse_vars(items: Sequence[str]) -> dict[str, object]:
     """``["a=1", "_runtime.thinking=low"]`` -> ``{"a": 1, "_runtime": {"thinking": "low"}}``."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise SystemExit(f"--var expects KEY=VALUE, got {item!r}")
         try:
-            value: Any = json.loads(raw)
+            value: object = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
         target = out
@@ -154,7 +155,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
     run_vars = parse_vars(args.var)
-    options: dict[str, Any] = {}
+    options: dict[str, object] = {}
     if args.max_batch_size is not None:
         options["mlx_max_batch_size"] = args.max_batch_size
     if args.speculation is not None:
@@ -165,7 +166,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         if control is not None:
             options["speculation"] = control.to_wire()
     config = read_run_config(args.config) if args.config else {}
-    model = args.model or config.get("model")
+    model = args.model or as_str(config.get("model"))
     routes = tuple(routes_from_config(config.get("routes"), source=str(args.config))) + tuple(args.route)
     for spec in routes:
         try:
@@ -186,8 +187,8 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         sibling_batching=not args.no_sibling_batching,
         as_json=args.json,
         routes=routes,
-        flows_dir=args.flows_dir or config.get("flows_dir") or str(Path(args.flow).expanduser().resolve().parent),
-        artifacts_dir=args.artifacts or config.get("artifacts_dir"),
+        flows_dir=args.flows_dir or as_str(config.get("flows_dir")) or str(Path(args.flow).expanduser().resolve().parent),
+        artifacts_dir=args.artifacts or as_str(config.get("artifacts_dir")),
         allow_network_tools=bool(args.allow_network_tools or config.get("allow_network_tools", False)),
         max_timer_wait_s=args.max_timer_wait,
     )
@@ -196,7 +197,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
 RUN_CONFIG_KEYS: Final = frozenset({"model", "routes", "flows_dir", "artifacts_dir", "allow_network_tools"})
 
 
-def read_run_config(path: str) -> dict[str, Any]:
+def read_run_config(path: str) -> dict[str, object]:
     """The JSON object of ``--config FILE`` (keys: ``RUN_CONFIG_KEYS``); a flag given on the
     command line wins over the file."""
     file = Path(path).expanduser()

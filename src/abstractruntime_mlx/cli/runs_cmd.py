@@ -21,16 +21,19 @@ import datetime as dt
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
 from ..errors import LedgerNotFound
 from ..inspection import control_text, run_view
-from ..json_values import object_at
-from ..ledger import Ledger
+from ..json_values import array_at, as_str, object_at
+from ..ledger import Ledger, ProgressRow, RunSummary
 from .ledger_location import default_ledger_url
 from .show_view import calls_table, calls_timeline
+
+if TYPE_CHECKING:
+    from ..runtime_plugin import FlowRunResult
 
 # AbstractRuntime's RunStatus values.
 RUN_STATUSES: Final = ("running", "waiting", "completed", "failed", "cancelled")
@@ -154,7 +157,7 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summary_dict(r: Any) -> dict[str, Any]:
+def _summary_dict(r: RunSummary) -> dict[str, object]:
     return {name: getattr(r, name) for name in r.__dataclass_fields__ if name != "state"}
 
 
@@ -184,12 +187,13 @@ def _replay(args: argparse.Namespace) -> int:
 
     with open_for_inspection(url) as ledger:
         state = detail.state
+        output = state.get("output")
         result = FlowRunResult(
             run_id=run_id,
             workflow_id=detail.workflow_id,
             status=detail.status,
-            output=state.get("output"),
-            error=state.get("error"),
+            output=output if isinstance(output, dict) else None,
+            error=as_str(state.get("error")),
             wall_s=detail.duration_s,
             nodes=node_outcomes(ledger, run_id),
         )
@@ -197,13 +201,13 @@ def _replay(args: argparse.Namespace) -> int:
     return 0 if result.status == "completed" else 1
 
 
-def report_flow_drift(run_id: str, state: dict[str, Any], *, flow_file: str | None = None, resuming: bool) -> None:
+def report_flow_drift(run_id: str, state: Mapping[str, object], *, flow_file: str | None = None, resuming: bool) -> None:
     """Say on stderr what changed in the run's flow file since the run started. A resume always
     continues the graph the run started with (stored in the run), never the edited file."""
     from ..runtime_plugin.flowdiff import flow_drift
     from ..runtime_plugin.flows import stored_flow, stored_options
 
-    run_vars = state.get("vars") or {}
+    run_vars = object_at(state, "vars")
     drift = flow_drift(stored_flow(run_vars), stored_options(run_vars), flow_file=flow_file)
     if drift is None:
         return
@@ -211,7 +215,7 @@ def report_flow_drift(run_id: str, state: dict[str, Any], *, flow_file: str | No
     print(f"note: {drift.render(run_id)}\n{then}; start a new run to use the edited flow", file=sys.stderr)
 
 
-def parse_event(text: str) -> tuple[str, Any]:
+def parse_event(text: str) -> tuple[str, object]:
     """``"approved"`` → ``("approved", {})``; ``'done={"ok": true}'`` → ``("done", {"ok": True})``;
     a payload that is not JSON is kept as a string."""
     name, sep, raw = text.partition("=")
@@ -270,7 +274,7 @@ EXIT_WAITING: Final = 3
 node failed, 3 when runs only wait for outside input (``runs resume`` continues them)."""
 
 
-def exit_code(results: Sequence[Any]) -> int:
+def exit_code(results: Sequence[FlowRunResult]) -> int:
     if any(r.status not in ("completed", "waiting") or r.failures for r in results):
         return EXIT_FAILED
     if any(r.status == "waiting" for r in results):
@@ -285,7 +289,7 @@ def exit_code(results: Sequence[Any]) -> int:
 
 
 def print_results(
-    results: Sequence[Any],
+    results: Sequence[FlowRunResult],
     *,
     as_json: bool = False,
     ledger_url: str | None = None,
@@ -338,13 +342,12 @@ def print_results(
         print(f"ledger: {ledger_url}  (inspect: abstractruntime-mlx runs show {ids.split()[0] if ids else 'RUN_ID'})")
 
 
-def peak_batch(result: dict[str, Any]) -> int:
-    execution = (result.get("metadata") or {}).get("execution") or {}
-    value = execution.get("peak_batch_size") if isinstance(execution, dict) else None
+def peak_batch(result: Mapping[str, object]) -> int:
+    value = object_at(object_at(result, "metadata"), "execution").get("peak_batch_size")
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
-def summary_line(results: Sequence[Any], *, wall_s: float, peak: int) -> str:
+def summary_line(results: Sequence[FlowRunResult], *, wall_s: float, peak: int) -> str:
     """``2/3 runs completed, 1 waiting, 0 failed; 1 node failure; 9 LLM calls; peak engine batch 4 (1.20s)``."""
     done = sum(1 for r in results if r.status == "completed")
     waiting = sum(1 for r in results if r.status == "waiting")
@@ -358,11 +361,11 @@ def summary_line(results: Sequence[Any], *, wall_s: float, peak: int) -> str:
     )
 
 
-def format_wait(waiting: dict[str, Any]) -> str:
+def format_wait(waiting: Mapping[str, object]) -> str:
     reason = waiting.get("reason")
     where = f"run {str(waiting.get('run_id'))[:8]} node {waiting.get('node_id')!r}"
     if reason == "user":
-        choices = waiting.get("choices") or []
+        choices = array_at(waiting, "choices")
         text = f"an answer to {waiting.get('prompt') or '(no prompt)'!r}"
         if choices:
             text += f" (choices: {', '.join(str(c) for c in choices)})"
@@ -374,14 +377,14 @@ def format_wait(waiting: dict[str, Any]) -> str:
     return f"{reason} ({waiting.get('wait_key')}) at {where}"
 
 
-def format_node(node_id: str, result: dict[str, Any]) -> str:
-    meta = result.get("metadata") or {}
-    execution = meta.get("execution") or {}
-    spec = meta.get("speculation") or {}
-    controls = meta.get("controls") or {}
-    usage = result.get("usage") or {}
-    sibling = meta.get("sibling_batch") or {}
-    lines = [f"  - {node_id}: {_clip(result.get('content') or '')!r}"]
+def format_node(node_id: str, result: Mapping[str, object]) -> str:
+    meta = object_at(result, "metadata")
+    execution = object_at(meta, "execution")
+    spec = object_at(meta, "speculation")
+    controls = object_at(meta, "controls")
+    usage = object_at(result, "usage")
+    sibling = object_at(meta, "sibling_batch")
+    lines = [f"  - {node_id}: {_clip(str(result.get('content') or ''))!r}"]
     exec_bits = [f"mode={execution.get('mode', '?')}"]
     for name, label, scale, unit in (("peak_batch_size", "batch", 1, ""), ("queue_s", "queue", 1000, "ms"), ("ttft_s", "ttft", 1000, "ms")):
         value = execution.get(name)
@@ -410,7 +413,7 @@ def format_node(node_id: str, result: dict[str, Any]) -> str:
         state = "prefetched" if sibling.get("used") else f"not used ({sibling.get('reason')})"
         lines.append(f"      sibling batch: {state}, launched by {sibling.get('trigger_node')}")
     elif sibling.get("launched"):
-        lines.append(f"      sibling batch: launched {', '.join(sibling['launched'])} with this call")
+        lines.append(f"      sibling batch: launched {', '.join(str(n) for n in array_at(sibling, 'launched'))} with this call")
     return "\n".join(lines)
 
 
@@ -449,7 +452,7 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     for s in steps:
         effect = s.effect_type or "-"
         if effect == "emit_event":
-            name = ((s.record.get("effect") or {}).get("payload") or {}).get("name")
+            name = object_at(object_at(s.record, "effect"), "payload").get("name")
             effect = str(name or effect)[:12]
         duration = f"{s.duration_s * 1000:.0f}ms" if s.duration_s is not None else ""
         out.append(f"  {s.seq:>3}  {s.node_id[:14]:14}  {s.status:9}  {effect[:12]:12}  {s.attempt:>3}  {duration:>8}")
@@ -475,13 +478,13 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     return "\n".join(out)
 
 
-def _wait_lines(node: Any, waiting: dict[str, Any]) -> list[str]:
+def _wait_lines(node: object, waiting: Mapping[str, object]) -> list[str]:
     reason = waiting.get("reason")
     lines = [f"  waiting at node {node!r} for {reason}"]
     if reason == "user":
         lines.append(f"    prompt: {waiting.get('prompt')!r}")
         if waiting.get("choices"):
-            lines.append(f"    choices: {', '.join(str(c) for c in waiting['choices'])}" + ("" if waiting.get("allow_free_text", True) else " (nothing else)"))
+            lines.append(f"    choices: {', '.join(str(c) for c in array_at(waiting, 'choices'))}" + ("" if waiting.get("allow_free_text", True) else " (nothing else)"))
         lines.append("    continue: abstractruntime-mlx runs resume RUN_ID --answer TEXT")
     elif reason == "until":
         lines.append(f"    until: {waiting.get('until')}")
@@ -498,7 +501,7 @@ def _wait_lines(node: Any, waiting: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _event_lines(progress: Sequence[Any], run_start: dt.datetime) -> list[str]:
+def _event_lines(progress: Sequence[ProgressRow], run_start: dt.datetime) -> list[str]:
     lines = ["phase events"]
     for row in progress:
         t = _secs(row.created_at, run_start)

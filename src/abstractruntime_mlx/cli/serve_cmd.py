@@ -15,10 +15,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..controls import parse_speculation_option
 from ..errors import InvalidRequest
+from ..json_values import JSONObject
 
 API_KEY_ENV = "ABSTRACTRUNTIME_MLX_API_KEY"
 DEFAULT_HOST = "127.0.0.1"
@@ -37,7 +37,7 @@ class ServeSettings:
     # directories /acore/models/load may read (besides the Hugging Face cache)
     model_roots: tuple[str, ...] = ()
     # create_llm options (only those given on the command line)
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, object] = field(default_factory=dict)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -88,7 +88,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServeSettings:
     env = os.environ if environ is None else environ
-    options: dict[str, Any] = {"mlx_batching": bool(args.mlx_batching)}
+    options: dict[str, object] = {"mlx_batching": bool(args.mlx_batching)}
     for name in (
         "mlx_max_batch_size",
         "mlx_max_queue_size",
@@ -115,7 +115,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
     )
 
 
-def _speculation_arg(text: str) -> Any:
+def _speculation_arg(text: str) -> bool | JSONObject | None:
     control = parse_speculation_option(text, field="--speculation")
     return None if control is None else control.to_wire()
 

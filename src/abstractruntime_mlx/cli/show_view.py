@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import io
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..inspection import CallView, RunView
+from ..json_values import as_float
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod, RenderableType
 
 __all__ = ["TIMELINE_WIDTH", "calls_table", "calls_timeline"]
 
@@ -22,7 +26,7 @@ TIMELINE_WIDTH = 48
 _GLYPHS = {"queue": "·", "prefill": "░", "generate": "█"}
 
 
-def _render(renderable: Any, width: int) -> str:
+def _render(renderable: RenderableType, width: int) -> str:
     from rich.console import Console
 
     buffer = io.StringIO()
@@ -63,7 +67,7 @@ def calls_table(view: RunView, *, width: int | None = None) -> str:
     from rich.table import Table
 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
-    for name, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("node", "left"),
         ("status", "left"),
         ("lane", "left"),
@@ -77,8 +81,9 @@ def calls_table(view: RunView, *, width: int | None = None) -> str:
         ("tok/s", "right"),
         ("mtp acc", "right"),
         ("controls (value ← decided by)", "left"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=name != "controls (value ← decided by)")  # type: ignore[arg-type]
+    )
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=name != "controls (value ← decided by)")
     for name, call in zip(_visits(view), view.calls, strict=True):
         controls = "\n".join(f"{c.name} {c.value} ← {c.source}" for c in call.controls)
         batch = call.execution.get("peak_batch_size")
@@ -88,7 +93,7 @@ def calls_table(view: RunView, *, width: int | None = None) -> str:
             call.lane or "",
             "" if batch is None else str(batch),
             "" if call.start_s is None else f"{call.start_s:.3f}s",
-            _ms(call.execution.get("queue_s")),
+            _ms(as_float(call.execution.get("queue_s"))),
             _ms(call.ttft_s),
             _int(call.prompt_tokens),
             _int(call.cached_tokens),

@@ -17,11 +17,12 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
 from ..errors import InvalidControls
+from ..json_values import JSONObject
 
 SPECULATION_MODES: tuple[str, ...] = ("native_mtp", "off")
 SPECULATION_KEYS: frozenset[str] = frozenset({"mode", "drafter", "num_draft_tokens", "require_acceleration"})
@@ -71,7 +72,7 @@ class SpeculationControl(BaseModel):
         """True when the caller requires MTP execution (``require_acceleration=True``)."""
         return self.require_acceleration is True
 
-    def to_wire(self) -> bool | dict[str, Any]:
+    def to_wire(self) -> bool | JSONObject:
         """``False`` when off, else a dict with ``mode`` and only the fields that are set."""
         if not self.enabled:
             return False
@@ -81,7 +82,7 @@ class SpeculationControl(BaseModel):
 _OFF = SpeculationControl(mode="off")
 
 
-def normalize_speculation(value: Any, *, field: str = "speculation") -> SpeculationControl | None:
+def normalize_speculation(value: object, *, field: str = "speculation") -> SpeculationControl | None:
     """Coerce every accepted speculation form into a ``SpeculationControl`` (``None`` = inherit).
 
     Accepted: ``None``; ``False`` / ``"off"`` / ``"none"`` / ``"false"`` (off); ``True`` /
@@ -157,7 +158,7 @@ def normalize_speculation(value: Any, *, field: str = "speculation") -> Speculat
         raise InvalidControls(f"invalid {field}: {exc}", field=field, value=dict(value)) from exc
 
 
-def parse_speculation_option(value: Any, *, field: str = "speculation") -> SpeculationControl | None:
+def parse_speculation_option(value: object, *, field: str = "speculation") -> SpeculationControl | None:
     """A load-time speculation option as ``serve --speculation``, ``run --speculation`` and
     ``/acore/models/load`` take it: every ``normalize_speculation`` form, plus a draft depth
     (an integer N >= 1, or its digits as a string: native MTP at depth N), ``"inherit"``
@@ -183,7 +184,7 @@ def parse_speculation_option(value: Any, *, field: str = "speculation") -> Specu
     return normalize_speculation(value, field=field)
 
 
-def _speculation_mode(text: str, *, field: str, shown: Any) -> Literal["native_mtp", "off"]:
+def _speculation_mode(text: str, *, field: str, shown: str) -> Literal["native_mtp", "off"]:
     word = text.strip().lower()
     if word in _OFF_WORDS:
         return "off"
@@ -228,7 +229,7 @@ def merge_speculation(
 ThinkingValue = bool | str | None
 
 
-def normalize_thinking(value: Any, *, field: str = "thinking") -> ThinkingValue:
+def normalize_thinking(value: object, *, field: str = "thinking") -> ThinkingValue:
     """Coerce a thinking control: ``None`` (inherit), a bool, or a reasoning level.
 
     Accepted strings (case-insensitive, stripped): ``"on"``/``"true"`` → ``True``;
@@ -313,9 +314,9 @@ class Sampling:
         """Greedy (``temperature`` unset or 0) with every logits processor neutral: batchable."""
         return self.temperature in (None, 0) and self.logits_neutral()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """JSON form with only the fields that are set (``logit_bias`` keys become strings)."""
-        out: dict[str, Any] = {}
+        out: JSONObject = {}
         for name in SAMPLING_FIELDS:
             value = getattr(self, name)
             if name == "logit_bias":
@@ -326,7 +327,7 @@ class Sampling:
         return out
 
 
-def normalize_sampling(**kw: Any) -> Sampling:
+def normalize_sampling(**kw: object) -> Sampling:
     """Validate sampling keywords (names in ``SAMPLING_FIELDS``; ``None`` = not given).
 
     Ranges: temperature >= 0; 0 < top_p <= 1; top_k >= 0 (0 = off); 0 <= min_p <= 1;

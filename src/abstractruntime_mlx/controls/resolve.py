@@ -28,9 +28,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar, cast
+from typing import Final, Literal, TypeVar, cast
 
 from ..errors import InvalidControls
+from ..json_values import JSONObject
 from .models import SpeculationControl, ThinkingValue, merge_speculation, normalize_speculation, normalize_thinking
 
 LEVELS: Final[tuple[str, ...]] = ("call", "run", "provider", "policy")
@@ -53,6 +54,9 @@ class _Unset(enum.Enum):
 
 UNSET: Final = _Unset.UNSET
 """Sentinel: the argument was not given (inherit). Distinct from ``None`` only for forwarding."""
+
+Unset = Literal[_Unset.UNSET]
+"""The type of ``UNSET``, for annotations: ``value: int | None | Unset = UNSET``."""
 
 DEFAULT_DRAFT_TOKENS: Final = 2
 """The MTP depth when native MTP is on and no level names a depth."""
@@ -90,9 +94,9 @@ class ControlLevel:
             thinking=normalize_thinking(thinking, field=f"{prefix}thinking"),
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """JSON form with only what this level says."""
-        out: dict[str, Any] = {}
+        out: JSONObject = {}
         if self.speculation is not None:
             out["speculation"] = self.speculation.to_wire()
         if self.thinking is not None:
@@ -102,15 +106,15 @@ class ControlLevel:
 
 NOTHING_SAID: Final = ControlLevel()
 
-LevelInput = ControlLevel | Mapping[str, Any] | None
+LevelInput = ControlLevel | Mapping[str, object] | None
 
 T = TypeVar("T")
 
 
 def _walk(
-    levels: Mapping[str, Any],
+    levels: Mapping[str, object],
     *,
-    normalize: Callable[[Any], T | None],
+    normalize: Callable[[object], T | None],
     merge: Callable[[T | None, T | None], T | None],
 ) -> tuple[T | None, str | None]:
     """Merge every level that says something, least specific first; return (value, deciding level)."""
@@ -130,10 +134,10 @@ def _walk(
 
 def resolve_speculation(
     *,
-    call: Any = UNSET,
-    run: Any = UNSET,
-    provider: Any = UNSET,
-    policy: Any = UNSET,
+    call: object = UNSET,
+    run: object = UNSET,
+    provider: object = UNSET,
+    policy: object = UNSET,
     verified_default: bool,
 ) -> tuple[SpeculationControl, str]:
     """Effective speculation and the level that decided it (a name in ``SPECULATION_SOURCES``).
@@ -162,10 +166,10 @@ def resolve_speculation(
 
 def resolve_thinking(
     *,
-    call: Any = UNSET,
-    run: Any = UNSET,
-    provider: Any = UNSET,
-    policy: Any = UNSET,
+    call: object = UNSET,
+    run: object = UNSET,
+    provider: object = UNSET,
+    policy: object = UNSET,
 ) -> tuple[ThinkingValue, str]:
     """Effective thinking and the level that decided it (a name in ``THINKING_SOURCES``)."""
     value, decided = _walk(
@@ -201,7 +205,7 @@ class ResolvedControls:
             return None
         return SPECULATION_OFF_REASONS[self.speculation_source]
 
-    def to_metadata(self) -> dict[str, Any]:
+    def to_metadata(self) -> JSONObject:
         """JSON: ``{"speculation", "speculation_source", "thinking", "thinking_source"}``."""
         return {
             "speculation": self.speculation.to_wire(),
@@ -211,16 +215,16 @@ class ResolvedControls:
         }
 
     @classmethod
-    def from_metadata(cls, data: Mapping[str, Any]) -> ResolvedControls:
+    def from_metadata(cls, data: Mapping[str, object]) -> ResolvedControls:
         """Inverse of ``to_metadata`` (exact round trip)."""
         speculation = normalize_speculation(data["speculation"])
         if speculation is None:
             raise InvalidControls("resolved speculation cannot be null", field="speculation", value=None)
         source = data["speculation_source"]
         thinking_source = data["thinking_source"]
-        if source not in SPECULATION_SOURCES:
+        if not isinstance(source, str) or source not in SPECULATION_SOURCES:
             raise InvalidControls(f"unknown speculation source {source!r}", field="speculation_source", value=source)
-        if thinking_source not in THINKING_SOURCES:
+        if not isinstance(thinking_source, str) or thinking_source not in THINKING_SOURCES:
             raise InvalidControls(
                 f"unknown thinking source {thinking_source!r}", field="thinking_source", value=thinking_source
             )
@@ -259,7 +263,14 @@ def resolve_controls(
     )
 
 
-def _layer(value: LevelInput | _Unset, level: str) -> ControlLevel:
+def control_level(value: object, *, level: str) -> ControlLevel:
+    """``value`` as one level of ``resolve_controls``, validated the same way: ``None`` (or
+    ``UNSET``) says nothing; a ``ControlLevel`` as is; a mapping of ``LAYER_KEYS``. Anything else
+    raises ``InvalidControls`` naming ``level``."""
+    return _layer(value, level)
+
+
+def _layer(value: object, level: str) -> ControlLevel:
     if value is UNSET or value is None:
         return NOTHING_SAID
     if isinstance(value, ControlLevel):

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import mlx.core as mx
 
 from ..errors import EngineError, UpstreamError
+from .grammar import GrammarProcessor
 from .request import Sampling
 from .sampling import RowStream, make_sampler, sample_rows
 
@@ -88,7 +89,14 @@ class Backend(Protocol):
     max_batch_size: int
     uids: set[int]
 
-    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any], sampling: Sampling | None = None) -> int: ...
+    def insert(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        prompt_kwargs: dict[str, Any],
+        sampling: Sampling | None = None,
+        grammar: GrammarProcessor | None = None,
+    ) -> int: ...
     def free_slots(self) -> int: ...
     def allow_partial_prefill(self) -> None: ...
     def remove(self, uid: int) -> bool: ...
@@ -115,6 +123,18 @@ def make_logits_processors(sampling: Sampling) -> list[Any]:
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,
     )
+
+
+def row_processors(sampling: Sampling, grammar: GrammarProcessor | None) -> list[LogitsProcessor] | None:
+    """One request's logits processors: penalties and bias, then its grammar (None: none)."""
+    processors: list[LogitsProcessor] = make_logits_processors(sampling) if sampling.has_logit_processors() else []
+    if grammar is not None:
+        processors.append(grammar)
+    return processors or None
+
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+"""``processor(tokens, logits) -> logits``: one row's penalties, bias or grammar."""
 
 
 class _RowSampler:
@@ -193,14 +213,22 @@ class BatchBackend:
         self.uids: set[int] = set()
 
     # --- admission -------------------------------------------------------------------
-    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any], sampling: Sampling | None = None) -> int:
-        """Queue one row with its own sampling controls (greedy when None)."""
+    def insert(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        prompt_kwargs: dict[str, Any],
+        sampling: Sampling | None = None,
+        grammar: GrammarProcessor | None = None,
+    ) -> int:
+        """Queue one row with its own sampling controls (greedy when None) and, for structured
+        output, its own grammar (applied last, after penalties and bias)."""
         sampling = sampling or Sampling()
         with map_upstream_errors("inserting a prompt"):
             # Built before the row exists: a value refused here (seed, bias ids) fails this
             # request only, never the batch it would have joined.
             row = RowStream.for_sampling(sampling) if self._per_row else None
-            processors = make_logits_processors(sampling) if sampling.has_logit_processors() else None
+            processors = row_processors(sampling, grammar)
             (uid,) = self._gen.insert([prompt_ids], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors])
         if row is not None:
             self._rows[uid] = row

@@ -591,6 +591,7 @@ class Engine:
                 prefill_step_size=self.config.prefill_step_size,
                 stream=self._stream,
                 on_prefill=self._on_prefill_row,
+                grammar=head.grammar,
             )
         drafter = Drafter(loaded.drafter) if key.draft_tokens and loaded.drafter is not None else None
         return BatchBackend(
@@ -607,11 +608,11 @@ class Engine:
 
     def _single_lane_for(self, key: GroupKey, requests: list[EngineRequest]) -> bool:
         """A continuous group of one, nothing else compatible waiting, a request whose row
-        can later move into a batch as is (text, no logits processors, no prefix-cache key)."""
+        can later move into a batch as is (text, no logits processors or grammar, no prefix-cache key)."""
         if not self.config.single_lane or key.mode != ExecutionMode.CONTINUOUS or len(requests) != 1:
             return False
         request = requests[0]
-        if request.prompt_kwargs_factory is not None or request.sampling.has_logit_processors():
+        if request.prompt_kwargs_factory is not None or request.sampling.has_logit_processors() or request.grammar is not None:
             return False
         if request.prompt_cache_key is not None and self.prefix_cache is not None:
             return False
@@ -710,7 +711,7 @@ class Engine:
                     kwargs["_apc_semantic_hash"] = self.prefix_cache.salt(request, layout)
                     request.cache_layout = layout
                     request.cache_counters = self.prefix_cache.counters()
-            uid = group.backend.insert(request.prompt_ids, request.max_tokens, kwargs, request.sampling)
+            uid = group.backend.insert(request.prompt_ids, request.max_tokens, kwargs, request.sampling, request.grammar)
         except MLXRuntimeError as exc:
             self._finish(request, RequestStatus.FINISHED_ERROR, error=exc)
             return

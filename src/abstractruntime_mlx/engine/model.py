@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ContextTooLong, InvalidControls, ModelNotFound, UpstreamError
+from .grammar import GrammarCompiler
 
 
 class Lane(StrEnum):
@@ -49,6 +50,7 @@ class LoadedModel:
     _detokenizer: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     _max_token_chars: int | None = None
+    _grammars: GrammarCompiler | None = None
 
     @property
     def vocab_size(self) -> int | None:
@@ -139,6 +141,17 @@ class LoadedModel:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def grammar_compiler(self) -> GrammarCompiler:
+        """This model's structured-output compiler, built on first use (it walks the vocabulary)."""
+        with self.lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(
+                    _hf_tokenizer(self.tokenizer),
+                    vocab_rows=self.vocab_size or len(self.tokenizer),
+                    eos_token_ids=self.eos_token_ids,
+                )
+            return self._grammars
+
 
 def load_model(path: Path, *, lane: Lane, head_source: Path | None = None, load_head: bool = False) -> LoadedModel:
     """Load ``path`` for ``lane``. ``head_source`` is its local MTP head (the checkpoint itself
@@ -185,6 +198,15 @@ def _untyped(loaded: object) -> tuple[Any, ...]:
     loaded checkpoints provide (processors carry a ``detokenizer``, tokenizers are wrapped)."""
     assert isinstance(loaded, tuple)
     return loaded
+
+
+def _hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face fast tokenizer inside upstream's wrappers (llguidance reads its vocabulary)."""
+    for _ in range(3):
+        if hasattr(tokenizer, "backend_tokenizer"):
+            return tokenizer
+        tokenizer = getattr(tokenizer, "_tokenizer", None) or getattr(tokenizer, "tokenizer", None)
+    raise InvalidControls("structured output needs a Hugging Face fast tokenizer; this model has none", field="response_format")
 
 
 def _read_config(path: Path) -> dict[str, Any]:

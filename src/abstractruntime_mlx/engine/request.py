@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from ..controls import Sampling
 from ..errors import MLXRuntimeError
+from .grammar import GrammarProcessor
 
 
 class RequestStatus(IntEnum):
@@ -130,6 +131,7 @@ class EngineRequest:
     output_queue_size: int = 256
     observe_prefill: bool = False
     cancel_event: threading.Event = field(default_factory=threading.Event)
+    grammar: GrammarProcessor | None = None  # structured output: this request's own matcher
 
     status: RequestStatus = RequestStatus.WAITING
     mode: ExecutionMode | None = None

@@ -17,7 +17,8 @@ import itertools
 from typing import Any, Callable, Iterator
 
 from ..errors import UpstreamError
-from .backend import PrefillRow, StepResult, TokenEvent, make_logits_processors, map_upstream_errors
+from .backend import PrefillRow, StepResult, TokenEvent, map_upstream_errors, row_processors
+from .grammar import GrammarProcessor
 from .request import Sampling
 from .sampling import make_sampler
 
@@ -42,6 +43,7 @@ class SerialBackend:
         prefill_step_size: int,
         stream: Any,
         on_prefill: PrefillHook,
+        grammar: GrammarProcessor | None = None,
     ) -> None:
         self.model = model
         self._tokenizer = tokenizer
@@ -50,7 +52,7 @@ class SerialBackend:
         self._on_prefill = on_prefill
         with map_upstream_errors("building the sampler"):
             self._sampler = make_sampler(sampling)
-            self._processors = make_logits_processors(sampling) if sampling.has_logit_processors() else None
+            self._processors = row_processors(sampling, grammar)
         self._uids = itertools.count()
         self._uid: int | None = None
         self._responses: Iterator[Any] | None = None
@@ -60,8 +62,15 @@ class SerialBackend:
         self.uids: set[int] = set()
 
     # --- admission -------------------------------------------------------------------
-    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any], sampling: Sampling | None = None) -> int:
-        """``sampling`` is the one given at construction (one request per backend)."""
+    def insert(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        prompt_kwargs: dict[str, Any],
+        sampling: Sampling | None = None,
+        grammar: GrammarProcessor | None = None,
+    ) -> int:
+        """``sampling`` and ``grammar`` are the ones given at construction (one request per backend)."""
         import mlx_lm
 
         if self.uids:

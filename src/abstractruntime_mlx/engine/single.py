@@ -26,6 +26,7 @@ from typing import Any, Callable, cast
 import mlx.core as mx
 
 from .backend import DecodingRow, PrefillRow, StepResult, TokenEvent, map_upstream_errors, needs_positions
+from .grammar import GrammarProcessor
 from .request import Sampling
 from .sampling import RowStream, sample_rows
 
@@ -76,12 +77,21 @@ class SingleBackend:
         self.uids: set[int] = set()
 
     # --- admission -------------------------------------------------------------------
-    def insert(self, prompt_ids: list[int], max_tokens: int, prompt_kwargs: dict[str, Any], sampling: Sampling | None = None) -> int:
+    def insert(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        prompt_kwargs: dict[str, Any],
+        sampling: Sampling | None = None,
+        grammar: GrammarProcessor | None = None,
+    ) -> int:
         # mlx-vlm's cache classes, the ones its batch generator builds and extends
         from mlx_vlm.models.cache import KVCache
 
         if self.uids:
             raise RuntimeError("the single lane runs one request at a time")
+        if grammar is not None:
+            raise RuntimeError("the single lane applies no logits processors; a structured request runs in the batch")
         with map_upstream_errors("inserting a prompt"):
             self._row = RowStream.for_sampling(sampling or Sampling())
         make_cache = getattr(self._lm, "make_cache", None)

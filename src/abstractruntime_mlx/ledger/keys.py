@@ -8,7 +8,7 @@ import hashlib
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+
 
 __all__ = ["NodeKey", "ProgressEvent", "host_progress_key", "progress_idempotency_key"]
 
@@ -40,12 +40,12 @@ class ProgressEvent:
     """One phase event waiting to be written. ``created_at`` is ``time.time()`` when observed."""
 
     key: NodeKey
-    event: Mapping[str, Any]
+    event: Mapping[str, object]
     idempotency_key: str
     created_at: float
 
 
-def progress_idempotency_key(key: NodeKey, event: Mapping[str, Any]) -> str:
+def progress_idempotency_key(key: NodeKey, event: Mapping[str, object]) -> str:
     """The default idempotency key of a progress event, in AbstractRuntime's form
     ``system:progress:<step_id>:<12 hex>`` (``<run_id>`` stands in for an unknown step id).
 

@@ -22,7 +22,6 @@ before (or without) the run checkpoint, exactly as AbstractRuntime's own SQLite 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -96,7 +95,7 @@ class Base(DeclarativeBase):
     type_annotation_map = {
         dt.datetime: DateTimeUTC(),
         dict: JsonB,
-        dict[str, Any]: JsonB,
+        dict[str, object]: JsonB,
     }
 
 
@@ -114,7 +113,7 @@ class Run(Base):
     session_id: Mapped[str | None] = mapped_column(String(255))
     actor_id: Mapped[str | None] = mapped_column(String(255))
     wait_reason: Mapped[str | None] = mapped_column(String(64))
-    run_json: Mapped[dict[str, Any]]
+    run_json: Mapped[dict[str, object]]
 
     __table_args__ = (
         Index(None, "status", "updated_at"),
@@ -142,8 +141,8 @@ class Step(Base):
     step_id: Mapped[str] = mapped_column(String(255))
     node_id: Mapped[str] = mapped_column(String(255))
     status: Mapped[str] = mapped_column(String(32))
-    effect: Mapped[dict[str, Any] | None]
-    result: Mapped[dict[str, Any] | None]
+    effect: Mapped[dict[str, object] | None]
+    result: Mapped[dict[str, object] | None]
     error: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[dt.datetime | None]
     ended_at: Mapped[dt.datetime | None]
@@ -154,7 +153,7 @@ class Step(Base):
     prev_hash: Mapped[str | None] = mapped_column(String(255))
     record_hash: Mapped[str | None] = mapped_column(String(255))
     signature: Mapped[str | None] = mapped_column(Text)
-    other_fields: Mapped[dict[str, Any]]
+    other_fields: Mapped[dict[str, object]]
 
     __table_args__ = (
         UniqueConstraint("run_id", "seq"),
@@ -193,7 +192,7 @@ class Progress(Base):
     final: Mapped[bool | None]
     finish_reason: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[dt.datetime]
-    event: Mapped[dict[str, Any]]
+    event: Mapped[dict[str, object]]
 
     __table_args__ = (
         UniqueConstraint("run_id", "seq"),

@@ -7,10 +7,10 @@ import datetime as dt
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
-from sqlalchemy import distinct, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import ColumnElement, distinct, func, select
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from .models import Progress, Run, Step
 
@@ -75,7 +75,7 @@ class RunDetail(RunSummary):
     session_id: str | None
     actor_id: str | None
     step_count: int
-    state: dict[str, Any]
+    state: dict[str, object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ class StepRow:
     ended_at: dt.datetime | None
     duration_s: float | None
     error: str | None
-    record: dict[str, Any]
+    record: dict[str, object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,10 +122,10 @@ class ProgressRow:
     final: bool | None
     finish_reason: str | None
     created_at: dt.datetime
-    event: dict[str, Any]
+    event: dict[str, object]
 
 
-def step_record(row: Step) -> dict[str, Any]:
+def step_record(row: Step) -> dict[str, object]:
     """The step record as appended: ``other_fields`` plus ``effect`` and ``result``."""
     record = dict(row.other_fields)
     record["effect"] = row.effect
@@ -139,7 +139,9 @@ def _seconds(start: dt.datetime | None, end: dt.datetime | None) -> float | None
     return (end - start).total_seconds()
 
 
-def _counts(session: Session, column: Any, run_column: Any, run_ids: Sequence[str]) -> dict[str, int]:
+def _counts(
+    session: Session, column: ColumnElement[int], run_column: InstrumentedAttribute[str], run_ids: Sequence[str]
+) -> dict[str, int]:
     if not run_ids:
         return {}
     stmt = select(run_column, column).where(run_column.in_(run_ids)).group_by(run_column)
@@ -165,9 +167,26 @@ def _token_sums(session: Session, run_ids: Sequence[str]) -> dict[str, tuple[int
     return {run_id: (int(prompt or 0), int(generated or 0)) for run_id, prompt, generated in session.execute(stmt)}
 
 
+class _SummaryFields(TypedDict):
+    """The fields of ``RunSummary``, shared by ``RunDetail``."""
+
+    run_id: str
+    workflow_id: str
+    status: str
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    duration_s: float
+    node_count: int
+    progress_count: int
+    parent_run_id: str | None
+    wait_reason: str | None
+    prompt_tokens: int
+    generated_tokens: int
+
+
 def _summary_fields(
     run: Run, node_counts: dict[str, int], progress_counts: dict[str, int], tokens: dict[str, tuple[int, int]]
-) -> dict[str, Any]:
+) -> _SummaryFields:
     prompt_tokens, generated_tokens = tokens.get(run.run_id, (0, 0))
     return {
         "run_id": run.run_id,
@@ -308,13 +327,13 @@ class _Anchor:
     session_id: str | None
 
 
-def progress_record(row: Progress, anchor: _Anchor | None = None) -> dict[str, Any]:
+def progress_record(row: Progress, anchor: _Anchor | None = None) -> dict[str, object]:
     """A progress row as the record AbstractRuntime appends for ``abstract.progress`` itself:
     a completed ``emit_event`` step whose payload carries the run / workflow / node / step /
     attempt identity and the LLM step's idempotency key, then the event; idempotency key
     ``system:progress:<step_id>:<12 hex>``. The record's own ``step_id`` is derived from that key
     (stable across reads). Identity values the row does not know are absent."""
-    identity = {
+    identity: dict[str, object] = {
         "run_id": row.run_id,
         "workflow_id": row.workflow_id,
         "node_id": row.node_id,
@@ -359,7 +378,7 @@ def _anchors(session: Session, run_id: str, step_ids: Iterable[str | None]) -> d
     return {step_id: _Anchor(key, actor, sess) for step_id, key, actor, sess in session.execute(stmt)}
 
 
-def render_progress(session: Session, rows: Sequence[Progress]) -> list[dict[str, Any]]:
+def render_progress(session: Session, rows: Sequence[Progress]) -> list[dict[str, object]]:
     """Progress rows (of any runs) as host records, in the given order."""
     anchors: dict[tuple[str, str], _Anchor] = {}
     for run_id in sorted({row.run_id for row in rows}):
@@ -368,7 +387,7 @@ def render_progress(session: Session, rows: Sequence[Progress]) -> list[dict[str
     return [progress_record(row, anchors.get((row.run_id, row.step_id or ""))) for row in rows]
 
 
-def run_records(session: Session, run_id: str, *, after: int = 0, limit: int | None = None) -> list[tuple[int, dict[str, Any]]]:
+def run_records(session: Session, run_id: str, *, after: int = 0, limit: int | None = None) -> list[tuple[int, dict[str, object]]]:
     """``(seq, record)`` of the run's ledger after ``after``, in order: step records as appended
     and progress rows as host ``abstract.progress`` records (they share one sequence)."""
     steps_stmt = select(Step).where(Step.run_id == run_id, Step.seq > after).order_by(Step.seq)
@@ -391,7 +410,7 @@ def run_records(session: Session, run_id: str, *, after: int = 0, limit: int | N
     ]
 
 
-def last_record(session: Session, run_id: str) -> dict[str, Any] | None:
+def last_record(session: Session, run_id: str) -> dict[str, object] | None:
     """The record with the highest seq of the run (a step record or a progress record)."""
     step = session.scalar(select(Step).where(Step.run_id == run_id).order_by(Step.seq.desc()).limit(1))
     prog = session.scalar(select(Progress).where(Progress.run_id == run_id).order_by(Progress.seq.desc()).limit(1))

@@ -10,7 +10,7 @@ the ledger used Alembic carry only ``ledger_meta.schema_version = 1``, which is 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from sqlalchemy import Connection, inspect, text
 
@@ -130,7 +130,15 @@ def check_revision(found: str | None, *, shown_url: str, may_upgrade: bool) -> s
     return "upgrade"
 
 
-def describe(connection: Connection, *, shown_url: str) -> dict[str, Any]:
+class SchemaStatus(TypedDict):
+    """Where a database stands: its revision, the newest one, and the revisions between."""
+
+    revision: str | None
+    head: str
+    pending: list[str]
+
+
+def describe(connection: Connection, *, shown_url: str) -> SchemaStatus:
     """``{"revision", "head", "pending": [...]}`` for ``ledger status``-style reports."""
     found = read_revision(connection, shown_url=shown_url)
     known = known_revisions()

@@ -19,20 +19,23 @@ import functools
 import json
 import logging
 import os
+import sqlite3
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Literal, TypedDict, TypeVar, cast
 
-from sqlalchemy import Engine, Table, create_engine, event, insert, select, text, update
+from sqlalchemy import Connection, Engine, Table, create_engine, event, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry
 
+from ..json_values import as_bool, as_float, as_int, as_str
 from . import queries, schema
 from .errors import LedgerError, wrap_db_errors
 from .models import (
@@ -48,7 +51,7 @@ from .models import (
 )
 
 from .keys import NodeKey, ProgressEvent, progress_idempotency_key
-from .writer import ProgressWriter
+from .writer import DEFAULT_IDLE_WAIT_S, DEFAULT_LINGER_S, DEFAULT_MAX_BATCH, ProgressWriter
 
 __all__ = [
     "DEFAULT_BUSY_TIMEOUT_MS",
@@ -66,6 +69,8 @@ _PG_SCHEMA_LOCK_KEY = 0x4D4C584C  # pg_advisory_xact_lock key serialising schema
 
 SqliteSynchronous = Literal["OFF", "NORMAL", "FULL", "EXTRA"]
 
+T = TypeVar("T")
+
 
 # --------------------------------------------------------------------------------------
 # Value helpers
@@ -77,7 +82,7 @@ def sqlite_url(path: str | os.PathLike[str]) -> str:
     return f"sqlite:///{Path(path).expanduser().resolve()}"
 
 
-def _json_default(obj: Any) -> Any:
+def _json_default(obj: object) -> dict[str, object]:
     # Same rule as AbstractRuntime's serializer: dataclasses nested in run vars become dicts.
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.asdict(obj)
@@ -91,24 +96,24 @@ def _utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def _enum_value(value: Any) -> Any:
+def _enum_value(value: object) -> object:
     return getattr(value, "value", value)
 
 
-def _opt_str(value: Any) -> str | None:
+def _opt_str(value: object) -> str | None:
     if value is None:
         return None
     return str(_enum_value(value))
 
 
-def _required_str(data: Mapping[str, Any], name: str, what: str) -> str:
+def _required_str(data: Mapping[str, object], name: str, what: str) -> str:
     value = data.get(name)
     if value is None or not str(_enum_value(value)).strip():
         raise ValueError(f"{what}.{name} must be a non-empty string (got {value!r})")
     return str(_enum_value(value))
 
 
-def parse_timestamp(value: Any) -> dt.datetime | None:
+def parse_timestamp(value: object) -> dt.datetime | None:
     """An aware UTC datetime from an ISO-8601 string or a datetime; naive values are read as UTC."""
     if value is None or value == "":
         return None
@@ -126,34 +131,49 @@ def parse_timestamp(value: Any) -> dt.datetime | None:
     return parsed.astimezone(dt.UTC)
 
 
-def _as_int(value: Any) -> int | None:
-    if type(value) is int:
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _as_float(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
-
-
-def _as_str(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def _as_bool(value: Any) -> bool | None:
-    return value if isinstance(value, bool) else None
-
-
-def _chunks(items: Sequence[Any], size: int = _IN_CHUNK) -> Iterator[Sequence[Any]]:
+def _chunks(items: Sequence[T], size: int = _IN_CHUNK) -> Iterator[Sequence[T]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
 
 
-def _run_row(run: Mapping[str, Any]) -> dict[str, Any]:
+class _RunColumns(TypedDict):
+    """One ``runs`` row as inserted."""
+
+    run_id: str
+    workflow_id: str
+    status: str
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    parent_run_id: str | None
+    session_id: str | None
+    actor_id: str | None
+    wait_reason: str | None
+    run_json: dict[str, object]
+
+
+class _StepColumns(TypedDict):
+    """One ``steps`` row as inserted, less ``seq`` (allocated in the write transaction)."""
+
+    run_id: str
+    step_id: str
+    node_id: str
+    status: str
+    effect: object
+    result: object
+    started_at: dt.datetime | None
+    ended_at: dt.datetime | None
+    attempt: int
+    error: str | None
+    actor_id: str | None
+    session_id: str | None
+    idempotency_key: str | None
+    prev_hash: str | None
+    record_hash: str | None
+    signature: str | None
+    other_fields: dict[str, object]
+
+
+def _run_row(run: Mapping[str, object]) -> _RunColumns:
     run_id = _required_str(run, "run_id", "run")
     waiting = run.get("waiting")
     wait_reason = _opt_str(waiting.get("reason")) if isinstance(waiting, Mapping) else None
@@ -172,15 +192,12 @@ def _run_row(run: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-_STEP_STR_COLUMNS = ("error", "actor_id", "session_id", "idempotency_key", "prev_hash", "record_hash", "signature")
-
-
-def _step_row(record: Mapping[str, Any]) -> dict[str, Any]:
+def _step_row(record: Mapping[str, object]) -> _StepColumns:
     other = dict(record)
     effect = other.pop("effect", None)
     result = other.pop("result", None)
-    attempt = _as_int(record.get("attempt"))
-    row: dict[str, Any] = {
+    attempt = as_int(record.get("attempt"))
+    return {
         "run_id": _required_str(record, "run_id", "step record"),
         "step_id": _required_str(record, "step_id", "step record"),
         "node_id": _opt_str(record.get("node_id")) or "",
@@ -190,17 +207,23 @@ def _step_row(record: Mapping[str, Any]) -> dict[str, Any]:
         "started_at": parse_timestamp(record.get("started_at")),
         "ended_at": parse_timestamp(record.get("ended_at")),
         "attempt": 1 if attempt is None else attempt,
+        "error": _opt_str(record.get("error")),
+        "actor_id": _opt_str(record.get("actor_id")),
+        "session_id": _opt_str(record.get("session_id")),
+        "idempotency_key": _opt_str(record.get("idempotency_key")),
+        "prev_hash": _opt_str(record.get("prev_hash")),
+        "record_hash": _opt_str(record.get("record_hash")),
+        "signature": _opt_str(record.get("signature")),
         "other_fields": other,
     }
-    for name in _STEP_STR_COLUMNS:
-        row[name] = _opt_str(record.get(name))
-    return row
 
 
-def _progress_row(item: ProgressEvent, seq: int) -> dict[str, Any]:
+def _progress_row(item: ProgressEvent, seq: int) -> dict[str, object]:
+    """One ``progress`` row (column name -> value): the typed columns are projections of the
+    event, named by ``PROGRESS_*_KEYS``."""
     event = item.event
     key = item.key
-    row: dict[str, Any] = {
+    row: dict[str, object] = {
         "run_id": key.run_id,
         "workflow_id": key.workflow_id,
         "node_id": key.node_id,
@@ -208,16 +231,16 @@ def _progress_row(item: ProgressEvent, seq: int) -> dict[str, Any]:
         "attempt": key.attempt,
         "seq": seq,
         "idempotency_key": item.idempotency_key,
-        "final": _as_bool(event.get("final")),
+        "final": as_bool(event.get("final")),
         "created_at": dt.datetime.fromtimestamp(item.created_at, dt.UTC),
         "event": event,
     }
     for name in PROGRESS_INT_KEYS:
-        row[name] = _as_int(event.get(name))
+        row[name] = as_int(event.get(name))
     for name in PROGRESS_FLOAT_KEYS:
-        row[name] = _as_float(event.get(name))
+        row[name] = as_float(event.get(name))
     for name in PROGRESS_STR_KEYS:
-        row[name] = _as_str(event.get(name))
+        row[name] = as_str(event.get(name))
     return row
 
 
@@ -231,7 +254,7 @@ def _table(model: type[Base]) -> Table:
 
 
 def _insert_ignoring_conflicts(
-    session: Session, model: type[Base], rows: Sequence[dict[str, Any]], conflict_columns: Sequence[str]
+    session: Session, model: type[Base], rows: Sequence[Mapping[str, object]], conflict_columns: Sequence[str]
 ) -> int:
     """Insert ``rows``, skipping any whose ``conflict_columns`` key exists. Returns rows inserted
     when one row is given (exact on every dialect); for several, callers must not rely on it.
@@ -325,7 +348,7 @@ class Ledger:
         self._closed = False
         self._writers: weakref.WeakSet[ProgressWriter] = weakref.WeakSet()
         self._writers_lock = threading.Lock()
-        self._listeners: list[Callable[[str, list[dict[str, Any]]], None]] = []
+        self._listeners: list[Callable[[str, list[dict[str, object]]], None]] = []
         self.upgraded_from: str | None = None
         is_sqlite = parsed.get_backend_name() == "sqlite"
         if is_sqlite:
@@ -395,10 +418,16 @@ class Ledger:
     def __repr__(self) -> str:
         return f"Ledger({self.url!r})"
 
-    def progress_writer(self, **options: Any) -> ProgressWriter:
-        """A started ``ProgressWriter(self, **options)``; ``close()`` stops it (draining it first)."""
+    def progress_writer(
+        self,
+        *,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        linger_s: float = DEFAULT_LINGER_S,
+        idle_wait_s: float = DEFAULT_IDLE_WAIT_S,
+    ) -> ProgressWriter:
+        """A started ``ProgressWriter`` over this ledger; ``close()`` stops it (draining it first)."""
         self._check_open()
-        writer = ProgressWriter(self, **options)
+        writer = ProgressWriter(self, max_batch=max_batch, linger_s=linger_s, idle_wait_s=idle_wait_s)
         with self._writers_lock:
             self._writers.add(writer)
         return writer.start()
@@ -448,7 +477,7 @@ class Ledger:
 
     # -- runs (RunStore) ------------------------------------------------------------
 
-    def save_run(self, run: Mapping[str, Any]) -> None:
+    def save_run(self, run: Mapping[str, object]) -> None:
         """Insert or replace a run checkpoint (``run`` is the run-state dict)."""
         row = _run_row(run)
         with self._write(f"save run {row['run_id']}") as session:
@@ -456,7 +485,7 @@ class Ledger:
                 changes = {k: v for k, v in row.items() if k not in ("run_id", "created_at")}
                 session.execute(update(_table(Run)).where(Run.run_id == row["run_id"]).values(**changes))
 
-    def create_run_if_absent(self, run: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    def create_run_if_absent(self, run: Mapping[str, object]) -> tuple[dict[str, object], bool]:
         """Create the run unless its id exists: ``(run, True)``, or ``(stored run dict, False)``.
 
         Never overwrites. Checking that the stored run has the same creation identity is the
@@ -472,7 +501,7 @@ class Ledger:
             raise LedgerError(f"run {row['run_id']} conflicted on insert but is not readable")
         return dict(stored), False
 
-    def load_run(self, run_id: str) -> dict[str, Any] | None:
+    def load_run(self, run_id: str) -> dict[str, object] | None:
         """The saved run-state dict, or None."""
         with self._read(f"load run {run_id}") as session:
             stored = session.scalar(select(Run.run_json).where(Run.run_id == run_id))
@@ -486,7 +515,7 @@ class Ledger:
         wait_reason: str | None = None,
         parent_run_id: str | None = None,
         limit: int = 100,
-    ) -> list[dict[str, Any]]:
+    ) -> list[dict[str, object]]:
         """Saved run-state dicts matching every given filter, most recently updated first."""
         stmt = select(Run.run_json)
         if status is not None:
@@ -503,7 +532,7 @@ class Ledger:
 
     # -- steps (LedgerStore) --------------------------------------------------------
 
-    def append_step(self, record: Mapping[str, Any]) -> int:
+    def append_step(self, record: Mapping[str, object]) -> int:
         """Append one step record (the dict of an AbstractRuntime ``StepRecord``); returns its seq.
 
         ``seq`` is allocated per run, 1, 2, 3, ... in commit order, atomically across threads
@@ -527,19 +556,19 @@ class Ledger:
         self._notify([dict(record)])
         return seq
 
-    def list_steps(self, run_id: str) -> list[dict[str, Any]]:
+    def list_steps(self, run_id: str) -> list[dict[str, object]]:
         """Every step record of the run, in append order (as appended)."""
         with self._read(f"list steps of run {run_id}") as session:
             rows = session.scalars(select(Step).where(Step.run_id == run_id).order_by(Step.seq))
             return [queries.step_record(row) for row in rows]
 
-    def last_step(self, run_id: str) -> dict[str, Any] | None:
+    def last_step(self, run_id: str) -> dict[str, object] | None:
         """The run's most recently appended step record, or None."""
         with self._read(f"read last step of run {run_id}") as session:
             row = session.scalar(select(Step).where(Step.run_id == run_id).order_by(Step.seq.desc()).limit(1))
             return None if row is None else queries.step_record(row)
 
-    def find_completed_result(self, run_id: str, idempotency_key: str) -> dict[str, Any] | None:
+    def find_completed_result(self, run_id: str, idempotency_key: str) -> dict[str, object] | None:
         """The ``result`` of the oldest COMPLETED record with this key in the run, or None."""
         if not idempotency_key:
             return None
@@ -574,26 +603,26 @@ class Ledger:
 
     # -- the run's ledger as AbstractRuntime records ---------------------------------
 
-    def list_records(self, run_id: str) -> list[dict[str, Any]]:
+    def list_records(self, run_id: str) -> list[dict[str, object]]:
         """The run's whole ledger in append order, as AbstractRuntime's own stores list it: the
         step records as appended, and each phase event as the ``abstract.progress`` record the
         host writes itself (see ``queries.progress_record``)."""
         with self._read(f"list records of run {run_id}") as session:
             return [record for _, record in queries.run_records(session, run_id)]
 
-    def records_after(self, run_id: str, after: int = 0, limit: int = 1000) -> tuple[list[dict[str, Any]], int]:
+    def records_after(self, run_id: str, after: int = 0, limit: int = 1000) -> tuple[list[dict[str, object]], int]:
         """A page of ``list_records``: the records with ``seq > after`` (at most ``limit``) and
         the cursor to pass next (the last ``seq`` returned, else ``after``)."""
         with self._read(f"list records of run {run_id}") as session:
             page = queries.run_records(session, run_id, after=max(0, int(after)), limit=max(1, int(limit)))
         return [record for _, record in page], (page[-1][0] if page else int(after))
 
-    def last_record(self, run_id: str) -> dict[str, Any] | None:
+    def last_record(self, run_id: str) -> dict[str, object] | None:
         """The run's most recent record (a step record or a progress record), or None."""
         with self._read(f"read last record of run {run_id}") as session:
             return queries.last_record(session, run_id)
 
-    def subscribe(self, callback: Callable[[dict[str, Any]], None], *, run_id: str | None = None) -> Callable[[], None]:
+    def subscribe(self, callback: Callable[[dict[str, object]], None], *, run_id: str | None = None) -> Callable[[], None]:
         """Call ``callback(record)`` after each step record or progress record of ``run_id`` (or of
         every run) is committed through this ``Ledger``; returns the unsubscribe function.
 
@@ -601,7 +630,7 @@ class Ledger:
         is logged and skipped: observers never break a write.
         """
 
-        def listener(rid: str, records: list[dict[str, Any]]) -> None:
+        def listener(rid: str, records: list[dict[str, object]]) -> None:
             if run_id is None or rid == run_id:
                 for record in records:
                     callback(record)
@@ -616,7 +645,7 @@ class Ledger:
 
         return unsubscribe
 
-    def _notify(self, records: list[dict[str, Any]]) -> None:
+    def _notify(self, records: list[dict[str, object]]) -> None:
         if not records or not self._listeners:
             return
         with self._writers_lock:
@@ -675,12 +704,21 @@ class Ledger:
             return queries.node_timeline(session, run_id, node_id, after_seq=after_seq)
 
 
-def open_ledger(url: str, **options: Any) -> Ledger:
-    """``Ledger(url, **options)``."""
-    return Ledger(url, **options)
+def open_ledger(
+    url: str,
+    *,
+    busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
+    sqlite_synchronous: SqliteSynchronous = "NORMAL",
+    echo: bool = False,
+    upgrade: bool = False,
+) -> Ledger:
+    """``Ledger(url, ...)`` with the same options."""
+    return Ledger(
+        url, busy_timeout_ms=busy_timeout_ms, sqlite_synchronous=sqlite_synchronous, echo=echo, upgrade=upgrade
+    )
 
 
-def _write_progress_batch(session: Session, batch: Sequence[ProgressEvent]) -> list[dict[str, Any]]:
+def _write_progress_batch(session: Session, batch: Sequence[ProgressEvent]) -> list[dict[str, object]]:
     run_ids = sorted({item.key.run_id for item in batch})
     heads = _lock_heads(session, RECORDS_STREAM, run_ids)
     keys = list(dict.fromkeys(item.idempotency_key for item in batch))
@@ -692,7 +730,7 @@ def _write_progress_batch(session: Session, batch: Sequence[ProgressEvent]) -> l
             )
         )
         seen.update((run_id, key) for run_id, key in found)
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, object]] = []
     for item in batch:
         identity = (item.key.run_id, item.idempotency_key)
         if identity in seen:
@@ -736,7 +774,7 @@ def _install_sqlite_hooks(engine: Engine, *, busy_timeout_ms: int, synchronous: 
     """
 
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+    def _on_connect(dbapi_connection: sqlite3.Connection, _record: ConnectionPoolEntry) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         try:
@@ -748,6 +786,6 @@ def _install_sqlite_hooks(engine: Engine, *, busy_timeout_ms: int, synchronous: 
             cursor.close()
 
     @event.listens_for(engine, "begin")
-    def _on_begin(conn: Any) -> None:
+    def _on_begin(conn: Connection) -> None:
         immediate = conn.get_execution_options().get("ledger_write", False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")

@@ -25,7 +25,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterable, Mapping
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import Protocol
 
 from .errors import LedgerError, LedgerTimeout, LedgerWriteFailed
 from .keys import NodeKey, ProgressEvent, progress_idempotency_key
@@ -205,7 +205,7 @@ class ProgressWriter:
 
     # -- producer side --------------------------------------------------------------
 
-    def put(self, event: Mapping[str, Any], key: NodeKey, *, idempotency_key: str | None = None) -> str:
+    def put(self, event: Mapping[str, object], key: NodeKey, *, idempotency_key: str | None = None) -> str:
         """Queue one phase event of node ``key``; returns its idempotency key. Never blocks on I/O.
 
         ``event`` is copied (shallowly), so the caller may reuse its dict. Keys the event does

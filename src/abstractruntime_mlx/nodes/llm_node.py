@@ -35,19 +35,24 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final, NotRequired, TypedDict
 
 from ..controls import NOTHING_SAID, UNSET, ControlLevel, ResolvedControls, resolve_controls
 from ..errors import InvalidRequest, MLXRuntimeError
+from ..json_values import JSONObject, JSONValue, object_at
 from ..ledger import Ledger, NodeKey, ProgressEvent, ProgressWriter, progress_idempotency_key
-from ..request import GenerationRequest
-from ..results import GenerationResult
+from ..request import GenerationRequest, Message, ProgressSink
+from ..results import FinishReason, GenerationResult
+from ..structured import ResponseFormat
 
 if TYPE_CHECKING:
+    import httpx
+
     from ..provider.mlx_provider import MLXProvider
+    from ..remote_client import RemoteClient
 
 __all__ = [
     "ClientKind",
@@ -59,16 +64,29 @@ __all__ = [
     "PreparedCall",
     "ProgressRoute",
     "ProviderRegistry",
+    "RemoteOptions",
+    "RuntimeResult",
     "default_registry",
     "resolve_node_controls",
 ]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PROVIDER_OPTIONS: Final[Mapping[str, Any]] = {"mlx_batching": True}
+DEFAULT_PROVIDER_OPTIONS: Final[Mapping[str, object]] = {"mlx_batching": True}
 """Options every local provider gets unless the caller overrides them (concurrent batching on)."""
 
-ProgressCallback = Callable[[dict[str, Any]], Any]
+ProgressCallback = ProgressSink
+
+
+class RemoteOptions(TypedDict, total=False):
+    """``RemoteClient`` settings for a node's remote calls (the client's keyword arguments)."""
+
+    api_key: str | None
+    timeout: httpx.Timeout
+    transport: httpx.BaseTransport | None
+    max_retries: int
+    backoff_s: float
+    limits: httpx.Limits
 
 
 class ClientKind(StrEnum):
@@ -98,23 +116,28 @@ class NodeRequest:
     ``speculation``/``thinking`` are the node (call) level, ``run_speculation``/
     ``run_thinking`` the run level; ``UNSET`` or ``None`` inherit, ``False`` is off.
     ``sampling`` holds generation knobs (``temperature``, ``seed``, ``max_output_tokens``,
-    ``top_p``, ``stop`` ...). ``base_url`` selects the remote client.
+    ``top_p``, ``stop`` ...). ``base_url`` selects the remote client. ``response_schema``
+    (a JSON Schema, named ``response_schema_name``) asks for a structured answer: the result's
+    ``data`` holds it, parsed and valid.
     """
 
     prompt: str = ""
-    messages: list[dict[str, Any]] | None = None
+    messages: Sequence[Message] | None = None
     system_prompt: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    media: list[Any] | None = None
+    tools: Sequence[object] | None = None  # tool schemas as given; ``GenerationRequest.build`` checks them
+    media: Sequence[object] | None = None
     provider: str = "mlx"
     model: str | None = None
     base_url: str | None = None
-    speculation: Any = UNSET
-    thinking: Any = UNSET
-    run_speculation: Any = UNSET
-    run_thinking: Any = UNSET
-    sampling: Mapping[str, Any] = field(default_factory=dict)
+    # Control values as given (validated by ``ControlLevel.parse``).
+    speculation: object = UNSET
+    thinking: object = UNSET
+    run_speculation: object = UNSET
+    run_thinking: object = UNSET
+    sampling: Mapping[str, object] = field(default_factory=dict)
     prompt_cache_key: str | None = None
+    response_schema: Mapping[str, object] | None = None
+    response_schema_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +157,22 @@ class PreparedCall:
     fingerprint: str
 
 
+class RuntimeResult(TypedDict):
+    """What an LLM node returns to AbstractRuntime (see ``NodeResult.to_runtime_result``)."""
+
+    content: str
+    tool_calls: list[JSONObject]
+    finish_reason: FinishReason | None
+    usage: dict[str, int]
+    model: str | None
+    provider: str
+    gen_time: float
+    metadata: JSONObject
+    ttft_ms: NotRequired[float]
+    reasoning: NotRequired[str]
+    data: NotRequired[JSONValue]  # the parsed structured answer, when the node asked for one
+
+
 @dataclass(slots=True)
 class NodeResult:
     """The answer of one node and how it was produced."""
@@ -143,7 +182,7 @@ class NodeResult:
     concurrency: Concurrency
     wall_s: float
     num_progress_events: int
-    extra_metadata: dict[str, Any] = field(default_factory=dict)
+    extra_metadata: JSONObject = field(default_factory=dict)
 
     @property
     def content(self) -> str:
@@ -154,10 +193,10 @@ class NodeResult:
         return self.prepared.controls
 
     @property
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self) -> JSONObject:
         return self.to_runtime_result()["metadata"]
 
-    def to_runtime_result(self) -> dict[str, Any]:
+    def to_runtime_result(self) -> RuntimeResult:
         """The dict AbstractRuntime's visual compiler reads: ``content``, ``tool_calls``,
         ``finish_reason``, ``usage``, ``model``, ``provider``, ``gen_time`` (ms), ``ttft_ms``,
         ``reasoning`` and ``metadata`` (``execution``, ``speculation``, ``performance``,
@@ -166,7 +205,7 @@ class NodeResult:
         gen = self.generation
         prepared = self.prepared
         metadata = copy.deepcopy(dict(gen.metadata))
-        speculation = metadata.get("speculation") if isinstance(metadata.get("speculation"), Mapping) else None
+        speculation = found if isinstance(found := metadata.get("speculation"), Mapping) else None
         controls = prepared.controls.to_metadata()
         if prepared.client_kind == ClientKind.REMOTE:
             if prepared.speculation_sent and speculation is not None:
@@ -178,7 +217,7 @@ class NodeResult:
                 controls["speculation_source"] = (speculation or {}).get("source", "server")
                 controls["speculation"] = _wire_from_metadata(speculation)
         metadata["controls"] = controls
-        client: dict[str, Any] = {"kind": prepared.client_kind, "concurrency": self.concurrency}
+        client: JSONObject = {"kind": prepared.client_kind, "concurrency": self.concurrency}
         if prepared.base_url:
             client["base_url"] = prepared.base_url
         metadata["client"] = client
@@ -186,7 +225,7 @@ class NodeResult:
         if isinstance(metadata["progress"], dict):
             metadata["progress"]["recorded_events"] = self.num_progress_events
         metadata.update(copy.deepcopy(self.extra_metadata))
-        out: dict[str, Any] = {
+        out: RuntimeResult = {
             "content": gen.content,
             "tool_calls": list(gen.tool_calls or []),
             "finish_reason": gen.finish_reason,
@@ -196,18 +235,22 @@ class NodeResult:
             "gen_time": round(self.wall_s * 1000.0, 3),
             "metadata": metadata,
         }
-        ttft = (metadata.get("execution") or {}).get("ttft_s")
+        ttft = object_at(metadata, "execution").get("ttft_s")
         if isinstance(ttft, (int, float)) and not isinstance(ttft, bool):
             out["ttft_ms"] = round(float(ttft) * 1000.0, 3)
         if gen.reasoning is not None:
             out["reasoning"] = gen.reasoning
+        parsed = gen.parsed_json()
+        if parsed is not None:
+            # The host's visual compiler reads the structured answer from ``data``.
+            out["data"] = parsed
         return out
 
 
-def _wire_from_metadata(meta: Mapping[str, Any] | None) -> Any:
+def _wire_from_metadata(meta: Mapping[str, JSONValue] | None) -> JSONValue:
     if not meta or not meta.get("requested"):
         return False
-    out: dict[str, Any] = {"mode": meta.get("mode", "native_mtp")}
+    out: JSONObject = {"mode": meta.get("mode", "native_mtp")}
     for name in ("num_draft_tokens", "require_acceleration"):
         if name in meta:
             out[name] = meta[name]
@@ -240,6 +283,11 @@ def generation_request(request: NodeRequest) -> GenerationRequest:
         speculation=call.speculation,
         thinking=call.thinking,
         run=run,
+        response_format=(
+            None
+            if request.response_schema is None
+            else ResponseFormat.build(request.response_schema, name=request.response_schema_name)
+        ),
         prompt_cache_key=request.prompt_cache_key,
     )
 
@@ -268,7 +316,7 @@ def _levels(request: NodeRequest) -> tuple[ControlLevel, ControlLevel]:
     return call, run
 
 
-def _said(value: Any) -> Any:
+def _said(value: object) -> object:
     return None if value is UNSET else value
 
 
@@ -291,10 +339,10 @@ class ProviderRegistry:
         self._lock = threading.Lock()
         self._local: dict[tuple[str, str], _LocalEntry] = {}
         self._model_locks: dict[str, threading.Lock] = {}
-        self._remote: dict[str, Any] = {}
+        self._remote: dict[str, RemoteClient] = {}
         self._loading: dict[tuple[str, str], threading.Lock] = {}
 
-    def local(self, model: str, options: Mapping[str, Any] | None = None) -> _LocalEntry:
+    def local(self, model: str, options: Mapping[str, object] | None = None) -> _LocalEntry:
         """The shared local provider for ``model`` with ``options`` (loaded on first use)."""
         merged = {**DEFAULT_PROVIDER_OPTIONS, **dict(options or {})}
         key = (model, _canonical(merged))
@@ -314,7 +362,7 @@ class ProviderRegistry:
                 self._loading.pop(key, None)
         return entry
 
-    def _load(self, model: str, options: dict[str, Any]) -> _LocalEntry:
+    def _load(self, model: str, options: Mapping[str, object]) -> _LocalEntry:
         from ..provider import create_llm
 
         provider = create_llm("mlx", model=model, **options)
@@ -324,7 +372,7 @@ class ProviderRegistry:
                 lock = self._model_locks.setdefault(str(getattr(provider, "path", model)), threading.Lock())
         return _LocalEntry(provider=provider, lock=lock)
 
-    def remote(self, base_url: str, model: str | None = None, options: Mapping[str, Any] | None = None) -> Any:
+    def remote(self, base_url: str, model: str | None = None, options: RemoteOptions | None = None) -> RemoteClient:
         """The shared ``remote_client.RemoteClient`` for (``base_url``, ``model``)."""
         url = base_url.rstrip("/")
         key = f"{url} {model or ''} {_canonical(dict(options or {}))}"
@@ -337,7 +385,7 @@ class ProviderRegistry:
                     raise InvalidRequest(
                         f"a remote node ({url}) needs abstractruntime_mlx.remote_client, which is not available: {exc}"
                     ) from exc
-                client = RemoteClient(url, model=model, **dict(options or {}))
+                client = RemoteClient(url, model=model, **(options or RemoteOptions()))
                 self._remote[key] = client
         return client
 
@@ -358,7 +406,7 @@ class ProviderRegistry:
                 close()
 
 
-def _schedules_concurrently(provider: Any) -> bool:
+def _schedules_concurrently(provider: object) -> bool:
     probe = getattr(provider, "supports_concurrent_generation", None)
     if not callable(probe):
         return False
@@ -377,7 +425,7 @@ def default_registry() -> ProviderRegistry:
     return _DEFAULT_REGISTRY
 
 
-def _canonical(value: Any) -> str:
+def _canonical(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
 
 
@@ -408,14 +456,14 @@ class ProgressRoute:
         self._writer = writer
         self._key = key
         self._callback = callback
-        self._buffer: list[tuple[float, dict[str, Any]]] | None = [] if buffer else None
+        self._buffer: list[tuple[float, JSONObject]] | None = [] if buffer else None
         self.num_events = 0
 
     @property
     def active(self) -> bool:
         return self._writer is not None or self._callback is not None or self._buffer is not None
 
-    def __call__(self, event: dict[str, Any]) -> None:
+    def __call__(self, event: Mapping[str, JSONValue]) -> None:
         with self._lock:
             self.num_events += 1
             if self._buffer is not None:
@@ -458,7 +506,7 @@ class ProgressRoute:
             writer.flush(key, timeout_s=timeout_s)
 
 
-def _call_host(callback: ProgressCallback, event: dict[str, Any]) -> None:
+def _call_host(callback: ProgressCallback, event: Mapping[str, JSONValue]) -> None:
     try:
         callback(dict(event))
     except Exception:  # noqa: BLE001 - a host's progress sink is best-effort by its own contract
@@ -487,8 +535,8 @@ class LLMNode:
         writer: ProgressWriter | None = None,
         registry: ProviderRegistry | None = None,
         default_model: str | None = None,
-        provider_options: Mapping[str, Any] | None = None,
-        remote_options: Mapping[str, Any] | None = None,
+        provider_options: Mapping[str, object] | None = None,
+        remote_options: RemoteOptions | None = None,
         record_progress: bool = True,
     ) -> None:
         self.ledger = ledger
@@ -499,7 +547,7 @@ class LLMNode:
         self.registry = registry or default_registry()
         self.default_model = default_model
         self.provider_options = dict(provider_options or {})
-        self.remote_options = dict(remote_options or {})
+        self.remote_options: RemoteOptions = remote_options.copy() if remote_options else {}
         self.record_progress = record_progress
 
     # -- lifecycle ----------------------------------------------------------------------

@@ -36,6 +36,7 @@ from ..errors import (
 from ..policy import read_policy_controls
 from ..request import GenerationRequest
 from ..results import GenerationChunk, GenerationResult
+from ..structured import ResponseFormat, parse_answer
 from . import residency
 from .progress import ProgressTracker, progress_interval_from_env
 
@@ -272,7 +273,7 @@ class MLXProvider:
         chunks = self._stream(prepared, submitted)
         if stream:
             return ChunkStream(chunks, submitted)
-        return _result_from_chunks(list(chunks))
+        return _result_from_chunks(list(chunks), request.response_format)
 
     async def agenerate_request(self, request: GenerationRequest, *, stream: bool = False) -> GenerationResult | AsyncChunkStream:
         # Rendering and tokenizing run on a thread (a huge prompt must not stall the event
@@ -285,7 +286,7 @@ class MLXProvider:
         parts: list[GenerationChunk] = []
         async for chunk in chunks:
             parts.append(chunk)
-        return _result_from_chunks(parts)
+        return _result_from_chunks(parts, request.response_format)
 
     # --- internals --------------------------------------------------------------------------
     def _prepare(self, call: GenerationRequest) -> _Prepared:
@@ -296,12 +297,21 @@ class MLXProvider:
         conversation = prepare_conversation(call.messages, num_images=len(images))
         text = render_prompt(loaded.tokenizer, conversation, tools=list(call.tools), thinking=controls.thinking)
         prompt_ids = _encode_within_context(loaded, text, call.max_output_tokens)
-        draft_tokens, speculation_meta = self._speculation_plan(controls, call.sampling, loaded)
+        draft_tokens, speculation_meta = self._speculation_plan(
+            controls, call.sampling, loaded, structured=call.response_format is not None
+        )
+        max_tokens = _output_cap(loaded, len(prompt_ids), call.max_output_tokens)
+        grammar = None
+        if call.response_format is not None:
+            # Compiled here, on the caller's thread: the worker's other rows never wait for it.
+            grammar = loaded.grammar_compiler().processor(
+                call.response_format, max_tokens=max_tokens, prompt_text=text, thinking=controls.thinking
+            )
 
         request = EngineRequest(
             request_id=uuid.uuid4().hex,
             prompt_ids=prompt_ids,
-            max_tokens=_output_cap(loaded, len(prompt_ids), call.max_output_tokens),
+            max_tokens=max_tokens,
             sampling=call.sampling,
             stop=call.stop,
             draft_tokens=draft_tokens,
@@ -312,6 +322,7 @@ class MLXProvider:
             output_queue_size=self.execution_options["mlx_output_queue_size"],
             observe_prefill=call.progress is not None,
             cancel_event=call.cancel or threading.Event(),
+            grammar=grammar,
         )
         if images:
             request.prompt_kwargs_factory = _image_kwargs_factory(request, loaded, text, images)
@@ -319,7 +330,7 @@ class MLXProvider:
         return _Prepared(request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter())
 
     def _speculation_plan(
-        self, controls: ResolvedControls, sampling: Sampling, loaded: LoadedModel
+        self, controls: ResolvedControls, sampling: Sampling, loaded: LoadedModel, *, structured: bool = False
     ) -> tuple[int, dict[str, Any]]:
         """The draft depth the engine runs (0: none) and the ``speculation`` metadata saying why."""
         effective, source = controls.speculation, controls.speculation_source
@@ -339,6 +350,9 @@ class MLXProvider:
             reason, message = "no_mtp_drafter_for_model", self._no_head_message()
         elif not sampling.logits_neutral():
             reason, message = "mtp_logit_processors_unsupported", "native MTP cannot honor penalties or logit bias"
+        elif structured:
+            # Upstream's speculative rounds apply no logits processors: drafts would escape the grammar.
+            reason, message = "structured_output", "native MTP cannot check drafts against a structured-output grammar"
         elif loaded.drafter is None:
             try:
                 attach_s = self._engine.attach_head()
@@ -451,6 +465,8 @@ class MLXProvider:
             metadata["prompt_cache"] = {"mode": "key", "key": prepared.prompt_cache_key, "outcome": "not_reached"}
         if prepared.controls.thinking is not None:
             metadata["thinking"] = prepared.controls.thinking
+        if request.grammar is not None:
+            metadata["structured"] = request.grammar.metadata()
         metadata["controls"] = prepared.controls.to_metadata()
         if prepared.tracker is not None:
             prepared.tracker.execution_mode = request.mode
@@ -644,11 +660,16 @@ def _performance(request: EngineRequest) -> dict[str, Any]:
     return out
 
 
-def _result_from_chunks(chunks: list[GenerationChunk]) -> GenerationResult:
+def _result_from_chunks(chunks: list[GenerationChunk], response_format: ResponseFormat | None = None) -> GenerationResult:
     final = chunks[-1]
     text = "".join(c.content for c in chunks)
     content, reasoning = _split_reasoning(text)
-    content, tool_calls = _extract_tool_calls(content)
+    parsed = None
+    if response_format is not None and final.finish_reason != "cancelled":
+        parsed = parse_answer(content, response_format, mode="constrained", finish_reason=final.finish_reason)
+        tool_calls = None
+    else:
+        content, tool_calls = _extract_tool_calls(content)
     finish = final.finish_reason
     return GenerationResult(
         content=content,
@@ -659,6 +680,7 @@ def _result_from_chunks(chunks: list[GenerationChunk]) -> GenerationResult:
         reasoning=reasoning,
         tool_calls=tool_calls,
         token_ids=final.token_ids,
+        parsed=parsed,
     )
 
 

@@ -16,14 +16,15 @@ this package's server and AbstractCore's servers (``abstractcore.endpoint.app`` 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import enum
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Final, cast
 
 import httpx
 
@@ -43,12 +44,15 @@ from ..errors import (
     RequestCancelled,
     SpeculationUnavailable,
     StreamBackpressure,
+    StructuredOutputInvalid,
     UpstreamError,
     error_class_for_code,
 )
 from ..image_types import MIME_BY_TYPE, sniff_image_type
-from ..request import GenerationRequest
-from ..results import GenerationChunk, GenerationResult
+from ..json_values import JSONObject, JSONValue, array_at, as_str, object_at, objects_in
+from ..request import GenerationRequest, ProgressSink
+from ..results import FinishReason, GenerationChunk, GenerationResult
+from ..structured import PROMPTED_PREFIX, answer_error, parse_answer, prompted_instruction
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ DEFAULT_MAX_RETRIES: Final = 2
 DEFAULT_BACKOFF_S: Final = 0.25
 MAX_BACKOFF_S: Final = 8.0
 CHAT_PATH: Final = "/v1/chat/completions"
-ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache")
+ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "structured")
 RETRYABLE_CODES: Final = frozenset({QueueFull.code})
 _STRICT_SPECULATION_SUFFIX: Final = "(speculation.require_acceleration=True)"
 _STATUS_FALLBACK: Final[dict[int, type[MLXRuntimeError]]] = {
@@ -110,10 +114,10 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 class ChatCall:
     """One prepared chat call: the JSON body and how to read the answer."""
 
-    body: dict[str, Any]
+    body: JSONObject
     stream: bool  # the caller wants chunks
     sse: bool  # the answer is read as SSE (streams, and non-streams with progress)
-    on_progress: Callable[[dict[str, Any]], Any] | None
+    on_progress: ProgressSink | None
 
 
 def build_chat_call(request: GenerationRequest, *, model: str | None, stream: bool = False, want_events: bool = False) -> ChatCall:
@@ -123,7 +127,7 @@ def build_chat_call(request: GenerationRequest, *, model: str | None, stream: bo
     sent as ``false``. ``want_events`` asks for SSE even without a progress sink (used for
     cancellation checkpoints).
     """
-    body: dict[str, Any] = {}
+    body: JSONObject = {}
     if model:
         body["model"] = model
     body["messages"] = wire_messages(request.messages, request.media)
@@ -137,18 +141,20 @@ def build_chat_call(request: GenerationRequest, *, model: str | None, stream: bo
         body["tools"] = [dict(tool) for tool in request.tools]
     if request.prompt_cache_key is not None:
         body["prompt_cache_key"] = request.prompt_cache_key
+    if request.response_format is not None:
+        body["response_format"] = request.response_format.to_openai()
     progress = request.progress is not None
     body["stream"] = bool(stream)
     sse = bool(stream) or progress or want_events
     if sse:
-        options: dict[str, Any] = {"include_progress": progress or want_events}
+        options: JSONObject = {"include_progress": progress or want_events}
         if stream:
             options["include_usage"] = True
         body["stream_options"] = options
     return ChatCall(body=body, stream=bool(stream), sse=sse, on_progress=request.progress)
 
 
-def wire_messages(messages: Iterable[Mapping[str, Any]], media: tuple[Any, ...]) -> list[dict[str, Any]]:
+def wire_messages(messages: Iterable[Mapping[str, JSONValue]], media: tuple[object, ...]) -> list[JSONObject]:
     """Copies of the conversation with ``media`` as inline base64 ``image_url`` parts of the
     final user message."""
     out = [dict(message) for message in messages]
@@ -156,7 +162,7 @@ def wire_messages(messages: Iterable[Mapping[str, Any]], media: tuple[Any, ...])
         urls = [image_data_url(item, index) for index, item in enumerate(media)]
         message = final_user_message(out)
         content = message.get("content")
-        parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        parts: list[JSONObject] = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
         if isinstance(content, list):
             parts.extend(p for p in content if p.get("type") != "image_url")
         elif content:
@@ -165,7 +171,7 @@ def wire_messages(messages: Iterable[Mapping[str, Any]], media: tuple[Any, ...])
     return out
 
 
-def image_data_url(item: Any, index: int = 0) -> str:
+def image_data_url(item: object, index: int = 0) -> str:
     """A ``data:image/...;base64,`` URL for a file path, raw bytes or a PIL image."""
     if isinstance(item, (bytes, bytearray, memoryview)):
         data = bytes(item)
@@ -191,65 +197,127 @@ def image_data_url(item: Any, index: int = 0) -> str:
 # --------------------------------------------------------------------------- responses
 
 
-def decode_usage(wire: Mapping[str, Any] | None) -> dict[str, Any]:
+def decode_usage(wire: JSONValue) -> dict[str, int]:
     """The provider's usage shape from OpenAI's (``prompt_tokens_details.cached_tokens`` included)."""
-    if not wire:
+    if not isinstance(wire, Mapping) or not wire:
         return {}
     prompt = wire.get("prompt_tokens", wire.get("input_tokens"))
     completion = wire.get("completion_tokens", wire.get("output_tokens"))
-    out: dict[str, Any] = {}
+    out: dict[str, int] = {}
     if prompt is not None:
-        out["prompt_tokens"] = out["input_tokens"] = int(prompt)
+        out["prompt_tokens"] = out["input_tokens"] = _token_count(prompt)
     if completion is not None:
-        out["completion_tokens"] = out["output_tokens"] = int(completion)
+        out["completion_tokens"] = out["output_tokens"] = _token_count(completion)
     total = wire.get("total_tokens")
     if total is not None:
-        out["total_tokens"] = int(total)
+        out["total_tokens"] = _token_count(total)
     elif prompt is not None and completion is not None:
-        out["total_tokens"] = int(prompt) + int(completion)
+        out["total_tokens"] = _token_count(prompt) + _token_count(completion)
     cached = wire.get("cached_input_tokens")
     details = wire.get("prompt_tokens_details")
     if cached is None and isinstance(details, Mapping):
         cached = details.get("cached_tokens")
     if cached is not None:
-        out["cached_input_tokens"] = int(cached)
+        out["cached_input_tokens"] = _token_count(cached)
     return out
 
 
-def metadata_from(block: Any) -> dict[str, Any]:
+# --------------------------------------------------------------------------- structured output
+
+DEFAULT_STRUCTURED_RETRIES: Final = 2
+
+
+def structured_step(
+    request: GenerationRequest, result: GenerationResult, *, attempts: int, max_retries: int
+) -> GenerationResult | GenerationRequest:
+    """After attempt ``attempts`` of a structured call: the finished result (``parsed`` set,
+    ``metadata["structured"]`` saying how) or the request of the next attempt.
+
+    A server that constrained decoding says so (``abstractcore.structured.mode ==
+    "constrained"``) and its answer is parsed as is. Every other server (AbstractCore's, plain
+    OpenAI-compatible ones) gets the prompted form: the answer is checked against the schema
+    and, while invalid, asked again with the schema and the error in a system message, at most
+    ``max_retries`` times; then ``StructuredOutputInvalid`` (mode ``prompted``, ``attempts``).
+    """
+    fmt = request.response_format
+    assert fmt is not None
+    reported = result.metadata.get("structured")
+    if isinstance(reported, Mapping) and reported.get("mode") == "constrained":
+        result.parsed = parse_answer(result.content, fmt, mode="constrained", finish_reason=result.finish_reason)
+        return result
+    error = answer_error(result.content, fmt)
+    if error is None:
+        result.parsed = parse_answer(result.content, fmt, mode="prompted", attempts=attempts)
+        result.metadata["structured"] = {"mode": "prompted", "schema_hash": fmt.schema_hash, "name": fmt.name, "attempts": attempts}
+        return result
+    if attempts > max_retries:
+        raise StructuredOutputInvalid(
+            f"no valid {fmt.name} JSON after {attempts} attempts: {error}",
+            details={"mode": "prompted", "attempts": attempts, "error": error},
+        )
+    instruction = f"{prompted_instruction(fmt)}\nYour previous answer was invalid: {error}"
+    messages = [m for m in request.messages if not _is_prompted_instruction(m)]
+    return dataclasses.replace(request, messages=({"role": "system", "content": instruction}, *messages))
+
+
+def _is_prompted_instruction(message: Mapping[str, object]) -> bool:
+    content = message.get("content")
+    return message.get("role") == "system" and isinstance(content, str) and content.startswith(PROMPTED_PREFIX)
+
+
+def _token_count(value: JSONValue) -> int:
+    """A count as the server sent it, read as ``int()`` reads it (servers send integers; a float
+    or a numeric string is accepted the same way). Anything else is the server's fault."""
+    if isinstance(value, (int, float, str)):
+        try:
+            return int(value)
+        except (ValueError, OverflowError):
+            pass
+    raise UpstreamError(f"the server sent a token count that is not a number: {str(value)[:50]!r}")
+
+
+def metadata_from(block: JSONValue) -> JSONObject:
     if not isinstance(block, Mapping):
         return {}
     return {k: block[k] for k in ABSTRACTCORE_KEYS if isinstance(block.get(k), Mapping)}
 
 
-def decode_completion(body: Any, *, remote: Mapping[str, Any]) -> GenerationResult:
+def decode_completion(body: Mapping[str, JSONValue], *, remote: Mapping[str, JSONValue]) -> GenerationResult:
     """A ``GenerationResult`` from a ``chat.completion`` body; ``remote`` becomes ``metadata["remote"]``."""
-    try:
-        choice = body["choices"][0]
-        message = choice.get("message") or {}
-    except (KeyError, IndexError, TypeError) as exc:
-        raise UpstreamError(f"the server answered without choices[0].message: {str(body)[:200]}") from exc
+    choices = objects_in(array_at(body, "choices"))
+    message = choices[0].get("message") if choices else None
+    if not isinstance(message, Mapping):
+        raise UpstreamError(f"the server answered without choices[0].message: {str(body)[:200]}")
+    choice = choices[0]
     reasoning = None
     for key in ("reasoning", "reasoning_content", "thinking", "thinking_content"):
-        if isinstance(message.get(key), str) and message[key]:
-            reasoning = message[key]
+        value = message.get(key)
+        if isinstance(value, str) and value:
+            reasoning = value
             break
     metadata = metadata_from(body.get("abstractcore"))
     metadata["remote"] = dict(remote)
+    calls = [dict(call) for call in objects_in(array_at(message, "tool_calls"))]
     return GenerationResult(
-        content=message.get("content") or "",
-        finish_reason=choice.get("finish_reason"),
+        content=as_str(message.get("content")) or "",
+        finish_reason=finish_reason_of(choice.get("finish_reason")),
         usage=decode_usage(body.get("usage")),
         metadata=metadata,
-        model=body.get("model"),
+        model=model if isinstance(model := body.get("model"), str) else None,
         reasoning=reasoning,
-        tool_calls=message.get("tool_calls") or None,
+        tool_calls=calls or None,
     )
+
+
+def finish_reason_of(value: JSONValue) -> FinishReason | None:
+    """A server's finish reason, passed on as it was sent: servers send OpenAI's reasons and
+    ours (``stop``, ``length``, ``tool_calls``, ``cancelled``, ``error``); a non-string is none."""
+    return cast(FinishReason, value) if isinstance(value, str) else None
 
 
 def decode_error(status: int, content: bytes) -> MLXRuntimeError:
     """The typed error for an error response: ``code`` picks the class, else the status does."""
-    payload: Any = None
+    payload: JSONValue = None
     try:
         payload = json.loads(content) if content else None
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -261,13 +329,14 @@ def decode_error(status: int, content: bytes) -> MLXRuntimeError:
     return rebuild_error(error, status=status)
 
 
-def _error_object(payload: Any) -> dict[str, Any] | None:
+def _error_object(payload: JSONValue) -> JSONObject | None:
     if not isinstance(payload, Mapping):
         return None
-    if isinstance(payload.get("error"), Mapping):
-        return dict(payload["error"])
-    if isinstance(payload.get("error"), str):
-        return {"message": payload["error"], "code": payload.get("code")}
+    error = payload.get("error")
+    if isinstance(error, Mapping):
+        return dict(error)
+    if isinstance(error, str):
+        return {"message": error, "code": payload.get("code")}
     detail = payload.get("detail")
     if isinstance(detail, Mapping):
         return _error_object(detail) or {"message": json.dumps(detail)[:500]}
@@ -278,11 +347,11 @@ def _error_object(payload: Any) -> dict[str, Any] | None:
     return None
 
 
-def rebuild_error(error: Mapping[str, Any], *, status: int | None) -> MLXRuntimeError:
+def rebuild_error(error: Mapping[str, JSONValue], *, status: int | None) -> MLXRuntimeError:
     """The same class the server raised (by stable ``code``), with its message and details."""
     code = error.get("code")
     message = str(error.get("message") or f"HTTP {status}")
-    details = dict(error["details"]) if isinstance(error.get("details"), Mapping) else {}
+    details: JSONObject = dict(object_at(error, "details"))
     cls = error_class_for_code(code) if isinstance(code, str) else MLXRuntimeError
     if cls is MLXRuntimeError and message.endswith(_STRICT_SPECULATION_SUFFIX):
         # AbstractCore sends strict-MTP refusals as untyped native_runtime_error with this suffix.
@@ -296,7 +365,7 @@ def rebuild_error(error: Mapping[str, Any], *, status: int | None) -> MLXRuntime
     exc = cls.__new__(cls)
     MLXRuntimeError.__init__(exc, message, details=details)
     if isinstance(exc, InvalidControls):
-        exc.field = details.get("field")
+        exc.field = named if isinstance(named := details.get("field"), str) else None
         exc.value = details.get("value")
     if isinstance(exc, SpeculationUnavailable):
         exc.reason = str(details.get("reason") or "unknown")
@@ -395,15 +464,17 @@ class StreamDecoder:
     non-stream call read as SSE ends with ``event: result`` (a whole ``chat.completion``).
     """
 
-    def __init__(self, *, on_progress: Callable[[dict[str, Any]], Any] | None) -> None:
+    def __init__(self, *, on_progress: ProgressSink | None) -> None:
         self._on_progress = on_progress
         self.done = False
         self.model: str | None = None
-        self.finish_reason: str | None = None
+        # The server's reason as sent: ours and AbstractCore's are FinishReason values; another
+        # server's own reason (OpenAI's "content_filter") is passed through unchanged.
+        self.finish_reason: FinishReason | None = None
         self.final_content = ""
-        self.usage: dict[str, Any] = {}
-        self.abstractcore: dict[str, Any] = {}
-        self.result_body: dict[str, Any] | None = None
+        self.usage: dict[str, int] = {}
+        self.abstractcore: JSONObject = {}
+        self.result_body: JSONObject | None = None
         self.num_progress_events = 0
 
     def feed(self, event: ServerEvent) -> list[GenerationChunk]:
@@ -413,7 +484,7 @@ class StreamDecoder:
             self.done = True
             return []
         try:
-            payload = json.loads(event.data)
+            payload: JSONValue = json.loads(event.data)
         except json.JSONDecodeError as exc:
             raise UpstreamError(f"the server sent an undecodable SSE record: {event.data[:200]!r}") from exc
         if isinstance(payload, Mapping) and "error" in payload and (event.event in (None, "error")):
@@ -423,13 +494,15 @@ class StreamDecoder:
             self._progress(payload)
             return []
         if event.event == "result":
+            if not isinstance(payload, Mapping):
+                raise UpstreamError(f"the server sent a result record that is not an object: {event.data[:200]!r}")
             self.result_body = dict(payload)
             return []
         if event.event not in (None, "message"):
             return []  # an event kind this client does not know; documented as ignorable
         return self._chunk(payload)
 
-    def _progress(self, payload: Any) -> None:
+    def _progress(self, payload: JSONValue) -> None:
         self.num_progress_events += 1
         callback = self._on_progress
         if callback is None or not isinstance(payload, dict):
@@ -440,23 +513,22 @@ class StreamDecoder:
             self._on_progress = None
             log.warning("progress callback raised %s: %s; it is disabled for the rest of this call", type(exc).__name__, exc)
 
-    def _chunk(self, payload: Any) -> list[GenerationChunk]:
+    def _chunk(self, payload: JSONValue) -> list[GenerationChunk]:
         if not isinstance(payload, Mapping):
             return []
-        self.model = payload.get("model") or self.model
+        self.model = model if isinstance(model := payload.get("model"), str) and model else self.model
         if isinstance(payload.get("usage"), Mapping):
             self.usage = decode_usage(payload["usage"])
         block = payload.get("abstractcore")
         if isinstance(block, Mapping):
             self.abstractcore.update(metadata_from(block))
-        choices = payload.get("choices") or []
+        choices = objects_in(array_at(payload, "choices"))
         if not choices:
             return []
         choice = choices[0]
-        delta = choice.get("delta") or {}
-        text = delta.get("content") or ""
+        text = as_str(object_at(choice, "delta").get("content")) or ""
         if choice.get("finish_reason") is not None:
-            self.finish_reason = choice["finish_reason"]
+            self.finish_reason = finish_reason_of(choice["finish_reason"])
             self.final_content += text
             return []
         if self.finish_reason is not None:  # text after the terminal record joins it
@@ -464,26 +536,26 @@ class StreamDecoder:
             return []
         return [GenerationChunk(content=text, model=self.model)] if text else []
 
-    def final_chunk(self, *, remote: Mapping[str, Any]) -> GenerationChunk:
+    def final_chunk(self, *, remote: Mapping[str, JSONValue]) -> GenerationChunk:
         if self.finish_reason is None:
             raise UpstreamError("the server's stream ended without a terminal chunk (no finish_reason)")
         metadata = dict(self.abstractcore)
         metadata["remote"] = dict(remote)
         return GenerationChunk(
             content=self.final_content,
-            finish_reason=self.finish_reason,  # type: ignore[arg-type]
+            finish_reason=self.finish_reason,
             usage=dict(self.usage),
             metadata=metadata,
             model=self.model,
         )
 
-    def result(self, *, remote: Mapping[str, Any]) -> GenerationResult:
+    def result(self, *, remote: Mapping[str, JSONValue]) -> GenerationResult:
         if self.result_body is None:
             raise UpstreamError("the server's event stream ended without a result record")
         return decode_completion(self.result_body, remote=remote)
 
 
-def remote_block(*, base_url: str, retries: int, streamed: bool, **extra: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"base_url": base_url, "retries": retries, "streamed": streamed}
+def remote_block(*, base_url: str, retries: int, streamed: bool, **extra: JSONValue) -> JSONObject:
+    out: JSONObject = {"base_url": base_url, "retries": retries, "streamed": streamed}
     out.update({k: v for k, v in extra.items() if v is not None})
     return out

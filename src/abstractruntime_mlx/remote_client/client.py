@@ -8,6 +8,10 @@ keyword arguments and returns the same ``GenerationResult`` (or a stream of
 
 Retries: only ``QueueFull`` answers and failures to connect, before anything was generated,
 ``max_retries`` times with exponential backoff (``backoff_s``, doubled each time).
+
+Structured output (``response_model`` / ``response_schema`` / ``response_format``) is sent as
+OpenAI's ``response_format``; against a server that does not constrain decoding the answer is
+checked and asked again up to ``structured_retries`` times (``_base.structured_step``).
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping
+from typing import Literal, overload
 
 import httpx
 
+from ..json_values import JSONObject, JSONValue, array_at, as_str, objects_in
 from ..request import GenerationRequest
 from ..errors import InvalidRequest, UpstreamError
 from ..results import GenerationChunk, GenerationResult
@@ -28,6 +33,7 @@ from ._base import (
     CHAT_PATH,
     DEFAULT_BACKOFF_S,
     DEFAULT_MAX_RETRIES,
+    DEFAULT_STRUCTURED_RETRIES,
     DEFAULT_TIMEOUT,
     ChatCall,
     ClientState,
@@ -42,6 +48,7 @@ from ._base import (
     is_retryable,
     normalize_base_url,
     remote_block,
+    structured_step,
     transport_error,
 )
 
@@ -70,9 +77,13 @@ class _ClientCore:
         timeout: httpx.Timeout,
         max_retries: int,
         backoff_s: float,
+        structured_retries: int = DEFAULT_STRUCTURED_RETRIES,
     ) -> None:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        if structured_retries < 0:
+            raise ValueError("structured_retries must be >= 0")
+        self.structured_retries = structured_retries
         self.base_url = normalize_base_url(base_url)
         self.model = model
         self.timeout = timeout
@@ -103,7 +114,7 @@ class _ClientCore:
             )
         return _Prepared(call, headers, request.cancel)
 
-    def _remote(self, prepared: _Prepared, retries: int, **extra: Any) -> dict[str, Any]:
+    def _remote(self, prepared: _Prepared, retries: int, **extra: JSONValue) -> JSONObject:
         return remote_block(
             base_url=self.base_url,
             retries=retries,
@@ -133,11 +144,20 @@ def _is_sse(response: httpx.Response) -> bool:
     return response.headers.get("content-type", "").startswith("text/event-stream")
 
 
-def _json_body(content: bytes) -> Any:
+def _json_body(content: bytes) -> JSONObject:
     try:
-        return json.loads(content)
+        body: JSONValue = json.loads(content)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UpstreamError(f"the server answered with a body that is not JSON: {content[:200]!r}") from exc
+    if not isinstance(body, dict):
+        raise UpstreamError(f"the server answered with JSON that is not an object: {content[:200]!r}")
+    return body
+
+
+def _unwrap(body: JSONObject, key: str) -> JSONObject:
+    """``body[key]`` when it is an object (the server wraps some answers in one key), else ``body``."""
+    value = body.get(key, body)
+    return value if isinstance(value, dict) else body
 
 
 def _final_from_result(result: GenerationResult) -> GenerationChunk:
@@ -171,8 +191,17 @@ class RemoteClient(_ClientCore):
         max_retries: int = DEFAULT_MAX_RETRIES,
         backoff_s: float = DEFAULT_BACKOFF_S,
         limits: httpx.Limits = DEFAULT_LIMITS,
+        structured_retries: int = DEFAULT_STRUCTURED_RETRIES,
     ) -> None:
-        super().__init__(base_url, api_key=api_key, model=model, timeout=timeout, max_retries=max_retries, backoff_s=backoff_s)
+        super().__init__(
+            base_url,
+            api_key=api_key,
+            model=model,
+            timeout=timeout,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+            structured_retries=structured_retries,
+        )
         self._http = httpx.Client(
             base_url=self.base_url, timeout=timeout, transport=transport, headers=auth_headers(api_key), limits=limits
         )
@@ -181,7 +210,7 @@ class RemoteClient(_ClientCore):
         self._state = check_state(self._state, entering=True)
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -190,14 +219,49 @@ class RemoteClient(_ClientCore):
             self._http.close()
 
     # --- generation -----------------------------------------------------------------------
-    def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | Iterator[GenerationChunk]:
+    @overload
+    def generate(self, prompt: str = "", *, stream: Literal[False] = False, **kwargs: object) -> GenerationResult: ...
+
+    @overload
+    def generate(self, prompt: str = "", *, stream: Literal[True], **kwargs: object) -> Iterator[GenerationChunk]: ...
+
+    @overload
+    def generate(
+        self, prompt: str = "", *, stream: bool, **kwargs: object
+    ) -> GenerationResult | Iterator[GenerationChunk]: ...
+
+    def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: object) -> GenerationResult | Iterator[GenerationChunk]:
         """The provider's ``generate`` over HTTP (same keywords, same result types)."""
         return self.generate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
+
+    @overload
+    def generate_request(self, request: GenerationRequest, *, stream: Literal[False] = False) -> GenerationResult: ...
+
+    @overload
+    def generate_request(self, request: GenerationRequest, *, stream: Literal[True]) -> Iterator[GenerationChunk]: ...
+
+    @overload
+    def generate_request(
+        self, request: GenerationRequest, *, stream: bool
+    ) -> GenerationResult | Iterator[GenerationChunk]: ...
 
     def generate_request(
         self, request: GenerationRequest, *, stream: bool = False
     ) -> GenerationResult | Iterator[GenerationChunk]:
-        """Send one validated request (the typed twin of ``generate``)."""
+        """Send one validated request (the typed twin of ``generate``). A structured request
+        (not streamed) comes back parsed; see ``_base.structured_step``."""
+        if request.response_format is None or stream:
+            return self._generate_once(request, stream=stream)
+        attempts, attempt = 1, request
+        while True:
+            result = self._generate_once(attempt, stream=False)
+            assert isinstance(result, GenerationResult)
+            step = structured_step(request, result, attempts=attempts, max_retries=self.structured_retries)
+            if isinstance(step, GenerationResult):
+                return step
+            attempts, attempt = attempts + 1, step
+
+    def _generate_once(self, request: GenerationRequest, *, stream: bool) -> GenerationResult | Iterator[GenerationChunk]:
         self._use()
         prepared = self._prepare(request, stream, self._model_name())
         if prepared.cancel_event is not None and prepared.cancel_event.is_set():
@@ -210,8 +274,8 @@ class RemoteClient(_ClientCore):
         finally:
             response.close()
 
-    def stream(self, prompt: str = "", **kwargs: Any) -> Iterator[GenerationChunk]:
-        return self.generate(prompt, stream=True, **kwargs)  # type: ignore[return-value]
+    def stream(self, prompt: str = "", **kwargs: object) -> Iterator[GenerationChunk]:
+        return self.generate(prompt, stream=True, **kwargs)
 
     def _open(self, prepared: _Prepared) -> tuple[httpx.Response, int]:
         attempt = 0
@@ -257,10 +321,12 @@ class RemoteClient(_ClientCore):
             raise transport_error(exc, self.base_url) from exc
 
     # --- control plane --------------------------------------------------------------------
-    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    def _request(
+        self, method: str, path: str, *, json: JSONValue = None, params: Mapping[str, str | None] | None = None
+    ) -> JSONObject:
         self._use()
         try:
-            response = self._http.request(method, path, **kwargs)
+            response = self._http.request(method, path, json=json, params=params)
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url) from exc
         if response.status_code >= 400:
@@ -269,35 +335,35 @@ class RemoteClient(_ClientCore):
 
     def _model_name(self) -> str | None:
         if self.model is None:
-            data = self._request("GET", "/v1/models").get("data") or []
-            self.model = data[0]["id"] if data else None
+            models = objects_in(array_at(self._request("GET", "/v1/models"), "data"))
+            self.model = as_str(models[0].get("id")) if models else None
         return self.model
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> JSONObject:
         return self._request("GET", "/health")
 
-    def list_models(self) -> list[dict[str, Any]]:
-        return list(self._request("GET", "/v1/models").get("data") or [])
+    def list_models(self) -> list[JSONObject]:
+        return [model for model in array_at(self._request("GET", "/v1/models"), "data") if isinstance(model, dict)]
 
-    def load_model(self, model: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    def load_model(self, model: str, options: Mapping[str, JSONValue] | None = None) -> JSONObject:
         body = self._request("POST", "/acore/models/load", json={"provider": "mlx", "model": model, "options": options or {}})
         self.model = model
         return body
 
-    def unload_model(self, model: str | None = None) -> dict[str, Any]:
+    def unload_model(self, model: str | None = None) -> JSONObject:
         return self._request("POST", "/acore/models/unload", json={"model": model or self.model})
 
-    def get_execution_capabilities(self, model_name: str | None = None, provider: str = "mlx") -> dict[str, Any]:
+    def get_execution_capabilities(self, model_name: str | None = None, provider: str = "mlx") -> JSONObject:
         params = {"provider": provider, **({"model_name": model_name or self.model} if (model_name or self.model) else {})}
         return self._request("GET", "/v1/models/execution-capabilities", params=params)
 
-    def get_prompt_cache_stats(self) -> dict[str, Any]:
+    def get_prompt_cache_stats(self) -> JSONObject:
         body = self._request("GET", "/acore/prompt_cache/stats")
-        return body.get("stats", body)
+        return _unwrap(body, "stats")
 
-    def prompt_cache_clear(self, key: str | None = None) -> dict[str, Any]:
+    def prompt_cache_clear(self, key: str | None = None) -> JSONObject:
         body = self._request("POST", "/acore/prompt_cache/clear", json={"key": key} if key is not None else {})
-        return body.get("result", body)
+        return _unwrap(body, "result")
 
 
 class SyncChunkStream:
@@ -320,7 +386,7 @@ class SyncChunkStream:
     def __enter__(self) -> SyncChunkStream:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -379,8 +445,17 @@ class AsyncRemoteClient(_ClientCore):
         max_retries: int = DEFAULT_MAX_RETRIES,
         backoff_s: float = DEFAULT_BACKOFF_S,
         limits: httpx.Limits = DEFAULT_LIMITS,
+        structured_retries: int = DEFAULT_STRUCTURED_RETRIES,
     ) -> None:
-        super().__init__(base_url, api_key=api_key, model=model, timeout=timeout, max_retries=max_retries, backoff_s=backoff_s)
+        super().__init__(
+            base_url,
+            api_key=api_key,
+            model=model,
+            timeout=timeout,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+            structured_retries=structured_retries,
+        )
         self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=timeout, transport=transport, headers=auth_headers(api_key), limits=limits
         )
@@ -389,7 +464,7 @@ class AsyncRemoteClient(_ClientCore):
         self._state = check_state(self._state, entering=True)
         return self
 
-    async def __aexit__(self, *exc_info: Any) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -398,15 +473,52 @@ class AsyncRemoteClient(_ClientCore):
             await self._http.aclose()
 
     # --- generation -----------------------------------------------------------------------
+    @overload
+    async def generate(self, prompt: str = "", *, stream: Literal[False] = False, **kwargs: object) -> GenerationResult: ...
+
+    @overload
+    async def generate(self, prompt: str = "", *, stream: Literal[True], **kwargs: object) -> AsyncIterator[GenerationChunk]: ...
+
+    @overload
     async def generate(
-        self, prompt: str = "", *, stream: bool = False, **kwargs: Any
+        self, prompt: str = "", *, stream: bool, **kwargs: object
+    ) -> GenerationResult | AsyncIterator[GenerationChunk]: ...
+
+    async def generate(
+        self, prompt: str = "", *, stream: bool = False, **kwargs: object
     ) -> GenerationResult | AsyncIterator[GenerationChunk]:
         return await self.generate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
+
+    @overload
+    async def generate_request(self, request: GenerationRequest, *, stream: Literal[False] = False) -> GenerationResult: ...
+
+    @overload
+    async def generate_request(
+        self, request: GenerationRequest, *, stream: Literal[True]
+    ) -> AsyncIterator[GenerationChunk]: ...
+
+    @overload
+    async def generate_request(
+        self, request: GenerationRequest, *, stream: bool
+    ) -> GenerationResult | AsyncIterator[GenerationChunk]: ...
 
     async def generate_request(
         self, request: GenerationRequest, *, stream: bool = False
     ) -> GenerationResult | AsyncIterator[GenerationChunk]:
-        """Send one validated request (the typed twin of ``generate``)."""
+        """Send one validated request (the typed twin of ``generate``). A structured request
+        (not streamed) comes back parsed; see ``_base.structured_step``."""
+        if request.response_format is None or stream:
+            return await self._generate_once(request, stream=stream)
+        attempts, attempt = 1, request
+        while True:
+            result = await self._generate_once(attempt, stream=False)
+            assert isinstance(result, GenerationResult)
+            step = structured_step(request, result, attempts=attempts, max_retries=self.structured_retries)
+            if isinstance(step, GenerationResult):
+                return step
+            attempts, attempt = attempts + 1, step
+
+    async def _generate_once(self, request: GenerationRequest, *, stream: bool) -> GenerationResult | AsyncIterator[GenerationChunk]:
         self._use()
         prepared = self._prepare(request, stream, await self._model_name())
         if prepared.cancel_event is not None and prepared.cancel_event.is_set():
@@ -425,8 +537,8 @@ class AsyncRemoteClient(_ClientCore):
     agenerate = generate
     agenerate_request = generate_request
 
-    async def stream(self, prompt: str = "", **kwargs: Any) -> AsyncIterator[GenerationChunk]:
-        return await self.generate(prompt, stream=True, **kwargs)  # type: ignore[return-value]
+    async def stream(self, prompt: str = "", **kwargs: object) -> AsyncIterator[GenerationChunk]:
+        return await self.generate(prompt, stream=True, **kwargs)
 
     async def _open(self, prepared: _Prepared) -> tuple[httpx.Response, int]:
         attempt = 0
@@ -472,10 +584,12 @@ class AsyncRemoteClient(_ClientCore):
             raise transport_error(exc, self.base_url) from exc
 
     # --- control plane --------------------------------------------------------------------
-    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    async def _request(
+        self, method: str, path: str, *, json: JSONValue = None, params: Mapping[str, str | None] | None = None
+    ) -> JSONObject:
         self._use()
         try:
-            response = await self._http.request(method, path, **kwargs)
+            response = await self._http.request(method, path, json=json, params=params)
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url) from exc
         if response.status_code >= 400:
@@ -484,35 +598,35 @@ class AsyncRemoteClient(_ClientCore):
 
     async def _model_name(self) -> str | None:
         if self.model is None:
-            data = (await self._request("GET", "/v1/models")).get("data") or []
-            self.model = data[0]["id"] if data else None
+            models = objects_in(array_at(await self._request("GET", "/v1/models"), "data"))
+            self.model = as_str(models[0].get("id")) if models else None
         return self.model
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> JSONObject:
         return await self._request("GET", "/health")
 
-    async def list_models(self) -> list[dict[str, Any]]:
-        return list((await self._request("GET", "/v1/models")).get("data") or [])
+    async def list_models(self) -> list[JSONObject]:
+        return [model for model in array_at(await self._request("GET", "/v1/models"), "data") if isinstance(model, dict)]
 
-    async def load_model(self, model: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def load_model(self, model: str, options: Mapping[str, JSONValue] | None = None) -> JSONObject:
         body = await self._request("POST", "/acore/models/load", json={"provider": "mlx", "model": model, "options": options or {}})
         self.model = model
         return body
 
-    async def unload_model(self, model: str | None = None) -> dict[str, Any]:
+    async def unload_model(self, model: str | None = None) -> JSONObject:
         return await self._request("POST", "/acore/models/unload", json={"model": model or self.model})
 
-    async def get_execution_capabilities(self, model_name: str | None = None, provider: str = "mlx") -> dict[str, Any]:
+    async def get_execution_capabilities(self, model_name: str | None = None, provider: str = "mlx") -> JSONObject:
         params = {"provider": provider, **({"model_name": model_name or self.model} if (model_name or self.model) else {})}
         return await self._request("GET", "/v1/models/execution-capabilities", params=params)
 
-    async def get_prompt_cache_stats(self) -> dict[str, Any]:
+    async def get_prompt_cache_stats(self) -> JSONObject:
         body = await self._request("GET", "/acore/prompt_cache/stats")
-        return body.get("stats", body)
+        return _unwrap(body, "stats")
 
-    async def prompt_cache_clear(self, key: str | None = None) -> dict[str, Any]:
+    async def prompt_cache_clear(self, key: str | None = None) -> JSONObject:
         body = await self._request("POST", "/acore/prompt_cache/clear", json={"key": key} if key is not None else {})
-        return body.get("result", body)
+        return _unwrap(body, "result")
 
 
 class AsyncChunkStream:
@@ -534,7 +648,7 @@ class AsyncChunkStream:
     async def __aenter__(self) -> AsyncChunkStream:
         return self
 
-    async def __aexit__(self, *exc_info: Any) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:

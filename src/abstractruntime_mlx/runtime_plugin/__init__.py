@@ -18,10 +18,17 @@ MLX is imported on the first LLM call, never at import. See ``docs/runtime-plugi
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Unpack
 
 from abstractruntime import Runtime
 from abstractruntime.core.models import EffectType
+from abstractruntime.core.policy import EffectPolicy
+from abstractruntime.core.runtime import EffectHandler
+
+from ..controls import UNSET, Unset
+from ..ledger import Ledger
+from ..nodes import ProviderRegistry
 
 from .catalog import FlowCatalog, FlowIndex
 from .flows import (
@@ -35,9 +42,9 @@ from .flows import (
     run_flow,
     run_tree,
 )
-from .handler import LLMCallHandler
+from .handler import LLMCallHandler, RuntimeProgress
 from .host import DriveLimits, FlowBundle, FlowHost, drive, network_tool_uses
-from .pack import MLXPack, build_pack, normalize_ledger_url
+from .pack import MLXPack, PackOptions, build_pack, normalize_ledger_url
 from .payload import request_from_payload
 from .prefetch import SiblingPrefetcher
 from .routing import Route, RouteDecision, Routing, parse_route
@@ -80,7 +87,12 @@ __all__ = [
 _PACK_ATTRIBUTE = "_abstractruntime_mlx_pack"
 
 
-def register(effect_handlers: dict[Any, Any] | None = None, *, pack: MLXPack | None = None, **pack_options: Any) -> dict[Any, Any]:
+def register(
+    effect_handlers: dict[EffectType, EffectHandler] | None = None,
+    *,
+    pack: MLXPack | None = None,
+    **pack_options: Unpack[PackOptions],
+) -> dict[EffectType, EffectHandler]:
     """Install the MLX LLM_CALL handler: returns ``effect_handlers`` (or a new dict) with
     ``EffectType.LLM_CALL`` set, for ``Runtime(effect_handlers=...)``.
 
@@ -94,32 +106,44 @@ def register(effect_handlers: dict[Any, Any] | None = None, *, pack: MLXPack | N
     return handlers
 
 
-def build_runtime(ledger_url: str, *, model: str | None = None, **options: Any) -> Runtime:
+def build_runtime(
+    ledger_url: str,
+    *,
+    model: str | None = None,
+    ledger: Ledger | None = None,
+    force_model: bool = False,
+    provider_options: Mapping[str, object] | None = None,
+    server_base_url: str | None = None,
+    sibling_batching: bool = True,
+    record_progress: bool = True,
+    runtime_progress: RuntimeProgress = "auto",
+    registry: ProviderRegistry | None = None,
+    effect_policy: EffectPolicy | None | Unset = UNSET,
+    routes: Sequence[str] = (),
+    **more_provider_options: object,
+) -> Runtime:
     """A ``Runtime`` whose runs, steps and phase events live in the ledger at ``ledger_url``
     (SQLAlchemy URL or SQLite path) and whose LLM_CALL effects run on MLX.
 
-    ``model`` is the default model of nodes that name none. Other ``options`` go to
-    ``build_pack`` (``force_model``, ``sibling_batching``, ``server_base_url``,
-    ``record_progress``, ``effect_policy``...) except ``provider_options`` entries, which may
-    also be given directly (``mlx_max_batch_size=8``). ``pack_of(runtime).close()`` releases
-    the ledger and the writer.
+    ``model`` is the default model of nodes that name none. The other named options are
+    ``build_pack``'s; ``provider_options`` entries may also be given directly as further
+    keywords (``mlx_max_batch_size=8``). ``pack_of(runtime).close()`` releases the ledger and
+    the writer.
     """
-    pack_keys = {
-        "ledger",
-        "force_model",
-        "provider_options",
-        "server_base_url",
-        "sibling_batching",
-        "record_progress",
-        "runtime_progress",
-        "registry",
-        "effect_policy",
-        "routes",
-    }
-    pack_options = {k: v for k, v in options.items() if k in pack_keys}
-    provider_options = dict(pack_options.pop("provider_options", None) or {})
-    provider_options.update({k: v for k, v in options.items() if k not in pack_keys})
-    pack = build_pack(ledger_url, model=model, provider_options=provider_options, **pack_options)
+    pack = build_pack(
+        ledger_url,
+        ledger=ledger,
+        model=model,
+        force_model=force_model,
+        provider_options={**(provider_options or {}), **more_provider_options},
+        server_base_url=server_base_url,
+        sibling_batching=sibling_batching,
+        record_progress=record_progress,
+        runtime_progress=runtime_progress,
+        registry=registry,
+        effect_policy=effect_policy,
+        routes=routes,
+    )
     runtime = pack.runtime()
     setattr(runtime, _PACK_ATTRIBUTE, pack)
     return runtime

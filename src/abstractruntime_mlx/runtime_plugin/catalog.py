@@ -14,9 +14,9 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
-from ..json_values import object_at
+from ..json_values import array_at, object_at
 from .prediction import Unpredictable, plan_payload, resolve_payload
 
 __all__ = ["BRANCHING_NODE_TYPES", "FlowCatalog", "FlowIndex", "SiblingCall", "load_flow"]
@@ -25,8 +25,9 @@ BRANCHING_NODE_TYPES: Final = frozenset({"parallel", "sequence"})
 """Nodes whose ``then:N`` branches AbstractRuntime runs one after another on one thread."""
 
 
-def load_flow(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+def load_flow(source: str | Path | Mapping[str, object]) -> dict[str, object]:
     """A VisualFlow dict from a dict, a JSON string, or a path to a JSON file."""
+    flow: object
     if isinstance(source, Mapping):
         flow = copy.deepcopy(dict(source))
     else:
@@ -58,10 +59,10 @@ class SiblingCall:
 
     node_id: str
     branch: int
-    payload: dict[str, Any]
-    config: dict[str, Any]
+    payload: dict[str, object]
+    config: dict[str, object]
 
-    def payload_for(self, run_vars: Mapping[str, Any]) -> dict[str, Any]:
+    def payload_for(self, run_vars: Mapping[str, object]) -> dict[str, object]:
         """The payload for one run; raises ``prediction.Unpredictable``."""
         return resolve_payload(self.payload, run_vars)
 
@@ -70,11 +71,13 @@ class FlowIndex:
     """What the handler needs to know about one flow: node configs and, per ``llm_call`` node
     that is a direct branch of a parallel/sequence node, its predictable later siblings."""
 
-    def __init__(self, flow: Mapping[str, Any]) -> None:
+    def __init__(self, flow: Mapping[str, object]) -> None:
         self.workflow_id = str(flow.get("id"))
-        nodes = {str(n.get("id")): n for n in flow.get("nodes", []) if isinstance(n, Mapping)}
-        edges = [e for e in flow.get("edges", []) if isinstance(e, Mapping)]
-        self._configs: dict[str, dict[str, Any]] = {}
+        nodes: dict[str, Mapping[str, object]] = {
+            str(n.get("id")): n for n in array_at(flow, "nodes") if isinstance(n, Mapping)
+        }
+        edges = [e for e in array_at(flow, "edges") if isinstance(e, Mapping)]
+        self._configs: dict[str, dict[str, object]] = {}
         for node_id, node in nodes.items():
             data = object_at(node, "data")
             config = object_at(data, "effectConfig")
@@ -108,7 +111,7 @@ class FlowIndex:
                 if later and nodes.get(target, {}).get("type") == "llm_call":
                     self._siblings.setdefault(target, []).extend(later)
 
-    def node_config(self, node_id: str) -> dict[str, Any]:
+    def node_config(self, node_id: str) -> dict[str, object]:
         return dict(self._configs.get(node_id, {}))
 
     def later_siblings(self, node_id: str) -> list[SiblingCall]:
@@ -123,7 +126,7 @@ class FlowCatalog:
         self._lock = threading.Lock()
         self._flows: dict[str, FlowIndex] = {}
 
-    def register(self, flow: Mapping[str, Any]) -> FlowIndex:
+    def register(self, flow: Mapping[str, object]) -> FlowIndex:
         index = FlowIndex(flow)
         with self._lock:
             self._flows[index.workflow_id] = index

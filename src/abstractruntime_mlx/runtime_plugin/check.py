@@ -31,11 +31,11 @@ import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
-from ..controls import SPECULATION_KEYS, normalize_sampling, normalize_speculation, normalize_thinking
+from ..controls import SPECULATION_KEYS, Sampling, normalize_sampling, normalize_speculation, normalize_thinking
 from ..errors import InvalidControls, InvalidFlow, InvalidRequest, MLXRuntimeError
-from ..json_values import array_at, object_at
+from ..json_values import JSONObject, array_at, as_str, object_at
 from .routing import Routing
 
 __all__ = [
@@ -48,6 +48,9 @@ __all__ = [
 ]
 
 Severity = Literal["error", "warning"]
+
+_NodeIndex = Mapping[str, tuple[int, Mapping[str, object]]]
+"""The flow's nodes by id: ``(index in the document's nodes list, node)``."""
 
 LLM_CALL_CONFIG_KEYS: Final = frozenset(
     {
@@ -183,7 +186,7 @@ class CheckReport:
         """No errors (warnings do not block a run)."""
         return not self.errors
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "flow_id": self.flow_id,
             "source": self.source,
@@ -218,7 +221,7 @@ class CheckReport:
 
 
 class _Findings:
-    def __init__(self, nodes: Mapping[str, tuple[int, Mapping[str, Any]]]) -> None:
+    def __init__(self, nodes: _NodeIndex) -> None:
         self.items: list[Problem] = []
         self._nodes = nodes
 
@@ -240,15 +243,15 @@ class _Findings:
 
 
 def check_flow(
-    source: str | Path | Mapping[str, Any],
+    source: str | Path | Mapping[str, object],
     *,
-    vars: Mapping[str, Any] | None = None,
+    vars: Mapping[str, object] | None = None,
     model: str | None = None,
     force_model: bool = False,
     default_base_url: str | None = None,
     probe_remote: bool = True,
     probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
-    resolve_model: Callable[[str], Any] | None = None,
+    resolve_model: Callable[[str], object] | None = None,
     routes: Sequence[str] = (),
     flows_dir: str | Path | None = None,
     allow_network_tools: bool = False,
@@ -269,7 +272,7 @@ def check_flow(
     raw, load_error = _load(source)
     if raw is None:
         return CheckReport(None, shown, (Problem("invalid_document", load_error or "not a VisualFlow"),))
-    flow_id = raw.get("id") if isinstance(raw.get("id"), str) else None
+    flow_id = as_str(raw.get("id"))
     nodes, findings = _index_nodes(raw)
     _check_document(raw, findings)
     _check_edges(raw, nodes, findings)
@@ -294,15 +297,16 @@ def check_flow(
 
 
 def _check_bundle(
-    raw: Mapping[str, Any],
-    nodes: Mapping[str, tuple[int, Mapping[str, Any]]],
+    raw: Mapping[str, object],
+    nodes: _NodeIndex,
     findings: _Findings,
     *,
     flows_dir: str | Path | None,
     allow_network_tools: bool,
 ) -> None:
-    """Subflows that cannot be found, and tools that reach outside this machine (``run``'s rules)."""
-    from .host import FlowBundle, network_tool_uses
+    """Subflows that cannot be found, knowledge-graph memory, and tools that reach outside this
+    machine (``run``'s rules)."""
+    from .host import FlowBundle, kg_memory_uses, network_tool_uses
 
     try:
         bundle = FlowBundle.resolve(raw, flows_dir=flows_dir)
@@ -310,6 +314,14 @@ def _check_bundle(
         node = _named_node(str(exc), nodes)
         findings.add("subflow_not_found", str(exc), node=node, field="data.subflowId" if node else None)
         return
+    for flow_id, node_id in kg_memory_uses(bundle):
+        here = flow_id == bundle.root_id
+        findings.add(
+            "kg_memory",
+            "uses knowledge-graph memory (a memory_kg node, or use_kg_memory), which needs a memory service this pack does not wire"
+            + ("" if here else f" (in subflow {flow_id!r}, node {node_id!r})"),
+            node=node_id if here else None,
+        )
     if allow_network_tools:
         return
     for flow_id, node_id, tool in network_tool_uses(bundle):
@@ -323,7 +335,7 @@ def _check_bundle(
         )
 
 
-def _load(source: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+def _load(source: str | Path | Mapping[str, object]) -> tuple[dict[str, object] | None, str | None]:
     if isinstance(source, Mapping):
         return dict(source), None
     text = str(source)
@@ -347,7 +359,7 @@ def _load(source: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any] | None
     return data, None
 
 
-def _label(node: Mapping[str, Any]) -> str | None:
+def _label(node: Mapping[str, object]) -> str | None:
     data = object_at(node, "data")
     for value in (data.get("label"), node.get("label")):
         if isinstance(value, str) and value.strip():
@@ -355,8 +367,8 @@ def _label(node: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _index_nodes(raw: Mapping[str, Any]) -> tuple[dict[str, tuple[int, Mapping[str, Any]]], _Findings]:
-    nodes: dict[str, tuple[int, Mapping[str, Any]]] = {}
+def _index_nodes(raw: Mapping[str, object]) -> tuple[dict[str, tuple[int, Mapping[str, object]]], _Findings]:
+    nodes: dict[str, tuple[int, Mapping[str, object]]] = {}
     duplicates: list[tuple[int, str]] = []
     malformed: list[tuple[int, str]] = []
     raw_nodes = raw.get("nodes")
@@ -386,8 +398,9 @@ def _index_nodes(raw: Mapping[str, Any]) -> tuple[dict[str, tuple[int, Mapping[s
     return nodes, findings
 
 
-def _check_document(raw: Mapping[str, Any], findings: _Findings) -> None:
-    if not isinstance(raw.get("id"), str) or not raw["id"].strip():
+def _check_document(raw: Mapping[str, object], findings: _Findings) -> None:
+    flow_id = raw.get("id")
+    if not isinstance(flow_id, str) or not flow_id.strip():
         findings.add("invalid_document", "the flow has no 'id' (AbstractRuntime uses it as the workflow id)", field="id")
     if not isinstance(raw.get("nodes"), list):
         findings.add("invalid_document", "'nodes' must be a list of nodes", field="nodes")
@@ -395,7 +408,7 @@ def _check_document(raw: Mapping[str, Any], findings: _Findings) -> None:
         findings.add("invalid_document", "'edges' must be a list of edges", field="edges")
 
 
-def _pins(node: Mapping[str, Any], side: str) -> set[str] | None:
+def _pins(node: Mapping[str, object], side: str) -> set[str] | None:
     """The declared pin ids of one side (``inputs``/``outputs``), or None when the node declares none."""
     data = object_at(node, "data")
     inputs, outputs = data.get("inputs"), data.get("outputs")
@@ -405,7 +418,7 @@ def _pins(node: Mapping[str, Any], side: str) -> set[str] | None:
     return {str(p.get("id")) for p in pins if isinstance(p, Mapping) and p.get("id")} if isinstance(pins, list) else set()
 
 
-def _check_edges(raw: Mapping[str, Any], nodes: Mapping[str, tuple[int, Mapping[str, Any]]], findings: _Findings) -> None:
+def _check_edges(raw: Mapping[str, object], nodes: _NodeIndex, findings: _Findings) -> None:
     edges = array_at(raw, "edges")
     for i, edge in enumerate(edges):
         where = f"edges[{i}]"
@@ -442,13 +455,13 @@ def _check_edges(raw: Mapping[str, Any], nodes: Mapping[str, tuple[int, Mapping[
                 )
 
 
-def _implicit_pin(node: Mapping[str, Any], handle: str, side: str) -> bool:
+def _implicit_pin(node: Mapping[str, object], handle: str, side: str) -> bool:
     # Pins every execution node has even when the editor did not list them.
     return handle in ("exec-in", "exec-out") and side == ("inputs" if handle == "exec-in" else "outputs")
 
 
 def _check_with_compiler(
-    raw: Mapping[str, Any], nodes: Mapping[str, tuple[int, Mapping[str, Any]]], findings: _Findings
+    raw: Mapping[str, object], nodes: _NodeIndex, findings: _Findings
 ) -> None:
     """What AbstractRuntime's own compiler says: unknown node types, graph errors, ignored nodes."""
     from abstractruntime.visualflow_compiler import compile_flow, load_visualflow_json, visual_to_flow
@@ -475,7 +488,7 @@ def _check_with_compiler(
         # The compiler stops at the first unknown type. For the rest of its verdict (what the
         # entry reaches) stand a plain execution node in for each unknown one.
         document["nodes"] = [
-            {**n, "type": _STAND_IN_TYPE} if isinstance(n, Mapping) and _is_unknown(n) else n for n in raw["nodes"]
+            {**n, "type": _STAND_IN_TYPE} if isinstance(n, Mapping) and _is_unknown(n) else n for n in array_at(raw, "nodes")
         ]
     try:
         flow = visual_to_flow(load_visualflow_json(document))
@@ -493,7 +506,7 @@ def _check_with_compiler(
         findings.add("compile_error", _compiler_message(exc), node=_named_node(str(exc), nodes))
 
 
-def _live_nodes(raw: Mapping[str, Any], compiled: set[str], ignored: set[str]) -> set[str]:
+def _live_nodes(raw: Mapping[str, object], compiled: set[str], ignored: set[str]) -> set[str]:
     """Nodes that take part in a run: the execution nodes the compiler kept, and the data
     nodes whose outputs reach one of them (transitively)."""
     feeds: dict[str, set[str]] = {}
@@ -511,7 +524,7 @@ def _live_nodes(raw: Mapping[str, Any], compiled: set[str], ignored: set[str]) -
 
 
 def _report_unreachable(
-    raw: Mapping[str, Any], ignored: set[str], live: set[str], wired: set[str], findings: _Findings
+    raw: Mapping[str, object], ignored: set[str], live: set[str], wired: set[str], findings: _Findings
 ) -> None:
     """Execution nodes the entry cannot reach (the compiler drops them without a word).
 
@@ -548,7 +561,7 @@ def _report_unreachable(
 _STAND_IN_TYPE: Final = "answer_user"  # an execution node the compiler knows, for reachability only
 
 
-def _is_unknown(node: Mapping[str, Any]) -> bool:
+def _is_unknown(node: Mapping[str, object]) -> bool:
     node_type = node.get("type")
     return isinstance(node_type, str) and bool(node_type.strip()) and not _compiler_knows(node_type.strip())
 
@@ -558,12 +571,12 @@ def _compiler_message(exc: BaseException) -> str:
     return f"AbstractRuntime's compiler refuses the flow: {text}"
 
 
-def _named_node(message: str, nodes: Mapping[str, Any]) -> str | None:
+def _named_node(message: str, nodes: Iterable[str]) -> str | None:
     quoted = [n for n in nodes if f"'{n}'" in message]
     return quoted[0] if len(quoted) == 1 else None
 
 
-def _wired_nodes(raw: Mapping[str, Any]) -> set[str]:
+def _wired_nodes(raw: Mapping[str, object]) -> set[str]:
     out: set[str] = set()
     for edge in array_at(raw, "edges"):
         if isinstance(edge, Mapping):
@@ -639,7 +652,7 @@ def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def _check_runtime_vars(run_vars: Mapping[str, Any], findings: _Findings) -> None:
+def _check_runtime_vars(run_vars: Mapping[str, object], findings: _Findings) -> None:
     runtime_ns = run_vars.get("_runtime")
     if runtime_ns is None:
         return
@@ -665,19 +678,19 @@ def _check_runtime_vars(run_vars: Mapping[str, Any], findings: _Findings) -> Non
             findings.add("invalid_controls", f"_runtime.{key} must be a URL string", field=f"vars._runtime.{key}")
 
 
-def _positive_int(key: str) -> Callable[[Any], Any]:
-    def check(value: Any) -> None:
+def _positive_int(key: str) -> Callable[[object], None]:
+    def check(value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidControls(f"{key} must be an integer >= 1", field=key, value=value)
 
     return check
 
 
-def _seed(value: Any) -> Any:
+def _seed(value: object) -> Sampling | None:
     return None if value == _SEED_RANDOM else normalize_sampling(seed=value)
 
 
-_CONTROL_RULES: Final[dict[str, Callable[[Any], Any]]] = {
+_CONTROL_RULES: Final[dict[str, Callable[[object], object]]] = {
     "speculation": normalize_speculation,
     "thinking": normalize_thinking,
     "temperature": lambda v: normalize_sampling(temperature=v),
@@ -686,7 +699,7 @@ _CONTROL_RULES: Final[dict[str, Callable[[Any], Any]]] = {
 }
 
 
-def _check_controls(source: Mapping[str, Any], findings: _Findings, *, prefix: str, node: str | None) -> None:
+def _check_controls(source: Mapping[str, object], findings: _Findings, *, prefix: str, node: str | None) -> None:
     """Speculation, thinking and sampling values, as our controls accept them."""
     for key, value in source.items():
         rule = _CONTROL_RULES.get(key)
@@ -704,15 +717,15 @@ def _check_controls(source: Mapping[str, Any], findings: _Findings, *, prefix: s
 
 
 def _check_llm_nodes(
-    nodes: Mapping[str, tuple[int, Mapping[str, Any]]],
-    run_vars: Mapping[str, Any],
+    nodes: _NodeIndex,
+    run_vars: Mapping[str, object],
     findings: _Findings,
     *,
     routing: Routing,
     default_base_url: str | None,
     probe_remote: bool,
     probe_timeout_s: float,
-    resolve_model: Callable[[str], Any],
+    resolve_model: Callable[[str], object],
 ) -> None:
     runtime_ns = object_at(run_vars, "_runtime")
     run_base_url = _first_str(runtime_ns.get("base_url"), runtime_ns.get("server_base_url"), default_base_url)
@@ -786,7 +799,7 @@ def _check_llm_nodes(
             findings.add("model_not_found", str(models_seen[chosen]), node=node_id, field=field)
 
 
-def _base_url_field(config: Mapping[str, Any], runtime_ns: Mapping[str, Any], default: str | None) -> str:
+def _base_url_field(config: Mapping[str, object], runtime_ns: Mapping[str, object], default: str | None) -> str:
     for key in ("base_url", "server_base_url"):
         if _first_str(config.get(key)):
             return f"data.effectConfig.{key}"
@@ -796,14 +809,14 @@ def _base_url_field(config: Mapping[str, Any], runtime_ns: Mapping[str, Any], de
     return "--base-url" if default else "base_url"
 
 
-def _first_str(*values: Any) -> str | None:
+def _first_str(*values: object) -> str | None:
     for value in values:
         if isinstance(value, str) and value.strip():
             return value.strip()
     return None
 
 
-def _default_resolve_model(name: str) -> Any:
+def _default_resolve_model(name: str) -> Path:
     from ..artifacts import resolve_model_path
 
     return resolve_model_path(name)

@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from ..json_values import array_at, object_at
 
@@ -32,7 +32,7 @@ _EDGE_KEYS: Final = ("source", "sourceHandle", "target", "targetHandle")
 _MAX_SHOWN: Final = 12
 
 
-def _node_identity(node: Mapping[str, Any]) -> dict[str, Any]:
+def _node_identity(node: Mapping[str, object]) -> dict[str, object]:
     out = {k: v for k, v in node.items() if k not in _EDITOR_NODE_KEYS}
     data = node.get("data")
     if isinstance(data, Mapping):
@@ -40,7 +40,7 @@ def _node_identity(node: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _edge_identity(edge: Any) -> Any:
+def _edge_identity(edge: object) -> object:
     if not isinstance(edge, Mapping):
         return edge
     out = {k: edge.get(k) for k in _EDGE_KEYS}
@@ -49,7 +49,7 @@ def _edge_identity(edge: Any) -> Any:
     return out
 
 
-def _identity(flow: Mapping[str, Any]) -> dict[str, Any]:
+def _identity(flow: Mapping[str, object]) -> dict[str, object]:
     out = {k: v for k, v in flow.items() if k not in _EDITOR_FLOW_KEYS and k not in ("nodes", "edges")}
     nodes = array_at(flow, "nodes")
     edges = array_at(flow, "edges")
@@ -60,29 +60,29 @@ def _identity(flow: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def flow_hash(flow: Mapping[str, Any]) -> str:
+def flow_hash(flow: Mapping[str, object]) -> str:
     """``sha256:<hex>`` of the flow's canonical JSON, editor-only fields left out."""
     canonical = json.dumps(_identity(flow), sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-def _nodes(flow: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def _nodes(flow: Mapping[str, object]) -> dict[str, dict[str, object]]:
     nodes = array_at(flow, "nodes")
     return {str(n.get("id")): _node_identity(n) for n in nodes if isinstance(n, Mapping) and n.get("id")}
 
 
-def _named(node_id: str, node: Mapping[str, Any]) -> str:
+def _named(node_id: str, node: Mapping[str, object]) -> str:
     data = object_at(node, "data")
     label = data.get("label")
     return f"node {node_id!r}" + (f" ({label})" if isinstance(label, str) and label and label != node_id else "")
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = json.dumps(value, sort_keys=True, default=str, ensure_ascii=False)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _differences(prefix: str, old: Any, new: Any, out: list[str]) -> None:
+def _differences(prefix: str, old: object, new: object, out: list[str]) -> None:
     if old == new:
         return
     if isinstance(old, Mapping) and isinstance(new, Mapping):
@@ -98,7 +98,7 @@ def _differences(prefix: str, old: Any, new: Any, out: list[str]) -> None:
     out.append(f"{prefix or 'value'} {_short(old)} -> {_short(new)}")
 
 
-def flow_changes(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+def flow_changes(stored: Mapping[str, object], current: Mapping[str, object]) -> list[str]:
     """What differs from ``stored`` to ``current``, one line per change, node and field named.
     Empty when the flows are the same (editor-only fields aside)."""
     if flow_hash(stored) == flow_hash(current):
@@ -116,8 +116,8 @@ def flow_changes(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[
         details: list[str] = []
         _differences("", old_nodes[node_id], new_nodes[node_id], details)
         changes.extend(f"{_named(node_id, new_nodes[node_id])}: {d}" for d in details)
-    old_edges = {json.dumps(_edge_identity(e), sort_keys=True, default=str) for e in stored.get("edges") or []}
-    new_edges = {json.dumps(_edge_identity(e), sort_keys=True, default=str) for e in current.get("edges") or []}
+    old_edges = {json.dumps(_edge_identity(e), sort_keys=True, default=str) for e in array_at(stored, "edges")}
+    new_edges = {json.dumps(_edge_identity(e), sort_keys=True, default=str) for e in array_at(current, "edges")}
     for text, verb in [(e, "removed") for e in sorted(old_edges - new_edges)] + [(e, "added") for e in sorted(new_edges - old_edges)]:
         edge = json.loads(text)
         if isinstance(edge, dict):
@@ -157,7 +157,7 @@ class FlowDrift:
 
 
 def flow_drift(
-    stored: Mapping[str, Any] | None, options: Mapping[str, Any], *, flow_file: str | Path | None = None
+    stored: Mapping[str, object] | None, options: Mapping[str, object], *, flow_file: str | Path | None = None
 ) -> FlowDrift | None:
     """Compare the flow a run started with (``stored``; ``options`` are the other keys of
     ``_runtime.mlx_pack``: ``flow_hash``, ``source``) with its file as it is now (``flow_file``,

@@ -24,15 +24,22 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
-from abstractruntime.core.models import RunStatus, WaitReason
+from abstractruntime import Runtime
+from abstractruntime.core.models import RunState, RunStatus, WaitReason
+
+from ..json_values import as_str, object_at
+from ..ledger import Ledger
 
 from .catalog import load_flow
 from .flowdiff import flow_hash
 from .host import DriveLimits, FlowHost, drive, waiting_leaf
 from .pack import MLXPack, build_pack
 from .waits import describe_wait, event_envelope, event_name, wait_info
+
+if TYPE_CHECKING:
+    from abstractruntime import WorkflowRegistry
 
 __all__ = [
     "FLOW_VAR",
@@ -70,7 +77,7 @@ class NodeOutcome:
     node_id: str
     step_id: str
     attempt: int
-    result: dict[str, Any]
+    result: dict[str, object]
     duration_s: float | None
     run_id: str = ""
 
@@ -91,18 +98,18 @@ class FlowRunResult:
     run_id: str
     workflow_id: str
     status: str
-    output: Any
+    output: dict[str, object] | None
     error: str | None
     wall_s: float
     nodes: list[NodeOutcome] = field(default_factory=list)
     failures: list[NodeFailure] = field(default_factory=list)
     children: list[str] = field(default_factory=list)
-    waiting: dict[str, Any] | None = None
+    waiting: dict[str, object] | None = None
     """What the run waits for (``waits.wait_info`` of the run its wait chain ends in, with
     that run's ``run_id``), when ``status`` is ``waiting``."""
 
 
-def node_outcomes(ledger: Any, run_id: str) -> list[NodeOutcome]:
+def node_outcomes(ledger: Ledger, run_id: str) -> list[NodeOutcome]:
     """The completed LLM nodes of a run, in completion order, read from the ledger alone."""
     out: list[NodeOutcome] = []
     for step in ledger.run_steps(run_id):
@@ -114,18 +121,18 @@ def node_outcomes(ledger: Any, run_id: str) -> list[NodeOutcome]:
     return out
 
 
-def run_tree(ledger: Any, run_id: str) -> list[str]:
+def run_tree(ledger: Ledger, run_id: str) -> list[str]:
     """``run_id`` and its descendants (subflow and agent runs), parents before children."""
     order = [run_id]
     for current in order:
         if len(order) > 10_000:
             break
         children = ledger.list_run_states(parent_run_id=current, limit=10_000)
-        order.extend(sorted((c["run_id"] for c in children), key=lambda rid: rid))
+        order.extend(sorted(str(c["run_id"]) for c in children))
     return order
 
 
-def node_failures(ledger: Any, run_id: str, state: Mapping[str, Any] | None = None) -> list[NodeFailure]:
+def node_failures(ledger: Ledger, run_id: str, state: Mapping[str, object] | None = None) -> list[NodeFailure]:
     """Every node failure the ledger holds for one run (see ``NodeFailure``)."""
     out: list[NodeFailure] = []
     for step in ledger.run_steps(run_id):
@@ -151,15 +158,15 @@ def node_failures(ledger: Any, run_id: str, state: Mapping[str, Any] | None = No
 
 
 def run_flow(
-    flow: str | Path | Mapping[str, Any],
+    flow: str | Path | Mapping[str, object],
     *,
-    vars: Mapping[str, Any] | None = None,
+    vars: Mapping[str, object] | None = None,
     runs: int = 1,
     ledger_url: str | None = None,
     pack: MLXPack | None = None,
     model: str | None = None,
     force_model: bool = False,
-    provider_options: Mapping[str, Any] | None = None,
+    provider_options: Mapping[str, object] | None = None,
     sibling_batching: bool = True,
     record_progress: bool = True,
     session_id: str | None = None,
@@ -232,12 +239,12 @@ def run_flow(
             pack.close()
 
 
-def _source_path(flow: str | Path | Mapping[str, Any]) -> str | None:
+def _source_path(flow: str | Path | Mapping[str, object]) -> str | None:
     directory = flow_directory(flow)
     return None if directory is None else str(directory / Path(str(flow)).expanduser().name)
 
 
-def flow_directory(flow: str | Path | Mapping[str, Any]) -> Path | None:
+def flow_directory(flow: str | Path | Mapping[str, object]) -> Path | None:
     """The directory of a flow given as a file path (where its subflows are looked for)."""
     if isinstance(flow, Mapping):
         return None
@@ -247,7 +254,7 @@ def flow_directory(flow: str | Path | Mapping[str, Any]) -> Path | None:
     return Path(text).expanduser().resolve().parent
 
 
-def _one_run(host: FlowHost, run_vars: dict[str, Any], session_id: str | None, limits: DriveLimits) -> FlowRunResult:
+def _one_run(host: FlowHost, run_vars: dict[str, object], session_id: str | None, limits: DriveLimits) -> FlowRunResult:
     pack = host.pack
     runtime, registry = host.runtime()  # one per thread: compiled flows keep unlocked per-run caches
     started = time.perf_counter()
@@ -260,14 +267,14 @@ def _one_run(host: FlowHost, run_vars: dict[str, Any], session_id: str | None, l
     return _result(pack, state, time.perf_counter() - started)
 
 
-def _result(pack: MLXPack, state: Any, wall_s: float) -> FlowRunResult:
+def _result(pack: MLXPack, state: RunState, wall_s: float) -> FlowRunResult:
     ledger = pack.ledger
     if ledger is None:
         raise ValueError("a flow run's result is read from the ledger; this pack has none")
     tree = run_tree(ledger, state.run_id)
     nodes: list[NodeOutcome] = []
     failures: list[NodeFailure] = []
-    waiting: dict[str, Any] | None = None
+    waiting: dict[str, object] | None = None
     for run_id in tree:
         stored = ledger.load_run(run_id) if run_id != state.run_id else {"vars": state.vars}
         nodes.extend(node_outcomes(ledger, run_id))
@@ -302,7 +309,7 @@ def resume_run(
     pack: MLXPack | None = None,
     model: str | None = None,
     answer: str | None = None,
-    event: tuple[str, Any] | None = None,
+    event: tuple[str, object] | None = None,
     limits: DriveLimits | None = None,
 ) -> FlowRunResult:
     """Continue a run from the ledger, with the flow (and subflows) stored in the run.
@@ -320,7 +327,7 @@ def resume_run(
     if pack is None:
         if ledger_url is None:
             raise ValueError("resume_run needs ledger_url=... or pack=...")
-        pack = _pack_for_stored_run(ledger_url, run_id, model=model, build_pack=build_pack)
+        pack = _pack_for_stored_run(ledger_url, run_id, model=model)
     try:
         assert pack.run_store is not None
         state = pack.run_store.load(run_id)
@@ -335,8 +342,8 @@ def resume_run(
         host = FlowHost.for_flow(
             pack,
             stored,
-            known_flows=options.get("subflows") or {},
-            artifacts_dir=options.get("artifacts_dir"),
+            known_flows=_stored_subflows(options),
+            artifacts_dir=as_str(options.get("artifacts_dir")),
             allow_network_tools=bool(options.get("allow_network_tools", False)),
         )
         runtime, registry = host.runtime()
@@ -357,7 +364,9 @@ def resume_run(
             pack.close()
 
 
-def _answer_wait(runtime: Any, registry: Any, leaf: Any, *, answer: str | None, event: tuple[str, Any] | None) -> None:
+def _answer_wait(
+    runtime: Runtime, registry: WorkflowRegistry, leaf: RunState, *, answer: str | None, event: tuple[str, object] | None
+) -> None:
     """Deliver ``answer`` or ``event`` to the run ``leaf`` waits in (a timer needs neither)."""
     wait = leaf.waiting
     reason = wait.reason
@@ -383,22 +392,23 @@ def _answer_wait(runtime: Any, registry: Any, leaf: Any, *, answer: str | None, 
         raise ValueError(f"run {leaf.run_id} waits for {describe_wait(wait)}, which resume cannot answer")
 
 
-def stored_flow(run_vars: Mapping[str, Any]) -> dict[str, Any] | None:
-    runtime_ns = run_vars.get("_runtime") if isinstance(run_vars, Mapping) else None
-    stored = runtime_ns.get(FLOW_VAR) if isinstance(runtime_ns, Mapping) else None
-    flow = stored.get("flow") if isinstance(stored, Mapping) else None
+def stored_flow(run_vars: Mapping[str, object]) -> dict[str, object] | None:
+    """The flow a run started with (``vars._runtime.mlx_pack.flow``), or None."""
+    flow = object_at(object_at(run_vars, "_runtime"), FLOW_VAR).get("flow")
     return dict(flow) if isinstance(flow, Mapping) else None
 
 
-def stored_options(run_vars: Mapping[str, Any]) -> dict[str, Any]:
-    runtime_ns = run_vars.get("_runtime") if isinstance(run_vars, Mapping) else None
-    stored = runtime_ns.get(FLOW_VAR) if isinstance(runtime_ns, Mapping) else None
-    if not isinstance(stored, Mapping):
-        return {}
+def stored_options(run_vars: Mapping[str, object]) -> dict[str, object]:
+    """Everything else ``run_flow`` stored with the run (hash, source, subflows, pack options)."""
+    stored = object_at(object_at(run_vars, "_runtime"), FLOW_VAR)
     return {k: copy.deepcopy(v) for k, v in stored.items() if k != "flow"}
 
 
-def _pack_for_stored_run(ledger_url: str, run_id: str, *, model: str | None, build_pack: Any) -> MLXPack:
+def _stored_subflows(options: Mapping[str, object]) -> dict[str, Mapping[str, object]]:
+    return {str(k): v for k, v in object_at(options, "subflows").items() if isinstance(v, Mapping)}
+
+
+def _pack_for_stored_run(ledger_url: str, run_id: str, *, model: str | None) -> MLXPack:
     from ..ledger import Ledger
 
     probe = Ledger(ledger_url)
@@ -408,12 +418,13 @@ def _pack_for_stored_run(ledger_url: str, run_id: str, *, model: str | None, bui
         probe.close()
     if data is None:
         raise ValueError(f"no run {run_id} in {ledger_url}")
-    options = stored_options(data.get("vars") or {})
+    options = stored_options(object_at(data, "vars"))
+    routes = options.get("routes")
     return build_pack(
         ledger_url,
-        model=model or options.get("model"),
+        model=model or as_str(options.get("model")),
         force_model=bool(options.get("force_model", False)),
-        provider_options=options.get("provider_options") or None,
+        provider_options=object_at(options, "provider_options") or None,
         sibling_batching=bool(options.get("sibling_batching", True)),
-        routes=list(options.get("routes") or ()),
+        routes=[str(route) for route in routes] if isinstance(routes, list) else [],
     )

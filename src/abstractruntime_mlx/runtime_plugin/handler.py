@@ -11,11 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, Final, Literal
+from collections.abc import Mapping
+from typing import Final, Literal, Protocol
 
 from abstractruntime.core.effect_cancellation import current_effect_cancel_event
-from abstractruntime.core.models import Effect, RunState
 from abstractruntime.core.progress_channel import current_effect_progress_callback
 from abstractruntime.core.runtime import EffectOutcome
 
@@ -28,9 +27,10 @@ from ..errors import (
     PolicyError,
     SpeculationUnavailable,
 )
-from ..json_values import object_at
+from ..json_values import JSONObject, object_at
 from ..ledger import Ledger, NodeKey
 from ..nodes import LLMNode, NodeRequest, NodeResult, PreparedCall
+from ..request import ProgressSink
 from .catalog import FlowCatalog
 from .payload import explicit_base_url, request_from_payload
 from .routing import RouteDecision, Routing
@@ -44,6 +44,21 @@ __all__ = ["LLMCallHandler", "RuntimeProgress"]
 log = logging.getLogger(__name__)
 
 RuntimeProgress = Literal["auto", "always", "never"]
+
+
+class RunView(Protocol):
+    """What the handler reads of AbstractRuntime's ``RunState`` (upstream has no type information)."""
+
+    run_id: str
+    workflow_id: str
+    current_node: str
+    vars: Mapping[str, object]
+
+
+class EffectView(Protocol):
+    """What the handler reads of AbstractRuntime's ``Effect``: the LLM_CALL payload (a JSON object)."""
+
+    payload: object
 
 _NOT_RETRYABLE: Final = (
     InvalidRequest,
@@ -88,7 +103,7 @@ class LLMCallHandler:
         self.runtime_progress = runtime_progress
         self.routing = routing or Routing(default_model=model, serve_all=force_model)
 
-    def __call__(self, run: RunState, effect: Effect, default_next_node: str | None = None) -> EffectOutcome:
+    def __call__(self, run: RunView, effect: EffectView, default_next_node: str | None = None) -> EffectOutcome:
         try:
             if self.prefetcher is None:
                 return self._handle(run, effect)
@@ -101,7 +116,7 @@ class LLMCallHandler:
     # -- internals ----------------------------------------------------------------------
 
     def _request(
-        self, run_vars: Mapping[str, Any], payload: Mapping[str, Any], node_config: Mapping[str, Any] | None
+        self, run_vars: Mapping[str, object], payload: Mapping[str, object], node_config: Mapping[str, object] | None
     ) -> tuple[NodeRequest, RouteDecision]:
         """The node's request, served where ``self.routing`` says (see ``routing``)."""
         route = self.routing.decide(
@@ -111,7 +126,7 @@ class LLMCallHandler:
         )
         return request_from_payload(payload, run_vars, node_config=node_config, route=route), route
 
-    def _handle(self, run: RunState, effect: Effect) -> EffectOutcome:
+    def _handle(self, run: RunView, effect: EffectView) -> EffectOutcome:
         payload = effect.payload if isinstance(effect.payload, Mapping) else {}
         node_id = str(run.current_node)
         params = object_at(payload, "params")
@@ -131,14 +146,14 @@ class LLMCallHandler:
         request, route = self._request(run.vars, payload, index.node_config(node_id) if index is not None else None)
         prepared = self.node.prepare(request)
 
-        extra: dict[str, Any] = {"route": route.to_metadata()}
+        extra: JSONObject = {"route": route.to_metadata()}
         result: NodeResult | None = None
         if self.prefetcher is not None:
             result, claimed = self._claim(run.run_id, node_id, prepared, key, callback, cancel_event)
             extra.update(claimed)
             launched = self._launch_siblings(run, node_id, buffer=forward or self.node.record_progress)
             if launched:
-                extra = {**extra, "sibling_batch": {**extra.get("sibling_batch", {}), "launched": launched}}
+                extra = {**extra, "sibling_batch": {**object_at(extra, "sibling_batch"), "launched": launched}}
         if result is None:
             result = self.node.execute(prepared, route=self.node.route_for(key, callback), cancel_event=cancel_event)
         result.extra_metadata.update(extra)
@@ -153,14 +168,14 @@ class LLMCallHandler:
         node_id: str,
         prepared: PreparedCall,
         key: NodeKey,
-        callback: Callable[[dict[str, Any]], Any] | None,
+        callback: ProgressSink | None,
         cancel_event: threading.Event | None,
-    ) -> tuple[NodeResult | None, dict[str, Any]]:
+    ) -> tuple[NodeResult | None, JSONObject]:
         assert self.prefetcher is not None
         entry = self.prefetcher.take(run_id, node_id)
         if entry is None:
             return None, {}
-        info: dict[str, Any] = {"role": "sibling", "trigger_node": entry.trigger_node}
+        info: JSONObject = {"role": "sibling", "trigger_node": entry.trigger_node}
         if entry.prepared.fingerprint != prepared.fingerprint:
             entry.cancel_event.set()
             self.prefetcher.note("mismatched")
@@ -191,7 +206,7 @@ class LLMCallHandler:
         info.update(used=True, ready_when_reached=ready, waited_s=round(time.perf_counter() - claimed_at, 6))
         return result, {"sibling_batch": info}
 
-    def _launch_siblings(self, run: RunState, node_id: str, *, buffer: bool) -> list[str]:
+    def _launch_siblings(self, run: RunView, node_id: str, *, buffer: bool) -> list[str]:
         assert self.prefetcher is not None
         index = self.flows.get(run.workflow_id)
         if index is None:
@@ -215,14 +230,14 @@ class LLMCallHandler:
             return []
         return self.prefetcher.launch(run.run_id, node_id, calls, buffer=buffer)
 
-    def _forward_runtime_progress(self, run: RunState) -> bool:
+    def _forward_runtime_progress(self, run: RunView) -> bool:
         if self.runtime_progress != "auto":
             return self.runtime_progress == "always"
         store = getattr(run, "_runtime_ledger_store", None)
         return not (self.node.ledger is not None and _is_store_of(store, self.node.ledger))
 
 
-def _is_store_of(store: Any, ledger: Ledger) -> bool:
+def _is_store_of(store: object, ledger: Ledger) -> bool:
     for _ in range(4):  # see through wrappers (ObservableLedgerStore._inner, ...)
         if isinstance(store, LedgerStepStore):
             return store.ledger is ledger

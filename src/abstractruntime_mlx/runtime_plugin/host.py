@@ -28,18 +28,25 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 from abstractruntime import Runtime
 from abstractruntime.core.config import RuntimeConfig
 from abstractruntime.core.models import EffectType, RunState, RunStatus, StepRecord, WaitReason
 
-from ..json_values import object_at
+from ..json_values import array_at, object_at
 from ..ledger.store import parse_timestamp
 from .catalog import load_flow
 from .routing import LOCAL_PROVIDER
 
 if TYPE_CHECKING:
+    from abstractcore.tools import ToolDefinition
+    from abstractruntime import WorkflowRegistry
+    from abstractruntime.core.policy import EffectPolicy
+    from abstractruntime.core.runtime import EffectHandler
+    from abstractruntime.integrations.abstractcore.tool_executor import MappingToolExecutor
+    from abstractruntime.storage.artifacts import ArtifactStore
+
     from .pack import MLXPack
 
 __all__ = [
@@ -81,7 +88,7 @@ _MAX_DRIVE_STEPS: Final = 100_000
 # --------------------------------------------------------------------------------------
 
 
-def _subflow_ref(node: Mapping[str, Any]) -> str | None:
+def _subflow_ref(node: Mapping[str, object]) -> str | None:
     data = object_at(node, "data")
     for key in _SUBFLOW_KEYS:
         value = data.get(key)
@@ -94,40 +101,40 @@ def _subflow_ref(node: Mapping[str, Any]) -> str | None:
 class FlowBundle:
     """A root flow and every flow its ``subflow`` nodes reach, by id."""
 
-    root: dict[str, Any]
-    flows: dict[str, dict[str, Any]]
+    root: dict[str, object]
+    flows: dict[str, dict[str, object]]
 
     @property
     def root_id(self) -> str:
         return str(self.root["id"])
 
-    def subflows(self) -> dict[str, dict[str, Any]]:
+    def subflows(self) -> dict[str, dict[str, object]]:
         return {k: v for k, v in self.flows.items() if k != self.root_id}
 
-    def nodes(self) -> Iterator[tuple[str, dict[str, Any]]]:
+    def nodes(self) -> Iterator[tuple[str, dict[str, object]]]:
         for flow_id, flow in self.flows.items():
-            for node in flow.get("nodes") or []:
+            for node in array_at(flow, "nodes"):
                 if isinstance(node, dict):
                     yield flow_id, node
 
     @classmethod
     def resolve(
         cls,
-        root: Mapping[str, Any],
+        root: Mapping[str, object],
         *,
         flows_dir: str | Path | None = None,
-        known: Mapping[str, Mapping[str, Any]] | None = None,
+        known: Mapping[str, Mapping[str, object]] | None = None,
     ) -> FlowBundle:
         """The root plus its subflows, found in ``known`` (e.g. stored with a run), then as
         ``FLOWS_DIR/<id>.json``, then as any ``FLOWS_DIR/*.json`` whose ``id`` matches. A missing
         subflow raises ``ValueError`` naming the node and where it was looked for."""
-        flows: dict[str, dict[str, Any]] = {str(root["id"]): dict(root)}
+        flows: dict[str, dict[str, object]] = {str(root["id"]): dict(root)}
         directory = Path(flows_dir).expanduser() if flows_dir is not None else None
         by_id: dict[str, Path] | None = None
         queue = [str(root["id"])]
         while queue:
             flow = flows[queue.pop(0)]
-            for node in flow.get("nodes") or []:
+            for node in array_at(flow, "nodes"):
                 if not isinstance(node, Mapping) or node.get("type") != "subflow":
                     continue
                 ref = _subflow_ref(node)
@@ -135,7 +142,7 @@ class FlowBundle:
                     raise ValueError(f"subflow node {node.get('id')!r} of flow {flow.get('id')!r} names no subflowId")
                 if ref in flows:
                     continue
-                found: Mapping[str, Any] | None = (known or {}).get(ref)
+                found: Mapping[str, object] | None = (known or {}).get(ref)
                 if found is None and directory is not None:
                     candidate = directory / f"{ref}.json"
                     if not candidate.is_file():
@@ -162,12 +169,13 @@ def _index_dir(directory: Path) -> dict[str, Path]:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if isinstance(data, dict) and isinstance(data.get("id"), str):
-            out.setdefault(data["id"], path)
+        flow_id = data.get("id") if isinstance(data, dict) else None
+        if isinstance(flow_id, str):
+            out.setdefault(flow_id, path)
     return out
 
 
-def _agent_nodes(bundle: FlowBundle) -> list[tuple[str, str, Mapping[str, Any]]]:
+def _agent_nodes(bundle: FlowBundle) -> list[tuple[str, str, Mapping[str, object]]]:
     out = []
     for flow_id, node in bundle.nodes():
         if node.get("type") == "agent":
@@ -183,21 +191,37 @@ def network_tool_uses(bundle: FlowBundle, *, default_tools: frozenset[str] | Non
     uses: list[tuple[str, str, str]] = []
     for flow_id, node in bundle.nodes():
         data = object_at(node, "data")
-        names: list[Any] = []
+        names: list[object] = []
         for key in ("agentConfig", "effectConfig"):
-            config = data.get(key)
-            if isinstance(config, Mapping) and isinstance(config.get("tools"), list):
-                names.extend(config["tools"])
+            names.extend(array_at(object_at(data, key), "tools"))
         pins = data.get("pinDefaults")
         if isinstance(pins, Mapping):
             for key in ("tools", "tool_name", "tool"):
                 value = pins.get(key)
                 names.extend(value if isinstance(value, list) else [value])
-        if isinstance(data.get("literalValue"), list) and node.get("type") == "tools_allowlist":
-            names.extend(data["literalValue"])
+        literal = data.get("literalValue")
+        if isinstance(literal, list) and node.get("type") == "tools_allowlist":
+            names.extend(literal)
         for name in names:
             if isinstance(name, str) and name.strip() in NETWORK_TOOLS:
                 uses.append((flow_id, str(node.get("id")), name.strip()))
+    return sorted(set(uses))
+
+
+KG_MEMORY_NODE_TYPES: Final = frozenset({"memory_kg_assert", "memory_kg_query", "memory_kg_resolve"})
+"""Knowledge-graph memory nodes: their handlers need an embedding service the pack does not wire."""
+
+
+def kg_memory_uses(bundle: FlowBundle) -> list[tuple[str, str]]:
+    """``(flow_id, node_id)`` for every knowledge-graph memory node and every LLM node that
+    recalls from it (``use_kg_memory: true``): the host runs them on a memory service, which
+    this pack does not wire."""
+    uses: list[tuple[str, str]] = []
+    for flow_id, node in bundle.nodes():
+        data = object_at(node, "data")
+        recalls = any(object_at(data, key).get("use_kg_memory") is True for key in ("pinDefaults", "effectConfig"))
+        if recalls or node.get("type") in KG_MEMORY_NODE_TYPES:
+            uses.append((flow_id, str(node.get("id"))))
     return sorted(set(uses))
 
 
@@ -234,26 +258,26 @@ class FlowHost:
 
     pack: MLXPack
     bundle: FlowBundle
-    artifact_store: Any
+    artifact_store: ArtifactStore
     allow_network_tools: bool = False
-    _tools: Any = field(default=None, repr=False)
-    _tool_defs: list[Any] | None = field(default=None, repr=False)
+    _tools: MappingToolExecutor | None = field(default=None, repr=False)
+    _tool_defs: list[ToolDefinition] | None = field(default=None, repr=False)
 
     @classmethod
     def for_flow(
         cls,
         pack: MLXPack,
-        flow: Mapping[str, Any],
+        flow: Mapping[str, object],
         *,
         flows_dir: str | Path | None = None,
-        known_flows: Mapping[str, Mapping[str, Any]] | None = None,
+        known_flows: Mapping[str, Mapping[str, object]] | None = None,
         artifacts_dir: str | Path | None = None,
         allow_network_tools: bool = False,
     ) -> FlowHost:
         from abstractruntime.storage.artifacts import FileArtifactStore, InMemoryArtifactStore
 
         bundle = FlowBundle.resolve(flow, flows_dir=flows_dir, known=known_flows)
-        store: Any
+        store: ArtifactStore
         if artifacts_dir is not None:
             store = FileArtifactStore(Path(artifacts_dir).expanduser())
         elif pack.ledger is not None:
@@ -266,7 +290,7 @@ class FlowHost:
 
     # -- tools ----------------------------------------------------------------------
 
-    def _tool_executor(self) -> Any:
+    def _tool_executor(self) -> MappingToolExecutor:
         if self._tools is None:
             from abstractruntime.integrations.abstractcore.default_tools import get_default_tools
             from abstractruntime.integrations.abstractcore.tool_executor import MappingToolExecutor
@@ -275,7 +299,7 @@ class FlowHost:
             self._tools = MappingToolExecutor.from_tools(tools)
         return self._tools
 
-    def _agent_tool_defs(self) -> list[Any]:
+    def _agent_tool_defs(self) -> list[ToolDefinition]:
         if self._tool_defs is None:
             from abstractagent.logic.builtins import (
                 ASK_USER_TOOL,
@@ -301,7 +325,7 @@ class FlowHost:
             self._tool_defs = defs
         return self._tool_defs
 
-    def effect_handlers(self) -> dict[EffectType, Any]:
+    def effect_handlers(self) -> dict[EffectType, EffectHandler]:
         """The host's tool handlers over our executor, and our LLM_CALL handler."""
         from abstractruntime.integrations.abstractcore.effect_handlers import make_tool_calls_handler, make_tool_invoke_handler
 
@@ -315,7 +339,7 @@ class FlowHost:
 
     # -- registry and runtime ---------------------------------------------------------
 
-    def registry(self) -> Any:
+    def registry(self) -> WorkflowRegistry:
         """A ``WorkflowRegistry`` with the compiled flow, its subflows and one ReAct workflow
         per Agent node (AbstractAgent's, as AbstractFlow registers them)."""
         from abstractruntime import WorkflowRegistry
@@ -334,7 +358,7 @@ class FlowHost:
             for flow_id, node_id, config in agents:
                 # Like AbstractFlow: an Agent node without a tools list may use every tool
                 # the executor has; an explicit list (even empty) is honoured.
-                allowed = [t.strip() for t in config.get("tools") or [] if isinstance(t, str) and t.strip()] if "tools" in config else None
+                allowed = [t.strip() for t in array_at(config, "tools") if isinstance(t, str) and t.strip()] if "tools" in config else None
                 workflow_id = config.get("_react_workflow_id") or visual_react_workflow_id(flow_id=flow_id, node_id=node_id)
                 registry.register(
                     create_react_workflow(
@@ -354,12 +378,12 @@ class FlowHost:
         model = self.pack.handler.routing.default_model
         return RuntimeConfig(provider=LOCAL_PROVIDER, model=model) if model else RuntimeConfig()
 
-    def runtime(self) -> tuple[Runtime, Any]:
+    def runtime(self) -> tuple[Runtime, WorkflowRegistry]:
         pack = self.pack
         if pack.run_store is None or pack.ledger_store is None:
             raise RuntimeError("this pack has no ledger; build it with a ledger URL to run flows")
         registry = self.registry()
-        options: dict[str, Any] = {"effect_policy": pack.effect_policy} if pack.effect_policy is not None else {}
+        options: dict[str, EffectPolicy] = {"effect_policy": pack.effect_policy} if pack.effect_policy is not None else {}
         runtime = Runtime(
             config=self.run_defaults(),
             run_store=pack.run_store,
@@ -372,7 +396,7 @@ class FlowHost:
         return runtime, registry
 
 
-def _tool_name(tool: Any) -> str:
+def _tool_name(tool: object) -> str:
     definition = getattr(tool, "_tool_definition", None)
     name = getattr(definition, "name", None) or getattr(tool, "__name__", "")
     return str(name or "").strip()
@@ -449,7 +473,7 @@ def _guarded(runtime: Runtime, state: RunState, call: Callable[[], RunState]) ->
 
 def drive(
     runtime: Runtime,
-    registry: Any,
+    registry: WorkflowRegistry,
     run_id: str,
     *,
     limits: DriveLimits = DriveLimits(),

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from abstractruntime import Runtime
 from abstractruntime.core.models import EffectType
-from abstractruntime.core.policy import RetryPolicy
+from abstractruntime.core.policy import EffectPolicy, RetryPolicy
+from abstractruntime.core.runtime import EffectHandler
 
-from ..controls import UNSET
+from ..controls import UNSET, Unset
 from ..ledger import Ledger, sqlite_url
 from ..nodes import LLMNode, ProviderRegistry
 from .catalog import FlowCatalog
@@ -26,13 +27,23 @@ from .routing import Routing
 from .stores import LedgerRunStore, LedgerStepStore
 
 
-__all__ = ["MLXPack", "build_pack", "normalize_ledger_url"]
+__all__ = ["MLXPack", "PackOptions", "ResumeOptions", "build_pack", "normalize_ledger_url"]
 
 
 def normalize_ledger_url(url_or_path: str) -> str:
     """A SQLAlchemy URL: URLs pass through, plain paths become ``sqlite:///<absolute path>``."""
     text = str(url_or_path)
     return text if "://" in text else sqlite_url(text)
+
+
+class ResumeOptions(TypedDict):
+    """What ``resume_run`` needs to rebuild an equivalent pack (stored in the run's vars)."""
+
+    model: str | None
+    force_model: bool
+    routes: list[str]
+    provider_options: dict[str, object]
+    sibling_batching: bool
 
 
 @dataclass(slots=True)
@@ -46,18 +57,18 @@ class MLXPack:
     prefetcher: SiblingPrefetcher
     run_store: LedgerRunStore | None
     ledger_store: LedgerStepStore | None
-    provider_options: dict[str, Any]
+    provider_options: dict[str, object]
     owns_ledger: bool
-    effect_policy: Any = None
+    effect_policy: EffectPolicy | None = None
 
-    def effect_handlers(self) -> dict[EffectType, Any]:
+    def effect_handlers(self) -> dict[EffectType, EffectHandler]:
         return {EffectType.LLM_CALL: self.handler}
 
-    def runtime(self, **runtime_options: Any) -> Runtime:
+    def runtime(self, **runtime_options: object) -> Runtime:
         """A new ``Runtime`` over this pack's stores and handler (cheap; one per thread is fine)."""
         if self.run_store is None or self.ledger_store is None:
             raise RuntimeError("this pack has no ledger; build it with a ledger URL to get a Runtime")
-        options: dict[str, Any] = {"effect_policy": self.effect_policy} if self.effect_policy is not None else {}
+        options: dict[str, object] = {"effect_policy": self.effect_policy} if self.effect_policy is not None else {}
         options.update(runtime_options)
         return Runtime(
             run_store=self.run_store,
@@ -66,7 +77,7 @@ class MLXPack:
             **options,
         )
 
-    def resume_options(self) -> dict[str, Any]:
+    def resume_options(self) -> ResumeOptions:
         """What ``resume_run`` needs to rebuild an equivalent pack (stored in the run's vars)."""
         return {
             "model": self.handler.model,
@@ -91,19 +102,36 @@ class MLXPack:
         self.close()
 
 
+class PackOptions(TypedDict, total=False):
+    """The keyword options of ``build_pack`` (for callers that forward them)."""
+
+    ledger_url: str | None
+    ledger: Ledger | None
+    model: str | None
+    force_model: bool
+    provider_options: Mapping[str, object] | None
+    server_base_url: str | None
+    sibling_batching: bool
+    record_progress: bool
+    runtime_progress: RuntimeProgress
+    registry: ProviderRegistry | None
+    effect_policy: EffectPolicy | None | Unset
+    routes: Sequence[str]
+
+
 def build_pack(
     ledger_url: str | None = None,
     *,
     ledger: Ledger | None = None,
     model: str | None = None,
     force_model: bool = False,
-    provider_options: Mapping[str, Any] | None = None,
+    provider_options: Mapping[str, object] | None = None,
     server_base_url: str | None = None,
     sibling_batching: bool = True,
     record_progress: bool = True,
     runtime_progress: RuntimeProgress = "auto",
     registry: ProviderRegistry | None = None,
-    effect_policy: Any = UNSET,
+    effect_policy: EffectPolicy | None | Unset = UNSET,
     routes: Sequence[str] = (),
 ) -> MLXPack:
     """Open (or reuse) the ledger and wire node, handler, prefetcher and stores.

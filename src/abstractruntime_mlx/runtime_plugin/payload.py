@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Final
 
 from abstractruntime.turn_grounding import strip_turn_grounding
 
 from ..controls import SAMPLING_FIELDS, UNSET
 from ..errors import InvalidRequest
-from ..json_values import object_at
+from ..json_values import array_at, object_at
 from ..nodes import NodeRequest
+from ..request import Message
 from .routing import RouteDecision
 
 
@@ -31,10 +32,10 @@ __all__ = ["explicit_base_url", "request_from_payload"]
 _SAMPLING_PARAMS: Final = (*(f for f in SAMPLING_FIELDS if f != "seed"), "stop")
 
 def request_from_payload(
-    payload: Mapping[str, Any],
-    run_vars: Mapping[str, Any] | None,
+    payload: Mapping[str, object],
+    run_vars: Mapping[str, object] | None,
     *,
-    node_config: Mapping[str, Any] | None = None,
+    node_config: Mapping[str, object] | None = None,
     default_model: str | None = None,
     force_model: bool = False,
     default_base_url: str | None = None,
@@ -52,25 +53,19 @@ def request_from_payload(
     else the payload's model, else ``default_model``. ``route`` (a ``routing.RouteDecision``)
     replaces all of that: it names the provider, model and server that serve the node.
     """
-    if payload.get("response_schema") is not None:
-        raise InvalidRequest("structured output (response_schema) is not supported by the mlx pack's LLM node")
     params = object_at(payload, "params")
-    runtime_ns = (run_vars or {}).get("_runtime")
-    runtime_ns = runtime_ns if isinstance(runtime_ns, Mapping) else {}
+    runtime_ns = object_at(run_vars or {}, "_runtime")
     config = node_config or {}
-    messages = payload.get("messages")
-    if isinstance(messages, list):
-        messages = [_strip_message(m) for m in messages]
-    else:
-        messages = None
-    sampling: dict[str, Any] = {name: copy.deepcopy(params[name]) for name in _SAMPLING_PARAMS if params.get(name) is not None}
+    given_messages = payload.get("messages")
+    messages = [_strip_message(m) for m in given_messages] if isinstance(given_messages, list) else None
+    sampling: dict[str, object] = {name: copy.deepcopy(params[name]) for name in _SAMPLING_PARAMS if params.get(name) is not None}
     seed = params.get("seed")
     if seed is not None and not isinstance(seed, bool) and isinstance(seed, int) and seed >= 0:
         sampling["seed"] = seed
     max_out = params.get("max_output_tokens", params.get("max_tokens"))
     if max_out is not None:
         sampling["max_output_tokens"] = max_out
-    model = payload.get("model") if isinstance(payload.get("model"), str) and payload.get("model") else None
+    model = given if isinstance(given := payload.get("model"), str) and given else None
     if force_model or model is None:
         model = default_model or model
     provider = str(payload.get("provider") or "mlx")
@@ -81,8 +76,8 @@ def request_from_payload(
         prompt=strip_turn_grounding(payload.get("prompt") or ""),
         messages=messages,
         system_prompt=_str_or_none(payload.get("system_prompt")),
-        tools=list(payload.get("tools") or []) or None,
-        media=list(payload.get("media") or []) or None,
+        tools=list(array_at(payload, "tools")) or None,
+        media=list(array_at(payload, "media")) or None,
         provider=provider,
         model=model,
         base_url=base_url,
@@ -92,10 +87,22 @@ def request_from_payload(
         run_thinking=_level(runtime_ns, "thinking"),
         sampling=sampling,
         prompt_cache_key=_prompt_cache_key(params, config, runtime_ns),
+        response_schema=_response_schema(payload.get("response_schema")),
+        response_schema_name=_str_or_none(payload.get("response_schema_name")),
     )
 
 
-def _prompt_cache_key(params: Mapping[str, Any], config: Mapping[str, Any], runtime_ns: Mapping[str, Any]) -> str | None:
+def _response_schema(value: object) -> Mapping[str, object] | None:
+    """The node's structured-output schema (None: free text); a schema that is not an object is
+    refused, naming the field, rather than silently ignored."""
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidRequest("response_schema must be a JSON Schema object", details={"field": "response_schema"})
+    return copy.deepcopy(dict(value))
+
+
+def _prompt_cache_key(params: Mapping[str, object], config: Mapping[str, object], runtime_ns: Mapping[str, object]) -> str | None:
     """The node's prompt-cache key (node level first, then run level); None: no reuse."""
     binding = params.get("prompt_cache_binding")
     if isinstance(binding, Mapping):
@@ -104,18 +111,17 @@ def _prompt_cache_key(params: Mapping[str, Any], config: Mapping[str, Any], runt
 
 
 def explicit_base_url(
-    payload: Mapping[str, Any],
-    run_vars: Mapping[str, Any] | None,
+    payload: Mapping[str, object],
+    run_vars: Mapping[str, object] | None,
     *,
-    node_config: Mapping[str, Any] | None = None,
+    node_config: Mapping[str, object] | None = None,
     default_base_url: str | None = None,
 ) -> str | None:
     """The server a node is sent to, first found: ``params.base_url``, the node's
     ``effectConfig.base_url``/``server_base_url``, ``_runtime.base_url``/``server_base_url``,
     ``default_base_url``; ``None``: local."""
     params = object_at(payload, "params")
-    runtime_ns = (run_vars or {}).get("_runtime")
-    runtime_ns = runtime_ns if isinstance(runtime_ns, Mapping) else {}
+    runtime_ns = object_at(run_vars or {}, "_runtime")
     config = node_config or {}
     return _first_str(
         params.get("base_url"),
@@ -127,23 +133,26 @@ def explicit_base_url(
     )
 
 
-def _level(source: Mapping[str, Any], name: str) -> Any:
+def _level(source: Mapping[str, object], name: str) -> object:
     value = source.get(name)
     return UNSET if value is None else copy.deepcopy(value)
 
 
-def _strip_message(message: Any) -> Any:
-    if isinstance(message, Mapping) and message.get("role") == "user" and isinstance(message.get("content"), str):
+def _strip_message(message: object) -> Message:
+    if not isinstance(message, Mapping):
+        # The error GenerationRequest.build raises for such a message, raised where the payload is read.
+        raise InvalidRequest("each message must be an object with a 'role'")
+    if message.get("role") == "user" and isinstance(message.get("content"), str):
         return {**message, "content": strip_turn_grounding(message["content"])}
     return copy.deepcopy(message)
 
 
-def _first_str(*values: Any) -> str | None:
+def _first_str(*values: object) -> str | None:
     for value in values:
         if isinstance(value, str) and value.strip():
             return value.strip()
     return None
 
 
-def _str_or_none(value: Any) -> str | None:
+def _str_or_none(value: object) -> str | None:
     return value if isinstance(value, str) and value else None

@@ -21,11 +21,11 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from abstractruntime.visualflow_compiler.visual.builtins import get_builtin_handler
 
-from ..json_values import object_at
+from ..json_values import array_at, object_at, to_float, to_int
 
 __all__ = ["Unpredictable", "plan_payload", "resolve_payload"]
 
@@ -56,9 +56,9 @@ class StartPin:
     """A start-node pin: the run var of that name, else the start node's default, else None."""
 
     pin: str
-    default: Any = None
+    default: object = None
 
-    def evaluate(self, run_vars: Mapping[str, Any]) -> Any:
+    def evaluate(self, run_vars: Mapping[str, object]) -> object:
         return run_vars[self.pin] if self.pin in run_vars else copy.deepcopy(self.default)
 
 
@@ -66,10 +66,10 @@ class StartPin:
 class Concat:
     """The executor's ``concat``: present pins in pin order, None as "", joined by the separator."""
 
-    parts: tuple[Any, ...]
+    parts: tuple[object, ...]
     separator: str
 
-    def evaluate(self, run_vars: Mapping[str, Any]) -> Any:
+    def evaluate(self, run_vars: Mapping[str, object]) -> str:
         values = (_evaluate(p, run_vars) for p in self.parts)
         return self.separator.join("" if v is None else str(v) for v in values)
 
@@ -79,11 +79,11 @@ class Builtin:
     """A builtin pure node (literals, ``format``), called as the executor's wrapper calls it."""
 
     node_type: str
-    inputs: tuple[tuple[str, Any], ...]
-    literal: Any
+    inputs: tuple[tuple[str, object], ...]
+    literal: object
     pin_order: tuple[str, ...]
 
-    def evaluate(self, run_vars: Mapping[str, Any]) -> Any:
+    def evaluate(self, run_vars: Mapping[str, object]) -> object:
         handler = get_builtin_handler(self.node_type)
         if handler is None:
             raise Unpredictable(f"no builtin for {self.node_type!r}")
@@ -101,7 +101,7 @@ class Builtin:
 _EXPRESSIONS = (StartPin, Concat, Builtin)
 
 
-def _evaluate(value: Any, run_vars: Mapping[str, Any]) -> Any:
+def _evaluate(value: object, run_vars: Mapping[str, object]) -> object:
     if isinstance(value, _EXPRESSIONS):
         return value.evaluate(run_vars)
     if isinstance(value, dict):
@@ -113,31 +113,32 @@ def _evaluate(value: Any, run_vars: Mapping[str, Any]) -> Any:
 
 
 class _Graph:
-    def __init__(self, flow: Mapping[str, Any]) -> None:
-        self.nodes = {str(n.get("id")): n for n in flow.get("nodes", []) if isinstance(n, Mapping)}
+    def __init__(self, flow: Mapping[str, object]) -> None:
+        self.nodes: dict[str, Mapping[str, object]] = {
+            str(n.get("id")): n for n in array_at(flow, "nodes") if isinstance(n, Mapping)
+        }
         self.inputs: dict[str, dict[str, tuple[str, str]]] = {}  # target -> pin -> (source, handle)
-        for edge in flow.get("edges", []):
+        for edge in array_at(flow, "edges"):
             if not isinstance(edge, Mapping) or edge.get("targetHandle") in (None, "exec-in"):
                 continue
             pins = self.inputs.setdefault(str(edge.get("target")), {})
             pins[str(edge.get("targetHandle"))] = (str(edge.get("source")), str(edge.get("sourceHandle") or ""))
 
-    def data(self, node_id: str) -> Mapping[str, Any]:
-        data = self.nodes.get(node_id, {}).get("data")
-        return data if isinstance(data, Mapping) else {}
+    def data(self, node_id: str) -> Mapping[str, object]:
+        return object_at(self.nodes.get(node_id, {}), "data")
 
-    def pin_defaults(self, node_id: str) -> dict[str, Any]:
+    def pin_defaults(self, node_id: str) -> dict[str, object]:
         defaults = self.data(node_id).get("pinDefaults")
         return dict(defaults) if isinstance(defaults, Mapping) else {}
 
-    def node_inputs(self, node_id: str, seen: frozenset[str]) -> dict[str, Any]:
+    def node_inputs(self, node_id: str, seen: frozenset[str]) -> dict[str, object]:
         """The node's data inputs: its pin defaults, overridden by what is wired in."""
-        values: dict[str, Any] = self.pin_defaults(node_id)
+        values = self.pin_defaults(node_id)
         for pin, (source, handle) in self.inputs.get(node_id, {}).items():
             values[pin] = self.output(source, handle, seen | {node_id})
         return values
 
-    def output(self, node_id: str, handle: str, seen: frozenset[str]) -> Any:
+    def output(self, node_id: str, handle: str, seen: frozenset[str]) -> StartPin | Concat | Builtin:
         node_type = self.nodes.get(node_id, {}).get("type")
         if node_type in START_TYPES:
             return StartPin(handle, self.pin_defaults(node_id).get(handle))
@@ -148,7 +149,7 @@ class _Graph:
         data = self.data(node_id)
         inputs = self.node_inputs(node_id, seen)
         pin_order = tuple(
-            str(p["id"]) for p in data.get("inputs", []) or [] if isinstance(p, Mapping) and p.get("type") != "execution" and p.get("id")
+            str(p["id"]) for p in array_at(data, "inputs") if isinstance(p, Mapping) and p.get("type") != "execution" and p.get("id")
         )
         if node_type == "concat":
             config = object_at(data, "concatConfig")
@@ -162,7 +163,7 @@ class _Graph:
         return Builtin(str(node_type), tuple(sorted(inputs.items())), data.get("literalValue"), pin_order)
 
 
-def plan_payload(flow: Mapping[str, Any], node_id: str) -> dict[str, Any]:
+def plan_payload(flow: Mapping[str, object], node_id: str) -> dict[str, object]:
     """The payload template of ``llm_call`` node ``node_id``; raises ``Unpredictable``."""
     graph = _Graph(flow)
     data = graph.data(node_id)
@@ -178,7 +179,7 @@ def plan_payload(flow: Mapping[str, Any], node_id: str) -> dict[str, Any]:
     if extra:
         raise Unpredictable(f"inputs {extra} are not predicted")
     inputs = graph.node_inputs(node_id, frozenset())
-    params: dict[str, Any] = {"temperature": inputs.get("temperature", config.get("temperature", DEFAULT_TEMPERATURE))}
+    params: dict[str, object] = {"temperature": inputs.get("temperature", config.get("temperature", DEFAULT_TEMPERATURE))}
     if "seed" in inputs or "seed" in config:
         params["seed"] = inputs.get("seed", config.get("seed"))
     max_out = config.get("max_output_tokens", config.get("maxOutputTokens"))
@@ -189,7 +190,7 @@ def plan_payload(flow: Mapping[str, Any], node_id: str) -> dict[str, Any]:
         params["thinking"] = thinking.strip() if isinstance(thinking, str) else thinking
     if config.get("speculation") is not None:
         params["speculation"] = copy.deepcopy(config["speculation"])
-    payload: dict[str, Any] = {"prompt": inputs.get("prompt"), "system_prompt": inputs.get("system", ""), "tools": [], "params": params}
+    payload: dict[str, object] = {"prompt": inputs.get("prompt"), "system_prompt": inputs.get("system", ""), "tools": [], "params": params}
     for name in ("provider", "model"):
         value = inputs.get(name, config.get(name))
         if value is not None:
@@ -200,9 +201,9 @@ def plan_payload(flow: Mapping[str, Any], node_id: str) -> dict[str, Any]:
     return payload
 
 
-def resolve_payload(template: Mapping[str, Any], run_vars: Mapping[str, Any]) -> dict[str, Any]:
+def resolve_payload(template: Mapping[str, object], run_vars: Mapping[str, object]) -> dict[str, object]:
     """The payload ``template`` gives for a run with ``run_vars``; raises ``Unpredictable``."""
-    payload = _evaluate(dict(template), run_vars)
+    payload = {key: _evaluate(value, run_vars) for key, value in template.items()}
     payload["prompt"] = "" if payload.get("prompt") is None else str(payload["prompt"])
     system = payload.get("system_prompt")
     payload["system_prompt"] = "" if system is None else system
@@ -212,15 +213,15 @@ def resolve_payload(template: Mapping[str, Any], run_vars: Mapping[str, Any]) ->
     raw = object_at(payload, "params")
     params = dict(raw)
     try:
-        params["temperature"] = float(DEFAULT_TEMPERATURE if raw.get("temperature") is None else raw["temperature"])
+        params["temperature"] = to_float(DEFAULT_TEMPERATURE if raw.get("temperature") is None else raw["temperature"])
         seed = raw.get("seed")
         params.pop("seed", None)
-        if seed is not None and not isinstance(seed, bool) and int(seed) >= 0:
-            params["seed"] = int(seed)
+        if seed is not None and not isinstance(seed, bool) and to_int(seed) >= 0:
+            params["seed"] = to_int(seed)
         max_out = raw.get("max_output_tokens")
         params.pop("max_output_tokens", None)
-        if max_out is not None and not isinstance(max_out, bool) and int(max_out) > 0:
-            params["max_output_tokens"] = int(max_out)
+        if max_out is not None and not isinstance(max_out, bool) and to_int(max_out) > 0:
+            params["max_output_tokens"] = to_int(max_out)
     except (TypeError, ValueError) as exc:
         raise Unpredictable("sampling values are not numbers") from exc
     payload["params"] = params

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 
 from ..nodes import LLMNode, NodeResult, PreparedCall, ProgressRoute
@@ -67,7 +67,7 @@ class PrefetchStats:
     throttled: int = 0
     discarded: int = 0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, int]:
         return {
             "launched": self.launched,
             "used": self.used,

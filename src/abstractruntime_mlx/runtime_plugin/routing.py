@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from ..errors import InvalidRequest
+from ..json_values import JSONObject
 
 __all__ = ["LOCAL_PROVIDER", "Route", "RouteDecision", "Routing", "parse_route"]
 
@@ -81,8 +82,8 @@ class RouteDecision:
     base_url: str | None
     rule: str
 
-    def to_metadata(self) -> dict[str, Any]:
-        served: dict[str, Any] = {"provider": self.provider, "model": self.model}
+    def to_metadata(self) -> JSONObject:
+        served: dict[str, str | None] = {"provider": self.provider, "model": self.model}
         if self.base_url:
             served["base_url"] = self.base_url
         return {
@@ -111,7 +112,7 @@ class Routing:
     def route_specs(self) -> list[str]:
         return [r.spec for r in self.routes]
 
-    def decide(self, provider: Any, model: Any, *, explicit_base_url: str | None = None) -> RouteDecision:
+    def decide(self, provider: object, model: object, *, explicit_base_url: str | None = None) -> RouteDecision:
         asked_provider = provider.strip() if isinstance(provider, str) and provider.strip() else None
         asked_model = model.strip() if isinstance(model, str) and model.strip() else None
         key = (asked_provider or LOCAL_PROVIDER).lower()
@@ -136,13 +137,15 @@ class Routing:
         return RouteDecision(asked_provider, asked_model, LOCAL_PROVIDER, self.default_model, None, "default model")
 
 
-def routes_from_config(value: Any, *, source: str) -> list[str]:
+def routes_from_config(value: object, *, source: str) -> list[str]:
     """Route specs from a config file value: a list of ``"PROVIDER[/MODEL]=TARGET"`` strings or
     a mapping ``{"PROVIDER[/MODEL]": "TARGET"}``."""
     if value is None:
         return []
     if isinstance(value, Mapping):
         return [f"{k}={v}" for k, v in value.items()]
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return list(value)
+    if isinstance(value, list):
+        specs = [v for v in value if isinstance(v, str)]
+        if len(specs) == len(value):
+            return specs
     raise InvalidRequest(f"{source}: 'routes' must be a list of 'PROVIDER[/MODEL]=TARGET' strings or an object")

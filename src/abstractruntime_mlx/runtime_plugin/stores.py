@@ -19,21 +19,22 @@ serialises them to, so a stored run round-trips exactly.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable
-from typing import Any
+import datetime as dt
+from collections.abc import Callable, Mapping
 
 from abstractruntime.core.models import RunState, RunStatus, StepRecord, WaitReason, WaitState
 from abstractruntime.core.run_identity import verify_run_identity
 from abstractruntime.storage.base import LedgerStore, RunStore
 from abstractruntime.storage.serialize import runstate_to_dict, steprecord_to_dict
 
+from ..json_values import object_at
 from ..ledger import Ledger
 from ..ledger.store import parse_timestamp
 
 __all__ = ["LedgerRunStore", "LedgerStepStore", "run_from_dict"]
 
 
-def run_from_dict(data: dict[str, Any]) -> RunState:
+def run_from_dict(data: Mapping[str, object]) -> RunState:
     """A ``RunState`` from its stored dict (the inverse of ``runstate_to_dict``)."""
     raw_waiting = data.get("waiting")
     waiting: WaitState | None = None
@@ -58,7 +59,7 @@ def run_from_dict(data: dict[str, Any]) -> RunState:
         workflow_id=str(data.get("workflow_id") or ""),
         status=status if isinstance(status, RunStatus) else RunStatus(str(status)),
         current_node=str(data.get("current_node") or ""),
-        vars=dict(data.get("vars") or {}),
+        vars=dict(object_at(data, "vars")),
         waiting=waiting,
         output=data.get("output"),
         error=data.get("error"),
@@ -113,7 +114,7 @@ class LedgerRunStore(RunStore):
         now = parse_timestamp(now_iso)
         if now is None:
             raise ValueError(f"now_iso is not an ISO timestamp: {now_iso!r}")
-        due: list[tuple[Any, RunState]] = []
+        due: list[tuple[dt.datetime, RunState]] = []
         for row in self.ledger.list_run_states(status=RunStatus.WAITING.value, wait_reason=WaitReason.UNTIL.value, limit=100_000):
             run = run_from_dict(row)
             until = parse_timestamp(run.waiting.until) if run.waiting is not None else None
@@ -149,19 +150,19 @@ class LedgerStepStore(LedgerStore):
     def append(self, record: StepRecord) -> None:
         self.ledger.append_step(steprecord_to_dict(record))
 
-    def list(self, run_id: str) -> list[dict[str, Any]]:
+    def list(self, run_id: str) -> list[dict[str, object]]:
         return self.ledger.list_records(run_id)
 
-    def list_after(self, *, run_id: str, after: int, limit: int = 1000) -> tuple[builtins.list[dict[str, Any]], int]:
+    def list_after(self, *, run_id: str, after: int, limit: int = 1000) -> tuple[builtins.list[dict[str, object]], int]:
         """Records with ``seq > after`` (cursor semantics of AbstractRuntime's ``SqliteLedgerStore``)."""
         return self.ledger.records_after(run_id, after=after, limit=limit)
 
-    def subscribe(self, callback: Callable[[dict[str, Any]], None], *, run_id: str | None = None) -> Callable[[], None]:
+    def subscribe(self, callback: Callable[[dict[str, object]], None], *, run_id: str | None = None) -> Callable[[], None]:
         """Observers (``Runtime.subscribe_ledger``): every committed record, progress records included."""
         return self.ledger.subscribe(callback, run_id=run_id)
 
-    def find_completed_result(self, run_id: str, idempotency_key: str) -> dict[str, Any] | None:
+    def find_completed_result(self, run_id: str, idempotency_key: str) -> dict[str, object] | None:
         return self.ledger.find_completed_result(run_id, idempotency_key)
 
-    def last_record(self, run_id: str) -> dict[str, Any] | None:
+    def last_record(self, run_id: str) -> dict[str, object] | None:
         return self.ledger.last_record(run_id)

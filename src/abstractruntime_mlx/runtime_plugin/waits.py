@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
 
 from abstractruntime.core.models import RunState, WaitReason, WaitState
 
@@ -23,12 +22,12 @@ def event_name(wait_key: str | None) -> str | None:
     return parts[3] if len(parts) == 4 else None
 
 
-def wait_info(wait: WaitState | None) -> dict[str, Any] | None:
+def wait_info(wait: WaitState | None) -> dict[str, object] | None:
     """The parts of a wait a person needs to answer it (JSON)."""
     if wait is None:
         return None
     reason = str(getattr(wait.reason, "value", wait.reason))
-    info: dict[str, Any] = {"reason": reason, "wait_key": wait.wait_key}
+    info: dict[str, object] = {"reason": reason, "wait_key": wait.wait_key}
     if wait.reason == WaitReason.USER:
         info.update(prompt=wait.prompt, choices=list(wait.choices or []), allow_free_text=wait.allow_free_text)
     elif wait.reason == WaitReason.UNTIL:
@@ -59,7 +58,7 @@ def describe_wait(wait: WaitState | None) -> str:
     return f"{getattr(wait.reason, 'value', wait.reason)} ({wait.wait_key})"
 
 
-def event_envelope(name: str, payload: Any, run: RunState) -> dict[str, Any]:
+def event_envelope(name: str, payload: object, run: RunState) -> dict[str, object]:
     """The envelope the host's scheduler delivers with an external event (``Scheduler.emit_event``)."""
     key = str(run.waiting.wait_key if run.waiting is not None else "")
     parts = key.split(":", 3)

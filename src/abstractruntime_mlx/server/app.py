@@ -31,9 +31,9 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Final, Protocol, TypedDict
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -44,7 +44,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..capabilities import get_execution_capabilities
 from ..controls import SAMPLING_FIELDS, normalize_speculation
-from ..request import GenerationRequest
+from ..request import GenerationRequest, ProgressSink
+from ..structured import ResponseFormat
 from ..errors import (
     AuthenticationError,
     InvalidRequest,
@@ -54,6 +55,8 @@ from ..errors import (
     ResidencyConflict,
     UpstreamError,
 )
+from ..results import GenerationChunk, GenerationResult
+from ..json_values import JSONObject, JSONValue
 from .media import extract_images
 from .model_roots import ModelRoots
 from .schemas import (
@@ -92,10 +95,49 @@ MAX_KEY_META_BYTES: Final = 16 * 1024
 RESERVED_META_KEYS: Final = frozenset({"fed_token_ids", "fed_token_count", "backend", "token_count", "provider", "model"})
 PUBLIC_PATHS: Final = frozenset({"/health"})
 
-ModelFactory = Callable[..., Any]
+
+class ServedProvider(Protocol):
+    """What the server calls on the provider it serves (an ``MLXProvider``, or a test's fake).
+
+    Optional hooks are looked up with ``getattr``: ``health()``, ``execution_options``,
+    ``speculation_default()``, ``supports_text_progress_events()``.
+    """
+
+    @property
+    def model(self) -> str: ...
+
+    def unload_model(self, model_name: str | None = None) -> object: ...
+
+    def supports_concurrent_generation(self) -> bool: ...
+
+    def get_prompt_cache_stats(self) -> Mapping[str, object]: ...
+
+    def prompt_cache_clear(self, key: str | None = None) -> Mapping[str, object]: ...
+
+    def agenerate_request(
+        self, request: GenerationRequest, *, stream: bool = False
+    ) -> Awaitable[GenerationResult | AsyncIterator[GenerationChunk]]: ...
 
 
-def _default_factory(model: str, **options: Any) -> Any:
+ModelFactory = Callable[..., ServedProvider]
+"""``factory(model, **options)``: builds the provider ``/acore/models/load`` asks for."""
+
+
+class LoadOutcome(TypedDict):
+    """``ServedModel.load``: the provider now resident, and whether this call loaded it."""
+
+    loaded_new: bool
+    provider: ServedProvider
+
+
+class UnloadOutcome(TypedDict):
+    """``ServedModel.unload`` (the body of ``/acore/models/unload`` after ``ok``/``success``)."""
+
+    unloaded: bool
+    model: str | None
+
+
+def _default_factory(model: str, **options: object) -> ServedProvider:
     from ..provider import create_llm
 
     return create_llm("mlx", model=model, **options)
@@ -111,19 +153,19 @@ class ServedModel:
     and never wait on that lock.
     """
 
-    def __init__(self, provider: Any | None, *, factory: ModelFactory, roots: ModelRoots) -> None:
+    def __init__(self, provider: ServedProvider | None, *, factory: ModelFactory, roots: ModelRoots) -> None:
         self.provider = provider
         self._factory = factory
         self.roots = roots
         self._owned = False  # True when this app created the provider (it unloads it at shutdown)
         self._lock = asyncio.Lock()
-        self.key_meta: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.key_meta: OrderedDict[str, dict[str, object]] = OrderedDict()
 
     @property
     def name(self) -> str | None:
         return None if self.provider is None else str(self.provider.model)
 
-    def require(self, requested: str | None = None) -> Any:
+    def require(self, requested: str | None = None) -> ServedProvider:
         provider = self.provider
         if provider is None:
             raise ModelNotFound("no model is loaded on this server; POST /acore/models/load first")
@@ -147,7 +189,7 @@ class ServedModel:
             return True
         return _same_path(name, served)
 
-    def model_health(self) -> dict[str, Any] | None:
+    def model_health(self) -> Mapping[str, JSONValue] | None:
         probe = getattr(self.provider, "health", None)
         return probe() if callable(probe) else None
 
@@ -155,7 +197,7 @@ class ServedModel:
         health = self.model_health()
         return health is not None and health.get("state") == "failed"
 
-    async def load(self, model: str, options: dict[str, Any]) -> dict[str, Any]:
+    async def load(self, model: str, options: Mapping[str, object]) -> LoadOutcome:
         async with self._lock:
             current = self.provider
             if current is not None and self.failed() and self.matches(model):
@@ -181,14 +223,14 @@ class ServedModel:
             self._owned = True
             return {"loaded_new": True, "provider": provider}
 
-    def _inside_roots(self, model: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    def _inside_roots(self, model: str, options: Mapping[str, object]) -> tuple[str, Mapping[str, object]]:
         """``model`` (and an ``mtp_head`` directory) resolved inside the model roots, or ``ModelNotFound``."""
         head = options.get("mtp_head")
         if isinstance(head, str):
             options = {**options, "mtp_head": self.roots.resolve(head, field="options.mtp_head")}
         return self.roots.resolve(model), options
 
-    async def unload(self, model: str | None) -> dict[str, Any]:
+    async def unload(self, model: str | None) -> UnloadOutcome:
         async with self._lock:
             current = self.provider
             if current is None:
@@ -205,7 +247,7 @@ class ServedModel:
             with contextlib.suppress(MLXRuntimeError):
                 await self.unload(None)
 
-    def remember_key_meta(self, key: str, meta: dict[str, Any]) -> dict[str, Any]:
+    def remember_key_meta(self, key: str, meta: Mapping[str, object]) -> dict[str, object]:
         merged = {**self.key_meta.pop(key, {}), **meta}
         self.key_meta[key] = merged
         while len(self.key_meta) > MAX_KEY_META_ENTRIES:
@@ -221,10 +263,10 @@ def _same_path(a: str, b: str) -> bool:
         return False
 
 
-def _differing_options(provider: Any, requested: dict[str, Any]) -> dict[str, Any]:
+def _differing_options(provider: ServedProvider, requested: Mapping[str, object]) -> dict[str, dict[str, object]]:
     """Requested options whose value differs from the resident one (``{name: {resident, requested}}``)."""
     resident = dict(getattr(provider, "execution_options", None) or {})
-    out: dict[str, Any] = {}
+    out: dict[str, dict[str, object]] = {}
     for name, value in requested.items():
         if name == "speculation":
             hook = getattr(provider, "speculation_default", None)
@@ -239,7 +281,7 @@ def _differing_options(provider: Any, requested: dict[str, Any]) -> dict[str, An
     return out
 
 
-def _option_equal(a: Any, b: Any) -> bool:
+def _option_equal(a: object, b: object) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
@@ -343,6 +385,7 @@ def _generation_request(body: ChatCompletionRequest) -> GenerationRequest:
         stop=body.stop,
         thinking=body.thinking if body.thinking is not None else body.reasoning_effort,
         speculation=body.speculation,
+        response_format=None if body.response_format is None else ResponseFormat.from_openai(body.response_format),
         prompt_cache_key=body.prompt_cache_key,
     )
 
@@ -354,7 +397,7 @@ async def health(request: Request) -> Response:
     """200 while the server can serve; 503 when its model failed (unload and load it again)."""
     served = _served(request)
     model_health = served.model_health()
-    body: dict[str, Any] = {
+    body: JSONObject = {
         "status": "healthy",
         "server": "abstractruntime-mlx",
         "model": served.name,
@@ -471,7 +514,7 @@ async def chat_completions(request: Request) -> Response:
 
     cancel_event = threading.Event()
 
-    def call(on_progress: Callable[[dict[str, Any]], None] | None) -> Any:
+    def call(on_progress: ProgressSink | None) -> Awaitable[GenerationResult | AsyncIterator[GenerationChunk]]:
         return llm.agenerate_request(typed.with_sinks(cancel=cancel_event, progress=on_progress), stream=body.stream)
 
     pump = ProviderPump(call, stream=body.stream, cancel_event=cancel_event, with_progress=body.include_progress).start()
@@ -509,7 +552,7 @@ async def chat_completions(request: Request) -> Response:
     return SSEResponse(events, on_close=pump.close)
 
 
-def _progress_supported(llm: Any) -> bool:
+def _progress_supported(llm: ServedProvider) -> bool:
     probe = getattr(llm, "supports_text_progress_events", None)
     return callable(probe) and probe() is True
 
@@ -534,8 +577,23 @@ async def _sse_events(
     loop = asyncio.get_running_loop()
     last_write = 0.0
 
-    def chunk(delta: dict[str, Any], **extra: Any) -> str:
-        return data_event(chunk_body(completion_id=completion_id, model=model, created=created, delta=delta, **extra))
+    def chunk(
+        delta: JSONObject,
+        *,
+        finish_reason: str | None = None,
+        usage: Mapping[str, int] | None = None,
+        metadata: Mapping[str, JSONValue] | None = None,
+    ) -> str:
+        body = chunk_body(
+            completion_id=completion_id,
+            model=model,
+            created=created,
+            delta=delta,
+            finish_reason=finish_reason,
+            usage=usage,
+            metadata=metadata,
+        )
+        return data_event(body)
 
     pending: list[PumpItem] = [] if first is None else [first]
     finished = False
@@ -602,14 +660,14 @@ async def _sse_events(
             last_write = loop.time()
 
 
-def _json_safe(value: Any) -> Any:
+def _json_safe(value: object) -> JSONValue:
     return json.loads(json.dumps(value, default=str))
 
 
 # --------------------------------------------------------------------------- app
 
 
-def _guarded(endpoint: Callable[[Request], Any]) -> Callable[[Request], Any]:
+def _guarded(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
     """Render every failure of ``endpoint`` as the JSON error body (typed errors keep their status)."""
 
     async def run(request: Request) -> Response:
@@ -632,7 +690,7 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(
-    provider_instance: Any | None = None,
+    provider_instance: ServedProvider | None = None,
     *,
     api_key: str | None = None,
     model_factory: ModelFactory | None = None,

@@ -27,9 +27,9 @@ import hmac
 import html
 import json
 import string
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 from urllib.parse import urlencode
 
 from starlette.applications import Starlette
@@ -43,7 +43,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import AuthenticationError, InvalidRequest, MLXRuntimeError, RunNotFound
 from ..inspection import run_view, summary_dict
-from ..ledger import Ledger
+from ..json_values import JSONObject, JSONValue, object_at
+from ..ledger import Ledger, RunCursor
 from .sse import SSE_HEADERS, named_event
 from .wire import error_payload
 
@@ -156,7 +157,7 @@ def _poll_interval(request: Request) -> float:
 # --------------------------------------------------------------------------- data
 
 
-def _runs_payload(ledger: Ledger, status: str | None, workflow: str | None, limit: int) -> dict[str, Any]:
+def _runs_payload(ledger: Ledger, status: str | None, workflow: str | None, limit: int) -> JSONObject:
     runs = ledger.list_runs(limit=limit, status=status, workflow_id=workflow)
     return {
         "runs": [summary_dict(r) for r in runs],
@@ -167,7 +168,7 @@ def _runs_payload(ledger: Ledger, status: str | None, workflow: str | None, limi
     }
 
 
-def _run_payload(ledger: Ledger, run_id: str) -> dict[str, Any]:
+def _run_payload(ledger: Ledger, run_id: str) -> JSONObject:
     view = run_view(ledger, run_id)
     if view is None:
         raise RunNotFound(f"no run {run_id!r} in this ledger", details={"run_id": run_id[:255]})
@@ -177,7 +178,7 @@ def _run_payload(ledger: Ledger, run_id: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- pages
 
 
-def _page(name: str, title: str, data: dict[str, Any]) -> HTMLResponse:
+def _page(name: str, title: str, data: Mapping[str, JSONValue]) -> HTMLResponse:
     template = string.Template((STATIC_DIR / name).read_text(encoding="utf-8"))
     # JSON inside <script type="application/json">: "<" escaped so no "</script>" can close it.
     embedded = json.dumps(data, separators=(",", ":"), default=str).replace("<", "\\u003c")
@@ -220,7 +221,7 @@ async def run_json(request: Request) -> Response:
 # --------------------------------------------------------------------------- live
 
 
-async def _until_disconnected(request: Request, ticks: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _until_disconnected(request: Request, ticks: AsyncGenerator[str, None]) -> AsyncIterator[str]:
     """Yield from ``ticks`` until the client goes away (checked between events)."""
     try:
         async for chunk in ticks:
@@ -229,7 +230,7 @@ async def _until_disconnected(request: Request, ticks: AsyncIterator[str]) -> As
             yield chunk
     finally:
         with contextlib.suppress(Exception):
-            await ticks.aclose()  # type: ignore[attr-defined]
+            await ticks.aclose()
 
 
 async def runs_stream(request: Request) -> Response:
@@ -237,7 +238,7 @@ async def runs_stream(request: Request) -> Response:
     ledger = _ledger(request)
     interval = _poll_interval(request)
 
-    async def ticks() -> AsyncIterator[str]:
+    async def ticks() -> AsyncGenerator[str, None]:
         last: str | None = None
         while True:
             payload = await run_in_threadpool(_runs_payload, ledger, status, workflow, limit)
@@ -259,8 +260,8 @@ async def run_stream(request: Request) -> Response:
     if await run_in_threadpool(ledger.run_cursor, run_id) is None:
         raise RunNotFound(f"no run {run_id!r} in this ledger", details={"run_id": run_id[:255]})
 
-    async def ticks() -> AsyncIterator[str]:
-        last: Any = None
+    async def ticks() -> AsyncGenerator[str, None]:
+        last: RunCursor | None = None
         while True:
             cursor = await run_in_threadpool(ledger.run_cursor, run_id)
             if cursor != last:
@@ -268,7 +269,7 @@ async def run_stream(request: Request) -> Response:
                 payload = await run_in_threadpool(_run_payload, ledger, run_id)
                 yield named_event("run", payload)
                 if not payload["live"]:
-                    yield named_event("end", {"status": payload["run"]["status"]})
+                    yield named_event("end", {"status": object_at(payload, "run").get("status")})
                     return
             else:
                 yield ": idle\n\n"
@@ -280,7 +281,7 @@ async def run_stream(request: Request) -> Response:
 # --------------------------------------------------------------------------- app
 
 
-def _guarded(endpoint: Callable[[Request], Any], *, page: bool) -> Callable[[Request], Any]:
+def _guarded(endpoint: Callable[[Request], Awaitable[Response]], *, page: bool) -> Callable[[Request], Awaitable[Response]]:
     async def run(request: Request) -> Response:
         try:
             response: Response = await endpoint(request)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from ..errors import InvalidMedia
 from ..image_types import sniff_image_type
+from ..json_values import JSONObject, JSONValue
 
 MiB: Final = 1024 * 1024
 MAX_IMAGE_BYTES: Final = 10 * MiB
@@ -34,7 +36,7 @@ _MIME_TYPES: Final = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jp
 
 @dataclass(frozen=True, slots=True)
 class NativeImages:
-    messages: list[dict[str, Any]]
+    messages: list[JSONObject]
     images: list[bytes]
     details: list[str | None]
 
@@ -43,10 +45,10 @@ class NativeImages:
         return sum(len(i) for i in self.images)
 
 
-def extract_images(messages: list[dict[str, Any]]) -> NativeImages:
+def extract_images(messages: list[JSONObject]) -> NativeImages:
     """Validate every content part and pull the images out of the final user message."""
     final_user = _final_user_index(messages)
-    out: list[dict[str, Any]] = []
+    out: list[JSONObject] = []
     images: list[bytes] = []
     details: list[str | None] = []
     total = 0
@@ -89,24 +91,24 @@ def extract_images(messages: list[dict[str, Any]]) -> NativeImages:
     return NativeImages(messages=out, images=images, details=details)
 
 
-def _final_user_index(messages: list[dict[str, Any]]) -> int | None:
+def _final_user_index(messages: Sequence[Mapping[str, JSONValue]]) -> int | None:
     for index in range(len(messages) - 1, -1, -1):
         if messages[index].get("role") == "user":
             return index
     return None
 
 
-def _decode_image_part(part: dict[str, Any], where: str) -> tuple[bytes, str | None]:
+def _decode_image_part(part: Mapping[str, JSONValue], where: str) -> tuple[bytes, str | None]:
     spec = part.get("image_url")
-    detail: Any = None
+    detail: JSONValue = None
     if isinstance(spec, str):
         url = spec
-    elif isinstance(spec, dict) and isinstance(spec.get("url"), str):
-        url = spec["url"]
+    elif isinstance(spec, dict) and isinstance(given := spec.get("url"), str):
+        url = given
         detail = spec.get("detail")
     else:
         raise InvalidMedia(f"{where}: an image_url part needs image_url.url (a data URL)")
-    if detail is not None and detail not in DETAIL_VALUES:
+    if detail is not None and (not isinstance(detail, str) or detail not in DETAIL_VALUES):
         raise InvalidMedia(f"{where}: image_url.detail must be one of {sorted(DETAIL_VALUES)}, got {detail!r}")
     if not url.startswith("data:"):
         scheme = url.split(":", 1)[0] if ":" in url else "a bare path"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Final, Literal, TypeVar
 
 from pydantic import (
     AllowInfNan,
@@ -85,7 +85,7 @@ class ToolCallFunction(BaseModel):
 
     name: StrictStr
     # OpenAI sends a JSON string; AbstractCore and chat templates also take the decoded object.
-    arguments: StrictStr | dict[str, Any] = ""
+    arguments: StrictStr | dict[str, object] = ""
 
 
 class ToolCall(BaseModel):
@@ -98,7 +98,7 @@ class ToolCall(BaseModel):
     type: Literal["function"] | None = None
     function: ToolCallFunction | None = None
     name: StrictStr | None = None
-    arguments: StrictStr | dict[str, Any] | None = None
+    arguments: StrictStr | dict[str, object] | None = None
 
     @model_validator(mode="after")
     def _names_a_function(self) -> ToolCall:
@@ -113,7 +113,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[dict[str, Any]] | None = None
+    # Content parts stay unvalidated JSON here (pydantic takes ``object`` as any value);
+    # ``media.extract_images`` checks each part.
+    content: StrictStr | list[dict[str, object]] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None
@@ -145,11 +147,13 @@ class ChatCompletionRequest(BaseModel):
 
     # AbstractCore controls
     # Validated by ``controls.normalize_speculation`` / ``normalize_thinking`` (every accepted form).
-    speculation: Any = None
-    thinking: Any = None
+    speculation: object = None
+    thinking: object = None
     reasoning_effort: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, object]] | None = None
+    # OpenAI's structured output; checked by ``structured.ResponseFormat.from_openai``.
+    response_format: dict[str, object] | None = None
 
     def unknown_fields(self) -> list[str]:
         """Extra top-level fields that are neither known nor tolerated (for the warning)."""
@@ -180,14 +184,14 @@ class LoadModelRequest(BaseModel):
 
     model: ModelName
     provider: StrictStr = "mlx"
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, object] = Field(default_factory=dict)
     # The constructor speculation, also accepted at the top level; the same forms as
     # ``serve --speculation`` (``2``, ``"off"``, ``"inherit"``, an object).
-    speculation: Any = None
+    speculation: object = None
     task: StrictStr | None = None
     pin: StrictBool = True
 
-    def checked_options(self) -> dict[str, Any]:
+    def checked_options(self) -> dict[str, object]:
         if self.provider.strip().lower() != "mlx":
             raise InvalidRequest(f"this server loads provider 'mlx' only, not {self.provider!r}")
         if self.task not in (None, "text_generation", "text"):
@@ -215,7 +219,7 @@ class UnloadModelRequest(BaseModel):
     provider: StrictStr | None = None
     force: StrictBool = False
     task: StrictStr | None = None
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, object] = Field(default_factory=dict)
 
 
 class PromptCacheClearRequest(BaseModel):
@@ -230,7 +234,7 @@ class PromptCacheKeyMetaRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     key: StrictStr = Field(min_length=1)
-    meta: dict[str, Any] = Field(default_factory=dict)
+    meta: dict[str, object] = Field(default_factory=dict)
     provider: StrictStr | None = None
     model: ModelName | None = None
 
@@ -241,7 +245,7 @@ M = TypeVar("M", bound=BaseModel)
 def parse_body(model: type[M], raw: bytes) -> M:
     """Decode JSON ``raw`` into ``model``; every failure is an ``InvalidRequest`` naming the field."""
     if not raw.strip():
-        data: Any = {}
+        data: object = {}
     else:
         try:
             data = json.loads(raw)
@@ -259,13 +263,13 @@ def parse_body(model: type[M], raw: bytes) -> M:
         raise InvalidRequest(_describe(errors), details={"field": errors[0]["field"], "errors": errors}) from exc
 
 
-def check_json_values(data: Any, *, where: str = "") -> None:
+def check_json_values(data: object, *, where: str = "") -> None:
     """Reject what JSON cannot carry faithfully: deep nesting, non-finite numbers, lone surrogates.
 
     Walks iteratively (no recursion, so any depth is safe to inspect); the error names the
     first offending field as a dotted path (``messages.0.content``, ``logit_bias.5``).
     """
-    stack: list[tuple[Any, str, int]] = [(data, where, 0)]
+    stack: list[tuple[object, str, int]] = [(data, where, 0)]
     while stack:
         value, path, depth = stack.pop()
         if isinstance(value, (dict, list)):
@@ -295,22 +299,22 @@ def _bad_value(field: str, problem: str) -> InvalidRequest:
     return InvalidRequest(f"invalid request: {field}: {problem}", details={"field": field})
 
 
-def _describe(errors: list[dict[str, Any]]) -> str:
+def _describe(errors: list[dict[str, str]]) -> str:
     parts = [f"{err['field']}: {err['msg']}" for err in errors[:5]]
     more = len(errors) - len(parts)
     return "invalid request: " + "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
 
 
-def _errors(exc: ValidationError, data: Any) -> list[dict[str, Any]]:
+def _errors(exc: ValidationError, data: object) -> list[dict[str, str]]:
     """One entry per offending field (a union reports each member; the first message is kept)."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, str]] = {}
     for err in exc.errors():
         field = _field_path(err["loc"], data)
         out.setdefault(field, {"field": field, "msg": err["msg"]})
     return list(out.values())[:20]
 
 
-def _field_path(loc: tuple[int | str, ...], data: Any) -> str:
+def _field_path(loc: tuple[int | str, ...], data: object) -> str:
     """The dotted path of ``loc`` in the body, without pydantic's union member tags (``str``, ``list[str]``)."""
     parts: list[str] = []
     node = data

@@ -14,26 +14,28 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..errors import UpstreamError
+from ..request import ProgressSink
 from ..results import GenerationChunk, GenerationResult
+from ..json_values import JSONObject, JSONValue
 
 DONE: Final = "data: [DONE]\n\n"
 DEFAULT_MAX_PENDING: Final = 64
 SSE_HEADERS: Final = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def data_event(payload: dict[str, Any]) -> str:
+def data_event(payload: Mapping[str, JSONValue]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def named_event(name: str, payload: dict[str, Any]) -> str:
+def named_event(name: str, payload: Mapping[str, JSONValue]) -> str:
     return f"event: {name}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
@@ -52,7 +54,7 @@ class ResultItem:
 
 @dataclass(slots=True)
 class ProgressItem:
-    event: dict[str, Any]
+    event: JSONObject
 
 
 @dataclass(slots=True)
@@ -66,7 +68,8 @@ class EndItem:
 
 
 PumpItem = ChunkItem | ResultItem | ProgressItem | FailureItem | EndItem
-ProviderCall = Callable[[Callable[[dict[str, Any]], None] | None], Awaitable[Any]]
+ProviderCall = Callable[[ProgressSink | None], Awaitable[GenerationResult | AsyncIterator[GenerationChunk]]]
+"""Starts the provider call with this progress sink; awaited, it gives the result or the chunk stream."""
 
 
 class ProviderPump:
@@ -144,7 +147,7 @@ class ProviderPump:
             task.cancel()
 
     # --- internals -------------------------------------------------------------------------
-    def _on_progress(self, event: dict[str, Any]) -> None:
+    def _on_progress(self, event: Mapping[str, JSONValue]) -> None:
         """The provider's ``on_progress``: may run on the loop or on a worker thread."""
         item = ProgressItem(dict(event))
         if threading.get_ident() == self._loop_thread:
@@ -160,7 +163,9 @@ class ProviderPump:
         callback = self._on_progress if self._with_progress else None
         try:
             if self._stream:
-                iterator: AsyncIterator[GenerationChunk] = await self._call(callback)
+                iterator = await self._call(callback)
+                if isinstance(iterator, GenerationResult):
+                    raise UpstreamError("the provider returned a GenerationResult, not a stream of chunks")
                 self._admitted.set()
                 try:
                     async for chunk in iterator:

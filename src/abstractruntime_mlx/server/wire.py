@@ -5,8 +5,8 @@ Pure functions, no I/O. Additive fields (AbstractCore's):
 - ``usage.prompt_tokens_details.cached_tokens`` mirrors ``usage.cached_input_tokens``; the
   provider's own usage keys (``input_tokens``, ``output_tokens``, ``cached_input_tokens``)
   are kept alongside OpenAI's three.
-- ``abstractcore``: ``{execution, speculation, performance, prompt_cache}`` (the keys the
-  provider reported; absent ones stay absent).
+- ``abstractcore``: ``{execution, speculation, performance, prompt_cache, controls, structured}``
+  (the keys the provider reported; absent ones stay absent).
 """
 
 from __future__ import annotations
@@ -16,15 +16,17 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, Final
+from collections.abc import Mapping, Sequence
+from typing import Final
 
 from ..errors import MLXRuntimeError
 from ..results import GenerationChunk, GenerationResult
+from ..json_values import JSONObject, JSONValue
 
 log = logging.getLogger(__name__)
 
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")  # in a str every surrogate is a lone one
-ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "controls")
+ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "controls", "structured")
 _USAGE_EXTRAS: Final = ("input_tokens", "output_tokens", "cached_input_tokens")
 
 
@@ -32,12 +34,12 @@ def new_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-def usage_to_wire(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+def usage_to_wire(usage: Mapping[str, int] | None) -> JSONObject | None:
     if not usage:
         return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     completion = usage.get("completion_tokens", usage.get("output_tokens"))
-    out: dict[str, Any] = {
+    out: JSONObject = {
         "prompt_tokens": int(prompt or 0),
         "completion_tokens": int(completion or 0),
         "total_tokens": int(usage.get("total_tokens", (prompt or 0) + (completion or 0))),
@@ -50,20 +52,20 @@ def usage_to_wire(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
-def abstractcore_block(metadata: dict[str, Any] | None) -> dict[str, Any] | None:
+def abstractcore_block(metadata: Mapping[str, JSONValue] | None) -> JSONObject | None:
     if not metadata:
         return None
     block = {k: metadata[k] for k in ABSTRACTCORE_KEYS if metadata.get(k) is not None}
     return block or None
 
 
-def completion_body(result: GenerationResult, *, completion_id: str, model: str, created: int) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": result.content}
+def completion_body(result: GenerationResult, *, completion_id: str, model: str, created: int) -> JSONObject:
+    message: JSONObject = {"role": "assistant", "content": result.content}
     if result.reasoning:
         message["reasoning"] = result.reasoning
     if result.tool_calls:
         message["tool_calls"] = format_tool_calls(result.tool_calls)
-    body: dict[str, Any] = {
+    body: JSONObject = {
         "id": completion_id,
         "object": "chat.completion",
         "created": created,
@@ -84,12 +86,12 @@ def chunk_body(
     completion_id: str,
     model: str,
     created: int,
-    delta: dict[str, Any],
+    delta: JSONObject,
     finish_reason: str | None = None,
-    usage: dict[str, Any] | None = None,
-    metadata: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
+    usage: Mapping[str, int] | None = None,
+    metadata: Mapping[str, JSONValue] | None = None,
+) -> JSONObject:
+    body: JSONObject = {
         "id": completion_id,
         "object": "chat.completion.chunk",
         "created": created,
@@ -105,9 +107,9 @@ def chunk_body(
     return body
 
 
-def format_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def format_tool_calls(calls: Sequence[Mapping[str, JSONValue]]) -> list[JSONObject]:
     """OpenAI's ``{"id", "type": "function", "function": {"name", "arguments": str}}``."""
-    out = []
+    out: list[JSONObject] = []
     for call in calls:
         fn = spec if isinstance(spec := call.get("function"), dict) else call
         arguments = fn.get("arguments", "")
@@ -123,7 +125,7 @@ def format_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def error_payload(exc: BaseException) -> tuple[int, dict[str, Any]]:
+def error_payload(exc: BaseException) -> tuple[int, JSONObject]:
     """``(http_status, {"error": {...}})`` for any exception; unexpected ones are logged.
 
     Messages may quote what the client sent, so every string is made encodable first (a
@@ -143,11 +145,12 @@ def error_payload(exc: BaseException) -> tuple[int, dict[str, Any]]:
     }
 
 
-def _encodable(value: Any) -> Any:
+def _encodable(value: JSONValue) -> JSONValue:
     if isinstance(value, str):
         return _SURROGATE.sub("\ufffd", value)
     if isinstance(value, dict):
-        return {_encodable(k): _encodable(v) for k, v in value.items()}
+        # A key that is not a string (possible only from an untyped caller) is left to json.dumps.
+        return {(_SURROGATE.sub("\ufffd", k) if isinstance(k, str) else k): _encodable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_encodable(v) for v in value]
     return value

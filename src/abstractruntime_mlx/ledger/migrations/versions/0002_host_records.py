@@ -15,7 +15,6 @@ Revises: 0001
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
@@ -37,19 +36,19 @@ def host_key(anchor: str, legacy_key: str) -> str:
     return f"system:progress:{anchor}:{hashlib.sha256(legacy_key.encode('utf-8')).hexdigest()[:12]}"
 
 
-def _run_ids(bind: Any) -> list[str]:
+def _run_ids(bind: sa.Connection) -> list[str]:
     ids = set(bind.scalars(sa.select(steps.c.run_id).distinct()))
     ids.update(bind.scalars(sa.select(progress.c.run_id).distinct()))
     return sorted(ids)
 
 
-def _renumber(bind: Any, table: Any, new_seqs: list[tuple[int, int]]) -> None:
+def _renumber(bind: sa.Connection, table: sa.TableClause, new_seqs: list[tuple[int, int]]) -> None:
     if new_seqs:
         stmt = sa.update(table).where(table.c.id == sa.bindparam("b_id")).values(seq=sa.bindparam("b_seq"))
         bind.execute(stmt, [{"b_id": row_id, "b_seq": seq} for row_id, seq in new_seqs])
 
 
-def _park(bind: Any, run_id: str) -> None:
+def _park(bind: sa.Connection, run_id: str) -> None:
     """Negative seqs first, so ``(run_id, seq)`` stays unique while rows are renumbered."""
     for table in (steps, progress):
         bind.execute(sa.update(table).where(table.c.run_id == run_id).values(seq=-table.c.seq))
