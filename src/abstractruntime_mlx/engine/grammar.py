@@ -274,6 +274,9 @@ class GrammarProcessor:
                 self.closed_at_budget = True
                 return _only(logits, (think.end_id,))
             return _ban(logits, think.eos_ids)
+        # Start the step's forward pass now: the device computes it while the host walks the
+        # grammar (the mask needs only the last token, already on the host).
+        mx.async_eval(logits)
         words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint32)
         if self._generated >= self._close_at:
             narrowed = _narrow_to_closers(words, self._closers)
