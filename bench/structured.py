@@ -159,12 +159,12 @@ def print_report(report: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model only, 1 repeat")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny model only, 1 repeat unless --repeats")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per point (default 2; 1 with --quick)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args()
-    repeats = 1 if args.quick else args.repeats
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
     print(f"# bench/structured.py  ({platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})")
     with tempfile.TemporaryDirectory(prefix="arm-bench-structured-") as tmp:
         models = [("tiny", _models.tiny(Path(tmp) / "tiny"))]
