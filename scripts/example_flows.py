@@ -97,12 +97,17 @@ def run_one(path: Path, cls: str, args: argparse.Namespace, env: dict[str, str])
     asked: list[str] = []
     while result is not None and result.get("status") == "waiting" and answers < MAX_ANSWERS:
         waiting = result.get("waiting") or {}
-        if waiting.get("reason") != "user":
+        if waiting.get("reason") == "user":
+            asked.append(str(waiting.get("prompt")))
+            reply = ["--answer", next_answer(waiting, asked)]
+        elif waiting.get("reason") == "event" and waiting.get("event"):
+            # The event the run waits for, sent as its emitter would (no payload).
+            asked.append(f"event {waiting['event']}")
+            reply = ["--event", str(waiting["event"])]
+        else:
             break
-        asked.append(str(waiting.get("prompt")))
-        answer = next_answer(waiting, asked)
         answers += 1
-        rc, result, err = _cli(["runs", "resume", result["run_id"], "--answer", answer, *base], env, args.timeout)
+        rc, result, err = _cli(["runs", "resume", result["run_id"], *reply, *base], env, args.timeout)
     seconds = time.perf_counter() - started
     nodes = (result or {}).get("nodes") or []
     peak = max([int(((n.get("result") or {}).get("metadata") or {}).get("execution", {}).get("peak_batch_size") or 0) for n in nodes] + [0])

@@ -318,3 +318,12 @@ def test_structured_llm_call_feeds_the_next_node_a_field_of_its_answer(ledger_pa
     [llm_step] = [s for s in steps_of(ledger_path, result["run_id"]) if s.node_id == "llm" and s.status == "completed"]
     assert llm_step.record["result"]["data"] == answer
     assert llm_step.record["result"]["metadata"]["structured"]["mode"] == "constrained"
+
+
+def test_a_wait_on_a_host_channel_names_the_key_to_send():
+    from abstractruntime.core.models import WaitReason, WaitState
+
+    from abstractruntime_mlx.runtime_plugin.waits import wait_info
+
+    assert wait_info(WaitState(reason=WaitReason.EVENT, wait_key="evt:session:s1:done"))["event"] == "done"
+    assert wait_info(WaitState(reason=WaitReason.EVENT, wait_key="abstract.ask"))["event"] == "abstract.ask"

@@ -33,7 +33,8 @@ def wait_info(wait: WaitState | None) -> dict[str, object] | None:
     elif wait.reason == WaitReason.UNTIL:
         info["until"] = wait.until
     elif wait.reason == WaitReason.EVENT:
-        info["event"] = event_name(wait.wait_key)
+        # A wait_event key names its event; any other key (a host channel) is the name to send.
+        info["event"] = event_name(wait.wait_key) or wait.wait_key
     elif wait.reason == WaitReason.SUBWORKFLOW and isinstance(wait.details, dict):
         info["sub_run_id"] = wait.details.get("sub_run_id")
     return info
