@@ -79,10 +79,14 @@ def _cli(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, dic
 
 
 def next_answer(waiting: dict[str, Any], asked: list[str]) -> str:
-    """A person's answer: the first choice (or "yes"); once the same question comes a third
-    time, the words people type to leave a loop, one after another, then the remaining choices."""
+    """A person's answer: the first choice (or "yes"); the second time, the way out the question
+    names ("type /q to quit"); once the same question comes a third time, the words people type
+    to leave a loop, one after another, then the remaining choices."""
     choices = [str(c) for c in waiting.get("choices") or []]
     repeats = asked.count(asked[-1])
+    named = [word for word in QUIT_WORDS if word in str(waiting.get("prompt") or "").split() or f"type {word}" in str(waiting.get("prompt") or "")]
+    if repeats >= 2 and named:  # the question says how to leave ("type /q to quit"): a person does, the second time
+        return named[0]
     if repeats < 3:
         return choices[0] if choices else "yes"
     options = [*QUIT_WORDS, *choices[1:]]
