@@ -165,7 +165,6 @@ class GrammarCompiler:
         think = _thinking_state(prompt_text, thinking, self._think_start, self._think_end, tuple(self.eos_token_ids))
         return GrammarProcessor(
             matcher,
-            vocab_rows=self.vocab_rows,
             max_tokens=max_tokens,
             reserve=closing_reserve(max_tokens, compiled.shortest_chars),
             closers=self._closers,
@@ -204,7 +203,6 @@ class GrammarProcessor:
         self,
         matcher: llguidance.LLMatcher,
         *,
-        vocab_rows: int,
         max_tokens: int,
         reserve: int,
         closers: tuple[tuple[int, ...], ...],
@@ -212,7 +210,6 @@ class GrammarProcessor:
         meta: dict[str, object],
     ) -> None:
         self._matcher = matcher
-        self._vocab_rows = vocab_rows
         self._closers = closers
         self._think = think
         self._close_at = max(0, max_tokens - reserve)
@@ -314,16 +311,17 @@ def closed_objects(schema: Mapping[str, object]) -> dict[str, object]:
 
 
 def _ban(logits: mx.array, token_ids: tuple[int, ...]) -> mx.array:
-    if not token_ids:
-        return logits
-    keep = np.ones(logits.shape[-1], dtype=np.bool_)
-    keep[[t for t in token_ids if t < keep.shape[0]]] = False
-    return mx.where(mx.array(keep), logits, _NEG_INF)
+    return _masked(logits, token_ids, allow=False) if token_ids else logits
 
 
 def _only(logits: mx.array, token_ids: tuple[int, ...]) -> mx.array:
-    keep = np.zeros(logits.shape[-1], dtype=np.bool_)
-    keep[[t for t in token_ids if t < keep.shape[0]]] = True
+    return _masked(logits, token_ids, allow=True)
+
+
+def _masked(logits: mx.array, token_ids: tuple[int, ...], *, allow: bool) -> mx.array:
+    """``logits`` with only ``token_ids`` kept (``allow``) or with them removed."""
+    keep = np.full(logits.shape[-1], not allow, dtype=np.bool_)
+    keep[[t for t in token_ids if t < keep.shape[0]]] = allow
     return mx.where(mx.array(keep), logits, _NEG_INF)
 
 
