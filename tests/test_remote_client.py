@@ -323,6 +323,7 @@ def test_sync_generate_and_stream_against_the_server(real: Any) -> None:
         assert result.usage["completion_tokens"] == 6
         assert result.metadata["execution"]["mode"] == "continuous"
         assert result.metadata["speculation"]["reason"] == "disabled_for_this_call"
+        assert result.metadata["controls"] == local.metadata["controls"]  # each control and its source
         events: list[dict[str, Any]] = []
         chunks = list(client.generate("Hi", temperature=0, max_output_tokens=6, stream=True, on_progress=events.append))
         assert sum(1 for c in chunks if c.finish_reason) == 1 and chunks[-1].finish_reason == "length"

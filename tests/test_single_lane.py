@@ -5,6 +5,7 @@ into a batch with its KV cache as is, and its tokens are the same on every path.
 from __future__ import annotations
 
 import itertools
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -208,3 +209,34 @@ def test_a_failed_hand_off_fails_the_moving_request_only(stepper, monkeypatch):
     assert second.outcome is not None and second.outcome.finish_reason == "length"
     assert second.execution_metadata()["path"] == "single"
     assert s.engine._live == {} and s.engine.stats.failed == 1
+
+
+def test_the_first_request_of_a_burst_waits_briefly_for_company(stepper):
+    # A lone-looking request waits up to ``single_lane_wait_ms`` before taking the single
+    # lane: a request arriving within that window starts a batch with it instead.
+    s = stepper(max_batch_size=4, single_lane_wait_ms=2000)
+    first = s.request(PROMPTS[0], max_tokens=6)
+    arrivals: list[EngineRequest] = []
+    timer = threading.Timer(0.05, lambda: arrivals.append(s.request(PROMPTS[1], max_tokens=6)))
+    timer.start()
+    s.step()  # starts the group: the window closes as soon as the second request is queued
+    timer.join()
+    s.drain()
+    (second,) = arrivals
+    assert first.execution_metadata()["path"] == second.execution_metadata()["path"] == "batch"
+    assert first.peak_batch_size == second.peak_batch_size == 2
+    # with no window the same arrival order starts the first request alone, then moves it
+    s = stepper(max_batch_size=4, single_lane_wait_ms=0)
+    first = s.request(PROMPTS[0], max_tokens=6)
+    s.step()
+    assert isinstance(s.engine._group.backend, SingleBackend)
+    s.request(PROMPTS[1], max_tokens=6)
+    s.drain()
+    assert first.execution_metadata()["path"] == "single_then_batch"
+
+
+def test_requests_the_single_lane_cannot_take_do_not_wait(stepper):
+    s = stepper(single_lane_wait_ms=60_000)  # a wait would stall this test for a minute
+    penalised = s.request(PROMPTS[0], max_tokens=4, sampling=Sampling(repetition_penalty=1.3))
+    s.drain()
+    assert penalised.execution_metadata()["path"] == "batch"

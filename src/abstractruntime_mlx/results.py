@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel
 
 from .json_values import JSONObject, JSONValue
 
 FinishReason = Literal["stop", "length", "cancelled", "tool_calls", "error"]
+
+WIRE_METADATA_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "controls", "structured")
+"""The metadata blocks a result carries over HTTP (under ``abstractcore`` in a completion body)."""
 
 @dataclass(slots=True)
 class GenerationResult:

@@ -51,7 +51,7 @@ from ..errors import (
 from ..image_types import MIME_BY_TYPE, sniff_image_type
 from ..json_values import JSONObject, JSONValue, array_at, as_str, object_at, objects_in
 from ..request import GenerationRequest, ProgressSink
-from ..results import FinishReason, GenerationChunk, GenerationResult
+from ..results import WIRE_METADATA_KEYS, FinishReason, GenerationChunk, GenerationResult
 from ..structured import PROMPTED_PREFIX, answer_error, parse_answer, prompted_instruction
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,6 @@ DEFAULT_MAX_RETRIES: Final = 2
 DEFAULT_BACKOFF_S: Final = 0.25
 MAX_BACKOFF_S: Final = 8.0
 CHAT_PATH: Final = "/v1/chat/completions"
-ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "structured")
 RETRYABLE_CODES: Final = frozenset({QueueFull.code})
 _STRICT_SPECULATION_SUFFIX: Final = "(speculation.require_acceleration=True)"
 _STATUS_FALLBACK: Final[dict[int, type[MLXRuntimeError]]] = {
@@ -279,7 +278,7 @@ def _token_count(value: JSONValue) -> int:
 def metadata_from(block: JSONValue) -> JSONObject:
     if not isinstance(block, Mapping):
         return {}
-    return {k: block[k] for k in ABSTRACTCORE_KEYS if isinstance(block.get(k), Mapping)}
+    return {k: block[k] for k in WIRE_METADATA_KEYS if isinstance(block.get(k), Mapping)}
 
 
 def decode_completion(body: Mapping[str, JSONValue], *, remote: Mapping[str, JSONValue]) -> GenerationResult:

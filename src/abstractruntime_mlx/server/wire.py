@@ -20,13 +20,12 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from ..errors import MLXRuntimeError
-from ..results import GenerationChunk, GenerationResult
+from ..results import WIRE_METADATA_KEYS, GenerationChunk, GenerationResult
 from ..json_values import JSONObject, JSONValue
 
 log = logging.getLogger(__name__)
 
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")  # in a str every surrogate is a lone one
-ABSTRACTCORE_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "controls", "structured")
 _USAGE_EXTRAS: Final = ("input_tokens", "output_tokens", "cached_input_tokens")
 
 
@@ -55,7 +54,7 @@ def usage_to_wire(usage: Mapping[str, int] | None) -> JSONObject | None:
 def abstractcore_block(metadata: Mapping[str, JSONValue] | None) -> JSONObject | None:
     if not metadata:
         return None
-    block = {k: metadata[k] for k in ABSTRACTCORE_KEYS if metadata.get(k) is not None}
+    block = {k: metadata[k] for k in WIRE_METADATA_KEYS if metadata.get(k) is not None}
     return block or None
 
 
