@@ -477,7 +477,7 @@ def test_is_greedy_neutral(kwargs, greedy):
     assert normalize_sampling(**kwargs).is_greedy_neutral() is greedy
 
 
-@pytest.mark.parametrize("name", ["mlx_batch_wait_ms", "mlx_single_lane_wait_ms"])
+@pytest.mark.parametrize("name", ["mlx_batch_wait_ms", "mlx_burst_gap_ms"])
 @pytest.mark.parametrize("value", [-1, 1001, True, "2"])
 def test_collection_windows_are_bounded(dense_model, name, value):
     from abstractruntime_mlx import create_llm

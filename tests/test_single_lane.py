@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -211,22 +212,28 @@ def test_a_failed_hand_off_fails_the_moving_request_only(stepper, monkeypatch):
     assert s.engine._live == {} and s.engine.stats.failed == 1
 
 
-def test_the_first_request_of_a_burst_waits_briefly_for_company(stepper):
-    # A lone-looking request waits up to ``single_lane_wait_ms`` before taking the single
-    # lane: a request arriving within that window starts a batch with it instead.
-    s = stepper(max_batch_size=4, single_lane_wait_ms=2000)
+def test_a_burst_starts_as_one_batch(stepper):
+    # A continuous group starts once ``burst_gap_ms`` pass without a new arrival (at most
+    # ``batch_wait_ms`` after the first): requests arriving 30 ms apart are prefilled together.
+    s = stepper(max_batch_size=4, burst_gap_ms=500, batch_wait_ms=10_000)
     first = s.request(PROMPTS[0], max_tokens=6)
     arrivals: list[EngineRequest] = []
-    timer = threading.Timer(0.05, lambda: arrivals.append(s.request(PROMPTS[1], max_tokens=6)))
-    timer.start()
-    s.step()  # starts the group: the window closes as soon as the second request is queued
-    timer.join()
+
+    def arrive_later() -> None:
+        for prompt in PROMPTS[1:]:
+            time.sleep(0.03)
+            arrivals.append(s.request(prompt, max_tokens=6))
+
+    thread = threading.Thread(target=arrive_later)
+    thread.start()
+    s.step()  # starts the group once the arrivals stop
+    thread.join()
+    assert len(s.engine._group.running) == 3  # all three admitted by the first step
     s.drain()
-    (second,) = arrivals
-    assert first.execution_metadata()["path"] == second.execution_metadata()["path"] == "batch"
-    assert first.peak_batch_size == second.peak_batch_size == 2
-    # with no window the same arrival order starts the first request alone, then moves it
-    s = stepper(max_batch_size=4, single_lane_wait_ms=0)
+    for req in (first, *arrivals):
+        assert req.execution_metadata()["path"] == "batch" and req.peak_batch_size == 3
+    # without the gap the same first request starts alone on the single lane, then moves
+    s = stepper(max_batch_size=4, burst_gap_ms=0)
     first = s.request(PROMPTS[0], max_tokens=6)
     s.step()
     assert isinstance(s.engine._group.backend, SingleBackend)
@@ -235,8 +242,8 @@ def test_the_first_request_of_a_burst_waits_briefly_for_company(stepper):
     assert first.execution_metadata()["path"] == "single_then_batch"
 
 
-def test_requests_the_single_lane_cannot_take_do_not_wait(stepper):
-    s = stepper(single_lane_wait_ms=60_000)  # a wait would stall this test for a minute
-    penalised = s.request(PROMPTS[0], max_tokens=4, sampling=Sampling(repetition_penalty=1.3))
+def test_a_full_batch_starts_without_waiting_out_the_gap(stepper):
+    s = stepper(max_batch_size=2, burst_gap_ms=60_000, batch_wait_ms=60_000)  # a wait would stall for a minute
+    a, b = s.request(PROMPTS[0], max_tokens=4), s.request(PROMPTS[1], max_tokens=4)
     s.drain()
-    assert penalised.execution_metadata()["path"] == "batch"
+    assert a.peak_batch_size == b.peak_batch_size == 2

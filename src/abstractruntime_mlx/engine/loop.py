@@ -76,10 +76,10 @@ class EngineConfig:
     # A continuous group of one decodes on the single-request lane (``single``) until a
     # second request joins; off: every continuous row decodes in upstream's batch step.
     single_lane: bool = True
-    # How long a request that would take the single lane waits for company first: the first
-    # request of a burst (a flow's fan-out) then starts a batch with the others instead of
-    # starting alone and handing over (measured slower per step afterwards on the H200).
-    single_lane_wait_ms: float = 2.0
+    # A continuous group starts once no compatible request has arrived for this long (at most
+    # ``batch_wait_ms`` after the first): a burst (a flow's fan-out, clients at once) is
+    # prefilled as one batch, and its first request does not start alone on the single lane.
+    burst_gap_ms: float = 2.0
 
 
 @dataclass(slots=True)
@@ -570,8 +570,8 @@ class Engine:
                 # A cohort cannot be joined later: give concurrent arrivals the window.
                 # The continuous lane starts at once; later requests join its free slots.
                 self._collect_window(key, limit, self.config.batch_wait_ms)
-            elif self._single_lane_for(key, [self._waiting[0]]):  # only the worker removes from the queue
-                self._collect_window(key, 2, self.config.single_lane_wait_ms)
+            else:
+                self._collect_burst(key, limit)
             with self._cond:
                 if key.mode == ExecutionMode.COHORT:
                     key = under_load(self._waiting, sampled_exclusive=self.config.sampled_exclusive) or key
@@ -673,6 +673,25 @@ class Engine:
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
+
+    def _collect_burst(self, key: GroupKey, limit: int) -> None:
+        """Wait while compatible requests keep arriving: until ``burst_gap_ms`` pass without a
+        new one, ``limit`` wait, or ``batch_wait_ms`` has passed since the first."""
+        gap_s, cap_s = self.config.burst_gap_ms / 1000.0, self.config.batch_wait_ms / 1000.0
+        if gap_s <= 0 or cap_s <= 0:
+            return
+        now = time.perf_counter()
+        deadline, quiet_at = now + cap_s, now + gap_s
+        with self._cond:
+            seen = count_compatible_head(self._waiting, key)
+            while seen < limit and not self._stopping:
+                now = time.perf_counter()
+                if now >= min(deadline, quiet_at):
+                    break
+                self._cond.wait(min(deadline, quiet_at) - now)
+                count = count_compatible_head(self._waiting, key)
+                if count > seen:
+                    seen, quiet_at = count, time.perf_counter() + gap_s
 
     def _admit_late(self) -> None:
         group = self._group

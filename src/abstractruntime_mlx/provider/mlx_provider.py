@@ -60,7 +60,7 @@ EXECUTION_DEFAULTS: dict[str, Any] = {
     "mlx_sampled_exclusive": False,
     # A lone request decodes on the single-request lane until a second one joins (docs/provider.md).
     "mlx_single_lane": True,
-    "mlx_single_lane_wait_ms": 2.0,
+    "mlx_burst_gap_ms": 2.0,
 }
 
 _lease_ids = itertools.count(1)
@@ -121,7 +121,7 @@ class MLXProvider:
             prefill_step_size=self.execution_options["mlx_prefill_step_size"],
             sampled_exclusive=self.execution_options["mlx_sampled_exclusive"],
             single_lane=self.execution_options["mlx_single_lane"],
-            single_lane_wait_ms=self.execution_options["mlx_single_lane_wait_ms"],
+            burst_gap_ms=self.execution_options["mlx_burst_gap_ms"],
         )
         self._lease = next(_lease_ids)
         self._resident: residency.Resident | None = residency.acquire(
@@ -563,7 +563,7 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
     positive_int("mlx_output_queue_size", lo=2)
     positive_int("mlx_prefill_step_size", lo=16)
     validate_cache_options(options)
-    for name in ("mlx_batch_wait_ms", "mlx_single_lane_wait_ms"):
+    for name in ("mlx_batch_wait_ms", "mlx_burst_gap_ms"):
         wait = options[name]
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 1000:
             raise InvalidControls(f"{name} must be a number in [0, 1000]", field=name, value=wait)
