@@ -16,6 +16,9 @@ greedy), measured in one process over the same checkpoint:
 - ``upstream``: mlx-vlm's ``BatchGenerator`` (our ``BatchBackend``) once all B rows decode.
 - ``handed_off``: the same after the first row decoded alone on the single lane and moved in
   (``BatchBackend.adopt``) before the others were inserted.
+
+A second table times one prefill forward of B rows at prompt lengths never seen before and
+at a length seen just before: what a new shape costs beyond the compute.
 """
 
 from __future__ import annotations
@@ -117,6 +120,19 @@ def forward(model: Any, width: int, vocab: int, *, compiled: bool = False) -> fl
     return statistics.median(times) * 1000
 
 
+def prefill_ms(model: Any, width: int, length: int, vocab: int) -> float:
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    tokens = mx.array([[(i * 7 + j * 13) % (vocab - 20) + 10 for j in range(length)] for i in range(width)])
+    cache = [BatchKVCache([0] * width) for _ in model.layers]
+    mx.eval(tokens)
+    t = time.perf_counter()
+    out = model(tokens, cache=cache)
+    mx.eval(getattr(out, "logits", out)[:, -1, :], [c.state for c in cache])
+    return (time.perf_counter() - t) * 1000
+
+
 def batch_steps(backend: Any, width: int) -> float:
     gen = backend._gen
     while len(gen._generation_batch) < width or gen._prompt_batch is not None or gen._unprocessed_sequences:
@@ -185,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
                 upstream(vlm_model, processor, width, vocab, stream, handed_off=True),
             ]
             print(f"| {width} | {r + 1} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
+    print("\n| B | prompt length | first time (ms) | again (ms) |")
+    print("|---|---|---|---|")
+    for width in (int(w) for w in args.widths.split(",")):
+        for length in (101, 137, 173):  # lengths no step above used
+            first = prefill_ms(vlm_lm, width, length, vocab)
+            again = prefill_ms(vlm_lm, width, length, vocab)
+            print(f"| {width} | {length} | {first:.1f} | {again:.1f} |", flush=True)
     return 0
 
 
