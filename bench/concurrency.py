@@ -77,21 +77,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-def _load_models_module() -> Any:
-    """Import ``bench/_models.py`` by path. ``bench/`` itself is taken off ``sys.path``:
-    ``python bench/X.py`` puts it first, where a sibling such as ``bench/http.py`` would
-    shadow the standard library module of the same name."""
-    import importlib.util
-
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != here]
-    spec = importlib.util.spec_from_file_location("_bench_models", here / "_models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_models = _load_models_module()
+import _models  # bench/_models.py (``python bench/X.py`` puts bench/ first on sys.path)
 
 MAX_TOKENS = 64
 MAX_BATCH = 8  # the providers' mlx_max_batch_size; main() sets it to the largest concurrency

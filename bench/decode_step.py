@@ -24,22 +24,12 @@ at a length seen just before: what a new shape costs beyond the compute.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-# ``python bench/X.py`` puts bench/ first on sys.path, where bench/http.py would shadow the
-# standard library's http: take it off and load the model builders by path.
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != BENCH_DIR]
-_spec = importlib.util.spec_from_file_location("_bench_models", BENCH_DIR / "_models.py")
-assert _spec is not None and _spec.loader is not None
-_models = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_models)
+import _models  # bench/_models.py (``python bench/X.py`` puts bench/ first on sys.path)
 
 STEPS = 48
 

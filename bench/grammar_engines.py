@@ -68,9 +68,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# ``bench/http.py`` would shadow the standard library's ``http`` (transformers needs it).
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != BENCH_DIR]
 
 import numpy as np  # noqa: E402
 

@@ -45,8 +45,6 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 EXAMPLE = ROOT / "examples" / "fanout.json"
-# bench/http.py would shadow the standard library's ``http`` for a script run from bench/.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH_DIR]
 
 
 @dataclass(slots=True)
@@ -158,14 +156,9 @@ def compare(packs: dict[str, Any], flow: dict[str, Any], *, runs: int, rounds: i
 
 
 def _load_small_model(path: Path) -> str:
-    import importlib.util
+    import _models  # bench/_models.py (bench/ is first on sys.path)
 
-    spec = importlib.util.spec_from_file_location("bench_models", BENCH_DIR / "_models.py")
-    assert spec is not None and spec.loader is not None
-    models = importlib.util.module_from_spec(spec)
-    sys.modules["bench_models"] = models
-    spec.loader.exec_module(models)
-    return str(models.small_model(path))
+    return str(_models.small_model(path))
 
 
 def main(argv: list[str] | None = None) -> int:

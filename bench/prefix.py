@@ -42,7 +42,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -68,18 +67,6 @@ SENTENCES = [
 ]
 
 
-def _load_models_module() -> Any:
-    """Import ``bench/_models.py`` by path, with ``bench/`` off ``sys.path`` (``bench/http.py``
-    would shadow the standard library module)."""
-    import importlib.util
-
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != here]
-    spec = importlib.util.spec_from_file_location("_bench_models", here / "_models.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
 
 
 def system_prompt(target_tokens: int, encode: Any) -> str:
@@ -191,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default=None, help="where to build/reuse the checkpoint (default: a temporary directory)")
     ap.add_argument("--json", dest="json_out", default=None, help="write every figure here")
     args = ap.parse_args(argv)
-    models = _load_models_module()
+    import _models as models  # bench/_models.py (bench/ is first on sys.path)
     repeats = args.repeats or (1 if args.quick else 3)
     turns = args.turns or TURNS
 

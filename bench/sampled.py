@@ -40,7 +40,6 @@ import json
 import os
 import platform
 import random
-import sys
 import tempfile
 import threading
 import time
@@ -49,22 +48,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
-def _load_models_module() -> Any:
-    """``bench/_models.py`` by path, with ``bench/`` off ``sys.path`` (``bench/http.py`` would
-    shadow the standard library)."""
-    import importlib.util
-
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != here]
-    spec = importlib.util.spec_from_file_location("_bench_models", here / "_models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_models = _load_models_module()
-
-from abstractruntime_mlx.runtime_plugin import run_flow  # noqa: E402 - after the sys.path fix
+import _models  # bench/_models.py (``python bench/X.py`` puts bench/ first on sys.path)
+from abstractruntime_mlx.runtime_plugin import run_flow
 
 MAX_TOKENS = 48
 FLOW_MAX_TOKENS = 128  # LLM nodes of real flows write paragraphs (they set no cap: 1024)

@@ -45,7 +45,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -53,10 +52,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-# ``python bench/speculation.py`` puts bench/ first on sys.path, where bench/http.py would
-# shadow the standard library module.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},

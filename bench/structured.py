@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import random
-import sys
 import tempfile
 import threading
 import time
@@ -38,21 +37,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _load_models_module() -> Any:
-    """``bench/_models.py`` by path, with ``bench/`` off ``sys.path`` (``bench/http.py`` would
-    shadow the standard library)."""
-    import importlib.util
-
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != here]
-    spec = importlib.util.spec_from_file_location("_bench_models", here / "_models.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_models = _load_models_module()
+import _models  # bench/_models.py (``python bench/X.py`` puts bench/ first on sys.path)
 
 MAX_BATCH = 8
 WORDS = "rivers cities music planets gardens engines history language weather bridges markets forests".split()

@@ -1,6 +1,6 @@
 """In-process provider vs remote client over loopback, on the tiny model.
 
-    python bench/http.py [--tokens 128] [--rounds 15] [--concurrency 1 8] [--stream-interval-ms 5]
+    python bench/http_serving.py [--tokens 128] [--rounds 15] [--concurrency 1 8] [--stream-interval-ms 5]
 
 One run measures, at each concurrency level, the same streamed greedy workload
 (``speculation=False``, ``temperature=0``) through:
@@ -22,11 +22,6 @@ from __future__ import annotations
 
 import os
 import sys
-
-# This file is named like the stdlib's ``http`` package; keep its folder off the import path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
-    sys.path.pop(0)
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
