@@ -566,12 +566,11 @@ class Engine:
             key = GroupKey(ExecutionMode.EXCLUSIVE, key.draft_tokens, (head.cache_group, head.request_id), reason)
         else:
             limit = self.config.max_batch_size
-            if key.mode == ExecutionMode.COHORT:
-                # A cohort cannot be joined later: give concurrent arrivals the window.
-                # The continuous lane starts at once; later requests join its free slots.
-                self._collect_window(key, limit, self.config.batch_wait_ms)
-            else:
-                self._collect_burst(key, limit)
+            # A cohort cannot be joined later: it waits the whole window for company. The
+            # continuous lane waits only while a burst keeps arriving; later requests join
+            # its free slots.
+            cohort = key.mode == ExecutionMode.COHORT
+            self._collect(key, limit, quiet_ms=None if cohort else self.config.burst_gap_ms)
             with self._cond:
                 if key.mode == ExecutionMode.COHORT:
                     key = under_load(self._waiting, sampled_exclusive=self.config.sampled_exclusive) or key
@@ -659,39 +658,29 @@ class Engine:
             return None
         return self.prefix_cache.manager
 
-    def _collect_window(self, key: GroupKey, limit: int, wait_ms: float) -> None:
-        """Wait up to ``wait_ms`` for ``limit`` compatible requests to be waiting before starting."""
-        deadline = time.perf_counter() + wait_ms / 1000.0
-        sampled_exclusive = self.config.sampled_exclusive
+    def _collect(self, key: GroupKey, limit: int, *, quiet_ms: float | None) -> None:
+        """Wait until ``limit`` compatible requests wait, at most ``batch_wait_ms``. With
+        ``quiet_ms``, stop once that long passes without a new arrival (0: do not wait); a
+        cohort also stops when target-only work arrives for its optional-MTP head to defer to."""
+        if quiet_ms is not None and quiet_ms <= 0:
+            return
+        start = time.perf_counter()
+        deadline = start + self.config.batch_wait_ms / 1000.0
+        quiet_s = None if quiet_ms is None else quiet_ms / 1000.0
+        cohort = key.mode == ExecutionMode.COHORT
         with self._cond:
-            while (
-                count_compatible_head(self._waiting, key) < limit
-                and under_load(self._waiting, sampled_exclusive=sampled_exclusive) is None
-                and not self._stopping
-            ):
-                remaining = deadline - time.perf_counter()
+            seen, last_arrival = count_compatible_head(self._waiting, key), start
+            while seen < limit and not self._stopping:
+                if cohort and under_load(self._waiting, sampled_exclusive=self.config.sampled_exclusive) is not None:
+                    break
+                until = deadline if quiet_s is None else min(deadline, last_arrival + quiet_s)
+                remaining = until - time.perf_counter()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
-
-    def _collect_burst(self, key: GroupKey, limit: int) -> None:
-        """Wait while compatible requests keep arriving: until ``burst_gap_ms`` pass without a
-        new one, ``limit`` wait, or ``batch_wait_ms`` has passed since the first."""
-        gap_s, cap_s = self.config.burst_gap_ms / 1000.0, self.config.batch_wait_ms / 1000.0
-        if gap_s <= 0 or cap_s <= 0:
-            return
-        now = time.perf_counter()
-        deadline, quiet_at = now + cap_s, now + gap_s
-        with self._cond:
-            seen = count_compatible_head(self._waiting, key)
-            while seen < limit and not self._stopping:
-                now = time.perf_counter()
-                if now >= min(deadline, quiet_at):
-                    break
-                self._cond.wait(min(deadline, quiet_at) - now)
                 count = count_compatible_head(self._waiting, key)
                 if count > seen:
-                    seen, quiet_at = count, time.perf_counter() + gap_s
+                    seen, last_arrival = count, time.perf_counter()
 
     def _admit_late(self) -> None:
         group = self._group
