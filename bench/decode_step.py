@@ -17,8 +17,14 @@ greedy), measured in one process over the same checkpoint:
 - ``handed_off``: the same after the first row decoded alone on the single lane and moved in
   (``BatchBackend.adopt``) before the others were inserted.
 
-A second table times one prefill forward of B rows at prompt lengths never seen before and
-at a length seen just before: what a new shape costs beyond the compute.
+A second table times one prefill forward in a fixed order of shapes: a width and length never
+seen, the same again, one row fewer at that length, then a second length: what a new shape
+costs beyond the compute, and whether the cost follows the length, the width or both.
+
+A third table (``--single``) times one request decoding alone (ms per token): mlx-lm's
+``generate_step`` over mlx-lm's model and over mlx-vlm's, against our single lane
+(``SingleBackend``) over mlx-vlm's model: whether a lone request's gap to ``stream_generate``
+lies in the model's implementation or in the lane.
 """
 
 from __future__ import annotations
@@ -123,6 +129,52 @@ def prefill_ms(model: Any, width: int, length: int, vocab: int) -> float:
     return (time.perf_counter() - t) * 1000
 
 
+PREFILL_SHAPES = ((0, 101), (0, 101), (-1, 101), (0, 128), (0, 128), (-4, 128), (-1, 101), (0, 109))
+"""(width offset, length) in order: each new (width, length) pair first appears once."""
+
+
+class _LogitsOf:
+    """mlx-vlm's language model as mlx-lm's ``generate_step`` calls a model (logits out)."""
+
+    def __init__(self, lm: Any) -> None:
+        self.lm, self.layers = lm, lm.layers
+
+    def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
+        return self.lm(inputs, cache=cache, **kwargs).logits
+
+
+def single_ms(model: Any, vocab: int, stream: Any, *, lane: bool) -> float:
+    """Median ms per token of one request decoding 64 tokens alone."""
+    import mlx.core as mx
+
+    row = prompts(1, vocab)[0]
+    times = []
+    if lane:
+        from abstractruntime_mlx.engine.single import SingleBackend
+
+        single = SingleBackend(model, stop_criteria=lambda t: False, prefill_step_size=256, stream=stream)
+        single.insert(row, STEPS + 16, {})
+        while not single.decoding:
+            single.step(observe_prefill=False)
+        for _ in range(STEPS):
+            t = time.perf_counter()
+            single.step(observe_prefill=False)
+            times.append(time.perf_counter() - t)
+        single.close()
+    else:
+        from mlx_lm.generate import generate_step
+
+        lm = getattr(model, "language_model", model)
+        steps = generate_step(mx.array(row), _LogitsOf(lm) if hasattr(lm, "config") else lm, max_tokens=STEPS + 16)
+        next(steps)
+        for _ in range(STEPS):
+            t = time.perf_counter()
+            next(steps)
+            times.append(time.perf_counter() - t)
+        steps.close()
+    return statistics.median(times) * 1000
+
+
 def batch_steps(backend: Any, width: int) -> float:
     gen = backend._gen
     while len(gen._generation_batch) < width or gen._prompt_batch is not None or gen._unprocessed_sequences:
@@ -165,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--widths", default="4,8")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model-dir", default="/tmp/bench-models")
+    ap.add_argument("--single", action="store_true", help="also time one request decoding alone")
     args = ap.parse_args(argv)
 
     import mlx.core as mx
@@ -191,13 +244,19 @@ def main(argv: list[str] | None = None) -> int:
                 upstream(vlm_model, processor, width, vocab, stream, handed_off=True),
             ]
             print(f"| {width} | {r + 1} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
-    print("\n| B | prompt length | first time (ms) | again (ms) |")
-    print("|---|---|---|---|")
+    print("\n| B | prompt length | ms |")
+    print("|---|---|---|")
     for width in (int(w) for w in args.widths.split(",")):
-        for length in (101, 137, 173):  # lengths no step above used
-            first = prefill_ms(vlm_lm, width, length, vocab)
-            again = prefill_ms(vlm_lm, width, length, vocab)
-            print(f"| {width} | {length} | {first:.1f} | {again:.1f} |", flush=True)
+        for offset, length in PREFILL_SHAPES:
+            ms = prefill_ms(vlm_lm, max(1, width + offset), length, vocab)
+            print(f"| {max(1, width + offset)} | {length} | {ms:.1f} |", flush=True)
+    if args.single:
+        print("\n| repeat | generate_step, mlx-lm model | generate_step, mlx-vlm model | single lane, mlx-vlm model |")
+        print("|---|---|---|---|")
+        for r in range(args.repeats):
+            cells = [single_ms(lm_model, vocab, stream, lane=False), single_ms(vlm_model, vocab, stream, lane=False),
+                     single_ms(vlm_model, vocab, stream, lane=True)]
+            print(f"| {r + 1} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
     return 0
 
 
