@@ -165,7 +165,7 @@ def single_ms(model: Any, vocab: int, stream: Any, *, lane: bool) -> float:
         from mlx_lm.generate import generate_step
 
         lm = getattr(model, "language_model", model)
-        steps = generate_step(mx.array(row), _LogitsOf(lm) if hasattr(lm, "config") else lm, max_tokens=STEPS + 16)
+        steps = generate_step(mx.array(row), _LogitsOf(lm) if lm is not model else lm, max_tokens=STEPS + 16)
         next(steps)
         for _ in range(STEPS):
             t = time.perf_counter()

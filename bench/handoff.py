@@ -20,12 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import _models  # bench/_models.py (``python bench/X.py`` puts bench/ first on sys.path)
-
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-
-
-def prompt(i: int, tag: str) -> str:
-    return " ".join(WORDS[(i * 3 + k + len(tag)) % len(WORDS)] for k in range(40)) + f" {tag} {i}"
+from burst import prompt  # the same distinct 40-word prompts as the burst bench
 
 
 def median_ms(values: list[float]) -> str:

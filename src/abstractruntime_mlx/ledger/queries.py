@@ -7,7 +7,7 @@ import datetime as dt
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Any
 
 from sqlalchemy import ColumnElement, distinct, func, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
@@ -167,26 +167,10 @@ def _token_sums(session: Session, run_ids: Sequence[str]) -> dict[str, tuple[int
     return {run_id: (int(prompt or 0), int(generated or 0)) for run_id, prompt, generated in session.execute(stmt)}
 
 
-class _SummaryFields(TypedDict):
-    """The fields of ``RunSummary``, shared by ``RunDetail``."""
-
-    run_id: str
-    workflow_id: str
-    status: str
-    created_at: dt.datetime
-    updated_at: dt.datetime
-    duration_s: float
-    node_count: int
-    progress_count: int
-    parent_run_id: str | None
-    wait_reason: str | None
-    prompt_tokens: int
-    generated_tokens: int
-
-
 def _summary_fields(
     run: Run, node_counts: dict[str, int], progress_counts: dict[str, int], tokens: dict[str, tuple[int, int]]
-) -> _SummaryFields:
+) -> dict[str, Any]:
+    """The keyword arguments of ``RunSummary`` (and the summary part of ``RunDetail``)."""
     prompt_tokens, generated_tokens = tokens.get(run.run_id, (0, 0))
     return {
         "run_id": run.run_id,
