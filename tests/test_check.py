@@ -323,3 +323,24 @@ def test_knowledge_graph_memory_is_refused_with_the_node_named(tmp_path, fanout,
     report = check_flow(path, model=str(dense_model))
     assert sorted(p.node_id for p in report.errors if p.code == "kg_memory") == sorted([llm["id"], "kg"])
     assert "knowledge-graph memory" in next(p.message for p in report.errors if p.code == "kg_memory")
+
+
+@pytest.mark.parametrize("index", ["²", "٣", "x"])
+def test_a_branch_handle_not_in_ascii_digits_is_an_edge_problem(cli_env, capsys, tmp_path, fanout, dense_model, index):
+    """``"²".isdigit()`` is true yet ``int("²")`` raises: ``then:²`` used to pass ``check`` and then
+    fail inside ``run``. A branch is ``then:N`` with N in ASCII digits."""
+    handle = f"then:{index}"
+    node(fanout, "fanout")["data"]["outputs"][1]["id"] = handle
+    fanout["edges"][2]["sourceHandle"] = handle
+    report = check_flow(fanout, model=str(dense_model))
+    assert codes(report) == [("invalid_edge", "fanout", "edges[2].sourceHandle")]
+    assert "ASCII digits" in report.errors[0].message
+    broken = tmp_path / "branch.json"
+    broken.write_text(json.dumps(fanout))
+    code, out, err = cli(capsys, "run", str(broken))
+    assert code == 1 and out == ""
+    assert "[invalid_edge]" in err and "edges[2].sourceHandle" in err
+    assert not cli_env.exists()  # refused before the ledger was opened
+    # the other branches, in ASCII digits, are still fine
+    node(fanout, "fanout")["data"]["outputs"][1]["id"] = fanout["edges"][2]["sourceHandle"] = "then:1"
+    assert check_flow(fanout, model=str(dense_model)).ok

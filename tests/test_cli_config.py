@@ -86,6 +86,8 @@ def test_set_default_creates_file(config_file, capsys):
         (["config", "set-default", "output.text", "--speculation", "0"], "invalid_controls"),
         (["config", "set-default", "output.text", "--speculation", "fast"], "invalid_controls"),
         (["config", "set-default", "output.image", "--speculation", "2"], "invalid_controls"),
+        (["config", "set-default", "output.text", "--speculation", "²"], "invalid_controls"),
+        (["config", "set-default", "output.text", "--speculation", "٣"], "invalid_controls"),
     ],
 )
 def test_set_default_errors(config_file, capsys, argv, code):

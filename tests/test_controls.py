@@ -432,6 +432,9 @@ def test_limits_normalize():
         ({"logit_bias": [1, 2]}, "logit_bias"),
         ({"logit_bias": {"a": 1}}, "logit_bias.a"),
         ({"logit_bias": {"-1": 1}}, "logit_bias.-1"),
+        ({"logit_bias": {"²": 1}}, "logit_bias.²"),  # "²".isdigit() is true, int("²") raises
+        ({"logit_bias": {"٣": 1}}, "logit_bias.٣"),  # int("٣") would be 3
+        ({"logit_bias": {"1_0": 1}}, "logit_bias.1_0"),
         ({"logit_bias": {1: 101}}, "logit_bias.1"),
         ({"logit_bias": {1: None}}, "logit_bias.1"),
         ({"seed": -1}, "seed"),
@@ -485,3 +488,23 @@ def test_collection_windows_are_bounded(dense_model, name, value):
     with pytest.raises(InvalidControls) as info:
         create_llm("mlx", model=dense_model, mlx_batching=True, **{name: value})
     assert info.value.field == name
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0", 0), ("42", 42), (" 7 ", 7), ("-3", -3), ("+3", 3), ("²", None), ("٣", None), ("１", None), ("1_000", None), ("", None), ("4.0", None), ("9" * 5000, None)],
+)
+def test_integers_from_text_are_ascii_digits_only(text, expected):
+    from abstractruntime_mlx.json_values import parse_ascii_int
+
+    assert parse_ascii_int(text) == expected
+
+
+@pytest.mark.parametrize("word", ["²", "٣", "１"])
+def test_a_speculation_depth_in_unicode_digits_is_refused(word):
+    from abstractruntime_mlx.controls import parse_speculation_option
+
+    with pytest.raises(InvalidControls) as info:
+        parse_speculation_option(word)
+    assert info.value.code == "invalid_controls" and info.value.field == "speculation"
+    assert parse_speculation_option("2") == SpeculationControl(mode="native_mtp", num_draft_tokens=2)

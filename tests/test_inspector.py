@@ -75,7 +75,16 @@ def test_run_list_shows_runs_with_tokens_and_filters(client: TestClient) -> None
 
 @pytest.mark.parametrize(
     ("params", "field"),
-    [({"status": "done"}, "status"), ({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"), ({"limit": "9999999"}, "limit"), ({"workflow": "w" * 300}, "workflow")],
+    [
+        ({"status": "done"}, "status"),
+        ({"limit": "0"}, "limit"),
+        ({"limit": "x"}, "limit"),
+        ({"limit": "9999999"}, "limit"),
+        ({"limit": "²"}, "limit"),  # "²".isdigit() is true, int("²") raises
+        ({"limit": "٣"}, "limit"),  # int("٣") would be 3
+        ({"limit": "9" * 5000}, "limit"),
+        ({"workflow": "w" * 300}, "workflow"),
+    ],
 )
 def test_bad_filters_are_400_naming_the_field(client: TestClient, params: dict[str, str], field: str) -> None:
     for path in ("/api/runs", "/api/runs/stream"):

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 from starlette.testclient import TestClient
-from test_server_harness import FakeProvider
+from test_server_harness import FakeProvider, serve_in_thread
 
 from abstractruntime_mlx.server import create_app
 from abstractruntime_mlx.server.app import MAX_BODY_BYTES
@@ -213,3 +214,21 @@ def test_key_meta_rejects_non_finite_values(client: Any) -> None:
 def test_capabilities_model_name_is_length_limited(client: Any) -> None:
     reply = client.get("/v1/models/execution-capabilities", params={"model_name": "a" * 300})
     assert_bad(reply, "model_name")
+
+
+def test_numbers_in_text_are_ascii_digits_on_a_real_server(fake: FakeProvider) -> None:
+    """``"²".isdigit()`` is true yet ``int("²")`` raises (it was a 500), and ``int("٣")`` is 3:
+    a number written in text is read in ASCII digits only, everywhere, as a typed 400."""
+    with serve_in_thread(create_app(fake)) as url:
+        for key in ("²", "٣"):
+            reply = httpx.post(f"{url}{CHAT}", json={"messages": USER, "logit_bias": {key: 1}}, timeout=30)
+            assert_bad(reply, f"logit_bias.{key}", code="invalid_controls")
+        for depth in ("²", "٣"):
+            load = httpx.post(f"{url}/acore/models/load", json={"model": "fake-model", "speculation": depth}, timeout=30)
+            assert_bad(load, "speculation", code="invalid_controls")
+        assert fake.calls == []
+        # What was accepted before still is: the served model, and token ids in ASCII digits.
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]] == ["fake-model"]
+        reply = httpx.post(f"{url}{CHAT}", json={"messages": USER, "logit_bias": {"5": 1, "12": -2}}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        assert fake.calls[0]["logit_bias"] == {"5": 1.0, "12": -2.0}

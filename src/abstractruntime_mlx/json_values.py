@@ -7,8 +7,10 @@ error details, ``to_dict`` forms) is a ``JSONObject``."""
 
 from __future__ import annotations
 
+import re
+import string
 from collections.abc import Mapping, Sequence
-from typing import TypeAlias, TypeVar
+from typing import Final, TypeAlias, TypeVar
 
 JSONValue: TypeAlias = str | int | float | bool | None | Sequence["JSONValue"] | Mapping[str, "JSONValue"]
 """A value JSON can carry. Read-only containers, so a ``dict[str, int]`` or a ``list[dict[str, str]]``
@@ -40,17 +42,45 @@ def objects_in(items: Sequence[V]) -> list[Mapping[str, V]]:
     return [item for item in items if isinstance(item, Mapping)]
 
 
+_ASCII_INTEGER: Final = re.compile(r"[+-]?[0-9]+")
+
+
+def parse_ascii_int(text: str) -> int | None:
+    """The integer ``text`` spells in ASCII digits (``"42"``, ``" -3 "``), else ``None``.
+
+    Every integer read from text that comes from outside (query strings, headers, JSON keys,
+    flow handles, command-line words) goes through here, because Python's own tests accept any
+    Unicode digit: ``"²".isdigit()`` is true yet ``int("²")`` raises, and ``int("٣")`` is 3.
+    Underscores (``int("1_0")`` is 10) and numbers too long for ``int()`` are refused too."""
+    word = text.strip(string.whitespace)
+    if not _ASCII_INTEGER.fullmatch(word):
+        return None
+    try:
+        return int(word)
+    except ValueError:  # more digits than int() converts
+        return None
+
+
 def to_float(value: object) -> float:
-    """``float(value)`` for a JSON number or a numeric string. Anything else raises as ``float()``
-    would: ``TypeError`` for a non-number, ``ValueError`` for a string that is not one."""
+    """``float(value)`` for a JSON number or a numeric string of ASCII characters. Anything else
+    raises as ``float()`` would: ``TypeError`` for a non-number, ``ValueError`` for a string that
+    is not one (``"٣"`` included, which ``float()`` itself would read as 3)."""
+    if isinstance(value, str) and not value.isascii():
+        raise ValueError(f"not a number: {value[:20]!r}")
     if isinstance(value, (int, float, str)):
         return float(value)
     raise TypeError(f"not a number: {type(value).__name__}")
 
 
 def to_int(value: object) -> int:
-    """``int(value)`` for a JSON number or an integer string, raising as ``int()`` would."""
-    if isinstance(value, (int, float, str)):
+    """``int(value)`` for a JSON number or an integer string (ASCII digits, ``parse_ascii_int``),
+    raising as ``int()`` would: ``TypeError`` for a non-number, ``ValueError`` for bad text."""
+    if isinstance(value, str):
+        parsed = parse_ascii_int(value)
+        if parsed is None:
+            raise ValueError(f"not an integer: {value[:20]!r}")
+        return parsed
+    if isinstance(value, (int, float)):
         return int(value)
     raise TypeError(f"not an integer: {type(value).__name__}")
 

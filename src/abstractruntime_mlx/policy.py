@@ -36,6 +36,7 @@ from typing import Final, Literal
 
 from .controls import ControlLevel, SpeculationControl, ThinkingValue, normalize_speculation, normalize_thinking
 from .errors import InvalidControls, PolicyError
+from .json_values import parse_ascii_int
 
 CONFIG_FILE_ENV: Final = "ABSTRACTCORE_CONFIG_FILE"
 CONFIG_DIR_ENV: Final = "ABSTRACTCORE_CONFIG_DIR"
@@ -195,8 +196,9 @@ def parse_speculation_setting(text: str) -> SpeculationSetting:
         return "inherit"
     if word == "off":
         return "off"
-    if word.isdigit() and int(word) >= 1:
-        return int(word)
+    depth = parse_ascii_int(word)
+    if depth is not None and depth >= 1:
+        return depth
     raise InvalidControls("speculation must be 'inherit', 'off' or a depth >= 1", field="speculation", value=text)
 
 

@@ -17,6 +17,7 @@ from typing import TypedDict
 
 from .. import artifacts
 from ..errors import ModelNotFound, UpstreamError
+from .args import integer
 
 TINY_KINDS = ("dense", "hybrid-mtp", "vision", "dense-long", "hybrid-companion")
 
@@ -55,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     tiny = actions.add_parser("tiny", help="build a tiny random-weight model for tests and demos")
     tiny.add_argument("path", help="output directory")
     tiny.add_argument("--kind", required=True, choices=TINY_KINDS)
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--seed", type=integer, default=0)
     tiny.add_argument("--force", action="store_true", help="replace a non-empty directory (default: refuse it)")
     tiny.set_defaults(handler=_tiny)
 

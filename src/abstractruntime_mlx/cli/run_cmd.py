@@ -32,6 +32,7 @@ from ..controls import parse_speculation_option
 from ..errors import MLXRuntimeError
 from ..json_values import as_str
 from ..runtime_plugin.routing import parse_route, routes_from_config
+from .args import integer
 from .ledger_location import DEFAULT_LEDGER_PATH, LEDGER_ENV, default_ledger_url
 from .runs_cmd import EXIT_FAILED, EXIT_OK, EXIT_WAITING, exit_code, print_results
 TINY_MODEL_DIR: Final = "abstractruntime-mlx/tiny-hybrid-mtp"
@@ -66,9 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("flow", help="path to a VisualFlow JSON file (e.g. examples/fanout.json)")
     parser.add_argument("--model", default=None, help="model for every LLM node (default: the embedded tiny model for nodes naming none)")
     parser.add_argument("--var", action="append", default=[], metavar="KEY=VALUE", help="a run variable; VALUE is JSON if it parses, else a string; dotted keys nest (_runtime.speculation=false)")
-    parser.add_argument("--runs", type=int, default=1, help="number of concurrent runs (default 1)")
+    parser.add_argument("--runs", type=integer, default=1, help="number of concurrent runs (default 1)")
     parser.add_argument("--ledger", default=None, help=f"ledger URL or SQLite path (default ${LEDGER_ENV} or {DEFAULT_LEDGER_PATH})")
-    parser.add_argument("--max-batch-size", type=int, default=None, help="engine batch slots (mlx_max_batch_size; default 4)")
+    parser.add_argument("--max-batch-size", type=integer, default=None, help="engine batch slots (mlx_max_batch_size; default 4)")
     parser.add_argument(
         "--speculation",
         default=None,

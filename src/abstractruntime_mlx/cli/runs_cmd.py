@@ -29,6 +29,7 @@ from ..errors import LedgerNotFound
 from ..inspection import control_text, run_view
 from ..json_values import array_at, as_str, object_at
 from ..ledger import Ledger, ProgressRow, RunSummary
+from .args import integer
 from .ledger_location import default_ledger_url
 from .show_view import calls_table, calls_timeline
 
@@ -48,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="runs_command", metavar="ACTION")
 
     listing = actions.add_parser("list", help="recent runs, newest first")
-    listing.add_argument("--limit", type=int, default=20)
+    listing.add_argument("--limit", type=integer, default=20)
     listing.add_argument("--status", default=None, choices=RUN_STATUSES, help="only runs with this status")
     listing.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
     listing.add_argument("--json", action="store_true")

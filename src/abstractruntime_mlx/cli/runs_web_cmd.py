@@ -19,6 +19,7 @@ from typing import Final
 from sqlalchemy.engine import make_url
 
 from ..errors import LedgerError
+from .args import integer
 from .ledger_location import default_ledger_url
 from .serve_cmd import API_KEY_ENV, _is_loopback
 
@@ -45,7 +46,7 @@ def add_parser(actions: argparse._SubParsersAction) -> None:
     )
     web.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
     web.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default: {DEFAULT_HOST})")
-    web.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT}; 0 picks a free one)")
+    web.add_argument("--port", type=integer, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT}; 0 picks a free one)")
     web.add_argument("--api-key", default=None, help=f"require this key (default: ${API_KEY_ENV})")
     web.add_argument("--poll-interval", type=float, default=0.5, help="seconds between ledger reads of a live page (default 0.5)")
     web.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..controls import parse_speculation_option
 from ..errors import InvalidRequest
 from ..json_values import JSONObject
+from .args import integer
 
 API_KEY_ENV = "ABSTRACTRUNTIME_MLX_API_KEY"
 DEFAULT_HOST = "127.0.0.1"
@@ -51,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a directory whose models POST /acore/models/load may load (repeatable; the Hugging Face cache always is one)",
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default: {DEFAULT_HOST})")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
+    parser.add_argument("--port", type=integer, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
     parser.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     parser.add_argument(
         "--mlx-batching",
@@ -59,11 +60,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="batch concurrent requests on the native lane (default: on)",
     )
-    parser.add_argument("--mlx-max-batch-size", type=int, default=None, help="batch slots (default 4)")
-    parser.add_argument("--mlx-max-queue-size", type=int, default=None, help="waiting requests (default 32)")
+    parser.add_argument("--mlx-max-batch-size", type=integer, default=None, help="batch slots (default 4)")
+    parser.add_argument("--mlx-max-queue-size", type=integer, default=None, help="waiting requests (default 32)")
     parser.add_argument("--mlx-batch-wait-ms", type=float, default=None, help="collection window in ms (default 10)")
     parser.add_argument("--mlx-queue-timeout-s", type=float, default=None, help="queue timeout in s (default 120)")
-    parser.add_argument("--mlx-output-queue-size", type=int, default=None, help="buffered outputs per request (default 256)")
+    parser.add_argument("--mlx-output-queue-size", type=integer, default=None, help="buffered outputs per request (default 256)")
     parser.add_argument(
         "--mlx-sampled-exclusive",
         action="store_true",

@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
 from ..errors import InvalidControls
-from ..json_values import JSONObject
+from ..json_values import JSONObject, parse_ascii_int
 
 SPECULATION_MODES: tuple[str, ...] = ("native_mtp", "off")
 SPECULATION_KEYS: frozenset[str] = frozenset({"mode", "drafter", "num_draft_tokens", "require_acceleration"})
@@ -168,8 +168,9 @@ def parse_speculation_option(value: object, *, field: str = "speculation") -> Sp
         word = value.strip().lower()
         if word == "inherit":
             return None
-        if word.isdigit():
-            value = int(word)
+        depth = parse_ascii_int(word)
+        if depth is not None:
+            value = depth
         elif word.startswith("{"):
             try:
                 value = json.loads(value)
@@ -390,6 +391,12 @@ def _integer(value: object, name: str, *, lo: int, hi: int | None = None) -> int
     return value
 
 
+def _token_id(key: str) -> int:
+    """A ``logit_bias`` key as JSON sends it (a string of ASCII digits); -1 when it is not one."""
+    token = parse_ascii_int(key)
+    return -1 if token is None else token
+
+
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
@@ -401,13 +408,13 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
             token = -1
         elif isinstance(key, int):
             token = key
-        elif isinstance(key, str) and key.strip().isdigit():
-            token = int(key.strip())
+        elif isinstance(key, str):
+            token = _token_id(key)
         else:
             token = -1
         if token < 0:
             raise InvalidControls(
-                f"logit_bias key {key!r} is not a token id (a non-negative integer)",
+                f"logit_bias.{key}: the key is not a token id (a non-negative integer in ASCII digits)",
                 field=f"logit_bias.{key}",
                 value=key,
             )

@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from ..errors import InvalidControls
+from ..json_values import to_float
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def progress_interval_from_env(env: Mapping[str, str] = os.environ) -> float:
     if raw is None or raw.strip() == "":
         return DEFAULT_MIN_INTERVAL_S
     try:
-        value = float(raw)
+        value = to_float(raw)
     except ValueError:
         raise InvalidControls(
             "ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S must be a number of seconds", field="ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S", value=raw

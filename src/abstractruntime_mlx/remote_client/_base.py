@@ -49,7 +49,7 @@ from ..errors import (
     error_class_for_code,
 )
 from ..image_types import MIME_BY_TYPE, sniff_image_type
-from ..json_values import JSONObject, JSONValue, array_at, as_str, object_at, objects_in
+from ..json_values import JSONObject, JSONValue, array_at, as_str, object_at, objects_in, to_int
 from ..request import GenerationRequest, ProgressSink
 from ..results import WIRE_METADATA_KEYS, FinishReason, GenerationChunk, GenerationResult
 from ..structured import PROMPTED_PREFIX, answer_error, parse_answer, prompted_instruction
@@ -269,7 +269,7 @@ def _token_count(value: JSONValue) -> int:
     or a numeric string is accepted the same way). Anything else is the server's fault."""
     if isinstance(value, (int, float, str)):
         try:
-            return int(value)
+            return to_int(value)
         except (ValueError, OverflowError):
             pass
     raise UpstreamError(f"the server sent a token count that is not a number: {str(value)[:50]!r}")

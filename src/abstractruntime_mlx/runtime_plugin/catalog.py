@@ -16,13 +16,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from ..json_values import array_at, object_at
+from ..json_values import array_at, object_at, parse_ascii_int
 from .prediction import Unpredictable, plan_payload, resolve_payload
 
-__all__ = ["BRANCHING_NODE_TYPES", "FlowCatalog", "FlowIndex", "SiblingCall", "load_flow"]
+__all__ = ["BRANCHING_NODE_TYPES", "BRANCH_HANDLE_PREFIX", "FlowCatalog", "FlowIndex", "SiblingCall", "branch_index", "load_flow"]
 
 BRANCHING_NODE_TYPES: Final = frozenset({"parallel", "sequence"})
 """Nodes whose ``then:N`` branches AbstractRuntime runs one after another on one thread."""
+BRANCH_HANDLE_PREFIX: Final = "then:"
+
+
+def branch_index(handle: str) -> int | None:
+    """The N of a branch handle ``then:N``; ``None`` for any other handle and for an N that is
+    not written in ASCII digits (``check`` refuses such a handle on a branching node)."""
+    if not handle.startswith(BRANCH_HANDLE_PREFIX):
+        return None
+    return parse_ascii_int(handle[len(BRANCH_HANDLE_PREFIX) :])
 
 
 def load_flow(source: str | Path | Mapping[str, object]) -> dict[str, object]:
@@ -88,9 +97,10 @@ class FlowIndex:
             handle = str(edge.get("sourceHandle") or "")
             if nodes.get(source, {}).get("type") not in BRANCHING_NODE_TYPES or edge.get("targetHandle") != "exec-in":
                 continue
-            if not handle.startswith("then:") or not handle[5:].isdigit():
+            branch = branch_index(handle)
+            if branch is None:
                 continue
-            branches.setdefault(source, []).append((int(handle[5:]), str(edge.get("target"))))
+            branches.setdefault(source, []).append((branch, str(edge.get("target"))))
         self._siblings: dict[str, list[SiblingCall]] = {}
         self.unpredictable: dict[str, str] = {}
         for targets in branches.values():

@@ -36,6 +36,7 @@ from typing import Final, Literal
 from ..controls import SPECULATION_KEYS, Sampling, normalize_sampling, normalize_speculation, normalize_thinking
 from ..errors import InvalidControls, InvalidFlow, InvalidRequest, MLXRuntimeError
 from ..json_values import JSONObject, array_at, as_str, object_at
+from .catalog import BRANCH_HANDLE_PREFIX, BRANCHING_NODE_TYPES, branch_index
 from .routing import Routing
 
 __all__ = [
@@ -440,6 +441,15 @@ def _check_edges(raw: Mapping[str, object], nodes: _NodeIndex, findings: _Findin
             if not isinstance(handle, str) or not handle.strip():
                 findings.add("invalid_edge", f"edge has no {handle_key} (the host drops it)", node=node_id, field=f"{where}.{handle_key}")
                 continue
+            if side == "outputs" and not _valid_branch_handle(nodes[node_id][1], handle):
+                findings.add(
+                    "invalid_edge",
+                    f"{handle_key} {handle!r} is not a branch handle: a {nodes[node_id][1].get('type')} node's branches "
+                    f"are {BRANCH_HANDLE_PREFIX}N with N in ASCII digits (then:0, then:1, ...)",
+                    node=node_id,
+                    field=f"{where}.{handle_key}",
+                )
+                continue
             pins = _pins(nodes[node_id][1], side)
             if pins is not None and handle not in pins and not _implicit_pin(nodes[node_id][1], handle, side):
                 # Saved pin lists are editor snapshots (the host renames and adds pins), so a
@@ -453,6 +463,13 @@ def _check_edges(raw: Mapping[str, object], nodes: _NodeIndex, findings: _Findin
                     field=f"{where}.{handle_key}",
                     severity="warning",
                 )
+
+
+def _valid_branch_handle(node: Mapping[str, object], handle: str) -> bool:
+    """False for a ``then:`` handle of a branching node whose N is not ASCII digits (``then:²``)."""
+    if node.get("type") not in BRANCHING_NODE_TYPES or not handle.startswith(BRANCH_HANDLE_PREFIX):
+        return True
+    return branch_index(handle) is not None
 
 
 def _implicit_pin(node: Mapping[str, object], handle: str, side: str) -> bool:

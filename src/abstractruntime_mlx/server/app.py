@@ -56,7 +56,7 @@ from ..errors import (
     UpstreamError,
 )
 from ..results import GenerationChunk, GenerationResult
-from ..json_values import JSONObject, JSONValue
+from ..json_values import JSONObject, JSONValue, parse_ascii_int
 from .media import extract_images
 from .model_roots import ModelRoots
 from .schemas import (
@@ -339,7 +339,8 @@ async def _read_body(request: Request) -> bytes:
         f"the request body exceeds {MAX_BODY_BYTES // (1024 * 1024)} MiB", details={"limit_bytes": MAX_BODY_BYTES}
     )
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    size_declared = None if declared is None else parse_ascii_int(declared)
+    if size_declared is not None and size_declared > MAX_BODY_BYTES:
         raise too_large
     chunks: list[bytes] = []
     size = 0

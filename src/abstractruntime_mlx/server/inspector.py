@@ -43,7 +43,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import AuthenticationError, InvalidRequest, MLXRuntimeError, RunNotFound
 from ..inspection import run_view, summary_dict
-from ..json_values import JSONObject, JSONValue, object_at
+from ..json_values import JSONObject, JSONValue, object_at, parse_ascii_int
 from ..ledger import Ledger, RunCursor
 from .sse import SSE_HEADERS, named_event
 from .wire import error_payload
@@ -135,12 +135,13 @@ def _filters(request: Request) -> tuple[str | None, str | None, int]:
     raw_limit = params.get("limit")
     limit = DEFAULT_LIST_LIMIT
     if raw_limit is not None:
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIST_LIMIT:
+        parsed = parse_ascii_int(raw_limit)
+        if parsed is None or not 1 <= parsed <= MAX_LIST_LIMIT:
             raise InvalidRequest(
-                f"limit must be an integer from 1 to {MAX_LIST_LIMIT} (got {raw_limit[:20]!r})",
+                f"limit must be an integer from 1 to {MAX_LIST_LIMIT} in ASCII digits (got {raw_limit[:20]!r})",
                 details={"field": "limit", "value": raw_limit[:20]},
             )
-        limit = int(raw_limit)
+        limit = parsed
     return status, workflow, limit
 
 
