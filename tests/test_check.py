@@ -344,3 +344,17 @@ def test_a_branch_handle_not_in_ascii_digits_is_an_edge_problem(cli_env, capsys,
     # the other branches, in ASCII digits, are still fine
     node(fanout, "fanout")["data"]["outputs"][1]["id"] = fanout["edges"][2]["sourceHandle"] = "then:1"
     assert check_flow(fanout, model=str(dense_model)).ok
+
+
+def test_a_prompt_cache_key_over_the_limit_is_a_check_problem(fanout, dense_model):
+    from abstractruntime_mlx.request import MAX_PROMPT_CACHE_KEY_CHARS
+
+    node(fanout, "plain")["data"]["effectConfig"]["prompt_cache_key"] = "k" * (MAX_PROMPT_CACHE_KEY_CHARS + 1)
+    report = check_flow(fanout, vars={"_runtime": {"prompt_cache_key": "r" * 10_000}}, model=str(dense_model))
+    assert codes(report) == [
+        ("invalid_controls", None, "vars._runtime.prompt_cache_key"),
+        ("invalid_controls", "plain", "nodes[2].data.effectConfig.prompt_cache_key"),
+    ]
+    node(fanout, "plain")["data"]["effectConfig"]["prompt_cache_key"] = "k" * MAX_PROMPT_CACHE_KEY_CHARS
+    node(fanout, "mtp2")["data"]["effectConfig"]["prompt_cache_key"] = ""  # reuse off: not a key to check
+    assert check_flow(fanout, model=str(dense_model)).ok

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine import prefix_cache
+from abstractruntime_mlx.engine import disk_store, prefix_cache
 
 SYSTEM = "You are a careful assistant who answers briefly. " * 12
 TURN_1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Question 0: what does a cache keep?"}]
@@ -157,3 +159,100 @@ def test_damaged_cache_files_are_a_miss_not_a_crash(make_llm, dense_model, tmp_p
     later = child(dense_model, disk, turn_2(first.content))
     assert later["tokens"] == plain.token_ids
     assert later["prompt_cache"]["outcome"] in {"miss", "partial"}
+
+
+def cache_on_disk(make_llm, model, disk):
+    """One keyed turn written to the SSD tier and flushed by unload; the uncached greedy answer of the next turn."""
+    llm = make_llm(model, mlx_batching=True, speculation=False, mlx_cache_disk_path=str(disk))
+    first = llm.generate("", messages=TURN_1, prompt_cache_key="disk", max_output_tokens=8, thinking=False)
+    plain = llm.generate("", messages=turn_2(first.content), max_output_tokens=8, thinking=False)
+    namespace = Path(llm.get_prompt_cache_stats()["disk"]["path"])
+    assert llm.unload_model(llm.model)
+    return first, plain, namespace
+
+
+def leading_shard(namespace):
+    """The shard holding the prefix's first blocks (segment 0), with its checksum sidecar."""
+    from mlx_vlm.apc import _read_safetensors_metadata
+
+    shards = [p for p in namespace.glob("shard_*.safetensors") if _read_safetensors_metadata(p)["segment_index"] == "0"]
+    assert len(shards) == 1 and disk_store.sidecar_of(shards[0]).is_file()
+    return shards[0]
+
+
+def test_bytes_changed_in_place_are_a_counted_miss(make_llm, dense_model, tmp_path, caplog):
+    disk = tmp_path / "cache"
+    first, plain, namespace = cache_on_disk(make_llm, dense_model, disk)
+    shard = leading_shard(namespace)
+    size = shard.stat().st_size
+    header_end = 8 + int.from_bytes(shard.read_bytes()[:8], "little")
+    offset = size // 2
+    assert header_end < offset and offset + 4096 <= size  # inside the tensor data
+    with open(shard, "r+b") as handle:  # 4 KB flipped in place: same size, same name
+        handle.seek(offset)
+        damaged = bytes(b ^ 0xFF for b in handle.read(4096))
+        handle.seek(offset)
+        handle.write(damaged)
+    assert shard.stat().st_size == size
+
+    llm = make_llm(dense_model, mlx_batching=True, speculation=False, mlx_cache_disk_path=str(disk))  # a restart
+    with caplog.at_level(logging.WARNING, logger=disk_store.__name__):
+        later = llm.generate("", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False)
+        again = llm.generate("", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False)
+    cache = later.metadata["prompt_cache"]
+    assert later.token_ids == plain.token_ids  # greedy identity with the uncached answer
+    assert cache["outcome"] == "miss" and cache["cached_tokens"] == 0
+    assert cache["apc"]["disk_corrupt"] == 1 and cache["apc"]["disk_hits"] == 0
+    assert again.token_ids == plain.token_ids and again.metadata["prompt_cache"]["apc"]["disk_corrupt"] == 0
+    stats = llm.get_prompt_cache_stats()
+    assert stats["counters"]["disk_corrupt"] == 1 and stats["disk"]["corrupt_files"] == 1
+    # discarded with its checksum, and said once
+    assert not shard.exists() and not disk_store.sidecar_of(shard).exists()
+    warnings = [r.getMessage() for r in caplog.records if str(shard) in r.getMessage()]
+    assert len(warnings) == 1 and "does not match its checksum" in warnings[0]
+
+
+@pytest.mark.parametrize("when", ["before_start", "while_running"])
+def test_a_symlinked_shard_is_never_followed(make_llm, dense_model, tmp_path, when):
+    disk = tmp_path / "cache"
+    first, plain, namespace = cache_on_disk(make_llm, dense_model, disk)
+    shard = leading_shard(namespace)
+    original = shard.read_bytes()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    target = elsewhere / shard.name
+    target.write_bytes(original)  # a valid shard: it matches the sidecar left in the namespace
+
+    def swap():
+        shard.unlink()
+        shard.symlink_to(target)
+
+    if when == "before_start":
+        swap()
+    llm = make_llm(dense_model, mlx_batching=True, speculation=False, mlx_cache_disk_path=str(disk))
+    if when == "while_running":
+        assert llm.get_prompt_cache_stats()["disk"]["blocks_indexed"] > 0
+        swap()
+    later = llm.generate("", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False)
+    cache = later.metadata["prompt_cache"]
+    assert later.token_ids == plain.token_ids
+    assert cache["cached_tokens"] == 0 and cache["apc"]["disk_hits"] == 0
+    assert llm.get_prompt_cache_stats()["counters"]["disk_corrupt"] == 1
+    # the link is gone, what it pointed at is untouched
+    assert not os.path.lexists(shard) and target.read_bytes() == original
+
+
+def test_the_upstream_methods_the_ssd_tier_overrides_are_still_there(tmp_path):
+    """mlx-vlm is pinned below 0.8; a release that renames or reshapes one of these fails here, loudly."""
+    from mlx_vlm.apc import DiskBlockStore
+
+    for name, parameters in disk_store.UPSTREAM_HOOKS.items():
+        assert hasattr(DiskBlockStore, name), f"mlx-vlm's DiskBlockStore no longer has {name}; see engine/disk_store.py"
+        found = tuple(inspect.signature(getattr(DiskBlockStore, name)).parameters)
+        assert found == parameters, f"DiskBlockStore.{name}{found} changed; engine/disk_store.py overrides it"
+    store = disk_store.VerifiedDiskStore(tmp_path, namespace="hooks")
+    try:
+        for name in disk_store.UPSTREAM_STATE:
+            assert hasattr(store, name), f"DiskBlockStore no longer has {name}; engine/disk_store.py reads it"
+    finally:
+        store.close()

@@ -14,6 +14,8 @@ import pytest
 from starlette.testclient import TestClient
 from test_server_harness import FakeProvider, serve_in_thread
 
+from abstractruntime_mlx.errors import InvalidControls
+from abstractruntime_mlx.request import MAX_PROMPT_CACHE_KEY_CHARS, GenerationRequest
 from abstractruntime_mlx.server import create_app
 from abstractruntime_mlx.server.app import MAX_BODY_BYTES
 from abstractruntime_mlx.server.schemas import MAX_JSON_DEPTH, MAX_MESSAGES
@@ -232,3 +234,35 @@ def test_numbers_in_text_are_ascii_digits_on_a_real_server(fake: FakeProvider) -
         reply = httpx.post(f"{url}{CHAT}", json={"messages": USER, "logit_bias": {"5": 1, "12": -2}}, timeout=30)
         assert reply.status_code == 200, reply.text
         assert fake.calls[0]["logit_bias"] == {"5": 1.0, "12": -2.0}
+
+
+def test_a_prompt_cache_key_longer_than_the_limit_is_refused_and_never_stored(fake: FakeProvider) -> None:
+    """Keys are held in memory for as long as the cache knows them: their length is bounded."""
+    longest, too_long, huge = "k" * MAX_PROMPT_CACHE_KEY_CHARS, "k" * (MAX_PROMPT_CACHE_KEY_CHARS + 1), "k" * 10_000_000
+    with serve_in_thread(create_app(fake)) as url:
+        stored = httpx.post(f"{url}/acore/prompt_cache/key_meta", json={"key": longest, "meta": {"n": 1}}, timeout=30)
+        assert stored.status_code == 200, stored.text
+        for key in (too_long, huge):
+            chat = httpx.post(f"{url}{CHAT}", json={"messages": USER, "prompt_cache_key": key}, timeout=60)
+            error = assert_bad(chat, "prompt_cache_key", code="invalid_controls")
+            assert f"the limit is {MAX_PROMPT_CACHE_KEY_CHARS}" in error["message"]
+            assert len(chat.content) < 2_000  # the error does not echo the key back
+            meta = httpx.post(f"{url}/acore/prompt_cache/key_meta", json={"key": key, "meta": {"n": 2}}, timeout=60)
+            assert_bad(meta, "key")
+            cleared = httpx.post(f"{url}/acore/prompt_cache/clear", json={"key": key}, timeout=60)
+            assert_bad(cleared, "key")
+        assert fake.calls == []
+        # What was accepted before is still there, and a key at the limit still works.
+        kept = httpx.get(f"{url}/acore/prompt_cache/key_meta", params={"key": longest}, timeout=30)
+        assert kept.status_code == 200 and kept.json()["meta"] == {"n": 1}
+        chat = httpx.post(f"{url}{CHAT}", json={"messages": USER, "prompt_cache_key": longest}, timeout=30)
+        assert chat.status_code == 200, chat.text
+        assert fake.calls[0]["prompt_cache_key"] == longest
+
+
+def test_the_prompt_cache_key_limit_holds_at_the_python_edge() -> None:
+    assert GenerationRequest.from_kwargs("", messages=[], prompt_cache_key="k" * MAX_PROMPT_CACHE_KEY_CHARS).prompt_cache_key
+    with pytest.raises(InvalidControls) as info:
+        GenerationRequest.from_kwargs("", messages=[], prompt_cache_key="k" * (MAX_PROMPT_CACHE_KEY_CHARS + 1))
+    assert info.value.code == "invalid_controls" and info.value.field == "prompt_cache_key"
+    assert len(str(info.value.details["value"])) <= 65

@@ -35,7 +35,8 @@ remote client rebuilds the same class from ``code``.
     │   └── LedgerNotFound (404, ledger_not_found)
     └── EngineError (500, backend_error)
         ├── EngineCrashed (500, engine_crashed)
-        └── UpstreamError (502, upstream_error)
+        ├── UpstreamError (502, upstream_error)
+        └── PromptCacheFlushFailed (500, prompt_cache_flush_failed)   unload: the SSD tier did not get every snapshot
 """
 
 from __future__ import annotations
@@ -255,6 +256,14 @@ class EngineCrashed(EngineError):
 class UpstreamError(EngineError):
     code = "upstream_error"
     http_status = 502
+
+
+class PromptCacheFlushFailed(EngineError):
+    """Raised by ``unload_model`` after the worker stopped: flushing the prompt cache's SSD tier
+    raised, or snapshot writes since load did not reach the disk. The model is unloaded all the
+    same. ``details``: ``path`` (the namespace directory) and ``write_failures``."""
+
+    code = "prompt_cache_flush_failed"
 
 
 def _all_error_classes() -> list[type[MLXRuntimeError]]:

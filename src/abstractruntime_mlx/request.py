@@ -40,6 +40,11 @@ ProgressSink = Callable[[JSONObject], object]
 Message = Mapping[str, JSONValue]
 """One chat turn as JSON (``role``, ``content`` ...): data from outside, checked only for its ``role``."""
 
+MAX_PROMPT_CACHE_KEY_CHARS: Final = 512
+"""Longest ``prompt_cache_key``: the prefix cache and the server's key metadata hold every key
+they know in memory, so a key's length is bounded like any other input (derived keys are
+64-character digests)."""
+
 PROGRESS_ALIASES: Final[tuple[str, ...]] = ("on_progress", "progress_callback", "progress_event_callback")
 """Keyword names AbstractCore callers use for the progress sink (the first callable wins)."""
 
@@ -65,6 +70,20 @@ GENERATE_KEYWORDS: Final[frozenset[str]] = frozenset(
     }
 )
 """Every keyword ``generate`` accepts (``max_tokens`` is an alias of ``max_output_tokens``)."""
+
+
+def check_prompt_cache_key(value: object, *, field: str = "prompt_cache_key") -> str:
+    """``value`` when it is a usable prompt-cache key: a non-empty string of at most
+    ``MAX_PROMPT_CACHE_KEY_CHARS`` characters; else ``InvalidControls`` naming ``field``."""
+    if not isinstance(value, str) or not value:
+        raise InvalidControls(f"{field} must be a non-empty string", field=field, value=value)
+    if len(value) > MAX_PROMPT_CACHE_KEY_CHARS:
+        raise InvalidControls(
+            f"{field} is {len(value):,} characters; the limit is {MAX_PROMPT_CACHE_KEY_CHARS}",
+            field=field,
+            value=value[:64] + "…",  # the error echoes the key: never all of it
+        )
+    return value
 
 
 def pick_progress_callback(values: Mapping[str, object]) -> ProgressSink | None:
@@ -144,11 +163,8 @@ class GenerationRequest:
             not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools)
         ):
             raise InvalidRequest("tools must be a list of tool objects")
-        if prompt_cache_key is not None and (not isinstance(prompt_cache_key, str) or not prompt_cache_key):
-            raise InvalidControls(
-                "prompt_cache_key must be a non-empty string", field="prompt_cache_key", value=prompt_cache_key
-            )
-        if prompt_cache_key is not None and messages is None:
+        cache_key = None if prompt_cache_key is None else check_prompt_cache_key(prompt_cache_key)
+        if cache_key is not None and messages is None:
             raise InvalidRequest(
                 "prefix reuse with prompt_cache_key needs messages holding the complete conversation "
                 "(messages=[] for a standalone prompt); no hidden history is appended"
@@ -171,7 +187,7 @@ class GenerationRequest:
             thinking=call.thinking,
             run=run,
             response_format=response_format,
-            prompt_cache_key=prompt_cache_key,
+            prompt_cache_key=cache_key,
             trace_metadata=dict(trace_metadata) if trace_metadata else None,
             cancel=cancel,
             progress=progress,  # checked callable above

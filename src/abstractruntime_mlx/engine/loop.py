@@ -179,6 +179,8 @@ class Engine:
         self._single_model: bool | None = None  # whether the loaded model can use the single lane
         self.stats = EngineStats()
         self._thread: WorkerHandle | None = None
+        # What closing the prefix cache raised as the worker stopped (read after ``stop()``).
+        self.close_error: MLXRuntimeError | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self, timeout_s: float | None = None) -> "Engine":
@@ -399,8 +401,10 @@ class Engine:
             if self.prefix_cache is not None:
                 try:
                     self.prefix_cache.close()  # flushes the SSD tier for later processes
-                except Exception:  # noqa: BLE001 - unloading must not fail on a cache flush
-                    log.exception("flushing the prefix cache failed")
+                except Exception as exc:  # noqa: BLE001 - the worker still stops; unload reports it
+                    log.warning("closing the prefix cache: %s", exc)
+                    failure = exc if isinstance(exc, MLXRuntimeError) else EngineError(f"closing the prefix cache failed: {exc}")
+                    self.close_error = failure
                 self.prefix_cache = None
             self.loaded = None  # the worker owns the weights; they go with it
             mx.clear_cache()

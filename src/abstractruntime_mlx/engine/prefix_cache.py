@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidControls, PromptCacheLocked, PromptCachePathUnsafe
+from ..errors import InvalidControls, PromptCacheFlushFailed, PromptCacheLocked, PromptCachePathUnsafe
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,9 @@ IDENTITY_FILE = "abstractruntime-mlx-identity.json"
 LOCK_FILE = "abstractruntime-mlx-owner.lock"
 SCHEMA = "abstractruntime-mlx-prefix-cache/v1"
 # Per-call counters reported under ``prompt_cache.apc`` (deltas over the call's lifetime).
-CALL_COUNTERS = ("stores", "exact_stores", "hits", "exact_hits", "misses", "memory_skips", "rejects", "disk_hits")
+CALL_COUNTERS = (
+    "stores", "exact_stores", "hits", "exact_hits", "misses", "memory_skips", "rejects", "disk_hits", "disk_corrupt",
+)
 _MAX_TRACKED_KEYS = 4096
 
 
@@ -327,12 +329,14 @@ class PrefixCache:
             self.backend = "mlx_lm_prompt_cache"
 
     def _native_manager(self, max_batch_size: int) -> Any:
-        from mlx_vlm.apc import APCManager, DiskBlockStore
+        from mlx_vlm.apc import APCManager
+
+        from .disk_store import VerifiedDiskStore
 
         store = None
         if self.disk is not None:
             max_bytes = int(self.options.disk_max_gb * GIB)
-            store = DiskBlockStore(
+            store = VerifiedDiskStore(
                 self.disk.root,
                 namespace=self.disk.namespace,
                 max_bytes=max_bytes,
@@ -375,6 +379,7 @@ class PrefixCache:
                 "memory_skips": snap["memory_skips"],
                 "rejects": snap["rejects"],
                 "disk_hits": snap["disk_hits"],
+                "disk_corrupt": self.manager.disk.corrupt if self.manager.disk is not None else 0,
             }
         assert self.serial is not None
         return self.serial.counters()
@@ -488,6 +493,8 @@ class PrefixCache:
             "files": len(self.disk.snapshot_files()),
             "blocks_indexed": int(store.num_blocks_indexed),
             "snapshots_indexed": int(store.num_exact_indexed),
+            "corrupt_files": int(store.corrupt),
+            "write_failures": int(store.write_failures),
         }
 
     def clear(self) -> dict[str, Any]:
@@ -499,9 +506,8 @@ class PrefixCache:
             if store is not None:
                 store.flush()
             self.manager.clear()
-            if store is not None and self.disk is not None:
-                disk_removed = self.disk.remove_snapshots()
-                store._clear_disk_state_after_external_delete()
+            if store is not None:
+                disk_removed = store.remove_all()
         else:
             assert self.serial is not None
             self.serial.clear()
@@ -513,14 +519,36 @@ class PrefixCache:
             self.manager.disk.flush()
 
     def close(self) -> None:
-        """Flush the SSD tier, stop its writer and release the namespace lock."""
+        """Flush the SSD tier, stop its writer and release the namespace lock.
+
+        ``PromptCacheFlushFailed`` when the flush raised or a snapshot write since load did not
+        reach the disk; everything is closed and released either way.
+        """
+        store = self.manager.disk if self.manager is not None else None
         try:
             if self.manager is not None:
                 self.flush()
                 self.manager.close()
+        except Exception as exc:
+            raise PromptCacheFlushFailed(
+                f"flushing the prompt-cache SSD tier failed: {exc}", details=self._flush_details(store)
+            ) from exc
         finally:
             if self.disk is not None:
                 self.disk.close()
+        if store is not None and store.write_failures:
+            raise PromptCacheFlushFailed(
+                f"{store.write_failures} prompt-cache snapshot write(s) since load did not reach the SSD tier "
+                f"at {store.dir} (see the mlx_vlm.apc warnings: a full disk, a removed or unwritable "
+                "directory); later processes will prefill what they miss",
+                details=self._flush_details(store),
+            )
+
+    def _flush_details(self, store: Any) -> dict[str, Any]:
+        return {
+            "path": str(self.disk.dir) if self.disk is not None else None,
+            "write_failures": int(store.write_failures) if store is not None else 0,
+        }
 
 
 # --- the serialized mlx-lm lane ----------------------------------------------------------

@@ -217,15 +217,22 @@ class MLXProvider:
     def unload_model(self, model_name: str | None = None) -> bool:
         """Release this provider's hold on the model; the last holder frees it.
 
-        Refused (``OwnerBusy``) while requests on this model are queued or running.
+        Refused (``OwnerBusy``) while requests on this model are queued or running, or while
+        the worker has not stopped within ``residency.UNLOAD_STOP_S``: the hold is kept and a
+        later call retries. ``PromptCacheFlushFailed`` when the SSD tier's flush failed as the
+        worker stopped: the model is unloaded all the same.
         """
         if model_name not in (None, self.model, str(self.path)):
             raise InvalidRequest(f"this provider serves {self.model!r}, not {model_name!r}")
-        if self._resident is None:
+        resident = self._resident
+        if resident is None:
             return False
-        residency.release(self._resident, self._lease)
-        self._finalizer.detach()
-        self._resident = None
+        try:
+            residency.release(resident, self._lease)
+        finally:
+            if not residency.holds(resident, self._lease):
+                self._finalizer.detach()
+                self._resident = None
         return True
 
     def get_prompt_cache_stats(self) -> dict[str, Any]:

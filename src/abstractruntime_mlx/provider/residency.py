@@ -114,12 +114,18 @@ def _check_options(resident: Resident, path: Path, options: dict[str, Any]) -> N
 UNLOAD_SETTLE_S = 5.0
 """How long an unload waits for cancelled requests (streams just closed) to leave the engine."""
 
+UNLOAD_STOP_S = 10.0
+"""How long the last unload waits for the worker to stop (finish its step, flush the SSD tier)."""
+
 
 def release(resident: Resident, lease: int, *, force_check: bool = True) -> bool:
     """Drop ``lease``; the last lease stops the engine. Refused while this owner has live requests.
 
     Requests already cancelled (a stream closed just before) are waited for, up to
-    ``UNLOAD_SETTLE_S``; open streams make it ``OwnerBusy`` at once.
+    ``UNLOAD_SETTLE_S``; open streams make it ``OwnerBusy`` at once. The last lease is given
+    up only once the worker has stopped: a worker still running after ``UNLOAD_STOP_S`` is
+    ``OwnerBusy`` with the lease kept, so a later call retries. A prompt-cache flush that
+    failed as the worker stopped is raised after the lease is gone (``PromptCacheFlushFailed``).
     """
     if force_check:
         resident.engine.settle(UNLOAD_SETTLE_S)
@@ -131,13 +137,30 @@ def release(resident: Resident, lease: int, *, force_check: bool = True) -> bool
                 f"cannot unload {Path(resident.key[0]).name}: {resident.engine.active_count} request(s) are "
                 "still queued or running; close their streams first"
             )
-        resident.leases.discard(lease)
-        last = not resident.leases
-        if last and _RESIDENTS.get(resident.key) is resident:
+        if resident.leases != {lease}:
+            resident.leases.discard(lease)
+            return False
+        # The last holder: no new provider may join an engine about to stop.
+        if _RESIDENTS.get(resident.key) is resident:
             _RESIDENTS.pop(resident.key, None)
-    if last:
-        resident.engine.stop()
-    return last
+    if not resident.engine.stop(UNLOAD_STOP_S):
+        raise OwnerBusy(
+            f"cannot unload {Path(resident.key[0]).name} yet: its worker did not stop within {UNLOAD_STOP_S:g} s "
+            "(it is finishing a step or flushing the prompt cache); the model stays owned by this provider, "
+            "call unload_model again",
+            details={"reason": "worker_stop_timeout", "timeout_s": UNLOAD_STOP_S},
+        )
+    with _LOCK:
+        resident.leases.discard(lease)
+    if resident.engine.close_error is not None:
+        raise resident.engine.close_error
+    return True
+
+
+def holds(resident: Resident, lease: int) -> bool:
+    """Whether ``lease`` still holds ``resident`` (an unload that raised may have released it)."""
+    with _LOCK:
+        return lease in resident.leases
 
 
 def retire(resident: Resident, lease: int) -> None:

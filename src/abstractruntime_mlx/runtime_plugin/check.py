@@ -36,6 +36,7 @@ from typing import Final, Literal
 from ..controls import SPECULATION_KEYS, Sampling, normalize_sampling, normalize_speculation, normalize_thinking
 from ..errors import InvalidControls, InvalidFlow, InvalidRequest, MLXRuntimeError
 from ..json_values import JSONObject, array_at, as_str, object_at
+from ..request import check_prompt_cache_key
 from .catalog import BRANCH_HANDLE_PREFIX, BRANCHING_NODE_TYPES, branch_index
 from .routing import Routing
 
@@ -703,6 +704,12 @@ def _positive_int(key: str) -> Callable[[object], None]:
     return check
 
 
+def _prompt_cache_key(value: object) -> None:
+    # "" (or a non-string) turns reuse off for the node, as the host reads it: only a key is checked.
+    if isinstance(value, str) and value:
+        check_prompt_cache_key(value)
+
+
 def _seed(value: object) -> Sampling | None:
     return None if value == _SEED_RANDOM else normalize_sampling(seed=value)
 
@@ -712,6 +719,7 @@ _CONTROL_RULES: Final[dict[str, Callable[[object], object]]] = {
     "thinking": normalize_thinking,
     "temperature": lambda v: normalize_sampling(temperature=v),
     "seed": _seed,
+    "prompt_cache_key": _prompt_cache_key,
     **{key: _positive_int(key) for key in ("max_output_tokens", "maxOutputTokens", "max_out_tokens", "max_input_tokens", "maxInputTokens")},
 }
 

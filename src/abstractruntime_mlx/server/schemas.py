@@ -35,6 +35,7 @@ from pydantic import (
 
 from ..controls import parse_speculation_option
 from ..errors import InvalidRequest
+from ..request import MAX_PROMPT_CACHE_KEY_CHARS
 
 MAX_JSON_DEPTH: Final = 64
 """Deepest nesting of objects and arrays a body may have (tool schemas need far less)."""
@@ -46,6 +47,9 @@ MAX_MODEL_NAME_CHARS: Final = 255
 FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
 """A finite JSON number (an integer is fine); never a string, a boolean, NaN or Infinity."""
 ModelName = Annotated[StrictStr, Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
+PromptCacheKey = Annotated[StrictStr, Field(min_length=1, max_length=MAX_PROMPT_CACHE_KEY_CHARS)]
+"""A key of the ``/acore/prompt_cache/*`` routes (the chat body's ``prompt_cache_key`` is checked,
+to the same limit, by ``request.check_prompt_cache_key`` as ``invalid_controls``)."""
 
 # OpenAI / AbstractCore fields accepted for compatibility that change nothing here.
 TOLERATED_CHAT_FIELDS: frozenset[str] = frozenset(
@@ -225,7 +229,7 @@ class UnloadModelRequest(BaseModel):
 class PromptCacheClearRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    key: StrictStr | None = None
+    key: PromptCacheKey | None = None
 
 
 class PromptCacheKeyMetaRequest(BaseModel):
@@ -233,7 +237,7 @@ class PromptCacheKeyMetaRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    key: StrictStr = Field(min_length=1)
+    key: PromptCacheKey
     meta: dict[str, object] = Field(default_factory=dict)
     provider: StrictStr | None = None
     model: ModelName | None = None

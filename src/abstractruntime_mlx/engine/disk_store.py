@@ -1,0 +1,301 @@
+"""The SSD tier: mlx-vlm's ``DiskBlockStore``, reading only the files it can vouch for.
+
+Every shard file the store writes gets a sidecar ``<file>.sha256`` holding the file's size
+and SHA-256. A file is used only when it is a regular file (a symlink is never followed), its
+sidecar is there, and size and digest match. Anything else is a miss: the file and its
+sidecar are deleted, the index forgets them, ``corrupt`` counts the file and one warning names
+it. A file is hashed when written and when first read; the verdict is kept per (device, inode,
+size, mtime), so a file read again unchanged is not hashed again. Startup only checks that
+each file has a sidecar of the right size.
+
+Upstream methods this class overrides or wraps; mlx-vlm is pinned (``>=0.7.10,<0.8.0`` in
+pyproject.toml) and ``tests/test_disk_store.py`` fails when one disappears or changes its
+parameters (``UPSTREAM_HOOKS``):
+
+- ``_write_payload``: the one write path of both shard kinds (the background writer and the
+  producer under backpressure); the sidecar is written right after it.
+- ``_open_shard_header``: every load path, and the exact-snapshot lookup, read a file's header
+  through it before any tensor; the file is verified first.
+- ``_rebuild_index``: the startup scan; symlinks and files without a sidecar of the right size
+  are removed before upstream indexes the rest.
+- ``_drop_index_for_path``: eviction and vanished files; the sidecar and the verdict go too.
+- ``load_layer_major_prefix`` / ``load_exact_cache`` (public): a load touches the file's mtime
+  (upstream's LRU clock); the verdict follows it.
+
+Upstream state read: ``dir``, ``SUFFIX``, ``_shard_path``, ``_is_canonical_store_file``,
+``_index``, ``_exact_index``, ``_index_lock``, ``_write_lock``, ``_disk_bytes`` and
+``_clear_disk_state_after_external_delete``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import stat
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mlx_vlm.apc import DiskBlockStore
+
+log = logging.getLogger(__name__)
+
+SIDECAR_SUFFIX = ".sha256"
+_PARTIAL_SUFFIX = ".partial"
+_SIDECAR_MAX_BYTES = 4096
+
+# name -> parameter names of the upstream methods named in the module docstring.
+UPSTREAM_HOOKS: dict[str, tuple[str, ...]] = {
+    "_write_payload": ("self", "shard_id", "block_hashes", "payload"),
+    "_open_shard_header": ("self", "shard_path"),
+    "_rebuild_index": ("self",),
+    "_drop_index_for_path": ("self", "path"),
+    "load_layer_major_prefix": ("self", "block_hashes", "preserve_capacity"),
+    "load_exact_cache": ("self", "cache_hash", "wait_in_flight_ms", "min_capacity_tokens", "prefix_len"),
+    "_shard_path": ("self", "shard_id"),
+    "_is_canonical_store_file": ("path",),
+    "_clear_disk_state_after_external_delete": ("self",),
+}
+UPSTREAM_STATE = ("dir", "SUFFIX", "_index", "_exact_index", "_index_lock", "_write_lock", "_disk_bytes")
+
+FileStamp = tuple[int, int, int, int]
+
+
+def _stamp(info: os.stat_result) -> FileStamp:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+def sidecar_of(path: Path) -> Path:
+    return path.with_name(path.name + SIDECAR_SUFFIX)
+
+
+def _read_sidecar(path: Path) -> tuple[int, str] | None:
+    """``(size, sha256)`` recorded for ``path``, or None when absent, a symlink or malformed."""
+    try:
+        fd = os.open(sidecar_of(path), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        raw = handle.read(_SIDECAR_MAX_BYTES + 1)
+    try:
+        body = json.loads(raw)
+        size, digest = body["size"], body["sha256"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(size, int) or not isinstance(digest, str) or len(digest) != 64:
+        return None
+    return size, digest
+
+
+def _write_sidecar(path: Path, size: int, digest: str) -> None:
+    final = sidecar_of(path)
+    partial = final.with_name(final.name + _PARTIAL_SUFFIX)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(json.dumps({"size": size, "sha256": digest}))
+    os.replace(partial, final)
+
+
+def _hash_regular_file(path: Path) -> tuple[os.stat_result, str] | None:
+    """The file's stat and SHA-256, read through one descriptor; None for a symlink or a non-file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO must not block
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        return info, hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def remove_store_files(directory: Path) -> int:
+    """Delete every shard file (and sidecar) in ``directory``; the number of shard files removed."""
+    removed = 0
+    for path in directory.glob(f"*{DiskBlockStore.SUFFIX}*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed += int(path.name.endswith(DiskBlockStore.SUFFIX))
+    return removed
+
+
+class VerifiedDiskStore(DiskBlockStore):
+    """``DiskBlockStore`` with a checksum per shard file, verified before the file is used."""
+
+    def __init__(self, root: Path, **kwargs: Any) -> None:
+        # Upstream's constructor scans the directory through our ``_rebuild_index``.
+        self.corrupt = 0  # shard files discarded unused: damaged, unverifiable or not a regular file
+        self.write_failures = 0  # shard writes that did not reach the disk with their checksum
+        self._verdicts: dict[Path, FileStamp] = {}
+        self._writing: set[Path] = set()
+        self._verdict_lock = threading.Lock()
+        super().__init__(root, **kwargs)
+
+    # --- write ------------------------------------------------------------------------
+    def _write_payload(self, shard_id: str, block_hashes: Sequence[int], payload: Any) -> bool:
+        path = self._shard_path(shard_id)
+        with self._verdict_lock:
+            self._writing.add(path)
+        try:
+            written = super()._write_payload(shard_id, block_hashes, payload)
+            if written:
+                written = self._seal(path)
+            if not written:
+                with self._verdict_lock:
+                    self.write_failures += 1
+            return written
+        finally:
+            with self._verdict_lock:
+                self._writing.discard(path)
+
+    def _seal(self, path: Path) -> bool:
+        """Record the checksum of the file just written; a file that cannot be sealed is removed."""
+        try:
+            hashed = _hash_regular_file(path)
+            if hashed is None:
+                raise OSError(f"{path} is not a regular file")
+            info, digest = hashed
+            _write_sidecar(path, info.st_size, digest)
+        except OSError as exc:
+            log.warning("prompt cache: could not record the checksum of %s (%s); dropping it", path, exc)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self._drop_index_for_path(path)
+            return False
+        with self._verdict_lock:
+            self._verdicts[path] = _stamp(info)
+        return True
+
+    # --- read -------------------------------------------------------------------------
+    def _open_shard_header(self, shard_path: Path) -> Any:
+        if not self._verified(shard_path):
+            return None
+        return super()._open_shard_header(shard_path)
+
+    def _verified(self, path: Path) -> bool:
+        """Whether ``path`` may be read: a regular file whose size and digest match its sidecar."""
+        try:
+            info = os.lstat(path)
+        except OSError:
+            return True  # gone: upstream forgets it and reports a miss
+        with self._verdict_lock:
+            if self._verdicts.get(path) == _stamp(info):
+                return True
+            if path in self._writing:
+                return False  # a miss for now; sealed when the write ends
+        if not stat.S_ISREG(info.st_mode):
+            self._discard(path, "is not a regular file (a symlink is never followed)")
+            return False
+        recorded = _read_sidecar(path)
+        if recorded is None:
+            self._discard(path, "has no readable checksum")
+            return False
+        hashed = _hash_regular_file(path)
+        if hashed is None:
+            self._discard(path, "is not a regular file (a symlink is never followed)")
+            return False
+        info, digest = hashed
+        if (info.st_size, digest) != recorded:
+            freed = self._discard(path, "does not match its checksum")
+            with self._write_lock:  # upstream's lock over its byte count
+                self._disk_bytes = max(0, self._disk_bytes - freed)
+            return False
+        with self._verdict_lock:
+            self._verdicts[path] = _stamp(info)
+        return True
+
+    def load_layer_major_prefix(self, block_hashes: Sequence[int], *, preserve_capacity: bool = True) -> Any:
+        with self._index_lock:
+            paths = {self._index[h][0] for h in block_hashes if h in self._index}
+        try:
+            return super().load_layer_major_prefix(block_hashes, preserve_capacity=preserve_capacity)
+        finally:
+            self._follow_touch(paths)
+
+    def load_exact_cache(self, cache_hash: int, **kwargs: Any) -> Any:
+        with self._index_lock:
+            path = self._exact_index.get(cache_hash)
+        try:
+            return super().load_exact_cache(cache_hash, **kwargs)
+        finally:
+            self._follow_touch({path} if path is not None else set())
+
+    def _follow_touch(self, paths: set[Path]) -> None:
+        """Keep the verdicts of files a load just touched (``os.utime``: only the mtime moved)."""
+        with self._verdict_lock:
+            for path in paths:
+                known = self._verdicts.get(path)
+                try:
+                    now = _stamp(os.lstat(path))
+                except OSError:
+                    continue
+                if known is not None and known[:3] == now[:3]:
+                    self._verdicts[path] = now
+
+    # --- index and removal --------------------------------------------------------------
+    def _rebuild_index(self) -> int:
+        self._screen()
+        return int(super()._rebuild_index())
+
+    def _screen(self) -> None:
+        """Before upstream indexes the directory: drop what can never be verified."""
+        for path in self.dir.iterdir():
+            name = path.name
+            if name.endswith(SIDECAR_SUFFIX + _PARTIAL_SUFFIX):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            elif name.endswith(self.SUFFIX + SIDECAR_SUFFIX):
+                shard = path.with_name(name[: -len(SIDECAR_SUFFIX)])
+                if not os.path.lexists(shard):
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+            elif name.endswith(self.SUFFIX) and self._is_canonical_store_file(path):
+                try:
+                    info = os.lstat(path)
+                except OSError:
+                    continue
+                recorded = _read_sidecar(path)
+                if not stat.S_ISREG(info.st_mode):
+                    self._discard(path, "is not a regular file (a symlink is never followed)")
+                elif recorded is None:
+                    self._discard(path, "has no readable checksum")
+                elif recorded[0] != info.st_size:
+                    self._discard(path, "does not match its checksum (size)")
+
+    def _discard(self, path: Path, why: str) -> int:
+        """A miss that stays one: delete the file (a symlink itself, never its target) and its
+        sidecar, count it and say so once; the bytes of a regular file removed."""
+        log.warning("prompt cache: SSD file %s %s; discarded, the prompt is prefilled instead", path, why)
+        with self._verdict_lock:
+            self.corrupt += 1
+        freed = 0
+        try:
+            info = os.lstat(path)
+            path.unlink()
+            freed = info.st_size if stat.S_ISREG(info.st_mode) else 0
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            sidecar_of(path).unlink()
+        self._drop_index_for_path(path)
+        return freed
+
+    def _drop_index_for_path(self, path: Path) -> None:
+        super()._drop_index_for_path(path)
+        with self._verdict_lock:
+            self._verdicts.pop(path, None)
+        if not os.path.lexists(path):  # evicted or vanished: its checksum goes with it
+            with contextlib.suppress(OSError):
+                sidecar_of(path).unlink()
+
+    def remove_all(self) -> int:
+        """Delete every shard file and sidecar and forget them; the number of shard files removed."""
+        removed = remove_store_files(self.dir)
+        self._clear_disk_state_after_external_delete()
+        with self._verdict_lock:
+            self._verdicts.clear()
+        return removed
