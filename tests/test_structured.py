@@ -15,8 +15,21 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from abstractruntime_mlx.errors import InvalidRequest, InvalidResponseSchema, SpeculationUnavailable, StructuredOutputInvalid
-from abstractruntime_mlx.structured import ResponseFormat, answer_error, schema_hash
+from abstractruntime_mlx.errors import (
+    InvalidRequest,
+    InvalidResponseSchema,
+    ResponseSchemaTooLarge,
+    SpeculationUnavailable,
+    StructuredOutputInvalid,
+)
+from abstractruntime_mlx.structured import (
+    MAX_SCHEMA_BYTES,
+    MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_NODES,
+    ResponseFormat,
+    answer_error,
+    schema_hash,
+)
 
 RECORD = {
     "type": "object",
@@ -63,6 +76,26 @@ TREE = {
 }
 
 FREE_TEXT = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+
+def nested_objects(levels: int) -> dict[str, object]:
+    """An object schema ``levels`` objects deep (each level adds two JSON levels: the schema and its ``properties``)."""
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def nested_arrays(depth: int) -> dict[str, object]:
+    """A schema whose objects nest exactly ``depth`` JSON levels (arrays of arrays of strings)."""
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+HUGE_ANY_OF = {"anyOf": [{"const": f"value-{i}"} for i in range(20_000)]}
+DEEP = nested_objects(450)
 
 
 class Pick(BaseModel):
@@ -196,6 +229,8 @@ def test_mtp_requests_run_target_only_under_a_grammar(make_llm, hybrid_model):
         ({"response_model": dict}, InvalidRequest, None),
         ({"response_format": {"type": "xml"}}, InvalidRequest, None),
         ({"response_format": {"type": "json_schema"}}, InvalidResponseSchema, "/json_schema"),
+        ({"response_schema": HUGE_ANY_OF}, ResponseSchemaTooLarge, ""),
+        ({"response_schema": DEEP}, ResponseSchemaTooLarge, "/properties/a" * 16),
     ],
 )
 def test_bad_structured_inputs_are_typed_400s(batched, kwargs, error, path):
@@ -249,3 +284,51 @@ def test_the_answer_cannot_end_inside_the_think_block(batched):
         result = batched.generate("Think.", thinking=True, temperature=0.9, seed=seed, max_output_tokens=96, logit_bias=bias, response_schema=RECORD)
         assert_valid(result, RECORD)
         assert result.reasoning is not None and result.metadata["structured"]["closed_at_budget"] is True
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+@pytest.mark.parametrize(
+    ("schema", "limit", "maximum", "path"),
+    [
+        (HUGE_ANY_OF, "max_schema_nodes", MAX_SCHEMA_NODES, ""),
+        ({"enum": list(range(MAX_SCHEMA_NODES - 1))}, "max_schema_nodes", MAX_SCHEMA_NODES, ""),
+        (DEEP, "max_schema_depth", MAX_SCHEMA_DEPTH, "/properties/a" * 16),
+        (nested_arrays(MAX_SCHEMA_DEPTH + 1), "max_schema_depth", MAX_SCHEMA_DEPTH, "/items" * MAX_SCHEMA_DEPTH),
+        ({"properties": {"a/b~c": nested_arrays(MAX_SCHEMA_DEPTH)}}, "max_schema_depth", MAX_SCHEMA_DEPTH, "/properties/a~1b~0c" + "/items" * (MAX_SCHEMA_DEPTH - 2)),
+        ({"const": "x" * MAX_SCHEMA_BYTES}, "max_schema_bytes", MAX_SCHEMA_BYTES, ""),
+    ],
+    ids=["anyOf-20k", "one-value-over", "objects-450-deep", "arrays-one-level-over", "escaped-pointer", "bytes"],
+)
+def test_a_schema_over_a_limit_is_refused_naming_the_limit(schema, limit, maximum, path):
+    with pytest.raises(ResponseSchemaTooLarge) as info:
+        ResponseFormat.build(schema)
+    error = info.value
+    assert isinstance(error, InvalidResponseSchema) and error.http_status == 400
+    assert error.code == "schema_too_large"
+    assert error.details == {"limit": limit, "max": maximum, "path": path}
+    assert f"{limit}={maximum}" in error.message
+
+
+def test_a_schema_at_each_limit_is_accepted():
+    at_nodes = ResponseFormat.build({"enum": list(range(MAX_SCHEMA_NODES - 2))})  # the object, the array, its values
+    assert len(at_nodes.schema["enum"]) == MAX_SCHEMA_NODES - 2  # type: ignore[arg-type]
+    ResponseFormat.build(nested_arrays(MAX_SCHEMA_DEPTH))
+    ResponseFormat.build(nested_objects(MAX_SCHEMA_DEPTH // 2 - 1))
+    padding = MAX_SCHEMA_BYTES - len(json.dumps({"const": ""}, separators=(",", ":")))
+    ResponseFormat.build({"const": "x" * padding})
+
+
+def test_flow_nodes_and_openai_bodies_get_the_same_limits():
+    from abstractruntime_mlx.runtime_plugin.payload import request_from_payload
+
+    for make in (
+        lambda schema: request_from_payload({"prompt": "p", "response_schema": schema}, {}),
+        lambda schema: ResponseFormat.from_openai({"type": "json_schema", "json_schema": {"schema": schema}}),
+        lambda schema: ResponseFormat.from_call(response_schema=schema),
+    ):
+        for schema, limit in ((DEEP, "max_schema_depth"), (HUGE_ANY_OF, "max_schema_nodes")):
+            with pytest.raises(ResponseSchemaTooLarge) as info:
+                make(schema)
+            assert info.value.details["limit"] == limit

@@ -14,6 +14,7 @@ remote client rebuilds the same class from ``code``.
     │   ├── RequestTooLarge (413, request_too_large)
     │   ├── InvalidFlow (400, invalid_flow)          ``check`` found problems in a flow
     │   ├── InvalidResponseSchema (400, invalid_response_schema)   a structured-output schema that cannot be compiled
+    │   │   └── ResponseSchemaTooLarge (400, schema_too_large)     over a size, node or depth limit
     │   └── PromptCachePathUnsafe (400, prompt_cache_path_unsafe)   symlinked or non-private cache dir
     ├── PolicyError (400, policy_invalid)            the Core policy file is unreadable
     ├── ModelNotFound (404, model_not_found)         weights are not on this machine
@@ -26,6 +27,7 @@ remote client rebuilds the same class from ``code``.
     │   └── PromptCacheLocked (409, prompt_cache_locked)   another live process owns the SSD namespace
     ├── CapacityError (503, capacity)
     │   ├── QueueFull (503, queue_full)
+    │   ├── TooManyStreams (503, too_many_streams)   the inspector's live-stream cap is reached
     │   └── StreamBackpressure (429, stream_backpressure)
     ├── QueueTimeout (504, queue_timeout)
     ├── SpeculationUnavailable (422, speculation_unavailable)
@@ -122,6 +124,20 @@ class InvalidResponseSchema(InvalidRequest):
         self.path = path
 
 
+class ResponseSchemaTooLarge(InvalidResponseSchema):
+    """A response schema over one of the limits checked before anything else reads it
+    (``structured.MAX_SCHEMA_BYTES`` / ``_NODES`` / ``_DEPTH``). ``details``: ``limit`` (the
+    limit's name), ``max`` (its value) and ``path`` (where it was crossed; ``""``: the whole schema)."""
+
+    code = "schema_too_large"
+
+    def __init__(self, message: str, *, limit: str, maximum: int, path: str = "") -> None:
+        super().__init__(message, path=path)
+        self.details.update(limit=limit, max=maximum)
+        self.limit = limit
+        self.maximum = maximum
+
+
 class PromptCachePathUnsafe(InvalidRequest):
     code = "prompt_cache_path_unsafe"
 
@@ -187,6 +203,16 @@ class CapacityError(MLXRuntimeError):
 
 class QueueFull(CapacityError):
     code = "queue_full"
+
+
+class TooManyStreams(CapacityError):
+    """As many live event streams are open as the server allows; ``details``: ``limit``
+    (the option's name) and ``max`` (its value). Close one, or retry later."""
+
+    code = "too_many_streams"
+
+    def __init__(self, message: str, *, limit: str, maximum: int) -> None:
+        super().__init__(message, details={"limit": limit, "max": maximum})
 
 
 class StreamBackpressure(CapacityError):

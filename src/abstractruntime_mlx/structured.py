@@ -10,23 +10,45 @@ The edges turn each accepted form into one ``ResponseFormat``:
 The engine compiles ``ResponseFormat.schema`` to a grammar (``engine.grammar``); whoever gets the
 text back calls ``parse_answer`` (JSON, then the schema, then the pydantic model when one was
 given), which raises ``StructuredOutputInvalid`` naming what is wrong.
+
+Every schema passes the same limits first, whichever edge it came from (``MAX_SCHEMA_BYTES``,
+``MAX_SCHEMA_NODES``, ``MAX_SCHEMA_DEPTH``): they are checked without recursion and stop at the
+first one crossed, so a schema of any size or depth is refused in microseconds with
+``ResponseSchemaTooLarge``. Within them, checking against the metaschema costs up to about
+half a second and compiling the grammar about a tenth; async callers run both through
+``run_schema_work``, a small pool of its own, so that neither the event loop nor the threads
+other requests need wait for them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final, Literal, ParamSpec, TypeVar
 
 import jsonschema
 from pydantic import BaseModel, ValidationError
 
-from .errors import InvalidRequest, InvalidResponseSchema, StructuredOutputInvalid
+from .errors import InvalidRequest, InvalidResponseSchema, ResponseSchemaTooLarge, StructuredOutputInvalid
 from .json_values import JSONObject, JSONValue
 
 FormatKind = Literal["json_schema", "json_object"]
+
+MAX_SCHEMA_BYTES: Final = 128 * 1024
+"""The longest response schema accepted: bytes of its compact JSON (non-ASCII escaped)."""
+MAX_SCHEMA_NODES: Final = 4096
+"""The most JSON values (objects, arrays, strings, numbers, ...) one response schema may hold.
+Checking it against the metaschema costs up to about 0.1 ms per value."""
+MAX_SCHEMA_DEPTH: Final = 32
+"""How deep objects and arrays may nest in a response schema (the schema itself is level 1).
+The metaschema check recurses about ten frames per level; this keeps it far from Python's limit."""
+SCHEMA_WORKERS: Final = 2
+"""Threads that check and compile schemas for async callers (``run_schema_work``)."""
 
 ANY_OBJECT: Final[Mapping[str, JSONValue]] = {"type": "object"}
 """The schema of OpenAI's ``{"type": "json_object"}``: any JSON object."""
@@ -151,11 +173,77 @@ def prompted_instruction(fmt: ResponseFormat) -> str:
     return f"{PROMPTED_PREFIX}, no prose and no code fence, valid against this JSON Schema:\n{schema}"
 
 
+def check_schema_limits(schema: object) -> None:
+    """Raise ``ResponseSchemaTooLarge`` when ``schema`` holds more than ``MAX_SCHEMA_NODES``
+    values or nests deeper than ``MAX_SCHEMA_DEPTH``. No recursion, and it stops at the first
+    limit crossed: cheap on any input. (``MAX_SCHEMA_BYTES`` needs the JSON text: ``ResponseFormat.build``.)"""
+    # Each container visited: (index of its parent here, its key there); a pointer is built
+    # from it only when a limit is crossed.
+    parents: list[tuple[int, str]] = [(-1, "")]
+    stack: list[tuple[object, int, int]] = [(schema, 1, 0)]  # (container, depth, index in parents)
+    nodes = 1
+    while stack:
+        value, depth, at = stack.pop()
+        members = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+        for key, child in members:
+            nodes += 1
+            if nodes > MAX_SCHEMA_NODES:
+                raise ResponseSchemaTooLarge(
+                    f"the response schema holds more than {MAX_SCHEMA_NODES} values (objects, arrays, strings, "
+                    f"numbers ...); the limit is max_schema_nodes={MAX_SCHEMA_NODES}",
+                    limit="max_schema_nodes",
+                    maximum=MAX_SCHEMA_NODES,
+                )
+            if isinstance(child, (Mapping, list, tuple)):
+                parents.append((at, str(key)))
+                if depth + 1 > MAX_SCHEMA_DEPTH:
+                    where = _pointer(parents, len(parents) - 1)
+                    raise ResponseSchemaTooLarge(
+                        f"the response schema nests deeper than {MAX_SCHEMA_DEPTH} levels at '{where}'; "
+                        f"the limit is max_schema_depth={MAX_SCHEMA_DEPTH} (use $defs and $ref for deep structures)",
+                        limit="max_schema_depth",
+                        maximum=MAX_SCHEMA_DEPTH,
+                        path=where,
+                    )
+                stack.append((child, depth + 1, len(parents) - 1))
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_schema_pool = ThreadPoolExecutor(max_workers=SCHEMA_WORKERS, thread_name_prefix="abstractruntime-mlx-schema")
+
+
+async def run_schema_work(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``fn(*args, **kwargs)`` on the schema threads: off the event loop, and never more than
+    ``SCHEMA_WORKERS`` at once, so many large schemas wait for each other, not for other requests.
+    Cancelling the await drops work that has not started."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_schema_pool, functools.partial(fn, *args, **kwargs))
+
+
+def _pointer(parents: list[tuple[int, str]], at: int) -> str:
+    """The JSON pointer of container ``at`` (keys cut to 64 characters: it goes into a message)."""
+    keys: list[str] = []
+    while at > 0:
+        at, key = parents[at]
+        keys.append(key[:64].replace("~", "~0").replace("/", "~1"))
+    return "".join(f"/{key}" for key in reversed(keys))
+
+
 def _checked_schema(schema: Mapping[str, object]) -> JSONObject:
+    check_schema_limits(schema)
     try:
-        plain: JSONValue = json.loads(json.dumps(dict(schema), allow_nan=False))  # a plain JSON copy
+        text = json.dumps(dict(schema), allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise InvalidResponseSchema(f"the response schema is not JSON: {exc}") from None
+    if len(text) > MAX_SCHEMA_BYTES:
+        raise ResponseSchemaTooLarge(
+            f"the response schema is {len(text)} bytes of JSON; the limit is max_schema_bytes={MAX_SCHEMA_BYTES}",
+            limit="max_schema_bytes",
+            maximum=MAX_SCHEMA_BYTES,
+        )
+    plain: JSONValue = json.loads(text)  # a plain JSON copy
     if not isinstance(plain, dict):
         raise InvalidResponseSchema("the response schema must be a JSON object")
     try:

@@ -36,7 +36,7 @@ from ..errors import (
 from ..policy import read_policy_controls
 from ..request import GenerationRequest
 from ..results import GenerationChunk, GenerationResult
-from ..structured import ResponseFormat, parse_answer
+from ..structured import ResponseFormat, parse_answer, run_schema_work
 from . import residency
 from .progress import ProgressTracker, progress_interval_from_env
 
@@ -286,8 +286,13 @@ class MLXProvider:
 
     async def agenerate_request(self, request: GenerationRequest, *, stream: bool = False) -> GenerationResult | AsyncChunkStream:
         # Rendering and tokenizing run on a thread (a huge prompt must not stall the event
-        # loop); errors (context too long, full queue) raise from this await.
-        prepared = await asyncio.to_thread(self._prepare, request)
+        # loop); errors (context too long, full queue) raise from this await. A structured
+        # request compiles its grammar there too: on the few schema threads, so that many
+        # schemas at once wait for each other, not for the threads other requests need.
+        if request.response_format is not None:
+            prepared = await run_schema_work(self._prepare, request)
+        else:
+            prepared = await asyncio.to_thread(self._prepare, request)
         submitted = self._submit(prepared)
         chunks = self._astream(prepared, submitted)
         if stream:

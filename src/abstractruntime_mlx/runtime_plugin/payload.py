@@ -22,6 +22,7 @@ from ..errors import InvalidRequest
 from ..json_values import array_at, object_at
 from ..nodes import NodeRequest
 from ..request import Message
+from ..structured import check_schema_limits
 from .routing import RouteDecision
 
 
@@ -99,6 +100,7 @@ def _response_schema(value: object) -> Mapping[str, object] | None:
         return None
     if not isinstance(value, Mapping):
         raise InvalidRequest("response_schema must be a JSON Schema object", details={"field": "response_schema"})
+    check_schema_limits(value)  # before the copy, which recurses
     return copy.deepcopy(dict(value))
 
 

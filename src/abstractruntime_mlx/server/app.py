@@ -17,6 +17,8 @@ Every failure is ``{"error": {"message", "type", "code"}}`` with the error's HTT
 after the first SSE byte it is a ``data: {"error": ...}`` event followed by ``[DONE]``.
 Generation runs through the provider's ``agenerate`` on the event loop (the engine's worker
 thread does the MLX work), so concurrent requests reach the engine together and are batched.
+Nothing a request carries is worked on by the loop itself: bodies are decoded on a thread, and
+a ``response_format`` schema is checked (within ``structured``'s limits) on the schema threads.
 A client that disconnects cancels its request: the ``cancel_event`` is set and the provider
 stream closed, which frees the engine slot.
 """
@@ -45,7 +47,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..capabilities import get_execution_capabilities
 from ..controls import SAMPLING_FIELDS, normalize_speculation
 from ..request import GenerationRequest, ProgressSink
-from ..structured import ResponseFormat
+from ..structured import ResponseFormat, run_schema_work
 from ..errors import (
     AuthenticationError,
     InvalidRequest,
@@ -373,8 +375,9 @@ async def _first_item(request: Request, pump: ProviderPump) -> PumpItem | None:
     return None
 
 
-def _generation_request(body: ChatCompletionRequest) -> GenerationRequest:
-    """The typed request of a chat body (the HTTP edge; controls validated here, once)."""
+def _generation_request(body: ChatCompletionRequest, response_format: ResponseFormat | None) -> GenerationRequest:
+    """The typed request of a chat body (the HTTP edge; controls validated here, once) and its
+    already checked ``response_format``."""
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     native = extract_images(messages)
     return GenerationRequest.build(
@@ -386,7 +389,7 @@ def _generation_request(body: ChatCompletionRequest) -> GenerationRequest:
         stop=body.stop,
         thinking=body.thinking if body.thinking is not None else body.reasoning_effort,
         speculation=body.speculation,
-        response_format=None if body.response_format is None else ResponseFormat.from_openai(body.response_format),
+        response_format=response_format,
         prompt_cache_key=body.prompt_cache_key,
     )
 
@@ -509,7 +512,10 @@ async def chat_completions(request: Request) -> Response:
         log.warning("chat request: ignoring unknown field(s) %s", ", ".join(unknown))
     served = _served(request)
     llm = served.require(body.model)
-    typed = _generation_request(body)
+    # A schema within the limits still takes up to about half a second to check: on the
+    # schema threads, so that the loop and the other requests go on meanwhile.
+    response_format = None if body.response_format is None else await run_schema_work(ResponseFormat.from_openai, body.response_format)
+    typed = _generation_request(body, response_format)
     if body.include_progress and not _progress_supported(llm):
         raise InvalidRequest("this provider emits no phase events; drop stream_options.include_progress")
 
