@@ -180,36 +180,41 @@ def leading_shard(namespace):
     return shards[0]
 
 
-def test_bytes_changed_in_place_are_a_counted_miss(make_llm, dense_model, tmp_path, caplog):
+@pytest.mark.parametrize("model_name", ["dense_model", "hybrid_model"])
+def test_bytes_changed_in_place_are_a_counted_miss(request, make_llm, model_name, tmp_path, caplog):
+    model = request.getfixturevalue(model_name)
     disk = tmp_path / "cache"
-    first, plain, namespace = cache_on_disk(make_llm, dense_model, disk)
-    shard = leading_shard(namespace)
-    size = shard.stat().st_size
-    header_end = 8 + int.from_bytes(shard.read_bytes()[:8], "little")
-    offset = size // 2
-    assert header_end < offset and offset + 4096 <= size  # inside the tensor data
-    with open(shard, "r+b") as handle:  # 4 KB flipped in place: same size, same name
-        handle.seek(offset)
-        damaged = bytes(b ^ 0xFF for b in handle.read(4096))
-        handle.seek(offset)
-        handle.write(damaged)
-    assert shard.stat().st_size == size
+    first, plain, namespace = cache_on_disk(make_llm, model, disk)
+    files = sorted(p for p in namespace.glob("*.safetensors"))  # KV block shards (dense), checkpoints (hybrid)
+    assert files and all(disk_store.sidecar_of(p).is_file() for p in files)
+    for path in files:  # 4 KB flipped in place inside the tensor data: same size, same name
+        size = path.stat().st_size
+        header_end = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+        offset = header_end + (size - header_end) // 2 - 2048
+        assert header_end <= offset and offset + 4096 <= size
+        with open(path, "r+b") as handle:
+            handle.seek(offset)
+            damaged = bytes(b ^ 0xFF for b in handle.read(4096))
+            handle.seek(offset)
+            handle.write(damaged)
+        assert path.stat().st_size == size
 
-    llm = make_llm(dense_model, mlx_batching=True, speculation=False, mlx_cache_disk_path=str(disk))  # a restart
+    llm = make_llm(model, mlx_batching=True, speculation=False, mlx_cache_disk_path=str(disk))  # a restart
     with caplog.at_level(logging.WARNING, logger=disk_store.__name__):
         later = llm.generate("", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False)
         again = llm.generate("", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False)
     cache = later.metadata["prompt_cache"]
     assert later.token_ids == plain.token_ids  # greedy identity with the uncached answer
     assert cache["outcome"] == "miss" and cache["cached_tokens"] == 0
-    assert cache["apc"]["disk_corrupt"] == 1 and cache["apc"]["disk_hits"] == 0
+    assert cache["apc"]["disk_corrupt"] == len(files) and cache["apc"]["disk_hits"] == 0
     assert again.token_ids == plain.token_ids and again.metadata["prompt_cache"]["apc"]["disk_corrupt"] == 0
     stats = llm.get_prompt_cache_stats()
-    assert stats["counters"]["disk_corrupt"] == 1 and stats["disk"]["corrupt_files"] == 1
-    # discarded with its checksum, and said once
-    assert not shard.exists() and not disk_store.sidecar_of(shard).exists()
-    warnings = [r.getMessage() for r in caplog.records if str(shard) in r.getMessage()]
-    assert len(warnings) == 1 and "does not match its checksum" in warnings[0]
+    assert stats["counters"]["disk_corrupt"] == len(files) and stats["disk"]["corrupt_files"] == len(files)
+    # each discarded with its checksum, and said once
+    for path in files:
+        assert not path.exists() and not disk_store.sidecar_of(path).exists()
+        warnings = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
+        assert len(warnings) == 1 and "does not match its checksum" in warnings[0]
 
 
 @pytest.mark.parametrize("when", ["before_start", "while_running"])
