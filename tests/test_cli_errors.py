@@ -19,7 +19,7 @@ from test_server_harness import serve_in_thread
 from abstractruntime_mlx import create_llm
 from abstractruntime_mlx.cli.main import error_line, main
 from abstractruntime_mlx.cli.runs_cmd import open_for_inspection
-from abstractruntime_mlx.errors import LedgerError, QueueFull
+from abstractruntime_mlx.errors import LedgerError, LedgerNotFound, QueueFull
 from abstractruntime_mlx.ledger import Ledger
 from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.server import create_app
@@ -224,3 +224,46 @@ def test_serve_refuses_a_model_root_that_is_not_a_directory(tmp_path: Path, caps
     code, out, err = cli(capsys, "serve", "--model-root", str(tmp_path / "missing"), "--port", "1")
     assert code == 1 and out == ""
     assert err.strip() == f"error: [invalid_request] --model-root '{tmp_path / 'missing'}' is not a directory"
+
+
+def _foreign_sqlite(path: Path) -> bytes:
+    """A SQLite file of someone else's (one table of its own, no ledger): its bytes."""
+    import sqlite3
+
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY, text TEXT)")
+        conn.execute("INSERT INTO notes (text) VALUES ('mine')")
+    conn.close()
+    return path.read_bytes()
+
+
+def test_runs_web_refuses_a_file_that_is_not_a_ledger_and_leaves_it_alone(tmp_path: Path) -> None:
+    """The real command: it opens the ledger read-only, so it never creates tables in the file."""
+    path = tmp_path / "notes.sqlite"
+    before = _foreign_sqlite(path)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    cmd = [sys.executable, "-m", "abstractruntime_mlx.cli.main", "runs", "web", "--ledger", str(path), "--port", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("error: [ledger_not_found] ") and "is not an abstractruntime-mlx ledger" in done.stderr
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.sqlite"]
+
+
+def test_read_only_views_refuse_a_file_that_is_not_a_ledger(tmp_path: Path, capsys: Any) -> None:
+    path = tmp_path / "notes.sqlite"
+    before = _foreign_sqlite(path)
+    for argv in (["runs", "list"], ["runs", "show", "r1"], ["runs", "replay", "r1"]):
+        code, out, err = cli(capsys, *argv, "--ledger", str(path))
+        assert (code, out) == (1, "")
+        assert err.startswith("error: [ledger_not_found] ") and str(path) in err
+    with pytest.raises(LedgerNotFound):
+        open_for_inspection(f"sqlite:///{path}")
+    assert path.read_bytes() == before
+    # A ledger is still opened read-only as before, and an empty SQLite file is no ledger either.
+    ledger_path = tmp_path / "ledger.sqlite"
+    Ledger(f"sqlite:///{ledger_path}").close()
+    assert cli(capsys, "runs", "list", "--ledger", str(ledger_path))[1].splitlines()[-1] == "no runs"
+    (tmp_path / "empty.sqlite").touch()
+    assert cli(capsys, "runs", "list", "--ledger", str(tmp_path / "empty.sqlite"))[0] == 1
+    assert (tmp_path / "empty.sqlite").read_bytes() == b""

@@ -206,3 +206,24 @@ def test_cli_status_and_upgrade(tmp_path, capsys):
     assert main(["ledger", "upgrade", str(tmp_path / "absent.sqlite")]) == 1
     assert "no ledger at" in capsys.readouterr().err
     assert not (tmp_path / "absent.sqlite").exists()
+
+
+def test_the_upgrade_command_named_by_a_read_only_view_works_as_printed(tmp_path, capsys):
+    """``runs list`` opens the file read-only (``file:PATH?mode=ro``); the command it prints
+    names the plain URL that ``ledger upgrade`` opens for writing, quoted for the shell."""
+    import shlex
+
+    path = tmp_path / "my runs" / "ledger.sqlite"
+    path.parent.mkdir()
+    shutil.copy(FIXTURE, path)
+    assert main(["runs", "list", "--ledger", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "[ledger_error]" in err and "file%3A" not in err and "mode=ro" not in err
+    command = err.split("`")[1]
+    assert command == f"abstractruntime-mlx ledger upgrade {shlex.quote(sqlite_url(path))}"
+    assert main(shlex.split(command)[1:]) == 0
+    assert "upgraded from revision 0001 to 0002" in capsys.readouterr().out
+    assert main(["runs", "list", "--ledger", str(path)]) == 0
+    listed = capsys.readouterr().out
+    for run in fixture_rows("runs"):
+        assert run["run_id"] in listed  # every run recorded before the upgrade is still there

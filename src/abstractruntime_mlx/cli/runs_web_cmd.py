@@ -4,7 +4,9 @@
     abstractruntime-mlx runs web --ledger postgresql+psycopg://u@db/ledger --port 9000 --api-key K
 
 Binds 127.0.0.1 by default. ``--api-key`` (or ``ABSTRACTRUNTIME_MLX_API_KEY``) makes every
-page and route need the key (open the printed URL once: a cookie keeps it).
+page and route need the key (open the printed URL once: a cookie keeps it). The ledger is opened
+as ``runs list`` opens it (``runs_cmd.open_for_inspection``): a SQLite file read-only, so the
+inspector never writes to it, and a file that holds no ledger is refused (``ledger_not_found``).
 """
 
 from __future__ import annotations
@@ -13,14 +15,11 @@ import argparse
 import socket
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
 
-from sqlalchemy.engine import make_url
-
-from ..errors import LedgerError
 from .args import integer
 from .ledger_location import default_ledger_url
+from .runs_cmd import open_for_inspection
 from .serve_cmd import API_KEY_ENV, _is_loopback
 
 DEFAULT_HOST: Final = "127.0.0.1"
@@ -71,27 +70,14 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
     )
 
 
-def _require_existing_sqlite(url: str) -> None:
-    """The inspector only reads: a SQLite path that does not exist is a mistake, not a new ledger."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database and not parsed.database.startswith("file:"):
-        if not Path(parsed.database).expanduser().exists():
-            raise SystemExit(f"error: no ledger at {parsed.database} (run a flow first, or pass --ledger)")
-
-
 def serve_inspector(settings: WebSettings) -> int:
     import uvicorn
 
-    from ..ledger import Ledger
     from ..server.inspector import create_inspector_app
 
-    _require_existing_sqlite(settings.ledger_url)
+    ledger = open_for_inspection(settings.ledger_url)
     if not _is_loopback(settings.host) and not settings.api_key:
         print(f"warning: serving the ledger on {settings.host} without an API key", file=sys.stderr)
-    try:
-        ledger = Ledger(settings.ledger_url)
-    except LedgerError as exc:
-        raise SystemExit(f"error: {exc.message}") from exc
     app = create_inspector_app(ledger, api_key=settings.api_key, poll_interval_s=settings.poll_interval_s)
     config = uvicorn.Config(
         app,

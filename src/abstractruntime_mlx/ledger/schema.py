@@ -9,11 +9,13 @@ the ledger used Alembic carry only ``ledger_meta.schema_version = 1``, which is 
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 from sqlalchemy import Connection, inspect, text
 
+from ..errors import LedgerNotFound
 from .errors import LedgerSchemaError
 from .models import LEDGER_TABLES, SCHEMA_REVISION, SCHEMA_VERSION, Base
 
@@ -101,13 +103,24 @@ def _has_version_table(connection: Connection) -> bool:
     return "alembic_version" in set(inspect(connection).get_table_names())
 
 
-def check_revision(found: str | None, *, shown_url: str, may_upgrade: bool) -> str:
+def check_revision(
+    found: str | None, *, shown_url: str, may_upgrade: bool, read_only: bool = False, upgrade_url: str | None = None
+) -> str:
     """What opening must do with a database at ``found``: ``"create"``, ``"open"`` or ``"upgrade"``.
 
     Raises ``LedgerSchemaError`` for a revision this code does not know (made by a newer
-    release) and for an older one when upgrading was not asked for.
+    release) and for an older one when upgrading was not asked for: its command names
+    ``upgrade_url`` (default ``shown_url``), the URL that opens the database for writing.
+    A database opened ``read_only`` that has no ledger in it is ``LedgerNotFound``: nothing is
+    created in a file that was only to be read.
     """
     if found is None:
+        if read_only:
+            raise LedgerNotFound(
+                f"{shown_url} is not an abstractruntime-mlx ledger: it has none of the ledger's tables "
+                "(it was opened read-only and left as it was)",
+                details={"url": shown_url},
+            )
         return "create"
     if found == SCHEMA_REVISION:
         return "open"
@@ -121,7 +134,7 @@ def check_revision(found: str | None, *, shown_url: str, may_upgrade: bool) -> s
     if known.index(found) > known.index(SCHEMA_REVISION):  # pragma: no cover - head is the newest shipped
         raise LedgerSchemaError(f"{shown_url}: revision {found!r} is newer than {SCHEMA_REVISION!r}")
     if not may_upgrade:
-        command = UPGRADE_COMMAND.format(url=shown_url)
+        command = UPGRADE_COMMAND.format(url=shlex.quote(upgrade_url or shown_url))
         raise LedgerSchemaError(
             f"{shown_url}: the ledger is at schema revision {found}, older than this abstractruntime-mlx's "
             f"{SCHEMA_REVISION}; migrate it with `{command}` (back it up first), then open it again",

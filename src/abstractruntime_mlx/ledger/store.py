@@ -351,6 +351,7 @@ class Ledger:
         self._listeners: list[Callable[[str, list[dict[str, object]]], None]] = []
         self.upgraded_from: str | None = None
         is_sqlite = parsed.get_backend_name() == "sqlite"
+        self._read_only = is_sqlite and _sqlite_read_only(parsed.query)
         if is_sqlite:
             _prepare_sqlite_path(parsed.database, str(parsed.query.get("mode", "")), url)
         shown = parsed.render_as_string(hide_password=True)
@@ -363,7 +364,9 @@ class Ledger:
                 "for PostgreSQL: pip install 'psycopg[binary]'"
             ) from exc
         if is_sqlite:
-            _install_sqlite_hooks(engine, busy_timeout_ms=busy_timeout_ms, synchronous=sqlite_synchronous)
+            _install_sqlite_hooks(
+                engine, busy_timeout_ms=busy_timeout_ms, synchronous=sqlite_synchronous, read_only=self._read_only
+            )
         self._engine: Engine = engine
         write_engine = engine.execution_options(ledger_write=True)
         self._read_sessions = sessionmaker(bind=engine, expire_on_commit=False)
@@ -455,8 +458,11 @@ class Ledger:
             if self.dialect_name == "postgresql":
                 session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_SCHEMA_LOCK_KEY})
             conn = session.connection()
-            found = schema.read_revision(conn, shown_url=self.url)
-            action = schema.check_revision(found, shown_url=self.url, may_upgrade=upgrade)
+            # A read-only SQLite URI (``file:PATH?mode=ro``) is named by its plain URL: the one
+            # ``ledger upgrade`` takes, since upgrading writes.
+            shown = _writable_sqlite_url(self._url.database or "") if self._read_only else self.url
+            found = schema.read_revision(conn, shown_url=shown)
+            action = schema.check_revision(found, shown_url=shown, may_upgrade=upgrade, read_only=self._read_only)
             if action == "create":
                 schema.create_current(conn)
             elif action == "upgrade":
@@ -766,8 +772,24 @@ def _prepare_sqlite_path(database: str | None, mode: str, url: str) -> None:
         raise LedgerError(f"cannot create the directory of ledger database {database!r}: {exc}") from exc
 
 
-def _install_sqlite_hooks(engine: Engine, *, busy_timeout_ms: int, synchronous: SqliteSynchronous) -> None:
+def _sqlite_read_only(query: Mapping[str, object]) -> bool:
+    """Whether a SQLite URL's query opens the file read-only (``mode=ro``, or ``immutable=1``)."""
+    return query.get("mode") == "ro" or query.get("immutable") == "1"
+
+
+def _writable_sqlite_url(database: str) -> str:
+    """``sqlite:///PATH`` for the database of a SQLite URL (``file:PATH`` URIs included)."""
+    path = database.removeprefix("file:")
+    if path.startswith("//"):  # file://host/path; the host is empty or localhost
+        path = "/" + path[2:].partition("/")[2]
+    return sqlite_url(path)
+
+
+def _install_sqlite_hooks(
+    engine: Engine, *, busy_timeout_ms: int, synchronous: SqliteSynchronous, read_only: bool = False
+) -> None:
     """WAL, busy_timeout, foreign_keys and synchronous on every connection; SQLAlchemy emits BEGIN.
+    A ``read_only`` connection leaves the journal mode as the file has it (setting it writes).
 
     pysqlite's own transaction handling is switched off (``isolation_level = None``) so that a
     write session can start with ``BEGIN IMMEDIATE`` and a read session with ``BEGIN``.
@@ -779,7 +801,8 @@ def _install_sqlite_hooks(engine: Engine, *, busy_timeout_ms: int, synchronous: 
         cursor = dbapi_connection.cursor()
         try:
             cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-            cursor.execute("PRAGMA journal_mode = WAL")
+            if not read_only:
+                cursor.execute("PRAGMA journal_mode = WAL")
             cursor.execute(f"PRAGMA synchronous = {synchronous}")
             cursor.execute("PRAGMA foreign_keys = ON")
         finally:
