@@ -10,6 +10,7 @@ import json
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -288,6 +289,23 @@ def test_unload_then_load_through_the_factory(tmp_path: Any) -> None:
         assert client.post("/v1/chat/completions", json={"messages": USER}).status_code == 200
         conflict = client.post("/acore/models/load", json={"model": "third"})
         assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "residency_conflict"
+
+
+def test_a_failed_ssd_flush_at_unload_is_a_500_and_the_model_is_gone(tmp_path: Any) -> None:
+    path = tiny_model(tmp_path / "dense", kind="dense")
+    provider = create_llm("mlx", model=str(path), mlx_batching=True, mlx_cache_disk_path=str(tmp_path / "cache"))
+    namespace = Path(provider.get_prompt_cache_stats()["disk"]["path"])
+    namespace.rename(tmp_path / "moved")  # the directory gives way to a file: every snapshot write fails
+    namespace.write_text("not a directory")
+    with TestClient(create_app(provider)) as client:
+        long_chat = [{"role": "system", "content": "You answer briefly. " * 20}, *USER]  # long enough to store blocks
+        chat = client.post("/v1/chat/completions", json={"messages": long_chat, "max_tokens": 2, "prompt_cache_key": "k"})
+        assert chat.status_code == 200, chat.text
+        failed = client.post("/acore/models/unload", json={})
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "prompt_cache_flush_failed"
+        assert failed.json()["error"]["details"]["write_failures"] >= 1
+        assert client.get("/health").json()["loaded"] is False
+        assert client.post("/acore/models/unload", json={}).json()["unloaded"] is False
 
 
 def test_unload_with_active_requests_is_refused(tmp_path: Any) -> None:

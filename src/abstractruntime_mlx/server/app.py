@@ -53,6 +53,7 @@ from ..errors import (
     InvalidRequest,
     MLXRuntimeError,
     ModelNotFound,
+    PromptCacheFlushFailed,
     RequestTooLarge,
     ResidencyConflict,
     UpstreamError,
@@ -204,8 +205,8 @@ class ServedModel:
             current = self.provider
             if current is not None and self.failed() and self.matches(model):
                 # A failed model is replaced, not returned: unload it, then load it afresh.
-                await asyncio.to_thread(current.unload_model, current.model)
-                self.provider = current = None
+                await self._unload(current)
+                current = None
             if current is not None:
                 if not self.matches(model):
                     raise ResidencyConflict(
@@ -239,10 +240,20 @@ class ServedModel:
                 return {"unloaded": False, "model": None}
             if model and not self.matches(model):
                 raise ModelNotFound(f"{model!r} is not loaded here; this server serves {current.model!r}")
+            await self._unload(current)
+            return {"unloaded": True, "model": str(current.model)}
+
+    async def _unload(self, current: ServedProvider) -> None:
+        """Unload ``current`` and forget it; also when the unload reports a failed prompt-cache
+        flush (the model is unloaded all the same). Any other error (``owner_busy``) keeps it."""
+        try:
             await asyncio.to_thread(current.unload_model, current.model)
+        except PromptCacheFlushFailed:
             self.provider = None
             self._owned = False
-            return {"unloaded": True, "model": str(current.model)}
+            raise
+        self.provider = None
+        self._owned = False
 
     async def shutdown(self) -> None:
         if self.provider is not None and self._owned:
