@@ -9,8 +9,8 @@ size, mtime), so a file read again unchanged is not hashed again. Startup only c
 each file has a sidecar of the right size.
 
 Upstream methods this class overrides or wraps; mlx-vlm is pinned (``>=0.7.10,<0.8.0`` in
-pyproject.toml) and ``tests/test_disk_store.py`` fails when one disappears or changes its
-parameters (``UPSTREAM_HOOKS``):
+pyproject.toml) and a test in ``tests/test_prefix_cache_disk.py`` fails when one disappears or
+changes its parameters (``UPSTREAM_HOOKS``):
 
 - ``_write_payload``: the one write path of both shard kinds (the background writer and the
   producer under backpressure); the sidecar is written right after it.
@@ -63,6 +63,10 @@ UPSTREAM_HOOKS: dict[str, tuple[str, ...]] = {
 UPSTREAM_STATE = ("dir", "SUFFIX", "_index", "_exact_index", "_index_lock", "_write_lock", "_disk_bytes")
 
 FileStamp = tuple[int, int, int, int]
+
+NOT_REGULAR = "is not a regular file (a symlink is never followed)"
+NO_CHECKSUM = "has no readable checksum"
+MISMATCH = "does not match its checksum"
 
 
 def _stamp(info: os.stat_result) -> FileStamp:
@@ -133,6 +137,7 @@ class VerifiedDiskStore(DiskBlockStore):
         self._verdicts: dict[Path, FileStamp] = {}
         self._writing: set[Path] = set()
         self._verdict_lock = threading.Lock()
+        self._disk_bytes = 0  # upstream sets it from its scan; a file removed before that counts nothing
         super().__init__(root, **kwargs)
 
     # --- write ------------------------------------------------------------------------
@@ -162,9 +167,7 @@ class VerifiedDiskStore(DiskBlockStore):
             _write_sidecar(path, info.st_size, digest)
         except OSError as exc:
             log.warning("prompt cache: could not record the checksum of %s (%s); dropping it", path, exc)
-            with contextlib.suppress(OSError):
-                path.unlink()
-            self._drop_index_for_path(path)
+            self._remove(path)
             return False
         with self._verdict_lock:
             self._verdicts[path] = _stamp(info)
@@ -177,7 +180,7 @@ class VerifiedDiskStore(DiskBlockStore):
         return super()._open_shard_header(shard_path)
 
     def _verified(self, path: Path) -> bool:
-        """Whether ``path`` may be read: a regular file whose size and digest match its sidecar."""
+        """Whether ``path`` may be read; a file that may not is discarded."""
         try:
             info = os.lstat(path)
         except OSError:
@@ -187,26 +190,28 @@ class VerifiedDiskStore(DiskBlockStore):
                 return True
             if path in self._writing:
                 return False  # a miss for now; sealed when the write ends
+        fault = self._fault(path, info)
+        if fault is not None:
+            self._discard(path, fault)
+        return fault is None
+
+    def _fault(self, path: Path, info: os.stat_result) -> str | None:
+        """Why ``path`` may not be read; None when it is a regular file whose size and digest
+        match its sidecar (the verdict is then kept)."""
         if not stat.S_ISREG(info.st_mode):
-            self._discard(path, "is not a regular file (a symlink is never followed)")
-            return False
+            return NOT_REGULAR
         recorded = _read_sidecar(path)
         if recorded is None:
-            self._discard(path, "has no readable checksum")
-            return False
+            return NO_CHECKSUM
         hashed = _hash_regular_file(path)
         if hashed is None:
-            self._discard(path, "is not a regular file (a symlink is never followed)")
-            return False
+            return NOT_REGULAR
         info, digest = hashed
         if (info.st_size, digest) != recorded:
-            freed = self._discard(path, "does not match its checksum")
-            with self._write_lock:  # upstream's lock over its byte count
-                self._disk_bytes = max(0, self._disk_bytes - freed)
-            return False
+            return MISMATCH
         with self._verdict_lock:
             self._verdicts[path] = _stamp(info)
-        return True
+        return None
 
     def load_layer_major_prefix(self, block_hashes: Sequence[int], *, preserve_capacity: bool = True) -> Any:
         with self._index_lock:
@@ -260,18 +265,21 @@ class VerifiedDiskStore(DiskBlockStore):
                     continue
                 recorded = _read_sidecar(path)
                 if not stat.S_ISREG(info.st_mode):
-                    self._discard(path, "is not a regular file (a symlink is never followed)")
+                    self._discard(path, NOT_REGULAR)
                 elif recorded is None:
-                    self._discard(path, "has no readable checksum")
+                    self._discard(path, NO_CHECKSUM)
                 elif recorded[0] != info.st_size:
-                    self._discard(path, "does not match its checksum (size)")
+                    self._discard(path, MISMATCH + " (size)")
 
-    def _discard(self, path: Path, why: str) -> int:
-        """A miss that stays one: delete the file (a symlink itself, never its target) and its
-        sidecar, count it and say so once; the bytes of a regular file removed."""
+    def _discard(self, path: Path, why: str) -> None:
+        """A miss that stays one: the file goes, is counted, and is named once."""
         log.warning("prompt cache: SSD file %s %s; discarded, the prompt is prefilled instead", path, why)
         with self._verdict_lock:
             self.corrupt += 1
+        self._remove(path)
+
+    def _remove(self, path: Path) -> None:
+        """Delete ``path`` (a symlink itself, never its target) and its sidecar, and forget both."""
         freed = 0
         try:
             info = os.lstat(path)
@@ -282,7 +290,8 @@ class VerifiedDiskStore(DiskBlockStore):
         with contextlib.suppress(OSError):
             sidecar_of(path).unlink()
         self._drop_index_for_path(path)
-        return freed
+        with self._write_lock:  # upstream's lock over its byte count
+            self._disk_bytes = max(0, self._disk_bytes - freed)
 
     def _drop_index_for_path(self, path: Path) -> None:
         super()._drop_index_for_path(path)
