@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Final
 
+from ..server.inspector_live import DEFAULT_MAX_STREAMS
 from .args import integer
 from .ledger_location import default_ledger_url
 from .runs_cmd import open_for_inspection
@@ -34,6 +35,7 @@ class WebSettings:
     port: int = DEFAULT_PORT
     api_key: str | None = None
     poll_interval_s: float = 0.5
+    max_streams: int = DEFAULT_MAX_STREAMS
     log_level: str = "warning"
 
 
@@ -48,6 +50,12 @@ def add_parser(actions: argparse._SubParsersAction) -> None:
     web.add_argument("--port", type=integer, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT}; 0 picks a free one)")
     web.add_argument("--api-key", default=None, help=f"require this key (default: ${API_KEY_ENV})")
     web.add_argument("--poll-interval", type=float, default=0.5, help="seconds between ledger reads of a live page (default 0.5)")
+    web.add_argument(
+        "--max-streams",
+        type=integer,
+        default=DEFAULT_MAX_STREAMS,
+        help=f"live event streams open at once; one more is refused with 503 too_many_streams (default {DEFAULT_MAX_STREAMS})",
+    )
     web.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     web.set_defaults(handler=_web)
 
@@ -60,12 +68,15 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         raise SystemExit(f"error: --port must be 0..65535 (got {args.port})")
     if not args.poll_interval > 0:
         raise SystemExit(f"error: --poll-interval must be > 0 (got {args.poll_interval})")
+    if args.max_streams < 1:
+        raise SystemExit(f"error: --max-streams must be >= 1 (got {args.max_streams})")
     return WebSettings(
         ledger_url=default_ledger_url(args.ledger),
         host=args.host,
         port=args.port,
         api_key=args.api_key or env.get(API_KEY_ENV) or None,
         poll_interval_s=args.poll_interval,
+        max_streams=args.max_streams,
         log_level=args.log_level,
     )
 
@@ -78,7 +89,9 @@ def serve_inspector(settings: WebSettings) -> int:
     ledger = open_for_inspection(settings.ledger_url)
     if not _is_loopback(settings.host) and not settings.api_key:
         print(f"warning: serving the ledger on {settings.host} without an API key", file=sys.stderr)
-    app = create_inspector_app(ledger, api_key=settings.api_key, poll_interval_s=settings.poll_interval_s)
+    app = create_inspector_app(
+        ledger, api_key=settings.api_key, poll_interval_s=settings.poll_interval_s, max_streams=settings.max_streams
+    )
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -13,6 +13,9 @@ JSON and event streams (the pages use them; so can scripts)::
     GET /api/runs/{run_id}/stream  SSE ``run`` events whenever the run changes; ``end`` once it
                                    has finished (the page stops listening)
 
+The streams share one poller (``inspector_live``): one ledger read per interval for each list
+filter or run that any stream follows, and at most ``max_streams`` streams at once.
+
 Everything is read through the ledger's query API; nothing is written. Assets ship in the
 package (``server/inspector_static``): no network at view time. With ``api_key`` every route
 needs the key: ``Authorization: Bearer KEY``, or ``?key=KEY`` once in the browser (a cookie
@@ -21,13 +24,12 @@ then carries it).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import html
 import json
 import string
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Final
 from urllib.parse import urlencode
@@ -36,7 +38,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -45,10 +47,11 @@ from ..errors import AuthenticationError, InvalidRequest, MLXRuntimeError, RunNo
 from ..inspection import run_view, summary_dict
 from ..json_values import JSONObject, JSONValue, object_at, parse_ascii_int
 from ..ledger import Ledger, RunCursor
-from .sse import SSE_HEADERS, named_event
+from .inspector_live import DEFAULT_MAX_STREAMS, LivePoller, Read, Snapshot, Subscription
+from .sse import SSEResponse, named_event
 from .wire import error_payload
 
-__all__ = ["DEFAULT_POLL_INTERVAL_S", "KEY_COOKIE", "RUN_STATUSES", "create_inspector_app"]
+__all__ = ["DEFAULT_MAX_STREAMS", "DEFAULT_POLL_INTERVAL_S", "KEY_COOKIE", "RUN_STATUSES", "create_inspector_app"]
 
 STATIC_DIR: Final = Path(__file__).with_name("inspector_static")
 KEY_COOKIE: Final = "abstractruntime_mlx_inspector_key"
@@ -150,11 +153,6 @@ def _ledger(request: Request) -> Ledger:
     return ledger
 
 
-def _poll_interval(request: Request) -> float:
-    value: float = request.app.state.poll_interval_s
-    return value
-
-
 # --------------------------------------------------------------------------- data
 
 
@@ -222,61 +220,70 @@ async def run_json(request: Request) -> Response:
 # --------------------------------------------------------------------------- live
 
 
-async def _until_disconnected(request: Request, ticks: AsyncGenerator[str, None]) -> AsyncIterator[str]:
-    """Yield from ``ticks`` until the client goes away (checked between events)."""
-    try:
-        async for chunk in ticks:
-            if await request.is_disconnected():
-                return
-            yield chunk
-    finally:
-        with contextlib.suppress(Exception):
-            await ticks.aclose()
+def _runs_read(ledger: Ledger, status: str | None, workflow: str | None, limit: int) -> Read:
+    """The run-list topic's read: the filtered list, when it differs from the last one sent."""
+
+    def read(last: Snapshot | None) -> Snapshot | None:
+        payload = _runs_payload(ledger, status, workflow, limit)
+        encoded = json.dumps(payload, sort_keys=True, default=str)
+        if last is not None and last.marker == encoded:
+            return None
+        return Snapshot(encoded, (named_event("runs", payload),))
+
+    return read
+
+
+def _run_read(ledger: Ledger, run_id: str) -> Read:
+    """One run's topic read: its cheap cursor, and the whole view only when the cursor moved;
+    once the run is no longer live, the view is followed by ``end`` and the stream closes."""
+
+    def read(last: Snapshot | None) -> Snapshot | None:
+        cursor = ledger.run_cursor(run_id)
+        if last is not None and last.marker == cursor:
+            return None
+        payload = _run_payload(ledger, run_id)
+        if payload["live"]:
+            return Snapshot(cursor, (named_event("run", payload),))
+        end = named_event("end", {"status": object_at(payload, "run").get("status")})
+        return Snapshot(cursor, (named_event("run", payload), end), final=True)
+
+    return read
+
+
+def _live(request: Request) -> LivePoller:
+    poller: LivePoller = request.app.state.live
+    return poller
+
+
+async def _follow(request: Request, subscription: Subscription) -> AsyncIterator[str]:
+    """The SSE records of one stream: each new state of its topic, ``: idle`` comments between
+    them (a write is how a closed connection gets noticed), until the final state or the client
+    goes away."""
+    interval = _live(request).interval_s
+    while not await request.is_disconnected():
+        snapshot = await subscription.next(timeout_s=interval)
+        if snapshot is None:
+            yield ": idle\n\n"
+            continue
+        yield "".join(snapshot.events)
+        if snapshot.final:
+            return
 
 
 async def runs_stream(request: Request) -> Response:
     status, workflow, limit = _filters(request)
-    ledger = _ledger(request)
-    interval = _poll_interval(request)
-
-    async def ticks() -> AsyncGenerator[str, None]:
-        last: str | None = None
-        while True:
-            payload = await run_in_threadpool(_runs_payload, ledger, status, workflow, limit)
-            encoded = json.dumps(payload, sort_keys=True, default=str)
-            if encoded != last:
-                last = encoded
-                yield named_event("runs", payload)
-            else:
-                yield ": idle\n\n"  # a comment: lets a closed connection be noticed
-            await asyncio.sleep(interval)
-
-    return StreamingResponse(_until_disconnected(request, ticks()), media_type="text/event-stream", headers=SSE_HEADERS)
+    read = _runs_read(_ledger(request), status, workflow, limit)
+    subscription = _live(request).subscribe(("runs", status, workflow, limit), read)
+    return SSEResponse(_follow(request, subscription), on_close=subscription.close)
 
 
 async def run_stream(request: Request) -> Response:
     run_id = request.path_params["run_id"]
     ledger = _ledger(request)
-    interval = _poll_interval(request)
     if await run_in_threadpool(ledger.run_cursor, run_id) is None:
         raise RunNotFound(f"no run {run_id!r} in this ledger", details={"run_id": run_id[:255]})
-
-    async def ticks() -> AsyncGenerator[str, None]:
-        last: RunCursor | None = None
-        while True:
-            cursor = await run_in_threadpool(ledger.run_cursor, run_id)
-            if cursor != last:
-                last = cursor
-                payload = await run_in_threadpool(_run_payload, ledger, run_id)
-                yield named_event("run", payload)
-                if not payload["live"]:
-                    yield named_event("end", {"status": object_at(payload, "run").get("status")})
-                    return
-            else:
-                yield ": idle\n\n"
-            await asyncio.sleep(interval)
-
-    return StreamingResponse(_until_disconnected(request, ticks()), media_type="text/event-stream", headers=SSE_HEADERS)
+    subscription = _live(request).subscribe(("run", run_id), _run_read(ledger, run_id))
+    return SSEResponse(_follow(request, subscription), on_close=subscription.close)
 
 
 # --------------------------------------------------------------------------- app
@@ -310,11 +317,15 @@ def create_inspector_app(
     *,
     api_key: str | None = None,
     poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+    max_streams: int = DEFAULT_MAX_STREAMS,
 ) -> Starlette:
     """The inspector over ``ledger`` (a ``Ledger``, left open, or a URL, opened here and closed at
-    shutdown). ``poll_interval_s``: how often live pages re-read the ledger."""
+    shutdown). ``poll_interval_s``: how often live pages re-read the ledger (one read per
+    interval for all the streams that follow the same list or run); ``max_streams``: how many
+    event streams may be open at once (one more is a 503 ``too_many_streams``)."""
     if poll_interval_s <= 0:
         raise ValueError(f"poll_interval_s must be > 0 (got {poll_interval_s})")
+    live = LivePoller(interval_s=float(poll_interval_s), max_streams=max_streams)
     owned = not isinstance(ledger, Ledger)
     store = Ledger(ledger) if isinstance(ledger, str) else ledger
 
@@ -323,6 +334,7 @@ def create_inspector_app(
         try:
             yield
         finally:
+            await live.close()
             if owned:
                 store.close()
 
@@ -337,7 +349,7 @@ def create_inspector_app(
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _on_http_error}, lifespan=lifespan)
     app.state.ledger = store
-    app.state.poll_interval_s = float(poll_interval_s)
+    app.state.live = live
     if api_key:
         app.add_middleware(InspectorAuth, api_key=api_key)
     return app
