@@ -67,3 +67,93 @@ def test_node_labels_come_from_the_stored_flow() -> None:
     assert node_labels({"vars": {"_runtime": {"mlx_pack": {"flow": flow}}}}) == {"a": "Ask the user", "b": "b"}
     for state in ({}, {"vars": None}, {"vars": {"_runtime": "x"}}, {"vars": {"_runtime": {"mlx_pack": {"flow": {"nodes": None}}}}}):
         assert node_labels(state) == {}
+
+
+# ----------------------------------------------------------------- control characters in ids
+
+ESCAPES = "\x1b[2J\x1b]0;owned\x07\x9b31m\x7f"
+"""Clear the screen, set the window title, a C1 CSI, DEL: what a flow's ids must not do to a terminal."""
+
+
+def _raw_controls(text: str) -> list[str]:
+    return [c for c in text if c != "\n" and (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0)]
+
+
+def test_every_view_escapes_control_characters_of_flow_and_node_ids(tmp_path: Path, monkeypatch: Any, capsys: Any, dense_model: str) -> None:
+    import json
+
+    from abstractruntime_mlx.cli.main import main
+    from abstractruntime_mlx.nodes import default_registry
+
+    monkeypatch.setenv("ABSTRACTCORE_CONFIG_FILE", str(tmp_path / "abstractcore.json"))
+    ledger = tmp_path / "runs.sqlite"
+    flow_id, node_id = "flow" + ESCAPES, "ask" + ESCAPES
+    flow = {
+        "id": flow_id,
+        "entryNode": "start",
+        "nodes": [
+            {"id": "start", "type": "on_flow_start", "data": {}},
+            {"id": node_id, "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 3}, "pinDefaults": {"prompt": "hi"}}},
+            {"id": "end", "type": "on_flow_end", "data": {}},
+        ],
+        "edges": [
+            {"source": "start", "sourceHandle": "exec-out", "target": node_id, "targetHandle": "exec-in"},
+            {"source": node_id, "sourceHandle": "exec-out", "target": "end", "targetHandle": "exec-in"},
+        ],
+    }
+    path = tmp_path / "flow.json"
+    path.write_text(json.dumps(flow))
+    shown = {}
+    try:
+        for name, argv in (
+            ("run", ["run", str(path), "--model", dense_model, "--ledger", str(ledger)]),
+            ("list", ["runs", "list", "--ledger", str(ledger)]),
+            ("show", ["runs", "show", "--events", "--ledger", str(ledger), "RUN_ID"]),
+            ("replay", ["runs", "replay", "--ledger", str(ledger), "RUN_ID"]),
+            ("error", ["runs", "show", "--ledger", str(ledger), "absent" + ESCAPES]),
+        ):
+            if "RUN_ID" in argv:
+                with Ledger(sqlite_url(ledger)) as opened:
+                    argv[argv.index("RUN_ID")] = opened.list_runs()[0].run_id
+            code = main(argv)
+            out, err = capsys.readouterr()
+            assert code == (1 if name == "error" else 0), err
+            shown[name] = out + err
+        flow["nodes"][1]["data"]["effectConfig"]["speculaton"] = False  # a problem naming the node
+        path.write_text(json.dumps(flow))
+        assert main(["check", str(path), "--model", dense_model]) == 1
+        shown["check"] = capsys.readouterr().out
+        assert main(["run", str(path), "--model", dense_model, "--ledger", str(ledger)]) == 1
+        shown["refused run"] = capsys.readouterr().err
+    finally:
+        default_registry().close()
+    for name, text in shown.items():
+        assert _raw_controls(text) == [], name
+    for name in ("run", "show", "replay", "check", "refused run"):
+        assert "ask\\x1b[2J\\x1b]0;owned\\x07\\x9b31m\\x7f" in shown[name], name
+    assert "flow\\x1b[2J" in shown["list"]  # the list clips the workflow column
+    # Nothing is lost: the run completed and every view still tells it.
+    assert " completed" in shown["run"] and " completed " in shown["list"] and "completed" in shown["show"]
+    assert "error: [invalid_request] no run 'absent\\x1b" in shown["error"]
+
+
+def test_the_live_table_escapes_control_characters(tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from abstractruntime_mlx.cli.live import runs_table
+
+    t0 = time.time()
+    created = dt.datetime.fromtimestamp(t0, dt.UTC).isoformat()
+    with Ledger(sqlite_url(tmp_path / "l.sqlite")) as ledger:
+        ledger.save_run({"run_id": "r", "workflow_id": "w" + ESCAPES, "status": "running", "created_at": created, "updated_at": created, "vars": {}})
+        key = NodeKey("r", "n" + ESCAPES, workflow_id="w" + ESCAPES, step_id="s1", attempt=1)
+        ledger.append_progress([_event(key, t0, phase="prefill", prompt_tokens=10, elapsed_s=0.0, event_index=0)])
+        view = run_view(ledger, "r")
+    assert view is not None and view.calls
+    buffer = io.StringIO()
+    Console(file=buffer, width=160, force_terminal=False, no_color=True).print(runs_table([view]))
+    text = buffer.getvalue()
+    assert _raw_controls(text) == []
+    assert "w\\x1b[2J" in text and "n\\x1b[2J" in text

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 
 from .run_cmd import parse_vars
+from .terminal import printable
 
 __all__ = ["CheckSettings", "add_parser", "check_and_print"]
 
@@ -92,7 +93,7 @@ def check_and_print(settings: CheckSettings) -> int:
         body: object = reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports]
         print(json.dumps(body, indent=2))
     else:
-        print("\n".join(r.render() for r in reports))
+        print(printable("\n".join(r.render() for r in reports)))
         if len(reports) > 1:
             print(f"{runnable} of {len(reports)} flows can run")
     return 0 if runnable == len(reports) else 1

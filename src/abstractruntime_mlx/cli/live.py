@@ -25,6 +25,7 @@ from typing import IO, TYPE_CHECKING, Literal
 
 from ..inspection import TERMINAL_STEP_STATUSES, CallSample, CallView, RunView, run_view
 from ..ledger import Ledger, RunCursor
+from .terminal import printable
 
 if TYPE_CHECKING:
     from rich.console import Group, JustifyMethod, RenderableType
@@ -178,7 +179,7 @@ class PlainRenderer:
         self._out.flush()
 
     def _write(self, line: str) -> None:
-        self._out.write(line + "\n")
+        self._out.write(printable(line) + "\n")
         self._out.flush()
 
 
@@ -196,7 +197,10 @@ def runs_table(runs: Sequence[RunView]) -> Group:
     for run in sorted(runs, key=lambda r: r.summary.created_at):
         status = run.summary.status
         title = Text.assemble(
-            ("run ", "bold"), (run.summary.run_id[:8], "bold"), f"  {run.summary.workflow_id}  ", (status, styles.get(status, ""))
+            ("run ", "bold"),
+            (printable(run.summary.run_id[:8]), "bold"),
+            f"  {printable(run.summary.workflow_id)}  ",
+            (printable(status), styles.get(status, "")),
         )
         parts.append(title)
         if not run.calls:
@@ -219,9 +223,9 @@ def runs_table(runs: Sequence[RunView]) -> Group:
             total = call.prompt_tokens or 0
             done = call.prefill_processed_tokens or 0
             table.add_row(
-                call.label,
-                call.lane or "",
-                Text(call.phase, style=styles.get(call.phase, "")),
+                Text(printable(call.label)),
+                printable(call.lane or ""),
+                Text(printable(call.phase), style=styles.get(call.phase, "")),
                 ProgressBar(total=max(total, 1), completed=min(done, total) if total else 0, width=BAR_WIDTH),
                 _prefill_short(call),
                 _int(call.generated_tokens),
@@ -325,5 +329,5 @@ class LiveRuns:
             try:
                 self.poll()
             except Exception as exc:  # noqa: BLE001 - the view must never break the run it watches
-                self._out.write(f"live view stopped: {type(exc).__name__}: {exc}\n")
+                self._out.write(printable(f"live view stopped: {type(exc).__name__}: {exc}") + "\n")
                 return

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Final
 
 from ..errors import MLXRuntimeError
+from .terminal import printable
 
 DEBUG_ENV: Final = "ABSTRACTRUNTIME_MLX_DEBUG"
 PACKAGE_LOGGER: Final = "abstractruntime_mlx"
@@ -90,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def error_line(exc: BaseException) -> str:
-    """``error: [code] message`` for any exception."""
+    """``error: [code] message`` for any exception, safe to print (messages quote flow ids)."""
+    return printable(_error_text(exc))
+
+
+def _error_text(exc: BaseException) -> str:
     if isinstance(exc, MLXRuntimeError):
         return f"error: [{exc.code}] {exc.message}"
     if isinstance(exc, SystemExit):

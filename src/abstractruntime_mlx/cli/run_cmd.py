@@ -35,6 +35,7 @@ from ..runtime_plugin.routing import parse_route, routes_from_config
 from .args import integer
 from .ledger_location import DEFAULT_LEDGER_PATH, LEDGER_ENV, default_ledger_url
 from .runs_cmd import EXIT_FAILED, EXIT_OK, EXIT_WAITING, exit_code, print_results
+from .terminal import printable
 TINY_MODEL_DIR: Final = "abstractruntime-mlx/tiny-hybrid-mtp"
 
 
@@ -241,7 +242,7 @@ def check_before_run(settings: RunSettings) -> bool:
         allow_network_tools=settings.allow_network_tools,
     )
     if report.problems:
-        print(report.render(), file=sys.stderr)
+        print(printable(report.render()), file=sys.stderr)
     return report.ok
 
 

@@ -32,6 +32,7 @@ from ..ledger import Ledger, ProgressRow, RunSummary
 from .args import integer
 from .ledger_location import default_ledger_url
 from .show_view import calls_table, calls_timeline
+from .terminal import printable
 
 if TYPE_CHECKING:
     from ..runtime_plugin import FlowRunResult
@@ -152,8 +153,10 @@ def _list(args: argparse.Namespace) -> int:
         print(f"{'RUN ID':36}  {'WORKFLOW':16}  {'STATUS':9}  {'STARTED (UTC)':19}  {'DURATION':>8}  {'NODES':>5}  {'EVENTS':>6}")
         for r in rows:
             print(
-                f"{r.run_id:36}  {r.workflow_id[:16]:16}  {r.status:9}  {r.created_at:%Y-%m-%d %H:%M:%S}  "
-                f"{r.duration_s:7.2f}s  {r.node_count:5}  {r.progress_count:6}"
+                printable(
+                    f"{r.run_id:36}  {r.workflow_id[:16]:16}  {r.status:9}  {r.created_at:%Y-%m-%d %H:%M:%S}  "
+                    f"{r.duration_s:7.2f}s  {r.node_count:5}  {r.progress_count:6}"
+                )
             )
     return 0
 
@@ -165,7 +168,7 @@ def _summary_dict(r: RunSummary) -> dict[str, object]:
 def _show(args: argparse.Namespace) -> int:
     with _open(args.ledger) as ledger:
         run_id = resolve_run_id(ledger, args.run_id)
-        print(render_run(ledger, run_id, events=args.events))
+        print(printable(render_run(ledger, run_id, events=args.events)))
     return 0
 
 
@@ -180,7 +183,7 @@ def _replay(args: argparse.Namespace) -> int:
     resuming = detail.status == "running" and not args.no_resume
     report_flow_drift(run_id, detail.state, flow_file=args.flow, resuming=resuming)
     if resuming:
-        print(f"run {run_id} was interrupted at node {detail.state.get('current_node')!r}; resuming (finished nodes are reused)")
+        print(printable(f"run {run_id} was interrupted at node {detail.state.get('current_node')!r}; resuming (finished nodes are reused)"))
         result = resume_run(run_id, ledger_url=url, model=args.model)
         print_results([result], as_json=args.json, ledger_url=url)
         return 0 if result.status == "completed" else 1
@@ -213,7 +216,7 @@ def report_flow_drift(run_id: str, state: Mapping[str, object], *, flow_file: st
     if drift is None:
         return
     then = "resuming the graph the run started with (stored in the run)" if resuming else "the run is shown as it ran"
-    print(f"note: {drift.render(run_id)}\n{then}; start a new run to use the edited flow", file=sys.stderr)
+    print(printable(f"note: {drift.render(run_id)}\n{then}; start a new run to use the edited flow"), file=sys.stderr)
 
 
 def parse_event(text: str) -> tuple[str, object]:
@@ -323,18 +326,18 @@ def print_results(
     peak = 0
     for r in results:
         label = "replayed from the ledger" if replayed else f"{r.wall_s:.2f}s"
-        print(f"run {r.run_id}  {r.workflow_id}  {r.status}  ({label})")
+        print(printable(f"run {r.run_id}  {r.workflow_id}  {r.status}  ({label})"))
         if r.error:
-            print(f"  error: {r.error}")
+            print(printable(f"  error: {r.error}"))
         if r.waiting:
-            print(f"  waiting: {format_wait(r.waiting)}")
+            print(printable(f"  waiting: {format_wait(r.waiting)}"))
         for n in r.nodes:
             prefix = "" if n.run_id in ("", r.run_id) else f"[{n.run_id[:8]}] "
-            print(format_node(prefix + n.node_id, n.result))
+            print(printable(format_node(prefix + n.node_id, n.result)))
             peak = max(peak, peak_batch(n.result))
         for f in r.failures:
             where = "" if f.run_id == r.run_id else f" (run {f.run_id[:8]})"
-            print(f"  node failed: {f.node_id}{where}: {_clip(f.error)}")
+            print(printable(f"  node failed: {f.node_id}{where}: {_clip(f.error)}"))
         print()
     if wall_s is not None:
         print(summary_line(results, wall_s=wall_s, peak=peak))
