@@ -327,3 +327,23 @@ def test_a_wait_on_a_host_channel_names_the_key_to_send():
 
     assert wait_info(WaitState(reason=WaitReason.EVENT, wait_key="evt:session:s1:done"))["event"] == "done"
     assert wait_info(WaitState(reason=WaitReason.EVENT, wait_key="abstract.ask"))["event"] == "abstract.ask"
+
+
+def test_a_response_schema_in_effect_config_is_read_by_no_one_and_check_says_so(ledger_path, capsys, tmp_path, dense_model):
+    """Only the host's ``response_schema`` pin (wired or ``pinDefaults``) asks an llm_call for a
+    structured answer: the host's compiler and this pack never read ``effectConfig.response_schema``,
+    so ``check`` reports it (docs/structured-output.md says the same)."""
+    from abstractruntime_mlx.runtime_plugin import run_flow
+
+    flow = json.loads((FLOWS / "structured.json").read_text())
+    data = flow["nodes"][1]["data"]
+    data["effectConfig"]["response_schema"] = data["pinDefaults"].pop("response_schema")
+    path = tmp_path / "schema_in_config.json"
+    path.write_text(json.dumps(flow))
+    code, out, _ = cli(capsys, "check", path, "--model", dense_model)
+    assert code == 1 and "nodes[1].data.effectConfig.response_schema" in out and "[unknown_config_key]" in out
+    # Run anyway (the Python API does not check): the node answers free text, unconstrained.
+    (result,) = run_flow(path, ledger_url=f"sqlite:///{ledger_path}", model=dense_model, force_model=True)
+    [llm_step] = [s for s in steps_of(ledger_path, result.run_id) if s.node_id == "llm" and s.status == "completed"]
+    assert llm_step.record["result"].get("data") is None
+    assert "structured" not in llm_step.record["result"]["metadata"]
