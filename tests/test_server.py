@@ -6,9 +6,12 @@ rule-by-rule tests use a scripted fake provider through Starlette's in-process T
 
 from __future__ import annotations
 
+import asyncio
 import json
+import queue
 import socket
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from test_server_harness import FakeProvider, engine_stats, serve_in_thread, wai
 
 from abstractruntime_mlx import create_llm
 from abstractruntime_mlx.errors import EngineCrashed, QueueFull
+from abstractruntime_mlx.results import GenerationChunk
 from abstractruntime_mlx.server import create_app
 from abstractruntime_mlx.testing import tiny_model
 
@@ -505,20 +509,76 @@ def test_serve_command_runs_uvicorn(model_path: str) -> None:
     assert proc.returncode in (0, -15)
 
 
-def test_stream_interval_gathers_fast_tokens_into_fewer_writes() -> None:
-    texts = tuple(f"t{i} " for i in range(20))
+class GatedProvider(FakeProvider):
+    """A fake whose stream yields exactly the chunks the test sends, when it sends them: each
+    ``send`` is one burst, yielded with no pause between its chunks (so the server finds them
+    queued together), and the stream ends with the burst holding the terminal chunk."""
 
-    def data_records(interval_ms: float) -> list[dict[str, Any]]:
-        app = create_app(FakeProvider(texts=texts, delay_s=0.002), stream_interval_ms=interval_ms)
-        with TestClient(app) as client:
-            response = client.post("/v1/chat/completions", json={"messages": USER, "stream": True})
-        return [json.loads(d) for e, d in sse_records(response.text) if e is None and d != "[DONE]"]
+    def __init__(self) -> None:
+        super().__init__()
+        self._bursts: queue.Queue[list[GenerationChunk]] = queue.Queue()
 
-    every = data_records(0)
-    gathered = data_records(30)
-    for records in (every, gathered):
-        assert "".join(r["choices"][0]["delta"].get("content", "") for r in records) == "".join(texts)
-        assert records[-1]["choices"][0]["finish_reason"] == "stop"
-    assert len(every) >= 1 + len(texts)  # role, then about one write per chunk
-    assert len(gathered) < len(every) // 2
-    assert gathered[1]["choices"][0]["delta"]["content"] == "t0 "  # the first token never waits
+    def send(self, *texts: str, finish: bool = False) -> None:
+        burst = [GenerationChunk(content=text, model=self.model) for text in texts]
+        if finish:
+            burst.append(GenerationChunk(content="", finish_reason="stop", usage=self._usage(), metadata=dict(self.metadata), model=self.model))
+        self._bursts.put(burst)
+
+    async def _chunks(self, on_progress: Any) -> Any:
+        while True:
+            # A bounded wait, so that a failed test cannot leave a thread behind forever.
+            burst = await asyncio.to_thread(self._bursts.get, True, 30)
+            for chunk in burst:
+                yield chunk
+            if burst and burst[-1].finish_reason is not None:
+                return
+
+
+def sse_data(response: httpx.Response) -> Iterator[Any]:
+    """The ``data:`` records of a streamed response as they arrive (``"[DONE]"`` as is)."""
+    for line in response.iter_lines():
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def delta_text(record: dict[str, Any]) -> str:
+    return str(record["choices"][0]["delta"].get("content", ""))
+
+
+@pytest.mark.parametrize("interval_ms", [0.0, 60_000.0])
+def test_stream_interval_never_delays_the_first_token_or_the_end(interval_ms: float) -> None:
+    """With any interval, even a minute: the first token and the terminal chunk go out at once.
+    (A delayed one would stall the read below past its timeout.)"""
+    provider = GatedProvider()
+    with serve_in_thread(create_app(provider, stream_interval_ms=interval_ms)) as url:
+        body = {"messages": USER, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
+            records = sse_data(response)
+            assert next(records)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            provider.send("t0 ")
+            assert delta_text(next(records)) == "t0 "
+            provider.send(finish=True)
+            final = next(records)
+            assert final["choices"][0]["finish_reason"] == "stop" and delta_text(final) == ""
+            assert list(records) == ["[DONE]"]
+
+
+def test_stream_writes_each_token_apart_when_they_come_apart_and_together_when_they_queue_up() -> None:
+    """The verdict depends on order only: the test sends a token and reads its write before it
+    sends the next; then it sends a burst that is queued at once, which goes out as one delta."""
+    provider = GatedProvider()
+    texts = [f"t{i} " for i in range(20)]
+    with serve_in_thread(create_app(provider, stream_interval_ms=0)) as url:
+        body = {"messages": USER, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
+            records = sse_data(response)
+            assert "role" in next(records)["choices"][0]["delta"]
+            for text in texts[:5]:
+                provider.send(text)
+                assert delta_text(next(records)) == text  # one write per token that came alone
+            provider.send(*texts[5:], finish=True)
+            gathered = next(records)
+            assert delta_text(gathered) == "".join(texts[5:])  # one write for what queued up together
+            assert gathered["choices"][0]["finish_reason"] == "stop"
+            assert list(records) == ["[DONE]"]

@@ -593,7 +593,7 @@ async def _sse_events(
     ``1 / interval_s`` tokens per second are affected.
     """
     loop = asyncio.get_running_loop()
-    last_write = 0.0
+    last_write = float("-inf")  # so the first text never waits, however recent the clock's origin
 
     def chunk(
         delta: JSONObject,
