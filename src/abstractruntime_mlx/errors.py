@@ -24,7 +24,9 @@ remote client rebuilds the same class from ``code``.
     │   ├── OwnerBusy (409, owner_busy)
     │   ├── RuntimeClosed (409, runtime_closed)
     │   ├── ResidencyConflict (409, residency_conflict)
-    │   └── PromptCacheLocked (409, prompt_cache_locked)   another live process owns the SSD namespace
+    │   ├── PromptCacheLocked (409, prompt_cache_locked)   another live process owns the SSD namespace
+    │   ├── RunLocked (409, run_locked)              another live process drives the run (holds its run lock)
+    │   └── RunNotResumable (409, run_not_resumable)   the run does not wait for this (finished, or continued already)
     ├── CapacityError (503, capacity)
     │   ├── QueueFull (503, queue_full)
     │   ├── TooManyStreams (503, too_many_streams)   the inspector's live-stream cap is reached
@@ -193,6 +195,21 @@ class PromptCacheLocked(ConflictError):
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(message, details={"path": path})
         self.path = path
+
+
+class RunLocked(ConflictError):
+    """Another live process drives the run: it holds the run's lock (a file lock beside a SQLite
+    ledger, an advisory lock on PostgreSQL). ``details``: ``run_id``, ``lock`` (where it is) and
+    ``holder`` (what the holder wrote about itself: pid, host, command; empty when unreadable)."""
+
+    code = "run_locked"
+
+
+class RunNotResumable(ConflictError):
+    """The run is not in a state that takes this continuation: it finished, it does not wait for
+    an answer or event, or another driver continued it first. ``details``: ``run_id``, ``status``."""
+
+    code = "run_not_resumable"
 
 
 class CapacityError(MLXRuntimeError):

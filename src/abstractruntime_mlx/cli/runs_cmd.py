@@ -25,10 +25,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from ..errors import LedgerNotFound
+from ..errors import LedgerNotFound, RunNotResumable
 from ..inspection import control_text, run_view
 from ..json_values import array_at, as_str, object_at
 from ..ledger import Ledger, ProgressRow, RunSummary
+from ..ledger.run_lock import root_run_id
 from .args import integer
 from .ledger_location import default_ledger_url
 from .show_view import calls_table, calls_timeline
@@ -184,7 +185,7 @@ def _replay(args: argparse.Namespace) -> int:
     report_flow_drift(run_id, detail.state, flow_file=args.flow, resuming=resuming)
     if resuming:
         print(printable(f"run {run_id} was interrupted at node {detail.state.get('current_node')!r}; resuming (finished nodes are reused)"))
-        result = resume_run(run_id, ledger_url=url, model=args.model)
+        result = resume_run(run_id, ledger_url=url, model=args.model, refuse_finished=True)
         print_results([result], as_json=args.json, ledger_url=url)
         return 0 if result.status == "completed" else 1
     from ..runtime_plugin import FlowRunResult, node_outcomes
@@ -233,17 +234,6 @@ def parse_event(text: str) -> tuple[str, object]:
         return name.strip(), raw
 
 
-def root_run_id(ledger: Ledger, run_id: str) -> str:
-    """The root of the run tree ``run_id`` belongs to."""
-    current = run_id
-    for _ in range(256):
-        detail = ledger.get_run(current)
-        if detail is None or not detail.parent_run_id:
-            return current
-        current = detail.parent_run_id
-    return current
-
-
 def _resume(args: argparse.Namespace) -> int:
     from ..runtime_plugin import DriveLimits, resume_run
 
@@ -253,7 +243,10 @@ def _resume(args: argparse.Namespace) -> int:
         detail = ledger.get_run(run_id)
     assert detail is not None
     if detail.status not in ("running", "waiting"):
-        raise SystemExit(f"error: run {run_id} is {detail.status}; only a waiting or interrupted run can be resumed")
+        raise RunNotResumable(
+            f"run {run_id} is {detail.status}; only a waiting or interrupted run can be resumed",
+            details={"run_id": run_id, "status": detail.status},
+        )
     event = parse_event(args.event) if args.event is not None else None
     report_flow_drift(run_id, detail.state, resuming=True)
     try:
@@ -264,6 +257,7 @@ def _resume(args: argparse.Namespace) -> int:
             answer=args.answer,
             event=event,
             limits=DriveLimits(max_timer_wait_s=max(0.0, args.max_timer_wait)),
+            refuse_finished=True,
         )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal, TypedDict, TypeVar, cast
 
-from sqlalchemy import Connection, Engine, Table, create_engine, event, insert, select, text, update
+from sqlalchemy import URL, Connection, Engine, Table, create_engine, event, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
@@ -383,6 +383,11 @@ class Ledger:
     def url(self) -> str:
         """The URL, password hidden."""
         return self._url.render_as_string(hide_password=True)
+
+    @property
+    def database_url(self) -> URL:
+        """The URL with its password, for a connection of its own (the run lock's)."""
+        return self._url
 
     @property
     def dialect_name(self) -> str:

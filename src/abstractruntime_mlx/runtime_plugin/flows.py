@@ -20,6 +20,7 @@ import copy
 import json
 import logging
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,8 +30,9 @@ from typing import TYPE_CHECKING, Final
 from abstractruntime import Runtime
 from abstractruntime.core.models import RunState, RunStatus, WaitReason
 
+from ..errors import RunNotResumable
 from ..json_values import as_str, object_at
-from ..ledger import Ledger
+from ..ledger import Ledger, run_lock
 
 from .catalog import load_flow
 from .flowdiff import flow_hash
@@ -258,8 +260,12 @@ def _one_run(host: FlowHost, run_vars: dict[str, object], session_id: str | None
     pack = host.pack
     runtime, registry = host.runtime()  # one per thread: compiled flows keep unlocked per-run caches
     started = time.perf_counter()
-    with pack.prefetcher.run_in_progress():
-        run_id = runtime.start(workflow=registry.get(host.bundle.root_id), vars=copy.deepcopy(run_vars), session_id=session_id)
+    if pack.ledger is None:  # pragma: no cover - host.runtime() refuses a pack without one
+        raise RuntimeError("this pack has no ledger; build it with a ledger URL to run flows")
+    run_id = str(uuid.uuid4())
+    # Locked before the run exists: no other process can resume it while this one drives it.
+    with run_lock.acquire(pack.ledger, run_id), pack.prefetcher.run_in_progress():
+        runtime.start(workflow=registry.get(host.bundle.root_id), vars=copy.deepcopy(run_vars), session_id=session_id, run_id=run_id)
         try:
             state = drive(runtime, registry, run_id, limits=limits)
         finally:
@@ -311,6 +317,7 @@ def resume_run(
     answer: str | None = None,
     event: tuple[str, object] | None = None,
     limits: DriveLimits | None = None,
+    refuse_finished: bool = False,
 ) -> FlowRunResult:
     """Continue a run from the ledger, with the flow (and subflows) stored in the run.
 
@@ -320,48 +327,98 @@ def resume_run(
     is continued at the run its wait chain ends in: ``answer`` answers an ``ask_user``,
     ``event=(name, payload)`` delivers an event to a ``wait_event``, a timer is waited for
     (within ``limits``). ``model`` replaces the stored default model (e.g. the same weights at
-    a new path). A finished run is returned as it is.
+    a new path).
+
+    The run tree is locked first (``ledger.run_lock``), before the model is loaded, and held
+    until the run rests again: a run another live process drives raises ``RunLocked``, and what
+    happens next is decided on the state read under the lock. A finished run is returned as it
+    is, or raises ``RunNotResumable`` with ``refuse_finished``; an ``answer`` or ``event`` for a
+    run that does not wait for one (any more: a second answer to one question) raises
+    ``RunNotResumable`` and runs nothing.
     """
 
-    owned = pack is None
-    if pack is None:
-        if ledger_url is None:
-            raise ValueError("resume_run needs ledger_url=... or pack=...")
-        pack = _pack_for_stored_run(ledger_url, run_id, model=model)
-    try:
-        assert pack.run_store is not None
-        state = pack.run_store.load(run_id)
-        if state is None:
-            raise ValueError(f"no run {run_id} in {pack.ledger.url if pack.ledger else 'the ledger'}")
-        if state.status not in (RunStatus.RUNNING, RunStatus.WAITING):
-            return _result(pack, state, 0.0)
-        stored = stored_flow(state.vars)
-        if stored is None:
-            raise ValueError(f"run {run_id} was not started by run_flow: it carries no _runtime.{FLOW_VAR}.flow to resume with")
-        options = stored_options(state.vars)
-        host = FlowHost.for_flow(
-            pack,
-            stored,
-            known_flows=_stored_subflows(options),
-            artifacts_dir=as_str(options.get("artifacts_dir")),
-            allow_network_tools=bool(options.get("allow_network_tools", False)),
-        )
-        runtime, registry = host.runtime()
-        started = time.perf_counter()
-        with pack.prefetcher.run_in_progress():
-            try:
-                leaf = waiting_leaf(runtime, run_id)
-                if leaf.status == RunStatus.WAITING:
-                    _answer_wait(runtime, registry, leaf, answer=answer, event=event)
-                elif answer is not None or event is not None:
-                    raise ValueError(f"run {run_id} is {leaf.status.value}, not waiting: there is nothing to answer")
-                state = drive(runtime, registry, run_id, limits=limits or DriveLimits())
-            finally:
-                pack.prefetcher.discard_run(run_id)
-        return _result(pack, state, time.perf_counter() - started)
-    finally:
-        if owned:
-            pack.close()
+    if pack is None and ledger_url is None:
+        raise ValueError("resume_run needs ledger_url=... or pack=...")
+    with _lock_run_tree(run_id, ledger_url=ledger_url, pack=pack):
+        owned = pack is None
+        if pack is None:
+            assert ledger_url is not None
+            pack = _pack_for_stored_run(ledger_url, run_id, model=model)
+        try:
+            return _resume_locked(pack, run_id, answer=answer, event=event, limits=limits, refuse_finished=refuse_finished)
+        finally:
+            if owned:
+                pack.close()
+
+
+def _lock_run_tree(run_id: str, *, ledger_url: str | None, pack: MLXPack | None) -> run_lock.RunLock:
+    """The held lock of the tree ``run_id`` belongs to, taken through the pack's ledger or a
+    short-lived one (the lock outlives it: a file lock, or a connection of its own)."""
+    if pack is not None:
+        if pack.ledger is None:
+            raise ValueError("resume_run needs a pack with a ledger")
+        return _lock_stored_run(pack.ledger, run_id)
+    assert ledger_url is not None
+    with Ledger(ledger_url) as ledger:
+        return _lock_stored_run(ledger, run_id)
+
+
+def _lock_stored_run(ledger: Ledger, run_id: str) -> run_lock.RunLock:
+    if ledger.load_run(run_id) is None:
+        raise ValueError(f"no run {run_id} in {ledger.url}")
+    return run_lock.acquire(ledger, run_id)
+
+
+def _resume_locked(
+    pack: MLXPack,
+    run_id: str,
+    *,
+    answer: str | None,
+    event: tuple[str, object] | None,
+    limits: DriveLimits | None,
+    refuse_finished: bool,
+) -> FlowRunResult:
+    assert pack.run_store is not None
+    state = pack.run_store.load(run_id)
+    if state is None:
+        raise ValueError(f"no run {run_id} in {pack.ledger.url if pack.ledger else 'the ledger'}")
+    if state.status not in (RunStatus.RUNNING, RunStatus.WAITING):
+        if refuse_finished or answer is not None or event is not None:
+            raise _not_resumable(run_id, state, "only a waiting or interrupted run can be resumed")
+        return _result(pack, state, 0.0)
+    stored = stored_flow(state.vars)
+    if stored is None:
+        raise ValueError(f"run {run_id} was not started by run_flow: it carries no _runtime.{FLOW_VAR}.flow to resume with")
+    options = stored_options(state.vars)
+    host = FlowHost.for_flow(
+        pack,
+        stored,
+        known_flows=_stored_subflows(options),
+        artifacts_dir=as_str(options.get("artifacts_dir")),
+        allow_network_tools=bool(options.get("allow_network_tools", False)),
+    )
+    runtime, registry = host.runtime()
+    started = time.perf_counter()
+    with pack.prefetcher.run_in_progress():
+        try:
+            leaf = waiting_leaf(runtime, run_id)
+            if leaf.status == RunStatus.WAITING:
+                _answer_wait(runtime, registry, leaf, answer=answer, event=event)
+            elif answer is not None or event is not None:
+                raise _not_resumable(run_id, leaf, "it does not wait for an answer or an event: there is nothing to answer")
+            state = drive(runtime, registry, run_id, limits=limits or DriveLimits())
+        finally:
+            pack.prefetcher.discard_run(run_id)
+    return _result(pack, state, time.perf_counter() - started)
+
+
+def _not_resumable(run_id: str, state: RunState, why: str) -> RunNotResumable:
+    status = str(getattr(state.status, "value", state.status))
+    where = "" if state.run_id == run_id else f" (its run {state.run_id})"
+    return RunNotResumable(
+        f"run {run_id}{where} is {status}; {why} (another process may have continued it already)",
+        details={"run_id": run_id, "status": status},
+    )
 
 
 def _answer_wait(

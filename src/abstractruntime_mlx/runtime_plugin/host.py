@@ -483,7 +483,10 @@ def drive(
     failed, or waiting for something from outside (a user's answer, an event, a timer further
     away than ``limits`` allow). A finished child resumes its parent with the child's output
     (``{"sub_run_id", "output"}``, as the host's scheduler does); a failed child fails its
-    parent. An exception inside a tick fails the run it happened in (``fail_run``)."""
+    parent. An exception inside a tick fails the run it happened in (``fail_run``).
+
+    On the pack's ledger the caller holds the tree's run lock (``ledger.run_lock.acquire``), as
+    ``run_flow`` and ``resume_run`` do: two processes ticking one run would both run its nodes."""
     timer_budget = limits.max_timer_wait_s
     for _ in range(_MAX_DRIVE_STEPS):
         if cancel is not None and cancel.is_set():
