@@ -182,6 +182,20 @@ def test_the_lock_file_is_private_describes_its_holder_and_refuses_a_symlink(tmp
         assert target.read_text() == "keep"
 
 
+def test_a_lock_directory_that_is_a_symlink_or_a_file_is_refused(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with Ledger(sqlite_url(tmp_path / "ledger.db")) as ledger:
+        (tmp_path / "ledger.db.locks").symlink_to(elsewhere)
+        with pytest.raises(LedgerError, match="is not a directory"):
+            run_lock.acquire(ledger, "r1")
+        (tmp_path / "ledger.db.locks").unlink()
+        (tmp_path / "ledger.db.locks").write_text("")
+        with pytest.raises(LedgerError, match="cannot create the run lock directory"):
+            run_lock.acquire(ledger, "r1")
+    assert list(elsewhere.iterdir()) == []
+
+
 def test_the_advisory_key_is_a_signed_64_bit_hash_of_the_run_id():
     keys = {run_lock.advisory_key(f"run-{i}") for i in range(1000)}
     assert len(keys) == 1000 and all(-(2**63) <= k < 2**63 for k in keys)
