@@ -193,8 +193,8 @@ def test_keyless_requests_store_nothing(make_llm, dense_model):
     assert stats["memory"]["entries"] == 0 and stats["counters"]["stores"] == 0
 
 
-def test_concurrent_conversations_on_different_keys(make_llm, dense_model):
-    llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=50)
+def test_concurrent_conversations_on_different_keys_kept_apart(make_llm, dense_model):
+    llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=50, mlx_cache_sharing="key")
     keys = ["k0", "k1", "k2"]
     start = threading.Barrier(len(keys))
 
@@ -211,6 +211,51 @@ def test_concurrent_conversations_on_different_keys(make_llm, dense_model):
     assert max(r.metadata["execution"]["peak_batch_size"] for rs in runs for r in rs) >= 2
     shared = [r.metadata["prompt_cache"]["apc"]["accounting"] for rs in runs for r in rs]
     assert "shared" in shared
+
+
+def test_sessions_sharing_a_prompt_prefill_it_once(make_llm, dense_model):
+    """Keys of one scope share identical prefixes: three sessions started together with one
+    system prompt prefill it once (the first is the leader, the others wait for its blocks),
+    and every answer is the one an uncached run gives."""
+    llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=50)
+    keys = ["s0", "s1", "s2"]
+    start = threading.Barrier(len(keys))
+
+    def first_turn(key):
+        start.wait()
+        return conversation(llm, key, turns=1)[0]
+
+    with ThreadPoolExecutor(len(keys)) as pool:
+        firsts = list(pool.map(first_turn, keys))
+    plain = conversation(llm, None, turns=1)[0]
+    assert all(r.token_ids == plain.token_ids for r in firsts)
+    cached = sorted(r.usage["cached_input_tokens"] for r in firsts)
+    prompt = plain.usage["prompt_tokens"]
+    assert cached[0] == 0  # the leader prefilled it
+    assert all(c >= prompt - prefix_cache.BLOCK_SIZE - 1 for c in cached[1:]), (cached, prompt)
+    assert [r.metadata["prompt_cache"]["outcome"] for r in firsts].count("hit") == 2
+    # later turns of each session still reuse their own history
+    second = conversation(llm, "s1", turns=2)
+    assert second[1].metadata["prompt_cache"]["outcome"] == "hit"
+
+
+def test_scopes_never_share(make_llm, dense_model, tmp_path):
+    """One scope's snapshots, kept on disk, are never found by a runtime of another scope."""
+    disk = str(tmp_path / "ssd")
+    one = make_llm(dense_model, mlx_batching=True, mlx_cache_scope="tenant-a", mlx_cache_disk_path=disk)
+    conversation(one, "a", turns=1)
+    one.unload_model(one.model)  # flushes tenant a's snapshots to disk
+    other = make_llm(dense_model, mlx_batching=True, mlx_cache_scope="tenant-b", mlx_cache_disk_path=disk)
+    assert conversation(other, "b", turns=1)[0].usage["cached_input_tokens"] == 0
+    other.unload_model(other.model)
+    same = make_llm(dense_model, mlx_batching=True, mlx_cache_scope="tenant-a", mlx_cache_disk_path=disk)
+    assert conversation(same, "another-key", turns=1)[0].usage["cached_input_tokens"] > 0
+
+
+def test_sharing_mode_is_validated(make_llm, dense_model):
+    with pytest.raises(errors.InvalidControls) as info:
+        make_llm(dense_model, mlx_batching=True, mlx_cache_sharing="everyone")
+    assert info.value.code == "invalid_controls" and info.value.details["field"] == "mlx_cache_sharing"
 
 
 def test_clear_during_traffic(make_llm, dense_model):

@@ -64,7 +64,7 @@ def test_example_multiturn_flow_reuses_its_conversation(cli_env, capsys, tmp_pat
         node["data"].get("effectConfig", {}).pop("prompt_cache_key", None)
     plain_path = tmp_path / "plain.json"
     plain_path.write_text(json.dumps(plain_flow))
-    plain, _ = run_json(capsys, plain_path, "--model", dense_model)
+    plain, _ = run_json(capsys, plain_path, "--model", dense_model, "--var", "_runtime.prompt_cache=false")
     for name in ("turn1", "turn2", "turn3"):
         assert plain[name]["content"] == nodes[name]["content"]
         assert "prompt_cache" not in plain[name]["metadata"]

@@ -56,6 +56,7 @@ class RunSettings:
     artifacts_dir: str | None = None
     allow_network_tools: bool = False
     max_timer_wait_s: float = 60.0
+    session_id: str | None = None
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -76,6 +77,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="the local provider's default speculation, as serve takes it: 'off', 'native_mtp', a draft depth N, "
         "'inherit' or a JSON object (default: inherit the policy); nodes and _runtime.speculation still override it",
+    )
+    parser.add_argument(
+        "--session",
+        default=None,
+        metavar="ID",
+        help="the runs' session id (default: a fresh one per run); LLM nodes derive their prompt-cache keys from it, "
+        "so a later run with the same --session continues these conversations warm",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="keep prompt-cache snapshots on disk here too (mlx_cache_disk_path), so a later run finds them after a restart",
     )
     parser.add_argument("--no-sibling-batching", action="store_true", help="run parallel branches strictly one after another (no prefetch)")
     parser.add_argument(
@@ -167,6 +181,10 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
             raise SystemExit(f"error: {exc.message}") from exc
         if control is not None:
             options["speculation"] = control.to_wire()
+    if args.cache_dir is not None:
+        options["mlx_cache_disk_path"] = args.cache_dir
+    if args.session is not None and not args.session.strip():
+        raise SystemExit("error: --session must not be empty")
     config = read_run_config(args.config) if args.config else {}
     model = args.model or as_str(config.get("model"))
     routes = tuple(routes_from_config(config.get("routes"), source=str(args.config))) + tuple(args.route)
@@ -193,6 +211,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         artifacts_dir=args.artifacts or as_str(config.get("artifacts_dir")),
         allow_network_tools=bool(args.allow_network_tools or config.get("allow_network_tools", False)),
         max_timer_wait_s=args.max_timer_wait,
+        session_id=args.session.strip() if args.session else None,
     )
 
 
@@ -281,6 +300,7 @@ def run_and_print(settings: RunSettings) -> int:
             artifacts_dir=settings.artifacts_dir,
             allow_network_tools=settings.allow_network_tools,
             limits=DriveLimits(max_timer_wait_s=settings.max_timer_wait_s),
+            session_id=settings.session_id,
         )
     wall_s = time.perf_counter() - started
     print_results(results, as_json=settings.as_json, ledger_url=settings.ledger_url, wall_s=wall_s)

@@ -346,17 +346,34 @@ def peak_batch(result: Mapping[str, object]) -> int:
 
 
 def summary_line(results: Sequence[FlowRunResult], *, wall_s: float, peak: int) -> str:
-    """``2/3 runs completed, 1 waiting, 0 failed; 1 node failure; 9 LLM calls; peak engine batch 4 (1.20s)``."""
+    """``2/3 runs completed, 1 waiting, 0 failed; 1 node failure; 9 LLM calls; prompt tokens 1,200/2,400 reused;
+    peak engine batch 4 (1.20s)``."""
     done = sum(1 for r in results if r.status == "completed")
     waiting = sum(1 for r in results if r.status == "waiting")
     failed = len(results) - done - waiting
     failures = sum(len(r.failures) for r in results)
     calls = sum(len(r.nodes) for r in results)
+    prompt, cached = prompt_tokens_reused(results)
     return (
         f"{done}/{len(results)} runs completed, {waiting} waiting, {failed} failed; "
         f"{failures} node failure{'s' if failures != 1 else ''}; {calls} LLM call{'s' if calls != 1 else ''}; "
-        f"peak engine batch {peak} ({wall_s:.2f}s)"
+        f"prompt tokens {cached:,}/{prompt:,} reused; peak engine batch {peak} ({wall_s:.2f}s)"
     )
+
+
+def prompt_tokens_reused(results: Sequence[FlowRunResult]) -> tuple[int, int]:
+    """(prompt tokens, of which restored from the prompt cache) over every LLM call of ``results``."""
+    prompt = cached = 0
+    for r in results:
+        for n in r.nodes:
+            usage = object_at(n.result, "usage")
+            prompt += _count(usage.get("prompt_tokens"))
+            cached += _count(usage.get("cached_input_tokens"))
+    return prompt, cached
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def format_wait(waiting: Mapping[str, object]) -> str:

@@ -45,7 +45,7 @@ from .request import (
 )
 from .stream import RequestStream
 from .threads import POOL, WorkerHandle
-from .scheduler import GroupKey, count_compatible_head, group_key, take_compatible, under_load
+from .scheduler import GroupKey, count_compatible_head, group_key, prefix_leader, take_compatible, under_load
 from .serial import SerialBackend
 from .single import SingleBackend, supports_model
 from .stops import StopMatcher
@@ -587,7 +587,7 @@ class Engine:
             backend = self._new_backend(key, requests[0], limit, serial=serial)
         self._group = _Group(key=key, backend=backend, speculation_baseline=backend.speculation_counters(), size=len(requests))
         self._admitting = []
-        for request in requests:
+        for request in self._hold_shared_prefixes(self._group, requests):
             self._admit(request)
 
     def _new_backend(self, key: GroupKey, head: EngineRequest, limit: int, *, serial: bool) -> Backend:
@@ -703,8 +703,47 @@ class Engine:
             return
         with self._cond:
             requests = take_compatible(self._waiting, group.key, free)
-        for request in requests:
+        for request in self._hold_shared_prefixes(group, requests):
             self._admit(request)
+
+    def _hold_shared_prefixes(self, group: _Group, requests: list[EngineRequest]) -> list[EngineRequest]:
+        """The requests to admit now. The others share a prefix that a request of the batch is
+        still prefilling: they go back to the head of the queue until its blocks are stored
+        (see ``scheduler.prefix_leader``)."""
+        cache = self.prefix_cache
+        if (
+            cache is None
+            or group.mode != ExecutionMode.CONTINUOUS
+            or not isinstance(group.backend, BatchBackend)
+            or not cache.shares_blocks(self._model.model)
+        ):
+            return requests
+        prefilling = [
+            r.request
+            for r in group.running.values()
+            if r.request.status == RequestStatus.PREFILLING and r.request.prompt_cache_key is not None
+        ]
+        admit: list[EngineRequest] = []
+        held: list[EngineRequest] = []
+        for request in requests:
+            leader = None
+            if request.prompt_cache_key is not None and request.prompt_kwargs_factory is None:
+                salt = cache.salt(request, "batch")
+                same_salt = [r for r in prefilling if cache.salt(r, "batch") == salt]
+                if same_salt:
+                    resident = cache.resident_prefix_tokens(request.prompt_ids, salt)
+                    leader = prefix_leader(request, same_salt, resident=resident)
+            if leader is None:
+                admit.append(request)
+                if request.prompt_cache_key is not None:
+                    prefilling.append(request)
+            else:
+                request.prefix_leader = leader
+                held.append(request)
+        if held:
+            with self._cond:
+                self._waiting.extendleft(reversed(held))
+        return admit
 
     def _admit(self, request: EngineRequest) -> None:
         group = self._group

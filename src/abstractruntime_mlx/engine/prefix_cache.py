@@ -1,9 +1,12 @@
 """Prefix reuse for one resident model: a RAM-budgeted snapshot tier and an optional SSD tier.
 
 Reuse is explicit: only requests carrying a ``prompt_cache_key`` (with their complete
-conversation) look up or store anything. Each key's rows are salted with the key, the
-``mlx_cache_scope``, the MTP depth, the execution layout and the image content, so two
-conversations never share a snapshot by accident.
+conversation) look up or store anything. KV blocks are content-addressed: a block's hash
+chains the tokens before it with a salt of the ``mlx_cache_scope``, the MTP depth, the
+execution layout and the image content. Keyed rows of one scope therefore share every
+identical prefix (N sessions with one system prompt and tool schema prefill it once), and
+rows of different scopes never share. ``mlx_cache_sharing="key"`` adds the key to the salt:
+only rows with the same key share (no cross-key timing side channel within a scope).
 
 Two backends, one report shape:
 
@@ -65,6 +68,10 @@ class CacheOptions:
     disk_path: str | None = None
     disk_max_gb: float = DEFAULT_DISK_MAX_GB
     scope: str = "local"
+    sharing: str = "scope"  # "scope": keys of one scope share prefixes; "key": only one key's rows do
+
+
+SHARING_MODES = ("scope", "key")
 
 
 def validate_options(options: dict[str, Any]) -> CacheOptions:
@@ -81,6 +88,11 @@ def validate_options(options: dict[str, Any]) -> CacheOptions:
     disk_path = options.get("mlx_cache_disk_path")
     disk_max = options.get("mlx_cache_disk_max_gb")
     scope = options.get("mlx_cache_scope", "local")
+    sharing = options.get("mlx_cache_sharing", "scope")
+    if sharing not in SHARING_MODES:
+        raise InvalidControls(
+            f"mlx_cache_sharing must be one of {', '.join(SHARING_MODES)}", field="mlx_cache_sharing", value=sharing
+        )
     if memory is not None:
         memory = number("mlx_cache_memory_max_gb", memory, allow_zero=True)
     if disk_path is not None and (not isinstance(disk_path, (str, os.PathLike)) or not str(disk_path)):
@@ -91,7 +103,7 @@ def validate_options(options: dict[str, Any]) -> CacheOptions:
         disk_max = number("mlx_cache_disk_max_gb", disk_max, allow_zero=False)
     if not isinstance(scope, str) or not scope or len(scope) > 256:
         raise InvalidControls("mlx_cache_scope must be a non-empty string (at most 256 characters)", field="mlx_cache_scope", value=scope)
-    return CacheOptions(memory, str(disk_path) if disk_path is not None else None, disk_max, scope)
+    return CacheOptions(memory, str(disk_path) if disk_path is not None else None, disk_max, scope, sharing)
 
 
 # --- the RAM budget ---------------------------------------------------------------------
@@ -157,11 +169,15 @@ def image_hash(images: list[Any]) -> int:
     return int.from_bytes(digest.digest()[:8], "big", signed=True)
 
 
-def request_salt(*, scope: str, key: str, draft_tokens: int, layout: str, media_hash: int) -> int:
-    """The APC salt of one request: key, scope, MTP depth and layout partition the cache."""
+def request_salt(*, scope: str, key: str | None, draft_tokens: int, layout: str, media_hash: int) -> int:
+    """The APC salt of one request: scope, MTP depth and layout partition the cache, and the
+    key too when given (``None``: rows of every key share)."""
     from mlx_vlm.apc import semantic_extra_hash
 
-    tenant = json.dumps(["abstractruntime-mlx", scope, key, int(draft_tokens), layout])
+    partition: list[object] = ["abstractruntime-mlx", scope, int(draft_tokens), layout]
+    if key is not None:
+        partition.append(key)
+    tenant = json.dumps(partition)
     return int(semantic_extra_hash(tenant=tenant, image_hash=media_hash))
 
 
@@ -313,6 +329,7 @@ class PrefixCache:
         self.totals = {"requests": 0, "hits": 0, "partial": 0, "misses": 0, "not_retained": 0}
         self.manager: Any = None
         self.serial: SerialStore | None = None
+        self._block_strategy: bool | None = None
         if options.disk_path is not None:
             if loaded.lane != "native":
                 raise InvalidControls(
@@ -359,13 +376,43 @@ class PrefixCache:
 
     # --- per request --------------------------------------------------------------------
     def salt(self, request: Any, layout: str) -> int:
+        # One snapshot per salt on the serialized lane: there the key always partitions.
+        per_key = self.options.sharing == "key" or layout == "serial"
         return request_salt(
             scope=self.options.scope,
-            key=request.prompt_cache_key,
+            key=request.prompt_cache_key if per_key else None,
             draft_tokens=request.running_draft_tokens,  # a deferred request's prefix is target-only
             layout=layout,
             media_hash=request.media_hash,
         )
+
+    def shares_blocks(self, model: Any) -> bool:
+        """True when this model's prefixes are stored as KV blocks a later row can extend
+        (dense caches); hybrids keep whole-prompt checkpoints instead."""
+        if self._block_strategy is None:
+            self._block_strategy = self.manager is not None and not self.manager.coordinator(model).is_checkpoint
+        return self._block_strategy
+
+    def resident_prefix_tokens(self, prompt: list[int], salt: int) -> int:
+        """How many leading tokens of ``prompt`` a lookup would restore now (RAM or SSD blocks),
+        without taking the blocks."""
+        from mlx_vlm.apc import SEED_PARENT_HASH, _hash_tokens
+
+        manager = self.manager
+        if manager is None:
+            return 0
+        disk = manager.disk
+        parent, matched = SEED_PARENT_HASH, 0
+        with manager.lock:
+            for start in range(0, len(prompt) - BLOCK_SIZE + 1, BLOCK_SIZE):
+                chunk = tuple(prompt[start : start + BLOCK_SIZE])
+                parent = _hash_tokens(parent, chunk, salt)
+                block = manager.hash_table.get(parent)
+                in_ram = block is not None and block.token_ids == chunk
+                if not in_ram and (disk is None or not disk.has(parent)):
+                    break
+                matched += BLOCK_SIZE
+        return matched
 
     def counters(self) -> dict[str, int]:
         if self.manager is not None:

@@ -149,6 +149,8 @@ class EngineRequest:
     cache_counters: dict[str, int] | None = None  # prefix-cache counters at admission
     cache_layout: str | None = None
     prompt_cache: dict[str, Any] | None = None
+    # The admitted request whose prefill stores the prefix this one shares (see scheduler).
+    prefix_leader: EngineRequest | None = None
     outputs: queue.SimpleQueue = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Outcome | None = None
@@ -191,6 +193,12 @@ class EngineRequest:
         if token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self._token_ids.extend(token_ids)
+
+    @property
+    def waits_for_prefix(self) -> bool:
+        """Held until its prefix leader's prefill has stored the prefix they share."""
+        leader = self.prefix_leader
+        return leader is not None and leader.status <= RequestStatus.PREFILLING
 
     @property
     def deferrable(self) -> bool:

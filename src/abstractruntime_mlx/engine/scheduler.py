@@ -22,6 +22,12 @@ Policy (the fairness rule):
   behind it, it runs MTP (a cohort). Strict MTP requests are never deferred.
 - Requests with different prefix-cache groups never share a group: keyed requests (which
   look up and store in the resident model's prefix cache) never batch with keyless ones.
+- Shared prefixes are prefilled once: a keyed request about to be admitted to a continuous
+  batch whose prompt shares at least ``MIN_SHARED_PREFIX`` tokens not yet cached with a
+  request already admitted and still prefilling (its prefix leader) waits at the head of
+  the queue until that leader's prefill has stored the shared blocks, then joins and
+  restores them (N sessions of one flow started together prefill its system prompt and
+  tools once). A waiting follower is a barrier like any head of the queue.
 """
 
 from __future__ import annotations
@@ -94,12 +100,34 @@ def under_load(waiting: deque[EngineRequest], *, sampled_exclusive: bool = False
 def take_compatible(waiting: deque[EngineRequest], key: GroupKey, limit: int) -> list[EngineRequest]:
     """Pop up to ``limit`` requests from the head of ``waiting`` that ``key`` admits.
 
-    Stops at the first request it does not admit (the fairness barrier).
+    Stops at the first request it does not admit (the fairness barrier), or that waits for
+    its prefix leader's prefill.
     """
     taken: list[EngineRequest] = []
-    while waiting and len(taken) < limit and key.admits(waiting[0]):
+    while waiting and len(taken) < limit and key.admits(waiting[0]) and not waiting[0].waits_for_prefix:
         taken.append(waiting.popleft())
     return taken
+
+
+# Shorter shared prefixes are cheaper to prefill again than to wait for.
+MIN_SHARED_PREFIX = 64
+
+
+def prefix_leader(request: EngineRequest, prefilling: list[EngineRequest], *, resident: int) -> EngineRequest | None:
+    """The request of ``prefilling`` (admitted to the same batch, prefill not done) whose prefix
+    ``request`` should wait for: the one sharing the longest prompt prefix, when that prefix
+    is at least ``MIN_SHARED_PREFIX`` tokens longer than the ``resident`` (already cached) one."""
+    best, best_len = None, resident + MIN_SHARED_PREFIX - 1
+    prompt = request.prompt_ids
+    for leader in prefilling:
+        other = leader.prompt_ids
+        n = min(len(prompt) - 1, len(other))  # a row always feeds at least one token
+        shared = 0
+        while shared < n and prompt[shared] == other[shared]:
+            shared += 1
+        if shared > best_len:
+            best, best_len = leader, shared
+    return best
 
 
 def count_compatible_head(waiting: deque[EngineRequest], key: GroupKey) -> int:

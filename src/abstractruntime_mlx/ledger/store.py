@@ -525,10 +525,13 @@ class Ledger:
         workflow_id: str | None = None,
         wait_reason: str | None = None,
         parent_run_id: str | None = None,
+        session_id: str | None = None,
         limit: int = 100,
     ) -> list[dict[str, object]]:
         """Saved run-state dicts matching every given filter, most recently updated first."""
         stmt = select(Run.run_json)
+        if session_id is not None:
+            stmt = stmt.where(Run.session_id == session_id)
         if status is not None:
             stmt = stmt.where(Run.status == str(_enum_value(status)))
         if workflow_id is not None:

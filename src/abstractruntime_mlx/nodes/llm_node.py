@@ -271,9 +271,12 @@ def generation_request(request: NodeRequest) -> GenerationRequest:
     cap = sampling.pop("max_output_tokens", None)
     alias = sampling.pop("max_tokens", None)
     stop = sampling.pop("stop", None)
+    messages = copy.deepcopy(request.messages)
+    if messages is None and request.prompt_cache_key is not None:
+        messages = []  # a node's prompt and system prompt are its whole conversation
     return GenerationRequest.build(
         prompt=request.prompt or "",
-        messages=copy.deepcopy(request.messages),
+        messages=messages,
         system_prompt=request.system_prompt,
         tools=copy.deepcopy(request.tools),
         media=request.media,

@@ -57,6 +57,7 @@ EXECUTION_DEFAULTS: dict[str, Any] = {
     "mlx_cache_disk_path": None,
     "mlx_cache_disk_max_gb": None,
     "mlx_cache_scope": "local",
+    "mlx_cache_sharing": "scope",
     "mlx_sampled_exclusive": False,
     # A lone request decodes on the single-request lane until a second one joins (docs/provider.md).
     "mlx_single_lane": True,

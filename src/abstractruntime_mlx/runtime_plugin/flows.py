@@ -187,6 +187,10 @@ def run_flow(
     ``record_progress`` and closed at the end). ``vars`` are the run's input vars;
     ``vars["_runtime"]`` holds run-level controls (``speculation``, ``thinking``, ``base_url``).
 
+    Each run has a session: ``session_id``, or a fresh one per run. LLM nodes derive their
+    prompt-cache keys from it as the host does (``prompt_cache``), so a later run given the
+    same ``session_id`` continues the conversations of this one.
+
     Subflows resolve from ``flows_dir`` (default: the flow file's directory); child runs are
     driven to completion by the same loop (``host.drive``); memory nodes use a file artifact
     store beside the ledger (``artifacts_dir`` overrides it). Each run ends completed, failed
@@ -256,6 +260,11 @@ def flow_directory(flow: str | Path | Mapping[str, object]) -> Path | None:
     return Path(text).expanduser().resolve().parent
 
 
+def new_session_id() -> str:
+    """A fresh session id for a run started without one."""
+    return f"session-{uuid.uuid4().hex}"
+
+
 def _one_run(host: FlowHost, run_vars: dict[str, object], session_id: str | None, limits: DriveLimits) -> FlowRunResult:
     pack = host.pack
     runtime, registry = host.runtime()  # one per thread: compiled flows keep unlocked per-run caches
@@ -265,7 +274,9 @@ def _one_run(host: FlowHost, run_vars: dict[str, object], session_id: str | None
     run_id = str(uuid.uuid4())
     # Locked before the run exists: no other process can resume it while this one drives it.
     with run_lock.acquire(pack.ledger, run_id), pack.prefetcher.run_in_progress():
-        runtime.start(workflow=registry.get(host.bundle.root_id), vars=copy.deepcopy(run_vars), session_id=session_id, run_id=run_id)
+        # Every run has a session: the host derives each LLM call's prompt-cache key from it.
+        session = session_id or new_session_id()
+        runtime.start(workflow=registry.get(host.bundle.root_id), vars=copy.deepcopy(run_vars), session_id=session, run_id=run_id)
         try:
             state = drive(runtime, registry, run_id, limits=limits)
         finally:

@@ -36,6 +36,7 @@ from .payload import explicit_base_url, request_from_payload
 from .routing import RouteDecision, Routing
 from .prediction import Unpredictable
 from .prefetch import SiblingPrefetcher
+from .prompt_cache import CallIdentity
 from .stores import LedgerStepStore
 
 
@@ -52,6 +53,7 @@ class RunView(Protocol):
     run_id: str
     workflow_id: str
     current_node: str
+    session_id: str | None
     vars: Mapping[str, object]
 
 
@@ -116,15 +118,23 @@ class LLMCallHandler:
     # -- internals ----------------------------------------------------------------------
 
     def _request(
-        self, run_vars: Mapping[str, object], payload: Mapping[str, object], node_config: Mapping[str, object] | None
+        self, run: RunView, node_id: str, payload: Mapping[str, object], node_config: Mapping[str, object] | None
     ) -> tuple[NodeRequest, RouteDecision]:
-        """The node's request, served where ``self.routing`` says (see ``routing``)."""
+        """Node ``node_id``'s request, served where ``self.routing`` says (see ``routing``), with
+        the prompt-cache key the host would give it (see ``prompt_cache``)."""
         route = self.routing.decide(
             payload.get("provider"),
             payload.get("model"),
-            explicit_base_url=explicit_base_url(payload, run_vars, node_config=node_config, default_base_url=self.server_base_url),
+            explicit_base_url=explicit_base_url(payload, run.vars, node_config=node_config, default_base_url=self.server_base_url),
         )
-        return request_from_payload(payload, run_vars, node_config=node_config, route=route), route
+        session_id = getattr(run, "session_id", None)
+        call = CallIdentity(
+            run_id=run.run_id,
+            workflow_id=str(run.workflow_id),
+            node_id=node_id,
+            session_id=session_id if isinstance(session_id, str) and session_id else None,
+        )
+        return request_from_payload(payload, run.vars, node_config=node_config, route=route, call=call), route
 
     def _handle(self, run: RunView, effect: EffectView) -> EffectOutcome:
         payload = effect.payload if isinstance(effect.payload, Mapping) else {}
@@ -143,7 +153,7 @@ class LLMCallHandler:
         callback = current_effect_progress_callback() if forward else None
         cancel_event = current_effect_cancel_event()
         index = self.flows.get(run.workflow_id)
-        request, route = self._request(run.vars, payload, index.node_config(node_id) if index is not None else None)
+        request, route = self._request(run, node_id, payload, index.node_config(node_id) if index is not None else None)
         prepared = self.node.prepare(request)
 
         extra: JSONObject = {"route": route.to_metadata()}
@@ -221,7 +231,7 @@ class LLMCallHandler:
                 log.info("not prefetching %s: %s", sibling.node_id, exc)
                 continue
             try:
-                request, _ = self._request(run.vars, payload, sibling.config)
+                request, _ = self._request(run, sibling.node_id, payload, sibling.config)
                 calls.append((sibling.node_id, self.node.prepare(request)))
             except MLXRuntimeError as exc:
                 # Its own turn will raise the same error on the tick thread, where it belongs.

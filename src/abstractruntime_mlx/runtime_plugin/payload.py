@@ -12,6 +12,7 @@ node validates it once, into a ``GenerationRequest``.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from typing import Final
 
@@ -23,6 +24,7 @@ from ..json_values import array_at, object_at
 from ..nodes import NodeRequest
 from ..request import Message
 from ..structured import check_schema_limits
+from .prompt_cache import CallIdentity, node_prompt_cache_key
 from .routing import RouteDecision
 
 
@@ -41,13 +43,13 @@ def request_from_payload(
     force_model: bool = False,
     default_base_url: str | None = None,
     route: RouteDecision | None = None,
+    call: CallIdentity | None = None,
 ) -> NodeRequest:
     """The ``NodeRequest`` of an LLM_CALL payload (as the visual compiler emits it).
 
     Node level: ``params.speculation`` / ``params.thinking`` (absent or null inherit).
-    Run level: ``run_vars["_runtime"]["speculation"|"thinking"]``. ``prompt_cache_key``, first
-    found: ``params.prompt_cache_key``, the node's ``effectConfig.prompt_cache_key``, a string
-    ``params.prompt_cache_binding`` (or its ``key``), ``_runtime.prompt_cache_key``. Remote selection, first
+    Run level: ``run_vars["_runtime"]["speculation"|"thinking"]``. ``prompt_cache_key``: given
+    or derived for ``call`` as the host derives it (``prompt_cache.node_prompt_cache_key``). Remote selection, first
     found: ``params.base_url``, the node's ``effectConfig.base_url``/``server_base_url`` (from
     the flow JSON, which the compiler does not forward), ``_runtime.base_url``/
     ``server_base_url``, ``default_base_url``. Model: ``default_model`` when ``force_model``,
@@ -63,7 +65,7 @@ def request_from_payload(
     seed = params.get("seed")
     if seed is not None and not isinstance(seed, bool) and isinstance(seed, int) and seed >= 0:
         sampling["seed"] = seed
-    max_out = params.get("max_output_tokens", params.get("max_tokens"))
+    max_out = _output_cap(params, payload, run_vars or {})
     if max_out is not None:
         sampling["max_output_tokens"] = max_out
     model = given if isinstance(given := payload.get("model"), str) and given else None
@@ -74,7 +76,7 @@ def request_from_payload(
     if route is not None:
         provider, model, base_url = route.provider, route.model, route.base_url
     return NodeRequest(
-        prompt=strip_turn_grounding(payload.get("prompt") or ""),
+        prompt=_strip_grounding(payload.get("prompt") or ""),
         messages=messages,
         system_prompt=_str_or_none(payload.get("system_prompt")),
         tools=list(array_at(payload, "tools")) or None,
@@ -87,10 +89,25 @@ def request_from_payload(
         run_speculation=_level(runtime_ns, "speculation"),
         run_thinking=_level(runtime_ns, "thinking"),
         sampling=sampling,
-        prompt_cache_key=_prompt_cache_key(params, config, runtime_ns),
+        prompt_cache_key=node_prompt_cache_key(params, config, run_vars or {}, call, provider=provider, model=model),
         response_schema=_response_schema(payload.get("response_schema")),
         response_schema_name=_str_or_none(payload.get("response_schema_name")),
     )
+
+
+def _output_cap(params: Mapping[str, object], payload: Mapping[str, object], run_vars: Mapping[str, object]) -> object:
+    """The call's output cap as the host finds it: ``params.max_output_tokens``/``max_tokens``,
+    then the payload's ``max_output_tokens``/``max_out_tokens``, then the run's
+    ``_limits.max_output_tokens`` (where an agent node's configured cap travels). A value
+    that is not a positive number falls through to the next level; a params value that is
+    neither absent nor a number is kept, so the request refuses it by name."""
+    given = params.get("max_output_tokens", params.get("max_tokens"))
+    for value in (given, payload.get("max_output_tokens"), payload.get("max_out_tokens"), object_at(run_vars, "_limits").get("max_output_tokens")):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    if given is not None and not (isinstance(given, int) and not isinstance(given, bool)):
+        return given
+    return None
 
 
 def _response_schema(value: object) -> Mapping[str, object] | None:
@@ -102,14 +119,6 @@ def _response_schema(value: object) -> Mapping[str, object] | None:
         raise InvalidRequest("response_schema must be a JSON Schema object", details={"field": "response_schema"})
     check_schema_limits(value)  # before the copy, which recurses
     return copy.deepcopy(dict(value))
-
-
-def _prompt_cache_key(params: Mapping[str, object], config: Mapping[str, object], runtime_ns: Mapping[str, object]) -> str | None:
-    """The node's prompt-cache key (node level first, then run level); None: no reuse."""
-    binding = params.get("prompt_cache_binding")
-    if isinstance(binding, Mapping):
-        binding = binding.get("key")
-    return _first_str(params.get("prompt_cache_key"), config.get("prompt_cache_key"), binding, runtime_ns.get("prompt_cache_key"))
 
 
 def explicit_base_url(
@@ -145,8 +154,17 @@ def _strip_message(message: object) -> Message:
         # The error GenerationRequest.build raises for such a message, raised where the payload is read.
         raise InvalidRequest("each message must be an object with a 'role'")
     if message.get("role") == "user" and isinstance(message.get("content"), str):
-        return {**message, "content": strip_turn_grounding(message["content"])}
+        return {**message, "content": _strip_grounding(message["content"])}
     return copy.deepcopy(message)
+
+
+# A stamp the host puts inside a turn it extends (an agent's appended guidance), not only at its head.
+_INNER_GROUNDING: Final = re.compile(r"\s*<runtime_metadata>\s*\{[^\n]*?\}\s*</runtime_metadata>")
+
+
+def _strip_grounding(text: object) -> str:
+    """``text`` without the host's per-second ``<runtime_metadata>`` stamps, at its head or inside it."""
+    return _INNER_GROUNDING.sub("", strip_turn_grounding(text))
 
 
 def _first_str(*values: object) -> str | None:

@@ -23,6 +23,7 @@ import datetime as dt
 from collections.abc import Callable, Mapping
 
 from abstractruntime.core.models import RunState, RunStatus, StepRecord, WaitReason, WaitState
+from abstractruntime.core.run_attribution import automation_index_fields
 from abstractruntime.core.run_identity import verify_run_identity
 from abstractruntime.storage.base import LedgerStore, RunStore
 from abstractruntime.storage.serialize import runstate_to_dict, steprecord_to_dict
@@ -122,6 +123,24 @@ class LedgerRunStore(RunStore):
                 due.append((until, run))
         due.sort(key=lambda item: item[0])
         return [run for _, run in due[: max(0, int(limit))]]
+
+    def list_run_index(self, *, session_id: str | None = None, role: str | None = None, limit: int = 100, **filters: object) -> list[dict[str, object]]:
+        """The host's run-index rows (``run_id``, ``session_id`` and the attribution fields) of a
+        session's runs, which the host reads to attribute a session before starting a run in it."""
+        if session_id is None or filters:
+            raise NotImplementedError("the ledger's run index is searched by session_id (and role) only")
+        rows: list[dict[str, object]] = []
+        for data in self.ledger.list_run_states(session_id=session_id, limit=limit):
+            run_id = str(data.get("run_id") or "")
+            fields = automation_index_fields(object_at(data, "vars"), run_id=run_id)
+            if role is None or fields.get("role") == role:
+                rows.append({"run_id": run_id, "session_id": session_id, **fields})
+        return rows
+
+    def session_kinds(self, session_id: str) -> frozenset[str]:
+        """The attribution kinds of a session's runs (empty: a new session)."""
+        rows = self.list_run_index(session_id=session_id, limit=1_000_000) if session_id.strip() else []
+        return frozenset(str(kind) for row in rows if (kind := row.get("session_kind")))
 
     def list_children(self, *, parent_run_id: str, status: RunStatus | None = None) -> list[RunState]:
         rows = self.ledger.list_run_states(
