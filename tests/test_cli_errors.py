@@ -18,7 +18,7 @@ from test_server_harness import serve_in_thread
 
 from abstractruntime_mlx import create_llm
 from abstractruntime_mlx.cli.main import error_line, main
-from abstractruntime_mlx.cli.runs_cmd import open_for_inspection
+from abstractruntime_mlx.cli.ledger_location import open_for_inspection
 from abstractruntime_mlx.errors import LedgerError, LedgerNotFound, QueueFull
 from abstractruntime_mlx.ledger import Ledger
 from abstractruntime_mlx.nodes import default_registry

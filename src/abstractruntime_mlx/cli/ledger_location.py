@@ -1,4 +1,5 @@
-"""Where the CLI's ledger is when a command is not told (shared by every command that opens it)."""
+"""Where the CLI's ledger is when a command is not told, and how a read-only view opens it
+(shared by every command that opens it)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
+
+from ..errors import LedgerNotFound
+from ..ledger import Ledger
 
 LEDGER_ENV: Final = "ABSTRACTRUNTIME_MLX_LEDGER"
 DEFAULT_LEDGER_PATH: Final = Path("~/.abstractruntime-mlx/ledger.sqlite")
@@ -17,3 +21,28 @@ def default_ledger_url(explicit: str | None = None, env: Mapping[str, str] = os.
 
     chosen = explicit or env.get(LEDGER_ENV) or str(DEFAULT_LEDGER_PATH.expanduser())
     return normalize_ledger_url(chosen)
+
+
+def open_for_inspection(url: str) -> Ledger:
+    """``Ledger(url)`` for reading: a missing SQLite file is ``LedgerNotFound``, an existing one opens read-only.
+
+    Read-only is SQLite's ``mode=ro``; where the directory cannot be written either (a
+    read-only file system) the file is also opened ``immutable``, since no one can change it.
+    Other databases open as usual.
+    """
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    database = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or not database or database.startswith("file:") or parsed.query:
+        return Ledger(url)
+    path = Path(database).expanduser().resolve()
+    if not path.is_file():
+        raise LedgerNotFound(
+            f"no ledger at {path}: no run has been recorded there (`abstractruntime-mlx run FLOW --ledger {path}` creates it)",
+            details={"path": str(path)},
+        )
+    options = "mode=ro&uri=true"
+    if not os.access(path.parent, os.W_OK):
+        options += "&immutable=1"
+    return Ledger(f"sqlite:///file:{path}?{options}")

@@ -19,19 +19,17 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from ..errors import LedgerNotFound, RunNotResumable
+from ..errors import RunNotResumable
 from ..inspection import control_text, run_view
 from ..json_values import array_at, as_str, object_at
 from ..ledger import Ledger, ProgressRow, RunSummary
 from ..ledger.run_lock import root_run_id
 from .args import integer
-from .ledger_location import default_ledger_url
+from .ledger_location import default_ledger_url, open_for_inspection
 from .show_view import calls_table, calls_timeline
 from .terminal import printable
 
@@ -102,31 +100,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _open(url_or_path: str | None) -> Ledger:
     """The ledger, opened for reading only."""
     return open_for_inspection(default_ledger_url(url_or_path))
-
-
-def open_for_inspection(url: str) -> Ledger:
-    """``Ledger(url)`` for reading: a missing SQLite file is ``LedgerNotFound``, an existing one opens read-only.
-
-    Read-only is SQLite's ``mode=ro``; where the directory cannot be written either (a
-    read-only file system) the file is also opened ``immutable``, since no one can change it.
-    Other databases open as usual.
-    """
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    database = parsed.database or ""
-    if parsed.get_backend_name() != "sqlite" or not database or database.startswith("file:") or parsed.query:
-        return Ledger(url)
-    path = Path(database).expanduser().resolve()
-    if not path.is_file():
-        raise LedgerNotFound(
-            f"no ledger at {path}: no run has been recorded there (`abstractruntime-mlx run FLOW --ledger {path}` creates it)",
-            details={"path": str(path)},
-        )
-    options = "mode=ro&uri=true"
-    if not os.access(path.parent, os.W_OK):
-        options += "&immutable=1"
-    return Ledger(f"sqlite:///file:{path}?{options}")
 
 
 def resolve_run_id(ledger: Ledger, run_id: str) -> str:

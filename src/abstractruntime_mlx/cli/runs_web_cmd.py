@@ -5,7 +5,7 @@
 
 Binds 127.0.0.1 by default. ``--api-key`` (or ``ABSTRACTRUNTIME_MLX_API_KEY``) makes every
 page and route need the key (open the printed URL once: a cookie keeps it). The ledger is opened
-as ``runs list`` opens it (``runs_cmd.open_for_inspection``): a SQLite file read-only, so the
+as ``runs list`` opens it (``ledger_location.open_for_inspection``): a SQLite file read-only, so the
 inspector never writes to it, and a file that holds no ledger is refused (``ledger_not_found``).
 """
 
@@ -19,8 +19,7 @@ from typing import Final
 
 from ..server.inspector_live import DEFAULT_MAX_STREAMS
 from .args import integer
-from .ledger_location import default_ledger_url
-from .runs_cmd import open_for_inspection
+from .ledger_location import default_ledger_url, open_for_inspection
 from .serve_cmd import API_KEY_ENV, _is_loopback
 
 DEFAULT_HOST: Final = "127.0.0.1"
