@@ -178,3 +178,24 @@ def test_agent_turns_reuse_their_transcript_with_identical_answers(ledger_path, 
         assert cache["outcome"] == "hit", cache
         # at least the earlier turn's prompt but its last block and guard is restored
         assert cache["cached_tokens"] >= earlier.result["usage"]["prompt_tokens"] - 24 - 16
+
+
+def test_a_node_sent_to_serve_carries_its_derived_key_and_reuses_there(ledger_path, capsys, tmp_path, dense_model, make_llm):
+    from test_server_harness import serve_in_thread
+
+    from abstractruntime_mlx.server import create_app
+
+    llm = make_llm(dense_model, mlx_batching=True)
+    path = plain_flow(tmp_path)
+    with serve_in_thread(create_app(llm)) as url:
+        out = run_cli(capsys, "run", path, "--var", f"_runtime.base_url={url}", "--session", "remote-session", "--json")
+    (run,) = json.loads(out[out.index("[") :])
+    nodes = {n["node_id"]: n["result"] for n in run["nodes"]}
+    served = nodes["turn1"]["metadata"]["route"]["served"]
+    assert served["base_url"] == url
+    key = host_key(session_id="remote-session", provider=served["provider"], model=served["model"], workflow_id=run["workflow_id"], node_id="turn1")
+    assert nodes["turn1"]["metadata"]["prompt_cache"]["key"] == key
+    # the server reused under the key as the local provider does
+    assert nodes["turn2"]["metadata"]["prompt_cache"]["outcome"] == "hit"
+    assert nodes["turn2"]["usage"]["cached_input_tokens"] > 0
+    assert llm.get_prompt_cache_stats()["requests"]["requests"] == 3

@@ -72,6 +72,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run sampled requests alone, one at a time, instead of in the shared batch (same tokens; default: shared)",
     )
     parser.add_argument(
+        "--mlx-cache-sharing",
+        choices=["scope", "key"],
+        default=None,
+        help="which keyed requests share identical prompt prefixes: every key of the cache scope (default), or only "
+        "requests with the same prompt_cache_key (no cross-key timing side channel; for servers shared by tenants)",
+    )
+    parser.add_argument("--mlx-cache-scope", default=None, help="the prefix cache's partition label (default 'local')")
+    parser.add_argument(
+        "--mlx-cache-disk-path", default=None, metavar="DIR", help="keep prompt-cache snapshots on disk here too (SSD tier)"
+    )
+    parser.add_argument(
         "--speculation",
         default=None,
         help="constructor speculation: 'off', 'native_mtp', a draft depth N, 'inherit' or a JSON object (default: inherit the policy)",
@@ -97,6 +108,9 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         "mlx_queue_timeout_s",
         "mlx_output_queue_size",
         "mlx_sampled_exclusive",
+        "mlx_cache_sharing",
+        "mlx_cache_scope",
+        "mlx_cache_disk_path",
         "mtp_head",
     ):
         value = getattr(args, name)
