@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--observation-lines", type=int, default=4, help="lines of a tool observation (default 4: ~350 new tokens a turn)")
     ap.add_argument("--serve", action=argparse.BooleanOptionalAction, default=None, help="also through serve (default: on; --quick: off)")
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: the tiny dense-long model, built offline)")
+    ap.add_argument("--shape", choices=["0.6b", "4b"], default=None, help="build a random bf16 checkpoint of this Qwen3 shape (32k context) instead")
     ap.add_argument("--json", dest="json_out", default=None, help="write every figure here")
     args = ap.parse_args(argv)
     turns = args.turns or (4 if args.quick else 8)
@@ -248,7 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     from abstractruntime_mlx.testing import tiny_model
 
     scratch = tempfile.TemporaryDirectory(prefix="bench-agent-turns-")
-    model = Path(args.model) if args.model else tiny_model(Path(scratch.name) / "dense-long", kind="dense-long")
+    if args.model:
+        model = Path(args.model)
+    elif args.shape:
+        import _models  # bench/_models.py (``python bench/X.py`` puts bench/ first on sys.path)
+
+        model = _models.small_model(Path(scratch.name) / args.shape, shape={**_models.SHAPES[args.shape], "max_position_embeddings": 32768})
+    else:
+        model = tiny_model(Path(scratch.name) / "dense-long", kind="dense-long")
     batch = max(levels)
     llm = create_llm("mlx", model=str(model), mlx_batching=True, mlx_max_batch_size=batch, speculation=False)
     encode = llm._engine.loaded.encode

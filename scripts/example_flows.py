@@ -1,5 +1,6 @@
 """Run a directory of AbstractFlow example flows with ``abstractruntime-mlx run FLOW --model M``
-and print one table row per flow (flow, class, result, seconds, LLM calls, peak batch).
+and print one table row per flow (flow, class, result, seconds, LLM calls, peak batch), then
+one row per agent: its ReAct turns with prompt and cached tokens and TTFT by turn.
 
     python scripts/example_flows.py FLOWS_DIR --model /tmp/tiny [--ledger runs.sqlite] [--only ID ...]
 
@@ -93,6 +94,36 @@ def next_answer(waiting: dict[str, Any], asked: list[str]) -> str:
     return options[(repeats - 3) % len(options)]
 
 
+def agent_turns(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each agent's ReAct turns (its ``reason`` calls, in order): prompt tokens, of which
+    restored from the prompt cache, and TTFT in ms."""
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for node in nodes:
+        if node.get("node_id") != "reason":
+            continue
+        result = node.get("result") or {}
+        usage = result.get("usage") or {}
+        ttft = ((result.get("metadata") or {}).get("execution") or {}).get("ttft_s")
+        by_run.setdefault(str(node.get("run_id")), []).append({
+            "prompt": usage.get("prompt_tokens"),
+            "cached": usage.get("cached_input_tokens") or 0,
+            "ttft_ms": None if ttft is None else round(ttft * 1000),
+        })  # fmt: skip
+    return [{"run": run_id[:8], "turns": turns} for run_id, turns in by_run.items()]
+
+
+def agent_rows(row: dict[str, Any]) -> list[str]:
+    """Markdown rows of ``row``'s agent turns: flow, agent run, turns, then per turn
+    ``prompt/cached tokens, TTFT``."""
+    out = []
+    for agent in row.get("agents") or []:
+        turns = agent["turns"]
+        cells = "; ".join(f"{t['prompt']}/{t['cached']}, {t['ttft_ms']} ms" for t in turns)
+        reused = all(t["cached"] > 0 for t in turns[1:])
+        out.append(f"| {row['flow']} | {agent['run']} | {len(turns)} | {cells} | {'yes' if reused else 'NO'} |")
+    return out
+
+
 def run_one(path: Path, cls: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
     started = time.perf_counter()
     base = ["--ledger", args.ledger]
@@ -131,6 +162,7 @@ def run_one(path: Path, cls: str, args: argparse.Namespace, env: dict[str, str])
         "peak_batch": peak,
         "detail": " ".join(str(detail).split())[:160],
         "asked": asked[:1],
+        "agents": agent_turns(nodes),
     }
 
 
@@ -166,6 +198,11 @@ def main() -> int:
         if args.jsonl:
             with open(args.jsonl, "a", encoding="utf-8") as out:
                 out.write(json.dumps(row) + "\n")
+    agents = [line for row in rows for line in agent_rows(row)]
+    if agents:
+        print("\n| flow | agent run | turns | prompt/cached tokens, TTFT by turn | reuses on turns 2.. |")
+        print("|---|---|---|---|---|")
+        print("\n".join(agents))
     ran = [r for r in rows if r["rc"] is not None]
     ok = [r for r in ran if r["result"].startswith("completed") and "failure" not in r["result"]]
     print(f"\n{len(ok)}/{len(ran)} flows that need nothing from outside completed; {len(rows) - len(ran)} not run (outside/broken)")
