@@ -15,6 +15,7 @@ import pytest
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.errors import InvalidFlow
 from abstractruntime_mlx.runtime_plugin.check import check_flow
+from abstractruntime_mlx.runtime_plugin.routing import RemotePolicy
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fanout.json"
 
@@ -133,15 +134,19 @@ def _free_port() -> int:
 
 def test_remote_base_url_that_does_not_answer(fanout, dense_model):
     dead = f"http://127.0.0.1:{_free_port()}"
-    report = check_flow(fanout, vars={"_runtime": {"base_url": dead}}, model=str(dense_model))
+    allowed = RemotePolicy.build(urls=[dead])  # the user's own --var _runtime.base_url
+    report = check_flow(fanout, vars={"_runtime": {"base_url": dead}}, model=str(dense_model), remote=allowed, probe_remote=True)
     assert {(p.code, p.field) for p in report.errors} == {("remote_unreachable", "vars._runtime.base_url")}
     assert len(report.errors) == 4
-    assert check_flow(fanout, vars={"_runtime": {"base_url": dead}}, probe_remote=False).ok
+    assert check_flow(fanout, vars={"_runtime": {"base_url": dead}}, remote=allowed).ok  # nothing contacted by default
 
 
 def test_remote_base_url_that_answers(fanout):
+    asked: list[str] = []
+
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
+            asked.append(self.path)
             self.send_response(404)
             self.end_headers()
 
@@ -154,11 +159,12 @@ def test_remote_base_url_that_answers(fanout):
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         node(fanout, "plain")["data"]["effectConfig"]["base_url"] = url
-        report = check_flow(fanout, vars={"_runtime": {"base_url": url}})
+        report = check_flow(fanout, vars={"_runtime": {"base_url": url}}, remote=RemotePolicy.build(True), probe_remote=True)
     finally:
         server.shutdown()
         server.server_close()
     assert report.ok, report.render()
+    assert asked == ["/health"]  # one probe per server
 
 
 def test_compiler_refusals_are_reported(fanout, dense_model):

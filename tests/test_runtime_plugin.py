@@ -413,7 +413,7 @@ def server(model, registry):
 def test_run_level_base_url_sends_nodes_to_a_remote_server(model, server, ledger_url, policy_file):
     remote_registry = ProviderRegistry()
     try:
-        pack = build_pack(ledger_url, registry=remote_registry)
+        pack = build_pack(ledger_url, registry=remote_registry, allow_remote=[server.removeprefix("http://")])
         try:
             (result,) = run_flow(PRECEDENCE_FLOW, vars={"_runtime": {"base_url": server, "speculation": False}}, pack=pack)
         finally:

@@ -15,7 +15,9 @@ remote client rebuilds the same class from ``code``.
     │   ├── InvalidFlow (400, invalid_flow)          ``check`` found problems in a flow
     │   ├── InvalidResponseSchema (400, invalid_response_schema)   a structured-output schema that cannot be compiled
     │   │   └── ResponseSchemaTooLarge (400, schema_too_large)     over a size, node or depth limit
-    │   └── PromptCachePathUnsafe (400, prompt_cache_path_unsafe)   symlinked or non-private cache dir
+    │   ├── PromptCachePathUnsafe (400, prompt_cache_path_unsafe)   symlinked or non-private cache dir
+    │   └── RemoteNotAllowed (403, remote_not_allowed)   a flow sends prompts to a server the user did not allow
+    │       └── RemoteAddressForbidden (403, remote_address_forbidden)   a link-local / cloud metadata address
     ├── PolicyError (400, policy_invalid)            the Core policy file is unreadable
     ├── ModelNotFound (404, model_not_found)         weights are not on this machine
     ├── RunNotFound (404, run_not_found)             the ledger has no such run
@@ -32,6 +34,12 @@ remote client rebuilds the same class from ``code``.
     │   ├── TooManyStreams (503, too_many_streams)   the inspector's live-stream cap is reached
     │   └── StreamBackpressure (429, stream_backpressure)
     ├── QueueTimeout (504, queue_timeout)
+    ├── RunLimitExceeded (422, run_limit)            a run went past one of its limits
+    │   ├── StepLimitExceeded (422, step_limit)
+    │   ├── DepthLimitExceeded (422, depth_limit)
+    │   ├── WallTimeLimitExceeded (422, wall_time_limit)
+    │   ├── CodeTimeLimitExceeded (422, code_time_limit)
+    │   └── CodeMemoryLimitExceeded (422, code_memory_limit)
     ├── SpeculationUnavailable (422, speculation_unavailable)
     ├── StructuredOutputInvalid (422, structured_output_invalid)   no schema-valid answer (length cap, retries spent)
     ├── AuthenticationError (401, unauthorized)
@@ -148,6 +156,22 @@ class PromptCachePathUnsafe(InvalidRequest):
         self.path = path
 
 
+class RemoteNotAllowed(InvalidRequest):
+    """A node would send its prompts to a server the user did not allow (``run --allow-remote``,
+    a config file's ``allow_remote``, or a ``--route`` URL). ``details``: ``url``."""
+
+    code = "remote_not_allowed"
+    http_status = 403
+    type = "permission_error"
+
+
+class RemoteAddressForbidden(RemoteNotAllowed):
+    """A server URL on a link-local or cloud metadata address (169.254.0.0/16, fe80::/10,
+    ``metadata.google.internal``...): refused whatever the user allowed. ``details``: ``url``."""
+
+    code = "remote_address_forbidden"
+
+
 class PolicyError(MLXRuntimeError):
     code = "policy_invalid"
     http_status = 400
@@ -241,6 +265,40 @@ class QueueTimeout(MLXRuntimeError):
     code = "queue_timeout"
     http_status = 504
     type = "timeout_error"
+
+
+class RunLimitExceeded(MLXRuntimeError):
+    """A run went past one of the limits it runs under (``host.DriveLimits``); the run fails at
+    the node named in the message. ``details``: ``limit`` (the flag's name) and ``max``."""
+
+    code = "run_limit"
+    http_status = 422
+    type = "limit_error"
+
+    def __init__(self, message: str, *, limit: str, maximum: float) -> None:
+        super().__init__(message, details={"limit": limit, "max": maximum})
+        self.limit = limit
+        self.maximum = maximum
+
+
+class StepLimitExceeded(RunLimitExceeded):
+    code = "step_limit"
+
+
+class DepthLimitExceeded(RunLimitExceeded):
+    code = "depth_limit"
+
+
+class WallTimeLimitExceeded(RunLimitExceeded):
+    code = "wall_time_limit"
+
+
+class CodeTimeLimitExceeded(RunLimitExceeded):
+    code = "code_time_limit"
+
+
+class CodeMemoryLimitExceeded(RunLimitExceeded):
+    code = "code_memory_limit"
 
 
 class SpeculationUnavailable(MLXRuntimeError):

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from ..json_values import parse_ascii_int
+
+if TYPE_CHECKING:
+    from ..runtime_plugin.host import DriveLimits
 
 
 def integer(text: str) -> int:
@@ -14,3 +18,32 @@ def integer(text: str) -> int:
     if value is None:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r} (ASCII digits 0-9)")
     return value
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The limits a driven run runs under (``runtime_plugin.DriveLimits``), for ``run`` and ``runs resume``."""
+    from ..runtime_plugin.code_sandbox import DEFAULT_CODE_MEMORY_MIB, DEFAULT_CODE_TIME_S
+    from ..runtime_plugin.host import DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_WALL_S
+
+    parser.add_argument("--max-steps", type=integer, default=DEFAULT_MAX_STEPS, metavar="N", help=f"node steps a run tree may take, subflows and agents included; past it the run fails with step_limit (default {DEFAULT_MAX_STEPS})")
+    parser.add_argument("--max-depth", type=integer, default=DEFAULT_MAX_DEPTH, metavar="N", help=f"how deep subflow and agent runs may nest; deeper, the run fails with depth_limit (default {DEFAULT_MAX_DEPTH})")
+    parser.add_argument("--max-wall-s", type=float, default=DEFAULT_MAX_WALL_S, metavar="SECONDS", help=f"wall-clock time a run may take, checked between steps; past it the run fails with wall_time_limit (default {DEFAULT_MAX_WALL_S:g})")
+    parser.add_argument("--max-code-s", type=float, default=DEFAULT_CODE_TIME_S, metavar="SECONDS", help=f"time one code node call may take; past it the run fails with code_time_limit (default {DEFAULT_CODE_TIME_S:g})")
+    parser.add_argument("--max-code-mib", type=integer, default=DEFAULT_CODE_MEMORY_MIB, metavar="MIB", help=f"memory one code node call may take; past it the run fails with code_memory_limit (default {DEFAULT_CODE_MEMORY_MIB})")
+
+
+def drive_limits(args: argparse.Namespace, *, max_timer_wait_s: float) -> DriveLimits:
+    """The ``DriveLimits`` of ``add_limit_arguments``' flags; a value out of range exits, naming it."""
+    from ..runtime_plugin.host import DriveLimits
+
+    try:
+        return DriveLimits(
+            max_timer_wait_s=max_timer_wait_s,
+            max_steps=args.max_steps,
+            max_depth=args.max_depth,
+            max_wall_s=args.max_wall_s,
+            max_code_s=args.max_code_s,
+            max_code_mib=args.max_code_mib,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc

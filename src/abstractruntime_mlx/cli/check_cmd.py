@@ -1,11 +1,11 @@
 """``abstractruntime-mlx check``: every problem of a flow in one report, before anything runs.
 
-    abstractruntime-mlx check FLOW.json [FLOW.json ...] [--var KEY=VALUE ...] [--model M] [--json] [--no-probe]
+    abstractruntime-mlx check FLOW.json [FLOW.json ...] [--var KEY=VALUE ...] [--model M] [--json] [--probe]
 
 Exit status 0 when every flow can run (warnings are printed and do not block), 1 when one has
 errors. ``run`` performs the same check first and refuses to start a flow with errors. Nothing
-is loaded, run or written: models are looked up on disk only, and each remote ``base_url`` gets
-one ``GET /health``. See ``docs/check.md``.
+is loaded, run, written or contacted: models are looked up on disk only; with ``--probe`` each
+allowed remote ``base_url`` gets one ``GET /health``. See ``docs/check.md``.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ class CheckSettings:
     vars: dict[str, object]
     model: str | None
     force_model: bool
-    probe_remote: bool = True
+    probe_remote: bool = False
     as_json: bool = False
     flows_dir: str | None = None
     allow_network_tools: bool = False
     routes: tuple[str, ...] = ()
+    allow_remote: bool = False
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -39,7 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="check a VisualFlow JSON flow without running it (every problem, node by node)",
         description="Report every problem of a flow before it runs: wires to missing nodes, unreachable "
         "nodes, unknown node types, unknown effectConfig/_runtime keys, invalid controls, models not on "
-        "this machine, remote servers that do not answer. Exit 1 when there is an error.",
+        "this machine, runs that would never end, servers you did not allow (and, with --probe, servers that "
+        "do not answer). Exit 1 when there is an error.",
     )
     parser.add_argument("flows", nargs="+", metavar="FLOW", help="path to a VisualFlow JSON file (several: one report each, then a summary)")
     parser.add_argument("--var", action="append", default=[], metavar="KEY=VALUE", help="a run variable, as for `run` (_runtime.speculation=false)")
@@ -47,7 +49,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--route", action="append", default=[], metavar="SPEC", help="a routing rule, as for `run` (PROVIDER[/MODEL]=mlx:MODEL|URL)")
     parser.add_argument("--flows-dir", default=None, metavar="DIR", help="where subflows are found, as for `run` (default: each flow file's directory)")
     parser.add_argument("--allow-network-tools", action="store_true", help="as for `run`: tools that reach outside this machine are allowed")
-    parser.add_argument("--no-probe", action="store_true", help="do not contact remote base_url servers")
+    parser.add_argument("--allow-remote", action="store_true", help="as for `run`: the servers the flow names itself (base_url) are allowed")
+    probe = parser.add_mutually_exclusive_group()
+    probe.add_argument("--probe", action="store_true", help="send one GET /health to each allowed remote base_url (nothing is contacted without it)")
+    probe.add_argument("--no-probe", action="store_true", help="contact no server (the default; kept for scripts)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(handler=_check)
 
@@ -58,18 +63,21 @@ def _check(args: argparse.Namespace) -> int:
         vars=parse_vars(args.var),
         model=args.model,
         force_model=args.model is not None,
-        probe_remote=not args.no_probe,
+        probe_remote=args.probe,
         as_json=args.json,
         flows_dir=args.flows_dir,
         allow_network_tools=args.allow_network_tools,
         routes=tuple(args.route),
+        allow_remote=args.allow_remote,
     )
     return check_and_print(settings)
 
 
 def check_and_print(settings: CheckSettings) -> int:
     from ..runtime_plugin.check import check_flow
+    from .run_cmd import remote_policy
 
+    remote = remote_policy(settings.allow_remote, settings.vars, source="--allow-remote")
     model = settings.model
     if model is None:
         from .run_cmd import default_model_path
@@ -85,6 +93,7 @@ def check_and_print(settings: CheckSettings) -> int:
             flows_dir=settings.flows_dir,
             allow_network_tools=settings.allow_network_tools,
             routes=settings.routes,
+            remote=remote,
         )
         for flow in settings.flows
     ]

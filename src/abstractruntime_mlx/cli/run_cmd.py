@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Final
 
 from ..controls import parse_speculation_option
-from ..errors import MLXRuntimeError
+from ..errors import InvalidRequest, MLXRuntimeError
 from ..json_values import as_str
-from ..runtime_plugin.routing import parse_route, routes_from_config
-from .args import integer
+from ..runtime_plugin.host import DriveLimits
+from ..runtime_plugin.routing import RemotePolicy, parse_route, routes_from_config
+from .args import add_limit_arguments, drive_limits, integer
 from .ledger_location import DEFAULT_LEDGER_PATH, LEDGER_ENV, default_ledger_url
 from .runs_cmd import EXIT_FAILED, EXIT_OK, EXIT_WAITING, exit_code, print_results
 from .terminal import printable
@@ -55,7 +56,8 @@ class RunSettings:
     source: str | None = None
     artifacts_dir: str | None = None
     allow_network_tools: bool = False
-    max_timer_wait_s: float = 60.0
+    remote: RemotePolicy = field(default_factory=RemotePolicy)
+    limits: DriveLimits = field(default_factory=DriveLimits)
     session_id: str | None = None
 
 
@@ -100,11 +102,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="serve the LLM nodes naming PROVIDER (and MODEL) on a local model or a server; repeatable; "
         "exact PROVIDER/MODEL routes win over PROVIDER routes, both over --model",
     )
-    parser.add_argument("--config", default=None, metavar="FILE", help='JSON run settings: {"model": ..., "routes": {...}, "flows_dir": ..., "allow_network_tools": false}')
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help='JSON run settings: {"model": ..., "routes": {...}, "flows_dir": ..., "allow_network_tools": false, "allow_remote": false | true | ["HOST[:PORT]", ...]}',
+    )
     parser.add_argument("--flows-dir", default=None, help="where subflows are looked up as <id>.json (default: the flow file's directory)")
     parser.add_argument("--artifacts", default=None, metavar="DIR", help="artifact store directory (default: <ledger file>.artifacts beside a SQLite ledger)")
     parser.add_argument("--allow-network-tools", action="store_true", help="let agents and tool nodes use tools that reach outside this machine (web_search, fetch_url...)")
+    parser.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="let the flow send LLM nodes to the servers it names itself (a base_url in the flow file); "
+        "--route URLs and --var _runtime.base_url are allowed without it",
+    )
     parser.add_argument("--max-timer-wait", type=float, default=60.0, metavar="SECONDS", help="how long run sleeps for wait_until timers before leaving the run waiting (default 60)")
+    add_limit_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(handler=_run)
 
@@ -126,10 +140,7 @@ def served_model(run_vars: Mapping[str, object]) -> str | None:
     from ..errors import ModelNotFound
     from ..remote_client import RemoteClient
 
-    runtime = run_vars.get("_runtime")
-    if not isinstance(runtime, Mapping):
-        return None
-    urls = [v.strip() for v in (runtime.get("base_url"), runtime.get("server_base_url")) if isinstance(v, str) and v.strip()]
+    urls = runtime_urls(run_vars)
     if not urls:
         return None
     with RemoteClient(urls[0], max_retries=0) as client:
@@ -137,6 +148,26 @@ def served_model(run_vars: Mapping[str, object]) -> str | None:
     if not models:
         raise ModelNotFound(f"the server at {urls[0]} has no model loaded; load one (POST /acore/models/load) or pass --model")
     return str(models[0]["id"])
+
+
+def runtime_urls(run_vars: Mapping[str, object]) -> list[str]:
+    """The servers the run vars name (``_runtime.base_url``, ``server_base_url``)."""
+    runtime = run_vars.get("_runtime")
+    if not isinstance(runtime, Mapping):
+        return []
+    return [v.strip() for v in (runtime.get("base_url"), runtime.get("server_base_url")) if isinstance(v, str) and v.strip()]
+
+
+def remote_policy(allow: object, run_vars: Mapping[str, object], *, source: str) -> RemotePolicy:
+    """The servers this run may send nodes to: ``allow`` (``--allow-remote``, or the config
+    file's ``allow_remote``: true, false or a list of ``HOST[:PORT]``) and the URLs the user gave
+    in the run vars. A link-local or metadata address there is refused before anything runs."""
+    if not isinstance(allow, bool) and not (isinstance(allow, list) and all(isinstance(h, str) for h in allow)):
+        raise InvalidRequest(f"{source}: 'allow_remote' must be true, false or a list of \"HOST[:PORT]\" strings")
+    urls = runtime_urls(run_vars)
+    for url in urls:
+        RemotePolicy(allow_all=True).check(url, where="--var _runtime.base_url")
+    return RemotePolicy.build(allow, urls=urls)
 
 
 def parse_vars(items: Sequence[str]) -> dict[str, object]:
@@ -195,6 +226,8 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
             raise SystemExit(f"error: --route {exc.message}") from exc
     if args.max_timer_wait < 0:
         raise SystemExit("error: --max-timer-wait must be >= 0")
+    limits = drive_limits(args, max_timer_wait_s=args.max_timer_wait)
+    remote = remote_policy(True if args.allow_remote else config.get("allow_remote", False), run_vars, source=str(args.config or "--allow-remote"))
     return RunSettings(
         flow=flow,
         source=args.flow,
@@ -210,12 +243,13 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         flows_dir=args.flows_dir or as_str(config.get("flows_dir")) or str(Path(args.flow).expanduser().resolve().parent),
         artifacts_dir=args.artifacts or as_str(config.get("artifacts_dir")),
         allow_network_tools=bool(args.allow_network_tools or config.get("allow_network_tools", False)),
-        max_timer_wait_s=args.max_timer_wait,
+        remote=remote,
+        limits=limits,
         session_id=args.session.strip() if args.session else None,
     )
 
 
-RUN_CONFIG_KEYS: Final = frozenset({"model", "routes", "flows_dir", "artifacts_dir", "allow_network_tools"})
+RUN_CONFIG_KEYS: Final = frozenset({"model", "routes", "flows_dir", "artifacts_dir", "allow_network_tools", "allow_remote"})
 
 
 def read_run_config(path: str) -> dict[str, object]:
@@ -259,6 +293,7 @@ def check_before_run(settings: RunSettings) -> bool:
         routes=settings.routes,
         flows_dir=settings.flows_dir,
         allow_network_tools=settings.allow_network_tools,
+        remote=settings.remote,
     )
     if report.problems:
         print(printable(report.render()), file=sys.stderr)
@@ -266,7 +301,7 @@ def check_before_run(settings: RunSettings) -> bool:
 
 
 def run_and_print(settings: RunSettings) -> int:
-    from ..runtime_plugin import DriveLimits, FlowBundle, network_tool_uses, run_flow
+    from ..runtime_plugin import FlowBundle, network_tool_uses, run_flow
     from .live import LiveRuns, pick_mode
 
     try:
@@ -295,11 +330,12 @@ def run_and_print(settings: RunSettings) -> int:
             provider_options=settings.provider_options,
             sibling_batching=settings.sibling_batching,
             routes=settings.routes,
+            allow_remote=settings.remote.to_options(),
             flows_dir=settings.flows_dir,
             source=settings.source,
             artifacts_dir=settings.artifacts_dir,
             allow_network_tools=settings.allow_network_tools,
-            limits=DriveLimits(max_timer_wait_s=settings.max_timer_wait_s),
+            limits=settings.limits,
             session_id=settings.session_id,
         )
     wall_s = time.perf_counter() - started

@@ -28,7 +28,7 @@ from ..inspection import control_text, run_view
 from ..json_values import array_at, as_str, object_at
 from ..ledger import Ledger, ProgressRow, RunSummary
 from ..ledger.run_lock import root_run_id
-from .args import integer
+from .args import add_limit_arguments, drive_limits, integer
 from .ledger_location import default_ledger_url, open_for_inspection
 from .show_view import calls_table, calls_timeline
 from .terminal import printable
@@ -88,6 +88,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     resume.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
     resume.add_argument("--model", default=None, help="model to resume with (default: the one the run was started with)")
     resume.add_argument("--max-timer-wait", type=float, default=60.0, metavar="SECONDS", help="how long to sleep for timers (default 60)")
+    add_limit_arguments(resume)
     resume.add_argument("--json", action="store_true")
     resume.set_defaults(handler=_resume)
 
@@ -208,7 +209,7 @@ def parse_event(text: str) -> tuple[str, object]:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from ..runtime_plugin import DriveLimits, resume_run
+    from ..runtime_plugin import resume_run
 
     url = default_ledger_url(args.ledger)
     with Ledger(url) as ledger:
@@ -229,7 +230,7 @@ def _resume(args: argparse.Namespace) -> int:
             model=args.model,
             answer=args.answer,
             event=event,
-            limits=DriveLimits(max_timer_wait_s=max(0.0, args.max_timer_wait)),
+            limits=drive_limits(args, max_timer_wait_s=max(0.0, args.max_timer_wait)),
             refuse_finished=True,
         )
     except ValueError as exc:

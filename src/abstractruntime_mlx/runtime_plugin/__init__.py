@@ -47,7 +47,7 @@ from .host import DriveLimits, FlowBundle, FlowHost, drive, network_tool_uses
 from .pack import MLXPack, PackOptions, build_pack, normalize_ledger_url
 from .payload import request_from_payload
 from .prefetch import SiblingPrefetcher
-from .routing import Route, RouteDecision, Routing, parse_route
+from .routing import RemotePolicy, Route, RouteDecision, Routing, parse_route
 from .stores import LedgerRunStore, LedgerStepStore
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "MLXPack",
     "NodeFailure",
     "NodeOutcome",
+    "RemotePolicy",
     "Route",
     "RouteDecision",
     "Routing",
@@ -120,6 +121,7 @@ def build_runtime(
     registry: ProviderRegistry | None = None,
     effect_policy: EffectPolicy | None | Unset = UNSET,
     routes: Sequence[str] = (),
+    allow_remote: bool | Sequence[str] = False,
     **more_provider_options: object,
 ) -> Runtime:
     """A ``Runtime`` whose runs, steps and phase events live in the ledger at ``ledger_url``
@@ -143,6 +145,7 @@ def build_runtime(
         registry=registry,
         effect_policy=effect_policy,
         routes=routes,
+        allow_remote=allow_remote,
     )
     runtime = pack.runtime()
     setattr(runtime, _PACK_ATTRIBUTE, pack)

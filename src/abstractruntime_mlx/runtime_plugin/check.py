@@ -13,11 +13,16 @@ What is checked, in this order (a problem never stops the checks after it):
 3. the host's compiler (AbstractRuntime's own ``visual_to_flow`` + ``compile_flow``): node types
    it has no handler for (every one, not only the first), the graph errors it raises, and the
    execution nodes it would silently ignore because the entry cannot reach them;
-4. LLM nodes (``llm_call``; ``agent`` for its controls): ``effectConfig`` keys nobody reads (with
+4. runs that would never end: execution wires in a cycle no loop node or loop limit bounds,
+   subflows that call themselves (directly or through other subflows), in the flow and its
+   subflows;
+5. servers a node would send its prompts to (a ``base_url`` in the flow or the run vars) that
+   the user did not allow, and link-local / cloud metadata addresses whatever was allowed;
+6. LLM nodes (``llm_call``; ``agent`` for its controls): ``effectConfig`` keys nobody reads (with
    a did-you-mean), speculation / thinking / sampling values our controls refuse, a provider
    that is not served here, a model that is not on this machine (offline lookup, no download),
-   a remote ``base_url`` that does not answer;
-5. run variables: ``_runtime`` keys nobody reads (did-you-mean) and run-level controls.
+   a remote ``base_url`` that does not answer (only when asked: ``probe_remote=True``);
+7. run variables: ``_runtime`` keys nobody reads (did-you-mean) and run-level controls.
 
 A problem is an ``error`` (the run would fail, or silently do something else than written) or a
 ``warning`` (reported, not blocking: a node with no wire at all, which the host skips).
@@ -34,11 +39,12 @@ from pathlib import Path
 from typing import Final, Literal
 
 from ..controls import SPECULATION_KEYS, Sampling, normalize_sampling, normalize_speculation, normalize_thinking
-from ..errors import InvalidControls, InvalidFlow, InvalidRequest, MLXRuntimeError
+from ..errors import InvalidControls, InvalidFlow, InvalidRequest, MLXRuntimeError, RemoteNotAllowed
 from ..json_values import JSONObject, array_at, as_str, object_at
 from ..request import check_prompt_cache_key
 from .catalog import BRANCH_HANDLE_PREFIX, BRANCHING_NODE_TYPES, branch_index
-from .routing import Routing
+from .cycles import exec_cycles, subflow_cycles
+from .routing import RemotePolicy, Routing, forbidden_reason
 
 __all__ = [
     "HOST_RUNTIME_KEYS",
@@ -251,12 +257,13 @@ def check_flow(
     model: str | None = None,
     force_model: bool = False,
     default_base_url: str | None = None,
-    probe_remote: bool = True,
+    probe_remote: bool = False,
     probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
     resolve_model: Callable[[str], object] | None = None,
     routes: Sequence[str] = (),
     flows_dir: str | Path | None = None,
     allow_network_tools: bool = False,
+    remote: RemotePolicy | None = None,
 ) -> CheckReport:
     """Check ``source`` (a path, a JSON string or a dict) for a run with ``vars``.
 
@@ -265,10 +272,13 @@ def check_flow(
     ``routes`` are ``run --route`` specs; with ``model``/``force_model`` they decide which model
     serves each node (``routing.Routing``, the rule the handler applies).
     ``resolve_model`` finds a model on this machine or raises ``ModelNotFound``
-    (default: ``artifacts.resolve_model_path``, offline). ``probe_remote=False`` skips the
-    request to each remote ``base_url``. ``flows_dir`` is where subflows are found (default:
-    the flow file's directory); a node naming a tool that reaches outside this machine is an
-    error unless ``allow_network_tools``.
+    (default: ``artifacts.resolve_model_path``, offline). ``probe_remote=True`` sends one
+    ``GET /health`` to each allowed remote ``base_url`` (nothing is contacted otherwise).
+    ``flows_dir`` is where subflows are found (default: the flow file's directory); a node
+    naming a tool that reaches outside this machine is an error unless ``allow_network_tools``.
+    ``remote``: the servers the user allowed (``routing.RemotePolicy``; default none, the
+    ``routes`` URLs and ``default_base_url`` are allowed): a ``base_url`` of the flow or of
+    ``vars._runtime`` outside it is an error.
     """
     shown = str(source) if isinstance(source, (str, Path)) and not str(source).lstrip().startswith("{") else None
     raw, load_error = _load(source)
@@ -279,17 +289,19 @@ def check_flow(
     _check_document(raw, findings)
     _check_edges(raw, nodes, findings)
     _check_with_compiler(raw, nodes, findings)
+    _check_exec_cycles(raw, findings, subflow=None)
+    routing = Routing.build(default_model=model, serve_all=force_model, routes=routes, remote=(remote or RemotePolicy()).with_urls([default_base_url]))
     if isinstance(raw.get("id"), str) and isinstance(raw.get("nodes"), list):
         if flows_dir is None and shown is not None:
             flows_dir = Path(shown).expanduser().resolve().parent
-        _check_bundle(raw, nodes, findings, flows_dir=flows_dir, allow_network_tools=allow_network_tools)
+        _check_bundle(raw, nodes, findings, flows_dir=flows_dir, allow_network_tools=allow_network_tools, remote=routing.remote)
     run_vars = dict(vars or {})
-    _check_runtime_vars(run_vars, findings)
+    _check_runtime_vars(run_vars, findings, remote=routing.remote)
     _check_llm_nodes(
         nodes,
         run_vars,
         findings,
-        routing=Routing.build(default_model=model, serve_all=force_model, routes=routes),
+        routing=routing,
         default_base_url=default_base_url,
         probe_remote=probe_remote,
         probe_timeout_s=probe_timeout_s,
@@ -305,10 +317,12 @@ def _check_bundle(
     *,
     flows_dir: str | Path | None,
     allow_network_tools: bool,
+    remote: RemotePolicy,
 ) -> None:
-    """Subflows that cannot be found, knowledge-graph memory, and tools that reach outside this
+    """Subflows that cannot be found or that call themselves, the subflows' execution cycles,
+    knowledge-graph memory, servers the user did not allow, and tools that reach outside this
     machine (``run``'s rules)."""
-    from .host import FlowBundle, kg_memory_uses, network_tool_uses
+    from .host import FlowBundle, kg_memory_uses, network_tool_uses, remote_targets, subflow_calls
 
     try:
         bundle = FlowBundle.resolve(raw, flows_dir=flows_dir)
@@ -316,6 +330,23 @@ def _check_bundle(
         node = _named_node(str(exc), nodes)
         findings.add("subflow_not_found", str(exc), node=node, field="data.subflowId" if node else None)
         return
+    for flow_id, flow in bundle.subflows().items():
+        _check_exec_cycles(flow, findings, subflow=flow_id)
+    for cycle in subflow_cycles(subflow_calls(bundle)):
+        path = " -> ".join(f"{flow_id!r} (node {node_id!r})" for flow_id, node_id in cycle)
+        root_hops = [node_id for flow_id, node_id in cycle if flow_id == bundle.root_id]
+        findings.add(
+            "recursive_subflow",
+            f"subflows call themselves: {path} -> {cycle[0][0]!r}; each call starts a run one level deeper, without end",
+            node=root_hops[0] if root_hops else None,
+            field="data.subflowId" if root_hops else None,
+        )
+    for flow_id, node_id, where, url in remote_targets(bundle):
+        here = flow_id == bundle.root_id
+        try:
+            remote.check(url, where=f"node {node_id!r}" + ("" if here else f" of subflow {flow_id!r}"))
+        except RemoteNotAllowed as exc:
+            findings.add(exc.code, exc.message, node=node_id if here else None, field=where if here else None)
     for flow_id, node_id in kg_memory_uses(bundle):
         here = flow_id == bundle.root_id
         findings.add(
@@ -334,6 +365,19 @@ def _check_bundle(
             + ("" if here else f" (in subflow {flow_id!r}, node {node_id!r})")
             + "; pass --allow-network-tools to allow it",
             node=node_id if here else None,
+        )
+
+
+def _check_exec_cycles(flow: Mapping[str, object], findings: _Findings, *, subflow: str | None) -> None:
+    """Execution wires in a cycle that no loop node or loop limit bounds (``cycles.exec_cycles``)."""
+    for cycle in exec_cycles(flow):
+        path = " -> ".join(repr(node_id) for node_id in [*cycle, cycle[0]])
+        findings.add(
+            "exec_cycle",
+            f"execution wires go round {path}" + ("" if subflow is None else f" in subflow {subflow!r}")
+            + " with no loop node or loop limit to end it: the run would never end (repeat inside a "
+            "loop/for/while node's body, or put a loop limit on one of these wires)",
+            node=cycle[0] if subflow is None else None,
         )
 
 
@@ -670,7 +714,7 @@ def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def _check_runtime_vars(run_vars: Mapping[str, object], findings: _Findings) -> None:
+def _check_runtime_vars(run_vars: Mapping[str, object], findings: _Findings, *, remote: RemotePolicy) -> None:
     runtime_ns = run_vars.get("_runtime")
     if runtime_ns is None:
         return
@@ -694,6 +738,11 @@ def _check_runtime_vars(run_vars: Mapping[str, object], findings: _Findings) -> 
         value = runtime_ns.get(key)
         if value is not None and not (isinstance(value, str) and value.strip()):
             findings.add("invalid_controls", f"_runtime.{key} must be a URL string", field=f"vars._runtime.{key}")
+        elif isinstance(value, str):
+            try:
+                remote.check(value.strip(), where=f"_runtime.{key}")
+            except RemoteNotAllowed as exc:
+                findings.add(exc.code, exc.message, field=f"vars._runtime.{key}")
 
 
 def _positive_int(key: str) -> Callable[[object], None]:
@@ -793,7 +842,7 @@ def _check_llm_nodes(
             continue
         base_url = decision.base_url
         if base_url is not None:
-            if probe_remote:
+            if probe_remote and routing.remote.allows(base_url) and forbidden_reason(base_url) is None:
                 if base_url not in urls_seen:
                     urls_seen[base_url] = _probe_url(base_url, probe_timeout_s)
                 if urls_seen[base_url] is not None:

@@ -173,6 +173,7 @@ def run_flow(
     record_progress: bool = True,
     session_id: str | None = None,
     routes: Sequence[str] = (),
+    allow_remote: bool | Sequence[str] = False,
     flows_dir: str | Path | None = None,
     artifacts_dir: str | Path | None = None,
     allow_network_tools: bool = False,
@@ -184,8 +185,15 @@ def run_flow(
 
     Give either ``pack`` (reused, left open) or ``ledger_url`` (a pack is built with
     ``model``/``force_model``/``routes``/``provider_options``/``sibling_batching``/
-    ``record_progress`` and closed at the end). ``vars`` are the run's input vars;
-    ``vars["_runtime"]`` holds run-level controls (``speculation``, ``thinking``, ``base_url``).
+    ``record_progress``/``allow_remote`` and closed at the end). ``vars`` are the run's input
+    vars; ``vars["_runtime"]`` holds run-level controls (``speculation``, ``thinking``,
+    ``base_url``). A node is sent to a server (its own ``base_url``, the run's) only when the
+    pack allows it (``allow_remote``: True, or hosts; ``--route`` URLs are allowed); otherwise it
+    fails with ``remote_not_allowed`` before anything is sent.
+
+    ``limits`` (``host.DriveLimits``) bound each run: steps, subflow depth, wall-clock time,
+    and each code node's time and memory; a run past one fails at the node named, with the
+    limit's error code in its error.
 
     Each run has a session: ``session_id``, or a fresh one per run. LLM nodes derive their
     prompt-cache keys from it as the host does (``prompt_cache``), so a later run given the
@@ -218,6 +226,7 @@ def run_flow(
             sibling_batching=sibling_batching,
             record_progress=record_progress,
             routes=routes,
+            allow_remote=allow_remote,
         )
     try:
         host = FlowHost.for_flow(pack, flow_dict, flows_dir=flows_dir, artifacts_dir=artifacts_dir, allow_network_tools=allow_network_tools)
@@ -488,6 +497,7 @@ def _pack_for_stored_run(ledger_url: str, run_id: str, *, model: str | None) -> 
         raise ValueError(f"no run {run_id} in {ledger_url}")
     options = stored_options(object_at(data, "vars"))
     routes = options.get("routes")
+    allow_remote = options.get("allow_remote", False)
     return build_pack(
         ledger_url,
         model=model or as_str(options.get("model")),
@@ -495,4 +505,5 @@ def _pack_for_stored_run(ledger_url: str, run_id: str, *, model: str | None) -> 
         provider_options=object_at(options, "provider_options") or None,
         sibling_batching=bool(options.get("sibling_batching", True)),
         routes=[str(route) for route in routes] if isinstance(routes, list) else [],
+        allow_remote=[str(host) for host in allow_remote] if isinstance(allow_remote, list) else allow_remote is True,
     )

@@ -8,6 +8,7 @@ result when its fingerprint matches, see ``prefetch``) and returns
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -103,7 +104,9 @@ class LLMCallHandler:
         self.force_model = force_model
         self.server_base_url = server_base_url
         self.runtime_progress = runtime_progress
-        self.routing = routing or Routing(default_model=model, serve_all=force_model)
+        routing = routing or Routing(default_model=model, serve_all=force_model)
+        # The caller named this server itself: it is allowed like a --route URL.
+        self.routing = dataclasses.replace(routing, remote=routing.remote.with_urls([server_base_url]))
 
     def __call__(self, run: RunView, effect: EffectView, default_next_node: str | None = None) -> EffectOutcome:
         try:
@@ -121,12 +124,15 @@ class LLMCallHandler:
         self, run: RunView, node_id: str, payload: Mapping[str, object], node_config: Mapping[str, object] | None
     ) -> tuple[NodeRequest, RouteDecision]:
         """Node ``node_id``'s request, served where ``self.routing`` says (see ``routing``), with
-        the prompt-cache key the host would give it (see ``prompt_cache``)."""
+        the prompt-cache key the host would give it (see ``prompt_cache``). A server the user did
+        not allow is refused here, before anything is sent (``routing.RemotePolicy``)."""
         route = self.routing.decide(
             payload.get("provider"),
             payload.get("model"),
             explicit_base_url=explicit_base_url(payload, run.vars, node_config=node_config, default_base_url=self.server_base_url),
         )
+        if route.base_url is not None:
+            self.routing.remote.check(route.base_url, where=f"node {node_id!r}")
         session_id = getattr(run, "session_id", None)
         call = CallIdentity(
             run_id=run.run_id,

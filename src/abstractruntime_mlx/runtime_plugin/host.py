@@ -16,6 +16,10 @@ run and step store:
 
 Tools that reach outside the machine (``NETWORK_TOOLS``) are left out of the executor unless
 ``allow_network_tools``; ``network_tool_uses(bundle)`` names the nodes that ask for one.
+
+A run ends: ``drive`` runs it under ``DriveLimits`` (steps, subflow depth, wall-clock time, and
+each code node's time and memory, see ``code_sandbox``); past one, the run fails at the node
+named, its error starting with the limit's code (``[step_limit]``...).
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from abstractruntime import Runtime
 from abstractruntime.core.config import RuntimeConfig
 from abstractruntime.core.models import EffectType, RunState, RunStatus, StepRecord, WaitReason
 
+from ..errors import DepthLimitExceeded, RunLimitExceeded, StepLimitExceeded, WallTimeLimitExceeded
 from ..json_values import array_at, object_at
 from ..ledger.store import parse_timestamp
+from . import code_sandbox
 from .catalog import load_flow
 from .routing import LOCAL_PROVIDER
 
@@ -57,7 +63,11 @@ __all__ = [
     "artifact_dir_for",
     "drive",
     "fail_run",
+    "limit_error",
     "network_tool_uses",
+    "remote_targets",
+    "subflow_calls",
+    "wait_chain",
     "waiting_leaf",
 ]
 
@@ -80,7 +90,11 @@ NETWORK_TOOLS: Final = frozenset(
 
 _SUBFLOW_KEYS: Final = ("subflowId", "flowId", "workflowId", "workflow_id")
 DEFAULT_MAX_TIMER_WAIT_S: Final = 60.0
+DEFAULT_MAX_STEPS: Final = 10_000
+DEFAULT_MAX_DEPTH: Final = 16
+DEFAULT_MAX_WALL_S: Final = 3600.0
 _MAX_DRIVE_STEPS: Final = 100_000
+_MAX_DEPTH_LIMIT: Final = 200  # below wait_chain's walk, so a chain is always seen whole
 
 
 # --------------------------------------------------------------------------------------
@@ -206,6 +220,34 @@ def network_tool_uses(bundle: FlowBundle, *, default_tools: frozenset[str] | Non
             if isinstance(name, str) and name.strip() in NETWORK_TOOLS:
                 uses.append((flow_id, str(node.get("id")), name.strip()))
     return sorted(set(uses))
+
+
+def subflow_calls(bundle: FlowBundle) -> list[tuple[str, str, str]]:
+    """``(flow_id, node_id, called_flow_id)`` for every ``subflow`` node of the bundle."""
+    calls = []
+    for flow_id, node in bundle.nodes():
+        ref = _subflow_ref(node) if node.get("type") == "subflow" else None
+        if ref is not None:
+            calls.append((flow_id, str(node.get("id")), ref))
+    return calls
+
+
+REMOTE_URL_KEYS: Final = ("base_url", "server_base_url")
+
+
+def remote_targets(bundle: FlowBundle) -> list[tuple[str, str, str, str]]:
+    """``(flow_id, node_id, field, url)`` for every server a node of the bundle names itself
+    (``base_url``/``server_base_url`` in its ``effectConfig``, ``agentConfig`` or pin defaults)."""
+    targets = []
+    for flow_id, node in bundle.nodes():
+        data = object_at(node, "data")
+        for section in ("effectConfig", "agentConfig", "pinDefaults"):
+            config = object_at(data, section)
+            for key in REMOTE_URL_KEYS:
+                url = config.get(key)
+                if isinstance(url, str) and url.strip():
+                    targets.append((flow_id, str(node.get("id")), f"data.{section}.{key}", url.strip()))
+    return targets
 
 
 KG_MEMORY_NODE_TYPES: Final = frozenset({"memory_kg_assert", "memory_kg_query", "memory_kg_resolve"})
@@ -346,6 +388,7 @@ class FlowHost:
         from abstractruntime.visualflow_compiler import compile_visualflow_tree
         from abstractruntime.visualflow_compiler.visual.agent_ids import visual_react_workflow_id
 
+        code_sandbox.install()  # code node bodies run in a child process under the run's limits
         registry = WorkflowRegistry()
         specs = compile_visualflow_tree(root_id=self.bundle.root_id, flows_by_id=self.bundle.flows)
         for spec in specs.values():
@@ -409,10 +452,72 @@ def _tool_name(tool: object) -> str:
 
 @dataclass(frozen=True)
 class DriveLimits:
-    """``max_timer_wait_s``: how long, in all, ``drive`` sleeps for ``wait_until`` timers
-    before leaving the run waiting (a later ``runs resume`` continues it)."""
+    """What one ``drive`` call allows the run tree it drives (each a ``run`` flag).
+
+    ``max_timer_wait_s``: how long, in all, it sleeps for ``wait_until`` timers before leaving
+    the run waiting (a later ``runs resume`` continues it). ``max_steps``: node steps, counted
+    over the whole tree (subflow and agent runs included). ``max_depth``: how deep subflow and
+    agent runs may nest (the root is depth 0). ``max_wall_s``: wall-clock seconds, checked
+    between steps (a node running when it passes finishes first). ``max_code_s`` /
+    ``max_code_mib``: each code node call's time and memory (``code_sandbox``).
+    """
 
     max_timer_wait_s: float = DEFAULT_MAX_TIMER_WAIT_S
+    max_steps: int = DEFAULT_MAX_STEPS
+    max_depth: int = DEFAULT_MAX_DEPTH
+    max_wall_s: float = DEFAULT_MAX_WALL_S
+    max_code_s: float = code_sandbox.DEFAULT_CODE_TIME_S
+    max_code_mib: int = code_sandbox.DEFAULT_CODE_MEMORY_MIB
+
+    def __post_init__(self) -> None:
+        if self.max_timer_wait_s < 0:
+            raise ValueError(f"max_timer_wait_s must be >= 0 (got {self.max_timer_wait_s})")
+        for name in ("max_steps", "max_code_mib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
+        if isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int) or not 0 <= self.max_depth <= _MAX_DEPTH_LIMIT:
+            raise ValueError(f"max_depth must be an integer from 0 to {_MAX_DEPTH_LIMIT} (got {self.max_depth!r})")
+        for name in ("max_wall_s", "max_code_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 (got {value!r})")
+
+    def code_limits(self) -> code_sandbox.CodeLimits:
+        return code_sandbox.CodeLimits(time_s=self.max_code_s, memory_mib=self.max_code_mib)
+
+
+
+class _Budget:
+    """Steps and wall-clock time left to one ``drive`` call. ``step_allowed`` is the host's
+    ``step_gate``: the runtime asks it before every step of a tick."""
+
+    def __init__(self, limits: DriveLimits) -> None:
+        self.limits = limits
+        self.steps = 0
+        self.deadline = time.monotonic() + limits.max_wall_s
+
+    def step_allowed(self) -> bool:
+        if self.steps >= self.limits.max_steps or time.monotonic() >= self.deadline:
+            return False
+        self.steps += 1
+        return True
+
+    def exceeded(self) -> RunLimitExceeded | None:
+        """The limit a run that still has steps to take is past, if any."""
+        limits = self.limits
+        if self.steps >= limits.max_steps:
+            return StepLimitExceeded(f"the run took {limits.max_steps} steps, its limit (--max-steps)", limit="--max-steps", maximum=limits.max_steps)
+        if time.monotonic() >= self.deadline:
+            return WallTimeLimitExceeded(
+                f"the run ran for {limits.max_wall_s:g} s, its wall-clock limit (--max-wall-s)", limit="--max-wall-s", maximum=limits.max_wall_s
+            )
+        return None
+
+
+def limit_error(exc: RunLimitExceeded, node_id: str | None) -> str:
+    """A run's error for a limit it went past: ``[code] node 'ID': message``."""
+    return f"[{exc.code}] node {node_id or '?'!r}: {exc.message}"
 
 
 def _status(state: RunState) -> str:
@@ -434,18 +539,39 @@ def _sub_run_id(state: RunState) -> str | None:
 def waiting_leaf(runtime: Runtime, run_id: str) -> RunState:
     """The run at the bottom of ``run_id``'s chain of subflow waits (``run_id`` itself when it
     does not wait for a child)."""
-    state = runtime.get_state(run_id)
+    return wait_chain(runtime, run_id)[-1]
+
+
+def wait_chain(runtime: Runtime, run_id: str) -> list[RunState]:
+    """``run_id`` and the runs its chain of subflow waits goes through, down to its leaf."""
+    chain = [runtime.get_state(run_id)]
     for _ in range(256):
+        state = chain[-1]
         child = _sub_run_id(state) if state.status == RunStatus.WAITING else None
         if child is None:
-            return state
-        state = runtime.get_state(child)
-    return state
+            break
+        chain.append(runtime.get_state(child))
+    return chain
 
 
-def fail_run(runtime: Runtime, run_id: str, *, node_id: str | None, error: str) -> RunState:
+def _depth_exceeded(chain: list[RunState], limits: DriveLimits) -> RunLimitExceeded | None:
+    depth = len(chain) - 1
+    if depth <= limits.max_depth:
+        return None
+    parent = chain[-2]
+    return DepthLimitExceeded(
+        f"node {parent.current_node!r} of {parent.workflow_id!r} starts a run {depth} levels deep, past the limit of "
+        f"{limits.max_depth} (--max-depth); does the subflow call itself?",
+        limit="--max-depth",
+        maximum=limits.max_depth,
+    )
+
+
+def fail_run(runtime: Runtime, run_id: str, *, node_id: str | None, error: str, replace_flow_error: bool = False) -> RunState:
     """Mark a run failed at ``node_id`` with ``error`` (a failed step record, then the state):
-    what a tick that raised leaves behind instead of a run ``running`` forever."""
+    what a tick that raised leaves behind instead of a run ``running`` forever.
+    ``replace_flow_error``: ``error`` replaces the node error the host recorded (the host's
+    text of a failure this one restates with its code)."""
     state = runtime.get_state(run_id)
     node = node_id or state.current_node or "?"
     record = StepRecord.start(run=state, node_id=node, effect=None)
@@ -453,6 +579,9 @@ def fail_run(runtime: Runtime, run_id: str, *, node_id: str | None, error: str) 
     state.status = RunStatus.FAILED
     state.error = error
     state.waiting = None
+    if replace_flow_error:
+        state.vars["_flow_error"] = error
+        state.vars["_flow_error_node"] = node
     state.vars.setdefault("_flow_error", error)
     state.vars.setdefault("_flow_error_node", node)
     state.updated_at = dt.datetime.now(dt.UTC).isoformat()
@@ -483,35 +612,65 @@ def drive(
     failed, or waiting for something from outside (a user's answer, an event, a timer further
     away than ``limits`` allow). A finished child resumes its parent with the child's output
     (``{"sub_run_id", "output"}``, as the host's scheduler does); a failed child fails its
-    parent. An exception inside a tick fails the run it happened in (``fail_run``).
+    parent. An exception inside a tick fails the run it happened in (``fail_run``). A run that
+    goes past one of ``limits`` fails at the node it was at (``limit_error``), and so do the
+    runs above it.
 
     On the pack's ledger the caller holds the tree's run lock (``ledger.run_lock.acquire``), as
     ``run_flow`` and ``resume_run`` do: two processes ticking one run would both run its nodes."""
+    with code_sandbox.limits(limits.code_limits()) as code_runs:
+        return _drive(runtime, registry, run_id, limits=limits, budget=_Budget(limits), code_runs=code_runs, cancel=cancel)
+
+
+def _drive(
+    runtime: Runtime,
+    registry: WorkflowRegistry,
+    run_id: str,
+    *,
+    limits: DriveLimits,
+    budget: _Budget,
+    code_runs: code_sandbox.CodeRuns,
+    cancel: threading.Event | None,
+) -> RunState:
     timer_budget = limits.max_timer_wait_s
+
+    def tick(leaf: RunState, spec: object) -> None:
+        _guarded(runtime, leaf, lambda: runtime.tick(workflow=spec, run_id=leaf.run_id, step_gate=budget.step_allowed))
+        tripped = code_runs.take_tripped()
+        if tripped is not None:
+            # The host ended the run as completed with the node's error; past a limit it fails.
+            state = runtime.get_state(leaf.run_id)
+            node = state.vars.get("_flow_error_node") if isinstance(state.vars.get("_flow_error_node"), str) else state.current_node
+            fail_run(runtime, leaf.run_id, node_id=node, error=limit_error(tripped, node), replace_flow_error=True)
+
     for _ in range(_MAX_DRIVE_STEPS):
         if cancel is not None and cancel.is_set():
             break
-        leaf = waiting_leaf(runtime, run_id)
+        chain = wait_chain(runtime, run_id)
+        leaf = chain[-1]
         status = leaf.status
         if status == RunStatus.RUNNING:
             spec = registry.get(leaf.workflow_id)
             if spec is None:
                 fail_run(runtime, leaf.run_id, node_id=leaf.current_node, error=f"workflow {leaf.workflow_id!r} is not registered")
                 continue
-            _guarded(runtime, leaf, lambda: runtime.tick(workflow=spec, run_id=leaf.run_id))
+            exceeded = _depth_exceeded(chain, limits) or budget.exceeded()
+            if exceeded is not None:
+                fail_run(runtime, leaf.run_id, node_id=leaf.current_node, error=limit_error(exceeded, leaf.current_node))
+                continue
+            tick(leaf, spec)
             continue
         if status == RunStatus.WAITING and leaf.waiting is not None and leaf.waiting.reason == WaitReason.UNTIL:
             due = parse_timestamp(leaf.waiting.until)
             delay = 0.0 if due is None else max(0.0, (due - dt.datetime.now(dt.UTC)).total_seconds())
-            if delay > timer_budget:
-                break
+            if delay > timer_budget or time.monotonic() + delay >= budget.deadline:
+                break  # left waiting: a later `runs resume` continues it
             timer_budget -= delay
             if cancel is not None:
                 cancel.wait(delay)
             else:
                 time.sleep(delay)
-            spec = registry.get(leaf.workflow_id)
-            _guarded(runtime, leaf, lambda: runtime.tick(workflow=spec, run_id=leaf.run_id))
+            tick(leaf, registry.get(leaf.workflow_id))
             continue
         parent_id = leaf.parent_run_id if leaf.run_id != run_id else None
         if parent_id is None or status not in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):

@@ -23,7 +23,7 @@ from ..nodes import LLMNode, ProviderRegistry
 from .catalog import FlowCatalog
 from .handler import LLMCallHandler, RuntimeProgress
 from .prefetch import SiblingPrefetcher
-from .routing import Routing
+from .routing import RemotePolicy, Routing
 from .stores import LedgerRunStore, LedgerStepStore
 
 
@@ -44,6 +44,7 @@ class ResumeOptions(TypedDict):
     routes: list[str]
     provider_options: dict[str, object]
     sibling_batching: bool
+    allow_remote: bool | list[str]
 
 
 @dataclass(slots=True)
@@ -85,6 +86,7 @@ class MLXPack:
             "routes": self.handler.routing.route_specs(),
             "provider_options": dict(self.provider_options),
             "sibling_batching": self.handler.prefetcher is not None,
+            "allow_remote": self.handler.routing.remote.to_options(),
         }
 
     def close(self) -> None:
@@ -117,6 +119,7 @@ class PackOptions(TypedDict, total=False):
     registry: ProviderRegistry | None
     effect_policy: EffectPolicy | None | Unset
     routes: Sequence[str]
+    allow_remote: bool | Sequence[str]
 
 
 def build_pack(
@@ -133,6 +136,7 @@ def build_pack(
     registry: ProviderRegistry | None = None,
     effect_policy: EffectPolicy | None | Unset = UNSET,
     routes: Sequence[str] = (),
+    allow_remote: bool | Sequence[str] = False,
 ) -> MLXPack:
     """Open (or reuse) the ledger and wire node, handler, prefetcher and stores.
 
@@ -146,6 +150,9 @@ def build_pack(
     ``record_progress=False``: no progress rows (everything else unchanged).
     ``routes``: ``--route`` specs (``"lmstudio=mlx:/models/qwen"``, ``"openai/gpt-4o=http://..."``);
     with ``model``/``force_model`` they make the handler's ``routing.Routing`` (see that module).
+    ``allow_remote``: the servers a flow may send nodes to besides the route URLs and
+    ``server_base_url`` (True: any; a list: those hosts or ``host:port``; False: none), see
+    ``routing.RemotePolicy``.
     ``effect_policy``: the runtime's retry policy; default ``RetryPolicy(llm_max_attempts=3)``
     with a short backoff, as AbstractRuntime's own factories do (capacity errors such as
     ``QueueFull`` are retried; requests that are wrong are not); ``None``: the kernel default
@@ -174,7 +181,7 @@ def build_pack(
         force_model=force_model,
         server_base_url=server_base_url,
         runtime_progress=runtime_progress,
-        routing=Routing.build(default_model=model, serve_all=force_model, routes=routes),
+        routing=Routing.build(default_model=model, serve_all=force_model, routes=routes, remote=RemotePolicy.build(allow_remote)),
     )
     return MLXPack(
         ledger=ledger,

@@ -18,21 +18,137 @@ match wins:
 ``decide(...)`` returns a ``RouteDecision``: what the node asked for, what serves it, and which
 rule decided. The handler stores it in every result's metadata under ``route``, so the ledger
 records both.
+
+A server receives the node's prompts, so remote targets are opt-in: ``RemotePolicy`` says which
+servers the user allowed (``run --allow-remote``, a config file's ``allow_remote``, the URLs of
+``--route`` rules and of the user's own ``--var _runtime.base_url``), and ``RemotePolicy.check``
+refuses any other one before anything is sent (``RemoteNotAllowed``). Link-local and cloud
+metadata addresses are refused whatever was allowed (``RemoteAddressForbidden``).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
+from urllib.parse import urlsplit
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, RemoteAddressForbidden, RemoteNotAllowed
 from ..json_values import JSONObject
 
-__all__ = ["LOCAL_PROVIDER", "Route", "RouteDecision", "Routing", "parse_route"]
+__all__ = ["LOCAL_PROVIDER", "RemotePolicy", "Route", "RouteDecision", "Routing", "parse_route", "url_origin"]
 
 LOCAL_PROVIDER: Final = "mlx"
 _URL_PREFIXES: Final = ("http://", "https://")
+
+METADATA_HOSTS: Final = frozenset(
+    {
+        "metadata",
+        "metadata.google.internal",
+        "metadata.goog",
+        "metadata.azure.com",
+        "instance-data",
+        "instance-data.ec2.internal",
+        "metadata.tencentyun.com",
+        "100.100.100.200",  # Alibaba Cloud's metadata service
+        "fd00:ec2::254",  # AWS's IPv6 metadata service
+    }
+)
+"""Cloud metadata services by name or by an address outside the link-local ranges."""
+
+_LINK_LOCAL: Final = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
+_DEFAULT_PORTS: Final = {"http": 80, "https": 443}
+
+
+def url_origin(url: str) -> tuple[str, int | None]:
+    """``(host, port)`` of an http(s) URL: the host lower-cased, the port given or the scheme's."""
+    parts = urlsplit(url.strip())
+    host = (parts.hostname or "").lower().rstrip(".")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return host, port if port is not None else _DEFAULT_PORTS.get(parts.scheme.lower())
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address ``host`` spells, in any form the resolver accepts for one (``169.254.169.254``,
+    ``2852039166``, ``0xa9.0xfe.0xa9.0xfe``, ``::ffff:169.254.169.254``); ``None`` for a name."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        try:
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def forbidden_reason(url: str) -> str | None:
+    """Why ``url`` may never receive prompts (a link-local or cloud metadata address), or None."""
+    host, _ = url_origin(url)
+    if not host:
+        return "it names no host"
+    if host in METADATA_HOSTS:
+        return f"{host} is a cloud metadata service"
+    address = _address(host)
+    if address is not None and (str(address) in METADATA_HOSTS or any(address in net for net in _LINK_LOCAL)):
+        return f"{host} is a link-local address (where cloud metadata services answer)"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePolicy:
+    """Which servers nodes may be sent to: every one (``allow_all``), or those whose host (any
+    port) or ``host:port`` is in ``hosts``. Link-local and metadata addresses never."""
+
+    allow_all: bool = False
+    hosts: frozenset[str] = frozenset()
+
+    @classmethod
+    def build(cls, allow: bool | Iterable[str] = False, *, urls: Iterable[str | None] = ()) -> RemotePolicy:
+        """``allow``: True (every server), False, or host / ``host:port`` entries; ``urls``: URLs
+        the user gave (``--route``, ``--var _runtime.base_url``), allowed by their ``host:port``."""
+        if isinstance(allow, bool):
+            entries: set[str] = set()
+            allow_all = allow
+        else:
+            entries = {str(h).strip().lower().rstrip(".") for h in allow if str(h).strip()}
+            allow_all = False
+        for url in urls:
+            if url:
+                host, port = url_origin(url)
+                entries.add(f"{host}:{port}" if port is not None else host)
+        return cls(allow_all=allow_all, hosts=frozenset(entries))
+
+    def with_urls(self, urls: Iterable[str | None]) -> RemotePolicy:
+        extra = RemotePolicy.build(False, urls=urls)
+        return RemotePolicy(allow_all=self.allow_all, hosts=self.hosts | extra.hosts)
+
+    def allows(self, url: str) -> bool:
+        host, port = url_origin(url)
+        return self.allow_all or host in self.hosts or f"{host}:{port}" in self.hosts
+
+    def check(self, url: str, *, where: str) -> None:
+        """Raise ``RemoteAddressForbidden`` / ``RemoteNotAllowed`` unless ``url`` may receive the
+        prompts of ``where`` (``node 'ask'``, ``--route ...``)."""
+        reason = forbidden_reason(url)
+        if reason is not None:
+            raise RemoteAddressForbidden(f"{where} would send prompts to {url}, which is refused: {reason}", details={"url": url})
+        if not self.allows(url):
+            raise RemoteNotAllowed(
+                f"{where} would send its prompts to {url}, a server you did not allow; pass --allow-remote "
+                '(or "allow_remote": true, or a list of hosts, in the --config file) to allow it',
+                details={"url": url},
+            )
+
+    def to_options(self) -> bool | list[str]:
+        """What ``build`` takes back (stored with a run, so a resume keeps the policy)."""
+        return True if self.allow_all else sorted(self.hosts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +180,9 @@ def parse_route(text: str) -> Route:
     if slash and not model_name:
         raise InvalidRequest(f"route {raw!r}: the model after '/' is empty")
     if target.lower().startswith(_URL_PREFIXES):
+        reason = forbidden_reason(target)
+        if reason is not None:
+            raise RemoteAddressForbidden(f"route {raw!r}: the target is refused: {reason}", details={"url": target})
         return Route(provider, model_name, base_url=target.rstrip("/"), spec=raw)
     scheme, colon, local = target.partition(":")
     if scheme.strip().lower() != LOCAL_PROVIDER or not colon or not local.strip():
@@ -98,16 +217,26 @@ class Routing:
     """The routing table of one pack: ``default_model`` (``--model`` or the built-in default),
     ``serve_all`` (``--model`` was given: every node not routed otherwise runs on it) and
     ``routes`` (``--route``, in the order given; exact ``provider/model`` routes are tried
-    before provider-only ones)."""
+    before provider-only ones) and ``remote`` (the servers nodes may be sent to: the route URLs
+    and whatever the user allowed)."""
 
     default_model: str | None = None
     serve_all: bool = False
     routes: tuple[Route, ...] = field(default_factory=tuple)
+    remote: RemotePolicy = field(default_factory=RemotePolicy)
 
     @classmethod
-    def build(cls, *, default_model: str | None, serve_all: bool, routes: Iterable[str | Route] = ()) -> Routing:
+    def build(
+        cls,
+        *,
+        default_model: str | None,
+        serve_all: bool,
+        routes: Iterable[str | Route] = (),
+        remote: RemotePolicy | None = None,
+    ) -> Routing:
         parsed = tuple(r if isinstance(r, Route) else parse_route(r) for r in routes)
-        return cls(default_model=default_model, serve_all=serve_all, routes=parsed)
+        policy = (remote or RemotePolicy()).with_urls(r.base_url for r in parsed)
+        return cls(default_model=default_model, serve_all=serve_all, routes=parsed, remote=policy)
 
     def route_specs(self) -> list[str]:
         return [r.spec for r in self.routes]
