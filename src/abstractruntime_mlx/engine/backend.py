@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 import mlx.core as mx
 
 from ..errors import EngineError, UpstreamError
+from .config import PREFILL_STEP_SIZE
 from .grammar import GrammarProcessor
 from .request import Sampling
 from .sampling import RowStream, make_sampler, sample_rows
+from .scheduler import BackendKind
 
-PREFILL_STEP_SIZE = 256
 
 
 @contextlib.contextmanager
@@ -84,8 +85,11 @@ class DecodingRow:
 
 
 class Backend(Protocol):
-    """What the engine drives: ``BatchBackend`` (mlx-vlm) and ``serial.SerialBackend`` (mlx-lm)."""
+    """What the engine drives: ``BatchBackend`` (mlx-vlm), ``single.SingleBackend`` and
+    ``serial.SerialBackend`` (mlx-lm)."""
 
+    # Which lane this is: what the scheduler plans with, and the ``execution.path`` it reports.
+    kind: BackendKind
     max_batch_size: int
     uids: set[int]
 
@@ -103,6 +107,10 @@ class Backend(Protocol):
     def forget(self, uid: int) -> None: ...
     @property
     def prefilling(self) -> bool: ...
+    @property
+    def can_hand_off(self) -> bool:
+        """Its one row decodes and can move into a batch as is (only the single lane's can)."""
+        ...
     def step(self, *, observe_prefill: bool) -> StepResult: ...
     def speculation_counters(self) -> tuple[int, float, int] | None: ...
     def close(self) -> None: ...
@@ -164,6 +172,9 @@ class BatchBackend:
     A speculative generator (MTP) draws through one sampler: ``speculative_sampling`` for a
     sampled request running exclusive, greedy otherwise.
     """
+
+    kind = BackendKind.BATCH
+    can_hand_off = False
 
     def __init__(
         self,

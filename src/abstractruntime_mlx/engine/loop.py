@@ -1,9 +1,26 @@
 """The engine: one worker thread owns every MLX call for one resident model.
 
-Callers ``submit`` requests and read them back through a ``RequestStream``. The worker
-admits (see ``scheduler``), steps the current group's batch generator, detokenises, applies
-stop strings, and hands tokens to each request's bounded output queue. Cancels and
-controls are applied between steps.
+Callers ``submit`` requests and read them back through a ``RequestStream``. Each step the
+worker applies cancels, gathers a ``SchedulerState``, asks ``Scheduler.schedule`` for a
+``StepPlan`` (who starts, joins, waits; see ``scheduler``) and executes it: builds or hands
+off the backend, inserts the admitted rows, steps the group, detokenises, applies stop
+strings and hands tokens to each request's bounded output queue. Controls run between steps.
+
+Who writes what (the ownership rule):
+
+- Caller threads write only under ``_cond``: ``_waiting`` (appended by ``submit``), ``_live``
+  (added by ``submit``), ``_controls`` (appended by ``control``), ``_stopping``, ``_retiring``,
+  ``stats.submitted`` and ``stats.rejected``; and, without the lock, a request's
+  ``cancel_event`` (an Event) and ``_closed`` once ``stop`` has joined the worker.
+- The worker writes everything else: ``_group``, ``_admitting``, ``scheduler``, ``loaded``,
+  ``prefix_cache``, ``_fatal``, ``_load_error``, ``_closed`` as it ends, the step profile and
+  ``peak_batch_size`` in ``stats``, and every field
+  of a request once submitted (status, uid, timings, ``outcome``). It removes from ``_waiting``,
+  ``_live`` and ``_controls``, and counts finished requests in ``stats``, under ``_cond``.
+- Callers read the shared collections and counters under ``_cond`` (``snapshot``,
+  ``active_count``, ``settle``); single references (``_fatal``, ``_stopping``, ``_closed``,
+  ``loaded``) without it, each read once into a local. A request's own results are read
+  through its output queue and, once ``request.done`` is set, its ``outcome``.
 """
 
 from __future__ import annotations
@@ -17,7 +34,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 from ..errors import (
     EngineCrashed,
@@ -29,7 +46,8 @@ from ..errors import (
     RuntimeClosed,
     StreamBackpressure,
 )
-from .backend import PREFILL_STEP_SIZE, Backend, BatchBackend, Drafter, PrefillRow, StepResult, text_prompt_kwargs
+from .backend import Backend, BatchBackend, Drafter, PrefillRow, StepResult, text_prompt_kwargs
+from .config import EngineConfig
 from .model import Lane, LoadedModel
 from .prefix_cache import GUARD_TOKENS, CacheOptions, PrefixCache
 from .request import (
@@ -45,7 +63,17 @@ from .request import (
 )
 from .stream import RequestStream
 from .threads import POOL, WorkerHandle
-from .scheduler import GroupKey, count_compatible_head, group_key, prefix_leader, take_compatible, under_load
+from .scheduler import (
+    Admission,
+    BackendKind,
+    GroupKey,
+    GroupState,
+    NewGroup,
+    Scheduler,
+    SchedulerState,
+    StepPlan,
+    prefilling_rows,
+)
 from .serial import SerialBackend
 from .single import SingleBackend, supports_model
 from .stops import StopMatcher
@@ -60,26 +88,6 @@ DEFERRED_UNDER_LOAD: dict[str, Any] = {
     "reason": "deferred_under_load",
     "message": "optional MTP ran target-only in the continuous batch while target-only work waited or ran",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    max_batch_size: int = 4
-    max_queue_size: int = 32
-    batch_wait_ms: float = 10.0
-    queue_timeout_s: float = 120.0
-    output_queue_size: int = 256
-    prefill_step_size: int = PREFILL_STEP_SIZE
-    # Sampled requests run alone, one at a time (the seed's behaviour), instead of sharing
-    # the continuous batch; their tokens are the same either way.
-    sampled_exclusive: bool = False
-    # A continuous group of one decodes on the single-request lane (``single``) until a
-    # second request joins; off: every continuous row decodes in upstream's batch step.
-    single_lane: bool = True
-    # A continuous group starts once no compatible request has arrived for this long (at most
-    # ``batch_wait_ms`` after the first): a burst (a flow's fan-out, clients at once) is
-    # prefilled as one batch, and its first request does not start alone on the single lane.
-    burst_gap_ms: float = 2.0
 
 
 @dataclass(slots=True)
@@ -163,6 +171,7 @@ class Engine:
         self.loaded: LoadedModel | None = None
         self.name = name
         self.config = config or EngineConfig()
+        self.scheduler = Scheduler(self.config)
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._retiring = False
@@ -432,16 +441,90 @@ class Engine:
         start, cpu = time.perf_counter(), time.thread_time()
         self._apply_cancels()
         self._expire_waiting()
-        if self._group is None:
-            self._start_group()
-        elif self._group.mode == ExecutionMode.CONTINUOUS:
-            self._admit_late()
-        if self._group is not None:
+        plan = self._plan()
+        self._execute(plan)
+        if plan.step and self._group is not None:
             self._step_group()
             stats = self.stats
             stats.num_steps += 1
             stats.step_s += time.perf_counter() - start
             stats.cpu_s += time.thread_time() - cpu
+
+    def _plan(self) -> StepPlan:
+        """Ask the scheduler what this step does; while a group waits for company, wait for
+        arrivals (each one wakes this thread) and ask again."""
+        with self._cond:
+            while True:
+                plan = self.scheduler.schedule(self._scheduler_state())
+                if plan.wait_until is None:
+                    return plan
+                self._cond.wait(max(0.0, plan.wait_until - time.perf_counter()))
+
+    def _scheduler_state(self) -> SchedulerState:
+        """What the scheduler decides from (under ``_cond``: the waiting queue is shared)."""
+        group = self._group
+        shared = self._shared_prefixes()
+        view = None
+        if group is not None:
+            backend = group.backend
+            rows = [running.request for running in group.running.values()] if shared is not None else []
+            view = GroupState(
+                group.key,
+                backend.kind,
+                backend.free_slots(),
+                row_decoding=backend.can_hand_off,
+                prefilling=prefilling_rows(rows),
+            )
+        return SchedulerState(
+            now=time.perf_counter(),
+            waiting=tuple(self._waiting),
+            group=view,
+            stopping=self._stopping,
+            serial_lane=self._model.lane == Lane.MLX_LM,
+            single_lane_model=self._single_lane_model(),
+            prefix_cache=self.prefix_cache is not None,
+            shared_prefixes=shared,
+            admission_paused=self.prefix_cache is not None and any(item.between_prefills for item in self._controls),
+        )
+
+    def _execute(self, plan: StepPlan) -> None:
+        """Carry out a plan's admission: hand off or start, take its requests off the queue,
+        put the held ones back, insert the admitted ones."""
+        if plan.hand_off:
+            # Before anything leaves the queue: a failed hand-off fails the moving row only.
+            assert self._group is not None
+            self._hand_off(self._group)
+        taken: list[EngineRequest] = []
+        if plan.num_taken:
+            with self._cond:
+                taken = [self._waiting.popleft() for _ in range(plan.num_taken)]
+        if plan.new_group is not None:
+            self._admitting = taken  # a backend that cannot be built fails them
+            backend = self._new_backend(plan.new_group, taken[0] if taken else None)
+            self._group = _Group(key=plan.new_group.key, backend=backend, speculation_baseline=backend.speculation_counters(), size=len(taken))
+            self._admitting = []
+        if plan.held:
+            for hold in plan.held:
+                hold.request.prefix_leader = hold.leader
+            with self._cond:
+                self._waiting.extendleft(reversed([hold.request for hold in plan.held]))
+        for admission in plan.admit:
+            self._admit(admission)
+
+    def _shared_prefixes(self) -> "_SharedPrefixes | None":
+        """The prefix cache as the scheduler sees it, where prefixes are shared as blocks."""
+        cache = self.prefix_cache
+        if cache is None or not cache.shares_blocks(self._model.model):
+            return None
+        return _SharedPrefixes(cache)
+
+    def _single_lane_model(self) -> bool:
+        """Whether the loaded model's rows can decode on the single lane (asked once)."""
+        if not self.config.single_lane:
+            return False
+        if self._single_model is None:
+            self._single_model = self._model.lane == Lane.NATIVE and supports_model(self._model.model)
+        return self._single_model
 
     def _check_device(self, step_error: Exception) -> None:
         """After a failed step, MLX must still compute on the worker's stream; if it does not,
@@ -500,10 +583,6 @@ class Engine:
         group = self._group
         return group is not None and group.backend.prefilling
 
-    def _quiet_control_pending(self) -> bool:
-        with self._cond:
-            return any(item.between_prefills for item in self._controls)
-
     def _run_control(self, item: _Control) -> None:
         try:
             item.result = item.fn()
@@ -553,46 +632,12 @@ class Engine:
             )
             self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
 
-    def _start_group(self) -> None:
-        with self._cond:
-            if not self._waiting:
-                return
-            key = group_key(self._waiting[0], sampled_exclusive=self.config.sampled_exclusive)
-            # Optional MTP with target-only work right behind it runs target-only, with that work.
-            key = under_load(self._waiting, sampled_exclusive=self.config.sampled_exclusive) or key
-        serial = self._model.lane == Lane.MLX_LM
-        if serial or key.mode == ExecutionMode.EXCLUSIVE:
-            limit = 1
-            with self._cond:
-                head = self._waiting.popleft()
-            requests = [head]
-            reason = ExclusiveReason.SERIALIZED_LANE if serial else key.reason
-            key = GroupKey(ExecutionMode.EXCLUSIVE, key.draft_tokens, (head.cache_group, head.request_id), reason)
-        else:
-            limit = self.config.max_batch_size
-            # A cohort cannot be joined later: it waits the whole window for company. The
-            # continuous lane waits only while a burst keeps arriving; later requests join
-            # its free slots.
-            cohort = key.mode == ExecutionMode.COHORT
-            self._collect(key, limit, quiet_ms=None if cohort else self.config.burst_gap_ms)
-            with self._cond:
-                if key.mode == ExecutionMode.COHORT:
-                    key = under_load(self._waiting, sampled_exclusive=self.config.sampled_exclusive) or key
-                requests = take_compatible(self._waiting, key, limit)
-        self._admitting = requests
-        backend: Backend
-        if self._single_lane_for(key, requests):
-            backend = self._single_backend()
-        else:
-            backend = self._new_backend(key, requests[0], limit, serial=serial)
-        self._group = _Group(key=key, backend=backend, speculation_baseline=backend.speculation_counters(), size=len(requests))
-        self._admitting = []
-        for request in self._hold_shared_prefixes(self._group, requests):
-            self._admit(request)
-
-    def _new_backend(self, key: GroupKey, head: EngineRequest, limit: int, *, serial: bool) -> Backend:
+    def _new_backend(self, new: NewGroup, head: EngineRequest | None) -> Backend:
+        if new.kind == BackendKind.SINGLE:
+            return self._single_backend()
         loaded = self._model
-        if serial:
+        if new.kind == BackendKind.SERIAL:
+            assert head is not None
             return SerialBackend(
                 loaded.model,
                 loaded.processor,
@@ -602,32 +647,19 @@ class Engine:
                 on_prefill=self._on_prefill_row,
                 grammar=head.grammar,
             )
+        key = new.key
         drafter = Drafter(loaded.drafter) if key.draft_tokens and loaded.drafter is not None else None
         return BatchBackend(
             loaded.model,
             loaded.processor,
-            max_batch_size=limit,
+            max_batch_size=new.max_batch_size,
             drafter=drafter,
             draft_tokens=key.draft_tokens if drafter is not None else 0,
-            speculative_sampling=head.sampling if key.mode == ExecutionMode.EXCLUSIVE else None,
+            speculative_sampling=head.sampling if head is not None and key.mode == ExecutionMode.EXCLUSIVE else None,
             prefill_step_size=self.config.prefill_step_size,
             stream=self._stream,
             apc_manager=self._cache_manager_for(head),
         )
-
-    def _single_lane_for(self, key: GroupKey, requests: list[EngineRequest]) -> bool:
-        """A continuous group of one, nothing else compatible waiting, a request whose row
-        can later move into a batch as is (text, no logits processors or grammar, no prefix-cache key)."""
-        if not self.config.single_lane or key.mode != ExecutionMode.CONTINUOUS or len(requests) != 1:
-            return False
-        request = requests[0]
-        if request.prompt_kwargs_factory is not None or request.sampling.has_logit_processors() or request.grammar is not None:
-            return False
-        if request.prompt_cache_key is not None and self.prefix_cache is not None:
-            return False
-        if self._single_model is None:
-            self._single_model = self._model.lane == Lane.NATIVE and supports_model(self._model.model)
-        return self._single_model
 
     def _single_backend(self) -> SingleBackend:
         processor = self._model.processor
@@ -639,16 +671,16 @@ class Engine:
             stream=self._stream,
         )
 
-    def _join_batch(self, group: _Group) -> None:
+    def _hand_off(self, group: _Group) -> None:
         """Move the group's single decoding row into a new batch backend, its KV cache as is."""
         single = group.backend
-        assert isinstance(single, SingleBackend)
+        assert isinstance(single, SingleBackend)  # detach: the single lane's own hand-off
         old_uid, row = single.detach()
         # The row stays in ``group.running`` until the batch holds it: a failure here fails
         # it with the group (``_fail_group``), as any failed step would.
         request = group.running[old_uid].request
-        backend = self._new_backend(group.key, request, self.config.max_batch_size, serial=False)
-        assert isinstance(backend, BatchBackend)
+        backend = self._new_backend(NewGroup(group.key, BackendKind.BATCH, self.config.max_batch_size), request)
+        assert isinstance(backend, BatchBackend)  # adopt: the batch's side of the hand-off
         group.backend = backend
         single.close()
         uid = backend.adopt(row)
@@ -656,111 +688,29 @@ class Engine:
         request.path = DecodePath.SINGLE_THEN_BATCH
         group.running[uid] = group.running.pop(old_uid)
 
-    def _cache_manager_for(self, head: EngineRequest) -> Any:
+    def _cache_manager_for(self, head: EngineRequest | None) -> Any:
         """The resident model's prefix-cache manager for a group of keyed requests, else None."""
-        if head.prompt_cache_key is None or self.prefix_cache is None:
+        if head is None or head.prompt_cache_key is None or self.prefix_cache is None:
             return None
         return self.prefix_cache.manager
 
-    def _collect(self, key: GroupKey, limit: int, *, quiet_ms: float | None) -> None:
-        """Wait until ``limit`` compatible requests wait, at most ``batch_wait_ms``. With
-        ``quiet_ms``, stop once that long passes without a new arrival (0: do not wait); a
-        cohort also stops when target-only work arrives for its optional-MTP head to defer to."""
-        if quiet_ms is not None and quiet_ms <= 0:
-            return
-        start = time.perf_counter()
-        deadline = start + self.config.batch_wait_ms / 1000.0
-        quiet_s = None if quiet_ms is None else quiet_ms / 1000.0
-        cohort = key.mode == ExecutionMode.COHORT
-        with self._cond:
-            seen, last_arrival = count_compatible_head(self._waiting, key), start
-            while seen < limit and not self._stopping:
-                if cohort and under_load(self._waiting, sampled_exclusive=self.config.sampled_exclusive) is not None:
-                    break
-                until = deadline if quiet_s is None else min(deadline, last_arrival + quiet_s)
-                remaining = until - time.perf_counter()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-                count = count_compatible_head(self._waiting, key)
-                if count > seen:
-                    seen, last_arrival = count, time.perf_counter()
-
-    def _admit_late(self) -> None:
+    def _admit(self, admission: Admission) -> None:
         group = self._group
         assert group is not None
-        if isinstance(group.backend, SingleBackend):
-            # A compatible arrival moves the row into a batch, once the row decodes.
-            if not group.backend.decoding or self.config.max_batch_size < 2:
-                return
-            with self._cond:
-                joining = count_compatible_head(self._waiting, group.key) > 0
-            if not joining:
-                return
-            self._join_batch(group)
-        free = group.backend.free_slots()  # tombstoned rows still hold their slot upstream
-        if free <= 0 or (self.prefix_cache is not None and self._quiet_control_pending()):
-            return
-        with self._cond:
-            requests = take_compatible(self._waiting, group.key, free)
-        for request in self._hold_shared_prefixes(group, requests):
-            self._admit(request)
-
-    def _hold_shared_prefixes(self, group: _Group, requests: list[EngineRequest]) -> list[EngineRequest]:
-        """The requests to admit now. The others share a prefix that a request of the batch is
-        still prefilling: they go back to the head of the queue until its blocks are stored
-        (see ``scheduler.prefix_leader``)."""
-        cache = self.prefix_cache
-        if (
-            cache is None
-            or group.mode != ExecutionMode.CONTINUOUS
-            or not isinstance(group.backend, BatchBackend)
-            or not cache.shares_blocks(self._model.model)
-        ):
-            return requests
-        prefilling = [
-            r.request
-            for r in group.running.values()
-            if r.request.status == RequestStatus.PREFILLING and r.request.prompt_cache_key is not None
-        ]
-        admit: list[EngineRequest] = []
-        held: list[EngineRequest] = []
-        for request in requests:
-            leader = None
-            if request.prompt_cache_key is not None and request.prompt_kwargs_factory is None:
-                salt = cache.salt(request, "batch")
-                same_salt = [r for r in prefilling if cache.salt(r, "batch") == salt]
-                if same_salt:
-                    resident = cache.resident_prefix_tokens(request.prompt_ids, salt)
-                    leader = prefix_leader(request, same_salt, resident=resident)
-            if leader is None:
-                admit.append(request)
-                if request.prompt_cache_key is not None:
-                    prefilling.append(request)
-            else:
-                request.prefix_leader = leader
-                held.append(request)
-        if held:
-            with self._cond:
-                self._waiting.extendleft(reversed(held))
-        return admit
-
-    def _admit(self, request: EngineRequest) -> None:
-        group = self._group
-        assert group is not None
-        if group.mode == ExecutionMode.CONTINUOUS and request.draft_tokens > 0:
+        request = admission.request
+        if admission.target_only:
             request.speculation_deferred = True  # optional MTP under load: target-only, in the batch
         try:
             factory = request.prompt_kwargs_factory
             if factory is not None:
                 kwargs = factory()  # images expand the prompt: check its final length again
                 self._model.check_request(prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens)
-            elif isinstance(group.backend, BatchBackend):
+            elif group.backend.kind == BackendKind.BATCH:
                 kwargs = text_prompt_kwargs(self._model.model, request.prompt_ids)
             else:
                 kwargs = {}
             if request.prompt_cache_key is not None and self.prefix_cache is not None:
-                if isinstance(group.backend, SerialBackend):
+                if group.backend.kind == BackendKind.SERIAL:
                     kwargs["prompt_cache"], kwargs["prefilled"] = self._serial_prefix(request)
                     kwargs["cached"] = request.cached_tokens or 0
                 else:
@@ -774,7 +724,7 @@ class Engine:
             return
         request.uid = uid
         request.mode = group.mode
-        request.path = _path_of(group.backend)
+        request.path = DecodePath(group.backend.kind.value)
         request.exclusive_reason = group.key.reason
         request.started_at = time.perf_counter()
         request.transition(RequestStatus.PREFILLING)
@@ -1051,12 +1001,18 @@ class Engine:
             item.done.set()
 
 
-def _path_of(backend: Backend) -> DecodePath:
-    if isinstance(backend, SingleBackend):
-        return DecodePath.SINGLE
-    if isinstance(backend, SerialBackend):
-        return DecodePath.SERIAL
-    return DecodePath.BATCH
+class _SharedPrefixes:
+    """``scheduler.PrefixIndex`` over the resident prefix cache, in a batch's layout."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self._cache = cache
+
+    def salt(self, request: EngineRequest) -> int:
+        return self._cache.salt(request, "batch")
+
+    def resident_tokens(self, prompt_ids: list[int], salt: Hashable) -> int:
+        assert isinstance(salt, int)
+        return self._cache.resident_prefix_tokens(prompt_ids, salt)
 
 
 class _WorkerBroken(BaseException):

@@ -1,4 +1,9 @@
-"""Admission decisions: which waiting requests start, join, or wait. Plain logic, no MLX.
+"""Admission decisions: which waiting requests start, join, or wait. Plain logic, no MLX, no threads.
+
+``Scheduler.schedule(state) -> StepPlan``: the loop on the worker thread gathers a
+``SchedulerState`` (the waiting queue, the running group, the clock), asks for a plan and
+executes it. Every lane policy lives here, and is tested on hand-built requests
+(``tests/test_scheduler_plan.py``).
 
 Policy (the fairness rule):
 - Requests are considered in arrival order. The head of the waiting queue decides what the
@@ -20,6 +25,15 @@ Policy (the fairness rule):
   requests wait right behind it (``under_load``: the run of requests the target-only group
   would take holds one that asked for no MTP). Alone, or with only MTP requests of its depth
   behind it, it runs MTP (a cohort). Strict MTP requests are never deferred.
+- Burst and batch waits: a cohort cannot be joined later, so it waits up to ``batch_wait_ms``
+  for company (stopping early once target-only work arrives for its optional-MTP head to defer
+  to, then running target-only with it). A continuous group waits only while a burst keeps
+  arriving (``burst_gap_ms`` without a compatible arrival ends it, ``batch_wait_ms`` at most);
+  later requests join its free slots.
+- The serialized lane (``mlx_batching=False``) runs every request alone, as exclusive.
+- Single lane: a continuous group of one, whose row can later move into a batch as is (text,
+  no logits processors or grammar, no prefix-cache key), decodes on the single-request lane;
+  the first compatible arrival moves that row (once it decodes) into a batch it then joins.
 - Requests with different prefix-cache groups never share a group: keyed requests (which
   look up and store in the resident model's prefix cache) never batch with keyless ones.
 - Shared prefixes are prefilled once: a keyed request about to be admitted to a continuous
@@ -34,9 +48,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable
+from enum import StrEnum
+from typing import Hashable, Protocol, Sequence
 
-from .request import EngineRequest, ExclusiveReason, ExecutionMode
+from .config import EngineConfig
+from .request import EngineRequest, ExclusiveReason, ExecutionMode, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +93,7 @@ def target_only_key(request: EngineRequest, *, sampled_exclusive: bool = False) 
     return group_key(request, sampled_exclusive=sampled_exclusive, target_only=True)
 
 
-def under_load(waiting: deque[EngineRequest], *, sampled_exclusive: bool = False) -> GroupKey | None:
+def under_load(waiting: Sequence[EngineRequest], *, sampled_exclusive: bool = False) -> GroupKey | None:
     """The continuous key the head of ``waiting`` defers to, or None when it runs its MTP.
 
     The head defers when it is optional MTP and the run of requests its target-only group
@@ -97,15 +113,25 @@ def under_load(waiting: deque[EngineRequest], *, sampled_exclusive: bool = False
     return None
 
 
-def take_compatible(waiting: deque[EngineRequest], key: GroupKey, limit: int) -> list[EngineRequest]:
-    """Pop up to ``limit`` requests from the head of ``waiting`` that ``key`` admits.
+def compatible_head(waiting: Sequence[EngineRequest], key: GroupKey, limit: int) -> list[EngineRequest]:
+    """Up to ``limit`` requests from the head of ``waiting`` that ``key`` admits.
 
     Stops at the first request it does not admit (the fairness barrier), or that waits for
     its prefix leader's prefill.
     """
     taken: list[EngineRequest] = []
-    while waiting and len(taken) < limit and key.admits(waiting[0]) and not waiting[0].waits_for_prefix:
-        taken.append(waiting.popleft())
+    for request in waiting:
+        if len(taken) >= limit or not key.admits(request) or request.waits_for_prefix:
+            break
+        taken.append(request)
+    return taken
+
+
+def take_compatible(waiting: deque[EngineRequest], key: GroupKey, limit: int) -> list[EngineRequest]:
+    """Pop ``compatible_head(waiting, key, limit)`` from ``waiting``."""
+    taken = compatible_head(waiting, key, limit)
+    for _ in taken:
+        waiting.popleft()
     return taken
 
 
@@ -130,7 +156,7 @@ def prefix_leader(request: EngineRequest, prefilling: list[EngineRequest], *, re
     return best
 
 
-def count_compatible_head(waiting: deque[EngineRequest], key: GroupKey) -> int:
+def count_compatible_head(waiting: Sequence[EngineRequest], key: GroupKey) -> int:
     n = 0
     for request in waiting:
         if not key.admits(request):
@@ -138,3 +164,278 @@ def count_compatible_head(waiting: deque[EngineRequest], key: GroupKey) -> int:
         n += 1
     return n
 
+
+
+# --- the plan --------------------------------------------------------------------------
+
+
+class BackendKind(StrEnum):
+    """Which backend a group runs on (``Backend.kind``)."""
+
+    BATCH = "batch"  # upstream's batch generator: late joiners take its free slots
+    SINGLE = "single"  # one row on a plain KV cache; a compatible arrival moves it into a batch
+    SERIAL = "serial"  # the serialized mlx-lm lane, one request at a time
+
+
+@dataclass(frozen=True, slots=True)
+class NewGroup:
+    """Start a group for ``key`` on a backend of ``kind`` with ``max_batch_size`` slots."""
+
+    key: GroupKey
+    kind: BackendKind
+    max_batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Insert ``request`` into the group; ``target_only``: optional MTP deferred under load
+    (it runs without its speculation, in the continuous batch)."""
+
+    request: EngineRequest
+    target_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HeldForPrefix:
+    """``request`` goes back to the head of the queue until ``leader``'s prefill has stored the
+    prefix they share (it becomes ``request.prefix_leader``)."""
+
+    request: EngineRequest
+    leader: EngineRequest
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one step does, in the order the loop executes it.
+
+    The requests admitted and held come off the head of the waiting queue (``num_taken``);
+    the held ones go back to its head, in order.
+    """
+
+    # Nothing starts yet: wait for arrivals until this time (on ``SchedulerState.now``'s clock).
+    wait_until: float | None = None
+    new_group: NewGroup | None = None
+    # Move the single lane's decoding row into a new batch before admitting.
+    hand_off: bool = False
+    admit: tuple[Admission, ...] = ()
+    held: tuple[HeldForPrefix, ...] = ()
+    # Step the group (the one this plan starts, or the one running).
+    step: bool = False
+
+    @property
+    def num_taken(self) -> int:
+        """How many requests this plan takes off the head of the queue: admitted and held are
+        one run from its head."""
+        return len(self.admit) + len(self.held)
+
+
+# --- what the scheduler reads ----------------------------------------------------------
+
+
+class PrefixIndex(Protocol):
+    """The resident prefix cache as the scheduler sees it, where prefixes are shared as
+    blocks a later row extends (a batch's layout)."""
+
+    def salt(self, request: EngineRequest) -> Hashable:
+        """The salt ``request``'s blocks are stored under in a batch."""
+        ...
+
+    def resident_tokens(self, prompt_ids: list[int], salt: Hashable) -> int:
+        """How many leading tokens of ``prompt_ids`` a lookup would restore now."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class GroupState:
+    """The running group, as admission needs it."""
+
+    key: GroupKey
+    kind: BackendKind
+    free_slots: int  # cancelled rows upstream could not drop yet still hold theirs
+    row_decoding: bool = False  # the single lane's row has its next token in flight: it can move
+    prefilling: tuple[EngineRequest, ...] = ()  # keyed rows whose prefill is not done
+
+    @property
+    def mode(self) -> ExecutionMode:
+        return self.key.mode
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerState:
+    """What the worker knows between two steps (gathered under the engine's lock)."""
+
+    now: float  # seconds, monotonic
+    waiting: Sequence[EngineRequest]  # in arrival order
+    group: GroupState | None = None
+    stopping: bool = False
+    serial_lane: bool = False  # the model runs on the serialized mlx-lm lane
+    single_lane_model: bool = False  # the model's rows can decode on the single lane
+    prefix_cache: bool = False  # a prefix cache is resident (keyed requests use it)
+    shared_prefixes: PrefixIndex | None = None  # set where prefixes are shared as blocks
+    admission_paused: bool = False  # a control waits for a step with no prompt mid-prefill
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """A group waiting for company before it starts."""
+
+    head: EngineRequest
+    key: GroupKey
+    started: float
+    seen: int  # compatible requests at the head of the queue
+    last_arrival: float
+
+
+# --- the scheduler ---------------------------------------------------------------------
+
+
+class Scheduler:
+    """Decides each step from a ``SchedulerState``. Its only state is the collection window
+    of a group about to start."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._window: _Window | None = None
+
+    def schedule(self, state: SchedulerState) -> StepPlan:
+        group = state.group
+        if group is None:
+            return self._start(state)
+        self._window = None
+        if group.mode != ExecutionMode.CONTINUOUS:
+            return StepPlan(step=True)  # cohorts and exclusive requests admit no one later
+        return self._admit_late(state, group)
+
+    # --- a new group -------------------------------------------------------------------
+    def _start(self, state: SchedulerState) -> StepPlan:
+        waiting = state.waiting
+        if not waiting:
+            self._window = None
+            return StepPlan()
+        cfg = self.config
+        head = waiting[0]
+        if state.serial_lane:
+            key = GroupKey(ExecutionMode.EXCLUSIVE, self._head_key(waiting).draft_tokens, (head.cache_group, head.request_id), ExclusiveReason.SERIALIZED_LANE)
+            return self._started(state, NewGroup(key, BackendKind.SERIAL, 1), [head])
+        window = self._window
+        if window is None or window.head is not head:
+            key = self._head_key(waiting)
+            if key.mode == ExecutionMode.EXCLUSIVE:
+                key = GroupKey(ExecutionMode.EXCLUSIVE, key.draft_tokens, (head.cache_group, head.request_id), key.reason)
+                return self._started(state, NewGroup(key, BackendKind.BATCH, 1), [head])
+            window = _Window(head, key, state.now, count_compatible_head(waiting, key), state.now)
+        else:
+            seen = count_compatible_head(waiting, window.key)
+            if seen > window.seen:
+                window = _Window(head, window.key, window.started, seen, state.now)
+        self._window = window
+        key = window.key
+        limit = cfg.max_batch_size
+        wait_until = self._wait_until(state, window)
+        if wait_until is not None:
+            return StepPlan(wait_until=wait_until)
+        self._window = None
+        if key.mode == ExecutionMode.COHORT:
+            # Target-only work arrived while the cohort waited: its optional-MTP head defers to it.
+            key = under_load(waiting, sampled_exclusive=cfg.sampled_exclusive) or key
+        requests = compatible_head(waiting, key, limit)
+        if not requests:
+            return StepPlan()  # the head waits for its prefix leader
+        kind = BackendKind.SINGLE if self._single_lane_for(state, key, requests) else BackendKind.BATCH
+        return self._started(state, NewGroup(key, kind, limit), requests)
+
+    def _head_key(self, waiting: Sequence[EngineRequest]) -> GroupKey:
+        """The head's group; optional MTP with target-only work right behind it runs
+        target-only, with that work."""
+        sampled_exclusive = self.config.sampled_exclusive
+        return under_load(waiting, sampled_exclusive=sampled_exclusive) or group_key(waiting[0], sampled_exclusive=sampled_exclusive)
+
+    def _wait_until(self, state: SchedulerState, window: _Window) -> float | None:
+        """When to look again for company, or None: start now.
+
+        A cohort cannot be joined later, so it waits the whole window (stopping once
+        target-only work arrives for its optional-MTP head to defer to). The continuous lane
+        waits only while a burst keeps arriving; later requests join its free slots.
+        """
+        cfg = self.config
+        cohort = window.key.mode == ExecutionMode.COHORT
+        quiet_ms = None if cohort else cfg.burst_gap_ms
+        if quiet_ms is not None and quiet_ms <= 0:
+            return None
+        if window.seen >= cfg.max_batch_size or state.stopping:
+            return None
+        if cohort and under_load(state.waiting, sampled_exclusive=cfg.sampled_exclusive) is not None:
+            return None
+        until = window.started + cfg.batch_wait_ms / 1000.0
+        if quiet_ms is not None:
+            until = min(until, window.last_arrival + quiet_ms / 1000.0)
+        return until if until > state.now else None
+
+    def _single_lane_for(self, state: SchedulerState, key: GroupKey, requests: list[EngineRequest]) -> bool:
+        """A continuous group of one, a request whose row can later move into a batch as is
+        (text, no logits processors or grammar, no prefix-cache key), a model that has the lane."""
+        if not self.config.single_lane or key.mode != ExecutionMode.CONTINUOUS or len(requests) != 1:
+            return False
+        request = requests[0]
+        if request.prompt_kwargs_factory is not None or request.sampling.has_logit_processors() or request.grammar is not None:
+            return False
+        if request.prompt_cache_key is not None and state.prefix_cache:
+            return False
+        return state.single_lane_model
+
+    def _started(self, state: SchedulerState, new: NewGroup, requests: list[EngineRequest]) -> StepPlan:
+        group = GroupState(new.key, new.kind, new.max_batch_size)
+        admit, held = self._hold_shared_prefixes(state, group, requests)
+        return StepPlan(new_group=new, admit=admit, held=held, step=True)
+
+    # --- a running continuous group ---------------------------------------------------------
+    def _admit_late(self, state: SchedulerState, group: GroupState) -> StepPlan:
+        hand_off = False
+        free = group.free_slots
+        if group.kind == BackendKind.SINGLE:
+            # A compatible arrival moves the row into a batch, once the row decodes.
+            if not group.row_decoding or self.config.max_batch_size < 2:
+                return StepPlan(step=True)
+            if count_compatible_head(state.waiting, group.key) == 0:
+                return StepPlan(step=True)
+            hand_off = True
+            free = self.config.max_batch_size - 1  # the batch holds the moved row
+            group = GroupState(group.key, BackendKind.BATCH, free, prefilling=group.prefilling)
+        if free <= 0 or state.admission_paused:
+            return StepPlan(hand_off=hand_off, step=True)
+        requests = compatible_head(state.waiting, group.key, free)
+        admit, held = self._hold_shared_prefixes(state, group, requests)
+        return StepPlan(hand_off=hand_off, admit=admit, held=held, step=True)
+
+    def _hold_shared_prefixes(
+        self, state: SchedulerState, group: GroupState, requests: list[EngineRequest]
+    ) -> tuple[tuple[Admission, ...], tuple[HeldForPrefix, ...]]:
+        """Which of ``requests`` to admit now, and which wait because they share a prefix that
+        a request of the batch is still prefilling (see ``prefix_leader``)."""
+        target_only = group.mode == ExecutionMode.CONTINUOUS
+        index = state.shared_prefixes
+        if index is None or group.mode != ExecutionMode.CONTINUOUS or group.kind != BackendKind.BATCH:
+            return tuple(Admission(r, target_only and r.draft_tokens > 0) for r in requests), ()
+        prefilling = list(group.prefilling)
+        admit: list[Admission] = []
+        held: list[HeldForPrefix] = []
+        for request in requests:
+            leader = None
+            if request.prompt_cache_key is not None and request.prompt_kwargs_factory is None:
+                salt = index.salt(request)
+                same_salt = [r for r in prefilling if index.salt(r) == salt]
+                if same_salt:
+                    resident = index.resident_tokens(request.prompt_ids, salt)
+                    leader = prefix_leader(request, same_salt, resident=resident)
+            if leader is None:
+                admit.append(Admission(request, request.draft_tokens > 0))
+                if request.prompt_cache_key is not None:
+                    prefilling.append(request)
+            else:
+                held.append(HeldForPrefix(request, leader))
+        return tuple(admit), tuple(held)
+
+
+def prefilling_rows(requests: Sequence[EngineRequest]) -> tuple[EngineRequest, ...]:
+    """The keyed rows of a group whose prefill is not done (prefix leaders for late joiners)."""
+    return tuple(r for r in requests if r.status == RequestStatus.PREFILLING and r.prompt_cache_key is not None)

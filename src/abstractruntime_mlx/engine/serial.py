@@ -21,6 +21,7 @@ from .backend import PrefillRow, StepResult, TokenEvent, map_upstream_errors, ro
 from .grammar import GrammarProcessor
 from .request import Sampling
 from .sampling import make_sampler
+from .scheduler import BackendKind
 
 PrefillHook = Callable[[int, PrefillRow], bool]
 
@@ -32,7 +33,9 @@ class _PrefillAbandoned(Exception):
 class SerialBackend:
     """mlx-lm generation for one request at a time, with the ``BatchBackend`` interface."""
 
+    kind = BackendKind.SERIAL
     max_batch_size = 1
+    can_hand_off = False
 
     def __init__(
         self,

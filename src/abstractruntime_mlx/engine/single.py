@@ -29,6 +29,7 @@ from .backend import DecodingRow, PrefillRow, StepResult, TokenEvent, map_upstre
 from .grammar import GrammarProcessor
 from .request import Sampling
 from .sampling import RowStream, sample_rows
+from .scheduler import BackendKind
 
 _CLEAR_CACHE_EVERY = 256  # tokens (mlx-lm's generate_step)
 
@@ -50,6 +51,7 @@ def supports_model(model: Any) -> bool:
 class SingleBackend:
     """One request at a time on a plain KV cache, with the ``BatchBackend`` interface."""
 
+    kind = BackendKind.SINGLE
     max_batch_size = 1
 
     def __init__(
@@ -132,6 +134,10 @@ class SingleBackend:
     def decoding(self) -> bool:
         """The row has delivered a token and has the next one in flight: it can move."""
         return self._uid is not None and self._next is not None
+
+    @property
+    def can_hand_off(self) -> bool:
+        return self.decoding
 
     def detach(self) -> tuple[int, DecodingRow]:
         """Hand the decoding row over (``BatchBackend.adopt``); this lane is empty afterwards."""

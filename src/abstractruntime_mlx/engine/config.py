@@ -1,0 +1,33 @@
+"""The engine's knobs and their defaults: the one home for both (no MLX).
+
+``provider.mlx_provider.EXECUTION_DEFAULTS`` derives its engine options from ``EngineConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Prompt tokens per prefill chunk.
+PREFILL_STEP_SIZE = 256
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    # The seed's four batch slots, 32 waiting requests, a 10 ms collection window, a
+    # 120-second queue timeout and 256 buffered output records.
+    max_batch_size: int = 4
+    max_queue_size: int = 32
+    batch_wait_ms: float = 10.0
+    queue_timeout_s: float = 120.0
+    output_queue_size: int = 256
+    prefill_step_size: int = PREFILL_STEP_SIZE
+    # Sampled requests run alone, one at a time (the seed's behaviour), instead of sharing
+    # the continuous batch; their tokens are the same either way.
+    sampled_exclusive: bool = False
+    # A continuous group of one decodes on the single-request lane (``single``) until a
+    # second request joins; off: every continuous row decodes in upstream's batch step.
+    single_lane: bool = True
+    # A continuous group starts once no compatible request has arrived for this long (at most
+    # ``batch_wait_ms`` after the first): a burst (a flow's fan-out, clients at once) is
+    # prefilled as one batch, and its first request does not start alone on the single lane.
+    burst_gap_ms: float = 2.0
