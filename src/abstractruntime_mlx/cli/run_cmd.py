@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Final
 
 from ..controls import parse_speculation_option
-from ..errors import InvalidRequest, MLXRuntimeError
+from ..errors import InvalidRequest, MLXRuntimeError, RemoteNotAllowed
 from ..json_values import as_str
 from ..runtime_plugin.host import DriveLimits
 from ..runtime_plugin.routing import RemotePolicy, parse_route, routes_from_config
@@ -222,6 +222,8 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
     for spec in routes:
         try:
             parse_route(spec)
+        except RemoteNotAllowed:
+            raise  # printed with its own code: refused whatever the flags
         except MLXRuntimeError as exc:
             raise SystemExit(f"error: --route {exc.message}") from exc
     if args.max_timer_wait < 0:
