@@ -344,7 +344,7 @@ def _check_bundle(
     for flow_id, node_id, where, url in remote_targets(bundle):
         here = flow_id == bundle.root_id
         try:
-            remote.check(url, where=f"node {node_id!r}" + ("" if here else f" of subflow {flow_id!r}"))
+            remote.check(url, where="the node" if here else f"node {node_id!r} of subflow {flow_id!r}")
         except RemoteNotAllowed as exc:
             findings.add(exc.code, exc.message, node=node_id if here else None, field=where if here else None)
     for flow_id, node_id in kg_memory_uses(bundle):
