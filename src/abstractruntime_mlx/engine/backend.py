@@ -84,6 +84,17 @@ class DecodingRow:
     row: RowStream | None
 
 
+@dataclass(frozen=True, slots=True)
+class RestoredPrefix:
+    """A row's prompt cache restored from the prefix cache (the serialized lane's snapshots):
+    it already holds the prompt's first ``prefilled`` tokens, ``cached`` of them from a stored
+    snapshot (the rest were prefilled for it just now)."""
+
+    prompt_cache: list[Any]
+    prefilled: int
+    cached: int
+
+
 class Backend(Protocol):
     """What the engine drives: ``BatchBackend`` (mlx-vlm), ``single.SingleBackend`` and
     ``serial.SerialBackend`` (mlx-lm)."""
@@ -100,6 +111,8 @@ class Backend(Protocol):
         prompt_kwargs: dict[str, Any],
         sampling: Sampling | None = None,
         grammar: GrammarProcessor | None = None,
+        *,
+        restored: RestoredPrefix | None = None,
     ) -> int: ...
     def free_slots(self) -> int: ...
     def allow_partial_prefill(self) -> None: ...
@@ -231,9 +244,14 @@ class BatchBackend:
         prompt_kwargs: dict[str, Any],
         sampling: Sampling | None = None,
         grammar: GrammarProcessor | None = None,
+        *,
+        restored: RestoredPrefix | None = None,
     ) -> int:
         """Queue one row with its own sampling controls (greedy when None) and, for structured
-        output, its own grammar (applied last, after penalties and bias)."""
+        output, its own grammar (applied last, after penalties and bias). Prefixes come from
+        the generator's own prefix cache (``apc_manager``), never ``restored``."""
+        if restored is not None:
+            raise RuntimeError("a batch restores prefixes through its prefix-cache manager")
         sampling = sampling or Sampling()
         with map_upstream_errors("inserting a prompt"):
             # Built before the row exists: a value refused here (seed, bias ids) fails this

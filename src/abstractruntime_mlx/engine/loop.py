@@ -46,10 +46,10 @@ from ..errors import (
     RuntimeClosed,
     StreamBackpressure,
 )
-from .backend import Backend, BatchBackend, Drafter, PrefillRow, StepResult, text_prompt_kwargs
+from .backend import Backend, BatchBackend, Drafter, PrefillRow, RestoredPrefix, StepResult, text_prompt_kwargs
 from .config import EngineConfig
 from .model import Lane, LoadedModel
-from .prefix_cache import GUARD_TOKENS, CacheOptions, PrefixCache
+from .prefix_cache import CacheOptions, PrefixCache
 from .request import (
     END_OF_STREAM,
     DecodePath,
@@ -74,7 +74,7 @@ from .scheduler import (
     StepPlan,
     prefilling_rows,
 )
-from .serial import SerialBackend
+from .serial import SerialBackend, lookup_prefix, prefill_to_checkpoint
 from .single import SingleBackend, supports_model
 from .stops import StopMatcher
 
@@ -709,16 +709,16 @@ class Engine:
                 kwargs = text_prompt_kwargs(self._model.model, request.prompt_ids)
             else:
                 kwargs = {}
+            restored = None
             if request.prompt_cache_key is not None and self.prefix_cache is not None:
                 if group.backend.kind == BackendKind.SERIAL:
-                    kwargs["prompt_cache"], kwargs["prefilled"] = self._serial_prefix(request)
-                    kwargs["cached"] = request.cached_tokens or 0
+                    restored = self._serial_prefix(request)
                 else:
                     layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"
                     kwargs["_apc_semantic_hash"] = self.prefix_cache.salt(request, layout)
                     request.cache_layout = layout
                     request.cache_counters = self.prefix_cache.counters()
-            uid = group.backend.insert(request.prompt_ids, request.max_tokens, kwargs, request.sampling, request.grammar)
+            uid = group.backend.insert(request.prompt_ids, request.max_tokens, kwargs, request.sampling, request.grammar, restored=restored)
         except MLXRuntimeError as exc:
             self._finish(request, RequestStatus.FINISHED_ERROR, error=exc)
             return
@@ -777,48 +777,27 @@ class Engine:
             self._deliver(request, obs, droppable=True)
         return True
 
-    def _serial_prefix(self, request: EngineRequest) -> tuple[list[Any], int]:
-        """Restore the key's snapshot, prefill up to the checkpoint and keep a new snapshot there.
-
-        Returns the prompt cache and how many prompt tokens it already holds (a cancel stops
-        the prefill early, keeping no snapshot; the request then finishes as cancelled).
-        """
-        import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
-
+    def _serial_prefix(self, request: EngineRequest) -> RestoredPrefix:
+        """Restore the key's snapshot and prefill up to its checkpoint (``serial``), observed
+        as any prefill is; a cancel stops it early, and the request then finishes as cancelled."""
         cache = self.prefix_cache
         assert cache is not None and cache.serial is not None
         request.cache_layout = "serial"
         request.cache_counters = cache.counters()
         salt = cache.salt(request, "serial")
-        prompt = request.prompt_ids
-        prompt_cache, cached = cache.serial.lookup(salt, prompt)
-        if prompt_cache is None:
-            prompt_cache = make_prompt_cache(self._model.model)
-        request.cached_tokens = cached
-        checkpoint = len(prompt) - GUARD_TOKENS
-        if checkpoint <= cached:
-            return prompt_cache, cached
-        step = self.config.prefill_step_size
-        position = cached
+        model, prompt = self._model.model, request.prompt_ids
+        restored = lookup_prefix(model, cache.serial, salt, prompt)
+        request.cached_tokens = restored.cached
 
-        def observe() -> bool:
+        def observe(position: int) -> bool:
             if request.observe_prefill:
-                obs = PrefillObservation(processed=position, total=len(prompt), cached=cached)
+                obs = PrefillObservation(processed=position, total=len(prompt), cached=restored.cached)
                 self._deliver(request, obs, droppable=True)
             return not request.cancelled
 
-        if not observe():
-            return prompt_cache, position
-        while position < checkpoint:
-            end = min(checkpoint, position + step)
-            self._model.model(mx.array([prompt[position:end]]), cache=prompt_cache)
-            mx.eval([c.state for c in prompt_cache])
-            position = end
-            if not observe():
-                return prompt_cache, position
-        cache.serial.store(salt, prompt[:checkpoint], prompt_cache)
-        return prompt_cache, checkpoint
+        return prefill_to_checkpoint(
+            model, cache.serial, salt, prompt, restored, prefill_step_size=self.config.prefill_step_size, observe=observe
+        )
 
     def _record_batch(self, group: _Group, result: StepResult) -> None:
         size = len(result.batch_uids - group.tombstones)

@@ -7,8 +7,9 @@ stop strings, queue timeouts and every way a request finishes share one code pat
 mlx-lm prefills a whole prompt inside the first pull; ``on_prefill`` is called after each
 prefill chunk, and a ``False`` answer (the request was cancelled) abandons the prefill there.
 
-``insert``'s row kwargs may carry a restored prefix: ``prompt_cache`` (mlx-lm KV cache),
-``prefilled`` (prompt tokens already in it) and ``cached`` (of those, tokens a snapshot gave).
+Prefix reuse on this lane: ``lookup_prefix`` restores a key's snapshot and
+``prefill_to_checkpoint`` prefills the prompt up to a few tokens short of its end and keeps a
+new snapshot there; ``insert(..., restored=...)`` then generates from that cache.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import itertools
 from typing import Any, Callable, Iterator
 
 from ..errors import UpstreamError
-from .backend import PrefillRow, StepResult, TokenEvent, map_upstream_errors, row_processors
+from .backend import PrefillRow, RestoredPrefix, StepResult, TokenEvent, map_upstream_errors, row_processors
 from .grammar import GrammarProcessor
+from .prefix_cache import GUARD_TOKENS, SerialStore
 from .request import Sampling
 from .sampling import make_sampler
 from .scheduler import BackendKind
@@ -72,8 +74,12 @@ class SerialBackend:
         prompt_kwargs: dict[str, Any],
         sampling: Sampling | None = None,
         grammar: GrammarProcessor | None = None,
+        *,
+        restored: RestoredPrefix | None = None,
     ) -> int:
-        """``sampling`` and ``grammar`` are the ones given at construction (one request per backend)."""
+        """``sampling`` and ``grammar`` are the ones given at construction (one request per backend);
+        ``prompt_kwargs`` carry nothing this lane reads. ``restored``: generate from that cache,
+        after the prompt tokens it already holds."""
         import mlx_lm
 
         if self.uids:
@@ -86,9 +92,9 @@ class SerialBackend:
         }
         if self._processors:
             kwargs["logits_processors"] = self._processors
-        prefilled = int(prompt_kwargs.get("prefilled", 0))
-        if prompt_kwargs.get("prompt_cache") is not None:
-            kwargs["prompt_cache"] = prompt_kwargs["prompt_cache"]
+        prefilled = restored.prefilled if restored is not None else 0
+        if restored is not None:
+            kwargs["prompt_cache"] = restored.prompt_cache
         # A generator: nothing runs until the first step.
         self._responses = mlx_lm.stream_generate(
             self.model, self._tokenizer, prompt_ids[prefilled:], max_tokens=max_tokens, stream=self._stream, **kwargs
@@ -96,7 +102,7 @@ class SerialBackend:
         self._uid = uid
         self._prompt_reported = False
         self._prefilled = prefilled
-        self._cached = int(prompt_kwargs.get("cached", 0))
+        self._cached = restored.cached if restored is not None else 0
         self.uids.add(uid)
         return uid
 
@@ -162,3 +168,51 @@ class SerialBackend:
     def close(self) -> None:
         if self._uid is not None:
             self.forget(self._uid)
+
+
+# --- prefix reuse ------------------------------------------------------------------------
+
+
+def lookup_prefix(model: Any, store: SerialStore, salt: int, prompt: list[int]) -> RestoredPrefix:
+    """The snapshot ``store`` keeps for ``salt`` that ``prompt`` extends, or a fresh cache."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt_cache, cached = store.lookup(salt, prompt)
+    if prompt_cache is None:
+        prompt_cache = make_prompt_cache(model)
+    return RestoredPrefix(prompt_cache, cached, cached)
+
+
+def prefill_to_checkpoint(
+    model: Any,
+    store: SerialStore,
+    salt: int,
+    prompt: list[int],
+    restored: RestoredPrefix,
+    *,
+    prefill_step_size: int,
+    observe: Callable[[int], bool],
+) -> RestoredPrefix:
+    """Prefill ``prompt`` into ``restored``'s cache up to the checkpoint (``GUARD_TOKENS`` short
+    of its end) and store a snapshot there.
+
+    ``observe(position)`` runs before the first chunk and after each; False (the request was
+    cancelled) stops the prefill there, keeping no snapshot.
+    """
+    import mlx.core as mx
+
+    prompt_cache, position = restored.prompt_cache, restored.prefilled
+    checkpoint = len(prompt) - GUARD_TOKENS
+    if checkpoint <= position:
+        return restored
+    if not observe(position):
+        return restored
+    while position < checkpoint:
+        end = min(checkpoint, position + prefill_step_size)
+        model(mx.array([prompt[position:end]]), cache=prompt_cache)
+        mx.eval([c.state for c in prompt_cache])
+        position = end
+        if not observe(position):
+            return RestoredPrefix(prompt_cache, position, restored.cached)
+    store.store(salt, prompt[:checkpoint], prompt_cache)
+    return RestoredPrefix(prompt_cache, checkpoint, restored.cached)

@@ -25,7 +25,7 @@ from typing import Any, Callable, cast
 
 import mlx.core as mx
 
-from .backend import DecodingRow, PrefillRow, StepResult, TokenEvent, map_upstream_errors, needs_positions
+from .backend import DecodingRow, PrefillRow, RestoredPrefix, StepResult, TokenEvent, map_upstream_errors, needs_positions
 from .grammar import GrammarProcessor
 from .request import Sampling
 from .sampling import RowStream, sample_rows
@@ -86,12 +86,16 @@ class SingleBackend:
         prompt_kwargs: dict[str, Any],
         sampling: Sampling | None = None,
         grammar: GrammarProcessor | None = None,
+        *,
+        restored: RestoredPrefix | None = None,
     ) -> int:
         # mlx-vlm's cache classes, the ones its batch generator builds and extends
         from mlx_vlm.models.cache import KVCache
 
         if self.uids:
             raise RuntimeError("the single lane runs one request at a time")
+        if restored is not None:
+            raise RuntimeError("the single lane restores no prefix (keyed requests use the batch lane)")
         if grammar is not None:
             raise RuntimeError("the single lane applies no logits processors; a structured request runs in the batch")
         with map_upstream_errors("inserting a prompt"):
