@@ -345,3 +345,19 @@ def test_http_routes_and_remote_client_report_the_same(make_llm, dense_model):
     assert cache["outcome"] == "hit" and remote[1].usage["cached_input_tokens"] == cache["cached_tokens"] > 0
     assert cleared["cleared"] is True and cleared["ram_entries_removed"] == local_stats["memory"]["entries"] > 0
     assert "warning" in cleared
+
+
+@pytest.mark.parametrize("kind", ["dense_model", "hybrid_model"])
+def test_resident_bytes_counted_in_blocks_equal_upstreams_sum(make_llm, kind, request):
+    """The manager counts resident bytes per block; the figure is upstream's tensor-by-tensor sum."""
+    from mlx_vlm.apc import APCManager
+
+    llm = make_llm(request.getfixturevalue(kind), mlx_batching=True)
+    for key in ("a", "b"):
+        conversation(llm, key, turns=2)
+    manager = llm._engine.prefix_cache.manager
+    with manager.lock:
+        counted = manager._resident_bytes_locked()
+        summed = APCManager._resident_bytes_locked(manager)
+    assert counted == summed > 0
+    assert llm.get_prompt_cache_stats()["memory"]["resident_bytes"] == counted
