@@ -13,7 +13,7 @@ from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.runtime_plugin import DriveLimits, run_flow
 from abstractruntime_mlx.runtime_plugin.check import check_flow
-from abstractruntime_mlx.runtime_plugin.cycles import exec_cycles, subflow_cycles
+from abstractruntime_mlx.runtime_plugin.cycles import always_run, exec_cycles, subflow_cycles
 
 FLOWS = Path(__file__).parent / "flows"
 
@@ -145,6 +145,23 @@ def test_check_and_run_refuse_a_cycle_and_a_recursive_subflow(cli_env, capsys, t
         code, out, err = cli(capsys, "run", flow, "--model", dense_model)
         assert code == 1 and out == "" and expected in err
     assert not cli_env.exists()  # refused before the ledger was opened
+
+
+def test_recursion_behind_a_condition_is_a_warning(dense_model):
+    """A flow that calls itself only on one branch of an ``if`` (the editor's recursive agent
+    examples count their iterations down that way) is let through with a warning."""
+    guarded = {
+        "id": "guarded",
+        "entryNode": "start",
+        "nodes": [START, {"id": "more", "type": "if", "data": {"pinDefaults": {"condition": False}}}, {"id": "again", "type": "subflow", "data": {"subflowId": "guarded"}}, END],
+        "edges": [wire("start", "more"), wire("more", "again", "true"), wire("more", "end", "false")],
+    }
+    assert always_run(guarded) == {"start", "more"}
+    report = check_flow(guarded, model=dense_model)
+    assert report.ok and [(p.code, p.severity) for p in report.problems if p.code == "recursive_subflow"] == [("recursive_subflow", "warning")]
+    # the same call on every run is refused
+    (problem,) = check_flow(subflow("loops", "loops"), model=dense_model).errors
+    assert problem.code == "recursive_subflow" and "without end" in problem.message
 
 
 # -- run: steps, depth, wall clock ----------------------------------------------------------

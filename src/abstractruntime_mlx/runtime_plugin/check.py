@@ -43,7 +43,7 @@ from ..errors import InvalidControls, InvalidFlow, InvalidRequest, MLXRuntimeErr
 from ..json_values import JSONObject, array_at, as_str, object_at
 from ..request import check_prompt_cache_key
 from .catalog import BRANCH_HANDLE_PREFIX, BRANCHING_NODE_TYPES, branch_index
-from .cycles import exec_cycles, subflow_cycles
+from .cycles import always_run, exec_cycles, subflow_cycles
 from .routing import RemotePolicy, Routing, forbidden_reason
 
 __all__ = [
@@ -332,14 +332,22 @@ def _check_bundle(
         return
     for flow_id, flow in bundle.subflows().items():
         _check_exec_cycles(flow, findings, subflow=flow_id)
+    reached = {flow_id: always_run(flow) for flow_id, flow in bundle.flows.items()}
     for cycle in subflow_cycles(subflow_calls(bundle)):
         path = " -> ".join(f"{flow_id!r} (node {node_id!r})" for flow_id, node_id in cycle)
         root_hops = [node_id for flow_id, node_id in cycle if flow_id == bundle.root_id]
+        endless = all(node_id in reached.get(flow_id, ()) for flow_id, node_id in cycle)
         findings.add(
             "recursive_subflow",
-            f"subflows call themselves: {path} -> {cycle[0][0]!r}; each call starts a run one level deeper, without end",
+            f"subflows call themselves: {path} -> {cycle[0][0]!r}; "
+            + (
+                "every run makes the call, so each starts a run one level deeper, without end"
+                if endless
+                else "a condition of the flow decides each call, so it must end the recursion; run --max-depth stops it otherwise"
+            ),
             node=root_hops[0] if root_hops else None,
             field="data.subflowId" if root_hops else None,
+            severity="error" if endless else "warning",
         )
     for flow_id, node_id, where, url in remote_targets(bundle):
         here = flow_id == bundle.root_id

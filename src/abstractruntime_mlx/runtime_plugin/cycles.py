@@ -8,7 +8,9 @@
   loop restarts the whole loop forever, so it is one too. The node types and pin are the host
   compiler's own (``visualflow_compiler.visual.loop_back_check``, ``loop_limit_lowering``).
 - ``subflow_cycles(calls)``: flows that call themselves, directly or through other subflows.
-  Each call starts a child run, one level deeper, without end.
+  Each call starts a child run, one level deeper: without end when every call of the circle
+  runs on every run of its flow (``always_run``); behind a condition (an ``if``, a loop body),
+  the flow's own condition ends it, as the editor's recursive agent examples do.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from abstractruntime.visualflow_compiler.visual.loop_limit_lowering import LOOP_
 
 from ..json_values import array_at, object_at
 
-__all__ = ["exec_cycles", "subflow_cycles"]
+__all__ = ["always_run", "exec_cycles", "subflow_cycles"]
 
 _EXEC_IN: Final = "exec-in"
+_START_TYPES: Final = frozenset({"on_flow_start"})
 
 
 def exec_cycles(flow: Mapping[str, object]) -> list[list[str]]:
@@ -46,6 +49,27 @@ def exec_cycles(flow: Mapping[str, object]) -> list[list[str]]:
             continue
         graph[source].append(target)
     return _cycles(graph)
+
+
+def always_run(flow: Mapping[str, object]) -> set[str]:
+    """The nodes every run of ``flow`` reaches: from its start, along execution wires out of
+    ``exec-out`` or a ``then:N`` pin (a sequence or parallel node runs every branch); a pin
+    that chooses (``true``/``false``, a case, a loop's body or ``done``) stops the walk."""
+    starts = {str(n["id"]) for n in array_at(flow, "nodes") if isinstance(n, Mapping) and n.get("type") in _START_TYPES}
+    entry = flow.get("entryNode")
+    if isinstance(entry, str):
+        starts.add(entry)
+    graph: dict[str, list[str]] = {}
+    for edge in array_at(flow, "edges"):
+        if not isinstance(edge, Mapping) or edge.get("targetHandle") != _EXEC_IN:
+            continue
+        handle = str(edge.get("sourceHandle") or "")
+        if handle == "exec-out" or handle.startswith("then:"):
+            graph.setdefault(str(edge.get("source")), []).append(str(edge.get("target")))
+    seen: set[str] = set()
+    for start in starts:
+        seen |= _reach(graph, start)
+    return seen
 
 
 def subflow_cycles(calls: Iterable[tuple[str, str, str]]) -> list[list[tuple[str, str]]]:
