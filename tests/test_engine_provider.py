@@ -157,7 +157,11 @@ def test_queue_full(make_llm, dense_model):
 
 
 def test_queue_timeout_only_expires_waiting(make_llm, dense_model):
-    llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=1, mlx_queue_timeout_s=0.3, mlx_batch_wait_ms=0)
+    # An output queue the unread running request cannot fill before the timeout: it must not
+    # end with backpressure first (which would admit the waiting one).
+    llm = make_llm(
+        dense_model, mlx_batching=True, mlx_max_batch_size=1, mlx_queue_timeout_s=0.3, mlx_batch_wait_ms=0, mlx_output_queue_size=4096
+    )
     running = llm.generate(PROMPTS[0], max_output_tokens=2000, stream=True)
     next(running)
     with pytest.raises(errors.QueueTimeout) as info:

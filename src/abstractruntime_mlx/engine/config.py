@@ -17,7 +17,7 @@ class EngineConfig:
     # 120-second queue timeout and 256 buffered output records.
     max_batch_size: int = 4
     max_queue_size: int = 32
-    batch_wait_ms: float = 10.0
+    batch_wait_ms: float = 10  # an int, as the provider's options have always shown it
     queue_timeout_s: float = 120.0
     output_queue_size: int = 256
     prefill_step_size: int = PREFILL_STEP_SIZE

@@ -34,7 +34,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Hashable
+from typing import Any, Callable
 
 from ..errors import (
     EngineCrashed,
@@ -56,6 +56,7 @@ from .request import (
     EngineRequest,
     ExclusiveReason,
     ExecutionMode,
+    FinishReason,
     Outcome,
     PrefillObservation,
     RequestStatus,
@@ -889,7 +890,7 @@ class Engine:
             request.speculation = dict(DEFERRED_UNDER_LOAD)
         self._record_prompt_cache(request)
         request.outcome = Outcome(
-            finish_reason=request.finish_reason() or "error",
+            finish_reason=request.finish_reason() or FinishReason.ERROR,
             prompt_tokens=request.num_prompt_tokens,
             completion_tokens=request.num_output_tokens,
             cached_tokens=request.cached_tokens,
@@ -989,8 +990,7 @@ class _SharedPrefixes:
     def salt(self, request: EngineRequest) -> int:
         return self._cache.salt(request, "batch")
 
-    def resident_tokens(self, prompt_ids: list[int], salt: Hashable) -> int:
-        assert isinstance(salt, int)
+    def resident_tokens(self, prompt_ids: list[int], salt: int) -> int:
         return self._cache.resident_prefix_tokens(prompt_ids, salt)
 
 

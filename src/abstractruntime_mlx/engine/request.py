@@ -25,11 +25,20 @@ class RequestStatus(IntEnum):
     FINISHED_ERROR = 13
 
 
+class FinishReason(StrEnum):
+    """Why a request ended (``Outcome.finish_reason``); the values are the wire's."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
 _FINISH_REASON = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_CANCELLED: "cancelled",
-    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_CANCELLED: FinishReason.CANCELLED,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 _ALLOWED = {
@@ -103,7 +112,7 @@ END_OF_STREAM = EndOfStream()
 
 @dataclass(slots=True)
 class Outcome:
-    finish_reason: str
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None
@@ -174,7 +183,7 @@ class EngineRequest:
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
 
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASON.get(self.status)
 
     @property

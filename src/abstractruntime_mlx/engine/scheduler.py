@@ -236,11 +236,11 @@ class PrefixIndex(Protocol):
     """The resident prefix cache as the scheduler sees it, where prefixes are shared as
     blocks a later row extends (a batch's layout)."""
 
-    def salt(self, request: EngineRequest) -> Hashable:
+    def salt(self, request: EngineRequest) -> int:
         """The salt ``request``'s blocks are stored under in a batch."""
         ...
 
-    def resident_tokens(self, prompt_ids: list[int], salt: Hashable) -> int:
+    def resident_tokens(self, prompt_ids: list[int], salt: int) -> int:
         """How many leading tokens of ``prompt_ids`` a lookup would restore now."""
         ...
 

@@ -22,7 +22,7 @@ from ..engine.loop import Engine, EngineConfig
 from ..engine.model import Lane, LoadedModel
 from ..engine.prefix_cache import image_hash, validate_options as validate_cache_options
 from ..engine.stream import RequestStream
-from ..engine.request import EngineRequest, Outcome, PrefillObservation, TokenDelta
+from ..engine.request import EngineRequest, FinishReason, Outcome, PrefillObservation, TokenDelta
 from ..errors import (
     ContextTooLong,
     InvalidControls,
@@ -42,26 +42,32 @@ from .progress import ProgressTracker, progress_interval_from_env
 
 DEFAULT_MAX_OUTPUT_TOKENS = 1024
 
-# Constructor options and their defaults (the seed's "four batch slots, 32 waiting requests,
-# a 10 ms collection window, a 120-second queue timeout and 256 buffered output records").
+# The engine's options: provider option -> ``EngineConfig`` field. Their defaults are the
+# engine's (``engine/config.py``, the one home of both).
+ENGINE_OPTIONS: dict[str, str] = {
+    "mlx_max_batch_size": "max_batch_size",
+    "mlx_max_queue_size": "max_queue_size",
+    "mlx_batch_wait_ms": "batch_wait_ms",
+    "mlx_queue_timeout_s": "queue_timeout_s",
+    "mlx_output_queue_size": "output_queue_size",
+    "mlx_prefill_step_size": "prefill_step_size",
+    "mlx_sampled_exclusive": "sampled_exclusive",
+    # A lone request decodes on the single-request lane until a second one joins (docs/provider.md).
+    "mlx_single_lane": "single_lane",
+    "mlx_burst_gap_ms": "burst_gap_ms",
+}
+_ENGINE_DEFAULTS = EngineConfig()
+
+# Constructor options and their defaults.
 EXECUTION_DEFAULTS: dict[str, Any] = {
     "mlx_batching": False,
-    "mlx_max_batch_size": 4,
-    "mlx_max_queue_size": 32,
-    "mlx_batch_wait_ms": 10,
-    "mlx_queue_timeout_s": 120.0,
-    "mlx_output_queue_size": 256,
-    "mlx_prefill_step_size": 256,
+    **{option: getattr(_ENGINE_DEFAULTS, field) for option, field in ENGINE_OPTIONS.items()},
     # Prefix reuse (see docs/prompt-cache.md): RAM budget override, opt-in SSD tier, identity scope.
     "mlx_cache_memory_max_gb": None,
     "mlx_cache_disk_path": None,
     "mlx_cache_disk_max_gb": None,
     "mlx_cache_scope": "local",
     "mlx_cache_sharing": "scope",
-    "mlx_sampled_exclusive": False,
-    # A lone request decodes on the single-request lane until a second one joins (docs/provider.md).
-    "mlx_single_lane": True,
-    "mlx_burst_gap_ms": 2.0,
 }
 
 _lease_ids = itertools.count(1)
@@ -113,17 +119,7 @@ class MLXProvider:
         head_source = _drafter_source(self.path, head, self._mtp) if self._mtp.get("head_present") else None
         default = self.resolve_controls().speculation
         load_head = batching and default.enabled and head_source is not None
-        config = EngineConfig(
-            max_batch_size=self.execution_options["mlx_max_batch_size"],
-            max_queue_size=self.execution_options["mlx_max_queue_size"],
-            batch_wait_ms=self.execution_options["mlx_batch_wait_ms"],
-            queue_timeout_s=self.execution_options["mlx_queue_timeout_s"],
-            output_queue_size=self.execution_options["mlx_output_queue_size"],
-            prefill_step_size=self.execution_options["mlx_prefill_step_size"],
-            sampled_exclusive=self.execution_options["mlx_sampled_exclusive"],
-            single_lane=self.execution_options["mlx_single_lane"],
-            burst_gap_ms=self.execution_options["mlx_burst_gap_ms"],
-        )
+        config = EngineConfig(**{field: self.execution_options[option] for option, field in ENGINE_OPTIONS.items()})
         self._lease = next(_lease_ids)
         self._resident: residency.Resident | None = residency.acquire(
             self.path,
@@ -416,7 +412,7 @@ class MLXProvider:
                 if chunk is not None:
                     yield chunk
         except MLXRuntimeError as exc:
-            if stream.outcome is None or stream.outcome.finish_reason != "cancelled" or exc.code != "cancelled":
+            if stream.outcome is None or stream.outcome.finish_reason != FinishReason.CANCELLED or exc.code != "cancelled":
                 raise
         finally:
             items.close()  # type: ignore[attr-defined]
@@ -488,7 +484,7 @@ class MLXProvider:
             if request.mode is not None:
                 prepared.tracker.speculation = _speculation_event(prepared)
             prepared.tracker.complete(
-                outcome.finish_reason,
+                outcome.finish_reason.value,
                 prompt_tokens=outcome.prompt_tokens,
                 cached_tokens=outcome.cached_tokens,
                 generated_tokens=outcome.completion_tokens,
@@ -496,7 +492,7 @@ class MLXProvider:
             metadata["progress"] = prepared.tracker.metadata()
         return GenerationChunk(
             content="",
-            finish_reason=outcome.finish_reason,  # type: ignore[arg-type]
+            finish_reason=outcome.finish_reason.value,
             usage=usage,
             metadata=metadata,
             token_ids=list(request.token_ids),
