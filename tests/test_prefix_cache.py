@@ -361,3 +361,16 @@ def test_resident_bytes_counted_in_blocks_equal_upstreams_sum(make_llm, kind, re
         summed = APCManager._resident_bytes_locked(manager)
     assert counted == summed > 0
     assert llm.get_prompt_cache_stats()["memory"]["resident_bytes"] == counted
+
+
+def test_a_restored_prefix_cut_to_an_alignment_keeps_greedy_output(make_llm, dense_model):
+    """On CUDA restored prefixes are cut to the prefill step; the cut changes what is fed, not
+    what is generated."""
+    plain = conversation(make_llm(dense_model, mlx_batching=True), None, turns=3)
+    llm = make_llm(dense_model, mlx_batching=True)
+    llm._engine.prefix_cache.manager.restore_align = llm._engine.prefix_cache.restore_align = 64
+    keyed = conversation(llm, "aligned", turns=3)
+    assert [r.metadata["prompt_cache"]["outcome"] for r in keyed] == ["miss", "hit", "hit"]
+    assert [r.token_ids for r in keyed] == [p.token_ids for p in plain]
+    cached = [r.usage["cached_input_tokens"] for r in keyed[1:]]
+    assert all(c > 0 and c % 64 == 0 for c in cached), cached

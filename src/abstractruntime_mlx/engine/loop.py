@@ -49,7 +49,7 @@ from ..errors import (
 from .backend import Backend, BatchBackend, Drafter, PrefillRow, RestoredPrefix, StepResult, text_prompt_kwargs
 from .config import EngineConfig
 from .model import Lane, LoadedModel
-from .prefix_cache import CacheOptions, PrefixCache
+from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
 from .request import (
     END_OF_STREAM,
     DecodePath,
@@ -398,7 +398,12 @@ class Engine:
                 try:
                     self.loaded = self._load()
                     if self._cache_options is not None:
-                        self.prefix_cache = PrefixCache(self.loaded, self._cache_options, max_batch_size=self.config.max_batch_size)
+                        self.prefix_cache = PrefixCache(
+                            self.loaded,
+                            self._cache_options,
+                            max_batch_size=self.config.max_batch_size,
+                            restore_align=restore_alignment(self.config.prefill_step_size),
+                        )
                 except BaseException as exc:  # noqa: BLE001 - handed to start()
                     self._load_error = exc
                     self._closed = True

@@ -311,14 +311,32 @@ def counted_manager_class() -> type:
     store, each prefill's lookup and each stats read: O(blocks x layers), measured at ~56 ms a
     call on the worker thread for a 36-layer model holding ~1,000 blocks on an H200. The full
     KV blocks of one model all hold the same tensors, so the count of blocks holding tensors
-    times one block's bytes is the same sum. Private upstream names read here (pinned with
-    mlx-vlm>=0.7.10,<0.8): ``APCManager._resident_bytes_locked``, ``pool``, ``_exact_cache``,
-    ``APCNode.components``, ``_cache_nbytes``.
+    times one block's bytes is the same sum.
+
+    ``restore_align``: a restored prefix is cut to a multiple of this many tokens. On CUDA it is
+    the prefill step (``restore_alignment``): the prefill after a restore then runs on the
+    (batch, length) shapes a full prefill runs on, which MLX's CUDA kernels have already been
+    built for; a prefix of any 16-token length makes new shapes every turn, each paying the
+    kernels' setup again (measured at hundreds of ms a turn for a 4B model on an H200).
+
+    Private upstream names read here (pinned with mlx-vlm>=0.7.10,<0.8):
+    ``APCManager._resident_bytes_locked``, ``lookup_prefix``, ``release``, ``pool``,
+    ``_exact_cache``, ``APCNode.components``, ``_cache_nbytes``.
     """
     from mlx_vlm.apc import APCManager, _cache_nbytes
 
     class CountedAPCManager(APCManager):
         _block_bytes = 0
+        restore_align = BLOCK_SIZE
+
+        def lookup_prefix(self, token_ids: Any, extra_hash: int = 0) -> tuple[list[Any], int]:
+            """Upstream's lookup, cut to a multiple of ``restore_align`` tokens."""
+            matched, tokens = super().lookup_prefix(token_ids, extra_hash=extra_hash)
+            keep = tokens - tokens % self.restore_align
+            if keep < tokens:
+                self.release(matched[keep // self.block_size :])
+                matched, tokens = matched[: keep // self.block_size], keep
+            return matched, tokens
 
         def _resident_bytes_locked(self) -> int:
             held = [block for block in self.pool if block.components]
@@ -328,6 +346,12 @@ def counted_manager_class() -> type:
             return len(held) * self._block_bytes + exact
 
     return CountedAPCManager
+
+
+def restore_alignment(prefill_step_size: int) -> int:
+    """How many tokens a restored prefix is a multiple of: the prefill step on CUDA (see
+    ``counted_manager_class``), one KV block elsewhere."""
+    return prefill_step_size if working_set()[1] == "cuda_device_memory" else BLOCK_SIZE
 
 
 # --- per-key bookkeeping -----------------------------------------------------------------
@@ -351,7 +375,7 @@ def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
 class PrefixCache:
     """The prefix cache of one resident model (worker thread only)."""
 
-    def __init__(self, loaded: Any, options: CacheOptions, *, max_batch_size: int) -> None:
+    def __init__(self, loaded: Any, options: CacheOptions, *, max_batch_size: int, restore_align: int = BLOCK_SIZE) -> None:
         self.options = options
         self.lane = loaded.lane
         self.budget = memory_budget(options.memory_max_gb)
@@ -369,8 +393,10 @@ class PrefixCache:
                     value=options.disk_path,
                 )
             self.disk = DiskNamespace(options.disk_path, cache_identity(loaded, scope=options.scope))
+        self.restore_align = restore_align
         if loaded.lane == "native":
             self.manager = self._native_manager(max_batch_size)
+            self.manager.restore_align = restore_align
             self.backend = "mlx_vlm_apc"
         else:
             self.serial = SerialStore(self.budget.max_bytes)
@@ -479,7 +505,7 @@ class PrefixCache:
         outcome, degraded = "miss", None
         if previous is not None:
             common = min(_common_prefix(previous.prompt_ids, prompt), len(prompt) - 1)
-            tolerance = BLOCK_SIZE + GUARD_TOKENS
+            tolerance = max(BLOCK_SIZE, self.restore_align) + GUARD_TOKENS
             if cached > 0 and cached >= common - tolerance:
                 outcome = "hit"
             elif common > tolerance:
