@@ -122,7 +122,7 @@ def working_set() -> tuple[int | None, str]:
     """The accelerator's recommended working set, derived honestly per backend.
 
     Metal reports ``max_recommended_working_set_size``. CUDA reports the device's total
-    memory (``memory_size``), used as is. On CPU the working set is the machine's physical
+    memory (``total_memory``), used as is. On CPU the working set is the machine's physical
     memory: the model and its caches live there.
     """
     import mlx.core as mx
@@ -132,8 +132,10 @@ def working_set() -> tuple[int | None, str]:
         info = dict(mx.device_info())
     if info.get("max_recommended_working_set_size"):
         return int(info["max_recommended_working_set_size"]), "metal_recommended_working_set"
-    if info.get("memory_size") and mx.default_device() == mx.gpu:
-        return int(info["memory_size"]), "cuda_device_memory"
+    # mlx 0.32's CUDA backend names the device's memory total_memory (earlier: memory_size).
+    device_memory = info.get("total_memory") or info.get("memory_size")
+    if device_memory and mx.default_device() == mx.gpu:
+        return int(device_memory), "cuda_device_memory"
     with contextlib.suppress(Exception):
         import psutil
 
@@ -351,7 +353,10 @@ def counted_manager_class() -> type:
 def restore_alignment(prefill_step_size: int) -> int:
     """How many tokens a restored prefix is a multiple of: the prefill step on CUDA (see
     ``counted_manager_class``), one KV block elsewhere."""
-    return prefill_step_size if working_set()[1] == "cuda_device_memory" else BLOCK_SIZE
+    import mlx.core as mx
+
+    on_cuda = mx.default_device() == mx.gpu and not mx.metal.is_available()
+    return prefill_step_size if on_cuda else BLOCK_SIZE
 
 
 # --- per-key bookkeeping -----------------------------------------------------------------
