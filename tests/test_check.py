@@ -364,3 +364,22 @@ def test_a_prompt_cache_key_over_the_limit_is_a_check_problem(fanout, dense_mode
     node(fanout, "plain")["data"]["effectConfig"]["prompt_cache_key"] = "k" * MAX_PROMPT_CACHE_KEY_CHARS
     node(fanout, "mtp2")["data"]["effectConfig"]["prompt_cache_key"] = ""  # reuse off: not a key to check
     assert check_flow(fanout, model=str(dense_model)).ok
+
+
+@pytest.mark.parametrize("depth", [70, 100_000])
+def test_a_flow_nested_too_deep_is_a_clear_error_for_check_and_run(tmp_path, capsys, dense_model, depth):
+    """Deeper than the interpreter can read (100k levels) or than any flow nests (70): a named
+    problem from check, a one-line refusal from run; never an internal error."""
+    from abstractruntime_mlx.runtime_plugin import load_flow
+
+    path = tmp_path / "deep.json"
+    path.write_text('{"id": "deep", "nodes": [], "edges": [], "x": ' + "[" * depth + "]" * depth + "}")
+    code = main(["check", str(path), "--model", dense_model, "--json"])
+    out, _ = capsys.readouterr()
+    (problem,) = json.loads(out)["problems"]
+    assert code == 1 and problem["code"] == "invalid_document" and "nests deeper than 64 levels" in problem["message"]
+    with pytest.raises(ValueError, match="nests deeper than 64 levels"):
+        load_flow(str(path))
+    code = main(["run", str(path), "--model", dense_model])
+    _, err = capsys.readouterr()
+    assert code != 0 and "nests deeper than 64 levels" in err and "internal_error" not in err

@@ -109,3 +109,18 @@ def as_str(value: object) -> str | None:
 def as_bool(value: object) -> bool | None:
     """A bool as is; anything else ``None``."""
     return value if isinstance(value, bool) else None
+
+
+def nests_deeper_than(value: object, limit: int) -> bool:
+    """True when ``value`` has objects or arrays nested more than ``limit`` levels deep (no
+    recursion: safe on any input)."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        members = item.values() if isinstance(item, Mapping) else item if isinstance(item, list) else ()
+        for child in members:
+            if isinstance(child, (Mapping, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from ..json_values import array_at, object_at, parse_ascii_int
+from ..json_values import array_at, nests_deeper_than, object_at, parse_ascii_int
 from .prediction import Unpredictable, plan_payload, resolve_payload
 
 __all__ = ["BRANCHING_NODE_TYPES", "BRANCH_HANDLE_PREFIX", "FlowCatalog", "FlowIndex", "SiblingCall", "branch_index", "load_flow"]
@@ -34,23 +34,37 @@ def branch_index(handle: str) -> int | None:
     return parse_ascii_int(handle[len(BRANCH_HANDLE_PREFIX) :])
 
 
+# Flows the editor writes nest about a dozen levels (schemas in them at most MAX_SCHEMA_DEPTH);
+# far deeper input would exhaust the interpreter's stack in the host's compiler.
+MAX_FLOW_DEPTH: Final = 64
+
+
 def load_flow(source: str | Path | Mapping[str, object]) -> dict[str, object]:
-    """A VisualFlow dict from a dict, a JSON string, or a path to a JSON file."""
+    """A VisualFlow dict from a dict, a JSON string, or a path to a JSON file; a flow nested
+    deeper than ``MAX_FLOW_DEPTH`` levels is refused (``ValueError``, as any unreadable flow)."""
     flow: object
     if isinstance(source, Mapping):
+        if nests_deeper_than(source, MAX_FLOW_DEPTH):
+            raise ValueError(f"the flow nests deeper than {MAX_FLOW_DEPTH} levels; a VisualFlow never does")
         flow = copy.deepcopy(dict(source))
     else:
         text = str(source)
-        if text.lstrip().startswith("{"):
-            flow = json.loads(text)
-        else:
-            path = Path(text).expanduser()
-            try:
+        where = "the flow"
+        try:
+            if text.lstrip().startswith("{"):
+                flow = json.loads(text)
+            else:
+                path = Path(text).expanduser()
+                where = str(path)
                 flow = json.loads(path.read_text(encoding="utf-8"))
-            except FileNotFoundError as exc:
-                raise ValueError(f"no flow file at {path}") from exc
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+        except FileNotFoundError as exc:
+            raise ValueError(f"no flow file at {where}") from exc
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise ValueError(f"{where} nests deeper than {MAX_FLOW_DEPTH} levels; a VisualFlow never does") from exc
+        if nests_deeper_than(flow, MAX_FLOW_DEPTH):
+            raise ValueError(f"{where} nests deeper than {MAX_FLOW_DEPTH} levels; a VisualFlow never does")
     if not isinstance(flow, dict) or not isinstance(flow.get("nodes"), list):
         raise ValueError("a VisualFlow is a JSON object with a 'nodes' list (and 'edges', 'entryNode', 'id')")
     if not flow.get("id"):

@@ -40,9 +40,9 @@ from typing import Final, Literal
 
 from ..controls import SPECULATION_KEYS, Sampling, normalize_sampling, normalize_speculation, normalize_thinking
 from ..errors import InvalidControls, InvalidFlow, InvalidRequest, MLXRuntimeError, RemoteNotAllowed
-from ..json_values import JSONObject, array_at, as_str, object_at
+from ..json_values import JSONObject, array_at, as_str, nests_deeper_than, object_at
 from ..request import check_prompt_cache_key
-from .catalog import BRANCH_HANDLE_PREFIX, BRANCHING_NODE_TYPES, branch_index
+from .catalog import BRANCH_HANDLE_PREFIX, BRANCHING_NODE_TYPES, MAX_FLOW_DEPTH, branch_index
 from .cycles import always_run, exec_cycles, subflow_cycles
 from .routing import RemotePolicy, Routing, forbidden_reason
 
@@ -390,14 +390,17 @@ def _check_exec_cycles(flow: Mapping[str, object], findings: _Findings, *, subfl
 
 
 def _load(source: str | Path | Mapping[str, object]) -> tuple[dict[str, object] | None, str | None]:
+    too_deep = f"nests deeper than {MAX_FLOW_DEPTH} levels; a VisualFlow never does"
     if isinstance(source, Mapping):
-        return dict(source), None
+        return (None, f"the flow {too_deep}") if nests_deeper_than(source, MAX_FLOW_DEPTH) else (dict(source), None)
     text = str(source)
     if text.lstrip().startswith("{"):
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             return None, f"not valid JSON: {exc}"
+        except RecursionError:
+            return None, f"the flow {too_deep}"
     else:
         path = Path(text).expanduser()
         try:
@@ -408,6 +411,10 @@ def _load(source: str | Path | Mapping[str, object]) -> tuple[dict[str, object] 
             return None, f"cannot read {path}: {exc}"
         except json.JSONDecodeError as exc:
             return None, f"{path} is not valid JSON: {exc}"
+        except RecursionError:
+            return None, f"{path} {too_deep}"
+    if nests_deeper_than(data, MAX_FLOW_DEPTH):
+        return None, f"the flow {too_deep}"
     if not isinstance(data, dict):
         return None, f"a VisualFlow is a JSON object, not {type(data).__name__}"
     return data, None
