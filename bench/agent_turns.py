@@ -35,10 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -201,31 +198,6 @@ def report(name: str, sessions: int, s: dict[str, Any], log: Any) -> None:
         log(f"  [{'ok' if ok else 'MISSED'}] {label}: {detail}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(model: Path, port: int, batch: int) -> subprocess.Popen[bytes]:
-    import httpx
-
-    cmd = [sys.executable, "-m", "abstractruntime_mlx.cli.main", "serve", "--model", str(model), "--port", str(port), "--mlx-max-batch-size", str(batch)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read().decode() if proc.stderr else ''}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json().get("loaded"):
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not become healthy in 120 s")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 turns, sessions 1 and 4, in process only")
@@ -282,10 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     measure("in process", llm)
     llm.unload_model(llm.model)
     if serve:
+        from http_serving import _free_port, _start_server  # bench/http_serving.py: serve on 127.0.0.1
+
         from abstractruntime_mlx.remote_client import RemoteClient
 
         port = _free_port()
-        proc = start_server(model, port, batch)
+        proc = _start_server(model, port, batch, interval_ms=5.0)
         try:
             with RemoteClient(f"http://127.0.0.1:{port}") as client:
                 measure("through serve", client)
