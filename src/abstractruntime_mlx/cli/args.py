@@ -6,6 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from ..json_values import parse_ascii_int
+from ..default_limits import DEFAULT_CODE_MEMORY_MIB, DEFAULT_CODE_TIME_S, DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_WALL_S
 
 if TYPE_CHECKING:
     from ..runtime_plugin.host import DriveLimits
@@ -22,9 +23,6 @@ def integer(text: str) -> int:
 
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     """The limits a driven run runs under (``runtime_plugin.DriveLimits``), for ``run`` and ``runs resume``."""
-    from ..runtime_plugin.code_sandbox import DEFAULT_CODE_MEMORY_MIB, DEFAULT_CODE_TIME_S
-    from ..runtime_plugin.host import DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_WALL_S
-
     parser.add_argument("--max-steps", type=integer, default=DEFAULT_MAX_STEPS, metavar="N", help=f"node steps a run tree may take, subflows and agents included; past it the run fails with step_limit (default {DEFAULT_MAX_STEPS})")
     parser.add_argument("--max-depth", type=integer, default=DEFAULT_MAX_DEPTH, metavar="N", help=f"how deep subflow and agent runs may nest; deeper, the run fails with depth_limit (default {DEFAULT_MAX_DEPTH})")
     parser.add_argument("--max-wall-s", type=float, default=DEFAULT_MAX_WALL_S, metavar="SECONDS", help=f"wall-clock time a run may take, checked between steps; past it the run fails with wall_time_limit (default {DEFAULT_MAX_WALL_S:g})")

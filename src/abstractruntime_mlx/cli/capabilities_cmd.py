@@ -6,9 +6,6 @@ import argparse
 import json
 import os
 
-from .. import policy
-from ..capabilities import get_execution_capabilities
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -23,6 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _capabilities(args: argparse.Namespace) -> int:
+    from .. import policy
+    from ..capabilities import get_execution_capabilities
+
     report = get_execution_capabilities(
         args.model,
         provider=args.provider,

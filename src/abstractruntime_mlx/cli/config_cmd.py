@@ -11,8 +11,6 @@ import json
 import os
 from pathlib import Path
 
-from .. import policy
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -45,16 +43,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _path() -> Path:
+    from .. import policy
+
     return policy.config_path(os.environ)
 
 
 def _show(_args: argparse.Namespace) -> int:
+    from .. import policy
+
     snapshot = policy.read_policy(_path())
     print(json.dumps(snapshot.to_dict(), indent=2, sort_keys=True))
     return 0
 
 
 def _set_default(args: argparse.Namespace) -> int:
+    from .. import policy
+
     path = _path()
     route = policy.canonical_route(args.route)
     setting = policy.parse_speculation_setting(args.speculation)

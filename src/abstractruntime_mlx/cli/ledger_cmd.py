@@ -14,8 +14,6 @@ import argparse
 import json
 from pathlib import Path
 
-from sqlalchemy.engine import make_url
-
 from .ledger_location import default_ledger_url
 
 
@@ -33,6 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _existing(url: str) -> None:
+    from sqlalchemy.engine import make_url
+
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and parsed.database and not parsed.database.startswith("file:"):
         if not Path(parsed.database).expanduser().exists():
@@ -41,6 +41,7 @@ def _existing(url: str) -> None:
 
 def _status(args: argparse.Namespace) -> int:
     from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
 
     from ..ledger import schema
 

@@ -1,15 +1,18 @@
 """Where the CLI's ledger is when a command is not told, and how a read-only view opens it
-(shared by every command that opens it)."""
+(shared by every command that opens it). The ledger package (SQLAlchemy) is imported when a
+ledger is opened, not when the parser is built."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from ..errors import LedgerNotFound
-from ..ledger import Ledger
+
+if TYPE_CHECKING:
+    from ..ledger import Ledger
 
 LEDGER_ENV: Final = "ABSTRACTRUNTIME_MLX_LEDGER"
 DEFAULT_LEDGER_PATH: Final = Path("~/.abstractruntime-mlx/ledger.sqlite")
@@ -17,7 +20,7 @@ DEFAULT_LEDGER_PATH: Final = Path("~/.abstractruntime-mlx/ledger.sqlite")
 
 def default_ledger_url(explicit: str | None = None, env: Mapping[str, str] = os.environ) -> str:
     """``explicit``, else ``$ABSTRACTRUNTIME_MLX_LEDGER``, else ``~/.abstractruntime-mlx/ledger.sqlite``."""
-    from ..runtime_plugin import normalize_ledger_url
+    from ..ledger import normalize_ledger_url
 
     chosen = explicit or env.get(LEDGER_ENV) or str(DEFAULT_LEDGER_PATH.expanduser())
     return normalize_ledger_url(chosen)
@@ -31,6 +34,8 @@ def open_for_inspection(url: str) -> Ledger:
     Other databases open as usual.
     """
     from sqlalchemy.engine import make_url
+
+    from ..ledger import Ledger
 
     parsed = make_url(url)
     database = parsed.database or ""

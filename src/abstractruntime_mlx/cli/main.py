@@ -2,7 +2,10 @@
 
 Each command group lives in its own module with ``add_parser(subparsers)``; the parser sets
 ``handler`` to a function taking the parsed namespace and returning an exit code. Handlers build
-typed settings and call library functions; library code never sees the namespace.
+typed settings and call library functions; library code never sees the namespace. A command
+module imports at its top only what its parser needs: the host, MLX, SQLAlchemy and the server
+are imported inside the handlers, so ``--help`` and ``runs list`` start in a fraction of a second
+(``tests/test_cli_startup.py`` holds them to it).
 
 A command that fails prints one line on stderr, ``error: [code] message``, and exits 1: the
 stable ``code`` of a typed error, ``io_error`` for a file system failure (an unwritable path,

@@ -26,17 +26,19 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-from ..controls import parse_speculation_option
 from ..errors import InvalidRequest, MLXRuntimeError, RemoteNotAllowed
 from ..json_values import as_str
-from ..runtime_plugin.host import DriveLimits
-from ..runtime_plugin.routing import RemotePolicy, parse_route, routes_from_config
 from .args import add_limit_arguments, drive_limits, integer
 from .ledger_location import DEFAULT_LEDGER_PATH, LEDGER_ENV, default_ledger_url
 from .runs_cmd import EXIT_FAILED, EXIT_OK, EXIT_WAITING, exit_code, print_results
 from .terminal import printable
+
+if TYPE_CHECKING:
+    from ..runtime_plugin.host import DriveLimits
+    from ..runtime_plugin.routing import RemotePolicy
+
 TINY_MODEL_DIR: Final = "abstractruntime-mlx/tiny-hybrid-mtp"
 
 
@@ -48,6 +50,8 @@ class RunSettings:
     model: str
     force_model: bool
     vars: dict[str, object]
+    remote: RemotePolicy
+    limits: DriveLimits
     provider_options: dict[str, object] = field(default_factory=dict)
     sibling_batching: bool = True
     as_json: bool = False
@@ -56,8 +60,6 @@ class RunSettings:
     source: str | None = None
     artifacts_dir: str | None = None
     allow_network_tools: bool = False
-    remote: RemotePolicy = field(default_factory=RemotePolicy)
-    limits: DriveLimits = field(default_factory=DriveLimits)
     session_id: str | None = None
 
 
@@ -162,6 +164,8 @@ def remote_policy(allow: object, run_vars: Mapping[str, object], *, source: str)
     """The servers this run may send nodes to: ``allow`` (``--allow-remote``, or the config
     file's ``allow_remote``: true, false or a list of ``HOST[:PORT]``) and the URLs the user gave
     in the run vars. A link-local or metadata address there is refused before anything runs."""
+    from ..runtime_plugin.routing import RemotePolicy
+
     if not isinstance(allow, bool) and not (isinstance(allow, list) and all(isinstance(h, str) for h in allow)):
         raise InvalidRequest(f"{source}: 'allow_remote' must be true, false or a list of \"HOST[:PORT]\" strings")
     urls = runtime_urls(run_vars)
@@ -193,7 +197,9 @@ def parse_vars(items: Sequence[str]) -> dict[str, object]:
 
 
 def settings_from_args(args: argparse.Namespace) -> RunSettings:
+    from ..controls import parse_speculation_option
     from ..runtime_plugin import load_flow
+    from ..runtime_plugin.routing import parse_route, routes_from_config
 
     if args.runs < 1:
         raise SystemExit("--runs must be >= 1")
@@ -257,6 +263,8 @@ RUN_CONFIG_KEYS: Final = frozenset({"model", "routes", "flows_dir", "artifacts_d
 def read_run_config(path: str) -> dict[str, object]:
     """The JSON object of ``--config FILE`` (keys: ``RUN_CONFIG_KEYS``); a flag given on the
     command line wins over the file."""
+    from ..runtime_plugin.routing import routes_from_config
+
     file = Path(path).expanduser()
     try:
         data = json.loads(file.read_text(encoding="utf-8"))

@@ -24,16 +24,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
 from ..errors import RunNotResumable
-from ..inspection import control_text, run_view
 from ..json_values import array_at, as_str, object_at
-from ..ledger import Ledger, ProgressRow, RunSummary
-from ..ledger.run_lock import root_run_id
 from .args import add_limit_arguments, drive_limits, integer
 from .ledger_location import default_ledger_url, open_for_inspection
-from .show_view import calls_table, calls_timeline
 from .terminal import printable
 
 if TYPE_CHECKING:
+    from ..ledger import Ledger, ProgressRow, RunSummary
     from ..runtime_plugin import FlowRunResult
 
 # AbstractRuntime's RunStatus values.
@@ -209,6 +206,8 @@ def parse_event(text: str) -> tuple[str, object]:
 
 
 def _resume(args: argparse.Namespace) -> int:
+    from ..ledger import Ledger
+    from ..ledger.run_lock import root_run_id
     from ..runtime_plugin import resume_run
 
     url = default_ledger_url(args.ledger)
@@ -367,6 +366,8 @@ def format_wait(waiting: Mapping[str, object]) -> str:
 
 
 def format_node(node_id: str, result: Mapping[str, object]) -> str:
+    from ..inspection import control_text
+
     meta = object_at(result, "metadata")
     execution = object_at(meta, "execution")
     spec = object_at(meta, "speculation")
@@ -415,7 +416,9 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     """A terminal view of one run: header, what it waits for, steps, node results, the LLM
     calls with their timeline (one bar per call: loop iterations are drawn separately), then
     its child runs (subflows, agents), indented."""
+    from ..inspection import run_view
     from ..runtime_plugin import node_outcomes
+    from .show_view import calls_table, calls_timeline
 
     detail = ledger.get_run(run_id)
     if detail is None:

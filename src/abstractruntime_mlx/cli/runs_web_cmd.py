@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Final
 
-from ..server.inspector_live import DEFAULT_MAX_STREAMS
+from ..default_limits import DEFAULT_MAX_STREAMS
 from .args import integer
 from .ledger_location import default_ledger_url, open_for_inspection
 from .serve_cmd import API_KEY_ENV, _is_loopback

@@ -16,7 +16,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..controls import parse_speculation_option
 from ..errors import InvalidRequest
 from ..json_values import JSONObject
 from .args import integer
@@ -131,6 +130,8 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
 
 
 def _speculation_arg(text: str) -> bool | JSONObject | None:
+    from ..controls import parse_speculation_option
+
     control = parse_speculation_option(text, field="--speculation")
     return None if control is None else control.to_wire()
 

@@ -25,7 +25,7 @@ from .errors import (
 from .models import SCHEMA_REVISION, SCHEMA_VERSION
 from .queries import ProgressRow, RunCursor, RunDetail, RunSummary, StepRow
 from .keys import NodeKey, ProgressEvent, host_progress_key, progress_idempotency_key
-from .store import DEFAULT_BUSY_TIMEOUT_MS, Ledger, open_ledger, sqlite_url
+from .store import DEFAULT_BUSY_TIMEOUT_MS, Ledger, normalize_ledger_url, open_ledger, sqlite_url
 from .writer import ProgressWriter, WriterState
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "StepRow",
     "WriterState",
     "host_progress_key",
+    "normalize_ledger_url",
     "open_ledger",
     "progress_idempotency_key",
     "sqlite_url",

@@ -82,6 +82,12 @@ def sqlite_url(path: str | os.PathLike[str]) -> str:
     return f"sqlite:///{Path(path).expanduser().resolve()}"
 
 
+def normalize_ledger_url(url_or_path: str) -> str:
+    """A SQLAlchemy URL: URLs pass through, plain paths become ``sqlite:///<absolute path>``."""
+    text = str(url_or_path)
+    return text if "://" in text else sqlite_url(text)
+
+
 def _json_default(obj: object) -> dict[str, object]:
     # Same rule as AbstractRuntime's serializer: dataclasses nested in run vars become dicts.
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

@@ -41,11 +41,10 @@ from pathlib import Path
 from typing import Final
 
 from ..errors import CodeMemoryLimitExceeded, CodeTimeLimitExceeded, RunLimitExceeded
+from ..default_limits import DEFAULT_CODE_MEMORY_MIB, DEFAULT_CODE_TIME_S
 
 __all__ = ["DEFAULT_CODE_MEMORY_MIB", "DEFAULT_CODE_TIME_S", "CodeLimits", "CodeRuns", "install", "limits"]
 
-DEFAULT_CODE_TIME_S: Final = 30.0
-DEFAULT_CODE_MEMORY_MIB: Final = 1024
 _CHILD: Final = Path(__file__).with_name("code_child.py")
 
 

@@ -41,6 +41,7 @@ from abstractruntime.core.models import EffectType, RunState, RunStatus, StepRec
 from ..errors import DepthLimitExceeded, RunLimitExceeded, StepLimitExceeded, WallTimeLimitExceeded
 from ..json_values import array_at, object_at
 from ..ledger.store import parse_timestamp
+from ..default_limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_TIMER_WAIT_S, DEFAULT_MAX_WALL_S
 from . import code_sandbox
 from .catalog import load_flow
 from .routing import LOCAL_PROVIDER
@@ -89,10 +90,6 @@ NETWORK_TOOLS: Final = frozenset(
 """Default tools that reach outside this machine: off unless ``allow_network_tools``."""
 
 _SUBFLOW_KEYS: Final = ("subflowId", "flowId", "workflowId", "workflow_id")
-DEFAULT_MAX_TIMER_WAIT_S: Final = 60.0
-DEFAULT_MAX_STEPS: Final = 10_000
-DEFAULT_MAX_DEPTH: Final = 16
-DEFAULT_MAX_WALL_S: Final = 3600.0
 _MAX_DRIVE_STEPS: Final = 100_000
 _MAX_DEPTH_LIMIT: Final = 200  # below wait_chain's walk, so a chain is always seen whole
 

@@ -18,7 +18,7 @@ from abstractruntime.core.policy import EffectPolicy, RetryPolicy
 from abstractruntime.core.runtime import EffectHandler
 
 from ..controls import UNSET, Unset
-from ..ledger import Ledger, sqlite_url
+from ..ledger import Ledger, normalize_ledger_url
 from ..nodes import LLMNode, ProviderRegistry
 from .catalog import FlowCatalog
 from .handler import LLMCallHandler, RuntimeProgress
@@ -28,12 +28,6 @@ from .stores import LedgerRunStore, LedgerStepStore
 
 
 __all__ = ["MLXPack", "PackOptions", "ResumeOptions", "build_pack", "normalize_ledger_url"]
-
-
-def normalize_ledger_url(url_or_path: str) -> str:
-    """A SQLAlchemy URL: URLs pass through, plain paths become ``sqlite:///<absolute path>``."""
-    text = str(url_or_path)
-    return text if "://" in text else sqlite_url(text)
 
 
 class ResumeOptions(TypedDict):

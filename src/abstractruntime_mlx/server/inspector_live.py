@@ -18,15 +18,13 @@ import contextlib
 import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Final
 
 from starlette.concurrency import run_in_threadpool
 
+from ..default_limits import DEFAULT_MAX_STREAMS
 from ..errors import TooManyStreams
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_STREAMS: Final = 32
 
 
 @dataclass(frozen=True, slots=True)
