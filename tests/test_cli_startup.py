@@ -1,8 +1,10 @@
-"""What the command line imports before it does anything: help and ``runs list`` must not pull
-in the host (AbstractRuntime), MLX or the HTTP server, whose imports take seconds."""
+"""The command line before it does anything: ``--version``, and what it imports (help and
+``runs list`` must not pull in the host, AbstractRuntime, MLX or the HTTP server, whose imports
+take seconds)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.ledger import Ledger
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -66,3 +69,10 @@ def test_runs_list_imports_the_ledger_only(tmp_path: Path) -> None:
     path = tmp_path / "ledger.sqlite"
     Ledger(f"sqlite:///{path}").close()
     assert imported_by(["runs", "list", "--ledger", str(path)], HOST_AND_MLX + SERVER) == []
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["--version"])
+    assert caught.value.code == 0
+    assert capsys.readouterr().out == f"abstractruntime-mlx {importlib.metadata.version('abstractruntime-mlx')}\n"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.metadata
 import logging
 import os
 import sys
@@ -31,6 +32,7 @@ from ..errors import MLXRuntimeError
 from .terminal import printable
 
 DEBUG_ENV: Final = "ABSTRACTRUNTIME_MLX_DEBUG"
+DISTRIBUTION: Final = "abstractruntime-mlx"
 PACKAGE_LOGGER: Final = "abstractruntime_mlx"
 
 # Modules that contribute subcommands, in help order.
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="abstractruntime-mlx",
         description="Run AbstractRuntime LLM nodes on MLX.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -62,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.add_parser(subparsers)
     return parser
+
+
+def installed_version() -> str:
+    """The installed distribution's version (its metadata), or ``unknown`` when the package is
+    run from a source tree that was never installed."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
