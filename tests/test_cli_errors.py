@@ -267,3 +267,54 @@ def test_read_only_views_refuse_a_file_that_is_not_a_ledger(tmp_path: Path, caps
     (tmp_path / "empty.sqlite").touch()
     assert cli(capsys, "runs", "list", "--ledger", str(tmp_path / "empty.sqlite"))[0] == 1
     assert (tmp_path / "empty.sqlite").read_bytes() == b""
+
+
+# --------------------------------------------------------------------------- a reader that leaves
+
+
+def _ledger_with_runs(path: Path, count: int) -> Path:
+    with Ledger(f"sqlite:///{path}") as ledger:
+        for i in range(count):
+            ledger.save_run({"run_id": f"r{i:05d}", "workflow_id": "w", "status": "completed"})
+    return path
+
+
+def test_a_reader_that_leaves_mid_output_ends_the_command_quietly(tmp_path: Path) -> None:
+    """``runs list | head -1`` with more lines than a pipe holds: the command is still writing
+    when the reader closes, so the write fails; no error line, status 141 as SIGPIPE gives."""
+    ledger = _ledger_with_runs(tmp_path / "l.sqlite", 3000)  # ~300 KiB of lines, a pipe holds 64 KiB
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    argv = [sys.executable, "-m", "abstractruntime_mlx.cli.main", "runs", "list", "--limit", "3000", "--ledger", str(ledger)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"ledger: ")
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141
+    assert stderr == b""
+
+
+@pytest.mark.parametrize(
+    ("argv", "status"),
+    [
+        (["--help"], 0),  # argparse drops a help text it cannot write
+        (["runs", "list"], 141),
+        (["runs", "show", "r00000"], 141),
+        (["runs", "show", "r00000", "--events"], 141),
+    ],
+)
+def test_a_reader_gone_before_the_output_ends_the_command_quietly(tmp_path: Path, argv: list[str], status: int) -> None:
+    """The reader closed its end before the command starts: output that fits in stdout's buffer
+    fails only when it is flushed, which must be as quiet as a failed write."""
+    ledger = _ledger_with_runs(tmp_path / "l.sqlite", 1)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "ABSTRACTRUNTIME_MLX_LEDGER": str(ledger)}
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "abstractruntime_mlx.cli.main", *argv],
+            stdout=write_end, stderr=subprocess.PIPE, env=env, timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (status, b"")

@@ -12,7 +12,8 @@ stable ``code`` of a typed error, ``io_error`` for a file system failure (an unw
 a full disk), ``invalid_request`` for a bad argument or input file, ``internal_error`` for
 anything unexpected. ``ABSTRACTRUNTIME_MLX_DEBUG=1`` adds the traceback. Log records of this
 package go to stderr as one line each (their tracebacks only in debug mode), never to stdout,
-which carries the command's output alone.
+which carries the command's output alone. A reader that closes stdout early
+(``runs show RUN | head -2``) ends the command quietly, with status 141 as SIGPIPE would.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .terminal import printable
 
 DEBUG_ENV: Final = "ABSTRACTRUNTIME_MLX_DEBUG"
 DISTRIBUTION: Final = "abstractruntime-mlx"
+EXIT_BROKEN_PIPE: Final = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
 PACKAGE_LOGGER: Final = "abstractruntime_mlx"
 
 # Modules that contribute subcommands, in help order.
@@ -77,6 +79,25 @@ def installed_version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _command(argv)
+        finally:
+            sys.stdout.flush()  # so a reader that left is seen here, not at interpreter exit
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
+
+
+def _stdout_to_devnull() -> None:
+    """The reader of stdout left (``| head``): what is still buffered goes nowhere, so the
+    interpreter's last flush does not complain either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _command(argv: list[str] | None) -> int:
     # transformers (imported by mlx-lm/mlx-vlm for tokenizers) otherwise prints a PyTorch
     # advisory on every command; this package never uses PyTorch.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -93,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("error: [interrupted] stopped by Ctrl-C", file=sys.stderr)
             return 130
+        except BrokenPipeError:
+            raise  # the reader left: main ends quietly
         except SystemExit as exc:
             if not isinstance(exc.code, str):
                 raise
