@@ -374,3 +374,18 @@ def test_a_restored_prefix_cut_to_an_alignment_keeps_greedy_output(make_llm, den
     assert [r.token_ids for r in keyed] == [p.token_ids for p in plain]
     cached = [r.usage["cached_input_tokens"] for r in keyed[1:]]
     assert all(c > 0 and c % 64 == 0 for c in cached), cached
+
+
+def test_a_lone_keyed_request_restores_and_stores_on_the_single_lane(make_llm, dense_model, tmp_path):
+    """Alone, a keyed request decodes on the single lane: it restores the prefix the batch or
+    an earlier turn stored, stores its own for the next, and gives the uncached tokens."""
+    llm = make_llm(dense_model, mlx_batching=True)
+    plain = conversation(llm, None, turns=3)
+    keyed = conversation(llm, "alone", turns=3)
+    assert [r.token_ids for r in keyed] == [p.token_ids for p in plain]
+    assert [str(r.metadata["execution"]["path"]) for r in keyed] == ["single"] * 3
+    assert_reused(keyed, "alone")
+    llm.unload_model(llm.model)
+    # with the SSD tier (whose restore the batch lane does) a keyed request takes the batch
+    disk = make_llm(dense_model, mlx_batching=True, mlx_cache_disk_path=str(tmp_path / "ssd"))
+    assert str(conversation(disk, "alone", turns=1)[0].metadata["execution"]["path"]) != "single"

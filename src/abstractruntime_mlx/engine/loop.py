@@ -489,6 +489,7 @@ class Engine:
             serial_lane=self._model.lane == Lane.MLX_LM,
             single_lane_model=self._single_lane_model(),
             prefix_cache=self.prefix_cache is not None,
+            single_lane_restores=shared is not None and self.prefix_cache is not None and self.prefix_cache.disk is None,
             shared_prefixes=shared,
             admission_paused=self.prefix_cache is not None and any(item.between_prefills for item in self._controls),
         )
@@ -640,7 +641,7 @@ class Engine:
 
     def _new_backend(self, new: NewGroup, head: EngineRequest | None) -> Backend:
         if new.kind == BackendKind.SINGLE:
-            return self._single_backend()
+            return self._single_backend(self._cache_manager_for(head))
         loaded = self._model
         if new.kind == BackendKind.SERIAL:
             assert head is not None
@@ -667,7 +668,7 @@ class Engine:
             apc_manager=self._cache_manager_for(head),
         )
 
-    def _single_backend(self) -> SingleBackend:
+    def _single_backend(self, apc_manager: Any) -> SingleBackend:
         processor = self._model.processor
         tokenizer = getattr(processor, "tokenizer", processor)
         return SingleBackend(
@@ -675,6 +676,7 @@ class Engine:
             stop_criteria=tokenizer.stopping_criteria,  # the batch's own eos test
             prefill_step_size=self.config.prefill_step_size,
             stream=self._stream,
+            apc_manager=apc_manager,
         )
 
     def _hand_off(self, group: _Group) -> None:

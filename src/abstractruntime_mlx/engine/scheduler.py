@@ -271,6 +271,7 @@ class SchedulerState:
     serial_lane: bool = False  # the model runs on the serialized mlx-lm lane
     single_lane_model: bool = False  # the model's rows can decode on the single lane
     prefix_cache: bool = False  # a prefix cache is resident (keyed requests use it)
+    single_lane_restores: bool = False  # the single lane can restore and store keyed rows' prefixes
     shared_prefixes: PrefixIndex | None = None  # set where prefixes are shared as blocks
     admission_paused: bool = False  # a control waits for a step with no prompt mid-prefill
 
@@ -373,13 +374,14 @@ class Scheduler:
 
     def _single_lane_for(self, state: SchedulerState, key: GroupKey, requests: list[EngineRequest]) -> bool:
         """A continuous group of one, a request whose row can later move into a batch as is
-        (text, no logits processors or grammar, no prefix-cache key), a model that has the lane."""
+        (text, no logits processors or grammar; a prefix-cache key only where the lane restores
+        prefixes: RAM blocks, no SSD tier), a model that has the lane."""
         if not self.config.single_lane or key.mode != ExecutionMode.CONTINUOUS or len(requests) != 1:
             return False
         request = requests[0]
         if request.prompt_kwargs_factory is not None or request.sampling.has_logit_processors() or request.grammar is not None:
             return False
-        if request.prompt_cache_key is not None and state.prefix_cache:
+        if request.prompt_cache_key is not None and state.prefix_cache and not state.single_lane_restores:
             return False
         return state.single_lane_model
 

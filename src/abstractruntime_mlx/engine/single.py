@@ -11,9 +11,12 @@ When a compatible request arrives, the running row moves into a ``BatchBackend``
 and the batch's first step decodes that token. A request still prefilling moves once its
 first token is out.
 
-Which requests and models qualify (``supports_model``, the engine's ``_single_lane_for``):
-text prompts without logits processors or prefix-cache keys, on models whose cache is a plain
-``KVCache`` per layer and whose rows need no position ids. The prefill is chunked as upstream
+Which requests and models qualify (``supports_model``, the scheduler's ``_single_lane_for``):
+text prompts without logits processors, on models whose cache is a plain ``KVCache`` per layer
+and whose rows need no position ids. A keyed row (``apc_manager`` given, the salt in
+``prompt_kwargs["_apc_semantic_hash"]`` as the batch takes it) restores the prefix's KV blocks
+into its plain cache and prefills the rest; when its prefill is done, before its first token,
+its new full blocks are stored as a batch row's are, so either lane finds the other's. The prefill is chunked as upstream
 chunks a batch's (``prefill_step_size`` columns, the last prompt token on its own), and a
 sampled row draws from its own ``RowStream``, so a row's tokens are the same on either lane.
 """
@@ -61,8 +64,10 @@ class SingleBackend:
         stop_criteria: Callable[[int], bool],
         prefill_step_size: int,
         stream: Any,
+        apc_manager: Any = None,
     ) -> None:
         self.model = model
+        self._apc = apc_manager
         self._lm = getattr(model, "language_model", model)
         self._stop = stop_criteria
         self._prefill_step_size = prefill_step_size
@@ -77,6 +82,10 @@ class SingleBackend:
         self._max_tokens = 0
         self._row: RowStream | None = None
         self.uids: set[int] = set()
+        self._prompt: list[int] = []
+        self._salt: int | None = None  # a keyed row's prefix-cache salt
+        self._restored: list[Any] = []  # the blocks it restored, held until its own are stored
+        self._cached = 0
 
     # --- admission -------------------------------------------------------------------
     def insert(
@@ -95,14 +104,17 @@ class SingleBackend:
         if self.uids:
             raise RuntimeError("the single lane runs one request at a time")
         if restored is not None:
-            raise RuntimeError("the single lane restores no prefix (keyed requests use the batch lane)")
+            raise RuntimeError("the single lane restores the native prefix cache's blocks, not a serialized snapshot")
         if grammar is not None:
             raise RuntimeError("the single lane applies no logits processors; a structured request runs in the batch")
         with map_upstream_errors("inserting a prompt"):
             self._row = RowStream.for_sampling(sampling or Sampling())
         make_cache = getattr(self._lm, "make_cache", None)
         self._cache = list(make_cache()) if make_cache is not None else [KVCache() for _ in self._lm.layers]
-        self._pending = list(prompt_ids)
+        self._prompt = list(prompt_ids)
+        self._salt = prompt_kwargs.get("_apc_semantic_hash") if self._apc is not None else None
+        self._restored, self._cached = self._restore(prompt_ids) if self._salt is not None else ([], 0)
+        self._pending = list(prompt_ids[self._cached :])
         self._total = len(prompt_ids)
         self._next = None
         self._num_tokens = 0
@@ -127,12 +139,46 @@ class SingleBackend:
             return
         self._uid = None
         self._cache, self._pending, self._next, self._row = [], [], None, None
+        self._release_restored()
         self.uids.discard(uid)
 
     @property
     def prefilling(self) -> bool:
-        """Never holds prefix-cache blocks (keyed requests use the batch lane)."""
-        return False
+        """A keyed row holds restored prefix-cache blocks until its prefill is stored."""
+        return bool(self._restored)
+
+    # --- prefix cache ----------------------------------------------------------------------
+    def _restore(self, prompt_ids: list[int]) -> tuple[list[Any], int]:
+        """The prefix the cache holds for this row, copied into its plain cache: (the blocks,
+        held until the row's own are stored; how many prompt tokens they hold)."""
+        blocks, tokens = self._apc.lookup_prefix(prompt_ids[:-1], extra_hash=self._salt)
+        if tokens == 0:
+            return [], 0
+        for layer, cache in enumerate(self._cache):
+            keys = mx.concatenate([block.keys[layer] for block in blocks], axis=2)
+            values = mx.concatenate([block.values[layer] for block in blocks], axis=2)
+            cache.keys, cache.values, cache.offset = keys, values, tokens
+        return blocks, tokens
+
+    def _store_prefix(self) -> None:
+        """Store the row's new full blocks (everything in its cache: the prompt but its last
+        token) and let go of the restored ones, as a batch row's prefill ends."""
+        from mlx_vlm.apc import commit_prefix_blocks
+
+        blocks, self._restored = self._restored, []
+        commit_prefix_blocks(
+            self._apc,
+            self._cache,
+            self._prompt[:-1],
+            extra_hash=self._salt or 0,
+            skip_first_n_tokens=self._cached,
+            blocks_in_use=blocks,
+        )
+
+    def _release_restored(self) -> None:
+        if self._restored:
+            self._apc.release(self._restored)
+            self._restored = []
 
     @property
     def decoding(self) -> bool:
@@ -165,17 +211,19 @@ class SingleBackend:
                 self._prefill_chunk()
                 if observe_prefill:
                     done = self._total - len(self._pending)
-                    result.prefill[uid] = PrefillRow(processed=done, total=self._total, cached=0)
+                    result.prefill[uid] = PrefillRow(processed=done, total=self._total, cached=self._cached)
                 if len(self._pending) > 1:
                     return result
             token = self._next
             first = token is None
             if token is None:
+                if self._salt is not None:
+                    self._store_prefix()
                 # The last prompt token gives the first generated one.
                 token = self._sample(mx.array(self._pending)[None])
                 self._pending = []
                 mx.async_eval(token)
-                result.prompt_done[uid] = 0
+                result.prompt_done[uid] = self._cached
             self._next = token
             self._num_tokens += 1
             if self._num_tokens % _CLEAR_CACHE_EVERY == 0:
