@@ -1,13 +1,16 @@
-"""``runs show``: the LLM-call table (controls with their deciding level) and the per-call timeline."""
+"""``runs show``: the LLM-call table (controls with their deciding level), the per-call timeline,
+and the same information as JSON."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.cli.show_view import calls_table, calls_timeline
 from abstractruntime_mlx.inspection import run_view
 from abstractruntime_mlx.ledger import Ledger, NodeKey, ProgressEvent, sqlite_url
@@ -157,3 +160,40 @@ def test_the_live_table_escapes_control_characters(tmp_path: Path) -> None:
     text = buffer.getvalue()
     assert _raw_controls(text) == []
     assert "w\\x1b[2J" in text and "n\\x1b[2J" in text
+
+
+def _waiting_run_with_a_child(path: Path) -> None:
+    """Run ``root`` waits for an answer after one LLM call (three phase events); ``child`` is its subflow run."""
+    t0 = time.time()
+    created = dt.datetime.fromtimestamp(t0, dt.UTC).isoformat()
+    waiting = {"reason": "user", "prompt": "Go on?", "wait_key": "k1"}
+    with Ledger(sqlite_url(path)) as ledger:
+        ledger.save_run({"run_id": "root", "workflow_id": "main", "status": "waiting", "created_at": created, "updated_at": created,
+                         "vars": {}, "current_node": "confirm", "waiting": waiting})
+        ledger.save_run({"run_id": "child", "workflow_id": "sub", "status": "completed", "parent_run_id": "root",
+                         "created_at": created, "updated_at": created, "vars": {}})
+        key = NodeKey("root", "ask", workflow_id="main", step_id="s1", attempt=1)
+        ledger.append_progress([
+            _event(key, t0, phase="prefill", prompt_tokens=100, elapsed_s=0.0, event_index=0),
+            _event(key, t0 + 0.4, phase="generate", prompt_tokens=100, generated_tokens=1, ttft_s=0.4, elapsed_s=0.4, event_index=1),
+            _event(key, t0 + 0.9, phase="complete", final=True, prompt_tokens=100, generated_tokens=16, finish_reason="stop", elapsed_s=0.9, event_index=2),
+        ])
+        ledger.append_step(_completed("root", "s1", "ask", {"thinking": False, "thinking_source": "node"}, "cohort"))
+
+
+def test_runs_show_json_carries_what_the_text_shows(tmp_path: Path, capsys: Any) -> None:
+    path = tmp_path / "l.sqlite"
+    _waiting_run_with_a_child(path)
+    assert main(["runs", "show", "root", "--ledger", str(path), "--events"]) == 0
+    text = capsys.readouterr().out
+    assert main(["runs", "show", "root", "--ledger", str(path), "--events", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["run"]["run_id"], shown["run"]["workflow_id"], shown["run"]["status"]) == ("root", "main", "waiting")
+    assert shown["waiting"]["prompt"] == "Go on?" and "Go on?" in text
+    assert [s["node_id"] for s in shown["steps"]] == ["ask"]
+    assert [(n["node_id"], n["result"]["content"]) for n in shown["nodes"]] == [("ask", "x")]
+    assert [(c["node_id"], c["execution"]["mode"]) for c in shown["calls"]] == [("ask", "cohort")] and "cohort" in text
+    assert [e["phase"] for e in shown["events"]] == ["prefill", "generate", "complete"]
+    assert [(c["run"]["run_id"], c["children"]) for c in shown["children"]] == [("child", [])] and "child run child" in text
+    assert main(["runs", "show", "root", "--ledger", str(path), "--json"]) == 0
+    assert "events" not in json.loads(capsys.readouterr().out)

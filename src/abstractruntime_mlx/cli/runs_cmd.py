@@ -31,7 +31,7 @@ from .terminal import printable
 
 if TYPE_CHECKING:
     from ..ledger import Ledger, ProgressRow, RunSummary
-    from ..runtime_plugin import FlowRunResult
+    from ..runtime_plugin import FlowRunResult, NodeOutcome
 
 # AbstractRuntime's RunStatus values.
 RUN_STATUSES: Final = ("running", "waiting", "completed", "failed", "cancelled")
@@ -56,6 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     show.add_argument("run_id", help="run id or a unique prefix")
     show.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
     show.add_argument("--events", action="store_true", help="also list every phase event")
+    show.add_argument("--json", action="store_true", help="print the same as JSON: run, steps, LLM nodes and calls, events, child runs")
     show.set_defaults(handler=_show)
 
     replay = actions.add_parser(
@@ -140,7 +141,10 @@ def _summary_dict(r: RunSummary) -> dict[str, object]:
 def _show(args: argparse.Namespace) -> int:
     with _open(args.ledger) as ledger:
         run_id = resolve_run_id(ledger, args.run_id)
-        print(printable(render_run(ledger, run_id, events=args.events)))
+        if args.json:
+            print(json.dumps(run_dict(ledger, run_id, events=args.events), indent=2, default=str))
+        else:
+            print(printable(render_run(ledger, run_id, events=args.events)))
     return 0
 
 
@@ -281,7 +285,7 @@ def print_results(
                         "waiting": r.waiting,
                         "children": r.children,
                         "failures": [{"run_id": f.run_id, "node_id": f.node_id, "error": f.error} for f in r.failures],
-                        "nodes": [{"node_id": n.node_id, "run_id": n.run_id, "result": n.result} for n in r.nodes],
+                        "nodes": [node_dict(n) for n in r.nodes],
                     }
                     for r in results
                 ],
@@ -311,6 +315,10 @@ def print_results(
     if ledger_url:
         ids = " ".join(r.run_id[:8] for r in results[:3])
         print(f"ledger: {ledger_url}  (inspect: abstractruntime-mlx runs show {ids.split()[0] if ids else 'RUN_ID'})")
+
+
+def node_dict(node: NodeOutcome) -> dict[str, object]:
+    return {"node_id": node.node_id, "run_id": node.run_id, "result": node.result}
 
 
 def peak_batch(result: Mapping[str, object]) -> int:
@@ -468,6 +476,38 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
         body = render_run(ledger, str(child["run_id"]), events=events, _depth=_depth + 1)
         out.extend("    " + line if line else line for line in body.splitlines())
     return "\n".join(out)
+
+
+def run_dict(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int = 0) -> dict[str, object]:
+    """What ``render_run`` shows, as JSON-safe values: the web inspector's run view (summary,
+    error, steps, LLM calls), what the run waits for, its LLM nodes' results, its phase events
+    (with ``events``) and its child runs, nested."""
+    from ..inspection import run_view
+    from ..runtime_plugin import node_outcomes
+
+    detail = ledger.get_run(run_id)
+    view = run_view(ledger, run_id)
+    if detail is None or view is None:
+        raise SystemExit(f"no run {run_id} in {ledger.url}")
+    out: dict[str, object] = dict(view.as_dict())
+    waiting = detail.state.get("waiting")
+    out["waiting"] = waiting if detail.status == "waiting" and isinstance(waiting, dict) else None
+    out["nodes"] = [node_dict(n) for n in node_outcomes(ledger, run_id)]
+    if events:
+        out["events"] = [_event_dict(row, view.summary.created_at) for row in ledger.node_timeline(run_id)]
+    children: list[dict[str, object]] = []
+    for child in sorted(ledger.list_run_states(parent_run_id=run_id, limit=10_000), key=lambda c: str(c.get("created_at") or "")):
+        if _depth >= MAX_NESTING:
+            children.append({"run_id": child.get("run_id"), "workflow_id": child.get("workflow_id"), "deeper_than": MAX_NESTING})
+            continue
+        children.append(run_dict(ledger, str(child["run_id"]), events=events, _depth=_depth + 1))
+    out["children"] = children
+    return out
+
+
+def _event_dict(row: ProgressRow, run_start: dt.datetime) -> dict[str, object]:
+    fields = {name: getattr(row, name) for name in row.__dataclass_fields__ if name != "event"}
+    return {"t_s": _secs(row.created_at, run_start), **fields}
 
 
 def _wait_lines(node: object, waiting: Mapping[str, object]) -> list[str]:
