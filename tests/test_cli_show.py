@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from abstractruntime_mlx.cli.main import main
+from abstractruntime_mlx.cli.runs_cmd import format_wait
 from abstractruntime_mlx.cli.show_view import calls_table, calls_timeline
 from abstractruntime_mlx.inspection import run_view
 from abstractruntime_mlx.ledger import Ledger, NodeKey, ProgressEvent, sqlite_url
@@ -83,9 +84,6 @@ def _raw_controls(text: str) -> list[str]:
 
 
 def test_every_view_escapes_control_characters_of_flow_and_node_ids(tmp_path: Path, monkeypatch: Any, capsys: Any, dense_model: str) -> None:
-    import json
-
-    from abstractruntime_mlx.cli.main import main
     from abstractruntime_mlx.nodes import default_registry
 
     monkeypatch.setenv("ABSTRACTCORE_CONFIG_FILE", str(tmp_path / "abstractcore.json"))
@@ -197,3 +195,15 @@ def test_runs_show_json_carries_what_the_text_shows(tmp_path: Path, capsys: Any)
     assert [(c["run"]["run_id"], c["children"]) for c in shown["children"]] == [("child", [])] and "child run child" in text
     assert main(["runs", "show", "root", "--ledger", str(path), "--json"]) == 0
     assert "events" not in json.loads(capsys.readouterr().out)
+
+
+def test_resume_hints_name_the_real_run_and_event(tmp_path: Path, capsys: Any) -> None:
+    path = tmp_path / "l.sqlite"
+    _waiting_run_with_a_child(path)
+    assert main(["runs", "show", "ro", "--ledger", str(path)]) == 0
+    assert "    continue: abstractruntime-mlx runs resume root --answer TEXT" in capsys.readouterr().out.splitlines()
+    # What `run` prints for a run whose subflow waits for an event: the root run's id, the event's name.
+    event = {"reason": "event", "event": "approved", "run_id": "child-run", "node_id": "gate", "wait_key": "evt:session:s1:approved"}
+    assert format_wait(event, "root-run").endswith("continue with: runs resume root-run --event approved[=JSON]")
+    timer = {"reason": "until", "until": "2030-01-01T00:00:00Z", "run_id": "root-run", "node_id": "sleep"}
+    assert format_wait(timer, "root-run").endswith("continue with: runs resume root-run")

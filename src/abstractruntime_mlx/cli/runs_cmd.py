@@ -301,7 +301,7 @@ def print_results(
         if r.error:
             print(printable(f"  error: {r.error}"))
         if r.waiting:
-            print(printable(f"  waiting: {format_wait(r.waiting)}"))
+            print(printable(f"  waiting: {format_wait(r.waiting, r.run_id)}"))
         for n in r.nodes:
             prefix = "" if n.run_id in ("", r.run_id) else f"[{n.run_id[:8]}] "
             print(printable(format_node(prefix + n.node_id, n.result)))
@@ -357,7 +357,8 @@ def _count(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def format_wait(waiting: Mapping[str, object]) -> str:
+def format_wait(waiting: Mapping[str, object], run_id: str) -> str:
+    """What run ``run_id`` (a root run) waits for and the ``runs resume`` that continues it."""
     reason = waiting.get("reason")
     where = f"run {str(waiting.get('run_id'))[:8]} node {waiting.get('node_id')!r}"
     if reason == "user":
@@ -365,12 +366,34 @@ def format_wait(waiting: Mapping[str, object]) -> str:
         text = f"an answer to {waiting.get('prompt') or '(no prompt)'!r}"
         if choices:
             text += f" (choices: {', '.join(str(c) for c in choices)})"
-        return f"{text} at {where}; continue with: runs resume RUN_ID --answer TEXT"
+        return f"{text} at {where}; continue with: {resume_hint(run_id, waiting)}"
     if reason == "until":
-        return f"a timer until {waiting.get('until')} at {where}; continue with: runs resume RUN_ID"
+        return f"a timer until {waiting.get('until')} at {where}; continue with: {resume_hint(run_id, waiting)}"
     if reason == "event":
-        return f"event {waiting.get('event')!r} at {where}; continue with: runs resume RUN_ID --event NAME[=JSON]"
+        return f"event {waiting.get('event')!r} at {where}; continue with: {resume_hint(run_id, waiting)}"
     return f"{reason} ({waiting.get('wait_key')}) at {where}"
+
+
+def resume_hint(run_id: str, waiting: Mapping[str, object]) -> str:
+    """The ``runs resume`` command that continues ``run_id``, waiting as ``waiting`` says (the
+    event's name filled in where it is known)."""
+    reason = waiting.get("reason")
+    command = f"runs resume {run_id}"
+    if reason == "user":
+        return f"{command} --answer TEXT"
+    if reason == "event":
+        return f"{command} --event {waited_event(waiting) or 'NAME'}[=JSON]"
+    return command
+
+
+def waited_event(waiting: Mapping[str, object]) -> str:
+    """The name of the event a wait_event node waits for: ``event``, else the last part of an
+    ``evt:`` wait key."""
+    name = as_str(waiting.get("event"))
+    if name:
+        return name
+    key = str(waiting.get("wait_key") or "")
+    return key.split(":", 3)[-1] if key.startswith("evt:") else key
 
 
 def format_node(node_id: str, result: Mapping[str, object]) -> str:
@@ -445,7 +468,7 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
         out.append(f"  interrupted at node {detail.state.get('current_node')!r}: `abstractruntime-mlx runs replay {run_id}` resumes it")
     waiting = detail.state.get("waiting")
     if detail.status == "waiting" and isinstance(waiting, dict):
-        out.extend(_wait_lines(detail.state.get("current_node"), waiting))
+        out.extend(_wait_lines(run_id, detail.state.get("current_node"), waiting))
     out.append("")
     out.append("steps")
     out.append(f"  {'SEQ':>3}  {'NODE':14}  {'STATUS':9}  {'EFFECT':12}  {'ATT':>3}  {'TIME':>8}")
@@ -510,26 +533,24 @@ def _event_dict(row: ProgressRow, run_start: dt.datetime) -> dict[str, object]:
     return {"t_s": _secs(row.created_at, run_start), **fields}
 
 
-def _wait_lines(node: object, waiting: Mapping[str, object]) -> list[str]:
+def _wait_lines(run_id: str, node: object, waiting: Mapping[str, object]) -> list[str]:
     reason = waiting.get("reason")
     lines = [f"  waiting at node {node!r} for {reason}"]
     if reason == "user":
         lines.append(f"    prompt: {waiting.get('prompt')!r}")
         if waiting.get("choices"):
             lines.append(f"    choices: {', '.join(str(c) for c in array_at(waiting, 'choices'))}" + ("" if waiting.get("allow_free_text", True) else " (nothing else)"))
-        lines.append("    continue: abstractruntime-mlx runs resume RUN_ID --answer TEXT")
     elif reason == "until":
         lines.append(f"    until: {waiting.get('until')}")
-        lines.append("    continue: abstractruntime-mlx runs resume RUN_ID")
     elif reason == "event":
-        key = str(waiting.get("wait_key") or "")
-        lines.append(f"    event: {key.split(':', 3)[-1] if key.startswith('evt:') else key}  (key {key})")
-        lines.append("    continue: abstractruntime-mlx runs resume RUN_ID --event NAME[=JSON]")
+        lines.append(f"    event: {waited_event(waiting)}  (key {waiting.get('wait_key') or ''})")
     elif reason == "subworkflow":
         details = object_at(waiting, "details")
         lines.append(f"    child run: {details.get('sub_run_id')} ({details.get('sub_workflow_id')}), shown below")
     else:
         lines.append(f"    wait key: {waiting.get('wait_key')}")
+    if reason in ("user", "until", "event"):
+        lines.append(f"    continue: abstractruntime-mlx {resume_hint(run_id, waiting)}")
     return lines
 
 
