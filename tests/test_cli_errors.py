@@ -162,12 +162,23 @@ def test_models_tiny_refuses_a_non_empty_directory_unless_forced(tmp_path: Path,
 # --------------------------------------------------------------------------- runs
 
 
-def test_runs_list_on_a_missing_ledger_says_so_and_creates_nothing(tmp_path: Path, capsys: Any) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["runs", "list", "--ledger", "LEDGER"],
+        ["runs", "show", "abc", "--ledger", "LEDGER"],
+        ["runs", "replay", "abc", "--ledger", "LEDGER"],
+        ["runs", "resume", "abc", "--answer", "yes", "--ledger", "LEDGER"],
+        ["runs", "web", "--port", "0", "--ledger", "LEDGER"],
+        ["ledger", "status", "LEDGER"],
+        ["ledger", "upgrade", "LEDGER"],
+    ],
+)
+def test_every_command_on_a_missing_ledger_says_ledger_not_found_and_creates_nothing(tmp_path: Path, capsys: Any, argv: list[str]) -> None:
     missing = tmp_path / "nowhere" / "ledger.sqlite"
-    for argv in (("runs", "list", "--ledger", str(missing)), ("runs", "show", "abc", "--ledger", str(missing))):
-        code, out, err = cli(capsys, *argv)
-        assert code == 1 and out == ""
-        assert err.startswith(f"error: [ledger_not_found] no ledger at {missing}")
+    code, out, err = cli(capsys, *(str(missing) if a == "LEDGER" else a for a in argv))
+    assert code == 1 and out == ""
+    assert err.startswith(f"error: [ledger_not_found] no ledger at {missing}")
     assert not missing.parent.exists()
 
 
@@ -211,13 +222,6 @@ def test_run_against_a_server_uses_its_model_without_model_flag(cli_env: Path, c
     (run,) = json.loads(out)
     assert run["status"] == "completed"
     assert run["nodes"][0]["result"]["model"] == dense_model
-
-
-def test_runs_replay_on_a_missing_ledger_creates_nothing(tmp_path: Path, capsys: Any) -> None:
-    missing = tmp_path / "l.sqlite"
-    code, out, err = cli(capsys, "runs", "replay", "abc", "--ledger", str(missing))
-    assert code == 1 and err.startswith("error: [ledger_not_found]")
-    assert not missing.exists()
 
 
 def test_serve_refuses_a_model_root_that_is_not_a_directory(tmp_path: Path, capsys: Any) -> None:

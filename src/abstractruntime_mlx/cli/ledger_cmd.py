@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from .ledger_location import default_ledger_url
+from .ledger_location import default_ledger_url, existing_ledger_file
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,15 +29,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     upgrade.set_defaults(handler=_upgrade)
 
 
-def _existing(url: str) -> None:
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database and not parsed.database.startswith("file:"):
-        if not Path(parsed.database).expanduser().exists():
-            raise SystemExit(f"error: no ledger at {parsed.database}")
-
-
 def _status(args: argparse.Namespace) -> int:
     from sqlalchemy import create_engine
     from sqlalchemy.engine import make_url
@@ -46,7 +36,7 @@ def _status(args: argparse.Namespace) -> int:
     from ..ledger import schema
 
     url = default_ledger_url(args.url)
-    _existing(url)
+    existing_ledger_file(url)
     engine = create_engine(url)
     shown = make_url(url).render_as_string(hide_password=True)
     try:
@@ -66,7 +56,7 @@ def _upgrade(args: argparse.Namespace) -> int:
     from ..ledger import SCHEMA_REVISION, Ledger
 
     url = default_ledger_url(args.url)
-    _existing(url)
+    existing_ledger_file(url)
     with Ledger(url, upgrade=True) as ledger:
         if ledger.upgraded_from is None:
             print(f"ledger {ledger.url} is at revision {SCHEMA_REVISION}; nothing to do")

@@ -26,6 +26,26 @@ def default_ledger_url(explicit: str | None = None, env: Mapping[str, str] = os.
     return normalize_ledger_url(chosen)
 
 
+def existing_ledger_file(url: str) -> Path | None:
+    """The file of a plain SQLite ledger URL (``sqlite:///PATH``); ``LedgerNotFound`` when it does
+    not exist, so no command creates a ledger by reading or upgrading one. None for other
+    databases, in-memory SQLite and ``file:`` URIs.
+    """
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    database = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or not database or database.startswith("file:") or parsed.query:
+        return None
+    path = Path(database).expanduser().resolve()
+    if not path.is_file():
+        raise LedgerNotFound(
+            f"no ledger at {path}: no run has been recorded there (`abstractruntime-mlx run FLOW --ledger {path}` creates it)",
+            details={"path": str(path)},
+        )
+    return path
+
+
 def open_for_inspection(url: str) -> Ledger:
     """``Ledger(url)`` for reading: a missing SQLite file is ``LedgerNotFound``, an existing one opens read-only.
 
@@ -33,20 +53,11 @@ def open_for_inspection(url: str) -> Ledger:
     read-only file system) the file is also opened ``immutable``, since no one can change it.
     Other databases open as usual.
     """
-    from sqlalchemy.engine import make_url
-
     from ..ledger import Ledger
 
-    parsed = make_url(url)
-    database = parsed.database or ""
-    if parsed.get_backend_name() != "sqlite" or not database or database.startswith("file:") or parsed.query:
+    path = existing_ledger_file(url)
+    if path is None:
         return Ledger(url)
-    path = Path(database).expanduser().resolve()
-    if not path.is_file():
-        raise LedgerNotFound(
-            f"no ledger at {path}: no run has been recorded there (`abstractruntime-mlx run FLOW --ledger {path}` creates it)",
-            details={"path": str(path)},
-        )
     options = "mode=ro&uri=true"
     if not os.access(path.parent, os.W_OK):
         options += "&immutable=1"

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Final
 from ..errors import RunNotResumable
 from ..json_values import array_at, as_str, object_at
 from .args import add_limit_arguments, drive_limits, integer
-from .ledger_location import default_ledger_url, open_for_inspection
+from .ledger_location import default_ledger_url, existing_ledger_file, open_for_inspection
 from .terminal import printable
 
 if TYPE_CHECKING:
@@ -215,6 +215,7 @@ def _resume(args: argparse.Namespace) -> int:
     from ..runtime_plugin import resume_run
 
     url = default_ledger_url(args.ledger)
+    existing_ledger_file(url)  # resuming writes, but never into a ledger it would have to create
     with Ledger(url) as ledger:
         run_id = root_run_id(ledger, resolve_run_id(ledger, args.run_id))
         detail = ledger.get_run(run_id)
