@@ -96,7 +96,7 @@ def test_unknown_run_id_is_reported(cli_env, capsys):
     cli(capsys, "run", str(EXAMPLE))
     code, out, err = cli(capsys, "runs", "show", "does-not-exist")
     assert code == 1 and out == ""
-    assert err.startswith("error: [invalid_request] no run 'does-not-exist'")
+    assert err.startswith("error: [run_not_found] no run 'does-not-exist'")
 
 
 SLOW_FLOW = {

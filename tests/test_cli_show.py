@@ -135,7 +135,7 @@ def test_every_view_escapes_control_characters_of_flow_and_node_ids(tmp_path: Pa
     assert "flow\\x1b[2J" in shown["list"]  # the list clips the workflow column
     # Nothing is lost: the run completed and every view still tells it.
     assert " completed" in shown["run"] and " completed " in shown["list"] and "completed" in shown["show"]
-    assert "error: [invalid_request] no run 'absent\\x1b" in shown["error"]
+    assert "error: [run_not_found] no run 'absent\\x1b" in shown["error"]
 
 
 def test_the_live_table_escapes_control_characters(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
-from ..errors import RunNotResumable
+from ..errors import RunNotFound, RunNotResumable
 from ..json_values import array_at, as_str, object_at
 from .args import add_limit_arguments, drive_limits, integer
 from .ledger_location import default_ledger_url, existing_ledger_file, open_for_inspection
@@ -108,7 +108,7 @@ def resolve_run_id(ledger: Ledger, run_id: str) -> str:
     if len(matches) == 1:
         return matches[0]
     if not matches:
-        raise SystemExit(f"no run {run_id!r} in {ledger.url}")
+        raise RunNotFound(f"no run {run_id!r} in {ledger.url}", details={"run_id": run_id[:255]})
     raise SystemExit(f"run id prefix {run_id!r} is ambiguous: {', '.join(sorted(matches)[:5])}...")
 
 
@@ -454,7 +454,7 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
 
     detail = ledger.get_run(run_id)
     if detail is None:
-        raise SystemExit(f"no run {run_id} in {ledger.url}")
+        raise RunNotFound(f"no run {run_id!r} in {ledger.url}", details={"run_id": run_id[:255]})
     steps = ledger.run_steps(run_id)
     progress = ledger.node_timeline(run_id)
     title = "run" if not detail.parent_run_id else "child run"
@@ -512,7 +512,7 @@ def run_dict(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int =
     detail = ledger.get_run(run_id)
     view = run_view(ledger, run_id)
     if detail is None or view is None:
-        raise SystemExit(f"no run {run_id} in {ledger.url}")
+        raise RunNotFound(f"no run {run_id!r} in {ledger.url}", details={"run_id": run_id[:255]})
     out: dict[str, object] = dict(view.as_dict())
     waiting = detail.state.get("waiting")
     out["waiting"] = waiting if detail.status == "waiting" and isinstance(waiting, dict) else None
