@@ -1,7 +1,7 @@
 """``abstractruntime-mlx runs``: inspect and replay runs recorded in the ledger.
 
     abstractruntime-mlx runs list [--limit 20] [--status completed]
-    abstractruntime-mlx runs show RUN_ID        # steps, node results, phase timeline
+    abstractruntime-mlx runs show RUN_ID [--json]    # steps, node results, phase timeline
     abstractruntime-mlx runs replay RUN_ID      # re-render from the ledger; resume if interrupted
     abstractruntime-mlx runs web                # the same in a browser, live (runs_web_cmd)
     abstractruntime-mlx runs resume RUN_ID --answer TEXT     # continue a waiting run
