@@ -63,15 +63,12 @@ def node_prompt_cache_key(
             return configured
     if call is None:
         call = CallIdentity(run_id="", workflow_id="", node_id="", session_id=None)
-    host_params: dict[str, object] = {
-        **explicit,
-        "_provider": provider,
-        "trace_metadata": {"run_id": call.run_id, "workflow_id": call.workflow_id, "node_id": call.node_id},
-    }
+    trace = {"run_id": call.run_id, "workflow_id": call.workflow_id, "node_id": call.node_id}
+    if call.session_id:
+        trace["session_id"] = call.session_id
+    host_params: dict[str, object] = {**explicit, "_provider": provider, "trace_metadata": trace}
     if model:
         host_params["_model"] = model
-    if call.session_id:
-        host_params["trace_metadata"] = {**object_at(host_params, "trace_metadata"), "session_id": call.session_id}
     try:
         _maybe_inject_prompt_cache_key(run=_HostRun(call, run_vars), params=host_params)
     except ValueError as exc:  # mismatched key and binding
