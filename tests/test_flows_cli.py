@@ -347,3 +347,46 @@ def test_a_response_schema_in_effect_config_is_read_by_no_one_and_check_says_so(
     [llm_step] = [s for s in steps_of(ledger_path, result.run_id) if s.node_id == "llm" and s.status == "completed"]
     assert llm_step.record["result"].get("data") is None
     assert "structured" not in llm_step.record["result"]["metadata"]
+
+
+def test_prompts_the_host_slimmed_are_shown_in_full_and_the_run_tree_is_nested(ledger_path, capsys, agent_model):
+    from abstractruntime_mlx.inspection import run_view
+
+    code, result, _ = run_json(capsys, FLOWS / "agent.json", "--model", agent_model)
+    assert code == EXIT_OK, result
+    root, [child] = result["run_id"], result["children"]
+    with Ledger(f"sqlite:///{ledger_path}") as ledger:
+        # The host keeps the agent's system prompt in the STARTED record only; the terminal
+        # record carries a `$slim` marker in its place.
+        ended = [s for s in ledger.run_steps(child) if s.effect_type == "llm_call" and s.status == "completed"]
+        assert any("$slim" in json.dumps(s.record["effect"]) for s in ended)
+        views = [run_view(ledger, run_id).as_dict() for run_id in (root, child)]
+    calls = views[1]["calls"]
+    assert calls and all(c["system_prompt"] and "ReAct" in c["system_prompt"] for c in calls)
+    shown = [cli(capsys, "runs", "show", root, *flag)[1] for flag in ((), ("--json",), ("--events",))]
+    assert not any("$slim" in text for text in [*shown, json.dumps(views)])
+
+    # runs list: the agent's run is under its root, not a row of its own.
+    code, out, _ = cli(capsys, "runs", "list")
+    assert code == 0 and f"└ {child}" in out and out.count(child) == 1
+    code, out, _ = cli(capsys, "runs", "list", "--json")
+    [row] = json.loads(out)
+    assert row["run_id"] == root and [c["run_id"] for c in row["children"]] == [child]
+    code, out, _ = cli(capsys, "runs", "list", "--flat")
+    assert f"└ {child}" not in out and child in out
+
+    # runs show ROOT counts the child's calls, each naming the child run.
+    shown_json = json.loads(shown[1])
+    tree = shown_json["tree_calls"]
+    assert tree["calls"] == len(calls) and {c["run_id"] for c in tree["by_call"]} == {child}
+    assert tree["generated_tokens"] == sum(c["generated_tokens"] for c in calls)
+    assert "llm calls of this run and its child runs" in shown[0] and child[:8] in shown[0]
+
+
+def test_a_slimmed_prompt_without_its_started_record_says_so():
+    from abstractruntime_mlx.inspection import payload_text
+
+    marker = {"$slim": {"v": 1, "kind": "started_payload_field", "field": "prompt", "sha256": "0" * 64, "bytes": 2715}}
+    assert payload_text({"prompt": marker}, "prompt", {}) == "prompt not kept by the host (2,715 bytes)"
+    assert payload_text({"prompt": marker}, "prompt", {"prompt": "edited"}) == "prompt not kept by the host (2,715 bytes)"
+    assert payload_text({"prompt": "hi"}, "prompt", {}) == "hi"

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -35,8 +37,10 @@ __all__ = [
     "call_views",
     "control_text",
     "node_labels",
+    "payload_text",
     "run_view",
     "summary_dict",
+    "tree_calls",
 ]
 
 TERMINAL_STEP_STATUSES = frozenset({"completed", "failed", "cancelled"})
@@ -246,6 +250,20 @@ def run_view(ledger: Ledger, run_id: str) -> RunView | None:
     )
 
 
+def tree_calls(ledger: Ledger, run_id: str, *, max_depth: int = 8) -> list[tuple[str, CallView]]:
+    """``(run_id, call)`` for every LLM call of the run and of its child runs (subflows, agents),
+    down to ``max_depth`` levels: the run's own calls first, then each child's tree in the order
+    the children were created."""
+    view = run_view(ledger, run_id)
+    out = [(run_id, call) for call in view.calls] if view is not None else []
+    if max_depth <= 0:
+        return out
+    children = ledger.list_runs(limit=1_000_000, parent_run_ids=[run_id])
+    for child in sorted(children, key=lambda c: (c.created_at, c.run_id)):
+        out.extend(tree_calls(ledger, child.run_id, max_depth=max_depth - 1))
+    return out
+
+
 def _summary_of(detail: RunDetail) -> RunSummary:
     return RunSummary(**{f.name: getattr(detail, f.name) for f in dataclasses.fields(RunSummary)})
 
@@ -315,6 +333,7 @@ def _call_view(
     recorded = ended or started
     record = recorded.record if recorded is not None else {}
     payload = object_at(object_at(record, "effect"), "payload")
+    started_payload = object_at(object_at(started.record, "effect"), "payload") if started is not None else {}
     result = object_at(record, "result") if ended is not None else {}
     meta = object_at(result, "metadata")
     execution = dict(object_at(meta, "execution"))
@@ -373,8 +392,8 @@ def _call_view(
         tokens_per_second=_latest(r.tokens_per_second for r in newest_first),
         prefill_tokens_per_second=_latest(r.prefill_tokens_per_second for r in newest_first),
         finish_reason=(last.finish_reason if last is not None else None) or as_str(result.get("finish_reason")),
-        prompt=_opt_text(payload.get("prompt")),
-        system_prompt=_opt_text(payload.get("system_prompt")),
+        prompt=payload_text(payload, "prompt", started_payload),
+        system_prompt=payload_text(payload, "system_prompt", started_payload),
         response=_opt_text(result.get("content")) if ended is not None else None,
         error=ended.error if ended is not None else None,
         controls=_controls(meta, payload),
@@ -387,6 +406,39 @@ def _call_view(
         recorded=ended is not None,
         samples=samples,
     )
+
+
+SLIM_MARKER_KEY = "$slim"
+"""The host's stand-in for a large payload field of a terminal step record: ``{"$slim": {"kind":
+"started_payload_field", "field": ..., "step_id": ..., "sha256": ..., "bytes": ...}}``, naming
+the STARTED record of the same step, which holds the value."""
+
+
+def payload_text(payload: Mapping[str, object], name: str, started_payload: Mapping[str, object]) -> str | None:
+    """Field ``name`` of a step's effect payload as text. Where the host slimmed it to a
+    ``$slim`` marker, the value comes from the STARTED record's payload (``started_payload``),
+    checked against the marker's sha256; when that is not there, a sentence says so
+    (``prompt not kept by the host (2,715 bytes)``), never the marker itself."""
+    value = payload.get(name)
+    marker = value.get(SLIM_MARKER_KEY) if isinstance(value, Mapping) else None
+    if not isinstance(marker, Mapping):
+        return _opt_text(value)
+    field_name = str(marker.get("field") or name)
+    kept = started_payload.get(field_name)
+    if marker.get("kind") == "started_payload_field" and kept is not None and _sha256_of(kept) == marker.get("sha256"):
+        return _opt_text(kept)
+    size = marker.get("bytes")
+    size_text = f" ({size:,} bytes)" if isinstance(size, int) else ""
+    return f"{name.replace('_', ' ')} not kept by the host{size_text}"
+
+
+def _sha256_of(value: object) -> str | None:
+    """The sha256 the host records for a slimmed value: over its compact JSON, keys in order."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=False)
+    except (TypeError, ValueError):
+        return None
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _round(value: float | None) -> float | None:

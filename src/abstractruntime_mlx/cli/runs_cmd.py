@@ -45,9 +45,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=lambda _args: (parser.print_help(), 2)[1])
     actions = parser.add_subparsers(dest="runs_command", metavar="ACTION")
 
-    listing = actions.add_parser("list", help="recent runs, newest first")
-    listing.add_argument("--limit", type=integer, default=20)
-    listing.add_argument("--status", default=None, choices=RUN_STATUSES, help="only runs with this status")
+    listing = actions.add_parser("list", help="recent runs, newest first, child runs indented under their root")
+    listing.add_argument("--limit", type=integer, default=20, help="how many root runs (default 20)")
+    listing.add_argument("--status", default=None, choices=RUN_STATUSES, help="only root runs with this status")
+    listing.add_argument("--flat", action="store_true", help="every run as its own row, child runs too (--limit and --status apply to all)")
     listing.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
     listing.add_argument("--json", action="store_true")
     listing.set_defaults(handler=_list)
@@ -115,23 +116,54 @@ def resolve_run_id(ledger: Ledger, run_id: str) -> str:
 def _list(args: argparse.Namespace) -> int:
     url = default_ledger_url(args.ledger)
     with open_for_inspection(url) as ledger:
-        rows = ledger.list_runs(limit=args.limit, status=args.status)
+        rows = ledger.list_runs(limit=args.limit, status=args.status, roots_only=not args.flat)
+        children = {} if args.flat else child_runs(ledger, [r.run_id for r in rows])
         if args.json:
-            print(json.dumps([_summary_dict(r) for r in rows], indent=2, default=str))
+            print(json.dumps([_tree_dict(r, children) for r in rows], indent=2, default=str))
             return 0
         print(f"ledger: {url}")
         if not rows:
             print("no runs")
             return 0
-        print(f"{'RUN ID':36}  {'WORKFLOW':16}  {'STATUS':9}  {'STARTED (UTC)':19}  {'DURATION':>8}  {'NODES':>5}  {'EVENTS':>6}")
-        for r in rows:
+        print(f"{'RUN ID':40}  {'WORKFLOW':16}  {'STATUS':9}  {'STARTED (UTC)':19}  {'DURATION':>8}  {'NODES':>5}  {'EVENTS':>6}")
+        for depth, r in _tree_rows(rows, children):
+            name = ("  " * (depth - 1) + "└ " if depth else "") + r.run_id
             print(
                 printable(
-                    f"{r.run_id:36}  {r.workflow_id[:16]:16}  {r.status:9}  {r.created_at:%Y-%m-%d %H:%M:%S}  "
+                    f"{name:40}  {r.workflow_id[:16]:16}  {r.status:9}  {r.created_at:%Y-%m-%d %H:%M:%S}  "
                     f"{r.duration_s:7.2f}s  {r.node_count:5}  {r.progress_count:6}"
                 )
             )
     return 0
+
+
+def child_runs(ledger: Ledger, run_ids: Sequence[str]) -> dict[str, list[RunSummary]]:
+    """``parent run id -> its child runs`` (oldest first) for the runs ``run_ids`` and their
+    descendants, down to ``MAX_NESTING`` levels."""
+    out: dict[str, list[RunSummary]] = {}
+    level = list(run_ids)
+    for _ in range(MAX_NESTING):
+        if not level:
+            break
+        found = sorted(ledger.list_runs(limit=1_000_000, parent_run_ids=level), key=lambda c: (c.created_at, c.run_id))
+        for child in found:
+            out.setdefault(child.parent_run_id or "", []).append(child)
+        level = [child.run_id for child in found]
+    return out
+
+
+def _tree_rows(rows: Sequence[RunSummary], children: Mapping[str, list[RunSummary]], depth: int = 0) -> list[tuple[int, RunSummary]]:
+    out: list[tuple[int, RunSummary]] = []
+    for r in rows:
+        out.append((depth, r))
+        out.extend(_tree_rows(children.get(r.run_id, []), children, depth + 1))
+    return out
+
+
+def _tree_dict(r: RunSummary, children: Mapping[str, list[RunSummary]]) -> dict[str, object]:
+    out = _summary_dict(r)
+    out["children"] = [_tree_dict(c, children) for c in children.get(r.run_id, [])]
+    return out
 
 
 def _summary_dict(r: RunSummary) -> dict[str, object]:
@@ -488,6 +520,8 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     view = run_view(ledger, run_id)
     if view is not None and view.calls:
         out += ["", "llm calls", calls_table(view), "", calls_timeline(view)]
+    if _depth == 0:
+        out.extend(_tree_call_lines(ledger, run_id))
     if progress and events:
         out.append("")
         out.extend(_event_lines(progress, detail.created_at))
@@ -526,7 +560,47 @@ def run_dict(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int =
             continue
         children.append(run_dict(ledger, str(child["run_id"]), events=events, _depth=_depth + 1))
     out["children"] = children
+    if _depth == 0:
+        out["tree_calls"] = _tree_calls(ledger, run_id)
     return out
+
+
+def _tree_calls(ledger: Ledger, run_id: str) -> dict[str, object]:
+    """The LLM calls of the run and of its child runs: totals, and one entry per call naming its run."""
+    from ..inspection import tree_calls
+
+    calls = tree_calls(ledger, run_id, max_depth=MAX_NESTING)
+    return {
+        "calls": len(calls),
+        "runs": len({owner for owner, _ in calls}),
+        "prompt_tokens": sum(c.prompt_tokens or 0 for _, c in calls),
+        "generated_tokens": sum(c.generated_tokens or 0 for _, c in calls),
+        "by_call": [
+            {"run_id": owner, "node_id": c.node_id, "label": c.label, "step_id": c.step_id, "attempt": c.attempt,
+             "status": c.status, "prompt_tokens": c.prompt_tokens, "generated_tokens": c.generated_tokens}
+            for owner, c in calls
+        ],
+    }
+
+
+def _tree_call_lines(ledger: Ledger, run_id: str) -> list[str]:
+    """``runs show``'s section on the LLM calls of the run and its child runs, when it has any
+    child run with calls: one line per call naming its run (``.`` for the run itself), then totals."""
+    tree = _tree_calls(ledger, run_id)
+    by_call = array_at(tree, "by_call")
+    if not any(isinstance(c, dict) and c.get("run_id") != run_id for c in by_call):
+        return []
+    lines = ["", "llm calls of this run and its child runs", f"  {'RUN':8}  {'NODE':24}  {'STATUS':9}  {'PROMPT':>7}  {'GEN':>6}"]
+    for c in by_call:
+        assert isinstance(c, dict)
+        owner = "." if c["run_id"] == run_id else str(c["run_id"])[:8]
+        lines.append(
+            f"  {owner:8}  {str(c['label'])[:24]:24}  {str(c['status']):9}  {c['prompt_tokens'] or 0:>7,}  {c['generated_tokens'] or 0:>6,}"
+        )
+    lines.append(
+        f"  total: {tree['calls']} LLM call{'s' if tree['calls'] != 1 else ''} in {tree['runs']} run{'s' if tree['runs'] != 1 else ''}, prompt tokens {tree['prompt_tokens']:,}, generated tokens {tree['generated_tokens']:,}"
+    )
+    return lines
 
 
 def _event_dict(row: ProgressRow, run_start: dt.datetime) -> dict[str, object]:

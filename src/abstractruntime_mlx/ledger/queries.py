@@ -196,10 +196,17 @@ def list_runs(
     workflow_id: str | None = None,
     session_id: str | None = None,
     created_after: dt.datetime | None = None,
+    roots_only: bool = False,
+    parent_run_ids: Sequence[str] | None = None,
 ) -> list[RunSummary]:
     """The ``limit`` most recently updated runs matching every given filter
-    (``created_after``: created at or after that instant)."""
+    (``created_after``: created at or after that instant; ``roots_only``: runs without a parent
+    run; ``parent_run_ids``: child runs of those runs)."""
     stmt = select(Run).order_by(Run.updated_at.desc(), Run.run_id).limit(max(0, int(limit)))
+    if roots_only:
+        stmt = stmt.where(Run.parent_run_id.is_(None))
+    if parent_run_ids is not None:
+        stmt = stmt.where(Run.parent_run_id.in_(list(parent_run_ids)))
     if status is not None:
         stmt = stmt.where(Run.status == str(getattr(status, "value", status)))
     if workflow_id is not None:

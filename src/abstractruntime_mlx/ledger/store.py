@@ -687,8 +687,10 @@ class Ledger:
         workflow_id: str | None = None,
         session_id: str | None = None,
         created_after: dt.datetime | None = None,
+        roots_only: bool = False,
+        parent_run_ids: Sequence[str] | None = None,
     ) -> list[queries.RunSummary]:
-        """Run summaries, most recently updated first (see ``queries.RunSummary``)."""
+        """Run summaries, most recently updated first (see ``queries.list_runs``)."""
         with self._read("list runs") as session:
             return queries.list_runs(
                 session,
@@ -697,6 +699,8 @@ class Ledger:
                 workflow_id=workflow_id,
                 session_id=session_id,
                 created_after=created_after,
+                roots_only=roots_only,
+                parent_run_ids=parent_run_ids,
             )
 
     def list_workflows(self) -> list[str]:
