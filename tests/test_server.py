@@ -396,6 +396,7 @@ def test_conflicting_output_caps_are_rejected() -> None:
     with TestClient(create_app(FakeProvider())) as client:
         reply = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "max_output_tokens": 4})
     assert reply.status_code == 400 and "max_tokens" in reply.json()["error"]["message"]
+    assert reply.json()["error"]["code"] == "invalid_controls"
 
 
 def test_error_after_the_first_byte_is_an_sse_error_event() -> None:

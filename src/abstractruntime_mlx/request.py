@@ -72,11 +72,38 @@ GENERATE_KEYWORDS: Final[frozenset[str]] = frozenset(
 """Every keyword ``generate`` accepts (``max_tokens`` is an alias of ``max_output_tokens``)."""
 
 
+OUTPUT_CAP_NAMES: Final[tuple[str, ...]] = ("max_output_tokens", "max_tokens", "max_completion_tokens")
+"""The names an output cap goes by at the edges (AbstractCore's, then OpenAI's two)."""
+
+
+def output_cap(*, max_output_tokens: object = None, max_tokens: object = None, max_completion_tokens: object = None) -> object:
+    """The one output cap among its aliases, as given (its value is checked by
+    ``GenerationRequest.build``): ``None`` when none is given, the value when one is given or
+    all given are equal; two different values raise ``InvalidControls`` naming the alias that
+    disagrees with the first one given. Every edge (keywords, node payload, HTTP body) asks here."""
+    given = {
+        name: value
+        for name, value in zip(OUTPUT_CAP_NAMES, (max_output_tokens, max_tokens, max_completion_tokens))
+        if value is not None
+    }
+    if not given:
+        return None
+    first = next(iter(given.values()))
+    for name, value in given.items():
+        if type(value) is not type(first) or value != first:
+            raise InvalidControls(
+                f"conflicting output caps {given}; send one of them (or equal values)", field=name, value=given
+            )
+    return first
+
+
 def check_prompt_cache_key(value: object, *, field: str = "prompt_cache_key") -> str:
-    """``value`` when it is a usable prompt-cache key: a non-empty string of at most
+    """The usable prompt-cache key of ``value``: a string, its surrounding whitespace stripped
+    (so ``" k"`` and ``"k"`` are one key at every edge), non-empty and of at most
     ``MAX_PROMPT_CACHE_KEY_CHARS`` characters; else ``InvalidControls`` naming ``field``."""
-    if not isinstance(value, str) or not value:
+    if not isinstance(value, str) or not value.strip():
         raise InvalidControls(f"{field} must be a non-empty string", field=field, value=value)
+    value = value.strip()
     if len(value) > MAX_PROMPT_CACHE_KEY_CHARS:
         raise InvalidControls(
             f"{field} is {len(value):,} characters; the limit is {MAX_PROMPT_CACHE_KEY_CHARS}",
@@ -198,7 +225,8 @@ class GenerationRequest:
         """The ``generate(prompt, **kwargs)`` edge: AbstractCore's keyword names, validated once.
 
         Unknown keywords raise ``InvalidRequest`` naming them; ``max_tokens`` is an alias of
-        ``max_output_tokens``; ``on_progress`` / ``progress_callback`` /
+        ``max_output_tokens`` (both given: equal, or ``InvalidControls``, see ``output_cap``);
+        ``on_progress`` / ``progress_callback`` /
         ``progress_event_callback`` name the progress sink; ``response_model`` (a pydantic
         model), ``response_schema`` (a JSON Schema) or ``response_format`` (OpenAI's form) ask for
         a structured answer.
@@ -207,7 +235,6 @@ class GenerationRequest:
         if unknown:
             raise InvalidRequest(f"unknown generate() argument(s): {', '.join(unknown)}")
         progress = pick_progress_callback(kwargs)
-        cap = kwargs.get("max_output_tokens")
         return cls.build(
             prompt=prompt,
             messages=kwargs.get("messages"),
@@ -215,7 +242,7 @@ class GenerationRequest:
             tools=kwargs.get("tools"),
             media=kwargs.get("media"),
             sampling={name: kwargs[name] for name in SAMPLING_FIELDS if kwargs.get(name) is not None},
-            max_output_tokens=cap if cap is not None else kwargs.get("max_tokens"),
+            max_output_tokens=output_cap(max_output_tokens=kwargs.get("max_output_tokens"), max_tokens=kwargs.get("max_tokens")),
             stop=kwargs.get("stop"),
             speculation=kwargs.get("speculation"),
             thinking=kwargs.get("thinking"),

@@ -44,7 +44,7 @@ from ..controls import NOTHING_SAID, UNSET, ControlLevel, ResolvedControls, reso
 from ..errors import InvalidRequest, MLXRuntimeError
 from ..json_values import JSONObject, JSONValue, object_at
 from ..ledger import Ledger, NodeKey, ProgressEvent, ProgressWriter, progress_idempotency_key
-from ..request import GenerationRequest, Message, ProgressSink
+from ..request import GenerationRequest, Message, ProgressSink, output_cap
 from ..results import FinishReason, GenerationResult
 from ..structured import ResponseFormat
 
@@ -265,11 +265,10 @@ def _wire_from_metadata(meta: Mapping[str, JSONValue] | None) -> JSONValue:
 def generation_request(request: NodeRequest) -> GenerationRequest:
     """The typed request of a node payload (raises ``InvalidControls``/``InvalidRequest``
     naming the bad field). ``sampling`` may also hold the limits ``max_output_tokens`` (alias
-    ``max_tokens``) and ``stop``."""
+    ``max_tokens``, see ``output_cap``) and ``stop``."""
     call, run = _levels(request)
     sampling = {name: value for name, value in request.sampling.items() if value is not None}
-    cap = sampling.pop("max_output_tokens", None)
-    alias = sampling.pop("max_tokens", None)
+    cap = output_cap(max_output_tokens=sampling.pop("max_output_tokens", None), max_tokens=sampling.pop("max_tokens", None))
     stop = sampling.pop("stop", None)
     messages = copy.deepcopy(request.messages)
     if messages is None and request.prompt_cache_key is not None:
@@ -281,7 +280,7 @@ def generation_request(request: NodeRequest) -> GenerationRequest:
         tools=copy.deepcopy(request.tools),
         media=request.media,
         sampling=copy.deepcopy(sampling),
-        max_output_tokens=cap if cap is not None else alias,
+        max_output_tokens=cap,
         stop=stop,
         speculation=call.speculation,
         thinking=call.thinking,

@@ -769,8 +769,8 @@ def _positive_int(key: str) -> Callable[[object], None]:
 
 
 def _prompt_cache_key(value: object) -> None:
-    # "" (or a non-string) turns reuse off for the node, as the host reads it: only a key is checked.
-    if isinstance(value, str) and value:
+    # "" (all whitespace, or a non-string) turns reuse off for the node, as the host reads it: only a key is checked.
+    if isinstance(value, str) and value.strip():
         check_prompt_cache_key(value)
 
 

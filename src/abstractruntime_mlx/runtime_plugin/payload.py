@@ -22,7 +22,7 @@ from ..controls import SAMPLING_FIELDS, UNSET
 from ..errors import InvalidRequest
 from ..json_values import array_at, object_at
 from ..nodes import NodeRequest
-from ..request import Message
+from ..request import Message, output_cap
 from ..structured import check_schema_limits
 from .prompt_cache import CallIdentity, node_prompt_cache_key
 from .routing import RouteDecision
@@ -98,10 +98,11 @@ def request_from_payload(
 def _output_cap(params: Mapping[str, object], payload: Mapping[str, object], run_vars: Mapping[str, object]) -> object:
     """The call's output cap as the host finds it: ``params.max_output_tokens``/``max_tokens``,
     then the payload's ``max_output_tokens``/``max_out_tokens``, then the run's
-    ``_limits.max_output_tokens`` (where an agent node's configured cap travels). A value
+    ``_limits.max_output_tokens`` (where an agent node's configured cap travels). The two
+    params follow ``request.output_cap`` (different values: ``InvalidControls``). A value
     that is not a positive number falls through to the next level; a params value that is
     neither absent nor a number is kept, so the request refuses it by name."""
-    given = params.get("max_output_tokens", params.get("max_tokens"))
+    given = output_cap(max_output_tokens=params.get("max_output_tokens"), max_tokens=params.get("max_tokens"))
     for value in (given, payload.get("max_output_tokens"), payload.get("max_out_tokens"), object_at(run_vars, "_limits").get("max_output_tokens")):
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value

@@ -46,7 +46,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..capabilities import get_execution_capabilities
 from ..controls import SAMPLING_FIELDS, normalize_speculation
-from ..request import GenerationRequest, ProgressSink
+from ..request import GenerationRequest, ProgressSink, output_cap
 from ..structured import ResponseFormat, run_schema_work
 from ..errors import (
     AuthenticationError,
@@ -396,7 +396,9 @@ def _generation_request(body: ChatCompletionRequest, response_format: ResponseFo
         media=native.images,
         tools=body.tools,
         sampling={name: value for name in SAMPLING_FIELDS if (value := getattr(body, name)) is not None},
-        max_output_tokens=body.max_output(),
+        max_output_tokens=output_cap(
+            max_output_tokens=body.max_output_tokens, max_tokens=body.max_tokens, max_completion_tokens=body.max_completion_tokens
+        ),
         stop=body.stop,
         thinking=body.thinking if body.thinking is not None else body.reasoning_effort,
         speculation=body.speculation,

@@ -168,18 +168,6 @@ class ChatCompletionRequest(BaseModel):
     def include_progress(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_progress
 
-    def max_output(self) -> int | None:
-        """The output cap from ``max_tokens`` / ``max_output_tokens`` / ``max_completion_tokens``."""
-        given = {
-            name: value
-            for name in ("max_tokens", "max_output_tokens", "max_completion_tokens")
-            if (value := getattr(self, name)) is not None
-        }
-        values = set(given.values())
-        if len(values) > 1:
-            raise InvalidRequest(f"conflicting output caps {given}; send one of them")
-        return values.pop() if values else None
-
 
 class LoadModelRequest(BaseModel):
     """``POST /acore/models/load`` (AbstractCore's ``LoadedModelRequest`` fields we honour)."""
