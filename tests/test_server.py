@@ -447,6 +447,14 @@ def test_prompt_cache_routes() -> None:
         assert client.get("/acore/prompt_cache/key_meta", params={"key": "k"}).json()["meta"]["attempt"] == 2
         reserved = client.post("/acore/prompt_cache/key_meta", json={"key": "k", "meta": {"fed_token_ids": [1]}})
         assert reserved.status_code == 400
+        # a key in the form every edge gives it: " k" is "k"; only whitespace is no key
+        assert client.post("/acore/prompt_cache/key_meta", json={"key": " k ", "meta": {"attempt": 3}}).json()["key"] == "k"
+        assert client.get("/acore/prompt_cache/key_meta", params={"key": " k"}).json()["meta"]["attempt"] == 3
+        assert client.post("/acore/prompt_cache/clear", json={"key": "  k"}).json()["result"]["key"] == "k"
+        for bad in (client.post("/acore/prompt_cache/key_meta", json={"key": "   ", "meta": {}}), client.get("/acore/prompt_cache/key_meta", params={"key": " "})):
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
+        long_key = client.get("/acore/prompt_cache/key_meta", params={"key": "k" * 513})
+        assert long_key.status_code == 400 and "limit is 512" in long_key.json()["error"]["message"]
 
 
 def test_malformed_json_is_a_400() -> None:

@@ -46,7 +46,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..capabilities import get_execution_capabilities
 from ..controls import SAMPLING_FIELDS, normalize_speculation
-from ..request import GenerationRequest, ProgressSink, output_cap
+from ..request import MAX_PROMPT_CACHE_KEY_CHARS, GenerationRequest, ProgressSink, output_cap
 from ..structured import ResponseFormat, run_schema_work
 from ..errors import (
     AuthenticationError,
@@ -498,9 +498,11 @@ async def prompt_cache_clear(request: Request) -> Response:
 async def prompt_cache_key_meta(request: Request) -> Response:
     served = _served(request)
     if request.method == "GET":
-        key = request.query_params.get("key")
+        key = (request.query_params.get("key") or "").strip()  # the form every edge gives a key
         if not key:
             raise InvalidRequest("key is required")
+        if len(key) > MAX_PROMPT_CACHE_KEY_CHARS:
+            raise InvalidRequest(f"key is {len(key):,} characters; the limit is {MAX_PROMPT_CACHE_KEY_CHARS}")
         if key not in served.key_meta:
             raise ModelNotFound(f"no metadata is stored for prompt cache key {key!r}")
         return JSONResponse({"ok": True, "operation": "key_meta", "key": key, "meta": served.key_meta[key]})

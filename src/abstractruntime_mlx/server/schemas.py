@@ -29,6 +29,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    StringConstraints,
     ValidationError,
     model_validator,
 )
@@ -47,9 +48,12 @@ MAX_MODEL_NAME_CHARS: Final = 255
 FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
 """A finite JSON number (an integer is fine); never a string, a boolean, NaN or Infinity."""
 ModelName = Annotated[StrictStr, Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
-PromptCacheKey = Annotated[StrictStr, Field(min_length=1, max_length=MAX_PROMPT_CACHE_KEY_CHARS)]
-"""A key of the ``/acore/prompt_cache/*`` routes (the chat body's ``prompt_cache_key`` is checked,
-to the same limit, by ``request.check_prompt_cache_key`` as ``invalid_controls``)."""
+PromptCacheKey = Annotated[
+    StrictStr, StringConstraints(strip_whitespace=True, min_length=1, max_length=MAX_PROMPT_CACHE_KEY_CHARS)
+]
+"""A key of the ``/acore/prompt_cache/*`` routes, in the chat body's form: surrounding whitespace
+stripped, then non-empty and within the limit (the chat body's ``prompt_cache_key`` is checked
+by ``request.check_prompt_cache_key``, as ``invalid_controls``)."""
 
 # OpenAI / AbstractCore fields accepted for compatibility that change nothing here.
 TOLERATED_CHAT_FIELDS: frozenset[str] = frozenset(
