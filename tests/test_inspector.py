@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -160,6 +161,138 @@ def test_embedded_data_cannot_close_its_script_tag(tmp_path: Path) -> None:
     assert "</script><script>alert(1)" not in page and "\\u003c/script>" in page
 
 
+HOSTILE_ID = "child-</script><img src=x onerror=alert(1)>&\"'"
+HOSTILE_HREF = "/runs/child-%3C%2Fscript%3E%3Cimg%20src%3Dx%20onerror%3Dalert(1)%3E%26%22'"  # encodeURIComponent
+
+
+def _tree_ledger(url: str) -> None:
+    """A parent run with two child runs (one of them with a child of its own, and a hostile id)
+    beside a run without children."""
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    at = lambda s: (t0 + dt.timedelta(seconds=s)).isoformat()  # noqa: E731
+    with Ledger(url) as ledger:
+        ledger.save_run(_run_state("lone", status="completed", workflow_id="w_lone", created_at=at(0)))
+        ledger.save_run(_run_state("root", status="completed", workflow_id="w_parent", created_at=at(1)))
+        ledger.save_run(_run_state("sub-1", status="completed", workflow_id="w_child", created_at=at(2), parent_run_id="root"))
+        ledger.save_run(_run_state(HOSTILE_ID, status="failed", workflow_id="w_child", created_at=at(3), parent_run_id="root"))
+        ledger.save_run(_run_state("agent-1", status="completed", workflow_id="w_agent", created_at=at(4), parent_run_id=HOSTILE_ID))
+
+
+def test_run_list_nests_child_runs_under_their_root(tmp_path: Path) -> None:
+    url = sqlite_url(tmp_path / "tree.sqlite")
+    _tree_ledger(url)
+    with TestClient(create_inspector_app(url), base_url="http://inspector") as c:
+        runs = {r["run_id"]: r for r in c.get("/api/runs").json()["runs"]}
+        assert set(runs) == {"lone", "root"}  # child runs are not rows of their own
+        assert runs["lone"]["children"] == []
+        sub, hostile = runs["root"]["children"]  # oldest first
+        assert (sub["run_id"], sub["parent_run_id"], sub["children"]) == ("sub-1", "root", [])
+        assert (hostile["run_id"], hostile["status"]) == (HOSTILE_ID, "failed")
+        assert [(g["run_id"], g["parent_run_id"], g["children"]) for g in hostile["children"]] == [("agent-1", HOSTILE_ID, [])]
+        # Filters pick top-level runs; their child runs come along whatever their status.
+        failed = c.get("/api/runs", params={"status": "failed"}).json()["runs"]
+        assert failed == []
+        (only,) = c.get("/api/runs", params={"workflow": "w_parent", "limit": "1"}).json()["runs"]
+        assert [k["run_id"] for k in only["children"]] == ["sub-1", HOSTILE_ID]
+        assert c.get("/api/runs", params={"workflow": "w_child"}).json()["runs"] == []
+
+        page = c.get("/").text  # the list page embeds the same tree, with no markup of a run id
+        assert "<img src=x" not in page and "</script><img" not in page
+        data = json.loads(re.search(r'<script id="initial" type="application/json">(.*?)</script>', page, re.S).group(1))  # type: ignore[union-attr]
+        assert [k["run_id"] for k in {r["run_id"]: r for r in data["runs"]}["root"]["children"]] == ["sub-1", HOSTILE_ID]
+
+        child_page = c.get("/runs/sub-1")  # a child run's view names its parent (the page links it)
+        assert child_page.status_code == 200
+        assert c.get("/api/runs/sub-1").json()["run"]["parent_run_id"] == "root"
+
+
+def test_list_script_renders_child_rows_as_escaped_links(tmp_path: Path) -> None:
+    """inspector.js under node with a minimal DOM: each root row has its child count, the child
+    rows (hidden until the count is clicked) link to their run pages, and every id is text and
+    an encoded URL, never markup; a child run's page links to its parent."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node on PATH")
+    url = sqlite_url(tmp_path / "tree.sqlite")
+    _tree_ledger(url)
+    with TestClient(create_inspector_app(url), base_url="http://inspector") as c:
+        listing = c.get("/api/runs").json()
+        child_view = c.get("/api/runs/agent-1").json()
+    harness = tmp_path / "render.js"
+    harness.write_text(LIST_HARNESS.replace("__SCRIPT__", json.dumps(str(STATIC_DIR / "inspector.js"))), encoding="utf-8")
+    done = subprocess.run([node, str(harness)], input=json.dumps({"list": listing, "run": child_view}), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    rows = out["closed"]
+    assert [(r["class"], r["id"], r["hidden"]) for r in rows] == [
+        ("root", "root", False), ("child", "sub-1", True), ("child", HOSTILE_ID, True), ("child", "agent-1", True), ("root", "lone", False),
+    ]
+    assert rows[0]["toggle"] == "▸ 3 child runs" and rows[4]["toggle"] is None
+    assert [r["hidden"] for r in out["opened"]] == [False] * 5 and out["opened"][0]["toggle"] == "▾ 3 child runs"
+    assert out["relisted"][1]["hidden"] is False  # a live update keeps the tree open
+    hostile = rows[2]
+    assert hostile["links"] == [{"href": HOSTILE_HREF, "text": HOSTILE_ID}]
+    assert hostile["root"] == "root" and rows[3]["root"] == "root"
+    assert out["markup"] == []  # no element was ever built from a run id
+    assert out["parent"] == {"href": HOSTILE_HREF, "text": HOSTILE_ID}
+
+
+LIST_HARNESS = r"""
+// A minimal DOM: elements with attributes, text nodes and click listeners; enough for the list
+// and the run summary. Element tags are recorded so a run id used as markup would show.
+const fs = require("fs");
+const created = [];
+class Text { constructor(t) { this.text = String(t); } get textContent() { return this.text; } }
+class Element {
+  constructor(tag) { this.tag = tag; this.attrs = {}; this.children = []; this.listeners = {}; this.className = ""; this.hidden = false; this.dataset = {}; created.push(tag); }
+  setAttribute(k, v) { if (k === "hidden") this.hidden = true; else this.attrs[k] = v; if (k.startsWith("data-")) this.dataset[k.slice(5)] = v; }
+  getAttribute(k) { return this.attrs[k]; }
+  append(...nodes) { this.children.push(...nodes); }
+  replaceChildren(...nodes) { this.children = nodes; }
+  addEventListener(name, fn) { this.listeners[name] = fn; }
+  get textContent() { return this.children.map((c) => c.textContent).join(""); }
+  set textContent(t) { this.children = [new Text(t)]; }
+  get options() { return this.children; }
+  all(tag) { return this.children.flatMap((c) => c instanceof Element ? [...(c.tag === tag ? [c] : []), ...c.all(tag)] : []); }
+}
+globalThis.Node = Object;  // every node is an object
+const input = JSON.parse(fs.readFileSync(0, "utf8"));
+const byId = {};
+for (const id of ["ledger", "status", "workflow", "empty", "live", "filters", "crumb", "summary", "run-error", "timeline", "charts", "panel"]) byId[id] = new Element("div");
+const tbody = new Element("tbody");
+const stepsBody = new Element("tbody");
+byId.initial = { textContent: JSON.stringify(input.list) };
+byId.status.options[0] = new Element("option");
+byId.workflow.options[0] = new Element("option");
+globalThis.document = {
+  body: { dataset: { page: "none" } },
+  getElementById: (id) => byId[id],
+  querySelector: (q) => (q === "#runs tbody" ? tbody : stepsBody),
+  createElement: (tag) => new Element(tag),
+  createTextNode: (t) => new Text(t),
+  createElementNS: (_ns, tag) => new Element(tag),
+};
+globalThis.window = { addEventListener() {} };
+(0, eval)(fs.readFileSync(__SCRIPT__, "utf8") + ";globalThis.renderList = renderList; globalThis.renderRun = renderRun;");
+const rows = () => tbody.children.map((tr) => {
+  const toggle = tr.all("button")[0];
+  return { class: tr.className, id: tr.attrs["data-run-id"], root: tr.attrs["data-root"] ?? null, hidden: tr.hidden,
+    toggle: toggle ? toggle.textContent : null, links: tr.all("a").map((a) => ({ href: a.attrs.href, text: a.textContent })) };
+});
+renderList(input.list);
+const closed = rows();
+tbody.children[0].all("button")[0].listeners.click();
+const opened = rows();
+renderList(input.list);
+const relisted = rows();
+const tags = new Set(["div", "tbody", "option", "tr", "td", "a", "button", "span", "b", "h1", "p", "svg", "g", "line", "text", "rect", "title", "table", "th", "h2", "h3", "pre", "polyline", "circle"]);
+try { renderRun(input.run); } catch (e) { /* the timeline needs layout; the summary is drawn first */ }
+const parentLink = byId.summary.all("a")[0];
+process.stdout.write(JSON.stringify({ closed, opened, relisted, markup: created.filter((t) => !tags.has(t)),
+  parent: parentLink ? { href: parentLink.attrs.href, text: parentLink.textContent } : null }));
+"""
+
+
 def test_api_key_guards_every_route(flow_ledger: str) -> None:
     app = create_inspector_app(flow_ledger, api_key="s3cret")
     with TestClient(app, base_url="http://inspector", follow_redirects=False) as c:
@@ -273,6 +406,13 @@ def test_runs_stream_shows_a_new_run(tmp_path: Path) -> None:
             name, listing = next(events)
             assert [r["run_id"] for r in listing["runs"]] == ["new", "old"]
             assert listing["runs"][0]["status"] == "running"
+            ledger.save_run(_run_state("new-sub", parent_run_id="new"))  # a child run nests under its root
+            name, listing = next(events)
+            assert [r["run_id"] for r in listing["runs"]] == ["new", "old"]
+            assert [(c["run_id"], c["status"]) for c in listing["runs"][0]["children"]] == [("new-sub", "running")]
+            ledger.save_run(_run_state("new-sub", status="completed", parent_run_id="new"))
+            name, listing = next(events)
+            assert [(c["run_id"], c["status"]) for c in listing["runs"][0]["children"]] == [("new-sub", "completed")]
     ledger.close()
 
 
@@ -393,7 +533,6 @@ def test_inspector_queries_on_sqlite_and_postgresql(ledger_url: str) -> None:
 
 def test_runs_web_command_serves_the_ledger(flow_ledger: str, tmp_path: Path) -> None:
     """The real command in a subprocess: it prints its URL (with the port it got) and serves."""
-    import subprocess
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

@@ -35,13 +35,18 @@ __all__ = [
     "ControlView",
     "RunView",
     "call_views",
+    "child_runs",
     "control_text",
     "node_labels",
     "payload_text",
+    "run_tree_dicts",
     "run_view",
     "summary_dict",
     "tree_calls",
 ]
+
+MAX_NESTING = 8
+"""How many levels of child runs the run views follow below a run."""
 
 TERMINAL_STEP_STATUSES = frozenset({"completed", "failed", "cancelled"})
 
@@ -199,6 +204,32 @@ def summary_dict(summary: RunSummary) -> JSONObject:
     return out
 
 
+def child_runs(ledger: Ledger, run_ids: Sequence[str], *, max_depth: int = MAX_NESTING) -> dict[str, list[RunSummary]]:
+    """``parent run id -> its child runs`` (oldest first) for the runs ``run_ids`` and their
+    descendants, down to ``max_depth`` levels: one ledger read per level."""
+    out: dict[str, list[RunSummary]] = {}
+    level = list(run_ids)
+    for _ in range(max_depth):
+        if not level:
+            break
+        found = sorted(ledger.list_runs(limit=1_000_000, parent_run_ids=level), key=lambda c: (c.created_at, c.run_id))
+        for child in found:
+            out.setdefault(child.parent_run_id or "", []).append(child)
+        level = [child.run_id for child in found]
+    return out
+
+
+def run_tree_dicts(roots: Sequence[RunSummary], children: Mapping[str, Sequence[RunSummary]]) -> list[JSONObject]:
+    """``summary_dict`` of each run in ``roots`` with ``children``: its child runs (from
+    ``child_runs``), each the same way, oldest first."""
+    out: list[JSONObject] = []
+    for run in roots:
+        item = summary_dict(run)
+        item["children"] = run_tree_dicts(children.get(run.run_id, []), children)
+        out.append(item)
+    return out
+
+
 def _step_dict(step: StepRow) -> JSONObject:
     effect = step.effect_type
     if effect == "emit_event":
@@ -250,7 +281,7 @@ def run_view(ledger: Ledger, run_id: str) -> RunView | None:
     )
 
 
-def tree_calls(ledger: Ledger, run_id: str, *, max_depth: int = 8) -> list[tuple[str, CallView]]:
+def tree_calls(ledger: Ledger, run_id: str, *, max_depth: int = MAX_NESTING) -> list[tuple[str, CallView]]:
     """``(run_id, call)`` for every LLM call of the run and of its child runs (subflows, agents),
     down to ``max_depth`` levels: the run's own calls first, then each child's tree in the order
     the children were created."""

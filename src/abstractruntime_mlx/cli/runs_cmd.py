@@ -114,10 +114,12 @@ def resolve_run_id(ledger: Ledger, run_id: str) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
+    from ..inspection import child_runs
+
     url = default_ledger_url(args.ledger)
     with open_for_inspection(url) as ledger:
         rows = ledger.list_runs(limit=args.limit, status=args.status, roots_only=not args.flat)
-        children = {} if args.flat else child_runs(ledger, [r.run_id for r in rows])
+        children = {} if args.flat else child_runs(ledger, [r.run_id for r in rows], max_depth=MAX_NESTING)
         if args.json:
             print(json.dumps([_tree_dict(r, children) for r in rows], indent=2, default=str))
             return 0
@@ -135,21 +137,6 @@ def _list(args: argparse.Namespace) -> int:
                 )
             )
     return 0
-
-
-def child_runs(ledger: Ledger, run_ids: Sequence[str]) -> dict[str, list[RunSummary]]:
-    """``parent run id -> its child runs`` (oldest first) for the runs ``run_ids`` and their
-    descendants, down to ``MAX_NESTING`` levels."""
-    out: dict[str, list[RunSummary]] = {}
-    level = list(run_ids)
-    for _ in range(MAX_NESTING):
-        if not level:
-            break
-        found = sorted(ledger.list_runs(limit=1_000_000, parent_run_ids=level), key=lambda c: (c.created_at, c.run_id))
-        for child in found:
-            out.setdefault(child.parent_run_id or "", []).append(child)
-        level = [child.run_id for child in found]
-    return out
 
 
 def _tree_rows(rows: Sequence[RunSummary], children: Mapping[str, list[RunSummary]], depth: int = 0) -> list[tuple[int, RunSummary]]:

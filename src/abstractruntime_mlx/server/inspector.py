@@ -2,12 +2,14 @@
 
 Pages (HTML with the first data embedded, then kept live by server-sent events)::
 
-    GET /                          run list (filters: ?status=completed&workflow=mlx_fanout)
+    GET /                          run list: top-level runs, each with its child runs
+                                   (filters, on the top-level runs: ?status=completed&workflow=mlx_fanout)
     GET /runs/{run_id}             timeline, per-call charts, node panel
 
 JSON and event streams (the pages use them; so can scripts)::
 
-    GET /api/runs                  {"runs": [...], "workflows": [...], "statuses": [...]}
+    GET /api/runs                  {"runs": [...], "workflows": [...], "statuses": [...]}; each run
+                                   has ``children``: its child runs (subflows, agents), nested
     GET /api/runs/stream           SSE ``runs`` events: the filtered list whenever it changes
     GET /api/runs/{run_id}         the run view (``inspection.RunView.as_dict()``)
     GET /api/runs/{run_id}/stream  SSE ``run`` events whenever the run changes; ``end`` once it
@@ -44,7 +46,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import AuthenticationError, InvalidRequest, MLXRuntimeError, RunNotFound
-from ..inspection import run_view, summary_dict
+from ..inspection import child_runs, run_tree_dicts, run_view
 from ..json_values import JSONObject, JSONValue, object_at, parse_ascii_int
 from ..ledger import Ledger, RunCursor
 from .inspector_live import DEFAULT_MAX_STREAMS, LivePoller, Read, Snapshot, Subscription
@@ -157,9 +159,11 @@ def _ledger(request: Request) -> Ledger:
 
 
 def _runs_payload(ledger: Ledger, status: str | None, workflow: str | None, limit: int) -> JSONObject:
-    runs = ledger.list_runs(limit=limit, status=status, workflow_id=workflow)
+    """The ``limit`` most recently updated top-level runs matching the filters, each with its
+    child runs nested (``children``, whatever their status or workflow)."""
+    runs = ledger.list_runs(limit=limit, status=status, workflow_id=workflow, roots_only=True)
     return {
-        "runs": [summary_dict(r) for r in runs],
+        "runs": run_tree_dicts(runs, child_runs(ledger, [r.run_id for r in runs])),
         "workflows": ledger.list_workflows(),
         "statuses": list(RUN_STATUSES),
         "filters": {"status": status, "workflow": workflow, "limit": limit},

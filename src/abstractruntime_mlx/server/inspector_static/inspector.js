@@ -72,15 +72,20 @@ function follow(url, handlers) {
 
 // ------------------------------------------------------------------ run list
 
-function renderList(data) {
-  document.getElementById("ledger").textContent = data.ledger;
-  const statusSelect = document.getElementById("status");
-  const workflowSelect = document.getElementById("workflow");
-  fillSelect(statusSelect, data.statuses, data.filters.status);
-  fillSelect(workflowSelect, data.workflows, data.filters.workflow);
-  const body = document.querySelector("#runs tbody");
-  body.replaceChildren(...data.runs.map((r) => el("tr", { "data-run-id": r.run_id, "data-status": r.status },
-    el("td", { class: "mono" }, el("a", { href: `/runs/${encodeURIComponent(r.run_id)}` }, r.run_id)),
+const openTrees = new Set();  // root runs whose child rows are shown; kept across live updates
+let listData = null;
+
+function runLink(runId) {
+  return el("a", { href: `/runs/${encodeURIComponent(runId)}` }, runId);
+}
+
+function treeRows(runs, depth) {
+  // [depth, run] for each run and, below it, its child runs (already nested by the server).
+  return runs.flatMap((r) => [[depth, r], ...treeRows(r.children || [], depth + 1)]);
+}
+
+function runCells(r) {
+  return [
     el("td", {}, statusBadge(r.status)),
     el("td", {}, r.workflow_id),
     el("td", {}, utc(r.created_at)),
@@ -89,7 +94,39 @@ function renderList(data) {
     el("td", { class: "num" }, count(r.prompt_tokens)),
     el("td", { class: "num" }, count(r.generated_tokens)),
     el("td", { class: "num" }, r.progress_count),
-  )));
+  ];
+}
+
+function rootRows(root) {
+  const below = treeRows(root.children || [], 1);
+  const open = openTrees.has(root.run_id);
+  const toggle = below.length
+    ? el("button", { type: "button", class: "toggle", "aria-expanded": String(open) },
+        `${open ? "▾" : "▸"} ${below.length} child run${below.length === 1 ? "" : "s"}`)
+    : null;
+  if (toggle) {
+    toggle.addEventListener("click", () => {
+      if (openTrees.has(root.run_id)) openTrees.delete(root.run_id);
+      else openTrees.add(root.run_id);
+      renderList(listData);
+    });
+  }
+  return [
+    el("tr", { class: "root", "data-run-id": root.run_id, "data-status": root.status },
+      el("td", { class: "mono" }, runLink(root.run_id), toggle), ...runCells(root)),
+    ...below.map(([depth, r]) => el("tr", { class: "child", hidden: !open, "data-run-id": r.run_id, "data-status": r.status, "data-root": root.run_id },
+      el("td", { class: "mono", style: `padding-left: ${0.6 + 1.2 * depth}em` }, "└ ", runLink(r.run_id)), ...runCells(r))),
+  ];
+}
+
+function renderList(data) {
+  listData = data;
+  document.getElementById("ledger").textContent = data.ledger;
+  const statusSelect = document.getElementById("status");
+  const workflowSelect = document.getElementById("workflow");
+  fillSelect(statusSelect, data.statuses, data.filters.status);
+  fillSelect(workflowSelect, data.workflows, data.filters.workflow);
+  document.querySelector("#runs tbody").replaceChildren(...data.runs.flatMap(rootRows));
   document.getElementById("empty").hidden = data.runs.length > 0;
 }
 
@@ -131,7 +168,7 @@ function renderRun(data) {
     fact("LLM calls", data.calls.length),
     fact("tokens", `${count(run.prompt_tokens)} in / ${count(run.generated_tokens)} out`),
     fact("phase events", run.progress_count),
-    run.parent_run_id ? fact("parent", run.parent_run_id) : null,
+    run.parent_run_id ? fact("parent run", runLink(run.parent_run_id)) : null,
     run.wait_reason ? fact("waiting for", run.wait_reason) : null,
   );
   const error = document.getElementById("run-error");
