@@ -42,6 +42,19 @@ def policy_file(tmp_path, monkeypatch):
 
 
 @pytest.fixture()
+def cli_env(tmp_path, monkeypatch, policy_file):
+    """For CLI calls in this process: a private cache (the embedded tiny model is built there)
+    and ledger (yielded); what the CLI made resident is unloaded at the end."""
+    from abstractruntime_mlx.nodes import default_registry
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ledger = tmp_path / "runs.sqlite"
+    monkeypatch.setenv("ABSTRACTRUNTIME_MLX_LEDGER", str(ledger))
+    yield ledger
+    default_registry().close()
+
+
+@pytest.fixture()
 def make_llm(policy_file):
     """create_llm that unloads everything it made at the end of the test."""
     from abstractruntime_mlx import create_llm

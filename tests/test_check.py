@@ -236,14 +236,6 @@ def test_unreadable_documents(tmp_path):
 # --------------------------------------------------------------------------------------- CLI
 
 
-@pytest.fixture()
-def cli_env(tmp_path, monkeypatch, policy_file):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    ledger = tmp_path / "runs.sqlite"
-    monkeypatch.setenv("ABSTRACTRUNTIME_MLX_LEDGER", str(ledger))
-    return ledger
-
-
 def cli(capsys, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()

@@ -16,7 +16,6 @@ from abstractruntime_mlx.cli.live import LiveRuns, PlainRenderer, pick_mode, run
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.inspection import run_view
 from abstractruntime_mlx.ledger import Ledger, NodeKey, ProgressEvent, sqlite_url
-from abstractruntime_mlx.nodes import default_registry
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fanout.json"
 
@@ -136,14 +135,6 @@ def test_off_mode_writes_nothing(tmp_path: Path) -> None:
     with LiveRuns(sqlite_url(tmp_path / "l.sqlite"), since=dt.datetime.now(dt.UTC), mode="off", out=out):
         pass
     assert out.getvalue() == "" and not (tmp_path / "l.sqlite").exists()
-
-
-@pytest.fixture()
-def cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy_file: Path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("ABSTRACTRUNTIME_MLX_LEDGER", str(tmp_path / "runs.sqlite"))
-    yield tmp_path / "runs.sqlite"
-    default_registry().close()
 
 
 def test_run_prints_phase_lines_when_not_a_terminal_and_pure_json_with_json(cli_env: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,19 +16,8 @@ import pytest
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.cli.run_cmd import parse_vars
 from abstractruntime_mlx.ledger import Ledger
-from abstractruntime_mlx.nodes import default_registry
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fanout.json"
-
-
-@pytest.fixture()
-def cli_env(tmp_path, monkeypatch, policy_file):
-    """A private cache (the embedded tiny model is built there) and ledger."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    ledger = tmp_path / "runs.sqlite"
-    monkeypatch.setenv("ABSTRACTRUNTIME_MLX_LEDGER", str(ledger))
-    yield ledger
-    default_registry().close()  # unload what the CLI made resident in this process
 
 
 def cli(capsys, *argv):

@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.ledger import Ledger
-from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.runtime_plugin.handler import request_from_payload
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "multiturn.json"
@@ -28,15 +26,6 @@ def test_key_levels_node_first_then_run():
     payload["params"] = {}
     assert request_from_payload(payload, run_vars).prompt_cache_key == "from-run"
     assert request_from_payload(payload, {}).prompt_cache_key is None
-
-
-@pytest.fixture()
-def cli_env(tmp_path, monkeypatch, policy_file):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    ledger = tmp_path / "runs.sqlite"
-    monkeypatch.setenv("ABSTRACTRUNTIME_MLX_LEDGER", str(ledger))
-    yield ledger
-    default_registry().close()
 
 
 def run_json(capsys, flow, *extra):

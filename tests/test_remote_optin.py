@@ -14,7 +14,6 @@ import pytest
 
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.errors import RemoteAddressForbidden, RemoteNotAllowed
-from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.runtime_plugin import RemotePolicy, parse_route, run_flow
 from abstractruntime_mlx.runtime_plugin.routing import forbidden_reason
 
@@ -60,15 +59,6 @@ def listener() -> Iterator[Listener]:
     yield server
     server.server.shutdown()
     server.server.server_close()
-
-
-@pytest.fixture()
-def cli_env(tmp_path, monkeypatch, policy_file):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    ledger = tmp_path / "runs.sqlite"
-    monkeypatch.setenv("ABSTRACTRUNTIME_MLX_LEDGER", str(ledger))
-    yield ledger
-    default_registry().close()
 
 
 def cli(capsys, *argv: str) -> tuple[int, str, str]:

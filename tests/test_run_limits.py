@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from abstractruntime_mlx.cli.main import main
-from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.runtime_plugin import DriveLimits, run_flow
 from abstractruntime_mlx.runtime_plugin.check import check_flow
 from abstractruntime_mlx.runtime_plugin.cycles import always_run, exec_cycles, subflow_cycles
@@ -77,15 +76,6 @@ def code_flow(body: str) -> dict[str, object]:
             {"source": "crunch", "sourceHandle": "output", "target": "end", "targetHandle": "result"},
         ],
     }
-
-
-@pytest.fixture()
-def cli_env(tmp_path, monkeypatch, policy_file):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    ledger = tmp_path / "runs.sqlite"
-    monkeypatch.setenv("ABSTRACTRUNTIME_MLX_LEDGER", str(ledger))
-    yield ledger
-    default_registry().close()
 
 
 def cli(capsys, *argv: str) -> tuple[int, str, str]:
