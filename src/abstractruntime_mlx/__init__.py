@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import MLXRuntimeError
 from .results import GenerationChunk, GenerationResult
+
+if TYPE_CHECKING:
+    from .provider import MLXProvider
 
 __version__ = "0.1.0"
 
@@ -19,7 +22,7 @@ __all__ = [
 ]
 
 
-def create_llm(provider: str = "mlx", model: str | None = None, **options: Any):
+def create_llm(provider: str = "mlx", model: str | None = None, **options: Any) -> "MLXProvider":
     """Create the local MLX provider: ``create_llm("mlx", model=NAME_OR_PATH, mlx_batching=True, ...)``."""
     from .provider import create_llm as _create
 

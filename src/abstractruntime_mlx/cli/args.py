@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..json_values import parse_ascii_int
 from ..default_limits import DEFAULT_CODE_MEMORY_MIB, DEFAULT_CODE_TIME_S, DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_WALL_S
@@ -19,6 +19,16 @@ def integer(text: str) -> int:
     if value is None:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r} (ASCII digits 0-9)")
     return value
+
+
+def help_handler(parser: argparse.ArgumentParser) -> "Callable[[argparse.Namespace], int]":
+    """The handler of a command group called without a subcommand: its help, exit status 2."""
+
+    def handler(_args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    return handler
 
 
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:

@@ -34,7 +34,7 @@ class CheckSettings:
     allow_remote: bool = False
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     parser = subparsers.add_parser(
         "check",
         help="check a VisualFlow JSON flow without running it (every problem, node by node)",

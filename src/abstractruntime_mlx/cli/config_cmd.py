@@ -10,9 +10,10 @@ import argparse
 import json
 import os
 from pathlib import Path
+from .args import help_handler
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     parser = subparsers.add_parser(
         "config",
         help="show or change the Core MTP policy",
@@ -20,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "($ABSTRACTCORE_CONFIG_FILE, else $ABSTRACTCORE_CONFIG_DIR/abstractcore.json, "
         "else ~/.abstractcore/config/abstractcore.json).",
     )
-    parser.set_defaults(handler=lambda _args: (parser.print_help(), 2)[1])
+    parser.set_defaults(handler=help_handler(parser))
     actions = parser.add_subparsers(dest="config_command", metavar="ACTION")
 
     show = actions.add_parser("show", help="print the config path, the MTP policy and the capability defaults (JSON)")

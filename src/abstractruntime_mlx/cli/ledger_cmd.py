@@ -14,11 +14,12 @@ import argparse
 import json
 
 from .ledger_location import default_ledger_url, existing_ledger_file
+from .args import help_handler
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     parser = subparsers.add_parser("ledger", help="the ledger database's schema revision: status, upgrade")
-    parser.set_defaults(handler=lambda _args: (parser.print_help(), 2)[1])
+    parser.set_defaults(handler=help_handler(parser))
     actions = parser.add_subparsers(dest="ledger_command", metavar="ACTION")
     status = actions.add_parser("status", help="the ledger's schema revision and the migrations it lacks")
     status.add_argument("url", nargs="?", default=None, help="ledger URL or SQLite path")

@@ -168,7 +168,7 @@ class _OneLine(logging.Formatter):
         return " ".join(line.split("\n"))
 
 
-class _StderrHandler(logging.StreamHandler):
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]  # generic only in typeshed
     """Writes to whatever ``sys.stderr`` is at emit time (tests swap it)."""
 
     @property

@@ -17,7 +17,7 @@ from typing import TypedDict
 
 from .. import artifacts
 from ..errors import ModelNotFound, UpstreamError
-from .args import integer
+from .args import help_handler, integer
 
 TINY_KINDS = ("dense", "hybrid-mtp", "vision", "dense-long", "hybrid-companion")
 
@@ -32,9 +32,9 @@ class CachedModel(TypedDict):
     refs: list[str]
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     parser = subparsers.add_parser("models", help="download, list or build models")
-    parser.set_defaults(handler=lambda _args: (parser.print_help(), 2)[1])
+    parser.set_defaults(handler=help_handler(parser))
     actions = parser.add_subparsers(dest="models_command", metavar="ACTION")
 
     download = actions.add_parser("download", help="download a model (and optionally its MTP head) from the hub")

@@ -63,7 +63,7 @@ class RunSettings:
     session_id: str | None = None
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     parser = subparsers.add_parser(
         "run",
         help="run a VisualFlow JSON flow (N concurrent runs) and print each LLM node's result",

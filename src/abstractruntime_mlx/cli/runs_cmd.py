@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Final
 
 from ..errors import RunNotFound, RunNotResumable
 from ..json_values import array_at, as_str, object_at
-from .args import add_limit_arguments, drive_limits, integer
+from .args import add_limit_arguments, drive_limits, help_handler, integer
 from .ledger_location import default_ledger_url, existing_ledger_file, open_for_inspection
 from .terminal import printable
 
@@ -40,9 +40,9 @@ MAX_NESTING = 8
 TEXT_WIDTH = 72
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     parser = subparsers.add_parser("runs", help="list, show or replay runs recorded in the ledger")
-    parser.set_defaults(handler=lambda _args: (parser.print_help(), 2)[1])
+    parser.set_defaults(handler=help_handler(parser))
     actions = parser.add_subparsers(dest="runs_command", metavar="ACTION")
 
     listing = actions.add_parser("list", help="recent runs, newest first, child runs indented under their root")

@@ -38,7 +38,7 @@ class WebSettings:
     log_level: str = "warning"
 
 
-def add_parser(actions: argparse._SubParsersAction) -> None:
+def add_parser(actions: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     web = actions.add_parser(
         "web",
         help="browse the ledger's runs in a web page (read-only; live while runs are in progress)",

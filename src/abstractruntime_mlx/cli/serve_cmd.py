@@ -40,7 +40,7 @@ class ServeSettings:
     options: dict[str, object] = field(default_factory=dict)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     parser = subparsers.add_parser("serve", help="serve one model over HTTP (OpenAI-compatible + /acore routes)")
     parser.add_argument("--model", default=None, help="checkpoint directory or Hugging Face repo id to load at start")
     parser.add_argument(

@@ -32,7 +32,7 @@ import mlx.core as mx
 from ..errors import EngineError, UpstreamError
 from .config import PREFILL_STEP_SIZE
 from .grammar import GrammarProcessor
-from .request import Sampling
+from ..controls import Sampling
 from .sampling import RowStream, make_sampler, sample_rows
 from .scheduler import BackendKind
 
@@ -262,7 +262,7 @@ class BatchBackend:
         if row is not None:
             self._rows[uid] = row
         self.uids.add(uid)
-        return uid
+        return int(uid)
 
     def adopt(self, row: DecodingRow) -> int:
         """Take a row that decoded alone (``single.SingleBackend.detach``) into the decoding

@@ -36,7 +36,8 @@ def render_prompt(
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequest("this model has no chat template; it cannot render chat messages")
     try:
-        return tokenizer.apply_chat_template(conversation, **kwargs)
+        rendered: str = tokenizer.apply_chat_template(conversation, **kwargs)
+        return rendered
     except Exception as exc:  # noqa: BLE001 - jinja raises many kinds
         raise InvalidRequest(f"the model's chat template rejected the conversation: {exc}") from exc
 

@@ -34,7 +34,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar, cast
 
 from ..errors import (
     EngineCrashed,
@@ -112,13 +112,16 @@ class _Group:
         return self.key.mode
 
 
+T = TypeVar("T")
+
+
 @dataclass(slots=True)
-class _Control:
-    fn: Callable[[], Any]
+class _Control(Generic[T]):
+    fn: Callable[[], T]
     # Runs only while no prompt batch is mid-prefill (prefix-cache blocks are leased then).
     between_prefills: bool = False
     done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
+    result: T | None = None
     error: BaseException | None = None
 
 
@@ -178,7 +181,7 @@ class Engine:
         self._retiring = False
         self._cond = threading.Condition()
         self._waiting: deque[EngineRequest] = deque()
-        self._controls: deque[_Control] = deque()
+        self._controls: deque[_Control[Any]] = deque()
         self._group: _Group | None = None
         self._admitting: list[EngineRequest] = []  # taken from the queue, not yet in a group
         self._live: dict[str, EngineRequest] = {}
@@ -312,7 +315,7 @@ class Engine:
         with self._cond:
             self._cond.notify_all()
 
-    def control(self, fn: Callable[[], Any], timeout_s: float = 60.0, *, between_prefills: bool = False) -> Any:
+    def control(self, fn: Callable[[], T], timeout_s: float = 60.0, *, between_prefills: bool = False) -> T:
         """Run ``fn`` on the worker thread between steps and return its result.
 
         ``between_prefills``: wait for a step boundary where no prompt batch is mid-prefill
@@ -320,7 +323,7 @@ class Engine:
         """
         if self._thread is not None and self._thread.is_current():
             return fn()
-        item = _Control(fn, between_prefills=between_prefills)
+        item: _Control[T] = _Control(fn, between_prefills=between_prefills)
         with self._cond:
             self._check_serving()
             self._controls.append(item)
@@ -333,7 +336,7 @@ class Engine:
                 raise QueueTimeout("a control did not run on the MLX worker in time")
         if item.error is not None:
             raise item.error
-        return item.result
+        return cast(T, item.result)  # set when done without an error
 
     def attach_head(self, timeout_s: float = 600.0) -> float | None:
         """Attach the resident target's MTP head on the worker, between steps, once.
@@ -570,7 +573,7 @@ class Engine:
             item.done.set()
 
     def _run_controls(self) -> None:
-        deferred: list[_Control] = []
+        deferred: list[_Control[Any]] = []
         try:
             while True:
                 with self._cond:
@@ -590,7 +593,7 @@ class Engine:
         group = self._group
         return group is not None and group.backend.prefilling
 
-    def _run_control(self, item: _Control) -> None:
+    def _run_control(self, item: _Control[Any]) -> None:
         try:
             item.result = item.fn()
         except BaseException as exc:  # noqa: BLE001 - handed back to the caller

@@ -213,7 +213,8 @@ def _read_config(path: Path) -> dict[str, Any]:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelNotFound(f"{path} has no config.json; it is not a model checkpoint directory")
-    return json.loads(config_file.read_text())
+    config: dict[str, Any] = json.loads(config_file.read_text())
+    return config
 
 
 def _load_native(path: Path, config: dict[str, Any]) -> LoadedModel:

@@ -160,7 +160,7 @@ class EngineRequest:
     prompt_cache: dict[str, Any] | None = None
     # The admitted request whose prefill stores the prefix this one shares (see scheduler).
     prefix_leader: EngineRequest | None = None
-    outputs: queue.SimpleQueue = field(init=False)
+    outputs: "queue.SimpleQueue[Any]" = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Outcome | None = None
     waker: Callable[[], None] | None = None

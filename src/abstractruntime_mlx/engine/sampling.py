@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from .request import Sampling
+from ..controls import Sampling
 
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1

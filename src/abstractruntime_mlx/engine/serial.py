@@ -21,7 +21,7 @@ from ..errors import UpstreamError
 from .backend import PrefillRow, RestoredPrefix, StepResult, TokenEvent, map_upstream_errors, row_processors
 from .grammar import GrammarProcessor
 from .prefix_cache import GUARD_TOKENS, SerialStore
-from .request import Sampling
+from ..controls import Sampling
 from .sampling import make_sampler
 from .scheduler import BackendKind
 

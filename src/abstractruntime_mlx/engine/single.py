@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from .backend import DecodingRow, PrefillRow, RestoredPrefix, StepResult, TokenEvent, map_upstream_errors, needs_positions
 from .grammar import GrammarProcessor
-from .request import Sampling
+from ..controls import Sampling
 from .sampling import RowStream, sample_rows
 from .scheduler import BackendKind
 

@@ -13,12 +13,13 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Literal, overload
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, overload
 
 from ..artifacts import DOWNLOAD_COMMAND, companion_candidates, detect_mtp, looks_like_path, resolve_model_path
 from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_controls
 from ..engine.chat import prepare_conversation, render_prompt
-from ..engine.loop import Engine, EngineConfig
+from ..engine.config import EngineConfig
+from ..engine.loop import Engine
 from ..engine.model import Lane, LoadedModel
 from ..engine.prefix_cache import image_hash, validate_options as validate_cache_options
 from ..engine.stream import RequestStream
@@ -603,7 +604,8 @@ def _encode_within_context(loaded: Any, text: str, cap: int | None) -> list[int]
                 f"{cap or 1}; this model's context is {context} tokens",
                 details={"prompt_tokens_at_least": at_least, "max_output_tokens": cap or 1, "context_length": context},
             )
-    return loaded.encode(text)
+    ids: list[int] = loaded.encode(text)
+    return ids
 
 
 def _output_cap(loaded: Any, prompt_tokens: int, cap: int | None) -> int:
@@ -614,7 +616,7 @@ def _output_cap(loaded: Any, prompt_tokens: int, cap: int | None) -> int:
     context = loaded.context_length
     if context is None:
         return DEFAULT_MAX_OUTPUT_TOKENS
-    return max(1, min(DEFAULT_MAX_OUTPUT_TOKENS, context - prompt_tokens))
+    return max(1, min(DEFAULT_MAX_OUTPUT_TOKENS, int(context) - prompt_tokens))
 
 
 def _load_images(media: tuple[Any, ...], loaded: LoadedModel) -> list[Any]:
@@ -647,7 +649,9 @@ def _load_images(media: tuple[Any, ...], loaded: LoadedModel) -> list[Any]:
     return images
 
 
-def _image_kwargs_factory(request: EngineRequest, loaded: Any, text: str, images: list[Any]):
+def _image_kwargs_factory(
+    request: EngineRequest, loaded: Any, text: str, images: list[Any]
+) -> Callable[[], dict[str, Any]]:
     from ..engine.backend import image_prompt_inputs
 
     def factory() -> dict[str, Any]:

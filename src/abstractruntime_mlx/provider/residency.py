@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.loop import Engine, EngineConfig
+from ..engine.config import EngineConfig
+from ..engine.loop import Engine
 from ..engine.model import Lane, load_model
 from ..engine.prefix_cache import CacheOptions
 from ..errors import OwnerBusy, ResidencyConflict

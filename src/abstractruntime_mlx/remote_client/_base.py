@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import hashlib
 import json
 import logging
 import os
@@ -104,6 +105,23 @@ def normalize_base_url(base_url: str) -> str:
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+AFFINITY_HEADER: Final = "X-Session-Affinity"
+"""The header carrying a call's affinity key (its run's session id, else its run id): a load
+balancer in front of a pool of servers hashes it, so a run's calls and sibling prefetches stay
+on one server (``abstractruntime-mlx lb-config`` writes such a configuration for HAProxy)."""
+
+_AFFINITY_HEADER_CHARS: Final = 128
+
+
+def affinity_header_value(key: str) -> str:
+    """The ``X-Session-Affinity`` value of ``key``: the key itself when it is at most 128
+    visible ASCII characters, else ``sha256:`` and its digest's first 32 hex digits (a header
+    carries no other text, and a balancer only needs equal keys to give equal values)."""
+    if len(key) <= _AFFINITY_HEADER_CHARS and key.isascii() and key.isprintable() and " " not in key:
+        return key
+    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
 
 
 # --------------------------------------------------------------------------- request
@@ -380,7 +398,7 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 def backoff_s(attempt: int, base_s: float) -> float:
-    return min(MAX_BACKOFF_S, base_s * (2**attempt))
+    return min(MAX_BACKOFF_S, base_s * 2.0**attempt)
 
 
 def transport_error(exc: httpx.HTTPError, url: str) -> MLXRuntimeError:

@@ -30,6 +30,7 @@ from ..request import GenerationRequest
 from ..errors import InvalidRequest, UpstreamError
 from ..results import GenerationChunk, GenerationResult
 from ._base import (
+    AFFINITY_HEADER,
     CHAT_PATH,
     DEFAULT_BACKOFF_S,
     DEFAULT_MAX_RETRIES,
@@ -39,6 +40,7 @@ from ._base import (
     ClientState,
     SSEParser,
     StreamDecoder,
+    affinity_header_value,
     auth_headers,
     backoff_s,
     build_chat_call,
@@ -108,6 +110,8 @@ class _ClientCore:
     def _prepare(self, request: GenerationRequest, stream: bool, model: str | None) -> _Prepared:
         call = build_chat_call(request, model=model, stream=stream, want_events=request.cancel is not None)
         headers = {"Accept": "text/event-stream" if call.sse else "application/json"}
+        if request.affinity_key is not None:
+            headers[AFFINITY_HEADER] = affinity_header_value(request.affinity_key)
         if request.trace_metadata:
             headers["X-AbstractCore-Trace-Metadata"] = json.dumps(
                 dict(request.trace_metadata), separators=(",", ":"), default=str
@@ -141,7 +145,8 @@ class _ClientCore:
 
 
 def _is_sse(response: httpx.Response) -> bool:
-    return response.headers.get("content-type", "").startswith("text/event-stream")
+    content_type: str = response.headers.get("content-type", "")
+    return content_type.startswith("text/event-stream")
 
 
 def _json_body(content: bytes) -> JSONObject:

@@ -155,6 +155,6 @@ def build_runtime(
 def pack_of(runtime: Runtime) -> MLXPack:
     """The pack behind a runtime made by ``build_runtime``."""
     pack = getattr(runtime, _PACK_ATTRIBUTE, None)
-    if pack is None:
+    if not isinstance(pack, MLXPack):
         raise ValueError("this Runtime was not made by abstractruntime_mlx.runtime_plugin.build_runtime")
     return pack

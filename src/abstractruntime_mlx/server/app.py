@@ -339,7 +339,8 @@ class BearerAuth:
 
 
 def _served(request: Request) -> ServedModel:
-    return request.app.state.served
+    served: ServedModel = request.app.state.served
+    return served
 
 
 def _error_response(exc: BaseException) -> JSONResponse:
@@ -683,7 +684,8 @@ async def _sse_events(
 
 
 def _json_safe(value: object) -> JSONValue:
-    return json.loads(json.dumps(value, default=str))
+    safe: JSONValue = json.loads(json.dumps(value, default=str))
+    return safe
 
 
 # --------------------------------------------------------------------------- app

@@ -49,7 +49,8 @@ from ..errors import AuthenticationError, InvalidRequest, MLXRuntimeError, RunNo
 from ..inspection import child_runs, run_tree_dicts, run_view
 from ..json_values import JSONObject, JSONValue, object_at, parse_ascii_int
 from ..ledger import Ledger, RunCursor
-from .inspector_live import DEFAULT_MAX_STREAMS, LivePoller, Read, Snapshot, Subscription
+from ..default_limits import DEFAULT_MAX_STREAMS
+from .inspector_live import LivePoller, Read, Snapshot, Subscription
 from .sse import SSEResponse, named_event
 from .wire import error_payload
 

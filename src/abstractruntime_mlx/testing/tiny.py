@@ -151,7 +151,8 @@ def read_marker(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     marker = Path(path) / MARKER_FILE
     if not marker.is_file():
         return None
-    return json.loads(marker.read_text())
+    recipe: dict[str, Any] = json.loads(marker.read_text())
+    return recipe
 
 
 def tiny_image(

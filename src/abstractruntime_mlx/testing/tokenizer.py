@@ -10,6 +10,7 @@ import functools
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 from .chat_template import CHAT_TEMPLATE
 
@@ -91,7 +92,7 @@ def _made_up_word(rng: random.Random) -> str:
 
 
 @functools.cache
-def build_tokenizer():
+def build_tokenizer() -> Any:
     """Train the byte-level BPE and wrap it as a ``PreTrainedTokenizerFast`` (deterministic).
 
     Cached: training takes about half a second and the result never changes. Treat the
@@ -123,7 +124,7 @@ def build_tokenizer():
     return fast
 
 
-def save_tokenizer(tokenizer, path: Path) -> None:
+def save_tokenizer(tokenizer: Any, path: Path) -> None:
     """Write tokenizer files, pinning ``tokenizer_class`` to ``PreTrainedTokenizerFast``."""
     tokenizer.save_pretrained(str(path))
     config_path = Path(path) / "tokenizer_config.json"
@@ -133,6 +134,6 @@ def save_tokenizer(tokenizer, path: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def token_ids(tokenizer) -> dict[str, int]:
+def token_ids(tokenizer: Any) -> dict[str, int]:
     """Ids of the special and markup tokens, by token text."""
     return {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
