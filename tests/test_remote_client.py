@@ -73,6 +73,7 @@ def test_body_forwards_controls_like_abstractcore_expects() -> None:
         "stop": ["\n\n"],
         "max_tokens": 64,
         "thinking": "high",
+        "chat_template_kwargs": {"enable_thinking": True, "reasoning_effort": "high"},  # mlx_lm.server's form
         "speculation": False,
         "prompt_cache_key": "session:1",
         "stream": False,

@@ -40,6 +40,14 @@ ProgressSink = Callable[[JSONObject], object]
 Message = Mapping[str, JSONValue]
 """One chat turn as JSON (``role``, ``content`` ...): data from outside, checked only for its ``role``."""
 
+MAX_AFFINITY_KEY_CHARS: Final = 512
+"""Longest ``affinity_key`` (a session or run id): it travels in a header a load balancer hashes."""
+
+AFFINITY_HEADER: Final = "X-Session-Affinity"
+"""The header carrying a call's affinity key (its run's session id, else its run id): a load
+balancer in front of a pool of servers hashes it, so a run's calls and sibling prefetches stay
+on one server (``lb_config`` writes such a configuration for HAProxy)."""
+
 MAX_PROMPT_CACHE_KEY_CHARS: Final = 512
 """Longest ``prompt_cache_key``: the prefix cache and the server's key metadata hold every key
 they know in memory, so a key's length is bounded like any other input (derived keys are
@@ -59,6 +67,7 @@ GENERATE_KEYWORDS: Final[frozenset[str]] = frozenset(
         "prompt_cache_key",
         "cancel_event",
         "trace_metadata",
+        "affinity_key",
         "max_output_tokens",
         "max_tokens",
         "stop",
@@ -113,6 +122,23 @@ def check_prompt_cache_key(value: object, *, field: str = "prompt_cache_key") ->
     return value
 
 
+def check_affinity_key(value: object) -> str:
+    """A usable affinity key: a string, surrounding whitespace stripped, non-empty, of at most
+    ``MAX_AFFINITY_KEY_CHARS`` characters; else ``InvalidControls`` naming ``affinity_key``.
+    Any characters are allowed: the remote client sends a key that is not plain header text as
+    its digest (``remote_client._base.affinity_header_value``)."""
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidControls("affinity_key must be a non-empty string", field="affinity_key", value=value)
+    value = value.strip()
+    if len(value) > MAX_AFFINITY_KEY_CHARS:
+        raise InvalidControls(
+            f"affinity_key is {len(value):,} characters; the limit is {MAX_AFFINITY_KEY_CHARS}",
+            field="affinity_key",
+            value=value[:64] + "…",
+        )
+    return value
+
+
 def pick_progress_callback(values: Mapping[str, object]) -> ProgressSink | None:
     """The first callable among ``on_progress``, ``progress_callback``, ``progress_event_callback``."""
     for name in PROGRESS_ALIASES:
@@ -138,6 +164,9 @@ class GenerationRequest:
     - ``response_format``: the structured answer asked for (None: free text), see ``structured``.
     - ``prompt_cache_key``: the caller's prefix-reuse key; ``trace_metadata``: passed to
       remote servers as a header.
+    - ``affinity_key``: what keeps this call's conversation on one server of a pool (a run's
+      session id, else its run id); a remote client sends it as the ``X-Session-Affinity``
+      header, which a load balancer hashes (``lb_config``). Not part of the call's identity.
     - ``cancel`` / ``progress``: the sinks of this call (not part of its identity).
     """
 
@@ -153,6 +182,7 @@ class GenerationRequest:
     response_format: ResponseFormat | None = None
     prompt_cache_key: str | None = None
     trace_metadata: Mapping[str, object] | None = None
+    affinity_key: str | None = field(default=None, compare=False)
     cancel: threading.Event | None = field(default=None, compare=False)
     progress: ProgressSink | None = field(default=None, compare=False)
 
@@ -176,6 +206,7 @@ class GenerationRequest:
         response_format: ResponseFormat | None = None,
         prompt_cache_key: object = None,
         trace_metadata: object = None,
+        affinity_key: object = None,
         cancel: object = None,
         progress: object = None,
     ) -> GenerationRequest:
@@ -216,6 +247,7 @@ class GenerationRequest:
             response_format=response_format,
             prompt_cache_key=cache_key,
             trace_metadata=dict(trace_metadata) if trace_metadata else None,
+            affinity_key=None if affinity_key is None else check_affinity_key(affinity_key),
             cancel=cancel,
             progress=progress,  # checked callable above
         )
@@ -253,6 +285,7 @@ class GenerationRequest:
             ),
             prompt_cache_key=kwargs.get("prompt_cache_key"),
             trace_metadata=kwargs.get("trace_metadata"),
+            affinity_key=kwargs.get("affinity_key"),
             cancel=kwargs.get("cancel_event"),
             progress=progress,
         )

@@ -44,6 +44,7 @@ COMMAND_MODULES = (
     "models_cmd",
     "generate_cmd",
     "serve_cmd",
+    "lb_config_cmd",
     "check_cmd",
     "run_cmd",
     "runs_cmd",

@@ -118,7 +118,9 @@ class NodeRequest:
     ``sampling`` holds generation knobs (``temperature``, ``seed``, ``max_output_tokens``,
     ``top_p``, ``stop`` ...). ``base_url`` selects the remote client. ``response_schema``
     (a JSON Schema, named ``response_schema_name``) asks for a structured answer: the result's
-    ``data`` holds it, parsed and valid.
+    ``data`` holds it, parsed and valid. ``affinity_key`` (the run's session id, else its run
+    id) is sent to a remote server as the ``X-Session-Affinity`` header, so a load balancer keeps
+    a run on one server; it does not change the answer.
     """
 
     prompt: str = ""
@@ -138,6 +140,7 @@ class NodeRequest:
     prompt_cache_key: str | None = None
     response_schema: Mapping[str, object] | None = None
     response_schema_name: str | None = None
+    affinity_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +294,7 @@ def generation_request(request: NodeRequest) -> GenerationRequest:
             else ResponseFormat.build(request.response_schema, name=request.response_schema_name)
         ),
         prompt_cache_key=request.prompt_cache_key,
+        affinity_key=request.affinity_key,
     )
 
 

@@ -6,7 +6,9 @@ this package's server and AbstractCore's servers (``abstractcore.endpoint.app`` 
 
 - the chat body is OpenAI's plus ``speculation`` (``false`` or an MTP object),
   ``thinking``, ``prompt_cache_key``; the output cap travels as ``max_tokens`` (AbstractCore
-  reads no other name);
+  reads no other name); a thinking control also travels as ``chat_template_kwargs``
+  (``enable_thinking``), the form mlx_lm.server reads;
+- a call with an affinity key sends it as ``X-Session-Affinity`` (a load balancer's hash key);
 - diagnostics come back under the additive ``abstractcore`` field (non-stream body, and
   the terminal chunk of a stream);
 - errors are ``{"error": {"message", "type", "code"}}`` (AbstractCore's FastAPI
@@ -107,11 +109,6 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-AFFINITY_HEADER: Final = "X-Session-Affinity"
-"""The header carrying a call's affinity key (its run's session id, else its run id): a load
-balancer in front of a pool of servers hashes it, so a run's calls and sibling prefetches stay
-on one server (``abstractruntime-mlx lb-config`` writes such a configuration for HAProxy)."""
-
 _AFFINITY_HEADER_CHARS: Final = 128
 
 
@@ -154,6 +151,8 @@ def build_chat_call(request: GenerationRequest, *, model: str | None, stream: bo
     if request.stop:
         body["stop"] = list(request.stop)
     body.update(request.call.to_dict())
+    if request.thinking is not None:
+        body["chat_template_kwargs"] = thinking_template_kwargs(request.thinking)
     if request.tools:
         body["tools"] = [dict(tool) for tool in request.tools]
     if request.prompt_cache_key is not None:
@@ -169,6 +168,17 @@ def build_chat_call(request: GenerationRequest, *, model: str | None, stream: bo
             options["include_usage"] = True
         body["stream_options"] = options
     return ChatCall(body=body, stream=bool(stream), sse=sse, on_progress=request.progress)
+
+
+def thinking_template_kwargs(thinking: bool | str) -> JSONObject:
+    """The chat template's arguments for a thinking control, as ``engine.chat.render_prompt``
+    passes them (``enable_thinking``; a level also as ``reasoning_effort``). mlx_lm.server (also
+    under ``mlx.launch``) reads only ``chat_template_kwargs``; this package's server and
+    AbstractCore's read ``thinking`` and take this as the same value."""
+    out: JSONObject = {"enable_thinking": thinking is not False}
+    if isinstance(thinking, str):
+        out["reasoning_effort"] = thinking
+    return out
 
 
 def wire_messages(messages: Iterable[Mapping[str, JSONValue]], media: tuple[object, ...]) -> list[JSONObject]:

@@ -26,11 +26,10 @@ from typing import Literal, overload
 import httpx
 
 from ..json_values import JSONObject, JSONValue, array_at, as_str, objects_in
-from ..request import GenerationRequest
+from ..request import AFFINITY_HEADER, GenerationRequest
 from ..errors import InvalidRequest, UpstreamError
 from ..results import GenerationChunk, GenerationResult
 from ._base import (
-    AFFINITY_HEADER,
     CHAT_PATH,
     DEFAULT_BACKOFF_S,
     DEFAULT_MAX_RETRIES,

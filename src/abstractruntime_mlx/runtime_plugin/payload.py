@@ -55,6 +55,7 @@ def request_from_payload(
     ``server_base_url``, ``default_base_url``. Model: ``default_model`` when ``force_model``,
     else the payload's model, else ``default_model``. ``route`` (a ``routing.RouteDecision``)
     replaces all of that: it names the provider, model and server that serve the node.
+    ``call``'s session id (else its run id) is the request's ``affinity_key``.
     """
     params = object_at(payload, "params")
     runtime_ns = object_at(run_vars or {}, "_runtime")
@@ -92,6 +93,7 @@ def request_from_payload(
         prompt_cache_key=node_prompt_cache_key(params, config, run_vars or {}, call, provider=provider, model=model),
         response_schema=_response_schema(payload.get("response_schema")),
         response_schema_name=_str_or_none(payload.get("response_schema_name")),
+        affinity_key=None if call is None else (call.session_id or call.run_id or None),
     )
 
 

@@ -401,7 +401,7 @@ def _generation_request(body: ChatCompletionRequest, response_format: ResponseFo
             max_output_tokens=body.max_output_tokens, max_tokens=body.max_tokens, max_completion_tokens=body.max_completion_tokens
         ),
         stop=body.stop,
-        thinking=body.thinking if body.thinking is not None else body.reasoning_effort,
+        thinking=body.thinking_said(),
         speculation=body.speculation,
         response_format=response_format,
         prompt_cache_key=body.prompt_cache_key,

@@ -158,6 +158,9 @@ class ChatCompletionRequest(BaseModel):
     speculation: object = None
     thinking: object = None
     reasoning_effort: StrictStr | None = None
+    # mlx_lm.server's form of thinking (``{"enable_thinking": false}``), which the remote client
+    # sends beside ``thinking``; only ``enable_thinking`` is read, when ``thinking`` is absent.
+    chat_template_kwargs: dict[str, object] | None = None
     prompt_cache_key: StrictStr | None = None
     tools: list[dict[str, object]] | None = None
     # OpenAI's structured output; checked by ``structured.ResponseFormat.from_openai``.
@@ -167,6 +170,15 @@ class ChatCompletionRequest(BaseModel):
         """Extra top-level fields that are neither known nor tolerated (for the warning)."""
         extra = self.model_extra or {}
         return sorted(k for k in extra if k not in TOLERATED_CHAT_FIELDS)
+
+    def thinking_said(self) -> object:
+        """The thinking control of this body: ``thinking``, else ``reasoning_effort``, else
+        ``chat_template_kwargs.enable_thinking`` (mlx_lm.server's form); ``None`` when none says."""
+        if self.thinking is not None:
+            return self.thinking
+        if self.reasoning_effort is not None:
+            return self.reasoning_effort
+        return (self.chat_template_kwargs or {}).get("enable_thinking")
 
     @property
     def include_progress(self) -> bool:
