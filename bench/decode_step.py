@@ -150,10 +150,11 @@ def single_ms(model: Any, vocab: int, stream: Any, *, lane: bool) -> float:
     row = prompts(1, vocab)[0]
     times = []
     if lane:
+        from abstractruntime_mlx.engine.backend import RowInput
         from abstractruntime_mlx.engine.single import SingleBackend
 
         single = SingleBackend(model, stop_criteria=lambda t: False, prefill_step_size=256, stream=stream)
-        single.insert(row, STEPS + 16, {})
+        single.insert(RowInput(row, STEPS + 16))
         while not single.decoding:
             single.step(observe_prefill=False)
         for _ in range(STEPS):
@@ -192,7 +193,7 @@ def batch_steps(backend: Any, width: int) -> float:
 def upstream(model: Any, processor: Any, width: int, vocab: int, stream: Any, *, handed_off: bool) -> float:
     import mlx.core as mx
 
-    from abstractruntime_mlx.engine.backend import BatchBackend, text_prompt_kwargs
+    from abstractruntime_mlx.engine.backend import BatchBackend, RowInput
     from abstractruntime_mlx.engine.single import SingleBackend
 
     rows = prompts(width, vocab)
@@ -201,13 +202,13 @@ def upstream(model: Any, processor: Any, width: int, vocab: int, stream: Any, *,
         if handed_off:
             tokenizer = getattr(processor, "tokenizer", processor)
             single = SingleBackend(model, stop_criteria=tokenizer.stopping_criteria, prefill_step_size=256, stream=stream)
-            single.insert(rows[0], 10_000, {})
+            single.insert(RowInput(rows[0], 10_000))
             while not single.decoding:
                 single.step(observe_prefill=False)
             backend.adopt(single.detach()[1])
             rows = rows[1:]
         for row in rows:
-            backend.insert(row, 10_000, text_prompt_kwargs(model, row))
+            backend.insert(RowInput(row, 10_000))
         return batch_steps(backend, width)
 
 

@@ -34,13 +34,13 @@ def test_batch_generator_fields():
 def test_row_counters_on_a_live_batch(dense_model):
     import mlx_vlm
 
-    from abstractruntime_mlx.engine.backend import BatchBackend, text_prompt_kwargs
+    from abstractruntime_mlx.engine.backend import BatchBackend, RowInput
 
     model, processor = mlx_vlm.load(dense_model)
     backend = BatchBackend(model, processor, max_batch_size=2, prefill_step_size=16)
     tokenizer = processor.tokenizer if hasattr(processor, "tokenizer") else processor
     rows = [tokenizer.encode("a b c d " * 20), tokenizer.encode("x y " * 10)]
-    uids = [backend.insert(ids, 4, text_prompt_kwargs(model, ids)) for ids in rows]
+    uids = [backend.insert(RowInput(ids, 4)) for ids in rows]
     seen: dict[int, list[int]] = {uid: [] for uid in uids}
     finished = set()
     while backend.has_work:

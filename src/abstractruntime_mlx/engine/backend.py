@@ -36,6 +36,12 @@ from ..controls import Sampling
 from .sampling import RowStream, make_sampler, sample_rows
 from .scheduler import BackendKind
 
+if TYPE_CHECKING:
+    from .prefix_cache import SerialStore
+
+# The prompt kwarg upstream's prefix cache reads a row's salt from (``mlx_vlm.apc``).
+APC_SALT_KWARG = "_apc_semantic_hash"
+
 
 
 @contextlib.contextmanager
@@ -85,6 +91,30 @@ class DecodingRow:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixReuse:
+    """How a keyed row reuses stored prefixes: blocks (or snapshots) are keyed by its tokens
+    and ``salt``; ``serial`` is the serialized lane's snapshot store (None elsewhere, where the
+    generator's prefix-cache manager holds the blocks)."""
+
+    salt: int
+    serial: SerialStore | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RowInput:
+    """One request's row, as every backend takes it."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    grammar: GrammarProcessor | None = None
+    # The model inputs of a prompt that is more than token ids (an image prompt's embeddings
+    # and positions, from the processor); None: the backend embeds ``prompt_ids`` itself.
+    prompt_inputs: dict[str, Any] | None = None
+    prefix: PrefixReuse | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RestoredPrefix:
     """A row's prompt cache restored from the prefix cache (the serialized lane's snapshots):
     it already holds the prompt's first ``prefilled`` tokens, ``cached`` of them from a stored
@@ -104,16 +134,7 @@ class Backend(Protocol):
     max_batch_size: int
     uids: set[int]
 
-    def insert(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        prompt_kwargs: dict[str, Any],
-        sampling: Sampling | None = None,
-        grammar: GrammarProcessor | None = None,
-        *,
-        restored: RestoredPrefix | None = None,
-    ) -> int: ...
+    def insert(self, row: RowInput) -> int: ...
     def free_slots(self) -> int: ...
     def allow_partial_prefill(self) -> None: ...
     def remove(self, uid: int) -> bool: ...
@@ -123,6 +144,9 @@ class Backend(Protocol):
     @property
     def can_hand_off(self) -> bool:
         """Its one row decodes and can move into a batch as is (only the single lane's can)."""
+        ...
+    def detach(self) -> tuple[int, DecodingRow]:
+        """Give up the decoding row (only while ``can_hand_off``); the lane is empty afterwards."""
         ...
     def step(self, *, observe_prefill: bool) -> StepResult: ...
     def speculation_counters(self) -> tuple[int, float, int] | None: ...
@@ -189,6 +213,9 @@ class BatchBackend:
     kind = BackendKind.BATCH
     can_hand_off = False
 
+    def detach(self) -> tuple[int, DecodingRow]:
+        raise RuntimeError("a batch's rows stay in it; only the single lane hands a row off")
+
     def __init__(
         self,
         model: Any,
@@ -237,30 +264,25 @@ class BatchBackend:
         self.uids: set[int] = set()
 
     # --- admission -------------------------------------------------------------------
-    def insert(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        prompt_kwargs: dict[str, Any],
-        sampling: Sampling | None = None,
-        grammar: GrammarProcessor | None = None,
-        *,
-        restored: RestoredPrefix | None = None,
-    ) -> int:
-        """Queue one row with its own sampling controls (greedy when None) and, for structured
-        output, its own grammar (applied last, after penalties and bias). Prefixes come from
-        the generator's own prefix cache (``apc_manager``), never ``restored``."""
-        if restored is not None:
+    def insert(self, row: RowInput) -> int:
+        """Queue one row with its own sampling controls and, for structured output, its own
+        grammar (applied last, after penalties and bias). A keyed row's prefix comes from the
+        generator's prefix cache (``apc_manager``), looked up by its salt."""
+        if row.prefix is not None and row.prefix.serial is not None:
             raise RuntimeError("a batch restores prefixes through its prefix-cache manager")
-        sampling = sampling or Sampling()
+        prompt_kwargs = row.prompt_inputs if row.prompt_inputs is not None else text_prompt_kwargs(self.model, row.prompt_ids)
+        if row.prefix is not None:
+            prompt_kwargs = {**prompt_kwargs, APC_SALT_KWARG: row.prefix.salt}
         with map_upstream_errors("inserting a prompt"):
             # Built before the row exists: a value refused here (seed, bias ids) fails this
             # request only, never the batch it would have joined.
-            row = RowStream.for_sampling(sampling) if self._per_row else None
-            processors = row_processors(sampling, grammar)
-            (uid,) = self._gen.insert([prompt_ids], max_tokens=[max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors])
-        if row is not None:
-            self._rows[uid] = row
+            stream = RowStream.for_sampling(row.sampling) if self._per_row else None
+            processors = row_processors(row.sampling, row.grammar)
+            (uid,) = self._gen.insert(
+                [row.prompt_ids], max_tokens=[row.max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
+            )
+        if stream is not None:
+            self._rows[uid] = stream
         self.uids.add(uid)
         return int(uid)
 

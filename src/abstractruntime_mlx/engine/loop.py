@@ -8,15 +8,17 @@ strings and hands tokens to each request's bounded output queue. Controls run be
 
 Who writes what (the ownership rule):
 
-- Caller threads write only under ``_cond``: ``_waiting`` (appended by ``submit``), ``_live``
-  (added by ``submit``), ``_controls`` (appended by ``control``), ``_stopping``, ``_retiring``,
-  ``stats.submitted`` and ``stats.rejected``; and, without the lock, a request's
-  ``cancel_event`` (an Event) and ``_closed`` once ``stop`` has joined the worker.
-- The worker writes everything else: ``_group``, ``_admitting``, ``scheduler``, ``loaded``,
-  ``prefix_cache``, ``_fatal``, ``_load_error``, ``_closed`` as it ends, the step profile and
-  ``peak_batch_size`` in ``stats``, and every field
-  of a request once submitted (status, uid, timings, ``outcome``). It removes from ``_waiting``,
-  ``_live`` and ``_controls``, and counts finished requests in ``stats``, under ``_cond``.
+- Caller threads talk to the worker through typed commands (``Submit``, ``RunControl``) put in
+  ``_inbox`` under ``_cond``. Besides the inbox they write only, under ``_cond``: ``_live`` (a
+  submitted request is live at once), ``_rejected``, ``_stopping`` and ``_retiring``; and,
+  without the lock, a request's ``cancel_event`` (an Event, so that an event loop or a
+  disconnect handler can cancel without taking the lock) and ``_closed`` once ``stop`` has
+  joined the worker.
+- The worker writes everything else: it takes commands off the inbox into its own ``_waiting``
+  and ``_controls`` queues, and writes ``_group``, ``_admitting``, ``scheduler``, ``loaded``,
+  ``prefix_cache``, ``_fatal``, ``_load_error``, ``_closed`` as it ends, all of ``stats``
+  (one writer), and every field of a request once submitted (status, uid, timings,
+  ``outcome``). It changes ``_waiting``, ``_controls`` and ``_live`` under ``_cond``.
 - Callers read the shared collections and counters under ``_cond`` (``snapshot``,
   ``active_count``, ``settle``); single references (``_fatal``, ``_stopping``, ``_closed``,
   ``loaded``) without it, each read once into a local. A request's own results are read
@@ -46,7 +48,7 @@ from ..errors import (
     RuntimeClosed,
     StreamBackpressure,
 )
-from .backend import Backend, BatchBackend, Drafter, PrefillRow, RestoredPrefix, StepResult, text_prompt_kwargs
+from .backend import Backend, BatchBackend, Drafter, PrefillRow, PrefixReuse, RowInput, StepResult
 from .config import EngineConfig
 from .model import Lane, LoadedModel
 from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
@@ -75,7 +77,7 @@ from .scheduler import (
     StepPlan,
     prefilling_rows,
 )
-from .serial import SerialBackend, lookup_prefix, prefill_to_checkpoint
+from .serial import SerialBackend
 from .single import SingleBackend, supports_model
 from .stops import StopMatcher
 
@@ -115,8 +117,17 @@ class _Group:
 T = TypeVar("T")
 
 
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """Queue a request (``Engine.submit``)."""
+
+    request: EngineRequest
+
+
 @dataclass(slots=True)
-class _Control(Generic[T]):
+class RunControl(Generic[T]):
+    """Run ``fn`` on the worker between steps (``Engine.control``)."""
+
     fn: Callable[[], T]
     # Runs only while no prompt batch is mid-prefill (prefix-cache blocks are leased then).
     between_prefills: bool = False
@@ -125,13 +136,17 @@ class _Control(Generic[T]):
     error: BaseException | None = None
 
 
+Command = Submit | RunControl[Any]
+
+
 @dataclass(slots=True)
 class EngineStats:
+    """Counters written by the worker alone (callers read them under ``_cond``)."""
+
     submitted: int = 0
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
-    rejected: int = 0
     peak_batch_size: int = 0
     # Where the worker's time goes, summed over steps (only ever go up; see ``step_profile``).
     num_steps: int = 0
@@ -180,11 +195,13 @@ class Engine:
         self._load_error: BaseException | None = None
         self._retiring = False
         self._cond = threading.Condition()
+        self._inbox: deque[Command] = deque()
         self._waiting: deque[EngineRequest] = deque()
-        self._controls: deque[_Control[Any]] = deque()
+        self._controls: deque[RunControl[Any]] = deque()
         self._group: _Group | None = None
         self._admitting: list[EngineRequest] = []  # taken from the queue, not yet in a group
         self._live: dict[str, EngineRequest] = {}
+        self._rejected = 0  # submits refused with QueueFull (counted by callers)
         self._stopping = False
         self._closed = False
         self._fatal: BaseException | None = None
@@ -273,15 +290,14 @@ class Engine:
         with self._cond:
             self._check_serving()
             if self._num_waiting() >= self.config.max_queue_size:
-                self.stats.rejected += 1
+                self._rejected += 1
                 raise QueueFull(
                     f"the waiting queue is full ({self.config.max_queue_size} requests); "
                     "retry after active requests finish or raise mlx_max_queue_size"
                 )
             request.submitted_at = time.perf_counter()
-            self._waiting.append(request)
+            self._inbox.append(Submit(request))
             self._live[request.request_id] = request
-            self.stats.submitted += 1
             self._cond.notify_all()
         return RequestStream(self, request)
 
@@ -323,10 +339,10 @@ class Engine:
         """
         if self._thread is not None and self._thread.is_current():
             return fn()
-        item: _Control[T] = _Control(fn, between_prefills=between_prefills)
+        item: RunControl[T] = RunControl(fn, between_prefills=between_prefills)
         with self._cond:
             self._check_serving()
-            self._controls.append(item)
+            self._inbox.append(item)
             self._cond.notify_all()
         deadline = time.monotonic() + timeout_s
         while not item.done.wait(_POLL_S):
@@ -352,24 +368,36 @@ class Engine:
         return self.control(loaded.attach_drafter, timeout_s)
 
     def _num_waiting(self) -> int:
-        """Waiting requests that still hold a queue place: a cancelled one frees its place at
-        once, before the worker gets round to finishing it."""
-        return sum(1 for r in self._waiting if not r.cancelled)
+        """Waiting requests that still hold a queue place (under ``_cond``): a cancelled one
+        frees its place at once, before the worker gets round to finishing it."""
+        queued = sum(1 for r in self._waiting if not r.cancelled)
+        return queued + sum(1 for c in self._inbox if isinstance(c, Submit) and not c.request.cancelled)
+
+    def _take_commands(self) -> None:
+        """Move the callers' commands into the worker's queues (under ``_cond``)."""
+        while self._inbox:
+            command = self._inbox.popleft()
+            if isinstance(command, Submit):
+                self._waiting.append(command.request)
+                self.stats.submitted += 1
+            else:
+                self._controls.append(command)
 
     def _worker_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def snapshot(self) -> dict[str, Any]:
         with self._cond:
+            pending = sum(1 for c in self._inbox if isinstance(c, Submit))
             return {
-                "submitted": self.stats.submitted,
+                "submitted": self.stats.submitted + pending,
                 "completed": self.stats.completed,
                 "cancelled": self.stats.cancelled,
                 "failed": self.stats.failed,
-                "rejected": self.stats.rejected,
+                "rejected": self._rejected,
                 "peak_batch_size": self.stats.peak_batch_size,
                 "queued": self._num_waiting(),
-                "active": len(self._live) - len(self._waiting),
+                "active": len(self._live) - len(self._waiting) - pending,
                 "closed": self._closed,
                 "state": self.state,
                 "max_batch_size": self.config.max_batch_size,
@@ -464,6 +492,7 @@ class Engine:
         arrivals (each one wakes this thread) and ask again."""
         with self._cond:
             while True:
+                self._take_commands()
                 plan = self.scheduler.schedule(self._scheduler_state())
                 if plan.wait_until is None:
                     return plan
@@ -552,6 +581,7 @@ class Engine:
     def _wait_for_work(self) -> bool:
         with self._cond:
             while True:
+                self._take_commands()
                 if self._stopping:
                     self._drain_for_stop()
                     return False
@@ -573,10 +603,11 @@ class Engine:
             item.done.set()
 
     def _run_controls(self) -> None:
-        deferred: list[_Control[Any]] = []
+        deferred: list[RunControl[Any]] = []
         try:
             while True:
                 with self._cond:
+                    self._take_commands()
                     if not self._controls:
                         return
                     item = self._controls.popleft()
@@ -593,7 +624,7 @@ class Engine:
         group = self._group
         return group is not None and group.backend.prefilling
 
-    def _run_control(self, item: _Control[Any]) -> None:
+    def _run_control(self, item: RunControl[Any]) -> None:
         try:
             item.result = item.fn()
         except BaseException as exc:  # noqa: BLE001 - handed back to the caller
@@ -645,18 +676,19 @@ class Engine:
     def _new_backend(self, new: NewGroup, head: EngineRequest | None) -> Backend:
         if new.kind == BackendKind.SINGLE:
             return self._single_backend(self._cache_manager_for(head))
-        loaded = self._model
         if new.kind == BackendKind.SERIAL:
-            assert head is not None
+            loaded = self._model
             return SerialBackend(
                 loaded.model,
                 loaded.processor,
-                sampling=head.sampling,
                 prefill_step_size=self.config.prefill_step_size,
                 stream=self._stream,
                 on_prefill=self._on_prefill_row,
-                grammar=head.grammar,
             )
+        return self._batch_backend(new, head)
+
+    def _batch_backend(self, new: NewGroup, head: EngineRequest | None) -> BatchBackend:
+        loaded = self._model
         key = new.key
         drafter = Drafter(loaded.drafter) if key.draft_tokens and loaded.drafter is not None else None
         return BatchBackend(
@@ -685,13 +717,11 @@ class Engine:
     def _hand_off(self, group: _Group) -> None:
         """Move the group's single decoding row into a new batch backend, its KV cache as is."""
         single = group.backend
-        assert isinstance(single, SingleBackend)  # detach: the single lane's own hand-off
         old_uid, row = single.detach()
         # The row stays in ``group.running`` until the batch holds it: a failure here fails
         # it with the group (``_fail_group``), as any failed step would.
         request = group.running[old_uid].request
-        backend = self._new_backend(NewGroup(group.key, BackendKind.BATCH, self.config.max_batch_size), request)
-        assert isinstance(backend, BatchBackend)  # adopt: the batch's side of the hand-off
+        backend = self._batch_backend(NewGroup(group.key, BackendKind.BATCH, self.config.max_batch_size), request)
         group.backend = backend
         single.close()
         uid = backend.adopt(row)
@@ -712,24 +742,19 @@ class Engine:
         if admission.target_only:
             request.speculation_deferred = True  # optional MTP under load: target-only, in the batch
         try:
-            factory = request.prompt_kwargs_factory
-            if factory is not None:
-                kwargs = factory()  # images expand the prompt: check its final length again
+            prompt_inputs = None
+            if request.prompt_kwargs_factory is not None:
+                prompt_inputs = request.prompt_kwargs_factory()  # images expand the prompt: check its final length again
                 self._model.check_request(prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens)
-            elif group.backend.kind == BackendKind.BATCH:
-                kwargs = text_prompt_kwargs(self._model.model, request.prompt_ids)
-            else:
-                kwargs = {}
-            restored = None
-            if request.prompt_cache_key is not None and self.prefix_cache is not None:
-                if group.backend.kind == BackendKind.SERIAL:
-                    restored = self._serial_prefix(request)
-                else:
-                    layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"
-                    kwargs["_apc_semantic_hash"] = self.prefix_cache.salt(request, layout)
-                    request.cache_layout = layout
-                    request.cache_counters = self.prefix_cache.counters()
-            uid = group.backend.insert(request.prompt_ids, request.max_tokens, kwargs, request.sampling, request.grammar, restored=restored)
+            row = RowInput(
+                request.prompt_ids,
+                request.max_tokens,
+                request.sampling,
+                request.grammar,
+                prompt_inputs=prompt_inputs,
+                prefix=self._prefix_reuse(request, group),
+            )
+            uid = group.backend.insert(row)
         except MLXRuntimeError as exc:
             self._finish(request, RequestStatus.FINISHED_ERROR, error=exc)
             return
@@ -742,6 +767,20 @@ class Engine:
         group.running[uid] = _Running(request, self._model.new_detokenizer(), StopMatcher(request.stop))
         if request.observe_prefill:
             self._deliver(request, PrefillObservation(processed=0, total=request.num_prompt_tokens), droppable=True)
+
+    def _prefix_reuse(self, request: EngineRequest, group: _Group) -> PrefixReuse | None:
+        """How a keyed request reuses stored prefixes in this group's layout (None: unkeyed,
+        or no prefix cache); records the layout and the cache's counters for its report."""
+        cache = self.prefix_cache
+        if request.prompt_cache_key is None or cache is None:
+            return None
+        if group.backend.kind == BackendKind.SERIAL:
+            layout = "serial"
+        else:
+            layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"
+        request.cache_layout = layout
+        request.cache_counters = cache.counters()
+        return PrefixReuse(cache.salt(request, layout), serial=cache.serial if layout == "serial" else None)
 
     def _step_group(self) -> None:
         group = self._group
@@ -787,28 +826,6 @@ class Engine:
             obs = PrefillObservation(processed=row.processed, total=row.total, cached=row.cached)
             self._deliver(request, obs, droppable=True)
         return True
-
-    def _serial_prefix(self, request: EngineRequest) -> RestoredPrefix:
-        """Restore the key's snapshot and prefill up to its checkpoint (``serial``), observed
-        as any prefill is; a cancel stops it early, and the request then finishes as cancelled."""
-        cache = self.prefix_cache
-        assert cache is not None and cache.serial is not None
-        request.cache_layout = "serial"
-        request.cache_counters = cache.counters()
-        salt = cache.salt(request, "serial")
-        model, prompt = self._model.model, request.prompt_ids
-        restored = lookup_prefix(model, cache.serial, salt, prompt)
-        request.cached_tokens = restored.cached
-
-        def observe(position: int) -> bool:
-            if request.observe_prefill:
-                obs = PrefillObservation(processed=position, total=len(prompt), cached=restored.cached)
-                self._deliver(request, obs, droppable=True)
-            return not request.cancelled
-
-        return prefill_to_checkpoint(
-            model, cache.serial, salt, prompt, restored, prefill_step_size=self.config.prefill_step_size, observe=observe
-        )
 
     def _record_batch(self, group: _Group, result: StepResult) -> None:
         size = len(result.batch_uids - group.tombstones)
@@ -980,6 +997,7 @@ class Engine:
         self._admitting = []
         self._close_group()
         with self._cond:
+            self._take_commands()
             live = list(self._live.values())
             self._waiting.clear()
             controls = list(self._controls)

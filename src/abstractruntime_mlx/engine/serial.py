@@ -7,9 +7,10 @@ stop strings, queue timeouts and every way a request finishes share one code pat
 mlx-lm prefills a whole prompt inside the first pull; ``on_prefill`` is called after each
 prefill chunk, and a ``False`` answer (the request was cancelled) abandons the prefill there.
 
-Prefix reuse on this lane: ``lookup_prefix`` restores a key's snapshot and
-``prefill_to_checkpoint`` prefills the prompt up to a few tokens short of its end and keeps a
-new snapshot there; ``insert(..., restored=...)`` then generates from that cache.
+Prefix reuse on this lane (a row whose ``RowInput.prefix`` names the snapshot store): at its
+first step ``lookup_prefix`` restores the key's snapshot and ``prefill_to_checkpoint`` prefills
+the prompt up to a few tokens short of its end and keeps a new snapshot there (observed and
+cancellable as any prefill); mlx-lm then generates from that cache.
 """
 
 from __future__ import annotations
@@ -18,10 +19,18 @@ import itertools
 from typing import Any, Callable, Iterator
 
 from ..errors import UpstreamError
-from .backend import PrefillRow, RestoredPrefix, StepResult, TokenEvent, map_upstream_errors, row_processors
-from .grammar import GrammarProcessor
+from .backend import (
+    DecodingRow,
+    LogitsProcessor,
+    PrefillRow,
+    RestoredPrefix,
+    RowInput,
+    StepResult,
+    TokenEvent,
+    map_upstream_errors,
+    row_processors,
+)
 from .prefix_cache import GUARD_TOKENS, SerialStore
-from ..controls import Sampling
 from .sampling import make_sampler
 from .scheduler import BackendKind
 
@@ -39,27 +48,17 @@ class SerialBackend:
     max_batch_size = 1
     can_hand_off = False
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        *,
-        sampling: Sampling,
-        prefill_step_size: int,
-        stream: Any,
-        on_prefill: PrefillHook,
-        grammar: GrammarProcessor | None = None,
-    ) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, prefill_step_size: int, stream: Any, on_prefill: PrefillHook) -> None:
         self.model = model
         self._tokenizer = tokenizer
         self._prefill_step_size = prefill_step_size
         self._stream = stream
         self._on_prefill = on_prefill
-        with map_upstream_errors("building the sampler"):
-            self._sampler = make_sampler(sampling)
-            self._processors = row_processors(sampling, grammar)
         self._uids = itertools.count()
         self._uid: int | None = None
+        self._row: RowInput | None = None  # the admitted request's row
+        self._sampler: Any = None
+        self._processors: list[LogitsProcessor] | None = None
         self._responses: Iterator[Any] | None = None
         self._prompt_reported = False
         self._prefilled = 0
@@ -67,24 +66,32 @@ class SerialBackend:
         self.uids: set[int] = set()
 
     # --- admission -------------------------------------------------------------------
-    def insert(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        prompt_kwargs: dict[str, Any],
-        sampling: Sampling | None = None,
-        grammar: GrammarProcessor | None = None,
-        *,
-        restored: RestoredPrefix | None = None,
-    ) -> int:
-        """``sampling`` and ``grammar`` are the ones given at construction (one request per backend);
-        ``prompt_kwargs`` carry nothing this lane reads. ``restored``: generate from that cache,
-        after the prompt tokens it already holds."""
-        import mlx_lm
-
+    def insert(self, row: RowInput) -> int:
+        """Admit one request; its prefix lookup, prefill and generation run from the first step.
+        A keyed row (``row.prefix.serial``) restores the key's snapshot and prefills to a new
+        checkpoint first (``lookup_prefix``, ``prefill_to_checkpoint``)."""
         if self.uids:
             raise RuntimeError("the serialized lane runs one request at a time")
+        if row.prompt_inputs is not None:
+            raise RuntimeError("the serialized lane takes text prompts only")
+        if row.prefix is not None and row.prefix.serial is None:
+            raise RuntimeError("the serialized lane keeps snapshots, not a batch's prefix blocks")
+        with map_upstream_errors("building the sampler"):
+            # Built before the row exists: a value refused here fails this request only.
+            self._sampler = make_sampler(row.sampling)
+            self._processors = row_processors(row.sampling, row.grammar)
         uid = next(self._uids)
+        self._uid, self._row, self._responses = uid, row, None
+        self._prompt_reported = False
+        self._prefilled = self._cached = 0
+        self.uids.add(uid)
+        return uid
+
+    def _start(self, uid: int, row: RowInput) -> Iterator[Any] | None:
+        """Restore and extend the row's prefix (keyed rows), then open mlx-lm's generator;
+        None when a cancel stopped the prefix prefill."""
+        import mlx_lm
+
         kwargs: dict[str, Any] = {
             "sampler": self._sampler,
             "prompt_progress_callback": self._progress,
@@ -92,19 +99,32 @@ class SerialBackend:
         }
         if self._processors:
             kwargs["logits_processors"] = self._processors
-        prefilled = restored.prefilled if restored is not None else 0
-        if restored is not None:
+        prompt = row.prompt_ids
+        if row.prefix is not None and row.prefix.serial is not None:
+            store, salt = row.prefix.serial, row.prefix.salt
+            restored = lookup_prefix(self.model, store, salt, prompt)
+            self._cached = restored.cached
+
+            cancelled = False
+
+            def observe(position: int) -> bool:
+                nonlocal cancelled
+                cancelled = not self._on_prefill(uid, PrefillRow(processed=position, total=len(prompt), cached=restored.cached))
+                return not cancelled
+
+            restored = prefill_to_checkpoint(
+                self.model, store, salt, prompt, restored, prefill_step_size=self._prefill_step_size, observe=observe
+            )
+            if cancelled:
+                return None
+            self._prefilled = restored.prefilled
             kwargs["prompt_cache"] = restored.prompt_cache
-        # A generator: nothing runs until the first step.
-        self._responses = mlx_lm.stream_generate(
-            self.model, self._tokenizer, prompt_ids[prefilled:], max_tokens=max_tokens, stream=self._stream, **kwargs
+        # A generator: nothing runs until the first pull.
+        return iter(
+            mlx_lm.stream_generate(
+                self.model, self._tokenizer, prompt[self._prefilled :], max_tokens=row.max_tokens, stream=self._stream, **kwargs
+            )
         )
-        self._uid = uid
-        self._prompt_reported = False
-        self._prefilled = prefilled
-        self._cached = restored.cached if restored is not None else 0
-        self.uids.add(uid)
-        return uid
 
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.uids)
@@ -119,7 +139,7 @@ class SerialBackend:
     def forget(self, uid: int) -> None:
         if uid != self._uid:
             return
-        responses, self._responses, self._uid = self._responses, None, None
+        responses, self._responses, self._uid, self._row = self._responses, None, None, None
         self.uids.discard(uid)
         close = getattr(responses, "close", None)
         if close is not None:
@@ -132,18 +152,26 @@ class SerialBackend:
 
     @property
     def has_work(self) -> bool:
-        return self._responses is not None
+        return self._row is not None
+
+    def detach(self) -> tuple[int, DecodingRow]:
+        raise RuntimeError("the serialized lane's row stays in it; only the single lane hands a row off")
 
     # --- stepping --------------------------------------------------------------------
     def step(self, *, observe_prefill: bool) -> StepResult:
         result = StepResult()
-        uid, responses = self._uid, self._responses
-        if uid is None or responses is None:
+        uid, row = self._uid, self._row
+        if uid is None or row is None:
             return result
         result.batch_uids = {uid}
         with map_upstream_errors("a generation step (mlx-lm)"):
+            if self._responses is None:
+                self._responses = self._start(uid, row)
+                if self._responses is None:
+                    self.forget(uid)
+                    return result
             try:
-                response = next(responses, None)
+                response = next(self._responses, None)
             except _PrefillAbandoned:
                 self.forget(uid)
                 return result

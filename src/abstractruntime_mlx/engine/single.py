@@ -14,7 +14,7 @@ first token is out.
 Which requests and models qualify (``supports_model``, the scheduler's ``_single_lane_for``):
 text prompts without logits processors, on models whose cache is a plain ``KVCache`` per layer
 and whose rows need no position ids. A keyed row (``apc_manager`` given, the salt in
-``prompt_kwargs["_apc_semantic_hash"]`` as the batch takes it) restores the prefix's KV blocks
+``RowInput.prefix`` as the batch takes it) restores the prefix's KV blocks
 into its plain cache and prefills the rest; when its prefill is done, before its first token,
 its new full blocks are stored as a batch row's are, so either lane finds the other's. The prefill is chunked as upstream
 chunks a batch's (``prefill_step_size`` columns, the last prompt token on its own), and a
@@ -28,9 +28,7 @@ from typing import Any, Callable, cast
 
 import mlx.core as mx
 
-from .backend import DecodingRow, PrefillRow, RestoredPrefix, StepResult, TokenEvent, map_upstream_errors, needs_positions
-from .grammar import GrammarProcessor
-from ..controls import Sampling
+from .backend import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors, needs_positions
 from .sampling import RowStream, sample_rows
 from .scheduler import BackendKind
 
@@ -88,37 +86,29 @@ class SingleBackend:
         self._cached = 0
 
     # --- admission -------------------------------------------------------------------
-    def insert(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        prompt_kwargs: dict[str, Any],
-        sampling: Sampling | None = None,
-        grammar: GrammarProcessor | None = None,
-        *,
-        restored: RestoredPrefix | None = None,
-    ) -> int:
+    def insert(self, row: RowInput) -> int:
         # mlx-vlm's cache classes, the ones its batch generator builds and extends
         from mlx_vlm.models.cache import KVCache
 
         if self.uids:
             raise RuntimeError("the single lane runs one request at a time")
-        if restored is not None:
+        if row.prefix is not None and row.prefix.serial is not None:
             raise RuntimeError("the single lane restores the native prefix cache's blocks, not a serialized snapshot")
-        if grammar is not None:
-            raise RuntimeError("the single lane applies no logits processors; a structured request runs in the batch")
+        if row.grammar is not None or row.prompt_inputs is not None:
+            raise RuntimeError("the single lane runs text rows without logits processors; this request runs in the batch")
         with map_upstream_errors("inserting a prompt"):
-            self._row = RowStream.for_sampling(sampling or Sampling())
+            self._row = RowStream.for_sampling(row.sampling)
         make_cache = getattr(self._lm, "make_cache", None)
         self._cache = list(make_cache()) if make_cache is not None else [KVCache() for _ in self._lm.layers]
+        prompt_ids = row.prompt_ids
         self._prompt = list(prompt_ids)
-        self._salt = prompt_kwargs.get("_apc_semantic_hash") if self._apc is not None else None
+        self._salt = row.prefix.salt if row.prefix is not None and self._apc is not None else None
         self._restored, self._cached = self._restore(prompt_ids) if self._salt is not None else ([], 0)
         self._pending = list(prompt_ids[self._cached :])
         self._total = len(prompt_ids)
         self._next = None
         self._num_tokens = 0
-        self._max_tokens = max_tokens
+        self._max_tokens = row.max_tokens
         uid = next(self._uids)
         self._uid = uid
         self.uids.add(uid)
