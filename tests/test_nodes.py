@@ -212,3 +212,21 @@ def test_remote_request_sends_only_node_or_run_speculation():
     assert off.request.speculation == SpeculationControl.off() and off.controls.sources["speculation"] == "run"
     assert off.request.run == ControlLevel()  # the wire has one level: the run's word travels as the call's
     assert off.base_url == "http://127.0.0.1:1"
+
+
+def test_a_node_call_is_resolved_once_at_the_node(model, registry, policy_file):
+    """The provider runs the controls the node resolved (and recorded), not a second reading:
+    a policy changed between the two would otherwise make the record and the run disagree."""
+    from abstractruntime_mlx.policy import set_default_speculation
+
+    set_default_speculation("output.text", "off", policy_file)
+    node = LLMNode(registry=registry, default_model=model)
+    prepared = node.prepare(NodeRequest(prompt="x", sampling=GREEDY))
+    assert prepared.request.resolved == prepared.controls
+    assert prepared.controls.speculation == SpeculationControl.off()
+    set_default_speculation("output.text", 3, policy_file)  # after the node resolved
+    body = node.execute(prepared).to_runtime_result()
+    assert body["metadata"]["controls"]["speculation_source"] == "policy"
+    assert body["metadata"]["speculation"]["reason"] == "disabled_by_policy"
+    # a call prepared now sees the new policy
+    assert node.prepare(NodeRequest(prompt="x", sampling=GREEDY)).controls.speculation != SpeculationControl.off()

@@ -22,6 +22,7 @@ from .controls import (
     NOTHING_SAID,
     SAMPLING_FIELDS,
     ControlLevel,
+    ResolvedControls,
     Sampling,
     SpeculationControl,
     ThinkingValue,
@@ -168,6 +169,9 @@ class GenerationRequest:
       session id, else its run id); a remote client sends it as the ``X-Session-Affinity``
       header, which a load balancer hashes (``lb_config``). Not part of the call's identity.
     - ``cancel`` / ``progress``: the sinks of this call (not part of its identity).
+    - ``resolved``: the controls this call resolved to, once, by the provider that serves it
+      (``MLXProvider.resolve_controls``); a call that carries them is not resolved again
+      (the node edge resolves to record the deciding levels, then hands them on).
     """
 
     messages: tuple[Message, ...]
@@ -185,6 +189,7 @@ class GenerationRequest:
     affinity_key: str | None = field(default=None, compare=False)
     cancel: threading.Event | None = field(default=None, compare=False)
     progress: ProgressSink | None = field(default=None, compare=False)
+    resolved: ResolvedControls | None = field(default=None, compare=False)
 
     # -- building -----------------------------------------------------------------------
 

@@ -583,6 +583,7 @@ class LLMNode:
         entry = self.registry.local(model, self.provider_options)
         # The provider's own resolution: the same one its generate() runs.
         controls: ResolvedControls = entry.provider.resolve_controls(typed)
+        typed = dataclasses.replace(typed, resolved=controls)  # the provider does not resolve again
         client_id = f"local:{model}:{_canonical({**DEFAULT_PROVIDER_OPTIONS, **self.provider_options})}"
         return _prepared(ClientKind.LOCAL, client_id, "mlx", model, None, controls, True, typed)
 

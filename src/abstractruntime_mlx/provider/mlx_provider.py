@@ -302,7 +302,7 @@ class MLXProvider:
 
     # --- internals --------------------------------------------------------------------------
     def _prepare(self, call: GenerationRequest) -> _Prepared:
-        controls = self.resolve_controls(call)
+        controls = call.resolved if call.resolved is not None else self.resolve_controls(call)
         engine = self._engine
         loaded = engine.serving_model()
         images = _load_images(call.media, loaded)
