@@ -350,7 +350,7 @@ def test_models_load_takes_the_serve_forms(hybrid_model, policy_file):
     with TestClient(app) as client:
         loaded = client.post("/acore/models/load", json={"model": hybrid_model, "speculation": 2, "options": {"mlx_batching": True}})
         assert loaded.status_code == 200, loaded.json()
-        assert app.state.served.provider.speculation_default() == {"mode": "native_mtp", "num_draft_tokens": 2}
+        assert app.state.pool.find(hybrid_model).provider.speculation_default() == {"mode": "native_mtp", "num_draft_tokens": 2}
         same = client.post("/acore/models/load", json={"model": hybrid_model, "options": {"mlx_batching": True, "speculation": "2"}})
         assert same.status_code == 200 and same.json()["loaded_new"] is False
         other = client.post("/acore/models/load", json={"model": hybrid_model, "options": {"mlx_batching": True, "speculation": 3}})

@@ -277,6 +277,7 @@ def test_load_same_options_is_a_no_op_and_different_ones_conflict(server_url: st
 def test_unload_then_load_through_the_factory(tmp_path: Any) -> None:
     built: list[tuple[str, dict[str, Any]]] = []
     (tmp_path / "second").mkdir()
+    (tmp_path / "third").mkdir()
 
     def factory(model: str, **options: Any) -> FakeProvider:
         built.append((model, options))
@@ -291,8 +292,11 @@ def test_unload_then_load_through_the_factory(tmp_path: Any) -> None:
         assert loaded.json()["loaded_new"] is True
         assert built == [(str((tmp_path / "second").resolve()), {"mlx_max_batch_size": 2})]
         assert client.post("/v1/chat/completions", json={"messages": USER}).status_code == 200
-        conflict = client.post("/acore/models/load", json={"model": "third"})
-        assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "residency_conflict"
+        # A second model loads beside the first (the server holds several); an unknown one is 404.
+        assert client.post("/acore/models/load", json={"model": "third"}).json()["loaded_new"] is True
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["second", "third"]
+        missing = client.post("/acore/models/load", json={"model": "fourth"})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
 def test_a_failed_ssd_flush_at_unload_is_a_500_and_the_model_is_gone(tmp_path: Any) -> None:

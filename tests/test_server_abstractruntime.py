@@ -125,5 +125,5 @@ def test_llm_call_of_a_flow_runs_remotely_with_key_meta(served: Any) -> None:
     key = call["prompt_cache_key"]
     assert effect["metadata"]["prompt_cache"]["key"] == key
     # the client's attribution relay after the call
-    meta = app.state.served.key_meta[key]
+    meta = app.state.key_meta[key]
     assert meta["session_id"] == "sess-1" and meta["run_id"] == run_id and meta["node_id"] == "llm"

@@ -32,6 +32,7 @@ remote client rebuilds the same class from ``code``.
     ├── CapacityError (503, capacity)
     │   ├── QueueFull (503, queue_full)
     │   ├── TooManyStreams (503, too_many_streams)   the inspector's live-stream cap is reached
+    │   ├── InsufficientMemory (507, insufficient_memory)   serve: a model does not fit, even after evicting idle ones
     │   └── StreamBackpressure (429, stream_backpressure)
     ├── QueueTimeout (504, queue_timeout)
     ├── RunLimitExceeded (422, run_limit)            a run went past one of its limits
@@ -259,6 +260,16 @@ class TooManyStreams(CapacityError):
 class StreamBackpressure(CapacityError):
     code = "stream_backpressure"
     http_status = 429
+
+
+class InsufficientMemory(CapacityError):
+    """``serve`` cannot load a model: its estimate (weights + KV reserve) does not fit the memory
+    budget even after evicting every idle, unpinned model. ``details``: ``model``,
+    ``needed_bytes``, ``budget_bytes``, ``resident_bytes`` and ``kept`` (the resident models
+    that could not be evicted, each with why: ``pinned`` or ``in_flight``)."""
+
+    code = "insufficient_memory"
+    http_status = 507
 
 
 class QueueTimeout(MLXRuntimeError):

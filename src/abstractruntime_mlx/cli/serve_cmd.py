@@ -1,6 +1,10 @@
-"""``abstractruntime-mlx serve --model M``: one resident model behind the HTTP API (uvicorn).
+"""``abstractruntime-mlx serve --model M [--model NAME=PATH ...]``: models behind the HTTP API (uvicorn).
 
-Binds 127.0.0.1 by default. ``--api-key`` (or ``ABSTRACTRUNTIME_MLX_API_KEY``) makes every
+Each ``--model`` is a model the server serves by name (``NAME=PATH``, or the path or repo id
+itself); the first is loaded at start (requests naming no model go to it), the others on
+their first request, and ``--pin NAME`` ones at start too (never evicted). ``--alias
+ALIAS=NAME`` adds a name. ``--memory-budget`` / ``--keep-alive`` set the pool's residency rules
+(``server/pool.py``). Binds 127.0.0.1 by default. ``--api-key`` (or ``ABSTRACTRUNTIME_MLX_API_KEY``) makes every
 route but ``/health`` require ``Authorization: Bearer KEY``. Without ``--model`` the server
 starts empty and waits for ``POST /acore/models/load``, which (like the capabilities route)
 reaches only repo ids in the Hugging Face cache, directories under ``--model-root DIR``
@@ -15,10 +19,14 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidRequest
 from ..json_values import JSONObject
 from .args import integer
+
+if TYPE_CHECKING:
+    from ..server import ModelSpec, PoolSettings
 
 API_KEY_ENV = "ABSTRACTRUNTIME_MLX_API_KEY"
 DEFAULT_HOST = "127.0.0.1"
@@ -27,8 +35,16 @@ SHUTDOWN_GRACE_S = 5
 
 
 @dataclass(frozen=True, slots=True)
+class ServedName:
+    """One ``--model NAME[=PATH]``: the name clients send and what is loaded for it."""
+
+    name: str
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
 class ServeSettings:
-    model: str | None
+    model: str | None  # the first --model's source (loaded at start)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     api_key: str | None = None
@@ -36,13 +52,74 @@ class ServeSettings:
     stream_interval_ms: float = 5.0
     # directories /acore/models/load may read (besides the Hugging Face cache)
     model_roots: tuple[str, ...] = ()
-    # create_llm options (only those given on the command line)
+    # create_llm options (only those given on the command line), for every model
     options: dict[str, object] = field(default_factory=dict)
+    models: tuple[ServedName, ...] = ()
+    aliases: tuple[tuple[str, str], ...] = ()
+    pinned: tuple[str, ...] = ()
+    memory_budget_bytes: int | None = None
+    keep_alive_s: float | None = None
+    kv_tokens_per_row: int | None = None
+
+    def model_specs(self) -> list[ModelSpec]:
+        from ..server import ModelSpec
+
+        return [ModelSpec(m.name, m.source, dict(self.options), pinned=m.name in self.pinned) for m in self.models]
+
+    def pool_settings(self) -> PoolSettings:
+        from ..server import PoolSettings
+        from ..server.memory import DEFAULT_KV_TOKENS_PER_ROW
+
+        return PoolSettings(
+            memory_budget_bytes=self.memory_budget_bytes,
+            keep_alive_s=self.keep_alive_s,
+            default_options=dict(self.options),
+            kv_tokens_per_row=self.kv_tokens_per_row or DEFAULT_KV_TOKENS_PER_ROW,
+        )
+
+    def preload(self) -> list[str]:
+        """What ``serve`` loads at start: the first ``--model`` and every pinned one."""
+        first = [self.models[0].name] if self.models else []
+        return first + [name for name in self.pinned if name not in first]
 
 
 def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    parser = subparsers.add_parser("serve", help="serve one model over HTTP (OpenAI-compatible + /acore routes)")
-    parser.add_argument("--model", default=None, help="checkpoint directory or Hugging Face repo id to load at start")
+    parser = subparsers.add_parser("serve", help="serve models over HTTP (OpenAI-compatible + /acore routes)")
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME[=PATH]",
+        help="a model to serve: a checkpoint directory or Hugging Face repo id, or NAME=PATH to serve it as NAME "
+        "(repeatable; the first loads at start and takes requests that name no model, the others on first request)",
+    )
+    parser.add_argument(
+        "--alias", action="append", default=[], metavar="ALIAS=NAME", help="another name for a --model (repeatable)"
+    )
+    parser.add_argument(
+        "--pin", action="append", default=[], metavar="NAME", help="load this --model at start and never evict it (repeatable)"
+    )
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="SIZE",
+        help="memory the resident models may use (8GiB, 512MiB, bytes); a load past it evicts idle models first "
+        "(default: what the machine has: its working set, and the memory available now)",
+    )
+    parser.add_argument(
+        "--keep-alive",
+        default=None,
+        metavar="DURATION",
+        help="how long a model stays loaded after its last request (30s, 5m, 1h; 0: unload when idle; "
+        "negative: until memory is needed, the default); a request's keep_alive wins",
+    )
+    parser.add_argument(
+        "--kv-reserve-tokens",
+        type=integer,
+        default=None,
+        metavar="N",
+        help="tokens per batch row the memory check reserves for the KV cache (default 4096, or the context if shorter)",
+    )
     parser.add_argument(
         "--model-root",
         action="append",
@@ -117,8 +194,17 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
             options[name] = value
     if args.speculation is not None:
         options["speculation"] = _speculation_arg(args.speculation)
+    models = tuple(_served_name(text) for text in args.model)
+    names = [m.name for m in models]
+    duplicated = sorted({n for n in names if names.count(n) > 1})
+    if duplicated:
+        raise InvalidRequest(f"--model: the name {duplicated[0]!r} is given twice", details={"field": "--model"})
+    aliases = tuple(_alias(text, names) for text in args.alias)
+    for pin in args.pin:
+        if pin not in names:
+            raise InvalidRequest(f"--pin {pin!r} names no --model (served names: {names or 'none'})", details={"field": "--pin"})
     return ServeSettings(
-        model=args.model,
+        model=models[0].source if models else None,
         host=args.host,
         port=args.port,
         api_key=args.api_key or env.get(API_KEY_ENV) or None,
@@ -126,7 +212,59 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         stream_interval_ms=args.stream_interval_ms,
         model_roots=tuple(args.model_root),
         options=options,
+        models=models,
+        aliases=aliases,
+        pinned=tuple(dict.fromkeys(args.pin)),
+        memory_budget_bytes=_budget_arg(args.memory_budget),
+        keep_alive_s=_keep_alive_arg(args.keep_alive),
+        kv_tokens_per_row=_positive(args.kv_reserve_tokens, "--kv-reserve-tokens"),
     )
+
+
+def _served_name(text: str) -> ServedName:
+    """``NAME=PATH`` or a bare path / repo id (its own name)."""
+    name, sep, source = text.partition("=")
+    name, source = name.strip(), source.strip()
+    if not sep:
+        return ServedName(text.strip(), text.strip())
+    if not name or not source:
+        raise InvalidRequest(f"--model {text!r}: expected NAME=PATH (or a bare path or repo id)", details={"field": "--model"})
+    return ServedName(name, source)
+
+
+def _alias(text: str, names: list[str]) -> tuple[str, str]:
+    alias, sep, target = text.partition("=")
+    alias, target = alias.strip(), target.strip()
+    if not sep or not alias or not target:
+        raise InvalidRequest(f"--alias {text!r}: expected ALIAS=NAME", details={"field": "--alias"})
+    if target not in names:
+        raise InvalidRequest(f"--alias {text!r}: {target!r} is not a --model name (served names: {names or 'none'})", details={"field": "--alias"})
+    if alias in names:
+        raise InvalidRequest(f"--alias {text!r}: {alias!r} is already a --model name", details={"field": "--alias"})
+    return alias, target
+
+
+def _budget_arg(text: str | None) -> int | None:
+    from ..server.memory import parse_byte_size
+
+    if text is None:
+        return None
+    try:
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"--memory-budget: {exc}", details={"field": "--memory-budget"}) from exc
+
+
+def _keep_alive_arg(text: str | None) -> float | None:
+    from ..server.keep_alive import parse_keep_alive
+
+    return None if text is None else parse_keep_alive(text, field="--keep-alive")
+
+
+def _positive(value: int | None, flag: str) -> int | None:
+    if value is not None and value < 1:
+        raise InvalidRequest(f"{flag} must be at least 1", details={"field": flag})
+    return value
 
 
 def _speculation_arg(text: str) -> bool | JSONObject | None:
@@ -137,10 +275,9 @@ def _speculation_arg(text: str) -> bool | JSONObject | None:
 
 
 def serve(settings: ServeSettings) -> int:
-    """Load the model (if any), run uvicorn until interrupted, then unload."""
+    """Load the first and the pinned models, run uvicorn until interrupted, then unload."""
     import uvicorn
 
-    from ..provider import create_llm
     from ..server import create_app
 
     if not _is_loopback(settings.host) and not settings.api_key:
@@ -151,13 +288,20 @@ def serve(settings: ServeSettings) -> int:
     for root in settings.model_roots:
         if not Path(root).expanduser().is_dir():
             raise InvalidRequest(f"--model-root {root!r} is not a directory", details={"field": "--model-root"})
-    llm = create_llm("mlx", model=settings.model, **settings.options) if settings.model else None
     roots = list(settings.model_roots)
-    if settings.model and Path(settings.model).expanduser().is_dir():
-        roots.append(settings.model)  # it can be loaded again after an unload
+    roots += [m.source for m in settings.models if Path(m.source).expanduser().is_dir()]  # loadable again after an unload
     app = create_app(
-        llm, api_key=settings.api_key, stream_interval_ms=settings.stream_interval_ms, model_roots=roots
+        api_key=settings.api_key,
+        stream_interval_ms=settings.stream_interval_ms,
+        model_roots=roots,
+        models=settings.model_specs(),
+        aliases=dict(settings.aliases),
+        residency=settings.pool_settings(),
     )
+    pool = app.state.pool
+    for name in settings.preload():
+        print(f"abstractruntime-mlx: loading {name} ...", file=sys.stderr)
+        pool.preload([name])
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -168,12 +312,12 @@ def serve(settings: ServeSettings) -> int:
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     server = uvicorn.Server(config)
-    print(f"abstractruntime-mlx: serving {settings.model or '(no model)'} on http://{settings.host}:{settings.port}", file=sys.stderr)
+    served = ", ".join(m.name for m in settings.models) or "(no model)"
+    print(f"abstractruntime-mlx: serving {served} on http://{settings.host}:{settings.port}", file=sys.stderr)
     try:
         server.run()
     finally:
-        if llm is not None and app.state.served.provider is llm:
-            llm.unload_model(llm.model)
+        pool.unload_all_now()  # what the lifespan did not unload (uvicorn stopped before it started)
     return 0
 
 

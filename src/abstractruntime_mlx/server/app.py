@@ -33,9 +33,8 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from pathlib import Path
-from typing import Final, Protocol, TypedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Final, Protocol, cast
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -53,7 +52,6 @@ from ..errors import (
     InvalidRequest,
     MLXRuntimeError,
     ModelNotFound,
-    PromptCacheFlushFailed,
     RequestTooLarge,
     ResidencyConflict,
     UpstreamError,
@@ -61,7 +59,9 @@ from ..errors import (
 from ..results import GenerationChunk, GenerationResult
 from ..json_values import JSONObject, JSONValue, parse_ascii_int
 from .media import extract_images
+from .keep_alive import parse_keep_alive
 from .model_roots import ModelRoots
+from .pool import UNSET, KeepAlive, Lease, ModelPool, ModelSpec, ModelState, PoolSettings, ResidentModel, provider_health
 from .schemas import (
     MAX_MODEL_NAME_CHARS,
     ChatCompletionRequest,
@@ -126,154 +126,18 @@ ModelFactory = Callable[..., ServedProvider]
 """``factory(model, **options)``: builds the provider ``/acore/models/load`` asks for."""
 
 
-class LoadOutcome(TypedDict):
-    """``ServedModel.load``: the provider now resident, and whether this call loaded it."""
-
-    loaded_new: bool
-    provider: ServedProvider
-
-
-class UnloadOutcome(TypedDict):
-    """``ServedModel.unload`` (the body of ``/acore/models/unload`` after ``ok``/``success``)."""
-
-    unloaded: bool
-    model: str | None
-
-
 def _default_factory(model: str, **options: object) -> ServedProvider:
     from ..provider import create_llm
 
     return create_llm("mlx", model=model, **options)
 
 
-# --------------------------------------------------------------------------- residency
-
-
-class ServedModel:
-    """The provider this server serves (or none), and the rules for replacing it.
-
-    Load/unload are serialised by one lock; chat requests take a snapshot of the provider
-    and never wait on that lock.
-    """
-
-    def __init__(self, provider: ServedProvider | None, *, factory: ModelFactory, roots: ModelRoots) -> None:
-        self.provider = provider
-        self._factory = factory
-        self.roots = roots
-        self._owned = False  # True when this app created the provider (it unloads it at shutdown)
-        self._lock = asyncio.Lock()
-        self.key_meta: OrderedDict[str, dict[str, object]] = OrderedDict()
-
-    @property
-    def name(self) -> str | None:
-        return None if self.provider is None else str(self.provider.model)
-
-    def require(self, requested: str | None = None) -> ServedProvider:
-        provider = self.provider
-        if provider is None:
-            raise ModelNotFound("no model is loaded on this server; POST /acore/models/load first")
-        if requested and not self.matches(requested):
-            raise ModelNotFound(
-                f"this server serves {provider.model!r}, but the request asked for {requested!r}; "
-                "run one server per model"
-            )
-        return provider
-
-    def matches(self, requested: str) -> bool:
-        served = self.name
-        if served is None:
-            return False
-        name = requested.strip()
-        if name.lower().startswith("mlx/"):
-            name = name[4:]
-        if name in ("", "default", served):
-            return True
-        if name == Path(served).name:
-            return True
-        return _same_path(name, served)
-
-    def model_health(self) -> Mapping[str, JSONValue] | None:
-        probe = getattr(self.provider, "health", None)
-        return probe() if callable(probe) else None
-
-    def failed(self) -> bool:
-        health = self.model_health()
-        return health is not None and health.get("state") == "failed"
-
-    async def load(self, model: str, options: Mapping[str, object]) -> LoadOutcome:
-        async with self._lock:
-            current = self.provider
-            if current is not None and self.failed() and self.matches(model):
-                # A failed model is replaced, not returned: unload it, then load it afresh.
-                await self._unload(current)
-                current = None
-            if current is not None:
-                if not self.matches(model):
-                    raise ResidencyConflict(
-                        f"{current.model!r} is resident; unload it first (POST /acore/models/unload) "
-                        f"before loading {model!r}"
-                    )
-                differing = _differing_options(current, options)
-                if differing:
-                    raise ResidencyConflict(
-                        f"{current.model!r} is resident with different execution options {differing}; "
-                        "changing resident execution options requires unloading first (POST /acore/models/unload)"
-                    )
-                return {"loaded_new": False, "provider": current}
-            model, options = await asyncio.to_thread(self._inside_roots, model, options)
-            provider = await asyncio.to_thread(self._factory, model, **options)
-            self.provider = provider
-            self._owned = True
-            return {"loaded_new": True, "provider": provider}
-
-    def _inside_roots(self, model: str, options: Mapping[str, object]) -> tuple[str, Mapping[str, object]]:
-        """``model`` (and an ``mtp_head`` directory) resolved inside the model roots, or ``ModelNotFound``."""
-        head = options.get("mtp_head")
-        if isinstance(head, str):
-            options = {**options, "mtp_head": self.roots.resolve(head, field="options.mtp_head")}
-        return self.roots.resolve(model), options
-
-    async def unload(self, model: str | None) -> UnloadOutcome:
-        async with self._lock:
-            current = self.provider
-            if current is None:
-                return {"unloaded": False, "model": None}
-            if model and not self.matches(model):
-                raise ModelNotFound(f"{model!r} is not loaded here; this server serves {current.model!r}")
-            await self._unload(current)
-            return {"unloaded": True, "model": str(current.model)}
-
-    async def _unload(self, current: ServedProvider) -> None:
-        """Unload ``current`` and forget it; also when the unload reports a failed prompt-cache
-        flush (the model is unloaded all the same). Any other error (``owner_busy``) keeps it."""
-        try:
-            await asyncio.to_thread(current.unload_model, current.model)
-        except PromptCacheFlushFailed:
-            self.provider = None
-            self._owned = False
-            raise
-        self.provider = None
-        self._owned = False
-
-    async def shutdown(self) -> None:
-        if self.provider is not None and self._owned:
-            with contextlib.suppress(MLXRuntimeError):
-                await self.unload(None)
-
-    def remember_key_meta(self, key: str, meta: Mapping[str, object]) -> dict[str, object]:
-        merged = {**self.key_meta.pop(key, {}), **meta}
-        self.key_meta[key] = merged
-        while len(self.key_meta) > MAX_KEY_META_ENTRIES:
-            self.key_meta.popitem(last=False)
-        return merged
-
-
-def _same_path(a: str, b: str) -> bool:
-    try:
-        pa, pb = Path(a), Path(b)
-        return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
-    except OSError:
-        return False
+def _remember_key_meta(store: OrderedDict[str, dict[str, object]], key: str, meta: Mapping[str, object]) -> dict[str, object]:
+    merged = {**store.pop(key, {}), **meta}
+    store[key] = merged
+    while len(store) > MAX_KEY_META_ENTRIES:
+        store.popitem(last=False)
+    return merged
 
 
 def _differing_options(provider: ServedProvider, requested: Mapping[str, object]) -> dict[str, dict[str, object]]:
@@ -338,9 +202,24 @@ class BearerAuth:
 # --------------------------------------------------------------------------- helpers
 
 
-def _served(request: Request) -> ServedModel:
-    served: ServedModel = request.app.state.served
-    return served
+def _pool(request: Request) -> ModelPool:
+    pool: ModelPool = request.app.state.pool
+    return pool
+
+
+def _served_provider(lease_or_model: ResidentModel | Lease) -> ServedProvider:
+    """The pool holds providers as ``PooledProvider``; this server put ``ServedProvider``s in it."""
+    return cast(ServedProvider, lease_or_model.provider)
+
+
+def _resident_provider(pool: ModelPool, requested: str | None) -> ServedProvider:
+    """The resident model ``requested`` names (default: the default model), never loading one."""
+    found = pool.find(requested)
+    if found is None or found.provider is None:
+        shown = "the default model" if not requested else repr(requested)
+        names = [m.name for m in pool.resident()]
+        raise ModelNotFound(f"{shown} is not loaded on this server (resident: {names or 'none'}); load it first")
+    return _served_provider(found)
 
 
 def _error_response(exc: BaseException) -> JSONResponse:
@@ -412,60 +291,91 @@ def _generation_request(body: ChatCompletionRequest, response_format: ResponseFo
 
 
 async def health(request: Request) -> Response:
-    """200 while the server can serve; 503 when its model failed (unload and load it again)."""
-    served = _served(request)
-    model_health = served.model_health()
+    """200 while the server can serve; 503 when every resident model failed (unload and load it again).
+
+    ``model``/``model_state`` describe the default model; ``models`` every known model and its
+    residency; ``memory`` the budget the pool loads against."""
+    pool = _pool(request)
+    models = pool.models()
+    resident = [m for m in models if m.provider is not None]
+    default = pool.find(None)
     body: JSONObject = {
         "status": "healthy",
         "server": "abstractruntime-mlx",
-        "model": served.name,
-        "loaded": served.provider is not None,
+        "model": default.name if default is not None and default.provider is not None else None,
+        "loaded": bool(resident),
+        "models": [{"id": m.name, **m.to_dict()} for m in models],
+        "memory": await asyncio.to_thread(pool.memory),
     }
-    if model_health is not None:
-        body["model_state"] = model_health["state"]
-        if model_health["state"] == "failed":
-            body.update(status="unhealthy", error=model_health.get("error"))
-            return JSONResponse(body, status_code=503)
+    if default is not None and default.provider is not None:
+        model_health = provider_health(_served_provider(default))
+        if model_health is not None:
+            body["model_state"] = model_health["state"]
+    failed = [m for m in resident if m.state is ModelState.FAILED]
+    if resident and len(failed) == len(resident):
+        first = provider_health(_served_provider(failed[0])) or {}
+        body.update(status="unhealthy", error=first.get("error"))
+        return JSONResponse(body, status_code=503)
     return JSONResponse(body)
 
 
 async def list_models(request: Request) -> Response:
-    served = _served(request)
-    data = []
-    if served.provider is not None:
-        data.append({"id": served.name, "object": "model", "created": request.app.state.created, "owned_by": "abstractruntime-mlx"})
+    """Every model this server knows: resident ones and those it loads on first request."""
+    pool = _pool(request)
+    created = request.app.state.created
+    data: list[JSONValue] = [
+        {"id": m.name, "object": "model", "created": created, "owned_by": "abstractruntime-mlx", **m.to_dict()}
+        for m in pool.models()
+    ]
     return JSONResponse({"object": "list", "data": data})
 
 
 async def execution_capabilities(request: Request) -> Response:
-    served = _served(request)
-    name = request.query_params.get("model_name") or request.query_params.get("model") or served.name
+    pool = _pool(request)
+    asked = request.query_params.get("model_name") or request.query_params.get("model") or pool.default_name()
     provider_name = request.query_params.get("provider") or "mlx"
-    if not name:
+    if not asked:
         raise InvalidRequest("model_name is required when no model is loaded", details={"field": "model_name"})
-    if len(name) > MAX_MODEL_NAME_CHARS:
+    if len(asked) > MAX_MODEL_NAME_CHARS:
         raise InvalidRequest(
             f"model_name is longer than {MAX_MODEL_NAME_CHARS} characters", details={"field": "model_name"}
         )
-    instance = served.provider if served.provider is not None and served.matches(name) else None
+    known = pool.find(asked)
+    instance = None if known is None or known.provider is None else _served_provider(known)
     if instance is not None:
         name = str(instance.model)
+    elif known is not None:
+        name = known.source
     else:
-        name = await asyncio.to_thread(served.roots.resolve, name, field="model_name")
+        name = await asyncio.to_thread(pool.roots.resolve, asked, field="model_name")
     caps = await asyncio.to_thread(get_execution_capabilities, name, provider=provider_name, instance=instance)
-    return JSONResponse(caps)
+    residency: JSONObject = {"state": ModelState.UNLOADED.value, "loadable": True} if known is None else {"id": known.name, **known.to_dict()}
+    return JSONResponse({**caps, "residency": residency})
 
 
 async def load_model(request: Request) -> Response:
     body = parse_body(LoadModelRequest, await _read_body(request))
     options = body.checked_options()
-    outcome = await _served(request).load(body.model, options)
-    provider = outcome["provider"]
+    keep_alive: KeepAlive = None if body.pin else UNSET
+    if body.keep_alive is not None:
+        keep_alive = parse_keep_alive(body.keep_alive)
+    pool = _pool(request)
+    known = pool.find(body.model)
+    if known is not None and known.provider is not None and known.state is not ModelState.FAILED:
+        provider = _served_provider(known)
+        differing = _differing_options(provider, options)
+        if differing:
+            raise ResidencyConflict(
+                f"{provider.model!r} is resident with different execution options {differing}; "
+                "changing resident execution options requires unloading first (POST /acore/models/unload)"
+            )
+    loaded_new, pooled = await pool.load(body.model, options if options or known is None else None, keep_alive=keep_alive)
+    provider = cast(ServedProvider, pooled)
     return JSONResponse(
         {
             "ok": True,
             "success": True,
-            "loaded_new": outcome["loaded_new"],
+            "loaded_new": loaded_new,
             "provider": "mlx",
             "model": str(provider.model),
             "options": _json_safe(getattr(provider, "execution_options", {})),
@@ -478,45 +388,50 @@ async def unload_model(request: Request) -> Response:
     body = parse_body(UnloadModelRequest, await _read_body(request))
     if body.force:
         raise InvalidRequest("force unload is not supported: close or cancel the active streams, then unload")
-    outcome = await _served(request).unload(body.model)
-    return JSONResponse({"ok": True, "success": True, **outcome})
+    pool = _pool(request)
+    if body.model is not None and pool.find(body.model) is None:
+        raise ModelNotFound(f"{body.model!r} is not a model of this server")
+    names = await pool.unload(body.model) if body.model is not None or pool.resident() else []
+    return JSONResponse(
+        {"ok": True, "success": True, "unloaded": bool(names), "model": names[0] if len(names) == 1 else None, "models": list(names)}
+    )
 
 
 async def prompt_cache_stats(request: Request) -> Response:
-    provider = _served(request).require()
+    provider = _resident_provider(_pool(request), request.query_params.get("model"))
     stats = await asyncio.to_thread(provider.get_prompt_cache_stats)
     return JSONResponse({"supported": bool(stats.get("enabled")), "operation": "stats", "stats": _json_safe(stats)})
 
 
 async def prompt_cache_clear(request: Request) -> Response:
     body = parse_body(PromptCacheClearRequest, await _read_body(request))
-    provider = _served(request).require()
+    provider = _resident_provider(_pool(request), body.model)
     result = await asyncio.to_thread(provider.prompt_cache_clear, body.key)
     cleared = bool(result.get("cleared"))
     return JSONResponse({"supported": cleared, "operation": "clear", "ok": cleared, "result": _json_safe(result)})
 
 
 async def prompt_cache_key_meta(request: Request) -> Response:
-    served = _served(request)
+    key_meta: OrderedDict[str, dict[str, object]] = request.app.state.key_meta
     if request.method == "GET":
         key = (request.query_params.get("key") or "").strip()  # the form every edge gives a key
         if not key:
             raise InvalidRequest("key is required")
         if len(key) > MAX_PROMPT_CACHE_KEY_CHARS:
             raise InvalidRequest(f"key is {len(key):,} characters; the limit is {MAX_PROMPT_CACHE_KEY_CHARS}")
-        if key not in served.key_meta:
+        if key not in key_meta:
             raise ModelNotFound(f"no metadata is stored for prompt cache key {key!r}")
-        return JSONResponse({"ok": True, "operation": "key_meta", "key": key, "meta": served.key_meta[key]})
+        return JSONResponse({"ok": True, "operation": "key_meta", "key": key, "meta": key_meta[key]})
     body = parse_body(PromptCacheKeyMetaRequest, await _read_body(request))
-    if body.model and not served.matches(body.model):
-        raise ModelNotFound(f"{body.model!r} is not loaded here; this server serves {served.name!r}")
+    if body.model and _pool(request).find(body.model) is None:
+        raise ModelNotFound(f"{body.model!r} is not a model of this server")
     reserved = sorted(k for k in body.meta if k in RESERVED_META_KEYS)
     if reserved:
         raise InvalidRequest(f"meta field(s) {reserved} are reserved cache bookkeeping and cannot be set")
     size = len(json.dumps(body.meta, default=str).encode())
     if size > MAX_KEY_META_BYTES:
         raise InvalidRequest(f"meta is {size} bytes serialized; the limit is {MAX_KEY_META_BYTES}")
-    merged = served.remember_key_meta(body.key, body.meta)
+    merged = _remember_key_meta(key_meta, body.key, body.meta)
     return JSONResponse({"ok": True, "supported": True, "operation": "key_meta", "key": body.key, "meta": merged})
 
 
@@ -526,12 +441,27 @@ async def chat_completions(request: Request) -> Response:
     unknown = body.unknown_fields()
     if unknown:
         log.warning("chat request: ignoring unknown field(s) %s", ", ".join(unknown))
-    served = _served(request)
-    llm = served.require(body.model)
+    keep_alive: KeepAlive = UNSET if body.keep_alive is None else parse_keep_alive(body.keep_alive)
     # A schema within the limits still takes up to about half a second to check: on the
     # schema threads, so that the loop and the other requests go on meanwhile.
     response_format = None if body.response_format is None else await run_schema_work(ResponseFormat.from_openai, body.response_format)
     typed = _generation_request(body, response_format)
+    # The model is resident (loaded now if it was not) and held until the response ends.
+    lease = await _pool(request).acquire(body.model, keep_alive=keep_alive)
+    streaming = False
+    try:
+        response = await _chat_with(request, body, typed, _served_provider(lease), lease)
+        streaming = isinstance(response, SSEResponse)
+        return response
+    finally:
+        if not streaming:
+            lease.release()
+
+
+async def _chat_with(
+    request: Request, body: ChatCompletionRequest, typed: GenerationRequest, llm: ServedProvider, lease: Lease
+) -> Response:
+    """The chat call on ``llm``; an SSE response releases ``lease`` when it ends."""
     if body.include_progress and not _progress_supported(llm):
         raise InvalidRequest("this provider emits no phase events; drop stream_options.include_progress")
 
@@ -572,7 +502,12 @@ async def chat_completions(request: Request) -> Response:
         stream=body.stream,
         interval_s=request.app.state.stream_interval_s,
     )
-    return SSEResponse(events, on_close=pump.close)
+
+    def close() -> None:
+        pump.close()
+        lease.release()
+
+    return SSEResponse(events, on_close=close)
 
 
 def _progress_supported(llm: ServedProvider) -> bool:
@@ -720,6 +655,9 @@ def create_app(
     model_factory: ModelFactory | None = None,
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS,
     model_roots: Iterable[str | os.PathLike[str]] = (),
+    models: Sequence[ModelSpec] = (),
+    aliases: Mapping[str, str] | None = None,
+    residency: PoolSettings | None = None,
 ) -> Starlette:
     """The ASGI app serving ``provider_instance`` (or none until ``/acore/models/load``).
 
@@ -731,17 +669,33 @@ def create_app(
     of one SSE stream (tokens arriving faster are sent together; 0 = one write per chunk).
     Load and capabilities reach only repo ids in the Hugging Face cache and directories
     under ``model_roots`` (see ``model_roots.py``); ``provider_instance`` is exempt.
+
+    ``models`` are the models this server knows by name (``serve --model NAME=PATH``), loaded
+    on first request (``app.state.pool.preload`` loads some at once); ``aliases`` map other
+    names to them; ``residency`` sets the memory budget, the default keep-alive and the
+    options of models loaded by name only (``pool.py``). ``provider_instance`` is pinned.
     """
     if stream_interval_ms < 0:
         raise ValueError("stream_interval_ms must be >= 0")
-    served = ServedModel(
-        provider_instance, factory=model_factory or _default_factory, roots=ModelRoots.with_hub_cache(model_roots)
+    pool = ModelPool(
+        factory=model_factory or _default_factory,
+        roots=ModelRoots.with_hub_cache(model_roots),
+        settings=residency,
+        specs=models,
+        aliases=aliases,
+        instance=provider_instance,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-        await served.shutdown()
+        reaper = asyncio.create_task(pool.run_reaper(), name="keep-alive reaper")
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+            await pool.shutdown()
 
     routes = [
         Route(path, _guarded(endpoint), methods=methods)
@@ -758,7 +712,8 @@ def create_app(
         )
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _on_http_error}, lifespan=lifespan)
-    app.state.served = served
+    app.state.pool = pool
+    app.state.key_meta = OrderedDict()
     app.state.created = now_s()
     app.state.stream_interval_s = stream_interval_ms / 1000.0
     if api_key:

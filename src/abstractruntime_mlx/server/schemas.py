@@ -165,6 +165,8 @@ class ChatCompletionRequest(BaseModel):
     tools: list[dict[str, object]] | None = None
     # OpenAI's structured output; checked by ``structured.ResponseFormat.from_openai``.
     response_format: dict[str, object] | None = None
+    # Ollama's: how long the model stays resident once idle (``keep_alive.parse_keep_alive``).
+    keep_alive: object = None
 
     def unknown_fields(self) -> list[str]:
         """Extra top-level fields that are neither known nor tolerated (for the warning)."""
@@ -197,7 +199,10 @@ class LoadModelRequest(BaseModel):
     # ``serve --speculation`` (``2``, ``"off"``, ``"inherit"``, an object).
     speculation: object = None
     task: StrictStr | None = None
+    # AbstractCore's "keep it loaded": no idle unload (eviction for memory still applies; only
+    # ``serve --pin`` protects a model from it). ``keep_alive`` (Ollama's forms) wins when given.
     pin: StrictBool = True
+    keep_alive: object = None
 
     def checked_options(self) -> dict[str, object]:
         if self.provider.strip().lower() != "mlx":
@@ -234,6 +239,7 @@ class PromptCacheClearRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     key: PromptCacheKey | None = None
+    model: ModelName | None = None  # which resident model (default: the server's default model)
 
 
 class PromptCacheKeyMetaRequest(BaseModel):
