@@ -6,6 +6,7 @@
     abstractruntime-mlx runs web                # the same in a browser, live (runs_web_cmd)
     abstractruntime-mlx runs resume RUN_ID --answer TEXT     # continue a waiting run
     abstractruntime-mlx runs resume RUN_ID --event NAME[=JSON]
+    abstractruntime-mlx runs resume --all-running    # take over runs whose driver is gone
 
 ``RUN_ID`` may be a unique prefix. The ledger is ``--ledger URL_OR_PATH``, else
 ``$ABSTRACTRUNTIME_MLX_LEDGER``, else ``~/.abstractruntime-mlx/ledger.sqlite``. ``list``,
@@ -80,7 +81,8 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
         "resume",
         help="continue a waiting run: answer its question, send the event it waits for, or wait for its timer",
     )
-    resume.add_argument("run_id", help="run id or a unique prefix (the root run or any run of its tree)")
+    resume.add_argument("run_id", nargs="?", default=None, help="run id or a unique prefix (the root run or any run of its tree)")
+    resume.add_argument("--all-running", action="store_true", help="take over every interrupted run whose driver is gone (runs_takeover_cmd)")
     what = resume.add_mutually_exclusive_group()
     what.add_argument("--answer", default=None, metavar="TEXT", help="the answer to an ask_user question")
     what.add_argument("--event", default=None, metavar="NAME[=JSON]", help="the event a wait_event node waits for, with an optional JSON payload")
@@ -233,6 +235,10 @@ def _resume(args: argparse.Namespace) -> int:
     from ..ledger.run_lock import root_run_id
     from ..runtime_plugin import resume_run
 
+    if args.all_running or args.run_id is None:
+        from .runs_takeover_cmd import resume_all_running
+
+        return resume_all_running(args)
     url = default_ledger_url(args.ledger)
     existing_ledger_file(url)  # resuming writes, but never into a ledger it would have to create
     with Ledger(url) as ledger:
