@@ -16,6 +16,7 @@ remote client rebuilds the same class from ``code``.
     │   ├── InvalidResponseSchema (400, invalid_response_schema)   a structured-output schema that cannot be compiled
     │   │   └── ResponseSchemaTooLarge (400, schema_too_large)     over a size, node or depth limit
     │   ├── PromptCachePathUnsafe (400, prompt_cache_path_unsafe)   symlinked or non-private cache dir
+    │   ├── EmbeddingsUnsupported (400, embeddings_unsupported)   serve: the model generates text, it cannot embed
     │   └── RemoteNotAllowed (403, remote_not_allowed)   a flow sends prompts to a server the user did not allow
     │       └── RemoteAddressForbidden (403, remote_address_forbidden)   a link-local / cloud metadata address
     ├── PolicyError (400, policy_invalid)            the Core policy file is unreadable
@@ -155,6 +156,12 @@ class PromptCachePathUnsafe(InvalidRequest):
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(message, details={"path": path})
         self.path = path
+
+
+class EmbeddingsUnsupported(InvalidRequest):
+    """``POST /v1/embeddings`` to a server whose models generate text only."""
+
+    code = "embeddings_unsupported"
 
 
 class RemoteNotAllowed(InvalidRequest):

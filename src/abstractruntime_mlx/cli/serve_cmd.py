@@ -8,7 +8,9 @@ ALIAS=NAME`` adds a name. ``--memory-budget`` / ``--keep-alive`` set the pool's 
 route but ``/health`` require ``Authorization: Bearer KEY``. Without ``--model`` the server
 starts empty and waits for ``POST /acore/models/load``, which (like the capabilities route)
 reaches only repo ids in the Hugging Face cache, directories under ``--model-root DIR``
-(repeatable) and the ``--model`` directory itself.
+(repeatable) and the ``--model`` directory itself. Every model load is shown on stderr
+(``load_progress``); ``--log-level info`` adds uvicorn's access log (a line per request);
+``--ledger URL`` records every served call (``server/serve_ledger.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from ..json_values import JSONObject
 from .args import integer
 
 if TYPE_CHECKING:
+    from ..provider.mlx_provider import MLXProvider
     from ..server import ModelSpec, PoolSettings
+    from ..server.serve_ledger import ServeLedger
 
 API_KEY_ENV = "ABSTRACTRUNTIME_MLX_API_KEY"
 DEFAULT_HOST = "127.0.0.1"
@@ -60,6 +64,8 @@ class ServeSettings:
     memory_budget_bytes: int | None = None
     keep_alive_s: float | None = None
     kv_tokens_per_row: int | None = None
+    # record every served call in this ledger (``serve --ledger``); None: no recording
+    ledger_url: str | None = None
 
     def model_specs(self) -> list[ModelSpec]:
         from ..server import ModelSpec
@@ -170,7 +176,18 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
         default=5.0,
         help="shortest gap between two text writes of one stream; faster tokens are sent together (default 5; 0 = every chunk)",
     )
-    parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level; 'info' adds its access log, one line per request (default: warning)",
+    )
+    parser.add_argument(
+        "--ledger",
+        default=None,
+        metavar="URL_OR_PATH",
+        help="record every served call in this ledger (a run per X-Session-Affinity session, else per request), for runs list/show/web",
+    )
     parser.set_defaults(handler=_serve)
 
 
@@ -209,6 +226,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         port=args.port,
         api_key=args.api_key or env.get(API_KEY_ENV) or None,
         log_level=args.log_level,
+        ledger_url=None if args.ledger is None else _ledger_arg(args.ledger),
         stream_interval_ms=args.stream_interval_ms,
         model_roots=tuple(args.model_root),
         options=options,
@@ -279,6 +297,7 @@ def serve(settings: ServeSettings) -> int:
     import uvicorn
 
     from ..server import create_app
+    from .load_progress import showing_factory
 
     if not _is_loopback(settings.host) and not settings.api_key:
         print(
@@ -291,6 +310,7 @@ def serve(settings: ServeSettings) -> int:
     roots = list(settings.model_roots)
     roots += [m.source for m in settings.models if Path(m.source).expanduser().is_dir()]  # loadable again after an unload
     app = create_app(
+        model_factory=showing_factory(_load_mlx),
         api_key=settings.api_key,
         stream_interval_ms=settings.stream_interval_ms,
         model_roots=roots,
@@ -300,8 +320,7 @@ def serve(settings: ServeSettings) -> int:
     )
     pool = app.state.pool
     for name in settings.preload():
-        print(f"abstractruntime-mlx: loading {name} ...", file=sys.stderr)
-        pool.preload([name])
+        pool.preload([name])  # shown by the factory (load_progress)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -314,11 +333,40 @@ def serve(settings: ServeSettings) -> int:
     server = uvicorn.Server(config)
     served = ", ".join(m.name for m in settings.models) or "(no model)"
     print(f"abstractruntime-mlx: serving {served} on http://{settings.host}:{settings.port}", file=sys.stderr)
+    recorder = _open_serve_ledger(settings.ledger_url)
+    app.state.serve_ledger = recorder
     try:
         server.run()
     finally:
         pool.unload_all_now()  # what the lifespan did not unload (uvicorn stopped before it started)
+        if recorder is not None:
+            recorder.close()
+            recorder.ledger.close()
     return 0
+
+
+def _load_mlx(model: str, **options: object) -> MLXProvider:
+    from ..provider import create_llm
+
+    return create_llm("mlx", model=model, **options)
+
+
+def _ledger_arg(value: str) -> str:
+    from ..ledger import normalize_ledger_url
+
+    return normalize_ledger_url(value)
+
+
+def _open_serve_ledger(url: str | None) -> ServeLedger | None:
+    """The recorder of ``serve --ledger`` (the ledger is created if new, like ``run``'s)."""
+    if url is None:
+        return None
+    from ..ledger import Ledger
+    from ..server.serve_ledger import ServeLedger
+
+    recorder = ServeLedger(Ledger(url))
+    print(f"abstractruntime-mlx: recording served calls in {recorder.ledger.url}", file=sys.stderr)
+    return recorder
 
 
 def _is_loopback(host: str) -> bool:

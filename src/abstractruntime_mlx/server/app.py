@@ -12,6 +12,10 @@ Routes (see ``docs/server.md``)::
     POST /acore/prompt_cache/clear             {key?}
     POST /acore/prompt_cache/key_meta          {provider?, model?, key, meta}
     GET  /acore/prompt_cache/key_meta          ?key=
+    POST /v1/responses                         OpenAI's Responses API (responses.py)
+    POST /v1/completions                       OpenAI's text completions (completions.py)
+    POST /v1/embeddings                        refused: embeddings_unsupported (embeddings.py)
+    GET  /metrics                              Prometheus text format (metrics.py)
 
 Every failure is ``{"error": {"message", "type", "code"}}`` with the error's HTTP status;
 after the first SSE byte it is a ``data: {"error": ...}`` event followed by ``[DONE]``.
@@ -34,7 +38,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Final, Protocol, cast
+from typing import Final, cast
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -44,24 +48,38 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..capabilities import get_execution_capabilities
-from ..controls import SAMPLING_FIELDS, normalize_speculation
-from ..request import MAX_PROMPT_CACHE_KEY_CHARS, GenerationRequest, ProgressSink, output_cap
+from ..controls import normalize_speculation
+from ..request import MAX_PROMPT_CACHE_KEY_CHARS, GenerationRequest, ProgressSink
 from ..structured import ResponseFormat, run_schema_work
 from ..errors import (
     AuthenticationError,
     InvalidRequest,
     MLXRuntimeError,
     ModelNotFound,
-    RequestTooLarge,
     ResidencyConflict,
     UpstreamError,
 )
 from ..results import GenerationChunk, GenerationResult
-from ..json_values import JSONObject, JSONValue, parse_ascii_int
-from .media import extract_images
+from ..json_values import JSONObject, JSONValue
+from .completions import create_completion
+from .edge import (
+    MAX_BODY_BYTES,  # noqa: F401 - re-exported: the body limit of every route
+    ServedProvider,
+    error_response,
+    first_item,
+    generation_request,
+    pool_of,
+    progress_supported,
+    read_body,
+    served_provider,
+)
+from .embeddings import create_embeddings
+from .metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
+from .observe import begin_call
+from .responses import create_response
 from .keep_alive import parse_keep_alive
 from .model_roots import ModelRoots
-from .pool import UNSET, KeepAlive, Lease, ModelPool, ModelSpec, ModelState, PoolSettings, ResidentModel, provider_health
+from .pool import UNSET, KeepAlive, Lease, ModelPool, ModelSpec, ModelState, PoolSettings, provider_health
 from .schemas import (
     MAX_MODEL_NAME_CHARS,
     ChatCompletionRequest,
@@ -92,34 +110,10 @@ log = logging.getLogger(__name__)
 # slower than 200 tokens/s per request, so only very fast streams (the tiny test models) are
 # affected; it halves the per-token HTTP cost there. 0 = one write per chunk.
 DEFAULT_STREAM_INTERVAL_MS: Final = 5.0
-MAX_BODY_BYTES: Final = 64 * 1024 * 1024  # 16 images of 10 MiB in base64 fit
 MAX_KEY_META_ENTRIES: Final = 4096
 MAX_KEY_META_BYTES: Final = 16 * 1024
 RESERVED_META_KEYS: Final = frozenset({"fed_token_ids", "fed_token_count", "backend", "token_count", "provider", "model"})
 PUBLIC_PATHS: Final = frozenset({"/health"})
-
-
-class ServedProvider(Protocol):
-    """What the server calls on the provider it serves (an ``MLXProvider``, or a test's fake).
-
-    Optional hooks are looked up with ``getattr``: ``health()``, ``execution_options``,
-    ``speculation_default()``, ``supports_text_progress_events()``.
-    """
-
-    @property
-    def model(self) -> str: ...
-
-    def unload_model(self, model_name: str | None = None) -> object: ...
-
-    def supports_concurrent_generation(self) -> bool: ...
-
-    def get_prompt_cache_stats(self) -> Mapping[str, object]: ...
-
-    def prompt_cache_clear(self, key: str | None = None) -> Mapping[str, object]: ...
-
-    def agenerate_request(
-        self, request: GenerationRequest, *, stream: bool = False
-    ) -> Awaitable[GenerationResult | AsyncIterator[GenerationChunk]]: ...
 
 
 ModelFactory = Callable[..., ServedProvider]
@@ -202,16 +196,6 @@ class BearerAuth:
 # --------------------------------------------------------------------------- helpers
 
 
-def _pool(request: Request) -> ModelPool:
-    pool: ModelPool = request.app.state.pool
-    return pool
-
-
-def _served_provider(lease_or_model: ResidentModel | Lease) -> ServedProvider:
-    """The pool holds providers as ``PooledProvider``; this server put ``ServedProvider``s in it."""
-    return cast(ServedProvider, lease_or_model.provider)
-
-
 def _resident_provider(pool: ModelPool, requested: str | None) -> ServedProvider:
     """The resident model ``requested`` names (default: the default model), never loading one."""
     found = pool.find(requested)
@@ -219,72 +203,7 @@ def _resident_provider(pool: ModelPool, requested: str | None) -> ServedProvider
         shown = "the default model" if not requested else repr(requested)
         names = [m.name for m in pool.resident()]
         raise ModelNotFound(f"{shown} is not loaded on this server (resident: {names or 'none'}); load it first")
-    return _served_provider(found)
-
-
-def _error_response(exc: BaseException) -> JSONResponse:
-    status, body = error_payload(exc)
-    return JSONResponse(body, status_code=status)
-
-
-async def _read_body(request: Request) -> bytes:
-    too_large = RequestTooLarge(
-        f"the request body exceeds {MAX_BODY_BYTES // (1024 * 1024)} MiB", details={"limit_bytes": MAX_BODY_BYTES}
-    )
-    declared = request.headers.get("content-length")
-    size_declared = None if declared is None else parse_ascii_int(declared)
-    if size_declared is not None and size_declared > MAX_BODY_BYTES:
-        raise too_large
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _first_item(request: Request, pump: ProviderPump) -> PumpItem | None:
-    """The pump's first item, or ``None`` when the client went away first."""
-    getter = asyncio.ensure_future(pump.next())
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if getter.done():
-        return getter.result()
-    getter.cancel()
-    return None
-
-
-def _generation_request(body: ChatCompletionRequest, response_format: ResponseFormat | None) -> GenerationRequest:
-    """The typed request of a chat body (the HTTP edge; controls validated here, once) and its
-    already checked ``response_format``."""
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    native = extract_images(messages)
-    return GenerationRequest.build(
-        messages=native.messages,
-        media=native.images,
-        tools=body.tools,
-        sampling={name: value for name in SAMPLING_FIELDS if (value := getattr(body, name)) is not None},
-        max_output_tokens=output_cap(
-            max_output_tokens=body.max_output_tokens, max_tokens=body.max_tokens, max_completion_tokens=body.max_completion_tokens
-        ),
-        stop=body.stop,
-        thinking=body.thinking_said(),
-        speculation=body.speculation,
-        response_format=response_format,
-        prompt_cache_key=body.prompt_cache_key,
-    )
+    return served_provider(found)
 
 
 # --------------------------------------------------------------------------- routes
@@ -295,7 +214,7 @@ async def health(request: Request) -> Response:
 
     ``model``/``model_state`` describe the default model; ``models`` every known model and its
     residency; ``memory`` the budget the pool loads against."""
-    pool = _pool(request)
+    pool = pool_of(request)
     models = pool.models()
     resident = [m for m in models if m.provider is not None]
     default = pool.find(None)
@@ -308,12 +227,12 @@ async def health(request: Request) -> Response:
         "memory": await asyncio.to_thread(pool.memory),
     }
     if default is not None and default.provider is not None:
-        model_health = provider_health(_served_provider(default))
+        model_health = provider_health(served_provider(default))
         if model_health is not None:
             body["model_state"] = model_health["state"]
     failed = [m for m in resident if m.state is ModelState.FAILED]
     if resident and len(failed) == len(resident):
-        first = provider_health(_served_provider(failed[0])) or {}
+        first = provider_health(served_provider(failed[0])) or {}
         body.update(status="unhealthy", error=first.get("error"))
         return JSONResponse(body, status_code=503)
     return JSONResponse(body)
@@ -321,7 +240,7 @@ async def health(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     """Every model this server knows: resident ones and those it loads on first request."""
-    pool = _pool(request)
+    pool = pool_of(request)
     created = request.app.state.created
     data: list[JSONValue] = [
         {"id": m.name, "object": "model", "created": created, "owned_by": "abstractruntime-mlx", **m.to_dict()}
@@ -331,7 +250,7 @@ async def list_models(request: Request) -> Response:
 
 
 async def execution_capabilities(request: Request) -> Response:
-    pool = _pool(request)
+    pool = pool_of(request)
     asked = request.query_params.get("model_name") or request.query_params.get("model") or pool.default_name()
     provider_name = request.query_params.get("provider") or "mlx"
     if not asked:
@@ -341,7 +260,7 @@ async def execution_capabilities(request: Request) -> Response:
             f"model_name is longer than {MAX_MODEL_NAME_CHARS} characters", details={"field": "model_name"}
         )
     known = pool.find(asked)
-    instance = None if known is None or known.provider is None else _served_provider(known)
+    instance = None if known is None or known.provider is None else served_provider(known)
     if instance is not None:
         name = str(instance.model)
     elif known is not None:
@@ -354,15 +273,15 @@ async def execution_capabilities(request: Request) -> Response:
 
 
 async def load_model(request: Request) -> Response:
-    body = parse_body(LoadModelRequest, await _read_body(request))
+    body = parse_body(LoadModelRequest, await read_body(request))
     options = body.checked_options()
     keep_alive: KeepAlive = None if body.pin else UNSET
     if body.keep_alive is not None:
         keep_alive = parse_keep_alive(body.keep_alive)
-    pool = _pool(request)
+    pool = pool_of(request)
     known = pool.find(body.model)
     if known is not None and known.provider is not None and known.state is not ModelState.FAILED:
-        provider = _served_provider(known)
+        provider = served_provider(known)
         differing = _differing_options(provider, options)
         if differing:
             raise ResidencyConflict(
@@ -385,10 +304,10 @@ async def load_model(request: Request) -> Response:
 
 
 async def unload_model(request: Request) -> Response:
-    body = parse_body(UnloadModelRequest, await _read_body(request))
+    body = parse_body(UnloadModelRequest, await read_body(request))
     if body.force:
         raise InvalidRequest("force unload is not supported: close or cancel the active streams, then unload")
-    pool = _pool(request)
+    pool = pool_of(request)
     if body.model is not None and pool.find(body.model) is None:
         raise ModelNotFound(f"{body.model!r} is not a model of this server")
     names = await pool.unload(body.model) if body.model is not None or pool.resident() else []
@@ -398,14 +317,14 @@ async def unload_model(request: Request) -> Response:
 
 
 async def prompt_cache_stats(request: Request) -> Response:
-    provider = _resident_provider(_pool(request), request.query_params.get("model"))
+    provider = _resident_provider(pool_of(request), request.query_params.get("model"))
     stats = await asyncio.to_thread(provider.get_prompt_cache_stats)
     return JSONResponse({"supported": bool(stats.get("enabled")), "operation": "stats", "stats": _json_safe(stats)})
 
 
 async def prompt_cache_clear(request: Request) -> Response:
-    body = parse_body(PromptCacheClearRequest, await _read_body(request))
-    provider = _resident_provider(_pool(request), body.model)
+    body = parse_body(PromptCacheClearRequest, await read_body(request))
+    provider = _resident_provider(pool_of(request), body.model)
     result = await asyncio.to_thread(provider.prompt_cache_clear, body.key)
     cleared = bool(result.get("cleared"))
     return JSONResponse({"supported": cleared, "operation": "clear", "ok": cleared, "result": _json_safe(result)})
@@ -422,8 +341,8 @@ async def prompt_cache_key_meta(request: Request) -> Response:
         if key not in key_meta:
             raise ModelNotFound(f"no metadata is stored for prompt cache key {key!r}")
         return JSONResponse({"ok": True, "operation": "key_meta", "key": key, "meta": key_meta[key]})
-    body = parse_body(PromptCacheKeyMetaRequest, await _read_body(request))
-    if body.model and _pool(request).find(body.model) is None:
+    body = parse_body(PromptCacheKeyMetaRequest, await read_body(request))
+    if body.model and pool_of(request).find(body.model) is None:
         raise ModelNotFound(f"{body.model!r} is not a model of this server")
     reserved = sorted(k for k in body.meta if k in RESERVED_META_KEYS)
     if reserved:
@@ -437,7 +356,7 @@ async def prompt_cache_key_meta(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     # Decoding and checking a large body (up to the body limit) takes long: off the event loop.
-    body = await asyncio.to_thread(parse_body, ChatCompletionRequest, await _read_body(request))
+    body = await asyncio.to_thread(parse_body, ChatCompletionRequest, await read_body(request))
     unknown = body.unknown_fields()
     if unknown:
         log.warning("chat request: ignoring unknown field(s) %s", ", ".join(unknown))
@@ -445,12 +364,12 @@ async def chat_completions(request: Request) -> Response:
     # A schema within the limits still takes up to about half a second to check: on the
     # schema threads, so that the loop and the other requests go on meanwhile.
     response_format = None if body.response_format is None else await run_schema_work(ResponseFormat.from_openai, body.response_format)
-    typed = _generation_request(body, response_format)
+    typed = generation_request(body, response_format)
     # The model is resident (loaded now if it was not) and held until the response ends.
-    lease = await _pool(request).acquire(body.model, keep_alive=keep_alive)
+    lease = await pool_of(request).acquire(body.model, keep_alive=keep_alive)
     streaming = False
     try:
-        response = await _chat_with(request, body, typed, _served_provider(lease), lease)
+        response = await _chat_with(request, body, typed, served_provider(lease), lease)
         streaming = isinstance(response, SSEResponse)
         return response
     finally:
@@ -462,7 +381,7 @@ async def _chat_with(
     request: Request, body: ChatCompletionRequest, typed: GenerationRequest, llm: ServedProvider, lease: Lease
 ) -> Response:
     """The chat call on ``llm``; an SSE response releases ``lease`` when it ends."""
-    if body.include_progress and not _progress_supported(llm):
+    if body.include_progress and not progress_supported(llm):
         raise InvalidRequest("this provider emits no phase events; drop stream_options.include_progress")
 
     cancel_event = threading.Event()
@@ -470,7 +389,10 @@ async def _chat_with(
     def call(on_progress: ProgressSink | None) -> Awaitable[GenerationResult | AsyncIterator[GenerationChunk]]:
         return llm.agenerate_request(typed.with_sinks(cancel=cancel_event, progress=on_progress), stream=body.stream)
 
-    pump = ProviderPump(call, stream=body.stream, cancel_event=cancel_event, with_progress=body.include_progress).start()
+    observer = await begin_call(request, route="chat", model=str(llm.model), call=typed, stream=body.stream)
+    pump = ProviderPump(
+        call, stream=body.stream, cancel_event=cancel_event, with_progress=body.include_progress, observer=observer
+    ).start()
     completion_id, created, model = new_completion_id(), now_s(), str(llm.model)
     try:
         if body.stream or body.include_progress:
@@ -478,7 +400,7 @@ async def _chat_with(
             # later failures travel in the stream.
             first = await pump.settled()
         else:
-            first = await _first_item(request, pump)
+            first = await first_item(request, pump)
             if first is None:  # the client left before the answer was ready
                 pump.close()
                 return Response(status_code=499)
@@ -487,11 +409,11 @@ async def _chat_with(
         raise
     if isinstance(first, FailureItem):
         pump.close()
-        return _error_response(first.error)
+        return error_response(first.error)
     if not body.stream and not body.include_progress:
         if not isinstance(first, ResultItem):  # pragma: no cover - the pump's contract
             pump.close()
-            return _error_response(UpstreamError(f"unexpected first item {type(first).__name__}"))
+            return error_response(UpstreamError(f"unexpected first item {type(first).__name__}"))
         return JSONResponse(completion_body(first.result, completion_id=completion_id, model=model, created=created))
     events = _sse_events(
         first,
@@ -508,11 +430,6 @@ async def _chat_with(
         lease.release()
 
     return SSEResponse(events, on_close=close)
-
-
-def _progress_supported(llm: ServedProvider) -> bool:
-    probe = getattr(llm, "supports_text_progress_events", None)
-    return callable(probe) and probe() is True
 
 
 async def _sse_events(
@@ -633,7 +550,7 @@ def _guarded(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Re
         try:
             return await endpoint(request)
         except Exception as exc:  # noqa: BLE001 - unexpected ones are logged by error_payload
-            return _error_response(exc)
+            return error_response(exc)
 
     run.__name__ = getattr(endpoint, "__name__", "endpoint")
     return run
@@ -709,6 +626,10 @@ def create_app(
             ("/acore/prompt_cache/stats", prompt_cache_stats, ["GET"]),
             ("/acore/prompt_cache/clear", prompt_cache_clear, ["POST"]),
             ("/acore/prompt_cache/key_meta", prompt_cache_key_meta, ["GET", "POST"]),
+            ("/v1/responses", create_response, ["POST"]),
+            ("/v1/completions", create_completion, ["POST"]),
+            ("/v1/embeddings", create_embeddings, ["POST"]),
+            ("/metrics", metrics_endpoint, ["GET"]),
         )
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _on_http_error}, lifespan=lifespan)
@@ -716,6 +637,8 @@ def create_app(
     app.state.key_meta = OrderedDict()
     app.state.created = now_s()
     app.state.stream_interval_s = stream_interval_ms / 1000.0
+    app.state.metrics = ServerMetrics(pool)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)  # outermost: it sees every answer
     return app

@@ -4,7 +4,8 @@
 (stream chunks, or the one result) with the provider's phase events (``on_progress``, called
 on any thread) into one queue of typed items, in arrival order. Chunks are bounded
 (``max_pending``) so a slow HTTP client slows the pump, and the engine's own backpressure
-(``StreamBackpressure``) still applies. ``close()`` is synchronous and idempotent: it sets the
+(``StreamBackpressure``) still applies. An ``observer`` (``observe.CallObserver``: the metrics,
+the serve ledger) sees the same call: phase events, chunks or the result, then how it ended. ``close()`` is synchronous and idempotent: it sets the
 request's ``cancel_event`` (the engine frees the slot at its next step) and cancels the task,
 whose ``finally`` closes the provider stream.
 """
@@ -21,10 +22,11 @@ from typing import Final
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..errors import UpstreamError
+from ..errors import RequestCancelled, UpstreamError
 from ..request import ProgressSink
 from ..results import GenerationChunk, GenerationResult
 from ..json_values import JSONObject, JSONValue
+from .observe import CallObserver
 
 DONE: Final = "data: [DONE]\n\n"
 DEFAULT_MAX_PENDING: Final = 64
@@ -87,8 +89,11 @@ class ProviderPump:
         cancel_event: threading.Event,
         with_progress: bool,
         max_pending: int = DEFAULT_MAX_PENDING,
+        observer: CallObserver | None = None,
     ) -> None:
         self._call = call
+        self._observer = observer
+        self._observer_told_end = False
         self._stream = stream
         self.cancel_event = cancel_event
         self._with_progress = with_progress
@@ -145,6 +150,8 @@ class ProviderPump:
         if task is not None and not task.done():
             self.cancel_event.set()
             task.cancel()
+            # A task cancelled before its first step never runs ``_run``'s ``finally``.
+            task.add_done_callback(lambda _task: self._tell_end(RequestCancelled("the client closed the connection")))
 
     # --- internals -------------------------------------------------------------------------
     def _on_progress(self, event: Mapping[str, JSONValue]) -> None:
@@ -159,8 +166,29 @@ class ProviderPump:
         self._queue.put_nowait(item)
         self._admitted.set()
 
+    def _progress_sink(self) -> ProgressSink | None:
+        observer = self._observer
+        watched = observer is not None and observer.wants_progress
+        if not watched:
+            return self._on_progress if self._with_progress else None
+        assert observer is not None
+
+        def both(event: JSONObject) -> None:
+            observer.progress(dict(event))
+            if self._with_progress:
+                self._on_progress(event)
+
+        return both
+
+    def _tell_end(self, error: BaseException | None) -> None:
+        if self._observer is not None and not self._observer_told_end:
+            self._observer_told_end = True
+            self._observer.ended(error)
+
     async def _run(self) -> None:
-        callback = self._on_progress if self._with_progress else None
+        callback = self._progress_sink()
+        observer = self._observer
+        error: BaseException | None = None
         try:
             if self._stream:
                 iterator = await self._call(callback)
@@ -169,6 +197,8 @@ class ProviderPump:
                 self._admitted.set()
                 try:
                     async for chunk in iterator:
+                        if observer is not None:
+                            observer.chunk(chunk)
                         await self._slots.acquire()
                         self._queue.put_nowait(ChunkItem(chunk))
                 finally:
@@ -179,13 +209,18 @@ class ProviderPump:
                 result = await self._call(callback)
                 if not isinstance(result, GenerationResult):
                     raise UpstreamError(f"the provider returned {type(result).__name__}, not a GenerationResult")
+                if observer is not None:
+                    observer.result(result)
                 self._queue.put_nowait(ResultItem(result))
         except asyncio.CancelledError:
             self.cancel_event.set()
+            error = RequestCancelled("the client closed the connection")
             raise
         except Exception as exc:  # noqa: BLE001 - every failure travels to the response as an item
+            error = exc
             self._queue.put_nowait(FailureItem(exc))
         finally:
+            self._tell_end(error)
             # Scheduled, so phase events already posted from other threads stay ahead of it.
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon(self._end)
