@@ -51,7 +51,7 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     parser.add_argument("--allow-network-tools", action="store_true", help="as for `run`: tools that reach outside this machine are allowed")
     parser.add_argument("--allow-remote", action="store_true", help="as for `run`: the servers the flow names itself (base_url) are allowed")
     probe = parser.add_mutually_exclusive_group()
-    probe.add_argument("--probe", action="store_true", help="send one GET /health to each allowed remote base_url (nothing is contacted without it)")
+    probe.add_argument("--probe", action="store_true", help="send one GET /health to each allowed remote base_url, and ask an abstractruntime-mlx server there whether it serves each node's model (nothing is contacted without it)")
     probe.add_argument("--no-probe", action="store_true", help="contact no server (the default; kept for scripts)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(handler=_check)

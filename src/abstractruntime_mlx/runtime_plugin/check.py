@@ -21,7 +21,8 @@ What is checked, in this order (a problem never stops the checks after it):
 6. LLM nodes (``llm_call``; ``agent`` for its controls): ``effectConfig`` keys nobody reads (with
    a did-you-mean), speculation / thinking / sampling values our controls refuse, a provider
    that is not served here, a model that is not on this machine (offline lookup, no download),
-   a remote ``base_url`` that does not answer (only when asked: ``probe_remote=True``);
+   a remote ``base_url`` that does not answer, or an abstractruntime-mlx server there that cannot
+   serve the node's model (only when asked: ``probe_remote=True``);
 7. run variables: ``_runtime`` keys nobody reads (did-you-mean) and run-level controls.
 
 A problem is an ``error`` (the run would fail, or silently do something else than written) or a
@@ -819,7 +820,8 @@ def _check_llm_nodes(
     runtime_ns = object_at(run_vars, "_runtime")
     run_base_url = _first_str(runtime_ns.get("base_url"), runtime_ns.get("server_base_url"), default_base_url)
     models_seen: dict[str, str | None] = {}
-    urls_seen: dict[str, str | None] = {}
+    urls_seen: dict[str, _Probe] = {}
+    served_seen: dict[tuple[str, str], str | None] = {}
     for node_id, (_, node) in nodes.items():
         node_type = node.get("type")
         if node_type not in LLM_NODE_TYPES:
@@ -860,13 +862,20 @@ def _check_llm_nodes(
             if probe_remote and routing.remote.allows(base_url) and forbidden_reason(base_url) is None:
                 if base_url not in urls_seen:
                     urls_seen[base_url] = _probe_url(base_url, probe_timeout_s)
-                if urls_seen[base_url] is not None:
+                probe = urls_seen[base_url]
+                if probe.error is not None:
                     findings.add(
                         "remote_unreachable",
-                        f"the server at {base_url} does not answer ({urls_seen[base_url]})",
+                        f"the server at {base_url} does not answer ({probe.error})",
                         node=node_id,
                         field=_base_url_field(config, runtime_ns, default_base_url),
                     )
+                elif probe.ours and decision.model is not None:
+                    key = (base_url, decision.model)
+                    if key not in served_seen:
+                        served_seen[key] = _model_not_served(base_url, decision.model, probe_timeout_s)
+                    if served_seen[key] is not None:
+                        findings.add("model_not_served", str(served_seen[key]), node=node_id, field="data.effectConfig.model")
             continue
         chosen = decision.model
         if chosen is None:
@@ -911,17 +920,50 @@ def _default_resolve_model(name: str) -> Path:
     return resolve_model_path(name)
 
 
-def _probe_url(base_url: str, timeout_s: float) -> str | None:
-    """None when anything answers HTTP at ``base_url`` (any status), else why not."""
+@dataclass(frozen=True, slots=True)
+class _Probe:
+    """What one ``GET /health`` found: ``error`` (why nothing answered) or whether an
+    abstractruntime-mlx server answered (``ours``: it can be asked which models it serves)."""
+
+    error: str | None
+    ours: bool = False
+
+
+def _probe_url(base_url: str, timeout_s: float) -> _Probe:
+    """Whether anything answers HTTP at ``base_url`` (any status), and whether it is our server."""
     import httpx
 
     url = base_url.rstrip("/")
     if not url.startswith(("http://", "https://")):
-        return "not an http(s) URL"
+        return _Probe("not an http(s) URL")
     try:
-        httpx.get(f"{url}/health", timeout=timeout_s)
+        response = httpx.get(f"{url}/health", timeout=timeout_s)
     except httpx.HTTPError as exc:
-        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return _Probe(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    try:
+        body = response.json()
+    except ValueError:
+        return _Probe(None)
+    return _Probe(None, ours=isinstance(body, dict) and body.get("server") == "abstractruntime-mlx")
+
+
+def _model_not_served(base_url: str, model: str, timeout_s: float) -> str | None:
+    """Why the abstractruntime-mlx server at ``base_url`` cannot serve ``model`` (its capabilities
+    route answers ``model_not_found``), else None (served, or the server would not say)."""
+    import httpx
+
+    try:
+        response = httpx.get(
+            f"{base_url.rstrip('/')}/v1/models/execution-capabilities",
+            params={"model_name": model, "provider": "mlx"},
+            timeout=timeout_s,
+        )
+        body = response.json() if response.status_code == 404 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and error.get("code") == "model_not_found":
+        return f"the server at {base_url} does not serve model {model!r}: {error.get('message')}"
     return None
 
 
