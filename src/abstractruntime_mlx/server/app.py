@@ -1,4 +1,4 @@
-"""The ASGI app serving one resident provider (one server process per resident model).
+"""The ASGI app serving the models of one ``ModelPool`` (``pool.py``: several resident models).
 
 Routes (see ``docs/server.md``)::
 
