@@ -128,7 +128,7 @@ def test_capabilities_cli(config_file, tmp_path, capsys):
 
 
 def test_models_list_and_path(tmp_path, capsys):
-    status, out, _ = run(capsys, "models", "list", "--cache-dir", str(tmp_path / "no-cache"))
+    status, out, _ = run(capsys, "models", "list", "--json", "--cache-dir", str(tmp_path / "no-cache"))
     assert status == 0 and json.loads(out) == []
     cache = tmp_path / "hub"
     snapshot = cache / "models--org--m" / "snapshots" / "abc"
@@ -136,7 +136,7 @@ def test_models_list_and_path(tmp_path, capsys):
     (cache / "models--org--m" / "refs").mkdir()
     (cache / "models--org--m" / "refs" / "main").write_text("abc")
     (snapshot / "config.json").write_text("{}")
-    status, out, _ = run(capsys, "models", "list", "--cache-dir", str(cache))
+    status, out, _ = run(capsys, "models", "list", "--json", "--cache-dir", str(cache))
     rows = json.loads(out)
     assert [r["name"] for r in rows] == ["org/m"] and rows[0]["path"] == str(snapshot)
     assert rows[0]["refs"] == ["main"]
