@@ -78,19 +78,25 @@ from typing import Any, Callable
 
 
 import _models  # bench/_models.py (``python bench/X.py`` puts bench/ first on sys.path)
+import client_side
+from forward import ForwardLoop
+from shapes import ShapeLog, Window
 
 MAX_TOKENS = 64
 MAX_BATCH = 8  # the providers' mlx_max_batch_size; main() sets it to the largest concurrency
+QUEUE_SIZE = 32  # the providers' mlx_max_queue_size; main() sizes it to the most requests of a point
 SERIAL_TARGETS = ("stream_generate", "mlx_lm.server")  # one request at a time
-TARGETS = ("raw", "raw_lm", "stream_generate", "ours", "ours_batch", "abstractcore", "mlx_lm.server")
+TARGETS = ("forward", "raw", "raw_lm", "stream_generate", "ours", "ours_batch", "abstractcore", "mlx_lm.server")
 FLOORS = {  # ours / X: the floor each ratio should reach, per concurrency (None = any)
-    "raw": {None: 0.95, 16: 1.3, 32: 1.3},
-    "raw_lm": {None: 0.95, 16: 1.3, 32: 1.3},
+    "forward": {32: 0.6, 64: 0.6},
+    "raw": {None: 0.95, 16: 1.0, 32: 1.3, 64: 1.3},
+    "raw_lm": {None: 0.95, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.3, 64: 1.3},
     "stream_generate": {1: 1.0},
     "ours_batch": {1: 1.0, None: 0.95},
-    "abstractcore": {1: 1.2, 4: 1.0, 8: 1.0, 16: 1.3, 32: 1.3},
+    "abstractcore": {1: 1.2, 4: 1.0, 8: 1.0, 16: 1.3, 32: 1.3, 64: 1.3},
     "mlx_lm.server": {1: 1.1, 4: 1.0, 8: 1.0},
 }
+SHAPES = ShapeLog()  # every forward input shape this process has run (bench/shapes.py)
 
 WORDS = (
     "the model reads a long request about rivers cities music planets gardens engines "
@@ -134,6 +140,12 @@ class Point:
     other_ms: float | None = None
     cpu_ms: float | None = None
     gpu_util: float | None = None
+    # forward input shapes (bench/shapes.py): first seen in this process during this point's
+    # runs (prefills: length > 1; decode steps: length 1), and all it used
+    new_prefill_shapes: int | None = None
+    new_decode_shapes: int | None = None
+    shapes_used: int | None = None
+    forward_share: float | None = None  # tok/s over the forward target's at this point
 
 
 @dataclass
@@ -211,7 +223,9 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def summarise(model: str, target: str, c: int, reqs: list[Request], wall: float, profile: Profile | None = None) -> Point:
+def summarise(
+    model: str, target: str, c: int, reqs: list[Request], wall: float, profile: Profile | None = None, shapes: Window | None = None
+) -> Point:
     tokens = sum(r.tokens for r in reqs)
     ttft = [r.ttft_s * 1000 for r in reqs if r.ttft_s is not None]
     tok = [r.token_ttft_s * 1000 for r in reqs if r.token_ttft_s is not None]
@@ -229,6 +243,8 @@ def summarise(model: str, target: str, c: int, reqs: list[Request], wall: float,
             extra["other_ms"] = round((profile.step_s - profile.backend_s - profile.tokens_s) * per, 3)
     if profile is not None and profile.gpu_util:
         extra["gpu_util"] = round(statistics.mean(profile.gpu_util), 1)
+    if shapes is not None:
+        extra.update(new_prefill_shapes=shapes.new_prefill, new_decode_shapes=shapes.new_decode, shapes_used=len(shapes.used))
     return Point(
         model=model,
         target=target,
@@ -447,7 +463,7 @@ def ours_factory(path: Path, **options: Any) -> Any:
     from abstractruntime_mlx import create_llm
 
     return create_llm(
-        "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=MAX_BATCH, mlx_max_queue_size=max(32, 2 * MAX_BATCH),
+        "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=MAX_BATCH, mlx_max_queue_size=QUEUE_SIZE,
         speculation=False, **options,
     )
 
@@ -471,7 +487,9 @@ def abstractcore_factory(path: Path) -> Any:
 
     # AbstractCore warns on every length-truncated answer; all of ours are.
     warnings.filterwarnings("ignore", message="Output truncated", category=RuntimeWarning)
-    return create_llm("mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=MAX_BATCH, speculation=False)
+    return create_llm(
+        "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=MAX_BATCH, mlx_max_queue_size=QUEUE_SIZE, speculation=False
+    )
 
 
 def _die_with_parent() -> None:
@@ -694,10 +712,37 @@ class RawLmLoopTarget:
         mx.clear_cache()
 
 
+class ForwardTarget:
+    """The pure-forward ceiling (bench/forward.py): decode steps of the model alone, B = c."""
+
+    name = "forward"
+    skip_reason: str | None = None
+    last_profile: Profile | None = None
+
+    def __init__(self) -> None:
+        self.loop = ForwardLoop()
+
+    def setup(self, path: Path) -> None:
+        self.loop.setup(path)
+
+    def run(self, prompts: list[Prompt], c: int, max_tokens: int = MAX_TOKENS) -> tuple[list[Request], float]:
+        c0 = time.thread_time()
+        tokens, seconds, steps = self.loop.run(prompts, c, max_tokens)
+        rows = tokens // max_tokens
+        out = [Request(tokens=max_tokens, start=0.0, end=seconds) for _ in range(rows)]
+        self.last_profile = Profile(steps, seconds, cpu_s=time.thread_time() - c0)
+        return out, seconds
+
+    def teardown(self) -> None:
+        self.loop.teardown()
+
+
 # --- driver ----------------------------------------------------------------------------------
 
 
 def make_target(name: str) -> Any:
+    if name == "forward":
+        return ForwardTarget()
     if name == "raw":
         return RawLoopTarget()
     if name == "raw_lm":
@@ -741,6 +786,7 @@ def bench_model(
     )
     points: list[Point] = []
     live: dict[str, Any] = {}
+    log(f"[{label}] forward input shapes recorded from: {', '.join(SHAPES.watch(path)) or 'no model class found'}")
 
     def measured(name: str, c: int) -> bool:  # serial targets only up to --serial-max-c
         return name not in SERIAL_TARGETS or serial_max_c is None or c <= serial_max_c
@@ -771,6 +817,7 @@ def bench_model(
             names = [n for n in live if measured(n, c)]
             runs: dict[str, tuple[list[Request], float]] = {n: ([], 0.0) for n in names}
             profiles: dict[str, Profile | None] = {}
+            shapes: dict[str, Window] = {n: Window() for n in names}
             failed: dict[str, str] = {}
             for r, prompts in enumerate(sets[c]):
                 k = r % len(names) if names else 0
@@ -779,8 +826,9 @@ def bench_model(
                         continue
                     util: list[float] = []
                     try:
-                        with GPU.sample(util):
+                        with GPU.sample(util), SHAPES.window() as seen:
                             got, took = live[name].run(prompts, c)
+                        shapes[name] = shapes[name].add(seen)
                     except Exception as exc:  # noqa: BLE001
                         traceback.print_exc()
                         failed[name] = f"{type(exc).__name__}: {exc}"
@@ -796,7 +844,7 @@ def bench_model(
                 if name in failed:
                     point = Point(label, name, c, 0, 0, 0.0, 0.0, None, None, error=failed[name])
                 else:
-                    point = summarise(label, name, c, *runs[name], profile=profiles.get(name))
+                    point = summarise(label, name, c, *runs[name], profile=profiles.get(name), shapes=shapes[name])
                 points.append(point)
                 log(
                     f"[{label}] {name:16s} c={c}: {point.tok_s:8.1f} tok/s  TTFT p50/p95 first token "
@@ -804,18 +852,24 @@ def bench_model(
                     f"{_fmt(point.ttft_p50_ms)}/{_fmt(point.ttft_p95_ms)} ms  ({point.completion_tokens} tokens in {point.wall_s:.2f}s)"
                     f"  step {_fmt(point.step_ms, '.2f')} ms (backend {_fmt(point.backend_ms, '.2f')}, tokens "
                     f"{_fmt(point.tokens_ms, '.2f')}, cpu {_fmt(point.cpu_ms, '.2f')}) x {point.steps or '-'}"
-                    f"  gpu {_fmt(point.gpu_util)}%"
+                    f"  gpu {_fmt(point.gpu_util)}%  new shapes prefill/decode {_fmt(point.new_prefill_shapes, 'd')}"
+                    f"/{_fmt(point.new_decode_shapes, 'd')} of {_fmt(point.shapes_used, 'd')} used"
                 )
     finally:
         for target in live.values():
             with contextlib.suppress(Exception):
                 target.teardown()
+        SHAPES.unwatch()
+    ceiling = {p.concurrency: p.tok_s for p in points if p.target == "forward" and not p.error and p.tok_s}
+    for p in points:
+        if p.concurrency in ceiling and not p.error:
+            p.forward_share = round(p.tok_s / ceiling[p.concurrency], 3)
     order = {n: i for i, n in enumerate(targets)}
     points.sort(key=lambda p: (order.get(p.target, 99), p.concurrency))
     return points
 
 
-def _fmt(x: float | None, spec: str = ".1f") -> str:
+def _fmt(x: float | int | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
@@ -846,20 +900,30 @@ def print_tables(points: list[Point], rs: list[dict[str, Any]]) -> None:
     for model in dict.fromkeys(p.model for p in points):
         print(f"\n## {model}\n")
         print(
-            "| target | c | tok/s | TTFT p50 ms (first token) | TTFT p95 ms (first token) "
-            "| TTFT p50 ms (first text) | TTFT p95 ms (first text) | tokens | wall s |"
+            "| target | c | tok/s | share of forward | TTFT p50 ms (first token) | TTFT p95 ms (first token) "
+            "| TTFT p50 ms (first text) | TTFT p95 ms (first text) | tokens | wall s | new shapes prefill/decode (used) |"
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for p in points:
             if p.model != model:
                 continue
             if p.error:
-                print(f"| {p.target} | {p.concurrency} | skipped: {p.error} | | | | | | |")
+                print(f"| {p.target} | {p.concurrency} | skipped: {p.error} | | | | | | | | |")
                 continue
             print(
-                f"| {p.target} | {p.concurrency} | {p.tok_s:.1f} | {_fmt(p.token_ttft_p50_ms)} | {_fmt(p.token_ttft_p95_ms)} "
-                f"| {_fmt(p.ttft_p50_ms)} | {_fmt(p.ttft_p95_ms)} | {p.completion_tokens} | {p.wall_s:.2f} |"
+                f"| {p.target} | {p.concurrency} | {p.tok_s:.1f} | {_fmt(p.forward_share, '.2f')} | {_fmt(p.token_ttft_p50_ms)} "
+                f"| {_fmt(p.token_ttft_p95_ms)} | {_fmt(p.ttft_p50_ms)} | {_fmt(p.ttft_p95_ms)} | {p.completion_tokens} "
+                f"| {p.wall_s:.2f} | {_fmt(p.new_prefill_shapes, 'd')}/{_fmt(p.new_decode_shapes, 'd')} ({_fmt(p.shapes_used, 'd')}) |"
             )
+        shares = [p for p in points if p.model == model and p.forward_share is not None and p.target != "forward"]
+        if shares:
+            concs = sorted({p.concurrency for p in shares})
+            print("\nshare of the pure-forward ceiling (tok/s over the `forward` target's, same process, same c)\n")
+            print("| target | " + " | ".join(f"c={c}" for c in concs) + " |")
+            print("|---|" + "---|" * len(concs))
+            for name in dict.fromkeys(p.target for p in shares):
+                cells = [next((f"{p.forward_share:.2f}" for p in shares if p.target == name and p.concurrency == c), "-") for c in concs]
+                print(f"| {name} | " + " | ".join(cells) + " |")
         profiled = [p for p in points if p.model == model and p.steps]
         if profiled:
             print("\nper-step profile (ms per decode step; backend = inside the backend's step: upstream "
@@ -890,6 +954,20 @@ def print_tables(points: list[Point], rs: list[dict[str, Any]]) -> None:
                         tgt = "" if r["target"] is None else f" (>= {r['target']})"
                         cells.append(f"{r['ratio']:.2f}{tgt}{mark}")
                 print(f"| {ref} | " + " | ".join(cells) + " |")
+
+
+def bench_client(
+    label: str, path: Path, targets: list[str], concs: list[int], requests: int, repeats: int, log: Callable[[str], None]
+) -> list[client_side.ClientPoint]:
+    """The client-side mode (bench/client_side.py) on this script's prompts."""
+    from transformers import AutoTokenizer
+
+    book = PromptBook(AutoTokenizer.from_pretrained(str(path)))
+    log(f"[{label}] client-side mode: {requests} distinct chat requests per point, {repeats} repeat(s), {MAX_TOKENS} greedy tokens")
+    return client_side.bench_client(
+        label, path, targets, concs, lambda tag, c, n: list(book.batch(tag, c, n)), lambda c: requests, repeats, MAX_TOKENS, log,
+        max_batch=MAX_BATCH, queue_size=QUEUE_SIZE,
+    )
 
 
 def machine() -> dict[str, Any]:
@@ -932,31 +1010,46 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model only, c = 1 and 4")
     ap.add_argument("--models", default=None, help="comma list of: tiny, small, 0.6b, 4b (default tiny,small; --quick: tiny)")
-    ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma list of: {', '.join(TARGETS)}")
-    ap.add_argument("--concurrency", default=None, help="comma list (default 1,2,4,8; --quick: 1,4)")
+    ap.add_argument(
+        "--targets", default=None,
+        help=f"comma list of: {', '.join(TARGETS)} (default: all); with --client: {', '.join(client_side.CLIENT_TARGETS)} "
+        "(default ours,stream_generate,lm_loop)",
+    )
+    ap.add_argument("--concurrency", default=None, help="comma list (default 1,2,4,8; --quick: 1,4; --client: 1,4,8)")
+    ap.add_argument(
+        "--client", action="store_true",
+        help="client-side mode (bench/client_side.py): N distinct chat requests from c client threads, each request's "
+        "time split into before submit, queue, prefill, decode and delivery (default 16 requests per point)",
+    )
     ap.add_argument("--requests-per-slot", default="tiny=2,small=1", help="N = this x c requests per run, per model (tiny=2,small=1)")
     ap.add_argument("--requests", type=int, default=None, help="a fixed N requests per run at every concurrency (instead of per slot)")
     ap.add_argument("--serial-max-c", type=int, default=None, help="measure stream_generate and mlx_lm.server only up to this concurrency")
     ap.add_argument("--max-batch", type=int, default=None, help="the providers' mlx_max_batch_size (default: the largest concurrency)")
-    ap.add_argument("--repeats", default="tiny=5,small=2", help="runs per point, per model (tiny=5,small=2); figures pool all runs")
+    ap.add_argument("--repeats", default=None, help="runs per point, per model (tiny=5,small=2; --client: tiny=3,small=1); figures pool all runs")
     ap.add_argument("--model-dir", default=None, help="where to build/reuse the checkpoints (default: a temporary directory)")
     ap.add_argument("--json", dest="json_out", default=None, help="write machine, points and ratios here")
     args = ap.parse_args(argv)
 
-    global MAX_BATCH
+    global MAX_BATCH, QUEUE_SIZE
     models = (args.models or ("tiny" if args.quick else "tiny,small")).split(",")
-    concs = [int(c) for c in (args.concurrency or ("1,4" if args.quick else "1,2,4,8")).split(",")]
+    default_concs = "1,4,8" if args.client else "1,4" if args.quick else "1,2,4,8"
+    concs = [int(c) for c in (args.concurrency or default_concs).split(",")]
     MAX_BATCH = args.max_batch or max(concs)
     if max(concs) > MAX_BATCH:
         raise SystemExit(f"concurrency above the providers' batch size ({MAX_BATCH}) is not measured here")
-    if max(concs) > 32:
-        raise SystemExit("concurrency above 32 is not measured here")
-    repeats = _per_model(args.repeats, {"tiny": 5, "small": 2, "0.6b": 1, "4b": 1})
+    default_repeats = "tiny=3,small=1" if args.client else "tiny=5,small=2"
+    repeats = _per_model(args.repeats or default_repeats, {"tiny": 5, "small": 2, "0.6b": 1, "4b": 1})
     per_slot = _per_model(args.requests_per_slot, {"tiny": 2, "small": 1, "0.6b": 1, "4b": 1})
-    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    requests = args.requests or (16 if args.client else None)
+    # The providers' queues hold a whole point: every request of the busiest point may wait at once.
+    most = requests or max(per_slot.get(m, 1) for m in models) * max(concs)
+    QUEUE_SIZE = max(32, most)
+    known = client_side.CLIENT_TARGETS if args.client else TARGETS
+    default_targets = "ours,stream_generate,lm_loop" if args.client else ",".join(TARGETS)
+    targets = [t.strip() for t in (args.targets or default_targets).split(",") if t.strip()]
     for t in targets:
-        if t not in TARGETS:
-            raise SystemExit(f"unknown target {t!r}; choose from {', '.join(TARGETS)}")
+        if t not in known:
+            raise SystemExit(f"unknown target {t!r}; choose from {', '.join(known)}")
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -972,6 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
         "4b": lambda: _models.shaped_model(root / "qwen3-4b-shape", "4b"),
     }
     points: list[Point] = []
+    client_points: list[client_side.ClientPoint] = []
     t0 = time.perf_counter()
     with scratch:
         for label in models:
@@ -984,9 +1078,13 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{label} ({params / 1e6:.1f}M)"
             # The ~27M model is compute-bound on this CPU: a short warm-up reaches every code path.
             warm = 8 if label == "small" else MAX_TOKENS
-            points += bench_model(name, path, targets, concs, per_slot[label], repeats[label], log, warm, args.requests, args.serial_max_c)
+            if args.client:
+                client_points += bench_client(name, path, targets, concs, requests, repeats[label], log)
+            else:
+                points += bench_model(name, path, targets, concs, per_slot[label], repeats[label], log, warm, args.requests, args.serial_max_c)
     rs = ratios(points)
     print_tables(points, rs)
+    client_side.print_client(client_points)
     elapsed = time.perf_counter() - t0
     print(f"\ntotal {elapsed:.0f}s; command: python bench/concurrency.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     if args.json_out:
@@ -996,13 +1094,16 @@ def main(argv: list[str] | None = None) -> int:
                 "max_tokens": MAX_TOKENS,
                 "concurrency": concs,
                 "requests_per_slot": per_slot,
-                "requests": args.requests,
+                "requests": requests,
                 "repeats": repeats,
                 "max_batch_size": MAX_BATCH,
+                "max_queue_size": QUEUE_SIZE,
                 "models": models,
                 "targets": targets,
+                "client": args.client,
             },
             "points": [asdict(p) for p in points],
+            "client_points": [asdict(p) for p in client_points],
             "ratios": rs,
             "elapsed_s": round(elapsed, 1),
         }
