@@ -78,6 +78,7 @@ from .metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
 from .observe import begin_call
 from .responses import create_response
 from .keep_alive import parse_keep_alive
+from .memory import machine_memory
 from .model_roots import ModelRoots
 from .pool import UNSET, KeepAlive, Lease, ModelPool, ModelSpec, ModelState, PoolSettings, provider_health
 from .schemas import (
@@ -224,7 +225,7 @@ async def health(request: Request) -> Response:
         "model": default.name if default is not None and default.provider is not None else None,
         "loaded": bool(resident),
         "models": [{"id": m.name, **m.to_dict()} for m in models],
-        "memory": await asyncio.to_thread(pool.memory),
+        "memory": pool.memory(await asyncio.to_thread(machine_memory)),
     }
     if default is not None and default.provider is not None:
         model_health = provider_health(served_provider(default))

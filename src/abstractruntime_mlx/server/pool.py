@@ -252,9 +252,10 @@ class ModelPool:
         """Per-model counts since start (copies)."""
         return {name: replace(c) for name, c in self._counters.items()}
 
-    def memory(self) -> JSONObject:
-        """The budget, what the resident models' estimates add up to, and the machine's memory."""
-        machine = machine_memory()
+    def memory(self, machine: MachineMemory | None = None) -> JSONObject:
+        """The budget, what the resident models' estimates add up to, and the machine's memory
+        (``machine``: a reading taken off the event loop, ``memory.machine_memory()``)."""
+        machine = machine or machine_memory()
         return {
             "budget_bytes": self._budget(machine),
             "budget_source": "--memory-budget" if self.settings.memory_budget_bytes is not None else machine.source,
