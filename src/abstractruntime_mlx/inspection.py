@@ -5,7 +5,10 @@
     view.as_dict()                       # JSON-safe, what the web inspector ships
 
 One ``CallView`` per LLM call (node, step, attempt): a node that runs twice in a loop is two
-calls. Times are seconds since the run was created. The prefill segment runs from the call's
+calls, named ``label #1``, ``label #2`` (``CallView.name``; the label carries the node's short id
+when another node of the flow has the same label). ``RunView.graph`` is the flow's own graph
+with each node's state (``run_graph``); ``RunView.spans`` the run's child runs (subflows,
+agents) with their calls on this run's time axis. Times are seconds since the run was created. The prefill segment runs from the call's
 start (its first phase event minus that event's ``elapsed_s``) to its first token; the
 generation segment from the first token to ``complete`` (or to the latest event while the
 call is still running). Controls, execution, speculation and prompt-cache figures come from
@@ -26,19 +29,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from .json_values import JSONObject, array_at, as_float, as_int, as_str, object_at
+from .json_values import JSONObject, as_float, as_int, as_str, object_at
 from .ledger import Ledger, ProgressRow, RunDetail, RunSummary, StepRow
+from .run_graph import RunGraph, display_labels, run_graph
 
 __all__ = [
     "CallSample",
     "CallView",
     "ControlView",
     "RunView",
+    "SpanView",
     "call_views",
     "child_runs",
     "control_text",
     "node_labels",
     "payload_text",
+    "run_flow_document",
     "run_tree_dicts",
     "run_view",
     "summary_dict",
@@ -110,6 +116,11 @@ class CallView:
     recorded: bool = False
     """The call's terminal step record (its result or error) is in the ledger."""
     samples: list[CallSample] = field(default_factory=list)
+    visit: int = 1
+    """Which call of its node this is, in start order (a node in a loop has one per iteration)."""
+    name: str = ""
+    """What views call it: the label, ``#visit`` when the node has several calls in the run,
+    ``attempt N`` on a retry."""
 
     @property
     def phase(self) -> str:
@@ -162,6 +173,28 @@ class CallView:
 
 
 @dataclass(frozen=True, slots=True)
+class SpanView:
+    """A child run (subflow, agent) of the run viewed, on the viewed run's time axis: when it
+    started and last moved, and its LLM calls (their times shifted the same way)."""
+
+    run: RunSummary
+    depth: int
+    """1 for a child of the viewed run, 2 for a grandchild, ..."""
+    start_s: float
+    end_s: float
+    calls: list[CallView]
+
+    def as_dict(self) -> JSONObject:
+        return {
+            "run": summary_dict(self.run),
+            "depth": self.depth,
+            "start_s": self.start_s,
+            "end_s": self.end_s,
+            "calls": [_call_dict(c) for c in self.calls],
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class RunView:
     summary: RunSummary
     error: str | None
@@ -170,15 +203,29 @@ class RunView:
     calls: list[CallView]
     last_step_seq: int
     last_progress_seq: int
+    graph: RunGraph | None = None
+    spans: list[SpanView] = field(default_factory=list)
+    children: dict[str, list[RunSummary]] = field(default_factory=dict)
+    """``parent run id -> child runs`` below this run (``child_runs``)."""
+    as_of: dt.datetime | None = None
+    """When the view was read (a running run's elapsed time counts up to it)."""
 
     @property
     def live(self) -> bool:
         return self.summary.status == "running"
 
     @property
+    def elapsed_s(self) -> float:
+        """How long the run has taken: up to now while it runs, else to its last checkpoint."""
+        if self.live and self.as_of is not None:
+            return max(self.summary.duration_s, (self.as_of - self.summary.created_at).total_seconds())
+        return self.summary.duration_s
+
+    @property
     def horizon_s(self) -> float:
-        """The end of the time axis: the run's duration or the latest call end, whichever is later."""
-        ends = [c.end_s for c in self.calls if c.end_s is not None]
+        """The end of the time axis: the run's duration or the latest call or child run end,
+        whichever is later."""
+        ends = [c.end_s for c in self.calls if c.end_s is not None] + [s.end_s for s in self.spans]
         return max([self.summary.duration_s, *ends, 1e-3])
 
     def as_dict(self) -> JSONObject:
@@ -187,11 +234,16 @@ class RunView:
             "error": self.error,
             "current_node": self.current_node,
             "live": self.live,
+            "as_of": None if self.as_of is None else self.as_of.isoformat(),
+            "elapsed_s": round(self.elapsed_s, 6),
             "horizon_s": self.horizon_s,
             "last_step_seq": self.last_step_seq,
             "last_progress_seq": self.last_progress_seq,
             "steps": [_step_dict(s) for s in self.steps],
             "calls": [_call_dict(c) for c in self.calls],
+            "graph": None if self.graph is None else self.graph.as_dict(),
+            "spans": [s.as_dict() for s in self.spans],
+            "children": run_tree_dicts(self.children.get(self.summary.run_id, []), self.children),
         }
 
 
@@ -260,8 +312,11 @@ def _call_dict(call: CallView) -> JSONObject:
 # --------------------------------------------------------------------------------------
 
 
-def run_view(ledger: Ledger, run_id: str) -> RunView | None:
-    """Everything the inspector shows about one run, or None if the ledger has no such run."""
+def run_view(ledger: Ledger, run_id: str, *, tree: bool = True) -> RunView | None:
+    """Everything the inspector shows about one run, or None if the ledger has no such run.
+    With ``tree`` (the default) also its graph's node states, its child runs and their calls
+    (``spans``); without, its own calls only (one ledger read fewer per child)."""
+    as_of = dt.datetime.now(dt.timezone.utc)
     detail = ledger.get_run(run_id)
     if detail is None:
         return None
@@ -270,15 +325,77 @@ def run_view(ledger: Ledger, run_id: str) -> RunView | None:
     state = detail.state
     error = state.get("error")
     current = state.get("current_node")
+    flow = run_flow_document(ledger, detail)
+    labels = display_labels(flow) if flow is not None else node_labels(state)
+    calls = call_views(detail, steps, progress, labels=labels)
+    children: dict[str, list[RunSummary]] = child_runs(ledger, [run_id]) if tree else {}
+    graph = None
+    if flow is not None and tree:
+        calls_by_node: dict[str, list[str]] = {}
+        for call in calls:
+            calls_by_node.setdefault(call.node_id, []).append(call.key)
+        direct = {c.run_id: (c.status, c.duration_s) for c in children.get(run_id, [])}
+        graph = run_graph(flow, state, steps, calls_by_node=calls_by_node, child_runs=direct)
     return RunView(
         summary=_summary_of(detail),
         error=str(error) if error else None,
         current_node=str(current) if current else None,
         steps=steps,
-        calls=call_views(detail, steps, progress),
+        calls=calls,
         last_step_seq=max((s.seq for s in steps), default=0),
         last_progress_seq=max((p.seq for p in progress), default=0),
+        graph=graph,
+        spans=_spans(ledger, detail.created_at, run_id, children) if tree else [],
+        children=children,
+        as_of=as_of,
     )
+
+
+def _spans(ledger: Ledger, origin: dt.datetime, run_id: str, children: Mapping[str, Sequence[RunSummary]], depth: int = 1) -> list[SpanView]:
+    """The child runs below ``run_id`` (depth first, oldest first), each with its calls, on the
+    time axis that starts at ``origin``."""
+    out: list[SpanView] = []
+    for child in children.get(run_id, []):
+        offset = (child.created_at - origin).total_seconds()
+        view = run_view(ledger, child.run_id, tree=False)
+        calls = [] if view is None else [_shifted(c, offset) for c in view.calls]
+        out.append(SpanView(child, depth, round(offset, 6), round(offset + child.duration_s, 6), calls))
+        out.extend(_spans(ledger, origin, child.run_id, children, depth + 1))
+    return out
+
+
+def _shifted(call: CallView, offset: float) -> CallView:
+    def move(value: float | None) -> float | None:
+        return None if value is None else round(value + offset, 6)
+
+    return dataclasses.replace(call, start_s=move(call.start_s), first_token_s=move(call.first_token_s), end_s=move(call.end_s))
+
+
+def run_flow_document(ledger: Ledger, detail: RunDetail) -> Mapping[str, object] | None:
+    """The VisualFlow document a run executes: the flow ``run`` stored with a root run
+    (``_runtime.mlx_pack.flow``); for a subflow run, its root's stored copy of that subflow
+    (``_runtime.mlx_pack.subflows``); None for a run of another kind (an agent's ReAct loop)."""
+    own = _stored_pack(detail.state).get("flow")
+    if isinstance(own, Mapping):
+        return own
+    parent_id = detail.parent_run_id
+    for _ in range(MAX_NESTING):
+        if parent_id is None:
+            return None
+        parent = ledger.get_run(parent_id)
+        if parent is None:
+            return None
+        stored = _stored_pack(parent.state)
+        subflow = object_at(stored, "subflows").get(detail.workflow_id)
+        if stored:
+            return subflow if isinstance(subflow, Mapping) else None
+        parent_id = parent.parent_run_id
+    return None
+
+
+def _stored_pack(run_state: Mapping[str, object]) -> Mapping[str, object]:
+    """What ``run_flow`` stored in a run's vars (``_runtime.mlx_pack``)."""
+    return object_at(object_at(object_at(run_state, "vars"), "_runtime"), "mlx_pack")
 
 
 def tree_calls(ledger: Ledger, run_id: str, *, max_depth: int = MAX_NESTING) -> list[tuple[str, CallView]]:
@@ -300,23 +417,23 @@ def _summary_of(detail: RunDetail) -> RunSummary:
 
 
 def node_labels(run_state: Mapping[str, object]) -> dict[str, str]:
-    """``node_id -> label`` from the flow stored with the run (the node id when it has no label)."""
-    # The flow run_flow stores in the run's vars (``_runtime.mlx_pack.flow``).
-    flow = object_at(object_at(object_at(object_at(run_state, "vars"), "_runtime"), "mlx_pack"), "flow")
-    labels: dict[str, str] = {}
-    for node in array_at(flow, "nodes"):
-        if not isinstance(node, Mapping) or not node.get("id"):
-            continue
-        data = object_at(node, "data")
-        label = data.get("label") or data.get("title")
-        labels[str(node["id"])] = str(label) if label else str(node["id"])
-    return labels
+    """``node_id -> label`` from the flow stored with the run (``run_graph.display_labels``:
+    the node id when it has no label, the short id added where a label repeats)."""
+    return display_labels(object_at(_stored_pack(run_state), "flow"))
 
 
-def call_views(detail: RunDetail, steps: Sequence[StepRow], progress: Sequence[ProgressRow]) -> list[CallView]:
-    """One ``CallView`` per LLM call of the run, ordered by start time."""
+def call_views(
+    detail: RunDetail,
+    steps: Sequence[StepRow],
+    progress: Sequence[ProgressRow],
+    *,
+    labels: Mapping[str, str] | None = None,
+) -> list[CallView]:
+    """One ``CallView`` per LLM call of the run, ordered by start time, each named
+    (``CallView.name``) from ``labels`` (default: ``node_labels`` of the run)."""
     origin = detail.created_at
-    labels = node_labels(detail.state)
+    if labels is None:
+        labels = node_labels(detail.state)
     started: dict[tuple[str, int], StepRow] = {}
     ended: dict[tuple[str, int], StepRow] = {}
     for step in steps:
@@ -339,7 +456,30 @@ def call_views(detail: RunDetail, steps: Sequence[StepRow], progress: Sequence[P
         _call_view(key, node_of[key], labels, started.get(key), ended.get(key), rows_by_call.get(key, []), origin)
         for key in node_of
     ]
-    return sorted(calls, key=lambda c: (c.start_s if c.start_s is not None else float("inf"), c.node_id))
+    ordered = sorted(calls, key=lambda c: (c.start_s if c.start_s is not None else float("inf"), c.node_id))
+    return named_calls(ordered)
+
+
+def named_calls(calls: Sequence[CallView]) -> list[CallView]:
+    """``calls`` (in start order) with ``visit`` and ``name`` set: ``label #n`` for the n-th call
+    of a node that has several (loop iterations), `` attempt N`` on a retry."""
+    totals: dict[str, int] = {}
+    for call in calls:
+        if call.attempt <= 1:
+            totals[call.node_id] = totals.get(call.node_id, 0) + 1
+    seen: dict[str, int] = {}
+    out: list[CallView] = []
+    for call in calls:
+        if call.attempt <= 1:
+            seen[call.node_id] = seen.get(call.node_id, 0) + 1
+        visit = max(1, seen.get(call.node_id, 1))
+        name = call.label
+        if totals.get(call.node_id, 0) > 1:
+            name += f" #{visit}"
+        if call.attempt > 1:
+            name += f" attempt {call.attempt}"
+        out.append(dataclasses.replace(call, visit=visit, name=name))
+    return out
 
 
 def _secs(when: dt.datetime | None, origin: dt.datetime) -> float | None:

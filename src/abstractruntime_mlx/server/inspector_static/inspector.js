@@ -150,22 +150,42 @@ function listPage() {
 
 // ------------------------------------------------------------------ run page
 
-let selectedKey = null;
+let selectedKey = null;   // the call shown in the panel
+let selectedNode = null;  // or the graph node shown there (one of the two is set)
 let current = null;
+let receivedAt = 0;       // when the page got `current` (performance.now())
+
+function callName(call) {
+  // The server names calls: label (+ short id where the flow repeats it), #n per loop visit.
+  return call.name || call.label || call.node_id;
+}
+
+function elapsedNow(data) {
+  // A running run's duration counts up between updates, from the server's reading.
+  const base = data.elapsed_s ?? data.run.duration_s;
+  return data.live ? base + (performance.now() - receivedAt) / 1000 : base;
+}
+
+function tickDuration() {
+  const node = document.getElementById("duration");
+  if (node && current) node.textContent = seconds(elapsedNow(current));
+}
 
 function renderRun(data) {
   current = data;
+  receivedAt = performance.now();
   const run = data.run;
   document.getElementById("crumb").textContent = `${run.workflow_id} / ${run.run_id}`;
-  const fact = (label, value) => el("span", { class: "fact" }, `${label} `, el("b", {}, value));
+  const fact = (label, value, id) => el("span", { class: "fact" }, `${label} `, el("b", { id }, value));
+  const childCalls = (data.spans || []).reduce((n, s) => n + s.calls.length, 0);
   setChildren(document.getElementById("summary"),
     el("h1", { class: "mono" }, run.run_id),
     statusBadge(run.status),
     fact("workflow", run.workflow_id),
     fact("started", `${utc(run.created_at)} UTC`),
-    fact("duration", seconds(run.duration_s)),
+    fact("duration", seconds(elapsedNow(data)), "duration"),
     fact("steps", data.steps.length),
-    fact("LLM calls", data.calls.length),
+    fact("LLM calls", childCalls ? `${data.calls.length} + ${childCalls} in child runs` : data.calls.length),
     fact("tokens", `${count(run.prompt_tokens)} in / ${count(run.generated_tokens)} out`),
     fact("phase events", run.progress_count),
     run.parent_run_id ? fact("parent run", runLink(run.parent_run_id)) : null,
@@ -174,25 +194,106 @@ function renderRun(data) {
   const error = document.getElementById("run-error");
   error.hidden = !data.error;
   error.textContent = data.error ? `error: ${data.error}` : "";
-  if (!data.calls.some((c) => c.key === selectedKey)) selectedKey = data.calls.length ? data.calls[0].key : null;
+  if (selectedNode && !(data.graph && data.graph.nodes.some((n) => n.node_id === selectedNode))) selectedNode = null;
+  if (!selectedNode && !data.calls.some((c) => c.key === selectedKey)) selectedKey = data.calls.length ? data.calls[0].key : null;
+  renderGraph(data);
+  renderChildren(data);
   renderTimeline(data);
   renderCharts(data);
   renderPanel(data);
   renderSteps(data);
 }
 
+// ------------------------------------------------------------------ graph
+
+const NODE_W = 170, NODE_H = 50;
+
+function renderGraph(data) {
+  const box = document.getElementById("graph");
+  const graph = data.graph;
+  document.getElementById("graph-section").hidden = !graph;
+  if (!graph) { box.replaceChildren(); return; }
+  const xs = graph.nodes.map((n) => n.x), ys = graph.nodes.map((n) => n.y);
+  const minX = Math.min(...xs, 0), minY = Math.min(...ys, 0);
+  const pad = 16;
+  const at = new Map(graph.nodes.map((n) => [n.node_id, { x: n.x - minX + pad, y: n.y - minY + pad }]));
+  const width = Math.max(...graph.nodes.map((n) => at.get(n.node_id).x), 0) + NODE_W + pad;
+  const height = Math.max(...graph.nodes.map((n) => at.get(n.node_id).y), 0) + NODE_H + pad;
+  const root = svg("svg", { viewBox: `0 0 ${width} ${height}`, width: "100%", style: `max-width: ${width}px`, role: "img", "aria-label": "flow graph" });
+  for (const e of graph.edges) {
+    const a = at.get(e.source), b = at.get(e.target);
+    if (!a || !b) continue;
+    const x1 = a.x + NODE_W, y1 = a.y + NODE_H / 2, x2 = b.x, y2 = b.y + NODE_H / 2;
+    const bend = Math.max(40, Math.abs(x2 - x1) / 2);
+    root.append(svg("path", { class: `edge ${e.execution ? "edge-exec" : "edge-data"}`, "data-source": e.source, "data-target": e.target,
+      d: `M${x1},${y1} C${x1 + bend},${y1} ${x2 - bend},${y2} ${x2},${y2}` },
+      svg("title", {}, `${e.source}.${e.source_handle ?? ""} → ${e.target}.${e.target_handle ?? ""}`)));
+  }
+  for (const n of graph.nodes) {
+    const p = at.get(n.node_id);
+    const facts = [n.visits > 1 ? `×${n.visits}` : null, n.attempts > 1 ? `${n.attempts} attempts` : null,
+      n.time_s != null ? seconds(n.time_s) : null, n.call_keys.length ? `${n.call_keys.length} call${n.call_keys.length === 1 ? "" : "s"}` : null,
+      n.child_run_ids.length ? `${n.child_run_ids.length} child run${n.child_run_ids.length === 1 ? "" : "s"}` : null].filter(Boolean).join(" · ");
+    const g = svg("g", { class: `gnode state-${n.state}${n.node_id === selectedNode ? " selected" : ""}`, "data-node": n.node_id, "data-state": n.state,
+      "data-visits": n.visits, transform: `translate(${p.x},${p.y})` },
+      svg("rect", { width: NODE_W, height: NODE_H, rx: 6 }),
+      svg("text", { class: "glabel", x: 8, y: 19 }, truncate(n.label, 24)),
+      svg("text", { class: "gfacts", x: 8, y: 38 }, truncate(facts || n.type, 28)),
+      svg("title", {}, `${n.label} (${n.node_id}, ${n.type}): ${n.state}${facts ? " · " + facts : ""}${n.error ? "\n" + n.error : ""}`));
+    g.addEventListener("click", () => selectNode(n.node_id));
+    root.append(g);
+  }
+  box.replaceChildren(root);
+}
+
+function selectNode(nodeId) {
+  selectedNode = nodeId;
+  renderGraph(current);
+  renderPanel(current);
+  document.getElementById("panel").scrollIntoView({ block: "nearest" });
+}
+
+function renderChildren(data) {
+  const rows = [];
+  const walk = (runs, depth) => {
+    for (const r of runs) {
+      const span = (data.spans || []).find((s) => s.run.run_id === r.run_id);
+      rows.push(el("tr", { "data-run-id": r.run_id, "data-status": r.status },
+        el("td", { class: "mono", style: `padding-left: ${0.6 + 1.2 * (depth - 1)}em` }, depth > 1 ? "└ " : "", runLink(r.run_id)),
+        el("td", {}, r.workflow_id), el("td", {}, statusBadge(r.status)), el("td", { class: "num" }, seconds(r.duration_s)),
+        el("td", { class: "num" }, span ? span.calls.length : ""), el("td", { class: "num" }, count(r.prompt_tokens)),
+        el("td", { class: "num" }, count(r.generated_tokens))));
+      walk(r.children || [], depth + 1);
+    }
+  };
+  walk(data.children || [], 1);
+  document.getElementById("children-section").hidden = rows.length === 0;
+  document.querySelector("#children tbody").replaceChildren(...rows);
+}
+
+function timelineRows(data) {
+  // This run's calls, then each child run (a span bar) followed by its calls, indented.
+  const rows = data.calls.map((call) => ({ kind: "call", call, depth: 0 }));
+  for (const span of data.spans || []) {
+    rows.push({ kind: "span", span, depth: span.depth });
+    for (const call of span.calls) rows.push({ kind: "call", call, depth: span.depth, runId: span.run.run_id });
+  }
+  return rows;
+}
+
 function renderTimeline(data) {
   const box = document.getElementById("timeline");
-  if (!data.calls.length) {
+  const rows = timelineRows(data);
+  if (!rows.length) {
     box.replaceChildren(el("p", { class: "message" }, "no LLM calls recorded yet"));
     return;
   }
   const width = Math.max(box.clientWidth || 900, 500);
-  const labelWidth = 170, right = 190, rowHeight = 24, top = 22;
+  const labelWidth = 190, right = 190, rowHeight = 24, top = 22;
   const plot = width - labelWidth - right;
   const horizon = Math.max(data.horizon_s, 1e-3);
   const x = (t) => labelWidth + (Math.max(0, t) / horizon) * plot;
-  const height = top + data.calls.length * rowHeight + 6;
+  const height = top + rows.length * rowHeight + 6;
   const root = svg("svg", { viewBox: `0 0 ${width} ${height}`, height, role: "img", "aria-label": "timeline" });
   const axis = svg("g", { class: "axis" });
   for (let i = 0; i <= 5; i++) {
@@ -201,11 +302,27 @@ function renderTimeline(data) {
       svg("text", { x: x(t), y: 12, "text-anchor": "middle" }, `${t.toFixed(2)}s`));
   }
   root.append(axis);
-  data.calls.forEach((call, i) => {
+  rows.forEach((row, i) => {
     const y = top + i * rowHeight;
-    const bar = svg("g", { class: `bar${call.key === selectedKey ? " selected" : ""}`, "data-call": call.key, "data-node": call.node_id });
+    const indent = 6 + 12 * row.depth;
+    if (row.kind === "span") {
+      const s = row.span;
+      const bar = svg("g", { class: "span", "data-run-id": s.run.run_id, "data-status": s.run.status });
+      const link = svg("a", { href: `/runs/${encodeURIComponent(s.run.run_id)}` },
+        svg("text", { class: "label span-label", x: indent, y: y + 16 }, truncate(`▸ ${s.run.workflow_id}`, 28)));
+      const x0 = x(s.start_s), x1 = Math.max(x(s.end_s), x0 + 1.5);
+      bar.append(link, svg("rect", { class: `span-bar status-${s.run.status}`, x: x0, y: y + 9, width: x1 - x0, height: rowHeight - 18, rx: 2 },
+        svg("title", {}, `child run ${s.run.run_id} (${s.run.workflow_id}) ${s.run.status}: ${s.start_s.toFixed(3)}s → ${s.end_s.toFixed(3)}s`)));
+      bar.append(svg("text", { x: labelWidth + plot + 8, y: y + 16, class: "facts" }, `${s.run.status} · ${s.calls.length} call${s.calls.length === 1 ? "" : "s"}`));
+      root.append(bar);
+      return;
+    }
+    const call = row.call;
+    const own = !row.runId;
+    const bar = svg("g", { class: `bar${own && call.key === selectedKey && !selectedNode ? " selected" : ""}${own ? "" : " child-call"}`,
+      "data-call": call.key, "data-node": call.node_id, "data-run-id": row.runId || data.run.run_id });
     bar.append(svg("rect", { class: "track", x: 0, y, width, height: rowHeight, fill: "transparent" }));
-    bar.append(svg("text", { class: "label", x: 6, y: y + 16 }, truncate(call.label === call.node_id ? call.node_id : `${call.label} (${call.node_id})`, 26)));
+    bar.append(svg("text", { class: "label", x: indent, y: y + 16 }, truncate(callName(call), 28 - row.depth * 2)));
     for (const seg of call.segments) {
       const x0 = x(seg.start_s), x1 = Math.max(x(seg.end_s), x0 + 1.5);
       bar.append(svg("rect", { class: `seg seg-${seg.phase}`, "data-phase": seg.phase, x: x0, y: y + 5, width: x1 - x0, height: rowHeight - 10, rx: 2 },
@@ -214,7 +331,8 @@ function renderTimeline(data) {
     const facts = [call.lane || call.phase, call.generated_tokens != null ? `${call.generated_tokens} tok` : null,
       call.tokens_per_second != null ? `${Math.round(call.tokens_per_second)} tok/s` : null].filter(Boolean).join(" · ");
     bar.append(svg("text", { x: labelWidth + plot + 8, y: y + 16, class: "facts" }, facts));
-    bar.addEventListener("click", () => select(call.key));
+    bar.addEventListener("click", () => own ? select(call.key)
+      : window.location.assign(`/runs/${encodeURIComponent(row.runId)}#call=${encodeURIComponent(call.key)}`));
     root.append(bar);
   });
   box.replaceChildren(root);
@@ -228,7 +346,7 @@ function renderCharts(data) {
   const box = document.getElementById("charts");
   box.replaceChildren(...data.calls.map((call) => {
     const card = el("div", { class: `chart${call.key === selectedKey ? " selected" : ""}`, "data-call": call.key },
-      el("h3", {}, `${call.label}`, el("span", { class: "muted" }, `  ${call.phase}${call.lane ? " · " + call.lane : ""}`)),
+      el("h3", {}, callName(call), el("span", { class: "muted" }, `  ${call.phase}${call.lane ? " · " + call.lane : ""}`)),
       chart(call));
     card.addEventListener("click", () => select(call.key));
     return card;
@@ -280,6 +398,8 @@ function chart(call) {
 
 function select(key) {
   selectedKey = key;
+  selectedNode = null;
+  renderGraph(current);
   renderTimeline(current);
   renderCharts(current);
   renderPanel(current);
@@ -291,8 +411,33 @@ function table(rows) {
   return el("table", {}, shown.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, v))));
 }
 
+function jsonBlock(value, cls) {
+  if (value === null || value === undefined) return el("p", { class: "message" }, "none recorded");
+  return el("pre", { class: cls }, typeof value === "string" ? value : JSON.stringify(value, null, 2));
+}
+
+function renderNodePanel(panel, data, node) {
+  const calls = data.calls.filter((c) => node.call_keys.includes(c.key));
+  setChildren(panel,
+    el("h2", {}, node.label, el("span", { class: "muted" }, ` ${node.node_id} · ${node.type} · `), statusBadge(node.state)),
+    table([["runs", node.visits], ["attempts", node.attempts || null], ["time", seconds(node.time_s)]]),
+    node.error ? [el("h3", {}, "error"), el("pre", { class: "error" }, node.error)] : null,
+    calls.length ? [el("h3", {}, "LLM calls"), el("ul", { class: "node-calls" }, calls.map((c) => {
+      const link = el("a", { href: `#call=${encodeURIComponent(c.key)}`, "data-call": c.key }, callName(c));
+      link.addEventListener("click", (event) => { event.preventDefault(); select(c.key); });
+      return el("li", {}, link, " ", statusBadge(c.status), c.generated_tokens != null ? ` ${c.generated_tokens} tok` : "");
+    }))] : null,
+    node.child_run_ids.length ? [el("h3", {}, "child runs"), el("ul", { class: "node-children" },
+      node.child_run_ids.map((id) => el("li", {}, runLink(id))))] : null,
+    el("h3", {}, "inputs"), jsonBlock(node.inputs, "node-inputs"),
+    el("h3", {}, "outputs"), jsonBlock(node.outputs, "node-outputs"),
+  );
+}
+
 function renderPanel(data) {
   const panel = document.getElementById("panel");
+  const node = selectedNode && data.graph ? data.graph.nodes.find((n) => n.node_id === selectedNode) : null;
+  if (node) { renderNodePanel(panel, data, node); return; }
   const call = data.calls.find((c) => c.key === selectedKey);
   if (!call) {
     panel.replaceChildren(el("p", { class: "message" }, "select a call on the timeline"));
@@ -300,7 +445,7 @@ function renderPanel(data) {
   }
   const ex = call.execution, spec = call.speculation;
   setChildren(panel,
-    el("h2", {}, call.label, el("span", { class: "muted" }, ` ${call.node_id} · attempt ${call.attempt} · `), statusBadge(call.status)),
+    el("h2", {}, callName(call), el("span", { class: "muted" }, ` ${call.node_id} · attempt ${call.attempt} · `), statusBadge(call.status)),
     el("h3", {}, "controls"),
     call.controls.length
       ? el("table", { class: "controls" }, el("tr", {}, el("th", {}, "control"), el("th", {}, "value"), el("th", {}, "decided by")),
@@ -336,8 +481,13 @@ function renderSteps(data) {
 
 function runPage() {
   const data = initial();
+  const wanted = new URLSearchParams(window.location.hash.slice(1)).get("call");
+  if (wanted && data.calls.some((c) => c.key === wanted)) selectedKey = wanted;
   renderRun(data);
-  if (data.live) follow(`/api/runs/${encodeURIComponent(data.run.run_id)}/stream`, { run: renderRun });
+  if (data.live) {
+    follow(`/api/runs/${encodeURIComponent(data.run.run_id)}/stream`, { run: renderRun });
+    setInterval(tickDuration, 500);
+  }
   window.addEventListener("resize", () => current && renderTimeline(current));
 }
 
