@@ -37,8 +37,7 @@ def served(dense_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     llm = create_llm("mlx", model=dense_model, mlx_batching=True)
     ledger = Ledger(sqlite_url(tmp_path_factory.mktemp("serve-ledger") / "ledger.sqlite"))
     recorder = ServeLedger(ledger)
-    app = create_app(llm, stream_interval_ms=0)
-    app.state.serve_ledger = recorder
+    app = create_app(llm, stream_interval_ms=0, serve_ledger=recorder)
     try:
         with serve_in_thread(app) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -309,7 +309,9 @@ def serve(settings: ServeSettings) -> int:
             raise InvalidRequest(f"--model-root {root!r} is not a directory", details={"field": "--model-root"})
     roots = list(settings.model_roots)
     roots += [m.source for m in settings.models if Path(m.source).expanduser().is_dir()]  # loadable again after an unload
+    recorder = _open_serve_ledger(settings.ledger_url)
     app = create_app(
+        serve_ledger=recorder,
         model_factory=showing_factory(_load_mlx),
         api_key=settings.api_key,
         stream_interval_ms=settings.stream_interval_ms,
@@ -333,13 +335,11 @@ def serve(settings: ServeSettings) -> int:
     server = uvicorn.Server(config)
     served = ", ".join(m.name for m in settings.models) or "(no model)"
     print(f"abstractruntime-mlx: serving {served} on http://{settings.host}:{settings.port}", file=sys.stderr)
-    recorder = _open_serve_ledger(settings.ledger_url)
-    app.state.serve_ledger = recorder
     try:
         server.run()
     finally:
         pool.unload_all_now()  # what the lifespan did not unload (uvicorn stopped before it started)
-        if recorder is not None:
+        if recorder is not None:  # closed by the app's shutdown, unless uvicorn never started it
             recorder.close()
             recorder.ledger.close()
     return 0

@@ -77,6 +77,7 @@ from .embeddings import create_embeddings
 from .metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
 from .observe import begin_call
 from .responses import create_response
+from .serve_ledger import ServeLedger
 from .keep_alive import parse_keep_alive
 from .memory import machine_memory
 from .model_roots import ModelRoots
@@ -576,6 +577,7 @@ def create_app(
     models: Sequence[ModelSpec] = (),
     aliases: Mapping[str, str] | None = None,
     residency: PoolSettings | None = None,
+    serve_ledger: ServeLedger | None = None,
 ) -> Starlette:
     """The ASGI app serving ``provider_instance`` (or none until ``/acore/models/load``).
 
@@ -592,6 +594,8 @@ def create_app(
     on first request (``app.state.pool.preload`` loads some at once); ``aliases`` map other
     names to them; ``residency`` sets the memory budget, the default keep-alive and the
     options of models loaded by name only (``pool.py``). ``provider_instance`` is pinned.
+    ``serve_ledger`` records every served call (``serve_ledger.py``); it is closed (its last
+    records written) when the app shuts down, its ledger stays the caller's.
     """
     if stream_interval_ms < 0:
         raise ValueError("stream_interval_ms must be >= 0")
@@ -614,6 +618,8 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
             await pool.shutdown()
+            if serve_ledger is not None:
+                await asyncio.to_thread(serve_ledger.close)
 
     routes = [
         Route(path, _guarded(endpoint), methods=methods)
@@ -639,6 +645,7 @@ def create_app(
     app.state.created = now_s()
     app.state.stream_interval_s = stream_interval_ms / 1000.0
     app.state.metrics = ServerMetrics(pool)
+    app.state.serve_ledger = serve_ledger
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)  # outermost: it sees every answer

@@ -125,7 +125,7 @@ class ServeLedger:
         self._ends.submit(lambda: None).result(timeout=timeout_s)
 
     def close(self) -> None:
-        """Wait for the pending end records, then stop the progress writer."""
+        """Wait for the pending end records, then stop the progress writer. Idempotent."""
         self._ends.shutdown(wait=True)
         self.writer.stop()
 

@@ -1,0 +1,73 @@
+"""The real ``serve`` command in a subprocess on 127.0.0.1: the load shown on the terminal, one
+access-log line per request (``--log-level info``), and ``--ledger`` recording the served calls
+(read back through the ledger's query API)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_serve_logs_loads_and_requests_and_records_them(dense_model: str, tmp_path: Path) -> None:
+    from abstractruntime_mlx.ledger import Ledger, sqlite_url
+    from abstractruntime_mlx.server.serve_ledger import session_run_id
+
+    port, ledger_path = free_port(), tmp_path / "served.sqlite"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    cmd = [
+        sys.executable, "-m", "abstractruntime_mlx.cli.main", "serve", "--model", f"tiny={dense_model}",
+        "--port", str(port), "--log-level", "info", "--ledger", str(ledger_path),
+    ]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        with httpx.Client(base_url=url, timeout=60, headers={"X-Session-Affinity": "s-1"}) as http:
+            ok = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+            bad = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True})
+        assert ok.status_code == 200 and bad.status_code == 400
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM, err  # uvicorn shuts down, then re-raises the signal
+    lines = err.splitlines()
+    assert any(line.startswith(f"abstractruntime-mlx: loading {dense_model} (") for line in lines), err
+    assert any(line.startswith(f"abstractruntime-mlx: loaded {dense_model} (") and line.endswith(" s") for line in lines), err
+    access = out.splitlines()  # uvicorn writes its access log on stdout
+    assert any('"POST /v1/chat/completions HTTP/1.1" 200' in line for line in access), out
+    assert any('"POST /v1/completions HTTP/1.1" 400' in line for line in access), out
+    assert any("recording served calls in sqlite:///" in line for line in lines), err
+
+    with Ledger(sqlite_url(ledger_path)) as ledger:
+        run_id = session_run_id("s-1")
+        steps = ledger.run_steps(run_id)
+        assert [(s.node_id, s.status) for s in steps] == [("chat", "started"), ("chat", "completed")]
+        assert steps[1].record["result"]["usage"]["completion_tokens"] == 3
+        assert [r.phase for r in ledger.node_timeline(run_id)][-1] == "complete"
+        assert ledger.get_run(run_id).session_id == "s-1"
