@@ -124,7 +124,7 @@ def test_random_weights_give_schema_valid_json(batched, schema):
     assert_valid(result, schema)
     assert result.finish_reason == "stop"
     assert result.metadata["execution"]["mode"] == "continuous"
-    assert result.metadata["execution"]["path"] == "batch"  # the single lane applies no logits processors
+    assert result.metadata["execution"]["path"] != "single"  # the single lane applies no logits processors
 
 
 def test_pydantic_model_and_json_object(batched):

@@ -80,6 +80,7 @@ from .scheduler import (
 from .serial import SerialBackend
 from .single import SingleBackend, supports_model
 from .stops import StopMatcher
+from .text_batch import TextBatchBackend
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,7 @@ class Engine:
         self._fatal: BaseException | None = None
         self._stream: Any = None
         self._single_model: bool | None = None  # whether the loaded model can use the single lane
+        self._text_model: bool | None = None  # whether its text rows can use the text lane
         self.stats = EngineStats()
         self._thread: WorkerHandle | None = None
         # What closing the prefix cache raised as the worker stopped (read after ``stop()``).
@@ -520,6 +522,7 @@ class Engine:
             stopping=self._stopping,
             serial_lane=self._model.lane == Lane.MLX_LM,
             single_lane_model=self._single_lane_model(),
+            text_lane_model=self._text_lane_model(),
             prefix_cache=self.prefix_cache is not None,
             single_lane_restores=shared is not None and self.prefix_cache is not None and self.prefix_cache.disk is None,
             shared_prefixes=shared,
@@ -564,6 +567,14 @@ class Engine:
         if self._single_model is None:
             self._single_model = self._model.lane == Lane.NATIVE and supports_model(self._model.model)
         return self._single_model
+
+    def _text_lane_model(self) -> bool:
+        """Whether the loaded model's text rows can batch in mlx-lm's loop (asked once)."""
+        if not self.config.text_lane:
+            return False
+        if self._text_model is None:
+            self._text_model = self._model.lane == Lane.NATIVE and supports_model(self._model.model)
+        return self._text_model
 
     def _check_device(self, step_error: Exception) -> None:
         """After a failed step, MLX must still compute on the worker's stream; if it does not,
@@ -676,6 +687,14 @@ class Engine:
     def _new_backend(self, new: NewGroup, head: EngineRequest | None) -> Backend:
         if new.kind == BackendKind.SINGLE:
             return self._single_backend(self._cache_manager_for(head))
+        if new.kind == BackendKind.TEXT_BATCH:
+            return TextBatchBackend(
+                self._model.model,
+                eos_token_ids=self._model.eos_token_ids,
+                max_batch_size=new.max_batch_size,
+                prefill_step_size=self.config.prefill_step_size,
+                stream=self._stream,
+            )
         if new.kind == BackendKind.SERIAL:
             loaded = self._model
             return SerialBackend(

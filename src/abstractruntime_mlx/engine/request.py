@@ -73,6 +73,7 @@ class DecodePath(StrEnum):
     SINGLE = "single"  # alone on the single-request lane
     SINGLE_THEN_BATCH = "single_then_batch"  # began alone, moved into a batch with its KV cache
     BATCH = "batch"  # upstream's batch generator
+    TEXT_BATCH = "text_batch"  # mlx-lm's batch generator (plain text rows)
     SERIAL = "serial"  # the serialized mlx-lm lane
 
 

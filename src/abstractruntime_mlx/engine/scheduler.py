@@ -31,6 +31,10 @@ Policy (the fairness rule):
   arriving (``burst_gap_ms`` without a compatible arrival ends it, ``batch_wait_ms`` at most);
   later requests join its free slots.
 - The serialized lane (``mlx_batching=False``) runs every request alone, as exclusive.
+- Text lane (``text_lane``): a continuous group of text rows (no images, prefix-cache key
+  or MTP; ``text_lane_row``) on a model that has the lane runs in mlx-lm's
+  batch loop (``text_batch``); other rows never join it (their key's ``lane`` differs), so a
+  row that needs mlx-vlm's loop at the head of the queue is a barrier like any other.
 - Single lane: a continuous group of one, whose row can later move into a batch as is (text,
   no logits processors or grammar, no prefix-cache key), decodes on the single-request lane;
   the first compatible arrival moves that row (once it decodes) into a batch it then joins.
@@ -62,18 +66,30 @@ class GroupKey:
     cache_group: Hashable
     reason: ExclusiveReason | None = field(default=None, compare=False)
     sampled_exclusive: bool = field(default=False, compare=False)
+    # Continuous groups only: "text" runs in mlx-lm's batch loop (``text_lane_row``), "full" in mlx-vlm's.
+    lane: str = "full"
+    text_lane: bool = field(default=False, compare=False)  # whether the text lane is open
 
     def admits(self, request: EngineRequest) -> bool:
         if self.mode == ExecutionMode.EXCLUSIVE:
             return False
-        if group_key(request, sampled_exclusive=self.sampled_exclusive) == self:
+        options = {"sampled_exclusive": self.sampled_exclusive, "text_lane": self.text_lane}
+        if group_key(request, **options) == self:
             return True
         # A continuous group is target-only work running: optional MTP joins it target-only.
-        return self.mode == ExecutionMode.CONTINUOUS and request.deferrable and self == target_only_key(request, sampled_exclusive=self.sampled_exclusive)
+        return self.mode == ExecutionMode.CONTINUOUS and request.deferrable and self == target_only_key(request, **options)
 
 
-def group_key(request: EngineRequest, *, sampled_exclusive: bool = False, target_only: bool = False) -> GroupKey:
-    """The group ``request`` runs in; ``target_only``: the group it runs in without its MTP."""
+def text_lane_row(request: EngineRequest) -> bool:
+    """A row mlx-lm's batch loop can run as mlx-vlm's would: text, no prefix-cache key."""
+    return request.prompt_kwargs_factory is None and request.prompt_cache_key is None
+
+
+def group_key(
+    request: EngineRequest, *, sampled_exclusive: bool = False, target_only: bool = False, text_lane: bool = False
+) -> GroupKey:
+    """The group ``request`` runs in; ``target_only``: the group it runs in without its MTP;
+    ``text_lane``: the text lane is open (the model has it and the engine enables it)."""
     cache_group = request.cache_group if request.prompt_cache_key is None else ("prefix", request.cache_group)
     draft_tokens = 0 if target_only else request.draft_tokens
     if not request.sampling.is_greedy_neutral():
@@ -86,14 +102,15 @@ def group_key(request: EngineRequest, *, sampled_exclusive: bool = False, target
             return GroupKey(ExecutionMode.EXCLUSIVE, draft_tokens, (cache_group, request.request_id), reason)
     elif draft_tokens > 0:
         return GroupKey(ExecutionMode.COHORT, draft_tokens, cache_group)
-    return GroupKey(ExecutionMode.CONTINUOUS, 0, cache_group, sampled_exclusive=sampled_exclusive)
+    lane = "text" if text_lane and text_lane_row(request) else "full"
+    return GroupKey(ExecutionMode.CONTINUOUS, 0, cache_group, sampled_exclusive=sampled_exclusive, lane=lane, text_lane=text_lane)
 
 
-def target_only_key(request: EngineRequest, *, sampled_exclusive: bool = False) -> GroupKey:
-    return group_key(request, sampled_exclusive=sampled_exclusive, target_only=True)
+def target_only_key(request: EngineRequest, *, sampled_exclusive: bool = False, text_lane: bool = False) -> GroupKey:
+    return group_key(request, sampled_exclusive=sampled_exclusive, target_only=True, text_lane=text_lane)
 
 
-def under_load(waiting: Sequence[EngineRequest], *, sampled_exclusive: bool = False) -> GroupKey | None:
+def under_load(waiting: Sequence[EngineRequest], *, sampled_exclusive: bool = False, text_lane: bool = False) -> GroupKey | None:
     """The continuous key the head of ``waiting`` defers to, or None when it runs its MTP.
 
     The head defers when it is optional MTP and the run of requests its target-only group
@@ -102,7 +119,7 @@ def under_load(waiting: Sequence[EngineRequest], *, sampled_exclusive: bool = Fa
     """
     if not waiting or not waiting[0].deferrable:
         return None
-    key = target_only_key(waiting[0], sampled_exclusive=sampled_exclusive)
+    key = target_only_key(waiting[0], sampled_exclusive=sampled_exclusive, text_lane=text_lane)
     if key.mode != ExecutionMode.CONTINUOUS:
         return None
     for request in list(waiting)[1:]:
@@ -173,6 +190,7 @@ class BackendKind(StrEnum):
     """Which backend a group runs on (``Backend.kind``)."""
 
     BATCH = "batch"  # upstream's batch generator: late joiners take its free slots
+    TEXT_BATCH = "text_batch"  # mlx-lm's batch generator, for plain text rows (``text_batch``)
     SINGLE = "single"  # one row on a plain KV cache; a compatible arrival moves it into a batch
     SERIAL = "serial"  # the serialized mlx-lm lane, one request at a time
 
@@ -270,6 +288,7 @@ class SchedulerState:
     stopping: bool = False
     serial_lane: bool = False  # the model runs on the serialized mlx-lm lane
     single_lane_model: bool = False  # the model's rows can decode on the single lane
+    text_lane_model: bool = False  # the model's text rows can run in mlx-lm's batch loop
     prefix_cache: bool = False  # a prefix cache is resident (keyed requests use it)
     single_lane_restores: bool = False  # the single lane can restore and store keyed rows' prefixes
     shared_prefixes: PrefixIndex | None = None  # set where prefixes are shared as blocks
@@ -316,11 +335,11 @@ class Scheduler:
         cfg = self.config
         head = waiting[0]
         if state.serial_lane:
-            key = GroupKey(ExecutionMode.EXCLUSIVE, self._head_key(waiting).draft_tokens, (head.cache_group, head.request_id), ExclusiveReason.SERIALIZED_LANE)
+            key = GroupKey(ExecutionMode.EXCLUSIVE, self._head_key(state).draft_tokens, (head.cache_group, head.request_id), ExclusiveReason.SERIALIZED_LANE)
             return self._started(state, NewGroup(key, BackendKind.SERIAL, 1), [head])
         window = self._window
         if window is None or window.head is not head:
-            key = self._head_key(waiting)
+            key = self._head_key(state)
             if key.mode == ExecutionMode.EXCLUSIVE:
                 key = GroupKey(ExecutionMode.EXCLUSIVE, key.draft_tokens, (head.cache_group, head.request_id), key.reason)
                 return self._started(state, NewGroup(key, BackendKind.BATCH, 1), [head])
@@ -338,18 +357,24 @@ class Scheduler:
         self._window = None
         if key.mode == ExecutionMode.COHORT:
             # Target-only work arrived while the cohort waited: its optional-MTP head defers to it.
-            key = under_load(waiting, sampled_exclusive=cfg.sampled_exclusive) or key
+            key = under_load(waiting, sampled_exclusive=cfg.sampled_exclusive, text_lane=self._text_lane(state)) or key
         requests = compatible_head(waiting, key, limit)
         if not requests:
             return StepPlan()  # the head waits for its prefix leader
-        kind = BackendKind.SINGLE if self._single_lane_for(state, key, requests) else BackendKind.BATCH
+        if self._single_lane_for(state, key, requests):
+            kind = BackendKind.SINGLE
+        else:
+            kind = BackendKind.TEXT_BATCH if key.lane == "text" else BackendKind.BATCH
         return self._started(state, NewGroup(key, kind, limit), requests)
 
-    def _head_key(self, waiting: Sequence[EngineRequest]) -> GroupKey:
+    def _text_lane(self, state: SchedulerState) -> bool:
+        return self.config.text_lane and state.text_lane_model
+
+    def _head_key(self, state: SchedulerState) -> GroupKey:
         """The head's group; optional MTP with target-only work right behind it runs
         target-only, with that work."""
-        sampled_exclusive = self.config.sampled_exclusive
-        return under_load(waiting, sampled_exclusive=sampled_exclusive) or group_key(waiting[0], sampled_exclusive=sampled_exclusive)
+        options = {"sampled_exclusive": self.config.sampled_exclusive, "text_lane": self._text_lane(state)}
+        return under_load(state.waiting, **options) or group_key(state.waiting[0], **options)
 
     def _wait_until(self, state: SchedulerState, window: _Window) -> float | None:
         """When to look again for company, or None: start now.
@@ -365,7 +390,7 @@ class Scheduler:
             return None
         if window.seen >= cfg.max_batch_size or state.stopping:
             return None
-        if cohort and under_load(state.waiting, sampled_exclusive=cfg.sampled_exclusive) is not None:
+        if cohort and under_load(state.waiting, sampled_exclusive=cfg.sampled_exclusive, text_lane=self._text_lane(state)) is not None:
             return None
         until = window.started + cfg.batch_wait_ms / 1000.0
         if quiet_ms is not None:

@@ -56,6 +56,8 @@ ENGINE_OPTIONS: dict[str, str] = {
     # A lone request decodes on the single-request lane until a second one joins (docs/provider.md).
     "mlx_single_lane": "single_lane",
     "mlx_burst_gap_ms": "burst_gap_ms",
+    # Plain text rows batch in mlx-lm's loop (docs/provider.md, "Lanes").
+    "mlx_text_lane": "text_lane",
 }
 _ENGINE_DEFAULTS = EngineConfig()
 
@@ -565,7 +567,7 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise InvalidControls(f"{name} must be an integer >= {lo}", field=name, value=value)
 
-    for name in ("mlx_batching", "mlx_sampled_exclusive", "mlx_single_lane"):
+    for name in ("mlx_batching", "mlx_sampled_exclusive", "mlx_single_lane", "mlx_text_lane"):
         if not isinstance(options[name], bool):
             raise InvalidControls(f"{name} must be a boolean", field=name, value=options[name])
     positive_int("mlx_max_batch_size")

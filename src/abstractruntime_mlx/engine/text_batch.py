@@ -1,0 +1,168 @@
+"""The text lane: plain text rows decode in mlx-lm's ``BatchGenerator``.
+
+mlx-lm's batch loop steps faster than mlx-vlm's at 16 and more rows (measured on CUDA,
+``docs/benchmarks.md``), and it interleaves prefill with decode by itself: each ``next()``
+decodes the running rows first, then prefills one chunk (``prefill_step_size`` columns) of
+the prompts waiting, so a long prompt arriving never stalls the rows already decoding for
+more than one chunk.
+
+It drives the resident model's language model (the one mlx-vlm loaded; no second copy of the
+weights) through ``_Logits``, which returns logits as mlx-lm's loop expects. Which rows run
+here (``scheduler.text_lane_row``): continuous rows of text without a prefix-cache key or
+MTP, structured ones included; which models (``supports_model``): a plain ``KVCache`` per
+layer and no position ids, the single lane's rule. Everything else keeps mlx-vlm's loop
+(images, MTP, prefix blocks).
+
+Each row brings its own controls: a sampled row its own ``RowStream`` as its sampler, its
+penalties, bias and grammar as its logits processors; greedy rows share mlx-lm's batched argmax. The
+tokenizer's end-of-sequence ids are the stop tokens, reported as ``finish_reason == "stop"``
+like mlx-vlm's loop reports them, so the engine finishes rows the same way on either lane.
+
+Private upstream fields read here (mlx-lm >=0.31.3,<0.33, pinned in ``pyproject.toml``):
+``BatchGenerator._prompt_batch``, ``_generation_batch``, ``_unprocessed_sequences``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from .backend import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors, row_processors
+from ..controls import Sampling
+from .sampling import RowStream, sample_rows
+from .scheduler import BackendKind
+from .single import supports_model
+
+__all__ = ["TextBatchBackend", "supports_model"]
+
+
+class _Logits:
+    """The language model as mlx-lm's loop calls it: ``model(tokens, cache=...) -> logits``."""
+
+    def __init__(self, language_model: Any) -> None:
+        self.language_model = language_model
+
+    @property
+    def layers(self) -> Any:
+        return self.language_model.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        output = self.language_model(inputs, cache=cache)
+        logits: mx.array = getattr(output, "logits", output)
+        return logits
+
+
+def _row_sampler(sampling: Sampling) -> Callable[[mx.array], mx.array] | None:
+    """A sampled row's own sampler (its ``RowStream``); None for a greedy row (mlx-lm's argmax,
+    one call for every greedy row of the batch)."""
+    stream = RowStream.for_sampling(sampling)
+    if stream is None:
+        return None
+
+    def sample(logprobs: mx.array) -> mx.array:
+        return sample_rows(logprobs, [stream])
+
+    return sample
+
+
+class TextBatchBackend:
+    """One mlx-lm ``BatchGenerator`` and the uids it holds."""
+
+    kind = BackendKind.TEXT_BATCH
+    can_hand_off = False
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        eos_token_ids: frozenset[int],
+        max_batch_size: int,
+        prefill_step_size: int,
+        stream: Any,
+    ) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        self.model = model
+        self.max_batch_size = max_batch_size
+        with map_upstream_errors("creating the text batch generator"):
+            self._gen = BatchGenerator(
+                _Logits(getattr(model, "language_model", model)),
+                stop_tokens=[[eos] for eos in sorted(eos_token_ids)] or None,
+                completion_batch_size=max_batch_size,
+                prefill_batch_size=max_batch_size,
+                prefill_step_size=prefill_step_size,
+                stream=stream,
+            )
+        self.uids: set[int] = set()
+
+    # --- admission -------------------------------------------------------------------
+    def insert(self, row: RowInput) -> int:
+        if row.prefix is not None or row.prompt_inputs is not None:
+            raise RuntimeError("the text lane runs text rows without a prefix-cache key")
+        with map_upstream_errors("inserting a prompt"):
+            # Built before the row exists: a value refused here fails this request only.
+            sampler = _row_sampler(row.sampling)
+            processors = row_processors(row.sampling, row.grammar) or []
+            (uid,) = self._gen.insert(
+                [row.prompt_ids],
+                max_tokens=[row.max_tokens],
+                samplers=[sampler] if sampler is not None else None,  # None: the batch's greedy argmax
+                logits_processors=[processors],
+            )
+        self.uids.add(int(uid))
+        return int(uid)
+
+    def free_slots(self) -> int:
+        return self.max_batch_size - len(self.uids)
+
+    def allow_partial_prefill(self) -> None:
+        """Nothing to allow: mlx-lm admits waiting prompts whenever decode slots are free."""
+
+    def remove(self, uid: int) -> bool:
+        """mlx-lm drops a row at any stage (waiting, mid-prefill or decoding)."""
+        with map_upstream_errors("removing a request"):
+            self._gen.remove([uid])
+        self.forget(uid)
+        return True
+
+    def forget(self, uid: int) -> None:
+        self.uids.discard(uid)
+
+    @property
+    def prefilling(self) -> bool:
+        return len(self._gen._prompt_batch) > 0 or bool(self._gen._unprocessed_sequences)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.uids)
+
+    def detach(self) -> tuple[int, DecodingRow]:
+        raise RuntimeError("the text lane's rows stay in it; only the single lane hands a row off")
+
+    # --- stepping --------------------------------------------------------------------
+    def step(self, *, observe_prefill: bool) -> StepResult:
+        with map_upstream_errors("a text batch step (mlx-lm)"):
+            prompt_responses, responses = self._gen.next()
+        result = StepResult()
+        for p in prompt_responses:
+            uid = int(p.uid)
+            processed, total = (int(x) for x in p.progress)
+            if p.end_of_prompt:
+                result.prompt_done[uid] = 0
+            elif observe_prefill:
+                result.prefill[uid] = PrefillRow(processed=processed, total=total, cached=0)
+        for r in responses:
+            result.tokens.append(TokenEvent(int(r.uid), int(r.token), r.finish_reason))
+        result.batch_uids = set(self._gen._generation_batch.uids) | set(self._gen._prompt_batch.uids)
+        return result
+
+    def speculation_counters(self) -> tuple[int, float, int] | None:
+        return None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._gen.close()
+            mx.synchronize(self._gen.stream)
+        self.uids.clear()
