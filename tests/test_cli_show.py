@@ -201,7 +201,7 @@ def test_resume_hints_name_the_real_run_and_event(tmp_path: Path, capsys: Any) -
     path = tmp_path / "l.sqlite"
     _waiting_run_with_a_child(path)
     assert main(["runs", "show", "ro", "--ledger", str(path)]) == 0
-    assert "    continue: abstractruntime-mlx runs resume root --answer TEXT" in capsys.readouterr().out.splitlines()
+    assert "      abstractruntime-mlx runs resume root --answer TEXT" in capsys.readouterr().out.splitlines()
     # What `run` prints for a run whose subflow waits for an event: the root run's id, the event's name.
     event = {"reason": "event", "event": "approved", "run_id": "child-run", "node_id": "gate", "wait_key": "evt:session:s1:approved"}
     assert format_wait(event, "root-run").endswith("continue with: runs resume root-run --event approved[=JSON]")

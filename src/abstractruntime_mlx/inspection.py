@@ -402,7 +402,7 @@ def tree_calls(ledger: Ledger, run_id: str, *, max_depth: int = MAX_NESTING) -> 
     """``(run_id, call)`` for every LLM call of the run and of its child runs (subflows, agents),
     down to ``max_depth`` levels: the run's own calls first, then each child's tree in the order
     the children were created."""
-    view = run_view(ledger, run_id)
+    view = run_view(ledger, run_id, tree=False)
     out = [(run_id, call) for call in view.calls] if view is not None else []
     if max_depth <= 0:
         return out

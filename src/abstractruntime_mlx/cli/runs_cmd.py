@@ -24,18 +24,20 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
-from ..errors import RunNotFound, RunNotResumable
+from ..errors import MLXRuntimeError, RunNotFound, RunNotResumable
 from ..json_values import array_at, as_str, object_at
 from .args import add_limit_arguments, drive_limits, help_handler, integer
 from .ledger_location import default_ledger_url, existing_ledger_file, open_for_inspection
 from .terminal import printable
 
 if TYPE_CHECKING:
-    from ..ledger import Ledger, ProgressRow, RunSummary
+    from ..ledger import Ledger, ProgressRow, RunSummary, StepRow
     from ..runtime_plugin import FlowRunResult, NodeOutcome
 
-# AbstractRuntime's RunStatus values.
-RUN_STATUSES: Final = ("running", "waiting", "completed", "failed", "cancelled")
+# AbstractRuntime's RunStatus values, and ``interrupted``: a run stopped by Ctrl-C (the ledger's
+# status column only; ``runs resume`` continues it).
+RUN_STATUSES: Final = ("running", "waiting", "interrupted", "completed", "failed", "cancelled")
+RESUMABLE: Final = ("running", "waiting", "interrupted")
 
 MAX_NESTING = 8
 TEXT_WIDTH = 72
@@ -129,16 +131,39 @@ def _list(args: argparse.Namespace) -> int:
         if not rows:
             print("no runs")
             return 0
-        print(f"{'RUN ID':40}  {'WORKFLOW':16}  {'STATUS':9}  {'STARTED (UTC)':19}  {'DURATION':>8}  {'NODES':>5}  {'EVENTS':>6}")
-        for depth, r in _tree_rows(rows, children):
-            name = ("  " * (depth - 1) + "└ " if depth else "") + r.run_id
-            print(
-                printable(
-                    f"{name:40}  {r.workflow_id[:16]:16}  {r.status:9}  {r.created_at:%Y-%m-%d %H:%M:%S}  "
-                    f"{r.duration_s:7.2f}s  {r.node_count:5}  {r.progress_count:6}"
-                )
-            )
+        print(printable(runs_list_table(_tree_rows(rows, children))))
     return 0
+
+
+def runs_list_table(rows: Sequence[tuple[int, RunSummary]], *, width: int | None = None) -> str:
+    """``runs list``'s table (``rich``): ids and workflow names are never cut, a long one wraps in
+    its cell. Under 100 columns the workflow goes under the run id and the counts are left out."""
+    from rich import box
+    from rich.table import Table
+
+    from .show_view import render_text, terminal_width
+
+    width = width or terminal_width()
+    narrow = width < 100
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("run id / workflow" if narrow else "run id", no_wrap=False, overflow="fold", min_width=38)
+    if not narrow:
+        table.add_column("workflow", overflow="fold")
+    table.add_column("status", no_wrap=True)
+    table.add_column("started (UTC)", no_wrap=True)
+    table.add_column("duration", justify="right", no_wrap=True)
+    if not narrow:
+        table.add_column("nodes", justify="right", no_wrap=True)
+        table.add_column("events", justify="right", no_wrap=True)
+    for depth, r in rows:
+        indent = "  " * (depth - 1) + "└ " if depth else ""
+        started = f"{r.created_at:%m-%d %H:%M:%S}" if narrow else f"{r.created_at:%Y-%m-%d %H:%M:%S}"
+        if narrow:
+            cells = [f"{indent}{r.run_id}\n{' ' * len(indent)}  {r.workflow_id}", r.status, started, f"{r.duration_s:.2f}s"]
+        else:
+            cells = [f"{indent}{r.run_id}", r.workflow_id, r.status, started, f"{r.duration_s:.2f}s", str(r.node_count), str(r.progress_count)]
+        table.add_row(*cells)
+    return render_text(table, width)
 
 
 def _tree_rows(rows: Sequence[RunSummary], children: Mapping[str, list[RunSummary]], depth: int = 0) -> list[tuple[int, RunSummary]]:
@@ -177,7 +202,7 @@ def _replay(args: argparse.Namespace) -> int:
         run_id = resolve_run_id(ledger, args.run_id)
         detail = ledger.get_run(run_id)
     assert detail is not None
-    resuming = detail.status == "running" and not args.no_resume
+    resuming = detail.status in ("running", "interrupted") and not args.no_resume
     report_flow_drift(run_id, detail.state, flow_file=args.flow, resuming=resuming)
     if resuming:
         print(printable(f"run {run_id} was interrupted at node {detail.state.get('current_node')!r}; resuming (finished nodes are reused)"))
@@ -245,7 +270,7 @@ def _resume(args: argparse.Namespace) -> int:
         run_id = root_run_id(ledger, resolve_run_id(ledger, args.run_id))
         detail = ledger.get_run(run_id)
     assert detail is not None
-    if detail.status not in ("running", "waiting"):
+    if detail.status not in RESUMABLE:
         raise RunNotResumable(
             f"run {run_id} is {detail.status}; only a waiting or interrupted run can be resumed",
             details={"run_id": run_id, "status": detail.status},
@@ -324,17 +349,20 @@ def print_results(
     for r in results:
         label = "replayed from the ledger" if replayed else f"{r.wall_s:.2f}s"
         print(printable(f"run {r.run_id}  {r.workflow_id}  {r.status}  ({label})"))
-        if r.error:
-            print(printable(f"  error: {r.error}"))
+        labels = _tree_labels(ledger_url, r) if ledger_url and (r.failures or r.nodes) else {}
+        # One line per error: a node failure by the node's label; the run's own error only when
+        # it says more than its node failures.
+        if r.error and not any(_one_line(f.error) in _one_line(r.error) for f in r.failures):
+            print(printable(f"  error: {_one_line(r.error)}"))
         if r.waiting:
             print(printable(f"  waiting: {format_wait(r.waiting, r.run_id)}"))
         for n in r.nodes:
             prefix = "" if n.run_id in ("", r.run_id) else f"[{n.run_id[:8]}] "
-            print(printable(format_node(prefix + n.node_id, n.result)))
+            print(printable(format_node(prefix + labels.get((n.run_id, n.node_id), n.node_id), n.result)))
             peak = max(peak, peak_batch(n.result))
         for f in r.failures:
             where = "" if f.run_id == r.run_id else f" (run {f.run_id[:8]})"
-            print(printable(f"  node failed: {f.node_id}{where}: {_clip(f.error)}"))
+            print(printable(f"  node failed: {labels.get((f.run_id, f.node_id), repr(f.node_id))}{where}: {_one_line(f.error)}"))
         print()
     if wall_s is not None:
         print(summary_line(results, wall_s=wall_s, peak=peak))
@@ -345,6 +373,30 @@ def print_results(
 
 def node_dict(node: NodeOutcome) -> dict[str, object]:
     return {"node_id": node.node_id, "run_id": node.run_id, "result": node.result}
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _tree_labels(ledger_url: str, result: FlowRunResult) -> dict[tuple[str, str], str]:
+    """``(run id, node id) -> 'Label' (node id)`` for the runs of ``result``'s tree (the flow's own
+    labels, as the run views name nodes); empty when the ledger cannot be read."""
+    from ..inspection import run_flow_document
+    from ..run_graph import display_labels
+
+    out: dict[tuple[str, str], str] = {}
+    run_ids = {result.run_id, *result.children}
+    try:
+        with open_for_inspection(ledger_url) as ledger:
+            for run_id in run_ids:
+                detail = ledger.get_run(run_id)
+                flow = run_flow_document(ledger, detail) if detail is not None else None
+                for node_id, label in (display_labels(flow) if flow is not None else {}).items():
+                    out[(run_id, node_id)] = node_id if label == node_id else f"{label!r} ({node_id})"
+    except MLXRuntimeError:
+        return {}
+    return out
 
 
 def peak_batch(result: Mapping[str, object]) -> int:
@@ -473,7 +525,8 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     """A terminal view of one run: header, what it waits for, steps, node results, the LLM
     calls with their timeline (one bar per call: loop iterations are drawn separately), then
     its child runs (subflows, agents), indented."""
-    from ..inspection import run_view
+    from ..inspection import run_flow_document, run_view
+    from ..run_graph import display_labels
     from ..runtime_plugin import node_outcomes
     from .show_view import calls_table, calls_timeline
 
@@ -482,37 +535,44 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
         raise RunNotFound(f"no run {run_id!r} in {ledger.url}", details={"run_id": run_id[:255]})
     steps = ledger.run_steps(run_id)
     progress = ledger.node_timeline(run_id)
+    flow = run_flow_document(ledger, detail)
+    labels = display_labels(flow) if flow is not None else {}
     title = "run" if not detail.parent_run_id else "child run"
     out: list[str] = [
         f"{title} {detail.run_id}",
-        f"  workflow {detail.workflow_id}  status {detail.status}  started {detail.created_at:%Y-%m-%d %H:%M:%S} UTC"
-        f"  duration {detail.duration_s:.2f}s  steps {detail.step_count}  phase events {detail.progress_count}",
+        f"  workflow {detail.workflow_id}",
+        f"  status {detail.status}  started {detail.created_at:%Y-%m-%d %H:%M:%S} UTC  duration {detail.duration_s:.2f}s",
+        f"  steps {detail.step_count}  phase events {detail.progress_count}",
     ]
     if detail.state.get("error"):
-        out.append(f"  error: {detail.state['error']}")
-    if detail.status == "running":
-        out.append(f"  interrupted at node {detail.state.get('current_node')!r}: `abstractruntime-mlx runs replay {run_id}` resumes it")
+        out.append(f"  error: {_one_line(str(detail.state['error']))}")
+    current = detail.state.get("current_node")
+    where = f" at node {labels.get(str(current), current)!r}" if current else ""
+    if detail.status == "interrupted":
+        out.append(f"  interrupted (Ctrl-C){where}; continue: abstractruntime-mlx runs resume {run_id}")
+    elif detail.status == "running":
+        out.append(
+            f"  running{where}, or interrupted if no process drives it any more;"
+            f" continue an interrupted run: abstractruntime-mlx runs resume {run_id}"
+        )
+    elif detail.status == "failed" and not detail.parent_run_id:
+        out.append(f"  failed; see its steps below, then start a new run (abstractruntime-mlx run FLOW)")
     waiting = detail.state.get("waiting")
     if detail.status == "waiting" and isinstance(waiting, dict):
-        out.extend(_wait_lines(run_id, detail.state.get("current_node"), waiting))
-    out.append("")
-    out.append("steps")
-    out.append(f"  {'SEQ':>3}  {'NODE':14}  {'STATUS':9}  {'EFFECT':12}  {'ATT':>3}  {'TIME':>8}")
-    for s in steps:
-        effect = s.effect_type or "-"
-        if effect == "emit_event":
-            name = object_at(object_at(s.record, "effect"), "payload").get("name")
-            effect = str(name or effect)[:12]
-        duration = f"{s.duration_s * 1000:.0f}ms" if s.duration_s is not None else ""
-        out.append(f"  {s.seq:>3}  {s.node_id[:14]:14}  {s.status:9}  {effect[:12]:12}  {s.attempt:>3}  {duration:>8}")
+        out.extend(_wait_lines(run_id, labels.get(str(current), current), waiting))
+    from .show_view import terminal_width
+
+    width = max(60, terminal_width() - 4 * _depth)  # a child run is indented 4 columns per level
+    out += ["", "steps", _steps_table(steps, labels, width=width)]
     nodes = node_outcomes(ledger, run_id)
     if nodes:
         out.append("")
         out.append("llm nodes")
-        out.extend(format_node(n.node_id, n.result) for n in nodes)
-    view = run_view(ledger, run_id)
+        for n in nodes:
+            out.extend(_wrapped(format_node(labels.get(n.node_id, n.node_id), n.result), width))
+    view = run_view(ledger, run_id, tree=False)
     if view is not None and view.calls:
-        out += ["", "llm calls", calls_table(view), "", calls_timeline(view)]
+        out += ["", "llm calls", calls_table(view, width=width), "", calls_timeline(view, columns=width)]
     if _depth == 0:
         out.extend(_tree_call_lines(ledger, run_id))
     if progress and events:
@@ -527,6 +587,41 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
         body = render_run(ledger, str(child["run_id"]), events=events, _depth=_depth + 1)
         out.extend("    " + line if line else line for line in body.splitlines())
     return "\n".join(out)
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    """``text``'s lines wrapped at ``width`` columns, continuations indented under their line."""
+    import textwrap
+
+    out: list[str] = []
+    for line in text.splitlines():
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        out.extend(textwrap.wrap(line, width=width, subsequent_indent=indent, break_on_hyphens=False, drop_whitespace=True) or [""])
+    return out
+
+
+def _steps_table(steps: Sequence[StepRow], labels: Mapping[str, str], *, width: int) -> str:
+    """The steps of a run as a ``rich`` table, nodes by label; nothing is cut (a long label wraps)."""
+    from rich import box
+    from rich.table import Table
+
+    from .show_view import render_text
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("seq", justify="right", no_wrap=True)
+    table.add_column("node", overflow="fold")
+    table.add_column("status", no_wrap=True)
+    table.add_column("effect", overflow="fold")
+    table.add_column("att", justify="right", no_wrap=True)
+    table.add_column("time", justify="right", no_wrap=True)
+    for step in steps:
+        effect = step.effect_type or "-"
+        if effect == "emit_event":
+            name = object_at(object_at(step.record, "effect"), "payload").get("name")
+            effect = str(name or effect)
+        duration = f"{step.duration_s * 1000:.0f}ms" if step.duration_s is not None else ""
+        table.add_row(str(step.seq), labels.get(step.node_id, step.node_id), step.status, effect, str(step.attempt), duration)
+    return "\n".join("  " + line for line in render_text(table, width - 2).splitlines())
 
 
 def run_dict(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int = 0) -> dict[str, object]:
@@ -569,7 +664,7 @@ def _tree_calls(ledger: Ledger, run_id: str) -> dict[str, object]:
         "prompt_tokens": sum(c.prompt_tokens or 0 for _, c in calls),
         "generated_tokens": sum(c.generated_tokens or 0 for _, c in calls),
         "by_call": [
-            {"run_id": owner, "node_id": c.node_id, "label": c.label, "step_id": c.step_id, "attempt": c.attempt,
+            {"run_id": owner, "node_id": c.node_id, "label": c.label, "name": c.name, "step_id": c.step_id, "attempt": c.attempt,
              "status": c.status, "prompt_tokens": c.prompt_tokens, "generated_tokens": c.generated_tokens}
             for owner, c in calls
         ],
@@ -583,13 +678,23 @@ def _tree_call_lines(ledger: Ledger, run_id: str) -> list[str]:
     by_call = array_at(tree, "by_call")
     if not any(isinstance(c, dict) and c.get("run_id") != run_id for c in by_call):
         return []
-    lines = ["", "llm calls of this run and its child runs", f"  {'RUN':8}  {'NODE':24}  {'STATUS':9}  {'PROMPT':>7}  {'GEN':>6}"]
+    from rich import box
+    from rich.table import Table
+
+    from .show_view import render_text, terminal_width
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("run", no_wrap=True)
+    table.add_column("call", overflow="fold")
+    table.add_column("status", no_wrap=True)
+    table.add_column("prompt", justify="right", no_wrap=True)
+    table.add_column("gen", justify="right", no_wrap=True)
     for c in by_call:
         assert isinstance(c, dict)
         owner = "." if c["run_id"] == run_id else str(c["run_id"])[:8]
-        lines.append(
-            f"  {owner:8}  {str(c['label'])[:24]:24}  {str(c['status']):9}  {c['prompt_tokens'] or 0:>7,}  {c['generated_tokens'] or 0:>6,}"
-        )
+        table.add_row(owner, str(c.get("name") or c["label"]), str(c["status"]), f"{c['prompt_tokens'] or 0:,}", f"{c['generated_tokens'] or 0:,}")
+    lines = ["", "llm calls of this run and its child runs", "  (run: . for this one, else the child run's id prefix)"]
+    lines.extend("  " + line for line in render_text(table, terminal_width() - 2).splitlines())
     lines.append(
         f"  total: {tree['calls']} LLM call{'s' if tree['calls'] != 1 else ''} in {tree['runs']} run{'s' if tree['runs'] != 1 else ''}, prompt tokens {tree['prompt_tokens']:,}, generated tokens {tree['generated_tokens']:,}"
     )
@@ -618,7 +723,7 @@ def _wait_lines(run_id: str, node: object, waiting: Mapping[str, object]) -> lis
     else:
         lines.append(f"    wait key: {waiting.get('wait_key')}")
     if reason in ("user", "until", "event"):
-        lines.append(f"    continue: abstractruntime-mlx {resume_hint(run_id, waiting)}")
+        lines += ["    continue:", f"      abstractruntime-mlx {resume_hint(run_id, waiting)}"]
     return lines
 
 
