@@ -16,7 +16,9 @@ decides is only what to write:
   that wait.
 - ``option httpchk GET /health``; ``retries`` with ``option redispatch`` and ``retry-on
   conn-failure empty-response junk-response 503``: a call to a dead server is sent again, to
-  another server. A request larger than ``tune.bufsize`` cannot be replayed by HAProxy and is
+  another server. A connection error marks a server down at once (``observe layer4
+  error-limit 1 on-error mark-down``): a redispatch re-runs the hash, which would otherwise
+  pick the dead server again until two health checks failed; the checks bring it back. A request larger than ``tune.bufsize`` cannot be replayed by HAProxy and is
   retried by the remote client itself (connection failures and ``queue_full`` only).
 - SSE passes through unbuffered (HTTP mode streams responses as they come); ``timeout server``
   is long, since a generation can stream for minutes.
@@ -215,7 +217,9 @@ def haproxy_config(settings: LBSettings, *, comment: Sequence[str] = ()) -> str:
     lines += [
         "    option httpchk GET /health",
         "    http-check expect status 200",
-        f"    default-server check inter {_ms(settings.check_interval_s)} fall 2 rise 2",
+        # A connection the server refuses or drops marks it down at once (not only after two
+        # failed checks): a retry re-runs the hash, which must not pick the dead server again.
+        f"    default-server check inter {_ms(settings.check_interval_s)} fall 2 rise 2 observe layer4 error-limit 1 on-error mark-down",
     ]
     for index, server in enumerate(settings.servers, start=1):
         lines.append(
