@@ -250,12 +250,14 @@ def _print_table(rows: list[CachedModel | LocalModel]) -> None:
         return
     table = Table(box=None, pad_edge=False)
     for column, justify in (("NAME", "left"), ("KIND", "left"), ("SIZE", "right"), ("SOURCE", "left"), ("PATH", "left")):
-        table.add_column(column, justify=justify, no_wrap=column != "PATH")  # type: ignore[arg-type]
+        table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for row in rows:
         table.add_row(
             printable(row["name"]), row["kind"], _human(row["size_on_disk"]), row["source"], printable(row["path"] or "")
         )
-    Console(file=sys.stdout, soft_wrap=True, highlight=False).print(table)
+    # Piped or redirected, lines are as long as their paths (a terminal's width would cut them).
+    width = None if sys.stdout.isatty() else 100_000
+    Console(file=sys.stdout, highlight=False, width=width).print(table)
 
 
 def _human(num_bytes: int) -> str:
