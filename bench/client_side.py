@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from shapes import ShapeLog, Window  # bench/shapes.py
+
 CLIENT_TARGETS = ("ours", "ours_batch", "stream_generate", "lm_loop")
 PHASES = ("before_submit", "queue", "prefill", "decode", "delivery")
 SUBPHASES = ("controls", "template", "tokenise")  # parts of before_submit, where measured
@@ -132,10 +134,36 @@ def provider_parts_timed() -> Iterator[None]:
 # --- targets ------------------------------------------------------------------------------------
 
 
+@dataclass
+class StepCounters:
+    """A serving thread's cumulative step counters: steps, their wall time, the part spent in the
+    upstream step (``BatchGenerator.next`` or our backend's step) and the part handling its tokens
+    (detokenising, stop checks, delivery)."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    upstream_s: float = 0.0
+    tokens_s: float = 0.0
+
+    def minus(self, other: "StepCounters") -> "StepCounters":
+        return StepCounters(
+            self.steps - other.steps, self.step_s - other.step_s, self.upstream_s - other.upstream_s, self.tokens_s - other.tokens_s
+        )
+
+    def plus(self, other: "StepCounters") -> "StepCounters":
+        return StepCounters(
+            self.steps + other.steps, self.step_s + other.step_s, self.upstream_s + other.upstream_s, self.tokens_s + other.tokens_s
+        )
+
+
 class ClientSideTarget:
     """A target served to ``c`` client threads, one ``call`` per chat message."""
 
     name = ""
+
+    def counters(self) -> StepCounters | None:
+        """Cumulative step counters of the serving thread (None: not measured for this target)."""
+        return None
 
     def setup(self, path: Path, max_batch: int, queue_size: int) -> None: ...
 
@@ -169,6 +197,10 @@ class OursClient(ClientSideTarget):
             "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=max_batch, mlx_max_queue_size=queue_size,
             speculation=False, mlx_single_lane=self.single_lane,
         )
+
+    def counters(self) -> StepCounters | None:
+        p = self.llm._engine.step_profile()  # the engine's own step counters
+        return StepCounters(int(p["num_steps"]), float(p["step_s"]), float(p["backend_s"]), float(p["tokens_s"]))
 
     def call(self, prompt: ChatPrompt, max_tokens: int, c: int) -> Phases:
         _PARTS.sums = {}
@@ -287,6 +319,11 @@ class LmLoopClient(_WorkerClient):
     """mlx-lm's ``BatchGenerator`` on one worker thread, fed requests as they arrive."""
 
     name = "lm_loop"
+    stats = StepCounters()  # written by the worker only
+
+    def counters(self) -> StepCounters | None:
+        s = self.stats
+        return StepCounters(s.steps, s.step_s, s.upstream_s, s.tokens_s)
 
     def _serve(self) -> None:
         import mlx.core as mx
@@ -309,6 +346,7 @@ class LmLoopClient(_WorkerClient):
                     self.model, max_tokens=jobs[0].max_tokens, stop_tokens=[[e] for e in self.eos],
                     completion_batch_size=width, prefill_batch_size=width, prefill_step_size=256, stream=stream,
                 )
+            t0 = time.perf_counter()
             if jobs:
                 uids = gen.insert([j.ids for j in jobs], max_tokens=[j.max_tokens for j in jobs])
                 now = time.perf_counter()
@@ -316,6 +354,7 @@ class LmLoopClient(_WorkerClient):
                     job.phases.admit = now  # queued in the loop; its prefill starts at a next step
                     job.detokenizer = self.tokenizer.detokenizer
                     live[uid] = job
+            t1 = time.perf_counter()
             _, responses = gen.next()
             now = time.perf_counter()
             for r in responses:
@@ -333,6 +372,12 @@ class LmLoopClient(_WorkerClient):
                 if r.finish_reason is not None:
                     job.out.put(None)
                     del live[r.uid]
+            t3 = time.perf_counter()
+            stats = self.stats
+            stats.steps += 1
+            stats.step_s += t3 - t0
+            stats.upstream_s += now - t1
+            stats.tokens_s += t3 - now
 
 
 def make_client_target(name: str) -> ClientSideTarget:
@@ -362,10 +407,22 @@ class ClientPoint:
     ttft_p50_ms: float | None  # call -> first chunk carrying text, on the client thread
     ms: dict[str, float]  # mean per request of each phase (PHASES, SUBPHASES, total, outside_decode)
     decode_ms_per_token: float | None
-    error: str | None = None
+    run_tok_s: list[float] = field(default_factory=list)  # per repeat, in repeat order
+    # forwards per run (bench/shapes.py): prefills (or prefill chunks), decode steps, and the
+    # (batch, length) shapes first seen in this process during the point
+    prefill_calls: float | None = None
+    decode_calls: float | None = None
+    new_shapes: int | None = None
+    # the serving thread's steps (StepCounters), ms per step, where measured
+    step_ms: float | None = None
+    upstream_ms: float | None = None
+    tokens_ms: float | None = None
 
 
-def summarise_client(model: str, target: str, c: int, runs: list[tuple[list[Phases], float]]) -> ClientPoint:
+def summarise_client(
+    model: str, target: str, c: int, runs: list[tuple[list[Phases], float]], shapes: Window | None = None,
+    steps: StepCounters | None = None,
+) -> ClientPoint:
     reqs = [p for got, _ in runs for p in got]
     wall = sum(w for _, w in runs)
     tokens = sum(p.tokens for p in reqs)
@@ -382,7 +439,29 @@ def summarise_client(model: str, target: str, c: int, runs: list[tuple[list[Phas
         wall_s=round(wall, 4), tok_s=round(tokens / wall, 2) if wall > 0 else 0.0,
         ttft_p50_ms=round(statistics.median(ttft), 2) if ttft else None, ms=ms,
         decode_ms_per_token=round(statistics.mean(per_token), 3) if per_token else None,
+        run_tok_s=[round(sum(p.tokens for p in got) / w, 2) if w > 0 else 0.0 for got, w in runs],
+        prefill_calls=None if shapes is None else round(shapes.prefill_calls / len(runs), 1),
+        decode_calls=None if shapes is None else round(shapes.decode_calls / len(runs), 1),
+        new_shapes=None if shapes is None else len(shapes.new),
+        **_per_step(steps),
     )
+
+
+def _per_step(steps: StepCounters | None) -> dict[str, float]:
+    if steps is None or not steps.steps:
+        return {}
+    per = 1000.0 / steps.steps
+    return {
+        "step_ms": round(steps.step_s * per, 3),
+        "upstream_ms": round(steps.upstream_s * per, 3),
+        "tokens_ms": round(steps.tokens_s * per, 3),
+    }
+
+
+def run_ratios(a: ClientPoint, b: ClientPoint) -> list[float]:
+    """a's tok/s over b's, repeat by repeat (the targets of one repeat run back to back, so a slow
+    spell of a shared machine weighs on both sides of each ratio)."""
+    return sorted(x / y for x, y in zip(a.run_tok_s, b.run_tok_s) if y > 0)
 
 
 def bench_client(
@@ -398,11 +477,13 @@ def bench_client(
     *,
     max_batch: int,
     queue_size: int,
+    shapes: ShapeLog | None = None,
 ) -> list[ClientPoint]:
     """Every target at every concurrency, ``repeats`` times in a rotating order; ``prompts(tag, c, n)``
     gives n distinct chat messages."""
     live: dict[str, ClientSideTarget] = {}
     points: list[ClientPoint] = []
+    shapes = shapes or ShapeLog()
     with provider_parts_timed():
         try:
             for name in targets:
@@ -415,20 +496,33 @@ def bench_client(
                 log(f"[{label}] client {name}: ready in {time.perf_counter() - t0:.1f}s (setup + warm-up)")
             for c in concs:
                 runs: dict[str, list[tuple[list[Phases], float]]] = {n: [] for n in live}
+                seen: dict[str, Window] = {n: Window() for n in live}
+                stepped: dict[str, StepCounters | None] = {n: StepCounters() for n in live}
                 for r in range(repeats):
                     batch = prompts(f"client{r}", c, requests(c))
                     names = list(live)
                     k = r % len(names)
                     for name in names[k:] + names[:k]:
-                        runs[name].append(live[name].run(batch, c, max_tokens))
+                        before = live[name].counters()
+                        with shapes.window() as window:
+                            runs[name].append(live[name].run(batch, c, max_tokens))
+                        after = live[name].counters()
+                        seen[name] = seen[name].add(window)
+                        so_far = stepped[name]
+                        if before is None or after is None or so_far is None:
+                            stepped[name] = None
+                        else:
+                            stepped[name] = so_far.plus(after.minus(before))
                 for name in live:
-                    point = summarise_client(label, name, c, runs[name])
+                    point = summarise_client(label, name, c, runs[name], seen[name], stepped[name])
                     points.append(point)
                     m = point.ms
                     log(
                         f"[{label}] client {name:16s} c={c}: {point.tok_s:8.1f} tok/s  TTFT p50 {_fmt(point.ttft_p50_ms)} ms  "
                         f"per request ms: before submit {m['before_submit']:.2f}, queue {m['queue']:.2f}, prefill "
-                        f"{m['prefill']:.2f}, decode {m['decode']:.2f}, delivery {m['delivery']:.2f}"
+                        f"{m['prefill']:.2f}, decode {m['decode']:.2f}, delivery {m['delivery']:.2f}; per run "
+                        f"{_fmt(point.prefill_calls)} prefill and {_fmt(point.decode_calls)} decode forwards; step "
+                        f"{_fmt(point.step_ms, '.3f')} ms (upstream {_fmt(point.upstream_ms, '.3f')}, tokens {_fmt(point.tokens_ms, '.3f')})"
                     )
         finally:
             for target in live.values():
@@ -437,7 +531,7 @@ def bench_client(
     return points
 
 
-def _fmt(x: float | None, spec: str = ".1f") -> str:
+def _fmt(x: float | int | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
@@ -467,14 +561,18 @@ def print_client(points: list[ClientPoint]) -> None:
     for model in dict.fromkeys(p.model for p in points):
         mine = [p for p in points if p.model == model]
         print(f"\n## {model}: client-side mode (N distinct chat requests from c client threads)\n")
-        print("| target | c | requests | tok/s | TTFT p50 ms (client) | before submit | queue | prefill | decode | delivery | outside decode | decode ms/token |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print(
+            "| target | c | requests | tok/s | TTFT p50 ms (client) | before submit | queue | prefill | decode | delivery "
+            "| outside decode | decode ms/token | prefill / decode forwards per run | new shapes | step ms (upstream / tokens) |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for p in mine:
             m = p.ms
             print(
                 f"| {p.target} | {p.concurrency} | {p.requests} | {p.tok_s:.1f} | {_fmt(p.ttft_p50_ms)} | {m['before_submit']:.2f} "
                 f"| {m['queue']:.2f} | {m['prefill']:.2f} | {m['decode']:.2f} | {m['delivery']:.2f} | {m['outside_decode']:.2f} "
-                f"| {_fmt(p.decode_ms_per_token, '.3f')} |"
+                f"| {_fmt(p.decode_ms_per_token, '.3f')} | {_fmt(p.prefill_calls)} / {_fmt(p.decode_calls)} | {_fmt(p.new_shapes, 'd')} "
+                f"| {_fmt(p.step_ms, '.2f')} ({_fmt(p.upstream_ms, '.2f')} / {_fmt(p.tokens_ms, '.2f')}) |"
             )
         by = {(p.target, p.concurrency): p for p in mine}
         for c in sorted({p.concurrency for p in mine}):
@@ -483,7 +581,9 @@ def print_client(points: list[ClientPoint]) -> None:
             ref = by.get((ref_name, c))
             if ours is None or ref is None:
                 continue
-            print(f"\nc={c}: ours against `{ref_name}`, mean ms per request (tok/s ratio {ours.tok_s / ref.tok_s:.2f})\n")
+            each = run_ratios(ours, ref)
+            spread = f"median of the {len(each)} repeats' {statistics.median(each):.2f} ({each[0]:.2f}-{each[-1]:.2f})" if each else "-"
+            print(f"\nc={c}: ours against `{ref_name}`, mean ms per request (tok/s ratio: pooled {ours.tok_s / ref.tok_s:.2f}, {spread})\n")
             print(f"| phase | ours | {ref_name} | ours - {ref_name} |")
             print("|---|---|---|---|")
             for title, key in ROWS:

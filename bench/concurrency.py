@@ -964,10 +964,14 @@ def bench_client(
 
     book = PromptBook(AutoTokenizer.from_pretrained(str(path)))
     log(f"[{label}] client-side mode: {requests} distinct chat requests per point, {repeats} repeat(s), {MAX_TOKENS} greedy tokens")
-    return client_side.bench_client(
-        label, path, targets, concs, lambda tag, c, n: list(book.batch(tag, c, n)), lambda c: requests, repeats, MAX_TOKENS, log,
-        max_batch=MAX_BATCH, queue_size=QUEUE_SIZE,
-    )
+    log(f"[{label}] forward input shapes recorded from: {', '.join(SHAPES.watch(path)) or 'no model class found'}")
+    try:
+        return client_side.bench_client(
+            label, path, targets, concs, lambda tag, c, n: list(book.batch(tag, c, n)), lambda c: requests, repeats, MAX_TOKENS,
+            log, max_batch=MAX_BATCH, queue_size=QUEUE_SIZE, shapes=SHAPES,
+        )
+    finally:
+        SHAPES.unwatch()
 
 
 def machine() -> dict[str, Any]:

@@ -37,6 +37,8 @@ class Window:
 
     used: set[Shape] = field(default_factory=set)
     new: set[Shape] = field(default_factory=set)
+    prefill_calls: int = 0  # forwards over more than one position per row
+    decode_calls: int = 0  # forwards over one position per row (decode steps)
 
     @property
     def new_prefill(self) -> int:
@@ -47,7 +49,10 @@ class Window:
         return sum(1 for _, length in self.new if length == 1)
 
     def add(self, other: "Window") -> "Window":
-        return Window(self.used | other.used, self.new | other.new)
+        return Window(
+            self.used | other.used, self.new | other.new,
+            self.prefill_calls + other.prefill_calls, self.decode_calls + other.decode_calls,
+        )
 
 
 class ShapeLog:
@@ -66,6 +71,10 @@ class ShapeLog:
                 self.seen.add(shape)
             for window in self._open:
                 window.used.add(shape)
+                if shape[1] > 1:
+                    window.prefill_calls += 1
+                else:
+                    window.decode_calls += 1
                 if first:
                     window.new.add(shape)
 
