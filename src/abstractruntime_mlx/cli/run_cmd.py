@@ -37,6 +37,7 @@ from .terminal import printable
 
 if TYPE_CHECKING:
     from ..runtime_plugin.host import DriveLimits
+    from ..runtime_plugin import FlowRunResult
     from ..runtime_plugin.routing import RemotePolicy
 
 TINY_MODEL_DIR: Final = "abstractruntime-mlx/tiny-hybrid-mtp"
@@ -311,7 +312,7 @@ def check_before_run(settings: RunSettings) -> bool:
 
 
 def run_and_print(settings: RunSettings) -> int:
-    from ..runtime_plugin import FlowBundle, network_tool_uses, run_flow
+    from ..runtime_plugin import FlowBundle, network_tool_uses
     from .live import LiveRuns, pick_mode
 
     try:
@@ -328,9 +329,43 @@ def run_and_print(settings: RunSettings) -> int:
                 "pass --allow-network-tools to allow it"
             )
     started = time.perf_counter()
-    live = LiveRuns(settings.ledger_url, since=dt.datetime.now(dt.UTC), mode=pick_mode(settings.as_json, sys.stdout), out=sys.stdout)
-    with live:
-        results = run_flow(
+    since = dt.datetime.now(dt.UTC)
+    live = LiveRuns(settings.ledger_url, since=since, mode=pick_mode(settings.as_json, sys.stdout), out=sys.stdout)
+    try:
+        with live:
+            results = _run_flow(settings)
+    except KeyboardInterrupt:
+        return interrupted(settings.ledger_url, since)
+    wall_s = time.perf_counter() - started
+    print_results(results, as_json=settings.as_json, ledger_url=settings.ledger_url, wall_s=wall_s)
+    return exit_code(results)
+
+
+EXIT_INTERRUPTED: Final = 130
+"""128 + SIGINT, what a shell reports for a command stopped by Ctrl-C."""
+
+
+def interrupted(ledger_url: str, since: dt.datetime) -> int:
+    """After Ctrl-C: mark the runs this command started that were still running as
+    ``interrupted`` and say, one line per root run, how to continue it."""
+    from ..ledger import Ledger
+
+    with Ledger(ledger_url) as ledger:
+        started = ledger.list_runs(limit=100_000, created_after=since)
+        marked = set(ledger.mark_interrupted([r.run_id for r in started]))
+        for run in started:
+            if run.parent_run_id is None and (run.run_id in marked or run.status == "running"):
+                print(
+                    printable(f"interrupted: run {run.run_id} ({run.workflow_id}); continue: abstractruntime-mlx runs resume {run.run_id}"),
+                    file=sys.stderr,
+                )
+    return EXIT_INTERRUPTED
+
+
+def _run_flow(settings: RunSettings) -> list[FlowRunResult]:
+    from ..runtime_plugin import run_flow
+
+    return run_flow(
             settings.flow,
             vars=settings.vars,
             runs=settings.runs,
@@ -348,6 +383,3 @@ def run_and_print(settings: RunSettings) -> int:
             limits=settings.limits,
             session_id=settings.session_id,
         )
-    wall_s = time.perf_counter() - started
-    print_results(results, as_json=settings.as_json, ledger_url=settings.ledger_url, wall_s=wall_s)
-    return exit_code(results)

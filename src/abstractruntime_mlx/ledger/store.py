@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 DEFAULT_BUSY_TIMEOUT_MS = 30_000
 RECORDS_STREAM = "records"  # steps and progress rows of a run share one sequence
 _IN_CHUNK = 500  # bound on bind parameters per IN (...) list
+INTERRUPTED = "interrupted"
+"""A run's status column once its driver was stopped (``Ledger.mark_interrupted``); not a host status."""
 _PG_SCHEMA_LOCK_KEY = 0x4D4C584C  # pg_advisory_xact_lock key serialising schema creation
 
 SqliteSynchronous = Literal["OFF", "NORMAL", "FULL", "EXTRA"]
@@ -549,6 +551,20 @@ class Ledger:
         stmt = stmt.order_by(Run.updated_at.desc(), Run.run_id).limit(max(0, int(limit)))
         with self._read("list run states") as session:
             return [dict(value) for value in session.scalars(stmt)]
+
+    def mark_interrupted(self, run_ids: Sequence[str]) -> list[str]:
+        """Mark the runs of ``run_ids`` that are ``running`` as ``interrupted`` (their driver was
+        stopped, e.g. by Ctrl-C); returns the ids marked. Only the status column changes: the
+        saved run state still says running, so the host loads it as a run to continue, and its
+        next checkpoint (``runs resume``) sets the column back."""
+        marked: list[str] = []
+        with self._write("mark runs interrupted") as session:
+            for chunk in _chunks(list(run_ids)):
+                rows = session.scalars(select(Run.run_id).where(Run.run_id.in_(chunk), Run.status == "running")).all()
+                if rows:
+                    session.execute(update(_table(Run)).where(Run.run_id.in_(rows)).values(status=INTERRUPTED))
+                    marked.extend(rows)
+        return sorted(marked)
 
     # -- steps (LedgerStore) --------------------------------------------------------
 

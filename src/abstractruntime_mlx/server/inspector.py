@@ -61,7 +61,7 @@ KEY_COOKIE: Final = "abstractruntime_mlx_inspector_key"
 DEFAULT_POLL_INTERVAL_S: Final = 0.5
 DEFAULT_LIST_LIMIT: Final = 200
 MAX_LIST_LIMIT: Final = 5000
-RUN_STATUSES: Final = ("running", "waiting", "completed", "failed", "cancelled")
+RUN_STATUSES: Final = ("running", "waiting", "interrupted", "completed", "failed", "cancelled")
 MAX_FILTER_LENGTH: Final = 255
 
 
