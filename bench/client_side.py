@@ -119,16 +119,21 @@ def provider_parts_timed() -> Iterator[None]:
     """Time the provider's control resolution, template rendering and tokenisation per thread."""
     from abstractruntime_mlx.provider import mlx_provider
 
-    saved = (mlx_provider.MLXProvider.resolve_controls, mlx_provider.render_prompt, mlx_provider._encode_within_context)
-    mlx_provider.MLXProvider.resolve_controls = _timed("controls", saved[0])  # type: ignore[method-assign]
-    mlx_provider.render_prompt = _timed("template", saved[1])
-    mlx_provider._encode_within_context = _timed("tokenise", saved[2])
+    # (the owner, the name there, the part it is counted in): the provider module's own
+    # names, so the provider's calls go through the timed wrappers
+    spots = (
+        (mlx_provider.MLXProvider, "resolve_controls", "controls"),
+        (mlx_provider, "render_prompt", "template"),
+        (mlx_provider, "_encode_within_context", "tokenise"),
+    )
+    saved = [getattr(owner, name) for owner, name, _ in spots]
+    for (owner, name, part), fn in zip(spots, saved):
+        setattr(owner, name, _timed(part, fn))
     try:
         yield
     finally:
-        mlx_provider.MLXProvider.resolve_controls = saved[0]  # type: ignore[method-assign]
-        mlx_provider.render_prompt = saved[1]
-        mlx_provider._encode_within_context = saved[2]
+        for (owner, name, _), fn in zip(spots, saved):
+            setattr(owner, name, fn)
 
 
 # --- targets ------------------------------------------------------------------------------------
@@ -253,7 +258,8 @@ class _WorkerClient(ClientSideTarget):
     def setup(self, path: Path, max_batch: int, queue_size: int) -> None:
         import mlx_lm
 
-        self.model, self.tokenizer = mlx_lm.load(str(path))
+        loaded = mlx_lm.load(str(path))
+        self.model, self.tokenizer = loaded[0], loaded[1]
         self.eos = {int(e) for e in self.tokenizer.eos_token_ids}
         self.inbox: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
         # The worker parks on its inbox when the target is done: a thread that ran MLX work

@@ -31,7 +31,7 @@ class ForwardLoop:
     def setup(self, path: Path) -> None:
         import mlx_lm
 
-        self.model, _ = mlx_lm.load(str(path))
+        self.model = mlx_lm.load(str(path))[0]
 
     def teardown(self) -> None:
         import mlx.core as mx
