@@ -279,3 +279,32 @@ def test_served_calls_are_ledger_runs(served: dict[str, Any]) -> None:
     assert phases.count("complete") == 2 and "prefill" in phases
     others = [r for r in ledger.list_runs(workflow_id="serve") if r.run_id != run_id]
     assert any(ledger.run_steps(r.run_id)[0].node_id == "completions" for r in others)
+
+
+def test_metrics_mtp_acceptance_and_prefix_reuse_match_the_answers(hybrid_model: str) -> None:
+    """MTP drafted/accepted tokens and prefix-reused tokens add up to what the answers reported."""
+    from abstractruntime_mlx import create_llm
+
+    llm = create_llm("mlx", model=hybrid_model, mlx_batching=True)
+    try:
+        with serve_in_thread(create_app(llm)) as url, httpx.Client(base_url=url, timeout=60) as http:
+            body = {
+                "model": llm.model, "max_tokens": 8, "temperature": 0, "prompt_cache_key": "conversation-1",
+                "speculation": {"mode": "native_mtp", "num_draft_tokens": 2},
+                "messages": [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "hi"}],
+            }
+            answers = [http.post("/v1/chat/completions", json=body).json() for _ in range(2)]
+            samples = metrics(url)
+    finally:
+        llm.unload_model()
+    speculation = [a["abstractcore"]["speculation"] for a in answers]
+    assert all(s["used"] is True for s in speculation)
+    drafted = sum(s["drafted_tokens"] for s in speculation)
+    accepted = sum(s["accepted_tokens"] for s in speculation)
+    assert value(samples, "abstractruntime_mlx_mtp_drafted_tokens_total", model=llm.model) == drafted > 0
+    assert value(samples, "abstractruntime_mlx_mtp_accepted_tokens_total", model=llm.model) == accepted
+    cached = sum(a["usage"].get("cached_input_tokens", 0) for a in answers)
+    assert cached > 0  # the second call reused the first one's prefix
+    assert value(samples, "abstractruntime_mlx_prefix_cache_hit_tokens_total", model=llm.model) == cached
+    lookups = sum(value(samples, "abstractruntime_mlx_prefix_cache_lookups_total", model=llm.model, outcome=o) for o in ("hit", "partial", "miss", "not_retained"))
+    assert lookups == 2

@@ -12,7 +12,8 @@ the answer, usage and metadata in the shape ``run`` records (``content``, ``usag
 traffic like flow runs. A session's run reads ``running`` while one of its calls runs, then
 the status of its last call.
 
-The writes of a call's end happen on one thread of this recorder, in call order, never on
+Every record is written by one thread of this recorder, in the order the calls began and
+ended (a call's end comes before the start of a call that began after it ended), never on
 the event loop; ``close()`` waits for them.
 """
 
@@ -54,7 +55,7 @@ class ServeLedger:
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
         self.writer = ledger.progress_writer()
-        self._ends = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-ledger")
+        self._records = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-ledger")  # one writer: records in order
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}  # run id -> calls running in it
 
@@ -62,7 +63,8 @@ class ServeLedger:
         self, *, route: str, model: str, call: GenerationRequest, stream: bool, session: str | None
     ) -> LedgerCall:
         """Write the call's run (if new) and its STARTED step; returns the call's observer."""
-        return await asyncio.to_thread(self._begin, route, model, call, stream, session)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._records, self._begin, route, model, call, stream, session)
 
     def _begin(self, route: str, model: str, call: GenerationRequest, stream: bool, session: str | None) -> LedgerCall:
         now = _now()
@@ -78,8 +80,6 @@ class ServeLedger:
             "updated_at": now,
             "session_id": session,
         }
-        with self._lock:
-            self._in_flight[run_id] = self._in_flight.get(run_id, 0) + 1
         stored, created = self.ledger.create_run_if_absent(run)
         if not created:
             self.ledger.save_run({**stored, "status": "running", "current_node": route, "updated_at": now})
@@ -98,12 +98,14 @@ class ServeLedger:
                 "session_id": session,
             }
         )
+        with self._lock:
+            self._in_flight[run_id] = self._in_flight.get(run_id, 0) + 1
         key = NodeKey(run_id, route, workflow_id=SERVE_WORKFLOW, step_id=step_id, attempt=1)
         return LedgerCall(self, key=key, effect=effect, model=model, started_at=now, session=session)
 
     def finish(self, call: LedgerCall, record: JSONObject, status: str) -> None:
-        """Write the call's end on the recorder's thread (in order, off the event loop)."""
-        self._ends.submit(self._finish, call, record, status)
+        """Write the call's end on the recorder's thread (after what was asked before, off the event loop)."""
+        self._records.submit(self._finish, call, record, status)
 
     def _finish(self, call: LedgerCall, record: JSONObject, status: str) -> None:
         try:
@@ -122,11 +124,11 @@ class ServeLedger:
 
     def drain(self, *, timeout_s: float = 30.0) -> None:
         """Wait (at most ``timeout_s``) until the end records of calls that ended so far are written."""
-        self._ends.submit(lambda: None).result(timeout=timeout_s)
+        self._records.submit(lambda: None).result(timeout=timeout_s)
 
     def close(self) -> None:
         """Wait for the pending end records, then stop the progress writer. Idempotent."""
-        self._ends.shutdown(wait=True)
+        self._records.shutdown(wait=True)
         self.writer.stop()
 
 
