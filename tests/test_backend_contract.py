@@ -110,3 +110,23 @@ def test_adopting_a_decoding_row():
         assert attr in source, attr
     assert KVCache.merge([KVCache()]).__class__ is BatchKVCache
     assert cache.BatchKVCache is BatchKVCache  # the class the generator builds for a prefill
+
+
+def test_mlx_lm_batch_generator_fields():
+    """What ``engine/text_batch.py`` reads of mlx-lm's batch loop (the text lane)."""
+    from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+    from mlx_lm.models.cache import KVCache, TokenBuffer
+
+    params = inspect.signature(BatchGenerator.__init__).parameters
+    for name in ("stop_tokens", "completion_batch_size", "prefill_batch_size", "prefill_step_size", "stream"):
+        assert name in params, name
+    insert = inspect.signature(BatchGenerator.insert).parameters
+    assert {"prompts", "max_tokens", "samplers", "logits_processors"} <= set(insert)
+    source = inspect.getsource(BatchGenerator)
+    for attr in ("self._generation_batch", "self._prompt_batch", "self._unprocessed_sequences", "self._uid_count", "self._default_stop_sequences"):
+        assert attr in source, attr
+    step_state = inspect.getsource(GenerationBatch)
+    for attr in ("_next_tokens", "_next_logprobs", "_current_tokens", "_current_logprobs", "_token_context", "_num_tokens", "_matchers"):
+        assert f"self.{attr}" in step_state, attr
+    assert {"uid", "progress", "end_of_prompt"} <= set(PromptProcessingBatch.Response.__dataclass_fields__)
+    assert callable(getattr(KVCache, "merge", None)) and callable(TokenBuffer)

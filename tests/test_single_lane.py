@@ -18,6 +18,7 @@ from abstractruntime_mlx.engine.loop import Engine, EngineConfig, _as_engine_err
 from abstractruntime_mlx.engine.model import Lane, load_model
 from abstractruntime_mlx.engine.request import EngineRequest, PrefillObservation, Sampling, TokenDelta
 from abstractruntime_mlx.engine.single import SingleBackend
+from abstractruntime_mlx.engine.text_batch import TextBatchBackend
 
 # A batch of text rows runs in mlx-lm's loop (the text lane) unless mlx_text_lane is off.
 BATCH_PATHS = ("batch", "text_batch")
@@ -103,11 +104,12 @@ def test_lone_request_decodes_on_the_single_lane_with_the_batch_tokens(stepper):
     assert single.peak_batch_size == 1
 
 
+@pytest.mark.parametrize("text_lane", [True, False], ids=["into-text-batch", "into-batch"])
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, seed=11)], ids=["greedy", "seeded"])
-def test_a_second_request_moves_the_first_into_a_batch_without_a_pause(stepper, sampling):
+def test_a_second_request_moves_the_first_into_a_batch_without_a_pause(stepper, sampling, text_lane):
     reference = alone(stepper, PROMPTS[0], sampling=sampling)
     joiner_alone = alone(stepper, PROMPTS[1], max_tokens=8)
-    s = stepper(max_batch_size=4)
+    s = stepper(max_batch_size=4, text_lane=text_lane)
     first = s.request(PROMPTS[0], sampling=sampling)
     s.until(lambda: first.num_output_tokens == 5)
     assert isinstance(s.engine._group.backend, SingleBackend)
@@ -121,7 +123,7 @@ def test_a_second_request_moves_the_first_into_a_batch_without_a_pause(stepper, 
     # every step after the arrival gave the first request one token: the hand-off took no extra step
     assert counts == [1] * (24 - 5)
     assert first.execution_metadata()["path"] == "single_then_batch"
-    assert second.execution_metadata()["path"] in BATCH_PATHS
+    assert second.execution_metadata()["path"] == ("text_batch" if text_lane else "batch")
     assert first.peak_batch_size == second.peak_batch_size == 2
     assert first.token_ids == reference.token_ids
     assert second.token_ids == joiner_alone.token_ids
@@ -198,12 +200,13 @@ def test_requests_that_cannot_move_as_is_use_the_batch_lane(stepper, hybrid_mode
     assert a.execution_metadata()["path"] == b.execution_metadata()["path"]
 
 
-def test_a_failed_hand_off_fails_the_moving_request_only(stepper, monkeypatch):
+@pytest.mark.parametrize("text_lane", [True, False], ids=["into-text-batch", "into-batch"])
+def test_a_failed_hand_off_fails_the_moving_request_only(stepper, monkeypatch, text_lane):
     def refuse(self, row):
         raise errors.UpstreamError("simulated: the batch refused the row")
 
-    monkeypatch.setattr(BatchBackend, "adopt", refuse)
-    s = stepper(max_batch_size=4)
+    monkeypatch.setattr(TextBatchBackend if text_lane else BatchBackend, "adopt", refuse)
+    s = stepper(max_batch_size=4, text_lane=text_lane)
     first = s.request(PROMPTS[0])
     s.until(lambda: first.num_output_tokens == 2)
     second = s.request(PROMPTS[1], max_tokens=6)

@@ -81,6 +81,7 @@ from .serial import SerialBackend
 from .single import SingleBackend, supports_model
 from .stops import StopMatcher
 from .text_batch import TextBatchBackend
+from .text_batch import make_cache as make_text_cache
 
 log = logging.getLogger(__name__)
 
@@ -686,15 +687,9 @@ class Engine:
 
     def _new_backend(self, new: NewGroup, head: EngineRequest | None) -> Backend:
         if new.kind == BackendKind.SINGLE:
-            return self._single_backend(self._cache_manager_for(head))
+            return self._single_backend(self._cache_manager_for(head), text_lane=new.key.lane == "text")
         if new.kind == BackendKind.TEXT_BATCH:
-            return TextBatchBackend(
-                self._model.model,
-                eos_token_ids=self._model.eos_token_ids,
-                max_batch_size=new.max_batch_size,
-                prefill_step_size=self.config.prefill_step_size,
-                stream=self._stream,
-            )
+            return self._text_backend(new)
         if new.kind == BackendKind.SERIAL:
             loaded = self._model
             return SerialBackend(
@@ -722,15 +717,28 @@ class Engine:
             apc_manager=self._cache_manager_for(head),
         )
 
-    def _single_backend(self, apc_manager: Any) -> SingleBackend:
+    def _text_backend(self, new: NewGroup) -> TextBatchBackend:
+        return TextBatchBackend(
+            self._model.model,
+            eos_token_ids=self._model.eos_token_ids,
+            max_batch_size=new.max_batch_size,
+            prefill_step_size=self.config.prefill_step_size,
+            stream=self._stream,
+        )
+
+    def _single_backend(self, apc_manager: Any, *, text_lane: bool = False) -> SingleBackend:
+        """``text_lane``: the row may move into a text batch, so its cache is built from mlx-lm's
+        cache classes (the ones that batch merges)."""
+        model = self._model.model
         processor = self._model.processor
         tokenizer = getattr(processor, "tokenizer", processor)
         return SingleBackend(
-            self._model.model,
+            model,
             stop_criteria=tokenizer.stopping_criteria,  # the batch's own eos test
             prefill_step_size=self.config.prefill_step_size,
             stream=self._stream,
             apc_manager=apc_manager,
+            make_cache=(lambda: make_text_cache(model)) if text_lane else None,
         )
 
     def _hand_off(self, group: _Group) -> None:
@@ -740,7 +748,11 @@ class Engine:
         # The row stays in ``group.running`` until the batch holds it: a failure here fails
         # it with the group (``_fail_group``), as any failed step would.
         request = group.running[old_uid].request
-        backend = self._batch_backend(NewGroup(group.key, BackendKind.BATCH, self.config.max_batch_size), request)
+        backend: BatchBackend | TextBatchBackend
+        if group.key.lane == "text":
+            backend = self._text_backend(NewGroup(group.key, BackendKind.TEXT_BATCH, self.config.max_batch_size))
+        else:
+            backend = self._batch_backend(NewGroup(group.key, BackendKind.BATCH, self.config.max_batch_size), request)
         group.backend = backend
         single.close()
         uid = backend.adopt(row)

@@ -427,7 +427,8 @@ class Scheduler:
                 return StepPlan(step=True)
             hand_off = True
             free = self.config.max_batch_size - 1  # the batch holds the moved row
-            group = GroupState(group.key, BackendKind.BATCH, free, prefilling=group.prefilling)
+            kind = BackendKind.TEXT_BATCH if group.key.lane == "text" else BackendKind.BATCH
+            group = GroupState(group.key, kind, free, prefilling=group.prefilling)
         if free <= 0 or state.admission_paused:
             return StepPlan(hand_off=hand_off, step=True)
         requests = compatible_head(state.waiting, group.key, free)

@@ -63,8 +63,12 @@ class SingleBackend:
         prefill_step_size: int,
         stream: Any,
         apc_manager: Any = None,
+        make_cache: Callable[[], list[Any]] | None = None,
     ) -> None:
         self.model = model
+        # Which cache classes the row's cache is built from: the ones of the batch it may move
+        # into (mlx-vlm's by default; mlx-lm's for a text-lane group, ``text_batch.make_cache``).
+        self._make_cache = make_cache
         self._apc = apc_manager
         self._lm = getattr(model, "language_model", model)
         self._stop = stop_criteria
@@ -98,8 +102,11 @@ class SingleBackend:
             raise RuntimeError("the single lane runs text rows without logits processors; this request runs in the batch")
         with map_upstream_errors("inserting a prompt"):
             self._row = RowStream.for_sampling(row.sampling)
-        make_cache = getattr(self._lm, "make_cache", None)
-        self._cache = list(make_cache()) if make_cache is not None else [KVCache() for _ in self._lm.layers]
+        if self._make_cache is not None:
+            self._cache = self._make_cache()
+        else:
+            make_cache = getattr(self._lm, "make_cache", None)
+            self._cache = list(make_cache()) if make_cache is not None else [KVCache() for _ in self._lm.layers]
         prompt_ids = row.prompt_ids
         self._prompt = list(prompt_ids)
         self._salt = row.prefix.salt if row.prefix is not None and self._apc is not None else None

@@ -18,8 +18,17 @@ penalties, bias and grammar as its logits processors; greedy rows share mlx-lm's
 tokenizer's end-of-sequence ids are the stop tokens, reported as ``finish_reason == "stop"``
 like mlx-vlm's loop reports them, so the engine finishes rows the same way on either lane.
 
-Private upstream fields read here (mlx-lm >=0.31.3,<0.33, pinned in ``pyproject.toml``):
-``BatchGenerator._prompt_batch``, ``_generation_batch``, ``_unprocessed_sequences``.
+A lone request that started on the single lane moves in here when a text request joins
+(``adopt``), its KV cache as is (the single lane builds mlx-lm caches for text-lane groups,
+``make_cache``) and its token in flight delivered first, as ``BatchBackend.adopt`` does for
+mlx-vlm's loop.
+
+Private upstream fields read here (mlx-lm >=0.31.3,<0.33, pinned in ``pyproject.toml``;
+``tests/test_backend_contract.py`` checks them): ``BatchGenerator._prompt_batch``,
+``_generation_batch``, ``_unprocessed_sequences``, ``_uid_count``, ``_default_stop_sequences``;
+and for ``adopt``, ``GenerationBatch``'s step state (``_next_tokens``, ``_next_logprobs``,
+``_current_tokens``, ``_current_logprobs``, ``_token_context``, ``_num_tokens``,
+``_matchers``) and ``models.cache.TokenBuffer``.
 """
 
 from __future__ import annotations
@@ -54,10 +63,18 @@ class _Logits:
         return logits
 
 
-def _row_sampler(sampling: Sampling) -> Callable[[mx.array], mx.array] | None:
+def make_cache(model: Any) -> list[Any]:
+    """A fresh per-layer KV cache of the kind mlx-lm's batch loop merges (for the single lane,
+    whose row may move into a text batch)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches: list[Any] = make_prompt_cache(_Logits(getattr(model, "language_model", model)))
+    return caches
+
+
+def _row_sampler(stream: RowStream | None) -> Callable[[mx.array], mx.array] | None:
     """A sampled row's own sampler (its ``RowStream``); None for a greedy row (mlx-lm's argmax,
     one call for every greedy row of the batch)."""
-    stream = RowStream.for_sampling(sampling)
     if stream is None:
         return None
 
@@ -103,7 +120,7 @@ class TextBatchBackend:
             raise RuntimeError("the text lane runs text rows without a prefix-cache key")
         with map_upstream_errors("inserting a prompt"):
             # Built before the row exists: a value refused here fails this request only.
-            sampler = _row_sampler(row.sampling)
+            sampler = _row_sampler(RowStream.for_sampling(row.sampling))
             processors = row_processors(row.sampling, row.grammar) or []
             (uid,) = self._gen.insert(
                 [row.prompt_ids],
@@ -113,6 +130,37 @@ class TextBatchBackend:
             )
         self.uids.add(int(uid))
         return int(uid)
+
+    def adopt(self, row: DecodingRow) -> int:
+        """Take a row that decoded alone (``single.SingleBackend.detach``) into the decoding
+        batch, its KV cache as is: the batch's next step feeds its token in flight (delivered
+        then, first) and samples the one after, with the row's own sampler."""
+        from mlx_lm.generate import GenerationBatch
+        from mlx_lm.models.cache import TokenBuffer
+
+        gen = self._gen
+        with map_upstream_errors("moving a row into the text batch"):
+            uid = int(gen._uid_count)
+            gen._uid_count += 1
+            stop = gen._default_stop_sequences
+            moving = GenerationBatch.__new__(GenerationBatch)  # built without its first step:
+            moving.uids = [uid]  # the token in flight is already sampled
+            moving.prompt_cache = [type(c).merge([c]) for c in row.cache]
+            moving.tokens = [[]]
+            moving.samplers = [_row_sampler(row.row) or gen.sampler]
+            moving.logits_processors = [[]]
+            moving.max_tokens = [row.max_tokens]
+            moving.stop_sequences = [stop]
+            moving._current_tokens = None
+            moving._current_logprobs = []
+            moving._next_tokens = row.next_token.reshape(1).astype(mx.uint32)
+            moving._next_logprobs = [mx.zeros((1,))]  # not read: responses' logprobs are unused
+            moving._token_context = [TokenBuffer([])]
+            moving._num_tokens = [row.num_tokens]
+            moving._matchers = [stop.matcher()]
+            gen._generation_batch.extend(moving)
+        self.uids.add(uid)
+        return uid
 
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.uids)
