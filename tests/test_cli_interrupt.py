@@ -75,7 +75,7 @@ def test_ctrl_c_marks_the_run_interrupted_and_resume_finishes_it(tmp_path: Path,
 
     assert main(["runs", "show", run.run_id[:8], "--ledger", str(ledger)]) == 0
     shown = capsys.readouterr().out
-    assert f"continue: abstractruntime-mlx runs resume {run.run_id}" in shown and "status interrupted" in shown
+    assert f"    abstractruntime-mlx runs resume {run.run_id}" in shown.splitlines() and "status interrupted" in shown
     assert main(["runs", "list", "--status", "interrupted", "--ledger", str(ledger), "--json"]) == 0
     assert [r["run_id"] for r in json.loads(capsys.readouterr().out)] == [run.run_id]
 

@@ -163,3 +163,98 @@ def test_rich_mode_leaves_the_final_table(tmp_path: Path) -> None:
             ledger.append_progress([_event(key, phase="prefill", prompt_tokens=5642, prefill_processed_tokens=2100, elapsed_s=0.3, event_index=0)])
     text = out.getvalue()
     assert "summarize" in text and "2,100/5,642" in text and "rich-run" in text
+
+
+# ----------------------------------------------------------------- a run tree at 80 columns
+
+LABEL = "Summarise the chapter carefully"
+"""A label long enough that a name cut to fit would show; used by two nodes of the flow."""
+
+
+def _tree_ledger(path: Path) -> Ledger:
+    """A root run (its flow stored as ``run`` stores it, two nodes sharing a label, one of them in
+    a loop) waiting on a running subflow run, which has one LLM call in prefill."""
+    ledger = Ledger(sqlite_url(path))
+    flow = {"id": "tree", "nodes": [{"id": "node-4", "data": {"label": LABEL}}, {"id": "node-7", "data": {"label": LABEL}}], "edges": []}
+    root = _run("root-run") | {
+        "status": "waiting",
+        "workflow_id": "tree",
+        "waiting": {"reason": "subworkflow", "wait_key": "subworkflow:child-run", "details": {"sub_run_id": "child-run"}},
+        "vars": {"_runtime": {"mlx_pack": {"flow": flow, "subflows": {"t_child": {"id": "t_child", "nodes": [{"id": "sum", "data": {"label": "Sum up"}}]}}}}},
+    }
+    ledger.save_run(root)
+    for i, (node, step) in enumerate((("node-4", "a1"), ("node-4", "a2"), ("node-7", "b1"))):
+        key = NodeKey("root-run", node, workflow_id="tree", step_id=step, attempt=1)
+        ledger.append_progress([_event(key, phase="complete", final=True, prompt_tokens=1200 + i, generated_tokens=32, tokens_per_second=41.5, elapsed_s=0.5, event_index=0)])
+    ledger.save_run(_run("child-run") | {"workflow_id": "t_child", "parent_run_id": "root-run"})
+    key = NodeKey("child-run", "sum", workflow_id="t_child", step_id="c1", attempt=1)
+    ledger.append_progress([_event(key, phase="prefill", prompt_tokens=4000, prefill_processed_tokens=1000, elapsed_s=0.2, event_index=0)])
+    return ledger
+
+
+def test_rich_view_nests_child_runs_and_fits_80_columns_without_cutting_names(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    with _tree_ledger(tmp_path / "l.sqlite") as ledger:
+        views = [v for v in (run_view(ledger, "root-run"), run_view(ledger, "child-run")) if v is not None]
+    console = Console(record=True, width=80, file=io.StringIO())
+    console.print(runs_table(list(reversed(views)), width=80))
+    lines = console.export_text().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    titles = [line for line in lines if "run " in line and ("root-run"[:8] in line or "child-ru" in line)]
+    assert titles[0].startswith("run root-run") and "running subflow t_child" in titles[0]
+    assert titles[1].startswith("└ run child-ru") and "running" in titles[1]
+    # Names too long for their cell wrap there, whole: label, short id (the label repeats), visit.
+    header = next(line for line in lines if line.startswith("node "))
+    node_column = " ".join(line[: header.index("phase")].strip() for line in lines[lines.index(header) + 2 : lines.index(titles[1])])
+    assert node_column == f"{LABEL} (node-4) #1 {LABEL} (node-4) #2 {LABEL} (node-7)"
+    child_rows = [line for line in lines if "Sum up" in line]
+    assert len(child_rows) == 1 and child_rows[0].startswith("  Sum up") and "1,000/4,000" in child_rows[0]
+
+
+def test_plain_view_tells_child_runs_and_the_subflow_a_root_runs(tmp_path: Path) -> None:
+    with _tree_ledger(tmp_path / "l.sqlite") as ledger:
+        views = [v for v in (run_view(ledger, "child-run"), run_view(ledger, "root-run")) if v is not None]
+    out = io.StringIO()
+    PlainRenderer(out).update(views)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[root-run] run root-run tree running subflow t_child"
+    assert f"[root-run] {LABEL} (node-4) #2  completed" in lines[2]
+    assert "[child-ru] run child-run t_child (child of root-run) running" in lines
+
+
+def test_runs_list_and_show_at_80_columns_cut_no_id_or_name(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    path = tmp_path / "l.sqlite"
+    _tree_ledger(path).close()
+    assert main(["runs", "list", "--ledger", str(path)]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[0].startswith("ledger: ")  # a URL, printed whole
+    assert all(len(line) <= 80 for line in listing[1:])
+    assert any(line.startswith("root-run ") for line in listing) and any(line.startswith("└ child-run ") for line in listing)
+    assert main(["runs", "show", "root-run", "--ledger", str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert [line for line in shown.splitlines() if len(line) > 80] == []
+    assert f"{LABEL} (node-4) #1" in shown and f"{LABEL} (node-4) #2" in shown and f"{LABEL} (node-7)" in shown
+    assert "child run child-run" in shown and "Sum up" in shown
+
+
+def test_run_warnings_print_one_line_each_once_per_flow(tmp_path: Path) -> None:
+    from abstractruntime_mlx.cli.run_cmd import warnings_text
+    from abstractruntime_mlx.runtime_plugin.check import CheckReport, Problem
+
+    long_message = "a message\nthat spans lines " + "and goes on " * 30
+    report = CheckReport(flow_id="f", source=None, problems=(
+        Problem("unreachable_node", "node has no wires; the host ignores it", node_id="n1", label="Note", severity="warning"),
+        Problem("edge_to_missing_pin", long_message, node_id="n2", severity="warning"),
+    ))
+    seen = tmp_path / "cache" / "warned-flows"
+    first = warnings_text(report, name="flow.json", flow_key="sha256:abc", seen_file=seen).splitlines()
+    assert len(first) == 3 and all(len(line) <= 160 for line in first)
+    assert first[0] == "warning: node 'n1' (Note): node has no wires; the host ignores it [unreachable_node]"
+    assert first[1].startswith("warning: node 'n2': a message that spans lines") and first[1].endswith("…")
+    assert "shown once per flow" in first[2] and "abstractruntime-mlx check flow.json" in first[2]
+    again = warnings_text(report, name="flow.json", flow_key="sha256:abc", seen_file=seen)
+    assert again == "flow.json: 2 warnings, shown at its first run (`abstractruntime-mlx check flow.json` lists them in full)"
+    other = warnings_text(report, name="other.json", flow_key="sha256:def", seen_file=seen)
+    assert len(other.splitlines()) == 3  # another flow's warnings are shown its first time too

@@ -6,9 +6,12 @@
 A thread re-reads the runs created on the ledger since ``since`` (cheap cursor first, the
 full ``inspection.RunView`` only when a run moved) and hands them to a renderer:
 
-- ``rich`` (stdout is a terminal): per run a title line and a table with a row per LLM call:
-  node label, lane, phase, prefill processed / total with a bar, generated tokens, tokens/s,
-  MTP acceptance and prompt-cache hit tokens, redrawn in place.
+- ``rich`` (stdout is a terminal): per run a title line (its status and time so far) and a
+  table with a row per LLM call: the call's name (label, ``#n`` per loop visit), lane, phase,
+  prefill processed / total with a bar, generated tokens, tokens/s, MTP acceptance and
+  prompt-cache hit tokens, redrawn in place. Child runs (subflows, agents) are drawn under
+  their parent, indented; a run that waits on a running child run reads ``running subflow
+  WORKFLOW``, not ``waiting``.
 - ``plain`` (stdout is a file or a pipe): one line per phase change of each call.
 - ``off`` (``--json``): nothing, so stdout stays one JSON document.
 
@@ -30,7 +33,7 @@ from .terminal import printable
 if TYPE_CHECKING:
     from rich.console import Group, JustifyMethod, RenderableType
 
-__all__ = ["LiveMode", "LiveRuns", "PlainRenderer", "RichRenderer", "pick_mode", "call_line", "runs_table", "sample_line"]
+__all__ = ["LiveMode", "LiveRuns", "PlainRenderer", "RichRenderer", "call_line", "pick_mode", "run_status", "runs_table", "sample_line", "tree_order"]
 
 LiveMode = Literal["rich", "plain", "off"]
 DEFAULT_POLL_S = 0.25
@@ -76,12 +79,45 @@ def _acceptance_text(call: CallView) -> str:
 
 
 def _head(run: RunView, call: CallView) -> str:
-    head = f"[{run.summary.run_id[:8]}] {call.label}"
-    if call.label != call.node_id:
-        head += f" ({call.node_id})"
-    if call.attempt > 1:
-        head += f" attempt {call.attempt}"
-    return head
+    return f"[{run.summary.run_id[:8]}] {call.name or call.label}"
+
+
+def run_status(run: RunView, runs: Sequence[RunView]) -> str:
+    """What a run is doing, as the live view says it: ``running subflow WORKFLOW`` for a run that
+    waits on a child run that is running (the flow is busy there, not waiting for anyone),
+    else its status."""
+    status = run.summary.status
+    if status == "waiting" and run.summary.wait_reason == "subworkflow":
+        busy = [r for r in runs if r.summary.parent_run_id == run.summary.run_id and r.summary.status in ("running", "waiting")]
+        if busy:
+            child = busy[-1]
+            what = "agent" if child.summary.workflow_id.startswith("visual_react_agent") else "subflow"
+            return f"running {what} {child.summary.workflow_id}" if child.summary.status == "running" else f"waiting in {what} {child.summary.workflow_id}"
+    return status
+
+
+def tree_order(runs: Sequence[RunView]) -> list[tuple[int, RunView]]:
+    """``(depth, run)``: root runs oldest first, each followed by its child runs (depth 1, 2, ...);
+    a run whose parent is not among ``runs`` counts as a root."""
+    ids = {r.summary.run_id for r in runs}
+    below: dict[str, list[RunView]] = {}
+    roots: list[RunView] = []
+    for run in sorted(runs, key=lambda r: (r.summary.created_at, r.summary.run_id)):
+        parent = run.summary.parent_run_id
+        if parent in ids and parent is not None:
+            below.setdefault(parent, []).append(run)
+        else:
+            roots.append(run)
+    out: list[tuple[int, RunView]] = []
+
+    def walk(run: RunView, depth: int) -> None:
+        out.append((depth, run))
+        for child in below.get(run.summary.run_id, []):
+            walk(child, depth + 1)
+
+    for root in roots:
+        walk(root, 0)
+    return out
 
 
 def sample_line(run: RunView, call: CallView, sample: CallSample) -> str:
@@ -131,8 +167,7 @@ def call_line(run: RunView, call: CallView) -> str:
             bits.append(f"mtp acceptance {_acceptance_text(call)}")
         if call.finish_reason:
             bits.append(f"finish {call.finish_reason}")
-        if call.error:
-            bits.append(f"error {call.error}")
+        # A failed call's error is printed once, with the run's results, not here too.
     return "  ".join(bits)
 
 
@@ -154,11 +189,14 @@ class PlainRenderer:
         self._runs: dict[str, str] = {}
 
     def update(self, runs: Sequence[RunView]) -> None:
-        for run in sorted(runs, key=lambda r: r.summary.created_at):
+        for _depth, run in tree_order(runs):
             run_id = run.summary.run_id
+            status = run_status(run, runs)
             if run_id not in self._runs:
-                self._runs[run_id] = run.summary.status
-                self._write(f"[{run_id[:8]}] run {run_id} {run.summary.workflow_id} {run.summary.status}")
+                self._runs[run_id] = status
+                parent = run.summary.parent_run_id
+                child_of = f" (child of {parent[:8]})" if parent else ""
+                self._write(f"[{run_id[:8]}] run {run_id} {run.summary.workflow_id}{child_of} {status}")
             for call in run.calls:
                 key = (run_id, call.key)
                 for sample in call.samples[self._samples_seen.get(key, 0) :]:
@@ -171,9 +209,9 @@ class PlainRenderer:
                 if ended and key not in self._ended:
                     self._ended.add(key)
                     self._write(call_line(run, call))
-            if run.summary.status != self._runs[run_id]:
-                self._runs[run_id] = run.summary.status
-                self._write(f"[{run_id[:8]}] run {run.summary.status}")
+            if status != self._runs[run_id]:
+                self._runs[run_id] = status
+                self._write(f"[{run_id[:8]}] run {status}")
 
     def close(self) -> None:
         self._out.flush()
@@ -183,57 +221,73 @@ class PlainRenderer:
         self._out.flush()
 
 
-def runs_table(runs: Sequence[RunView]) -> Group:
-    """``rich`` renderables: per run, a title line and a table with a row per LLM call.
-    Fits an 80-column terminal; the node label gives way first on a narrower one."""
+WIDE_COLUMNS = 100
+"""From this many columns on, ``runs_table`` also shows each call's lane and MTP acceptance."""
+
+
+def runs_table(runs: Sequence[RunView], *, width: int = WIDE_COLUMNS) -> Group:
+    """``rich`` renderables: per run (child runs under their parent, indented), a title line and
+    a table with a row per LLM call. ``width``: the terminal's; under ``WIDE_COLUMNS`` the lane
+    and MTP columns are left out so the table fits 80 columns, and a name too long for its
+    cell wraps there, never cut."""
     from rich import box
     from rich.console import Group
     from rich.progress_bar import ProgressBar
     from rich.table import Table
     from rich.text import Text
 
+    from rich.padding import Padding
+
     styles = {"prefill": "yellow", "generate": "cyan", "completed": "green", "failed": "red", "queued": "dim"}
+    wide = width >= WIDE_COLUMNS
     parts: list[RenderableType] = []
-    for run in sorted(runs, key=lambda r: r.summary.created_at):
-        status = run.summary.status
+    for depth, run in tree_order(runs):
+        status = run_status(run, runs)
+        indent = 2 * depth
         title = Text.assemble(
+            " " * max(0, indent - 2) + ("└ " if depth else ""),
             ("run ", "bold"),
             (printable(run.summary.run_id[:8]), "bold"),
             f"  {printable(run.summary.workflow_id)}  ",
-            (printable(status), styles.get(status, "")),
+            (printable(status), styles.get(run.summary.status, "")),
+            f"  {run.elapsed_s:.1f}s",
         )
         parts.append(title)
         if not run.calls:
             continue
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
+        longest = max(len(call.name or call.label) for call in run.calls)
         columns: tuple[tuple[str, JustifyMethod, int], ...] = (
-            ("node", "left", 6),
-            ("lane", "left", 10),
+            ("node", "left", min(longest, 24)),
+            *((("lane", "left", 10),) if wide else ()),
             ("phase", "left", 9),
             ("prefill", "left", BAR_WIDTH),
             ("", "right", 11),
             ("gen", "right", 4),
             ("tok/s", "right", 6),
-            ("mtp", "right", 4),
+            *((("mtp", "right", 4),) if wide else ()),
             ("cache", "right", 5),
         )
         for name, justify, min_width in columns:
-            table.add_column(name, justify=justify, no_wrap=True, min_width=min_width)
+            # The node's name wraps in its cell when the terminal is narrow: never cut.
+            folds = name == "node"
+            table.add_column(name, justify=justify, no_wrap=not folds, overflow="fold" if folds else "ellipsis", min_width=min_width)
         for call in run.calls:
             total = call.prompt_tokens or 0
             done = call.prefill_processed_tokens or 0
-            table.add_row(
-                Text(printable(call.label)),
-                printable(call.lane or ""),
+            cells: list[RenderableType] = [
+                Text(printable(call.name or call.label)),
+                *([printable(call.lane or "")] if wide else []),
                 Text(printable(call.phase), style=styles.get(call.phase, "")),
                 ProgressBar(total=max(total, 1), completed=min(done, total) if total else 0, width=BAR_WIDTH),
                 _prefill_short(call),
                 _int(call.generated_tokens),
                 "" if call.tokens_per_second is None else f"{call.tokens_per_second:.1f}",
-                _acceptance_text(call),
+                *([_acceptance_text(call)] if wide else []),
                 _int(call.cached_tokens) if call.cached_tokens else "",
-            )
-        parts.append(table)
+            ]
+            table.add_row(*cells)
+        parts.append(Padding(table, (0, 0, 0, indent)) if indent else table)
     return Group(*parts)
 
 
@@ -244,11 +298,12 @@ class RichRenderer:
         from rich.console import Console
         from rich.live import Live
 
-        self._live = Live(console=Console(file=out), refresh_per_second=8, transient=False, auto_refresh=True)
+        self._console = Console(file=out)
+        self._live = Live(console=self._console, refresh_per_second=8, transient=False, auto_refresh=True)
         self._live.start()
 
     def update(self, runs: Sequence[RunView]) -> None:
-        self._live.update(runs_table(runs), refresh=True)
+        self._live.update(runs_table(runs, width=self._console.width), refresh=True)
 
     def close(self) -> None:
         self._live.stop()
@@ -316,7 +371,7 @@ class LiveRuns:
             cursor = self._ledger.run_cursor(summary.run_id)
             if cursor == self._cursors.get(summary.run_id):
                 continue
-            view = run_view(self._ledger, summary.run_id)
+            view = run_view(self._ledger, summary.run_id, tree=False)
             if view is not None:
                 self._cursors[summary.run_id] = cursor
                 self._views[summary.run_id] = view

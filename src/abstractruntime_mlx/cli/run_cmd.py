@@ -38,6 +38,7 @@ from .terminal import printable
 if TYPE_CHECKING:
     from ..runtime_plugin.host import DriveLimits
     from ..runtime_plugin import FlowRunResult
+    from ..runtime_plugin.check import CheckReport
     from ..runtime_plugin.routing import RemotePolicy
 
 TINY_MODEL_DIR: Final = "abstractruntime-mlx/tiny-hybrid-mtp"
@@ -295,6 +296,7 @@ def _run(args: argparse.Namespace) -> int:
 def check_before_run(settings: RunSettings) -> bool:
     """``check`` the flow as this run would use it; print its findings on stderr. False: do not run."""
     from ..runtime_plugin.check import check_flow
+    from ..runtime_plugin.flowdiff import flow_hash
 
     report = check_flow(
         settings.flow,
@@ -306,9 +308,47 @@ def check_before_run(settings: RunSettings) -> bool:
         allow_network_tools=settings.allow_network_tools,
         remote=settings.remote,
     )
-    if report.problems:
+    if not report.ok:
         print(printable(report.render()), file=sys.stderr)
+    elif report.warnings:
+        text = warnings_text(report, name=settings.source or "flow", flow_key=flow_hash(settings.flow), seen_file=warned_flows_file())
+        print(printable(text), file=sys.stderr)
     return report.ok
+
+
+WARNED_FLOWS: Final = "abstractruntime-mlx/warned-flows"
+"""Under ``$XDG_CACHE_HOME``: hashes of the flows whose warnings ``run`` has shown (one a line)."""
+MAX_WARNED_FLOWS: Final = 1000
+MAX_WARNING_CHARS: Final = 160
+
+
+def warned_flows_file(env: Mapping[str, str] = os.environ) -> Path:
+    return Path(env.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / WARNED_FLOWS
+
+
+def warnings_text(report: CheckReport, *, name: str, flow_key: str, seen_file: Path) -> str:
+    """What ``run`` prints about a runnable flow's warnings: the first time for this flow (by
+    hash), one line each (clipped at ``MAX_WARNING_CHARS``); afterwards only their count. The
+    full report is always ``abstractruntime-mlx check FLOW``."""
+    count = len(report.warnings)
+    again = f"`abstractruntime-mlx check {name}` lists {'it' if count == 1 else 'them'} in full"
+    try:
+        seen = seen_file.read_text(encoding="utf-8").split()
+    except OSError:
+        seen = []
+    if flow_key in seen:
+        return f"{name}: {count} warning{'s' if count != 1 else ''}, shown at its first run ({again})"
+    lines = []
+    for problem in report.warnings:
+        line = " ".join(problem.render().split())
+        lines.append(line if len(line) <= MAX_WARNING_CHARS else line[: MAX_WARNING_CHARS - 1] + "…")
+    lines.append(f"{name}: runs with {count} warning{'s' if count != 1 else ''} (shown once per flow; {again})")
+    try:
+        seen_file.parent.mkdir(parents=True, exist_ok=True)
+        seen_file.write_text("\n".join([*seen[-(MAX_WARNED_FLOWS - 1) :], flow_key]) + "\n", encoding="utf-8")
+    except OSError:
+        pass  # not remembered: shown again next time, which is all that is lost
+    return "\n".join(lines)
 
 
 def run_and_print(settings: RunSettings) -> int:

@@ -549,12 +549,12 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     current = detail.state.get("current_node")
     where = f" at node {labels.get(str(current), current)!r}" if current else ""
     if detail.status == "interrupted":
-        out.append(f"  interrupted (Ctrl-C){where}; continue: abstractruntime-mlx runs resume {run_id}")
+        out += [f"  interrupted (Ctrl-C){where}; continue:", f"    abstractruntime-mlx runs resume {run_id}"]
     elif detail.status == "running":
-        out.append(
-            f"  running{where}, or interrupted if no process drives it any more;"
-            f" continue an interrupted run: abstractruntime-mlx runs resume {run_id}"
-        )
+        out += [
+            f"  running{where}; if no process drives it any more, it was interrupted;",
+            f"  continue it: abstractruntime-mlx runs resume {run_id}",
+        ]
     elif detail.status == "failed" and not detail.parent_run_id:
         out.append(f"  failed; see its steps below, then start a new run (abstractruntime-mlx run FLOW)")
     waiting = detail.state.get("waiting")

@@ -157,9 +157,10 @@ def calls_timeline(view: RunView, *, width: int = TIMELINE_WIDTH, columns: int |
     move under its bar when the line would pass ``columns`` (default: the terminal's width)."""
     columns = columns or terminal_width()
     horizon = view.horizon_s
-    scale = width / horizon
     names = _visits(view)
     label_width = min(24, max([len(n) for n in names] + [4]))
+    width = max(16, min(width, columns - label_width - 12))  # the axis line fits the terminal
+    scale = width / horizon
     lines = [
         "phase timeline (seconds since the run started)",
         "  · queue  ░ prefill  █ generation; one bar per LLM call",
