@@ -215,6 +215,12 @@ class RunView:
         return self.summary.status == "running"
 
     @property
+    def unfinished(self) -> bool:
+        """The run may still change: running, waiting (an answer or a child run continues it) or
+        interrupted (``runs resume``); a page of it keeps following the ledger."""
+        return self.summary.status not in ("completed", "failed", "cancelled")
+
+    @property
     def elapsed_s(self) -> float:
         """How long the run has taken: up to now while it runs, else to its last checkpoint."""
         if self.live and self.as_of is not None:
@@ -234,6 +240,7 @@ class RunView:
             "error": self.error,
             "current_node": self.current_node,
             "live": self.live,
+            "unfinished": self.unfinished,
             "as_of": None if self.as_of is None else self.as_of.isoformat(),
             "elapsed_s": round(self.elapsed_s, 6),
             "horizon_s": self.horizon_s,

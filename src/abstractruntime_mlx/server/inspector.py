@@ -12,8 +12,9 @@ JSON and event streams (the pages use them; so can scripts)::
                                    has ``children``: its child runs (subflows, agents), nested
     GET /api/runs/stream           SSE ``runs`` events: the filtered list whenever it changes
     GET /api/runs/{run_id}         the run view (``inspection.RunView.as_dict()``)
-    GET /api/runs/{run_id}/stream  SSE ``run`` events whenever the run changes; ``end`` once it
-                                   has finished (the page stops listening)
+    GET /api/runs/{run_id}/stream  SSE ``run`` events whenever the run changes (also while it
+                                   waits or is interrupted: it may go on); ``end`` once it has
+                                   completed, failed or been cancelled (the page stops listening)
 
 The streams share one poller (``inspector_live``): one ledger read per interval for each list
 filter or run that any stream follows, and at most ``max_streams`` streams at once.
@@ -240,14 +241,14 @@ def _runs_read(ledger: Ledger, status: str | None, workflow: str | None, limit: 
 
 def _run_read(ledger: Ledger, run_id: str) -> Read:
     """One run's topic read: its cheap cursor, and the whole view only when the cursor moved;
-    once the run is no longer live, the view is followed by ``end`` and the stream closes."""
+    once the run has finished, the view is followed by ``end`` and the stream closes."""
 
     def read(last: Snapshot | None) -> Snapshot | None:
         cursor = ledger.run_cursor(run_id)
         if last is not None and last.marker == cursor:
             return None
         payload = _run_payload(ledger, run_id)
-        if payload["live"]:
+        if payload["unfinished"]:
             return Snapshot(cursor, (named_event("run", payload),))
         end = named_event("end", {"status": object_at(payload, "run").get("status")})
         return Snapshot(cursor, (named_event("run", payload), end), final=True)

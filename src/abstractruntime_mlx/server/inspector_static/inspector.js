@@ -484,7 +484,7 @@ function runPage() {
   const wanted = new URLSearchParams(window.location.hash.slice(1)).get("call");
   if (wanted && data.calls.some((c) => c.key === wanted)) selectedKey = wanted;
   renderRun(data);
-  if (data.live) {
+  if (data.unfinished) {
     follow(`/api/runs/${encodeURIComponent(data.run.run_id)}/stream`, { run: renderRun });
     setInterval(tickDuration, 500);
   }
