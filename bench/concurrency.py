@@ -1,12 +1,13 @@
 """Concurrency benchmark: our MLX provider against the bare library and its peers.
 
     python bench/concurrency.py                  # tiny + ~27M model, c = 1, 2, 4, 8 (~7 min on 2 cores)
-    python bench/concurrency.py --quick          # tiny model only, c = 1, 4 (~20 s)
+    python bench/concurrency.py --quick          # tiny model only, c = 1, 4 (~20-40 s)
     python bench/concurrency.py --models tiny    # the tiny model alone, c = 1, 2, 4, 8
     python bench/concurrency.py --json out.json  # also write every figure
     python bench/concurrency.py --targets ours,raw --models small --concurrency 1,8 --repeats 3
-    # on a GPU: random bf16 Qwen3-0.6B / 4B shapes, 32 requests at every concurrency
-    python bench/concurrency.py --models 0.6b,4b --concurrency 1,4,16,32 --requests 32 --repeats 1
+    python bench/concurrency.py --client --models tiny --repeats 8  # client-side mode (bench/client_side.py)
+    # on a GPU: random bf16 Qwen3-0.6B / 4B shapes, 64 requests at every concurrency
+    python bench/concurrency.py --models 0.6b,4b --concurrency 1,16,32,64 --requests 64 --repeats 2
 
 In ONE process, on the same random-weight checkpoints (``bench/_models.py``: the package's
 tiny dense model and a 27M-parameter qwen3) and the same prompts (distinct 40-80-token user
@@ -17,6 +18,9 @@ concurrency c sends N requests (``--requests-per-slot`` x c: 2c on the tiny mode
 random-weight bf16 checkpoints of those models' shapes (``bench/_models.py``: vocabulary 151936,
 the tiny tokenizer padded to it), meant for a GPU. The providers' batch size is the largest c.
 
+- ``forward``: the pure-forward ceiling (``bench/forward.py``): waves of c rows, prefilled
+  untimed, then 64 decode steps of ``argmax(model(y[:, None], cache))`` with ``mx.async_eval``
+  and one sync at the end; every other target's tok/s is also printed as its share of it;
 - ``raw``: mlx-vlm's ``BatchGenerator`` driven directly on the main thread, all N prompts
   inserted at once, ``completion_batch_size = c``, greedy, no detokenisation; the admission
   gate is re-opened every step as our engine does, so a finished row is back-filled at once.
@@ -51,6 +55,16 @@ the worker's step (its engine counters, ``Engine.step_profile``): time inside th
 (detokenising, stop strings, delivery), the rest (admission, cancels), and the worker thread's
 CPU time per step (the remainder of the wall time it waited on the device). With NVML present
 (``nvidia-ml-py``), the GPU's mean utilisation during the point is sampled every 20 ms.
+
+First-seen shapes, per point and target (``bench/shapes.py``): the (batch, length) of every call
+of the checkpoint's language model goes into one process-wide set; printed is how many were new
+during the point's runs (prefills / decode steps) and how many it used. The providers' queues
+(``mlx_max_queue_size``, ours and AbstractCore's) hold every request of the busiest point.
+
+``--client`` switches to the client-side mode (``bench/client_side.py``): N distinct chat
+requests from c client threads, each request's time split into before submit (template,
+tokenisation, controls), queue, prefill, decode and delivery, ours against ``stream_generate``
+at c = 1 and against mlx-lm's batch loop fed as requests arrive at c > 1.
 """
 
 from __future__ import annotations
