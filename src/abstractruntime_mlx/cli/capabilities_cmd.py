@@ -16,6 +16,7 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     parser.add_argument("--provider", default="mlx", help="provider name (default: mlx)")
     parser.add_argument("--head", default=None, help="companion MTP head (repo id or directory)")
     parser.add_argument("--cache-dir", default=None, help="Hugging Face cache directory (default: HF_HUB_CACHE)")
+    parser.add_argument("--json", action="store_true", help="accepted for symmetry: the output is JSON already")
     parser.set_defaults(handler=_capabilities)
 
 

@@ -25,6 +25,7 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     actions = parser.add_subparsers(dest="config_command", metavar="ACTION")
 
     show = actions.add_parser("show", help="print the config path, the MTP policy and the capability defaults (JSON)")
+    show.add_argument("--json", action="store_true", help="accepted for symmetry: the output is JSON already")
     show.set_defaults(handler=_show)
 
     set_default = actions.add_parser(

@@ -49,6 +49,7 @@ COMMAND_MODULES = (
     "run_cmd",
     "runs_cmd",
     "ledger_cmd",
+    "completion_cmd",
 )
 
 

@@ -87,6 +87,7 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     where = actions.add_parser("path", help="print the local directory of a model (offline)")
     where.add_argument("name", help="a local directory or a cached Hugging Face repo id")
     where.add_argument("--cache-dir", default=None, help="Hugging Face cache directory (default: HF_HUB_CACHE)")
+    where.add_argument("--json", action="store_true", help='print {"name": ..., "path": ...}')
     where.set_defaults(handler=_path)
 
     tiny = actions.add_parser("tiny", help="build a tiny random-weight model for tests and demos")
@@ -336,7 +337,8 @@ def _confirmed(question: str) -> bool:
 
 
 def _path(args: argparse.Namespace) -> int:
-    print(artifacts.resolve_model_path(args.name, cache_dir=args.cache_dir))
+    path = artifacts.resolve_model_path(args.name, cache_dir=args.cache_dir)
+    print(json.dumps({"name": args.name, "path": str(path)}) if args.json else path)
     return 0
 
 
