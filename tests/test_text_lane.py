@@ -55,9 +55,11 @@ MIXED = [
 def test_a_mixed_batch_gives_the_same_tokens_on_either_loop(make_llm, dense_model):
     llm = batched(make_llm, dense_model, True)
     text = together(llm, MIXED)
+    text_lm = llm._engine._text_lm
     llm.unload_model()
     full = together(batched(make_llm, dense_model, False), MIXED)
     assert {r.metadata["execution"]["path"] for r in text} == {"text_batch"}
+    assert type(text_lm).__module__.startswith("mlx_lm.models.")  # mlx-lm's class, on the resident weights
     assert {r.metadata["execution"]["path"] for r in full} == {"batch"}
     assert max(r.metadata["execution"]["peak_batch_size"] for r in text) > 1
     assert [r.token_ids for r in text] == [r.token_ids for r in full]

@@ -81,6 +81,7 @@ from .serial import SerialBackend
 from .single import SingleBackend, supports_model
 from .stops import StopMatcher
 from .text_batch import TextBatchBackend
+from .text_batch import language_model as text_language_model
 from .text_batch import make_cache as make_text_cache
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,7 @@ class Engine:
         self._stream: Any = None
         self._single_model: bool | None = None  # whether the loaded model can use the single lane
         self._text_model: bool | None = None  # whether its text rows can use the text lane
+        self._text_lm: Any = None  # what the text lane steps (``text_batch.language_model``), once built
         self.stats = EngineStats()
         self._thread: WorkerHandle | None = None
         # What closing the prefix cache raised as the worker stopped (read after ``stop()``).
@@ -456,6 +458,7 @@ class Engine:
                     self.close_error = failure
                 self.prefix_cache = None
             self.loaded = None  # the worker owns the weights; they go with it
+            self._text_lm = None  # it shares them
             mx.clear_cache()
 
     def _loop(self) -> None:
@@ -717,9 +720,16 @@ class Engine:
             apc_manager=self._cache_manager_for(head),
         )
 
+    def _text_language_model(self) -> Any:
+        """What the text lane steps (built once per loaded model; it shares its weights)."""
+        if self._text_lm is None:
+            self._text_lm = text_language_model(self._model.path, self._model.model)
+        return self._text_lm
+
     def _text_backend(self, new: NewGroup) -> TextBatchBackend:
         return TextBatchBackend(
             self._model.model,
+            language_model=self._text_language_model(),
             eos_token_ids=self._model.eos_token_ids,
             max_batch_size=new.max_batch_size,
             prefill_step_size=self.config.prefill_step_size,
@@ -729,16 +739,17 @@ class Engine:
     def _single_backend(self, apc_manager: Any, *, text_lane: bool = False) -> SingleBackend:
         """``text_lane``: the row may move into a text batch, so its cache is built from mlx-lm's
         cache classes (the ones that batch merges)."""
-        model = self._model.model
         processor = self._model.processor
         tokenizer = getattr(processor, "tokenizer", processor)
+        lm = self._text_language_model() if text_lane else None
         return SingleBackend(
-            model,
+            self._model.model,
             stop_criteria=tokenizer.stopping_criteria,  # the batch's own eos test
             prefill_step_size=self.config.prefill_step_size,
             stream=self._stream,
             apc_manager=apc_manager,
-            make_cache=(lambda: make_text_cache(model)) if text_lane else None,
+            make_cache=(lambda: make_text_cache(lm)) if lm is not None else None,
+            language_model=lm,
         )
 
     def _hand_off(self, group: _Group) -> None:

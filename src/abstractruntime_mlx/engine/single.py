@@ -64,13 +64,15 @@ class SingleBackend:
         stream: Any,
         apc_manager: Any = None,
         make_cache: Callable[[], list[Any]] | None = None,
+        language_model: Any = None,
     ) -> None:
         self.model = model
         # Which cache classes the row's cache is built from: the ones of the batch it may move
         # into (mlx-vlm's by default; mlx-lm's for a text-lane group, ``text_batch.make_cache``).
         self._make_cache = make_cache
         self._apc = apc_manager
-        self._lm = getattr(model, "language_model", model)
+        # What each step calls: the model's language model, or the text lane's (``text_batch.language_model``).
+        self._lm = language_model if language_model is not None else getattr(model, "language_model", model)
         self._stop = stop_criteria
         self._prefill_step_size = prefill_step_size
         self._stream = stream
