@@ -251,7 +251,7 @@ def test_ask_user_waits_shows_its_question_and_resumes(ledger_path, capsys, dens
     run_id = result["run_id"]
 
     code, out, _ = cli(capsys, "runs", "show", run_id[:8])
-    assert "waiting at node 'ask' for user" in out and "prompt: 'Which topic?'" in out and "--answer TEXT" in out
+    assert "waiting at node 'ask_user' (ask) for user" in out and "prompt: 'Which topic?'" in out and "--answer TEXT" in out
 
     assert_error(capsys, "waits for an answer", "runs", "resume", run_id)
     assert_error(capsys, "waits for an answer", "runs", "resume", run_id, "--event", "go")
@@ -277,10 +277,11 @@ def test_timer_is_kept_while_running_and_left_waiting_past_the_limit(ledger_path
 
 
 def test_exception_inside_a_tick_fails_the_run_with_node_and_error(ledger_path, capsys, dense_model):
-    code, out, _ = cli(capsys, "run", FLOWS / "braces.json", "--model", dense_model)
+    code, out, err = cli(capsys, "run", FLOWS / "braces.json", "--model", dense_model)
     assert code == EXIT_FAILED
-    [error_line] = [line for line in out.splitlines() if line.strip().startswith("error:")]
-    assert "node 'llm'" in error_line and "KeyError" in error_line
+    # The error once, on one line, the node named by its label; nothing more on stderr.
+    [error_line] = [line for line in (out + err).splitlines() if "KeyError" in line]
+    assert error_line.startswith("  node failed: 'llm_call' (llm): ") and err == ""
     assert "1 failed; 1 node failure" in out
     with Ledger(f"sqlite:///{ledger_path}") as ledger:
         [run] = ledger.list_runs()
@@ -294,7 +295,8 @@ def test_a_node_failure_in_a_completed_run_exits_non_zero(ledger_path, capsys, d
     # template) as the run's flow error and completes; the summary counts it.
     code, out, _ = cli(capsys, "run", FLOWS / "braces_end.json", "--model", dense_model)
     assert code == EXIT_FAILED
-    assert "node failed: end" in out and "1/1 runs completed, 0 waiting, 0 failed; 1 node failure" in out
+    assert "node failed: 'on_flow_end' (end)" in out and "1/1 runs completed, 0 waiting, 0 failed; 1 node failure" in out
+    assert [line for line in out.splitlines() if line.strip().startswith(('error:', 'node failed:'))] == [line for line in out.splitlines() if 'node failed:' in line]  # printed once
 
 
 def test_loop_iterations_are_drawn_separately(ledger_path, capsys, dense_model):
@@ -302,7 +304,7 @@ def test_loop_iterations_are_drawn_separately(ledger_path, capsys, dense_model):
     assert code == EXIT_OK and len(result["nodes"]) == 3
     code, out, _ = cli(capsys, "runs", "show", result["run_id"])
     timeline = out.split("phase timeline", 1)[1]
-    assert all(f"(llm) #{i}" in timeline for i in (1, 2, 3))
+    assert all(f"llm_call #{i}" in timeline for i in (1, 2, 3))  # the label (unique in the flow), then the visit
 
 
 # -- structured output -------------------------------------------------------------------

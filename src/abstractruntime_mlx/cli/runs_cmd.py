@@ -547,7 +547,8 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     if detail.state.get("error"):
         out.append(f"  error: {_one_line(str(detail.state['error']))}")
     current = detail.state.get("current_node")
-    where = f" at node {labels.get(str(current), current)!r}" if current else ""
+    node_name = _node_name(labels, str(current)) if current else None
+    where = f" at node {node_name}" if node_name else ""
     if detail.status == "interrupted":
         out += [f"  interrupted (Ctrl-C){where}; continue:", f"    abstractruntime-mlx runs resume {run_id}"]
     elif detail.status == "running":
@@ -559,7 +560,7 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
         out.append(f"  failed; see its steps below, then start a new run (abstractruntime-mlx run FLOW)")
     waiting = detail.state.get("waiting")
     if detail.status == "waiting" and isinstance(waiting, dict):
-        out.extend(_wait_lines(run_id, labels.get(str(current), current), waiting))
+        out.extend(_wait_lines(run_id, node_name, waiting))
     from .show_view import terminal_width
 
     width = max(60, terminal_width() - 4 * _depth)  # a child run is indented 4 columns per level
@@ -706,9 +707,15 @@ def _event_dict(row: ProgressRow, run_start: dt.datetime) -> dict[str, object]:
     return {"t_s": _secs(row.created_at, run_start), **fields}
 
 
-def _wait_lines(run_id: str, node: object, waiting: Mapping[str, object]) -> list[str]:
+def _node_name(labels: Mapping[str, str], node_id: str) -> str:
+    """``'Label' (node_id)``, or ``'node_id'`` for a node whose label is its id (or unknown)."""
+    label = labels.get(node_id, node_id)
+    return repr(node_id) if label == node_id else f"{label!r} ({node_id})"
+
+
+def _wait_lines(run_id: str, node: str | None, waiting: Mapping[str, object]) -> list[str]:
     reason = waiting.get("reason")
-    lines = [f"  waiting at node {node!r} for {reason}"]
+    lines = [f"  waiting at node {node} for {reason}"]
     if reason == "user":
         lines.append(f"    prompt: {waiting.get('prompt')!r}")
         if waiting.get("choices"):

@@ -593,7 +593,9 @@ def _guarded(runtime: Runtime, state: RunState, call: Callable[[], RunState]) ->
         current = runtime.get_state(state.run_id)
         node = current.current_node or state.current_node
         error = f"node {node!r}: {type(exc).__name__}: {exc}"
-        log.warning("run %s failed inside a tick: %s", state.run_id, error, exc_info=True)
+        # Recorded in the run (and printed once by the command that drove it); the traceback
+        # shows in debug mode (ABSTRACTRUNTIME_MLX_DEBUG=1), not as a second copy of the error.
+        log.info("run %s failed inside a tick: %s", state.run_id, error, exc_info=True)
         return fail_run(runtime, state.run_id, node_id=node, error=error)
 
 
