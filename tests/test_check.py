@@ -375,3 +375,38 @@ def test_a_flow_nested_too_deep_is_a_clear_error_for_check_and_run(tmp_path, cap
     code = main(["run", str(path), "--model", dense_model])
     _, err = capsys.readouterr()
     assert code != 0 and "nests deeper than 64 levels" in err and "internal_error" not in err
+
+
+# ----------------------------------------------------------------- format templates
+
+
+def _format_flow(template: str, values: object, *, wired: str | None = None) -> dict:
+    flow = copy.deepcopy(json.loads((Path(__file__).parent / "flows" / "braces.json").read_text()))
+    flow["edges"] = [e for e in flow["edges"] if e["target"] != "fmt"]
+    if wired is not None:
+        flow["edges"].append({"source": "start", "sourceHandle": wired, "target": "fmt", "targetHandle": wired})
+    flow["nodes"][1]["data"]["pinDefaults"] = {"template": template, "values": values}
+    return flow
+
+
+@pytest.mark.parametrize(
+    ("template", "values", "wired", "problem"),
+    [
+        ('Answer as JSON like {"a": 1} about {topic}', {"topic": "t"}, None, '{"a": 1} is not a placeholder'),
+        ("about {topic", {"topic": "t"}, None, "is not a format template"),
+        ("a } alone", {}, None, "is not a format template"),
+        ("about {topic} and {mood}", {"topic": "t"}, None, "reads 'mood', which its values do not have"),
+        ("JSON like {{\"a\": 1}} about {topic} and {topic.upper} {items[0]}", {"topic": "t", "items": [1]}, None, None),
+        ("about {mood}", {"topic": "t"}, "values", None),  # the values come on a wire: unknown here
+        ('{"a": 1}', {}, "template", None),  # the template comes on a wire: unknown here
+    ],
+)
+def test_format_templates_the_host_would_fail_on_are_errors(dense_model, template, values, wired, problem):
+    report = check_flow(_format_flow(template, values, wired=wired), model=str(dense_model))
+    found = [p for p in report.problems if p.code == "invalid_format_template"]
+    if problem is None:
+        assert found == []
+    else:
+        (one,) = found
+        assert one.node_id == "fmt" and one.severity == "error" and problem in one.message
+        assert one.field == "nodes[1].data.pinDefaults.template" and "{{ and }}" in one.message or "KeyError" in one.message

@@ -276,8 +276,13 @@ def test_timer_is_kept_while_running_and_left_waiting_past_the_limit(ledger_path
 # -- failures -----------------------------------------------------------------------------
 
 
+BRACES = 'template=Answer as JSON like {"a": 1} about {topic}'
+"""A format template with literal braces, given as a run variable: the run fails at the node
+(``check`` flags such a template when the flow file holds it, see test_check)."""
+
+
 def test_exception_inside_a_tick_fails_the_run_with_node_and_error(ledger_path, capsys, dense_model):
-    code, out, err = cli(capsys, "run", FLOWS / "braces.json", "--model", dense_model)
+    code, out, err = cli(capsys, "run", FLOWS / "braces.json", "--model", dense_model, "--var", BRACES)
     assert code == EXIT_FAILED
     # The error once, on one line, the node named by its label; nothing more on stderr.
     [error_line] = [line for line in (out + err).splitlines() if "KeyError" in line]
@@ -293,7 +298,7 @@ def test_exception_inside_a_tick_fails_the_run_with_node_and_error(ledger_path, 
 def test_a_node_failure_in_a_completed_run_exits_non_zero(ledger_path, capsys, dense_model):
     # The compiler records a data node that raised (here: literal braces in a format
     # template) as the run's flow error and completes; the summary counts it.
-    code, out, _ = cli(capsys, "run", FLOWS / "braces_end.json", "--model", dense_model)
+    code, out, _ = cli(capsys, "run", FLOWS / "braces_end.json", "--model", dense_model, "--var", BRACES)
     assert code == EXIT_FAILED
     assert "node failed: 'on_flow_end' (end)" in out and "1/1 runs completed, 0 waiting, 0 failed; 1 node failure" in out
     assert [line for line in out.splitlines() if line.strip().startswith(('error:', 'node failed:'))] == [line for line in out.splitlines() if 'node failed:' in line]  # printed once

@@ -34,6 +34,8 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import re
+import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -291,6 +293,7 @@ def check_flow(
     _check_edges(raw, nodes, findings)
     _check_with_compiler(raw, nodes, findings)
     _check_exec_cycles(raw, findings, subflow=None)
+    _check_format_templates(raw, nodes, findings)
     routing = Routing.build(default_model=model, serve_all=force_model, routes=routes, remote=(remote or RemotePolicy()).with_urls([default_base_url]))
     if isinstance(raw.get("id"), str) and isinstance(raw.get("nodes"), list):
         if flows_dir is None and shown is not None:
@@ -375,6 +378,47 @@ def _check_bundle(
             + "; pass --allow-network-tools to allow it",
             node=node_id if here else None,
         )
+
+
+def _check_format_templates(raw: Mapping[str, object], nodes: _NodeIndex, findings: _Findings) -> None:
+    """``format`` nodes whose template the host's ``template.format(**values)`` would fail on:
+    a brace that is not a placeholder (``Answer as JSON like {"a": 1}``: write ``{{``, ``}}``),
+    a malformed template, or a placeholder the node's own ``values`` do not have (when no wire
+    brings the values)."""
+    wired = {str(e.get("target")) + ":" + str(e.get("targetHandle")) for e in array_at(raw, "edges") if isinstance(e, Mapping)}
+    for node_id, (_, node) in nodes.items():
+        if node.get("type") != "format" or f"{node_id}:template" in wired:
+            continue
+        defaults = object_at(object_at(node, "data"), "pinDefaults")
+        template = defaults.get("template")
+        if not isinstance(template, str):
+            continue
+        field = "data.pinDefaults.template"
+        try:
+            parts = [(name, spec) for _, name, spec, _ in string.Formatter().parse(template) if name is not None]
+        except ValueError as exc:
+            findings.add("invalid_format_template", f"the template is not a format template ({exc}); write {{{{ and }}}} for literal braces", node=node_id, field=field)
+            continue
+        fields = [re.split(r"[.\[]", name, maxsplit=1)[0] for name, _ in parts]
+        odd = [f"{{{name}{':' + spec if spec else ''}}}" for (name, spec), head in zip(parts, fields, strict=True) if not head.isidentifier()]
+        if odd:
+            findings.add(
+                "invalid_format_template",
+                f"{odd[0]} is not a placeholder (the host's str.format would fail on it); write {{{{ and }}}} for literal braces",
+                node=node_id,
+                field=field,
+            )
+            continue
+        values = defaults.get("values")
+        if isinstance(values, Mapping) and f"{node_id}:values" not in wired:
+            missing = sorted({f for f in fields if f not in values})
+            if missing:
+                findings.add(
+                    "invalid_format_template",
+                    f"the template reads {', '.join(repr(m) for m in missing)}, which its values do not have (the host's str.format would raise KeyError)",
+                    node=node_id,
+                    field=field,
+                )
 
 
 def _check_exec_cycles(flow: Mapping[str, object], findings: _Findings, *, subflow: str | None) -> None:
