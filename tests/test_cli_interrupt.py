@@ -89,3 +89,16 @@ def test_ctrl_c_marks_the_run_interrupted_and_resume_finishes_it(tmp_path: Path,
     # The calls completed before Ctrl-C were not run again: 40 completed calls in all; only the
     # one cut off mid-call started twice.
     assert len(completed) == 40 and len(started) <= 41
+
+
+def test_resuming_an_unknown_run_is_run_not_found_in_the_library_as_in_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from abstractruntime_mlx.errors import RunNotFound
+    from abstractruntime_mlx.runtime_plugin import resume_run
+
+    url = sqlite_url(tmp_path / "runs.sqlite")
+    Ledger(url).close()
+    with pytest.raises(RunNotFound) as caught:
+        resume_run("nope", ledger_url=url)
+    assert caught.value.code == "run_not_found"
+    assert main(["runs", "resume", "nope", "--ledger", str(tmp_path / "runs.sqlite")]) == 1
+    assert capsys.readouterr().err.startswith("error: [run_not_found] no run 'nope'")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Final
 from abstractruntime import Runtime
 from abstractruntime.core.models import RunState, RunStatus, WaitReason
 
-from ..errors import RunNotResumable
+from ..errors import RunNotFound, RunNotResumable
 from ..json_values import as_str, object_at
 from ..ledger import Ledger, run_lock
 
@@ -385,7 +385,7 @@ def _lock_run_tree(run_id: str, *, ledger_url: str | None, pack: MLXPack | None)
 
 def _lock_stored_run(ledger: Ledger, run_id: str) -> run_lock.RunLock:
     if ledger.load_run(run_id) is None:
-        raise ValueError(f"no run {run_id} in {ledger.url}")
+        raise RunNotFound(f"no run {run_id!r} in {ledger.url}", details={"run_id": run_id[:255]})
     return run_lock.acquire(ledger, run_id)
 
 
@@ -401,7 +401,7 @@ def _resume_locked(
     assert pack.run_store is not None
     state = pack.run_store.load(run_id)
     if state is None:
-        raise ValueError(f"no run {run_id} in {pack.ledger.url if pack.ledger else 'the ledger'}")
+        raise RunNotFound(f"no run {run_id!r} in {pack.ledger.url if pack.ledger else 'the ledger'}", details={"run_id": run_id[:255]})
     if state.status not in (RunStatus.RUNNING, RunStatus.WAITING):
         if refuse_finished or answer is not None or event is not None:
             raise _not_resumable(run_id, state, "only a waiting or interrupted run can be resumed")
@@ -494,7 +494,7 @@ def _pack_for_stored_run(ledger_url: str, run_id: str, *, model: str | None) -> 
     finally:
         probe.close()
     if data is None:
-        raise ValueError(f"no run {run_id} in {ledger_url}")
+        raise RunNotFound(f"no run {run_id!r} in {ledger_url}", details={"run_id": run_id[:255]})
     options = stored_options(object_at(data, "vars"))
     routes = options.get("routes")
     allow_remote = options.get("allow_remote", False)
