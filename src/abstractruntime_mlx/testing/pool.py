@@ -5,6 +5,9 @@
         with HAProxyProcess.start(config, socket=tmp / "haproxy.sock", port=lb_port) as lb:
             lb.server_stats()       # {"s1": {"status": "UP", "stot": 3, ...}, ...}
 
+    with MLXLMServerProcess.start(model, port=free_port(), ranks=2) as ring:  # mlx.launch + mlx_lm.server
+        ring.url                # rank 0 answers HTTP; every rank holds a shard of the model
+
 Every process is started by the caller's test and stopped by it (``stop()``, or leaving the
 ``with``): nothing keeps running. Waits are bounded and re-check that the process lives.
 """
@@ -28,7 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-__all__ = ["HAProxyProcess", "ServerProcess", "free_port", "haproxy_binary", "wait_until"]
+__all__ = [
+    "HAProxyProcess",
+    "MLXLMServerProcess",
+    "ServerProcess",
+    "free_port",
+    "free_port_run",
+    "haproxy_binary",
+    "mlx_launch_command",
+    "wait_until",
+]
 
 START_TIMEOUT_S: Final = 90.0
 
@@ -38,6 +50,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive TCP ports free on 127.0.0.1 now (``mlx.launch``'s ring
+    backend listens on ``--starting-port`` plus one per rank)."""
+    for _ in range(100):
+        first = free_port()
+        if first + count <= 65536 and all(_port_free(first + i) for i in range(1, count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def haproxy_binary() -> str | None:
@@ -65,6 +96,26 @@ def _get_json(url: str, timeout_s: float = 2.0) -> dict[str, object] | None:
     except (OSError, ValueError, urllib.error.URLError):
         return None
     return body if isinstance(body, dict) else None
+
+
+def mlx_launch_command() -> list[str]:
+    """How to run ``mlx.launch`` (MLX's launcher, installed with the ``mlx`` wheel) with this
+    interpreter: the script next to ``sys.executable`` when there is one, else the module."""
+    script = Path(sys.executable).parent / "mlx.launch"
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
+
+
+def _status(url: str, timeout_s: float = 1.0) -> int | None:
+    """The HTTP status of ``GET url``, None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - loopback URLs built here
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, urllib.error.URLError):
+        return None
 
 
 def _stop(proc: subprocess.Popen[bytes], *, timeout_s: float = 10.0) -> None:
@@ -188,3 +239,116 @@ class HAProxyProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+@dataclass
+class MLXLMServerProcess:
+    """mlx-lm's own server on 127.0.0.1:``port``. With ``ranks`` > 1 it is
+    ``mlx.launch -n RANKS --backend ring -- mlx_lm.server --model MODEL --port PORT``: RANKS
+    processes joined by MLX's ring backend (TCP on loopback), each holding a tensor-parallel
+    shard of MODEL (``--pipeline`` in ``extra`` for pipeline stages); rank 0 answers HTTP.
+    With ``ranks=1``, one plain ``mlx_lm.server`` (no launcher), to compare against.
+
+    The process runs in a session of its own and the ranks inherit its process group, so
+    ``stop()`` ends all of them with one ``killpg``. ``cwd`` is the working directory: a
+    relative ``model`` (``org/name``, as a flow names it) is a folder there, not a Hub download.
+    """
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path | None = None
+
+    @classmethod
+    def start(
+        cls,
+        model: str,
+        *,
+        port: int,
+        ranks: int = 2,
+        cwd: Path | None = None,
+        extra: tuple[str, ...] = (),
+        log_path: Path | None = None,
+    ) -> MLXLMServerProcess:
+        server_args = ["-m", "mlx_lm", "server", "--model", model, "--host", "127.0.0.1", "--port", str(port), *extra]
+        if ranks > 1:
+            launcher = [*mlx_launch_command(), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port_run(ranks))]
+            if cwd is not None:
+                launcher += ["--cwd", str(cwd)]
+            command = [*launcher, "--python", sys.executable, "--", *server_args]
+        else:
+            command = [sys.executable, *server_args]
+        env = {**os.environ, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_OFFLINE": "1"}
+        # stdin: a pipe nobody writes to. The launcher forwards its stdin to every rank and
+        # polls it; /dev/null would be always readable and keep it spinning.
+        with open(log_path if log_path is not None else os.devnull, "wb") as log:
+            proc = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+            )
+        server = cls(proc, port, log_path)
+        what = f"mlx.launch -n {ranks} mlx_lm.server" if ranks > 1 else "mlx_lm.server"
+        try:
+            wait_until(server.answers_chat, what=f"{what} on port {port}", proc=proc)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def answers_chat(self) -> bool:
+        """``/health`` is up before the ranks have loaded their shards; a one-token chat call
+        answers only once they have. ``RuntimeError`` when ``/health`` says 503: the generation
+        thread died (a model it cannot load or shard), and the process stays up without it."""
+        status = _status(self.url + "/health")
+        if status == 503:
+            raise RuntimeError(f"mlx_lm.server on port {self.port}: its generation thread died (/health 503); see its log")
+        if status != 200:
+            return False
+        body = json.dumps({"messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}).encode()
+        request = urllib.request.Request(self.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60.0) as response:  # noqa: S310 - loopback URL built here
+                return int(response.status) == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def running(self) -> bool:
+        """Whether any process of the group (the launcher, a rank) is still alive."""
+        self.proc.poll()  # a reaped leader is no longer counted
+        return _group_alive(self.proc.pid)
+
+    def stop(self, *, timeout_s: float = 10.0) -> None:
+        """SIGTERM to the launcher's process group (launcher and ranks), SIGKILL to what is
+        left after ``timeout_s``."""
+        group = self.proc.pid  # start_new_session: the launcher leads its own group
+        _signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _signal_group(group, signal.SIGKILL)
+        self.proc.wait(timeout_s)
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+
+    def __enter__(self) -> MLXLMServerProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _signal_group(group: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
