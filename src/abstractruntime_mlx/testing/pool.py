@@ -21,8 +21,10 @@ import os
 import shutil
 import signal
 import socket
+import shlex
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -247,7 +249,9 @@ class MLXLMServerProcess:
     ``mlx.launch -n RANKS --backend ring -- mlx_lm.server --model MODEL --port PORT``: RANKS
     processes joined by MLX's ring backend (TCP on loopback), each holding a tensor-parallel
     shard of MODEL (``--pipeline`` in ``extra`` for pipeline stages); rank 0 answers HTTP.
-    With ``ranks=1``, one plain ``mlx_lm.server`` (no launcher), to compare against.
+    With ``ranks=1``, one plain ``mlx_lm.server``; with ``launcher=False``, the same ranks
+    started without ``mlx.launch`` (benchmarks: its per-rank I/O threads poll without waiting
+    and take a core each).
 
     The process runs in a session of its own and the ranks inherit its process group, so
     ``stop()`` ends all of them with one ``killpg``. ``cwd`` is the working directory: a
@@ -268,18 +272,28 @@ class MLXLMServerProcess:
         cwd: Path | None = None,
         extra: tuple[str, ...] = (),
         log_path: Path | None = None,
+        launcher: bool = True,
     ) -> MLXLMServerProcess:
         server_args = ["-m", "mlx_lm", "server", "--model", model, "--host", "127.0.0.1", "--port", str(port), *extra]
-        if ranks > 1:
-            launcher = [*mlx_launch_command(), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port_run(ranks))]
+        env = {**os.environ, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_OFFLINE": "1"}
+        ring_port = free_port_run(ranks)
+        if ranks > 1 and launcher:
+            command = [*mlx_launch_command(), "-n", str(ranks), "--backend", "ring", "--starting-port", str(ring_port)]
             if cwd is not None:
-                launcher += ["--cwd", str(cwd)]
-            command = [*launcher, "--python", sys.executable, "--", *server_args]
+                command += ["--cwd", str(cwd)]
+            command += ["--python", sys.executable, "--", *server_args]
+        elif ranks > 1:
+            # What mlx.launch gives each local rank (MLX_RANK, MLX_HOSTFILE), started here: a
+            # shell that starts every rank and waits, so they share its process group.
+            hostfile = Path(tempfile.mkdtemp(prefix="ring-")) / "hosts.json"
+            hostfile.write_text(json.dumps([[f"127.0.0.1:{ring_port + rank}"] for rank in range(ranks)]), encoding="utf-8")
+            one = shlex.join([sys.executable, *server_args])
+            script = " ".join(f"MLX_RANK={rank} MLX_HOSTFILE={shlex.quote(str(hostfile))} {one} &" for rank in range(ranks))
+            command = ["/bin/sh", "-c", script + " wait"]
         else:
             command = [sys.executable, *server_args]
-        env = {**os.environ, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "HF_HUB_OFFLINE": "1"}
-        # stdin: a pipe nobody writes to. The launcher forwards its stdin to every rank and
-        # polls it; /dev/null would be always readable and keep it spinning.
+        # stdin: a pipe nobody writes to. mlx.launch forwards its stdin to every rank; on
+        # /dev/null, always readable, its main loop would never wait.
         with open(log_path if log_path is not None else os.devnull, "wb") as log:
             proc = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
