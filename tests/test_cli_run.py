@@ -153,7 +153,8 @@ def test_sigkill_mid_run_then_resume(cli_env, capsys, tmp_path, dense_model):
         run_id = summary.run_id
 
     code, out, _ = cli(capsys, "runs", "show", run_id)
-    assert code == 0 and "interrupted at node 'slow'" in out
+    assert code == 0 and "running at node 'slow'; if no process drives it any more, it was interrupted" in out
+    assert f"runs resume {run_id}" in out
 
     code, out, _ = cli(capsys, "runs", "replay", run_id)
     assert code == 0, out
