@@ -5,7 +5,7 @@ Routes (see ``docs/server.md``)::
     GET  /health                               never needs auth
     GET  /v1/models
     GET  /v1/models/execution-capabilities     ?model_name=&provider=mlx
-    POST /v1/chat/completions                  OpenAI-compatible, stream or not
+    POST /v1/chat/completions                  OpenAI-compatible, stream or not (chat.py)
     POST /acore/models/load                    {model, provider?, options{}}
     POST /acore/models/unload                  {model?}
     GET  /acore/prompt_cache/stats
@@ -18,9 +18,12 @@ Routes (see ``docs/server.md``)::
     GET  /metrics                              Prometheus text format (metrics.py)
 
 Every failure is ``{"error": {"message", "type", "code"}}`` with the error's HTTP status;
-after the first SSE byte it is a ``data: {"error": ...}`` event followed by ``[DONE]``.
-Generation runs through the provider's ``agenerate`` on the event loop (the engine's worker
-thread does the MLX work), so concurrent requests reach the engine together and are batched.
+after the first SSE byte it is a ``data: {"error": ...}`` event followed by ``[DONE]`` (an
+``error`` event on ``/v1/responses``). The three generating routes (chat, responses,
+completions) run their call through ``calls.serve_call``: one provider pump, one SSE record
+loop; each route only parses its body and renders the answer (a ``calls.WireRenderer``).
+Generation runs through the provider's ``agenerate_request`` on the event loop (the engine's
+worker thread does the MLX work), so concurrent requests reach the engine together and are batched.
 Nothing a request carries is worked on by the loop itself: bodies are decoded on a thread, and
 a ``response_format`` schema is checked (within ``structured``'s limits) on the schema threads.
 A client that disconnects cancels its request: the ``cancel_event`` is set and the provider
@@ -33,9 +36,7 @@ import asyncio
 import contextlib
 import hmac
 import json
-import logging
 import os
-import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Final, cast
@@ -49,64 +50,36 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..capabilities import get_execution_capabilities
 from ..controls import normalize_speculation
-from ..request import MAX_PROMPT_CACHE_KEY_CHARS, GenerationRequest, ProgressSink
-from ..structured import ResponseFormat, run_schema_work
-from ..errors import (
-    AuthenticationError,
-    InvalidRequest,
-    MLXRuntimeError,
-    ModelNotFound,
-    ResidencyConflict,
-    UpstreamError,
-)
-from ..results import GenerationChunk, GenerationResult
+from ..request import MAX_PROMPT_CACHE_KEY_CHARS
+from ..errors import AuthenticationError, InvalidRequest, ModelNotFound, ResidencyConflict
 from ..json_values import JSONObject, JSONValue
+from .chat import chat_completions
 from .completions import create_completion
 from .edge import (
     MAX_BODY_BYTES,  # noqa: F401 - re-exported: the body limit of every route
     ServedProvider,
     error_response,
-    first_item,
-    generation_request,
     pool_of,
-    progress_supported,
     read_body,
     served_provider,
 )
 from .embeddings import create_embeddings
 from .metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
-from .observe import begin_call
 from .responses import create_response
 from .serve_ledger import ServeLedger
 from .keep_alive import parse_keep_alive
 from .memory import machine_memory
 from .model_roots import ModelRoots
-from .pool import UNSET, KeepAlive, Lease, ModelPool, ModelSpec, ModelState, PoolSettings, provider_health
+from .pool import UNSET, KeepAlive, ModelPool, ModelSpec, ModelState, PoolSettings, provider_health
 from .schemas import (
     MAX_MODEL_NAME_CHARS,
-    ChatCompletionRequest,
     LoadModelRequest,
     PromptCacheClearRequest,
     PromptCacheKeyMetaRequest,
     UnloadModelRequest,
     parse_body,
 )
-from .sse import (
-    DONE,
-    ChunkItem,
-    EndItem,
-    FailureItem,
-    ProgressItem,
-    ProviderPump,
-    PumpItem,
-    ResultItem,
-    SSEResponse,
-    data_event,
-    named_event,
-)
-from .wire import chunk_body, completion_body, error_payload, new_completion_id, now_s
-
-log = logging.getLogger(__name__)
+from .wire import error_payload, now_s
 
 # Tokens of one stream arriving faster than this are written together. Real models stream
 # slower than 200 tokens/s per request, so only very fast streams (the tiny test models) are
@@ -354,187 +327,6 @@ async def prompt_cache_key_meta(request: Request) -> Response:
         raise InvalidRequest(f"meta is {size} bytes serialized; the limit is {MAX_KEY_META_BYTES}")
     merged = _remember_key_meta(key_meta, body.key, body.meta)
     return JSONResponse({"ok": True, "supported": True, "operation": "key_meta", "key": body.key, "meta": merged})
-
-
-async def chat_completions(request: Request) -> Response:
-    # Decoding and checking a large body (up to the body limit) takes long: off the event loop.
-    body = await asyncio.to_thread(parse_body, ChatCompletionRequest, await read_body(request))
-    unknown = body.unknown_fields()
-    if unknown:
-        log.warning("chat request: ignoring unknown field(s) %s", ", ".join(unknown))
-    keep_alive: KeepAlive = UNSET if body.keep_alive is None else parse_keep_alive(body.keep_alive)
-    # A schema within the limits still takes up to about half a second to check: on the
-    # schema threads, so that the loop and the other requests go on meanwhile.
-    response_format = None if body.response_format is None else await run_schema_work(ResponseFormat.from_openai, body.response_format)
-    typed = generation_request(body, response_format)
-    # The model is resident (loaded now if it was not) and held until the response ends.
-    lease = await pool_of(request).acquire(body.model, keep_alive=keep_alive)
-    streaming = False
-    try:
-        response = await _chat_with(request, body, typed, served_provider(lease), lease)
-        streaming = isinstance(response, SSEResponse)
-        return response
-    finally:
-        if not streaming:
-            lease.release()
-
-
-async def _chat_with(
-    request: Request, body: ChatCompletionRequest, typed: GenerationRequest, llm: ServedProvider, lease: Lease
-) -> Response:
-    """The chat call on ``llm``; an SSE response releases ``lease`` when it ends."""
-    if body.include_progress and not progress_supported(llm):
-        raise InvalidRequest("this provider emits no phase events; drop stream_options.include_progress")
-
-    cancel_event = threading.Event()
-
-    def call(on_progress: ProgressSink | None) -> Awaitable[GenerationResult | AsyncIterator[GenerationChunk]]:
-        return llm.agenerate_request(typed.with_sinks(cancel=cancel_event, progress=on_progress), stream=body.stream)
-
-    observer = await begin_call(request, route="chat", model=str(llm.model), call=typed, stream=body.stream)
-    pump = ProviderPump(
-        call, stream=body.stream, cancel_event=cancel_event, with_progress=body.include_progress, observer=observer
-    ).start()
-    completion_id, created, model = new_completion_id(), now_s(), str(llm.model)
-    try:
-        if body.stream or body.include_progress:
-            # Early failures keep their HTTP status; the headers then go out at once and
-            # later failures travel in the stream.
-            first = await pump.settled()
-        else:
-            first = await first_item(request, pump)
-            if first is None:  # the client left before the answer was ready
-                pump.close()
-                return Response(status_code=499)
-    except BaseException:
-        pump.close()
-        raise
-    if isinstance(first, FailureItem):
-        pump.close()
-        return error_response(first.error)
-    if not body.stream and not body.include_progress:
-        if not isinstance(first, ResultItem):  # pragma: no cover - the pump's contract
-            pump.close()
-            return error_response(UpstreamError(f"unexpected first item {type(first).__name__}"))
-        return JSONResponse(completion_body(first.result, completion_id=completion_id, model=model, created=created))
-    events = _sse_events(
-        first,
-        pump,
-        completion_id=completion_id,
-        model=model,
-        created=created,
-        stream=body.stream,
-        interval_s=request.app.state.stream_interval_s,
-    )
-
-    def close() -> None:
-        pump.close()
-        lease.release()
-
-    return SSEResponse(events, on_close=close)
-
-
-async def _sse_events(
-    first: PumpItem | None,
-    pump: ProviderPump,
-    *,
-    completion_id: str,
-    model: str,
-    created: int,
-    stream: bool,
-    interval_s: float = 0.0,
-) -> AsyncIterator[str]:
-    """SSE records for one call; text deltas that queued up together go out as one delta.
-
-    With ``interval_s`` a text delta that arrives sooner than that after the previous write
-    waits out the rest of the interval, gathering what else arrives (the first token, phase
-    events, the terminal chunk and errors never wait). Only streams faster than
-    ``1 / interval_s`` tokens per second are affected.
-    """
-    loop = asyncio.get_running_loop()
-    last_write = float("-inf")  # so the first text never waits, however recent the clock's origin
-
-    def chunk(
-        delta: JSONObject,
-        *,
-        finish_reason: str | None = None,
-        usage: Mapping[str, int] | None = None,
-        metadata: Mapping[str, JSONValue] | None = None,
-    ) -> str:
-        body = chunk_body(
-            completion_id=completion_id,
-            model=model,
-            created=created,
-            delta=delta,
-            finish_reason=finish_reason,
-            usage=usage,
-            metadata=metadata,
-        )
-        return data_event(body)
-
-    pending: list[PumpItem] = [] if first is None else [first]
-    finished = False
-    if stream:
-        yield chunk({"role": "assistant", "content": ""})
-    while True:
-        if not pending:
-            pending.append(await pump.next())
-            wait_s = interval_s - (loop.time() - last_write)
-            if wait_s > 0 and isinstance(pending[0], ChunkItem) and pending[0].chunk.finish_reason is None:
-                await asyncio.sleep(wait_s)
-            while (more := pump.next_nowait()) is not None:
-                pending.append(more)
-        out: list[str] = []
-        text: list[str] = []
-
-        def flush_text() -> None:
-            if text:
-                out.append(chunk({"content": "".join(text)}))
-                text.clear()
-
-        for item in pending:
-            match item:
-                case ChunkItem(chunk=piece) if piece.finish_reason is None:
-                    if piece.content:
-                        text.append(piece.content)
-                case ChunkItem(chunk=piece):
-                    text.append(piece.content)
-                    joined = "".join(text)
-                    text.clear()
-                    out.append(
-                        chunk(
-                            {"content": joined} if joined else {},
-                            finish_reason=piece.finish_reason,
-                            usage=piece.usage,
-                            metadata=piece.metadata,
-                        )
-                    )
-                    finished = True
-                case ProgressItem(event=event):
-                    flush_text()
-                    out.append(named_event("progress", event))
-                case ResultItem(result=result):
-                    out.append(named_event("result", completion_body(result, completion_id=completion_id, model=model, created=created)))
-                    finished = True
-                case FailureItem(error=error):
-                    flush_text()
-                    out.append(data_event(error_payload(error)[1]))
-                    out.append(DONE)
-                    yield "".join(out)
-                    return
-                case EndItem():
-                    flush_text()
-                    if not finished:
-                        failure = UpstreamError("the provider stream ended without a terminal chunk")
-                        out.append(data_event(error_payload(failure)[1]))
-                    out.append(DONE)
-                    yield "".join(out)
-                    return
-        flush_text()
-        pending = []
-        if out:
-            yield "".join(out)
-            last_write = loop.time()
 
 
 def _json_safe(value: object) -> JSONValue:

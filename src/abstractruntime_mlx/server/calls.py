@@ -1,12 +1,17 @@
-"""One generating call for the routes that speak another wire than chat (responses, completions).
+"""One generating call, for every route that generates (chat, responses, completions).
 
-Such a route turns its body into the chat body (``schemas.ChatCompletionRequest``), so the
-request is built, its controls checked and its schema compiled exactly as for
-``/v1/chat/completions`` (``app.generation_request``); ``serve_call`` then runs it through
-the same ``ProviderPump`` and observers, and only the rendering differs: a ``WireRenderer``
-writes the non-streamed body and the SSE records.
+Every such route has a chat body (``schemas.ChatCompletionRequest``): the chat route reads it,
+responses and completions turn theirs into one (``chat_body``). ``serve_call`` builds the
+typed request (``edge.generation_request``: controls checked, schema compiled), takes the model
+from the pool, runs the call through one ``ProviderPump`` with its observers (metrics, serve
+ledger) and answers; only the rendering differs: the route's ``WireRenderer`` writes the
+non-streamed body and the SSE records.
+
+A streamed call (or one asking for phase events) answers SSE once the call was admitted, so
+early failures keep their HTTP status; later ones travel in the stream. Text deltas that queued
+up together go out as one. A non-streamed call asking for phase events answers SSE too: the
+progress events, then one ``event: result`` holding the non-streamed body.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -34,35 +39,47 @@ from .sse import ChunkItem, EndItem, FailureItem, ProgressItem, ProviderPump, Pu
 class WireRenderer(Protocol):
     """How one route writes an answer (``model`` is the served model's name)."""
 
+    ends_at_final: bool
+    """Whether the stream ends with the terminal chunk's records; otherwise it goes on to the
+    end of the provider's call (a later phase event or failure still reaches the client)."""
+
     def body(self, result: GenerationResult, *, model: str) -> JSONObject:
         """The non-streamed response body."""
         ...
 
     def opening(self, *, model: str) -> list[str]:
-        """SSE records before the first text."""
+        """The SSE records that open a stream (called first, on a streamed call only)."""
         ...
 
     def text(self, delta: str) -> str:
         """The SSE record of a text delta."""
         ...
 
-    def closing(self, final: GenerationChunk, text: str) -> list[str]:
-        """The SSE records after the terminal chunk (``text``: the whole answer)."""
+    def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
+        """The SSE records of the terminal chunk: ``tail`` is the text not written yet (the
+        terminal chunk's own included), ``text`` the whole answer."""
+        ...
+
+    def ending(self) -> list[str]:
+        """The SSE records after a call that ended well."""
         ...
 
     def failure(self, error: BaseException) -> list[str]:
-        """The SSE records of an error after the first byte."""
+        """The SSE records of an error after the first byte (the stream's last)."""
         ...
 
 
 async def serve_call(request: Request, body: ChatCompletionRequest, *, route: str, renderer: WireRenderer) -> Response:
     """Run ``body`` on the model it names (loaded first when it is not resident, held until the
-    answer ends, as for chat); answer as ``renderer`` writes it."""
+    answer ends); answer as ``renderer`` writes it. ``route`` names the call to the observers."""
     keep_alive: KeepAlive = UNSET if body.keep_alive is None else parse_keep_alive(body.keep_alive)
+    # A schema within the limits still takes up to about half a second to check: on the
+    # schema threads, so that the loop and the other requests go on meanwhile.
     response_format = (
         None if body.response_format is None else await run_schema_work(ResponseFormat.from_openai, body.response_format)
     )
     typed = generation_request(body, response_format)
+    # The model is resident (loaded now if it was not) and held until the response ends.
     lease = await pool_of(request).acquire(body.model, keep_alive=keep_alive)
     streaming = False
     try:
@@ -84,6 +101,7 @@ async def _call_with(
     renderer: WireRenderer,
     release: Callable[[], None],
 ) -> Response:
+    """The call on ``llm``; an SSE response calls ``release`` when it ends."""
     if body.include_progress and not progress_supported(llm):
         raise InvalidRequest("this provider emits no phase events; drop stream_options.include_progress")
     model = str(llm.model)
@@ -96,9 +114,12 @@ async def _call_with(
     pump = ProviderPump(
         call, stream=body.stream, cancel_event=cancel_event, with_progress=body.include_progress, observer=observer
     ).start()
+    sse = body.stream or body.include_progress
     try:
-        if body.stream:
-            first = await pump.settled()  # early failures keep their HTTP status
+        if sse:
+            # Early failures keep their HTTP status; the headers then go out at once and
+            # later failures travel in the stream.
+            first = await pump.settled()
         else:
             first = await first_item(request, pump)
             if first is None:  # the client left before the answer was ready
@@ -110,7 +131,7 @@ async def _call_with(
     if isinstance(first, FailureItem):
         pump.close()
         return error_response(first.error)
-    if not body.stream:
+    if not sse:
         if not isinstance(first, ResultItem):  # pragma: no cover - the pump's contract
             pump.close()
             return error_response(UpstreamError(f"unexpected first item {type(first).__name__}"))
@@ -120,20 +141,28 @@ async def _call_with(
         pump.close()
         release()
 
-    records = _records(first, pump, renderer, model=model, interval_s=request.app.state.stream_interval_s)
+    records = _records(first, pump, renderer, model=model, stream=body.stream, interval_s=request.app.state.stream_interval_s)
     return SSEResponse(records, on_close=close)
 
 
 async def _records(
-    first: PumpItem | None, pump: ProviderPump, renderer: WireRenderer, *, model: str, interval_s: float
+    first: PumpItem | None, pump: ProviderPump, renderer: WireRenderer, *, model: str, stream: bool, interval_s: float
 ) -> AsyncIterator[str]:
-    """The SSE records of one streamed call; text deltas that queued up together go out as one
-    (a delta arriving sooner than ``interval_s`` after the last write waits out the rest)."""
+    """The SSE records of one call; text deltas that queued up together go out as one delta.
+
+    With ``interval_s`` a text delta that arrives sooner than that after the previous write
+    waits out the rest of the interval, gathering what else arrives (the first token, phase
+    events, the terminal chunk and errors never wait). Only streams faster than
+    ``1 / interval_s`` tokens per second are affected.
+    """
     loop = asyncio.get_running_loop()
-    last_write = float("-inf")
+    last_write = float("-inf")  # so the first text never waits, however recent the clock's origin
     pending: list[PumpItem] = [] if first is None else [first]
     answer: list[str] = []
-    yield "".join(renderer.opening(model=model))
+    finished = False
+    opening = renderer.opening(model=model) if stream else []
+    if opening:
+        yield "".join(opening)
     while True:
         if not pending:
             pending.append(await pump.next())
@@ -154,17 +183,26 @@ async def _records(
 
         for item in pending:
             match item:
-                case ChunkItem(chunk=piece):
+                case ChunkItem(chunk=piece) if piece.finish_reason is None:
                     if piece.content:
                         text.append(piece.content)
-                    if piece.finish_reason is not None:
-                        flush_text()
-                        out.extend(renderer.closing(piece, "".join(answer)))
+                case ChunkItem(chunk=piece):
+                    text.append(piece.content)
+                    tail = "".join(text)
+                    text.clear()
+                    answer.append(tail)
+                    out.extend(renderer.closing(piece, tail=tail, text="".join(answer)))
+                    finished = True
+                    if renderer.ends_at_final:
+                        out.extend(renderer.ending())
                         yield "".join(out)
                         return
                 case ProgressItem(event=event):
                     flush_text()
                     out.append(named_event("progress", event))
+                case ResultItem(result=result):
+                    out.append(named_event("result", renderer.body(result, model=model)))
+                    finished = True
                 case FailureItem(error=error):
                     flush_text()
                     out.extend(renderer.failure(error))
@@ -172,11 +210,12 @@ async def _records(
                     return
                 case EndItem():
                     flush_text()
-                    out.extend(renderer.failure(UpstreamError("the provider stream ended without a terminal chunk")))
+                    if finished:
+                        out.extend(renderer.ending())
+                    else:
+                        out.extend(renderer.failure(UpstreamError("the provider stream ended without a terminal chunk")))
                     yield "".join(out)
                     return
-                case ResultItem():  # pragma: no cover - a streamed call yields chunks
-                    pass
         flush_text()
         pending = []
         if out:

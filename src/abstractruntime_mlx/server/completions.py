@@ -31,8 +31,8 @@ from ..results import GenerationChunk, GenerationResult
 from .edge import read_body
 from .calls import chat_body, serve_call
 from .schemas import FiniteFloat, ModelName, StreamOptions, parse_body
-from .sse import DONE, data_event
-from .wire import abstractcore_block, error_payload, usage_to_wire
+from .sse import DONE, data_event, error_records
+from .wire import usage_to_wire, with_usage_and_block
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,8 @@ async def create_completion(request: Request) -> Response:
 class CompletionRenderer:
     """Writes one call's answer as ``text_completion`` objects (``calls.WireRenderer``)."""
 
+    ends_at_final = True
+
     def __init__(self) -> None:
         self.completion_id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -131,13 +133,7 @@ class CompletionRenderer:
             "model": self._model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
         }
-        wire_usage = usage_to_wire(usage)
-        if wire_usage is not None:
-            body["usage"] = wire_usage
-        block = abstractcore_block(metadata)
-        if block is not None:
-            body["abstractcore"] = block
-        return body
+        return with_usage_and_block(body, usage=usage_to_wire(usage), metadata=metadata)
 
     def body(self, result: GenerationResult, *, model: str) -> JSONObject:
         self._model = model
@@ -150,8 +146,12 @@ class CompletionRenderer:
     def text(self, delta: str) -> str:
         return data_event(self._body(delta, finish_reason=None))
 
-    def closing(self, final: GenerationChunk, text: str) -> list[str]:
-        return [data_event(self._body("", finish_reason=final.finish_reason, usage=final.usage, metadata=final.metadata)), DONE]
+    def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
+        last = data_event(self._body("", finish_reason=final.finish_reason, usage=final.usage, metadata=final.metadata))
+        return [self.text(tail), last] if tail else [last]
+
+    def ending(self) -> list[str]:
+        return [DONE]
 
     def failure(self, error: BaseException) -> list[str]:
-        return [data_event(error_payload(error)[1]), DONE]
+        return error_records(error)

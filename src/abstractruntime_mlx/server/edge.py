@@ -1,7 +1,7 @@
 """What every generating route does at the HTTP edge: read the body (within its limit), build the
 typed request of a chat body, take the model from the pool, wait for the first answer or the
-client's leaving, render an error. Shared by the chat route (``app.py``) and the routes that
-turn their body into a chat body (``calls.py``: responses, completions)."""
+client's leaving, render an error. Used by the one call path of the generating routes
+(``calls.py``: chat, responses, completions) and by the other routes."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ from .edge import read_body
 from .calls import chat_body, serve_call
 from .schemas import FiniteFloat, ModelName, StreamOptions, parse_body
 from .sse import named_event
-from .wire import abstractcore_block, error_payload
+from .wire import error_payload, with_usage_and_block
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +214,8 @@ def usage_of(usage: dict[str, int] | None) -> JSONObject | None:
 class ResponsesRenderer:
     """Writes one call's answer as a Responses object, or as its stream of events (``calls.WireRenderer``)."""
 
+    ends_at_final = True
+
     def __init__(self, echo: JSONObject) -> None:
         self.response_id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
@@ -238,12 +240,7 @@ class ResponsesRenderer:
             "metadata": {},
             **self._echo,
         }
-        if usage is not None:
-            body["usage"] = usage
-        block = abstractcore_block(metadata)
-        if block is not None:
-            body["abstractcore"] = block
-        return body
+        return with_usage_and_block(body, usage=usage, metadata=metadata)
 
     def _message(self, text: str, status: str) -> JSONObject:
         part: JSONObject = {"type": "output_text", "text": text, "annotations": []}
@@ -283,7 +280,8 @@ class ResponsesRenderer:
             {"item_id": self.message_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []},
         )
 
-    def closing(self, final: GenerationChunk, text: str) -> list[str]:
+    def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
+        deltas = [self.text(tail)] if tail else []
         place: JSONObject = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         status = _status(final.finish_reason)
         done = self._response(
@@ -291,11 +289,15 @@ class ResponsesRenderer:
             finish_reason=final.finish_reason, metadata=final.metadata,
         )
         return [
+            *deltas,
             self._event("response.output_text.done", {**place, "text": text, "logprobs": []}),
             self._event("response.content_part.done", {**place, "part": {"type": "output_text", "text": text, "annotations": []}}),
             self._event("response.output_item.done", {"output_index": 0, "item": self._message(text, "completed")}),
             self._event(f"response.{status}", {"response": done}),
         ]
+
+    def ending(self) -> list[str]:
+        return []  # the Responses stream has no [DONE]
 
     def failure(self, error: BaseException) -> list[str]:
         return [named_event("error", error_payload(error)[1])]

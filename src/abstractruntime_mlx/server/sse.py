@@ -27,6 +27,7 @@ from ..request import ProgressSink
 from ..results import GenerationChunk, GenerationResult
 from ..json_values import JSONObject, JSONValue
 from .observe import CallObserver
+from .wire import error_payload
 
 DONE: Final = "data: [DONE]\n\n"
 DEFAULT_MAX_PENDING: Final = 64
@@ -39,6 +40,11 @@ def data_event(payload: Mapping[str, JSONValue]) -> str:
 
 def named_event(name: str, payload: Mapping[str, JSONValue]) -> str:
     return f"event: {name}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def error_records(error: BaseException) -> list[str]:
+    """An error after the first byte of an OpenAI-style stream: ``data: {"error": ...}``, then ``[DONE]``."""
+    return [data_event(error_payload(error)[1]), DONE]
 
 
 # --------------------------------------------------------------------------- pump items

@@ -71,13 +71,7 @@ def completion_body(result: GenerationResult, *, completion_id: str, model: str,
         "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": result.finish_reason or "stop"}],
     }
-    usage = usage_to_wire(result.usage)
-    if usage is not None:
-        body["usage"] = usage
-    block = abstractcore_block(result.metadata)
-    if block is not None:
-        body["abstractcore"] = block
-    return body
+    return with_usage_and_block(body, usage=usage_to_wire(result.usage), metadata=result.metadata)
 
 
 def chunk_body(
@@ -97,9 +91,14 @@ def chunk_body(
         "model": model,
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
     }
-    wire_usage = usage_to_wire(usage)
-    if wire_usage is not None:
-        body["usage"] = wire_usage
+    return with_usage_and_block(body, usage=usage_to_wire(usage), metadata=metadata)
+
+
+def with_usage_and_block(body: JSONObject, *, usage: JSONObject | None, metadata: Mapping[str, JSONValue] | None) -> JSONObject:
+    """``body`` with ``usage`` (already in its route's form) and the ``abstractcore`` block of
+    ``metadata`` added, each only when there is one (absent keys stay absent)."""
+    if usage is not None:
+        body["usage"] = usage
     block = abstractcore_block(metadata)
     if block is not None:
         body["abstractcore"] = block

@@ -1,0 +1,88 @@
+"""``POST /v1/chat/completions``: OpenAI-compatible chat, streamed or not (``docs/server.md``).
+
+The body is checked at the edge (``schemas.ChatCompletionRequest``, decoded on a thread: it may
+be large) and runs through ``calls.serve_call`` like every generating route; ``ChatRenderer``
+writes the ``chat.completion`` body and the ``chat.completion.chunk`` stream: a first chunk with
+``delta.role``, content deltas, one terminal chunk with ``finish_reason``, ``usage`` and
+``abstractcore``, then ``data: [DONE]``; an error after the first byte is a
+``data: {"error": ...}`` record followed by ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..json_values import JSONObject, JSONValue
+from ..results import GenerationChunk, GenerationResult
+from .calls import serve_call
+from .edge import read_body
+from .schemas import ChatCompletionRequest, parse_body
+from .sse import DONE, data_event, error_records
+from .wire import chunk_body, completion_body, new_completion_id, now_s
+
+log = logging.getLogger(__name__)
+
+
+async def chat_completions(request: Request) -> Response:
+    # Decoding and checking a large body (up to the body limit) takes long: off the event loop.
+    body = await asyncio.to_thread(parse_body, ChatCompletionRequest, await read_body(request))
+    unknown = body.unknown_fields()
+    if unknown:
+        log.warning("chat request: ignoring unknown field(s) %s", ", ".join(unknown))
+    return await serve_call(request, body, route="chat", renderer=ChatRenderer())
+
+
+class ChatRenderer:
+    """Writes one call's answer as ``chat.completion`` objects (``calls.WireRenderer``)."""
+
+    ends_at_final = False
+
+    def __init__(self) -> None:
+        self.completion_id = new_completion_id()
+        self.created = now_s()
+        self._model = ""
+
+    def _chunk(
+        self,
+        delta: JSONObject,
+        *,
+        finish_reason: str | None = None,
+        usage: Mapping[str, int] | None = None,
+        metadata: Mapping[str, JSONValue] | None = None,
+    ) -> str:
+        return data_event(
+            chunk_body(
+                completion_id=self.completion_id,
+                model=self._model,
+                created=self.created,
+                delta=delta,
+                finish_reason=finish_reason,
+                usage=usage,
+                metadata=metadata,
+            )
+        )
+
+    def body(self, result: GenerationResult, *, model: str) -> JSONObject:
+        return completion_body(result, completion_id=self.completion_id, model=model, created=self.created)
+
+    def opening(self, *, model: str) -> list[str]:
+        self._model = model
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def text(self, delta: str) -> str:
+        return self._chunk({"content": delta})
+
+    def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
+        delta: JSONObject = {"content": tail} if tail else {}
+        return [self._chunk(delta, finish_reason=final.finish_reason, usage=final.usage, metadata=final.metadata)]
+
+    def ending(self) -> list[str]:
+        return [DONE]
+
+    def failure(self, error: BaseException) -> list[str]:
+        return error_records(error)
