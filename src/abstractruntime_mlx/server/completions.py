@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -30,7 +30,7 @@ from ..json_values import JSONObject
 from ..results import GenerationChunk, GenerationResult
 from .edge import read_body
 from .calls import chat_body, serve_call
-from .schemas import FiniteFloat, ModelName, StreamOptions, parse_body
+from .schemas import ModelName, SamplingFields, StreamOptions, parse_body
 from .sse import DONE, data_event, error_records
 from .wire import usage_to_wire, with_usage_and_block
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 TOLERATED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="allow")
 
     model: ModelName | None = None
@@ -52,16 +52,6 @@ class CompletionRequest(BaseModel):
     logprobs: StrictInt | None = None
     suffix: StrictStr | None = None
     max_tokens: StrictInt | None = None
-    temperature: FiniteFloat | None = None
-    top_p: FiniteFloat | None = None
-    top_k: StrictInt | None = None
-    min_p: FiniteFloat | None = None
-    repetition_penalty: FiniteFloat | None = None
-    presence_penalty: FiniteFloat | None = None
-    frequency_penalty: FiniteFloat | None = None
-    logit_bias: dict[str, FiniteFloat] | None = None
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
     speculation: object = None
     thinking: object = None
     keep_alive: object = None  # as on chat: how long the model stays resident once idle
@@ -87,8 +77,6 @@ _REFUSED = (
     ("suffix", lambda b: b.suffix is not None, "suffix (insertion) is not supported"),
 )
 
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop")
-
 
 async def create_completion(request: Request) -> Response:
     body = await asyncio.to_thread(parse_body, CompletionRequest, await read_body(request))
@@ -109,7 +97,7 @@ async def create_completion(request: Request) -> Response:
             "thinking": body.thinking,
             "keep_alive": body.keep_alive,
             "prompt_cache_key": body.prompt_cache_key,
-            **{name: getattr(body, name) for name in _SAMPLING},
+            **body.sampling_given(),
         }
     )
     return await serve_call(request, chat, route="completions", renderer=CompletionRenderer())

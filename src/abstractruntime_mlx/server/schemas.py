@@ -129,16 +129,10 @@ class ChatMessage(BaseModel):
     tool_call_id: StrictStr | None = None
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class SamplingFields(BaseModel):
+    """The sampling fields of the chat and completions bodies (ranges and the model-dependent
+    checks are the provider's)."""
 
-    model: ModelName | None = None
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    n: StrictInt | None = Field(default=None, ge=1, le=1)
-
-    # sampling (ranges and the model-dependent checks are the provider's)
     temperature: FiniteFloat | None = None
     top_p: FiniteFloat | None = None
     top_k: StrictInt | None = None
@@ -149,6 +143,20 @@ class ChatCompletionRequest(BaseModel):
     logit_bias: dict[str, FiniteFloat] | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
+
+    def sampling_given(self) -> dict[str, object]:
+        """The sampling fields this body gives (those left out are absent)."""
+        return {name: value for name in SamplingFields.model_fields if (value := getattr(self, name)) is not None}
+
+
+class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow")
+
+    model: ModelName | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt | None = Field(default=None, ge=1, le=1)
     max_tokens: StrictInt | None = None
     max_output_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
