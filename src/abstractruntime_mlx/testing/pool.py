@@ -31,7 +31,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol, Self, TypeVar
 
 __all__ = [
     "HAProxyProcess",
@@ -91,6 +91,23 @@ def wait_until(ready: Callable[[], bool], *, what: str, proc: subprocess.Popen[b
     raise RuntimeError(f"{what}: not ready after {timeout_s:.0f} s")
 
 
+class _Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+_S = TypeVar("_S", bound=_Stoppable)
+
+
+def _ready_or_stopped(started: _S, ready: Callable[[], bool], *, what: str, proc: subprocess.Popen[bytes]) -> _S:
+    """``started`` once ``ready()``; when it never is, ``started`` is stopped and the error raised."""
+    try:
+        wait_until(ready, what=what, proc=proc)
+    except BaseException:
+        started.stop()
+        raise
+    return started
+
+
 def _get_json(url: str, timeout_s: float = 2.0) -> dict[str, object] | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - loopback URLs built here
@@ -131,12 +148,30 @@ def _stop(proc: subprocess.Popen[bytes], *, timeout_s: float = 10.0) -> None:
 
 
 @dataclass
-class ServerProcess:
-    """One ``abstractruntime-mlx serve --model MODEL`` on 127.0.0.1:``port``."""
+class _LocalServer:
+    """A server process answering HTTP on 127.0.0.1:``port``; ``with`` stops it."""
 
     proc: subprocess.Popen[bytes]
     port: int
     log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+@dataclass
+class ServerProcess(_LocalServer):
+    """One ``abstractruntime-mlx serve --model MODEL`` on 127.0.0.1:``port``."""
 
     @classmethod
     def start(cls, model: str, *, port: int, extra: tuple[str, ...] = (), log_path: Path | None = None) -> ServerProcess:
@@ -145,16 +180,7 @@ class ServerProcess:
         env = {**os.environ, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         server = cls(proc, port, log_path)
-        try:
-            wait_until(server.healthy, what=f"serve on port {port}", proc=proc)
-        except BaseException:
-            server.stop()
-            raise
-        return server
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return _ready_or_stopped(server, server.healthy, what=f"serve on port {port}", proc=proc)
 
     def healthy(self) -> bool:
         body = _get_json(self.url + "/health", timeout_s=1.0)
@@ -176,12 +202,6 @@ class ServerProcess:
     def stop(self) -> None:
         _stop(self.proc)
 
-    def __enter__(self) -> ServerProcess:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
 
 @dataclass
 class HAProxyProcess:
@@ -198,12 +218,7 @@ class HAProxyProcess:
             raise RuntimeError("haproxy is not installed")
         proc = subprocess.Popen([binary, "-db", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         lb = cls(proc, port, socket_path)
-        try:
-            wait_until(lambda: lb.count_up() >= servers_up, what="haproxy", proc=proc)
-        except BaseException:
-            lb.stop()
-            raise
-        return lb
+        return _ready_or_stopped(lb, lambda: lb.count_up() >= servers_up, what="haproxy", proc=proc)
 
     @property
     def url(self) -> str:
@@ -244,7 +259,7 @@ class HAProxyProcess:
 
 
 @dataclass
-class MLXLMServerProcess:
+class MLXLMServerProcess(_LocalServer):
     """mlx-lm's own server on 127.0.0.1:``port``. With ``ranks`` > 1 it is
     ``mlx.launch -n RANKS --backend ring -- mlx_lm.server --model MODEL --port PORT``: RANKS
     processes joined by MLX's ring backend (TCP on loopback), each holding a tensor-parallel
@@ -257,10 +272,6 @@ class MLXLMServerProcess:
     ``stop()`` ends all of them with one ``killpg``. ``cwd`` is the working directory: a
     relative ``model`` (``org/name``, as a flow names it) is a folder there, not a Hub download.
     """
-
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path | None = None
 
     @classmethod
     def start(
@@ -300,16 +311,7 @@ class MLXLMServerProcess:
             )
         server = cls(proc, port, log_path)
         what = f"mlx.launch -n {ranks} mlx_lm.server" if ranks > 1 else "mlx_lm.server"
-        try:
-            wait_until(server.answers_chat, what=f"{what} on port {port}", proc=proc)
-        except BaseException:
-            server.stop()
-            raise
-        return server
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return _ready_or_stopped(server, server.answers_chat, what=f"{what} on port {port}", proc=proc)
 
     def answers_chat(self) -> bool:
         """``/health`` is up before the ranks have loaded their shards; a one-token chat call
@@ -345,12 +347,6 @@ class MLXLMServerProcess:
         self.proc.wait(timeout_s)
         if self.proc.stdin is not None:
             self.proc.stdin.close()
-
-    def __enter__(self) -> MLXLMServerProcess:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
 
 def _signal_group(group: int, sig: signal.Signals) -> None:
