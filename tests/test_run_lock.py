@@ -26,6 +26,7 @@ from abstractruntime_mlx.ledger import Ledger, sqlite_url
 from abstractruntime_mlx.ledger import run_lock
 from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.runtime_plugin import resume_run, run_flow
+from test_run_harness import slow_chain
 
 
 FLOWS = Path(__file__).resolve().parent / "flows"
@@ -327,22 +328,7 @@ def test_two_answers_at_once_one_drives_the_other_is_refused(cli_ledger, dense_m
     assert code == 1 and error_code(err) == "run_not_resumable" and len(llm_steps(cli_ledger, run_id)) == 1
 
 
-SLOW_FLOW = {
-    "id": "slow_chain",
-    "entryNode": "start",
-    "nodes": [
-        {"id": "start", "type": "on_flow_start", "data": {}},
-        {"id": "first", "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 8}, "pinDefaults": {"prompt": "One."}}},
-        {"id": "slow", "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 600, "speculation": False}, "pinDefaults": {"prompt": "Write a long story."}}},
-        {"id": "end", "type": "on_flow_end", "data": {"inputs": [{"id": "exec-in", "type": "execution"}, {"id": "story", "type": "string"}]}},
-    ],
-    "edges": [
-        {"source": "start", "sourceHandle": "exec-out", "target": "first", "targetHandle": "exec-in"},
-        {"source": "first", "sourceHandle": "exec-out", "target": "slow", "targetHandle": "exec-in"},
-        {"source": "slow", "sourceHandle": "exec-out", "target": "end", "targetHandle": "exec-in"},
-        {"source": "slow", "sourceHandle": "response", "target": "end", "targetHandle": "story"},
-    ],
-}
+SLOW_FLOW = slow_chain("slow_chain", slow_tokens=600)
 
 
 def start_slow_run(ledger: Path, flow: Path, model: str) -> tuple[subprocess.Popen[str], str]:

@@ -22,26 +22,12 @@ from sqlalchemy import create_engine, make_url, text
 
 from abstractruntime_mlx.ledger import Ledger
 from abstractruntime_mlx.runtime_plugin.takeover import interrupted_roots
+from test_run_harness import slow_chain
 
 pytestmark = pytest.mark.slow
 
 RUNS = 2
-FLOW = {
-    "id": "takeover_chain",
-    "entryNode": "start",
-    "nodes": [
-        {"id": "start", "type": "on_flow_start", "data": {}},
-        {"id": "first", "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 8}, "pinDefaults": {"prompt": "One."}}},
-        {"id": "slow", "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 1500, "speculation": False}, "pinDefaults": {"prompt": "Write a long story."}}},
-        {"id": "end", "type": "on_flow_end", "data": {"inputs": [{"id": "exec-in", "type": "execution"}, {"id": "story", "type": "string"}]}},
-    ],
-    "edges": [
-        {"source": "start", "sourceHandle": "exec-out", "target": "first", "targetHandle": "exec-in"},
-        {"source": "first", "sourceHandle": "exec-out", "target": "slow", "targetHandle": "exec-in"},
-        {"source": "slow", "sourceHandle": "exec-out", "target": "end", "targetHandle": "exec-in"},
-        {"source": "slow", "sourceHandle": "response", "target": "end", "targetHandle": "story"},
-    ],
-}
+FLOW = slow_chain("takeover_chain", slow_tokens=1500)
 
 
 def cli(ledger_url: str, *argv: str) -> subprocess.Popen[str]:
