@@ -1,7 +1,8 @@
 """The text lane: plain text rows decode in mlx-lm's ``BatchGenerator``.
 
-mlx-lm's batch loop steps faster than mlx-vlm's at 16 and more rows (measured on CUDA,
-``docs/benchmarks.md``), and it interleaves prefill with decode by itself: each ``next()``
+Bare, mlx-lm's batch loop steps faster than mlx-vlm's at 16 and more rows (measured on CUDA,
+``docs/benchmarks.md``; inside the engine the gain shows at 16 rows, not yet at 32-64), and it
+interleaves prefill with decode by itself: each ``next()``
 decodes the running rows first, then prefills one chunk (``prefill_step_size`` columns) of
 the prompts waiting, so a long prompt arriving never stalls the rows already decoding for
 more than one chunk.
