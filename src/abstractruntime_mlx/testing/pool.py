@@ -31,7 +31,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol, Self, TypeVar
+from typing import Final, Self, TypeVar
 
 __all__ = [
     "HAProxyProcess",
@@ -91,11 +91,20 @@ def wait_until(ready: Callable[[], bool], *, what: str, proc: subprocess.Popen[b
     raise RuntimeError(f"{what}: not ready after {timeout_s:.0f} s")
 
 
-class _Stoppable(Protocol):
-    def stop(self) -> None: ...
+class _StopsOnExit:
+    """A started process that leaving its ``with`` block stops."""
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
 
-_S = TypeVar("_S", bound=_Stoppable)
+_S = TypeVar("_S", bound=_StopsOnExit)
 
 
 def _ready_or_stopped(started: _S, ready: Callable[[], bool], *, what: str, proc: subprocess.Popen[bytes]) -> _S:
@@ -148,8 +157,8 @@ def _stop(proc: subprocess.Popen[bytes], *, timeout_s: float = 10.0) -> None:
 
 
 @dataclass
-class _LocalServer:
-    """A server process answering HTTP on 127.0.0.1:``port``; ``with`` stops it."""
+class _LocalServer(_StopsOnExit):
+    """A server process answering HTTP on 127.0.0.1:``port``."""
 
     proc: subprocess.Popen[bytes]
     port: int
@@ -158,15 +167,6 @@ class _LocalServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
 
 @dataclass
@@ -204,7 +204,7 @@ class ServerProcess(_LocalServer):
 
 
 @dataclass
-class HAProxyProcess:
+class HAProxyProcess(_StopsOnExit):
     """``haproxy -db -f CONFIG`` in the foreground, with its stats socket at ``socket_path``."""
 
     proc: subprocess.Popen[bytes]
@@ -250,12 +250,6 @@ class HAProxyProcess:
 
     def stop(self) -> None:
         _stop(self.proc)
-
-    def __enter__(self) -> HAProxyProcess:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
 
 @dataclass
