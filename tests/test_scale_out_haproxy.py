@@ -130,17 +130,28 @@ def test_a_server_killed_mid_batch_costs_retries_not_runs(pool, dense_model, tmp
 
     def batch() -> None:
         try:
-            outcome["results"] = run_batch(lb, dense_model, ledger_url, runs=8, max_tokens=400)
+            # Long answers: a call is still streaming when the kill lands, however loaded the
+            # machine is (a call HAProxy can still redispatch is retried there, unseen by the run).
+            outcome["results"] = run_batch(lb, dense_model, ledger_url, runs=8, max_tokens=1500)
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             outcome["error"] = exc
 
     coordinator = threading.Thread(target=batch, name="coordinator")
     coordinator.start()
+    # The victim: a server whose engine has stepped a few times with calls in it, so their SSE
+    # answers have begun (HAProxy redispatches a call that has not answered yet: the run would
+    # never see that one fail).
     victim = None
+    first_steps: dict[int, int] = {}
     deadline = time.monotonic() + 120
     while victim is None and coordinator.is_alive() and time.monotonic() < deadline:
-        for server in servers:
-            if int(server.execution().get("active", 0) or 0) >= 1:  # decoding calls, their SSE answers begun
+        for i, server in enumerate(servers):
+            execution = server.execution()
+            steps = int((execution.get("step_profile") or {}).get("num_steps", 0) or 0)
+            if int(execution.get("active", 0) or 0) < 1:
+                first_steps.pop(i, None)
+                continue
+            if steps - first_steps.setdefault(i, steps) >= 3:
                 victim = server
                 break
     assert victim is not None, "no server ever had an active call"
