@@ -165,12 +165,20 @@ def test_a_server_killed_mid_batch_costs_retries_not_runs(pool, dense_model, tmp
     for r in results:  # a failed attempt is listed: only calls the kill cut off mid-answer
         assert all(f.error.startswith("[upstream_error]") for f in r.failures), r.failures
 
-    retried = []
+    # A cut call is called again, and the ledger says so: a node's own call as the step's next
+    # attempt, a sibling prefetch (siblings are prefetched together) in the node's recorded
+    # result (``sibling_batch``: ``prefetch_failed``, then called again within the attempt).
+    retried: list[str] = []
     for r in results:
         steps = llm_steps(ledger_url, r.run_id)
         completed = {s.node_id for s in steps if s.status == "completed"}
         assert completed == {f"b{i}" for i in range(BRANCHES)}
-        retried += [s for s in steps if s.status == "completed" and s.attempt >= 2]
-    assert retried, "no call was cut off by the kill: every retried step is recorded with its attempt"
+        retried += [f"{r.run_id}/{s.node_id}#{s.attempt}" for s in steps if s.status == "completed" and s.attempt >= 2]
+        for n in r.nodes:
+            sibling = n.result["metadata"].get("sibling_batch") or {}
+            if sibling.get("reason") == "prefetch_failed":
+                assert sibling.get("error") == "upstream_error", sibling
+                retried.append(f"{r.run_id}/{n.node_id} (prefetch)")
+    assert retried, "no call was cut off by the kill: a retried call shows as a step attempt or a failed prefetch"
     name = f"s{servers.index(victim) + 1}"  # lb-config names the servers in the order given
     wait_until(lambda: lb.server_stats()[name]["status"].startswith("DOWN"), what=f"HAProxy marking {name} down", timeout_s=60)
