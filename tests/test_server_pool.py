@@ -325,3 +325,8 @@ def test_check_refuses_a_flow_whose_model_the_server_cannot_serve(cli_env: Path,
     problems = [(p["code"], p["node_id"], p["field"]) for p in json.loads(out)["problems"]]
     assert problems == [("model_not_served", "ask", "nodes[1].data.effectConfig.model")]
     assert main(["check", flow, "--route", f"lmstudio={served_url}"]) == 0  # nothing is asked without --probe
+    capsys.readouterr()
+    # run routed to the server asks it first: refused before any node runs
+    assert main(["run", flow, "--route", f"lmstudio={served_url}", "--json"]) == 1
+    _, err = capsys.readouterr()
+    assert "model_not_served" in err and "ask" in err

@@ -294,7 +294,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def check_before_run(settings: RunSettings) -> bool:
-    """``check`` the flow as this run would use it; print its findings on stderr. False: do not run."""
+    """``check`` the flow as this run would use it; print its findings on stderr. False: do not run.
+
+    A run routed to servers (``--route``) asks them first (``check --probe``): it would contact
+    them anyway, and a node whose model the server cannot serve is refused before anything runs."""
     from ..runtime_plugin.check import check_flow
     from ..runtime_plugin.flowdiff import flow_hash
 
@@ -307,6 +310,7 @@ def check_before_run(settings: RunSettings) -> bool:
         flows_dir=settings.flows_dir,
         allow_network_tools=settings.allow_network_tools,
         remote=settings.remote,
+        probe_remote=bool(settings.routes),
     )
     if not report.ok:
         print(printable(report.render()), file=sys.stderr)
