@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -69,6 +70,27 @@ def started_second_nodes(ledger_url: str, earlier: set[str]) -> list[str] | None
     return runs
 
 
+def freeze_between_writes(proc: subprocess.Popen[bytes], ledger_url: str) -> None:
+    """SIGSTOP ``proc`` at a moment it holds no SQLite write transaction (it writes phase events
+    all the time; frozen inside one, it would lock every other writer of the file out)."""
+    sqlite_path = make_url(ledger_url).database if ledger_url.startswith("sqlite") else None
+    for _ in range(200):
+        proc.send_signal(signal.SIGSTOP)
+        if sqlite_path is None:
+            return
+        probe = sqlite3.connect(sqlite_path, timeout=0.2)
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.rollback()
+            return
+        except sqlite3.OperationalError:  # frozen mid-write: let it finish, freeze again
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(0.02)
+        finally:
+            probe.close()
+    raise AssertionError("the coordinator never paused between two writes")
+
+
 @pytest.fixture()
 def own_ledger(ledger_url):
     """The ledger URL, on PostgreSQL a database of this test's own: ``--all-running`` takes over
@@ -106,7 +128,7 @@ def test_a_second_coordinator_refuses_held_runs_then_takes_over_after_the_first_
             runs = started_second_nodes(ledger_url, earlier)
             time.sleep(0.01)
         assert runs is not None, first.communicate(timeout=60)
-        first.send_signal(signal.SIGSTOP)  # alive, holding its runs' locks, doing nothing
+        freeze_between_writes(first, ledger_url)  # alive, holding its runs' locks, doing nothing
 
         before = steps_of(ledger_url, runs)
         code, outcomes, err = takeover(ledger_url)
