@@ -1,8 +1,14 @@
 """Helpers shared by the run-lock and takeover tests (no tests here): the flow whose driver a
-test stops or kills while its second LLM node runs."""
+test stops or kills while its second LLM node runs, and stopping that driver between writes."""
 
 from __future__ import annotations
 
+import os
+import signal
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
 from typing import Any
 
 
@@ -25,3 +31,24 @@ def slow_chain(flow_id: str, *, slow_tokens: int) -> dict[str, Any]:
             {"source": "slow", "sourceHandle": "response", "target": "end", "targetHandle": "story"},
         ],
     }
+
+
+def stop_outside_a_write(proc: subprocess.Popen[Any], ledger: Path | None) -> None:
+    """SIGSTOP ``proc`` at a moment it holds no write transaction on the SQLite file ``ledger``
+    (a process stopped inside one keeps every other writer of the file waiting; it writes phase
+    events all the time). ``None``: not SQLite, stop it at once."""
+    for _ in range(1000):
+        os.kill(proc.pid, signal.SIGSTOP)
+        if ledger is None:
+            return
+        db = sqlite3.connect(ledger, timeout=0, isolation_level=None)
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:  # stopped mid-write: let it finish, stop it again
+            os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(0.005)
+        finally:
+            db.close()
+    raise AssertionError("the process never paused outside a write")

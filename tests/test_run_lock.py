@@ -26,7 +26,7 @@ from abstractruntime_mlx.ledger import Ledger, sqlite_url
 from abstractruntime_mlx.ledger import run_lock
 from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.runtime_plugin import resume_run, run_flow
-from test_run_harness import slow_chain
+from test_run_harness import slow_chain, stop_outside_a_write
 
 
 FLOWS = Path(__file__).resolve().parent / "flows"
@@ -382,23 +382,6 @@ def test_two_replays_after_the_driver_was_killed_resume_the_run_once(cli_ledger,
         assert sorted(starts) == ["first", "slow", "slow"], (round_, starts)  # killed attempt + one resume
         with Ledger(sqlite_url(cli_ledger)) as db:
             assert db.get_run(run_id).status == "completed"
-
-
-def stop_outside_a_write(proc: subprocess.Popen[str], ledger: Path) -> None:
-    """SIGSTOP ``proc`` at a moment it holds no SQLite write transaction (a stopped writer would
-    keep every other writer of the ledger waiting)."""
-    for _ in range(1000):
-        os.kill(proc.pid, signal.SIGSTOP)
-        db = sqlite3.connect(ledger, timeout=0, isolation_level=None)
-        try:
-            db.execute("BEGIN IMMEDIATE")
-            db.execute("ROLLBACK")
-            return
-        except sqlite3.OperationalError:
-            os.kill(proc.pid, signal.SIGCONT)
-        finally:
-            db.close()
-    raise AssertionError("the run process never paused outside a write")
 
 
 @pytest.mark.slow

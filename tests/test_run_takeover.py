@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from sqlalchemy import create_engine, make_url, text
 
 from abstractruntime_mlx.ledger import Ledger
 from abstractruntime_mlx.runtime_plugin.takeover import interrupted_roots
-from test_run_harness import slow_chain
+from test_run_harness import slow_chain, stop_outside_a_write
 
 pytestmark = pytest.mark.slow
 
@@ -70,27 +69,6 @@ def started_second_nodes(ledger_url: str, earlier: set[str]) -> list[str] | None
     return runs
 
 
-def freeze_between_writes(proc: subprocess.Popen[bytes], ledger_url: str) -> None:
-    """SIGSTOP ``proc`` at a moment it holds no SQLite write transaction (it writes phase events
-    all the time; frozen inside one, it would lock every other writer of the file out)."""
-    sqlite_path = make_url(ledger_url).database if ledger_url.startswith("sqlite") else None
-    for _ in range(200):
-        proc.send_signal(signal.SIGSTOP)
-        if sqlite_path is None:
-            return
-        probe = sqlite3.connect(sqlite_path, timeout=0.2)
-        try:
-            probe.execute("BEGIN IMMEDIATE")
-            probe.rollback()
-            return
-        except sqlite3.OperationalError:  # frozen mid-write: let it finish, freeze again
-            proc.send_signal(signal.SIGCONT)
-            time.sleep(0.02)
-        finally:
-            probe.close()
-    raise AssertionError("the coordinator never paused between two writes")
-
-
 @pytest.fixture()
 def own_ledger(ledger_url):
     """The ledger URL, on PostgreSQL a database of this test's own: ``--all-running`` takes over
@@ -128,7 +106,8 @@ def test_a_second_coordinator_refuses_held_runs_then_takes_over_after_the_first_
             runs = started_second_nodes(ledger_url, earlier)
             time.sleep(0.01)
         assert runs is not None, first.communicate(timeout=60)
-        freeze_between_writes(first, ledger_url)  # alive, holding its runs' locks, doing nothing
+        sqlite_file = make_url(ledger_url).database if ledger_url.startswith("sqlite") else None
+        stop_outside_a_write(first, Path(sqlite_file) if sqlite_file else None)  # alive, holding its runs' locks, doing nothing
 
         before = steps_of(ledger_url, runs)
         code, outcomes, err = takeover(ledger_url)
