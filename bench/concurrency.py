@@ -95,6 +95,7 @@ from typing import Any, Callable
 
 import _models  # bench/_models.py (``python bench/X.py`` puts bench/ first on sys.path)
 import client_side
+from client_side import _fmt
 from forward import ForwardLoop
 from shapes import ShapeLog, Window
 
@@ -886,10 +887,6 @@ def bench_model(
     order = {n: i for i, n in enumerate(targets)}
     points.sort(key=lambda p: (order.get(p.target, 99), p.concurrency))
     return points
-
-
-def _fmt(x: float | int | None, spec: str = ".1f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 def ratios(points: list[Point]) -> list[dict[str, Any]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from abstractruntime_mlx.engine import model as model_module
 from abstractruntime_mlx.engine.request import EngineRequest, ExecutionMode
 from abstractruntime_mlx.engine.scheduler import group_key, take_compatible, target_only_key, under_load
 from abstractruntime_mlx.testing import companion_head_path, tiny_model
+from test_call_harness import together
 
 PROMPTS = ["Explain TTL caches.", "Explain LRU caches.", "What is a prefix cache?", "Why batch requests?"]
 OPTIONAL = {"mode": "native_mtp", "num_draft_tokens": 2}
@@ -36,18 +36,6 @@ def companion_model(models_dir) -> Path:
 def aligned_model(models_dir) -> str:
     """Every draft accepted (alpha 0): the most tokens a verify round can hand back at once."""
     return str(tiny_model(models_dir / "hybrid-a0", kind="hybrid-mtp", seed=0, mtp_alpha=0.0))
-
-
-def together(llm, calls: list[dict]) -> list:
-    """Submit ``calls`` at once from as many threads (each a dict of generate kwargs)."""
-    start = threading.Barrier(len(calls))
-
-    def one(kwargs):
-        start.wait()
-        return llm.generate(**kwargs)
-
-    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-        return list(pool.map(one, calls))
 
 
 # -- the head attaches to the resident target ------------------------------------------------

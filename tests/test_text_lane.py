@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from abstractruntime_mlx import errors
+from test_call_harness import together
 
 PROMPTS = ["Explain TTL caches.", "Explain LRU caches.", "What is a prefix cache?", "Why batch requests?"]
 SCHEMA = {
@@ -30,18 +31,6 @@ def batched(make_llm, model, text_lane, **options):
         speculation=False,
         **options,
     )
-
-
-def together(llm, calls):
-    """Run ``calls`` (kwargs for generate) at once, so they share one batch."""
-    start = threading.Barrier(len(calls))
-
-    def one(kwargs):
-        start.wait()
-        return llm.generate(**kwargs)
-
-    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-        return list(pool.map(one, calls))
 
 
 MIXED = [
