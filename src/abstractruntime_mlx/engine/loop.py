@@ -209,8 +209,9 @@ class Engine:
         self._closed = False
         self._fatal: BaseException | None = None
         self._stream: Any = None
-        self._single_model: bool | None = None  # whether the loaded model can use the single lane
-        self._text_model: bool | None = None  # whether its text rows can use the text lane
+        # Whether the loaded model's rows run on a plain KV cache per layer without position ids:
+        # what both the single lane and the text lane need (asked once).
+        self._plain_kv_model: bool | None = None
         self._text_lm: Any = None  # what the text lane steps (``text_batch.language_model``), once built
         self.stats = EngineStats()
         self._thread: WorkerHandle | None = None
@@ -565,20 +566,17 @@ class Engine:
         return _SharedPrefixes(cache)
 
     def _single_lane_model(self) -> bool:
-        """Whether the loaded model's rows can decode on the single lane (asked once)."""
-        if not self.config.single_lane:
-            return False
-        if self._single_model is None:
-            self._single_model = self._model.lane == Lane.NATIVE and supports_model(self._model.model)
-        return self._single_model
+        """Whether the loaded model's rows can decode on the single lane."""
+        return self.config.single_lane and self._plain_kv()
 
     def _text_lane_model(self) -> bool:
-        """Whether the loaded model's text rows can batch in mlx-lm's loop (asked once)."""
-        if not self.config.text_lane:
-            return False
-        if self._text_model is None:
-            self._text_model = self._model.lane == Lane.NATIVE and supports_model(self._model.model)
-        return self._text_model
+        """Whether the loaded model's text rows can batch in mlx-lm's loop."""
+        return self.config.text_lane and self._plain_kv()
+
+    def _plain_kv(self) -> bool:
+        if self._plain_kv_model is None:
+            self._plain_kv_model = self._model.lane == Lane.NATIVE and supports_model(self._model.model)
+        return self._plain_kv_model
 
     def _check_device(self, step_error: Exception) -> None:
         """After a failed step, MLX must still compute on the worker's stream; if it does not,
