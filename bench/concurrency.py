@@ -35,6 +35,8 @@ the tiny tokenizer padded to it), meant for a GPU. The providers' batch size is 
   batch step too): the single-request lane's before;
 - ``ours_vlm``: ours with ``mlx_text_lane=False`` (every batch in mlx-vlm's loop): the text
   lane's before;
+- ``ours_bucketed``: ours with ``mlx_prefill_buckets=True`` (prompt chunks padded to a few
+  lengths, those shapes warmed at load);
 - ``abstractcore``: AbstractCore's MLX provider with the same options (``speculation=False``);
 - ``mlx_lm.server``: a ``python -m mlx_lm.server`` subprocess on loopback, OpenAI chat
   requests streamed with httpx (``max_tokens``, ``temperature: 0``,
@@ -103,7 +105,10 @@ MAX_TOKENS = 64
 MAX_BATCH = 8  # the providers' mlx_max_batch_size; main() sets it to the largest concurrency
 QUEUE_SIZE = 32  # the providers' mlx_max_queue_size; main() sizes it to the most requests of a point
 SERIAL_TARGETS = ("stream_generate", "mlx_lm.server")  # one request at a time
-TARGETS = ("forward", "raw", "raw_lm", "stream_generate", "ours", "ours_batch", "ours_vlm", "abstractcore", "mlx_lm.server")
+TARGETS = (
+    "forward", "raw", "raw_lm", "stream_generate", "ours", "ours_batch", "ours_vlm", "ours_bucketed", "abstractcore",
+    "mlx_lm.server",
+)
 FLOORS = {  # ours / X: the floor each ratio should reach, per concurrency (None = any)
     "forward": {32: 0.6, 64: 0.6},
     "raw": {None: 0.95, 16: 1.0, 32: 1.3, 64: 1.3},
@@ -773,6 +778,8 @@ def make_target(name: str) -> Any:
         return ProviderTarget("ours_batch", lambda path: ours_factory(_alias(path, "ours-batch"), mlx_single_lane=False))
     if name == "ours_vlm":
         return ProviderTarget("ours_vlm", lambda path: ours_factory(_alias(path, "ours-vlm"), mlx_text_lane=False))
+    if name == "ours_bucketed":
+        return ProviderTarget("ours_bucketed", lambda path: ours_factory(_alias(path, "ours-bucketed"), mlx_prefill_buckets=True))
     if name == "abstractcore":
         return ProviderTarget("abstractcore", abstractcore_factory)
     if name == "mlx_lm.server":

@@ -130,3 +130,17 @@ def test_mlx_lm_batch_generator_fields():
         assert f"self.{attr}" in step_state, attr
     assert {"uid", "progress", "end_of_prompt"} <= set(PromptProcessingBatch.Response.__dataclass_fields__)
     assert callable(getattr(KVCache, "merge", None)) and callable(TokenBuffer)
+
+
+def test_mlx_lm_prompt_batch_padding():
+    """What ``engine/prefill_shapes.py`` relies on: the prompt batch the generator keeps and
+    copies with its own class, and the batch cache's right padding turned into left padding."""
+    from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+    from mlx_lm.models.cache import BatchKVCache
+
+    assert "self.__class__" in inspect.getsource(PromptProcessingBatch._copy)
+    assert {"model", "uids", "caches", "prefill_step_size"} <= set(inspect.signature(PromptProcessingBatch.__init__).parameters)
+    assert {"fallback_sampler", "prefill_step_size"} <= set(inspect.signature(PromptProcessingBatch.empty).parameters)
+    assert "self._prompt_batch.prompt(" in inspect.getsource(BatchGenerator._next)
+    assert "right_padding" in inspect.signature(BatchKVCache.prepare).parameters
+    assert callable(getattr(BatchKVCache, "finalize", None))

@@ -35,3 +35,8 @@ class EngineConfig:
     # steps faster at high concurrency and interleaves prefill chunks with decode; off: every
     # batch runs in mlx-vlm's loop.
     text_lane: bool = True
+    # The text lane pads prompt chunks to a few lengths and runs those prefill shapes once when
+    # the model loads (``prefill_shapes``): on MLX's CUDA backend a shape's first run costs
+    # 60-470 ms of setup. Off by default: on the H200 it did not raise throughput at 16-64
+    # concurrent requests, and the warm-up adds seconds to a load (docs/benchmarks.md).
+    prefill_buckets: bool = False

@@ -77,6 +77,7 @@ from .scheduler import (
     StepPlan,
     prefilling_rows,
 )
+from .prefill_shapes import Buckets, warm
 from .serial import SerialBackend
 from .single import SingleBackend, supports_model
 from .stops import StopMatcher
@@ -213,6 +214,7 @@ class Engine:
         # what both the single lane and the text lane need (asked once).
         self._plain_kv_model: bool | None = None
         self._text_lm: Any = None  # what the text lane steps (``text_batch.language_model``), once built
+        self._buckets: Buckets | None = None  # the text lane's prefill shapes, where bounded
         self.stats = EngineStats()
         self._thread: WorkerHandle | None = None
         # What closing the prefix cache raised as the worker stopped (read after ``stop()``).
@@ -441,6 +443,7 @@ class Engine:
                             max_batch_size=self.config.max_batch_size,
                             restore_align=restore_alignment(self.config.prefill_step_size),
                         )
+                    self._buckets = self._warmed_buckets()
                 except BaseException as exc:  # noqa: BLE001 - handed to start()
                     self._load_error = exc
                     self._closed = True
@@ -724,6 +727,19 @@ class Engine:
             self._text_lm = text_language_model(self._model.path, self._model.model)
         return self._text_lm
 
+    def _warmed_buckets(self) -> Buckets | None:
+        """The text lane's prefill buckets (``EngineConfig.prefill_buckets``), each shape run once
+        here, on the worker thread that will run it; None where they are off."""
+        if not self.config.prefill_buckets or not self._text_lane_model():
+            return None
+        cfg = self.config
+        buckets = Buckets(prefill_step_size=cfg.prefill_step_size, max_batch_size=cfg.max_batch_size)
+        try:
+            warm(self._text_language_model(), buckets, prefill_step_size=cfg.prefill_step_size)
+        except Exception as exc:  # noqa: BLE001 - unwarmed shapes are slower the first time, not wrong
+            log.warning("warming the prefill shapes failed: %s", exc)
+        return buckets
+
     def _text_backend(self, new: NewGroup) -> TextBatchBackend:
         return TextBatchBackend(
             self._model.model,
@@ -732,6 +748,7 @@ class Engine:
             max_batch_size=new.max_batch_size,
             prefill_step_size=self.config.prefill_step_size,
             stream=self._stream,
+            buckets=self._buckets,
         )
 
     def _single_backend(self, apc_manager: Any, *, text_lane: bool = False) -> SingleBackend:

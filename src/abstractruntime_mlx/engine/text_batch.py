@@ -46,6 +46,7 @@ import mlx.core as mx
 
 from .backend import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors, row_processors
 from ..controls import Sampling
+from .prefill_shapes import Buckets, bucket_prompt_batch
 from .sampling import RowStream, sample_rows
 from .scheduler import BackendKind
 from .single import supports_model
@@ -131,11 +132,15 @@ class TextBatchBackend:
         max_batch_size: int,
         prefill_step_size: int,
         stream: Any,
+        buckets: Buckets | None = None,
     ) -> None:
+        """``buckets``: pad prompt chunks to these lengths (``prefill_shapes``); None: upstream's
+        shapes."""
         from mlx_lm.generate import BatchGenerator
 
         self.model = model
         self.max_batch_size = max_batch_size
+        self.buckets = buckets
         with map_upstream_errors("creating the text batch generator"):
             self._gen = BatchGenerator(
                 language_model,
@@ -145,6 +150,8 @@ class TextBatchBackend:
                 prefill_step_size=prefill_step_size,
                 stream=stream,
             )
+            if buckets is not None:
+                bucket_prompt_batch(self._gen, buckets)
         self.uids: set[int] = set()
 
     # --- admission -------------------------------------------------------------------

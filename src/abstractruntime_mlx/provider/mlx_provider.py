@@ -58,6 +58,8 @@ ENGINE_OPTIONS: dict[str, str] = {
     "mlx_burst_gap_ms": "burst_gap_ms",
     # Plain text rows batch in mlx-lm's loop (docs/provider.md, "Lanes").
     "mlx_text_lane": "text_lane",
+    # The text lane's prefill shapes: bucketed and warmed at load (docs/provider.md, "Prefill shapes").
+    "mlx_prefill_buckets": "prefill_buckets",
 }
 _ENGINE_DEFAULTS = EngineConfig()
 
@@ -567,7 +569,7 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise InvalidControls(f"{name} must be an integer >= {lo}", field=name, value=value)
 
-    for name in ("mlx_batching", "mlx_sampled_exclusive", "mlx_single_lane", "mlx_text_lane"):
+    for name in ("mlx_batching", "mlx_sampled_exclusive", "mlx_single_lane", "mlx_text_lane", "mlx_prefill_buckets"):
         if not isinstance(options[name], bool):
             raise InvalidControls(f"{name} must be a boolean", field=name, value=options[name])
     positive_int("mlx_max_batch_size")

@@ -1,0 +1,130 @@
+"""Bounded prefill lengths for the text lane: each prompt chunk padded to a length bucket, and
+the (width, length) shapes run once when the model loads (``EngineConfig.prefill_buckets``).
+
+Why: on MLX's CUDA backend a prefill at a (width, length) never seen before costs 60-470 ms of
+host time beyond its compute (cuDNN builds and NVRTC-compiles an attention plan per shape, and
+keeps at most 256 plans, per thread), and mlx-lm's batch loop pads a chunk only to its longest
+row, so a server meeting varied prompt lengths meets new shapes for as long as it runs. With
+buckets the lengths are a fixed few, warmed on the worker thread that will run them
+(``docs/provider.md``, "Prefill shapes"; measured in ``docs/benchmarks.md``).
+
+Padding is upstream's own: rows are right-padded (the real tokens never attend to the padding,
+the attention being causal) and ``BatchKVCache.finalize`` turns the padding into left padding,
+which the mask hides from then on, exactly as upstream pads a batch's shorter rows. The tokens
+are the same as unpadded (``tests/test_prefill_shapes.py``); the cost is the padding's compute
+and attention over the extra masked positions.
+
+Private upstream fields read here (mlx-lm >=0.31.3,<0.33, ``tests/test_backend_contract.py``):
+``BatchGenerator._prompt_batch`` and ``PromptProcessingBatch._copy``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = ["Buckets", "bucket_prompt_batch", "length_buckets", "warm", "width_buckets"]
+
+log = logging.getLogger(__name__)
+
+# The shortest length bucket: shorter chunks pad up to it (a few masked positions, not a shape).
+SHORTEST = 32
+
+
+def length_buckets(prefill_step_size: int) -> tuple[int, ...]:
+    """Powers of two from ``SHORTEST`` up to the chunk size, which is the last bucket (a chunk
+    is never longer)."""
+    buckets = []
+    length = SHORTEST
+    while length < prefill_step_size:
+        buckets.append(length)
+        length *= 2
+    buckets.append(prefill_step_size)
+    return tuple(buckets)
+
+
+def width_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """The widths warmed at load: powers of two up to the batch size (a burst's common widths)."""
+    return tuple(1 << i for i in range(max_batch_size.bit_length()))
+
+
+class Buckets:
+    """The length and width buckets of one engine (``EngineConfig.prefill_buckets``)."""
+
+    def __init__(self, *, prefill_step_size: int, max_batch_size: int) -> None:
+        self.lengths = length_buckets(prefill_step_size)
+        self.widths = width_buckets(max_batch_size)
+
+    def length(self, longest: int) -> int:
+        return next((b for b in self.lengths if b >= longest), longest)
+
+
+@functools.cache
+def _bucketed_class() -> Any:
+    from mlx_lm.generate import PromptProcessingBatch
+
+    class BucketedPromptBatch(PromptProcessingBatch):
+        """mlx-lm's prompt batch, each chunk right-padded to its length bucket."""
+
+        buckets: Buckets
+
+        def _copy(self) -> Any:
+            new = PromptProcessingBatch._copy(self)
+            new.buckets = self.buckets
+            return new
+
+        def prompt(self, tokens: list[list[int]]) -> None:
+            longest = max((len(t) for t in tokens), default=0)
+            width = self.buckets.length(longest)
+            if not tokens or len(tokens) != len(self.uids) or width == longest:
+                super().prompt(tokens)  # already a bucket's shape (or upstream's error)
+                return
+            for have, new in zip(self.tokens, tokens):
+                have += new  # the tokens the KV cache holds, as upstream keeps them
+            lengths = [len(t) for t in tokens]
+            padding = [width - n for n in lengths]
+            inputs = mx.array([t + [0] * p for t, p in zip(tokens, padding)])
+            for c in self.prompt_cache:
+                c.prepare(lengths=lengths, right_padding=padding)
+            self.model(inputs, cache=self.prompt_cache)
+            for c in self.prompt_cache:
+                c.finalize()
+            mx.eval([c.state for c in self.prompt_cache])
+            mx.clear_cache()
+
+    return BucketedPromptBatch
+
+
+def bucket_prompt_batch(gen: Any, buckets: Buckets) -> None:
+    """Give mlx-lm's ``BatchGenerator`` a prompt batch that pads chunks to ``buckets``. Upstream
+    extends and splits its prompt batch in place and copies it with its own class, so the one
+    swap at creation covers every prefill the generator runs."""
+    batch = _bucketed_class().empty(gen.model, gen.sampler, prefill_step_size=gen.prefill_step_size)
+    batch.buckets = buckets
+    gen._prompt_batch = batch
+
+
+def warm(model: Any, buckets: Buckets, *, prefill_step_size: int) -> tuple[int, float]:
+    """Run one prefill at every (width, length) bucket on this thread (cuDNN keeps its plans per
+    thread: call it on the worker). Returns how many shapes ran and the seconds it took."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cls = _bucketed_class()
+    t0 = time.perf_counter()
+    count = 0
+    for width in buckets.widths:
+        for length in buckets.lengths:
+            batch = cls(model, uids=list(range(width)), caches=[make_prompt_cache(model) for _ in range(width)],
+                        prefill_step_size=prefill_step_size)
+            batch.buckets = buckets
+            # Every other row one token short: the padded path, as most real batches take it.
+            batch.prompt([[1] * (length - (i % 2)) for i in range(width)])
+            count += 1
+    mx.clear_cache()
+    seconds = time.perf_counter() - t0
+    log.info("prefill shapes: %d (width x length) warmed in %.2fs", count, seconds)
+    return count, seconds
