@@ -28,6 +28,7 @@ Targets:
   (``submitted_at``, ``started_at``, ``first_token_at``, ``finished_at``) and the sub-parts of
   ``before_submit`` come from timing the provider's control resolution, template rendering and
   tokenisation on the calling thread; ``ours_batch``: the same with ``mlx_single_lane=False``;
+  ``ours_no_gap``: the same with ``mlx_burst_gap_ms=0`` (a lone request starts at once);
 - ``stream_generate``: the client renders the chat template and tokenises, then hands the ids
   to one long-lived worker thread running ``mlx_lm.stream_generate`` one request at a time,
   which hands every text segment back (as a server's worker would);
@@ -53,7 +54,7 @@ from typing import Any, Protocol
 
 from shapes import ShapeLog, Window  # bench/shapes.py
 
-CLIENT_TARGETS = ("ours", "ours_batch", "stream_generate", "lm_loop")
+CLIENT_TARGETS = ("ours", "ours_batch", "ours_no_gap", "stream_generate", "lm_loop")
 PHASES = ("before_submit", "queue", "prefill", "decode", "delivery")
 SUBPHASES = ("controls", "template", "tokenise")  # parts of before_submit, where measured
 
@@ -188,19 +189,19 @@ class ClientSideTarget:
 class OursClient(ClientSideTarget):
     """Our provider's ``generate(stream=True)``, called on the client thread."""
 
-    def __init__(self, name: str, single_lane: bool = True) -> None:
+    def __init__(self, name: str, **options: Any) -> None:
         self.name = name
-        self.single_lane = single_lane
+        self.options = options  # the provider's options besides the bench's own
         self.llm: Any = None
 
     def setup(self, path: Path, max_batch: int, queue_size: int) -> None:
         from abstractruntime_mlx import create_llm
 
-        if not self.single_lane:
-            path = _alias(path, "client-batch")
+        if self.options:
+            path = _alias(path, f"client-{self.name}")  # one resident model per directory
         self.llm = create_llm(
             "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=max_batch, mlx_max_queue_size=queue_size,
-            speculation=False, mlx_single_lane=self.single_lane,
+            speculation=False, **self.options,
         )
 
     def counters(self) -> StepCounters | None:
@@ -390,7 +391,9 @@ def make_client_target(name: str) -> ClientSideTarget:
     if name == "ours":
         return OursClient("ours")
     if name == "ours_batch":
-        return OursClient("ours_batch", single_lane=False)
+        return OursClient("ours_batch", mlx_single_lane=False)
+    if name == "ours_no_gap":
+        return OursClient("ours_no_gap", mlx_burst_gap_ms=0)
     if name == "stream_generate":
         return StreamGenerateClient()
     if name == "lm_loop":
@@ -596,3 +599,7 @@ def print_client(points: list[ClientPoint]) -> None:
                 a, b = ours.ms.get(key), ref.ms.get(key)
                 diff = "-" if a is None or b is None else f"{a - b:+.2f}"
                 print(f"| {title} | {_fmt(a, '.2f')} | {_fmt(b, '.2f')} | {diff} |")
+            for variant in sorted(t for t, cc in by if cc == c and t.startswith("ours_")):
+                each = run_ratios(by[(variant, c)], ref)
+                median = f", median of the repeats' {statistics.median(each):.2f} ({each[0]:.2f}-{each[-1]:.2f})" if each else ""
+                print(f"\n{variant} against `{ref_name}` at c={c}: tok/s ratio pooled {by[(variant, c)].tok_s / ref.tok_s:.2f}{median}")
