@@ -735,7 +735,7 @@ class Engine:
         cfg = self.config
         buckets = Buckets(prefill_step_size=cfg.prefill_step_size, max_batch_size=cfg.max_batch_size)
         try:
-            warm(self._text_language_model(), buckets, prefill_step_size=cfg.prefill_step_size)
+            warm(self._text_language_model(), buckets)
         except Exception as exc:  # noqa: BLE001 - unwarmed shapes are slower the first time, not wrong
             log.warning("warming the prefill shapes failed: %s", exc)
         return buckets

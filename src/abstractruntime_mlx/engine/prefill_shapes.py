@@ -108,23 +108,21 @@ def bucket_prompt_batch(gen: Any, buckets: Buckets) -> None:
     gen._prompt_batch = batch
 
 
-def warm(model: Any, buckets: Buckets, *, prefill_step_size: int) -> tuple[int, float]:
+def warm(model: Any, buckets: Buckets) -> None:
     """Run one prefill at every (width, length) bucket on this thread (cuDNN keeps its plans per
-    thread: call it on the worker). Returns how many shapes ran and the seconds it took."""
+    thread: call it on the worker)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cls = _bucketed_class()
     t0 = time.perf_counter()
-    count = 0
     for width in buckets.widths:
         for length in buckets.lengths:
+            # The last length bucket is the chunk size: each warm-up prompt is one chunk.
             batch = cls(model, uids=list(range(width)), caches=[make_prompt_cache(model) for _ in range(width)],
-                        prefill_step_size=prefill_step_size)
+                        prefill_step_size=buckets.lengths[-1])
             batch.buckets = buckets
             # Every other row one token short: the padded path, as most real batches take it.
             batch.prompt([[1] * (length - (i % 2)) for i in range(width)])
-            count += 1
     mx.clear_cache()
-    seconds = time.perf_counter() - t0
-    log.info("prefill shapes: %d (width x length) warmed in %.2fs", count, seconds)
-    return count, seconds
+    log.info("prefill shapes: %d (width x length) warmed in %.2fs",
+             len(buckets.widths) * len(buckets.lengths), time.perf_counter() - t0)

@@ -140,7 +140,6 @@ class TextBatchBackend:
 
         self.model = model
         self.max_batch_size = max_batch_size
-        self.buckets = buckets
         with map_upstream_errors("creating the text batch generator"):
             self._gen = BatchGenerator(
                 language_model,
