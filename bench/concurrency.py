@@ -37,6 +37,8 @@ the tiny tokenizer padded to it), meant for a GPU. The providers' batch size is 
   lane's before;
 - ``ours_bucketed``: ours with ``mlx_prefill_buckets=True`` (prompt chunks padded to a few
   lengths, those shapes warmed at load);
+- ``ours_unfused``: ours with ``mlx_fused_decode_attention=False`` (upstream's masked decode
+  attention; on CUDA the kernel's before, elsewhere the same as ours);
 - ``abstractcore``: AbstractCore's MLX provider with the same options (``speculation=False``);
 - ``mlx_lm.server``: a ``python -m mlx_lm.server`` subprocess on loopback, OpenAI chat
   requests streamed with httpx (``max_tokens``, ``temperature: 0``,
@@ -106,8 +108,8 @@ MAX_BATCH = 8  # the providers' mlx_max_batch_size; main() sets it to the larges
 QUEUE_SIZE = 32  # the providers' mlx_max_queue_size; main() sizes it to the most requests of a point
 SERIAL_TARGETS = ("stream_generate", "mlx_lm.server")  # one request at a time
 TARGETS = (
-    "forward", "raw", "raw_lm", "stream_generate", "ours", "ours_batch", "ours_vlm", "ours_bucketed", "abstractcore",
-    "mlx_lm.server",
+    "forward", "raw", "raw_lm", "stream_generate", "ours", "ours_batch", "ours_vlm", "ours_bucketed", "ours_unfused",
+    "abstractcore", "mlx_lm.server",
 )
 FLOORS = {  # ours / X: the floor each ratio should reach, per concurrency (None = any)
     "forward": {32: 0.6, 64: 0.6},
@@ -780,6 +782,8 @@ def make_target(name: str) -> Any:
         return ProviderTarget("ours_vlm", lambda path: ours_factory(_alias(path, "ours-vlm"), mlx_text_lane=False))
     if name == "ours_bucketed":
         return ProviderTarget("ours_bucketed", lambda path: ours_factory(_alias(path, "ours-bucketed"), mlx_prefill_buckets=True))
+    if name == "ours_unfused":
+        return ProviderTarget("ours_unfused", lambda path: ours_factory(_alias(path, "ours-unfused"), mlx_fused_decode_attention=False))
     if name == "abstractcore":
         return ProviderTarget("abstractcore", abstractcore_factory)
     if name == "mlx_lm.server":

@@ -40,3 +40,7 @@ class EngineConfig:
     # 60-470 ms of setup. Off by default: on the H200 it did not raise throughput at 16-64
     # concurrent requests, and the warm-up adds seconds to a load (docs/benchmarks.md).
     prefill_buckets: bool = False
+    # On MLX's CUDA backend the text lane's decode attention runs in one kernel per layer that
+    # takes each row's left padding as its start (``decode_attention``), instead of upstream's
+    # unfused masked path; elsewhere (CPU, Metal) this changes nothing.
+    fused_decode_attention: bool = True

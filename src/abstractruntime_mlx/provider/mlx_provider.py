@@ -60,6 +60,8 @@ ENGINE_OPTIONS: dict[str, str] = {
     "mlx_text_lane": "text_lane",
     # The text lane's prefill shapes: bucketed and warmed at load (docs/provider.md, "Prefill shapes").
     "mlx_prefill_buckets": "prefill_buckets",
+    # The text lane's decode attention in one kernel on CUDA (docs/provider.md, "Decode attention").
+    "mlx_fused_decode_attention": "fused_decode_attention",
 }
 _ENGINE_DEFAULTS = EngineConfig()
 
@@ -569,7 +571,8 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise InvalidControls(f"{name} must be an integer >= {lo}", field=name, value=value)
 
-    for name in ("mlx_batching", "mlx_sampled_exclusive", "mlx_single_lane", "mlx_text_lane", "mlx_prefill_buckets"):
+    for name in ("mlx_batching", "mlx_sampled_exclusive", "mlx_single_lane", "mlx_text_lane", "mlx_prefill_buckets",
+                 "mlx_fused_decode_attention"):
         if not isinstance(options[name], bool):
             raise InvalidControls(f"{name} must be a boolean", field=name, value=options[name])
     positive_int("mlx_max_batch_size")

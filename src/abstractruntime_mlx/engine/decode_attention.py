@@ -1,0 +1,224 @@
+"""Fused decode attention for the text lane's batch cache on MLX's CUDA backend
+(``EngineConfig.fused_decode_attention``).
+
+Why: mlx-lm's ``BatchKVCache`` left-pads its rows, so every decode step hands each layer an
+array mask, and MLX's CUDA vector-attention kernel refuses array masks
+(``supports_sdpa_vector`` requires ``!has_arr_mask``; cuDNN's decode path refuses them too).
+Each layer's decode attention then runs unfused (scores matmul, mask, softmax, values matmul),
+in every batch loop built on that cache. A decode step's mask says one thing per row: the
+first position that is not padding (``BatchKVCache.left_padding``). The kernel below is vector
+attention with that start per row, reading the cache's keys and values in place.
+
+Where it applies (``fits``): one query position, an array mask, mlx-lm's ``BatchKVCache``
+(plain, so no sliding window: the text lane only takes models with a plain ``KVCache`` per
+layer), no attention sinks, a head size up to 256; everything else,
+prefill included, goes to upstream's function unchanged. It is routed only on threads that
+``enable`` it (the engine's worker), so other users of the same model class in the process
+keep upstream's path.
+
+Private upstream names relied on (mlx-lm >=0.31.3,<0.33, ``tests/test_backend_contract.py``):
+a model module's ``scaled_dot_product_attention`` (the name its attention layers call) and
+``BatchKVCache.left_padding``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import threading
+from typing import Any, Callable
+
+import mlx.core as mx
+
+__all__ = ["available", "decode_attention", "enable", "fits", "install"]
+
+log = logging.getLogger(__name__)
+
+WARPS = 32  # one block of 32 warps per (row, query head); each warp takes every 32nd key
+
+# One block per (row b, query head h). Lane l of each warp holds ceil(D/32) consecutive dims of the
+# query; a warp scores one key at a time (a warp-wide sum), keeps a running max and sum of
+# exponentials and its weighted values; the warps' partial results are merged through shared
+# memory. Keys before the row's start (its left padding) are never read.
+_SOURCE = r"""
+    constexpr int PER = (D + 31) / 32;
+    const int HQ = q_shape[1];
+    const int HKV = k_shape[1];
+    const int L = k_shape[2];
+    const int bh = blockIdx.x;
+    const int b = bh / HQ;
+    const int h = bh % HQ;
+    const int kvh = h / (HQ / HKV);
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int first = start[b];
+    const float s = scale[0];
+
+    __shared__ float warp_max[32];
+    __shared__ float warp_sum[32];
+    __shared__ float warp_out[32][D];
+
+    float qv[PER];
+    float acc[PER];
+    const T* qp = q + b * q_strides[0] + h * q_strides[1];
+    for (int i = 0; i < PER; i++) {
+        const int d = lane * PER + i;
+        qv[i] = d < D ? static_cast<float>(qp[d * q_strides[3]]) * s : 0.f;
+        acc[i] = 0.f;
+    }
+    float run_max = -3.0e38f;
+    float run_sum = 0.f;
+    const T* kp = k + b * k_strides[0] + kvh * k_strides[1];
+    const T* vp = v + b * v_strides[0] + kvh * v_strides[1];
+    for (int j = first + warp; j < L; j += 32) {
+        const T* kj = kp + j * k_strides[2];
+        const T* vj = vp + j * v_strides[2];
+        float score = 0.f;
+        for (int i = 0; i < PER; i++) {
+            const int d = lane * PER + i;
+            score += d < D ? qv[i] * static_cast<float>(kj[d * k_strides[3]]) : 0.f;
+        }
+        for (int offset = 16; offset > 0; offset /= 2) {
+            score += __shfl_xor_sync(0xffffffff, score, offset);
+        }
+        const float new_max = fmaxf(run_max, score);
+        const float factor = __expf(run_max - new_max);
+        const float weight = __expf(score - new_max);
+        run_sum = run_sum * factor + weight;
+        for (int i = 0; i < PER; i++) {
+            const int d = lane * PER + i;
+            if (d < D) {
+                acc[i] = acc[i] * factor + weight * static_cast<float>(vj[d * v_strides[3]]);
+            }
+        }
+        run_max = new_max;
+    }
+    if (lane == 0) {
+        warp_max[warp] = run_max;
+        warp_sum[warp] = run_sum;
+    }
+    for (int i = 0; i < PER; i++) {
+        const int d = lane * PER + i;
+        if (d < D) {
+            warp_out[warp][d] = acc[i];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < D) {
+        const int d = threadIdx.x;
+        float top = -3.0e38f;
+        for (int w = 0; w < 32; w++) {
+            top = fmaxf(top, warp_max[w]);
+        }
+        float total = 0.f;
+        float value = 0.f;
+        for (int w = 0; w < 32; w++) {
+            const float f = warp_sum[w] > 0.f ? __expf(warp_max[w] - top) : 0.f;
+            total += warp_sum[w] * f;
+            value += warp_out[w][d] * f;
+        }
+        out[bh * D + d] = static_cast<T>(total > 0.f ? value / total : 0.f);
+    }
+"""
+
+MAX_HEAD_SIZE = 256  # the shared memory holds 32 partial outputs of this many floats
+_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+def available() -> bool:
+    """Whether this process runs MLX's CUDA backend (the kernel is CUDA source)."""
+    return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
+
+
+@functools.cache
+def _kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="arm_decode_attention",
+        input_names=["q", "k", "v", "start", "scale"],
+        output_names=["out"],
+        source=_SOURCE,
+        ensure_row_contiguous=False,  # the cache's keys and values are read in place, by stride
+    )
+
+
+@functools.cache
+def _scale_array(scale: float) -> mx.array:
+    return mx.array([scale], dtype=mx.float32)
+
+
+def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, start: mx.array, scale: float) -> mx.array:
+    """Attention of one query position per row over ``keys[b, :, start[b]:]``.
+
+    ``queries``: (B, Hq, 1, D); ``keys``/``values``: (B, Hkv, L, D), any strides, Hq a multiple
+    of Hkv; ``start``: (B,) int32, each row's first key. Returns (B, Hq, 1, D) in the queries'
+    dtype, what ``mx.fast.scaled_dot_product_attention`` returns under the mask
+    ``start[b] <= j``."""
+    batch, heads, _, dim = queries.shape
+    (out,) = _kernel()(
+        inputs=[queries, keys, values, start.astype(mx.int32), _scale_array(float(scale))],
+        template=[("T", queries.dtype), ("D", dim)],
+        grid=(batch * heads * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(batch, heads, 1, dim)],
+        output_dtypes=[queries.dtype],
+    )
+    result: mx.array = out
+    return result
+
+
+_local = threading.local()
+
+
+def enable(on: bool = True) -> None:
+    """Route fitting calls to the kernel on this thread (the engine's worker calls it once)."""
+    _local.on = on
+
+
+def fits(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
+    """A decode step on mlx-lm's plain batch cache, in a shape and dtype the kernel takes."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    return (
+        type(cache) is BatchKVCache
+        and isinstance(mask, mx.array)
+        and sinks is None
+        and queries.ndim == 4
+        and queries.shape[2] == 1
+        and queries.shape[-1] <= MAX_HEAD_SIZE
+        and queries.dtype in _DTYPES
+        and keys.dtype == queries.dtype
+        and queries.shape[1] % keys.shape[1] == 0
+        and mask.shape[-1] == keys.shape[2]
+    )
+
+
+def _routed(upstream: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def scaled_dot_product_attention(
+        queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any, sinks: Any = None
+    ) -> mx.array:
+        if getattr(_local, "on", False) and fits(queries, keys, cache, mask, sinks):
+            return decode_attention(queries, keys, values, cache.left_padding, scale)
+        return upstream(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention.upstream = upstream  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
+
+
+def install(model: Any) -> bool:
+    """Route the decode attention of ``model``'s mlx-lm module through ``decode_attention``
+    (on enabled threads). Idempotent; False where the module does not call mlx-lm's shared
+    attention function (the model then keeps upstream's path)."""
+    from mlx_lm.models import base
+
+    module = sys.modules.get(type(model).__module__)
+    current = getattr(module, "scaled_dot_product_attention", None)
+    if current is None:
+        return False
+    if getattr(current, "upstream", None) is base.scaled_dot_product_attention:
+        return True
+    if current is not base.scaled_dot_product_attention:
+        return False
+    setattr(module, "scaled_dot_product_attention", _routed(current))
+    log.info("fused decode attention routed for %s", module.__name__ if module else "?")
+    return True

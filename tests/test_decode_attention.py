@@ -1,0 +1,178 @@
+"""Fused decode attention (``engine/decode_attention.py``): which calls it takes, that a row's
+left padding as its start says what upstream's decode mask says, and on MLX's CUDA backend that
+the kernel returns what upstream's masked attention returns."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import base
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache
+
+from abstractruntime_mlx import errors
+from abstractruntime_mlx.engine import decode_attention
+from abstractruntime_mlx.engine.decode_attention import fits, install
+
+cuda = pytest.mark.skipif(not decode_attention.available(), reason="the kernel is CUDA source: MLX's CUDA backend only")
+
+
+def _step(batch=3, heads=4, kv_heads=2, dim=16, length=7):
+    q = mx.random.normal((batch, heads, 1, dim))
+    k = mx.random.normal((batch, kv_heads, length, dim))
+    mask = mx.ones((batch, 1, 1, length), dtype=mx.bool_)
+    return q, k, mask
+
+
+def test_fits_a_decode_step_on_the_plain_batch_cache_only():
+    q, k, mask = _step()
+    cache = BatchKVCache([0, 1, 2])
+    assert fits(q, k, cache, mask, None)
+    assert not fits(q, k, cache, None, None)  # no mask: upstream's fused path already
+    assert not fits(q, k, cache, "causal", None)
+    assert not fits(q, k, cache, mask, mx.zeros((4,)))  # attention sinks
+    assert not fits(mx.concatenate([q, q], axis=2), k, cache, mask, None)  # a prefill chunk
+    assert not fits(q, k, KVCache(), mask, None)
+    assert not fits(q, k, BatchRotatingKVCache(16, [0, 1, 2]), mask, None)  # a sliding window
+    assert not fits(q, k, cache, mask[..., :-1], None)  # a mask that is not over these keys
+    wide, wide_k, wide_mask = _step(dim=288)
+    assert not fits(wide, wide_k, cache, wide_mask, None)
+    assert not fits(q.astype(mx.int32), k, cache, mask, None)
+
+
+def _reference(queries, keys, values, start, scale):
+    """Upstream's attention under the mask ``start[b] <= j``: what the kernel computes."""
+    positions = mx.arange(keys.shape[2])
+    mask = (positions[None, :] >= start[:, None])[:, None, None, :]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """The routing with the kernel's arithmetic done by upstream's masked attention (the kernel
+    itself needs CUDA): records each routed call's start."""
+    starts: list[list[int]] = []
+
+    def record(queries, keys, values, start, scale):
+        starts.append(start.tolist())
+        return _reference(queries, keys, values, start, scale)
+
+    monkeypatch.setattr(decode_attention, "decode_attention", record)
+    yield starts
+    decode_attention.enable(False)
+
+
+def _greedy(model, prompts, steps):
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=steps, stop_tokens=[], completion_batch_size=len(prompts),
+                         prefill_batch_size=len(prompts))
+    uids = gen.insert(prompts, max_tokens=[steps] * len(prompts))
+    tokens: dict[int, list[int]] = {u: [] for u in uids}
+    while any(len(t) < steps for t in tokens.values()):
+        _, responses = gen.next()
+        for r in responses:
+            tokens[r.uid].append(r.token)
+    gen.close()
+    return [tokens[u] for u in uids]
+
+
+def test_start_per_row_is_the_decode_mask(dense_model, routed, monkeypatch):
+    """mlx-lm's batch loop over rows of different lengths (left-padded): routing each decode
+    step's attention by ``left_padding`` gives the tokens of upstream's mask, and only decode
+    steps of enabled threads are routed."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(dense_model)
+    module = type(model).__module__
+    monkeypatch.setattr(f"{module}.scaled_dot_product_attention", base.scaled_dot_product_attention)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    upstream = _greedy(model, prompts, 6)
+
+    assert install(model) and install(model)  # idempotent
+    assert _greedy(model, prompts, 6) == upstream and routed == []  # not enabled on this thread
+
+    forwards: list[int] = []  # each forward's positions per row
+    call = type(model).__call__
+
+    def spy(self, inputs, *args, **kwargs):
+        forwards.append(inputs.shape[1])
+        return call(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "__call__", spy)
+    decode_attention.enable(True)
+    assert _greedy(model, prompts, 6) == upstream
+    decode_steps = forwards.count(1)
+    assert decode_steps >= 5 and len(forwards) > decode_steps  # prefill ran too, unrouted
+    assert len(routed) == decode_steps * len(model.layers)  # every decode step, every layer
+    assert routed[0] == [0, 5, 3]  # each row's left padding under the longest prompt
+
+    routed.clear()
+    other = threading.Thread(target=lambda: _greedy(model, prompts, 2))
+    other.start()
+    other.join()
+    assert routed == []
+
+
+def test_install_leaves_a_module_without_the_shared_function():
+    class Elsewhere:
+        pass
+
+    assert install(Elsewhere()) is False
+
+
+def test_bad_option_is_a_typed_error(make_llm, dense_model):
+    with pytest.raises(errors.InvalidControls) as caught:
+        make_llm(dense_model, mlx_batching=True, mlx_fused_decode_attention="yes")
+    assert caught.value.field == "mlx_fused_decode_attention"
+
+
+def test_off_the_cuda_backend_nothing_is_installed(make_llm, dense_model):
+    if decode_attention.available():
+        pytest.skip("this process runs MLX's CUDA backend")
+    import importlib
+
+    llm = make_llm(dense_model, mlx_batching=True, mlx_single_lane=False, speculation=False)
+    llm.generate("Hello.", thinking=False, max_output_tokens=2)
+    assert not llm._engine._fused_decode_attention()
+    module = importlib.import_module(type(llm._engine._text_lm).__module__)
+    assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
+
+
+# --- the kernel (MLX's CUDA backend) --------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("batch,heads,kv_heads,dim,length", [
+    (1, 4, 4, 16, 1), (3, 4, 2, 16, 9), (5, 32, 8, 128, 150), (64, 16, 8, 128, 257), (2, 8, 8, 64, 1030), (4, 6, 2, 80, 40),
+])
+def test_kernel_matches_upstream_masked_attention(dtype, batch, heads, kv_heads, dim, length):
+    mx.random.seed(batch * 1000 + length)
+    q = mx.random.normal((batch, heads, 1, dim)).astype(dtype)
+    # The cache's keys and values are a slice of a longer buffer: read in place, by stride.
+    buf_k = mx.random.normal((batch, kv_heads, length + 37, dim)).astype(dtype)
+    buf_v = mx.random.normal((batch, kv_heads, length + 37, dim)).astype(dtype)
+    k, v = buf_k[..., :length, :], buf_v[..., :length, :]
+    start = mx.array([(b * 7) % length for b in range(batch)], dtype=mx.int32)
+    scale = dim**-0.5
+    got = decode_attention.decode_attention(q, k, v, start, scale)
+    want = _reference(q, k, v, start, scale)
+    tolerance = 1e-4 if dtype == mx.float32 else 2e-2
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tolerance, rtol=tolerance).item()
+
+
+@cuda
+def test_engine_tokens_with_and_without_the_kernel(make_llm, dense_model):
+    from test_call_harness import together
+
+    calls = [{"prompt": "word " * n + "end.", "thinking": False, "max_output_tokens": 8} for n in (3, 17, 40)]
+    runs = []
+    for fused in (False, True):
+        llm = make_llm(dense_model, mlx_batching=True, mlx_single_lane=False, speculation=False,
+                       mlx_fused_decode_attention=fused)
+        runs.append([r.token_ids for r in together(llm, calls)])
+        llm.unload_model()
+    assert runs[0] == runs[1]
