@@ -176,3 +176,16 @@ def test_engine_tokens_with_and_without_the_kernel(make_llm, dense_model):
         runs.append([r.token_ids for r in together(llm, calls)])
         llm.unload_model()
     assert runs[0] == runs[1]
+
+
+@cuda
+@pytest.mark.parametrize("warps", [1, 8, 32])
+def test_kernel_block_sizes_agree(warps):
+    mx.random.seed(warps)
+    q = mx.random.normal((6, 16, 1, 128)).astype(mx.bfloat16)
+    k = mx.random.normal((6, 4, 300, 128)).astype(mx.bfloat16)
+    v = mx.random.normal((6, 4, 300, 128)).astype(mx.bfloat16)
+    start = mx.array([0, 299, 17, 150, 3, 64], dtype=mx.int32)
+    got = decode_attention.decode_attention(q, k, v, start, 0.1, warps=warps)
+    want = _reference(q, k, v, start, 0.1)
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=2e-2, rtol=2e-2).item()

@@ -35,94 +35,126 @@ __all__ = ["available", "decode_attention", "enable", "fits", "install"]
 
 log = logging.getLogger(__name__)
 
-WARPS = 32  # one block of 32 warps per (row, query head); each warp takes every 32nd key
+# Warps per block (one block per row and KV head; each warp takes every WARPS-th key): 16 leaves
+# each thread 128 registers for its G heads' queries and sums.
+WARPS = 16
 
-# One block per (row b, query head h). Lane l of each warp holds ceil(D/32) consecutive dims of the
-# query; a warp scores one key at a time (a warp-wide sum), keeps a running max and sum of
-# exponentials and its weighted values; the warps' partial results are merged through shared
-# memory. Keys before the row's start (its left padding) are never read.
+# One block of W warps per (row b, KV head): its G query heads share each key and value read.
+# Lane l of each warp holds ceil(D/32) consecutive dims of every query head; a warp scores one key at a
+# time (a warp-wide sum per head), keeps a running max, sum of exponentials and weighted values
+# per head; the warps' partial results are merged through shared memory, one head at a time.
+# Keys before the row's start (its left padding) are never read.
 _SOURCE = r"""
     constexpr int PER = (D + 31) / 32;
     const int HQ = q_shape[1];
     const int HKV = k_shape[1];
     const int L = k_shape[2];
-    const int bh = blockIdx.x;
-    const int b = bh / HQ;
-    const int h = bh % HQ;
-    const int kvh = h / (HQ / HKV);
+    const int b = blockIdx.x / HKV;
+    const int kvh = blockIdx.x % HKV;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
     const int first = start[b];
     const float s = scale[0];
+    const bool unit = q_strides[3] == 1 && k_strides[3] == 1 && v_strides[3] == 1;
 
-    __shared__ float warp_max[32];
-    __shared__ float warp_sum[32];
-    __shared__ float warp_out[32][D];
+    __shared__ float warp_max[W][G];
+    __shared__ float warp_sum[W][G];
+    __shared__ float warp_out[W][D];
 
-    float qv[PER];
-    float acc[PER];
-    const T* qp = q + b * q_strides[0] + h * q_strides[1];
-    for (int i = 0; i < PER; i++) {
-        const int d = lane * PER + i;
-        qv[i] = d < D ? static_cast<float>(qp[d * q_strides[3]]) * s : 0.f;
-        acc[i] = 0.f;
-    }
-    float run_max = -3.0e38f;
-    float run_sum = 0.f;
-    const T* kp = k + b * k_strides[0] + kvh * k_strides[1];
-    const T* vp = v + b * v_strides[0] + kvh * v_strides[1];
-    for (int j = first + warp; j < L; j += 32) {
-        const T* kj = kp + j * k_strides[2];
-        const T* vj = vp + j * v_strides[2];
-        float score = 0.f;
+    float qv[G][PER];
+    float acc[G][PER];
+    float run_max[G];
+    float run_sum[G];
+    #pragma unroll
+    for (int g = 0; g < G; g++) {
+        const T* qp = q + b * q_strides[0] + (kvh * G + g) * q_strides[1];
+        #pragma unroll
         for (int i = 0; i < PER; i++) {
             const int d = lane * PER + i;
-            score += d < D ? qv[i] * static_cast<float>(kj[d * k_strides[3]]) : 0.f;
+            qv[g][i] = d < D ? static_cast<float>(qp[d * q_strides[3]]) * s : 0.f;
+            acc[g][i] = 0.f;
         }
+        run_max[g] = -3.0e38f;
+        run_sum[g] = 0.f;
+    }
+    const T* kp = k + b * k_strides[0] + kvh * k_strides[1];
+    const T* vp = v + b * v_strides[0] + kvh * v_strides[1];
+    for (int j = first + warp; j < L; j += W) {
+        const T* kj = kp + j * k_strides[2];
+        const T* vj = vp + j * v_strides[2];
+        float kr[PER];
+        float vr[PER];
+        #pragma unroll
+        for (int i = 0; i < PER; i++) {
+            const int d = lane * PER + i;
+            kr[i] = d >= D ? 0.f : static_cast<float>(unit ? kj[d] : kj[d * k_strides[3]]);
+            vr[i] = d >= D ? 0.f : static_cast<float>(unit ? vj[d] : vj[d * v_strides[3]]);
+        }
+        float score[G];
+        #pragma unroll
+        for (int g = 0; g < G; g++) {
+            score[g] = 0.f;
+            #pragma unroll
+            for (int i = 0; i < PER; i++) {
+                score[g] += qv[g][i] * kr[i];
+            }
+        }
+        #pragma unroll
         for (int offset = 16; offset > 0; offset /= 2) {
-            score += __shfl_xor_sync(0xffffffff, score, offset);
+            #pragma unroll
+            for (int g = 0; g < G; g++) {
+                score[g] += __shfl_xor_sync(0xffffffff, score[g], offset);
+            }
         }
-        const float new_max = fmaxf(run_max, score);
-        const float factor = __expf(run_max - new_max);
-        const float weight = __expf(score - new_max);
-        run_sum = run_sum * factor + weight;
+        #pragma unroll
+        for (int g = 0; g < G; g++) {
+            const float new_max = fmaxf(run_max[g], score[g]);
+            const float factor = __expf(run_max[g] - new_max);
+            const float weight = __expf(score[g] - new_max);
+            run_sum[g] = run_sum[g] * factor + weight;
+            run_max[g] = new_max;
+            #pragma unroll
+            for (int i = 0; i < PER; i++) {
+                acc[g][i] = acc[g][i] * factor + weight * vr[i];
+            }
+        }
+    }
+    if (lane == 0) {
+        #pragma unroll
+        for (int g = 0; g < G; g++) {
+            warp_max[warp][g] = run_max[g];
+            warp_sum[warp][g] = run_sum[g];
+        }
+    }
+    #pragma unroll
+    for (int g = 0; g < G; g++) {
+        #pragma unroll
         for (int i = 0; i < PER; i++) {
             const int d = lane * PER + i;
             if (d < D) {
-                acc[i] = acc[i] * factor + weight * static_cast<float>(vj[d * v_strides[3]]);
+                warp_out[warp][d] = acc[g][i];
             }
         }
-        run_max = new_max;
-    }
-    if (lane == 0) {
-        warp_max[warp] = run_max;
-        warp_sum[warp] = run_sum;
-    }
-    for (int i = 0; i < PER; i++) {
-        const int d = lane * PER + i;
-        if (d < D) {
-            warp_out[warp][d] = acc[i];
+        __syncthreads();
+        for (int d = threadIdx.x; d < D; d += W * 32) {
+            float top = -3.0e38f;
+            for (int w = 0; w < W; w++) {
+                top = fmaxf(top, warp_max[w][g]);
+            }
+            float total = 0.f;
+            float value = 0.f;
+            for (int w = 0; w < W; w++) {
+                const float f = warp_sum[w][g] > 0.f ? __expf(warp_max[w][g] - top) : 0.f;
+                total += warp_sum[w][g] * f;
+                value += warp_out[w][d] * f;
+            }
+            out[((b * HQ) + kvh * G + g) * D + d] = static_cast<T>(total > 0.f ? value / total : 0.f);
         }
-    }
-    __syncthreads();
-    if (threadIdx.x < D) {
-        const int d = threadIdx.x;
-        float top = -3.0e38f;
-        for (int w = 0; w < 32; w++) {
-            top = fmaxf(top, warp_max[w]);
-        }
-        float total = 0.f;
-        float value = 0.f;
-        for (int w = 0; w < 32; w++) {
-            const float f = warp_sum[w] > 0.f ? __expf(warp_max[w] - top) : 0.f;
-            total += warp_sum[w] * f;
-            value += warp_out[w][d] * f;
-        }
-        out[bh * D + d] = static_cast<T>(total > 0.f ? value / total : 0.f);
+        __syncthreads();
     }
 """
 
-MAX_HEAD_SIZE = 256  # the shared memory holds 32 partial outputs of this many floats
+MAX_HEAD_SIZE = 256  # the shared memory holds a partial output of this many floats per warp
 _DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
@@ -147,19 +179,21 @@ def _scale_array(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
-def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, start: mx.array, scale: float) -> mx.array:
+def decode_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, start: mx.array, scale: float, *, warps: int = WARPS
+) -> mx.array:
     """Attention of one query position per row over ``keys[b, :, start[b]:]``.
 
     ``queries``: (B, Hq, 1, D); ``keys``/``values``: (B, Hkv, L, D), any strides, Hq a multiple
     of Hkv; ``start``: (B,) int32, each row's first key. Returns (B, Hq, 1, D) in the queries'
     dtype, what ``mx.fast.scaled_dot_product_attention`` returns under the mask
-    ``start[b] <= j``."""
+    ``start[b] <= j``. ``warps``: per block, 1 to 32."""
     batch, heads, _, dim = queries.shape
     (out,) = _kernel()(
         inputs=[queries, keys, values, start.astype(mx.int32), _scale_array(float(scale))],
-        template=[("T", queries.dtype), ("D", dim)],
-        grid=(batch * heads * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
+        template=[("T", queries.dtype), ("D", dim), ("G", heads // keys.shape[1]), ("W", warps)],
+        grid=(batch * keys.shape[1] * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
         output_shapes=[(batch, heads, 1, dim)],
         output_dtypes=[queries.dtype],
     )
