@@ -144,3 +144,24 @@ def test_mlx_lm_prompt_batch_padding():
     assert "self._prompt_batch.prompt(" in inspect.getsource(BatchGenerator._next)
     assert "right_padding" in inspect.signature(BatchKVCache.prepare).parameters
     assert callable(getattr(BatchKVCache, "finalize", None))
+
+
+def test_mlx_lm_decode_attention_surface():
+    """What ``engine/decode_attention.py`` relies on: model modules call mlx-lm's shared attention
+    function by a module-level name, with the cache and mask as keywords, and a batch cache's
+    decode mask hides exactly its rows' left padding."""
+    import mlx.core as mx
+    from mlx_lm.models import base, llama, qwen3
+    from mlx_lm.models.cache import BatchKVCache
+
+    for module in (qwen3, llama):
+        assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
+        assert "scaled_dot_product_attention(" in inspect.getsource(module.Attention.__call__)
+    assert list(inspect.signature(base.scaled_dot_product_attention).parameters)[:6] == [
+        "queries", "keys", "values", "cache", "scale", "mask"]
+    cache = BatchKVCache([2, 0, 1])
+    cache.update_and_fetch(mx.zeros((3, 1, 4, 8)), mx.zeros((3, 1, 4, 8)))
+    mask = cache.make_mask(1)
+    assert cache.left_padding.tolist() == [2, 0, 1]
+    assert mask.shape == (3, 1, 1, 5)
+    assert mask.reshape(3, 5).tolist() == [[j >= p for j in range(5)] for p in (2, 0, 1)]

@@ -209,12 +209,17 @@ def enable(on: bool = True) -> None:
     _local.on = on
 
 
-def fits(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
-    """A decode step on mlx-lm's plain batch cache, in a shape and dtype the kernel takes."""
+@functools.cache
+def _batch_cache_class() -> type:
     from mlx_lm.models.cache import BatchKVCache
 
+    return BatchKVCache
+
+
+def fits(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
+    """A decode step on mlx-lm's plain batch cache, in a shape and dtype the kernel takes."""
     return (
-        type(cache) is BatchKVCache
+        type(cache) is _batch_cache_class()
         and isinstance(mask, mx.array)
         and sinks is None
         and queries.ndim == 4
