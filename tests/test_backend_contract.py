@@ -165,22 +165,3 @@ def test_mlx_lm_decode_attention_surface():
     assert cache.left_padding.tolist() == [2, 0, 1]
     assert mask.shape == (3, 1, 1, 5)
     assert mask.reshape(3, 5).tolist() == [[j >= p for j in range(5)] for p in (2, 0, 1)]
-
-
-def test_mlx_lm_generation_step_mirrored():
-    """``text_batch``'s lean generation batch mirrors upstream's step but for the per-row
-    log-probabilities; a change in upstream's step shows here first."""
-    from mlx_lm.generate import BatchGenerator, GenerationBatch
-
-    step = inspect.getsource(GenerationBatch._step)
-    for line in (
-        "logits = self.model(inputs[:, None], cache=self.prompt_cache)",
-        "context = self._token_context[e].update_and_fetch(inputs[e : e + 1])",
-        "logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)",
-        "self.fallback_sampler if s is None else s",
-        "self._next_logprobs = list(logprobs)",
-        "mx.eval(inputs, self._current_logprobs)",
-    ):
-        assert line in step, line
-    assert "self._generation_batch.extend(" in inspect.getsource(BatchGenerator._next)
-    assert "self._generation_batch = " not in inspect.getsource(BatchGenerator._next)
