@@ -38,7 +38,6 @@ and for ``adopt``, ``GenerationBatch``'s step state (``_next_tokens``, ``_next_l
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -118,51 +117,6 @@ def _row_sampler(stream: RowStream | None) -> Callable[[mx.array], mx.array] | N
     return sample
 
 
-@functools.cache
-def _lean_generation_class() -> Any:
-    from mlx_lm.generate import GenerationBatch
-
-    class LeanGenerationBatch(GenerationBatch):
-        """mlx-lm's generation batch whose step keeps no log-probabilities per row: the engine
-        reads no response's log-probabilities, and upstream splits the (rows, vocabulary) array
-        into one array per row every step and evaluates the pieces, host time per row. The rest
-        is upstream's step as is (the same logits processors, samplers and token context)."""
-
-        def _step(self) -> tuple[list[int], list[Any]]:
-            self._current_tokens = self._next_tokens
-            self._current_logprobs = self._next_logprobs
-            inputs = self._current_tokens
-            logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-            token_context = []
-            if any(self.logits_processors):
-                rows = []
-                for e, processors in enumerate(self.logits_processors):
-                    row = logits[e : e + 1]
-                    if processors:
-                        context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
-                        token_context.append(context)
-                        for processor in processors:
-                            row = processor(context, row)
-                    rows.append(row)
-                logits = mx.concatenate(rows, axis=0)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            samplers = [self.fallback_sampler if s is None else s for s in (self.samplers or [None] * len(self.uids))]
-            if not samplers or all(s is samplers[0] for s in samplers):
-                sampled = (samplers[0] if samplers else self.fallback_sampler)(logprobs)
-            else:
-                sampled = mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0)
-            self._next_tokens = sampled
-            self._next_logprobs = [None] * len(self.uids)
-            mx.async_eval(self._next_tokens, token_context)
-            mx.eval(inputs)
-            tokens: list[int] = inputs.tolist()
-            for have, token in zip(self.tokens, tokens):
-                have.append(token)
-            return tokens, self._current_logprobs
-
-    return LeanGenerationBatch
-
-
 class TextBatchBackend:
     """One mlx-lm ``BatchGenerator`` and the uids it holds."""
 
@@ -197,8 +151,6 @@ class TextBatchBackend:
             )
             if buckets is not None:
                 bucket_prompt_batch(self._gen, buckets)
-            # Upstream extends this one batch with every batch that starts decoding.
-            self._gen._generation_batch = _lean_generation_class().empty(language_model, self._gen.sampler)
         self.uids: set[int] = set()
 
     # --- admission -------------------------------------------------------------------
