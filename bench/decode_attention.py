@@ -1,7 +1,7 @@
 """Fused decode attention (``engine/decode_attention.py``) against upstream's masked path, on
 MLX's CUDA backend.
 
-Three measurements, in one process:
+Two measurements, in one process:
 
 1. Attention alone: one decode step's attention over a left-padded batch, as many calls as
    the model has layers, for upstream's masked attention (unfused on CUDA), the kernel, and
@@ -11,12 +11,9 @@ Three measurements, in one process:
    each width, on a plain ``KVCache`` (rows of one length, no mask: the forward ceiling of
    ``bench/forward.py``), on mlx-lm's ``BatchKVCache`` with rows of different lengths
    (upstream's masked path: every batch loop's decode), and on that cache with the kernel.
-3. mlx-lm's ``BatchGenerator`` decode step, with upstream's generation step or the text lane's
-   (``text_batch``: no log-probabilities per row), the kernel off or on.
 
 Usage (a GPU machine with mlx-cuda): ``python bench/decode_attention.py --model 4b
---model-dir /tmp/models --widths 16,32,64``. Without CUDA only part 3 runs, kernel off
-(``python bench/decode_attention.py --model tiny --widths 4,8``).
+--model-dir /tmp/models --widths 16,32,64``.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ import mlx.core as mx
 import _models
 from abstractruntime_mlx.engine import decode_attention
 
-WARPS = (8, 16, 32)  # the kernel's block sizes compared
+WARPS = (8, 16)  # the kernel's block sizes compared (32 warps exceed the registers a thread may use)
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> float:
@@ -106,31 +103,6 @@ def decode_steps(model: Any, rows: list[list[int]], steps: int, kind: str) -> fl
         decode_attention.enable(False)
 
 
-def generator_steps(model: Any, rows: list[list[int]], steps: int, *, lean: bool, kernel: bool) -> float:
-    """Seconds per decode step of mlx-lm's ``BatchGenerator`` over ``rows`` (after its prefill and
-    first steps), with upstream's generation step or the text lane's lean one, kernel off or on."""
-    from mlx_lm.generate import BatchGenerator
-
-    from abstractruntime_mlx.engine.text_batch import _lean_generation_class
-
-    gen = BatchGenerator(model, max_tokens=steps + 20, stop_tokens=[], completion_batch_size=len(rows),
-                         prefill_batch_size=len(rows))
-    if lean:
-        gen._generation_batch = _lean_generation_class().empty(model, gen.sampler)
-    decode_attention.enable(kernel)
-    try:
-        gen.insert(rows, max_tokens=[steps + 20] * len(rows))
-        for _ in range(10):  # the prefill and the first steps, untimed
-            gen.next()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            gen.next()
-        return (time.perf_counter() - t0) / steps
-    finally:
-        decode_attention.enable(False)
-        gen.close()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="4b", choices=["tiny", "0.6b", "4b"])
@@ -139,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
-    cuda = decode_attention.available()
+    if not decode_attention.available():
+        raise SystemExit("the kernel needs MLX's CUDA backend (mlx-cuda)")
     import mlx_lm
 
     root = Path(args.model_dir)
@@ -153,11 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model}: {len(model.layers)} layers, {heads} query / {kv_heads} KV heads of {dim}")
 
     rng = random.Random(0)
-    if not cuda:
-        print("not on MLX's CUDA backend: parts 1 and 2 and the kernel variants need it")
-        return generator_table(model, widths, args.steps, args.repeats, rng, kernel=False)
-
-    print("\n1. attention alone, one decode step over every layer (ms; the kernel at 8, 16, 32 warps a block)")
+    print("\n1. attention alone, one decode step over every layer (ms; the kernel at 8 and 16 warps a block)")
     columns = ["upstream masked", "upstream unmasked", *(f"kernel w{w}" for w in WARPS), "max abs diff"]
     print("| B | keys | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 2) + "|")
@@ -177,23 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {width} | {ms['plain']:.2f} | {ms['batch_upstream']:.2f} | {ms['batch_kernel']:.2f} | "
               f"{ms['batch_upstream'] / ms['batch_kernel']:.2f}x | {ms['plain'] / ms['batch_kernel']:.2f} |")
 
-    return generator_table(model, widths, args.steps, args.repeats, rng, kernel=True)
-
-
-def generator_table(model: Any, widths: list[int], steps: int, repeats: int, rng: random.Random, *, kernel: bool) -> int:
-    print(f"\n3. mlx-lm's BatchGenerator decode step ({steps} steps; ms per step, best of {repeats})")
-    variants = {"upstream step": (False, False), "lean step": (True, False)}
-    if kernel:
-        variants.update({"upstream step + kernel": (False, True), "lean step + kernel": (True, True)})
-    best = "lean step + kernel" if kernel else "lean step"
-    print("| B | " + " | ".join(variants) + f" | upstream / {best} |")
-    print("|---" * (len(variants) + 2) + "|")
-    for width in widths:
-        rows = [[rng.randrange(100, 5000) for _ in range(rng.randrange(49, 95))] for _ in range(width)]
-        ms = {name: 1e3 * min(generator_steps(model, rows, steps, lean=lean, kernel=on) for _ in range(repeats))
-              for name, (lean, on) in variants.items()}
-        print(f"| {width} | " + " | ".join(f"{v:.2f}" for v in ms.values()) + f" | {ms['upstream step'] / ms[best]:.2f}x |")
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -36,6 +36,11 @@ def test_fits_a_decode_step_on_the_plain_batch_cache_only():
     assert not fits(q, k, KVCache(), mask, None)
     assert not fits(q, k, BatchRotatingKVCache(16, [0, 1, 2]), mask, None)  # a sliding window
     assert not fits(q, k, cache, mask[..., :-1], None)  # a mask that is not over these keys
+    # A long cache over few (row, KV head) pairs stays on upstream's path; over many, it fits.
+    few, few_k, few_mask = _step(batch=4, kv_heads=2, length=2000)
+    assert not fits(few, few_k, BatchKVCache([0] * 4), few_mask, None)
+    many, many_k, many_mask = _step(batch=64, kv_heads=2, length=2000)
+    assert fits(many, many_k, BatchKVCache([0] * 64), many_mask, None)
     wide, wide_k, wide_mask = _step(dim=288)
     assert not fits(wide, wide_k, cache, wide_mask, None)
     assert not fits(q.astype(mx.int32), k, cache, mask, None)
@@ -178,8 +183,14 @@ def test_engine_tokens_with_and_without_the_kernel(make_llm, dense_model):
     assert runs[0] == runs[1]
 
 
+def test_block_sizes():
+    assert decode_attention.warps_for(64 * 8) == 8 and decode_attention.warps_for(16 * 8) == 16
+    with pytest.raises(ValueError, match="warps"):
+        decode_attention.decode_attention(*_step()[:2], _step()[1], mx.zeros((3,), dtype=mx.int32), 0.1, warps=32)
+
+
 @cuda
-@pytest.mark.parametrize("warps", [1, 8, 32])
+@pytest.mark.parametrize("warps", [1, 8, 16])
 def test_kernel_block_sizes_agree(warps):
     mx.random.seed(warps)
     q = mx.random.normal((6, 16, 1, 128)).astype(mx.bfloat16)

@@ -11,7 +11,8 @@ attention with that start per row, reading the cache's keys and values in place.
 
 Where it applies (``fits``): one query position, an array mask, mlx-lm's ``BatchKVCache``
 (plain, so no sliding window: the text lane only takes models with a plain ``KVCache`` per
-layer), no attention sinks, a head size up to 256; everything else,
+layer), no attention sinks, a head size up to 256, and enough (row, KV head) pairs for the
+cache's length (``MANY_BLOCKS``, ``LONG_CACHE``); everything else,
 prefill included, goes to upstream's function unchanged. It is routed only on threads that
 ``enable`` it (the engine's worker), so other users of the same model class in the process
 keep upstream's path.
@@ -35,9 +36,19 @@ __all__ = ["available", "decode_attention", "enable", "fits", "install"]
 
 log = logging.getLogger(__name__)
 
-# Warps per block (one block per row and KV head; each warp takes every WARPS-th key): 16 leaves
-# each thread 128 registers for its G heads' queries and sums.
-WARPS = 16
+# Measured on the H200 with the 4B shape (bench/decode_attention.py, docs/benchmarks.md): one
+# block per (row, KV head), each warp taking every W-th key. Fewer than MANY_BLOCKS blocks read a
+# cache longer than LONG_CACHE keys with too little parallelism: upstream's path was faster
+# there (1 row x 4,000 keys: 5.4 ms against 1.9 over 36 layers), so those steps stay on it.
+# 8 warps a block did best from 256 blocks up, 16 below; 32 exceed the registers a thread may
+# use (at 1,024 threads a block).
+MANY_BLOCKS = 128
+LONG_CACHE = 1024
+MAX_WARPS = 16
+
+
+def warps_for(blocks: int) -> int:
+    return 8 if blocks >= 2 * MANY_BLOCKS else 16
 
 # One block of W warps per (row b, KV head): its G query heads share each key and value read.
 # Lane l of each warp holds ceil(D/32) consecutive dims of every query head; a warp scores one key at a
@@ -180,15 +191,19 @@ def _scale_array(scale: float) -> mx.array:
 
 
 def decode_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, start: mx.array, scale: float, *, warps: int = WARPS
+    queries: mx.array, keys: mx.array, values: mx.array, start: mx.array, scale: float, *, warps: int | None = None
 ) -> mx.array:
     """Attention of one query position per row over ``keys[b, :, start[b]:]``.
 
     ``queries``: (B, Hq, 1, D); ``keys``/``values``: (B, Hkv, L, D), any strides, Hq a multiple
     of Hkv; ``start``: (B,) int32, each row's first key. Returns (B, Hq, 1, D) in the queries'
     dtype, what ``mx.fast.scaled_dot_product_attention`` returns under the mask
-    ``start[b] <= j``. ``warps``: per block, 1 to 32."""
+    ``start[b] <= j``. ``warps``: per block, 1 to ``MAX_WARPS`` (default: ``warps_for``)."""
     batch, heads, _, dim = queries.shape
+    if warps is None:
+        warps = warps_for(batch * keys.shape[1])
+    if not 1 <= warps <= MAX_WARPS:
+        raise ValueError(f"warps must be in [1, {MAX_WARPS}], got {warps}")
     (out,) = _kernel()(
         inputs=[queries, keys, values, start.astype(mx.int32), _scale_array(float(scale))],
         template=[("T", queries.dtype), ("D", dim), ("G", heads // keys.shape[1]), ("W", warps)],
@@ -229,6 +244,7 @@ def fits(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -
         and keys.dtype == queries.dtype
         and queries.shape[1] % keys.shape[1] == 0
         and mask.shape[-1] == keys.shape[2]
+        and (keys.shape[2] <= LONG_CACHE or queries.shape[0] * keys.shape[1] >= MANY_BLOCKS)
     )
 
 
