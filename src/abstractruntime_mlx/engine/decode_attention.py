@@ -50,6 +50,7 @@ MAX_WARPS = 16
 def warps_for(blocks: int) -> int:
     return 8 if blocks >= 2 * MANY_BLOCKS else 16
 
+
 # One block of W warps per (row b, KV head): its G query heads share each key and value read.
 # Lane l of each warp holds ceil(D/32) consecutive dims of every query head; a warp scores one key at a
 # time (a warp-wide sum per head), keeps a running max, sum of exponentials and weighted values
@@ -268,12 +269,12 @@ def install(model: Any) -> bool:
 
     module = sys.modules.get(type(model).__module__)
     current = getattr(module, "scaled_dot_product_attention", None)
-    if current is None:
+    if module is None or current is None:
         return False
     if getattr(current, "upstream", None) is base.scaled_dot_product_attention:
         return True
     if current is not base.scaled_dot_product_attention:
         return False
     setattr(module, "scaled_dot_product_attention", _routed(current))
-    log.info("fused decode attention routed for %s", module.__name__ if module else "?")
+    log.info("fused decode attention routed for %s", module.__name__)
     return True
