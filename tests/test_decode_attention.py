@@ -185,8 +185,9 @@ def test_engine_tokens_with_and_without_the_kernel(make_llm, dense_model):
 
 def test_block_sizes():
     assert decode_attention.warps_for(64 * 8) == 8 and decode_attention.warps_for(16 * 8) == 16
+    q, k, _ = _step()
     with pytest.raises(ValueError, match="warps"):
-        decode_attention.decode_attention(*_step()[:2], _step()[1], mx.zeros((3,), dtype=mx.int32), 0.1, warps=32)
+        decode_attention.decode_attention(q, k, k, mx.zeros((3,), dtype=mx.int32), 0.1, warps=32)
 
 
 @cuda

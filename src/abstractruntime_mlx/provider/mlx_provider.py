@@ -571,8 +571,8 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise InvalidControls(f"{name} must be an integer >= {lo}", field=name, value=value)
 
-    for name in ("mlx_batching", "mlx_sampled_exclusive", "mlx_single_lane", "mlx_text_lane", "mlx_prefill_buckets",
-                 "mlx_fused_decode_attention"):
+    switches = [o for o, f in ENGINE_OPTIONS.items() if isinstance(getattr(_ENGINE_DEFAULTS, f), bool)]
+    for name in ("mlx_batching", *switches):
         if not isinstance(options[name], bool):
             raise InvalidControls(f"{name} must be a boolean", field=name, value=options[name])
     positive_int("mlx_max_batch_size")
