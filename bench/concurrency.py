@@ -39,6 +39,9 @@ the tiny tokenizer padded to it), meant for a GPU. The providers' batch size is 
   lengths, those shapes warmed at load);
 - ``ours_unfused``: ours with ``mlx_fused_decode_attention=False`` (upstream's masked decode
   attention; on CUDA the kernel's before, elsewhere the same as ours);
+- ``ours_cudnn``: ours with ``mlx_prefill_attention_ops=False`` (prompt chunks' attention in
+  cuDNN, a plan built per new shape; on CUDA the plain-ops prefill's before, elsewhere the same
+  as ours);
 - ``abstractcore``: AbstractCore's MLX provider with the same options (``speculation=False``);
 - ``mlx_lm.server``: a ``python -m mlx_lm.server`` subprocess on loopback, OpenAI chat
   requests streamed with httpx (``max_tokens``, ``temperature: 0``,
@@ -109,7 +112,7 @@ QUEUE_SIZE = 32  # the providers' mlx_max_queue_size; main() sizes it to the mos
 SERIAL_TARGETS = ("stream_generate", "mlx_lm.server")  # one request at a time
 TARGETS = (
     "forward", "raw", "raw_lm", "stream_generate", "ours", "ours_batch", "ours_vlm", "ours_bucketed", "ours_unfused",
-    "abstractcore", "mlx_lm.server",
+    "ours_cudnn", "abstractcore", "mlx_lm.server",
 )
 FLOORS = {  # ours / X: the floor each ratio should reach, per concurrency (None = any)
     "forward": {32: 0.6, 64: 0.6},
@@ -784,6 +787,8 @@ def make_target(name: str) -> Any:
         return ProviderTarget("ours_bucketed", lambda path: ours_factory(_alias(path, "ours-bucketed"), mlx_prefill_buckets=True))
     if name == "ours_unfused":
         return ProviderTarget("ours_unfused", lambda path: ours_factory(_alias(path, "ours-unfused"), mlx_fused_decode_attention=False))
+    if name == "ours_cudnn":
+        return ProviderTarget("ours_cudnn", lambda path: ours_factory(_alias(path, "ours-cudnn"), mlx_prefill_attention_ops=False))
     if name == "abstractcore":
         return ProviderTarget("abstractcore", abstractcore_factory)
     if name == "mlx_lm.server":

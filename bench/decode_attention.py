@@ -1,4 +1,4 @@
-"""Fused decode attention (``engine/decode_attention.py``) against upstream's masked path, on
+"""Fused decode attention (``engine/cuda_attention.py``) against upstream's masked path, on
 MLX's CUDA backend.
 
 Two measurements, in one process:
@@ -27,7 +27,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 import _models
-from abstractruntime_mlx.engine import decode_attention
+from abstractruntime_mlx.engine import cuda_attention
 
 WARPS = (8, 16)  # the kernel's block sizes compared (32 warps exceed the registers a thread may use)
 
@@ -70,8 +70,8 @@ def attention_alone(width: int, layers: int, heads: int, kv_heads: int, dim: int
     }
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask).astype(mx.float32)
     for warps in WARPS:
-        result[f"kernel w{warps}"] = 1e3 * timed(chain(lambda x: decode_attention.decode_attention(x, k, v, start, scale, warps=warps)), repeats)
-        got = decode_attention.decode_attention(q, k, v, start, scale, warps=warps).astype(mx.float32)
+        result[f"kernel w{warps}"] = 1e3 * timed(chain(lambda x: cuda_attention.decode_attention(x, k, v, start, scale, warps=warps)), repeats)
+        got = cuda_attention.decode_attention(q, k, v, start, scale, warps=warps).astype(mx.float32)
         result["max abs diff"] = max(result.get("max abs diff", 0.0), float(mx.abs(got - want).max().item()))
     return result
 
@@ -89,7 +89,7 @@ def decode_steps(model: Any, rows: list[list[int]], steps: int, kind: str) -> fl
         padding = [longest - len(r) for r in rows]
         prompt = mx.array([[0] * p + r for p, r in zip(padding, rows)])
         cache = [BatchKVCache(padding) for _ in model.layers]
-    decode_attention.enable(kind == "batch_kernel")
+    cuda_attention.enable(decode=kind == "batch_kernel")
     try:
         y = mx.argmax(model(prompt, cache=cache)[:, -1, :], axis=-1)
         mx.eval(y)
@@ -100,7 +100,7 @@ def decode_steps(model: Any, rows: list[list[int]], steps: int, kind: str) -> fl
         mx.eval(y)
         return (time.perf_counter() - t0) / steps
     finally:
-        decode_attention.enable(False)
+        cuda_attention.enable(False, False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,14 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
-    if not decode_attention.available():
+    if not cuda_attention.available():
         raise SystemExit("the kernel needs MLX's CUDA backend (mlx-cuda)")
     import mlx_lm
 
     root = Path(args.model_dir)
     path = _models.tiny(root / "tiny") if args.model == "tiny" else _models.shaped_model(root / f"qwen3-{args.model}-shape", args.model)
     model, _ = mlx_lm.load(str(path))
-    assert decode_attention.install(model), "the model's module does not call mlx-lm's attention function"
+    assert cuda_attention.install(model), "the model's module does not call mlx-lm's attention function"
     layer = model.layers[0].self_attn
     heads, kv_heads = layer.n_heads, layer.n_kv_heads
     dim = model.args.head_dim or model.args.hidden_size // heads

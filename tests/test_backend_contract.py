@@ -146,8 +146,8 @@ def test_mlx_lm_prompt_batch_padding():
     assert callable(getattr(BatchKVCache, "finalize", None))
 
 
-def test_mlx_lm_decode_attention_surface():
-    """What ``engine/decode_attention.py`` relies on: model modules call mlx-lm's shared attention
+def test_mlx_lm_attention_surface():
+    """What ``engine/cuda_attention.py`` relies on: model modules call mlx-lm's shared attention
     function by a module-level name, with the cache and mask as keywords, and a batch cache's
     decode mask hides exactly its rows' left padding."""
     import mlx.core as mx

@@ -41,6 +41,10 @@ class EngineConfig:
     # concurrent requests, and the warm-up adds seconds to a load (docs/benchmarks.md).
     prefill_buckets: bool = False
     # On MLX's CUDA backend the text lane's decode attention runs in one kernel per layer that
-    # takes each row's left padding as its start (``decode_attention``), instead of upstream's
+    # takes each row's left padding as its start (``cuda_attention``), instead of upstream's
     # unfused masked path; elsewhere (CPU, Metal) this changes nothing.
     fused_decode_attention: bool = True
+    # On MLX's CUDA backend the text lane's short prompt chunks compute attention in plain MLX
+    # ops (``cuda_attention``) instead of cuDNN, whose plan for each new shape costs up to
+    # ~0.5 s of host time to build; elsewhere (CPU, Metal) this changes nothing.
+    prefill_attention_ops: bool = True

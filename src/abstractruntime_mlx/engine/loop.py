@@ -77,7 +77,7 @@ from .scheduler import (
     StepPlan,
     prefilling_rows,
 )
-from . import decode_attention
+from . import cuda_attention
 from .prefill_shapes import Buckets, warm
 from .serial import SerialBackend
 from .single import SingleBackend, supports_model
@@ -444,8 +444,9 @@ class Engine:
                             max_batch_size=self.config.max_batch_size,
                             restore_align=restore_alignment(self.config.prefill_step_size),
                         )
+                    # Before the warm-up: it runs the prefill shapes the way serving will.
+                    cuda_attention.enable(decode=self._fused_decode_attention(), prefill=self._prefill_attention_ops())
                     self._buckets = self._warmed_buckets()
-                    decode_attention.enable(self._fused_decode_attention())
                 except BaseException as exc:  # noqa: BLE001 - handed to start()
                     self._load_error = exc
                     self._closed = True
@@ -727,12 +728,15 @@ class Engine:
         """What the text lane steps (built once per loaded model; it shares its weights)."""
         if self._text_lm is None:
             self._text_lm = text_language_model(self._model.path, self._model.model)
-            if self._fused_decode_attention():
-                decode_attention.install(self._text_lm)
+            if self._fused_decode_attention() or self._prefill_attention_ops():
+                cuda_attention.install(self._text_lm)
         return self._text_lm
 
     def _fused_decode_attention(self) -> bool:
-        return self.config.fused_decode_attention and decode_attention.available()
+        return self.config.fused_decode_attention and cuda_attention.available()
+
+    def _prefill_attention_ops(self) -> bool:
+        return self.config.prefill_attention_ops and cuda_attention.available()
 
     def _warmed_buckets(self) -> Buckets | None:
         """The text lane's prefill buckets (``EngineConfig.prefill_buckets``), each shape run once

@@ -62,6 +62,8 @@ ENGINE_OPTIONS: dict[str, str] = {
     "mlx_prefill_buckets": "prefill_buckets",
     # The text lane's decode attention in one kernel on CUDA (docs/provider.md, "Decode attention").
     "mlx_fused_decode_attention": "fused_decode_attention",
+    # Short prompt chunks' attention in plain ops on CUDA, not cuDNN (docs/provider.md, "Prefill attention").
+    "mlx_prefill_attention_ops": "prefill_attention_ops",
 }
 _ENGINE_DEFAULTS = EngineConfig()
 

@@ -1,21 +1,30 @@
-"""Fused decode attention for the text lane's batch cache on MLX's CUDA backend
-(``EngineConfig.fused_decode_attention``).
+"""Attention for the text lane on MLX's CUDA backend: decode steps in one fused kernel
+(``EngineConfig.fused_decode_attention``), short prompt chunks in plain MLX ops
+(``EngineConfig.prefill_attention_ops``).
 
-Why: mlx-lm's ``BatchKVCache`` left-pads its rows, so every decode step hands each layer an
-array mask, and MLX's CUDA vector-attention kernel refuses array masks
+Decode, why: mlx-lm's ``BatchKVCache`` left-pads its rows, so every decode step hands each
+layer an array mask, and MLX's CUDA vector-attention kernel refuses array masks
 (``supports_sdpa_vector`` requires ``!has_arr_mask``; cuDNN's decode path refuses them too).
 Each layer's decode attention then runs unfused (scores matmul, mask, softmax, values matmul),
 in every batch loop built on that cache. A decode step's mask says one thing per row: the
 first position that is not padding (``BatchKVCache.left_padding``). The kernel below is vector
 attention with that start per row, reading the cache's keys and values in place.
 
-Where it applies (``fits``): one query position, an array mask, mlx-lm's ``BatchKVCache``
-(plain, so no sliding window: the text lane only takes models with a plain ``KVCache`` per
-layer), no attention sinks, a head size up to 256, and enough (row, KV head) pairs for the
-cache's length (``MANY_BLOCKS``, ``LONG_CACHE``); everything else,
-prefill included, goes to upstream's function unchanged. It is routed only on threads that
-``enable`` it (the engine's worker), so other users of the same model class in the process
-keep upstream's path.
+Prefill, why: MLX sends a prompt chunk's attention to cuDNN, which builds (and NVRTC-compiles)
+a plan for every (rows, queries, keys) shape it has not met on this thread: ~470 ms of host
+time each on the H200, for a chunk whose attention computes in well under a millisecond. A
+server's prompt batches take their widths from arrivals and their lengths from the prompts,
+so it keeps meeting new shapes (``docs/benchmarks.md``). For chunks whose score matrix is small
+(``SMALL_SCORES``) the attention here is MLX's own unfused formula, written out: two matmuls and
+a softmax, whose kernels are built once, whatever the shape. Larger chunks keep cuDNN, where
+its fused kernel pays back the plan (the length buckets of ``prefill_shapes`` bound those).
+
+Where each applies (``fits``, ``fits_prefill``): mlx-lm's plain ``KVCache`` or
+``BatchKVCache`` (no sliding window, no quantised cache), no attention sinks; for decode, one
+query position, an array mask, a head size up to 256 and enough (row, KV head) pairs for the
+cache's length (``MANY_BLOCKS``, ``LONG_CACHE``). Everything else goes to upstream's function
+unchanged. Both are routed only on threads that ``enable`` them (the engine's worker), so
+other users of the same model class in the process keep upstream's path.
 
 Private upstream names relied on (mlx-lm >=0.31.3,<0.33, ``tests/test_backend_contract.py``):
 a model module's ``scaled_dot_product_attention`` (the name its attention layers call) and
@@ -32,7 +41,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-__all__ = ["available", "decode_attention", "enable", "fits", "install"]
+__all__ = ["available", "decode_attention", "enable", "fits", "fits_prefill", "install", "prefill_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -217,25 +226,65 @@ def decode_attention(
     return result
 
 
+# A prompt chunk's attention runs in plain ops up to this many scores (rows x query heads x
+# queries x keys; 2**26 is 128 MiB of bf16 scores): measured on the H200, ops took no longer
+# than cuDNN's kernel up to there (bench/prefill_attention.py, docs/benchmarks.md).
+SMALL_SCORES = 1 << 26
+
+
+def prefill_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+    """MLX's unfused attention, as ``mx.fast.scaled_dot_product_attention`` computes it where it
+    has no kernel for the call: scale the queries, one matmul for the scores (the G query heads
+    of a KV head share its keys), the mask (boolean: keep; otherwise added), a precise softmax,
+    one matmul over the values. ``mask``: None, ``"causal"`` (aligned to the last key, as
+    upstream aligns it) or an array broadcastable to (B, Hq, L, keys)."""
+    batch, heads, length, dim = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    q = queries * mx.array(scale, dtype=queries.dtype)
+    if group > 1:
+        q = q.reshape(batch, kv_heads, group, length, dim)
+        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+    scores = q @ keys.swapaxes(-1, -2)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        offset = keys.shape[-2] - length
+        mask = mx.arange(offset, offset + length)[:, None] >= mx.arange(keys.shape[-2])[None]
+    if mask is not None:
+        if group > 1 and mask.ndim >= 3:
+            mask = mx.expand_dims(mask, -3) if mask.shape[-3] == 1 else mask.reshape(
+                *mask.shape[:-3], kv_heads, group, *mask.shape[-2:])
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, dtype=scores.dtype))
+        else:
+            scores = scores + mask
+    out = mx.softmax(scores, axis=-1, precise=True) @ values
+    result: mx.array = out.reshape(batch, heads, length, -1) if group > 1 else out
+    return result
+
+
 _local = threading.local()
 
 
-def enable(on: bool = True) -> None:
-    """Route fitting calls to the kernel on this thread (the engine's worker calls it once)."""
-    _local.on = on
+def enable(decode: bool = True, prefill: bool = False) -> None:
+    """Route this thread's fitting decode steps to the kernel and its fitting prompt chunks to
+    ``prefill_attention`` (the engine's worker calls it once)."""
+    _local.decode = decode
+    _local.prefill = prefill
 
 
 @functools.cache
-def _batch_cache_class() -> type:
-    from mlx_lm.models.cache import BatchKVCache
+def _cache_classes() -> tuple[type, type]:
+    from mlx_lm.models.cache import BatchKVCache, KVCache
 
-    return BatchKVCache
+    return BatchKVCache, KVCache
 
 
 def fits(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
     """A decode step on mlx-lm's plain batch cache, in a shape and dtype the kernel takes."""
     return (
-        type(cache) is _batch_cache_class()
+        type(cache) is _cache_classes()[0]
         and isinstance(mask, mx.array)
         and sinks is None
         and queries.ndim == 4
@@ -249,12 +298,27 @@ def fits(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -
     )
 
 
+def fits_prefill(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
+    """A prompt chunk on mlx-lm's plain (batch) cache whose scores are few (``SMALL_SCORES``)."""
+    batch, heads, length, _ = queries.shape if queries.ndim == 4 else (0, 0, 0, 0)
+    return (
+        type(cache) in _cache_classes()
+        and sinks is None
+        and length > 1
+        and (mask is None or isinstance(mask, mx.array) or (isinstance(mask, str) and mask == "causal"))
+        and heads % keys.shape[1] == 0
+        and batch * heads * length * keys.shape[2] <= SMALL_SCORES
+    )
+
+
 def _routed(upstream: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(
         queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any, sinks: Any = None
     ) -> mx.array:
-        if getattr(_local, "on", False) and fits(queries, keys, cache, mask, sinks):
+        if getattr(_local, "decode", False) and fits(queries, keys, cache, mask, sinks):
             return decode_attention(queries, keys, values, cache.left_padding, scale)
+        if getattr(_local, "prefill", False) and fits_prefill(queries, keys, cache, mask, sinks):
+            return prefill_attention(queries, keys, values, scale, mask)
         return upstream(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.upstream = upstream  # type: ignore[attr-defined]
@@ -262,8 +326,8 @@ def _routed(upstream: Callable[..., mx.array]) -> Callable[..., mx.array]:
 
 
 def install(model: Any) -> bool:
-    """Route the decode attention of ``model``'s mlx-lm module through ``decode_attention``
-    (on enabled threads). Idempotent; False where the module does not call mlx-lm's shared
+    """Route the attention of ``model``'s mlx-lm module through this module (on enabled
+    threads). Idempotent; False where the module does not call mlx-lm's shared
     attention function (the model then keeps upstream's path)."""
     from mlx_lm.models import base
 
@@ -276,5 +340,5 @@ def install(model: Any) -> bool:
     if current is not base.scaled_dot_product_attention:
         return False
     setattr(module, "scaled_dot_product_attention", _routed(current))
-    log.info("fused decode attention routed for %s", module.__name__)
+    log.info("CUDA attention routed for %s", module.__name__)
     return True
