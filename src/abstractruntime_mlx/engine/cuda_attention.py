@@ -227,9 +227,11 @@ def decode_attention(
 
 
 # A prompt chunk's attention runs in plain ops up to this many scores (rows x query heads x
-# queries x keys; 2**26 is 128 MiB of bf16 scores): measured on the H200, ops took no longer
-# than cuDNN's kernel up to there (bench/prefill_attention.py, docs/benchmarks.md).
-SMALL_SCORES = 1 << 26
+# queries x keys; 2**27 is 256 MiB of bf16 scores, the bound on the memory they take). Measured
+# on the H200 over 36 layers (bench/prefill_attention.py, docs/benchmarks.md): warm, ops took
+# 1.0-1.5x cuDNN's time below 2**25 scores (at most 3 ms more a forward) and 0.55-0.84x from
+# there up to 2**27, the largest measured; a shape's first call took 1-88 ms against 41-1,065.
+SMALL_SCORES = 1 << 27
 
 
 def prefill_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
