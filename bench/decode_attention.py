@@ -103,6 +103,19 @@ def decode_steps(model: Any, rows: list[list[int]], steps: int, kind: str) -> fl
         cuda_attention.enable(False, False)
 
 
+def routed_model(name: str, model_dir: str) -> tuple[Any, int, int, int]:
+    """The bench model ``name`` (built under ``model_dir`` if missing) with ``cuda_attention``
+    installed, and its query heads, KV heads and head size."""
+    import mlx_lm
+
+    root = Path(model_dir)
+    path = _models.tiny(root / "tiny") if name == "tiny" else _models.shaped_model(root / f"qwen3-{name}-shape", name)
+    model, _ = mlx_lm.load(str(path))
+    assert cuda_attention.install(model), "the model's module does not call mlx-lm's attention function"
+    layer = model.layers[0].self_attn
+    return model, layer.n_heads, layer.n_kv_heads, model.args.head_dim or model.args.hidden_size // layer.n_heads
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="4b", choices=["tiny", "0.6b", "4b"])
@@ -113,15 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not cuda_attention.available():
         raise SystemExit("the kernel needs MLX's CUDA backend (mlx-cuda)")
-    import mlx_lm
-
-    root = Path(args.model_dir)
-    path = _models.tiny(root / "tiny") if args.model == "tiny" else _models.shaped_model(root / f"qwen3-{args.model}-shape", args.model)
-    model, _ = mlx_lm.load(str(path))
-    assert cuda_attention.install(model), "the model's module does not call mlx-lm's attention function"
-    layer = model.layers[0].self_attn
-    heads, kv_heads = layer.n_heads, layer.n_kv_heads
-    dim = model.args.head_dim or model.args.hidden_size // heads
+    model, heads, kv_heads, dim = routed_model(args.model, args.model_dir)
     widths = [int(w) for w in args.widths.split(",")]
     print(f"model {args.model}: {len(model.layers)} layers, {heads} query / {kv_heads} KV heads of {dim}")
 

@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
 
-import _models
 from abstractruntime_mlx.engine import cuda_attention
+from decode_attention import routed_model
 
 CHUNKS = ((1, 64, 64), (8, 64, 64), (64, 64, 64), (64, 96, 96), (8, 256, 256), (64, 128, 128), (64, 256, 256),
           (1, 256, 1024), (1, 256, 4096), (8, 256, 1024), (8, 256, 2048), (1, 2048, 2048), (4, 512, 512))
@@ -109,15 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not cuda_attention.available():
         raise SystemExit("this compares against cuDNN: it needs MLX's CUDA backend (mlx-cuda)")
-    import mlx_lm
-
-    root = Path(args.model_dir)
-    path = _models.tiny(root / "tiny") if args.model == "tiny" else _models.shaped_model(root / f"qwen3-{args.model}-shape", args.model)
-    model, _ = mlx_lm.load(str(path))
-    assert cuda_attention.install(model), "the model's module does not call mlx-lm's attention function"
-    layer = model.layers[0].self_attn
-    heads, kv_heads = layer.n_heads, layer.n_kv_heads
-    dim = model.args.head_dim or model.args.hidden_size // heads
+    model, heads, kv_heads, dim = routed_model(args.model, args.model_dir)
     layers = len(model.layers)
     print(f"model {args.model}: {layers} layers, {heads} query / {kv_heads} KV heads of {dim}; SMALL_SCORES = {cuda_attention.SMALL_SCORES:,}")
 
