@@ -89,7 +89,7 @@ def decode_steps(model: Any, rows: list[list[int]], steps: int, kind: str) -> fl
         padding = [longest - len(r) for r in rows]
         prompt = mx.array([[0] * p + r for p, r in zip(padding, rows)])
         cache = [BatchKVCache(padding) for _ in model.layers]
-    cuda_attention.enable(decode=kind == "batch_kernel")
+    cuda_attention.enable(decode=kind == "batch_kernel", prefill=False)
     try:
         y = mx.argmax(model(prompt, cache=cache)[:, -1, :], axis=-1)
         mx.eval(y)
@@ -100,7 +100,7 @@ def decode_steps(model: Any, rows: list[list[int]], steps: int, kind: str) -> fl
         mx.eval(y)
         return (time.perf_counter() - t0) / steps
     finally:
-        cuda_attention.enable(False, False)
+        cuda_attention.enable(decode=False, prefill=False)
 
 
 def routed_model(name: str, model_dir: str) -> tuple[Any, int, int, int]:

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 r = serving_prefill(model, w, rng)
             finally:
-                cuda_attention.enable(False, False)
+                cuda_attention.enable(decode=False, prefill=False)
             totals[name].append(r["prefill"])
             print(f"| {name} | {w} | {r['prefill']:.1f} | {r['warm prefill']:.1f} | {r['first decode step']:.1f} | "
                   f"{r['later decode step']:.1f} |", flush=True)

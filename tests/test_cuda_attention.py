@@ -66,7 +66,7 @@ def routed(monkeypatch):
 
     monkeypatch.setattr(cuda_attention, "decode_attention", record)
     yield starts
-    cuda_attention.enable(False, False)
+    cuda_attention.enable(decode=False, prefill=False)
 
 
 def _greedy(model, prompts, steps):
@@ -107,7 +107,7 @@ def test_start_per_row_is_the_decode_mask(dense_model, routed, monkeypatch):
         return call(self, inputs, *args, **kwargs)
 
     monkeypatch.setattr(type(model), "__call__", spy)
-    cuda_attention.enable(decode=True)
+    cuda_attention.enable(decode=True, prefill=False)
     assert _greedy(model, prompts, 6) == upstream
     decode_steps = forwards.count(1)
     assert decode_steps >= 5 and len(forwards) > decode_steps  # prefill ran too, unrouted
@@ -291,6 +291,6 @@ def test_prompt_chunks_route_to_plain_ops(dense_model, monkeypatch):
         cuda_attention.enable(decode=False, prefill=True)
         assert _greedy(model, prompts, 6) == upstream
     finally:
-        cuda_attention.enable(False, False)
+        cuda_attention.enable(decode=False, prefill=False)
     assert lengths and all(n > 1 for n in lengths)
     assert len(lengths) % len(model.layers) == 0  # whole forwards, every layer

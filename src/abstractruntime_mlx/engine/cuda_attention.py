@@ -269,7 +269,7 @@ def prefill_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
 _local = threading.local()
 
 
-def enable(decode: bool = True, prefill: bool = False) -> None:
+def enable(*, decode: bool, prefill: bool) -> None:
     """Route this thread's fitting decode steps to the kernel and its fitting prompt chunks to
     ``prefill_attention`` (the engine's worker calls it once)."""
     _local.decode = decode
