@@ -44,7 +44,8 @@ class EngineConfig:
     # takes each row's left padding as its start (``cuda_attention``), instead of upstream's
     # unfused masked path; elsewhere (CPU, Metal) this changes nothing.
     fused_decode_attention: bool = True
-    # On MLX's CUDA backend the text lane's short prompt chunks compute attention in plain MLX
-    # ops (``cuda_attention``) instead of cuDNN, whose plan for each new shape costs up to
-    # ~0.5 s of host time to build; elsewhere (CPU, Metal) this changes nothing.
+    # On MLX's CUDA backend short prompt chunks of text rows (the text lane's and the single
+    # lane's) compute attention in plain MLX ops (``cuda_attention``) instead of cuDNN, whose
+    # plan for each new shape costs up to ~1 s of host time to build; elsewhere (CPU, Metal)
+    # this changes nothing.
     prefill_attention_ops: bool = True
