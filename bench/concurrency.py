@@ -796,6 +796,19 @@ def make_target(name: str) -> Any:
     raise SystemExit(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
 
 
+def profile_run(target: Any, prompts: list[Any], c: int, path: Path, log: Callable[[str], None]) -> None:
+    """One unmeasured run of ``target`` under py-spy (``bench/pyspy.py``); logs where its
+    busiest thread's samples went."""
+    import pyspy
+
+    with pyspy.record(path):
+        target.run(prompts, c)
+    thread, total, shares = pyspy.busiest_thread(path)
+    log(f"  py-spy {path.name}: {thread}, {total} samples; inclusive share by function:")
+    for share, fn in shares:
+        log(f"    {100 * share:5.1f}%  {fn}")
+
+
 def bench_model(
     label: str,
     path: Path,
@@ -807,7 +820,10 @@ def bench_model(
     warmup_tokens: int = MAX_TOKENS,
     requests: int | None = None,
     serial_max_c: int | None = None,
+    py_spy: Path | None = None,
 ) -> list[Point]:
+    """``py_spy``: after a point's measured runs, one more run per target under py-spy (not
+    counted in the figures), its profile written there and its busiest thread summarised."""
     from transformers import AutoTokenizer
 
     book = PromptBook(AutoTokenizer.from_pretrained(str(path)))
@@ -876,6 +892,9 @@ def bench_model(
                         prof = Profile(prof.steps, prof.step_s, prof.backend_s, prof.tokens_s, prof.cpu_s, util if GPU.handle else None)
                         prev = profiles.get(name)
                         profiles[name] = prof if prev is None else prev.add(prof)
+            if py_spy is not None:
+                for name in (n for n in names if n not in failed):
+                    profile_run(live[name], sets[c][0], c, py_spy / f"{label.split()[0]}-{name}-c{c}.txt", log)
             for name in names:
                 if name in failed:
                     point = Point(label, name, c, 0, 0, 0.0, 0.0, None, None, error=failed[name])
@@ -1064,9 +1083,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", default=None, help="runs per point, per model (tiny=5,small=2; --client: tiny=3,small=1); figures pool all runs")
     ap.add_argument("--model-dir", default=None, help="where to build/reuse the checkpoints (default: a temporary directory)")
     ap.add_argument("--json", dest="json_out", default=None, help="write machine, points and ratios here")
+    ap.add_argument("--py-spy", dest="py_spy", default=None, metavar="DIR",
+                    help="after each point, profile one more run per target with py-spy (native frames) into DIR")
     args = ap.parse_args(argv)
 
     global MAX_BATCH, QUEUE_SIZE
+    if args.py_spy and args.client:
+        raise SystemExit("--py-spy profiles the serving targets; it does not apply to --client")
     models = (args.models or ("tiny" if args.quick else "tiny,small")).split(",")
     default_concs = "1,4,8" if args.client else "1,4" if args.quick else "1,2,4,8"
     concs = [int(c) for c in (args.concurrency or default_concs).split(",")]
@@ -1117,7 +1140,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.client:
                 client_points += bench_client(name, path, targets, concs, requests, repeats[label], log)
             else:
-                points += bench_model(name, path, targets, concs, per_slot[label], repeats[label], log, warm, args.requests, args.serial_max_c)
+                points += bench_model(name, path, targets, concs, per_slot[label], repeats[label], log, warm, args.requests,
+                                      args.serial_max_c, Path(args.py_spy) if args.py_spy else None)
     rs = ratios(points)
     print_tables(points, rs)
     client_side.print_client(client_points)

@@ -107,3 +107,24 @@ def test_client_mode_measures_every_target(dense_model: str, policy_file: Path) 
             assert p.step_ms is not None and p.upstream_ms is not None and p.tokens_ms is not None
     ours = [p for p in points if p.target == "ours"]
     assert all("controls" in p.ms for p in ours)  # timed inside the provider, on the client thread
+
+
+def test_pyspy_summary_takes_the_busiest_thread_inclusively(tmp_path: Path) -> None:
+    """``bench/pyspy.py`` reads py-spy's folded stacks: the thread with the most samples, each
+    function counted once per stack whatever its line, native addresses left out."""
+    import pyspy
+
+    raw = tmp_path / "profile.txt"
+    raw.write_text(
+        "thread (11): worker;run (loop.py:10);step (gen.py:5);eval (libmlx.so) 6\n"
+        "thread (11): worker;run (loop.py:10);step (gen.py:7);0x7f00 (libc.so.6) 2\n"
+        "thread (11): worker;run (loop.py:12);prompt (gen.py:40) 2\n"
+        "thread (12): client;get (queue.py:3) 3\n"
+        "not a sample line\n"
+    )
+    thread, total, shares = pyspy.busiest_thread(raw)
+    assert (thread, total) == ("thread (11): worker", 10)
+    assert shares == [(1.0, "run (loop.py)"), (0.8, "step (gen.py)"), (0.6, "eval (libmlx.so)"), (0.2, "prompt (gen.py)")]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert pyspy.busiest_thread(empty) == ("", 0, [])
