@@ -70,6 +70,10 @@ of the checkpoint's language model goes into one process-wide set; printed is ho
 during the point's runs (prefills / decode steps) and how many it used. The providers' queues
 (``mlx_max_queue_size``, ours and AbstractCore's) hold every request of the busiest point.
 
+``--py-spy DIR`` adds, after each point's measured runs, one more run per target under py-spy
+(``bench/pyspy.py``; native frames, not counted in the figures): the raw profile goes to DIR and
+the log lists the busiest thread's functions by inclusive share of its samples.
+
 ``--client`` switches to the client-side mode (``bench/client_side.py``): N distinct chat
 requests from c client threads, each request's time split into before submit (template,
 tokenisation, controls), queue, prefill, decode and delivery, ours against ``stream_generate``
