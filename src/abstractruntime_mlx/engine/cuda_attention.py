@@ -11,8 +11,9 @@ first position that is not padding (``BatchKVCache.left_padding``). The kernel b
 attention with that start per row, reading the cache's keys and values in place.
 
 Prefill, why: MLX sends a prompt chunk's attention to cuDNN, which builds (and NVRTC-compiles)
-a plan for every (rows, queries, keys) shape it has not met on this thread: ~470 ms of host
-time each on the H200, for a chunk whose attention computes in well under a millisecond. A
+a plan for every (rows, queries, keys) shape it has not met on this thread: 41-718 ms of host
+time each on the H200 (about 1 s the first time in a process), for a chunk whose attention then
+computes in about a millisecond. A
 server's prompt batches take their widths from arrivals and their lengths from the prompts,
 so it keeps meeting new shapes (``docs/benchmarks.md``). For chunks whose score matrix is small
 (``SMALL_SCORES``) the attention here is MLX's own unfused formula, written out: two matmuls and

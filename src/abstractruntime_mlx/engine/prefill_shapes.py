@@ -14,6 +14,10 @@ which the mask hides from then on, exactly as upstream pads a batch's shorter ro
 are the same as unpadded (``tests/test_prefill_shapes.py``); the cost is the padding's compute
 and attention over the extra masked positions.
 
+With ``EngineConfig.prefill_attention_ops`` (on by default) chunks of up to
+``cuda_attention.SMALL_SCORES`` attention scores build no cuDNN plan at all, so the buckets
+matter for longer chunks only.
+
 Private upstream fields read here (mlx-lm >=0.31.3,<0.33, ``tests/test_backend_contract.py``):
 ``BatchGenerator._prompt_batch`` and ``PromptProcessingBatch._copy``.
 """
