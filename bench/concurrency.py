@@ -42,6 +42,8 @@ the tiny tokenizer padded to it), meant for a GPU. The providers' batch size is 
 - ``ours_cudnn``: ours with ``mlx_prefill_attention_ops=False`` (prompt chunks' attention in
   cuDNN, a plan built per new shape; on CUDA the plain-ops prefill's before, elsewhere the same
   as ours);
+- ``ours_mlx_lm``: ours with ``mlx_own_text_loop=False`` (the text lane steps mlx-lm's
+  ``BatchGenerator`` instead of its own loop over the forward: the own loop's before);
 - ``abstractcore``: AbstractCore's MLX provider with the same options (``speculation=False``);
 - ``mlx_lm.server``: a ``python -m mlx_lm.server`` subprocess on loopback, OpenAI chat
   requests streamed with httpx (``max_tokens``, ``temperature: 0``,
@@ -116,7 +118,7 @@ QUEUE_SIZE = 32  # the providers' mlx_max_queue_size; main() sizes it to the mos
 SERIAL_TARGETS = ("stream_generate", "mlx_lm.server")  # one request at a time
 TARGETS = (
     "forward", "raw", "raw_lm", "stream_generate", "ours", "ours_batch", "ours_vlm", "ours_bucketed", "ours_unfused",
-    "ours_cudnn", "abstractcore", "mlx_lm.server",
+    "ours_cudnn", "ours_mlx_lm", "abstractcore", "mlx_lm.server",
 )
 FLOORS = {  # ours / X: the floor each ratio should reach, per concurrency (None = any)
     "forward": {32: 0.6, 64: 0.6},
@@ -793,6 +795,8 @@ def make_target(name: str) -> Any:
         return ProviderTarget("ours_unfused", lambda path: ours_factory(_alias(path, "ours-unfused"), mlx_fused_decode_attention=False))
     if name == "ours_cudnn":
         return ProviderTarget("ours_cudnn", lambda path: ours_factory(_alias(path, "ours-cudnn"), mlx_prefill_attention_ops=False))
+    if name == "ours_mlx_lm":
+        return ProviderTarget("ours_mlx_lm", lambda path: ours_factory(_alias(path, "ours-mlx-lm"), mlx_own_text_loop=False))
     if name == "abstractcore":
         return ProviderTarget("abstractcore", abstractcore_factory)
     if name == "mlx_lm.server":

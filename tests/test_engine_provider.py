@@ -381,12 +381,15 @@ def test_vision_images_change_output(make_llm, vision_model, tmp_path):
         llm.generate("x", media=[str(tmp_path / "missing.png")])
 
 
-@pytest.mark.parametrize("lane", ["single", "batch", "text_batch"])
+@pytest.mark.parametrize("lane", ["single", "batch", "text_loop", "text_batch"])
 def test_upstream_failure_fails_the_group_not_the_engine(make_llm, dense_model, monkeypatch, lane):
-    from abstractruntime_mlx.engine import backend, single, text_batch
+    from abstractruntime_mlx.engine import backend, single, text_batch, text_loop
 
-    llm = make_llm(dense_model, mlx_batching=True, mlx_single_lane=lane == "single", mlx_text_lane=lane == "text_batch")
-    cls = {"single": single.SingleBackend, "batch": backend.BatchBackend, "text_batch": text_batch.TextBatchBackend}[lane]
+    text = lane.startswith("text")
+    llm = make_llm(dense_model, mlx_batching=True, mlx_single_lane=lane == "single", mlx_text_lane=text,
+                   mlx_own_text_loop=lane == "text_loop")
+    cls = {"single": single.SingleBackend, "batch": backend.BatchBackend, "text_loop": text_loop.TextLoopBackend,
+           "text_batch": text_batch.TextBatchBackend}[lane]
     real_step = cls.step
     calls = {"n": 0}
 

@@ -35,6 +35,10 @@ class EngineConfig:
     # steps faster at high concurrency and interleaves prefill chunks with decode; off: every
     # batch runs in mlx-vlm's loop.
     text_lane: bool = True
+    # The text lane steps its own loop over the model's forward (``text_loop``): one forward and
+    # no device wait per admission, none per finished row; off: mlx-lm's ``BatchGenerator``
+    # (``text_batch``).
+    own_text_loop: bool = True
     # The text lane pads prompt chunks to a few lengths and runs those prefill shapes once when
     # the model loads (``prefill_shapes``): on MLX's CUDA backend a shape's first run costs
     # 60-470 ms of setup. Off by default: on the H200 it did not raise throughput at 16-64

@@ -83,6 +83,7 @@ from .serial import SerialBackend
 from .single import SingleBackend, supports_model
 from .stops import StopMatcher
 from .text_batch import TextBatchBackend
+from .text_loop import TextLoopBackend
 from .text_batch import language_model as text_language_model
 from .text_batch import make_cache as make_text_cache
 
@@ -751,8 +752,9 @@ class Engine:
             log.warning("warming the prefill shapes failed: %s", exc)
         return buckets
 
-    def _text_backend(self, new: NewGroup) -> TextBatchBackend:
-        return TextBatchBackend(
+    def _text_backend(self, new: NewGroup) -> TextLoopBackend | TextBatchBackend:
+        backend = TextLoopBackend if self.config.own_text_loop else TextBatchBackend
+        return backend(
             self._model.model,
             language_model=self._text_language_model(),
             eos_token_ids=self._model.eos_token_ids,
@@ -785,7 +787,7 @@ class Engine:
         # The row stays in ``group.running`` until the batch holds it: a failure here fails
         # it with the group (``_fail_group``), as any failed step would.
         request = group.running[old_uid].request
-        backend: BatchBackend | TextBatchBackend
+        backend: BatchBackend | TextLoopBackend | TextBatchBackend
         if group.key.lane == "text":
             backend = self._text_backend(NewGroup(group.key, BackendKind.TEXT_BATCH, self.config.max_batch_size))
         else:

@@ -58,6 +58,8 @@ ENGINE_OPTIONS: dict[str, str] = {
     "mlx_burst_gap_ms": "burst_gap_ms",
     # Plain text rows batch in mlx-lm's loop (docs/provider.md, "Lanes").
     "mlx_text_lane": "text_lane",
+    # The text lane's own loop over the forward, or mlx-lm's BatchGenerator (docs/provider.md, "Lanes").
+    "mlx_own_text_loop": "own_text_loop",
     # The text lane's prefill shapes: bucketed and warmed at load (docs/provider.md, "Prefill shapes").
     "mlx_prefill_buckets": "prefill_buckets",
     # The text lane's decode attention in one kernel on CUDA (docs/provider.md, "Decode attention").

@@ -1,0 +1,363 @@
+"""The text lane's own batch loop: plain text rows decode over the model's forward directly.
+
+What it saves against mlx-lm's ``BatchGenerator`` (``text_batch``, kept behind
+``EngineConfig.own_text_loop=False``), measured on the H200 where every step is bound by the
+host building and encoding the graph (``docs/benchmarks.md``):
+
+- Admission costs one forward, not two, and no device wait. Arriving prompts (all but their
+  last token) are prefilled together, left-padded, into a ``BatchKVCache`` that then extends
+  the batch's; each row's last prompt token is fed by the batch's next decode step, which
+  samples the row's first token with everyone else's. Upstream prefills, waits for the cache
+  (``mx.eval``), empties MLX's buffer cache, then runs a separate first decode step for the
+  newcomers and waits for it.
+- A finished row costs no device wait: each row's left padding is known here, so dropping rows
+  shifts the cache without reading the padding back from the device (upstream's
+  ``BatchKVCache.filter`` does), and no finished row's cache is extracted.
+- One sampling call for the batch (``sampling.sample_rows``; greedy rows share its argmax).
+
+The step keeps mlx-lm's pipelining: the forward for step n+1 is queued (``mx.async_eval``)
+before the host reads step n's tokens. Long prompts (more than ``prefill_step_size`` tokens)
+prefill one chunk per step, interleaved with decode, so a long prompt arriving never stalls the
+rows already decoding for more than a chunk; short prompts are admitted meanwhile.
+
+Rows, controls and results are the text lane's (``text_batch``): a sampled row draws from its
+own ``RowStream``, penalties, bias and grammar are per-row logits processors fed the tokens so
+far as mlx-lm feeds them, the tokenizer's end-of-sequence ids stop a row with ``"stop"``, and
+a row that decoded alone on the single lane moves in with its KV cache (``adopt``).
+
+Private upstream fields read here (mlx-lm >=0.31.3,<0.33, ``tests/test_backend_contract.py``):
+``BatchKVCache``'s ``keys``, ``values``, ``offset``, ``left_padding`` and ``_idx``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from .backend import DecodingRow, LogitsProcessor, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors, row_processors
+from .prefill_shapes import Buckets
+from .sampling import RowStream, sample_rows
+from .scheduler import BackendKind
+
+__all__ = ["TextLoopBackend"]
+
+_CLEAR_CACHE_EVERY = 512  # decode steps, as mlx-lm's batch loop
+
+
+@dataclass(slots=True, eq=False)
+class _Row:
+    uid: int
+    prompt: list[int]
+    max_tokens: int
+    stream: RowStream | None
+    processors: list[LogitsProcessor]
+    context: Any = None  # the tokens fed so far (mlx-lm's ``TokenBuffer``), for the processors
+    num_tokens: int = 0  # tokens delivered
+    pad: int = 0  # left padding in the cache that holds the row
+    generated: bool = False  # its token in flight is a generated one, not its last prompt token
+
+
+@dataclass(slots=True, eq=False)
+class _Prefill:
+    """Rows prefilling together: their prompts but the last token, left-padded to one width."""
+
+    rows: list[_Row]
+    tokens: list[list[int]]
+    cache: list[Any]
+    chunks: list[int]  # column counts still to run, in order
+    done: int = 0  # columns run
+
+
+class TextLoopBackend:
+    """A batch of plain text rows stepped over the language model's forward."""
+
+    kind = BackendKind.TEXT_BATCH
+    can_hand_off = False
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        language_model: Any,
+        eos_token_ids: frozenset[int],
+        max_batch_size: int,
+        prefill_step_size: int,
+        stream: Any,
+        buckets: Buckets | None = None,
+    ) -> None:
+        """``language_model``: ``text_batch.language_model``'s result (``model(tokens, cache=)
+        -> logits``, a plain ``KVCache`` per layer); ``buckets``: pad the last chunk of each
+        prefill to these lengths (``prefill_shapes``)."""
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self._lm = language_model
+        self._eos = eos_token_ids
+        self._step_size = prefill_step_size
+        self._stream = stream
+        self._buckets = buckets
+        self._uid_count = itertools.count()
+        self.uids: set[int] = set()
+        self._waiting: collections.deque[_Row] = collections.deque()
+        self._chunked: _Prefill | None = None  # long prompts, one chunk a step
+        self._rows: list[_Row] = []  # decoding, in the batch cache's row order
+        self._cache: list[Any] = []  # a BatchKVCache per layer
+        self._inputs: mx.array | None = None  # each decoding row's next input token, in flight
+        self._steps = 0
+
+    # --- admission -------------------------------------------------------------------
+    def insert(self, row: RowInput) -> int:
+        if row.prefix is not None or row.prompt_inputs is not None:
+            raise RuntimeError("the text lane runs text rows without a prefix-cache key")
+        with map_upstream_errors("inserting a prompt"):
+            if not row.prompt_ids:
+                raise ValueError("a prompt needs at least one token")
+            if row.max_tokens <= 0:
+                raise ValueError(f"max_tokens must be > 0, got {row.max_tokens}")
+            # Built before the row exists: a value refused here fails this request only.
+            stream = RowStream.for_sampling(row.sampling)
+            processors = row_processors(row.sampling, row.grammar) or []
+            context = _token_buffer(row.prompt_ids[:-1]) if processors else None
+        uid = next(self._uid_count)
+        self._waiting.append(_Row(uid, list(row.prompt_ids), row.max_tokens, stream, processors, context))
+        self.uids.add(uid)
+        return uid
+
+    def adopt(self, row: DecodingRow) -> int:
+        """Take a row that decoded alone (``single.SingleBackend.detach``) into the batch, its KV
+        cache as is: the next step delivers its token in flight and samples the one after."""
+        uid = next(self._uid_count)
+        with map_upstream_errors("moving a row into the text batch"):
+            cache = [type(c).merge([c]) for c in row.cache]  # mlx-lm: a BatchKVCache of one row
+            moving = _Row(uid, [], row.max_tokens, row.row, [], num_tokens=row.num_tokens, generated=True)
+            self._join([moving], cache, row.next_token.reshape(1).astype(mx.uint32))
+        self.uids.add(uid)
+        return uid
+
+    def free_slots(self) -> int:
+        return self.max_batch_size - len(self.uids)
+
+    def allow_partial_prefill(self) -> None:
+        """Nothing to allow: waiting prompts are admitted whenever decode slots are free."""
+
+    def remove(self, uid: int) -> bool:
+        """Drop a row at any stage (waiting, mid-prefill or decoding)."""
+        with map_upstream_errors("removing a request"):
+            self._waiting = collections.deque(r for r in self._waiting if r.uid != uid)
+            group = self._chunked
+            if group is not None and any(r.uid == uid for r in group.rows):
+                keep = [i for i, r in enumerate(group.rows) if r.uid != uid]
+                if keep:
+                    group.rows = [group.rows[i] for i in keep]
+                    group.tokens = [group.tokens[i] for i in keep]
+                    _filter(group.cache, keep, shift=0)
+                else:
+                    self._chunked = None
+            if any(r.uid == uid for r in self._rows):
+                self._keep([i for i, r in enumerate(self._rows) if r.uid != uid])
+        self.forget(uid)
+        return True
+
+    def forget(self, uid: int) -> None:
+        self.uids.discard(uid)
+
+    @property
+    def prefilling(self) -> bool:
+        return bool(self._waiting) or self._chunked is not None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.uids)
+
+    def detach(self) -> tuple[int, DecodingRow]:
+        raise RuntimeError("the text lane's rows stay in it; only the single lane hands a row off")
+
+    # --- stepping --------------------------------------------------------------------
+    def step(self, *, observe_prefill: bool) -> StepResult:
+        result = StepResult()
+        with mx.stream(self._stream), map_upstream_errors("a text batch step"):
+            if self._rows:
+                self._decode(result)
+            self._prefill(result, observe_prefill)
+        result.batch_uids = {r.uid for r in self._rows}
+        if self._chunked is not None:
+            result.batch_uids.update(r.uid for r in self._chunked.rows)
+        return result
+
+    def _decode(self, result: StepResult) -> None:
+        """Queue the next step, then deliver the tokens of the one before (the device computes
+        step n+1 while the host reads step n)."""
+        rows, inputs = self._rows, self._inputs
+        assert inputs is not None  # decoding rows always have their next input
+        logits = self._lm(inputs[:, None], cache=self._cache)[:, -1, :]
+        contexts = []
+        if any(r.processors for r in rows):
+            parts = []
+            for e, r in enumerate(rows):
+                part = logits[e : e + 1]
+                if r.processors:
+                    context = r.context.update_and_fetch(inputs[e : e + 1])
+                    contexts.append(context)
+                    for processor in r.processors:
+                        part = processor(context, part)
+                parts.append(part)
+            logits = mx.concatenate(parts, axis=0)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        self._inputs = sample_rows(logprobs, [r.stream for r in rows])
+        mx.async_eval(self._inputs, contexts)
+        self._steps += 1
+        if self._steps % _CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        keep = []
+        for i, (row, token) in enumerate(zip(rows, inputs.tolist())):
+            if not row.generated:  # its last prompt token: the first generated one is now in flight
+                row.generated = True
+                keep.append(i)
+                continue
+            row.num_tokens += 1
+            if token in self._eos:
+                reason: str | None = "stop"
+            elif row.num_tokens >= row.max_tokens:
+                reason = "length"
+            else:
+                reason = None
+                keep.append(i)
+            result.tokens.append(TokenEvent(row.uid, int(token), reason))
+        if len(keep) < len(rows):
+            self._keep(keep)
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep these decoding rows (indices, in order); the cache sheds the left padding that
+        every remaining row has."""
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._cache, self._inputs = [], None
+            return
+        assert self._inputs is not None
+        self._inputs = self._inputs[mx.array(keep)]
+        shift = min(r.pad for r in self._rows)
+        _filter(self._cache, keep, shift)
+        for r in self._rows:
+            r.pad -= shift
+
+    def _prefill(self, result: StepResult, observe: bool) -> None:
+        """Admit what the free slots allow: short prompts in one forward now, long ones as a
+        group that runs a chunk a step (one such group at a time)."""
+        free = self.max_batch_size - len(self._rows) - (len(self._chunked.rows) if self._chunked else 0)
+        short: list[_Row] = []
+        long: list[_Row] = []
+        waiting: collections.deque[_Row] = collections.deque()
+        for row in self._waiting:
+            if free > 0 and len(row.prompt) - 1 <= self._step_size:
+                short.append(row)
+                free -= 1
+            elif free > 0 and self._chunked is None:
+                long.append(row)
+                free -= 1
+            else:
+                waiting.append(row)
+        self._waiting = waiting
+        if long:
+            self._chunked = self._start(long)
+        if short:
+            group = self._start(short)
+            while group.chunks:  # one chunk: every prompt fits
+                self._run_chunk(group, result, observe)
+            self._finish_prefill(group, result)
+        group = self._chunked
+        if group is not None:
+            self._run_chunk(group, result, observe)
+            if not group.chunks:
+                self._chunked = None
+                self._finish_prefill(group, result)
+
+    def _start(self, rows: list[_Row]) -> _Prefill:
+        """A prefill group: each prompt but its last token, left-padded to whole chunks of
+        ``prefill_step_size`` columns and a last, shorter one (padded to its length bucket,
+        where buckets are on): the longest prompt is chunked as the single lane chunks it."""
+        from mlx_lm.models.cache import BatchKVCache
+
+        lengths = [len(r.prompt) - 1 for r in rows]
+        longest = max(lengths)
+        full = max(0, longest - 1) // self._step_size
+        last = longest - full * self._step_size
+        if self._buckets is not None and last > 0:
+            last = self._buckets.length(last)
+        width = full * self._step_size + last
+        pads = [width - n for n in lengths]
+        for r, pad in zip(rows, pads):
+            r.pad = pad
+        tokens = [[0] * pad + r.prompt[:-1] for r, pad in zip(rows, pads)]
+        chunks = [self._step_size] * full + ([last] if last else [])
+        cache = [BatchKVCache(pads) for _ in self._lm.layers]
+        return _Prefill(rows, tokens, cache, chunks)
+
+    def _run_chunk(self, group: _Prefill, result: StepResult, observe: bool) -> None:
+        n = group.chunks.pop(0)
+        columns = mx.array([t[group.done : group.done + n] for t in group.tokens])
+        self._lm(columns, cache=group.cache)
+        mx.async_eval([(c.keys, c.values) for c in group.cache])  # queued: the host goes on
+        group.done += n
+        if observe:
+            for r in group.rows:
+                result.prefill[r.uid] = PrefillRow(processed=max(0, group.done - r.pad), total=len(r.prompt), cached=0)
+
+    def _finish_prefill(self, group: _Prefill, result: StepResult) -> None:
+        last = mx.array([r.prompt[-1] for r in group.rows], dtype=mx.uint32)
+        self._join(group.rows, group.cache, last)
+        for r in group.rows:
+            r.prompt = []
+            result.prompt_done[r.uid] = 0
+
+    def _join(self, rows: list[_Row], cache: list[Any], inputs: mx.array) -> None:
+        """Append rows (their cache, their next inputs) to the decoding batch."""
+        if not self._rows:
+            self._rows, self._cache, self._inputs = list(rows), cache, inputs
+            return
+        assert self._inputs is not None
+        ours, theirs = self._cache[0]._idx, cache[0]._idx
+        for mine, other in zip(self._cache, cache):
+            mine.extend(other)  # right-justifies both at the longer one's length
+        longest = max(ours, theirs)
+        for r in self._rows:
+            r.pad += longest - ours
+        for r in rows:
+            r.pad += longest - theirs
+        self._rows.extend(rows)
+        self._inputs = mx.concatenate([self._inputs, inputs])
+
+    def speculation_counters(self) -> tuple[int, float, int] | None:
+        return None
+
+    def close(self) -> None:
+        self._waiting.clear()
+        self._chunked = None
+        self._rows, self._cache, self._inputs = [], [], None
+        self.uids.clear()
+        mx.synchronize(self._stream)
+
+
+def _filter(cache: list[Any], keep: list[int], shift: int) -> None:
+    """Keep rows ``keep`` of each layer's ``BatchKVCache`` and drop ``shift`` leading columns
+    (padding for every kept row), as upstream's ``filter`` does but without reading the
+    padding back from the device."""
+    index = mx.array(keep)
+    for c in cache:
+        c.offset = c.offset[index]
+        c.left_padding = c.left_padding[index]
+        if c.keys is not None:
+            c.keys, c.values = c.keys[index], c.values[index]
+            if shift:
+                c.keys, c.values = c.keys[..., shift:, :], c.values[..., shift:, :]
+        if shift:
+            c._idx -= shift
+            c.left_padding = c.left_padding - shift
+
+
+def _token_buffer(tokens: list[int]) -> Any:
+    from mlx_lm.models.cache import TokenBuffer
+
+    return TokenBuffer(tokens)
