@@ -34,7 +34,7 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -211,8 +211,9 @@ class TextLoopBackend:
         self._steps += 1
         if self._steps % _CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
+        tokens = cast(list[int], inputs.tolist())  # waits for the step before only
         keep = []
-        for i, (row, token) in enumerate(zip(rows, inputs.tolist())):
+        for i, (row, token) in enumerate(zip(rows, tokens)):
             if not row.generated:  # its last prompt token: the first generated one is now in flight
                 row.generated = True
                 keep.append(i)
@@ -225,7 +226,7 @@ class TextLoopBackend:
             else:
                 reason = None
                 keep.append(i)
-            result.tokens.append(TokenEvent(row.uid, int(token), reason))
+            result.tokens.append(TokenEvent(row.uid, token, reason))
         if len(keep) < len(rows):
             self._keep(keep)
 
@@ -263,16 +264,16 @@ class TextLoopBackend:
         if long:
             self._chunked = self._start(long)
         if short:
-            group = self._start(short)
-            while group.chunks:  # one chunk: every prompt fits
-                self._run_chunk(group, result, observe)
-            self._finish_prefill(group, result)
-        group = self._chunked
-        if group is not None:
-            self._run_chunk(group, result, observe)
-            if not group.chunks:
+            arrived = self._start(short)
+            while arrived.chunks:  # one chunk: every prompt fits
+                self._run_chunk(arrived, result, observe)
+            self._finish_prefill(arrived, result)
+        chunked = self._chunked
+        if chunked is not None:
+            self._run_chunk(chunked, result, observe)
+            if not chunked.chunks:
                 self._chunked = None
-                self._finish_prefill(group, result)
+                self._finish_prefill(chunked, result)
 
     def _start(self, rows: list[_Row]) -> _Prefill:
         """A prefill group: each prompt but its last token, left-padded to whole chunks of
