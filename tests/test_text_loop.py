@@ -1,0 +1,124 @@
+"""The text lane's own loop (``engine/text_loop.py``): long prompts prefill a chunk a step
+between decode steps, rows join and leave with the padding tracked on the host, cancels at
+every stage. What both text-lane loops share is in ``test_text_lane.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from abstractruntime_mlx import errors
+from abstractruntime_mlx.engine.text_loop import TextLoopBackend
+from test_single_lane import PROMPTS, Stepper
+
+LONG = " ".join(PROMPTS * 6)  # ~190 tokens: 24 chunks of 8
+
+
+@pytest.fixture()
+def make(dense_model):
+    made: list[Stepper] = []
+
+    def factory(**config: object) -> Stepper:
+        config = {"single_lane": False, "max_batch_size": 4, "prefill_step_size": 8, **config}
+        s = Stepper(dense_model, **config)
+        made.append(s)
+        return s
+
+    yield factory
+    for s in made:
+        s.engine._close_group()
+
+
+def loop_of(s: Stepper) -> TextLoopBackend:
+    group = s.engine._group
+    assert group is not None and isinstance(group.backend, TextLoopBackend)
+    return group.backend
+
+
+def check_padding(backend: TextLoopBackend) -> None:
+    """The host's left padding per row is the cache's own, on every layer."""
+    pads = [r.pad for r in backend._rows]
+    for c in backend._cache:
+        assert c.left_padding.tolist() == pads
+        assert c.offset.tolist() == [c._idx - p for p in pads]
+    if pads:
+        assert min(pads) == 0  # no column is padding for every row
+
+
+def test_a_long_prompt_prefills_a_chunk_a_step_while_rows_decode(make):
+    alone = make()
+    solo = alone.request(LONG, max_tokens=6)
+    alone.drain()
+
+    s = make()
+    decoding = [s.request(PROMPTS[0], max_tokens=80), s.request(PROMPTS[1], max_tokens=80)]
+    s.until(lambda: all(r.num_output_tokens >= 2 for r in decoding))
+    long = s.request(LONG, max_tokens=6)
+    chunk_steps = 0
+    while long.num_output_tokens == 0:
+        before = [r.num_output_tokens for r in decoding]
+        s.step()
+        backend = loop_of(s)
+        if backend._chunked is not None:
+            chunk_steps += 1
+            # every decoding row got its token this step: the prompt held nobody up
+            assert [r.num_output_tokens for r in decoding] == [n + 1 for n in before]
+        check_padding(backend)
+    s.drain()
+    assert chunk_steps >= 20  # ~190 prompt tokens in chunks of 8, one a step
+    assert long.token_ids == solo.token_ids and len(long.token_ids) == 6
+    assert all(r.outcome is not None and r.outcome.finish_reason == "length" for r in decoding)
+
+
+def test_rows_join_and_leave_with_the_padding_on_the_host(make):
+    s = make()
+    # the longer prompt (no padding) finishes first: the others' common padding is shed
+    first = [s.request(PROMPTS[0], max_tokens=9), s.request(PROMPTS[2], max_tokens=3)]
+    s.until(lambda: s.engine._group is not None and loop_of(s)._rows)
+    later = s.request("Hi", max_tokens=5)  # shorter than every row in the cache: padded on the left
+    shed = 0
+    while s.engine._live:
+        before = loop_of(s)._cache[0]._idx if s.engine._group is not None and loop_of(s)._rows else None
+        s.step()
+        if s.engine._group is not None and loop_of(s)._rows:
+            backend = loop_of(s)
+            check_padding(backend)
+            if before is not None and backend._cache[0]._idx <= before:
+                shed += 1
+    assert shed >= 1  # the host dropped padding columns without reading the device
+    assert [r.num_output_tokens for r in (*first, later)] == [9, 3, 5]
+
+
+@pytest.mark.parametrize("stage", ["waiting", "chunked", "decoding"])
+def test_a_cancel_at_any_stage_leaves_the_others_tokens_unchanged(make, stage):
+    """waiting: a long prompt behind another one's chunks (one chunked group at a time)."""
+    reference = make()
+    ref = [reference.request(PROMPTS[0], max_tokens=10), reference.request(PROMPTS[1], max_tokens=10)]
+    reference.drain()
+
+    s = make()
+    others = [s.request(PROMPTS[0], max_tokens=10), s.request(PROMPTS[1], max_tokens=10)]
+    s.until(lambda: all(r.num_output_tokens >= 1 for r in others))
+    if stage == "waiting":
+        others.append(s.request(LONG, max_tokens=4))
+        s.until(lambda: loop_of(s)._chunked is not None)
+    victim = s.request(LONG if stage != "decoding" else PROMPTS[2], max_tokens=10)
+    if stage == "waiting":
+        s.step()
+        assert [r.uid for r in loop_of(s)._waiting] == [victim.uid]
+    elif stage == "chunked":
+        s.until(lambda: loop_of(s)._chunked is not None)
+    else:
+        s.until(lambda: victim.num_output_tokens >= 2)
+    s.engine.cancel(victim)
+    s.drain()
+    assert victim.outcome is not None and victim.outcome.finish_reason == "cancelled"
+    assert [r.token_ids for r in others[:2]] == [r.token_ids for r in ref]
+    assert all(r.outcome is not None and r.outcome.finish_reason == "length" for r in others)
+    assert s.engine._live == {} and s.engine._group is None
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_a_bad_loop_option_is_refused(make_llm, dense_model, value):
+    with pytest.raises(errors.InvalidControls) as info:
+        make_llm(dense_model, mlx_batching=True, mlx_own_text_loop=value)
+    assert info.value.code == "invalid_controls" and info.value.field == "mlx_own_text_loop"
