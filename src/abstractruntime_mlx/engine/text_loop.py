@@ -47,6 +47,14 @@ __all__ = ["TextLoopBackend"]
 
 _CLEAR_CACHE_EVERY = 512  # decode steps, as mlx-lm's batch loop
 
+# Admission in waves: while rows decode, short prompts wait until they are an eighth of the
+# batch size (or fill the free slots), at most this many decode steps. Each admission costs
+# about one forward of host time whatever its width (the H200's steps are host-bound), so at
+# 64 rows admitting one or two rows a step, as clients resubmit, nearly doubled the step.
+# Batches of up to 8 rows admit every prompt at once.
+WAVE_FRACTION = 8
+WAVE_WAIT_STEPS = 4
+
 
 @dataclass(slots=True, eq=False)
 class _Row:
@@ -58,6 +66,7 @@ class _Row:
     context: Any = None  # the tokens fed so far (mlx-lm's ``TokenBuffer``), for the processors
     num_tokens: int = 0  # tokens delivered
     pad: int = 0  # left padding in the cache that holds the row
+    waited: int = 0  # steps it was held back for a wave
     generated: bool = False  # its token in flight is a generated one, not its last prompt token
 
 
@@ -107,6 +116,7 @@ class TextLoopBackend:
         self._cache: list[Any] = []  # a BatchKVCache per layer
         self._inputs: mx.array | None = None  # each decoding row's next input token, in flight
         self._steps = 0
+        self._wave = -(-max_batch_size // WAVE_FRACTION)
 
     # --- admission -------------------------------------------------------------------
     def insert(self, row: RowInput) -> int:
@@ -245,9 +255,11 @@ class TextLoopBackend:
             r.pad -= shift
 
     def _prefill(self, result: StepResult, observe: bool) -> None:
-        """Admit what the free slots allow: short prompts in one forward now, long ones as a
-        group that runs a chunk a step (one such group at a time)."""
+        """Admit what the free slots allow: short prompts in one forward, long ones as a group
+        that runs a chunk a step (one such group at a time). While rows decode, short prompts
+        are admitted in waves (``_wave``)."""
         free = self.max_batch_size - len(self._rows) - (len(self._chunked.rows) if self._chunked else 0)
+        slots = free
         short: list[_Row] = []
         long: list[_Row] = []
         waiting: collections.deque[_Row] = collections.deque()
@@ -260,6 +272,11 @@ class TextLoopBackend:
                 free -= 1
             else:
                 waiting.append(row)
+        if short and self._rows and len(short) < min(self._wave, slots) and max(r.waited for r in short) < WAVE_WAIT_STEPS:
+            for r in short:
+                r.waited += 1
+            waiting = collections.deque(sorted((*short, *waiting), key=lambda r: r.uid))  # arrival order
+            short = []
         self._waiting = waiting
         if long:
             self._chunked = self._start(long)
