@@ -117,23 +117,25 @@ def test_a_cancel_at_any_stage_leaves_the_others_tokens_unchanged(make, stage):
     assert s.engine._live == {} and s.engine._group is None
 
 
-@pytest.mark.parametrize("value", ["yes", 1, None])
-def test_a_bad_loop_option_is_refused(make_llm, dense_model, value):
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("mlx_own_text_loop", "yes"), ("mlx_own_text_loop", 1), ("mlx_own_text_loop", None),
+     ("mlx_admission_wave_steps", -1), ("mlx_admission_wave_steps", 2.5), ("mlx_admission_wave_steps", True)],
+)
+def test_a_bad_loop_option_is_refused(make_llm, dense_model, option, value):
     with pytest.raises(errors.InvalidControls) as info:
-        make_llm(dense_model, mlx_batching=True, mlx_own_text_loop=value)
-    assert info.value.code == "invalid_controls" and info.value.field == "mlx_own_text_loop"
+        make_llm(dense_model, mlx_batching=True, **{option: value})
+    assert info.value.code == "invalid_controls" and info.value.field == option
 
 
 def test_short_prompts_join_a_decoding_batch_in_waves(make):
-    """An eighth of the batch size (here 2 of 16) or WAVE_WAIT_STEPS decode steps, whichever
-    comes first; the tokens are the ones it gets when admitted at once."""
-    from abstractruntime_mlx.engine.text_loop import WAVE_WAIT_STEPS
-
+    """An eighth of the batch size (here 2 of 16) or ``admission_wave_steps`` decode steps,
+    whichever comes first; the tokens are the ones it gets when admitted at once."""
     reference = make()
     alone = reference.request(PROMPTS[2], max_tokens=6)
     reference.drain()
 
-    s = make(max_batch_size=16, prefill_step_size=256)  # every prompt fits one chunk
+    s = make(max_batch_size=16, prefill_step_size=256, admission_wave_steps=3)  # every prompt fits one chunk
     decoding = [s.request(PROMPTS[0], max_tokens=60), s.request(PROMPTS[1], max_tokens=60)]
     s.until(lambda: all(r.num_output_tokens >= 1 for r in decoding))
     late = s.request(PROMPTS[2], max_tokens=6)
@@ -141,10 +143,20 @@ def test_short_prompts_join_a_decoding_batch_in_waves(make):
     while not loop_of(s)._rows or late.uid not in {r.uid for r in loop_of(s)._rows}:
         s.step()
         held += late.uid in {r.uid for r in loop_of(s)._waiting}
-    assert held == WAVE_WAIT_STEPS  # alone, it waited for company that never came
+    assert held == 3  # alone, it waited for company that never came
 
     pair = [s.request(PROMPTS[0], max_tokens=6), s.request(PROMPTS[1], max_tokens=6)]
     s.step()  # the engine hands both over; together they are a wave
     assert {r.uid for r in pair} <= {r.uid for r in loop_of(s)._rows}
     s.drain()
     assert late.token_ids == alone.token_ids
+
+
+def test_waves_off_admit_every_arrival_at_once(make):
+    s = make(max_batch_size=16, prefill_step_size=256, admission_wave_steps=0)
+    decoding = [s.request(PROMPTS[0], max_tokens=20), s.request(PROMPTS[1], max_tokens=20)]
+    s.until(lambda: all(r.num_output_tokens >= 1 for r in decoding))
+    late = s.request(PROMPTS[2], max_tokens=4)
+    s.until(lambda: late.uid is not None)
+    assert late.uid in {r.uid for r in loop_of(s)._rows}
+    s.drain()

@@ -753,9 +753,7 @@ class Engine:
         return buckets
 
     def _text_backend(self, new: NewGroup) -> TextLoopBackend | TextBatchBackend:
-        backend = TextLoopBackend if self.config.own_text_loop else TextBatchBackend
-        return backend(
-            self._model.model,
+        shared: dict[str, Any] = dict(
             language_model=self._text_language_model(),
             eos_token_ids=self._model.eos_token_ids,
             max_batch_size=new.max_batch_size,
@@ -763,6 +761,9 @@ class Engine:
             stream=self._stream,
             buckets=self._buckets,
         )
+        if self.config.own_text_loop:
+            return TextLoopBackend(self._model.model, wave_steps=self.config.admission_wave_steps, **shared)
+        return TextBatchBackend(self._model.model, **shared)
 
     def _single_backend(self, apc_manager: Any, *, text_lane: bool = False) -> SingleBackend:
         """``text_lane``: the row may move into a text batch, so its cache is built from mlx-lm's

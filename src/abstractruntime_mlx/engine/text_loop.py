@@ -47,13 +47,12 @@ __all__ = ["TextLoopBackend"]
 
 _CLEAR_CACHE_EVERY = 512  # decode steps, as mlx-lm's batch loop
 
-# Admission in waves: while rows decode, short prompts wait until they are an eighth of the
-# batch size (or fill the free slots), at most this many decode steps. Each admission costs
-# about one forward of host time whatever its width (the H200's steps are host-bound), so at
-# 64 rows admitting one or two rows a step, as clients resubmit, nearly doubled the step.
+# Admission in waves (``EngineConfig.admission_wave_steps``): while rows decode, short prompts
+# wait until they are this fraction of the batch size (or fill the free slots). Each admission
+# costs about one forward of host time whatever its width (the H200's steps are host-bound),
+# so at 64 rows admitting one or two rows a step, as clients resubmit, slows every step.
 # Batches of up to 8 rows admit every prompt at once.
 WAVE_FRACTION = 8
-WAVE_WAIT_STEPS = 4
 
 
 @dataclass(slots=True, eq=False)
@@ -97,10 +96,12 @@ class TextLoopBackend:
         prefill_step_size: int,
         stream: Any,
         buckets: Buckets | None = None,
+        wave_steps: int = 0,
     ) -> None:
         """``language_model``: ``text_batch.language_model``'s result (``model(tokens, cache=)
         -> logits``, a plain ``KVCache`` per layer); ``buckets``: pad the last chunk of each
-        prefill to these lengths (``prefill_shapes``)."""
+        prefill to these lengths (``prefill_shapes``); ``wave_steps``: how many decode steps
+        short prompts may be held back to join as a wave (0: never)."""
         self.model = model
         self.max_batch_size = max_batch_size
         self._lm = language_model
@@ -117,6 +118,7 @@ class TextLoopBackend:
         self._inputs: mx.array | None = None  # each decoding row's next input token, in flight
         self._steps = 0
         self._wave = -(-max_batch_size // WAVE_FRACTION)
+        self._wave_steps = wave_steps
 
     # --- admission -------------------------------------------------------------------
     def insert(self, row: RowInput) -> int:
@@ -272,7 +274,7 @@ class TextLoopBackend:
                 free -= 1
             else:
                 waiting.append(row)
-        if short and self._rows and len(short) < min(self._wave, slots) and max(r.waited for r in short) < WAVE_WAIT_STEPS:
+        if short and self._rows and len(short) < min(self._wave, slots) and max(r.waited for r in short) < self._wave_steps:
             for r in short:
                 r.waited += 1
             waiting = collections.deque(sorted((*short, *waiting), key=lambda r: r.uid))  # arrival order

@@ -60,6 +60,8 @@ ENGINE_OPTIONS: dict[str, str] = {
     "mlx_text_lane": "text_lane",
     # The text lane's own loop over the forward, or mlx-lm's BatchGenerator (docs/provider.md, "Lanes").
     "mlx_own_text_loop": "own_text_loop",
+    # How many decode steps the own loop holds short prompts back to admit them as a wave (docs/provider.md, "Lanes").
+    "mlx_admission_wave_steps": "admission_wave_steps",
     # The text lane's prefill shapes: bucketed and warmed at load (docs/provider.md, "Prefill shapes").
     "mlx_prefill_buckets": "prefill_buckets",
     # The text lane's decode attention in one kernel on CUDA (docs/provider.md, "Decode attention").
@@ -583,6 +585,7 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
     positive_int("mlx_max_queue_size")
     positive_int("mlx_output_queue_size", lo=2)
     positive_int("mlx_prefill_step_size", lo=16)
+    positive_int("mlx_admission_wave_steps", lo=0)
     validate_cache_options(options)
     for name in ("mlx_batch_wait_ms", "mlx_burst_gap_ms"):
         wait = options[name]
