@@ -44,8 +44,8 @@ the tiny tokenizer padded to it), meant for a GPU. The providers' batch size is 
   as ours);
 - ``ours_mlx_lm``: ours with ``mlx_own_text_loop=False`` (the text lane steps mlx-lm's
   ``BatchGenerator`` instead of its own loop over the forward: the own loop's before);
-- ``ours_nowave``: ours with ``mlx_admission_wave_steps=0`` (each step admits whatever arrived,
-  instead of short prompts joining a decoding batch in waves);
+- ``ours_waves``: ours with ``mlx_admission_wave_steps=4`` (short prompts join a decoding
+  batch in waves of an eighth of the batch, held at most 4 steps, instead of at once);
 - ``abstractcore``: AbstractCore's MLX provider with the same options (``speculation=False``);
 - ``mlx_lm.server``: a ``python -m mlx_lm.server`` subprocess on loopback, OpenAI chat
   requests streamed with httpx (``max_tokens``, ``temperature: 0``,
@@ -120,7 +120,7 @@ QUEUE_SIZE = 32  # the providers' mlx_max_queue_size; main() sizes it to the mos
 SERIAL_TARGETS = ("stream_generate", "mlx_lm.server")  # one request at a time
 TARGETS = (
     "forward", "raw", "raw_lm", "stream_generate", "ours", "ours_batch", "ours_vlm", "ours_bucketed", "ours_unfused",
-    "ours_cudnn", "ours_mlx_lm", "ours_nowave", "abstractcore", "mlx_lm.server",
+    "ours_cudnn", "ours_mlx_lm", "ours_waves", "abstractcore", "mlx_lm.server",
 )
 FLOORS = {  # ours / X: the floor each ratio should reach, per concurrency (None = any)
     "forward": {32: 0.6, 64: 0.6},
@@ -799,8 +799,8 @@ def make_target(name: str) -> Any:
         return ProviderTarget("ours_cudnn", lambda path: ours_factory(_alias(path, "ours-cudnn"), mlx_prefill_attention_ops=False))
     if name == "ours_mlx_lm":
         return ProviderTarget("ours_mlx_lm", lambda path: ours_factory(_alias(path, "ours-mlx-lm"), mlx_own_text_loop=False))
-    if name == "ours_nowave":
-        return ProviderTarget("ours_nowave", lambda path: ours_factory(_alias(path, "ours-nowave"), mlx_admission_wave_steps=0))
+    if name == "ours_waves":
+        return ProviderTarget("ours_waves", lambda path: ours_factory(_alias(path, "ours-waves"), mlx_admission_wave_steps=4))
     if name == "abstractcore":
         return ProviderTarget("abstractcore", abstractcore_factory)
     if name == "mlx_lm.server":

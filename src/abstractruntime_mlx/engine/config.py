@@ -39,10 +39,12 @@ class EngineConfig:
     # no device wait per admission, none per finished row; off: mlx-lm's ``BatchGenerator``
     # (``text_batch``).
     own_text_loop: bool = True
-    # While its rows decode, the own text loop admits short prompts in waves: held back until
-    # they are an eighth of the batch size (or fill the free slots), at most this many decode
-    # steps; 0: each step admits whatever arrived (``text_loop``).
-    admission_wave_steps: int = 4
+    # While its rows decode, the own text loop can admit short prompts in waves: held back
+    # until they are an eighth of the batch size (or fill the free slots), at most this many
+    # decode steps. 0 (the default): each step admits whatever arrived; on the H200 waves of
+    # up to 4 steps measured +7% at 32 rows and -4% at 64, TTFT p50 up to +40 ms
+    # (docs/benchmarks.md).
+    admission_wave_steps: int = 0
     # The text lane pads prompt chunks to a few lengths and runs those prefill shapes once when
     # the model loads (``prefill_shapes``): on MLX's CUDA backend a shape's first run costs
     # 60-470 ms of setup. Off by default: on the H200 it did not raise throughput at 16-64

@@ -18,7 +18,8 @@ host building and encoding the graph (``docs/benchmarks.md``):
 The step keeps mlx-lm's pipelining: the forward for step n+1 is queued (``mx.async_eval``)
 before the host reads step n's tokens. Long prompts (more than ``prefill_step_size`` tokens)
 prefill one chunk per step, interleaved with decode, so a long prompt arriving never stalls the
-rows already decoding for more than a chunk; short prompts are admitted meanwhile.
+rows already decoding for more than a chunk; short prompts are admitted meanwhile, at once or
+in waves (``admission_wave_steps``).
 
 Rows, controls and results are the text lane's (``text_batch``): a sampled row draws from its
 own ``RowStream``, penalties, bias and grammar are per-row logits processors fed the tokens so
@@ -47,10 +48,10 @@ __all__ = ["TextLoopBackend"]
 
 _CLEAR_CACHE_EVERY = 512  # decode steps, as mlx-lm's batch loop
 
-# Admission in waves (``EngineConfig.admission_wave_steps``): while rows decode, short prompts
-# wait until they are this fraction of the batch size (or fill the free slots). Each admission
-# costs about one forward of host time whatever its width (the H200's steps are host-bound),
-# so at 64 rows admitting one or two rows a step, as clients resubmit, slows every step.
+# Admission in waves (``EngineConfig.admission_wave_steps``, off by default): while rows
+# decode, short prompts wait until they are this fraction of the batch size (or fill the free
+# slots). The idea: each admission costs about one forward of host time whatever its width
+# (the H200's steps are host-bound); measured, it did not pay at 64 rows (docs/benchmarks.md).
 # Batches of up to 8 rows admit every prompt at once.
 WAVE_FRACTION = 8
 
