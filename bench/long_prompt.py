@@ -7,9 +7,11 @@
 request with a ``--prompt-tokens`` prompt arrives. For the decoding rows, the gaps between
 their tokens while that prompt is prefilled (from its submit to its first token) are compared
 with their gaps before it arrived: p50, p95 and max, and how long the long prompt took to its
-first token. Targets: ``ours`` (text rows in mlx-lm's batch loop, which prefills one chunk of
-``mlx_prefill_step_size`` tokens between decode steps) and ``ours_vlm`` (``mlx_text_lane=False``,
-mlx-vlm's loop). Both in one process, alternating, on the same checkpoint.
+first token. Targets: ``ours`` (text rows in the text lane's own loop, which prefills one chunk
+of ``mlx_prefill_step_size`` tokens between decode steps), ``ours_mlx_lm``
+(``mlx_own_text_loop=False``: mlx-lm's batch loop, which does the same) and ``ours_vlm``
+(``mlx_text_lane=False``, mlx-vlm's loop). All in one process, alternating, on the same
+checkpoint.
 """
 
 from __future__ import annotations
@@ -101,10 +103,14 @@ def main(argv: list[str] | None = None) -> int:
 
     root = Path(args.model_dir or tempfile.mkdtemp(prefix="long-prompt-"))
     path = tiny_model(root / "dense-long", kind="dense-long")
-    targets = {"ours": True, "ours_vlm": False}
+    targets: dict[str, dict[str, bool]] = {
+        "ours": {},
+        "ours_mlx_lm": {"mlx_own_text_loop": False},
+        "ours_vlm": {"mlx_text_lane": False},
+    }
     results: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
     llms: dict[str, Any] = {}
-    for name, text_lane in targets.items():
+    for name, options in targets.items():
         # One resident model per directory: a second set of options needs its own (file links).
         alias = root / f"dense-long-{name}"
         alias.mkdir(exist_ok=True)
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (alias / file.name).exists():
                 (alias / file.name).symlink_to(file.resolve())
         llms[name] = create_llm("mlx", model=str(alias), mlx_batching=True, mlx_max_batch_size=args.rows + 1,
-                                mlx_prefill_step_size=args.prefill_step_size, mlx_text_lane=text_lane, speculation=False)
+                                mlx_prefill_step_size=args.prefill_step_size, speculation=False, **options)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))

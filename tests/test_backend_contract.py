@@ -132,6 +132,27 @@ def test_mlx_lm_batch_generator_fields():
     assert callable(getattr(KVCache, "merge", None)) and callable(TokenBuffer)
 
 
+def test_mlx_lm_batch_cache_fields():
+    """What ``engine/text_loop.py`` reads and writes of mlx-lm's ``BatchKVCache``: built from a
+    left padding, extended in place (right-justified), its rows and leading columns dropped by
+    hand through its fields; a plain cache merged into one."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, KVCache, TokenBuffer
+
+    cache = BatchKVCache([2, 0])
+    keys = mx.ones((2, 1, 3, 4))
+    cache.update_and_fetch(keys, keys)
+    assert cache._idx == 3 and cache.left_padding.tolist() == [2, 0] and cache.offset.tolist() == [1, 3]
+    other = BatchKVCache([0])
+    other.update_and_fetch(mx.ones((1, 1, 1, 4)), mx.ones((1, 1, 1, 4)))
+    cache.extend(other)
+    assert cache._idx == 3 and cache.left_padding.tolist() == [2, 0, 2] and cache.keys.shape[0] == 3
+    for attr in ("keys", "values", "offset", "left_padding", "_idx"):
+        assert hasattr(cache, attr), attr
+    assert KVCache.merge([KVCache()]).__class__ is BatchKVCache
+    assert TokenBuffer([1, 2]).update_and_fetch(mx.array([3])).tolist() == [1, 2, 3]
+
+
 def test_mlx_lm_prompt_batch_padding():
     """What ``engine/prefill_shapes.py`` relies on: the prompt batch the generator keeps and
     copies with its own class, and the batch cache's right padding turned into left padding."""

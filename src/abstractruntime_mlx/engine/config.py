@@ -31,7 +31,7 @@ class EngineConfig:
     # ``batch_wait_ms`` after the first): a burst (a flow's fan-out, clients at once) is
     # prefilled as one batch, and its first request does not start alone on the single lane.
     burst_gap_ms: float = 2.0
-    # Continuous groups of plain text rows run in mlx-lm's batch loop (``text_batch``), which
+    # Continuous groups of plain text rows run in the text lane (``text_loop`` / ``text_batch``), which
     # steps faster at high concurrency and interleaves prefill chunks with decode; off: every
     # batch runs in mlx-vlm's loop.
     text_lane: bool = True

@@ -577,7 +577,7 @@ class Engine:
         return self.config.single_lane and self._plain_kv()
 
     def _text_lane_model(self) -> bool:
-        """Whether the loaded model's text rows can batch in mlx-lm's loop."""
+        """Whether the loaded model's text rows can batch in the text lane."""
         return self.config.text_lane and self._plain_kv()
 
     def _plain_kv(self) -> bool:

@@ -32,8 +32,8 @@ Policy (the fairness rule):
   later requests join its free slots.
 - The serialized lane (``mlx_batching=False``) runs every request alone, as exclusive.
 - Text lane (``text_lane``): a continuous group of text rows (no images, prefix-cache key
-  or MTP; ``text_lane_row``) on a model that has the lane runs in mlx-lm's
-  batch loop (``text_batch``); other rows never join it (their key's ``lane`` differs), so a
+  or MTP; ``text_lane_row``) on a model that has the lane runs in the text lane's
+  loop (``text_loop``, or mlx-lm's ``text_batch``); other rows never join it (their key's ``lane`` differs), so a
   row that needs mlx-vlm's loop at the head of the queue is a barrier like any other.
 - Single lane: a continuous group of one, whose row can later move into a batch as is (text,
   no logits processors or grammar, no prefix-cache key), decodes on the single-request lane;
@@ -66,7 +66,7 @@ class GroupKey:
     cache_group: Hashable
     reason: ExclusiveReason | None = field(default=None, compare=False)
     sampled_exclusive: bool = field(default=False, compare=False)
-    # Continuous groups only: "text" runs in mlx-lm's batch loop (``text_lane_row``), "full" in mlx-vlm's.
+    # Continuous groups only: "text" runs in the text lane (``text_lane_row``), "full" in mlx-vlm's.
     lane: str = "full"
     text_lane: bool = field(default=False, compare=False)  # whether the text lane is open
 
@@ -81,7 +81,7 @@ class GroupKey:
 
 
 def text_lane_row(request: EngineRequest) -> bool:
-    """A row mlx-lm's batch loop can run as mlx-vlm's would: text, no prefix-cache key."""
+    """A row the text lane can run as mlx-vlm's loop would: text, no prefix-cache key."""
     return request.prompt_kwargs_factory is None and request.prompt_cache_key is None
 
 
@@ -190,7 +190,7 @@ class BackendKind(StrEnum):
     """Which backend a group runs on (``Backend.kind``)."""
 
     BATCH = "batch"  # upstream's batch generator: late joiners take its free slots
-    TEXT_BATCH = "text_batch"  # mlx-lm's batch generator, for plain text rows (``text_batch``)
+    TEXT_BATCH = "text_batch"  # the text lane, for plain text rows (``text_loop`` or ``text_batch``)
     SINGLE = "single"  # one row on a plain KV cache; a compatible arrival moves it into a batch
     SERIAL = "serial"  # the serialized mlx-lm lane, one request at a time
 
@@ -288,7 +288,7 @@ class SchedulerState:
     stopping: bool = False
     serial_lane: bool = False  # the model runs on the serialized mlx-lm lane
     single_lane_model: bool = False  # the model's rows can decode on the single lane
-    text_lane_model: bool = False  # the model's text rows can run in mlx-lm's batch loop
+    text_lane_model: bool = False  # the model's text rows can run in the text lane
     prefix_cache: bool = False  # a prefix cache is resident (keyed requests use it)
     single_lane_restores: bool = False  # the single lane can restore and store keyed rows' prefixes
     shared_prefixes: PrefixIndex | None = None  # set where prefixes are shared as blocks

@@ -1,4 +1,5 @@
-"""The text lane: plain text rows decode in mlx-lm's ``BatchGenerator``.
+"""The text lane on mlx-lm's ``BatchGenerator`` (``EngineConfig.own_text_loop=False``; the
+default is the lane's own loop, ``text_loop``, which reuses ``language_model`` and ``make_cache``).
 
 Bare, mlx-lm's batch loop steps faster than mlx-vlm's at 16 and more rows (measured on CUDA,
 ``docs/benchmarks.md``; inside the engine the gain shows at 16 rows, not yet at 32-64), and it

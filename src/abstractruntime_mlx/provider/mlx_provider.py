@@ -56,7 +56,7 @@ ENGINE_OPTIONS: dict[str, str] = {
     # A lone request decodes on the single-request lane until a second one joins (docs/provider.md).
     "mlx_single_lane": "single_lane",
     "mlx_burst_gap_ms": "burst_gap_ms",
-    # Plain text rows batch in mlx-lm's loop (docs/provider.md, "Lanes").
+    # Plain text rows batch in the text lane (docs/provider.md, "Which batch loop").
     "mlx_text_lane": "text_lane",
     # The text lane's own loop over the forward, or mlx-lm's BatchGenerator (docs/provider.md, "Lanes").
     "mlx_own_text_loop": "own_text_loop",
