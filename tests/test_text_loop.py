@@ -160,3 +160,24 @@ def test_waves_off_admit_every_arrival_at_once(make):
     s.until(lambda: late.uid is not None)
     assert late.uid in {r.uid for r in loop_of(s)._rows}
     s.drain()
+
+
+def test_finished_rows_idle_until_half_the_batch_has_finished(make):
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], "Hi"]
+    limits = [3, 6, 14, 14]
+    reference = make(own_text_loop=False)
+    expected = [reference.request(p, max_tokens=n) for p, n in zip(prompts, limits)]
+    reference.drain()
+
+    s = make()
+    reqs = [s.request(p, max_tokens=n) for p, n in zip(prompts, limits)]
+    widths = []
+    while s.engine._live:
+        s.step()
+        if s.engine._group is not None and loop_of(s)._rows:
+            backend = loop_of(s)
+            widths.append((sum(r.outcome is not None for r in reqs), len(backend._rows)))
+            check_padding(backend)
+    # one finished: its slot idles (4 wide); two of four: one compaction to the two left
+    assert (1, 4) in widths and (2, 2) in widths and (1, 3) not in widths
+    assert [r.token_ids for r in reqs] == [r.token_ids for r in expected]

@@ -10,9 +10,11 @@ host building and encoding the graph (``docs/benchmarks.md``):
   samples the row's first token with everyone else's. Upstream prefills, waits for the cache
   (``mx.eval``), empties MLX's buffer cache, then runs a separate first decode step for the
   newcomers and waits for it.
-- A finished row costs no device wait: each row's left padding is known here, so dropping rows
-  shifts the cache without reading the padding back from the device (upstream's
-  ``BatchKVCache.filter`` does), and no finished row's cache is extracted.
+- A finished row costs no device wait and, mostly, no host work: its slot idles in the batch
+  until half the batch has finished or rows join, then one compaction drops every finished
+  row. Each row's left padding is known here, so that shifts the cache without reading the
+  padding back from the device (upstream's ``BatchKVCache.filter`` does, for every finish),
+  and no finished row's cache is extracted.
 - One sampling call for the batch (``sampling.sample_rows``; greedy rows share its argmax).
 
 The step keeps mlx-lm's pipelining: the forward for step n+1 is queued (``mx.async_eval``)
@@ -68,6 +70,7 @@ class _Row:
     pad: int = 0  # left padding in the cache that holds the row
     waited: int = 0  # steps it was held back for a wave
     generated: bool = False  # its token in flight is a generated one, not its last prompt token
+    done: bool = False  # finished: its slot idles in the batch until the next compaction
 
 
 @dataclass(slots=True, eq=False)
@@ -195,7 +198,7 @@ class TextLoopBackend:
             if self._rows:
                 self._decode(result)
             self._prefill(result, observe_prefill)
-        result.batch_uids = {r.uid for r in self._rows}
+        result.batch_uids = {r.uid for r in self._rows if not r.done}
         if self._chunked is not None:
             result.batch_uids.update(r.uid for r in self._chunked.rows)
         return result
@@ -207,11 +210,11 @@ class TextLoopBackend:
         assert inputs is not None  # decoding rows always have their next input
         logits = self._lm(inputs[:, None], cache=self._cache)[:, -1, :]
         contexts = []
-        if any(r.processors for r in rows):
+        if any(r.processors and not r.done for r in rows):
             parts = []
             for e, r in enumerate(rows):
                 part = logits[e : e + 1]
-                if r.processors:
+                if r.processors and not r.done:
                     context = r.context.update_and_fetch(inputs[e : e + 1])
                     contexts.append(context)
                     for processor in r.processors:
@@ -219,17 +222,17 @@ class TextLoopBackend:
                 parts.append(part)
             logits = mx.concatenate(parts, axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        self._inputs = sample_rows(logprobs, [r.stream for r in rows])
+        self._inputs = sample_rows(logprobs, [None if r.done else r.stream for r in rows])
         mx.async_eval(self._inputs, contexts)
         self._steps += 1
         if self._steps % _CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         tokens = cast(list[int], inputs.tolist())  # waits for the step before only
-        keep = []
-        for i, (row, token) in enumerate(zip(rows, tokens)):
+        for row, token in zip(rows, tokens):
+            if row.done:
+                continue
             if not row.generated:  # its last prompt token: the first generated one is now in flight
                 row.generated = True
-                keep.append(i)
                 continue
             row.num_tokens += 1
             if token in self._eos:
@@ -238,10 +241,17 @@ class TextLoopBackend:
                 reason = "length"
             else:
                 reason = None
-                keep.append(i)
+            row.done = reason is not None
             result.tokens.append(TokenEvent(row.uid, token, reason))
-        if len(keep) < len(rows):
-            self._keep(keep)
+        # A finished row's slot idles until half the batch has finished or rows join: each
+        # compaction rebuilds every layer's cache, host work the idle slots' compute does not cost.
+        if 2 * sum(r.done for r in rows) >= len(rows):
+            self._compact()
+
+    def _compact(self) -> None:
+        live = [i for i, r in enumerate(self._rows) if not r.done]
+        if len(live) < len(self._rows):
+            self._keep(live)
 
     def _keep(self, keep: list[int]) -> None:
         """Keep these decoding rows (indices, in order); the cache sheds the left padding that
@@ -261,7 +271,8 @@ class TextLoopBackend:
         """Admit what the free slots allow: short prompts in one forward, long ones as a group
         that runs a chunk a step (one such group at a time). While rows decode, short prompts
         are admitted in waves (``_wave``)."""
-        free = self.max_batch_size - len(self._rows) - (len(self._chunked.rows) if self._chunked else 0)
+        live = sum(not r.done for r in self._rows)
+        free = self.max_batch_size - live - (len(self._chunked.rows) if self._chunked else 0)
         slots = free
         short: list[_Row] = []
         long: list[_Row] = []
@@ -275,7 +286,7 @@ class TextLoopBackend:
                 free -= 1
             else:
                 waiting.append(row)
-        if short and self._rows and len(short) < min(self._wave, slots) and max(r.waited for r in short) < self._wave_steps:
+        if short and live and len(short) < min(self._wave, slots) and max(r.waited for r in short) < self._wave_steps:
             for r in short:
                 r.waited += 1
             waiting = collections.deque(sorted((*short, *waiting), key=lambda r: r.uid))  # arrival order
@@ -334,7 +345,9 @@ class TextLoopBackend:
             result.prompt_done[r.uid] = 0
 
     def _join(self, rows: list[_Row], cache: list[Any], inputs: mx.array) -> None:
-        """Append rows (their cache, their next inputs) to the decoding batch."""
+        """Append rows (their cache, their next inputs) to the decoding batch, finished rows
+        dropped first."""
+        self._compact()
         if not self._rows:
             self._rows, self._cache, self._inputs = list(rows), cache, inputs
             return
