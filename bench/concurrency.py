@@ -46,6 +46,8 @@ the tiny tokenizer padded to it), meant for a GPU. The providers' batch size is 
   ``BatchGenerator`` instead of its own loop over the forward: the own loop's before);
 - ``ours_waves``: ours with ``mlx_admission_wave_steps=4`` (short prompts join a decoding
   batch in waves of an eighth of the batch, held at most 4 steps, instead of at once);
+- ``ours_separate_proj``: ours with ``mlx_fused_projections=False`` (the text lane's model
+  keeps upstream's separate q/k/v and gate/up matmuls: the fused projections' before);
 - ``abstractcore``: AbstractCore's MLX provider with the same options (``speculation=False``);
 - ``mlx_lm.server``: a ``python -m mlx_lm.server`` subprocess on loopback, OpenAI chat
   requests streamed with httpx (``max_tokens``, ``temperature: 0``,
@@ -120,7 +122,7 @@ QUEUE_SIZE = 32  # the providers' mlx_max_queue_size; main() sizes it to the mos
 SERIAL_TARGETS = ("stream_generate", "mlx_lm.server")  # one request at a time
 TARGETS = (
     "forward", "raw", "raw_lm", "stream_generate", "ours", "ours_batch", "ours_vlm", "ours_bucketed", "ours_unfused",
-    "ours_cudnn", "ours_mlx_lm", "ours_waves", "abstractcore", "mlx_lm.server",
+    "ours_cudnn", "ours_mlx_lm", "ours_waves", "ours_separate_proj", "abstractcore", "mlx_lm.server",
 )
 FLOORS = {  # ours / X: the floor each ratio should reach, per concurrency (None = any)
     "forward": {32: 0.6, 64: 0.6},
@@ -801,6 +803,8 @@ def make_target(name: str) -> Any:
         return ProviderTarget("ours_mlx_lm", lambda path: ours_factory(_alias(path, "ours-mlx-lm"), mlx_own_text_loop=False))
     if name == "ours_waves":
         return ProviderTarget("ours_waves", lambda path: ours_factory(_alias(path, "ours-waves"), mlx_admission_wave_steps=4))
+    if name == "ours_separate_proj":
+        return ProviderTarget("ours_separate_proj", lambda path: ours_factory(_alias(path, "ours-separate-proj"), mlx_fused_projections=False))
     if name == "abstractcore":
         return ProviderTarget("abstractcore", abstractcore_factory)
     if name == "mlx_lm.server":

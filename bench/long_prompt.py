@@ -2,6 +2,7 @@
 
     python bench/long_prompt.py                       # tiny dense-long model, CPU: about a minute
     python bench/long_prompt.py --prompt-tokens 4096 --rows 4 --repeats 3
+    python bench/long_prompt.py --model 4b --model-dir /tmp/models --rows 16   # a GPU (random bf16 Qwen3-4B shape)
 
 ``--rows`` streamed requests decode (greedy, 160 tokens each); once each has 16 tokens out, a
 request with a ``--prompt-tokens`` prompt arrives. For the decoding rows, the gaps between
@@ -23,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import _models  # bench/_models.py
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 DECODE_TOKENS = 160
@@ -95,14 +98,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefill-step-size", type=int, default=256)
-    ap.add_argument("--model-dir", default=None, help="where to build the tiny dense-long checkpoint (default: a temporary directory)")
+    ap.add_argument("--model", default="tiny", choices=["tiny", *_models.SHAPES],
+                    help="tiny: the package's dense-long checkpoint; else a random bf16 checkpoint of that shape")
+    ap.add_argument("--model-dir", default=None, help="where to build the checkpoint (default: a temporary directory)")
     args = ap.parse_args(argv)
 
     from abstractruntime_mlx import create_llm
     from abstractruntime_mlx.testing import tiny_model
 
     root = Path(args.model_dir or tempfile.mkdtemp(prefix="long-prompt-"))
-    path = tiny_model(root / "dense-long", kind="dense-long")
+    if args.model == "tiny":
+        path = tiny_model(root / "dense-long", kind="dense-long")
+    else:
+        path = _models.shaped_model(root / args.model, args.model)
     targets: dict[str, dict[str, bool]] = {
         "ours": {},
         "ours_mlx_lm": {"mlx_own_text_loop": False},
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     llms: dict[str, Any] = {}
     for name, options in targets.items():
         # One resident model per directory: a second set of options needs its own (file links).
-        alias = root / f"dense-long-{name}"
+        alias = root / f"{path.name}-{name}"
         alias.mkdir(exist_ok=True)
         for file in Path(path).iterdir():
             if not (alias / file.name).exists():

@@ -59,3 +59,7 @@ class EngineConfig:
     # plan for each new shape costs up to ~1 s of host time to build; elsewhere (CPU, Metal)
     # this changes nothing.
     prefill_attention_ops: bool = True
+    # The text lane's model computes each layer's query/key/value projections in one matmul and
+    # its MLP's gate/up projections in another (``fused_projections``): fewer kernels for the
+    # host to build and encode per step. Same weights, held once.
+    fused_projections: bool = True

@@ -78,6 +78,7 @@ from .scheduler import (
     prefilling_rows,
 )
 from . import cuda_attention
+from .fused_projections import fuse_text_model as fuse_projections
 from .prefill_shapes import Buckets, warm
 from .serial import SerialBackend
 from .single import SingleBackend, supports_model
@@ -729,6 +730,8 @@ class Engine:
         """What the text lane steps (built once per loaded model; it shares its weights)."""
         if self._text_lm is None:
             self._text_lm = text_language_model(self._model.path, self._model.model)
+            if self.config.fused_projections:
+                fuse_projections(self._text_lm, self._model.model)
             if self._fused_decode_attention() or self._prefill_attention_ops():
                 cuda_attention.install(self._text_lm)
         return self._text_lm

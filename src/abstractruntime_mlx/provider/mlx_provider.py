@@ -68,6 +68,8 @@ ENGINE_OPTIONS: dict[str, str] = {
     "mlx_fused_decode_attention": "fused_decode_attention",
     # Short prompt chunks' attention in plain ops on CUDA, not cuDNN (docs/provider.md, "Prefill attention").
     "mlx_prefill_attention_ops": "prefill_attention_ops",
+    # One matmul for q/k/v and one for gate/up in the text lane's model (docs/provider.md, "Fused projections").
+    "mlx_fused_projections": "fused_projections",
 }
 _ENGINE_DEFAULTS = EngineConfig()
 
