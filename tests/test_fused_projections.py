@@ -141,13 +141,18 @@ def test_mlx_vlms_language_model_stepped_directly_is_left_alone(vision_model):
     assert projections(resident) == names and not any("qkv" in n for n in names)
 
 
-def test_share_views_skips_names_it_cannot_take(pair):
+def test_share_views_takes_only_the_arrays_that_were_stacked(pair, dense_model):
     separate, fused = pair
-    views = fuse(fused)
+    views = fuse(fused)  # ``separate`` never held these arrays: equal values, other objects
+    assert share_views(separate, views) == 0
+    twin = mlx_lm.load(dense_model)[0]
+    twin.load_weights(list(tree_flatten(separate.parameters())))
+    views = fuse(twin)
     name = next(iter(views))
-    bad = {name: views[name][:1], "model.layers.0.self_attn.nowhere.weight": views[name]}
-    assert share_views(separate, bad) == 0
-    assert share_views(separate, views) == len(views)
+    original, view = views[name]
+    assert share_views(separate, {name: (original, view), "model.layers.0.self_attn.nowhere.weight": (original, view)}) == 1
+    assert share_views(separate, views) == len(views) - 1  # the first one is a view already
+    assert dict(tree_flatten(separate.parameters()))[name] is view
 
 
 def test_the_option_keeps_tokens_and_switches_the_model(make_llm, dense_model):

@@ -122,13 +122,13 @@ def _rows(stacked: Any, lo: int, hi: int) -> Any:
     return view
 
 
-def fuse(model: Any) -> dict[str, mx.array]:
+def fuse(model: Any) -> dict[str, tuple[mx.array, mx.array]]:
     """Stack the projections of every module of ``model`` that ``GROUPS`` names, in place.
 
     Returns, for each projection parameter replaced, its name in ``model``'s parameter tree
-    with a view of the stacked array holding it (``share_views``). A model already fused has
-    nothing left to stack and returns {}."""
-    views: dict[str, mx.array] = {}
+    with the original array and a view of the stacked array holding it (``share_views``). A
+    model already fused has nothing left to stack and returns {}."""
+    views: dict[str, tuple[mx.array, mx.array]] = {}
     for path, module in model.named_modules():
         for stacked_name, names in GROUPS:
             if not all(isinstance(module.get(n), nn.Module) for n in names):
@@ -145,23 +145,22 @@ def fuse(model: Any) -> dict[str, mx.array]:
             for index, name in enumerate(names):
                 lo, hi = split.bounds[index], split.bounds[index + 1]
                 for param, value in _arrays(stacked).items():
-                    views[f"{prefix}{name}.{param}"] = value[lo:hi]
+                    views[f"{prefix}{name}.{param}"] = (layers[index][param], value[lo:hi])
                 setattr(module, name, _Part(split, index))  # drops the module's entry
-    mx.eval(list(views.values()))
+    mx.eval([view for _, view in views.values()])
     return views
 
 
-def share_views(model: Any, views: dict[str, mx.array]) -> int:
-    """Point ``model``'s parameters named in ``views`` at those views, in place, where the name
-    holds an array of the view's shape and type: for a model that held the same original arrays
-    as the one ``fuse`` stacked. Returns how many it took."""
+def share_views(model: Any, views: dict[str, tuple[mx.array, mx.array]]) -> int:
+    """Point ``model``'s parameters named in ``views`` at their views, in place, where the name
+    still holds the very original array ``fuse`` stacked: for a second model that shares the
+    fused one's arrays. Returns how many it took."""
     from mlx.utils import tree_flatten
 
     current = dict(tree_flatten(model.parameters()))
     taken = 0
-    for name, view in views.items():
-        old = current.get(name)
-        if old is None or old.shape != view.shape or old.dtype != view.dtype:
+    for name, (original, view) in views.items():
+        if current.get(name) is not original:
             continue
         *path, last = name.split(".")
         node: Any = model
