@@ -12,7 +12,8 @@ weights are the originals concatenated along the output axis. The first part cal
 the stacked product and splits it; the other parts hand out their slice while they are called
 with the same input array. A part called with another input computes its own slice alone, so
 any call order stays right. Once every part has been taken the split drops its references, so
-no activation outlives its layer.
+no activation outlives its layer. The split holds state between a layer's calls, so one thread
+steps a fused model at a time (the engine's worker does).
 
 Which modules: any module with all the named projections, each an ``nn.Linear`` (or each an
 ``nn.QuantizedLinear`` of one quantisation) over the same input width, with or without bias
