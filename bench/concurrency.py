@@ -105,7 +105,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -184,6 +184,7 @@ class Point:
     new_decode_shapes: int | None = None
     shapes_used: int | None = None
     forward_share: float | None = None  # tok/s over the forward target's at this point
+    run_tok_s: list[float] = field(default_factory=list)  # per repeat, in repeat order
 
 
 @dataclass
@@ -262,7 +263,8 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def summarise(
-    model: str, target: str, c: int, reqs: list[Request], wall: float, profile: Profile | None = None, shapes: Window | None = None
+    model: str, target: str, c: int, reqs: list[Request], wall: float, profile: Profile | None = None, shapes: Window | None = None,
+    run_tok_s: list[float] | None = None,
 ) -> Point:
     tokens = sum(r.tokens for r in reqs)
     ttft = [r.ttft_s * 1000 for r in reqs if r.ttft_s is not None]
@@ -295,6 +297,7 @@ def summarise(
         ttft_p95_ms=_round(_pct(ttft, 0.95)),
         token_ttft_p50_ms=_round(_pct(tok, 0.5)),
         token_ttft_p95_ms=_round(_pct(tok, 0.95)),
+        run_tok_s=run_tok_s or [],
         **extra,
     )
 
@@ -884,6 +887,7 @@ def bench_model(
         for c in concs:
             names = [n for n in live if measured(n, c)]
             runs: dict[str, tuple[list[Request], float]] = {n: ([], 0.0) for n in names}
+            per_run: dict[str, list[float]] = {n: [] for n in names}
             profiles: dict[str, Profile | None] = {}
             shapes: dict[str, Window] = {n: Window() for n in names}
             failed: dict[str, str] = {}
@@ -903,6 +907,7 @@ def bench_model(
                         continue
                     reqs, wall = runs[name]
                     runs[name] = (reqs + got, wall + took)
+                    per_run[name].append(round(sum(q.tokens for q in got) / took, 2) if took > 0 else 0.0)
                     prof = live[name].last_profile
                     if prof is not None:
                         prof = Profile(prof.steps, prof.step_s, prof.backend_s, prof.tokens_s, prof.cpu_s, util if GPU.handle else None)
@@ -915,7 +920,9 @@ def bench_model(
                 if name in failed:
                     point = Point(label, name, c, 0, 0, 0.0, 0.0, None, None, error=failed[name])
                 else:
-                    point = summarise(label, name, c, *runs[name], profile=profiles.get(name), shapes=shapes[name])
+                    point = summarise(
+                        label, name, c, *runs[name], profile=profiles.get(name), shapes=shapes[name], run_tok_s=per_run[name]
+                    )
                 points.append(point)
                 log(
                     f"[{label}] {name:16s} c={c}: {point.tok_s:8.1f} tok/s  TTFT p50/p95 first token "
@@ -952,6 +959,9 @@ def ratios(points: list[Point]) -> list[dict[str, Any]]:
                 continue
             floor = floors.get(p.concurrency, floors.get(None))
             value = p.tok_s / q.tok_s
+            # Repeat by repeat: the targets of one repeat run back to back, so a slow spell of a
+            # shared machine weighs on both sides of each ratio.
+            per_run = sorted(a / b for a, b in zip(p.run_tok_s, q.run_tok_s) if b > 0)
             out.append({
                 "model": p.model,
                 "concurrency": p.concurrency,
@@ -959,6 +969,7 @@ def ratios(points: list[Point]) -> list[dict[str, Any]]:
                 "ratio": round(value, 3),
                 "target": floor,
                 "meets": None if floor is None else value >= floor,
+                "runs": [round(x, 3) for x in per_run],
             })
     return out
 
@@ -1007,7 +1018,7 @@ def print_tables(points: list[Point], rs: list[dict[str, Any]]) -> None:
         if mine:
             concs = sorted({r["concurrency"] for r in mine})
             refs = [t for t in FLOORS if any(r["versus"] == t for r in mine)]
-            print("\nours / X (aggregate tok/s; `!` = below target)\n")
+            print("\nours / X (aggregate tok/s; `!` = below target; then the median and range of the repeats' ratios)\n")
             print("| ours / | " + " | ".join(f"c={c}" for c in concs) + " |")
             print("|---|" + "---|" * len(concs))
             for ref in refs:
@@ -1019,7 +1030,9 @@ def print_tables(points: list[Point], rs: list[dict[str, Any]]) -> None:
                     else:
                         mark = "" if r["meets"] is None else (" ok" if r["meets"] else " !")
                         tgt = "" if r["target"] is None else f" (>= {r['target']})"
-                        cells.append(f"{r['ratio']:.2f}{tgt}{mark}")
+                        runs = r["runs"]
+                        spread = f"; {statistics.median(runs):.2f} ({runs[0]:.2f}-{runs[-1]:.2f})" if len(runs) > 1 else ""
+                        cells.append(f"{r['ratio']:.2f}{tgt}{mark}{spread}")
                 print(f"| {ref} | " + " | ".join(cells) + " |")
 
 

@@ -128,3 +128,20 @@ def test_pyspy_summary_takes_the_busiest_thread_inclusively(tmp_path: Path) -> N
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     assert pyspy.busiest_thread(empty) == ("", 0, [])
+
+
+def test_ratios_pair_the_repeats_of_one_run() -> None:
+    """``ours / X`` is the pooled tok/s ratio, with each repeat's ratio beside it (the targets of a
+    repeat run back to back), sorted; a target without per-repeat figures gives none."""
+    from concurrency import Point, ratios
+
+    def point(target: str, tok_s: float, runs: list[float]) -> Point:
+        return Point("tiny", target, 4, 8, 512, 1.0, tok_s, None, None, run_tok_s=runs)
+
+    got = ratios([point("ours", 110.0, [120.0, 90.0, 100.0]), point("raw_lm", 100.0, [100.0, 100.0, 80.0]),
+                  point("abstractcore", 50.0, [])])
+    by = {r["versus"]: r for r in got}
+    assert by["raw_lm"]["ratio"] == pytest.approx(1.1)
+    assert by["raw_lm"]["runs"] == [0.9, 1.2, 1.25]
+    assert by["raw_lm"]["meets"] is True  # c4: >= 1.0
+    assert by["abstractcore"]["runs"] == []
