@@ -46,6 +46,9 @@ the tiny tokenizer padded to it), meant for a GPU. The providers' batch size is 
   ``BatchGenerator`` instead of its own loop over the forward: the own loop's before);
 - ``ours_waves``: ours with ``mlx_admission_wave_steps=4`` (short prompts join a decoding
   batch in waves of an eighth of the batch, held at most 4 steps, instead of at once);
+- ``ours_idle_rows`` / ``ours_compact_rows``: ours with ``mlx_idle_finished_rows=True`` /
+  ``False`` (the own loop's finished rows idle until half the batch has finished, or are
+  dropped at once; by default they idle on CUDA only);
 - ``ours_separate_proj``: ours with ``mlx_fused_projections=False`` (the text lane's model
   keeps upstream's separate q/k/v and gate/up matmuls: the fused projections' before);
 - ``abstractcore``: AbstractCore's MLX provider with the same options (``speculation=False``);
@@ -122,7 +125,7 @@ QUEUE_SIZE = 32  # the providers' mlx_max_queue_size; main() sizes it to the mos
 SERIAL_TARGETS = ("stream_generate", "mlx_lm.server")  # one request at a time
 TARGETS = (
     "forward", "raw", "raw_lm", "stream_generate", "ours", "ours_batch", "ours_vlm", "ours_bucketed", "ours_unfused",
-    "ours_cudnn", "ours_mlx_lm", "ours_waves", "ours_separate_proj", "abstractcore", "mlx_lm.server",
+    "ours_cudnn", "ours_mlx_lm", "ours_waves", "ours_idle_rows", "ours_compact_rows", "ours_separate_proj", "abstractcore", "mlx_lm.server",
 )
 FLOORS = {  # ours / X: the floor each ratio should reach, per concurrency (None = any)
     "forward": {32: 0.6, 64: 0.6},
@@ -806,6 +809,10 @@ def make_target(name: str) -> Any:
         return ProviderTarget("ours_mlx_lm", lambda path: ours_factory(_alias(path, "ours-mlx-lm"), mlx_own_text_loop=False))
     if name == "ours_waves":
         return ProviderTarget("ours_waves", lambda path: ours_factory(_alias(path, "ours-waves"), mlx_admission_wave_steps=4))
+    if name == "ours_idle_rows":
+        return ProviderTarget("ours_idle_rows", lambda path: ours_factory(_alias(path, "ours-idle-rows"), mlx_idle_finished_rows=True))
+    if name == "ours_compact_rows":
+        return ProviderTarget("ours_compact_rows", lambda path: ours_factory(_alias(path, "ours-compact-rows"), mlx_idle_finished_rows=False))
     if name == "ours_separate_proj":
         return ProviderTarget("ours_separate_proj", lambda path: ours_factory(_alias(path, "ours-separate-proj"), mlx_fused_projections=False))
     if name == "abstractcore":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from abstractruntime_mlx import errors
+from abstractruntime_mlx.engine.request import EngineRequest
 from abstractruntime_mlx.engine.text_loop import TextLoopBackend
 from test_single_lane import PROMPTS, Stepper
 
@@ -120,12 +121,19 @@ def test_a_cancel_at_any_stage_leaves_the_others_tokens_unchanged(make, stage):
 @pytest.mark.parametrize(
     ("option", "value"),
     [("mlx_own_text_loop", "yes"), ("mlx_own_text_loop", 1), ("mlx_own_text_loop", None),
-     ("mlx_admission_wave_steps", -1), ("mlx_admission_wave_steps", 2.5), ("mlx_admission_wave_steps", True)],
+     ("mlx_admission_wave_steps", -1), ("mlx_admission_wave_steps", 2.5), ("mlx_admission_wave_steps", True),
+     ("mlx_idle_finished_rows", "auto"), ("mlx_idle_finished_rows", 0)],
 )
 def test_a_bad_loop_option_is_refused(make_llm, dense_model, option, value):
     with pytest.raises(errors.InvalidControls) as info:
         make_llm(dense_model, mlx_batching=True, **{option: value})
     assert info.value.code == "invalid_controls" and info.value.field == option
+
+
+@pytest.mark.parametrize("value", [None, True, False])
+def test_idle_finished_rows_reaches_the_loop(make_llm, dense_model, value):
+    llm = make_llm(dense_model, mlx_batching=True, mlx_idle_finished_rows=value)
+    assert llm._engine.config.idle_finished_rows is value
 
 
 def test_short_prompts_join_a_decoding_batch_in_waves(make):
@@ -169,15 +177,45 @@ def test_finished_rows_idle_until_half_the_batch_has_finished(make):
     expected = [reference.request(p, max_tokens=n) for p, n in zip(prompts, limits)]
     reference.drain()
 
+    s = make(idle_finished_rows=True)
+    reqs, widths = batch_widths(s, prompts, limits)
+    # one finished: its slot idles (4 wide); two of four: one compaction to the two left
+    assert (1, 4) in widths and (2, 2) in widths and (1, 3) not in widths
+    assert [r.token_ids for r in reqs] == [r.token_ids for r in expected]
+
+
+def test_finished_rows_drop_at_once_unless_the_host_bounds_the_step(make):
+    """The default: rows idle only on MLX's CUDA backend; here (CPU) each step drops its
+    finished rows, since an idle row's compute is paid by every step."""
+    from abstractruntime_mlx.engine import cuda_attention
+
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], "Hi"]
+    limits = [3, 6, 14, 14]
+    reference = make(own_text_loop=False)
+    expected = [reference.request(p, max_tokens=n) for p, n in zip(prompts, limits)]
+    reference.drain()
+
+    assert not cuda_attention.available()
     s = make()
+    reqs, widths = batch_widths(s, prompts, limits, idle_default=False)
+    assert (1, 3) in widths and (2, 2) in widths and (1, 4) not in widths
+    assert all(finished + width <= 4 for finished, width in widths)  # never a finished row in the batch
+    assert [r.token_ids for r in reqs] == [r.token_ids for r in expected]
+
+
+def batch_widths(
+    s: Stepper, prompts: list[str], limits: list[int], idle_default: bool | None = None
+) -> tuple[list[EngineRequest], list[tuple[int, int]]]:
+    """Step the prompts to the end: the requests, and after each step (finished requests, rows
+    in the batch)."""
     reqs = [s.request(p, max_tokens=n) for p, n in zip(prompts, limits)]
     widths = []
     while s.engine._live:
         s.step()
         if s.engine._group is not None and loop_of(s)._rows:
             backend = loop_of(s)
+            if idle_default is not None:
+                assert backend._idle_finished is idle_default
             widths.append((sum(r.outcome is not None for r in reqs), len(backend._rows)))
             check_padding(backend)
-    # one finished: its slot idles (4 wide); two of four: one compaction to the two left
-    assert (1, 4) in widths and (2, 2) in widths and (1, 3) not in widths
-    assert [r.token_ids for r in reqs] == [r.token_ids for r in expected]
+    return reqs, widths

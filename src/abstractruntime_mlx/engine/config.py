@@ -45,6 +45,12 @@ class EngineConfig:
     # up to 4 steps measured +7% at 32 rows and -4% at 64, TTFT p50 up to +40 ms
     # (docs/benchmarks.md).
     admission_wave_steps: int = 0
+    # In the own text loop a finished row's slot can idle in the batch until half the batch has
+    # finished or rows join (one compaction for many finishes) instead of being dropped at once.
+    # None (the default) decides by what bounds the step: idle on MLX's CUDA backend, where the
+    # host encoding kernels bounds it and idle slots cost no host work; dropped at once elsewhere
+    # (on the CPU each idle row adds its compute to every step).
+    idle_finished_rows: bool | None = None
     # The text lane pads prompt chunks to a few lengths and runs those prefill shapes once when
     # the model loads (``prefill_shapes``): on MLX's CUDA backend a shape's first run costs
     # 60-470 ms of setup. Off by default: on the H200 it did not raise throughput at 16-64

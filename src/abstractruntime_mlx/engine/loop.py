@@ -765,7 +765,11 @@ class Engine:
             buckets=self._buckets,
         )
         if self.config.own_text_loop:
-            return TextLoopBackend(self._model.model, wave_steps=self.config.admission_wave_steps, **shared)
+            idle = self.config.idle_finished_rows
+            return TextLoopBackend(
+                self._model.model, wave_steps=self.config.admission_wave_steps,
+                idle_finished=cuda_attention.available() if idle is None else idle, **shared,
+            )
         return TextBatchBackend(self._model.model, **shared)
 
     def _single_backend(self, apc_manager: Any, *, text_lane: bool = False) -> SingleBackend:

@@ -62,6 +62,8 @@ ENGINE_OPTIONS: dict[str, str] = {
     "mlx_own_text_loop": "own_text_loop",
     # How many decode steps the own loop holds short prompts back to admit them as a wave (docs/provider.md, "Lanes").
     "mlx_admission_wave_steps": "admission_wave_steps",
+    # Whether the own loop's finished rows idle until half the batch has finished (docs/provider.md, "Lanes").
+    "mlx_idle_finished_rows": "idle_finished_rows",
     # The text lane's prefill shapes: bucketed and warmed at load (docs/provider.md, "Prefill shapes").
     "mlx_prefill_buckets": "prefill_buckets",
     # The text lane's decode attention in one kernel on CUDA (docs/provider.md, "Decode attention").
@@ -588,6 +590,9 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
     positive_int("mlx_output_queue_size", lo=2)
     positive_int("mlx_prefill_step_size", lo=16)
     positive_int("mlx_admission_wave_steps", lo=0)
+    idle = options["mlx_idle_finished_rows"]
+    if idle is not None and not isinstance(idle, bool):
+        raise InvalidControls("mlx_idle_finished_rows must be a boolean or None", field="mlx_idle_finished_rows", value=idle)
     validate_cache_options(options)
     for name in ("mlx_batch_wait_ms", "mlx_burst_gap_ms"):
         wait = options[name]
