@@ -58,11 +58,11 @@ ENGINE_OPTIONS: dict[str, str] = {
     "mlx_burst_gap_ms": "burst_gap_ms",
     # Plain text rows batch in the text lane (docs/provider.md, "Which batch loop").
     "mlx_text_lane": "text_lane",
-    # The text lane's own loop over the forward, or mlx-lm's BatchGenerator (docs/provider.md, "Lanes").
+    # The text lane's own loop over the forward, or mlx-lm's BatchGenerator (docs/provider.md, "Which batch loop").
     "mlx_own_text_loop": "own_text_loop",
-    # How many decode steps the own loop holds short prompts back to admit them as a wave (docs/provider.md, "Lanes").
+    # How many decode steps the own loop holds short prompts back to admit them as a wave (docs/provider.md, "Which batch loop").
     "mlx_admission_wave_steps": "admission_wave_steps",
-    # Whether the own loop's finished rows idle until half the batch has finished (docs/provider.md, "Lanes").
+    # Whether the own loop's finished rows idle until half the batch has finished (docs/provider.md, "Which batch loop").
     "mlx_idle_finished_rows": "idle_finished_rows",
     # The text lane's prefill shapes: bucketed and warmed at load (docs/provider.md, "Prefill shapes").
     "mlx_prefill_buckets": "prefill_buckets",
