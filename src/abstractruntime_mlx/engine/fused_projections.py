@@ -144,9 +144,9 @@ def fuse(model: Any) -> dict[str, tuple[mx.array, mx.array]]:
             setattr(module, stacked_name, stacked)
             prefix = f"{path}." if path else ""
             for index, name in enumerate(names):
-                lo, hi = split.bounds[index], split.bounds[index + 1]
-                for param, value in _arrays(stacked).items():
-                    views[f"{prefix}{name}.{param}"] = (layers[index][param], value[lo:hi])
+                rows = _rows(stacked, split.bounds[index], split.bounds[index + 1])
+                for param, view in _arrays(rows).items():
+                    views[f"{prefix}{name}.{param}"] = (layers[index][param], view)
                 setattr(module, name, _Part(split, index))  # drops the module's entry
     mx.eval([view for _, view in views.values()])
     return views
