@@ -44,6 +44,7 @@ from ..ledger.store import parse_timestamp
 from ..default_limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_TIMER_WAIT_S, DEFAULT_MAX_WALL_S
 from . import code_sandbox
 from .catalog import load_flow
+from .host_shims import compile_ready
 from .routing import LOCAL_PROVIDER
 
 if TYPE_CHECKING:
@@ -387,7 +388,9 @@ class FlowHost:
 
         code_sandbox.install()  # code node bodies run in a child process under the run's limits
         registry = WorkflowRegistry()
-        specs = compile_visualflow_tree(root_id=self.bundle.root_id, flows_by_id=self.bundle.flows)
+        # The host compiles a copy shaped for its known bugs (host_shims); the run keeps the flow as written.
+        compiled = {flow_id: compile_ready(flow) for flow_id, flow in self.bundle.flows.items()}
+        specs = compile_visualflow_tree(root_id=self.bundle.root_id, flows_by_id=compiled)
         for spec in specs.values():
             registry.register(spec)
         agents = _agent_nodes(self.bundle)
