@@ -310,6 +310,7 @@ def check_flow(
         probe_remote=probe_remote,
         probe_timeout_s=probe_timeout_s,
         resolve_model=resolve_model or _default_resolve_model,
+        edges=array_at(raw, "edges"),
     )
     return CheckReport(flow_id, shown, tuple(findings.items))
 
@@ -829,7 +830,7 @@ _CONTROL_RULES: Final[dict[str, Callable[[object], object]]] = {
     "temperature": lambda v: normalize_sampling(temperature=v),
     "seed": _seed,
     "prompt_cache_key": _prompt_cache_key,
-    **{key: _positive_int(key) for key in ("max_output_tokens", "maxOutputTokens", "max_out_tokens", "max_input_tokens", "maxInputTokens")},
+    **{key: _positive_int(key) for key in ("max_output_tokens", "maxOutputTokens", "max_out_tokens", "max_input_tokens", "maxInputTokens", "max_iterations")},
 }
 
 
@@ -860,12 +861,16 @@ def _check_llm_nodes(
     probe_remote: bool,
     probe_timeout_s: float,
     resolve_model: Callable[[str], object],
+    edges: Sequence[object] = (),
 ) -> None:
+    """Every node that makes LLM calls (``LLM_NODE_TYPES``): its config keys (llm_call), its
+    controls and limits, then where its calls go (``_check_route``). An Agent's calls are its
+    ReAct run's: provider/model from its ``pinDefaults`` (which win, as in the host) or
+    ``agentConfig``; they go to the server every node goes to (``--base-url``) or stay here, as
+    the handler sends them (the agent's child run carries no ``base_url`` of its own)."""
     runtime_ns = object_at(run_vars, "_runtime")
     run_base_url = _first_str(runtime_ns.get("base_url"), runtime_ns.get("server_base_url"), default_base_url)
-    models_seen: dict[str, str | None] = {}
-    urls_seen: dict[str, _Probe] = {}
-    served_seen: dict[tuple[str, str], str | None] = {}
+    seen = _RouteCache()
     for node_id, (_, node) in nodes.items():
         node_type = node.get("type")
         if node_type not in LLM_NODE_TYPES:
@@ -888,57 +893,179 @@ def _check_llm_nodes(
                         node=node_id,
                         field=f"data.effectConfig.{key}",
                     )
-        _check_controls(config, findings, prefix=f"data.{config_key}", node=node_id)
-        pins = data.get("pinDefaults")
-        if isinstance(pins, Mapping):
-            _check_controls({k: pins[k] for k in _CONTROL_PINS if k in pins}, findings, prefix="data.pinDefaults", node=node_id)
-        if node_type != "llm_call":
+        pins = object_at(data, "pinDefaults")
+        control_pins = _CONTROL_PINS if node_type == "llm_call" else (*_CONTROL_PINS, *_AGENT_LIMIT_PINS)
+        limits = {} if node_type == "llm_call" else {k: config[k] for k in _AGENT_LIMIT_PINS if k in config}
+        _check_controls({**{k: v for k, v in config.items() if k not in _AGENT_LIMIT_PINS}, **limits}, findings, prefix=f"data.{config_key}", node=node_id)
+        _check_controls({k: pins[k] for k in control_pins if k in pins}, findings, prefix="data.pinDefaults", node=node_id)
+        if node_type == "llm_call":
+            model = config.get("model")
+            provider_field, model_field = "data.effectConfig.provider", "data.effectConfig.model"
+            decision_args = (config.get("provider"), model if isinstance(model, str) and model else None)
+            explicit = _first_str(config.get("base_url"), config.get("server_base_url"), run_base_url)
+        else:
+            _check_agent_inputs(node_id, edges, findings)
+            provider_field, provider = _agent_setting(pins, config, "provider")
+            model_field, model = _agent_setting(pins, config, "model")
+            decision_args = (provider, model if isinstance(model, str) and model else None)
+            explicit = _first_str(default_base_url)
+        _check_route(
+            node_id,
+            decision_args,
+            explicit,
+            findings,
+            routing=routing,
+            config=config,
+            runtime_ns=runtime_ns,
+            default_base_url=default_base_url,
+            provider_field=provider_field,
+            model_field=model_field,
+            probe_remote=probe_remote,
+            probe_timeout_s=probe_timeout_s,
+            resolve_model=resolve_model,
+            seen=seen,
+        )
+
+
+AGENT_INPUT_PINS: Final = frozenset(
+    {
+        # what AbstractRuntime 0.13's Agent input handler passes on to the agent
+        # (visualflow_compiler/visual/executor.py, _create_agent_input_handler)
+        "exec-in",
+        "prompt",
+        "task",  # read through host_shims (the host itself reads only "prompt")
+        "context",
+        "provider",
+        "model",
+        "system",
+        "tools",
+        "max_iterations",
+        "max_in_tokens",
+        "max_input_tokens",
+        "maxInputTokens",
+        "max_out_tokens",
+        "max_output_tokens",
+        "maxOutputTokens",
+        "temperature",
+        "seed",
+        "thinking",
+        "speculation",
+        "prompt_cache_binding",
+        "resp_schema",
+        "response_schema",
+        "include_context",
+        "use_context",
+        "memory",
+        "use_session_attachments",
+        "use_span_memory",
+        "use_semantic_search",
+        "use_kg_memory",
+        "memory_query",
+        "memory_scope",
+        "recall_level",
+        "max_span_messages",
+        "kg_max_input_tokens",
+        "kg_limit",
+        "kg_min_score",
+    }
+)
+"""Input pins of an Agent node whose value reaches the agent; a wire into any other is dropped."""
+
+_AGENT_LIMIT_PINS: Final = ("max_iterations",)
+
+
+def _agent_setting(pins: Mapping[str, object], config: Mapping[str, object], key: str) -> tuple[str, object]:
+    """An Agent's provider or model as the host picks it: the pin default, else ``agentConfig``."""
+    value = pins.get(key)
+    if isinstance(value, str) and value.strip():
+        return f"data.pinDefaults.{key}", value
+    return f"data.agentConfig.{key}", config.get(key)
+
+
+def _check_agent_inputs(node_id: str, edges: Sequence[object], findings: _Findings) -> None:
+    """A wire into an Agent input the host never passes on carries no value to the agent."""
+    for i, edge in enumerate(edges):
+        if not isinstance(edge, Mapping) or edge.get("target") != node_id:
             continue
-        node_model = config.get("model") if isinstance(config.get("model"), str) and config.get("model") else None
-        explicit = _first_str(config.get("base_url"), config.get("server_base_url"), run_base_url)
-        try:
-            decision = routing.decide(config.get("provider"), node_model, explicit_base_url=explicit)
-        except InvalidRequest as exc:
-            findings.add("provider_not_served", exc.message, node=node_id, field="data.effectConfig.provider")
-            continue
-        base_url = decision.base_url
-        if base_url is not None:
-            if probe_remote and routing.remote.allows(base_url) and forbidden_reason(base_url) is None:
-                if base_url not in urls_seen:
-                    urls_seen[base_url] = _probe_url(base_url, probe_timeout_s)
-                probe = urls_seen[base_url]
-                if probe.error is not None:
-                    findings.add(
-                        "remote_unreachable",
-                        f"the server at {base_url} does not answer ({probe.error})",
-                        node=node_id,
-                        field=_base_url_field(config, runtime_ns, default_base_url),
-                    )
-                elif probe.ours and decision.model is not None:
-                    key = (base_url, decision.model)
-                    if key not in served_seen:
-                        served_seen[key] = _model_not_served(base_url, decision.model, probe_timeout_s)
-                    if served_seen[key] is not None:
-                        findings.add("model_not_served", str(served_seen[key]), node=node_id, field="data.effectConfig.model")
-            continue
-        chosen = decision.model
-        if chosen is None:
+        handle = edge.get("targetHandle")
+        if isinstance(handle, str) and handle.strip() and handle not in AGENT_INPUT_PINS:
+            hint = _did_you_mean(handle, AGENT_INPUT_PINS)
             findings.add(
-                "no_model",
-                "the node names no model and the run has no default model (--model)",
+                "unread_input",
+                f"the wire into input {handle!r} can never carry a value: the host's Agent node does not read that input{hint}",
                 node=node_id,
-                field="data.effectConfig.model",
+                field=f"edges[{i}].targetHandle",
+                severity="warning",
             )
-            continue
-        if chosen not in models_seen:
-            try:
-                resolve_model(chosen)
-                models_seen[chosen] = None
-            except MLXRuntimeError as exc:
-                models_seen[chosen] = exc.message
-        if models_seen[chosen] is not None:
-            field = {"node model": "data.effectConfig.model", "--model": "--model", "default model": "--model"}.get(decision.rule, decision.rule)
-            findings.add("model_not_found", str(models_seen[chosen]), node=node_id, field=field)
+
+
+@dataclass
+class _RouteCache:
+    """What was already looked up, per check: models on disk, servers probed, models served."""
+
+    models: dict[str, str | None] = field(default_factory=dict)
+    urls: dict[str, _Probe] = field(default_factory=dict)
+    served: dict[tuple[str, str], str | None] = field(default_factory=dict)
+
+
+def _check_route(
+    node_id: str,
+    asked: tuple[object, str | None],
+    explicit: str | None,
+    findings: _Findings,
+    *,
+    routing: Routing,
+    config: Mapping[str, object],
+    runtime_ns: Mapping[str, object],
+    default_base_url: str | None,
+    provider_field: str,
+    model_field: str,
+    probe_remote: bool,
+    probe_timeout_s: float,
+    resolve_model: Callable[[str], object],
+    seen: _RouteCache,
+) -> None:
+    """Where one LLM node's calls go (``routing.decide``, the handler's rule): a provider not
+    served here, a model not on this machine, and (``probe_remote``) a server that does not
+    answer or does not serve the model."""
+    try:
+        decision = routing.decide(asked[0], asked[1], explicit_base_url=explicit)
+    except InvalidRequest as exc:
+        findings.add("provider_not_served", exc.message, node=node_id, field=provider_field)
+        return
+    base_url = decision.base_url
+    if base_url is not None:
+        if probe_remote and routing.remote.allows(base_url) and forbidden_reason(base_url) is None:
+            if base_url not in seen.urls:
+                seen.urls[base_url] = _probe_url(base_url, probe_timeout_s)
+            probe = seen.urls[base_url]
+            if probe.error is not None:
+                findings.add(
+                    "remote_unreachable",
+                    f"the server at {base_url} does not answer ({probe.error})",
+                    node=node_id,
+                    field=_base_url_field(config, runtime_ns, default_base_url),
+                )
+            elif probe.ours and decision.model is not None:
+                key = (base_url, decision.model)
+                if key not in seen.served:
+                    seen.served[key] = _model_not_served(base_url, decision.model, probe_timeout_s)
+                if seen.served[key] is not None:
+                    findings.add("model_not_served", str(seen.served[key]), node=node_id, field=model_field)
+        return
+    chosen = decision.model
+    if chosen is None:
+        findings.add("no_model", "the node names no model and the run has no default model (--model)", node=node_id, field=model_field)
+        return
+    if chosen not in seen.models:
+        try:
+            resolve_model(chosen)
+            seen.models[chosen] = None
+        except MLXRuntimeError as exc:
+            seen.models[chosen] = exc.message
+    if seen.models[chosen] is not None:
+        where = {"node model": model_field, "--model": "--model", "default model": "--model"}.get(decision.rule, decision.rule)
+        findings.add("model_not_found", str(seen.models[chosen]), node=node_id, field=where)
 
 
 def _base_url_field(config: Mapping[str, object], runtime_ns: Mapping[str, object], default: str | None) -> str:
