@@ -18,8 +18,10 @@ What is checked, in this order (a problem never stops the checks after it):
    subflows;
 5. servers a node would send its prompts to (a ``base_url`` in the flow or the run vars) that
    the user did not allow, and link-local / cloud metadata addresses whatever was allowed;
-6. LLM nodes (``llm_call``; ``agent`` for its controls): ``effectConfig`` keys nobody reads (with
-   a did-you-mean), speculation / thinking / sampling values our controls refuse, a provider
+6. LLM nodes (``llm_call`` and ``agent``, an agent's calls being its ReAct run's):
+   ``effectConfig`` keys nobody reads (with a did-you-mean), speculation / thinking / sampling
+   values and an agent's ``max_iterations`` our controls refuse, a wire into an agent input the
+   host never reads (a warning), a provider
    that is not served here, a model that is not on this machine (offline lookup, no download),
    a remote ``base_url`` that does not answer, or an abstractruntime-mlx server there that cannot
    serve the node's model (only when asked: ``probe_remote=True``);
