@@ -48,6 +48,7 @@ COMMAND_MODULES = (
     "check_cmd",
     "run_cmd",
     "runs_cmd",
+    "demo_cmd",
     "ledger_cmd",
     "completion_cmd",
 )

@@ -32,6 +32,7 @@ from .terminal import printable
 
 if TYPE_CHECKING:
     from ..ledger import Ledger, ProgressRow, RunSummary, StepRow
+    from ..inspection import CallView
     from ..runtime_plugin import FlowRunResult, NodeOutcome
 
 # AbstractRuntime's RunStatus values, and ``interrupted``: a run stopped by Ctrl-C (the ledger's
@@ -564,14 +565,14 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     from .show_view import terminal_width
 
     width = max(60, terminal_width() - 4 * _depth)  # a child run is indented 4 columns per level
-    out += ["", "steps", _steps_table(steps, labels, width=width)]
+    view = run_view(ledger, run_id, tree=False)
+    out += ["", "steps", _steps_table(steps, labels, width=width, calls=view.calls if view is not None else ())]
     nodes = node_outcomes(ledger, run_id)
     if nodes:
         out.append("")
         out.append("llm nodes")
         for n in nodes:
             out.extend(_wrapped(format_node(labels.get(n.node_id, n.node_id), n.result), width))
-    view = run_view(ledger, run_id, tree=False)
     if view is not None and view.calls:
         out += ["", "llm calls", calls_table(view, width=width), "", calls_timeline(view, columns=width)]
     if _depth == 0:
@@ -601,8 +602,13 @@ def _wrapped(text: str, width: int) -> list[str]:
     return out
 
 
-def _steps_table(steps: Sequence[StepRow], labels: Mapping[str, str], *, width: int) -> str:
-    """The steps of a run as a ``rich`` table, nodes by label; nothing is cut (a long label wraps)."""
+def _steps_table(steps: Sequence[StepRow], labels: Mapping[str, str], *, width: int, calls: Sequence[CallView] = ()) -> str:
+    """The steps of a run as a ``rich`` table, nodes by label; nothing is cut (a long label wraps).
+
+    ``time`` is the step's own (started to ended record); for an LLM step ``llm call`` is its
+    call's (queue to last token, from the phase events). They differ under sibling prefetch: the
+    step that launched its siblings waits for its call (and the model's first load), while a
+    prefetched sibling's step only picks up a finished result."""
     from rich import box
     from rich.table import Table
 
@@ -615,14 +621,28 @@ def _steps_table(steps: Sequence[StepRow], labels: Mapping[str, str], *, width: 
     table.add_column("effect", overflow="fold")
     table.add_column("att", justify="right", no_wrap=True)
     table.add_column("time", justify="right", no_wrap=True)
+    table.add_column("llm call", justify="right", no_wrap=True)
+    call_times = _call_times(calls)
     for step in steps:
         effect = step.effect_type or "-"
         if effect == "emit_event":
             name = object_at(object_at(step.record, "effect"), "payload").get("name")
             effect = str(name or effect)
         duration = f"{step.duration_s * 1000:.0f}ms" if step.duration_s is not None else ""
-        table.add_row(str(step.seq), labels.get(step.node_id, step.node_id), step.status, effect, str(step.attempt), duration)
+        call = call_times.get((step.step_id, step.attempt), "") if step.status != "started" and step.effect_type == "llm_call" else ""
+        table.add_row(str(step.seq), labels.get(step.node_id, step.node_id), step.status, effect, str(step.attempt), duration, call)
     return "\n".join("  " + line for line in render_text(table, width - 2).splitlines())
+
+
+def _call_times(calls: Sequence[CallView]) -> dict[tuple[str | None, int], str]:
+    """``(step_id, attempt)`` -> the call's own time, ``prefetched`` when a sibling launched it."""
+    out: dict[tuple[str | None, int], str] = {}
+    for call in calls:
+        if call.start_s is None or call.end_s is None:
+            continue
+        note = " prefetched" if call.sibling_batch.get("role") == "sibling" else ""
+        out[(call.step_id, call.attempt)] = f"{max(0.0, call.end_s - call.start_s) * 1000:.0f}ms{note}"
+    return out
 
 
 def run_dict(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int = 0) -> dict[str, object]:
