@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from abstractruntime_mlx.cli.demo_cmd import speculation_outcome, speculation_why
 from abstractruntime_mlx.cli.main import main
 
@@ -41,3 +43,24 @@ def test_speculation_outcomes_in_words():
     assert speculation_outcome(deferred) == "native_mtp(2) not used: deferred_under_load"
     assert speculation_why("deferred_under_load") != speculation_why("some_other_reason")
     assert speculation_why("no_mtp_drafter_for_model") == "see docs/provider.md"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["no-such-flow.json"], r"error: .*no-such-flow\.json"),
+        (["--runs", "0"], r"error: \[invalid_request\] --runs must be >= 1"),
+        (["--runs", "many"], None),
+    ],
+)
+def test_bad_demo_arguments_are_one_error(cli_env, capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(ROOT)
+    if message is None:  # argparse refuses it before the command runs
+        with pytest.raises(SystemExit) as exc:
+            main(["demo", *argv, "--ledger", str(cli_env)])
+        assert exc.value.code == 2
+        return
+    code = main(["demo", *argv, "--ledger", str(cli_env)])
+    _, err = capsys.readouterr()
+    assert code == 1 and re.search(message, err), err
+    assert not cli_env.exists()  # nothing ran, no ledger written

@@ -96,7 +96,7 @@ def _demo(args: argparse.Namespace) -> int:
         first = [r.run_id for r in results]
     with Ledger(url) as ledger:
         print()
-        print(f"1. {args.runs} runs at once: their LLM calls share one engine batch")
+        print(f"1. {args.runs} runs at once: their LLM calls batch on one resident model")
         for line in _runs_lines(ledger, first):
             print(printable(line))
         print()
