@@ -742,8 +742,8 @@ def _call_view(
         tokens_per_second=_latest(r.tokens_per_second for r in newest_first),
         prefill_tokens_per_second=_latest(r.prefill_tokens_per_second for r in newest_first),
         finish_reason=(last.finish_reason if last is not None else None) or as_str(result.get("finish_reason")),
-        prompt=_prompt_as_sent(payload, started_payload, object_at(meta, "input")),
-        system_prompt=payload_text(payload, "system_prompt", started_payload),
+        prompt=_prompt_as_sent(payload, started_payload, object_at(meta, "input")) or _last_text(messages, "user"),
+        system_prompt=payload_text(payload, "system_prompt", started_payload) or _last_text(messages, "system"),
         response=_opt_text(result.get("content")) if ended is not None else None,
         error=ended.error if ended is not None else None,
         controls=_controls(meta, payload),
@@ -763,6 +763,15 @@ def _call_view(
         route=route,
         load=_load_of(load_rows, origin),
     )
+
+
+def _last_text(messages: Sequence[JSONObject], role: str) -> str | None:
+    """The text of the last ``role`` message: a call built from messages has its prompt (and
+    system prompt) there, not in the payload's ``prompt``."""
+    for message in reversed(messages):
+        if message.get("role") == role and isinstance(message.get("content"), str):
+            return str(message["content"])
+    return None
 
 
 def _load_of(rows: Sequence[ProgressRow], origin: dt.datetime) -> dict[str, object]:
