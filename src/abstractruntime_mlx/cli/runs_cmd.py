@@ -558,10 +558,10 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
         f"  steps {detail.step_count}  phase events {detail.progress_count}",
     ]
     if totals is not None and totals.runs > 1:
-        out.append(
-            f"  with its {totals.runs - 1} child run{'s' if totals.runs != 2 else ''}: {totals.calls} LLM calls, prompt tokens {totals.prompt_tokens:,}"
-            f" ({totals.cached_tokens:,} from cache), generated tokens {totals.generated_tokens:,}"
-        )
+        out += [
+            f"  with its {totals.runs - 1} child run{'s' if totals.runs != 2 else ''}: {totals.calls} LLM calls",
+            f"  prompt tokens {totals.prompt_tokens:,} ({totals.cached_tokens:,} from cache), generated {totals.generated_tokens:,}",
+        ]
     if detail.state.get("error"):
         out.append(f"  error: {_one_line(str(detail.state['error']))}")
     current = detail.state.get("current_node")
@@ -579,10 +579,11 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     waiting = detail.state.get("waiting")
     if detail.status == "waiting" and isinstance(waiting, dict):
         out.extend(_wait_lines(run_id, node_name, waiting))
-    out.extend(output_lines(tree_view.output if tree_view is not None else _json_safe(detail.state.get("output"))))
     from .show_view import terminal_width
 
     width = max(60, terminal_width() - 4 * _depth)  # a child run is indented 4 columns per level
+    output = output_lines(tree_view.output if tree_view is not None else _json_safe(detail.state.get("output")))
+    out.extend(wrapped for line in output for wrapped in _wrapped(line, width))
     out += ["", "steps", _steps_table(steps, labels, width=width)]
     nodes = node_outcomes(ledger, run_id)
     if nodes:
@@ -593,7 +594,7 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     view = run_view(ledger, run_id, tree=False)
     if view is not None and view.calls:
         out += ["", "llm calls", calls_table(view, width=width), "", calls_timeline(view, columns=width)]
-        out.extend(call_input_lines(view))
+        out.extend(wrapped for line in call_input_lines(view) for wrapped in _wrapped(line, width))
     if _depth == 0:
         out.extend(_tree_call_lines(ledger, run_id))
     if progress and events:
