@@ -551,9 +551,10 @@ function loadText(load) {
 }
 
 function bytesText(n) {
-  const units = ["B", "KB", "MB", "GB"];
+  // As the terminal says it (load_progress.human_bytes).
+  const units = ["B", "KiB", "MiB", "GiB"];
   let i = 0;
-  while (n >= 1000 && i < units.length - 1) { n /= 1000; i += 1; }
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
   return `${i ? n.toFixed(1) : n} ${units[i]}`;
 }
 
