@@ -329,3 +329,17 @@ def model_fingerprint(path: str | Path) -> str:
         if file.is_file():
             digest.update(f"file:{name}:{hashlib.sha256(file.read_bytes()).hexdigest()}\n".encode())
     return f"sha256:{digest.hexdigest()}"
+
+
+def size_on_disk(source: str) -> int | None:
+    """Bytes of the files under ``source`` (a directory, or a repo id in the Hugging Face cache); None if unknown."""
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        found = hub_snapshot(source)
+        if found is None:
+            return None
+        path = Path(found)
+    try:
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())  # stat follows the cache's links
+    except OSError:
+        return None

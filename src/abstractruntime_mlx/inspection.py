@@ -15,6 +15,14 @@ call is still running). Controls, execution, speculation and prompt-cache figure
 the call's recorded result; while it runs, the controls the node asked for are shown with the
 source ``requested``.
 
+Each call carries its whole input as the model got it (``CallView.messages``: the system prompt,
+the history with roles, tool calls and tool results, then the prompt, rebuilt from the step's
+recorded payload and the node's ``metadata.input``), the tools offered, the served model and
+route, and ``new_from``: where the messages new in this turn start (an agent's transcript
+grows turn by turn). A model load the call waited for is its own ``load`` segment.
+``RunTotals`` sums a run and every run below it (tokens, cache hits, time up to now while
+any of them runs).
+
 Reads through ``Ledger``'s query methods only; used by ``runs show``, ``runs web`` and the
 live view of ``run``.
 """
@@ -29,7 +37,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from .json_values import JSONObject, as_float, as_int, as_str, object_at
+from .conversation import assemble_conversation
+from .errors import InvalidRequest
+from .json_values import JSONObject, JSONValue, as_float, as_int, as_str, object_at
 from .ledger import Ledger, ProgressRow, RunDetail, RunSummary, StepRow
 from .run_graph import RunGraph, display_labels, run_graph
 
@@ -37,6 +47,7 @@ __all__ = [
     "CallSample",
     "CallView",
     "ControlView",
+    "RunTotals",
     "RunView",
     "SpanView",
     "call_views",
@@ -49,12 +60,16 @@ __all__ = [
     "run_view",
     "summary_dict",
     "tree_calls",
+    "tree_totals",
 ]
 
 MAX_NESTING = 8
 """How many levels of child runs the run views follow below a run."""
 
 TERMINAL_STEP_STATUSES = frozenset({"completed", "failed", "cancelled"})
+
+AGENT_WORKFLOW_PREFIX = "visual_react_agent"
+"""The workflow id an agent node's ReAct loop runs under (the host's visual compiler names it)."""
 
 T = TypeVar("T")
 
@@ -121,14 +136,33 @@ class CallView:
     name: str = ""
     """What views call it: the label, ``#visit`` when the node has several calls in the run,
     ``attempt N`` on a retry."""
+    messages: list[JSONObject] = field(default_factory=list)
+    """The conversation as the model got it: the system prompt first, then the history (roles,
+    tool calls, tool results), then the prompt as a user turn (``conversation``'s rule)."""
+    tools: list[JSONValue] = field(default_factory=list)
+    """The tool schemas offered to the model."""
+    tool_calls: list[JSONValue] = field(default_factory=list)
+    """The tool calls the model answered with."""
+    input_note: str | None = None
+    """Said when part of the input was not kept by the host (the rest is shown)."""
+    new_from: int = 0
+    """Index in ``messages`` of the first message that the previous call of the same run did
+    not have (0: all new): what this turn added to a growing transcript."""
+    model: str | None = None
+    """The model that served the call (``route.served.model``, else the result's ``model``)."""
+    route: dict[str, object] = field(default_factory=dict)
+    """``{"asked": {...}, "served": {...}, "rule": ...}``: what the node named and what served it."""
+    load: dict[str, object] = field(default_factory=dict)
+    """The model load the call waited for: ``model``, ``size_bytes``, ``state`` (``loading``,
+    ``loaded``, ``failed``), ``start_s``, ``end_s``, ``seconds``; empty when the model was resident."""
 
     @property
     def phase(self) -> str:
-        """``queued``, ``prefill``, ``generate``, or the terminal status."""
+        """``load``, ``queued``, ``prefill``, ``generate``, or the terminal status."""
         if self.status in TERMINAL_STEP_STATUSES:
             return self.status
         if not self.samples:
-            return "queued"
+            return "load" if self.load.get("state") == "loading" else "queued"
         return self.samples[-1].phase
 
     @property
@@ -151,13 +185,23 @@ class CallView:
         return None
 
     def segments(self) -> list[tuple[str, float, float]]:
-        """``[("queue", a, b), ("prefill", b, c), ("generate", c, d)]`` in run seconds, as far as known.
+        """``[("load", ...), ("queue", a, b), ("prefill", b, c), ("generate", c, d)]`` in run
+        seconds, as far as known.
 
-        The queue segment exists once the result reports ``execution.queue_s``; before that the
-        time waiting for a batch slot is part of the prefill segment.
+        The load segment exists when the call waited for its model to load. The queue segment
+        exists once the result reports ``execution.queue_s``; before that the time waiting for a
+        batch slot is part of the prefill segment.
         """
+        load: list[tuple[str, float, float]] = []
+        load_start, load_end = as_float(self.load.get("start_s")), as_float(self.load.get("end_s"))
+        if load_start is not None:
+            load = [("load", load_start, max(load_start, load_end if load_end is not None else self.end_s or load_start))]
         if self.start_s is None:
-            return []
+            return load
+        return load + self._engine_segments()
+
+    def _engine_segments(self) -> list[tuple[str, float, float]]:
+        assert self.start_s is not None
         end = max(self.end_s if self.end_s is not None else self.start_s, self.start_s)
         prefill_end = end if self.first_token_s is None else self.first_token_s
         out: list[tuple[str, float, float]] = []
@@ -183,15 +227,74 @@ class SpanView:
     start_s: float
     end_s: float
     calls: list[CallView]
+    node_id: str | None = None
+    """The node of the parent run that started this run (the agent or subflow node)."""
+    node_label: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """``agent`` for an agent's ReAct loop, else ``subflow``."""
+        return "agent" if self.run.workflow_id.startswith(AGENT_WORKFLOW_PREFIX) else "subflow"
 
     def as_dict(self) -> JSONObject:
         return {
             "run": summary_dict(self.run),
+            "kind": self.kind,
+            "node_id": self.node_id,
+            "node_label": self.node_label,
             "depth": self.depth,
             "start_s": self.start_s,
             "end_s": self.end_s,
             "calls": [_call_dict(c) for c in self.calls],
         }
+
+
+@dataclass(frozen=True, slots=True)
+class RunTotals:
+    """A run and every run below it (subflows, agents), summed: what a root run of a subflow or
+    agent flow really cost. ``elapsed_s`` runs from the run's start to the latest checkpoint in
+    the tree, or up to now while any run of the tree is running (``busy``)."""
+
+    runs: int
+    calls: int | None
+    """LLM calls, where known (the run page counts them; the run list does not)."""
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    elapsed_s: float
+    busy: bool
+
+    def as_dict(self) -> JSONObject:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def tree_totals(
+    run: RunSummary, below: Sequence[RunSummary], *, as_of: dt.datetime | None, calls: int | None = None
+) -> RunTotals:
+    """``RunTotals`` of ``run`` and the runs ``below`` it (all its descendants)."""
+    runs = [run, *below]
+    busy = any(r.status == "running" for r in runs)
+    end = max(r.created_at + dt.timedelta(seconds=r.duration_s) for r in runs)
+    if busy and as_of is not None:
+        end = max(end, as_of)
+    return RunTotals(
+        runs=len(runs),
+        calls=calls,
+        prompt_tokens=sum(r.prompt_tokens for r in runs),
+        cached_tokens=sum(r.cached_tokens for r in runs),
+        generated_tokens=sum(r.generated_tokens for r in runs),
+        elapsed_s=round(max(0.0, (end - run.created_at).total_seconds()), 6),
+        busy=busy,
+    )
+
+
+def descendants(run_id: str, children: Mapping[str, Sequence[RunSummary]]) -> list[RunSummary]:
+    """Every run below ``run_id`` in ``children`` (``child_runs``), depth first."""
+    out: list[RunSummary] = []
+    for child in children.get(run_id, []):
+        out.append(child)
+        out.extend(descendants(child.run_id, children))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,10 +312,18 @@ class RunView:
     """``parent run id -> child runs`` below this run (``child_runs``)."""
     as_of: dt.datetime | None = None
     """When the view was read (a running run's elapsed time counts up to it)."""
+    output: JSONValue = None
+    """The flow's own final output (the run's ``output``), once it has one."""
 
     @property
     def live(self) -> bool:
         return self.summary.status == "running"
+
+    @property
+    def totals(self) -> RunTotals:
+        """This run with its child runs (``spans``): tokens, cache hits, calls, time."""
+        calls = len(self.calls) + sum(len(s.calls) for s in self.spans)
+        return tree_totals(self.summary, [s.run for s in self.spans], as_of=self.as_of, calls=calls)
 
     @property
     def unfinished(self) -> bool:
@@ -222,10 +333,9 @@ class RunView:
 
     @property
     def elapsed_s(self) -> float:
-        """How long the run has taken: up to now while it runs, else to its last checkpoint."""
-        if self.live and self.as_of is not None:
-            return max(self.summary.duration_s, (self.as_of - self.summary.created_at).total_seconds())
-        return self.summary.duration_s
+        """How long the run has taken: up to now while it or a run below it runs, else to the
+        latest checkpoint of its tree (``totals``)."""
+        return self.totals.elapsed_s
 
     @property
     def horizon_s(self) -> float:
@@ -243,6 +353,8 @@ class RunView:
             "unfinished": self.unfinished,
             "as_of": None if self.as_of is None else self.as_of.isoformat(),
             "elapsed_s": round(self.elapsed_s, 6),
+            "totals": self.totals.as_dict(),
+            "output": self.output,
             "horizon_s": self.horizon_s,
             "last_step_seq": self.last_step_seq,
             "last_progress_seq": self.last_progress_seq,
@@ -250,7 +362,7 @@ class RunView:
             "calls": [_call_dict(c) for c in self.calls],
             "graph": None if self.graph is None else self.graph.as_dict(),
             "spans": [s.as_dict() for s in self.spans],
-            "children": run_tree_dicts(self.children.get(self.summary.run_id, []), self.children),
+            "children": run_tree_dicts(self.children.get(self.summary.run_id, []), self.children, as_of=self.as_of),
         }
 
 
@@ -278,13 +390,18 @@ def child_runs(ledger: Ledger, run_ids: Sequence[str], *, max_depth: int = MAX_N
     return out
 
 
-def run_tree_dicts(roots: Sequence[RunSummary], children: Mapping[str, Sequence[RunSummary]]) -> list[JSONObject]:
-    """``summary_dict`` of each run in ``roots`` with ``children``: its child runs (from
-    ``child_runs``), each the same way, oldest first."""
+def run_tree_dicts(
+    roots: Sequence[RunSummary], children: Mapping[str, Sequence[RunSummary]], *, as_of: dt.datetime | None = None
+) -> list[JSONObject]:
+    """``summary_dict`` of each run in ``roots`` with ``totals`` (``tree_totals`` as of
+    ``as_of``, default now: a running run's time counts up) and ``children``: its child runs
+    (from ``child_runs``), each the same way, oldest first."""
+    when = as_of or dt.datetime.now(dt.timezone.utc)
     out: list[JSONObject] = []
     for run in roots:
         item = summary_dict(run)
-        item["children"] = run_tree_dicts(children.get(run.run_id, []), children)
+        item["totals"] = tree_totals(run, descendants(run.run_id, children), as_of=when).as_dict()
+        item["children"] = run_tree_dicts(children.get(run.run_id, []), children, as_of=when)
         out.append(item)
     return out
 
@@ -352,22 +469,50 @@ def run_view(ledger: Ledger, run_id: str, *, tree: bool = True) -> RunView | Non
         last_step_seq=max((s.seq for s in steps), default=0),
         last_progress_seq=max((p.seq for p in progress), default=0),
         graph=graph,
-        spans=_spans(ledger, detail.created_at, run_id, children) if tree else [],
+        spans=_spans(ledger, detail.created_at, run_id, children, steps=steps, labels=labels) if tree else [],
         children=children,
         as_of=as_of,
+        output=_json_value(state.get("output")),
     )
 
 
-def _spans(ledger: Ledger, origin: dt.datetime, run_id: str, children: Mapping[str, Sequence[RunSummary]], depth: int = 1) -> list[SpanView]:
+def _spans(
+    ledger: Ledger,
+    origin: dt.datetime,
+    run_id: str,
+    children: Mapping[str, Sequence[RunSummary]],
+    *,
+    steps: Sequence[StepRow],
+    labels: Mapping[str, str],
+    depth: int = 1,
+) -> list[SpanView]:
     """The child runs below ``run_id`` (depth first, oldest first), each with its calls, on the
-    time axis that starts at ``origin``."""
+    time axis that starts at ``origin``, and the node of the parent (its ``steps``, ``labels``)
+    that started it."""
     out: list[SpanView] = []
+    started_by = _child_run_nodes(steps)
     for child in children.get(run_id, []):
         offset = (child.created_at - origin).total_seconds()
         view = run_view(ledger, child.run_id, tree=False)
         calls = [] if view is None else [_shifted(c, offset) for c in view.calls]
-        out.append(SpanView(child, depth, round(offset, 6), round(offset + child.duration_s, 6), calls))
-        out.extend(_spans(ledger, origin, child.run_id, children, depth + 1))
+        node_id = started_by.get(child.run_id)
+        label = labels.get(node_id, node_id) if node_id is not None else None
+        out.append(SpanView(child, depth, round(offset, 6), round(offset + child.duration_s, 6), calls, node_id, label))
+        child_steps = view.steps if view is not None else []
+        child_labels = {c.node_id: c.label for c in view.calls} if view is not None else {}
+        out.extend(_spans(ledger, origin, child.run_id, children, steps=child_steps, labels=child_labels, depth=depth + 1))
+    return out
+
+
+def _child_run_nodes(steps: Sequence[StepRow]) -> dict[str, str]:
+    """``child run id -> node id`` of the run's nodes that started child runs (their steps wait
+    on ``details.sub_run_id``)."""
+    out: dict[str, str] = {}
+    for step in steps:
+        for wait in (object_at(object_at(step.record, "result"), "wait"), object_at(step.record, "wait")):
+            child = object_at(wait, "details").get("sub_run_id")
+            if isinstance(child, str):
+                out.setdefault(child, step.node_id)
     return out
 
 
@@ -463,8 +608,30 @@ def call_views(
         _call_view(key, node_of[key], labels, started.get(key), ended.get(key), rows_by_call.get(key, []), origin)
         for key in node_of
     ]
-    ordered = sorted(calls, key=lambda c: (c.start_s if c.start_s is not None else float("inf"), c.node_id))
-    return named_calls(ordered)
+    ordered = sorted(calls, key=lambda c: (_first_s(c), c.node_id))
+    return _with_new_from(named_calls(ordered))
+
+
+def _first_s(call: CallView) -> float:
+    """When the call began: its model load, else its first phase event (unknown: last)."""
+    segments = call.segments()
+    return segments[0][1] if segments else float("inf")
+
+
+def _with_new_from(calls: Sequence[CallView]) -> list[CallView]:
+    """``calls`` (in start order) with ``new_from`` set: how many leading messages each shares
+    with the call before it (an agent's next turn repeats the transcript and adds to it)."""
+    out: list[CallView] = []
+    previous: list[JSONObject] = []
+    for call in calls:
+        shared = 0
+        for mine, theirs in zip(call.messages, previous):
+            if mine != theirs:
+                break
+            shared += 1
+        out.append(dataclasses.replace(call, new_from=shared))
+        previous = call.messages
+    return out
 
 
 def named_calls(calls: Sequence[CallView]) -> list[CallView]:
@@ -508,6 +675,8 @@ def _call_view(
     origin: dt.datetime,
 ) -> CallView:
     step_id, attempt = key
+    load_rows = [r for r in rows if r.phase == "load"]
+    rows = [r for r in rows if r.phase != "load"]
     recorded = ended or started
     record = recorded.record if recorded is not None else {}
     payload = object_at(object_at(record, "effect"), "payload")
@@ -551,6 +720,9 @@ def _call_view(
         lane = f"remote/{lane}" if lane else "remote"
     usage = dict(object_at(result, "usage"))
     newest_first = rows[::-1]
+    route = dict(object_at(meta, "route"))
+    messages, tools, input_note = _input_of(payload, started_payload, object_at(meta, "input"))
+    raw_calls = result.get("tool_calls")
 
     return CallView(
         key=f"{step_id}:{attempt}",
@@ -570,8 +742,8 @@ def _call_view(
         tokens_per_second=_latest(r.tokens_per_second for r in newest_first),
         prefill_tokens_per_second=_latest(r.prefill_tokens_per_second for r in newest_first),
         finish_reason=(last.finish_reason if last is not None else None) or as_str(result.get("finish_reason")),
-        prompt=payload_text(payload, "prompt", started_payload),
-        system_prompt=payload_text(payload, "system_prompt", started_payload),
+        prompt=_prompt_as_sent(payload, started_payload, object_at(meta, "input")) or _last_text(messages, "user"),
+        system_prompt=payload_text(payload, "system_prompt", started_payload) or _last_text(messages, "system"),
         response=_opt_text(result.get("content")) if ended is not None else None,
         error=ended.error if ended is not None else None,
         controls=_controls(meta, payload),
@@ -583,7 +755,90 @@ def _call_view(
         client=client,
         recorded=ended is not None,
         samples=samples,
+        messages=messages,
+        tools=tools,
+        tool_calls=list(raw_calls) if isinstance(raw_calls, list) else [],
+        input_note=input_note,
+        model=as_str(object_at(route, "served").get("model")) or as_str(result.get("model")),
+        route=route,
+        load=_load_of(load_rows, origin),
     )
+
+
+def _last_text(messages: Sequence[JSONObject], role: str) -> str | None:
+    """The text of the last ``role`` message: a call built from messages has its prompt (and
+    system prompt) there, not in the payload's ``prompt``."""
+    for message in reversed(messages):
+        if message.get("role") == role and isinstance(message.get("content"), str):
+            return str(message["content"])
+    return None
+
+
+def _load_of(rows: Sequence[ProgressRow], origin: dt.datetime) -> dict[str, object]:
+    """The call's model load from its ``load`` phase rows (``ModelLoad``): when it began and, once
+    over, ended; empty when the model was resident."""
+    if not rows:
+        return {}
+    first, last = rows[0].event, rows[-1].event
+    start = _secs(rows[0].created_at, origin)
+    done = last.get("state") in ("loaded", "failed")
+    return {
+        "model": first.get("model"),
+        "size_bytes": first.get("size_bytes"),
+        "state": last.get("state"),
+        "start_s": _round(start),
+        "end_s": _round(_secs(rows[-1].created_at, origin)) if done else None,
+        "seconds": as_float(last.get("elapsed_s")) if done else None,
+    }
+
+
+def _input_of(
+    payload: Mapping[str, object], started_payload: Mapping[str, object], sent: Mapping[str, object]
+) -> tuple[list[JSONObject], list[JSONValue], str | None]:
+    """``(messages, tools, note)``: the conversation the model got, rebuilt from the step's
+    payload (what the host slimmed away read back from its STARTED record) with the node's
+    ``metadata.input`` (turns it sent without the host's timestamp stamps) applied; ``note``
+    says what was not kept."""
+    notes: list[str] = []
+    history = payload_value(payload, "messages", started_payload, notes)
+    system = payload_value(payload, "system_prompt", started_payload, notes)
+    tools = payload_value(payload, "tools", started_payload, notes)
+    rewritten = object_at(sent, "messages")
+    history_list: list[JSONObject] = []
+    if isinstance(history, list):
+        for index, message in enumerate(history):
+            if not isinstance(message, Mapping):
+                continue
+            item: JSONObject = {str(k): _json_value(v) for k, v in message.items()}
+            if str(index) in rewritten:
+                item["content"] = _json_value(rewritten[str(index)])
+            history_list.append(item)
+    prompt = _prompt_as_sent(payload, started_payload, sent)
+    try:
+        conversation = assemble_conversation(
+            prompt=prompt, messages=history_list or None, system_prompt=system if isinstance(system, str) else None
+        )
+    except InvalidRequest:
+        conversation = []
+    return conversation, list(tools) if isinstance(tools, list) else [], "; ".join(notes) or None
+
+
+def _prompt_as_sent(payload: Mapping[str, object], started_payload: Mapping[str, object], sent: Mapping[str, object]) -> str | None:
+    """The prompt the node sent: without the host's stamps when it removed them (``metadata.input``)."""
+    if isinstance(sent.get("prompt"), str):
+        return str(sent["prompt"])
+    return payload_text(payload, "prompt", started_payload)
+
+
+def _json_value(value: object) -> JSONValue:
+    """``value`` when it is plain JSON (what the ledger stores always is), else its text."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return str(value)
 
 
 SLIM_MARKER_KEY = "$slim"
@@ -593,21 +848,31 @@ the STARTED record of the same step, which holds the value."""
 
 
 def payload_text(payload: Mapping[str, object], name: str, started_payload: Mapping[str, object]) -> str | None:
-    """Field ``name`` of a step's effect payload as text. Where the host slimmed it to a
-    ``$slim`` marker, the value comes from the STARTED record's payload (``started_payload``),
-    checked against the marker's sha256; when that is not there, a sentence says so
-    (``prompt not kept by the host (2,715 bytes)``), never the marker itself."""
+    """Field ``name`` of a step's effect payload as text (``payload_value``); where the host
+    kept no copy, a sentence says so (``prompt not kept by the host (2,715 bytes)``), never the
+    marker itself."""
+    notes: list[str] = []
+    value = payload_value(payload, name, started_payload, notes)
+    return notes[0] if notes else _opt_text(value)
+
+
+def payload_value(payload: Mapping[str, object], name: str, started_payload: Mapping[str, object], notes: list[str]) -> object:
+    """Field ``name`` of a step's effect payload. Where the host slimmed it to a ``$slim``
+    marker, the value comes from the STARTED record's payload (``started_payload``), checked
+    against the marker's sha256; when that is not there, ``None``, and a sentence saying so is
+    appended to ``notes``."""
     value = payload.get(name)
     marker = value.get(SLIM_MARKER_KEY) if isinstance(value, Mapping) else None
     if not isinstance(marker, Mapping):
-        return _opt_text(value)
+        return value
     field_name = str(marker.get("field") or name)
     kept = started_payload.get(field_name)
     if marker.get("kind") == "started_payload_field" and kept is not None and _sha256_of(kept) == marker.get("sha256"):
-        return _opt_text(kept)
+        return kept
     size = marker.get("bytes")
     size_text = f" ({size:,} bytes)" if isinstance(size, int) else ""
-    return f"{name.replace('_', ' ')} not kept by the host{size_text}"
+    notes.append(f"{name.replace('_', ' ')} not kept by the host{size_text}")
+    return None
 
 
 def _sha256_of(value: object) -> str | None:

@@ -26,14 +26,27 @@ import threading
 from collections.abc import Sequence
 from typing import IO, TYPE_CHECKING, Literal
 
-from ..inspection import TERMINAL_STEP_STATUSES, CallSample, CallView, RunView, run_view
+from ..inspection import TERMINAL_STEP_STATUSES, CallSample, CallView, RunView, run_view, tree_totals
 from ..ledger import Ledger, RunCursor
 from .terminal import printable
 
 if TYPE_CHECKING:
     from rich.console import Group, JustifyMethod, RenderableType
 
-__all__ = ["LiveMode", "LiveRuns", "PlainRenderer", "RichRenderer", "call_line", "pick_mode", "run_status", "runs_table", "sample_line", "tree_order"]
+__all__ = [
+    "LiveMode",
+    "LiveRuns",
+    "PlainRenderer",
+    "RichRenderer",
+    "call_line",
+    "load_line",
+    "pick_mode",
+    "run_elapsed",
+    "run_status",
+    "runs_table",
+    "sample_line",
+    "tree_order",
+]
 
 LiveMode = Literal["rich", "plain", "off"]
 DEFAULT_POLL_S = 0.25
@@ -94,6 +107,31 @@ def run_status(run: RunView, runs: Sequence[RunView]) -> str:
             what = "agent" if child.summary.workflow_id.startswith("visual_react_agent") else "subflow"
             return f"running {what} {child.summary.workflow_id}" if child.summary.status == "running" else f"waiting in {what} {child.summary.workflow_id}"
     return status
+
+
+def run_elapsed(run: RunView, runs: Sequence[RunView], now: dt.datetime) -> float:
+    """The run's time so far with the runs below it among ``runs``: it counts up while any of
+    them runs (a root waiting on its agent is busy), else ends at the tree's last checkpoint."""
+    below: list[RunView] = []
+    frontier = [run.summary.run_id]
+    while frontier:
+        found = [r for r in runs if r.summary.parent_run_id in frontier]
+        below.extend(found)
+        frontier = [r.summary.run_id for r in found]
+    return tree_totals(run.summary, [r.summary for r in below], as_of=now).elapsed_s
+
+
+def load_line(run: RunView, call: CallView) -> str:
+    """The line of a model load: ``loading MODEL 2.1 GB``, then ``loaded MODEL in 8.4s``."""
+    from .load_progress import human_bytes
+
+    model = str(call.load.get("model") or "?")
+    size = call.load.get("size_bytes")
+    size_text = f" {human_bytes(size)}" if isinstance(size, int) else ""
+    seconds = call.load.get("seconds")
+    if call.load.get("state") == "loading" or not isinstance(seconds, (int, float)):
+        return f"{_head(run, call)}  loading {model}{size_text}"
+    return f"{_head(run, call)}  {call.load.get('state')} {model}{size_text} in {seconds:.1f}s"
 
 
 def tree_order(runs: Sequence[RunView]) -> list[tuple[int, RunView]]:
@@ -186,6 +224,7 @@ class PlainRenderer:
         self._phases: dict[tuple[str, str], str] = {}
         self._samples_seen: dict[tuple[str, str], int] = {}
         self._ended: set[tuple[str, str]] = set()
+        self._loads: dict[tuple[str, str], object] = {}
         self._runs: dict[str, str] = {}
 
     def update(self, runs: Sequence[RunView]) -> None:
@@ -199,6 +238,10 @@ class PlainRenderer:
                 self._write(f"[{run_id[:8]}] run {run_id} {run.summary.workflow_id}{child_of} {status}")
             for call in run.calls:
                 key = (run_id, call.key)
+                state = call.load.get("state")
+                if state and self._loads.get(key) != state:
+                    self._loads[key] = state
+                    self._write(load_line(run, call))
                 for sample in call.samples[self._samples_seen.get(key, 0) :]:
                     if sample.phase in ("prefill", "generate") and sample.phase != self._phases.get(key):
                         self._phases[key] = sample.phase
@@ -225,11 +268,12 @@ WIDE_COLUMNS = 100
 """From this many columns on, ``runs_table`` also shows each call's lane and MTP acceptance."""
 
 
-def runs_table(runs: Sequence[RunView], *, width: int = WIDE_COLUMNS) -> Group:
+def runs_table(runs: Sequence[RunView], *, width: int = WIDE_COLUMNS, now: dt.datetime | None = None) -> Group:
     """``rich`` renderables: per run (child runs under their parent, indented), a title line and
     a table with a row per LLM call. ``width``: the terminal's; under ``WIDE_COLUMNS`` the lane
     and MTP columns are left out so the table fits 80 columns, and a name too long for its
-    cell wraps there, never cut."""
+    cell wraps there, never cut. Run times count up to ``now`` (default: the clock) while the
+    run or a run below it is running; a call waiting for its model shows ``loading MODEL SIZE``."""
     from rich import box
     from rich.console import Group
     from rich.progress_bar import ProgressBar
@@ -238,9 +282,10 @@ def runs_table(runs: Sequence[RunView], *, width: int = WIDE_COLUMNS) -> Group:
 
     from rich.padding import Padding
 
-    styles = {"prefill": "yellow", "generate": "cyan", "completed": "green", "failed": "red", "queued": "dim"}
+    styles = {"load": "magenta", "prefill": "yellow", "generate": "cyan", "completed": "green", "failed": "red", "queued": "dim"}
     wide = width >= WIDE_COLUMNS
     parts: list[RenderableType] = []
+    when = now or dt.datetime.now(dt.timezone.utc)
     for depth, run in tree_order(runs):
         status = run_status(run, runs)
         indent = 2 * depth
@@ -250,9 +295,12 @@ def runs_table(runs: Sequence[RunView], *, width: int = WIDE_COLUMNS) -> Group:
             (printable(run.summary.run_id[:8]), "bold"),
             f"  {printable(run.summary.workflow_id)}  ",
             (printable(status), styles.get(run.summary.status, "")),
-            f"  {run.elapsed_s:.1f}s",
+            f"  {run_elapsed(run, runs, when):.1f}s",
         )
         parts.append(title)
+        loading = [call for call in run.calls if call.phase == "load"]
+        for call in loading:
+            parts.append(Text(" " * indent + printable(load_line(run, call).split("  ", 1)[-1]), style="magenta"))
         if not run.calls:
             continue
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")

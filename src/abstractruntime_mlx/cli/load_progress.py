@@ -16,23 +16,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO, TypeVar
 
+from ..artifacts import size_on_disk
 from ..errors import MLXRuntimeError
 
-
-def size_on_disk(source: str) -> int | None:
-    """Bytes of the files under ``source`` (a directory, or a repo id in the Hugging Face cache); None if unknown."""
-    from ..artifacts import hub_snapshot
-
-    path = Path(source).expanduser()
-    if not path.is_dir():
-        found = hub_snapshot(source)
-        if found is None:
-            return None
-        path = Path(found)
-    try:
-        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())  # stat follows the cache's links
-    except OSError:
-        return None
+__all__ = ["human_bytes", "showing_factory", "showing_load", "size_on_disk"]
 
 
 def human_bytes(num: float) -> str:

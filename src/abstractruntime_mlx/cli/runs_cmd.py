@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
 from ..errors import MLXRuntimeError, RunNotFound, RunNotResumable
-from ..json_values import array_at, as_str, object_at
+from ..json_values import JSONValue, array_at, as_str, object_at
 from .args import add_limit_arguments, drive_limits, help_handler, integer
 from .ledger_location import default_ledger_url, existing_ledger_file, open_for_inspection
 from .terminal import printable
@@ -364,12 +364,22 @@ def print_results(
         for f in r.failures:
             where = "" if f.run_id == r.run_id else f" (run {f.run_id[:8]})"
             print(printable(f"  node failed: {labels.get((f.run_id, f.node_id), repr(f.node_id))}{where}: {_one_line(f.error)}"))
+        from .show_view import output_lines
+
+        for line in output_lines(_json_safe(r.output)):
+            print(printable(line))
         print()
     if wall_s is not None:
         print(summary_line(results, wall_s=wall_s, peak=peak))
     if ledger_url:
         ids = " ".join(r.run_id[:8] for r in results[:3])
         print(f"ledger: {ledger_url}  (inspect: abstractruntime-mlx runs show {ids.split()[0] if ids else 'RUN_ID'})")
+
+
+def _json_safe(value: object) -> JSONValue:
+    """A flow output as plain JSON values (what is not JSON becomes its text)."""
+    loaded: JSONValue = json.loads(json.dumps(value, default=str))
+    return loaded
 
 
 def node_dict(node: NodeOutcome) -> dict[str, object]:
@@ -529,7 +539,7 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     from ..inspection import run_flow_document, run_view
     from ..run_graph import display_labels
     from ..runtime_plugin import node_outcomes
-    from .show_view import calls_table, calls_timeline
+    from .show_view import call_input_lines, calls_table, calls_timeline, output_lines
 
     detail = ledger.get_run(run_id)
     if detail is None:
@@ -539,12 +549,20 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     flow = run_flow_document(ledger, detail)
     labels = display_labels(flow) if flow is not None else {}
     title = "run" if not detail.parent_run_id else "child run"
+    tree_view = run_view(ledger, run_id) if _depth == 0 else None
+    totals = tree_view.totals if tree_view is not None else None
+    duration = totals.elapsed_s if totals is not None else detail.duration_s
     out: list[str] = [
         f"{title} {detail.run_id}",
         f"  workflow {detail.workflow_id}",
-        f"  status {detail.status}  started {detail.created_at:%Y-%m-%d %H:%M:%S} UTC  duration {detail.duration_s:.2f}s",
+        f"  status {detail.status}  started {detail.created_at:%Y-%m-%d %H:%M:%S} UTC  duration {duration:.2f}s",
         f"  steps {detail.step_count}  phase events {detail.progress_count}",
     ]
+    if totals is not None and totals.runs > 1:
+        out += [
+            f"  with its {totals.runs - 1} child run{'s' if totals.runs != 2 else ''}: {totals.calls} LLM calls",
+            f"  prompt tokens {totals.prompt_tokens:,} ({totals.cached_tokens:,} from cache), generated {totals.generated_tokens:,}",
+        ]
     if detail.state.get("error"):
         out.append(f"  error: {_one_line(str(detail.state['error']))}")
     current = detail.state.get("current_node")
@@ -566,6 +584,8 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
 
     width = max(60, terminal_width() - 4 * _depth)  # a child run is indented 4 columns per level
     view = run_view(ledger, run_id, tree=False)
+    output = output_lines(tree_view.output if tree_view is not None else _json_safe(detail.state.get("output")))
+    out.extend(wrapped for line in output for wrapped in _wrapped(line, width))
     out += ["", "steps", _steps_table(steps, labels, width=width, calls=view.calls if view is not None else ())]
     nodes = node_outcomes(ledger, run_id)
     if nodes:
@@ -575,6 +595,7 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
             out.extend(_wrapped(format_node(labels.get(n.node_id, n.node_id), n.result), width))
     if view is not None and view.calls:
         out += ["", "llm calls", calls_table(view, width=width), "", calls_timeline(view, columns=width)]
+        out.extend(wrapped for line in call_input_lines(view) for wrapped in _wrapped(line, width))
     if _depth == 0:
         out.extend(_tree_call_lines(ledger, run_id))
     if progress and events:

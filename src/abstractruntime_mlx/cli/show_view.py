@@ -18,18 +18,29 @@ import shutil
 import textwrap
 from typing import TYPE_CHECKING
 
+import json
+
 from ..inspection import CallView, RunView
-from ..json_values import as_float
+from ..json_values import JSONValue, as_float
 
 if TYPE_CHECKING:
     from rich.console import JustifyMethod, RenderableType
 
-__all__ = ["NARROW_WIDTH", "TIMELINE_WIDTH", "calls_table", "calls_timeline", "render_text", "terminal_width"]
+__all__ = [
+    "NARROW_WIDTH",
+    "TIMELINE_WIDTH",
+    "call_input_lines",
+    "calls_table",
+    "calls_timeline",
+    "output_lines",
+    "render_text",
+    "terminal_width",
+]
 
 TIMELINE_WIDTH = 48
 NARROW_WIDTH = 120
 """Below this many columns ``calls_table`` drops its wide columns and lists controls after it."""
-_GLYPHS = {"queue": "·", "prefill": "░", "generate": "█"}
+_GLYPHS = {"load": "~", "queue": "·", "prefill": "░", "generate": "█"}
 
 
 def render_text(renderable: RenderableType, width: int) -> str:
@@ -193,3 +204,63 @@ def calls_timeline(view: RunView, *, width: int = TIMELINE_WIDTH, columns: int |
         else:
             lines.extend([bar, f"  {'':{label_width}}   {figures}".rstrip()])
     return "\n".join(lines)
+
+
+def _block(text: str, indent: str) -> list[str]:
+    """``text`` in full, each of its lines under ``indent``."""
+    return [indent + line if line else "" for line in (text.splitlines() or [""])]
+
+
+def _as_text(value: object) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, indent=2, default=str)
+
+
+def output_lines(output: JSONValue, *, indent: str = "  ") -> list[str]:
+    """The flow's final output in full: ``output FIELD:`` then the field's text (JSON for what
+    is not text), one field after the other."""
+    if output is None:
+        return []
+    if not isinstance(output, dict):
+        return [f"{indent}output:", *_block(_as_text(output), indent + "  ")]
+    out: list[str] = []
+    for name, value in output.items():
+        text = _as_text(value)
+        if "\n" not in text and len(text) <= 100:
+            out.append(f"{indent}output {name}: {text}")
+        else:
+            out += [f"{indent}output {name}:", *_block(text, indent + "  ")]
+    return out
+
+
+def call_input_lines(view: RunView) -> list[str]:
+    """Each call's input as the model got it: the model that served it and its route, the
+    rendered prompt's token count, the tools offered, then the messages with their roles in
+    full. A later call of the run that repeats the previous call's messages lists only what it
+    added (the earlier ones are printed under the call before it)."""
+    out: list[str] = []
+    for call in view.calls:
+        served = call.model or "?"
+        rule = call.route.get("rule")
+        head = f"  {call.name or call.label}: {len(call.messages)} messages, {_int(call.prompt_tokens) or '?'} prompt tokens, served by {served}"
+        out += ["", head + (f" (route {rule})" if rule else "")]
+        if call.load.get("state"):
+            out.append(f"    model load: {call.load.get('state')} in {as_float(call.load.get('seconds')) or 0:.2f}s")
+        if call.input_note:
+            out.append(f"    note: {call.input_note}")
+        names = [str(t.get("name") or "?") for t in call.tools if isinstance(t, dict)]
+        out.append(f"    tools offered: {', '.join(names)} (schemas: runs show --json)" if names else "    tools offered: none")
+        if call.new_from:
+            out.append(f"    ({call.new_from} earlier message{'s' if call.new_from != 1 else ''} as in the call before; new in this turn:)")
+        for message in call.messages[call.new_from :]:
+            extra = " ".join(f"{k}={message[k]}" for k in ("name", "tool_call_id") if message.get(k))
+            out.append(f"    [{message.get('role')}]{' ' + extra if extra else ''}")
+            content = message.get("content")
+            if content not in (None, ""):
+                out.extend(_block(_as_text(content), "      "))
+            if message.get("tool_calls"):
+                out.append("      tool calls:")
+                out.extend(_block(_as_text(message["tool_calls"]), "        "))
+        if call.tool_calls:
+            out.append("    answered with tool calls:")
+            out.extend(_block(_as_text(call.tool_calls), "      "))
+    return ["", "llm call inputs", *out[1:]] if out else []

@@ -38,9 +38,9 @@ class RunSummary:
 
     ``duration_s`` is ``updated_at - created_at`` (up to the last checkpoint); ``node_count``
     counts distinct node ids among the run's step records; ``progress_count`` its progress rows.
-    ``prompt_tokens`` / ``generated_tokens`` sum, over the run's LLM calls (node, step, attempt),
-    the largest count any of the call's progress rows reported (so a call still running counts
-    what it has so far).
+    ``prompt_tokens`` / ``generated_tokens`` / ``cached_tokens`` (prompt tokens a prompt cache
+    restored) sum, over the run's LLM calls (node, step, attempt), the largest count any of the
+    call's progress rows reported (so a call still running counts what it has so far).
     """
 
     run_id: str
@@ -55,6 +55,7 @@ class RunSummary:
     wait_reason: str | None
     prompt_tokens: int
     generated_tokens: int
+    cached_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +149,7 @@ def _counts(
     return {run_id: int(count) for run_id, count in session.execute(stmt)}
 
 
-def _token_sums(session: Session, run_ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+def _token_sums(session: Session, run_ids: Sequence[str]) -> dict[str, tuple[int, int, int]]:
     if not run_ids:
         return {}
     per_call = (
@@ -156,22 +157,26 @@ def _token_sums(session: Session, run_ids: Sequence[str]) -> dict[str, tuple[int
             Progress.run_id.label("run_id"),
             func.max(Progress.prompt_tokens).label("prompt"),
             func.max(Progress.generated_tokens).label("generated"),
+            func.max(Progress.cached_tokens).label("cached"),
         )
         .where(Progress.run_id.in_(run_ids))
         .group_by(Progress.run_id, Progress.node_id, Progress.step_id, Progress.attempt)
         .subquery()
     )
-    stmt = select(per_call.c.run_id, func.sum(per_call.c.prompt), func.sum(per_call.c.generated)).group_by(
-        per_call.c.run_id
-    )
-    return {run_id: (int(prompt or 0), int(generated or 0)) for run_id, prompt, generated in session.execute(stmt)}
+    stmt = select(
+        per_call.c.run_id, func.sum(per_call.c.prompt), func.sum(per_call.c.generated), func.sum(per_call.c.cached)
+    ).group_by(per_call.c.run_id)
+    return {
+        run_id: (int(prompt or 0), int(generated or 0), int(cached or 0))
+        for run_id, prompt, generated, cached in session.execute(stmt)
+    }
 
 
 def _summary_fields(
-    run: Run, node_counts: dict[str, int], progress_counts: dict[str, int], tokens: dict[str, tuple[int, int]]
+    run: Run, node_counts: dict[str, int], progress_counts: dict[str, int], tokens: dict[str, tuple[int, int, int]]
 ) -> dict[str, Any]:
     """The keyword arguments of ``RunSummary`` (and the summary part of ``RunDetail``)."""
-    prompt_tokens, generated_tokens = tokens.get(run.run_id, (0, 0))
+    prompt_tokens, generated_tokens, cached_tokens = tokens.get(run.run_id, (0, 0, 0))
     return {
         "run_id": run.run_id,
         "workflow_id": run.workflow_id,
@@ -185,6 +190,7 @@ def _summary_fields(
         "wait_reason": run.wait_reason,
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated_tokens,
+        "cached_tokens": cached_tokens,
     }
 
 

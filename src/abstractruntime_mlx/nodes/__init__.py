@@ -9,6 +9,7 @@ from __future__ import annotations
 from .llm_node import (
     DEFAULT_PROVIDER_OPTIONS,
     LLMNode,
+    ModelLoad,
     NodeRequest,
     NodeResult,
     PreparedCall,
@@ -21,6 +22,7 @@ from .llm_node import (
 __all__ = [
     "DEFAULT_PROVIDER_OPTIONS",
     "LLMNode",
+    "ModelLoad",
     "NodeRequest",
     "NodeResult",
     "PreparedCall",

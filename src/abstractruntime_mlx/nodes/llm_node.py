@@ -35,11 +35,12 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Final, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Final, Literal, NotRequired, TypedDict
 
+from ..artifacts import size_on_disk
 from ..controls import NOTHING_SAID, UNSET, ControlLevel, ResolvedControls, resolve_controls
 from ..errors import InvalidRequest, MLXRuntimeError
 from ..json_values import JSONObject, JSONValue, object_at
@@ -59,6 +60,7 @@ __all__ = [
     "Concurrency",
     "DEFAULT_PROVIDER_OPTIONS",
     "LLMNode",
+    "ModelLoad",
     "NodeRequest",
     "NodeResult",
     "PreparedCall",
@@ -331,6 +333,28 @@ def _said(value: object) -> object:
 # --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class ModelLoad:
+    """A local model made resident for a call: told once when the load starts (``state``
+    ``loading``) and once when it ends (``loaded`` or ``failed``, with ``seconds``). A call
+    that waits for another call's load of the same model is told the same."""
+
+    model: str
+    size_bytes: int | None
+    state: Literal["loading", "loaded", "failed"]
+    seconds: float | None = None
+
+    def event(self) -> JSONObject:
+        """The phase event of the load (``phase`` ``load``), as the ledger's progress rows keep it."""
+        out: JSONObject = {"kind": "load", "phase": "load", "state": self.state, "model": self.model, "size_bytes": self.size_bytes}
+        if self.seconds is not None:
+            out["elapsed_s"] = round(self.seconds, 6)
+        return out
+
+
+OnLoad = Callable[[ModelLoad], None]
+
+
 @dataclass(slots=True)
 class _LocalEntry:
     provider: MLXProvider
@@ -348,8 +372,9 @@ class ProviderRegistry:
         self._remote: dict[str, RemoteClient] = {}
         self._loading: dict[tuple[str, str], threading.Lock] = {}
 
-    def local(self, model: str, options: Mapping[str, object] | None = None) -> _LocalEntry:
-        """The shared local provider for ``model`` with ``options`` (loaded on first use)."""
+    def local(self, model: str, options: Mapping[str, object] | None = None, *, on_load: OnLoad | None = None) -> _LocalEntry:
+        """The shared local provider for ``model`` with ``options`` (loaded on first use;
+        ``on_load`` is told when that load, or the wait for another caller's, starts and ends)."""
         merged = {**DEFAULT_PROVIDER_OPTIONS, **dict(options or {})}
         key = (model, _canonical(merged))
         with self._lock:
@@ -357,15 +382,25 @@ class ProviderRegistry:
             if entry is not None:
                 return entry
             loading = self._loading.setdefault(key, threading.Lock())
-        with loading:  # one load per key; other keys load in parallel
-            with self._lock:
-                entry = self._local.get(key)
-                if entry is not None:
-                    return entry
-            entry = self._load(model, merged)
-            with self._lock:
-                self._local[key] = entry
-                self._loading.pop(key, None)
+        started = time.perf_counter()
+        size = size_on_disk(model) if on_load is not None else None
+        if on_load is not None:
+            on_load(ModelLoad(model, size, "loading"))
+        try:
+            with loading:  # one load per key; other keys load in parallel
+                with self._lock:
+                    entry = self._local.get(key)
+                if entry is None:
+                    entry = self._load(model, merged)
+                    with self._lock:
+                        self._local[key] = entry
+                        self._loading.pop(key, None)
+        except BaseException:
+            if on_load is not None:
+                on_load(ModelLoad(model, size, "failed", time.perf_counter() - started))
+            raise
+        if on_load is not None:
+            on_load(ModelLoad(model, size, "loaded", time.perf_counter() - started))
         return entry
 
     def _load(self, model: str, options: Mapping[str, object]) -> _LocalEntry:
@@ -565,9 +600,9 @@ class LLMNode:
 
     # -- steps --------------------------------------------------------------------------
 
-    def prepare(self, request: NodeRequest) -> PreparedCall:
+    def prepare(self, request: NodeRequest, *, on_load: OnLoad | None = None) -> PreparedCall:
         """Validate the payload, resolve the controls and pick the client; loads the local
-        model on first use."""
+        model on first use (telling ``on_load``, see ``ModelLoad``)."""
         provider_name = (request.provider or "mlx").strip().lower()
         model = request.model or self.default_model
         typed = generation_request(request)
@@ -580,7 +615,7 @@ class LLMNode:
             )
         if not model:
             raise InvalidRequest("the node names no model and no default model is configured")
-        entry = self.registry.local(model, self.provider_options)
+        entry = self.registry.local(model, self.provider_options, on_load=on_load)
         # The provider's own resolution: the same one its generate() runs.
         controls: ResolvedControls = entry.provider.resolve_controls(typed)
         typed = dataclasses.replace(typed, resolved=controls)  # the provider does not resolve again

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final, Literal, Protocol
 
 from abstractruntime.core.effect_cancellation import current_effect_cancel_event
@@ -30,10 +30,10 @@ from ..errors import (
 )
 from ..json_values import JSONObject, object_at
 from ..ledger import Ledger, NodeKey
-from ..nodes import LLMNode, NodeRequest, NodeResult, PreparedCall
+from ..nodes import LLMNode, ModelLoad, NodeRequest, NodeResult, PreparedCall
 from ..request import ProgressSink
 from .catalog import FlowCatalog
-from .payload import explicit_base_url, request_from_payload
+from .payload import explicit_base_url, input_as_sent, request_from_payload
 from .routing import RouteDecision, Routing
 from .prediction import Unpredictable
 from .prefetch import SiblingPrefetcher
@@ -160,9 +160,12 @@ class LLMCallHandler:
         cancel_event = current_effect_cancel_event()
         index = self.flows.get(run.workflow_id)
         request, route = self._request(run, node_id, payload, index.node_config(node_id) if index is not None else None)
-        prepared = self.node.prepare(request)
+        loads: list[ModelLoad] = []
+        prepared = self.node.prepare(request, on_load=self._load_recorder(key, loads))
 
-        extra: JSONObject = {"route": route.to_metadata()}
+        extra: JSONObject = {"route": route.to_metadata(), "input": input_as_sent(payload, request)}
+        if loads:
+            extra["model_load"] = loads[-1].event()
         result: NodeResult | None = None
         if self.prefetcher is not None:
             result, claimed = self._claim(run.run_id, node_id, prepared, key, callback, cancel_event)
@@ -177,6 +180,18 @@ class LLMCallHandler:
         if result.generation.finish_reason == "cancelled":
             return EffectOutcome.cancelled({"reason": "cancelled", "node_id": node_id, "partial": body})
         return EffectOutcome.completed(body)
+
+    def _load_recorder(self, key: NodeKey, seen: list[ModelLoad]) -> Callable[[ModelLoad], None]:
+        """Tells the ledger (a ``load`` phase row of this call) when the call's model starts and
+        ends loading, so the load is a span of its own before the call's prefill."""
+        writer = self.node.writer if self.node.record_progress else None
+
+        def record(load: ModelLoad) -> None:
+            seen.append(load)
+            if writer is not None:
+                writer.put(load.event(), key)
+
+        return record
 
     def _claim(
         self,

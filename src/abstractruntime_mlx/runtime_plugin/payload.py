@@ -20,7 +20,7 @@ from abstractruntime.turn_grounding import strip_turn_grounding
 
 from ..controls import SAMPLING_FIELDS, UNSET
 from ..errors import InvalidRequest
-from ..json_values import array_at, object_at
+from ..json_values import JSONObject, array_at, object_at
 from ..nodes import NodeRequest
 from ..request import Message, output_cap
 from ..structured import check_schema_limits
@@ -28,7 +28,7 @@ from .prompt_cache import CallIdentity, node_prompt_cache_key
 from .routing import RouteDecision
 
 
-__all__ = ["explicit_base_url", "request_from_payload"]
+__all__ = ["explicit_base_url", "input_as_sent", "request_from_payload"]
 
 # Sampling params of the payload (a seed is taken only when it is a valid one: the editor's
 # -1 means "random"); ``stop`` is a limit of the request.
@@ -95,6 +95,26 @@ def request_from_payload(
         response_schema_name=_str_or_none(payload.get("response_schema_name")),
         affinity_key=None if call is None else (call.session_id or call.run_id or None),
     )
+
+
+def input_as_sent(payload: Mapping[str, object], request: NodeRequest) -> JSONObject:
+    """What the node sent that differs from the payload the host recorded in the step: the
+    prompt and the messages (``index -> content``) whose ``<runtime_metadata>`` stamps were
+    removed. Small (the stamped turns only), so a viewer rebuilds the conversation exactly
+    from the recorded payload without the ledger keeping a second copy of the transcript."""
+    out: JSONObject = {}
+    if str(payload.get("prompt") or "") != request.prompt:
+        out["prompt"] = request.prompt
+    given = payload.get("messages")
+    if isinstance(given, list) and request.messages:
+        changed: JSONObject = {}
+        for index, (original, sent) in enumerate(zip(given, request.messages)):
+            content = sent.get("content")
+            if isinstance(original, Mapping) and original.get("content") != content and isinstance(content, str):
+                changed[str(index)] = content
+        if changed:
+            out["messages"] = changed
+    return out
 
 
 def _output_cap(params: Mapping[str, object], payload: Mapping[str, object], run_vars: Mapping[str, object]) -> object:

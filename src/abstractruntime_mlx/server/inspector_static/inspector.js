@@ -85,16 +85,30 @@ function treeRows(runs, depth) {
 }
 
 function runCells(r) {
+  // Figures of the run with every run below it (the server's totals): a root run of an agent
+  // or subflow flow costs what its child runs cost.
+  const t = r.totals || { elapsed_s: r.duration_s, prompt_tokens: r.prompt_tokens, cached_tokens: r.cached_tokens, generated_tokens: r.generated_tokens, busy: false };
   return [
     el("td", {}, statusBadge(r.status)),
     el("td", {}, r.workflow_id),
     el("td", {}, utc(r.created_at)),
-    el("td", { class: "num" }, seconds(r.duration_s)),
+    el("td", { class: "num duration", "data-elapsed": t.elapsed_s, "data-busy": t.busy ? "1" : null }, seconds(t.elapsed_s)),
     el("td", { class: "num" }, r.node_count),
-    el("td", { class: "num" }, count(r.prompt_tokens)),
-    el("td", { class: "num" }, count(r.generated_tokens)),
+    el("td", { class: "num tokens-in" }, count(t.prompt_tokens)),
+    el("td", { class: "num tokens-cached" }, count(t.cached_tokens)),
+    el("td", { class: "num tokens-out" }, count(t.generated_tokens)),
     el("td", { class: "num" }, r.progress_count),
   ];
+}
+
+let listReceivedAt = 0;
+
+function tickList() {
+  // A run that is still going (or whose child runs are) counts up between updates.
+  const extra = (performance.now() - listReceivedAt) / 1000;
+  for (const cell of document.querySelectorAll("#runs td.duration[data-busy]")) {
+    cell.textContent = seconds(Number(cell.dataset.elapsed) + extra);
+  }
 }
 
 function rootRows(root) {
@@ -121,6 +135,7 @@ function rootRows(root) {
 
 function renderList(data) {
   listData = data;
+  listReceivedAt = performance.now();
   document.getElementById("ledger").textContent = data.ledger;
   const statusSelect = document.getElementById("status");
   const workflowSelect = document.getElementById("workflow");
@@ -143,6 +158,7 @@ function listPage() {
   if (data.filters.workflow) query.set("workflow", data.filters.workflow);
   query.set("limit", data.filters.limit);
   follow(`/api/runs/stream?${query}`, { runs: renderList });
+  setInterval(tickList, 500);
   for (const id of ["status", "workflow"]) {
     document.getElementById(id).addEventListener("change", () => document.getElementById("filters").submit());
   }
@@ -150,7 +166,7 @@ function listPage() {
 
 // ------------------------------------------------------------------ run page
 
-let selectedKey = null;   // the call shown in the panel
+let selectedKey = null;   // the call shown in the panel: "RUN_ID CALL_KEY" (callId)
 let selectedNode = null;  // or the graph node shown there (one of the two is set)
 let current = null;
 let receivedAt = 0;       // when the page got `current` (performance.now())
@@ -160,10 +176,30 @@ function callName(call) {
   return call.name || call.label || call.node_id;
 }
 
+function callId(runId, call) {
+  return `${runId} ${call.key}`;
+}
+
+function allCalls(data) {
+  // Every call of the run and of its child runs: {call, runId, span, turn}. An agent's calls
+  // are its turns, numbered in order.
+  const out = data.calls.map((call) => ({ call, runId: data.run.run_id, span: null, turn: null }));
+  for (const span of data.spans || []) {
+    span.calls.forEach((call, i) => out.push({ call, runId: span.run.run_id, span, turn: span.kind === "agent" ? i + 1 : null }));
+  }
+  return out;
+}
+
+function entryName(entry) {
+  const name = callName(entry.call);
+  return entry.turn ? `turn ${entry.turn} · ${name}` : name;
+}
+
 function elapsedNow(data) {
-  // A running run's duration counts up between updates, from the server's reading.
-  const base = data.elapsed_s ?? data.run.duration_s;
-  return data.live ? base + (performance.now() - receivedAt) / 1000 : base;
+  // The run's time, its child runs' included, counts up between updates while any of them runs.
+  const totals = data.totals || {};
+  const base = totals.elapsed_s ?? data.elapsed_s ?? data.run.duration_s;
+  return totals.busy || data.live ? base + (performance.now() - receivedAt) / 1000 : base;
 }
 
 function tickDuration() {
@@ -178,6 +214,8 @@ function renderRun(data) {
   document.getElementById("crumb").textContent = `${run.workflow_id} / ${run.run_id}`;
   const fact = (label, value, id) => el("span", { class: "fact" }, `${label} `, el("b", { id }, value));
   const childCalls = (data.spans || []).reduce((n, s) => n + s.calls.length, 0);
+  const totals = data.totals || { prompt_tokens: run.prompt_tokens, cached_tokens: run.cached_tokens, generated_tokens: run.generated_tokens, runs: 1 };
+  const tree = totals.runs > 1 ? ` (this run and ${totals.runs - 1} child run${totals.runs === 2 ? "" : "s"})` : "";
   setChildren(document.getElementById("summary"),
     el("h1", { class: "mono" }, run.run_id),
     statusBadge(run.status),
@@ -186,7 +224,7 @@ function renderRun(data) {
     fact("duration", seconds(elapsedNow(data)), "duration"),
     fact("steps", data.steps.length),
     fact("LLM calls", childCalls ? `${data.calls.length} + ${childCalls} in child runs` : data.calls.length),
-    fact("tokens", `${count(run.prompt_tokens)} in / ${count(run.generated_tokens)} out`),
+    fact("tokens", `${count(totals.prompt_tokens)} in / ${count(totals.cached_tokens)} from cache / ${count(totals.generated_tokens)} out${tree}`, "tokens"),
     fact("phase events", run.progress_count),
     run.parent_run_id ? fact("parent run", runLink(run.parent_run_id)) : null,
     run.wait_reason ? fact("waiting for", run.wait_reason) : null,
@@ -194,8 +232,10 @@ function renderRun(data) {
   const error = document.getElementById("run-error");
   error.hidden = !data.error;
   error.textContent = data.error ? `error: ${data.error}` : "";
+  renderOutput(data);
   if (selectedNode && !(data.graph && data.graph.nodes.some((n) => n.node_id === selectedNode))) selectedNode = null;
-  if (!selectedNode && !data.calls.some((c) => c.key === selectedKey)) selectedKey = data.calls.length ? data.calls[0].key : null;
+  const entries = allCalls(data);
+  if (!selectedNode && !entries.some((e) => callId(e.runId, e.call) === selectedKey)) selectedKey = entries.length ? callId(entries[0].runId, entries[0].call) : null;
   renderGraph(data);
   renderChildren(data);
   renderTimeline(data);
@@ -262,7 +302,7 @@ function renderChildren(data) {
         el("td", { class: "mono", style: `padding-left: ${0.6 + 1.2 * (depth - 1)}em` }, depth > 1 ? "└ " : "", runLink(r.run_id)),
         el("td", {}, r.workflow_id), el("td", {}, statusBadge(r.status)), el("td", { class: "num" }, seconds(r.duration_s)),
         el("td", { class: "num" }, span ? span.calls.length : ""), el("td", { class: "num" }, count(r.prompt_tokens)),
-        el("td", { class: "num" }, count(r.generated_tokens))));
+        el("td", { class: "num" }, count(r.cached_tokens)), el("td", { class: "num" }, count(r.generated_tokens))));
       walk(r.children || [], depth + 1);
     }
   };
@@ -271,12 +311,34 @@ function renderChildren(data) {
   document.querySelector("#children tbody").replaceChildren(...rows);
 }
 
+function renderOutput(data) {
+  const section = document.getElementById("output-section");
+  if (!section) return;
+  const has = data.output !== null && data.output !== undefined;
+  section.hidden = !has;
+  setChildren(document.getElementById("output"), has ? outputBlocks(data.output) : null);
+}
+
+function outputBlocks(output) {
+  // The flow's final output: each field on its own, text as text, the rest as JSON.
+  if (output === null || typeof output !== "object" || Array.isArray(output)) return foldable(output, "output-value");
+  return Object.entries(output).map(([k, v]) => el("div", { class: "output-field", "data-field": k }, el("h3", {}, k), foldable(v, "output-value")));
+}
+
+function spanTitle(span) {
+  // "agent writer" / "subflow summarize": the node of the parent run that started it.
+  return `${span.kind} ${span.node_label || span.node_id || span.run.workflow_id}`;
+}
+
 function timelineRows(data) {
   // This run's calls, then each child run (a span bar) followed by its calls, indented.
-  const rows = data.calls.map((call) => ({ kind: "call", call, depth: 0 }));
+  const rows = [];
+  for (const entry of allCalls(data)) {
+    if (entry.span && !rows.some((r) => r.kind === "span" && r.span === entry.span)) rows.push({ kind: "span", span: entry.span, depth: entry.span.depth });
+    rows.push({ kind: "call", entry, call: entry.call, depth: entry.span ? entry.span.depth : 0, runId: entry.span ? entry.runId : null });
+  }
   for (const span of data.spans || []) {
-    rows.push({ kind: "span", span, depth: span.depth });
-    for (const call of span.calls) rows.push({ kind: "call", call, depth: span.depth, runId: span.run.run_id });
+    if (!span.calls.length) rows.push({ kind: "span", span, depth: span.depth });  // a child run without calls
   }
   return rows;
 }
@@ -309,7 +371,8 @@ function renderTimeline(data) {
       const s = row.span;
       const bar = svg("g", { class: "span", "data-run-id": s.run.run_id, "data-status": s.run.status });
       const link = svg("a", { href: `/runs/${encodeURIComponent(s.run.run_id)}` },
-        svg("text", { class: "label span-label", x: indent, y: y + 16 }, truncate(`▸ ${s.run.workflow_id}`, 28)));
+        svg("text", { class: "label span-label", x: indent, y: y + 16 }, truncate(`▸ ${spanTitle(s)}`, 28)),
+        svg("title", {}, `${spanTitle(s)}: child run ${s.run.run_id} (${s.run.workflow_id})`));
       const x0 = x(s.start_s), x1 = Math.max(x(s.end_s), x0 + 1.5);
       bar.append(link, svg("rect", { class: `span-bar status-${s.run.status}`, x: x0, y: y + 9, width: x1 - x0, height: rowHeight - 18, rx: 2 },
         svg("title", {}, `child run ${s.run.run_id} (${s.run.workflow_id}) ${s.run.status}: ${s.start_s.toFixed(3)}s → ${s.end_s.toFixed(3)}s`)));
@@ -319,20 +382,20 @@ function renderTimeline(data) {
     }
     const call = row.call;
     const own = !row.runId;
-    const bar = svg("g", { class: `bar${own && call.key === selectedKey && !selectedNode ? " selected" : ""}${own ? "" : " child-call"}`,
-      "data-call": call.key, "data-node": call.node_id, "data-run-id": row.runId || data.run.run_id });
+    const id = callId(row.entry.runId, call);
+    const bar = svg("g", { class: `bar${id === selectedKey && !selectedNode ? " selected" : ""}${own ? "" : " child-call"}`,
+      "data-call": call.key, "data-node": call.node_id, "data-run-id": row.entry.runId, "data-turn": row.entry.turn });
     bar.append(svg("rect", { class: "track", x: 0, y, width, height: rowHeight, fill: "transparent" }));
-    bar.append(svg("text", { class: "label", x: indent, y: y + 16 }, truncate(callName(call), 28 - row.depth * 2)));
+    bar.append(svg("text", { class: "label", x: indent, y: y + 16 }, truncate(entryName(row.entry), 28 - row.depth * 2)));
     for (const seg of call.segments) {
       const x0 = x(seg.start_s), x1 = Math.max(x(seg.end_s), x0 + 1.5);
       bar.append(svg("rect", { class: `seg seg-${seg.phase}`, "data-phase": seg.phase, x: x0, y: y + 5, width: x1 - x0, height: rowHeight - 10, rx: 2 },
         svg("title", {}, `${call.node_id} ${seg.phase}: ${seg.start_s.toFixed(3)}s → ${seg.end_s.toFixed(3)}s`)));
     }
-    const facts = [call.lane || call.phase, call.generated_tokens != null ? `${call.generated_tokens} tok` : null,
+    const facts = [call.phase === "load" ? `loading ${truncate(String(call.load.model || ""), 18)}` : call.lane || call.phase, call.generated_tokens != null ? `${call.generated_tokens} tok` : null,
       call.tokens_per_second != null ? `${Math.round(call.tokens_per_second)} tok/s` : null].filter(Boolean).join(" · ");
     bar.append(svg("text", { x: labelWidth + plot + 8, y: y + 16, class: "facts" }, facts));
-    bar.addEventListener("click", () => own ? select(call.key)
-      : window.location.assign(`/runs/${encodeURIComponent(row.runId)}#call=${encodeURIComponent(call.key)}`));
+    bar.addEventListener("click", () => select(id));
     root.append(bar);
   });
   box.replaceChildren(root);
@@ -344,11 +407,12 @@ function truncate(text, width) {
 
 function renderCharts(data) {
   const box = document.getElementById("charts");
-  box.replaceChildren(...data.calls.map((call) => {
-    const card = el("div", { class: `chart${call.key === selectedKey ? " selected" : ""}`, "data-call": call.key },
-      el("h3", {}, callName(call), el("span", { class: "muted" }, `  ${call.phase}${call.lane ? " · " + call.lane : ""}`)),
+  box.replaceChildren(...allCalls(data).map((entry) => {
+    const call = entry.call, id = callId(entry.runId, call);
+    const card = el("div", { class: `chart${id === selectedKey ? " selected" : ""}`, "data-call": call.key, "data-run-id": entry.runId },
+      el("h3", {}, entryName(entry), el("span", { class: "muted" }, `  ${call.phase}${call.lane ? " · " + call.lane : ""}`)),
       chart(call));
-    card.addEventListener("click", () => select(call.key));
+    card.addEventListener("click", () => select(id));
     return card;
   }));
 }
@@ -424,7 +488,7 @@ function renderNodePanel(panel, data, node) {
     node.error ? [el("h3", {}, "error"), el("pre", { class: "error" }, node.error)] : null,
     calls.length ? [el("h3", {}, "LLM calls"), el("ul", { class: "node-calls" }, calls.map((c) => {
       const link = el("a", { href: `#call=${encodeURIComponent(c.key)}`, "data-call": c.key }, callName(c));
-      link.addEventListener("click", (event) => { event.preventDefault(); select(c.key); });
+      link.addEventListener("click", (event) => { event.preventDefault(); select(callId(data.run.run_id, c)); });
       return el("li", {}, link, " ", statusBadge(c.status), c.generated_tokens != null ? ` ${c.generated_tokens} tok` : "");
     }))] : null,
     node.child_run_ids.length ? [el("h3", {}, "child runs"), el("ul", { class: "node-children" },
@@ -434,18 +498,88 @@ function renderNodePanel(panel, data, node) {
   );
 }
 
+const FOLD_CHARS = 600, FOLD_LINES = 12;
+
+function foldable(value, cls) {
+  // Long content folds behind its first line; opening it shows all of it (nothing is cut).
+  if (value === null || value === undefined) return el("p", { class: "message" }, "none");
+  const text = typeof value === "string" ? value : JSON.stringify(value, null, 2);
+  const lines = text.split("\n");
+  if (text.length <= FOLD_CHARS && lines.length <= FOLD_LINES) return el("pre", { class: cls }, text);
+  const head = truncate(lines[0], 90);
+  return el("details", { class: `fold ${cls || ""}` },
+    el("summary", {}, head, el("span", { class: "muted" }, `  (${count(text.length)} characters, ${lines.length} lines)`)),
+    el("pre", { class: cls }, text));
+}
+
+function messageBlock(message, index, isNew) {
+  const role = message.role || "?";
+  const extra = [message.name ? `name ${message.name}` : null, message.tool_call_id ? `tool call ${message.tool_call_id}` : null].filter(Boolean).join(" · ");
+  const content = message.content;
+  const text = content === null || content === undefined ? "" : typeof content === "string" ? content : JSON.stringify(content, null, 2);
+  return el("div", { class: `message-item role-${role}${isNew ? " new" : ""}`, "data-role": role, "data-index": index },
+    el("div", { class: "message-head" }, el("b", {}, role), extra ? el("span", { class: "muted" }, `  ${extra}`) : null,
+      isNew ? el("span", { class: "badge-new" }, "new in this turn") : null),
+    text ? foldable(text, "message-content") : null,
+    message.tool_calls ? [el("div", { class: "muted" }, "tool calls"), foldable(message.tool_calls, "tool-calls")] : null);
+}
+
+function inputSection(call, entry) {
+  // The conversation as the model got it. In a later turn of the same run the messages the
+  // previous turn had fold together, so what this turn added reads first.
+  const messages = call.messages || [];
+  const shared = call.new_from || 0;
+  const earlier = messages.slice(0, shared).map((m, i) => messageBlock(m, i, false));
+  const fresh = messages.slice(shared).map((m, i) => messageBlock(m, shared + i, shared > 0));
+  return [
+    el("h3", {}, "input", el("span", { class: "muted" }, `  ${messages.length} message${messages.length === 1 ? "" : "s"} · ${count(call.prompt_tokens) || "?"} prompt tokens as rendered`)),
+    call.input_note ? el("p", { class: "message" }, call.input_note) : null,
+    el("div", { class: "messages", id: "messages" },
+      shared ? el("details", { class: "earlier" }, el("summary", {}, `${shared} earlier message${shared === 1 ? "" : "s"} (as in the previous turn)`), earlier) : null,
+      fresh.length ? fresh : el("p", { class: "message" }, messages.length ? "" : "no input recorded")),
+    call.tools && call.tools.length
+      ? el("details", { class: "tools" }, el("summary", {}, `${call.tools.length} tool${call.tools.length === 1 ? "" : "s"} offered: ${call.tools.map((t) => t.name || (t.function && t.function.name) || "?").join(", ")}`),
+          foldable(call.tools, "tool-schemas"))
+      : el("p", { class: "message" }, "no tools offered"),
+  ];
+}
+
+function loadText(load) {
+  if (!load || !load.state) return null;
+  const size = load.size_bytes ? ` (${bytesText(load.size_bytes)})` : "";
+  return load.state === "loading" ? `loading${size}…` : `${load.state} in ${seconds(load.seconds)}${size}`;
+}
+
+function bytesText(n) {
+  // As the terminal says it (load_progress.human_bytes).
+  const units = ["B", "KiB", "MiB", "GiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return `${i ? n.toFixed(1) : n} ${units[i]}`;
+}
+
 function renderPanel(data) {
   const panel = document.getElementById("panel");
   const node = selectedNode && data.graph ? data.graph.nodes.find((n) => n.node_id === selectedNode) : null;
   if (node) { renderNodePanel(panel, data, node); return; }
-  const call = data.calls.find((c) => c.key === selectedKey);
-  if (!call) {
+  const entry = allCalls(data).find((e) => callId(e.runId, e.call) === selectedKey);
+  if (!entry) {
     panel.replaceChildren(el("p", { class: "message" }, "select a call on the timeline"));
     return;
   }
-  const ex = call.execution, spec = call.speculation;
+  const call = entry.call;
+  const ex = call.execution, spec = call.speculation, route = call.route || {};
+  const asked = route.asked || {}, served = route.served || {};
+  const cached = call.cached_tokens ?? call.prompt_cache.cached_tokens;
   setChildren(panel,
-    el("h2", {}, callName(call), el("span", { class: "muted" }, ` ${call.node_id} · attempt ${call.attempt} · `), statusBadge(call.status)),
+    el("h2", {}, entryName(entry), el("span", { class: "muted" }, ` ${call.node_id} · attempt ${call.attempt} · `), statusBadge(call.status)),
+    entry.span ? el("p", { class: "muted" }, `in ${spanTitle(entry.span)}: `, runLink(entry.runId)) : null,
+    el("h3", {}, "model"),
+    table([["served by", el("span", { class: "mono", id: "served-model" }, call.model || served.model || "")],
+      ["provider", served.provider], ["the node asked for", asked.model ? `${asked.provider || ""} ${asked.model}` : asked.provider],
+      ["route", route.rule ? (typeof route.rule === "object" ? JSON.stringify(route.rule) : String(route.rule)) : null],
+      ["server", served.base_url], ["model load", loadText(call.load)]]),
+    inputSection(call, entry),
     el("h3", {}, "controls"),
     call.controls.length
       ? el("table", { class: "controls" }, el("tr", {}, el("th", {}, "control"), el("th", {}, "value"), el("th", {}, "decided by")),
@@ -462,14 +596,13 @@ function renderPanel(data) {
       ["rounds", spec.rounds], ["accepted tokens", spec.accepted_tokens], ["drafted tokens", spec.drafted_tokens],
       ["acceptance", call.acceptance != null ? `${(100 * call.acceptance).toFixed(1)}%` : null], ["reason", spec.reason]]),
     el("h3", {}, "prompt cache"),
-    table([["cached prompt tokens", count(call.cached_tokens)], ...Object.entries(call.prompt_cache).map(([k, v]) => [k.replaceAll("_", " "), typeof v === "object" ? JSON.stringify(v) : String(v)])]),
+    table([["cached tokens", count(cached)], ...Object.entries(call.prompt_cache).filter(([k]) => k !== "cached_tokens").map(([k, v]) => [k.replaceAll("_", " "), typeof v === "object" ? JSON.stringify(v) : String(v)])]),
     call.sibling_batch.role || call.sibling_batch.launched
       ? [el("h3", {}, "sibling batch"), table(Object.entries(call.sibling_batch).map(([k, v]) => [k.replaceAll("_", " "), typeof v === "object" ? JSON.stringify(v) : String(v)]))]
       : null,
     call.error ? [el("h3", {}, "error"), el("pre", { class: "error" }, call.error)] : null,
-    call.system_prompt ? [el("h3", {}, "system prompt"), el("pre", {}, call.system_prompt)] : null,
-    el("h3", {}, "prompt"), el("pre", { class: "prompt" }, call.prompt ?? ""),
-    el("h3", {}, "response"), el("pre", { class: "response" }, call.response ?? (call.status === "running" ? "(generating…)" : "")),
+    el("h3", {}, "response"), foldable(call.response ?? (call.status === "running" ? "(generating…)" : ""), "response"),
+    call.tool_calls && call.tool_calls.length ? [el("h3", {}, "tool calls answered"), foldable(call.tool_calls, "answer-tool-calls")] : null,
   );
 }
 
@@ -482,7 +615,7 @@ function renderSteps(data) {
 function runPage() {
   const data = initial();
   const wanted = new URLSearchParams(window.location.hash.slice(1)).get("call");
-  if (wanted && data.calls.some((c) => c.key === wanted)) selectedKey = wanted;
+  if (wanted && data.calls.some((c) => c.key === wanted)) selectedKey = callId(data.run.run_id, { key: wanted });
   renderRun(data);
   if (data.unfinished) {
     follow(`/api/runs/${encodeURIComponent(data.run.run_id)}/stream`, { run: renderRun });
