@@ -365,6 +365,8 @@ class ModelPool:
                     )
             done: list[str] = []
             for entry in targets:
+                if entry.in_flight:  # leased while an earlier one unloaded: it keeps its model
+                    raise OwnerBusy(f"cannot unload {entry.name}: a request started on it; unloaded so far: {done}")
                 await self._unload_locked(entry, reason="unload")
                 done.append(entry.name)
             return done
