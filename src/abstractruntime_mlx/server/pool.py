@@ -5,15 +5,21 @@ its aliases (``--alias ALIAS=NAME``), the base name of its path, and its path. A
 also name any model the server can load (a repo id in the Hugging Face cache, a directory
 under a model root, ``model_roots.py``): it is loaded on demand and listed while resident.
 A request that names no model (or ``default``) goes to the only resident model, else to the
-first ``--model``.
+first ``--model``. Whatever the spelling, a model has one name (``ResidentModel.name``,
+``Lease.name``): its ``--model`` name, or for one loaded by name only its repo id or its
+directory relative to its model root (``ModelRoots.name_of``). Answers, metrics, logs and the
+ledger use that name, so they hold as many names as the models the server has held.
 
 Memory. Before a load, the model's estimate (``memory.estimate_footprint``: weights + KV
 reserve) must fit the budget together with the resident models' estimates. The budget is
 ``--memory-budget``, else what the machine has: the smaller of its working set and what the
 resident models hold plus the memory available now. When it does not fit, idle models are
-evicted, least recently used first; a pinned model (``--pin``, or a provider handed to
-``create_app``) and a model with requests in flight are never evicted. When it still does not
-fit the load is refused with ``InsufficientMemory`` (507), and nothing was evicted for it.
+evicted one at a time, least recently used first; a pinned model (``--pin``, or a provider
+handed to ``create_app``) and a model with requests in flight are never evicted. When only
+models with requests in flight stand in the way, the load waits for them to go idle (up to
+``load_wait_s``). When it still does not fit the load is refused with ``InsufficientMemory``
+(507) saying why each resident model stayed; when no wait could have helped, nothing was
+evicted for it.
 
 Keep-alive. After its last request a model stays resident for its keep-alive (the request's
 ``keep_alive``, else the one it was loaded with, else ``serve --keep-alive``; ``None``: until
@@ -21,8 +27,10 @@ memory is needed), then the reaper unloads it.
 
 Threads. Everything here runs on the event loop; loads, estimates and unloads run on threads.
 One ``asyncio.Lock`` serialises loads and unloads (memory decisions see one state); a request
-for a resident model never waits on it. A model chosen for eviction is marked ``unloading``
-before the lock is given up, so no request can join it meanwhile.
+for a resident model never waits on it. A model is chosen for eviction and marked
+``unloading`` in one step (no ``await`` between the check that it is idle and the mark), and a
+lease is taken in one step too: either the request holds the model first (it is not chosen)
+or the model is unloading (the request waits for it to load again).
 
 Reading it (for metrics): ``models()`` / ``resident()`` return ``ResidentModel`` snapshots (the
 provider included), ``counters()`` the per-model load/eviction counts, ``memory()`` the budget.
