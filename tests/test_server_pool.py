@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -96,9 +97,9 @@ def test_two_tiny_models_served_by_one_process(tiny_models: dict[str, str]) -> N
         with httpx.Client(base_url=url, timeout=60) as client:
             by_alias = chat(client, "google_gemma-3-1b-it")  # loads beta on first request
             assert by_alias.status_code == 200, by_alias.text
-            assert by_alias.json()["model"] == tiny_models["beta"]
-            assert chat(client, "alpha").json()["model"] == tiny_models["alpha"]
-            assert chat(client, None).json()["model"] == tiny_models["alpha"]  # no model: the first --model
+            assert by_alias.json()["model"] == "beta"  # the model's one name, not the alias or its path
+            assert chat(client, "alpha").json()["model"] == "alpha"
+            assert chat(client, None).json()["model"] == "alpha"  # no model: the first --model
             unknown = chat(client, "nobody/nothing")
             assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
             health = client.get("/health").json()
@@ -145,7 +146,8 @@ def test_a_model_with_work_in_flight_is_not_evicted(tiny_models: dict[str, str],
 def test_pinned_and_busy_models_make_a_load_refused_with_insufficient_memory(
     tiny_models: dict[str, str], two_fit: PoolSettings
 ) -> None:
-    app = create_app(models=specs(tiny_models, pinned=("alpha",)), residency=two_fit)
+    no_wait = replace(two_fit, load_wait_s=0.0)  # refused at once, not once beta's stream ends
+    app = create_app(models=specs(tiny_models, pinned=("alpha",)), residency=no_wait)
     app.state.pool.preload(["alpha"])
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as client:
         assert chat(client, "beta").status_code == 200
@@ -157,6 +159,7 @@ def test_pinned_and_busy_models_make_a_load_refused_with_insufficient_memory(
             error = refused.json()["error"]
             assert error["code"] == "insufficient_memory"
             assert sorted((k["model"], k["reason"]) for k in error["details"]["kept"]) == [("alpha", "pinned"), ("beta", "in_flight")]
+            assert error["details"]["reason"] == "models_in_use"
             assert error["details"]["budget_bytes"] == two_fit.memory_budget_bytes
         states = {name: m["state"] for name, m in models_by_id(url).items()}
         assert states == {"alpha": "loaded", "beta": "loaded", "gamma": "unloaded"}  # nothing was evicted for it

@@ -17,8 +17,9 @@ remote client rebuilds the same class from ``code``.
     │   │   └── ResponseSchemaTooLarge (400, schema_too_large)     over a size, node or depth limit
     │   ├── PromptCachePathUnsafe (400, prompt_cache_path_unsafe)   symlinked or non-private cache dir
     │   ├── EmbeddingsUnsupported (400, embeddings_unsupported)   serve: the model generates text, it cannot embed
-    │   └── RemoteNotAllowed (403, remote_not_allowed)   a flow sends prompts to a server the user did not allow
-    │       └── RemoteAddressForbidden (403, remote_address_forbidden)   a link-local / cloud metadata address
+    │   ├── RemoteNotAllowed (403, remote_not_allowed)   a flow sends prompts to a server the user did not allow
+    │   │   └── RemoteAddressForbidden (403, remote_address_forbidden)   a link-local / cloud metadata address
+    │   └── OperatorSetting (403, operator_setting)   serve: a client's load option only the operator may set
     ├── PolicyError (400, policy_invalid)            the Core policy file is unreadable
     ├── ModelNotFound (404, model_not_found)         weights are not on this machine
     ├── RunNotFound (404, run_not_found)             the ledger has no such run
@@ -178,6 +179,16 @@ class RemoteAddressForbidden(RemoteNotAllowed):
     ``metadata.google.internal``...): refused whatever the user allowed. ``details``: ``url``."""
 
     code = "remote_address_forbidden"
+
+
+class OperatorSetting(InvalidRequest):
+    """``POST /acore/models/load`` asked for an option only ``serve``'s operator sets (cache sharing,
+    cache scope, disk paths, cache budgets), or a value past what a client may ask for.
+    ``details``: ``field`` (``options.NAME``), ``option``, and ``limit`` for a bounded one."""
+
+    code = "operator_setting"
+    http_status = 403
+    type = "permission_error"
 
 
 class PolicyError(MLXRuntimeError):

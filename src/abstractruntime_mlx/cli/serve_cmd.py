@@ -217,6 +217,10 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
     if duplicated:
         raise InvalidRequest(f"--model: the name {duplicated[0]!r} is given twice", details={"field": "--model"})
     aliases = tuple(_alias(text, names) for text in args.alias)
+    given = [alias for alias, _ in aliases]
+    twice = sorted({a for a in given if given.count(a) > 1})
+    if twice:  # one name, one model: never a silent last-wins
+        raise InvalidRequest(f"--alias: the alias {twice[0]!r} is given twice", details={"field": "--alias", "alias": twice[0]})
     for pin in args.pin:
         if pin not in names:
             raise InvalidRequest(f"--pin {pin!r} names no --model (served names: {names or 'none'})", details={"field": "--pin"})

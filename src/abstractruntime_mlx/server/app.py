@@ -68,6 +68,7 @@ from .metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
 from .responses import create_response
 from .serve_ledger import ServeLedger
 from .keep_alive import parse_keep_alive
+from .load_policy import client_load_options, option_equal
 from .memory import machine_memory
 from .model_roots import ModelRoots
 from .pool import UNSET, KeepAlive, ModelPool, ModelSpec, ModelState, PoolSettings, provider_health
@@ -122,17 +123,9 @@ def _differing_options(provider: ServedProvider, requested: Mapping[str, object]
                 out[name] = {"resident": None if have is None else have.to_wire(), "requested": value}
             continue
         have_value = resident.get(name, getattr(provider, name, None))
-        if not _option_equal(have_value, value):
+        if not option_equal(have_value, value):
             out[name] = {"resident": have_value, "requested": value}
     return out
-
-
-def _option_equal(a: object, b: object) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return float(a) == float(b)
-    return bool(a == b)
 
 
 # --------------------------------------------------------------------------- auth
@@ -249,29 +242,30 @@ async def execution_capabilities(request: Request) -> Response:
 
 async def load_model(request: Request) -> Response:
     body = parse_body(LoadModelRequest, await read_body(request))
-    options = body.checked_options()
     keep_alive: KeepAlive = None if body.pin else UNSET
     if body.keep_alive is not None:
         keep_alive = parse_keep_alive(body.keep_alive)
     pool = pool_of(request)
+    # What a client may set (load_policy.py); the operator's options stay under it.
+    options = client_load_options(body.checked_options(), operator=pool.operator_options(body.model))
     known = pool.find(body.model)
     if known is not None and known.provider is not None and known.state is not ModelState.FAILED:
         provider = served_provider(known)
         differing = _differing_options(provider, options)
         if differing:
             raise ResidencyConflict(
-                f"{provider.model!r} is resident with different execution options {differing}; "
+                f"{known.name!r} is resident with different execution options {differing}; "
                 "changing resident execution options requires unloading first (POST /acore/models/unload)"
             )
-    loaded_new, pooled = await pool.load(body.model, options if options or known is None else None, keep_alive=keep_alive)
-    provider = cast(ServedProvider, pooled)
+    loaded = await pool.load(body.model, options if options or known is None else None, keep_alive=keep_alive)
+    provider = cast(ServedProvider, loaded.provider)
     return JSONResponse(
         {
             "ok": True,
             "success": True,
-            "loaded_new": loaded_new,
+            "loaded_new": loaded.loaded_new,
             "provider": "mlx",
-            "model": str(provider.model),
+            "model": loaded.name,
             "options": _json_safe(getattr(provider, "execution_options", {})),
             "concurrency": bool(provider.supports_concurrent_generation()),
         }

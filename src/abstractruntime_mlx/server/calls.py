@@ -83,7 +83,9 @@ async def serve_call(request: Request, body: ChatCompletionRequest, *, route: st
     lease = await pool_of(request).acquire(body.model, keep_alive=keep_alive)
     streaming = False
     try:
-        response = await _call_with(request, body, typed, served_provider(lease), route=route, renderer=renderer, release=lease.release)
+        response = await _call_with(
+            request, body, typed, served_provider(lease), model=lease.name, route=route, renderer=renderer, release=lease.release
+        )
         streaming = isinstance(response, SSEResponse)
         return response
     finally:
@@ -97,14 +99,15 @@ async def _call_with(
     typed: GenerationRequest,
     llm: ServedProvider,
     *,
+    model: str,
     route: str,
     renderer: WireRenderer,
     release: Callable[[], None],
 ) -> Response:
-    """The call on ``llm``; an SSE response calls ``release`` when it ends."""
+    """The call on ``llm``, the model the pool names ``model`` (what the answer, the metrics and the
+    ledger call it, however the request spelled it); an SSE response calls ``release`` when it ends."""
     if body.include_progress and not progress_supported(llm):
         raise InvalidRequest("this provider emits no phase events; drop stream_options.include_progress")
-    model = str(llm.model)
     observer = await begin_call(request, route=route, model=model, call=typed, stream=body.stream)
     cancel_event = threading.Event()
 

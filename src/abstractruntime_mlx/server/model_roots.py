@@ -10,6 +10,8 @@ through ``ModelRoots.resolve``:
 - any other name is a directory, absolute (``/models/qwen``) or relative to a root
   (``qwen``); after symlinks are resolved it must lie inside one of the roots.
 
+``name_of`` gives the one name a resolved model is known by (what responses and metrics say).
+
 A name that does not resolve inside a root fails with the same ``ModelNotFound`` whether
 or not the path exists, naming neither what it points at nor where it resolves.
 """
@@ -80,6 +82,18 @@ class ModelRoots:
             "Hugging Face cache and directories under its model roots (serve --model-root DIR)",
             details={"field": field},
         )
+
+    def name_of(self, source: str) -> str:
+        """The name a model ``resolve`` returned goes by: a repo id as is, a directory relative to
+        the first root holding it (``qwen/7b`` for ``ROOT/qwen/7b``), so that every spelling of one
+        model (``qwen//7b``, ``/models/./qwen/7b``, its absolute path) gives one name."""
+        if not looks_like_path(source):
+            return source
+        path = Path(source)
+        for root in self.roots:
+            if path != root and path.is_relative_to(root):
+                return path.relative_to(root).as_posix()
+        return source
 
     def _directory(self, candidate: Path) -> Path | None:
         try:

@@ -5,15 +5,21 @@ its aliases (``--alias ALIAS=NAME``), the base name of its path, and its path. A
 also name any model the server can load (a repo id in the Hugging Face cache, a directory
 under a model root, ``model_roots.py``): it is loaded on demand and listed while resident.
 A request that names no model (or ``default``) goes to the only resident model, else to the
-first ``--model``.
+first ``--model``. Whatever the spelling, a model has one name (``ResidentModel.name``,
+``Lease.name``): its ``--model`` name, or for one loaded by name only its repo id or its
+directory relative to its model root (``ModelRoots.name_of``). Answers, metrics, logs and the
+ledger use that name, so they hold as many names as the models the server has held.
 
 Memory. Before a load, the model's estimate (``memory.estimate_footprint``: weights + KV
 reserve) must fit the budget together with the resident models' estimates. The budget is
 ``--memory-budget``, else what the machine has: the smaller of its working set and what the
 resident models hold plus the memory available now. When it does not fit, idle models are
-evicted, least recently used first; a pinned model (``--pin``, or a provider handed to
-``create_app``) and a model with requests in flight are never evicted. When it still does not
-fit the load is refused with ``InsufficientMemory`` (507), and nothing was evicted for it.
+evicted one at a time, least recently used first; a pinned model (``--pin``, or a provider
+handed to ``create_app``) and a model with requests in flight are never evicted. When only
+models with requests in flight stand in the way, the load waits for them to go idle (up to
+``load_wait_s``). When it still does not fit the load is refused with ``InsufficientMemory``
+(507) saying why each resident model stayed; when no wait could have helped, nothing was
+evicted for it.
 
 Keep-alive. After its last request a model stays resident for its keep-alive (the request's
 ``keep_alive``, else the one it was loaded with, else ``serve --keep-alive``; ``None``: until
@@ -21,8 +27,10 @@ memory is needed), then the reaper unloads it.
 
 Threads. Everything here runs on the event loop; loads, estimates and unloads run on threads.
 One ``asyncio.Lock`` serialises loads and unloads (memory decisions see one state); a request
-for a resident model never waits on it. A model chosen for eviction is marked ``unloading``
-before the lock is given up, so no request can join it meanwhile.
+for a resident model never waits on it. A model is chosen for eviction and marked
+``unloading`` in one step (no ``await`` between the check that it is idle and the mark), and a
+lease is taken in one step too: either the request holds the model first (it is not chosen)
+or the model is unloading (the request waits for it to load again).
 
 Reading it (for metrics): ``models()`` / ``resident()`` return ``ResidentModel`` snapshots (the
 provider included), ``counters()`` the per-model load/eviction counts, ``memory()`` the budget.
@@ -50,6 +58,8 @@ log = logging.getLogger(__name__)
 
 REAP_INTERVAL_S: Final = 0.5
 """How often the reaper looks for models whose keep-alive ran out."""
+DEFAULT_LOAD_WAIT_S: Final = 30.0
+"""How long a load waits for busy models to go idle before it is refused (507)."""
 
 
 class PooledProvider(Protocol):
@@ -98,12 +108,14 @@ class ModelSpec:
 class PoolSettings:
     """``memory_budget_bytes``: the budget (None: what the machine has); ``keep_alive_s``: the default
     keep-alive (None: no idle unload); ``default_options``: ``create_llm`` options of models loaded
-    by name only; ``kv_tokens_per_row``: tokens per batch row the KV reserve counts."""
+    by name only; ``kv_tokens_per_row``: tokens per batch row the KV reserve counts;
+    ``load_wait_s``: how long a load that fits once running requests end waits for them."""
 
     memory_budget_bytes: int | None = None
     keep_alive_s: float | None = None
     default_options: Mapping[str, object] = field(default_factory=dict)
     kv_tokens_per_row: int = DEFAULT_KV_TOKENS_PER_ROW
+    load_wait_s: float = DEFAULT_LOAD_WAIT_S
 
 
 @dataclass(slots=True)
@@ -156,10 +168,11 @@ class ResidentModel:
 class _Entry:
     name: str
     source: str
-    options: dict[str, object]
+    options: dict[str, object]  # the options it is (or was last) loaded with
     pinned: bool
     configured: bool
     keep_alive_s: float | None
+    base_options: dict[str, object] = field(default_factory=dict)  # the operator's (serve's) options
     state: ModelState = ModelState.UNLOADED
     provider: PooledProvider | None = None
     owned: bool = False  # the pool made the provider (it unloads it at shutdown)
@@ -167,6 +180,16 @@ class _Entry:
     in_flight: int = 0
     last_used: float | None = None
     expires_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """What ``ModelPool.load`` did: ``loaded_new`` (False: it was resident), the model's ``name``
+    (its one name on this server) and its provider."""
+
+    loaded_new: bool
+    name: str
+    provider: PooledProvider
 
 
 @dataclass(slots=True)
@@ -208,6 +231,7 @@ class ModelPool:
         self._factory = factory
         self._health = health or provider_health
         self._lock = asyncio.Lock()
+        self._went_idle = asyncio.Event()  # set when a model's last request ends (``_make_room`` waits on it)
         self._entries: dict[str, _Entry] = {}
         self._counters: dict[str, ModelCounters] = {}
         self._default: str | None = None  # the first configured model
@@ -216,7 +240,7 @@ class ModelPool:
                 raise ValueError(f"model name {spec.name!r} is given twice")
             name = _clean(spec.name)
             self._entries[name] = _Entry(
-                name, spec.source, dict(spec.options), spec.pinned, True, self.settings.keep_alive_s
+                name, spec.source, dict(spec.options), spec.pinned, True, self.settings.keep_alive_s, dict(spec.options)
             )
             self._default = self._default or name
         if instance is not None:
@@ -234,6 +258,8 @@ class ModelPool:
                 raise ValueError(f"alias {alias!r} names {target!r}, which is not a --model of this server")
             if _clean(alias) in self._entries:
                 raise ValueError(f"alias {alias!r} is already the name of a model")
+            if _clean(alias) in self.aliases:
+                raise ValueError(f"alias {alias!r} is given twice")
             self.aliases[_clean(alias)] = _clean(target)
 
     # --- reading -------------------------------------------------------------------------
@@ -293,10 +319,16 @@ class ModelPool:
                     raise
             return self._lease(entry, keep_alive)
 
-    async def load(self, requested: str, options: Mapping[str, object] | None, *, keep_alive: KeepAlive = UNSET) -> tuple[bool, PooledProvider]:
-        """``/acore/models/load``: ``(loaded_new, provider)``. A resident model is returned as is when
-        ``options`` agree with it (``conflicts(provider, options)`` is the caller's check); a failed
-        one is unloaded and loaded afresh."""
+    def operator_options(self, requested: str | None) -> Mapping[str, object]:
+        """The options the operator gave the model ``requested`` names (``serve``'s flags; for a
+        model loaded by name only, the ones every such model gets)."""
+        entry = self._find(requested)
+        return dict(self.settings.default_options if entry is None else entry.base_options)
+
+    async def load(self, requested: str, options: Mapping[str, object] | None, *, keep_alive: KeepAlive = UNSET) -> Loaded:
+        """``/acore/models/load``. A resident model is returned as is when ``options`` agree with it
+        (the caller's check); a failed one is unloaded and loaded afresh. ``options`` are a client's
+        (``load_policy.client_load_options`` checked them): they go over the operator's."""
         async with self._lock:
             entry = await self._entry_for(requested)
             if entry.provider is not None and self._failed(entry):
@@ -305,9 +337,12 @@ class ModelPool:
             if not isinstance(keep_alive, Unset):
                 entry.keep_alive_s = keep_alive
             if entry.provider is not None and entry.state is ModelState.LOADED:
-                return False, entry.provider
+                return Loaded(False, entry.name, entry.provider)
             try:
-                chosen = entry.options if options is None else await asyncio.to_thread(self._head_inside_roots, options)
+                if options is None:
+                    chosen = entry.options
+                else:
+                    chosen = {**entry.base_options, **await asyncio.to_thread(self._head_inside_roots, options)}
                 await self._load_locked(entry, chosen)
             except BaseException:
                 self._discard_if_unused(entry)
@@ -315,7 +350,7 @@ class ModelPool:
             assert entry.provider is not None
             entry.last_used = time.monotonic()
             self._schedule_expiry(entry)
-            return True, entry.provider
+            return Loaded(True, entry.name, entry.provider)
 
     async def unload(self, requested: str | None) -> list[str]:
         """Unload the model ``requested`` names (``None``: every resident one); the names unloaded.
@@ -338,6 +373,8 @@ class ModelPool:
                     )
             done: list[str] = []
             for entry in targets:
+                if entry.in_flight:  # leased while an earlier one unloaded: it keeps its model
+                    raise OwnerBusy(f"cannot unload {entry.name}: a request started on it; unloaded so far: {done}")
                 await self._unload_locked(entry, reason="unload")
                 done.append(entry.name)
             return done
@@ -433,9 +470,17 @@ class ModelPool:
         entry = self._find(source)
         if entry is not None:
             return entry
-        entry = _Entry(name, source, dict(self.settings.default_options), False, False, self.settings.keep_alive_s)
+        name = self._canonical_name(source)
+        options = dict(self.settings.default_options)
+        entry = _Entry(name, source, options, False, False, self.settings.keep_alive_s, dict(options))
         self._entries[name] = entry
         return entry
+
+    def _canonical_name(self, source: str) -> str:
+        """The one name of a model loaded by name only, however the request spelled it: its repo id,
+        or its directory relative to the model root holding it (the source when that name is taken)."""
+        name = self.roots.name_of(source)
+        return name if name not in self._entries and name not in self.aliases else source
 
     def _discard_if_unused(self, entry: _Entry) -> None:
         """Forget a model known only by the request that failed to load it."""
@@ -462,6 +507,7 @@ class ModelPool:
             entry.keep_alive_s = keep_alive
         if entry.in_flight == 0:
             self._schedule_expiry(entry)
+            self._went_idle.set()  # a load waiting for room looks again
 
     def _schedule_expiry(self, entry: _Entry) -> None:
         if entry.pinned or not entry.owned or entry.keep_alive_s is None or entry.last_used is None:
@@ -495,53 +541,110 @@ class ModelPool:
         log.info("loaded %s (estimated %d bytes)", entry.name, footprint.total_bytes)
 
     async def _make_room(self, entry: _Entry, footprint: Footprint) -> None:
-        """Evict idle, unpinned models (least recently used first) until ``footprint`` fits."""
+        """Evict idle, unpinned models (least recently used first) until ``footprint`` fits.
+
+        Each victim is chosen and marked ``unloading`` in one step of the event loop, with no
+        ``await`` between: a request that leased a model before that step keeps it (it is no longer
+        idle, another victim is chosen), and one that comes after it does not join it. When only
+        models with requests in flight stand in the way, the load waits (``load_wait_s``) for them
+        to go idle. A load that cannot fit even then is refused before anything is evicted."""
         machine = await asyncio.to_thread(machine_memory)
         budget = self._budget(machine)
         need = footprint.total_bytes
-        if need + self._resident_bytes(entry) <= budget:
-            return
-        victims = sorted(
-            (e for e in self._entries.values() if e is not entry and self._evictable(e)),
-            key=lambda e: (not self._failed(e), e.last_used or 0.0),
-        )
-        freeable = sum(e.footprint.total_bytes for e in victims if e.footprint is not None)
-        if need + self._resident_bytes(entry) - freeable > budget:
-            self._check_fits(entry, footprint, machine)  # raises, naming what is kept and why
-        for victim in victims:
-            if need + self._resident_bytes(entry) <= budget:
-                return
+        deadline = time.monotonic() + self.settings.load_wait_s
+        refused: set[str] = set()  # models whose provider would not unload (owner_busy)
+        while need + self._resident_bytes(entry) > budget:
+            if need + self._kept_bytes(entry, refused) > budget:
+                raise self._refusal(entry, footprint, budget, refused)
+            victim = self._next_victim(entry, refused)
+            if victim is None:
+                if not await self._wait_for_idle(deadline):
+                    raise self._refusal(entry, footprint, budget, refused)
+                continue
             try:
                 await self._unload_locked(victim, reason="evicted")
             except PromptCacheFlushFailed as exc:
                 log.warning("evicted %s; its prompt-cache flush failed: %s", victim.name, exc)
             except MLXRuntimeError as exc:  # owner_busy: a request outside the pool holds the engine
                 log.warning("could not evict %s: %s", victim.name, exc)
-        self._check_fits(entry, footprint, machine)
+                refused.add(victim.name)
+
+    def _next_victim(self, entry: _Entry, refused: set[str]) -> _Entry | None:
+        """The idle model to evict first: a failed one, else the least recently used."""
+        idle = [e for e in self._entries.values() if e is not entry and e.name not in refused and self._evictable(e)]
+        return min(idle, key=lambda e: (not self._failed(e), e.last_used or 0.0), default=None)
+
+    def _kept_bytes(self, entry: _Entry, refused: set[str]) -> int:
+        """What stays resident however long the load waits: pinned models, the caller's provider,
+        and the models that refused to unload."""
+        return sum(
+            e.footprint.total_bytes
+            for e in self._entries.values()
+            if e is not entry and e.provider is not None and e.footprint is not None
+            and (e.pinned or not e.owned or e.name in refused)
+        )
+
+    async def _wait_for_idle(self, deadline: float) -> bool:
+        """Wait until a model's last request ends (True), or ``deadline`` (False)."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        self._went_idle.clear()  # no await since the caller looked: no release is missed
+        try:
+            await asyncio.wait_for(self._went_idle.wait(), left)
+        except TimeoutError:
+            return False
+        return True
 
     def _check_fits(self, entry: _Entry, footprint: Footprint, machine: MachineMemory) -> None:
         budget = self._budget(machine)
-        resident = self._resident_bytes(entry)
-        if footprint.total_bytes + resident <= budget:
-            return
+        if footprint.total_bytes + self._resident_bytes(entry) > budget:
+            raise self._refusal(entry, footprint, budget, set())
+
+    def _refusal(self, entry: _Entry, footprint: Footprint, budget: int, refused: set[str]) -> InsufficientMemory:
+        """The 507 of a load that does not fit, naming each resident model and why it stays."""
         self._counter(entry.name).refusals += 1
+        resident = self._resident_bytes(entry)
+        larger = footprint.total_bytes > budget
         kept: list[JSONValue] = [
-            {"model": e.name, "bytes": e.footprint.total_bytes if e.footprint else 0, "reason": "pinned" if e.pinned or not e.owned else "in_flight"}
+            {"model": e.name, "bytes": e.footprint.total_bytes if e.footprint else 0, "reason": self._kept_reason(e, refused)}
             for e in self._entries.values()
             if e is not entry and e.provider is not None
         ]
-        raise InsufficientMemory(
+        needs = (
             f"{entry.name} needs about {_mib(footprint.total_bytes)} (weights {_mib(footprint.weights_bytes)} + KV reserve "
-            f"{_mib(footprint.kv_bytes)}), but {_mib(budget - resident)} of the {_mib(budget)} budget is free and no idle, "
-            "unpinned model is left to evict; unload a model, wait for running requests, or raise --memory-budget",
+            f"{_mib(footprint.kv_bytes)})"
+        )
+        if larger:
+            message = f"{needs}, more than the whole {_mib(budget)} budget; raise --memory-budget or lower --kv-reserve-tokens"
+        else:
+            message = (
+                f"{needs}, but {_mib(budget - resident)} of the {_mib(budget)} budget is free and the other models stay "
+                "(pinned or still running requests); unload a model, wait for running requests, or raise --memory-budget"
+            )
+        return InsufficientMemory(
+            message,
             details={
                 "model": entry.name,
+                "reason": "larger_than_budget" if larger else "models_in_use",
                 "needed_bytes": footprint.total_bytes,
                 "budget_bytes": budget,
                 "resident_bytes": resident,
                 "kept": kept,
             },
         )
+
+    @staticmethod
+    def _kept_reason(entry: _Entry, refused: set[str]) -> str:
+        """Why a resident model was not evicted: ``pinned``, ``in_flight``, ``loading`` / ``unloading``,
+        ``busy`` (its engine refused to unload), else ``idle`` (evicting it would not have been enough)."""
+        if entry.pinned or not entry.owned:
+            return "pinned"
+        if entry.in_flight:
+            return "in_flight"
+        if entry.state in (ModelState.LOADING, ModelState.UNLOADING):
+            return entry.state.value
+        return "busy" if entry.name in refused else "idle"
 
     def _failed(self, entry: _Entry) -> bool:
         """Whether the resident model's engine failed (it serves nothing until loaded again)."""
