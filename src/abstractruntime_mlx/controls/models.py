@@ -279,7 +279,7 @@ MAX_OUTPUT_TOKENS = 1_048_576
 # Stop strings per request and their total UTF-8 size: the list is compiled into one automaton
 # per request (engine/stops.py), built on the engine worker.
 MAX_STOP_STRINGS = 128
-MAX_STOP_BYTES = 16 * 1024
+MAX_STOP_BYTES = 4 * 1024
 
 
 @dataclass(frozen=True, slots=True)
