@@ -132,9 +132,104 @@ def test_a_bad_address_is_refused(text):
 
 
 def test_addresses_parse():
-    assert parse_address(" 10.0.0.2:8080 ") == ("10.0.0.2", 8080)
+    assert parse_address("10.0.0.2:8080") == ("10.0.0.2", 8080)
     assert parse_address("[fe80::1]:81") == ("fe80::1", 81)
     assert parse_address("mac-2.local:8080") == ("mac-2.local", 8080)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "h:1\n",  # a newline would end the line HAProxy reads
+        " 10.0.0.2:8080",
+        "127.0.0.1:\u0661\u0668\u0669\u0669\u0665",  # Arabic-Indic digits: int() reads 18995
+        "127.0.0.1:\uff18\uff10",  # fullwidth digits
+        "h\u00e9:80",  # not ASCII (an IDN goes as its punycode)
+        "h#x:80",
+        "h'x:80",
+        "[::1 #]:80",
+        "[zz::1]:80",
+        "*:80",  # a wildcard only where HAProxy listens
+    ],
+)
+def test_an_address_haproxy_would_misread_is_refused(text):
+    with pytest.raises(InvalidRequest) as info:
+        parse_address(text)
+    assert info.value.code == "invalid_request" and info.value.details["field"] == "server"
+
+
+def test_the_bind_address_takes_a_wildcard_and_is_written_as_parsed():
+    assert parse_address("*:8090", field="bind", wildcard=True) == ("*", 8090)
+    assert "    bind *:8090" in haproxy_config(two_servers(bind="*:8090")).splitlines()
+    assert "    bind [::1]:8090" in haproxy_config(two_servers(bind="[::1]:8090")).splitlines()
+    with pytest.raises(InvalidRequest) as info:
+        two_servers(bind="127.0.0.1:\u0661\u0668\u0669\u0669\u0665")
+    assert info.value.details["field"] == "bind"
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["S.sock mode 666 #", "/tmp/a b.sock", "/tmp/a#b", "/tmp/a\nb", "/tmp/a\tb", "/tmp/'a'", '/tmp/"a"', "/tmp/a\\b", "/tmp/\u0663.sock", "/tmp/a\u2028b", ""],
+)
+def test_a_stats_socket_path_haproxy_would_misread_is_refused(path):
+    with pytest.raises(InvalidRequest) as info:
+        two_servers(stats_socket=path)
+    assert info.value.details["field"] == "stats_socket"
+
+
+def test_a_stats_socket_path_with_plain_non_ascii_letters_is_kept():
+    text = haproxy_config(two_servers(stats_socket="/Users/zoé/pool.sock"))
+    assert "    stats socket /Users/zoé/pool.sock mode 600 level admin" in text.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        (lambda: LBSettings(servers=(PoolServer("a\nb", 1, 4, 0),)), "server"),
+        (lambda: LBSettings(servers=(PoolServer("a b", 1, 4, 0),)), "server"),
+        (lambda: LBSettings(servers=(PoolServer("a", 0, 4, 0),)), "server"),
+        (lambda: LBSettings(servers=(PoolServer("a", 70000, 4, 0),)), "server"),
+        (lambda: LBSettings(servers=(PoolServer("a", 1, True, 0),)), "slots"),  # type: ignore[arg-type]
+        (lambda: LBSettings(servers=(PoolServer("a", 1, 4, 0, source="flags\n#"),)), "source"),
+        (lambda: two_servers(queue_timeout_s=float("inf")), "queue_timeout_s"),
+        (lambda: two_servers(check_interval_s=float("nan")), "check_interval_s"),
+        (lambda: two_servers(server_timeout_s=3e9), "server_timeout_s"),
+        (lambda: two_servers(retries=True), "retries"),
+    ],
+)
+def test_every_value_written_is_checked_in_python_too(settings, field):
+    with pytest.raises(InvalidRequest) as info:
+        settings()
+    assert info.value.details["field"] == field
+
+
+def test_a_comment_line_is_one_printable_line():
+    with pytest.raises(InvalidRequest) as info:
+        haproxy_config(two_servers(), comment=["ok", "two\nlines"])
+    assert info.value.details["field"] == "comment"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--stats-socket", "S.sock mode 666 #", "error: [invalid_request] the stats socket path 'S.sock mode 666 #'"),
+        ("--server", "h:1\n", "error: [invalid_request] server 'h:1\\n'"),
+        ("--bind", "127.0.0.1:\u0661\u0668\u0669\u0669\u0665", "error: [invalid_request] bind '127.0.0.1:"),
+        ("--queue-timeout", "\u0663", "argument --queue-timeout: invalid number"),
+        ("--queue-timeout", "inf", "argument --queue-timeout: invalid number"),
+    ],
+)
+def test_the_command_refuses_a_value_it_would_write_wrongly_and_writes_nothing(tmp_path, flag, value, message):
+    out = tmp_path / "pool.cfg"
+    done = cli("--server", "127.0.0.1:9", "--slots", "1", "--queue", "1", "--no-probe", "--out", str(out), flag, value)
+    assert done.returncode in (1, 2) and done.stdout == "" and message in done.stderr
+    assert not out.exists() and not list(tmp_path.glob("*.partial"))
+
+
+def test_the_written_by_comment_names_the_servers_as_parsed(tmp_path):
+    done = cli("--server", "127.0.0.1:9", "--server", "[::1]:10", "--slots", "1", "--queue", "1", "--no-probe")
+    assert done.returncode == 0, done.stderr
+    assert "# Written by: abstractruntime-mlx lb-config --server 127.0.0.1:9 --server [::1]:10" in done.stdout.splitlines()
 
 
 def test_a_server_that_does_not_answer_has_no_known_capacity():

@@ -20,9 +20,10 @@ from abstractruntime_mlx.results import GenerationChunk, GenerationResult
 
 
 @contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    """Run ``app`` with uvicorn on 127.0.0.1 (a free port); yield its base URL."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="on")
+def serve_in_thread(app: Any, **options: Any) -> Iterator[str]:
+    """Run ``app`` with uvicorn on 127.0.0.1 (a free port); yield its base URL. ``options``: more
+    ``uvicorn.Config`` arguments."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="on", **options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()

@@ -18,3 +18,8 @@ DEFAULT_CODE_MEMORY_MIB: Final = 1024
 
 # The run inspector's live event streams open at once (server.inspector_live).
 DEFAULT_MAX_STREAMS: Final = 32
+
+# serve's connection limits (server.connections).
+DEFAULT_MAX_CONNECTIONS: Final = 1024
+DEFAULT_HEADER_TIMEOUT_S: Final = 10.0
+DEFAULT_IDLE_TIMEOUT_S: Final = 5  # uvicorn's own default timeout_keep_alive; whole seconds

@@ -8,6 +8,7 @@ remote client rebuilds the same class from ``code``.
     MLXRuntimeError
     ├── InvalidRequest (400, invalid_request)
     │   ├── InvalidControls (400, invalid_controls)
+    │   │   └── StopTooLarge (400, stop_too_large)   a stop list over its count or byte limit
     │   ├── InvalidMedia (400, native_media_invalid)
     │   ├── ContextTooLong (400, context_too_long)
     │   ├── NoDrafter (400, no_drafter)
@@ -34,6 +35,7 @@ remote client rebuilds the same class from ``code``.
     ├── CapacityError (503, capacity)
     │   ├── QueueFull (503, queue_full)
     │   ├── TooManyStreams (503, too_many_streams)   the inspector's live-stream cap is reached
+    │   ├── TooManyConnections (503, too_many_connections)   serve: every connection up to the cap has a request in flight
     │   ├── InsufficientMemory (507, insufficient_memory)   serve: a model does not fit, even after evicting idle ones
     │   └── StreamBackpressure (429, stream_backpressure)
     ├── QueueTimeout (504, queue_timeout)
@@ -99,6 +101,20 @@ class InvalidControls(InvalidRequest):
         super().__init__(message, details=details)
         self.field = field
         self.value = value
+
+
+class StopTooLarge(InvalidControls):
+    """A ``stop`` list over ``controls.MAX_STOP_STRINGS`` strings or ``MAX_STOP_BYTES`` bytes
+    (UTF-8) in all. ``details``: ``field`` (``stop``), ``limit`` (``max_stop_strings`` or
+    ``max_stop_bytes``) and ``max`` (its value); the list itself is not echoed."""
+
+    code = "stop_too_large"
+
+    def __init__(self, message: str, *, limit: str, maximum: int) -> None:
+        super().__init__(message, field="stop")
+        self.details = {"field": "stop", "limit": limit, "max": maximum}
+        self.limit = limit
+        self.maximum = maximum
 
 
 class InvalidMedia(InvalidRequest):
@@ -270,6 +286,16 @@ class TooManyStreams(CapacityError):
     (the option's name) and ``max`` (its value). Close one, or retry later."""
 
     code = "too_many_streams"
+
+    def __init__(self, message: str, *, limit: str, maximum: int) -> None:
+        super().__init__(message, details={"limit": limit, "max": maximum})
+
+
+class TooManyConnections(CapacityError):
+    """``serve`` holds ``--max-connections`` connections, each with a request in flight; the new
+    one is answered with this and closed. ``details``: ``limit`` (the option's name) and ``max``."""
+
+    code = "too_many_connections"
 
     def __init__(self, message: str, *, limit: str, maximum: int) -> None:
         super().__init__(message, details={"limit": limit, "max": maximum})

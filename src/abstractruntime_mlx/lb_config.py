@@ -31,6 +31,7 @@ decides is only what to write:
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ __all__ = [
     "LBSettings",
     "PoolServer",
     "haproxy_config",
+    "format_address",
     "parse_address",
     "probe_capacity",
 ]
@@ -60,6 +62,11 @@ DEFAULT_QUEUE_TIMEOUT_S: Final = 120.0  # the engine's own default queue timeout
 DEFAULT_SERVER_TIMEOUT_S: Final = 600.0  # the remote client's read timeout
 BUFFER_BYTES: Final = 262_144  # tune.bufsize: requests up to this size can be replayed
 _MAX_SERVERS: Final = 256
+_MAX_TIMEOUT_S: Final = 2_147_483.0  # HAProxy's timers hold 2**31 - 1 ms
+_SOURCES: Final = frozenset({"server", "flags"})
+_PORT: Final = re.compile(r"[0-9]{1,5}")
+_HOST: Final = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,252}[A-Za-z0-9_])?")
+_IPV6: Final = re.compile(r"[0-9A-Fa-f:.]{2,45}(?:%[A-Za-z0-9_.-]{1,32})?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +83,7 @@ class PoolServer:
 
     @property
     def address(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return format_address(self.host, self.port)
 
     @property
     def maxconn(self) -> int:
@@ -105,53 +112,99 @@ class LBSettings:
             raise InvalidRequest(f"{len(self.servers)} servers; the limit is {_MAX_SERVERS}", details={"field": "server"})
         seen: set[tuple[str, int]] = set()
         for server in self.servers:
+            _check_host(server.host, f"server {server.host!r}", field="server")
+            _check_int(server.port, "server port", field="server", lo=1, hi=65535)
             if (server.host, server.port) in seen:
                 raise InvalidRequest(f"server {server.address} is given twice", details={"field": "server"})
             seen.add((server.host, server.port))
-            if server.slots < 1 or server.queue < 0:
-                raise InvalidRequest(
-                    f"server {server.address}: slots must be >= 1 and queue >= 0 (got {server.slots} and {server.queue})",
-                    details={"field": "slots"},
-                )
-        parse_address(self.bind, field="bind")
+            for name, value, lo in (("slots", server.slots, 1), ("queue", server.queue, 0)):
+                _check_int(value, f"server {server.address}: {name}", field="slots", lo=lo)
+            if server.source not in _SOURCES:
+                raise InvalidRequest(f"server {server.address}: source must be one of {sorted(_SOURCES)}", details={"field": "source"})
+        parse_address(self.bind, field="bind", wildcard=True)
+        _check_int(self.balance_factor, "balance factor", field="balance_factor", lo=0)
         if self.balance_factor != 0 and self.balance_factor < 100:
             raise InvalidRequest(
                 f"balance factor {self.balance_factor}: HAProxy takes 0 (off) or a percentage >= 100",
                 details={"field": "balance_factor"},
             )
-        if self.retries < 0:
-            raise InvalidRequest(f"retries must be >= 0 (got {self.retries})", details={"field": "retries"})
+        _check_int(self.retries, "retries", field="retries", lo=0)
         for name in ("check_interval_s", "queue_timeout_s", "server_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise InvalidRequest(f"{name} must be > 0 (got {getattr(self, name)})", details={"field": name})
-        if self.stats_socket is not None and ("\n" in self.stats_socket or not self.stats_socket.strip()):
-            raise InvalidRequest("the stats socket path must be one non-empty line", details={"field": "stats_socket"})
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _MAX_TIMEOUT_S:
+                raise InvalidRequest(
+                    f"{name} must be > 0 and at most {_MAX_TIMEOUT_S:g} s, HAProxy's longest timer (got {value!r})",
+                    details={"field": name},
+                )
+        if self.stats_socket is not None:
+            _check_path(self.stats_socket, "the stats socket path", field="stats_socket")
 
 
-def parse_address(text: str, *, field: str = "server") -> tuple[str, int]:
+def parse_address(text: str, *, field: str = "server", wildcard: bool = False) -> tuple[str, int]:
     """``"10.0.0.2:8080"``, ``"mac-2.local:8080"``, ``"[::1]:8080"`` → ``(host, port)``; anything
-    else is ``InvalidRequest`` naming ``field``."""
-    raw = text.strip()
-    if raw.startswith("["):
-        host, sep, port_text = raw[1:].partition("]:")
+    else is ``InvalidRequest`` naming ``field``: no whitespace anywhere, the port in ASCII digits,
+    the host a DNS name or IPv4 address in ASCII, or an IPv6 address in brackets (``wildcard``:
+    ``*``, every address, too; for ``bind``)."""
+    if text.startswith("["):
+        host, sep, port_text = text[1:].partition("]:")
+        ipv6 = True
     else:
-        host, sep, port_text = raw.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        raise InvalidRequest(f"{field} {text!r}: expected HOST:PORT (IPv6 as [ADDR]:PORT)", details={"field": field})
+        host, sep, port_text = text.rpartition(":")
+        ipv6 = False
+    if not sep or not host or not _PORT.fullmatch(port_text):
+        raise InvalidRequest(f"{field} {text!r}: expected HOST:PORT (IPv6 as [ADDR]:PORT, the port in ASCII digits)", details={"field": field})
     port = int(port_text)
     if not 0 < port < 65536:
         raise InvalidRequest(f"{field} {text!r}: the port must be 1 to 65535", details={"field": field})
-    if any(c.isspace() or c in "#'\"\\" for c in host):
-        raise InvalidRequest(f"{field} {text!r}: the host has characters HAProxy would misread", details={"field": field})
+    if ipv6 and not _IPV6.fullmatch(host):
+        raise InvalidRequest(f"{field} {text!r}: the host is not an IPv6 address", details={"field": field})
+    if not (wildcard and host == "*"):
+        _check_host(host, f"{field} {text!r}", field=field)
     return host, port
+
+
+def format_address(host: str, port: int) -> str:
+    """``HOST:PORT`` as HAProxy reads it (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _check_host(host: object, what: str, *, field: str) -> None:
+    """A host HAProxy reads as one word: a DNS name or IPv4 address in ASCII (an IDN as its
+    punycode), or an IPv6 address (written in brackets)."""
+    if not isinstance(host, str) or not (_HOST.fullmatch(host) or _IPV6.fullmatch(host)):
+        raise InvalidRequest(
+            f"{what}: the host must be ASCII letters, digits, '.', '-', '_' (or an IPv6 address); "
+            "whitespace, '#', quotes and other characters would be misread by HAProxy",
+            details={"field": field},
+        )
+
+
+def _check_path(path: object, what: str, *, field: str) -> None:
+    """A path HAProxy reads as one word: no whitespace (it splits words), ``#`` (a comment),
+    quotes or backslashes (escapes), nothing unprintable (newlines), no digits but ASCII ones."""
+    bad = (
+        not isinstance(path, str)
+        or not path
+        or any(c.isspace() or c in "#'\"\\" or not c.isprintable() or (c.isnumeric() and not c.isascii()) for c in path)
+    )
+    if bad:
+        raise InvalidRequest(
+            f"{what} {path!r}: one word with no whitespace, '#', quotes, backslashes, control characters or non-ASCII digits",
+            details={"field": field},
+        )
+
+
+def _check_int(value: object, what: str, *, field: str, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"{lo} to {hi}"
+        raise InvalidRequest(f"{what} must be an integer {bound} (got {value!r})", details={"field": field})
 
 
 def probe_capacity(host: str, port: int, *, api_key: str | None = None, timeout_s: float = 2.0) -> tuple[int, int] | None:
     """``(slots, queue)`` as the server at ``host:port`` reports them (``GET
     /acore/prompt_cache/stats``: ``execution.max_batch_size`` and ``max_queue_size``), or None
     when it cannot say (not running, not this package's server, no such route)."""
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    request = urllib.request.Request(f"http://{address}/acore/prompt_cache/stats")
+    request = urllib.request.Request(f"http://{format_address(host, port)}/acore/prompt_cache/stats")
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     try:
@@ -175,7 +228,11 @@ def _ms(seconds: float) -> str:
 
 
 def haproxy_config(settings: LBSettings, *, comment: Sequence[str] = ()) -> str:
-    """The HAProxy configuration text for ``settings`` (see the module docstring for why each line)."""
+    """The HAProxy configuration text for ``settings`` (see the module docstring for why each line);
+    ``comment``: lines written as ``#`` comments at the top (printable text, one line each)."""
+    for line in comment:
+        if not line.isprintable():
+            raise InvalidRequest(f"comment line {line[:40]!r}: printable text on one line only", details={"field": "comment"})
     total = sum(s.maxconn for s in settings.servers)
     lines = [
         "# HAProxy configuration for a pool of abstractruntime-mlx model servers.",
@@ -205,7 +262,7 @@ def haproxy_config(settings: LBSettings, *, comment: Sequence[str] = ()) -> str:
         f"    timeout check {_ms(min(settings.check_interval_s, 5.0))}",
         "",
         "frontend abstractruntime_mlx",
-        f"    bind {settings.bind}",
+        f"    bind {format_address(*parse_address(settings.bind, field='bind', wildcard=True))}",
         "    default_backend model_servers",
         "",
         "backend model_servers",

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Callable
+import math
+import re
+import string
+from typing import TYPE_CHECKING, Callable, Final
 
 from ..json_values import parse_ascii_int
 from ..default_limits import DEFAULT_CODE_MEMORY_MIB, DEFAULT_CODE_TIME_S, DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_WALL_S
@@ -18,6 +21,19 @@ def integer(text: str) -> int:
     value = parse_ascii_int(text)
     if value is None:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r} (ASCII digits 0-9)")
+    return value
+
+
+_DECIMAL: Final = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def number(text: str) -> float:
+    """``type=number`` for a decimal option (``2``, ``0.5``, ``1e3``): ASCII digits only, as
+    ``integer`` (``float()`` would also take ``"٣"`` as 3, ``"1_0"``, ``"nan"`` and ``"inf"``)."""
+    word = text.strip(string.whitespace)
+    value = float(word) if _DECIMAL.fullmatch(word) else math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"invalid number {text!r} (ASCII digits 0-9, finite)")
     return value
 
 

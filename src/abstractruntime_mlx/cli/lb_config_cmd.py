@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from .args import integer
+from .args import integer, number
 
 API_KEY_ENV = "ABSTRACTRUNTIME_MLX_API_KEY"
 
@@ -30,10 +30,10 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     parser.add_argument("--slots", type=integer, default=None, help="engine batch slots of a server that cannot be asked (serve's default is 4)")
     parser.add_argument("--queue", type=integer, default=None, help="queue places of a server that cannot be asked (serve's default is 32)")
     parser.add_argument("--bind", default="127.0.0.1:8090", metavar="HOST:PORT", help="where HAProxy listens (default 127.0.0.1:8090)")
-    parser.add_argument("--stats-socket", default=None, metavar="PATH", help="HAProxy's admin socket (show stat, show servers state)")
+    parser.add_argument("--stats-socket", default=None, metavar="PATH", help="HAProxy's admin socket, mode 600 (show stat, show servers state); one word: no whitespace, '#' or quotes")
     parser.add_argument("--balance-factor", type=integer, default=150, help="hash-balance-factor, bounded load in %% of the average (0: off; default 150)")
     parser.add_argument("--retries", type=integer, default=3, help="how many times HAProxy sends a failed call again (default 3)")
-    parser.add_argument("--queue-timeout", type=float, default=120.0, metavar="SECONDS", help="how long a call may wait in HAProxy's queue (default 120)")
+    parser.add_argument("--queue-timeout", type=number, default=120.0, metavar="SECONDS", help="how long a call may wait in HAProxy's queue (default 120)")
     parser.add_argument("--api-key", default=None, help=f"bearer key to ask the servers with (default: ${API_KEY_ENV})")
     parser.add_argument("--no-probe", action="store_true", help="do not ask the servers; use --slots and --queue for all")
     parser.add_argument("--out", default=None, metavar="FILE", help="write the configuration here (default: stdout)")
@@ -67,7 +67,8 @@ def _lb_config(args: argparse.Namespace) -> int:
         retries=args.retries,
         queue_timeout_s=args.queue_timeout,
     )
-    text = haproxy_config(settings, comment=["Written by: abstractruntime-mlx lb-config " + " ".join(f"--server {s}" for s in args.server)])
+    written_by = "Written by: abstractruntime-mlx lb-config " + " ".join(f"--server {s.address}" for s in servers)
+    text = haproxy_config(settings, comment=[written_by])
     if args.out is None:
         sys.stdout.write(text)
         return 0

@@ -10,7 +10,8 @@ starts empty and waits for ``POST /acore/models/load``, which (like the capabili
 reaches only repo ids in the Hugging Face cache, directories under ``--model-root DIR``
 (repeatable) and the ``--model`` directory itself. Every model load is shown on stderr
 (``load_progress``); ``--log-level info`` adds uvicorn's access log (a line per request);
-``--ledger URL`` records every served call (``server/serve_ledger.py``).
+``--ledger URL`` records every served call (``server/serve_ledger.py``). ``--max-connections``,
+``--header-timeout`` and ``--idle-timeout`` bound the connections (``server/connections.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidRequest
 from ..json_values import JSONObject
-from .args import integer
+from ..default_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+from .args import integer, number
 
 if TYPE_CHECKING:
     from ..provider.mlx_provider import MLXProvider
@@ -66,6 +68,10 @@ class ServeSettings:
     kv_tokens_per_row: int | None = None
     # record every served call in this ledger (``serve --ledger``); None: no recording
     ledger_url: str | None = None
+    # connection limits (server/connections.py); max_connections None: the default, fitted to the descriptor limit
+    max_connections: int | None = None
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    idle_timeout_s: int = DEFAULT_IDLE_TIMEOUT_S
 
     def model_specs(self) -> list[ModelSpec]:
         from ..server import ModelSpec
@@ -188,7 +194,35 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
         metavar="URL_OR_PATH",
         help="record every served call in this ledger (a run per X-Session-Affinity session, else per request), for runs list/show/web",
     )
+    _add_connection_arguments(parser)
     parser.set_defaults(handler=_serve)
+
+
+def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """The connection limits (``server/connections.py``): bounded before any route or the API key runs."""
+    parser.add_argument(
+        "--max-connections",
+        type=integer,
+        default=None,
+        metavar="N",
+        help=f"open connections at most; past it the oldest one waiting for a request header is closed, or (every one "
+        f"busy) the new one gets 503 too_many_connections (default {DEFAULT_MAX_CONNECTIONS}, kept below the open-file limit)",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=number,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"a connection's request header must be complete this long after it opens or after its last response, "
+        f"else it is closed (default {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=integer,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"an HTTP keep-alive connection that sends nothing this long after a response is closed (default {DEFAULT_IDLE_TIMEOUT_S})",
+    )
 
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServeSettings:
@@ -240,6 +274,9 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         memory_budget_bytes=_budget_arg(args.memory_budget),
         keep_alive_s=_keep_alive_arg(args.keep_alive),
         kv_tokens_per_row=_positive(args.kv_reserve_tokens, "--kv-reserve-tokens"),
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout,
+        idle_timeout_s=args.idle_timeout,
     )
 
 
@@ -301,7 +338,12 @@ def serve(settings: ServeSettings) -> int:
     import uvicorn
 
     from ..server import create_app
+    from ..server.connections import ConnectionLimits, connection_cap, guarded_protocol, raise_open_file_limit
     from .load_progress import showing_factory
+
+    limits = ConnectionLimits(
+        connection_cap(settings.max_connections, raise_open_file_limit()), settings.header_timeout_s, settings.idle_timeout_s
+    )
 
     if not _is_loopback(settings.host) and not settings.api_key:
         print(
@@ -335,6 +377,8 @@ def serve(settings: ServeSettings) -> int:
         lifespan="on",
         # Open streams are cancelled (their engine slots freed) this long after a stop signal.
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        http=guarded_protocol(limits),
+        timeout_keep_alive=limits.idle_timeout_s,
     )
     server = uvicorn.Server(config)
     served = ", ".join(m.name for m in settings.models) or "(no model)"

@@ -6,6 +6,8 @@ See ``docs/controls.md``.
 from __future__ import annotations
 
 from .models import (
+    MAX_STOP_BYTES,
+    MAX_STOP_STRINGS,
     SAMPLING_FIELDS,
     SPECULATION_KEYS,
     SPECULATION_MODES,
@@ -42,6 +44,8 @@ from .resolve import (
 __all__ = [
     "DEFAULT_DRAFT_TOKENS",
     "LEVELS",
+    "MAX_STOP_BYTES",
+    "MAX_STOP_STRINGS",
     "NOTHING_SAID",
     "SAMPLING_FIELDS",
     "SPECULATION_KEYS",

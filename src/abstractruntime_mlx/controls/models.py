@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
-from ..errors import InvalidControls
+from ..errors import InvalidControls, StopTooLarge
 from ..json_values import JSONObject, parse_ascii_int
 
 SPECULATION_MODES: tuple[str, ...] = ("native_mtp", "off")
@@ -276,6 +276,10 @@ SAMPLING_FIELDS: tuple[str, ...] = (
 MAX_SEED = 2**64 - 1  # MLX random keys are unsigned 64-bit
 # Far past any context window; the loaded model's context is the real bound (context_too_long).
 MAX_OUTPUT_TOKENS = 1_048_576
+# Stop strings per request and their total UTF-8 size: the list is compiled into one automaton
+# per request (engine/stops.py), built on the engine worker.
+MAX_STOP_STRINGS = 128
+MAX_STOP_BYTES = 4 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,9 +436,15 @@ def _stop(value: object) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
         raise InvalidControls("stop must be a string or a list of strings", field="stop", value=value)
+    if len(items) > MAX_STOP_STRINGS:
+        raise StopTooLarge(f"stop holds {len(items)} strings; the limit is {MAX_STOP_STRINGS}", limit="max_stop_strings", maximum=MAX_STOP_STRINGS)
     out: list[str] = []
+    size = 0
     for item in items:
         if not isinstance(item, str) or not item:
-            raise InvalidControls("stop entries must be non-empty strings", field="stop", value=value)
+            raise InvalidControls("stop entries must be non-empty strings", field="stop", value=item)
+        size += len(item.encode("utf-8", "surrogatepass"))
+        if size > MAX_STOP_BYTES:
+            raise StopTooLarge(f"stop strings exceed {MAX_STOP_BYTES} bytes (UTF-8) in all", limit="max_stop_bytes", maximum=MAX_STOP_BYTES)
         out.append(item)
     return tuple(out)

@@ -3,8 +3,8 @@
 ``keep_alive`` (a chat body field, ``serve --keep-alive``, ``/acore/models/load``'s body) is a
 number of seconds or a duration string (``"30s"``, ``"5m"``, ``"1h"``, ``"1h30m"``, ``"250ms"``);
 ``0`` unloads the model as soon as it is idle; a negative value (``-1``, ``"-1m"``) keeps it
-until memory is needed for another model. ``parse_keep_alive`` returns seconds, or ``None`` for
-"no idle unload".
+until memory is needed for another model. Numbers in a string are ASCII digits (``"٣"`` is
+refused, as at every edge). ``parse_keep_alive`` returns seconds, or ``None`` for "no idle unload".
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import Final
 from ..errors import InvalidRequest
 
 MAX_KEEP_ALIVE_S: Final = 365 * 24 * 3600.0
-_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+# ASCII digits only: ``\d`` and ``float()`` would also read "٣" as 3.
+_NUMBER: Final = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+_PART: Final = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
 _UNIT_S: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -46,7 +48,7 @@ def format_keep_alive(seconds: float | None) -> str:
 def _duration_s(text: str, field: str) -> float:
     sign = -1.0 if text.startswith("-") else 1.0
     body = text[1:] if sign < 0 else text
-    if re.fullmatch(r"\d+(?:\.\d+)?", body):
+    if _NUMBER.fullmatch(body):
         return sign * float(body)
     parts = _PART.findall(body)
     if not body or "".join(n + u for n, u in parts) != body:
