@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from abstractruntime_mlx.errors import LedgerError, RunLocked, RunNotResumable
+from abstractruntime_mlx.errors import LedgerError, RunLocked, RunLockUnsafe, RunNotResumable
 from abstractruntime_mlx.ledger import Ledger, sqlite_url
 from abstractruntime_mlx.ledger import run_lock
 from abstractruntime_mlx.nodes import default_registry
@@ -178,9 +178,9 @@ def test_the_lock_file_is_private_describes_its_holder_and_refuses_a_symlink(tmp
         target.write_text("keep")
         victim = run_lock.lock_path(ledger.database_url, "r2")
         victim.symlink_to(target)
-        with pytest.raises(LedgerError, match="cannot open the run lock file"):
+        with pytest.raises(RunLockUnsafe, match="is a symlink") as info:
             run_lock.acquire(ledger, "r2")
-        assert target.read_text() == "keep"
+        assert info.value.code == "run_lock_unsafe" and target.read_text() == "keep"
 
 
 def test_a_lock_directory_that_is_a_symlink_or_a_file_is_refused(tmp_path):
