@@ -42,7 +42,7 @@ def owned_fault(info: os.stat_result) -> str | None:
     if info.st_uid != os.geteuid():
         return f"is owned by uid {info.st_uid}, not by this process (uid {os.geteuid()})"
     if info.st_nlink != 1:
-        return f"has {info.st_nlink} hard links (a private file has one)"
+        return f"has {info.st_nlink} hard links"
     return None
 
 

@@ -140,6 +140,7 @@ class VerifiedDiskStore(DiskBlockStore):
         self.corrupt = 0  # shard files discarded unused: damaged, unverifiable or not a regular file
         self.write_failures = 0  # shard writes that did not reach the disk with their checksum
         self._verdicts: dict[Path, FileStamp] = {}
+        self._refused: dict[Path, FileStamp] = {}  # discarded but still there (a directory): not counted again
         self._writing: set[Path] = set()
         self._verdict_lock = threading.Lock()
         self._disk_bytes = 0  # upstream sets it from its scan; a file removed before that counts nothing
@@ -193,6 +194,8 @@ class VerifiedDiskStore(DiskBlockStore):
         with self._verdict_lock:
             if self._verdicts.get(path) == _stamp(info):
                 return True
+            if self._refused.get(path) == _stamp(info):
+                return False
             if path in self._writing:
                 return False  # a miss for now; sealed when the write ends
         fault = self._fault(path, info)
@@ -284,6 +287,12 @@ class VerifiedDiskStore(DiskBlockStore):
         with self._verdict_lock:
             self.corrupt += 1
         self._remove(path)
+        try:
+            left = _stamp(os.lstat(path))  # not removable here (a directory): never counted twice
+        except OSError:
+            return
+        with self._verdict_lock:
+            self._refused[path] = left
 
     def _remove(self, path: Path) -> None:
         """Delete ``path`` (a symlink itself, never its target) and its sidecar, and forget both."""
