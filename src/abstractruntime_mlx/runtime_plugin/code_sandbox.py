@@ -83,6 +83,7 @@ _READ_BYTES: Final = 1024 * 1024
 _REF_DEPTH: Final = 4
 _JSON: Final = "application/json"
 _RESULT_KIND: Final = "code_result"
+_REF_KEYS: Final = frozenset({"$artifact", "content_type", "size_bytes", "kind"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,11 +294,14 @@ def _result(body: memoryview, runs: CodeRuns | None) -> object:
 
 def is_result_ref(value: object) -> bool:
     """Whether ``value`` is the reference ``run_code`` returns for a result kept as an artifact."""
+    # Exactly these keys: the host also spreads a node's output object into the next node's
+    # input, next to its pins, and that input is not a reference.
     return (
         isinstance(value, dict)
-        and isinstance(value.get("$artifact"), str)
-        and value.get("kind") == _RESULT_KIND
-        and value.get("content_type") == _JSON
+        and value.keys() == _REF_KEYS
+        and isinstance(value["$artifact"], str)
+        and value["kind"] == _RESULT_KIND
+        and value["content_type"] == _JSON
     )
 
 
