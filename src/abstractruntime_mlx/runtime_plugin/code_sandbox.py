@@ -305,10 +305,18 @@ def is_result_ref(value: object) -> bool:
     )
 
 
-def _with_results(value: object, store: ArtifactStore | None, depth: int = 0) -> object:
-    """``value`` with the code results it holds by reference loaded back (a pin's value, or one
-    inside a list or an object a few levels down); ``value`` itself when it holds none."""
-    if store is None or depth > _REF_DEPTH:
+def _with_results(input_data: object, store: ArtifactStore | None) -> object:
+    """A code node's input (its pins' values) with the code results it holds by reference
+    loaded back: a pin's value, or one inside a list or an object a few levels down. The input
+    itself is never taken for a reference: the host spreads the previous node's output object
+    into it, a reference included."""
+    if store is None or not isinstance(input_data, dict):
+        return input_data
+    return {key: _loaded(value, store, 1) for key, value in input_data.items()}
+
+
+def _loaded(value: object, store: ArtifactStore, depth: int) -> object:
+    if depth > _REF_DEPTH:
         return value
     if is_result_ref(value):
         assert isinstance(value, dict)
@@ -319,10 +327,10 @@ def _with_results(value: object, store: ArtifactStore | None, depth: int = 0) ->
             raise code_executor.CodeExecutionError(f"the code result kept as artifact {value['$artifact']} is no longer in the artifact store")
         return json.loads(artifact.content)
     if isinstance(value, dict):
-        loaded = {key: _with_results(item, store, depth + 1) for key, item in value.items()}
+        loaded = {key: _loaded(item, store, depth + 1) for key, item in value.items()}
         return loaded if any(loaded[key] is not value[key] for key in value) else value
     if isinstance(value, list):
-        items = [_with_results(item, store, depth + 1) for item in value]
+        items = [_loaded(item, store, depth + 1) for item in value]
         return items if any(new is not old for new, old in zip(items, value)) else value
     return value
 
