@@ -261,3 +261,61 @@ def test_the_upstream_methods_the_ssd_tier_overrides_are_still_there(tmp_path):
             assert hasattr(store, name), f"DiskBlockStore no longer has {name}; engine/disk_store.py reads it"
     finally:
         store.close()
+
+
+def put_at(path, kind, other):
+    """A directory, a FIFO, a symlink to ``other`` or a hard link to ``other`` where ``path`` was."""
+    if os.path.lexists(path):
+        path.unlink()
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path, 0o600)
+    elif kind == "symlink":
+        path.symlink_to(other)
+    else:
+        os.link(other, path)
+
+
+@pytest.mark.parametrize("when", ["before_start", "while_running"])
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink", "hardlink"])
+def test_a_checksum_that_is_not_a_private_regular_file_is_a_counted_miss(make_llm, dense_model, tmp_path, kind, when):
+    """A directory made the load raise IsADirectoryError, a FIFO hung it: now each is a miss,
+    counted, the shard skipped and the prompt prefilled; a linked file is never written."""
+    disk = tmp_path / "cache"
+    first, plain, namespace = cache_on_disk(make_llm, dense_model, disk)
+    shard = leading_shard(namespace)
+    sidecar = disk_store.sidecar_of(shard)
+    other = tmp_path / "elsewhere.sha256"
+    recorded = sidecar.read_bytes()
+    other.write_bytes(recorded)  # the right checksum: only what the name is makes it unusable
+    if when == "before_start":
+        put_at(sidecar, kind, other)
+    llm = make_llm(dense_model, mlx_batching=True, speculation=False, mlx_cache_disk_path=str(disk))
+    if when == "while_running":
+        assert llm.get_prompt_cache_stats()["disk"]["blocks_indexed"] > 0
+        put_at(sidecar, kind, other)
+    later = llm.generate("", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False)
+    assert later.token_ids == plain.token_ids
+    assert later.metadata["prompt_cache"]["cached_tokens"] == 0  # the leading shard is skipped: nothing after it is a prefix
+    assert llm.get_prompt_cache_stats()["counters"]["disk_corrupt"] == 1
+    assert not os.path.lexists(shard)
+    assert other.read_bytes() == recorded  # what a link pointed at is never written
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "hardlink"])
+def test_a_shard_that_is_not_a_private_regular_file_is_a_counted_miss(make_llm, dense_model, tmp_path, kind):
+    disk = tmp_path / "cache"
+    first, plain, namespace = cache_on_disk(make_llm, dense_model, disk)
+    shard = leading_shard(namespace)
+    original = shard.read_bytes()
+    other = tmp_path / "elsewhere.safetensors"
+    other.write_bytes(original)  # a valid shard: it matches the sidecar left in the namespace
+    llm = make_llm(dense_model, mlx_batching=True, speculation=False, mlx_cache_disk_path=str(disk))
+    assert llm.get_prompt_cache_stats()["disk"]["blocks_indexed"] > 0
+    put_at(shard, kind, other)
+    later = llm.generate("", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False)
+    assert later.token_ids == plain.token_ids
+    assert later.metadata["prompt_cache"]["cached_tokens"] == 0
+    assert llm.get_prompt_cache_stats()["counters"]["disk_corrupt"] == 1
+    assert other.read_bytes() == original  # a hard link's other name keeps its bytes

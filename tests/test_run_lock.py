@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from abstractruntime_mlx.errors import LedgerError, RunLocked, RunNotResumable
+from abstractruntime_mlx.errors import LedgerError, RunLocked, RunLockUnsafe, RunNotResumable
 from abstractruntime_mlx.ledger import Ledger, sqlite_url
+from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.ledger import run_lock
 from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.runtime_plugin import resume_run, run_flow
@@ -178,9 +179,60 @@ def test_the_lock_file_is_private_describes_its_holder_and_refuses_a_symlink(tmp
         target.write_text("keep")
         victim = run_lock.lock_path(ledger.database_url, "r2")
         victim.symlink_to(target)
-        with pytest.raises(LedgerError, match="cannot open the run lock file"):
+        with pytest.raises(RunLockUnsafe, match="is a symlink") as info:
             run_lock.acquire(ledger, "r2")
-        assert target.read_text() == "keep"
+        assert info.value.code == "run_lock_unsafe" and target.read_text() == "keep"
+
+
+def make_unsafe(path: Path, kind: str, other: Path) -> None:
+    """Put a directory, a FIFO, a symlink to ``other`` or a hard link to ``other`` at ``path``."""
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path, 0o600)
+    elif kind == "symlink":
+        path.symlink_to(other)
+    else:
+        os.link(other, path)
+
+
+UNSAFE = {"directory": "is a directory", "fifo": "is a FIFO", "symlink": "is a symlink", "hardlink": "has 2 hard links"}
+
+
+@pytest.mark.parametrize("kind", sorted(UNSAFE))
+def test_a_lock_file_that_is_not_a_private_regular_file_is_refused_untouched(tmp_path, kind):
+    other = tmp_path / "precious.txt"
+    other.write_text("keep me")
+    with Ledger(sqlite_url(tmp_path / "ledger.db")) as ledger:
+        path = run_lock.lock_path(ledger.database_url, "r1")
+        make_unsafe(path, kind, other)
+        with pytest.raises(RunLockUnsafe) as info:
+            run_lock.acquire(ledger, "r1")
+    assert info.value.code == "run_lock_unsafe" and info.value.http_status == 500
+    assert info.value.details == {"run_id": "r1", "lock": str(path), "reason": UNSAFE[kind]}
+    assert str(path) in info.value.message and UNSAFE[kind] in info.value.message
+    assert other.read_text() == "keep me"  # never truncated, never written
+    assert os.path.lexists(path)  # left as it was found
+
+
+def test_runs_resume_through_a_hard_linked_lock_file_truncates_nothing(ask_run, ledger_url, tmp_path, capsys):
+    if not ledger_url.startswith("sqlite"):
+        pytest.skip("file locks are SQLite's")
+    other = tmp_path / "precious.txt"
+    other.write_text("keep me")
+    with Ledger(ledger_url) as ledger:
+        path = run_lock.lock_path(ledger.database_url, ask_run)
+        if path.exists():
+            path.unlink()  # the lock file run_flow left (emptied) is replaced by the link
+        make_unsafe(path, "hardlink", other)
+    code = main(["runs", "resume", ask_run, "--answer", "A", "--ledger", ledger_url])
+    _, err = capsys.readouterr()
+    assert code == 1 and "[run_lock_unsafe]" in err and "has 2 hard links" in err
+    assert other.read_text() == "keep me"
+    with Ledger(ledger_url) as ledger:
+        assert ledger.get_run(ask_run).status == "waiting"
+    assert llm_starts(ledger_url, ask_run) == 0
 
 
 def test_a_lock_directory_that_is_a_symlink_or_a_file_is_refused(tmp_path):

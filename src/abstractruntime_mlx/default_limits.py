@@ -15,6 +15,7 @@ DEFAULT_MAX_DEPTH: Final = 16
 DEFAULT_MAX_WALL_S: Final = 3600.0
 DEFAULT_CODE_TIME_S: Final = 30.0
 DEFAULT_CODE_MEMORY_MIB: Final = 1024
+DEFAULT_CODE_RESULT_MIB: Final = 64  # the JSON of one code node call's result
 
 # The run inspector's live event streams open at once (server.inspector_live).
 DEFAULT_MAX_STREAMS: Final = 32

@@ -44,12 +44,14 @@ remote client rebuilds the same class from ``code``.
     │   ├── DepthLimitExceeded (422, depth_limit)
     │   ├── WallTimeLimitExceeded (422, wall_time_limit)
     │   ├── CodeTimeLimitExceeded (422, code_time_limit)
-    │   └── CodeMemoryLimitExceeded (422, code_memory_limit)
+    │   ├── CodeMemoryLimitExceeded (422, code_memory_limit)
+    │   └── CodeResultLimitExceeded (422, code_result_limit)   a code node's result is larger than --max-code-result-mib
     ├── SpeculationUnavailable (422, speculation_unavailable)
     ├── StructuredOutputInvalid (422, structured_output_invalid)   no schema-valid answer (length cap, retries spent)
     ├── AuthenticationError (401, unauthorized)
     ├── LedgerError (500, ledger_error)
-    │   └── LedgerNotFound (404, ledger_not_found)
+    │   ├── LedgerNotFound (404, ledger_not_found)
+    │   └── RunLockUnsafe (500, run_lock_unsafe)   the run lock file is a link, a directory, a FIFO or not this user's
     └── EngineError (500, backend_error)
         ├── EngineCrashed (500, engine_crashed)
         ├── UpstreamError (502, upstream_error)
@@ -356,6 +358,18 @@ class CodeMemoryLimitExceeded(RunLimitExceeded):
     code = "code_memory_limit"
 
 
+class CodeResultLimitExceeded(RunLimitExceeded):
+    """A code node call returned a result whose JSON is larger than its limit
+    (``--max-code-result-mib``); ``details`` also has ``bytes``, the size seen (at least that)."""
+
+    code = "code_result_limit"
+
+    def __init__(self, message: str, *, limit: str, maximum: float, size: int) -> None:
+        super().__init__(message, limit=limit, maximum=maximum)
+        self.details["bytes"] = size
+        self.size = size
+
+
 class SpeculationUnavailable(MLXRuntimeError):
     """Strict speculation (``require_acceleration=True``) could not be honoured.
 
@@ -397,6 +411,14 @@ class LedgerNotFound(LedgerError):
 
     code = "ledger_not_found"
     http_status = 404
+
+
+class RunLockUnsafe(LedgerError):
+    """The run lock file is not a private regular file (a symlink, a hard link to another file, a
+    directory, a FIFO, another user's file); it is left untouched. ``details``: ``run_id``,
+    ``lock`` (the path) and ``reason``."""
+
+    code = "run_lock_unsafe"
 
 
 class EngineError(MLXRuntimeError):

@@ -9,7 +9,7 @@ import string
 from typing import TYPE_CHECKING, Callable, Final
 
 from ..json_values import parse_ascii_int
-from ..default_limits import DEFAULT_CODE_MEMORY_MIB, DEFAULT_CODE_TIME_S, DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_WALL_S
+from ..default_limits import DEFAULT_CODE_MEMORY_MIB, DEFAULT_CODE_RESULT_MIB, DEFAULT_CODE_TIME_S, DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_WALL_S
 
 if TYPE_CHECKING:
     from ..runtime_plugin.host import DriveLimits
@@ -54,6 +54,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-wall-s", type=float, default=DEFAULT_MAX_WALL_S, metavar="SECONDS", help=f"wall-clock time a run may take, checked between steps; past it the run fails with wall_time_limit (default {DEFAULT_MAX_WALL_S:g})")
     parser.add_argument("--max-code-s", type=float, default=DEFAULT_CODE_TIME_S, metavar="SECONDS", help=f"time one code node call may take; past it the run fails with code_time_limit (default {DEFAULT_CODE_TIME_S:g})")
     parser.add_argument("--max-code-mib", type=integer, default=DEFAULT_CODE_MEMORY_MIB, metavar="MIB", help=f"memory one code node call may take; past it the run fails with code_memory_limit (default {DEFAULT_CODE_MEMORY_MIB})")
+    parser.add_argument("--max-code-result-mib", type=integer, default=DEFAULT_CODE_RESULT_MIB, metavar="MIB", help=f"size of the JSON of one code node call's result; past it the run fails with code_result_limit (default {DEFAULT_CODE_RESULT_MIB})")
 
 
 def drive_limits(args: argparse.Namespace, *, max_timer_wait_s: float) -> DriveLimits:
@@ -68,6 +69,7 @@ def drive_limits(args: argparse.Namespace, *, max_timer_wait_s: float) -> DriveL
             max_wall_s=args.max_wall_s,
             max_code_s=args.max_code_s,
             max_code_mib=args.max_code_mib,
+            max_code_result_mib=args.max_code_result_mib,
         )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc

@@ -1,10 +1,11 @@
 """The SSD tier: mlx-vlm's ``DiskBlockStore``, reading only the files it can vouch for.
 
 Every shard file the store writes gets a sidecar ``<file>.sha256`` holding the file's size
-and SHA-256. A file is used only when it is a regular file (a symlink is never followed), its
-sidecar is there, and size and digest match. Anything else is a miss: the file and its
-sidecar are deleted, the index forgets them, ``corrupt`` counts the file and one warning names
-it. A file is hashed when written and when first read; the verdict is kept per (device, inode,
+and SHA-256. A file is used only when it and its sidecar are private regular files
+(``owned_files``: never a symlink, a hard link, a directory or a FIFO, always this process's
+user's), and size and digest match. Anything else is a miss: the file and its sidecar are
+deleted (a link itself, never what it points at), the index forgets them, ``corrupt`` counts
+the file, one warning names it, and the load goes on without it. A file is hashed when written and when first read; the verdict is kept per (device, inode,
 size, mtime), so a file read again unchanged is not hashed again. Startup only checks that
 each file has a sidecar of the right size.
 
@@ -42,6 +43,8 @@ from typing import Any
 
 from mlx_vlm.apc import DiskBlockStore
 
+from ..owned_files import open_owned, owned_fault, read_owned
+
 log = logging.getLogger(__name__)
 
 SIDECAR_SUFFIX = ".sha256"
@@ -64,7 +67,7 @@ UPSTREAM_STATE = ("dir", "SUFFIX", "_index", "_exact_index", "_index_lock", "_wr
 
 FileStamp = tuple[int, int, int, int]
 
-NOT_REGULAR = "is not a regular file (a symlink is never followed)"
+NOT_REGULAR = "is not a private regular file"
 NO_CHECKSUM = "has no readable checksum"
 MISMATCH = "does not match its checksum"
 
@@ -78,13 +81,12 @@ def sidecar_of(path: Path) -> Path:
 
 
 def _read_sidecar(path: Path) -> tuple[int, str] | None:
-    """``(size, sha256)`` recorded for ``path``, or None when absent, a symlink or malformed."""
+    """``(size, sha256)`` recorded for ``path``, or None when absent, not a private regular file
+    (a directory, a FIFO, a link: ``owned_files``) or malformed."""
     try:
-        fd = os.open(sidecar_of(path), os.O_RDONLY | os.O_NOFOLLOW)
+        raw = read_owned(sidecar_of(path), _SIDECAR_MAX_BYTES + 1)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as handle:
-        raw = handle.read(_SIDECAR_MAX_BYTES + 1)
     try:
         body = json.loads(raw)
         size, digest = body["size"], body["sha256"]
@@ -98,22 +100,25 @@ def _read_sidecar(path: Path) -> tuple[int, str] | None:
 def _write_sidecar(path: Path, size: int, digest: str) -> None:
     final = sidecar_of(path)
     partial = final.with_name(final.name + _PARTIAL_SUFFIX)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    # A new file every time (O_EXCL): whatever was left at the name, a link to another file
+    # included, is removed, never opened and truncated.
+    with contextlib.suppress(FileNotFoundError):
+        partial.unlink()
+    fd = open_owned(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     with os.fdopen(fd, "w") as handle:
         handle.write(json.dumps({"size": size, "sha256": digest}))
     os.replace(partial, final)
 
 
 def _hash_regular_file(path: Path) -> tuple[os.stat_result, str] | None:
-    """The file's stat and SHA-256, read through one descriptor; None for a symlink or a non-file."""
+    """The file's stat and SHA-256, read through one descriptor; None unless it is a private
+    regular file (``owned_files.open_owned``)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO must not block
+        fd = open_owned(path)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as handle:
         info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            return None
         return info, hashlib.file_digest(handle, "sha256").hexdigest()
 
 
@@ -135,6 +140,7 @@ class VerifiedDiskStore(DiskBlockStore):
         self.corrupt = 0  # shard files discarded unused: damaged, unverifiable or not a regular file
         self.write_failures = 0  # shard writes that did not reach the disk with their checksum
         self._verdicts: dict[Path, FileStamp] = {}
+        self._refused: dict[Path, FileStamp] = {}  # discarded but still there (a directory): not counted again
         self._writing: set[Path] = set()
         self._verdict_lock = threading.Lock()
         self._disk_bytes = 0  # upstream sets it from its scan; a file removed before that counts nothing
@@ -188,6 +194,8 @@ class VerifiedDiskStore(DiskBlockStore):
         with self._verdict_lock:
             if self._verdicts.get(path) == _stamp(info):
                 return True
+            if self._refused.get(path) == _stamp(info):
+                return False
             if path in self._writing:
                 return False  # a miss for now; sealed when the write ends
         fault = self._fault(path, info)
@@ -198,8 +206,9 @@ class VerifiedDiskStore(DiskBlockStore):
     def _fault(self, path: Path, info: os.stat_result) -> str | None:
         """Why ``path`` may not be read; None when it is a regular file whose size and digest
         match its sidecar (the verdict is then kept)."""
-        if not stat.S_ISREG(info.st_mode):
-            return NOT_REGULAR
+        fault = owned_fault(info)
+        if fault is not None:
+            return f"{NOT_REGULAR} ({fault})"
         recorded = _read_sidecar(path)
         if recorded is None:
             return NO_CHECKSUM
@@ -263,9 +272,10 @@ class VerifiedDiskStore(DiskBlockStore):
                     info = os.lstat(path)
                 except OSError:
                     continue
-                recorded = _read_sidecar(path)
-                if not stat.S_ISREG(info.st_mode):
-                    self._discard(path, NOT_REGULAR)
+                fault = owned_fault(info)
+                recorded = _read_sidecar(path) if fault is None else None
+                if fault is not None:
+                    self._discard(path, f"{NOT_REGULAR} ({fault})")
                 elif recorded is None:
                     self._discard(path, NO_CHECKSUM)
                 elif recorded[0] != info.st_size:
@@ -277,6 +287,12 @@ class VerifiedDiskStore(DiskBlockStore):
         with self._verdict_lock:
             self.corrupt += 1
         self._remove(path)
+        try:
+            left = _stamp(os.lstat(path))  # not removable here (a directory): never counted twice
+        except OSError:
+            return
+        with self._verdict_lock:
+            self._refused[path] = left
 
     def _remove(self, path: Path) -> None:
         """Delete ``path`` (a symlink itself, never its target) and its sidecar, and forget both."""

@@ -10,8 +10,10 @@ resume named after a child conflicts with the root's driver. It never waits: a h
 refused at once with ``RunLocked`` naming the holder.
 
 - SQLite: ``flock(LOCK_EX | LOCK_NB)`` on ``<ledger file>.locks/<sha256 of the root run id>.lock``
-  (directory 0700, file 0600, opened with ``O_NOFOLLOW``). The holder writes its pid, host,
-  command and start time into the file; it empties the file when it lets go. The kernel drops
+  (directory 0700, file 0600). The file is opened only when it is a private regular file
+  (``owned_files.open_owned``: not a symlink, a hard link, a directory or a FIFO; this user's),
+  else ``RunLockUnsafe``; nothing is truncated before that check. The holder writes its pid,
+  host, command and start time into the file; it empties the file when it lets go. The kernel drops
   the lock when the holder's process dies, however it dies. Lock files are never deleted
   (deleting one while another process has it open would let two processes lock two different
   files of the same name).
@@ -41,8 +43,9 @@ from typing import TYPE_CHECKING, Final
 from sqlalchemy import URL, Connection, create_engine, text
 from sqlalchemy.pool import NullPool
 
-from ..errors import LedgerError, RunLocked
+from ..errors import LedgerError, RunLocked, RunLockUnsafe
 from ..json_values import JSONObject
+from ..owned_files import NotOwnedFile, open_owned, read_owned
 from .errors import wrap_db_errors
 
 if TYPE_CHECKING:
@@ -187,7 +190,13 @@ def _lock_file(path: Path, run_id: str, holder: JSONObject) -> RunLock:
     if not stat.S_ISDIR(info.st_mode):
         raise LedgerError(f"the run lock directory {directory} is not a directory (a symlink?); remove it")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = open_owned(path, os.O_RDWR | os.O_CREAT)
+    except NotOwnedFile as exc:
+        raise RunLockUnsafe(
+            f"the run lock file {path} {exc.why}; it was left as it is. Remove it (no driver of run {run_id} "
+            "can be running through it) and try again",
+            details={"run_id": run_id, "lock": str(path), "reason": exc.why},
+        ) from exc
     except OSError as exc:
         raise LedgerError(f"cannot open the run lock file {path}: {exc}") from exc
     try:
@@ -217,11 +226,7 @@ def _lock_file(path: Path, run_id: str, holder: JSONObject) -> RunLock:
 
 def _read_holder(path: Path) -> JSONObject:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            raw = os.read(fd, _MAX_HOLDER_BYTES)
-        finally:
-            os.close(fd)
+        raw = read_owned(path, _MAX_HOLDER_BYTES)
         data = json.loads(raw.decode("utf-8")) if raw.strip() else {}
     except (OSError, ValueError):
         return {}

@@ -7,9 +7,12 @@ the parent names) runs the body here, as it would in the parent.
 
 stdin: a pickled request from the parent: ``sys_path``, ``executor`` (the path of the host's
 ``code_executor.py``), ``restricted`` (whether the parent has RestrictedPython), ``code``,
-``function_name``, ``permissions``, ``cpu_s``, ``memory_bytes``, ``input``.
-stdout: one JSON object, ``{"ok": true, "result": ...}`` or ``{"ok": false, "kind": "error" |
-"memory", "message": ...}``. The body's own prints go to stderr, never into the answer.
+``function_name``, ``permissions``, ``cpu_s``, ``memory_bytes``, ``result_bytes``, ``input``.
+stdout: one line of JSON, then for a result its JSON (UTF-8):
+``{"ok": true, "bytes": N}\n<N bytes>``, or ``{"ok": false, "kind": "error" | "memory" |
+"result_size", "message": ..., "bytes": ...}\n``: a result whose JSON is larger than
+``result_bytes`` is not sent, only its size (``bytes``, at least). The body's own prints go to
+stderr, never into the answer.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def _caused_by_memory(exc: BaseException) -> bool:
 
 
 def _answer(request: dict[str, object]) -> dict[str, object]:
+    """``{"ok": True, "result": ...}`` or a failure: what ``_send`` writes."""
     sys.path[:] = [str(p) for p in request["sys_path"]]  # type: ignore[attr-defined]
     spec = importlib.util.spec_from_file_location("_abstractruntime_code_executor", str(request["executor"]))
     if spec is None or spec.loader is None:
@@ -57,18 +61,33 @@ def _answer(request: dict[str, object]) -> dict[str, object]:
         return {"ok": False, "kind": "error", "message": str(exc)}
 
 
+def _encoded(answer: dict[str, object], max_bytes: int) -> tuple[dict[str, object], bytes]:
+    """The answer's header and, for a result, the result's JSON in UTF-8 (within ``max_bytes``)."""
+    if answer.get("ok") is not True:
+        return answer, b""
+    try:
+        text = json.dumps(answer["result"], ensure_ascii=False)
+        if len(text) > max_bytes:  # UTF-8 takes at least a byte a character: over already
+            return {"ok": False, "kind": "result_size", "bytes": len(text)}, b""
+        body = text.encode("utf-8")
+    except MemoryError:
+        return {"ok": False, "kind": "memory", "message": "the code's result does not fit in its memory limit"}, b""
+    except (TypeError, ValueError) as exc:  # UnicodeEncodeError (a lone surrogate) is a ValueError
+        return {"ok": False, "kind": "error", "message": f"the code's result cannot be sent as JSON: {exc}"}, b""
+    if len(body) > max_bytes:
+        return {"ok": False, "kind": "result_size", "bytes": len(body)}, b""
+    return {"ok": True, "bytes": len(body)}, body
+
+
 def main() -> int:
     request = pickle.load(sys.stdin.buffer)
-    answer_to = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    answer_to = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     answer = _answer(request)
-    try:
-        text = json.dumps(answer)
-    except MemoryError:
-        text = json.dumps({"ok": False, "kind": "memory", "message": "the code's result does not fit in its memory limit"})
-    except (TypeError, ValueError) as exc:
-        text = json.dumps({"ok": False, "kind": "error", "message": f"the code's result cannot be sent as JSON: {exc}"})
-    answer_to.write(text)
+    header, body = _encoded(answer, int(request["result_bytes"]))
+    del answer
+    answer_to.write(json.dumps(header).encode("ascii") + b"\n")
+    answer_to.write(body)
     answer_to.flush()
     return 0
 

@@ -459,7 +459,8 @@ class DriveLimits:
     over the whole tree (subflow and agent runs included). ``max_depth``: how deep subflow and
     agent runs may nest (the root is depth 0). ``max_wall_s``: wall-clock seconds, checked
     between steps (a node running when it passes finishes first). ``max_code_s`` /
-    ``max_code_mib``: each code node call's time and memory (``code_sandbox``).
+    ``max_code_mib`` / ``max_code_result_mib``: each code node call's time, memory and the size
+    of its result's JSON (``code_sandbox``).
     """
 
     max_timer_wait_s: float = DEFAULT_MAX_TIMER_WAIT_S
@@ -468,11 +469,12 @@ class DriveLimits:
     max_wall_s: float = DEFAULT_MAX_WALL_S
     max_code_s: float = code_sandbox.DEFAULT_CODE_TIME_S
     max_code_mib: int = code_sandbox.DEFAULT_CODE_MEMORY_MIB
+    max_code_result_mib: int = code_sandbox.DEFAULT_CODE_RESULT_MIB
 
     def __post_init__(self) -> None:
         if self.max_timer_wait_s < 0:
             raise ValueError(f"max_timer_wait_s must be >= 0 (got {self.max_timer_wait_s})")
-        for name in ("max_steps", "max_code_mib"):
+        for name in ("max_steps", "max_code_mib", "max_code_result_mib"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
@@ -484,7 +486,7 @@ class DriveLimits:
                 raise ValueError(f"{name} must be > 0 (got {value!r})")
 
     def code_limits(self) -> code_sandbox.CodeLimits:
-        return code_sandbox.CodeLimits(time_s=self.max_code_s, memory_mib=self.max_code_mib)
+        return code_sandbox.CodeLimits(time_s=self.max_code_s, memory_mib=self.max_code_mib, result_mib=self.max_code_result_mib)
 
 
 
@@ -620,7 +622,7 @@ def drive(
 
     On the pack's ledger the caller holds the tree's run lock (``ledger.run_lock.acquire``), as
     ``run_flow`` and ``resume_run`` do: two processes ticking one run would both run its nodes."""
-    with code_sandbox.limits(limits.code_limits()) as code_runs:
+    with code_sandbox.limits(limits.code_limits(), artifacts=runtime.artifact_store) as code_runs:
         return _drive(runtime, registry, run_id, limits=limits, budget=_Budget(limits), code_runs=code_runs, cancel=cancel)
 
 
@@ -637,6 +639,7 @@ def _drive(
     timer_budget = limits.max_timer_wait_s
 
     def tick(leaf: RunState, spec: object) -> None:
+        code_runs.run_id = leaf.run_id  # the run its large code results are kept for
         _guarded(runtime, leaf, lambda: runtime.tick(workflow=spec, run_id=leaf.run_id, step_gate=budget.step_allowed))
         tripped = code_runs.take_tripped()
         if tripped is not None:
