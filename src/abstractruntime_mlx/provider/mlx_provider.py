@@ -136,7 +136,11 @@ class MLXProvider:
         head_source = _drafter_source(self.path, head, self._mtp) if self._mtp.get("head_present") else None
         default = self.resolve_controls().speculation
         load_head = batching and default.enabled and head_source is not None
-        config = EngineConfig(**{field: self.execution_options[option] for option, field in ENGINE_OPTIONS.items()})
+        config = EngineConfig(
+            **{field: self.execution_options[option] for option, field in ENGINE_OPTIONS.items()},
+            # The serialized lanes chunk by 2,048 (mlx-lm's default) unless the caller chose a step.
+            **({"serial_prefill_step_size": options["mlx_prefill_step_size"]} if "mlx_prefill_step_size" in options else {}),
+        )
         self._lease = next(_lease_ids)
         self._resident: residency.Resident | None = residency.acquire(
             self.path,
@@ -415,9 +419,20 @@ class MLXProvider:
 
     def _submit(self, prepared: _Prepared) -> RequestStream:
         """Submit now, so a full queue or a closed engine raises at call time, not at first read."""
-        stream = self._engine.submit(prepared.request)
-        if prepared.tracker is not None:
-            prepared.tracker.start(prepared.request.num_prompt_tokens)
+        tracker = prepared.tracker
+        if tracker is None:
+            return self._engine.stream(prepared.request)
+
+        def on_prefill_progress(obs: PrefillObservation) -> None:
+            self._note_admission(prepared, tracker)
+            tracker.prefill(obs.processed, obs.total, obs.cached)
+
+        engine = self._engine
+        # The serialized lane restores a key's snapshot from a store it can read now: the
+        # cached/fed split is known before the start event (the batched lanes learn it on the worker).
+        cached = engine.restorable_prefix_tokens(prepared.request)
+        stream = engine.stream(prepared.request, on_prefill_progress=on_prefill_progress)
+        tracker.start(prepared.request.num_prompt_tokens, cached=cached)
         return stream
 
     def _stream(self, prepared: _Prepared, stream: RequestStream) -> Iterator[GenerationChunk]:
@@ -450,21 +465,19 @@ class MLXProvider:
             await items.aclose()
         yield self._final_chunk(prepared, stream.outcome or request.outcome)
 
-    def _on_item(self, prepared: _Prepared, item: Any) -> GenerationChunk | None:
-        tracker = prepared.tracker
-        if tracker is not None and tracker.execution_mode is None and prepared.request.mode is not None:
+    @staticmethod
+    def _note_admission(prepared: _Prepared, tracker: ProgressTracker) -> None:
+        if tracker.execution_mode is None and prepared.request.mode is not None:
             tracker.execution_mode = prepared.request.mode  # set at admission, before any output
             tracker.speculation = _speculation_event(prepared)
-        match item:
-            case TokenDelta(text=text, token_ids=ids):
-                if tracker is not None and ids:
-                    tracker.tokens(len(ids))
-                return GenerationChunk(content=text, token_ids=list(ids), model=self.model) if text else None
-            case PrefillObservation(processed=processed, total=total, cached=cached):
-                if tracker is not None:
-                    tracker.prefill(processed, total, cached)
-                return None
-        return None
+
+    def _on_item(self, prepared: _Prepared, item: TokenDelta) -> GenerationChunk | None:
+        tracker = prepared.tracker
+        if tracker is not None:
+            self._note_admission(prepared, tracker)
+            if item.token_ids:
+                tracker.tokens(len(item.token_ids))
+        return GenerationChunk(content=item.text, token_ids=list(item.token_ids), model=self.model) if item.text else None
 
     def _final_chunk(self, prepared: _Prepared, outcome: Outcome | None) -> GenerationChunk:
         assert outcome is not None

@@ -68,9 +68,13 @@ class ProgressTracker:
         self.speculation: dict[str, Any] = {}
 
     # --- observations ------------------------------------------------------------------
-    def start(self, prompt_tokens: int) -> None:
-        """The call was accepted: the prefill start event (always fires)."""
+    def start(self, prompt_tokens: int, *, cached: int | None = None) -> None:
+        """The call was accepted: the prefill start event (always fires). ``cached``: the
+        prompt tokens a lane already knows it restores (the serialized lane's snapshot), put
+        on this event; None where it is learnt once prefill starts on the worker."""
         self._grow_prompt(prompt_tokens)
+        if cached is not None:
+            self._cached = cached
         self._emit({"phase": "prefill"}, force=True)
 
     def prefill(self, processed: int, total: int, cached: int | None = None) -> None:
