@@ -50,7 +50,7 @@ from ..errors import (
 )
 from .backend import Backend, BatchBackend, Drafter, PrefillRow, PrefixReuse, RowInput, StepResult
 from .config import EngineConfig
-from .model import Lane, LoadedModel
+from .model import SERIAL_LANES, Lane, LoadedModel
 from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
 from .request import (
     END_OF_STREAM,
@@ -80,7 +80,7 @@ from .scheduler import (
 from . import cuda_attention
 from .fused_projections import fuse_text_model as fuse_projections
 from .prefill_shapes import Buckets, warm
-from .serial import SerialBackend
+from .serial import InProcessBackend, SerialBackend
 from .single import SingleBackend, supports_model
 from .stops import StopMatcher
 from .text_batch import TextBatchBackend
@@ -97,6 +97,14 @@ DEFERRED_UNDER_LOAD: dict[str, Any] = {
     "used": False,
     "reason": "deferred_under_load",
     "message": "optional MTP ran target-only in the continuous batch while target-only work waited or ran",
+}
+
+
+IN_PROCESS_NO_REUSE: dict[str, Any] = {
+    "outcome": "not_supported",
+    "reason": "in_process_lane",
+    "message": "mlx-vlm's in-process lane (mlx_batching=False with MTP) prefills every prompt in full; "
+    "prefix reuse runs on the mlx-lm lane (speculation=False) or with mlx_batching=True",
 }
 
 
@@ -391,7 +399,7 @@ class Engine:
         now, read on the caller's thread (the split a start event reports); None on the
         batched lanes, whose prefix blocks are looked up on the worker as prefill starts."""
         loaded, cache = self.loaded, self.prefix_cache
-        if loaded is None or cache is None or cache.serial is None or request.prompt_cache_key is None:
+        if loaded is None or loaded.lane != Lane.MLX_LM or cache is None or cache.serial is None or request.prompt_cache_key is None:
             return None
         return cache.serial.peek(cache.salt(request, "serial"), request.prompt_ids)
 
@@ -563,7 +571,7 @@ class Engine:
             waiting=tuple(self._waiting),
             group=view,
             stopping=self._stopping,
-            serial_lane=self._model.lane == Lane.MLX_LM,
+            serial_lane=self._model.lane in SERIAL_LANES,
             single_lane_model=self._single_lane_model(),
             text_lane_model=self._text_lane_model(),
             prefix_cache=self.prefix_cache is not None,
@@ -729,6 +737,18 @@ class Engine:
             return self._single_backend(self._cache_manager_for(head), text_lane=new.key.lane == "text")
         if new.kind == BackendKind.TEXT_BATCH:
             return self._text_backend(new)
+        if new.kind == BackendKind.SERIAL and self._model.lane == Lane.MLX_VLM:
+            loaded = self._model
+            return InProcessBackend(
+                loaded.model,
+                loaded.tokenizer,
+                prefill_step_size=self.config.serial_prefill_step_size,
+                stream=self._stream,
+                on_prefill=self._on_prefill_row,
+                eos_token_ids=loaded.eos_token_ids,
+                drafter=loaded.drafter,
+                draft_tokens=new.key.draft_tokens if loaded.drafter is not None else 0,
+            )
         if new.kind == BackendKind.SERIAL:
             loaded = self._model
             return SerialBackend(
@@ -879,6 +899,11 @@ class Engine:
         or no prefix cache); records the layout and the cache's counters for its report."""
         cache = self.prefix_cache
         if request.prompt_cache_key is None or cache is None:
+            return None
+        if self._model.lane == Lane.MLX_VLM:
+            # mlx-vlm's in-process generation takes no restored cache without the full
+            # prompt's rope positions; the key is served by a full prefill, said by name.
+            request.prompt_cache = {"mode": "key", "key": request.prompt_cache_key, **IN_PROCESS_NO_REUSE}
             return None
         if group.backend.kind == BackendKind.SERIAL:
             layout = "serial"
