@@ -276,9 +276,9 @@ class InProcessBackend(SerialBackend):
         with mx.stream(self._stream):
             steps = generate_step(mx.array([prompt]), self.model, None, None, **kwargs)
             count = 0
-            for token, _logprobs in steps:
+            for value, _logprobs in steps:
                 count += 1
-                token = int(token)
+                token = int(value)
                 if token in self._eos:
                     yield _Response(token, "stop")
                     return
