@@ -489,7 +489,8 @@ class MLXProvider:
         if tracker is not None:
             self._note_admission(prepared, tracker)
             if item.token_ids:
-                tracker.tokens(len(item.token_ids))
+                # The worker set ``cached_tokens`` when the prompt was done, before this token was queued.
+                tracker.tokens(len(item.token_ids), cached=prepared.request.cached_tokens)
         return GenerationChunk(content=item.text, token_ids=list(item.token_ids), model=self.model) if item.text else None
 
     def _final_chunk(self, prepared: _Prepared, outcome: Outcome | None) -> GenerationChunk:
