@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import MLXRuntimeError
@@ -29,8 +30,18 @@ def create_llm(provider: str = "mlx", model: str | None = None, **options: Any) 
     return _create(provider, model=model, **options)
 
 
-def get_execution_capabilities(model_name: str, provider: str = "mlx", instance: Any = None) -> dict[str, Any]:
-    """Describe backend support, MTP readiness and concurrency without loading weights."""
+def get_execution_capabilities(
+    model_name: str,
+    provider: str = "mlx",
+    instance: Any = None,
+    *,
+    head: str | None = None,
+    policy_path: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Describe backend support, MTP readiness and concurrency without loading weights
+    (``capabilities.get_execution_capabilities``, also at the seed's path
+    ``abstractruntime_mlx.providers.speculation``)."""
     from .capabilities import get_execution_capabilities as _caps
 
-    return _caps(model_name, provider=provider, instance=instance)
+    return _caps(model_name, provider=provider, instance=instance, head=head, policy_path=policy_path, cache_dir=cache_dir)

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Prompt tokens per prefill chunk.
+# Prompt tokens per prefill chunk on the batched lanes.
 PREFILL_STEP_SIZE = 256
+# Prompt tokens per prefill chunk on the serialized lanes (``mlx_batching=False``): mlx-lm's
+# and mlx-vlm's own default, the seed's 2,048. One request runs at a time there, so a chunk
+# never holds back another request's decode, and fewer chunks prefill faster.
+SERIAL_PREFILL_STEP_SIZE = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +25,8 @@ class EngineConfig:
     queue_timeout_s: float = 120.0
     output_queue_size: int = 256
     prefill_step_size: int = PREFILL_STEP_SIZE
+    # The serialized lanes' chunk; an explicit ``mlx_prefill_step_size`` sets both.
+    serial_prefill_step_size: int = SERIAL_PREFILL_STEP_SIZE
     # Sampled requests run alone, one at a time (the seed's behaviour), instead of sharing
     # the continuous batch; their tokens are the same either way.
     sampled_exclusive: bool = False

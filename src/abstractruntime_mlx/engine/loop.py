@@ -50,7 +50,7 @@ from ..errors import (
 )
 from .backend import Backend, BatchBackend, Drafter, PrefillRow, PrefixReuse, RowInput, StepResult
 from .config import EngineConfig
-from .model import Lane, LoadedModel
+from .model import SERIAL_LANES, Lane, LoadedModel
 from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
 from .request import (
     END_OF_STREAM,
@@ -64,7 +64,7 @@ from .request import (
     RequestStatus,
     TokenDelta,
 )
-from .stream import RequestStream
+from .stream import PrefillCallback, RequestStream
 from .threads import POOL, WorkerHandle
 from .scheduler import (
     Admission,
@@ -80,7 +80,7 @@ from .scheduler import (
 from . import cuda_attention
 from .fused_projections import fuse_text_model as fuse_projections
 from .prefill_shapes import Buckets, warm
-from .serial import SerialBackend
+from .serial import InProcessBackend, SerialBackend
 from .single import SingleBackend, supports_model
 from .stops import StopMatcher
 from .text_batch import TextBatchBackend
@@ -97,6 +97,14 @@ DEFERRED_UNDER_LOAD: dict[str, Any] = {
     "used": False,
     "reason": "deferred_under_load",
     "message": "optional MTP ran target-only in the continuous batch while target-only work waited or ran",
+}
+
+
+IN_PROCESS_NO_REUSE: dict[str, Any] = {
+    "outcome": "not_supported",
+    "reason": "in_process_lane",
+    "message": "mlx-vlm's in-process lane (mlx_batching=False with MTP) prefills every prompt in full; "
+    "prefix reuse runs on the mlx-lm lane (speculation=False) or with mlx_batching=True",
 }
 
 
@@ -161,6 +169,16 @@ class EngineStats:
     backend_s: float = 0.0  # inside the backend's step: upstream bookkeeping, graph building, device waits
     tokens_s: float = 0.0  # handling the step's tokens: detokenising, stop strings, delivery
     cpu_s: float = 0.0  # the worker thread's CPU time during steps (the rest of ``step_s`` it waited)
+
+
+def reports_position(last: int, row: PrefillRow) -> bool:
+    """Whether a prefill observation is news for the consumer: one observation per real
+    change of position (backends re-read the same counters, and the start of a prefill is
+    the start event's, not an observation), and none for a prefill that one chunk finished:
+    a prompt shorter than one chunk reports no position, its first token follows."""
+    if row.processed <= last:
+        return False
+    return not (last == 0 and row.processed >= row.total - 1)
 
 
 class EngineState(StrEnum):
@@ -290,7 +308,18 @@ class Engine:
         return stopped
 
     # --- caller side ------------------------------------------------------------------
-    def submit(self, request: EngineRequest) -> RequestStream:
+    def stream(self, request: EngineRequest, *, on_prefill_progress: PrefillCallback | None = None) -> RequestStream:
+        """Queue ``request`` and return its stream (the seed's ``NativeRuntime.stream``).
+
+        ``on_prefill_progress`` receives each ``PrefillObservation`` on the thread that
+        iterates the stream; observations are never yielded, so a consumer that did not ask
+        sees the stream it saw before.
+        """
+        if on_prefill_progress is not None:
+            request.observe_prefill = True
+        return self.submit(request, on_prefill_progress=on_prefill_progress)
+
+    def submit(self, request: EngineRequest, *, on_prefill_progress: PrefillCallback | None = None) -> RequestStream:
         """Queue ``request``; what the loaded model cannot run is refused here, before MLX sees it."""
         self._check_serving()
         loaded = self.loaded
@@ -310,7 +339,7 @@ class Engine:
             self._inbox.append(Submit(request))
             self._live[request.request_id] = request
             self._cond.notify_all()
-        return RequestStream(self, request)
+        return RequestStream(self, request, on_prefill_progress=on_prefill_progress)
 
     @property
     def _model(self) -> LoadedModel:
@@ -364,6 +393,15 @@ class Engine:
         if item.error is not None:
             raise item.error
         return cast(T, item.result)  # set when done without an error
+
+    def restorable_prefix_tokens(self, request: EngineRequest) -> int | None:
+        """The prompt tokens of keyed ``request`` the serialized lane's snapshot store restores
+        now, read on the caller's thread (the split a start event reports); None on the
+        batched lanes, whose prefix blocks are looked up on the worker as prefill starts."""
+        loaded, cache = self.loaded, self.prefix_cache
+        if loaded is None or loaded.lane != Lane.MLX_LM or cache is None or cache.serial is None or request.prompt_cache_key is None:
+            return None
+        return cache.serial.peek(cache.salt(request, "serial"), request.prompt_ids)
 
     def attach_head(self, timeout_s: float = 600.0) -> float | None:
         """Attach the resident target's MTP head on the worker, between steps, once.
@@ -533,7 +571,7 @@ class Engine:
             waiting=tuple(self._waiting),
             group=view,
             stopping=self._stopping,
-            serial_lane=self._model.lane == Lane.MLX_LM,
+            serial_lane=self._model.lane in SERIAL_LANES,
             single_lane_model=self._single_lane_model(),
             text_lane_model=self._text_lane_model(),
             prefix_cache=self.prefix_cache is not None,
@@ -699,12 +737,24 @@ class Engine:
             return self._single_backend(self._cache_manager_for(head), text_lane=new.key.lane == "text")
         if new.kind == BackendKind.TEXT_BATCH:
             return self._text_backend(new)
+        if new.kind == BackendKind.SERIAL and self._model.lane == Lane.MLX_VLM:
+            loaded = self._model
+            return InProcessBackend(
+                loaded.model,
+                loaded.tokenizer,
+                prefill_step_size=self.config.serial_prefill_step_size,
+                stream=self._stream,
+                on_prefill=self._on_prefill_row,
+                eos_token_ids=loaded.eos_token_ids,
+                drafter=loaded.drafter,
+                draft_tokens=new.key.draft_tokens if loaded.drafter is not None else 0,
+            )
         if new.kind == BackendKind.SERIAL:
             loaded = self._model
             return SerialBackend(
                 loaded.model,
                 loaded.processor,
-                prefill_step_size=self.config.prefill_step_size,
+                prefill_step_size=self.config.serial_prefill_step_size,
                 stream=self._stream,
                 on_prefill=self._on_prefill_row,
             )
@@ -843,14 +893,17 @@ class Engine:
         request.started_at = time.perf_counter()
         request.transition(RequestStatus.PREFILLING)
         group.running[uid] = _Running(request, self._model.new_detokenizer(), StopMatcher(request.stop))
-        if request.observe_prefill:
-            self._deliver(request, PrefillObservation(processed=0, total=request.num_prompt_tokens), droppable=True)
 
     def _prefix_reuse(self, request: EngineRequest, group: _Group) -> PrefixReuse | None:
         """How a keyed request reuses stored prefixes in this group's layout (None: unkeyed,
         or no prefix cache); records the layout and the cache's counters for its report."""
         cache = self.prefix_cache
         if request.prompt_cache_key is None or cache is None:
+            return None
+        if self._model.lane == Lane.MLX_VLM:
+            # mlx-vlm's in-process generation takes no restored cache without the full
+            # prompt's rope positions; the key is served by a full prefill, said by name.
+            request.prompt_cache = {"mode": "key", "key": request.prompt_cache_key, **IN_PROCESS_NO_REUSE}
             return None
         if group.backend.kind == BackendKind.SERIAL:
             layout = "serial"
@@ -900,7 +953,8 @@ class Engine:
         request = running.request
         if request.cancelled:
             return False
-        if request.observe_prefill and request.first_token_at is None:
+        if request.observe_prefill and request.first_token_at is None and reports_position(request.prefill_position, row):
+            request.prefill_position = row.processed
             obs = PrefillObservation(processed=row.processed, total=row.total, cached=row.cached)
             self._deliver(request, obs, droppable=True)
         return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,12 +22,23 @@ from typing import Any
 from ..errors import ContextTooLong, InvalidControls, ModelNotFound, UpstreamError
 from .grammar import GrammarCompiler
 
+log = logging.getLogger(__name__)
+
 
 class Lane(StrEnum):
     """Which upstream serves a resident model."""
 
     NATIVE = "native"  # mlx-vlm: continuous batching, native MTP, images
     MLX_LM = "mlx_lm"  # mlx-lm, one request at a time
+    # mlx-vlm's own in-process generation, one request at a time: a non-batched provider
+    # (``mlx_batching=False``) whose model has an MTP head and whose default runs it.
+    MLX_VLM = "mlx_vlm"
+
+
+# The lanes that run one request at a time (``serial``): the scheduler admits alone there.
+SERIAL_LANES = frozenset({Lane.MLX_LM, Lane.MLX_VLM})
+# The lanes that attach an MTP head (mlx-vlm models).
+HEAD_LANES = frozenset({Lane.NATIVE, Lane.MLX_VLM})
 
 
 @dataclass(slots=True)
@@ -110,12 +122,13 @@ class LoadedModel:
             return None
         if self.drafter_error is not None:
             raise UpstreamError(self.drafter_error)
-        if self.lane != Lane.NATIVE or self.head_source is None:
+        if self.lane not in HEAD_LANES or self.head_source is None:
             raise UpstreamError(f"{self.path} has no MTP head this lane can attach")
         started = time.perf_counter()
         try:
             drafter = _load_drafter(Path(self.head_source))
             _check_drafter_fits(drafter, self.model)
+            _read_weights(drafter)
         except UpstreamError as exc:
             self.drafter_error = exc.message
             raise
@@ -161,9 +174,16 @@ def load_model(path: Path, *, lane: Lane, head_source: Path | None = None, load_
     if lane == Lane.MLX_LM:
         return _load_mlx_lm(path, config)
     loaded = _load_native(path, config)
+    loaded.lane = lane
     loaded.head_source = str(head_source) if head_source is not None else None
     if load_head and head_source is not None:
-        loaded.attach_drafter()
+        try:
+            loaded.attach_drafter()
+        except UpstreamError as exc:
+            # A damaged or mismatched head does not fail the load: optional MTP runs
+            # target-only and names the outcome (``mtp_head_attach_failed``, the error kept in
+            # ``drafter_error``); a strict request fails with it (``SpeculationUnavailable``).
+            log.warning("the MTP head of %s was not attached; MTP requests run target-only: %s", path, exc.message)
     return loaded
 
 
@@ -173,6 +193,17 @@ def parameter_bytes(module: Any) -> int:
 
     leaves: Any = tree_flatten(module.parameters())
     return sum(int(value.nbytes) for _name, value in leaves)
+
+
+def _read_weights(module: Any) -> None:
+    """Read every tensor of ``module`` now: MLX loads lazily, so a head file cut short or
+    holding bad data fails here, at attach, rather than in the middle of a request."""
+    import mlx.core as mx
+
+    try:
+        mx.eval(module.parameters())
+    except Exception as exc:  # noqa: BLE001 - MLX raises RuntimeError/ValueError
+        raise UpstreamError(f"the MTP head's weights could not be read: {type(exc).__name__}: {exc}") from exc
 
 
 def _check_drafter_fits(drafter: Any, target: Any) -> None:

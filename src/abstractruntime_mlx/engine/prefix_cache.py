@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import stat
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -683,40 +684,60 @@ def cache_bytes(cache: list[Any]) -> int:
 
 
 class SerialStore:
-    """One snapshot per salt for the mlx-lm lane, LRU within the RAM budget."""
+    """One snapshot per salt for the serialized lanes, LRU within the RAM budget.
+
+    The worker looks up and stores; ``peek`` is read on callers' threads (the split a start
+    event reports), so the table changes under ``_lock``.
+    """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.entries: OrderedDict[int, _SerialEntry] = OrderedDict()
         self.resident_bytes = 0
         self._counters = {name: 0 for name in CALL_COUNTERS}
+        self._lock = threading.Lock()
 
     def counters(self) -> dict[str, int]:
         return dict(self._counters)
 
-    def lookup(self, salt: int, prompt: list[int]) -> tuple[list[Any] | None, int]:
-        """A copy of the key's snapshot when it is a prefix of ``prompt`` (leaving a token to feed)."""
+    def _match(self, salt: int, prompt: list[int]) -> _SerialEntry | None:
         entry = self.entries.get(salt)
         if entry is None or len(entry.tokens) >= len(prompt) or tuple(prompt[: len(entry.tokens)]) != entry.tokens:
-            self._counters["misses"] += 1
-            return None, 0
-        self.entries.move_to_end(salt)
-        self._counters["hits"] += 1
-        self._counters["exact_hits"] += 1
+            return None
+        return entry
+
+    def peek(self, salt: int, prompt: list[int]) -> int:
+        """How many leading tokens of ``prompt`` a lookup would restore now (no copy, no counters)."""
+        with self._lock:
+            entry = self._match(salt, prompt)
+            return 0 if entry is None else len(entry.tokens)
+
+    def lookup(self, salt: int, prompt: list[int]) -> tuple[list[Any] | None, int]:
+        """A copy of the key's snapshot when it is a prefix of ``prompt`` (leaving a token to feed)."""
+        with self._lock:
+            entry = self._match(salt, prompt)
+            if entry is None:
+                self._counters["misses"] += 1
+                return None, 0
+            self.entries.move_to_end(salt)
+            self._counters["hits"] += 1
+            self._counters["exact_hits"] += 1
         return clone_cache(entry.cache), len(entry.tokens)
 
     def store(self, salt: int, tokens: list[int], cache: list[Any]) -> bool:
         """Keep a copy of ``cache`` (holding exactly ``tokens``); False when it does not fit."""
         size = cache_bytes(cache)
-        old = self.entries.pop(salt, None)
-        if old is not None:
-            self.resident_bytes -= old.nbytes
-        if size > self.max_bytes or not self._make_room(size):
-            self._counters["memory_skips"] += 1
-            return False
-        self.entries[salt] = _SerialEntry(tuple(tokens), clone_cache(cache), size)
-        self.resident_bytes += size
-        self._counters["exact_stores"] += 1
+        copy = clone_cache(cache) if size <= self.max_bytes else None
+        with self._lock:
+            old = self.entries.pop(salt, None)
+            if old is not None:
+                self.resident_bytes -= old.nbytes
+            if copy is None or not self._make_room(size):
+                self._counters["memory_skips"] += 1
+                return False
+            self.entries[salt] = _SerialEntry(tuple(tokens), copy, size)
+            self.resident_bytes += size
+            self._counters["exact_stores"] += 1
         return True
 
     def _make_room(self, size: int) -> bool:
@@ -729,5 +750,6 @@ class SerialStore:
         return free is None or free - RESERVE_BYTES >= size
 
     def clear(self) -> None:
-        self.entries.clear()
-        self.resident_bytes = 0
+        with self._lock:
+            self.entries.clear()
+            self.resident_bytes = 0

@@ -97,11 +97,19 @@ class TokenDelta:
 
 @dataclass(slots=True)
 class PrefillObservation:
-    """A real per-chunk observation: ``processed`` prompt tokens are in the KV cache."""
+    """A real per-chunk observation: ``processed`` prompt tokens are in the KV cache.
+
+    Handed to a stream's ``on_prefill_progress`` callback on the iterating thread, never
+    yielded (``stream.RequestStream``).
+    """
 
     processed: int
     total: int
     cached: int | None = None
+
+
+# The seed's name for the same observation (``NativeRuntime.stream(request, on_prefill_progress=...)``).
+NativePrefillProgress = PrefillObservation
 
 
 class EndOfStream:
@@ -161,6 +169,9 @@ class EngineRequest:
     prompt_cache: dict[str, Any] | None = None
     # The admitted request whose prefill stores the prefix this one shares (see scheduler).
     prefix_leader: EngineRequest | None = None
+    # The prefill position last delivered to the consumer (``Engine._on_prefill_row``): an
+    # observation is delivered only when it moves past it.
+    prefill_position: int = 0
     outputs: "queue.SimpleQueue[Any]" = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Outcome | None = None

@@ -7,6 +7,13 @@ stop strings, queue timeouts and every way a request finishes share one code pat
 mlx-lm prefills a whole prompt inside the first pull; ``on_prefill`` is called after each
 prefill chunk, and a ``False`` answer (the request was cancelled) abandons the prefill there.
 
+``InProcessBackend`` is the same lane on mlx-vlm's own in-process generation
+(``mlx_vlm.generate.ar.generate_step``), for a non-batched provider whose model has an MTP
+head: a request with a draft depth drafts through mlx-vlm's own speculative rounds (the
+head passed as ``draft_model``, ``draft_kind="mtp"``), one without runs target-only. Its
+prefill is observed per chunk through generate_step's ``prompt_cache_checkpoint`` hook,
+asked for at every chunk boundary (a public keyword; the chunks stay the same).
+
 Prefix reuse on this lane (a row whose ``RowInput.prefix`` names the snapshot store): at its
 first step ``lookup_prefix`` restores the key's snapshot and ``prefill_to_checkpoint`` prefills
 the prompt up to a few tokens short of its end and keeps a new snapshot there (observed and
@@ -16,6 +23,7 @@ cancellable as any prefill); mlx-lm then generates from that cache.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from ..errors import UpstreamError
@@ -90,19 +98,11 @@ class SerialBackend:
     def _start(self, uid: int, row: RowInput) -> Iterator[Any] | None:
         """Restore and extend the row's prefix (keyed rows), then open mlx-lm's generator;
         None when a cancel stopped the prefix prefill."""
-        import mlx_lm
-
-        kwargs: dict[str, Any] = {
-            "sampler": self._sampler,
-            "prompt_progress_callback": self._progress,
-            "prefill_step_size": self._prefill_step_size,
-        }
-        if self._processors:
-            kwargs["logits_processors"] = self._processors
+        prompt_cache: Any = None
         prompt = row.prompt_ids
         if row.prefix is not None and row.prefix.serial is not None:
             store, salt = row.prefix.serial, row.prefix.salt
-            restored = lookup_prefix(self.model, store, salt, prompt)
+            restored = lookup_prefix(self._prefix_model(), store, salt, prompt)
             self._cached = restored.cached
 
             cancelled = False
@@ -113,17 +113,34 @@ class SerialBackend:
                 return not cancelled
 
             restored = prefill_to_checkpoint(
-                self.model, store, salt, prompt, restored, prefill_step_size=self._prefill_step_size, observe=observe
+                self._prefix_model(), store, salt, prompt, restored, prefill_step_size=self._prefill_step_size, observe=observe
             )
             if cancelled:
                 return None
             self._prefilled = restored.prefilled
-            kwargs["prompt_cache"] = restored.prompt_cache
+            prompt_cache = restored.prompt_cache
         # A generator: nothing runs until the first pull.
+        return self._generate(prompt[self._prefilled :], row, prompt_cache)
+
+    def _prefix_model(self) -> Any:
+        """What prefix snapshots are built from and prefilled with."""
+        return self.model
+
+    def _generate(self, prompt: list[int], row: RowInput, prompt_cache: Any) -> Iterator[Any]:
+        """mlx-lm's stream over ``prompt`` (the part not in ``prompt_cache`` yet)."""
+        import mlx_lm
+
+        kwargs: dict[str, Any] = {
+            "sampler": self._sampler,
+            "prompt_progress_callback": self._progress,
+            "prefill_step_size": self._prefill_step_size,
+        }
+        if self._processors:
+            kwargs["logits_processors"] = self._processors
+        if prompt_cache is not None:
+            kwargs["prompt_cache"] = prompt_cache
         return iter(
-            mlx_lm.stream_generate(
-                self.model, self._tokenizer, prompt[self._prefilled :], max_tokens=row.max_tokens, stream=self._stream, **kwargs
-            )
+            mlx_lm.stream_generate(self.model, self._tokenizer, prompt, max_tokens=row.max_tokens, stream=self._stream, **kwargs)
         )
 
     def free_slots(self) -> int:
@@ -196,6 +213,87 @@ class SerialBackend:
     def close(self) -> None:
         if self._uid is not None:
             self.forget(self._uid)
+
+
+@dataclass(frozen=True, slots=True)
+class _Response:
+    """One token of mlx-vlm's in-process generation, as mlx-lm's stream reports it: the last
+    one carries ``finish_reason`` ("stop": an end-of-sequence token; "length": the cap)."""
+
+    token: int
+    finish_reason: str | None = None
+
+
+class InProcessBackend(SerialBackend):
+    """mlx-vlm's in-process generation for one request at a time, MTP included.
+
+    ``drafter`` (the resident target's MTP head) drafts ``draft_tokens`` proposals per round
+    for the group's requests; None or 0 runs target-only.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        prefill_step_size: int,
+        stream: Any,
+        on_prefill: PrefillHook,
+        eos_token_ids: frozenset[int],
+        drafter: Any = None,
+        draft_tokens: int = 0,
+    ) -> None:
+        super().__init__(model, tokenizer, prefill_step_size=prefill_step_size, stream=stream, on_prefill=on_prefill)
+        self._eos = eos_token_ids
+        self._drafter = drafter if draft_tokens > 0 else None
+        self._draft_tokens = draft_tokens
+
+    def _prefix_model(self) -> Any:
+        return getattr(self.model, "language_model", self.model)
+
+    def _generate(self, prompt: list[int], row: RowInput, prompt_cache: Any) -> Iterator[Any]:
+        import mlx.core as mx
+        from mlx_vlm.generate.ar import generate_step
+
+        step = self._prefill_step_size
+        kwargs: dict[str, Any] = {
+            "max_tokens": row.max_tokens,
+            "prefill_step_size": step,
+            # Called at each chunk boundary: the real per-chunk observation (and the cancel point).
+            "prompt_cache_checkpoint": lambda processed, _cache: self._progress(processed, len(prompt)),
+            "prompt_cache_checkpoint_lengths": list(range(step, len(prompt), step)),
+        }
+        if prompt_cache is not None:
+            kwargs["prompt_cache"] = prompt_cache
+        if row.sampling.temperature:
+            kwargs["sampler"] = self._sampler
+        else:
+            kwargs["temperature"] = 0.0  # mlx-vlm's greedy path (what its MTP rounds verify with)
+        if self._processors:
+            kwargs["logits_processors"] = self._processors
+        if self._drafter is not None:
+            kwargs.update(draft_model=self._drafter, draft_kind="mtp", draft_block_size=self._draft_tokens + 1)
+        with mx.stream(self._stream):
+            steps = generate_step(mx.array([prompt]), self.model, None, None, **kwargs)
+            count = 0
+            for value, _logprobs in steps:
+                count += 1
+                token = int(value)
+                if token in self._eos:
+                    yield _Response(token, "stop")
+                    return
+                if count >= row.max_tokens:
+                    yield _Response(token, "length")
+                    return
+                yield _Response(token)
+
+    def speculation_counters(self) -> tuple[int, float, int] | None:
+        """The head's lifetime (rounds, accepted, drafted) counters while this lane drafts."""
+        if self._drafter is None:
+            return None
+        from mlx_vlm.speculative.common import speculative_stats_snapshot
+
+        return speculative_stats_snapshot(self._drafter)
 
 
 # --- prefix reuse ------------------------------------------------------------------------

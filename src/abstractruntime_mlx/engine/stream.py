@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import queue
 from collections.abc import AsyncGenerator, Iterator
-from typing import Protocol
+from typing import Callable, Protocol
 
 from ..errors import EngineCrashed
 from .request import END_OF_STREAM, EngineRequest, Outcome, PrefillObservation, TokenDelta
 
+PrefillCallback = Callable[[PrefillObservation], object]
 
 
 class Owner(Protocol):
@@ -24,17 +25,29 @@ _IDLE_WAIT_S = 0.5
 
 
 class RequestStream:
-    """Iterate a request's outputs (``TokenDelta`` / ``PrefillObservation``) on the caller's thread.
+    """Iterate a request's ``TokenDelta`` outputs on the caller's thread.
 
-    ``outcome`` is set once iteration ends. Closing the stream cancels the request.
+    Prefill observations go to ``on_prefill_progress`` on the iterating thread (the seed's
+    ``NativeRuntime.stream(request, on_prefill_progress=...)``) and are never yielded; without
+    a callback they are dropped. ``outcome`` is set once iteration ends. Closing the stream
+    cancels the request.
     """
 
-    def __init__(self, engine: Owner, request: EngineRequest) -> None:
+    def __init__(self, engine: Owner, request: EngineRequest, *, on_prefill_progress: PrefillCallback | None = None) -> None:
         self.engine = engine
         self.request = request
+        self.on_prefill_progress = on_prefill_progress
         self.outcome: Outcome | None = None
 
-    def __iter__(self) -> Iterator[TokenDelta | PrefillObservation]:
+    def _observed(self, item: object) -> bool:
+        """True when ``item`` is a prefill observation (handed to the callback, not yielded)."""
+        if not isinstance(item, PrefillObservation):
+            return False
+        if self.on_prefill_progress is not None:
+            self.on_prefill_progress(item)
+        return True
+
+    def __iter__(self) -> Iterator[TokenDelta]:
         request = self.request
         try:
             while True:
@@ -46,6 +59,8 @@ class RequestStream:
                     continue
                 if item is END_OF_STREAM:
                     break
+                if self._observed(item):
+                    continue
                 yield item
             self._finish()
         finally:
@@ -63,7 +78,7 @@ class RequestStream:
         if not self.request.done.is_set():
             self.engine.cancel(self.request)
 
-    async def aiter(self) -> AsyncGenerator[TokenDelta | PrefillObservation, None]:
+    async def aiter(self) -> AsyncGenerator[TokenDelta, None]:
         """Async twin of ``__iter__``: wakes on the worker's notification, never blocks the loop."""
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
@@ -89,6 +104,8 @@ class RequestStream:
                     continue
                 if item is END_OF_STREAM:
                     break
+                if self._observed(item):
+                    continue
                 yield item
             self._finish()
         finally:

@@ -20,7 +20,7 @@ from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_control
 from ..engine.chat import prepare_conversation, render_prompt
 from ..engine.config import EngineConfig
 from ..engine.loop import Engine
-from ..engine.model import Lane, LoadedModel
+from ..engine.model import HEAD_LANES, Lane, LoadedModel
 from ..engine.prefix_cache import image_hash, validate_options as validate_cache_options
 from ..engine.stream import RequestStream
 from ..engine.request import EngineRequest, FinishReason, Outcome, PrefillObservation, TokenDelta
@@ -130,19 +130,26 @@ class MLXProvider:
         head = resolve_model_path(mtp_head) if mtp_head else None
         self._mtp = detect_mtp(self.path, name=model, head=head)
         batching = self.execution_options["mlx_batching"]
-        lane = Lane.NATIVE if batching else Lane.MLX_LM
         # The head is loaded with the target when the inherited default would use it, and
         # attached on first use otherwise (a call or node that asks for MTP gets it).
         head_source = _drafter_source(self.path, head, self._mtp) if self._mtp.get("head_present") else None
         default = self.resolve_controls().speculation
-        load_head = batching and default.enabled and head_source is not None
-        config = EngineConfig(**{field: self.execution_options[option] for option, field in ENGINE_OPTIONS.items()})
+        load_head = default.enabled and head_source is not None
+        # Non-batched: mlx-vlm's in-process lane when the default runs MTP (the head is loaded
+        # with the target), else mlx-lm's; the lane is a load-time choice (docs/provider.md).
+        lane = Lane.NATIVE if batching else (Lane.MLX_VLM if load_head else Lane.MLX_LM)
+        head_lane = lane in HEAD_LANES
+        config = EngineConfig(
+            **{field: self.execution_options[option] for option, field in ENGINE_OPTIONS.items()},
+            # The serialized lanes chunk by 2,048 (mlx-lm's default) unless the caller chose a step.
+            **({"serial_prefill_step_size": options["mlx_prefill_step_size"]} if "mlx_prefill_step_size" in options else {}),
+        )
         self._lease = next(_lease_ids)
         self._resident: residency.Resident | None = residency.acquire(
             self.path,
-            head=head_source if batching else None,
+            head=head_source if head_lane else None,
             lane=lane,
-            head_source=head_source if batching else None,
+            head_source=head_source if head_lane else None,
             load_head=load_head,
             options=dict(self.execution_options),
             config=config,
@@ -372,8 +379,8 @@ class MLXProvider:
         meta.update(num_draft_tokens=depth, require_acceleration=bool(effective.require_acceleration))
         reason, message = None, None
         attach_s: float | None = None
-        if loaded.lane != Lane.NATIVE:
-            reason, message = "speculation_needs_batching_lane", "native MTP runs on the mlx_batching=True lane (mlx-vlm)"
+        if loaded.lane not in HEAD_LANES:
+            reason, message = self._mlx_lm_lane_reason(loaded)
         elif loaded.drafter is None and loaded.head_source is None:
             reason, message = "no_mtp_drafter_for_model", self._no_head_message()
         elif not sampling.logits_neutral():
@@ -397,6 +404,16 @@ class MLXProvider:
             meta.update(head_attach_s=round(attach_s, 6), head_bytes=loaded.drafter_bytes)
         return depth, meta
 
+    def _mlx_lm_lane_reason(self, loaded: LoadedModel) -> tuple[str, str]:
+        """Why MTP cannot run on the mlx-lm lane (a non-batched provider whose default was off)."""
+        if loaded.head_source is None and not self._mtp.get("head_present"):
+            return "no_mtp_drafter_for_model", self._no_head_message()
+        return (
+            "speculation_is_load_time",
+            "this non-batched provider was loaded on mlx-lm without its MTP head (its default speculation is off); "
+            "create it with speculation= on (mlx-vlm's in-process lane) or with mlx_batching=True",
+        )
+
     def _no_head_message(self) -> str:
         """Why no MTP head is available here, naming the command that downloads one."""
         names = companion_candidates(self.model) if not looks_like_path(self.model) and not Path(self.model).expanduser().is_dir() else []
@@ -415,9 +432,20 @@ class MLXProvider:
 
     def _submit(self, prepared: _Prepared) -> RequestStream:
         """Submit now, so a full queue or a closed engine raises at call time, not at first read."""
-        stream = self._engine.submit(prepared.request)
-        if prepared.tracker is not None:
-            prepared.tracker.start(prepared.request.num_prompt_tokens)
+        tracker = prepared.tracker
+        if tracker is None:
+            return self._engine.stream(prepared.request)
+
+        def on_prefill_progress(obs: PrefillObservation) -> None:
+            self._note_admission(prepared, tracker)
+            tracker.prefill(obs.processed, obs.total, obs.cached)
+
+        engine = self._engine
+        # The serialized lane restores a key's snapshot from a store it can read now: the
+        # cached/fed split is known before the start event (the batched lanes learn it on the worker).
+        cached = engine.restorable_prefix_tokens(prepared.request)
+        stream = engine.stream(prepared.request, on_prefill_progress=on_prefill_progress)
+        tracker.start(prepared.request.num_prompt_tokens, cached=cached)
         return stream
 
     def _stream(self, prepared: _Prepared, stream: RequestStream) -> Iterator[GenerationChunk]:
@@ -450,21 +478,20 @@ class MLXProvider:
             await items.aclose()
         yield self._final_chunk(prepared, stream.outcome or request.outcome)
 
-    def _on_item(self, prepared: _Prepared, item: Any) -> GenerationChunk | None:
-        tracker = prepared.tracker
-        if tracker is not None and tracker.execution_mode is None and prepared.request.mode is not None:
+    @staticmethod
+    def _note_admission(prepared: _Prepared, tracker: ProgressTracker) -> None:
+        if tracker.execution_mode is None and prepared.request.mode is not None:
             tracker.execution_mode = prepared.request.mode  # set at admission, before any output
             tracker.speculation = _speculation_event(prepared)
-        match item:
-            case TokenDelta(text=text, token_ids=ids):
-                if tracker is not None and ids:
-                    tracker.tokens(len(ids))
-                return GenerationChunk(content=text, token_ids=list(ids), model=self.model) if text else None
-            case PrefillObservation(processed=processed, total=total, cached=cached):
-                if tracker is not None:
-                    tracker.prefill(processed, total, cached)
-                return None
-        return None
+
+    def _on_item(self, prepared: _Prepared, item: TokenDelta) -> GenerationChunk | None:
+        tracker = prepared.tracker
+        if tracker is not None:
+            self._note_admission(prepared, tracker)
+            if item.token_ids:
+                # The worker set ``cached_tokens`` when the prompt was done, before this token was queued.
+                tracker.tokens(len(item.token_ids), cached=prepared.request.cached_tokens)
+        return GenerationChunk(content=item.text, token_ids=list(item.token_ids), model=self.model) if item.text else None
 
     def _final_chunk(self, prepared: _Prepared, outcome: Outcome | None) -> GenerationChunk:
         assert outcome is not None

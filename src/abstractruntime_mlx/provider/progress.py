@@ -68,9 +68,13 @@ class ProgressTracker:
         self.speculation: dict[str, Any] = {}
 
     # --- observations ------------------------------------------------------------------
-    def start(self, prompt_tokens: int) -> None:
-        """The call was accepted: the prefill start event (always fires)."""
+    def start(self, prompt_tokens: int, *, cached: int | None = None) -> None:
+        """The call was accepted: the prefill start event (always fires). ``cached``: the
+        prompt tokens a lane already knows it restores (the serialized lane's snapshot), put
+        on this event; None where it is learnt once prefill starts on the worker."""
         self._grow_prompt(prompt_tokens)
+        if cached is not None:
+            self._cached = cached
         self._emit({"phase": "prefill"}, force=True)
 
     def prefill(self, processed: int, total: int, cached: int | None = None) -> None:
@@ -98,12 +102,17 @@ class ProgressTracker:
         # A restored prefix is news worth showing at once.
         self._emit(event, force=newly_known_cache and bool(cached))
 
-    def tokens(self, count: int) -> None:
+    def tokens(self, count: int, *, cached: int | None = None) -> None:
+        """``count`` tokens were sampled. ``cached``: the prompt tokens the lane restored, known
+        once the prompt is done; it reaches the first-token event when no mid-prefill
+        observation carried it (a prompt too short to observe)."""
         if count <= 0 or self._finished:
             return
         now = self._clock()
         first = self._first_token_at is None
         if first:
+            if cached is not None:
+                self._cached = cached
             self._first_token_at = now
             if self._prefill_done_at is None:
                 self._prefill_done_at = now

@@ -23,7 +23,7 @@ from typing import Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..errors import InvalidRequest, UpstreamError
+from ..errors import UpstreamError
 from ..json_values import JSONObject
 from ..request import GenerationRequest, ProgressSink
 from ..results import GenerationChunk, GenerationResult
@@ -106,16 +106,19 @@ async def _call_with(
 ) -> Response:
     """The call on ``llm``, the model the pool names ``model`` (what the answer, the metrics and the
     ledger call it, however the request spelled it); an SSE response calls ``release`` when it ends."""
-    if body.include_progress and not progress_supported(llm):
-        raise InvalidRequest("this provider emits no phase events; drop stream_options.include_progress")
+    # A provider without phase events: the request's progress is consumed here and dropped,
+    # never passed on and no phase invented (the seed's rule); the event stream has no progress records.
+    supported = progress_supported(llm)
+    with_progress = body.include_progress and supported
     observer = await begin_call(request, route=route, model=model, call=typed, stream=body.stream)
     cancel_event = threading.Event()
 
     def call(on_progress: ProgressSink | None) -> Awaitable[GenerationResult | AsyncIterator[GenerationChunk]]:
-        return llm.agenerate_request(typed.with_sinks(cancel=cancel_event, progress=on_progress), stream=body.stream)
+        progress = on_progress if supported else None
+        return llm.agenerate_request(typed.with_sinks(cancel=cancel_event, progress=progress), stream=body.stream)
 
     pump = ProviderPump(
-        call, stream=body.stream, cancel_event=cancel_event, with_progress=body.include_progress, observer=observer
+        call, stream=body.stream, cancel_event=cancel_event, with_progress=with_progress, observer=observer
     ).start()
     sse = body.stream or body.include_progress
     try:
