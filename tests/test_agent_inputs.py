@@ -87,8 +87,8 @@ def parent_flow(kind: str) -> dict[str, object]:
 
 
 @pytest.fixture()
-def pack(tmp_path, dense_model, policy_file):
-    pack = build_pack(sqlite_url(tmp_path / "runs.sqlite"), model=dense_model, sibling_batching=False)
+def pack(tmp_path, dense_model, policy_file, registry):
+    pack = build_pack(sqlite_url(tmp_path / "runs.sqlite"), model=dense_model, sibling_batching=False, registry=registry)
     yield pack
     pack.close()
 

@@ -423,11 +423,13 @@ class MLXProvider:
                 f"{' or '.join(names)} in the model cache); download one with "
                 f"`{DOWNLOAD_COMMAND.format(name=names[-1])}`, or pass mtp_head="
             )
-        siblings = [str(self.path.parent / name) for name in companion_candidates(self.path.name)]
+        # Named by directory, not full path: a served answer carries this message to clients that
+        # must not learn the server's file layout.
+        siblings = companion_candidates(self.path.name)
         return (
-            f"{self.model} has no MTP head on this machine (no embedded mtp.* weights, no companion head at "
-            f"{' or '.join(siblings)}); download one with `{DOWNLOAD_COMMAND.format(name='<org>/<model>-MTP')}` "
-            "and pass it as mtp_head="
+            f"{self.path.name} has no MTP head on this machine (no embedded mtp.* weights, no companion head "
+            f"{' or '.join(siblings)} beside it); download one with "
+            f"`{DOWNLOAD_COMMAND.format(name='<org>/<model>-MTP')}` and pass it as mtp_head="
         )
 
     def _submit(self, prepared: _Prepared) -> RequestStream:
