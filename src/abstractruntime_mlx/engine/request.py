@@ -12,6 +12,7 @@ from typing import Any, Callable
 from ..controls import Sampling
 from ..errors import MLXRuntimeError
 from .grammar import GrammarProcessor
+from .prefix_break import PrefixBreak
 
 
 class RequestStatus(IntEnum):
@@ -167,6 +168,7 @@ class EngineRequest:
     cache_counters: dict[str, int] | None = None  # prefix-cache counters at admission
     cache_layout: str | None = None
     prompt_cache: dict[str, Any] | None = None
+    prefix_break: PrefixBreak | None = None  # set with ``prompt_cache`` when the prompt broke its key's prefix
     # The admitted request whose prefill stores the prefix this one shares (see scheduler).
     prefix_leader: EngineRequest | None = None
     # The prefill position last delivered to the consumer (``Engine._on_prefill_row``): an

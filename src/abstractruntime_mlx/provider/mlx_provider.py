@@ -6,18 +6,21 @@ import asyncio
 import io
 import itertools
 import json
+import logging
 import re
 import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, overload
 
 from ..artifacts import DOWNLOAD_COMMAND, companion_candidates, detect_mtp, looks_like_path, resolve_model_path
 from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_controls
 from ..engine.chat import prepare_conversation, render_prompt
+from ..engine.prefix_break import attribute
 from ..engine.config import EngineConfig
 from ..engine.loop import Engine
 from ..engine.model import HEAD_LANES, Lane, LoadedModel
@@ -40,6 +43,8 @@ from ..results import GenerationChunk, GenerationResult
 from ..structured import ResponseFormat, parse_answer, run_schema_work
 from . import residency
 from .progress import ProgressTracker, progress_interval_from_env
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_OUTPUT_TOKENS = 1024
 
@@ -100,6 +105,8 @@ class _Prepared:
     controls: ResolvedControls
     prompt_cache_key: str | None
     started: float
+    conversation: list[dict[str, Any]] = field(default_factory=list)  # as rendered (prefix-break attribution)
+    tools: tuple[Mapping[str, Any], ...] = ()
 
 
 class MLXProvider:
@@ -362,7 +369,9 @@ class MLXProvider:
         if images:
             request.prompt_kwargs_factory = _image_kwargs_factory(request, loaded, text, images)
         tracker = ProgressTracker(call.progress, min_interval_s=self.progress_min_interval_s) if call.progress else None
-        return _Prepared(request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter())
+        return _Prepared(
+            request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter(), conversation, tuple(call.tools)
+        )
 
     def _speculation_plan(
         self, controls: ResolvedControls, sampling: Sampling, loaded: LoadedModel, *, structured: bool = False
@@ -463,7 +472,7 @@ class MLXProvider:
                 raise
         finally:
             items.close()  # type: ignore[attr-defined]
-        yield self._final_chunk(prepared, stream.outcome or request.outcome)
+        yield self._final_chunk(prepared, stream.outcome or request.outcome, self._prefix_break(prepared))
 
     async def _astream(self, prepared: _Prepared, stream: RequestStream) -> AsyncIterator[GenerationChunk]:
         request = prepared.request
@@ -478,7 +487,9 @@ class MLXProvider:
                 raise
         finally:
             await items.aclose()
-        yield self._final_chunk(prepared, stream.outcome or request.outcome)
+        # Only a break renders anything (a few template renders): off the event loop.
+        located = await asyncio.to_thread(self._prefix_break, prepared) if request.prefix_break is not None else None
+        yield self._final_chunk(prepared, stream.outcome or request.outcome, located)
 
     @staticmethod
     def _note_admission(prepared: _Prepared, tracker: ProgressTracker) -> None:
@@ -495,7 +506,35 @@ class MLXProvider:
                 tracker.tokens(len(item.token_ids), cached=prepared.request.cached_tokens)
         return GenerationChunk(content=item.text, token_ids=list(item.token_ids), model=self.model) if item.text else None
 
-    def _final_chunk(self, prepared: _Prepared, outcome: Outcome | None) -> GenerationChunk:
+    def _prefix_break(self, prepared: _Prepared) -> dict[str, Any] | None:
+        """``prompt_cache.prefix_break`` when the worker found the prompt broke its key's previous
+        prompt: the message (or tools block) it broke in, located here, on the caller's thread."""
+        request = prepared.request
+        brk = request.prefix_break
+        if brk is None:
+            return None
+        loaded = self._engine.serving_model()
+        try:
+            return attribute(
+                brk,
+                prompt_ids=request.prompt_ids,
+                conversation=prepared.conversation,
+                tokenizer=loaded.tokenizer,
+                encode=loaded.encode,
+                tools=prepared.tools,
+                thinking=prepared.controls.thinking,
+            )
+        except Exception as exc:  # noqa: BLE001 - a report must never fail the request it describes
+            log.exception("prefix-break attribution failed")
+            return {
+                "token": brk.token,
+                "reused_tokens": brk.reused_tokens,
+                "expected_tokens": brk.expected_tokens,
+                "segment": "unknown",
+                "reason": f"attribution failed: {type(exc).__name__}: {exc}",
+            }
+
+    def _final_chunk(self, prepared: _Prepared, outcome: Outcome | None, prefix_break: dict[str, Any] | None = None) -> GenerationChunk:
         assert outcome is not None
         request = prepared.request
         usage = {
@@ -517,6 +556,8 @@ class MLXProvider:
             metadata["performance"] = performance
         if outcome.prompt_cache is not None:
             metadata["prompt_cache"] = outcome.prompt_cache
+            if prefix_break is not None:
+                metadata["prompt_cache"] = {**outcome.prompt_cache, "prefix_break": prefix_break}
         elif prepared.prompt_cache_key is not None:
             # The request ended before it reached the cache (rejected, cancelled while waiting).
             metadata["prompt_cache"] = {"mode": "key", "key": prepared.prompt_cache_key, "outcome": "not_reached"}
