@@ -55,6 +55,7 @@ __all__ = [
     "control_text",
     "node_labels",
     "payload_text",
+    "prefix_break_text",
     "run_flow_document",
     "run_tree_dicts",
     "run_view",
@@ -155,6 +156,9 @@ class CallView:
     load: dict[str, object] = field(default_factory=dict)
     """The model load the call waited for: ``model``, ``size_bytes``, ``state`` (``loading``,
     ``loaded``, ``failed``), ``start_s``, ``end_s``, ``seconds``; empty when the model was resident."""
+    prefix_break: str | None = None
+    """Where the prompt broke its cache key's previous prompt (``prefix_break_text`` of
+    ``prompt_cache.prefix_break``); None when it extended it, or had no key."""
 
     @property
     def phase(self) -> str:
@@ -751,6 +755,7 @@ def _call_view(
         execution=execution,
         speculation=dict(object_at(meta, "speculation")),
         prompt_cache=dict(object_at(meta, "prompt_cache")),
+        prefix_break=prefix_break_text(object_at(object_at(meta, "prompt_cache"), "prefix_break")),
         sibling_batch=dict(object_at(meta, "sibling_batch")),
         client=client,
         recorded=ended is not None,
@@ -763,6 +768,38 @@ def _call_view(
         route=route,
         load=_load_of(load_rows, origin),
     )
+
+
+_SEGMENT_ROLES = {"system": "system prompt", "user": "user turn", "assistant": "assistant turn", "tool": "tool result"}
+
+
+def prefix_break_text(brk: Mapping[str, object], *, excerpts: bool = False) -> str | None:
+    """``prefix broke at message 3 (tool result), token 1,412`` for a ``prompt_cache.prefix_break``
+    (None for an empty one), with the reused / expected counts; ``excerpts`` adds both sides'
+    text after the break."""
+    token = as_int(brk.get("token"))
+    if token is None:
+        return None
+    segment = brk.get("segment")
+    index = as_int(brk.get("message_index"))
+    if segment == "message" and index is not None:
+        role = str(brk.get("role") or "?")
+        where = f"at message {index} ({_SEGMENT_ROLES.get(role, role)})"
+    elif segment == "tools":
+        where = "in the tools block"
+    elif segment == "generation_prompt":
+        where = "in the generation prompt"
+    elif segment == "prompt_end":
+        where = "at the prompt's end"
+    else:
+        where = f"in an unknown place ({brk.get('reason') or 'not located'})"
+    text = f"prefix broke {where}, token {token:,}"
+    reused, expected = as_int(brk.get("reused_tokens")), as_int(brk.get("expected_tokens"))
+    if reused is not None and expected is not None:
+        text += f"; reused {reused:,} of {expected:,} tokens"
+    if excerpts and "previous" in brk and "current" in brk:
+        text += f"; was {json.dumps(brk['previous'], ensure_ascii=False)}, now {json.dumps(brk['current'], ensure_ascii=False)}"
+    return text
 
 
 def _last_text(messages: Sequence[JSONObject], role: str) -> str | None:

@@ -486,7 +486,7 @@ def waited_event(waiting: Mapping[str, object]) -> str:
 
 
 def format_node(node_id: str, result: Mapping[str, object]) -> str:
-    from ..inspection import control_text
+    from ..inspection import control_text, prefix_break_text
 
     meta = object_at(result, "metadata")
     execution = object_at(meta, "execution")
@@ -519,6 +519,9 @@ def format_node(node_id: str, result: Mapping[str, object]) -> str:
         if cache.get("degraded_reason"):
             line += f" degraded: {cache['degraded_reason']}"
         lines.append(line)
+        broke = prefix_break_text(object_at(cache, "prefix_break"), excerpts=True)
+        if broke:
+            lines.append(f"        {broke}")
     if sibling.get("role") == "sibling":
         state = "prefetched" if sibling.get("used") else f"not used ({sibling.get('reason')})"
         lines.append(f"      sibling batch: {state}, launched by {sibling.get('trigger_node')}")
