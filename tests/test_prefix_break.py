@@ -127,13 +127,14 @@ def test_a_template_that_refuses_partial_conversations_says_so(dense_model):
         "{{- raise_exception('No user query found in messages.') -}}{%- endif -%}" + tokenizer.chat_template
     )
     messages = prepare_conversation(transcript())
-    ids = list(tokenizer.encode(render_prompt(tokenizer, messages, thinking=False), add_special_tokens=False))
+    text = render_prompt(tokenizer, messages, thinking=False)
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
     out = attribute(
         PrefixBreak(token=10, reused_tokens=0, expected_tokens=len(ids), previous_ids=tuple(ids[10:20])),
         prompt_ids=ids,
+        text=text,
         conversation=messages,
         tokenizer=tokenizer,
-        encode=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
         tools=None,
         thinking=False,
     )

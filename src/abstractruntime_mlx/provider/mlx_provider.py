@@ -105,7 +105,9 @@ class _Prepared:
     controls: ResolvedControls
     prompt_cache_key: str | None
     started: float
-    conversation: list[dict[str, Any]] = field(default_factory=list)  # as rendered (prefix-break attribution)
+    # What the prompt was rendered from, for prefix-break attribution (references, not copies).
+    text: str = ""
+    conversation: list[dict[str, Any]] = field(default_factory=list)
     tools: tuple[Mapping[str, Any], ...] = ()
 
 
@@ -370,7 +372,7 @@ class MLXProvider:
             request.prompt_kwargs_factory = _image_kwargs_factory(request, loaded, text, images)
         tracker = ProgressTracker(call.progress, min_interval_s=self.progress_min_interval_s) if call.progress else None
         return _Prepared(
-            request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter(), conversation, tuple(call.tools)
+            request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter(), text, conversation, tuple(call.tools)
         )
 
     def _speculation_plan(
@@ -518,9 +520,9 @@ class MLXProvider:
             return attribute(
                 brk,
                 prompt_ids=request.prompt_ids,
+                text=prepared.text,
                 conversation=prepared.conversation,
                 tokenizer=loaded.tokenizer,
-                encode=loaded.encode,
                 tools=prepared.tools,
                 thinking=prepared.controls.thinking,
             )
