@@ -4,6 +4,7 @@
     abstractruntime-mlx runs show RUN_ID [--json]    # steps, node results, phase timeline
     abstractruntime-mlx runs replay RUN_ID      # re-render from the ledger; resume if interrupted
     abstractruntime-mlx runs web                # the same in a browser, live (runs_web_cmd)
+    abstractruntime-mlx runs export RUN_ID... --otlp URL | --json FILE   # OpenTelemetry traces (runs_export_cmd)
     abstractruntime-mlx runs resume RUN_ID --answer TEXT     # continue a waiting run
     abstractruntime-mlx runs resume RUN_ID --event NAME[=JSON]
     abstractruntime-mlx runs resume --all-running    # take over runs whose driver is gone
@@ -76,9 +77,10 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     replay.add_argument("--json", action="store_true")
     replay.set_defaults(handler=_replay)
 
-    from . import runs_web_cmd
+    from . import runs_export_cmd, runs_web_cmd
 
     runs_web_cmd.add_parser(actions)
+    runs_export_cmd.add_parser(actions)
 
     resume = actions.add_parser(
         "resume",
