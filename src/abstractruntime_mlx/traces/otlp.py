@@ -153,7 +153,9 @@ def protobuf_body(request: JSONObject) -> bytes:
     from google.protobuf import json_format
 
     message = _proto_request_class()()
-    json_format.ParseDict(_with_base64_ids(request), message)
+    converted = _with_base64_ids(request)
+    assert isinstance(converted, dict)
+    json_format.ParseDict(converted, message)
     body: bytes = message.SerializeToString()
     return body
 
