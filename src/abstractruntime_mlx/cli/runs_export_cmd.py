@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 from urllib.parse import unquote
 
-from .ledger_location import default_ledger_url, open_for_inspection
+from .ledger_location import default_ledger_url, open_for_inspection, resolve_run_id
 
 if TYPE_CHECKING:
     from ..traces import OtlpTarget
@@ -88,7 +88,6 @@ def otlp_target(args: argparse.Namespace) -> OtlpTarget | None:
 def _export(args: argparse.Namespace) -> int:
     from ..traces import export_request, send_spans, tree_spans
     from .main import installed_version
-    from .runs_cmd import resolve_run_id
 
     target = otlp_target(args)
     if target is None and args.json is None:
