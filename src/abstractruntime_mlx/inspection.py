@@ -51,6 +51,7 @@ __all__ = [
     "RunView",
     "SpanView",
     "call_views",
+    "child_run_steps",
     "child_runs",
     "control_text",
     "node_labels",
@@ -153,6 +154,9 @@ class CallView:
     """The model that served the call (``route.served.model``, else the result's ``model``)."""
     route: dict[str, object] = field(default_factory=dict)
     """``{"asked": {...}, "served": {...}, "rule": ...}``: what the node named and what served it."""
+    request_params: dict[str, object] = field(default_factory=dict)
+    """The sampling parameters the call asked for (the step's ``params``: ``temperature``,
+    ``max_output_tokens`` ...)."""
     load: dict[str, object] = field(default_factory=dict)
     """The model load the call waited for: ``model``, ``size_bytes``, ``state`` (``loading``,
     ``loaded``, ``failed``), ``start_s``, ``end_s``, ``seconds``; empty when the model was resident."""
@@ -509,14 +513,19 @@ def _spans(
 
 
 def _child_run_nodes(steps: Sequence[StepRow]) -> dict[str, str]:
-    """``child run id -> node id`` of the run's nodes that started child runs (their steps wait
-    on ``details.sub_run_id``)."""
-    out: dict[str, str] = {}
+    """``child run id -> node id`` of the run's nodes that started child runs."""
+    return {child: step.node_id for child, step in child_run_steps(steps).items()}
+
+
+def child_run_steps(steps: Sequence[StepRow]) -> dict[str, StepRow]:
+    """``child run id -> the first step`` of the run that started it (its step waits on
+    ``details.sub_run_id``)."""
+    out: dict[str, StepRow] = {}
     for step in steps:
         for wait in (object_at(object_at(step.record, "result"), "wait"), object_at(step.record, "wait")):
             child = object_at(wait, "details").get("sub_run_id")
             if isinstance(child, str):
-                out.setdefault(child, step.node_id)
+                out.setdefault(child, step)
     return out
 
 
@@ -766,6 +775,7 @@ def _call_view(
         input_note=input_note,
         model=as_str(object_at(route, "served").get("model")) or as_str(result.get("model")),
         route=route,
+        request_params={k: v for k, v in object_at(payload, "params").items() if k != "trace_metadata"},
         load=_load_of(load_rows, origin),
     )
 
