@@ -184,3 +184,17 @@ def test_interactive_prompt_on_a_terminal_keeps_a_history(tmp_path: Path, dense_
     history = tmp_path / "state" / "abstractruntime-mlx" / "chat_history"
     assert history.read_text().splitlines()[-2:] == ["hello there", "/exit"]
     assert history.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.slow
+def test_the_docs_example_runs_as_written(tmp_path: Path, policy_file: Path) -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "cli-chat.md").read_text()
+    (block,) = re.findall(r"```bash\n(.*?)```", doc, re.S)
+    cli = f'abstractruntime-mlx() {{ "{sys.executable}" -m abstractruntime_mlx.cli.main "$@"; }}\n'
+    script = cli + "set -e -o pipefail\n" + block.replace("/tmp/arm-", str(tmp_path / "arm-"))
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr
+    (_, c1, _), (_, c2, _) = figures(done.stderr)
+    assert c1 == 0 and c2 > 0
+    assert "turns: 2, messages in the conversation: 4" in done.stderr
