@@ -190,11 +190,12 @@ class ChatSession:
         cancelled) and the turn is left out of the history; the session goes on."""
         request = self.request(user)
         started = time.perf_counter()
-        stream = self.open_stream(request)
+        stream: Iterator[GenerationChunk] | None = None
         reply: list[str] = []
         first_at: float | None = None
         final: GenerationChunk | None = None
         try:
+            stream = self.open_stream(request)  # a remote one waits here for the server's answer
             for chunk in stream:
                 if chunk.content:
                     if first_at is None:
@@ -205,13 +206,15 @@ class ChatSession:
                 if chunk.is_final:
                     final = chunk
         except KeyboardInterrupt:
-            _close(stream)
+            if stream is not None:
+                _close(stream)
             self.out.write("\n")
             self.out.flush()
             self._note("reply stopped (Ctrl-C); it is left out of the conversation")
             return None
         finally:
-            _close(stream)
+            if stream is not None:
+                _close(stream)
         ended = time.perf_counter()
         self.out.write("\n")
         self.out.flush()
