@@ -263,7 +263,7 @@ class ResponsesRenderer:
         self._seq += 1
         return named_event(kind, {"type": kind, "sequence_number": self._seq, **fields})
 
-    def opening(self, *, model: str) -> list[str]:
+    def opening(self, *, model: str, reasoning_open: bool) -> list[str]:
         self._model = model
         started = self._response(status="in_progress", output=[], usage=None, finish_reason=None, metadata=None)
         place: JSONObject = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
