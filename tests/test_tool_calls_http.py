@@ -169,3 +169,80 @@ def test_parameters_that_cannot_compile_are_a_typed_400(server_url):
         timeout=30,
     )
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_tools"
+
+
+# --------------------------------------------------------------------------- /v1/responses
+
+RESPONSES_TOOLS: list[Any] = [
+    {"type": "function", "name": "get_weather", "description": "Weather of a city", "parameters": WEATHER},
+    {"type": "function", "name": "get_time", "description": "Time in a zone", "parameters": TIME},
+]
+
+
+def test_responses_function_call_whole_and_streamed(client, dense_model):
+    kwargs: dict[str, Any] = dict(
+        model=dense_model, input="What is the weather in Paris?", tools=RESPONSES_TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60, temperature=0,
+        extra_body={"thinking": False},
+    )
+    response = client.responses.create(**kwargs)
+    assert response.status == "completed"
+    (item,) = response.output
+    assert item.type == "function_call" and item.name == "get_weather" and item.call_id.startswith("call_")
+    jsonschema.validate(json.loads(item.arguments), WEATHER)
+    assert [t.name for t in response.tools] == ["get_weather", "get_time"]
+
+    kinds: list[str] = []
+    arguments: list[str] = []
+    final = None
+    with client.responses.create(stream=True, **kwargs) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.function_call_arguments.delta":
+                arguments.append(event.delta)
+            if event.type == "response.completed":
+                final = event.response
+    assert "response.output_text.delta" not in kinds
+    assert kinds.index("response.function_call_arguments.done") < kinds.index("response.output_item.done")
+    assert "".join(arguments) == item.arguments  # the same greedy call
+    assert final is not None and [o.type for o in final.output] == ["function_call"]
+    assert final.output[0].arguments == item.arguments
+
+
+def test_responses_carry_earlier_calls_and_their_results(client, dense_model, server_url):
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21"}
+    asked = {"role": "user", "content": "What is the weather in Paris?"}
+    with_results = client.responses.create(
+        model=dense_model, input=[asked, call, result], tools=RESPONSES_TOOLS, max_output_tokens=4, temperature=0,
+        extra_body={"thinking": False},
+    )
+    # The same conversation on the chat route: the same prompt, token for token.
+    chat = httpx.post(
+        f"{server_url}/v1/chat/completions",
+        json={
+            "messages": [
+                asked,
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21"},
+            ],
+            "tools": TOOLS, "max_tokens": 4, "temperature": 0, "thinking": False,
+        },
+        timeout=60,
+    ).json()
+    assert with_results.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert with_results.output_text == chat["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"tools": [{"type": "function", "name": "bad name"}]}, "tools.0.name"),
+        ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "launch"}}, "tool_choice.function.name"),
+    ],
+)
+def test_responses_bad_tools_are_a_typed_400(server_url, fields, field):
+    answer = httpx.post(f"{server_url}/v1/responses", json={"input": "x", "max_output_tokens": 4, **fields}, timeout=30)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["code"] == "invalid_tools" and answer.json()["error"]["details"]["field"] == field

@@ -86,11 +86,16 @@ class ChatRenderer:
         return "".join(self._pieces(self._splitter.feed(delta)))
 
     def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
-        records = self._pieces([*self._splitter.feed(tail), *self._splitter.finish()])
+        pieces = [*self._splitter.feed(tail), *self._splitter.finish()]
+        # Trailing answer text rides on the terminal chunk.
+        last: JSONObject = {}
+        if pieces and isinstance(trailing := pieces[-1], ContentPiece):
+            last = {"content": trailing.text}
+            pieces.pop()
         finish = final.finish_reason
         if self._splitter.num_calls and finish == "stop":
             finish = "tool_calls"
-        return [*records, self._chunk({}, finish_reason=finish, usage=final.usage, metadata=final.metadata)]
+        return [*self._pieces(pieces), self._chunk(last, finish_reason=finish, usage=final.usage, metadata=final.metadata)]
 
     def _pieces(self, pieces: list[StreamPiece]) -> list[str]:
         out: list[str] = []
