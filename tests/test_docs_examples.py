@@ -19,6 +19,7 @@ DOCS = [
     "docs/inspector.md",
     "docs/flows.md",
     "docs/structured-output.md",
+    "docs/server.md",
 ]
 
 
