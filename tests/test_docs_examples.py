@@ -20,6 +20,7 @@ DOCS = [
     "docs/flows.md",
     "docs/structured-output.md",
     "docs/traces.md",
+    "docs/server.md",
 ]
 
 

@@ -16,6 +16,7 @@ remote client rebuilds the same class from ``code``.
     │   ├── InvalidFlow (400, invalid_flow)          ``check`` found problems in a flow
     │   ├── InvalidResponseSchema (400, invalid_response_schema)   a structured-output schema that cannot be compiled
     │   │   └── ResponseSchemaTooLarge (400, schema_too_large)     over a size, node or depth limit
+    │   ├── InvalidTools (400, invalid_tools)        malformed ``tools``, or a ``tool_choice`` they do not offer
     │   ├── PromptCachePathUnsafe (400, prompt_cache_path_unsafe)   symlinked or non-private cache dir
     │   ├── EmbeddingsUnsupported (400, embeddings_unsupported)   serve: the model generates text, it cannot embed
     │   ├── RemoteNotAllowed (403, remote_not_allowed)   a flow sends prompts to a server the user did not allow
@@ -170,6 +171,18 @@ class ResponseSchemaTooLarge(InvalidResponseSchema):
         self.details.update(limit=limit, max=maximum)
         self.limit = limit
         self.maximum = maximum
+
+
+class InvalidTools(InvalidRequest):
+    """A ``tools`` list that is not a list of function tools (a name of letters, digits, ``_``,
+    ``-`` or ``.``; ``parameters`` a JSON Schema object), or a ``tool_choice`` that is not
+    ``none`` / ``auto`` / ``required`` or a function of ``tools``. ``details``: ``field``."""
+
+    code = "invalid_tools"
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message, details={"field": field})
+        self.field = field
 
 
 class PromptCachePathUnsafe(InvalidRequest):

@@ -68,7 +68,8 @@ class GenerationResult:
 @dataclass(slots=True)
 class GenerationChunk:
     """One streamed piece. Exactly one chunk per request is terminal (``finish_reason`` set);
-    it carries ``usage`` and the full ``metadata``."""
+    it carries ``usage`` and the full ``metadata``. ``reasoning``: thinking text a server sent
+    apart (``delta.reasoning_content``); a local stream's thinking is in ``content``, raw."""
 
     content: str = ""
     finish_reason: FinishReason | None = None
@@ -76,6 +77,7 @@ class GenerationChunk:
     metadata: JSONObject | None = None
     token_ids: list[int] | None = None
     model: str | None = None
+    reasoning: str | None = None
 
     @property
     def is_final(self) -> bool:

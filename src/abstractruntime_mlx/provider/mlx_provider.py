@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import itertools
-import json
 import logging
-import re
 import threading
 import time
 import uuid
@@ -38,6 +36,7 @@ from ..errors import (
     UpstreamError,
 )
 from ..policy import read_policy_controls
+from ..model_output import THINK_END, THINK_START, parse_output, tool_format_of
 from ..request import GenerationRequest
 from ..results import GenerationChunk, GenerationResult
 from ..structured import ResponseFormat, parse_answer, run_schema_work
@@ -93,8 +92,6 @@ EXECUTION_DEFAULTS: dict[str, Any] = {
 }
 
 _lease_ids = itertools.count(1)
-_THINK_END = "</think>"
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 @dataclass(slots=True)
@@ -201,6 +198,14 @@ class MLXProvider:
             policy=read_policy_controls(),
             verified_default=bool(self._mtp.get("verified")),
         )
+
+    def reasoning_opens_in_prompt(self, request: GenerationRequest) -> bool:
+        """Whether the chat template's generation prompt for ``request`` leaves a think block
+        open (the answer starts inside it), as rendered for a one-message probe with the
+        request's resolved thinking; a streamed answer sends such text as reasoning."""
+        thinking = (request.resolved or self.resolve_controls(request)).thinking
+        text = render_prompt(self._engine.serving_model().tokenizer, [{"role": "user", "content": "x"}], thinking=thinking)
+        return text.rfind(THINK_START) > text.rfind(THINK_END)
 
     def speculation_ready(self) -> bool:
         if self._resident is None:
@@ -312,14 +317,14 @@ class MLXProvider:
         chunks = self._stream(prepared, submitted)
         if stream:
             return ChunkStream(chunks, submitted)
-        return _result_from_chunks(list(chunks), request.response_format)
+        return _result_from_chunks(list(chunks), request)
 
     async def agenerate_request(self, request: GenerationRequest, *, stream: bool = False) -> GenerationResult | AsyncChunkStream:
         # Rendering and tokenizing run on a thread (a huge prompt must not stall the event
         # loop); errors (context too long, full queue) raise from this await. A structured
         # request compiles its grammar there too: on the few schema threads, so that many
         # schemas at once wait for each other, not for the threads other requests need.
-        if request.response_format is not None:
+        if request.response_format is not None or request.tool_choice.forced:
             prepared = await run_schema_work(self._prepare, request)
         else:
             prepared = await asyncio.to_thread(self._prepare, request)
@@ -330,7 +335,7 @@ class MLXProvider:
         parts: list[GenerationChunk] = []
         async for chunk in chunks:
             parts.append(chunk)
-        return _result_from_chunks(parts, request.response_format)
+        return _result_from_chunks(parts, request)
 
     # --- internals --------------------------------------------------------------------------
     def _prepare(self, call: GenerationRequest) -> _Prepared:
@@ -339,17 +344,26 @@ class MLXProvider:
         loaded = engine.serving_model()
         images = _load_images(call.media, loaded)
         conversation = prepare_conversation(call.messages, num_images=len(images))
-        text = render_prompt(loaded.tokenizer, conversation, tools=list(call.tools), thinking=controls.thinking)
+        tools = list(call.tools) if call.tool_choice.mode != "none" else []
+        text = render_prompt(loaded.tokenizer, conversation, tools=tools, thinking=controls.thinking)
         prompt_ids = _encode_within_context(loaded, text, call.max_output_tokens)
-        draft_tokens, speculation_meta = self._speculation_plan(
-            controls, call.sampling, loaded, structured=call.response_format is not None
-        )
+        constrained = call.response_format is not None or call.tool_choice.forced
+        draft_tokens, speculation_meta = self._speculation_plan(controls, call.sampling, loaded, structured=constrained)
         max_tokens = _output_cap(loaded, len(prompt_ids), call.max_output_tokens)
         grammar = None
+        # Compiled here, on the caller's thread: the worker's other rows never wait for it.
         if call.response_format is not None:
-            # Compiled here, on the caller's thread: the worker's other rows never wait for it.
             grammar = loaded.grammar_compiler().processor(
                 call.response_format, max_tokens=max_tokens, prompt_text=text, thinking=controls.thinking
+            )
+        elif call.tool_choice.forced:
+            grammar = loaded.grammar_compiler().tool_processor(
+                call.tools,
+                call.tool_choice,
+                tool_format_of(getattr(loaded.tokenizer, "chat_template", None)),
+                max_tokens=max_tokens,
+                prompt_text=text,
+                thinking=controls.thinking,
             )
 
         request = EngineRequest(
@@ -769,52 +783,27 @@ def _performance(request: EngineRequest) -> dict[str, Any]:
     return out
 
 
-def _result_from_chunks(chunks: list[GenerationChunk], response_format: ResponseFormat | None = None) -> GenerationResult:
+def _result_from_chunks(chunks: list[GenerationChunk], call: GenerationRequest) -> GenerationResult:
     final = chunks[-1]
     text = "".join(c.content for c in chunks)
-    content, reasoning = _split_reasoning(text)
+    response_format = call.response_format
+    reads_calls = bool(call.tools) and call.tool_choice.mode != "none" and response_format is None
+    output = parse_output(text, tools=reads_calls)
     parsed = None
     if response_format is not None and final.finish_reason != "cancelled":
-        parsed = parse_answer(content, response_format, mode="constrained", finish_reason=final.finish_reason)
-        tool_calls = None
-    else:
-        content, tool_calls = _extract_tool_calls(content)
+        parsed = parse_answer(output.content, response_format, mode="constrained", finish_reason=final.finish_reason)
+    tool_calls = [c.to_openai() for c in output.tool_calls] or None
     finish = final.finish_reason
+    if tool_calls and finish == "stop":
+        finish = "tool_calls"
     return GenerationResult(
-        content=content,
+        content=output.content,
         finish_reason=finish,
         usage=final.usage or {},
         metadata=final.metadata or {},
         model=final.model,
-        reasoning=reasoning,
+        reasoning=output.reasoning,
         tool_calls=tool_calls,
         token_ids=final.token_ids,
         parsed=parsed,
     )
-
-
-def _split_reasoning(text: str) -> tuple[str, str | None]:
-    if _THINK_END not in text:
-        return text, None
-    reasoning, _, content = text.partition(_THINK_END)
-    return content.lstrip("\n"), reasoning.replace("<think>", "").strip()
-
-
-def _extract_tool_calls(text: str) -> tuple[str, list[dict[str, Any]] | None]:
-    calls = []
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            payload = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if isinstance(payload, dict) and "name" in payload:
-            calls.append(
-                {
-                    "id": f"call_{uuid.uuid4().hex[:12]}",
-                    "type": "function",
-                    "function": {"name": payload["name"], "arguments": json.dumps(payload.get("arguments", {}))},
-                }
-            )
-    if not calls:
-        return text, None
-    return _TOOL_CALL.sub("", text).strip(), calls

@@ -553,7 +553,9 @@ class StreamDecoder:
         if not choices:
             return []
         choice = choices[0]
-        text = as_str(object_at(choice, "delta").get("content")) or ""
+        delta = object_at(choice, "delta")
+        text = as_str(delta.get("content")) or ""
+        reasoning = as_str(delta.get("reasoning_content")) or None
         if choice.get("finish_reason") is not None:
             self.finish_reason = finish_reason_of(choice["finish_reason"])
             self.final_content += text
@@ -561,7 +563,7 @@ class StreamDecoder:
         if self.finish_reason is not None:  # text after the terminal record joins it
             self.final_content += text
             return []
-        return [GenerationChunk(content=text, model=self.model)] if text else []
+        return [GenerationChunk(content=text, model=self.model, reasoning=reasoning)] if text or reasoning else []
 
     def final_chunk(self, *, remote: Mapping[str, JSONValue]) -> GenerationChunk:
         if self.finish_reason is None:

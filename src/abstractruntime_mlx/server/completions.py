@@ -127,7 +127,7 @@ class CompletionRenderer:
         self._model = model
         return self._body(result.content, finish_reason=result.finish_reason or "stop", usage=result.usage, metadata=result.metadata)
 
-    def opening(self, *, model: str) -> list[str]:
+    def opening(self, *, model: str, reasoning_open: bool) -> list[str]:
         self._model = model
         return []
 

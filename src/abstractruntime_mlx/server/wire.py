@@ -59,8 +59,12 @@ def abstractcore_block(metadata: Mapping[str, JSONValue] | None) -> JSONObject |
 
 
 def completion_body(result: GenerationResult, *, completion_id: str, model: str, created: int) -> JSONObject:
-    message: JSONObject = {"role": "assistant", "content": result.content}
+    # An answer that is only tool calls has no content (``null``), as OpenAI's.
+    content = None if result.tool_calls and not result.content else result.content
+    message: JSONObject = {"role": "assistant", "content": content}
     if result.reasoning:
+        # ``reasoning_content`` as vLLM and LM Studio name it; ``reasoning`` as before.
+        message["reasoning_content"] = result.reasoning
         message["reasoning"] = result.reasoning
     if result.tool_calls:
         message["tool_calls"] = format_tool_calls(result.tool_calls)
