@@ -17,6 +17,8 @@ Routes (see ``docs/server.md``)::
     POST /v1/embeddings                        refused: embeddings_unsupported (embeddings.py)
     GET  /metrics                              Prometheus text format (metrics.py)
     POST /v1/messages                          Anthropic's Messages API (anthropic.py)
+    POST /api/chat, /api/generate              Ollama's API (ollama.py): NDJSON streams
+    GET  /api/tags, /api/ps, /api/version; POST /api/show
 
 Every failure is ``{"error": {"message", "type", "code"}}`` with the error's HTTP status (in
 Anthropic's and Ollama's shapes on their routes, ``dialects.py``);
@@ -68,6 +70,7 @@ from .edge import (
     served_provider,
 )
 from .embeddings import create_embeddings
+from .ollama import ollama_chat, ollama_generate, ollama_ps, ollama_show, ollama_tags, ollama_version
 from .metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
 from .responses import create_response
 from .serve_ledger import ServeLedger
@@ -435,6 +438,12 @@ def create_app(
             ("/v1/embeddings", create_embeddings, ["POST"]),
             ("/metrics", metrics_endpoint, ["GET"]),
             ("/v1/messages", create_message, ["POST"]),
+            ("/api/chat", ollama_chat, ["POST"]),
+            ("/api/generate", ollama_generate, ["POST"]),
+            ("/api/tags", ollama_tags, ["GET"]),
+            ("/api/ps", ollama_ps, ["GET"]),
+            ("/api/show", ollama_show, ["POST"]),
+            ("/api/version", ollama_version, ["GET"]),
         )
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _on_http_error}, lifespan=lifespan)
