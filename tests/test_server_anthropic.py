@@ -106,8 +106,17 @@ def test_stop_sequences_end_the_answer(client: anthropic.Anthropic) -> None:
     free = client.messages.create(**request).content[0].text  # type: ignore[union-attr]
     stop = free[2:4] if len(free) >= 4 else free[-1:]
     assert stop
-    cut = client.messages.create(**request, stop_sequences=[stop]).content[0].text  # type: ignore[union-attr]
-    assert cut == free[: free.index(stop)]
+    cut = client.messages.create(**request, stop_sequences=["\x00never", stop])
+    assert cut.content[0].text == free[: free.index(stop)]  # type: ignore[union-attr]
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    with client.messages.stream(**request, stop_sequences=[stop]) as stream:
+        deltas = [event for event in stream if event.type == "message_delta"]
+        streamed = stream.get_final_message()
+    assert [(d.delta.stop_reason, d.delta.stop_sequence) for d in deltas] == [("stop_sequence", stop)]
+    assert streamed.content[0].text == cut.content[0].text  # type: ignore[union-attr]
+    assert streamed.stop_reason == "stop_sequence" and streamed.stop_sequence == stop
+    capped = client.messages.create(**{**request, "max_tokens": 1}, stop_sequences=["\x00never"])
+    assert capped.stop_reason == "max_tokens" and capped.stop_sequence is None
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,22 @@ def test_keep_alive_loads_lists_and_unloads_on_the_pool(client: ollama.Client) -
     assert [m.model for m in client.list().models] == ["tiny"]
 
 
+def test_a_stop_option_ends_the_answer_with_done_reason_stop(client: ollama.Client) -> None:
+    messages = [{"role": "user", "content": "Go"}]
+    options: dict[str, Any] = {"temperature": 0, "num_predict": 12}
+    free = client.chat(model="tiny", messages=messages, stream=False, think=False, options=options)
+    text = free.message.content or ""
+    assert free.done_reason == "length" and len(text) >= 6, text
+    stop = text[2:5]
+    cut = client.chat(model="tiny", messages=messages, stream=False, think=False, options={**options, "stop": [stop]})
+    assert cut.message.content == text[: text.index(stop)] and cut.done_reason == "stop"
+    lines = list(client.chat(model="tiny", messages=messages, stream=True, think=False, options={**options, "stop": [stop]}))
+    assert "".join(line.message.content or "" for line in lines) == cut.message.content
+    assert [(line.done, line.done_reason) for line in lines][-1] == (True, "stop")
+    generated = client.generate(model="tiny", prompt="Go", stream=False, think=False, options={**options, "stop": [stop]})
+    assert generated.response == cut.message.content and generated.done_reason == "stop"
+
+
 def test_show_and_version(client: ollama.Client) -> None:
     shown = client.show("tiny:latest")
     assert shown.details is not None and shown.details.format == "mlx"

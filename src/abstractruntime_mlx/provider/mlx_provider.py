@@ -512,6 +512,8 @@ class MLXProvider:
             for key in ("runtime", "draft_kind", "drafter"):  # what would have run, had MTP run
                 speculation.pop(key, None)
         metadata: dict[str, Any] = {"execution": outcome.execution, "speculation": speculation}
+        if outcome.stop_reason is not None:
+            metadata["stop_reason"] = outcome.stop_reason  # the matched stop string, or the end-of-sequence id
         performance = _performance(request)
         if performance:
             metadata["performance"] = performance

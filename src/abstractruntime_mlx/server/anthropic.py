@@ -15,7 +15,8 @@ The body becomes a chat body (``calls.chat_body``) and runs through ``calls.serv
 
 The answer is a ``message`` whose ``content`` holds a ``thinking`` block when the model thought,
 a ``text`` block, and a ``tool_use`` block per tool call the provider parsed (then
-``stop_reason: "tool_use"``); ``usage`` has ``input_tokens`` (the prompt tokens computed for
+``stop_reason: "tool_use"``); a stop string that matched is ``stop_reason: "stop_sequence"``
+with ``stop_sequence`` set to it; ``usage`` has ``input_tokens`` (the prompt tokens computed for
 this call), ``cache_read_input_tokens`` (those the prefix cache gave) and ``output_tokens``.
 ``stream: true`` sends Anthropic's events (``message_start``, ``content_block_*``, ``ping``,
 ``message_delta``, ``message_stop``); with ``tools`` the events are written once the answer is
@@ -39,7 +40,7 @@ from starlette.responses import Response
 
 from ..errors import InvalidMedia, InvalidRequest, UpstreamError
 from ..json_values import JSONObject, JSONValue
-from ..results import GenerationChunk, GenerationResult
+from ..results import GenerationChunk, GenerationResult, stop_reason
 from .calls import chat_body, serve_call
 from .dialects import anthropic_error_body, dialect_error_response, reshape_error
 from .edge import read_body
@@ -331,10 +332,16 @@ def usage_of(usage: Mapping[str, int] | None) -> JSONObject:
     }
 
 
-def stop_reason_of(finish_reason: str | None, *, tool_use: bool) -> str:
+def stop_of(finish_reason: str | None, metadata: Mapping[str, JSONValue] | None, *, tool_use: bool) -> tuple[str, str | None]:
+    """Anthropic's ``(stop_reason, stop_sequence)``: ``stop_sequence`` names the stop string that matched."""
     if tool_use:
-        return "tool_use"
-    return "max_tokens" if finish_reason == "length" else "end_turn"
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    matched = stop_reason(metadata)
+    if isinstance(matched, str):
+        return "stop_sequence", matched
+    return "end_turn", None
 
 
 def content_blocks(result: GenerationResult) -> list[JSONValue]:
@@ -363,15 +370,15 @@ class MessagesRenderer:
         self.message: JSONObject | None = None  # the non-streamed body, once written
         self._model = ""
 
-    def _message(self, content: list[JSONValue], *, stop_reason: str | None, usage: JSONObject) -> JSONObject:
+    def _message(self, content: list[JSONValue], *, stop: tuple[str | None, str | None], usage: JSONObject) -> JSONObject:
         return {
             "id": self.message_id,
             "type": "message",
             "role": "assistant",
             "model": self._model,
             "content": content,
-            "stop_reason": stop_reason,
-            "stop_sequence": None,
+            "stop_reason": stop[0],
+            "stop_sequence": stop[1],
             "usage": usage,
         }
 
@@ -379,7 +386,7 @@ class MessagesRenderer:
         self._model = model
         blocks = content_blocks(result)
         tool_use = any(isinstance(b, dict) and b.get("type") == "tool_use" for b in blocks)
-        message = self._message(blocks, stop_reason=stop_reason_of(result.finish_reason, tool_use=tool_use), usage=usage_of(result.usage))
+        message = self._message(blocks, stop=stop_of(result.finish_reason, result.metadata, tool_use=tool_use), usage=usage_of(result.usage))
         block = abstractcore_block(result.metadata)
         if block is not None:
             message["abstractcore"] = block
@@ -388,7 +395,7 @@ class MessagesRenderer:
 
     def opening(self, *, model: str) -> list[str]:
         self._model = model
-        start = self._message([], stop_reason=None, usage={"input_tokens": 0, "output_tokens": 0})
+        start = self._message([], stop=(None, None), usage={"input_tokens": 0, "output_tokens": 0})
         return [
             _event("message_start", {"message": start}),
             _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
@@ -400,10 +407,8 @@ class MessagesRenderer:
 
     def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
         deltas = [self.text(tail)] if tail else []
-        ending: JSONObject = {
-            "delta": {"stop_reason": stop_reason_of(final.finish_reason, tool_use=False), "stop_sequence": None},
-            "usage": usage_of(final.usage),
-        }
+        reason, sequence = stop_of(final.finish_reason, final.metadata, tool_use=False)
+        ending: JSONObject = {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage_of(final.usage)}
         block = abstractcore_block(final.metadata)
         if block is not None:
             ending["abstractcore"] = block
@@ -425,7 +430,7 @@ def message_events(message: Mapping[str, JSONValue]) -> list[str]:
     """The stream of a complete ``message``: each block started, given whole in one delta, stopped."""
     content = message.get("content")
     blocks = list(content) if isinstance(content, list) else []
-    start = {**message, "content": [], "stop_reason": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
+    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
     start.pop("abstractcore", None)
     records = [_event("message_start", {"message": start}), _event("ping", {})]
     for index, block in enumerate(blocks):
@@ -443,7 +448,8 @@ def message_events(message: Mapping[str, JSONValue]) -> list[str]:
         records.append(_event("content_block_start", {"index": index, "content_block": opened}))
         records.append(_event("content_block_delta", {"index": index, "delta": delta}))
         records.append(_event("content_block_stop", {"index": index}))
-    ending: JSONObject = {"delta": {"stop_reason": message.get("stop_reason"), "stop_sequence": None}, "usage": message.get("usage")}
+    stopped: JSONObject = {"stop_reason": message.get("stop_reason"), "stop_sequence": message.get("stop_sequence")}
+    ending: JSONObject = {"delta": stopped, "usage": message.get("usage")}
     if message.get("abstractcore") is not None:
         ending["abstractcore"] = message["abstractcore"]
     records.append(_event("message_delta", ending))
