@@ -248,3 +248,56 @@ def test_a_failure_after_the_first_byte_is_an_error_event() -> None:
     assert error["type"] == "error" and error["error"]["code"] == "upstream_error" and error["error"]["type"] == "api_error"
     deltas = [json.loads(data)["delta"]["text"] for name, data in records if name == "content_block_delta"]
     assert "".join(deltas) == "Hel"
+
+
+# --------------------------------------------------------------------------- count_tokens
+
+
+def test_count_tokens_is_the_prompt_a_real_call_reports(url: str, client: anthropic.Anthropic) -> None:
+    conversations: list[dict[str, Any]] = [
+        {"messages": [{"role": "user", "content": "Say hi"}]},
+        {
+            "system": [{"type": "text", "text": "Use tools."}],
+            "tools": TOOLS,
+            "thinking": {"type": "disabled"},
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+            ],
+        },
+    ]
+    counts = []
+    for conversation in conversations:
+        counted = client.messages.count_tokens(model="claude-tiny", **conversation)
+        message = client.messages.create(model="claude-tiny", max_tokens=1, temperature=0, **conversation)
+        assert counted.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+        counts.append(counted.input_tokens)
+    assert counts[1] > counts[0] > 0
+    without_tools = {k: v for k, v in conversations[1].items() if k != "tools"}
+    assert client.messages.count_tokens(model="claude-tiny", **without_tools).input_tokens < counts[1]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "claude-tiny", "messages": []}, 400, "invalid_request"),
+        ({"model": "claude-opus-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found"),
+        ({"model": "claude-tiny", "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_B64}}]}]}, 400, "native_media_invalid"),
+        ({"model": "claude-tiny", "tool_choice": {"type": "any"}, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request"),
+    ],
+    ids=["no-messages", "unknown-model", "image", "tool_choice-any"],
+)
+def test_count_tokens_refuses_in_anthropics_shape(url: str, body: dict[str, Any], status: int, code: str) -> None:
+    answer = httpx.post(f"{url}/v1/messages/count_tokens", json=body, headers={"x-api-key": KEY}, timeout=60)
+    assert answer.status_code == status, answer.text
+    payload = answer.json()
+    assert payload["type"] == "error" and payload["error"]["code"] == code
+
+
+def test_count_tokens_on_a_provider_that_cannot_count_is_a_typed_error(tool_server: tuple[anthropic.Anthropic, ToolCallingProvider]) -> None:
+    client, fake = tool_server
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.count_tokens(model="fake-model", messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.body["error"]["code"] == "token_count_unsupported"  # type: ignore[index]
+    assert fake.calls == []  # nothing was generated

@@ -323,14 +323,25 @@ class MLXProvider:
             parts.append(chunk)
         return _result_from_chunks(parts, request.response_format)
 
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The prompt tokens ``request`` would be given: its messages and tools rendered with the
+        chat template (the thinking control resolved as a call resolves it) and tokenized;
+        nothing is generated or queued. It is the ``usage["prompt_tokens"]`` of that call. A
+        request with images is refused (``InvalidMedia``): their tokens are known only after the
+        vision processor ran on the worker."""
+        if request.media:
+            raise InvalidMedia("counting tokens takes text only: image tokens are counted when the call runs")
+        controls = request.resolved if request.resolved is not None else self.resolve_controls(request)
+        loaded = self._engine.serving_model()
+        return len(loaded.encode(_render(loaded, request, controls, num_images=0)))
+
     # --- internals --------------------------------------------------------------------------
     def _prepare(self, call: GenerationRequest) -> _Prepared:
         controls = call.resolved if call.resolved is not None else self.resolve_controls(call)
         engine = self._engine
         loaded = engine.serving_model()
         images = _load_images(call.media, loaded)
-        conversation = prepare_conversation(call.messages, num_images=len(images))
-        text = render_prompt(loaded.tokenizer, conversation, tools=list(call.tools), thinking=controls.thinking)
+        text = _render(loaded, call, controls, num_images=len(images))
         prompt_ids = _encode_within_context(loaded, text, call.max_output_tokens)
         draft_tokens, speculation_meta = self._speculation_plan(
             controls, call.sampling, loaded, structured=call.response_format is not None
@@ -643,6 +654,12 @@ def _drafter_source(path: Path, head: Path | None, mtp: dict[str, Any]) -> Path 
         return path
     companion = mtp.get("companion_path")
     return Path(companion) if companion else None
+
+
+def _render(loaded: LoadedModel, call: GenerationRequest, controls: ResolvedControls, *, num_images: int) -> str:
+    """The prompt text of ``call``: its messages and tools through the model's chat template."""
+    conversation = prepare_conversation(call.messages, num_images=num_images)
+    return render_prompt(loaded.tokenizer, conversation, tools=list(call.tools), thinking=controls.thinking)
 
 
 def _encode_within_context(loaded: Any, text: str, cap: int | None) -> list[int]:

@@ -23,6 +23,9 @@ this call), ``cache_read_input_tokens`` (those the prefix cache gave) and ``outp
 complete (tool calls are parsed from the whole answer). Every error is Anthropic's
 ``{"type": "error", "error": {"type", "message", "code"}}`` (``dialects.py``); after the first
 byte it is an ``error`` event.
+
+``POST /v1/messages/count_tokens`` takes the conversation fields (``ConversationRequest``) and
+answers ``{"input_tokens": N}``, the provider's ``count_prompt_tokens`` of the same chat body.
 """
 
 from __future__ import annotations
@@ -36,14 +39,15 @@ from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
-from ..errors import InvalidMedia, InvalidRequest, UpstreamError
+from ..errors import InvalidMedia, InvalidRequest, TokenCountUnsupported, UpstreamError
 from ..json_values import JSONObject, JSONValue
 from ..results import GenerationChunk, GenerationResult, stop_reason
 from .calls import chat_body, serve_call
 from .dialects import anthropic_error_body, dialect_error_response, reshape_error
-from .edge import read_body
+from .edge import generation_request, pool_of, read_body, served_provider
+from .pool import UNSET
 from .schemas import MAX_MESSAGES, FiniteFloat, ModelName, parse_body
 from .sse import SSEResponse, named_event
 from .wire import abstractcore_block, error_payload, format_tool_calls
@@ -69,28 +73,33 @@ class AnthropicTool(BaseModel):
     type: Literal["custom"] | None = None
 
 
-class MessagesRequest(BaseModel):
+class ConversationRequest(BaseModel):
+    """What ``/v1/messages`` and ``/v1/messages/count_tokens`` share: the prompt as the template renders it."""
+
     model_config = ConfigDict(extra="allow")
 
     model: ModelName | None = None
-    max_tokens: StrictInt
     messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: StrictStr | list[dict[str, object]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, object] | None = None
+    thinking: dict[str, object] | None = None
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(k for k in (self.model_extra or {}) if k not in TOLERATED_FIELDS)
+
+
+class MessagesRequest(ConversationRequest):
+    max_tokens: StrictInt
     stop_sequences: list[StrictStr] | None = None
     temperature: FiniteFloat | None = None
     top_p: FiniteFloat | None = None
     top_k: StrictInt | None = None
     stream: StrictBool = False
-    tools: list[AnthropicTool] | None = None
-    tool_choice: dict[str, object] | None = None
-    thinking: dict[str, object] | None = None
     # this server's controls (``extra_body`` in the SDK)
     speculation: object = None
     prompt_cache_key: StrictStr | None = None
     keep_alive: object = None
-
-    def unknown_fields(self) -> list[str]:
-        return sorted(k for k in (self.model_extra or {}) if k not in TOLERATED_FIELDS)
 
 
 # --------------------------------------------------------------------------- request
@@ -212,7 +221,7 @@ def _bad_block(kind: object, where: str, role: str, accepted: tuple[str, ...]) -
     )
 
 
-def chat_messages(body: MessagesRequest) -> list[JSONObject]:
+def chat_messages(body: ConversationRequest) -> list[JSONObject]:
     """The chat messages of ``system`` and ``messages``."""
     messages: list[JSONObject] = []
     system = system_text(body.system)
@@ -229,7 +238,7 @@ def chat_messages(body: MessagesRequest) -> list[JSONObject]:
     return messages
 
 
-def chat_tools(body: MessagesRequest) -> list[JSONObject] | None:
+def chat_tools(body: ConversationRequest) -> list[JSONObject] | None:
     """The chat form of ``tools`` (``None`` when there are none or ``tool_choice`` is ``none``)."""
     choice = (body.tool_choice or {}).get("type", "auto")
     if choice not in ("auto", "none"):
@@ -315,6 +324,30 @@ async def create_message(request: Request) -> Response:
 
 async def _replayed(records: list[str]) -> AsyncIterator[str]:
     yield "".join(records)
+
+
+@anthropic_route
+async def count_tokens(request: Request) -> Response:
+    """``{"input_tokens": N}``: the prompt tokens ``/v1/messages`` would be given for this body
+    (system, messages and tools through the chat template; nothing is generated)."""
+    body = await asyncio.to_thread(parse_body, ConversationRequest, await read_body(request))
+    unknown = body.unknown_fields()
+    if unknown:
+        log.warning("count_tokens request: ignoring unknown field(s) %s", ", ".join(unknown))
+    chat = await chat_body(
+        {"model": body.model, "messages": chat_messages(body), "tools": chat_tools(body), "thinking": thinking_of(body.thinking)}
+    )
+    typed = generation_request(chat, None)
+    # The model is resident (loaded now if it was not) while its template renders the prompt.
+    lease = await pool_of(request).acquire(body.model, keep_alive=UNSET)
+    try:
+        counter = getattr(served_provider(lease), "count_prompt_tokens", None)
+        if not callable(counter):
+            raise TokenCountUnsupported(f"{lease.name} cannot count tokens without generating", details={"model": lease.name})
+        count = await asyncio.to_thread(counter, typed)
+    finally:
+        lease.release()
+    return JSONResponse({"input_tokens": int(count)})
 
 
 # --------------------------------------------------------------------------- wire

@@ -17,6 +17,7 @@ Routes (see ``docs/server.md``)::
     POST /v1/embeddings                        refused: embeddings_unsupported (embeddings.py)
     GET  /metrics                              Prometheus text format (metrics.py)
     POST /v1/messages                          Anthropic's Messages API (anthropic.py)
+    POST /v1/messages/count_tokens             its prompt token count, nothing generated
     POST /api/chat, /api/generate              Ollama's API (ollama.py): NDJSON streams
     GET  /api/tags, /api/ps, /api/version; POST /api/show
 
@@ -57,7 +58,7 @@ from ..controls import normalize_speculation
 from ..request import MAX_PROMPT_CACHE_KEY_CHARS
 from ..errors import AuthenticationError, InvalidRequest, ModelNotFound, ResidencyConflict
 from ..json_values import JSONObject, JSONValue
-from .anthropic import create_message
+from .anthropic import count_tokens, create_message
 from .chat import chat_completions
 from .dialects import error_body_for
 from .completions import create_completion
@@ -438,6 +439,7 @@ def create_app(
             ("/v1/embeddings", create_embeddings, ["POST"]),
             ("/metrics", metrics_endpoint, ["GET"]),
             ("/v1/messages", create_message, ["POST"]),
+            ("/v1/messages/count_tokens", count_tokens, ["POST"]),
             ("/api/chat", ollama_chat, ["POST"]),
             ("/api/generate", ollama_generate, ["POST"]),
             ("/api/tags", ollama_tags, ["GET"]),
