@@ -19,6 +19,7 @@ remote client rebuilds the same class from ``code``.
     │   ├── InvalidTools (400, invalid_tools)        malformed ``tools``, or a ``tool_choice`` they do not offer
     │   ├── PromptCachePathUnsafe (400, prompt_cache_path_unsafe)   symlinked or non-private cache dir
     │   ├── EmbeddingsUnsupported (400, embeddings_unsupported)   serve: the model generates text, it cannot embed
+    │   ├── TokenCountUnsupported (400, token_count_unsupported)   serve: count_tokens on a provider that cannot count
     │   ├── RemoteNotAllowed (403, remote_not_allowed)   a flow sends prompts to a server the user did not allow
     │   │   └── RemoteAddressForbidden (403, remote_address_forbidden)   a link-local / cloud metadata address
     │   ├── OperatorSetting (403, operator_setting)   serve: a client's load option only the operator may set
@@ -197,6 +198,13 @@ class EmbeddingsUnsupported(InvalidRequest):
     """``POST /v1/embeddings`` to a server whose models generate text only."""
 
     code = "embeddings_unsupported"
+
+
+class TokenCountUnsupported(InvalidRequest):
+    """``POST /v1/messages/count_tokens`` on a model whose provider cannot render and tokenize a
+    prompt without generating (a provider other than the MLX one)."""
+
+    code = "token_count_unsupported"
 
 
 class RemoteNotAllowed(InvalidRequest):

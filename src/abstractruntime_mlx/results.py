@@ -19,6 +19,16 @@ FinishReason = Literal["stop", "length", "cancelled", "tool_calls", "error"]
 WIRE_METADATA_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "controls", "structured")
 """The metadata blocks a result carries over HTTP (under ``abstractcore`` in a completion body)."""
 
+def stop_reason(metadata: Mapping[str, JSONValue] | None) -> str | int | None:
+    """What ended a stopped answer (``metadata["stop_reason"]``): the stop string that matched, or
+    the id of the end-of-sequence token the model generated; None when neither did (a length cap,
+    a cancel, or a result that does not say)."""
+    value = (metadata or {}).get("stop_reason")
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    return None
+
+
 @dataclass(slots=True)
 class GenerationResult:
     """The answer to one ``generate`` call.
@@ -26,7 +36,8 @@ class GenerationResult:
     ``usage`` holds ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
     ``cached_input_tokens`` (plus the ``input_tokens``/``output_tokens`` aliases AbstractCore
     uses). ``metadata`` holds ``execution``, ``speculation``, ``performance``, ``prompt_cache``
-    and ``progress`` blocks; a block or key with no known value is absent.
+    and ``progress`` blocks, and ``stop_reason`` when a stop ended the answer (``stop_reason()``);
+    a block or key with no known value is absent.
     """
 
     content: str

@@ -983,11 +983,14 @@ class Engine:
                 if not self._deliver(request, TokenDelta(text, [token])):
                     return
             if stopped:
+                request.stop_reason = running.stops.matched
                 self._drop_row(group, uid)
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
-        elif request.first_token_at is None:
-            request.first_token_at = time.perf_counter()
+        else:
+            request.stop_reason = token
+            if request.first_token_at is None:
+                request.first_token_at = time.perf_counter()
         if finish_reason is not None:
             group.running.pop(uid, None)
             group.backend.forget(uid)
@@ -995,8 +998,10 @@ class Engine:
             tail = running.stops.flush(running.detokenizer.last_segment)
             if tail:
                 self._deliver(request, TokenDelta(tail, []))
-            status = RequestStatus.FINISHED_LENGTH if finish_reason == "length" else RequestStatus.FINISHED_STOPPED
-            self._finish(request, status)
+            if running.stops.matched is not None:  # the text the last token completed held a stop
+                request.stop_reason = running.stops.matched
+            stopped = finish_reason != "length" or running.stops.matched is not None
+            self._finish(request, RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_LENGTH)
 
     def _deliver(self, request: EngineRequest, item: Any, *, droppable: bool = False) -> bool:
         if request.is_finished() or request.cancelled:
@@ -1057,6 +1062,7 @@ class Engine:
             speculation=request.speculation,
             error=error,
             prompt_cache=request.prompt_cache,
+            stop_reason=request.stop_reason if status == RequestStatus.FINISHED_STOPPED else None,
         )
         if locked:
             self._account(request, status)

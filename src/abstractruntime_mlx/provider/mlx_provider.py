@@ -337,6 +337,19 @@ class MLXProvider:
             parts.append(chunk)
         return _result_from_chunks(parts, request)
 
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The prompt tokens ``request`` would be given: its messages and tools rendered with the
+        chat template (the thinking control resolved as a call resolves it) and tokenized;
+        nothing is generated or queued. It is the ``usage["prompt_tokens"]`` of that call. A
+        request with images is refused (``InvalidMedia``): their tokens are known only after the
+        vision processor ran on the worker."""
+        if request.media:
+            raise InvalidMedia("counting tokens takes text only: image tokens are counted when the call runs")
+        controls = request.resolved if request.resolved is not None else self.resolve_controls(request)
+        loaded = self._engine.serving_model()
+        conversation = prepare_conversation(request.messages, num_images=0)
+        return len(loaded.encode(_render(loaded, request, controls, conversation)))
+
     # --- internals --------------------------------------------------------------------------
     def _prepare(self, call: GenerationRequest) -> _Prepared:
         controls = call.resolved if call.resolved is not None else self.resolve_controls(call)
@@ -344,8 +357,7 @@ class MLXProvider:
         loaded = engine.serving_model()
         images = _load_images(call.media, loaded)
         conversation = prepare_conversation(call.messages, num_images=len(images))
-        tools = list(call.tools) if call.tool_choice.mode != "none" else []
-        text = render_prompt(loaded.tokenizer, conversation, tools=tools, thinking=controls.thinking)
+        text = _render(loaded, call, controls, conversation)
         prompt_ids = _encode_within_context(loaded, text, call.max_output_tokens)
         constrained = call.response_format is not None or call.tool_choice.forced
         draft_tokens, speculation_meta = self._speculation_plan(controls, call.sampling, loaded, structured=constrained)
@@ -386,7 +398,7 @@ class MLXProvider:
             request.prompt_kwargs_factory = _image_kwargs_factory(request, loaded, text, images)
         tracker = ProgressTracker(call.progress, min_interval_s=self.progress_min_interval_s) if call.progress else None
         return _Prepared(
-            request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter(), text, conversation, tuple(call.tools)
+            request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter(), text, conversation, tuple(_offered_tools(call))
         )
 
     def _speculation_plan(
@@ -567,6 +579,8 @@ class MLXProvider:
             for key in ("runtime", "draft_kind", "drafter"):  # what would have run, had MTP run
                 speculation.pop(key, None)
         metadata: dict[str, Any] = {"execution": outcome.execution, "speculation": speculation}
+        if outcome.stop_reason is not None:
+            metadata["stop_reason"] = outcome.stop_reason  # the matched stop string, or the end-of-sequence id
         performance = _performance(request)
         if performance:
             metadata["performance"] = performance
@@ -698,6 +712,16 @@ def _drafter_source(path: Path, head: Path | None, mtp: dict[str, Any]) -> Path 
         return path
     companion = mtp.get("companion_path")
     return Path(companion) if companion else None
+
+
+def _offered_tools(call: GenerationRequest) -> list[Mapping[str, Any]]:
+    """The tools the prompt offers: none under ``tool_choice: none``."""
+    return list(call.tools) if call.tool_choice.mode != "none" else []
+
+
+def _render(loaded: LoadedModel, call: GenerationRequest, controls: ResolvedControls, conversation: list[dict[str, Any]]) -> str:
+    """The prompt text of ``call``: its conversation and offered tools through the model's chat template."""
+    return render_prompt(loaded.tokenizer, conversation, tools=_offered_tools(call), thinking=controls.thinking)
 
 
 def _encode_within_context(loaded: Any, text: str, cap: int | None) -> list[int]:

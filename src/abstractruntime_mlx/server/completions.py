@@ -11,7 +11,8 @@ string. Refused with ``invalid_request`` (400) naming the field: several prompts
 
 The answer is a ``text_completion`` object (``choices[0].text``, ``usage``, and the additive
 ``abstractcore`` block); a stream sends ``text_completion`` chunks, the terminal one with
-``finish_reason``, ``usage`` and ``abstractcore``, then ``data: [DONE]``.
+``finish_reason`` (and vLLM's ``stop_reason``, ``wire.finished_choice``), ``usage`` and
+``abstractcore``, then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .edge import read_body
 from .calls import chat_body, serve_call
 from .schemas import ModelName, SamplingFields, StreamOptions, parse_body
 from .sse import DONE, data_event, error_records
-from .wire import usage_to_wire, with_usage_and_block
+from .wire import finished_choice, usage_to_wire, with_usage_and_block
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class CompletionRenderer:
             "object": "text_completion",
             "created": self.created,
             "model": self._model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [finished_choice({"index": 0, "text": text, "logprobs": None}, finish_reason, metadata)],
         }
         return with_usage_and_block(body, usage=usage_to_wire(usage), metadata=metadata)
 

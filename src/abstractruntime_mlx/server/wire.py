@@ -7,6 +7,8 @@ Pure functions, no I/O. Additive fields (AbstractCore's):
   are kept alongside OpenAI's three.
 - ``abstractcore``: ``{execution, speculation, performance, prompt_cache, controls, structured}``
   (the keys the provider reported; absent ones stay absent).
+- ``choices[0].stop_reason`` on a finished choice, as vLLM sends it: the stop string that
+  matched, the end-of-sequence token id that ended the answer, or ``null``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from ..errors import MLXRuntimeError
-from ..results import WIRE_METADATA_KEYS, GenerationChunk, GenerationResult
+from ..results import WIRE_METADATA_KEYS, GenerationChunk, GenerationResult, stop_reason
 from ..json_values import JSONObject, JSONValue
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ def completion_body(result: GenerationResult, *, completion_id: str, model: str,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": result.finish_reason or "stop"}],
+        "choices": [finished_choice({"index": 0, "message": message}, result.finish_reason or "stop", result.metadata)],
     }
     return with_usage_and_block(body, usage=usage_to_wire(result.usage), metadata=result.metadata)
 
@@ -93,9 +95,17 @@ def chunk_body(
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+        "choices": [finished_choice({"index": 0, "delta": delta}, finish_reason, metadata)],
     }
     return with_usage_and_block(body, usage=usage_to_wire(usage), metadata=metadata)
+
+
+def finished_choice(choice: JSONObject, finish_reason: str | None, metadata: Mapping[str, JSONValue] | None) -> JSONObject:
+    """``choice`` with its ``finish_reason``; a finished one also gets vLLM's ``stop_reason``."""
+    choice["finish_reason"] = finish_reason
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason(metadata)
+    return choice
 
 
 def with_usage_and_block(body: JSONObject, *, usage: JSONObject | None, metadata: Mapping[str, JSONValue] | None) -> JSONObject:
