@@ -178,25 +178,26 @@ def test_the_openai_routes_send_vllms_stop_reason_and_the_remote_client_keeps_it
     (eos, *_) = sorted(llm._engine.serving_model().eos_token_ids)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     messages: Any = [{"role": "user", "content": "Go"}]
-    free = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=12, temperature=0)
+    quiet = {"thinking": False}  # the tiny template opens a think block, whose text streams apart
+    free = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=12, temperature=0, extra_body=quiet)
     text = free.choices[0].message.content or ""
     assert free.choices[0].finish_reason == "length" and free.choices[0].model_extra == {"stop_reason": None}
     stop = text[2:5]
-    cut = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=12, temperature=0, stop=[stop])
+    cut = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=12, temperature=0, extra_body=quiet, stop=[stop])
     assert cut.choices[0].message.content == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop" and (cut.choices[0].model_extra or {})["stop_reason"] == stop
-    chunks = list(client.chat.completions.create(model=llm.model, messages=messages, max_tokens=12, temperature=0, stop=[stop], stream=True))
+    chunks = list(client.chat.completions.create(model=llm.model, messages=messages, max_tokens=12, temperature=0, extra_body=quiet, stop=[stop], stream=True))
     terminal = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason is not None]
     assert [(c.finish_reason, (c.model_extra or {}).get("stop_reason")) for c in terminal] == [("stop", stop)]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text[: text.index(stop)]
-    ended = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=12, temperature=0, logit_bias={str(eos): 100})
+    ended = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=12, temperature=0, extra_body=quiet, logit_bias={str(eos): 100})
     assert ended.choices[0].finish_reason == "stop" and (ended.choices[0].model_extra or {})["stop_reason"] == eos
-    legacy = client.completions.create(model=llm.model, prompt="Go", max_tokens=12, temperature=0, stop=[stop])
+    legacy = client.completions.create(model=llm.model, prompt="Go", max_tokens=12, temperature=0, extra_body=quiet, stop=[stop])
     assert legacy.choices[0].text == text[: text.index(stop)] and (legacy.choices[0].model_extra or {})["stop_reason"] == stop
-    streamed = [c.choices[0] for c in client.completions.create(model=llm.model, prompt="Go", max_tokens=12, temperature=0, stop=[stop], stream=True) if c.choices]
+    streamed = [c.choices[0] for c in client.completions.create(model=llm.model, prompt="Go", max_tokens=12, temperature=0, extra_body=quiet, stop=[stop], stream=True) if c.choices]
     assert [(c.model_extra or {}).get("stop_reason") for c in streamed if c.finish_reason is not None] == [stop]
     with RemoteClient(url) as remote:
-        assert remote.generate("Go", max_output_tokens=12, temperature=0, stop=[stop]).metadata["stop_reason"] == stop
-        pieces = list(remote.generate("Go", max_output_tokens=12, temperature=0, stop=[stop], stream=True))
+        assert remote.generate("Go", max_output_tokens=12, temperature=0, thinking=False, stop=[stop]).metadata["stop_reason"] == stop
+        pieces = list(remote.generate("Go", max_output_tokens=12, temperature=0, thinking=False, stop=[stop], stream=True))
         assert pieces[-1].metadata is not None and pieces[-1].metadata["stop_reason"] == stop
         assert "stop_reason" not in remote.generate("Go", max_output_tokens=3, temperature=0).metadata
