@@ -339,6 +339,82 @@ def test_sync_generate_and_stream_against_the_server(real: Any) -> None:
         assert client.health()["loaded"] is True
 
 
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]},
+    },
+}
+TIME_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}},
+}
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"]
+)
+def test_streamed_tool_calls_are_rebuilt_into_chunks(real: Any, choice: Any) -> None:
+    _, url = real
+    kwargs: dict[str, Any] = dict(
+        messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=choice,
+        temperature=0, max_output_tokens=60, speculation=False, thinking=False,
+    )
+    with RemoteClient(url) as client:
+        whole = client.generate(**kwargs)
+        chunks = list(client.generate(stream=True, **kwargs))
+    assert whole.finish_reason == "tool_calls" and whole.tool_calls is not None
+    (expected,) = whole.tool_calls
+    if isinstance(choice, dict):
+        assert expected["function"]["name"] == "get_time"  # the choice reached the server's grammar
+    carrying = [c for c in chunks if c.tool_calls]
+    assert len(carrying) == 1  # the call goes out once, on the chunk where it completed
+    (call,) = carrying[0].tool_calls or []
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == expected["function"]  # same greedy tokens: same name, same arguments text
+    assert json.loads(call["function"]["arguments"])  # a whole JSON object
+    assert "".join(c.content for c in chunks).strip() == "" and chunks[-1].finish_reason == "tool_calls"
+
+
+def test_tool_call_pieces_are_gathered_by_index_until_complete() -> None:
+    def event(payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    def delta(d: dict[str, Any], finish: str | None = None) -> str:
+        return event({"model": "m", "choices": [{"index": 0, "delta": d, "finish_reason": finish}]})
+
+    def head(index: int, call_id: str, name: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]}
+
+    def args(index: int, text: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
+
+    # vLLM's shape: arguments in pieces; the second call never closes its object before the end.
+    body = "".join([
+        delta({"role": "assistant", "content": ""}),
+        delta(head(0, "call_a", "get_weather")),
+        delta(args(0, '{"city": ')),
+        delta(args(0, '"Paris"}')),
+        delta(head(1, "call_b", "get_time")),
+        delta(args(1, '{"zone": "UTC"')),
+        delta({}, finish="tool_calls"),
+        event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}}),
+        "data: [DONE]\n\n",
+    ])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
+
+    with RemoteClient("http://server", model="m", transport=_mock(handler)) as client:
+        chunks = list(client.generate("hi", stream=True))
+    per_chunk = [[c["id"] for c in chunk.tool_calls or []] for chunk in chunks]
+    assert per_chunk == [["call_a"], ["call_b"]]
+    assert chunks[0].tool_calls == [{"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert chunks[-1].finish_reason == "tool_calls" and chunks[-1].tool_calls is not None
+    assert chunks[-1].tool_calls[0]["function"]["arguments"] == '{"zone": "UTC"'  # as sent: the server ended it there
+
+
 def test_async_concurrent_streams_are_batched_by_the_server(real: Any) -> None:
     _, url = real
 

@@ -22,6 +22,9 @@ from abstractruntime_mlx.server import create_app
 
 KEY = "sk-test-key"
 PNG_B64 = base64.b64encode(png_bytes()).decode()
+TOOLS: list[Any] = [
+    {"name": "get_weather", "description": "The weather of a city", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +105,9 @@ def test_a_stream_adds_up_to_the_non_streamed_message(client: anthropic.Anthropi
 
 
 def test_stop_sequences_end_the_answer(client: anthropic.Anthropic) -> None:
-    request: dict[str, Any] = {"model": "claude-tiny", "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": "Go"}]}
+    request: dict[str, Any] = {
+        "model": "claude-tiny", "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": "Go"}], "thinking": {"type": "disabled"},
+    }
     free = client.messages.create(**request).content[0].text  # type: ignore[union-attr]
     stop = free[2:4] if len(free) >= 4 else free[-1:]
     assert stop
@@ -131,10 +136,17 @@ def test_stop_sequences_end_the_answer(client: anthropic.Anthropic) -> None:
         ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": PNG_B64}}]}]}, 400, "native_media_invalid", "invalid_request_error"),
         ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]}, 400, "native_media_invalid", "invalid_request_error"),
         ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_controls", "invalid_request_error"),
-        ({"max_tokens": 4, "tool_choice": {"type": "any"}, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request", "invalid_request_error"),
+        ({"max_tokens": 4, "tool_choice": {"type": "any"}, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_tools", "invalid_request_error"),
+        ({"max_tokens": 4, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "get_time"}, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_tools", "invalid_request_error"),
+        ({"max_tokens": 4, "tools": TOOLS, "tool_choice": {"type": "tool"}, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request", "invalid_request_error"),
+        ({"max_tokens": 4, "tools": TOOLS, "tool_choice": {"type": "sometimes"}, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request", "invalid_request_error"),
         ({"max_tokens": 4, "messages": [{"role": "system", "content": "hi"}]}, 400, "invalid_request", "invalid_request_error"),
     ],
-    ids=["no-max_tokens", "unknown-block", "tool_use-in-user", "text-without-text", "unknown-model", "bad-base64", "wrong-image-type", "url-image", "max_tokens-0", "tool_choice-any", "system-role"],
+    ids=[
+        "no-max_tokens", "unknown-block", "tool_use-in-user", "text-without-text", "unknown-model", "bad-base64", "wrong-image-type",
+        "url-image", "max_tokens-0", "tool_choice-any-without-tools", "tool_choice-unknown-tool", "tool_choice-tool-without-name",
+        "tool_choice-unknown-type", "system-role",
+    ],
 )
 def test_bad_requests_are_anthropic_errors(url: str, body: dict[str, Any], status: int, code: str, error_type: str) -> None:
     answer = httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60)
@@ -162,20 +174,24 @@ def test_the_client_raises_typed_errors(url: str, client: anthropic.Anthropic) -
 # --------------------------------------------------------------------------- scripted provider
 
 
+CALL_TEXTS = ("Checking.", '<tool_call>\n{"name": "get_weather", "arguments"', ': {"city": "Paris"}}\n</tool', "_call>")
+
+
 class ToolCallingProvider(FakeProvider):
-    """Answers every non-streamed call with one parsed tool call, as the provider reports them."""
+    """Answers every non-streamed call with one parsed tool call, as the provider reports them;
+    streams the text of that call in the model's format, in pieces."""
+
+    def __init__(self) -> None:
+        super().__init__(texts=CALL_TEXTS)
 
     async def agenerate_request(self, request: Any, *, stream: bool = False) -> Any:
-        result = await super().agenerate_request(request, stream=False)
+        result = await super().agenerate_request(request, stream=stream)
+        if stream:
+            return result
         assert isinstance(result, GenerationResult)
-        assert not stream, "calls with tools run whole: the tool calls are parsed from the answer"
         call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
         return GenerationResult(content="", finish_reason="tool_calls", usage=result.usage, metadata=result.metadata, tool_calls=[call])
 
-
-TOOLS: list[Any] = [
-    {"name": "get_weather", "description": "The weather of a city", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
-]
 
 
 @pytest.fixture()
@@ -209,16 +225,27 @@ def test_tool_calls_are_tool_use_blocks_and_history_reaches_the_template(tool_se
     assert user["content"] == "And Rome?"
 
 
-def test_a_stream_with_tools_sends_the_tool_use_block(tool_server: tuple[anthropic.Anthropic, ToolCallingProvider]) -> None:
+def test_a_stream_with_tools_streams_the_text_then_the_tool_use_block(tool_server: tuple[anthropic.Anthropic, ToolCallingProvider]) -> None:
     client, fake = tool_server
     with client.messages.stream(model="fake-model", max_tokens=8, tools=TOOLS, messages=[{"role": "user", "content": "Weather?"}]) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_message()
-    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert fake.calls[-1]["stream"] is True  # streamed as it is generated, the call read from the text
+    kinds = [(e.type, getattr(e, "index", None)) for e in events if e.type.startswith(("message", "content_block"))]
+    assert kinds == [
+        ("message_start", None),
+        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_stop", 0),
+        ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1),
+        ("message_delta", None), ("message_stop", None),
+    ]
+    tool_start = next(e for e in events if e.type == "content_block_start" and e.index == 1)
+    assert tool_start.content_block.type == "tool_use" and tool_start.content_block.name == "get_weather"  # type: ignore[union-attr]
+    assert tool_start.content_block.id.startswith("call_")  # type: ignore[union-attr]
     assert final.stop_reason == "tool_use"
-    assert final.content[0].type == "tool_use" and final.content[0].input == {"city": "Paris"}
-    assert final.usage.output_tokens == 2 and final.usage.cache_read_input_tokens == 2 and final.usage.input_tokens == 3
-    assert fake.calls[-1]["stream"] is False
+    assert [b.type for b in final.content] == ["text", "tool_use"]
+    assert final.content[0].text == "Checking."  # type: ignore[union-attr]
+    assert final.content[1].input == {"city": "Paris"}  # type: ignore[union-attr]
+    assert final.usage.output_tokens == 4 and final.usage.cache_read_input_tokens == 2 and final.usage.input_tokens == 3
 
 
 def test_tool_choice_none_offers_no_tools(tool_server: tuple[anthropic.Anthropic, ToolCallingProvider]) -> None:
@@ -242,7 +269,7 @@ def test_a_failure_after_the_first_byte_is_an_error_event() -> None:
     assert answer.status_code == 200
     records = sse_records(answer.text)
     names = [name for name, _ in records]
-    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert names[-1] == "error"
     error = json.loads(records[-1][1])
     assert error["type"] == "error" and error["error"]["code"] == "upstream_error" and error["error"]["type"] == "api_error"
@@ -284,7 +311,7 @@ def test_count_tokens_is_the_prompt_a_real_call_reports(url: str, client: anthro
         ({"model": "claude-tiny", "messages": []}, 400, "invalid_request"),
         ({"model": "claude-opus-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found"),
         ({"model": "claude-tiny", "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_B64}}]}]}, 400, "native_media_invalid"),
-        ({"model": "claude-tiny", "tool_choice": {"type": "any"}, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request"),
+        ({"model": "claude-tiny", "tool_choice": {"type": "any"}, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_tools"),
     ],
     ids=["no-messages", "unknown-model", "image", "tool_choice-any"],
 )

@@ -170,7 +170,11 @@ def test_the_client_raises_response_errors(url: str, client: ollama.Client) -> N
 
 
 class ToolCallingProvider(FakeProvider):
-    """Answers every non-streamed call with one parsed tool call, as the provider reports them."""
+    """Answers every non-streamed call with one parsed tool call, as the provider reports them;
+    streams the text of that call in the model's format, in pieces."""
+
+    def __init__(self) -> None:
+        super().__init__(texts=("Checking.", '<tool_call>\n{"name": "get_weather", "arguments"', ': {"city": "Paris"}}\n</tool', "_call>"))
 
     async def agenerate_request(self, request: Any, *, stream: bool = False) -> Any:
         result = await super().agenerate_request(request, stream=stream)
@@ -198,13 +202,11 @@ def test_tool_calls_and_history_reach_the_template(fake_server: tuple[ollama.Cli
         {"role": "tool", "content": "sunny", "tool_name": "get_weather"},
         {"role": "user", "content": "And Rome?"},
     ]
-    for stream in (False, True):
-        answer = client.chat(model="fake-model", messages=history, tools=TOOLS, stream=stream)
-        final = answer if not stream else list(answer)[-1]
-        assert final.done
-        (call,) = final.message.tool_calls or []
-        assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
-        assert fake.calls[-1]["stream"] is False
+    final = client.chat(model="fake-model", messages=history, tools=TOOLS, stream=False)
+    assert final.done
+    (call,) = final.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+    assert fake.calls[-1]["stream"] is False
     sent = fake.calls[-1]
     assert sent["tools"] == TOOLS
     assert [m["role"] for m in sent["messages"]] == ["user", "assistant", "tool", "user"]
@@ -219,3 +221,16 @@ def test_images_reach_the_provider_as_bytes(fake_server: tuple[ollama.Client, To
     assert fake.calls[-1]["messages"][-1] == {"role": "user", "content": "What is it?"}
     client.generate(model="fake-model", prompt="And this?", images=[png_bytes()], stream=False)
     assert fake.calls[-1]["media"] == [png_bytes()]
+
+
+def test_a_chat_stream_with_tools_sends_the_call_on_the_line_where_it_completes(fake_server: tuple[ollama.Client, ToolCallingProvider]) -> None:
+    client, fake = fake_server
+    lines = list(client.chat(model="fake-model", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, stream=True))
+    assert fake.calls[-1]["stream"] is True  # streamed as it is generated, the call read from the text
+    assert [line.done for line in lines] == [False, False, True]
+    text, called, done = lines
+    assert text.message.content == "Checking." and not text.message.tool_calls
+    (call,) = called.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+    assert called.message.content == "" and "tool_call" not in "".join(line.message.content or "" for line in lines)
+    assert done.message.content == "" and not done.message.tool_calls and done.eval_count == 4

@@ -13,7 +13,9 @@ Reasoning is the text of a ``<think>...</think>`` block at the start of the answ
 the prompt itself opened the block, the text before ``</think>``. A whole answer whose block the
 prompt opened and that never wrote ``</think>`` (the output cap cut the thinking) is all answer,
 as vLLM's Qwen3 parser reads it; a stream told that the prompt opened the block
-(``OutputSplitter(reasoning_open=True)``) sends such text as reasoning as it comes.
+(``OutputSplitter(reasoning_open=True)``) sends such text as reasoning as it comes, and
+``cut_off_reasoning`` reads a whole answer that way (the Anthropic and Ollama routes do, so
+that their streams and answers agree).
 
 ``parse_output`` reads a whole answer; ``OutputSplitter`` reads one as it streams and says what
 may go out now (reasoning pieces, answer pieces, whole tool calls), withholding tool-call text
@@ -103,6 +105,15 @@ def split_reasoning(text: str) -> tuple[str, str | None]:
         reasoning, _, answer = text.partition(THINK_END)
         return answer.lstrip("\n"), reasoning.replace(THINK_START, "").strip()
     return text, None
+
+
+def cut_off_reasoning(content: str, reasoning: str | None, *, reasoning_open: bool) -> tuple[str, str | None]:
+    """``(answer, reasoning)`` of a whole answer read as a stream told ``reasoning_open`` reads it:
+    when the prompt opened the think block and the answer never closed it (``reasoning`` is
+    ``None``), the whole answer is the cut-off thinking."""
+    if not reasoning_open or reasoning is not None:
+        return content, reasoning
+    return "", content.strip() or None
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ParsedToolCall]]:

@@ -80,7 +80,10 @@ class GenerationResult:
 class GenerationChunk:
     """One streamed piece. Exactly one chunk per request is terminal (``finish_reason`` set);
     it carries ``usage`` and the full ``metadata``. ``reasoning``: thinking text a server sent
-    apart (``delta.reasoning_content``); a local stream's thinking is in ``content``, raw."""
+    apart (``delta.reasoning_content``); a local stream's thinking is in ``content``, raw.
+    ``tool_calls``: the calls a server's stream completed with this chunk (``delta.tool_calls``
+    rebuilt into OpenAI's ``{"id", "type", "function": {"name", "arguments"}}``), each call on
+    one chunk only; a local stream's calls are in ``content``, raw."""
 
     content: str = ""
     finish_reason: FinishReason | None = None
@@ -89,6 +92,7 @@ class GenerationChunk:
     token_ids: list[int] | None = None
     model: str | None = None
     reasoning: str | None = None
+    tool_calls: list[JSONObject] | None = None
 
     @property
     def is_final(self) -> bool:

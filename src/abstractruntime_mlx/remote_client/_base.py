@@ -56,6 +56,7 @@ from ..json_values import JSONObject, JSONValue, array_at, as_str, object_at, ob
 from ..request import GenerationRequest, ProgressSink
 from ..results import WIRE_METADATA_KEYS, FinishReason, GenerationChunk, GenerationResult, stop_reason
 from ..structured import PROMPTED_PREFIX, answer_error, parse_answer, prompted_instruction
+from ..tools import AUTO
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,8 @@ def build_chat_call(request: GenerationRequest, *, model: str | None, stream: bo
         body["chat_template_kwargs"] = thinking_template_kwargs(request.thinking)
     if request.tools:
         body["tools"] = [dict(tool) for tool in request.tools]
+        if request.tool_choice != AUTO:
+            body["tool_choice"] = request.tool_choice.to_openai()
     if request.prompt_cache_key is not None:
         body["prompt_cache_key"] = request.prompt_cache_key
     if request.response_format is not None:
@@ -490,12 +493,43 @@ class SSEParser:
         return None
 
 
+@dataclass(slots=True)
+class ToolCallParts:
+    """One streamed call as its ``delta.tool_calls`` pieces arrive."""
+
+    call_id: str = ""
+    name: str = ""
+    arguments: str = ""
+    sent: bool = False
+
+    def add(self, piece: Mapping[str, JSONValue]) -> None:
+        self.call_id = as_str(piece.get("id")) or self.call_id
+        function = object_at(piece, "function")
+        self.name = as_str(function.get("name")) or self.name
+        self.arguments += as_str(function.get("arguments")) or ""
+
+    def complete(self) -> bool:
+        if not self.name:
+            return False
+        try:
+            return isinstance(json.loads(self.arguments), dict)
+        except json.JSONDecodeError:
+            return False
+
+    def to_openai(self) -> JSONObject:
+        return {"id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
 class StreamDecoder:
     """Turns server events into chunks, progress callbacks, and exactly one final chunk.
 
     The terminal record is held back until ``[DONE]`` so that a later usage-only chunk
     (OpenAI's ``include_usage`` shape) or ``abstractcore`` block is merged into it. A
     non-stream call read as SSE ends with ``event: result`` (a whole ``chat.completion``).
+
+    ``delta.tool_calls`` pieces are gathered per ``index`` (``id`` and ``function.name`` once,
+    ``function.arguments`` appended); a call goes out on the chunk where its arguments became a
+    whole JSON object (nothing can follow one), or on the terminal chunk.
     """
 
     def __init__(self, *, on_progress: ProgressSink | None) -> None:
@@ -510,6 +544,7 @@ class StreamDecoder:
         self.abstractcore: JSONObject = {}
         self.result_body: JSONObject | None = None
         self.num_progress_events = 0
+        self._calls: dict[int, ToolCallParts] = {}
 
     def feed(self, event: ServerEvent) -> list[GenerationChunk]:
         if self.done:
@@ -563,6 +598,7 @@ class StreamDecoder:
         delta = object_at(choice, "delta")
         text = as_str(delta.get("content")) or ""
         reasoning = as_str(delta.get("reasoning_content")) or None
+        self._gather_calls(delta)
         if choice.get("finish_reason") is not None:
             self.finish_reason = finish_reason_of(choice["finish_reason"])
             self.abstractcore.update(stop_reason_from(choice))
@@ -571,7 +607,28 @@ class StreamDecoder:
         if self.finish_reason is not None:  # text after the terminal record joins it
             self.final_content += text
             return []
-        return [GenerationChunk(content=text, model=self.model, reasoning=reasoning)] if text or reasoning else []
+        calls = self._take_calls(final=False)
+        if not (text or reasoning or calls):
+            return []
+        return [GenerationChunk(content=text, model=self.model, reasoning=reasoning, tool_calls=calls or None)]
+
+    def _gather_calls(self, delta: Mapping[str, JSONValue]) -> None:
+        for piece in objects_in(array_at(delta, "tool_calls")):
+            index = piece.get("index", 0)
+            if not isinstance(index, int) or isinstance(index, bool):
+                raise UpstreamError(f"the server sent a tool call piece without an integer index: {piece!r:.200}")
+            parts = self._calls.setdefault(index, ToolCallParts())
+            parts.add(piece)
+
+    def _take_calls(self, *, final: bool) -> list[JSONObject]:
+        """The gathered calls that are complete (at the end: all of them), in index order, once each."""
+        out: list[JSONObject] = []
+        for index in sorted(self._calls):
+            parts = self._calls[index]
+            if not parts.sent and (final or parts.complete()):
+                parts.sent = True
+                out.append(parts.to_openai())
+        return out
 
     def final_chunk(self, *, remote: Mapping[str, JSONValue]) -> GenerationChunk:
         if self.finish_reason is None:
@@ -584,6 +641,7 @@ class StreamDecoder:
             usage=dict(self.usage),
             metadata=metadata,
             model=self.model,
+            tool_calls=self._take_calls(final=True) or None,
         )
 
     def result(self, *, remote: Mapping[str, JSONValue]) -> GenerationResult:

@@ -10,17 +10,24 @@ The body becomes a chat body (``calls.chat_body``) and runs through ``calls.serv
   and changes nothing (the prefix cache works without it);
 - ``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``,
   ``thinking`` (``{"type": "enabled" | "disabled"}``), ``tools`` (custom tools: ``name``,
-  ``description``, ``input_schema``), ``tool_choice`` ``auto`` / ``none``, and this server's
-  ``speculation``, ``prompt_cache_key`` and ``keep_alive``.
+  ``description``, ``input_schema``), ``tool_choice`` (``auto``, ``none``, ``any``: the chat
+  form's ``required``, ``{"type": "tool", "name": N}``: the named function; the grammar forces
+  the call; ``disable_parallel_tool_use`` changes nothing: one call is forced), and this
+  server's ``speculation``, ``prompt_cache_key`` and ``keep_alive``.
 
 The answer is a ``message`` whose ``content`` holds a ``thinking`` block when the model thought,
 a ``text`` block, and a ``tool_use`` block per tool call the provider parsed (then
 ``stop_reason: "tool_use"``); a stop string that matched is ``stop_reason: "stop_sequence"``
 with ``stop_sequence`` set to it; ``usage`` has ``input_tokens`` (the prompt tokens computed for
 this call), ``cache_read_input_tokens`` (those the prefix cache gave) and ``output_tokens``.
-``stream: true`` sends Anthropic's events (``message_start``, ``content_block_*``, ``ping``,
-``message_delta``, ``message_stop``); with ``tools`` the events are written once the answer is
-complete (tool calls are parsed from the whole answer). Every error is Anthropic's
+When the prompt opened a think block and the answer never closed it (the output cap cut the
+thinking), the answer is a ``thinking`` block and an empty ``text`` block.
+``stream: true`` sends Anthropic's events as the answer is read (``model_output.OutputSplitter``):
+``message_start``, ``ping``, then per block in the order of the message's ``content``
+``content_block_start``, its deltas (``thinking_delta``, ``text_delta``; a ``tool_use`` block,
+started with its ``id`` and ``name`` once the call is complete, one ``input_json_delta``) and
+``content_block_stop``; then ``message_delta`` (``stop_reason``, ``usage``) and
+``message_stop``. The blocks a stream adds up to are the non-streamed message's. Every error is Anthropic's
 ``{"type": "error", "error": {"type", "message", "code"}}`` (``dialects.py``); after the first
 byte it is an ``error`` event.
 
@@ -34,7 +41,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
@@ -43,13 +50,14 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import InvalidMedia, InvalidRequest, TokenCountUnsupported, UpstreamError
 from ..json_values import JSONObject, JSONValue
+from ..model_output import ContentPiece, OutputSplitter, ReasoningPiece, StreamPiece, ToolCallPiece, cut_off_reasoning
 from ..results import GenerationChunk, GenerationResult, stop_reason
 from .calls import chat_body, serve_call
 from .dialects import anthropic_error_body, dialect_error_response, reshape_error
 from .edge import generation_request, pool_of, read_body, served_provider
 from .pool import UNSET
 from .schemas import MAX_MESSAGES, FiniteFloat, ModelName, parse_body
-from .sse import SSEResponse, named_event
+from .sse import named_event
 from .wire import abstractcore_block, error_payload, format_tool_calls
 
 log = logging.getLogger(__name__)
@@ -238,15 +246,28 @@ def chat_messages(body: ConversationRequest) -> list[JSONObject]:
     return messages
 
 
+def chat_tool_choice(body: ConversationRequest) -> JSONValue:
+    """The chat form of ``tool_choice``: ``auto`` / ``none`` as they are, ``any`` is ``required``,
+    ``{"type": "tool", "name": N}`` the function N (checked against the tools by ``tools.parse_tool_choice``)."""
+    choice = body.tool_choice or {}
+    kind = choice.get("type", "auto")
+    if kind in ("auto", "none"):
+        return str(kind)
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest("tool_choice of type 'tool' needs a string 'name'", details={"field": "tool_choice.name"})
+        return {"type": "function", "function": {"name": name}}
+    raise InvalidRequest(
+        f"tool_choice type {kind!r} is not supported (accepted: auto, any, tool, none)", details={"field": "tool_choice.type"}
+    )
+
+
 def chat_tools(body: ConversationRequest) -> list[JSONObject] | None:
     """The chat form of ``tools`` (``None`` when there are none or ``tool_choice`` is ``none``)."""
-    choice = (body.tool_choice or {}).get("type", "auto")
-    if choice not in ("auto", "none"):
-        raise InvalidRequest(
-            f"tool_choice type {choice!r} is not supported here (accepted: auto, none): this route does not force a tool call",
-            details={"field": "tool_choice.type"},
-        )
-    if not body.tools or choice == "none":
+    if not body.tools or chat_tool_choice(body) == "none":
         return None
     out: list[JSONObject] = []
     for tool in body.tools:
@@ -296,34 +317,25 @@ async def create_message(request: Request) -> Response:
     if unknown:
         log.warning("messages request: ignoring unknown field(s) %s", ", ".join(unknown))
     tools = chat_tools(body)
-    # Tool calls are parsed from the whole answer: with tools a stream is written once it is complete.
-    replay = body.stream and tools is not None
     chat = await chat_body(
         {
             "model": body.model,
             "messages": chat_messages(body),
-            "stream": body.stream and not replay,
+            "stream": body.stream,
             "max_tokens": body.max_tokens,
             "stop": body.stop_sequences,
             "temperature": body.temperature,
             "top_p": body.top_p,
             "top_k": body.top_k,
             "tools": tools,
+            "tool_choice": chat_tool_choice(body),
             "thinking": thinking_of(body.thinking),
             "speculation": body.speculation,
             "prompt_cache_key": body.prompt_cache_key,
             "keep_alive": body.keep_alive,
         }
     )
-    renderer = MessagesRenderer()
-    response = await serve_call(request, chat, route="messages", renderer=renderer)
-    if replay and response.status_code == 200 and renderer.message is not None:
-        return SSEResponse(_replayed(message_events(renderer.message)), on_close=lambda: None)
-    return response
-
-
-async def _replayed(records: list[str]) -> AsyncIterator[str]:
-    yield "".join(records)
+    return await serve_call(request, chat, route="messages", renderer=MessagesRenderer(reads_calls=chat.reads_tool_calls()))
 
 
 @anthropic_route
@@ -334,8 +346,15 @@ async def count_tokens(request: Request) -> Response:
     unknown = body.unknown_fields()
     if unknown:
         log.warning("count_tokens request: ignoring unknown field(s) %s", ", ".join(unknown))
+    tools = chat_tools(body)
     chat = await chat_body(
-        {"model": body.model, "messages": chat_messages(body), "tools": chat_tools(body), "thinking": thinking_of(body.thinking)}
+        {
+            "model": body.model,
+            "messages": chat_messages(body),
+            "tools": tools,
+            "tool_choice": chat_tool_choice(body),
+            "thinking": thinking_of(body.thinking),
+        }
     )
     typed = generation_request(chat, None)
     # The model is resident (loaded now if it was not) while its template renders the prompt.
@@ -377,31 +396,50 @@ def stop_of(finish_reason: str | None, metadata: Mapping[str, JSONValue] | None,
     return "end_turn", None
 
 
-def content_blocks(result: GenerationResult) -> list[JSONValue]:
+def content_blocks(result: GenerationResult, *, reasoning_open: bool) -> list[JSONValue]:
+    """The message's ``content``: a ``thinking`` block when the model thought, a ``text`` block
+    (unless the answer is only tool calls), a ``tool_use`` block per call."""
+    content, reasoning = result.content, result.reasoning
+    if not result.tool_calls:
+        content, reasoning = cut_off_reasoning(content, reasoning, reasoning_open=reasoning_open)
     blocks: list[JSONValue] = []
-    if result.reasoning:
-        blocks.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
-    if result.content or not result.tool_calls:
-        blocks.append({"type": "text", "text": result.content})
+    if reasoning:
+        blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if content or not result.tool_calls:
+        blocks.append({"type": "text", "text": content})
     for call in format_tool_calls(result.tool_calls or []):
         function = call["function"]
         assert isinstance(function, dict)  # format_tool_calls' shape
-        arguments = json.loads(str(function["arguments"] or "{}"))
-        if not isinstance(arguments, dict):
-            raise UpstreamError(f"the tool call {function['name']!r} has arguments that are not a JSON object")
-        blocks.append({"type": "tool_use", "id": call["id"], "name": function["name"], "input": arguments})
+        blocks.append({"type": "tool_use", "id": call["id"], "name": function["name"], "input": _arguments(function)})
     return blocks
 
 
+def _arguments(function: Mapping[str, JSONValue]) -> JSONObject:
+    arguments = json.loads(str(function["arguments"] or "{}"))
+    if not isinstance(arguments, dict):
+        raise UpstreamError(f"the tool call {function['name']!r} has arguments that are not a JSON object")
+    return arguments
+
+
 class MessagesRenderer:
-    """Writes one call's answer as an Anthropic ``message``, or as its events (``calls.WireRenderer``)."""
+    """Writes one call's answer as an Anthropic ``message``, or as its events (``calls.WireRenderer``).
+
+    A stream's pieces (``OutputSplitter``) go into blocks as the message's ``content`` holds
+    them: whitespace that ends a block (or, before tool calls, a whole text block of it) is held
+    back until more of the block comes, as the answer's parser strips it.
+    """
 
     ends_at_final = True
 
-    def __init__(self) -> None:
+    def __init__(self, *, reads_calls: bool = False) -> None:
         self.message_id = f"msg_{uuid.uuid4().hex}"
-        self.message: JSONObject | None = None  # the non-streamed body, once written
         self._model = ""
+        self._reads_calls = reads_calls
+        self._splitter = OutputSplitter(tools=reads_calls)
+        self._num_blocks = 0
+        self._open: Literal["thinking", "text"] | None = None
+        self._has_text = False
+        self._held = ""  # whitespace at the end of the open block (or before the text block opens), not sent yet
 
     def _message(self, content: list[JSONValue], *, stop: tuple[str | None, str | None], usage: JSONObject) -> JSONObject:
         return {
@@ -415,37 +453,99 @@ class MessagesRenderer:
             "usage": usage,
         }
 
-    def body(self, result: GenerationResult, *, model: str) -> JSONObject:
+    def body(self, result: GenerationResult, *, model: str, reasoning_open: bool) -> JSONObject:
         self._model = model
-        blocks = content_blocks(result)
+        blocks = content_blocks(result, reasoning_open=reasoning_open)
         tool_use = any(isinstance(b, dict) and b.get("type") == "tool_use" for b in blocks)
         message = self._message(blocks, stop=stop_of(result.finish_reason, result.metadata, tool_use=tool_use), usage=usage_of(result.usage))
         block = abstractcore_block(result.metadata)
         if block is not None:
             message["abstractcore"] = block
-        self.message = message
         return message
 
     def opening(self, *, model: str, reasoning_open: bool) -> list[str]:
         self._model = model
+        self._splitter = OutputSplitter(tools=self._reads_calls, reasoning_open=reasoning_open)
         start = self._message([], stop=(None, None), usage={"input_tokens": 0, "output_tokens": 0})
-        return [
-            _event("message_start", {"message": start}),
-            _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
-            _event("ping", {}),
-        ]
+        return [_event("message_start", {"message": start}), _event("ping", {})]
 
     def text(self, delta: str) -> str:
-        return _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta}})
+        return "".join(self._pieces(self._splitter.feed(delta)))
 
     def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
-        deltas = [self.text(tail)] if tail else []
-        reason, sequence = stop_of(final.finish_reason, final.metadata, tool_use=False)
+        out = self._pieces([*self._splitter.feed(tail), *self._splitter.finish()])
+        tool_use = self._splitter.num_calls > 0
+        if not tool_use:
+            # An answer without calls has a text block, whitespace and all (an empty one, too).
+            if self._open == "thinking":
+                out.extend(self._close())
+            if self._open is None and not self._has_text:
+                out.append(self._open_block("text"))
+            if self._held:
+                out.append(self._delta(self._held))
+        out.extend(self._close())
+        reason, sequence = stop_of(final.finish_reason, final.metadata, tool_use=tool_use)
         ending: JSONObject = {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage_of(final.usage)}
         block = abstractcore_block(final.metadata)
         if block is not None:
             ending["abstractcore"] = block
-        return [*deltas, _event("content_block_stop", {"index": 0}), _event("message_delta", ending), _event("message_stop", {})]
+        return [*out, _event("message_delta", ending), _event("message_stop", {})]
+
+    def _pieces(self, pieces: list[StreamPiece]) -> list[str]:
+        out: list[str] = []
+        for piece in pieces:
+            match piece:
+                case ReasoningPiece(text=text):
+                    out.extend(self._write("thinking", text))
+                case ContentPiece(text=text):
+                    out.extend(self._write("text", text))
+                case ToolCallPiece(call_id=call_id, call=call):
+                    out.extend(self._close())
+                    opened: JSONObject = {"type": "tool_use", "id": call_id, "name": call.name, "input": {}}
+                    index = self._next_index()
+                    out.append(_event("content_block_start", {"index": index, "content_block": opened}))
+                    out.append(_event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta", "partial_json": call.arguments}}))
+                    out.append(_event("content_block_stop", {"index": index}))
+        return out
+
+    def _next_index(self) -> int:
+        self._num_blocks += 1
+        return self._num_blocks - 1
+
+    def _write(self, kind: Literal["thinking", "text"], text: str) -> list[str]:
+        """``text`` into a ``kind`` block (the open one, or a new one after closing it); the
+        block opens with its first text that is not whitespace, and its trailing whitespace
+        waits for more of the block."""
+        out = self._close() if self._open not in (None, kind) else []
+        pending = self._held + text
+        visible = pending.rstrip()
+        self._held = pending[len(visible):]
+        if not visible:
+            return out
+        if self._open is None:
+            out.append(self._open_block(kind))
+        out.append(self._delta(visible))
+        return out
+
+    def _open_block(self, kind: Literal["thinking", "text"]) -> str:
+        opened: JSONObject = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+        self._open = kind
+        self._has_text = self._has_text or kind == "text"
+        return _event("content_block_start", {"index": self._next_index(), "content_block": opened})
+
+    def _delta(self, text: str) -> str:
+        delta: JSONObject = (
+            {"type": "thinking_delta", "thinking": text} if self._open == "thinking" else {"type": "text_delta", "text": text}
+        )
+        return _event("content_block_delta", {"index": self._num_blocks - 1, "delta": delta})
+
+    def _close(self) -> list[str]:
+        """Close the open block; whitespace it held back is not part of it."""
+        self._held = ""
+        if self._open is None:
+            return []
+        self._open = None
+        return [_event("content_block_stop", {"index": self._num_blocks - 1})]
 
     def ending(self) -> list[str]:
         return []
@@ -457,34 +557,3 @@ class MessagesRenderer:
 
 def _event(kind: str, fields: JSONObject) -> str:
     return named_event(kind, {"type": kind, **fields})
-
-
-def message_events(message: Mapping[str, JSONValue]) -> list[str]:
-    """The stream of a complete ``message``: each block started, given whole in one delta, stopped."""
-    content = message.get("content")
-    blocks = list(content) if isinstance(content, list) else []
-    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
-    start.pop("abstractcore", None)
-    records = [_event("message_start", {"message": start}), _event("ping", {})]
-    for index, block in enumerate(blocks):
-        assert isinstance(block, dict)  # content_blocks' shape
-        match block.get("type"):
-            case "thinking":
-                opened: JSONObject = {"type": "thinking", "thinking": "", "signature": ""}
-                delta: JSONObject = {"type": "thinking_delta", "thinking": block["thinking"]}
-            case "tool_use":
-                opened = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-            case _:
-                opened = {"type": "text", "text": ""}
-                delta = {"type": "text_delta", "text": block["text"]}
-        records.append(_event("content_block_start", {"index": index, "content_block": opened}))
-        records.append(_event("content_block_delta", {"index": index, "delta": delta}))
-        records.append(_event("content_block_stop", {"index": index}))
-    stopped: JSONObject = {"stop_reason": message.get("stop_reason"), "stop_sequence": message.get("stop_sequence")}
-    ending: JSONObject = {"delta": stopped, "usage": message.get("usage")}
-    if message.get("abstractcore") is not None:
-        ending["abstractcore"] = message["abstractcore"]
-    records.append(_event("message_delta", ending))
-    records.append(_event("message_stop", {}))
-    return records

@@ -43,8 +43,8 @@ class WireRenderer(Protocol):
     """Whether the stream ends with the terminal chunk's records; otherwise it goes on to the
     end of the provider's call (a later phase event or failure still reaches the client)."""
 
-    def body(self, result: GenerationResult, *, model: str) -> JSONObject:
-        """The non-streamed response body."""
+    def body(self, result: GenerationResult, *, model: str, reasoning_open: bool) -> JSONObject:
+        """The non-streamed response body (``reasoning_open`` as for ``opening``)."""
         ...
 
     def opening(self, *, model: str, reasoning_open: bool) -> list[str]:
@@ -142,7 +142,7 @@ async def _call_with(
         if not isinstance(first, ResultItem):  # pragma: no cover - the pump's contract
             pump.close()
             return error_response(UpstreamError(f"unexpected first item {type(first).__name__}"))
-        return JSONResponse(renderer.body(first.result, model=model))
+        return JSONResponse(renderer.body(first.result, model=model, reasoning_open=_reasoning_opens(llm, typed)))
 
     def close() -> None:
         pump.close()
@@ -150,7 +150,7 @@ async def _call_with(
 
     records = _records(
         first, pump, renderer, model=model, stream=body.stream, interval_s=request.app.state.stream_interval_s,
-        reasoning_open=body.stream and _reasoning_opens(llm, typed),
+        reasoning_open=_reasoning_opens(llm, typed),
     )
     return SSEResponse(records, on_close=close)
 
@@ -225,7 +225,7 @@ async def _records(
                     flush_text()
                     out.append(named_event("progress", event))
                 case ResultItem(result=result):
-                    out.append(named_event("result", renderer.body(result, model=model)))
+                    out.append(named_event("result", renderer.body(result, model=model, reasoning_open=reasoning_open)))
                     finished = True
                 case FailureItem(error=error):
                     flush_text()

@@ -74,7 +74,7 @@ class ChatRenderer:
             )
         )
 
-    def body(self, result: GenerationResult, *, model: str) -> JSONObject:
+    def body(self, result: GenerationResult, *, model: str, reasoning_open: bool = False) -> JSONObject:
         return completion_body(result, completion_id=self.completion_id, model=model, created=self.created)
 
     def opening(self, *, model: str, reasoning_open: bool) -> list[str]:

@@ -124,7 +124,7 @@ class CompletionRenderer:
         }
         return with_usage_and_block(body, usage=usage_to_wire(usage), metadata=metadata)
 
-    def body(self, result: GenerationResult, *, model: str) -> JSONObject:
+    def body(self, result: GenerationResult, *, model: str, reasoning_open: bool = False) -> JSONObject:
         self._model = model
         return self._body(result.content, finish_reason=result.finish_reason or "stop", usage=result.usage, metadata=result.metadata)
 

@@ -8,8 +8,12 @@
   (``num_gpu``, ``num_thread`` ...) change nothing and are logged. ``keep_alive`` is the pool's
   keep-alive, ``format`` (``"json"`` or a JSON schema) the structured-output path, ``think`` the
   thinking control, ``images`` (base64 strings) the chat route's images (``media.py`` rules).
-- With ``tools`` a chat stream is one line, the final object, written once the answer is
-  complete (tool calls are parsed from the whole answer).
+- A stream is read as it comes (``model_output.OutputSplitter``): thinking goes out as
+  ``message.thinking`` (``/api/generate``: ``thinking``) deltas, the answer as ``content``
+  (``response``) deltas, and with ``tools`` each call as ``message.tool_calls`` on the line
+  where it completes (its text never reaches ``content``); the last line (``done: true``)
+  carries the counts. A whole answer whose think block the prompt opened and that never closed
+  it is all ``thinking``, as a stream sends it.
 - ``/api/generate`` with no prompt loads the model (``done_reason: "load"``), and with
   ``keep_alive: 0`` too unloads it (``"unload"``), as Ollama does.
 - ``GET /api/tags`` lists the pool's models, ``GET /api/ps`` the resident ones, ``POST /api/show``
@@ -30,7 +34,7 @@ import binascii
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Final, Literal
 
@@ -42,6 +46,7 @@ from .. import __version__
 from ..errors import InvalidMedia, InvalidRequest, ModelNotFound
 from ..image_types import sniff_image_type
 from ..json_values import JSONObject, JSONValue
+from ..model_output import ContentPiece, OutputSplitter, ReasoningPiece, StreamPiece, ToolCallPiece, cut_off_reasoning
 from ..results import GenerationChunk, GenerationResult
 from .calls import chat_body, serve_call
 from .dialects import dialect_error_response, ollama_error_body, reshape_error
@@ -244,7 +249,7 @@ async def _serve(request: Request, body: _Common, fields: dict[str, object], *, 
     # The load is timed on its own (load_duration); the call then finds the model resident.
     lease = await pool_of(request).acquire(body.model, keep_alive=_keep_alive(body.keep_alive))
     try:
-        renderer = OllamaRenderer(kind, started=started, load_s=time.perf_counter() - started)
+        renderer = OllamaRenderer(kind, started=started, load_s=time.perf_counter() - started, reads_calls=chat.reads_tool_calls())
         response = await serve_call(request, chat, route=f"ollama_{kind}", renderer=renderer)
     finally:
         lease.release()
@@ -257,14 +262,7 @@ async def _serve(request: Request, body: _Common, fields: dict[str, object], *, 
 async def ollama_chat(request: Request) -> Response:
     body = await asyncio.to_thread(parse_body, ChatRequest, await read_body(request))
     fields = {**_call_fields(body, chat_messages(body)), "tools": body.tools}
-    # Tool calls are parsed from the whole answer: with tools a stream is its one final line.
-    replay = body.stream and bool(body.tools)
-    if replay:
-        fields["stream"] = False
-    response = await _serve(request, body, fields, kind="chat")
-    if replay and response.status_code == 200 and isinstance(response, JSONResponse):
-        return Response(bytes(response.body) + b"\n", media_type=NDJSON)
-    return response
+    return await _serve(request, body, fields, kind="chat")
 
 
 @ollama_route
@@ -360,8 +358,12 @@ def ollama_tool_calls(calls: list[JSONObject] | None) -> list[JSONValue]:
     for call in format_tool_calls(calls or []):
         function = call["function"]
         assert isinstance(function, dict)  # format_tool_calls' shape
-        out.append({"function": {"name": function["name"], "arguments": json.loads(str(function["arguments"] or "{}"))}})
+        out.append(_ollama_call(str(function["name"]), str(function["arguments"] or "{}")))
     return out
+
+
+def _ollama_call(name: str, arguments: str) -> JSONObject:
+    return {"function": {"name": name, "arguments": json.loads(arguments)}}
 
 
 def _line(payload: Mapping[str, JSONValue]) -> str:
@@ -373,11 +375,13 @@ class OllamaRenderer:
 
     ends_at_final = True
 
-    def __init__(self, kind: Literal["chat", "generate"], *, started: float, load_s: float) -> None:
+    def __init__(self, kind: Literal["chat", "generate"], *, started: float, load_s: float, reads_calls: bool = False) -> None:
         self.kind = kind
         self._started = started
         self._load_s = load_s
         self._model = ""
+        self._reads_calls = reads_calls
+        self._splitter = OutputSplitter(tools=reads_calls)
 
     def _object(self, text: str, *, done: bool, thinking: str | None = None, tool_calls: list[JSONValue] | None = None) -> JSONObject:
         out: JSONObject = {"model": self._model, "created_at": created_at()}
@@ -413,21 +417,38 @@ class OllamaRenderer:
                 out["eval_duration"] = int(max(0.0, total_s - self._load_s - ttft) * NS)
         return out
 
-    def body(self, result: GenerationResult, *, model: str) -> JSONObject:
+    def body(self, result: GenerationResult, *, model: str, reasoning_open: bool) -> JSONObject:
         self._model = model
-        out = self._object(result.content, done=True, thinking=result.reasoning, tool_calls=ollama_tool_calls(result.tool_calls))
+        content, reasoning = result.content, result.reasoning
+        if not result.tool_calls:
+            content, reasoning = cut_off_reasoning(content, reasoning, reasoning_open=reasoning_open)
+        out = self._object(content, done=True, thinking=reasoning, tool_calls=ollama_tool_calls(result.tool_calls))
         return self._stats(out, result.finish_reason, result.usage, result.metadata)
 
     def opening(self, *, model: str, reasoning_open: bool) -> list[str]:
         self._model = model
+        self._splitter = OutputSplitter(tools=self._reads_calls, reasoning_open=reasoning_open)
         return []
 
     def text(self, delta: str) -> str:
-        return _line(self._object(delta, done=False))
+        return "".join(self._lines(self._splitter.feed(delta)))
 
     def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
-        deltas = [self.text(tail)] if tail else []
-        return [*deltas, _line(self._stats(self._object("", done=True), final.finish_reason, final.usage, final.metadata))]
+        pieces = [*self._splitter.feed(tail), *self._splitter.finish()]
+        done = self._stats(self._object("", done=True), final.finish_reason, final.usage, final.metadata)
+        return [*self._lines(pieces), _line(done)]
+
+    def _lines(self, pieces: list[StreamPiece]) -> list[str]:
+        out: list[str] = []
+        for piece in pieces:
+            match piece:
+                case ReasoningPiece(text=text):
+                    out.append(_line(self._object("", done=False, thinking=text)))
+                case ContentPiece(text=text):
+                    out.append(_line(self._object(text, done=False)))
+                case ToolCallPiece(call=call):
+                    out.append(_line(self._object("", done=False, tool_calls=[_ollama_call(call.name, call.arguments)])))
+        return out
 
     def ending(self) -> list[str]:
         return []

@@ -309,7 +309,7 @@ class ResponsesRenderer:
             "name": name, "arguments": arguments, "status": status,
         }
 
-    def body(self, result: GenerationResult, *, model: str) -> JSONObject:
+    def body(self, result: GenerationResult, *, model: str, reasoning_open: bool = False) -> JSONObject:
         self._model = model
         output: list[JSONValue] = []
         if result.reasoning:
