@@ -83,6 +83,10 @@ def _proto_span(span: object) -> dict[str, object]:
         "end": s.end_time_unix_nano,  # type: ignore[attr-defined]
         "status": s.status.code,  # type: ignore[attr-defined]
         "attributes": {a.key: _proto_value(a.value) for a in s.attributes},  # type: ignore[attr-defined]
+        "events": [
+            {"name": e.name, "time": e.time_unix_nano, "attributes": {a.key: _proto_value(a.value) for a in e.attributes}}
+            for e in s.events  # type: ignore[attr-defined]
+        ],
     }
 
 
@@ -106,6 +110,10 @@ def _json_span(s: dict[str, object]) -> dict[str, object]:
         "end": int(str(s["endTimeUnixNano"])),
         "status": s.get("status", {}).get("code", 0),  # type: ignore[attr-defined]
         "attributes": {a["key"]: _json_value(a["value"]) for a in s["attributes"]},  # type: ignore[index]
+        "events": [
+            {"name": e["name"], "time": int(e["timeUnixNano"]), "attributes": {a["key"]: _json_value(a["value"]) for a in e["attributes"]}}
+            for e in s.get("events", [])  # type: ignore[attr-defined]
+        ],
     }
 
 
@@ -175,7 +183,7 @@ def _ns(when: object) -> int:
 
 def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, dense_model) -> None:
     ledger_path, root = recorded
-    code, out, err = cli(capsys, "runs", "export", root[:8], "--ledger", str(ledger_path), "--otlp", receiver.url)
+    code, out, err = cli(capsys, "runs", "export", root[:8], "--ledger", str(ledger_path), "--otlp", receiver.url, "--otlp-content")
     assert code == 0, err
     assert [(r.path, r.content_type) for r in receiver.requests] == [("/v1/traces", "application/x-protobuf")]
     spans = receiver.spans()
@@ -196,6 +204,16 @@ def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, de
         # each child run hangs under the parent's subflow node that started it
         assert sorted(by_id[s["parent"]]["name"] for s in child_spans) == ["node subflow (sub)", "node subflow (sub2)"]
 
+        # one span per node visit: on_flow_end's two steps (its own and its emit_event) are one visit
+        root_steps = db.run_steps(root)
+        end_steps = [s for s in root_steps if s.node_id == "end"]
+        assert len({s.step_id for s in end_steps}) == 2
+        nodes = [s for s in spans if s["parent"] == run["span_id"]]
+        assert sorted(s["attributes"]["abstractruntime.node.id"] for s in nodes) == ["end", "sub", "sub2"]
+        (end,) = [s for s in nodes if s["attributes"]["abstractruntime.node.id"] == "end"]
+        assert end["attributes"]["abstractruntime.step.effects"] == ["emit_event"]
+        assert end["start"] == _ns(min(s.started_at for s in end_steps)) and end["end"] == _ns(max(s.ended_at for s in end_steps))
+
         calls = [s for s in spans if s["attributes"].get("gen_ai.operation.name") == "chat"]
         assert len(calls) == 2
         for call in calls:
@@ -203,14 +221,14 @@ def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, de
             run_id = a["abstractruntime.run.id"]
             complete = [r for r in db.node_timeline(run_id) if r.phase == "complete"][-1]
             assert call["name"] == "chat qwen/qwen3-next-80b" and call["kind"] == 1  # INTERNAL: the model is in-process
-            assert a["gen_ai.provider.name"] == "mlx" and a["gen_ai.system"] == "mlx"
+            assert a["gen_ai.provider.name"] == "mlx" and "gen_ai.system" not in a  # deprecated by gen_ai.provider.name
             assert a["gen_ai.request.model"] == "qwen/qwen3-next-80b" and a["gen_ai.response.model"] == dense_model
             assert a["gen_ai.request.max_tokens"] == 8 and a["gen_ai.request.temperature"] == 0.0
             assert a["gen_ai.usage.input_tokens"] == complete.prompt_tokens
             assert a["gen_ai.usage.output_tokens"] == complete.generated_tokens == 8
             assert a["gen_ai.usage.cache_read.input_tokens"] == complete.cached_tokens
             assert a["gen_ai.response.finish_reasons"] == [complete.finish_reason]
-            assert a["gen_ai.server.time_to_first_token"] == complete.ttft_s
+            assert a["gen_ai.server.time_to_first_token"] == a["gen_ai.response.time_to_first_chunk"] == complete.ttft_s
             assert json.loads(a["gen_ai.input.messages"])[-1]["role"] == "user"
             assert json.loads(a["gen_ai.output.messages"])[0]["finish_reason"] == complete.finish_reason
             # the node visit, the call and its phases, in time order, as the ledger has them
@@ -223,6 +241,26 @@ def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, de
             assert decode["end"] == _ns(complete.created_at)
             assert decode["start"] - call["start"] >= round(complete.ttft_s * 1e9) - 1_000  # first token after the queue
             assert decode["attributes"]["abstractruntime.decode.generated_tokens"] == 8
+            # the call's phase events, as span events of its prefill and decode spans
+            rows = [r for r in db.node_timeline(run_id) if r.phase in ("prefill", "generate", "complete")]
+            events = [e for name in ("queue", "prefill", "decode") for e in phases.get(name, {}).get("events", [])]
+            assert [e["attributes"]["abstractruntime.progress.phase"] for e in events] == [r.phase for r in rows]
+            assert {e["name"] for e in events} == {"abstract.progress"}
+            assert [e["time"] for e in events] == [_ns(r.created_at) for r in rows]
+            for phase in phases.values():  # each on the phase span whose time holds it
+                assert all(phase["start"] <= e["time"] <= phase["end"] for e in phase["events"])
+            assert [e["attributes"]["abstractruntime.progress.phase"] for e in decode["events"]] == ["generate", "complete"]
+            for event, row in zip(events, rows):
+                ea = event["attributes"]
+                assert ea.get("abstractruntime.progress.generated_tokens") == row.generated_tokens
+                assert ea.get("abstractruntime.progress.prompt_tokens") == row.prompt_tokens
+                if row.phase == "generate" and row.generated_tokens is not None:
+                    assert ea["abstractruntime.progress.fraction"] == pytest.approx(row.generated_tokens / 8)
+                if row.phase == "prefill" and row.prefill_processed_tokens is not None:
+                    assert ea["abstractruntime.progress.fraction"] == pytest.approx(row.prefill_processed_tokens / row.prompt_tokens)
+                if row.tokens_per_second is not None and row.phase != "prefill":
+                    assert ea["abstractruntime.progress.tokens_per_second"] == row.tokens_per_second
+            assert decode["events"][-1]["attributes"]["abstractruntime.progress.fraction"] == 1.0  # complete
             child = by_id[node["parent"]]
             assert run["start"] <= by_id[child["parent"]]["start"] <= child["start"] and child["end"] <= run["end"]
 
