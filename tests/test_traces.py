@@ -362,3 +362,92 @@ def test_serve_sends_each_call_as_spans(receiver, dense_model, tmp_path) -> None
     node = spans[call["parent"]]
     assert node["name"] == "node chat" and spans[node["parent"]]["name"] == "run serve"
     assert {s["name"] for s in spans.values() if s["parent"] == call["span_id"]} >= {"prefill", "decode"}
+
+
+# -- prompts and answers are opt-in ------------------------------------------------------
+
+CONTENT_KEYS = {"gen_ai.system_instructions", "gen_ai.input.messages", "gen_ai.output.messages"}
+CONTENT_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+
+
+def test_prompts_and_answers_are_sent_only_when_asked(recorded, receiver, capsys, monkeypatch) -> None:
+    ledger_path, root = recorded
+    cases = [  # (environment value, flag) -> content in the spans
+        ((None, None), False),
+        (("true", None), True),
+        (("SPAN_AND_EVENT", None), True),
+        (("false", "--otlp-content"), True),
+        (("true", "--otlp-no-content"), False),
+        (("no_content", None), False),
+    ]
+    for (env, flag), expected in cases:
+        if env is None:
+            monkeypatch.delenv(CONTENT_ENV, raising=False)
+        else:
+            monkeypatch.setenv(CONTENT_ENV, env)
+        receiver.requests.clear()
+        code, _, err = cli(capsys, "runs", "export", root, "--ledger", str(ledger_path), "--otlp", receiver.url, *([flag] if flag else []))
+        assert code == 0, err
+        calls = [s for s in receiver.spans() if s["attributes"].get("gen_ai.operation.name") == "chat"]
+        assert len(calls) == 2
+        for call in calls:
+            keys = set(call["attributes"])
+            assert ({"gen_ai.input.messages", "gen_ai.output.messages"} <= keys if expected else not CONTENT_KEYS & keys), (env, flag)
+            assert call["attributes"]["gen_ai.usage.output_tokens"] == 8  # the rest is there either way
+        if not expected:
+            assert not any(CONTENT_KEYS & set(s["attributes"]) for s in receiver.spans())
+    monkeypatch.setenv(CONTENT_ENV, "maybe")
+    code, _, err = cli(capsys, "runs", "export", root, "--ledger", str(ledger_path), "--otlp", receiver.url)
+    assert code == 1 and err.startswith(f"error: [invalid_request] ${CONTENT_ENV} expects one of true, false"), err
+    with pytest.raises(SystemExit) as usage:
+        main(["runs", "export", root, "--ledger", str(ledger_path), "--otlp", receiver.url, "--otlp-content", "--otlp-no-content"])
+    assert usage.value.code == 2 and "not allowed with argument --otlp-content" in capsys.readouterr().err
+
+
+# -- served calls: the HTTP route and the pool's model name ------------------------------
+
+
+def test_served_calls_carry_the_route_and_the_model_name(receiver, dense_model, tmp_path) -> None:
+    import datetime as dt
+
+    from test_server_harness import serve_in_thread
+
+    from abstractruntime_mlx.server.app import create_app
+    from abstractruntime_mlx.server.pool import ModelSpec
+    from abstractruntime_mlx.server.serve_ledger import ServeLedger
+    from abstractruntime_mlx.traces import LiveExport, OtlpTarget
+
+    url = sqlite_url(tmp_path / "serve.sqlite")
+    ledger = Ledger(url)
+    recorder = ServeLedger(ledger)
+    app = create_app(models=[ModelSpec("tiny", dense_model)], aliases={"x": "tiny"}, serve_ledger=recorder, stream_interval_ms=0)
+    messages = [{"role": "user", "content": "hi"}]
+    asked = {  # path -> (the model as the request names it, body)
+        "/v1/chat/completions": ("x", {"max_tokens": 3, "temperature": 0, "messages": messages}),
+        "/v1/messages": (dense_model, {"max_tokens": 3, "temperature": 0, "messages": messages}),
+        "/api/chat": ("tiny", {"stream": False, "think": False, "options": {"temperature": 0, "num_predict": 3}, "messages": messages}),
+    }
+    try:
+        with LiveExport(url, OtlpTarget.parse(receiver.url), since=dt.datetime.now(dt.UTC), poll_s=0.2) as exporter:
+            with serve_in_thread(app) as base:
+                for path, (model, body) in asked.items():
+                    reply = httpx.post(f"{base}{path}", json={"model": model, **body}, timeout=60)
+                    assert reply.status_code == 200, reply.text
+                recorder.drain()
+        assert exporter.num_sent > 0
+    finally:
+        recorder.close()
+        ledger.close()
+    spans = {s["span_id"]: s for s in receiver.spans()}
+    calls = [s for s in spans.values() if s["attributes"].get("gen_ai.operation.name") == "chat"]
+    by_route = {s["attributes"]["http.route"]: s for s in calls}
+    assert sorted(by_route) == sorted(asked) and len(calls) == 3
+    for path, (model, _) in asked.items():
+        a = by_route[path]["attributes"]
+        assert a["http.request.method"] == "POST" and a["gen_ai.request.stream"] is False
+        assert a["gen_ai.request.model"] == model and a["gen_ai.response.model"] == "tiny"  # the pool's one name
+        assert by_route[path]["name"] == f"chat {model}"
+        assert a["gen_ai.usage.output_tokens"] == 3 and a["gen_ai.provider.name"] == "mlx"
+        assert not CONTENT_KEYS & set(a)  # prompts and answers: opt-in
+        node = spans[by_route[path]["parent"]]
+        assert spans[node["parent"]]["name"] == "run serve"
