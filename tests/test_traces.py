@@ -83,6 +83,10 @@ def _proto_span(span: object) -> dict[str, object]:
         "end": s.end_time_unix_nano,  # type: ignore[attr-defined]
         "status": s.status.code,  # type: ignore[attr-defined]
         "attributes": {a.key: _proto_value(a.value) for a in s.attributes},  # type: ignore[attr-defined]
+        "events": [
+            {"name": e.name, "time": e.time_unix_nano, "attributes": {a.key: _proto_value(a.value) for a in e.attributes}}
+            for e in s.events  # type: ignore[attr-defined]
+        ],
     }
 
 
@@ -106,6 +110,10 @@ def _json_span(s: dict[str, object]) -> dict[str, object]:
         "end": int(str(s["endTimeUnixNano"])),
         "status": s.get("status", {}).get("code", 0),  # type: ignore[attr-defined]
         "attributes": {a["key"]: _json_value(a["value"]) for a in s["attributes"]},  # type: ignore[index]
+        "events": [
+            {"name": e["name"], "time": int(e["timeUnixNano"]), "attributes": {a["key"]: _json_value(a["value"]) for a in e["attributes"]}}
+            for e in s.get("events", [])  # type: ignore[attr-defined]
+        ],
     }
 
 
@@ -175,7 +183,7 @@ def _ns(when: object) -> int:
 
 def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, dense_model) -> None:
     ledger_path, root = recorded
-    code, out, err = cli(capsys, "runs", "export", root[:8], "--ledger", str(ledger_path), "--otlp", receiver.url)
+    code, out, err = cli(capsys, "runs", "export", root[:8], "--ledger", str(ledger_path), "--otlp", receiver.url, "--otlp-content")
     assert code == 0, err
     assert [(r.path, r.content_type) for r in receiver.requests] == [("/v1/traces", "application/x-protobuf")]
     spans = receiver.spans()
@@ -196,6 +204,16 @@ def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, de
         # each child run hangs under the parent's subflow node that started it
         assert sorted(by_id[s["parent"]]["name"] for s in child_spans) == ["node subflow (sub)", "node subflow (sub2)"]
 
+        # one span per node visit: on_flow_end's two steps (its own and its emit_event) are one visit
+        root_steps = db.run_steps(root)
+        end_steps = [s for s in root_steps if s.node_id == "end"]
+        assert len({s.step_id for s in end_steps}) == 2
+        nodes = [s for s in spans if s["parent"] == run["span_id"]]
+        assert sorted(s["attributes"]["abstractruntime.node.id"] for s in nodes) == ["end", "sub", "sub2"]
+        (end,) = [s for s in nodes if s["attributes"]["abstractruntime.node.id"] == "end"]
+        assert end["attributes"]["abstractruntime.step.effects"] == ["emit_event"]
+        assert end["start"] == _ns(min(s.started_at for s in end_steps)) and end["end"] == _ns(max(s.ended_at for s in end_steps))
+
         calls = [s for s in spans if s["attributes"].get("gen_ai.operation.name") == "chat"]
         assert len(calls) == 2
         for call in calls:
@@ -203,14 +221,14 @@ def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, de
             run_id = a["abstractruntime.run.id"]
             complete = [r for r in db.node_timeline(run_id) if r.phase == "complete"][-1]
             assert call["name"] == "chat qwen/qwen3-next-80b" and call["kind"] == 1  # INTERNAL: the model is in-process
-            assert a["gen_ai.provider.name"] == "mlx" and a["gen_ai.system"] == "mlx"
+            assert a["gen_ai.provider.name"] == "mlx" and "gen_ai.system" not in a  # deprecated by gen_ai.provider.name
             assert a["gen_ai.request.model"] == "qwen/qwen3-next-80b" and a["gen_ai.response.model"] == dense_model
             assert a["gen_ai.request.max_tokens"] == 8 and a["gen_ai.request.temperature"] == 0.0
             assert a["gen_ai.usage.input_tokens"] == complete.prompt_tokens
             assert a["gen_ai.usage.output_tokens"] == complete.generated_tokens == 8
             assert a["gen_ai.usage.cache_read.input_tokens"] == complete.cached_tokens
             assert a["gen_ai.response.finish_reasons"] == [complete.finish_reason]
-            assert a["gen_ai.server.time_to_first_token"] == complete.ttft_s
+            assert a["gen_ai.server.time_to_first_token"] == a["gen_ai.response.time_to_first_chunk"] == complete.ttft_s
             assert json.loads(a["gen_ai.input.messages"])[-1]["role"] == "user"
             assert json.loads(a["gen_ai.output.messages"])[0]["finish_reason"] == complete.finish_reason
             # the node visit, the call and its phases, in time order, as the ledger has them
@@ -223,6 +241,26 @@ def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, de
             assert decode["end"] == _ns(complete.created_at)
             assert decode["start"] - call["start"] >= round(complete.ttft_s * 1e9) - 1_000  # first token after the queue
             assert decode["attributes"]["abstractruntime.decode.generated_tokens"] == 8
+            # the call's phase events, as span events of its prefill and decode spans
+            rows = [r for r in db.node_timeline(run_id) if r.phase in ("prefill", "generate", "complete")]
+            events = [e for name in ("queue", "prefill", "decode") for e in phases.get(name, {}).get("events", [])]
+            assert [e["attributes"]["abstractruntime.progress.phase"] for e in events] == [r.phase for r in rows]
+            assert {e["name"] for e in events} == {"abstract.progress"}
+            assert [e["time"] for e in events] == [_ns(r.created_at) for r in rows]
+            for phase in phases.values():  # each on the phase span whose time holds it
+                assert all(phase["start"] <= e["time"] <= phase["end"] for e in phase["events"])
+            assert [e["attributes"]["abstractruntime.progress.phase"] for e in decode["events"]] == ["generate", "complete"]
+            for event, row in zip(events, rows):
+                ea = event["attributes"]
+                assert ea.get("abstractruntime.progress.generated_tokens") == row.generated_tokens
+                assert ea.get("abstractruntime.progress.prompt_tokens") == row.prompt_tokens
+                if row.phase == "generate" and row.generated_tokens is not None:
+                    assert ea["abstractruntime.progress.fraction"] == pytest.approx(row.generated_tokens / 8)
+                if row.phase == "prefill" and row.prefill_processed_tokens is not None:
+                    assert ea["abstractruntime.progress.fraction"] == pytest.approx(row.prefill_processed_tokens / row.prompt_tokens)
+                if row.tokens_per_second is not None and row.phase != "prefill":
+                    assert ea["abstractruntime.progress.tokens_per_second"] == row.tokens_per_second
+            assert decode["events"][-1]["attributes"]["abstractruntime.progress.fraction"] == 1.0  # complete
             child = by_id[node["parent"]]
             assert run["start"] <= by_id[child["parent"]]["start"] <= child["start"] and child["end"] <= run["end"]
 
@@ -324,3 +362,92 @@ def test_serve_sends_each_call_as_spans(receiver, dense_model, tmp_path) -> None
     node = spans[call["parent"]]
     assert node["name"] == "node chat" and spans[node["parent"]]["name"] == "run serve"
     assert {s["name"] for s in spans.values() if s["parent"] == call["span_id"]} >= {"prefill", "decode"}
+
+
+# -- prompts and answers are opt-in ------------------------------------------------------
+
+CONTENT_KEYS = {"gen_ai.system_instructions", "gen_ai.input.messages", "gen_ai.output.messages"}
+CONTENT_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+
+
+def test_prompts_and_answers_are_sent_only_when_asked(recorded, receiver, capsys, monkeypatch) -> None:
+    ledger_path, root = recorded
+    cases = [  # (environment value, flag) -> content in the spans
+        ((None, None), False),
+        (("true", None), True),
+        (("SPAN_AND_EVENT", None), True),
+        (("false", "--otlp-content"), True),
+        (("true", "--otlp-no-content"), False),
+        (("no_content", None), False),
+    ]
+    for (env, flag), expected in cases:
+        if env is None:
+            monkeypatch.delenv(CONTENT_ENV, raising=False)
+        else:
+            monkeypatch.setenv(CONTENT_ENV, env)
+        receiver.requests.clear()
+        code, _, err = cli(capsys, "runs", "export", root, "--ledger", str(ledger_path), "--otlp", receiver.url, *([flag] if flag else []))
+        assert code == 0, err
+        calls = [s for s in receiver.spans() if s["attributes"].get("gen_ai.operation.name") == "chat"]
+        assert len(calls) == 2
+        for call in calls:
+            keys = set(call["attributes"])
+            assert ({"gen_ai.input.messages", "gen_ai.output.messages"} <= keys if expected else not CONTENT_KEYS & keys), (env, flag)
+            assert call["attributes"]["gen_ai.usage.output_tokens"] == 8  # the rest is there either way
+        if not expected:
+            assert not any(CONTENT_KEYS & set(s["attributes"]) for s in receiver.spans())
+    monkeypatch.setenv(CONTENT_ENV, "maybe")
+    code, _, err = cli(capsys, "runs", "export", root, "--ledger", str(ledger_path), "--otlp", receiver.url)
+    assert code == 1 and err.startswith(f"error: [invalid_request] ${CONTENT_ENV} expects one of true, false"), err
+    with pytest.raises(SystemExit) as usage:
+        main(["runs", "export", root, "--ledger", str(ledger_path), "--otlp", receiver.url, "--otlp-content", "--otlp-no-content"])
+    assert usage.value.code == 2 and "not allowed with argument --otlp-content" in capsys.readouterr().err
+
+
+# -- served calls: the HTTP route and the pool's model name ------------------------------
+
+
+def test_served_calls_carry_the_route_and_the_model_name(receiver, dense_model, tmp_path) -> None:
+    import datetime as dt
+
+    from test_server_harness import serve_in_thread
+
+    from abstractruntime_mlx.server.app import create_app
+    from abstractruntime_mlx.server.pool import ModelSpec
+    from abstractruntime_mlx.server.serve_ledger import ServeLedger
+    from abstractruntime_mlx.traces import LiveExport, OtlpTarget
+
+    url = sqlite_url(tmp_path / "serve.sqlite")
+    ledger = Ledger(url)
+    recorder = ServeLedger(ledger)
+    app = create_app(models=[ModelSpec("tiny", dense_model)], aliases={"x": "tiny"}, serve_ledger=recorder, stream_interval_ms=0)
+    messages = [{"role": "user", "content": "hi"}]
+    asked = {  # path -> (the model as the request names it, body)
+        "/v1/chat/completions": ("x", {"max_tokens": 3, "temperature": 0, "messages": messages}),
+        "/v1/messages": (dense_model, {"max_tokens": 3, "temperature": 0, "messages": messages}),
+        "/api/chat": ("tiny", {"stream": False, "think": False, "options": {"temperature": 0, "num_predict": 3}, "messages": messages}),
+    }
+    try:
+        with LiveExport(url, OtlpTarget.parse(receiver.url), since=dt.datetime.now(dt.UTC), poll_s=0.2) as exporter:
+            with serve_in_thread(app) as base:
+                for path, (model, body) in asked.items():
+                    reply = httpx.post(f"{base}{path}", json={"model": model, **body}, timeout=60)
+                    assert reply.status_code == 200, reply.text
+                recorder.drain()
+        assert exporter.num_sent > 0
+    finally:
+        recorder.close()
+        ledger.close()
+    spans = {s["span_id"]: s for s in receiver.spans()}
+    calls = [s for s in spans.values() if s["attributes"].get("gen_ai.operation.name") == "chat"]
+    by_route = {s["attributes"]["http.route"]: s for s in calls}
+    assert sorted(by_route) == sorted(asked) and len(calls) == 3
+    for path, (model, _) in asked.items():
+        a = by_route[path]["attributes"]
+        assert a["http.request.method"] == "POST" and a["gen_ai.request.stream"] is False
+        assert a["gen_ai.request.model"] == model and a["gen_ai.response.model"] == "tiny"  # the pool's one name
+        assert by_route[path]["name"] == f"chat {model}"
+        assert a["gen_ai.usage.output_tokens"] == 3 and a["gen_ai.provider.name"] == "mlx"
+        assert not CONTENT_KEYS & set(a)  # prompts and answers: opt-in
+        node = spans[by_route[path]["parent"]]
+        assert spans[node["parent"]]["name"] == "run serve"

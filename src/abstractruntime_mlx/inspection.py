@@ -160,6 +160,9 @@ class CallView:
     load: dict[str, object] = field(default_factory=dict)
     """The model load the call waited for: ``model``, ``size_bytes``, ``state`` (``loading``,
     ``loaded``, ``failed``), ``start_s``, ``end_s``, ``seconds``; empty when the model was resident."""
+    http: dict[str, object] = field(default_factory=dict)
+    """A served call's HTTP request (``serve``): ``method``, ``route`` (``/v1/chat/completions``
+    ...), ``stream``; empty for a flow's call."""
     prefix_break: str | None = None
     """Where the prompt broke its cache key's previous prompt (``prefix_break_text`` of
     ``prompt_cache.prefix_break``); None when it extended it, or had no key."""
@@ -777,6 +780,7 @@ def _call_view(
         route=route,
         request_params={k: v for k, v in object_at(payload, "params").items() if k != "trace_metadata"},
         load=_load_of(load_rows, origin),
+        http=dict(object_at(payload, "http") or object_at(started_payload, "http")),
     )
 
 

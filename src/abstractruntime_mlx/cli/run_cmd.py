@@ -34,7 +34,7 @@ from ..json_values import as_str
 from .args import add_limit_arguments, drive_limits, integer
 from .ledger_location import DEFAULT_LEDGER_PATH, LEDGER_ENV, default_ledger_url
 from .runs_cmd import EXIT_FAILED, EXIT_OK, EXIT_WAITING, exit_code, print_results
-from .runs_export_cmd import add_otlp_arguments, otlp_target
+from .runs_export_cmd import add_otlp_arguments, otlp_content, otlp_target
 from .terminal import printable
 
 if TYPE_CHECKING:
@@ -67,6 +67,8 @@ class RunSettings:
     allow_network_tools: bool = False
     session_id: str | None = None
     otlp: OtlpTarget | None = None
+    otlp_content: bool = False
+    """The spans carry the calls' prompts and answers (``--otlp-content``)."""
 
 
 def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -263,6 +265,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         limits=limits,
         session_id=args.session.strip() if args.session else None,
         otlp=otlp_target(args),
+        otlp_content=otlp_content(args.otlp_content),
     )
 
 
@@ -399,7 +402,9 @@ def _live_export(settings: RunSettings, since: dt.datetime) -> contextlib.Abstra
     from ..traces import LiveExport
     from .main import installed_version
 
-    return LiveExport(settings.ledger_url, settings.otlp, since=since, service_version=installed_version())
+    return LiveExport(
+        settings.ledger_url, settings.otlp, since=since, service_version=installed_version(), content=settings.otlp_content
+    )
 
 
 EXIT_INTERRUPTED: Final = 130

@@ -6,8 +6,11 @@
 
 Each ``RUN_ID`` (or unique prefix) is exported with every run below it (subflows, agents).
 ``--otlp-header KEY=VALUE`` (repeatable) and ``$OTEL_EXPORTER_OTLP_HEADERS`` (``k=v,k2=v2``)
-add request headers, e.g. Langfuse's ``Authorization: Basic ...``. ``add_otlp_arguments`` /
-``otlp_target`` give ``run`` and ``serve`` the same flags.
+add request headers, e.g. Langfuse's ``Authorization: Basic ...``. Prompts and answers are left
+out of the spans unless asked for (the GenAI conventions make them opt-in): ``--otlp-content``,
+or ``$OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true``; ``--otlp-no-content`` leaves them
+out whatever the variable says. ``add_otlp_arguments`` / ``otlp_target`` / ``otlp_content`` give
+``run`` and ``serve`` the same flags.
 """
 
 from __future__ import annotations
@@ -27,6 +30,17 @@ if TYPE_CHECKING:
     from ..traces import OtlpTarget
 
 HEADERS_ENV: Final = "OTEL_EXPORTER_OTLP_HEADERS"
+CONTENT_ENV: Final = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+CONTENT_ENV_VALUES: Final[Mapping[str, bool]] = {
+    "true": True,
+    "false": False,
+    "span_only": True,
+    "span_and_event": True,
+    "event_only": False,  # no span events carry content here: nothing on the spans
+    "no_content": False,
+}
+"""What ``$OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` means for the spans (case-insensitive),
+as OpenTelemetry's GenAI instrumentations read it."""
 
 
 def add_parser(actions: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -58,6 +72,22 @@ def add_otlp_arguments(parser: argparse.ArgumentParser, *, live: bool = True) ->
         metavar="KEY=VALUE",
         help=f"a header for the OTLP receiver (repeatable; also ${HEADERS_ENV})",
     )
+    content = parser.add_mutually_exclusive_group()
+    content.add_argument(
+        "--otlp-content",
+        dest="otlp_content",
+        action="store_const",
+        const=True,
+        default=None,
+        help=f"put the prompts and answers in the spans (gen_ai.input.messages ...; default: left out, or ${CONTENT_ENV})",
+    )
+    content.add_argument(
+        "--otlp-no-content",
+        dest="otlp_content",
+        action="store_const",
+        const=False,
+        help=f"leave the prompts and answers out of the spans, whatever ${CONTENT_ENV} says",
+    )
 
 
 def otlp_headers(items: list[str], env: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -74,6 +104,20 @@ def otlp_headers(items: list[str], env: Mapping[str, str] = os.environ) -> dict[
             raise SystemExit(f"error: --otlp-header expects KEY=VALUE, got {item!r}")
         out[key.strip()] = value.strip()
     return out
+
+
+def otlp_content(choice: bool | None, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether spans carry prompts and answers: ``--otlp-content`` / ``--otlp-no-content``, else
+    ``$OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT`` (``CONTENT_ENV_VALUES``), else no."""
+    if choice is not None:
+        return choice
+    raw = env.get(CONTENT_ENV, "").strip()
+    if not raw:
+        return False
+    value = CONTENT_ENV_VALUES.get(raw.lower())
+    if value is None:
+        raise SystemExit(f"error: ${CONTENT_ENV} expects one of {', '.join(CONTENT_ENV_VALUES)}, got {raw!r}")
+    return value
 
 
 def otlp_target(args: argparse.Namespace) -> OtlpTarget | None:
@@ -94,7 +138,8 @@ def _export(args: argparse.Namespace) -> int:
         raise SystemExit("error: runs export needs --otlp URL or --json FILE")
     with open_for_inspection(default_ledger_url(args.ledger)) as ledger:
         run_ids = list(dict.fromkeys(resolve_run_id(ledger, run_id) for run_id in args.run_ids))
-        spans = [span for run_id in run_ids for span in tree_spans(ledger, run_id)]
+        content = otlp_content(args.otlp_content)
+        spans = [span for run_id in run_ids for span in tree_spans(ledger, run_id, content=content)]
     version = installed_version()
     if args.json is not None:
         text = json.dumps(export_request(spans, service_version=version), indent=2, ensure_ascii=False)

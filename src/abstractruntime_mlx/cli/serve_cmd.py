@@ -31,7 +31,7 @@ from ..errors import InvalidRequest
 from ..json_values import JSONObject
 from ..default_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from .args import integer, number
-from .runs_export_cmd import add_otlp_arguments, otlp_target
+from .runs_export_cmd import add_otlp_arguments, otlp_content, otlp_target
 
 if TYPE_CHECKING:
     from ..provider.mlx_provider import MLXProvider
@@ -76,6 +76,8 @@ class ServeSettings:
     # send every served call as OpenTelemetry spans (``serve --otlp``); recorded in a temporary
     # ledger when there is no ``ledger_url``
     otlp: OtlpTarget | None = None
+    # the spans carry the prompts and answers (``--otlp-content``, or the GenAI content variable)
+    otlp_content: bool = False
     # connection limits (server/connections.py); max_connections None: the default, fitted to the descriptor limit
     max_connections: int | None = None
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
@@ -275,6 +277,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         log_level=args.log_level,
         ledger_url=None if args.ledger is None else _ledger_arg(args.ledger),
         otlp=otlp_target(args),
+        otlp_content=otlp_content(args.otlp_content, env),
         stream_interval_ms=args.stream_interval_ms,
         model_roots=tuple(args.model_root),
         options=options,
@@ -398,7 +401,7 @@ def serve(settings: ServeSettings) -> int:
     server = uvicorn.Server(config)
     served = ", ".join(m.name for m in settings.models) or "(no model)"
     print(f"abstractruntime-mlx: serving {served} on http://{settings.host}:{settings.port}", file=sys.stderr)
-    exporter = _live_export(settings.otlp, ledger_url)
+    exporter = _live_export(settings.otlp, ledger_url, content=settings.otlp_content)
     try:
         with exporter:
             server.run()
@@ -412,7 +415,9 @@ def serve(settings: ServeSettings) -> int:
     return 0
 
 
-def _live_export(target: OtlpTarget | None, ledger_url: str | None) -> contextlib.AbstractContextManager[object]:
+def _live_export(
+    target: OtlpTarget | None, ledger_url: str | None, *, content: bool
+) -> contextlib.AbstractContextManager[object]:
     """``--otlp``: each served call's spans sent when it ends (``traces.LiveExport``)."""
     if target is None or ledger_url is None:
         return contextlib.nullcontext()
@@ -422,7 +427,7 @@ def _live_export(target: OtlpTarget | None, ledger_url: str | None) -> contextli
     from .main import installed_version
 
     print(f"abstractruntime-mlx: sending OpenTelemetry spans to {target.url}", file=sys.stderr)
-    return LiveExport(ledger_url, target, since=dt.datetime.now(dt.UTC), service_version=installed_version())
+    return LiveExport(ledger_url, target, since=dt.datetime.now(dt.UTC), service_version=installed_version(), content=content)
 
 
 def _load_mlx(model: str, **options: object) -> MLXProvider:

@@ -111,7 +111,7 @@ async def _call_with(
     # never passed on and no phase invented (the seed's rule); the event stream has no progress records.
     supported = progress_supported(llm)
     with_progress = body.include_progress and supported
-    observer = await begin_call(request, route=route, model=model, call=typed, stream=body.stream)
+    observer = await begin_call(request, route=route, model=model, call=typed, stream=body.stream, asked_model=body.model)
     cancel_event = threading.Event()
 
     def call(on_progress: ProgressSink | None) -> Awaitable[GenerationResult | AsyncIterator[GenerationChunk]]:

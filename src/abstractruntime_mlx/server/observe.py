@@ -79,15 +79,18 @@ def _safely(method: Callable[[T], None], argument: T) -> None:
         log.warning("a call observer failed; the call goes on", exc_info=True)
 
 
-async def begin_call(request: Request, *, route: str, model: str, call: GenerationRequest, stream: bool) -> Observers:
-    """The observers of one call to ``model`` on ``route`` (``chat``, ``responses``, ``completions``).
+async def begin_call(
+    request: Request, *, route: str, model: str, call: GenerationRequest, stream: bool, asked_model: str | None = None
+) -> Observers:
+    """The observers of one call to ``model`` (the pool's name of the model, ``asked_model`` however
+    the request spelled it) on ``route`` (``chat``, ``responses``, ``completions``).
 
     Also names the model on the request's state, so the metrics middleware can label the
     errors this request answers with. With a ledger, the call's run and STARTED step are
     written before this returns (on a thread), so its phase events follow them.
     """
     from .metrics import ServerMetrics
-    from .serve_ledger import ServeLedger
+    from .serve_ledger import ServedHttp, ServeLedger
 
     request.state.served_model = model
     members: list[CallObserver] = []
@@ -98,7 +101,12 @@ async def begin_call(request: Request, *, route: str, model: str, call: Generati
     if isinstance(ledger, ServeLedger):
         members.append(
             await ledger.begin(
-                route=route, model=model, call=call, stream=stream, session=request.headers.get(SESSION_HEADER)
+                route=route,
+                model=model,
+                call=call,
+                stream=stream,
+                session=request.headers.get(SESSION_HEADER),
+                http=ServedHttp(method=request.method, route=request.url.path, asked_model=asked_model),
             )
         )
     return Observers(members)

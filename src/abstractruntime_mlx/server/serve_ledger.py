@@ -8,7 +8,9 @@ a call without the header is a run of its own (``serve-<uuid>``). Every run's
 is written before the call starts, its phase events go through the ledger's
 ``ProgressWriter`` as ``abstract.progress`` rows, and its COMPLETED (or FAILED) record holds
 the answer, usage and metadata in the shape ``run`` records (``content``, ``usage``,
-``metadata.execution`` ...). So ``runs list``, ``runs show`` and ``runs web`` show server
+``metadata.execution`` ..., ``metadata.route``: the model as the request named it and the
+pool's name of the model that served it). The STARTED payload's ``http`` holds the HTTP method,
+the path (``/v1/chat/completions``, ``/v1/messages``, ``/api/chat`` ...) and whether it streamed. So ``runs list``, ``runs show`` and ``runs web`` show server
 traffic like flow runs. A session's run reads ``running`` while one of its calls runs, then
 the status of its last call.
 
@@ -26,6 +28,7 @@ import logging
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Final
 
 from ..errors import MLXRuntimeError
@@ -44,6 +47,15 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat()
 
 
+@dataclass(frozen=True, slots=True)
+class ServedHttp:
+    """The HTTP request of a served call: its method, its path, the model as it named it."""
+
+    method: str
+    route: str
+    asked_model: str | None = None
+
+
 def session_run_id(session: str) -> str:
     """The run of every call in ``session`` (a digest: the header may hold any text)."""
     return f"serve-{hashlib.sha256(session.encode('utf-8')).hexdigest()[:16]}"
@@ -60,13 +72,22 @@ class ServeLedger:
         self._in_flight: dict[str, int] = {}  # run id -> calls running in it
 
     async def begin(
-        self, *, route: str, model: str, call: GenerationRequest, stream: bool, session: str | None
+        self,
+        *,
+        route: str,
+        model: str,
+        call: GenerationRequest,
+        stream: bool,
+        session: str | None,
+        http: ServedHttp | None = None,
     ) -> LedgerCall:
         """Write the call's run (if new) and its STARTED step; returns the call's observer."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._records, self._begin, route, model, call, stream, session)
+        return await loop.run_in_executor(self._records, self._begin, route, model, call, stream, session, http)
 
-    def _begin(self, route: str, model: str, call: GenerationRequest, stream: bool, session: str | None) -> LedgerCall:
+    def _begin(
+        self, route: str, model: str, call: GenerationRequest, stream: bool, session: str | None, http: ServedHttp | None
+    ) -> LedgerCall:
         now = _now()
         session = session.strip() if session and session.strip() else None
         run_id = session_run_id(session) if session else f"serve-{uuid.uuid4().hex}"
@@ -84,7 +105,7 @@ class ServeLedger:
         if not created:
             self.ledger.save_run({**stored, "status": "running", "current_node": route, "updated_at": now})
         step_id = uuid.uuid4().hex
-        effect: JSONObject = {"type": "llm_call", "payload": _payload(call, route=route, model=model, stream=stream)}
+        effect: JSONObject = {"type": "llm_call", "payload": _payload(call, route=route, model=model, stream=stream, http=http)}
         self.ledger.append_step(
             {
                 "run_id": run_id,
@@ -101,7 +122,8 @@ class ServeLedger:
         with self._lock:
             self._in_flight[run_id] = self._in_flight.get(run_id, 0) + 1
         key = NodeKey(run_id, route, workflow_id=SERVE_WORKFLOW, step_id=step_id, attempt=1)
-        return LedgerCall(self, key=key, effect=effect, model=model, started_at=now, session=session)
+        asked = http.asked_model if http is not None and http.asked_model else model
+        return LedgerCall(self, key=key, effect=effect, model=model, asked_model=asked, started_at=now, session=session)
 
     def finish(self, call: LedgerCall, record: JSONObject, status: str) -> None:
         """Write the call's end on the recorder's thread (after what was asked before, off the event loop)."""
@@ -137,11 +159,22 @@ class LedgerCall:
 
     wants_progress: Final = True
 
-    def __init__(self, recorder: ServeLedger, *, key: NodeKey, effect: JSONObject, model: str, started_at: str, session: str | None) -> None:
+    def __init__(
+        self,
+        recorder: ServeLedger,
+        *,
+        key: NodeKey,
+        effect: JSONObject,
+        model: str,
+        started_at: str,
+        session: str | None,
+        asked_model: str | None = None,
+    ) -> None:
         self._recorder = recorder
         self.key = key
         self._effect = effect
         self._model = model
+        self._asked_model = asked_model or model
         self._started_at = started_at
         self._session = session
         self._text: list[str] = []
@@ -186,6 +219,10 @@ class LedgerCall:
         """The answer in the shape ``run`` records an LLM call's result (``NodeResult.to_runtime_result``)."""
         metadata: dict[str, JSONValue] = dict(final.metadata or {})
         metadata["client"] = {"kind": "served", "session": self._session}
+        metadata.setdefault(
+            "route",
+            {"asked": {"provider": PROVIDER, "model": self._asked_model}, "served": {"provider": PROVIDER, "model": self._model}},
+        )
         content = final.content if isinstance(final, GenerationResult) else "".join(self._text)
         out: JSONObject = {
             "content": content,
@@ -203,7 +240,7 @@ class LedgerCall:
         return out
 
 
-def _payload(call: GenerationRequest, *, route: str, model: str, stream: bool) -> JSONObject:
+def _payload(call: GenerationRequest, *, route: str, model: str, stream: bool, http: ServedHttp | None) -> JSONObject:
     """The STARTED record's payload: the conversation as sent (images counted, not copied)."""
     messages: list[JSONValue] = [dict(message) for message in call.messages]
     prompt = next((m.get("content") for m in reversed(call.messages) if m.get("role") == "user"), None)
@@ -224,4 +261,6 @@ def _payload(call: GenerationRequest, *, route: str, model: str, stream: bool) -
         payload["num_images"] = len(call.media)
     if call.prompt_cache_key is not None:
         payload["prompt_cache_key"] = call.prompt_cache_key
+    if http is not None:
+        payload["http"] = {"method": http.method, "route": http.route, "stream": stream}
     return payload

@@ -31,7 +31,8 @@ DEFAULT_POLL_S = 1.0
 
 
 class LiveExport:
-    """Send the spans of the runs created on the ledger since ``since`` as they end, until closed."""
+    """Send the spans of the runs created on the ledger since ``since`` as they end, until closed
+    (``content``: with the calls' prompts and answers, ``spans.CONTENT_ATTRIBUTES``)."""
 
     def __init__(
         self,
@@ -41,8 +42,10 @@ class LiveExport:
         since: dt.datetime,
         poll_s: float = DEFAULT_POLL_S,
         service_version: str | None = None,
+        content: bool = False,
     ) -> None:
         self.target = target
+        self.content = content
         self._url = ledger_url
         self._since = since
         self._poll_s = poll_s
@@ -90,7 +93,7 @@ class LiveExport:
             for summary in self._ledger.list_runs(limit=10_000, created_after=self._since):
                 cursor = self._ledger.run_cursor(summary.run_id)
                 if cursor != self._cursors.get(summary.run_id):
-                    self._pending[summary.run_id] = run_spans(self._ledger, summary.run_id)
+                    self._pending[summary.run_id] = run_spans(self._ledger, summary.run_id, content=self.content)
                     self._cursors[summary.run_id] = cursor
         except MLXRuntimeError as exc:
             self._warn(f"could not read the ledger for the trace export: [{exc.code}] {exc.message}")

@@ -109,6 +109,10 @@ def _span(span: TraceSpan) -> JSONObject:
         "endTimeUnixNano": str(span.end_ns),
         "attributes": _attributes(span.attributes),
     }
+    if span.events:
+        out["events"] = [
+            {"timeUnixNano": str(e.time_ns), "name": e.name, "attributes": _attributes(e.attributes)} for e in span.events
+        ]
     if span.parent_span_id is not None:
         out["parentSpanId"] = span.parent_span_id
     if span.status != SpanStatus.UNSET:

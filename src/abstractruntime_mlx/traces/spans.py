@@ -25,7 +25,7 @@ import datetime as dt
 import enum
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import RunNotFound
@@ -41,12 +41,16 @@ from ..inspection import (
     run_flow_document,
     run_view,
 )
-from ..json_values import JSONObject, JSONValue, as_float, as_int, as_str, object_at
+from ..json_values import JSONObject, JSONValue, as_bool, as_float, as_int, as_str, object_at
 from ..ledger import Ledger, StepRow
 from ..run_graph import display_labels
 
 __all__ = [
+    "CONTENT_ATTRIBUTES",
+    "PROGRESS_EVENT",
+    "SEMCONV_OPT_IN",
     "AttributeValue",
+    "SpanEvent",
     "SpanKind",
     "SpanStatus",
     "TraceSpan",
@@ -60,8 +64,18 @@ __all__ = [
 
 AttributeValue = str | int | float | bool | list[str]
 
+SEMCONV_OPT_IN = "gen_ai_latest_experimental"
+"""The GenAI semantic conventions the attributes follow: the latest experimental ones (what
+``OTEL_SEMCONV_STABILITY_OPT_IN`` names so), v1.37.0 and later: ``gen_ai.provider.name`` (not the
+deprecated ``gen_ai.system``), ``gen_ai.usage.cache_read.input_tokens``,
+``gen_ai.response.time_to_first_chunk``, content attributes opt-in."""
 GEN_AI_OPERATION = "chat"
 DEFAULT_PROVIDER = "mlx"
+CONTENT_ATTRIBUTES: tuple[str, ...] = ("gen_ai.system_instructions", "gen_ai.input.messages", "gen_ai.output.messages")
+"""The attributes that hold prompts and answers: sent only when content is asked for (the
+conventions make them opt-in)."""
+PROGRESS_EVENT = "abstract.progress"
+"""The name of a span event made from a call's phase event (the ledger's ``abstract.progress`` row)."""
 SEGMENT_NAMES: Mapping[str, str] = {"load": "load", "queue": "queue", "prefill": "prefill", "generate": "decode"}
 """``CallView.segments`` phase -> child span name."""
 
@@ -83,6 +97,15 @@ class SpanStatus(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class SpanEvent:
+    """One point in a span's time (OTLP ``Span.Event``)."""
+
+    name: str
+    time_ns: int
+    attributes: dict[str, AttributeValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class TraceSpan:
     """One span, ready to encode as OTLP. Ids are lowercase hex (32 and 16 digits)."""
 
@@ -98,6 +121,7 @@ class TraceSpan:
     status_message: str | None = None
     finished: bool = True
     """What it stands for has ended (a run still running, a call still generating: False)."""
+    events: tuple[SpanEvent, ...] = ()
 
 
 def trace_id_of(root_run_id: str) -> str:
@@ -141,13 +165,19 @@ class _Visit:
 
 
 def node_visits(steps: Sequence[StepRow]) -> list[_Visit]:
-    """The run's steps (in append order) grouped into node visits: the records of one step id,
-    and a step of a node that waits (a subflow, an answer) joins the visit it continues."""
+    """The run's steps (in append order) grouped into node visits: the records of one step id;
+    a step of a node that waits (a subflow, an answer) joins the visit it continues; a step of
+    the node whose step was recorded just before it (a node that runs several steps, such as
+    ``on_flow_end`` and its ``emit_event``) joins that visit. A node reached again after another
+    node ran is a new visit."""
     visits: list[_Visit] = []
     by_step: dict[str, _Visit] = {}
     waiting: dict[str, _Visit] = {}
+    previous: _Visit | None = None
     for step in steps:
         visit = by_step.get(step.step_id) or waiting.pop(step.node_id, None)
+        if visit is None and previous is not None and previous.node_id == step.node_id:
+            visit = previous  # the node's next step (``on_flow_end`` then its ``emit_event``): the same visit
         when = step.started_at or step.ended_at
         if visit is None:
             if when is None:
@@ -165,6 +195,7 @@ def node_visits(steps: Sequence[StepRow]) -> list[_Visit]:
             visit.end = step.ended_at
         if step.status == "waiting":
             waiting[step.node_id] = visit
+        previous = visit
     return visits
 
 
@@ -173,18 +204,19 @@ def node_visits(steps: Sequence[StepRow]) -> list[_Visit]:
 # --------------------------------------------------------------------------------------
 
 
-def tree_spans(ledger: Ledger, run_id: str) -> list[TraceSpan]:
+def tree_spans(ledger: Ledger, run_id: str, *, content: bool = False) -> list[TraceSpan]:
     """The spans of the run and of every run below it (``run_spans`` each), parents first.
     Raises ``RunNotFound`` for an unknown run."""
-    spans = run_spans(ledger, run_id)
+    spans = run_spans(ledger, run_id, content=content)
     for child in descendants(run_id, child_runs(ledger, [run_id])):
-        spans.extend(run_spans(ledger, child.run_id))
+        spans.extend(run_spans(ledger, child.run_id, content=content))
     return spans
 
 
-def run_spans(ledger: Ledger, run_id: str) -> list[TraceSpan]:
+def run_spans(ledger: Ledger, run_id: str, *, content: bool = False) -> list[TraceSpan]:
     """The run's own spans: the run, its node visits, its calls and their phases (child runs
-    are theirs). Raises ``RunNotFound`` for an unknown run."""
+    are theirs). ``content``: the calls' prompts and answers too (``CONTENT_ATTRIBUTES``).
+    Raises ``RunNotFound`` for an unknown run."""
     view = run_view(ledger, run_id, tree=False)
     if view is None:
         raise RunNotFound(f"no run {run_id!r} in {ledger.url}", details={"run_id": run_id[:255]})
@@ -209,7 +241,9 @@ def run_spans(ledger: Ledger, run_id: str) -> list[TraceSpan]:
     for call in calls:
         visit = visit_of_step.get(call.step_id or "") or last_visit_of_node.get(call.node_id)
         parent = span_id_of(run_id, f"node:{visit.first_step_id}") if visit is not None else run_span_id
-        spans = _call_spans(call, trace_id=trace_id, run_id=run_id, parent=parent, origin=origin, session_id=session_id)
+        spans = _call_spans(
+            call, trace_id=trace_id, run_id=run_id, parent=parent, origin=origin, session_id=session_id, content=content
+        )
         if spans:
             call_spans.extend(spans)
             low, high = widen.get(parent, (spans[0].start_ns, spans[0].end_ns))
@@ -300,9 +334,17 @@ def _step_error(steps: Sequence[StepRow], visit: _Visit) -> str | None:
 
 
 def _call_spans(
-    call: CallView, *, trace_id: str, run_id: str, parent: str, origin: dt.datetime, session_id: str | None
+    call: CallView,
+    *,
+    trace_id: str,
+    run_id: str,
+    parent: str,
+    origin: dt.datetime,
+    session_id: str | None,
+    content: bool,
 ) -> list[TraceSpan]:
-    """The call's span and its phase spans (``load``, ``queue``, ``prefill``, ``decode``)."""
+    """The call's span and its phase spans (``load``, ``queue``, ``prefill``, ``decode``; the
+    last two carry the call's phase events as ``abstract.progress`` span events)."""
     segments = call.segments()
     if not segments:
         return []
@@ -317,6 +359,8 @@ def _call_spans(
     finished = call.recorded or call.status in TERMINAL_STEP_STATUSES
     failed = call.status == "failed"
     remote = call.client.get("kind") == "remote"
+    engine = [(phase, a) for phase, a, _ in segments if phase != "load"]
+    following = {phase: nxt for (phase, _), (_, nxt) in zip(engine, engine[1:])}  # phase -> the next one's start
     children = [
         TraceSpan(
             trace_id=trace_id,
@@ -327,6 +371,7 @@ def _call_spans(
             end_ns=max(at(b), at(a)),
             attributes=_clean(_phase_attributes(phase, call)),
             finished=finished or phase != segments[-1][0],
+            events=tuple(_progress_events(call, at, a, following.get(phase)) if phase != "load" else ()),
         )
         for phase, a, b in segments
     ]
@@ -339,7 +384,7 @@ def _call_spans(
         start_ns=start_ns,
         end_ns=end_ns,
         kind=SpanKind.CLIENT if remote else SpanKind.INTERNAL,
-        attributes=_clean(_call_attributes(call, request_model, run_id=run_id, session_id=session_id)),
+        attributes=_clean(_call_attributes(call, request_model, run_id=run_id, session_id=session_id, content=content)),
         status=SpanStatus.ERROR if failed else SpanStatus.UNSET,
         status_message=call.error if failed else None,
         finished=finished,
@@ -352,14 +397,15 @@ def _request_model(call: CallView) -> str | None:
     return as_str(asked.get("model")) or call.model
 
 
-def _call_attributes(call: CallView, request_model: str | None, *, run_id: str, session_id: str | None) -> dict[str, AttributeValue | None]:
+def _call_attributes(
+    call: CallView, request_model: str | None, *, run_id: str, session_id: str | None, content: bool
+) -> dict[str, AttributeValue | None]:
     served = object_at(call.route, "served")
     provider = as_str(served.get("provider")) or DEFAULT_PROVIDER
     params = call.request_params
     out: dict[str, AttributeValue | None] = {
         "gen_ai.operation.name": GEN_AI_OPERATION,
         "gen_ai.provider.name": provider,
-        "gen_ai.system": provider,
         "gen_ai.request.model": request_model,
         "gen_ai.response.model": call.model,
         "gen_ai.request.max_tokens": as_int(params.get("max_output_tokens")) or as_int(params.get("max_tokens")),
@@ -370,11 +416,12 @@ def _call_attributes(call: CallView, request_model: str | None, *, run_id: str, 
         "gen_ai.usage.output_tokens": call.generated_tokens,
         "gen_ai.usage.cache_read.input_tokens": call.cached_tokens,
         "gen_ai.response.finish_reasons": [call.finish_reason] if call.finish_reason else None,
+        "gen_ai.response.time_to_first_chunk": call.ttft_s,
         "gen_ai.server.time_to_first_token": call.ttft_s,
+        "gen_ai.request.stream": as_bool(call.http.get("stream")),
         "gen_ai.conversation.id": session_id,
-        "gen_ai.system_instructions": _json_text(_system_parts(call.messages)),
-        "gen_ai.input.messages": _json_text(_input_messages(call.messages)),
-        "gen_ai.output.messages": _json_text(_output_messages(call)),
+        "http.route": as_str(call.http.get("route")),
+        "http.request.method": as_str(call.http.get("method")),
         "abstractruntime.run.id": run_id,
         "abstractruntime.node.id": call.node_id,
         "abstractruntime.step.id": call.step_id,
@@ -388,7 +435,44 @@ def _call_attributes(call: CallView, request_model: str | None, *, run_id: str, 
     drafted, accepted = as_int(call.speculation.get("drafted_tokens")), as_int(call.speculation.get("accepted_tokens"))
     out["abstractruntime.speculation.drafted_tokens"] = drafted
     out["abstractruntime.speculation.accepted_tokens"] = accepted
+    if content:
+        out["gen_ai.system_instructions"] = _json_text(_system_parts(call.messages))
+        out["gen_ai.input.messages"] = _json_text(_input_messages(call.messages))
+        out["gen_ai.output.messages"] = _json_text(_output_messages(call))
     return out
+
+
+def _progress_events(call: CallView, at: Callable[[float], int], start_s: float, next_start_s: float | None) -> list[SpanEvent]:
+    """The call's phase events from ``start_s`` until the next phase span starts, as span events:
+    the phase, how far it was (``fraction``, 0..1: prompt tokens in the KV cache over the prompt's
+    in prefill; generated tokens over ``max_tokens`` after), the token counts and the rate. The
+    prefill start event comes before the call is admitted: on the ``queue`` span when there is one."""
+    max_tokens = as_int(call.request_params.get("max_output_tokens")) or as_int(call.request_params.get("max_tokens"))
+    events: list[SpanEvent] = []
+    for sample in call.samples:
+        if sample.t < start_s or (next_start_s is not None and sample.t >= next_start_s):
+            continue
+        if sample.phase == "prefill":
+            done, total = sample.prefill_processed_tokens, sample.prompt_tokens
+            rate = sample.prefill_tokens_per_second
+        else:
+            done, total = sample.generated_tokens, max_tokens
+            rate = sample.tokens_per_second
+        fraction = round(min(done / total, 1.0), 6) if done is not None and total else None
+        if sample.phase == "complete":
+            fraction = 1.0
+        attributes: dict[str, AttributeValue | None] = {
+            "abstractruntime.progress.phase": sample.phase,
+            "abstractruntime.progress.fraction": fraction,
+            "abstractruntime.progress.prompt_tokens": sample.prompt_tokens,
+            "abstractruntime.progress.cached_tokens": sample.cached_tokens,
+            "abstractruntime.progress.prefill_processed_tokens": sample.prefill_processed_tokens,
+            "abstractruntime.progress.generated_tokens": sample.generated_tokens,
+            "abstractruntime.progress.tokens_per_second": rate,
+            "abstractruntime.progress.ttft_s": sample.ttft_s if sample.phase != "prefill" else None,
+        }
+        events.append(SpanEvent(PROGRESS_EVENT, at(sample.t), _clean(attributes)))
+    return events
 
 
 def _phase_attributes(phase: str, call: CallView) -> dict[str, AttributeValue | None]:
