@@ -183,6 +183,14 @@ class EmbeddingsUnsupported(InvalidRequest):
     code = "embeddings_unsupported"
 
 
+class LogprobsUnavailable(InvalidRequest):
+    """Token logprobs asked of a request the lane it runs on cannot report them for (an image
+    prompt, a prefix-cache key, MTP, the serialized lane): only the text lane's own loop
+    computes them."""
+
+    code = "logprobs_unavailable"
+
+
 class RemoteNotAllowed(InvalidRequest):
     """A node would send its prompts to a server the user did not allow (``run --allow-remote``,
     a config file's ``allow_remote``, or a ``--route`` URL). ``details``: ``url``."""

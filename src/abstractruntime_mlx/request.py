@@ -41,6 +41,9 @@ ProgressSink = Callable[[JSONObject], object]
 Message = Mapping[str, JSONValue]
 """One chat turn as JSON (``role``, ``content`` ...): data from outside, checked only for its ``role``."""
 
+MAX_TOP_LOGPROBS: Final = 20
+"""Most alternatives a call may ask to see per generated token (OpenAI's ``top_logprobs`` bound)."""
+
 MAX_AFFINITY_KEY_CHARS: Final = 512
 """Longest ``affinity_key`` (a session or run id): it travels in a header a load balancer hashes."""
 
@@ -75,6 +78,7 @@ GENERATE_KEYWORDS: Final[frozenset[str]] = frozenset(
         "response_model",
         "response_schema",
         "response_format",
+        "logprobs",
         *SAMPLING_FIELDS,
         *PROGRESS_ALIASES,
     }
@@ -123,6 +127,20 @@ def check_prompt_cache_key(value: object, *, field: str = "prompt_cache_key") ->
     return value
 
 
+def check_logprobs(value: object, *, field: str = "logprobs") -> int | None:
+    """How many alternatives per token a call asks for with its logprobs: None (no logprobs)
+    or an integer 0..``MAX_TOP_LOGPROBS``; else ``InvalidControls`` naming ``field``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidControls(
+            f"{field} must be an integer from 0 to {MAX_TOP_LOGPROBS} (the alternatives shown per token)",
+            field=field,
+            value=value,
+        )
+    return value
+
+
 def check_affinity_key(value: object) -> str:
     """A usable affinity key: a string, surrounding whitespace stripped, non-empty, of at most
     ``MAX_AFFINITY_KEY_CHARS`` characters; else ``InvalidControls`` naming ``affinity_key``.
@@ -163,6 +181,8 @@ class GenerationRequest:
       inherits); ``run``: what the enclosing run says (nodes only). Resolution against the
       provider, policy and verified default happens in ``controls.resolve_controls``.
     - ``response_format``: the structured answer asked for (None: free text), see ``structured``.
+    - ``logprobs``: report each generated token's log-probability with this many of the most
+      likely alternatives (0..``MAX_TOP_LOGPROBS``); None: none (nothing is computed).
     - ``prompt_cache_key``: the caller's prefix-reuse key; ``trace_metadata``: passed to
       remote servers as a header.
     - ``affinity_key``: what keeps this call's conversation on one server of a pool (a run's
@@ -184,6 +204,7 @@ class GenerationRequest:
     thinking: ThinkingValue = None
     run: ControlLevel = NOTHING_SAID
     response_format: ResponseFormat | None = None
+    logprobs: int | None = None
     prompt_cache_key: str | None = None
     trace_metadata: Mapping[str, object] | None = None
     affinity_key: str | None = field(default=None, compare=False)
@@ -209,6 +230,7 @@ class GenerationRequest:
         thinking: object = None,
         run: ControlLevel = NOTHING_SAID,
         response_format: ResponseFormat | None = None,
+        logprobs: object = None,
         prompt_cache_key: object = None,
         trace_metadata: object = None,
         affinity_key: object = None,
@@ -250,6 +272,7 @@ class GenerationRequest:
             thinking=call.thinking,
             run=run,
             response_format=response_format,
+            logprobs=check_logprobs(logprobs),
             prompt_cache_key=cache_key,
             trace_metadata=dict(trace_metadata) if trace_metadata else None,
             affinity_key=None if affinity_key is None else check_affinity_key(affinity_key),
@@ -288,6 +311,7 @@ class GenerationRequest:
                 response_schema=kwargs.get("response_schema"),
                 response_format=kwargs.get("response_format"),
             ),
+            logprobs=kwargs.get("logprobs"),
             prompt_cache_key=kwargs.get("prompt_cache_key"),
             trace_metadata=kwargs.get("trace_metadata"),
             affinity_key=kwargs.get("affinity_key"),
@@ -325,6 +349,8 @@ class GenerationRequest:
         out.update(self.call.to_dict())
         if self.response_format is not None:
             out["response_format"] = self.response_format.to_openai()
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
         run = self.run.to_dict()
         if run:
             out["run"] = run

@@ -19,6 +19,34 @@ FinishReason = Literal["stop", "length", "cancelled", "tool_calls", "error"]
 WIRE_METADATA_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "controls", "structured")
 """The metadata blocks a result carries over HTTP (under ``abstractcore`` in a completion body)."""
 
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One of the most likely tokens at a position: its text, id and log-probability."""
+
+    token: str
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token: its text (the token alone, decoded), id, log-probability (<= 0)
+    and the most likely tokens at its position (``top``, most likely first; as many as asked)."""
+
+    token: str
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+    def to_dict(self) -> JSONObject:
+        return {
+            "token": self.token,
+            "token_id": self.token_id,
+            "logprob": self.logprob,
+            "top": [{"token": t.token, "token_id": t.token_id, "logprob": t.logprob} for t in self.top],
+        }
+
+
 @dataclass(slots=True)
 class GenerationResult:
     """The answer to one ``generate`` call.
@@ -40,6 +68,8 @@ class GenerationResult:
     parsed: JSONValue | BaseModel = None
     """The structured answer (``response_model`` / ``response_schema``): the pydantic instance or
     the JSON value; None for free text."""
+    logprobs: list[TokenLogprob] | None = None
+    """One entry per generated token (``completion_tokens`` of them), when the call asked."""
 
     def to_dict(self) -> JSONObject:
         out: JSONObject = {
@@ -55,6 +85,8 @@ class GenerationResult:
         parsed = self.parsed_json()
         if parsed is not None:
             out["parsed"] = parsed
+        if self.logprobs is not None:
+            out["logprobs"] = [entry.to_dict() for entry in self.logprobs]
         return out
 
     def parsed_json(self) -> JSONValue:
@@ -76,6 +108,7 @@ class GenerationChunk:
     metadata: JSONObject | None = None
     token_ids: list[int] | None = None
     model: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # of the tokens this piece completes (when asked)
 
     @property
     def is_final(self) -> bool:

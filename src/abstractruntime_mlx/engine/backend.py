@@ -33,7 +33,7 @@ from ..errors import EngineError, UpstreamError
 from .config import PREFILL_STEP_SIZE
 from .grammar import GrammarProcessor
 from ..controls import Sampling
-from .sampling import RowStream, make_sampler, sample_rows
+from .sampling import RowStream, SampledLogprob, make_sampler, sample_rows
 from .scheduler import BackendKind
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ class TokenEvent:
     uid: int
     token: int
     finish_reason: str | None
+    logprob: SampledLogprob | None = None  # only for a row that asked (``RowInput.logprobs``)
 
 
 @dataclass(slots=True)
@@ -112,6 +113,9 @@ class RowInput:
     # and positions, from the processor); None: the backend embeds ``prompt_ids`` itself.
     prompt_inputs: dict[str, Any] | None = None
     prefix: PrefixReuse | None = None
+    # Token logprobs with this many alternatives per position (None: not asked); only a
+    # backend whose ``reports_logprobs`` is true computes them.
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

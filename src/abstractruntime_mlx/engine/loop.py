@@ -41,6 +41,7 @@ from typing import Any, Callable, Generic, TypeVar, cast
 from ..errors import (
     EngineCrashed,
     EngineError,
+    LogprobsUnavailable,
     MLXRuntimeError,
     QueueFull,
     QueueTimeout,
@@ -82,6 +83,7 @@ from .fused_projections import fuse_text_model as fuse_projections
 from .prefill_shapes import Buckets, warm
 from .serial import InProcessBackend, SerialBackend
 from .single import SingleBackend, supports_model
+from .sampling import SampledLogprob
 from .stops import StopMatcher
 from .text_batch import TextBatchBackend
 from .text_loop import TextLoopBackend
@@ -113,6 +115,9 @@ class _Running:
     request: EngineRequest
     detokenizer: Any
     stops: StopMatcher
+    # Logprobs of tokens whose text is not delivered yet (held by the stop matcher or the
+    # detokenizer): they go out with the next delta, or alone before the request finishes.
+    logprobs: list[SampledLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -881,7 +886,15 @@ class Engine:
                 request.grammar,
                 prompt_inputs=prompt_inputs,
                 prefix=self._prefix_reuse(request, group),
+                logprobs=request.logprobs,
             )
+            if request.logprobs is not None and not getattr(group.backend, "reports_logprobs", False):
+                raise LogprobsUnavailable(
+                    f"token logprobs are computed on the text lane only; this request runs on the "
+                    f"{group.backend.kind.value} lane (an image prompt, a prompt_cache_key, MTP or "
+                    "mlx_batching=False take other lanes)",
+                    details={"field": "logprobs", "lane": group.backend.kind.value},
+                )
             uid = group.backend.insert(row)
         except MLXRuntimeError as exc:
             self._finish(request, RequestStatus.FINISHED_ERROR, error=exc)
@@ -939,6 +952,8 @@ class Engine:
             running = group.running.get(event.uid)
             if running is None:
                 continue
+            if event.logprob is not None:
+                running.logprobs.append(event.logprob)
             self._on_token(group, running, event.token, event.finish_reason)
         self.stats.tokens_s += time.perf_counter() - stepped
         self._close_group_if_idle()
@@ -980,21 +995,25 @@ class Engine:
             running.detokenizer.add_token(token)
             text, stopped = running.stops.feed(running.detokenizer.last_segment)
             if text:
-                if not self._deliver(request, TokenDelta(text, [token])):
+                if not self._deliver(request, TokenDelta(text, [token], _take(running.logprobs))):
                     return
             if stopped:
+                if running.logprobs:
+                    self._deliver(request, TokenDelta("", [], _take(running.logprobs)))
                 self._drop_row(group, uid)
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
-        elif request.first_token_at is None:
-            request.first_token_at = time.perf_counter()
+        else:
+            running.logprobs.clear()  # the end-of-sequence token is not part of the answer
+            if request.first_token_at is None:
+                request.first_token_at = time.perf_counter()
         if finish_reason is not None:
             group.running.pop(uid, None)
             group.backend.forget(uid)
             running.detokenizer.finalize()
             tail = running.stops.flush(running.detokenizer.last_segment)
-            if tail:
-                self._deliver(request, TokenDelta(tail, []))
+            if tail or running.logprobs:
+                self._deliver(request, TokenDelta(tail, [], _take(running.logprobs)))
             status = RequestStatus.FINISHED_LENGTH if finish_reason == "length" else RequestStatus.FINISHED_STOPPED
             self._finish(request, status)
 
@@ -1152,6 +1171,13 @@ class _SharedPrefixes:
 
     def resident_tokens(self, prompt_ids: list[int], salt: int) -> int:
         return self._cache.resident_prefix_tokens(prompt_ids, salt)
+
+
+def _take(items: list[SampledLogprob]) -> list[SampledLogprob]:
+    """The items, the list emptied (what a delta carries away)."""
+    taken = list(items)
+    items.clear()
+    return taken
 
 
 class _WorkerBroken(BaseException):

@@ -18,6 +18,9 @@ host building and encoding the graph (``docs/benchmarks.md``):
   rows join, then one compaction drops every finished row. Where the step is bound by compute
   (the CPU: each row adds about 7% to a step of 8 rows of the tiny model), it is dropped at once.
 - One sampling call for the batch (``sampling.sample_rows``; greedy rows share its argmax).
+  Rows that ask for token logprobs (``RowInput.logprobs``) get them from the distribution
+  they were sampled from, computed in the same step for those rows only (``row_logprobs``);
+  a batch where no row asks computes nothing more.
 
 The step keeps mlx-lm's pipelining: the forward for step n+1 is queued (``mx.async_eval``)
 before the host reads step n's tokens. Long prompts (more than ``prefill_step_size`` tokens)
@@ -45,7 +48,7 @@ import mlx.core as mx
 
 from .backend import DecodingRow, LogitsProcessor, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors, row_processors
 from .prefill_shapes import Buckets
-from .sampling import RowStream, sample_rows
+from .sampling import PendingLogprobs, RowStream, row_logprobs, sample_rows
 from .scheduler import BackendKind
 
 __all__ = ["TextLoopBackend"]
@@ -73,6 +76,8 @@ class _Row:
     waited: int = 0  # steps it was held back for a wave
     generated: bool = False  # its token in flight is a generated one, not its last prompt token
     done: bool = False  # finished: its slot idles in the batch until the next compaction
+    logprobs: int | None = None  # alternatives asked per position (None: no logprobs)
+    pending: PendingLogprobs | None = None  # the logprobs of its token in flight
 
 
 @dataclass(slots=True, eq=False)
@@ -91,6 +96,7 @@ class TextLoopBackend:
 
     kind = BackendKind.TEXT_BATCH
     can_hand_off = False
+    reports_logprobs = True
 
     def __init__(
         self,
@@ -144,7 +150,9 @@ class TextLoopBackend:
             processors = row_processors(row.sampling, row.grammar) or []
             context = _token_buffer(row.prompt_ids[:-1]) if processors else None
         uid = next(self._uid_count)
-        self._waiting.append(_Row(uid, list(row.prompt_ids), row.max_tokens, stream, processors, context))
+        self._waiting.append(
+            _Row(uid, list(row.prompt_ids), row.max_tokens, stream, processors, context, logprobs=row.logprobs)
+        )
         self.uids.add(uid)
         return uid
 
@@ -229,12 +237,20 @@ class TextLoopBackend:
             logits = mx.concatenate(parts, axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         self._inputs = sample_rows(logprobs, [None if r.done else r.stream for r in rows])
-        mx.async_eval(self._inputs, contexts)
+        delivered = [r.pending for r in rows]  # the logprobs of the tokens read below
+        asking = [e for e, r in enumerate(rows) if r.logprobs is not None and not r.done]
+        pending: list[mx.array] = []
+        if asking:
+            tops = [rows[e].logprobs or 0 for e in asking]
+            for e, entry in zip(asking, row_logprobs(logprobs, self._inputs, asking, tops)):
+                rows[e].pending = entry
+                pending.extend(entry.arrays())
+        mx.async_eval(self._inputs, contexts, pending)
         self._steps += 1
         if self._steps % _CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         tokens = cast(list[int], inputs.tolist())  # waits for the step before only
-        for row, token in zip(rows, tokens):
+        for row, token, lp in zip(rows, tokens, delivered):
             if row.done:
                 continue
             if not row.generated:  # its last prompt token: the first generated one is now in flight
@@ -248,7 +264,7 @@ class TextLoopBackend:
             else:
                 reason = None
             row.done = reason is not None
-            result.tokens.append(TokenEvent(row.uid, token, reason))
+            result.tokens.append(TokenEvent(row.uid, token, reason, None if lp is None else lp.read(token)))
         # Idle slots cost compute, each compaction host work (every layer's cache rebuilt): which
         # costs more depends on what bounds the step (``idle_finished``).
         finished = sum(r.done for r in rows)

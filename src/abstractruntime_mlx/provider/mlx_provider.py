@@ -22,6 +22,7 @@ from ..engine.config import EngineConfig
 from ..engine.loop import Engine
 from ..engine.model import HEAD_LANES, Lane, LoadedModel
 from ..engine.prefix_cache import image_hash, validate_options as validate_cache_options
+from ..engine.sampling import SampledLogprob
 from ..engine.stream import RequestStream
 from ..engine.request import EngineRequest, FinishReason, Outcome, PrefillObservation, TokenDelta
 from ..errors import (
@@ -36,7 +37,7 @@ from ..errors import (
 )
 from ..policy import read_policy_controls
 from ..request import GenerationRequest
-from ..results import GenerationChunk, GenerationResult
+from ..results import GenerationChunk, GenerationResult, TokenLogprob, TopLogprob
 from ..structured import ResponseFormat, parse_answer, run_schema_work
 from . import residency
 from .progress import ProgressTracker, progress_interval_from_env
@@ -358,6 +359,7 @@ class MLXProvider:
             observe_prefill=call.progress is not None,
             cancel_event=call.cancel or threading.Event(),
             grammar=grammar,
+            logprobs=call.logprobs,
         )
         if images:
             request.prompt_kwargs_factory = _image_kwargs_factory(request, loaded, text, images)
@@ -493,7 +495,10 @@ class MLXProvider:
             if item.token_ids:
                 # The worker set ``cached_tokens`` when the prompt was done, before this token was queued.
                 tracker.tokens(len(item.token_ids), cached=prepared.request.cached_tokens)
-        return GenerationChunk(content=item.text, token_ids=list(item.token_ids), model=self.model) if item.text else None
+        if not item.text and not item.logprobs:
+            return None
+        logprobs = _token_logprobs(self._engine.serving_model().tokenizer, item.logprobs) if item.logprobs else None
+        return GenerationChunk(content=item.text, token_ids=list(item.token_ids), model=self.model, logprobs=logprobs)
 
     def _final_chunk(self, prepared: _Prepared, outcome: Outcome | None) -> GenerationChunk:
         assert outcome is not None
@@ -726,8 +731,23 @@ def _performance(request: EngineRequest) -> dict[str, Any]:
     return out
 
 
+def _token_logprobs(tokenizer: Any, sampled: list[SampledLogprob]) -> list[TokenLogprob]:
+    """The engine's logprobs with each token's own text (decoded alone, as OpenAI shows it)."""
+
+    def text(token_id: int) -> str:
+        return str(tokenizer.decode([token_id]))
+
+    return [
+        TokenLogprob(
+            text(s.token_id), s.token_id, s.logprob, tuple(TopLogprob(text(i), i, lp) for i, lp in s.top)
+        )
+        for s in sampled
+    ]
+
+
 def _result_from_chunks(chunks: list[GenerationChunk], response_format: ResponseFormat | None = None) -> GenerationResult:
     final = chunks[-1]
+    asked = [c.logprobs for c in chunks if c.logprobs is not None]
     text = "".join(c.content for c in chunks)
     content, reasoning = _split_reasoning(text)
     parsed = None
@@ -747,6 +767,7 @@ def _result_from_chunks(chunks: list[GenerationChunk], response_format: Response
         tool_calls=tool_calls,
         token_ids=final.token_ids,
         parsed=parsed,
+        logprobs=[entry for entries in asked for entry in entries] if asked else None,
     )
 
 
