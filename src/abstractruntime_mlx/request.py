@@ -181,6 +181,8 @@ class GenerationRequest:
       inherits); ``run``: what the enclosing run says (nodes only). Resolution against the
       provider, policy and verified default happens in ``controls.resolve_controls``.
     - ``response_format``: the structured answer asked for (None: free text), see ``structured``.
+    - ``continuation``: a plain text the model continues as is, without the chat template
+      (OpenAI's legacy completions); ``messages`` then hold it as one user turn, for the record.
     - ``logprobs``: report each generated token's log-probability with this many of the most
       likely alternatives (0..``MAX_TOP_LOGPROBS``); None: none (nothing is computed).
     - ``prompt_cache_key``: the caller's prefix-reuse key; ``trace_metadata``: passed to
@@ -205,6 +207,7 @@ class GenerationRequest:
     run: ControlLevel = NOTHING_SAID
     response_format: ResponseFormat | None = None
     logprobs: int | None = None
+    continuation: str | None = None
     prompt_cache_key: str | None = None
     trace_metadata: Mapping[str, object] | None = None
     affinity_key: str | None = field(default=None, compare=False)
@@ -351,6 +354,8 @@ class GenerationRequest:
             out["response_format"] = self.response_format.to_openai()
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
+        if self.continuation is not None:
+            out["continuation"] = True
         run = self.run.to_dict()
         if run:
             out["run"] = run

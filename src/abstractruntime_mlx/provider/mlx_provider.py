@@ -330,8 +330,11 @@ class MLXProvider:
         engine = self._engine
         loaded = engine.serving_model()
         images = _load_images(call.media, loaded)
-        conversation = prepare_conversation(call.messages, num_images=len(images))
-        text = render_prompt(loaded.tokenizer, conversation, tools=list(call.tools), thinking=controls.thinking)
+        if call.continuation is not None:
+            text = _continuation_text(loaded.tokenizer, call.continuation)
+        else:
+            conversation = prepare_conversation(call.messages, num_images=len(images))
+            text = render_prompt(loaded.tokenizer, conversation, tools=list(call.tools), thinking=controls.thinking)
         prompt_ids = _encode_within_context(loaded, text, call.max_output_tokens)
         draft_tokens, speculation_meta = self._speculation_plan(
             controls, call.sampling, loaded, structured=call.response_format is not None
@@ -729,6 +732,16 @@ def _performance(request: EngineRequest) -> dict[str, Any]:
         if decode_s > 0:
             out["generation_tokens_per_second"] = round((request.num_output_tokens - 1) / decode_s, 3)
     return out
+
+
+def _continuation_text(tokenizer: Any, prompt: str) -> str:
+    """A plain prompt as the model reads it: the tokenizer's begin-of-sequence text first (when
+    it has one and the prompt does not start with it), then the prompt as is."""
+    bos = getattr(tokenizer, "bos_token", None)
+    text = prompt if not isinstance(bos, str) or not bos or prompt.startswith(bos) else bos + prompt
+    if not text:
+        raise InvalidRequest("the prompt is empty and this model has no begin-of-sequence token", details={"field": "prompt"})
+    return text
 
 
 def _token_logprobs(tokenizer: Any, sampled: list[SampledLogprob]) -> list[TokenLogprob]:

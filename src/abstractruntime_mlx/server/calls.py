@@ -15,6 +15,7 @@ progress events, then one ``event: result`` holding the non-streamed body.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -26,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from ..errors import UpstreamError
 from ..json_values import JSONObject
 from ..request import GenerationRequest, ProgressSink
-from ..results import GenerationChunk, GenerationResult
+from ..results import GenerationChunk, GenerationResult, TokenLogprob
 from ..structured import ResponseFormat, run_schema_work
 from .edge import ServedProvider, error_response, first_item, generation_request, pool_of, progress_supported, served_provider
 from .keep_alive import parse_keep_alive
@@ -51,13 +52,13 @@ class WireRenderer(Protocol):
         """The SSE records that open a stream (called first, on a streamed call only)."""
         ...
 
-    def text(self, delta: str) -> str:
-        """The SSE record of a text delta."""
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None) -> str:
+        """The SSE record of a text delta (and the logprobs of its tokens, when asked)."""
         ...
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
+    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
         """The SSE records of the terminal chunk: ``tail`` is the text not written yet (the
-        terminal chunk's own included), ``text`` the whole answer."""
+        terminal chunk's own included), ``logprobs`` its tokens' (when asked), ``text`` the whole answer."""
         ...
 
     def ending(self) -> list[str]:
@@ -69,9 +70,13 @@ class WireRenderer(Protocol):
         ...
 
 
-async def serve_call(request: Request, body: ChatCompletionRequest, *, route: str, renderer: WireRenderer) -> Response:
+async def serve_call(
+    request: Request, body: ChatCompletionRequest, *, route: str, renderer: WireRenderer, continuation: str | None = None
+) -> Response:
     """Run ``body`` on the model it names (loaded first when it is not resident, held until the
-    answer ends); answer as ``renderer`` writes it. ``route`` names the call to the observers."""
+    answer ends); answer as ``renderer`` writes it. ``route`` names the call to the observers;
+    ``continuation``: a plain prompt the model continues without the chat template (its body's
+    one user turn holds it, for the record)."""
     keep_alive: KeepAlive = UNSET if body.keep_alive is None else parse_keep_alive(body.keep_alive)
     # A schema within the limits still takes up to about half a second to check: on the
     # schema threads, so that the loop and the other requests go on meanwhile.
@@ -79,6 +84,8 @@ async def serve_call(request: Request, body: ChatCompletionRequest, *, route: st
         None if body.response_format is None else await run_schema_work(ResponseFormat.from_openai, body.response_format)
     )
     typed = generation_request(body, response_format)
+    if continuation is not None:
+        typed = dataclasses.replace(typed, continuation=continuation)
     # The model is resident (loaded now if it was not) and held until the response ends.
     lease = await pool_of(request).acquire(body.model, keep_alive=keep_alive)
     streaming = False
@@ -179,25 +186,33 @@ async def _records(
                 pending.append(more)
         out: list[str] = []
         text: list[str] = []
+        logprobs: list[TokenLogprob] | None = None  # of the text gathered (None: not asked)
 
         def flush_text() -> None:
-            if text:
+            nonlocal logprobs
+            if text or logprobs:
                 joined = "".join(text)
                 answer.append(joined)
-                out.append(renderer.text(joined))
+                out.append(renderer.text(joined, logprobs))
                 text.clear()
+                logprobs = None
 
         for item in pending:
             match item:
                 case ChunkItem(chunk=piece) if piece.finish_reason is None:
                     if piece.content:
                         text.append(piece.content)
+                    if piece.logprobs is not None:
+                        logprobs = [*(logprobs or ()), *piece.logprobs]
                 case ChunkItem(chunk=piece):
                     text.append(piece.content)
+                    if piece.logprobs is not None:
+                        logprobs = [*(logprobs or ()), *piece.logprobs]
                     tail = "".join(text)
                     text.clear()
                     answer.append(tail)
-                    out.extend(renderer.closing(piece, tail=tail, text="".join(answer)))
+                    out.extend(renderer.closing(piece, tail=tail, text="".join(answer), logprobs=logprobs))
+                    logprobs = None
                     finished = True
                     if renderer.ends_at_final:
                         out.extend(renderer.ending())

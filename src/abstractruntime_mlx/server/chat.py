@@ -18,10 +18,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..json_values import JSONObject, JSONValue
-from ..results import GenerationChunk, GenerationResult
+from ..results import GenerationChunk, GenerationResult, TokenLogprob
 from .calls import serve_call
 from .edge import read_body
-from .schemas import ChatCompletionRequest, parse_body
+from .schemas import ChatCompletionRequest, parse_body, refuse_unknown
 from .sse import DONE, data_event, error_records
 from .wire import chunk_body, completion_body, new_completion_id, now_s
 
@@ -31,9 +31,7 @@ log = logging.getLogger(__name__)
 async def chat_completions(request: Request) -> Response:
     # Decoding and checking a large body (up to the body limit) takes long: off the event loop.
     body = await asyncio.to_thread(parse_body, ChatCompletionRequest, await read_body(request))
-    unknown = body.unknown_fields()
-    if unknown:
-        log.warning("chat request: ignoring unknown field(s) %s", ", ".join(unknown))
+    refuse_unknown(body.unknown_fields())
     return await serve_call(request, body, route="chat", renderer=ChatRenderer())
 
 
@@ -54,6 +52,7 @@ class ChatRenderer:
         finish_reason: str | None = None,
         usage: Mapping[str, int] | None = None,
         metadata: Mapping[str, JSONValue] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> str:
         return data_event(
             chunk_body(
@@ -64,6 +63,7 @@ class ChatRenderer:
                 finish_reason=finish_reason,
                 usage=usage,
                 metadata=metadata,
+                logprobs=logprobs,
             )
         )
 
@@ -74,12 +74,14 @@ class ChatRenderer:
         self._model = model
         return [self._chunk({"role": "assistant", "content": ""})]
 
-    def text(self, delta: str) -> str:
-        return self._chunk({"content": delta})
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None) -> str:
+        return self._chunk({"content": delta}, logprobs=logprobs)
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
+    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
         delta: JSONObject = {"content": tail} if tail else {}
-        return [self._chunk(delta, finish_reason=final.finish_reason, usage=final.usage, metadata=final.metadata)]
+        return [
+            self._chunk(delta, finish_reason=final.finish_reason, usage=final.usage, metadata=final.metadata, logprobs=logprobs)
+        ]
 
     def ending(self) -> list[str]:
         return [DONE]

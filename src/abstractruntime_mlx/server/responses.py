@@ -33,7 +33,7 @@ from starlette.responses import Response
 
 from ..errors import InvalidRequest
 from ..json_values import JSONObject, JSONValue
-from ..results import GenerationChunk, GenerationResult
+from ..results import GenerationChunk, GenerationResult, TokenLogprob
 from .edge import read_body
 from .calls import chat_body, serve_call
 from .schemas import FiniteFloat, ModelName, StreamOptions, parse_body
@@ -274,13 +274,13 @@ class ResponsesRenderer:
             self._event("response.content_part.added", {**place, "part": {"type": "output_text", "text": "", "annotations": []}}),
         ]
 
-    def text(self, delta: str) -> str:
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None) -> str:
         return self._event(
             "response.output_text.delta",
             {"item_id": self.message_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []},
         )
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
+    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
         deltas = [self.text(tail)] if tail else []
         place: JSONObject = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         status = _status(final.finish_reason)

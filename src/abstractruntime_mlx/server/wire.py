@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from ..errors import MLXRuntimeError
-from ..results import WIRE_METADATA_KEYS, GenerationChunk, GenerationResult
+from ..results import WIRE_METADATA_KEYS, GenerationChunk, GenerationResult, TokenLogprob
 from ..json_values import JSONObject, JSONValue
 
 log = logging.getLogger(__name__)
@@ -69,9 +69,50 @@ def completion_body(result: GenerationResult, *, completion_id: str, model: str,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": result.finish_reason or "stop"}],
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None if result.logprobs is None else chat_logprobs(result.logprobs),
+                "finish_reason": result.finish_reason or "stop",
+            }
+        ],
     }
     return with_usage_and_block(body, usage=usage_to_wire(result.usage), metadata=result.metadata)
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> JSONObject:
+    """OpenAI chat's ``choices[].logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    return {
+        "content": [
+            {
+                **_logprob_entry(e.token, e.logprob),
+                "top_logprobs": [_logprob_entry(t.token, t.logprob) for t in e.top],
+            }
+            for e in entries
+        ]
+    }
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], *, offset: int) -> tuple[JSONObject, int]:
+    """The legacy completions' ``choices[].logprobs`` (``tokens``, ``token_logprobs``,
+    ``top_logprobs`` as ``{token: logprob}``, ``text_offset``: each token's character offset in
+    the choice's text, counted from ``offset``) and the offset after the last token."""
+    offsets: list[JSONValue] = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    body: JSONObject = {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+    return body, offset
+
+
+def _logprob_entry(token: str, logprob: float) -> JSONObject:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace"))}
 
 
 def chunk_body(
@@ -83,13 +124,18 @@ def chunk_body(
     finish_reason: str | None = None,
     usage: Mapping[str, int] | None = None,
     metadata: Mapping[str, JSONValue] | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
+    index: int = 0,
 ) -> JSONObject:
+    choice: JSONObject = {"index": index, "delta": delta, "finish_reason": finish_reason}
+    if logprobs:
+        choice["logprobs"] = chat_logprobs(logprobs)
     body: JSONObject = {
         "id": completion_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+        "choices": [choice],
     }
     return with_usage_and_block(body, usage=usage_to_wire(usage), metadata=metadata)
 

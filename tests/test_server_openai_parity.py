@@ -1,0 +1,168 @@
+"""OpenAI parity of the server: token logprobs on chat and completions (streamed and not),
+raw completions with ``echo``, ``GET /v1/models/{id}``, and unsupported fields refused by name.
+Real MLX on the tiny dense model, a real server on 127.0.0.1, the ``openai`` SDK."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+from openai import BadRequestError, NotFoundError, OpenAI
+from test_server_harness import serve_in_thread
+
+from abstractruntime_mlx.server import create_app
+
+
+@pytest.fixture(scope="module")
+def server_url(dense_model):
+    from abstractruntime_mlx import create_llm
+
+    llm = create_llm("mlx", model=dense_model, mlx_batching=True, speculation=False)
+    with serve_in_thread(create_app(llm)) as url:
+        yield url
+    llm.unload_model()
+
+
+@pytest.fixture()
+def client(server_url):
+    return OpenAI(base_url=f"{server_url}/v1", api_key="none", max_retries=0)
+
+
+def _check_greedy(entries, *, top: int) -> None:
+    for entry in entries:
+        assert entry.logprob <= 0 and math.isfinite(entry.logprob)
+        assert len(entry.top_logprobs) == top
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        if top:  # greedy: the chosen token is the most likely one
+            assert entry.token == entry.top_logprobs[0].token
+            assert entry.logprob == pytest.approx(max(values), abs=1e-5)
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+
+
+def test_chat_logprobs_greedy_are_the_argmax(client, dense_model):
+    completion = client.chat.completions.create(
+        model=dense_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0,
+        logprobs=True, top_logprobs=4, extra_body={"thinking": False},
+    )
+    choice = completion.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == completion.usage.completion_tokens
+    _check_greedy(content, top=4)
+    assert "".join(e.token for e in content).strip() == (choice.message.content or "").strip()
+
+
+def test_chat_without_logprobs_has_none(client, dense_model):
+    completion = client.chat.completions.create(
+        model=dense_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        extra_body={"thinking": False},
+    )
+    assert completion.choices[0].logprobs is None
+
+
+def test_chat_stream_carries_logprobs_per_chunk(client, dense_model):
+    plain = client.chat.completions.create(
+        model=dense_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"thinking": False},
+    )
+    entries, usage = [], None
+    with client.chat.completions.create(
+        model=dense_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0,
+        logprobs=True, top_logprobs=2, stream=True, extra_body={"thinking": False},
+    ) as stream:
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.logprobs is not None and choice.logprobs.content:
+                    entries.extend(choice.logprobs.content)
+    assert usage is not None and len(entries) == usage.completion_tokens
+    _check_greedy(entries, top=2)
+    assert [e.token for e in entries] == [e.token for e in plain.choices[0].logprobs.content]
+
+
+def test_sampled_logprobs_are_the_sampled_tokens(client, dense_model):
+    completion = client.chat.completions.create(
+        model=dense_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=1.5, seed=3,
+        logprobs=True, top_logprobs=0, extra_body={"thinking": False},
+    )
+    content = completion.choices[0].logprobs.content
+    assert len(content) == completion.usage.completion_tokens
+    assert all(e.logprob <= 0 and e.top_logprobs == [] for e in content)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"modalities": ["audio"]}, "modalities"),
+        ({"n": 2}, "n"),
+    ],
+)
+def test_chat_refusals_name_the_field(server_url, fields, field):
+    answer = httpx.post(
+        f"{server_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **fields}
+    )
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["details"]["field"] == field
+
+
+def test_logprobs_on_a_keyed_request_is_a_typed_400(server_url):
+    answer = httpx.post(
+        f"{server_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True, "prompt_cache_key": "k"},
+    )
+    assert answer.status_code == 400
+    assert answer.json()["error"]["code"] == "logprobs_unavailable"
+
+
+def test_completions_logprobs_legacy_shape(client, dense_model):
+    completion = client.completions.create(model=dense_model, prompt="Once upon", max_tokens=6, temperature=0, logprobs=3)
+    choice = completion.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == completion.usage.completion_tokens
+    assert "".join(lp.tokens).strip() == choice.text.strip()  # each token decoded alone
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and len(top) <= 3  # two tokens may decode to one text
+        assert value == pytest.approx(max(top.values()), abs=1e-5) and top[token] == pytest.approx(value, abs=1e-5)
+
+
+def test_completions_is_a_raw_continuation_with_echo(client, dense_model, server_url):
+    raw = client.completions.create(model=dense_model, prompt="Once upon", max_tokens=6, temperature=0)
+    echoed = client.completions.create(model=dense_model, prompt="Once upon", max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Once upon" + raw.choices[0].text
+    # No chat template: far fewer prompt tokens than the same text as a chat turn.
+    chat = client.chat.completions.create(
+        model=dense_model, messages=[{"role": "user", "content": "Once upon"}], max_tokens=1, extra_body={"thinking": False}
+    )
+    assert raw.usage.prompt_tokens < chat.usage.prompt_tokens
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=dense_model, prompt="Once upon", max_tokens=6, temperature=0, echo=True, stream=True)
+        if c.choices
+    )
+    assert streamed == echoed.choices[0].text
+    for extra, field in (({"echo": True, "logprobs": 1}, "echo"), ({"logprobs": 21}, "logprobs"), ({"thinking": False}, "thinking"), ({"frobnicate": 1}, "frobnicate")):
+        answer = httpx.post(f"{server_url}/v1/completions", json={"prompt": "x", "max_tokens": 2, **extra})
+        assert answer.status_code == 400, (extra, answer.text)
+        assert answer.json()["error"]["details"]["field"] == field
+
+
+def test_retrieve_model(client, dense_model):
+    model = client.models.retrieve(dense_model)
+    assert model.id == dense_model and model.object == "model" and model.owned_by == "abstractruntime-mlx"
+    with pytest.raises(NotFoundError) as caught:
+        client.models.retrieve("no-such-model")
+    assert caught.value.body["code"] == "model_not_found"
+
+
+def test_unknown_chat_field_is_refused_with_the_sdk(client, dense_model):
+    with pytest.raises(BadRequestError) as caught:
+        client.chat.completions.create(
+            model=dense_model, messages=[{"role": "user", "content": "x"}], max_tokens=2, extra_body={"frobnicate": 1}
+        )
+    assert caught.value.body["details"]["field"] == "frobnicate"
