@@ -162,8 +162,8 @@ def test_completions_text_and_stream(served: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("extra", "field", "code"),
     [
-        ({"echo": True}, "echo", "invalid_request"),
-        ({"logprobs": 2}, "logprobs", "invalid_request"),
+        ({"echo": True, "logprobs": 2}, "echo", "invalid_request"),
+        ({"logprobs": 21}, "logprobs", "invalid_controls"),
         ({"suffix": "end"}, "suffix", "invalid_request"),
         ({"n": 2}, "n", "invalid_request"),
         ({"max_tokens": -1}, "max_output_tokens", "invalid_controls"),
@@ -199,7 +199,7 @@ def test_metrics_count_known_requests(served: dict[str, Any]) -> None:
     list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "b"}], max_tokens=4, temperature=0, stream=True))
     client.completions.create(model=model, prompt="c", max_tokens=2, temperature=0)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=model, prompt="x", echo=True)
+        client.completions.create(model=model, prompt="x", echo=True, logprobs=1)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     after = metrics(url)
