@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Callable, Generic, TypeVar, cast
 
@@ -993,7 +993,9 @@ class Engine:
         if not (is_eos and finish_reason == "stop"):
             request.append_tokens([token])
             running.detokenizer.add_token(token)
-            text, stopped = running.stops.feed(running.detokenizer.last_segment)
+            segment = running.detokenizer.last_segment
+            _give_text(running.logprobs, segment)
+            text, stopped = running.stops.feed(segment)
             if text:
                 if not self._deliver(request, TokenDelta(text, [token], _take(running.logprobs))):
                     return
@@ -1004,14 +1006,17 @@ class Engine:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
         else:
-            running.logprobs.clear()  # the end-of-sequence token is not part of the answer
+            if running.logprobs:  # the end-of-sequence token is not part of the answer
+                running.logprobs.pop()
             if request.first_token_at is None:
                 request.first_token_at = time.perf_counter()
         if finish_reason is not None:
             group.running.pop(uid, None)
             group.backend.forget(uid)
             running.detokenizer.finalize()
-            tail = running.stops.flush(running.detokenizer.last_segment)
+            segment = running.detokenizer.last_segment
+            _give_text(running.logprobs, segment, more=True)
+            tail = running.stops.flush(segment)
             if tail or running.logprobs:
                 self._deliver(request, TokenDelta(tail, [], _take(running.logprobs)))
             status = RequestStatus.FINISHED_LENGTH if finish_reason == "length" else RequestStatus.FINISHED_STOPPED
@@ -1171,6 +1176,17 @@ class _SharedPrefixes:
 
     def resident_tokens(self, prompt_ids: list[int], salt: int) -> int:
         return self._cache.resident_prefix_tokens(prompt_ids, salt)
+
+
+def _give_text(pending: list[SampledLogprob], segment: str, *, more: bool = False) -> None:
+    """The detokenizer's ``segment`` becomes the text of the last token still pending (its
+    own; ``more``: added to it, the detokenizer's tail at the end). A token the detokenizer
+    holds back (an incomplete UTF-8 sequence, a lone space) gets ``""`` and the next one its
+    text, so that the tokens' texts concatenate to the answer's."""
+    if pending:
+        last = pending[-1]
+        text = (last.text or "") + segment if more else segment
+        pending[-1] = replace(last, text=text)
 
 
 def _take(items: list[SampledLogprob]) -> list[SampledLogprob]:

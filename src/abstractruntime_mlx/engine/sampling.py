@@ -143,11 +143,14 @@ class SampledLogprob:
     """The drawn token of one position, its log-probability and the ``top`` most likely
     tokens there (``(token_id, logprob)``, most likely first), all read from the distribution
     the row was sampled from: the model's log-softmax after the row's logits processors
-    (penalties, bias, grammar), before temperature and truncation (top-k / top-p / min-p)."""
+    (penalties, bias, grammar), before temperature and truncation (top-k / top-p / min-p).
+    ``text``: the token's share of the answer's text, the streaming detokenizer's segment for
+    it (set by the engine; the shares of an answer's tokens concatenate to its text)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    text: str | None = None
 
 
 class PendingLogprobs:

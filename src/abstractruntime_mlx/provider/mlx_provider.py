@@ -745,14 +745,18 @@ def _continuation_text(tokenizer: Any, prompt: str) -> str:
 
 
 def _token_logprobs(tokenizer: Any, sampled: list[SampledLogprob]) -> list[TokenLogprob]:
-    """The engine's logprobs with each token's own text (decoded alone, as OpenAI shows it)."""
+    """The engine's logprobs with each token's text: the chosen token's share of the answer's
+    text (they concatenate to it exactly), each alternative decoded alone."""
 
     def text(token_id: int) -> str:
         return str(tokenizer.decode([token_id]))
 
     return [
         TokenLogprob(
-            text(s.token_id), s.token_id, s.logprob, tuple(TopLogprob(text(i), i, lp) for i, lp in s.top)
+            text(s.token_id) if s.text is None else s.text,
+            s.token_id,
+            s.logprob,
+            tuple(TopLogprob(text(i), i, lp) for i, lp in s.top),
         )
         for s in sampled
     ]
