@@ -1,5 +1,6 @@
 """OpenAI parity of the server: token logprobs on chat and completions (streamed and not),
-raw completions with ``echo``, ``GET /v1/models/{id}``, and unsupported fields refused by name.
+``n`` answers to one prompt, raw completions with ``echo``, ``GET /v1/models/{id}``, and
+unsupported fields refused by name.
 Real MLX on the tiny dense model, a real server on 127.0.0.1, the ``openai`` SDK."""
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def test_sampled_logprobs_are_the_sampled_tokens(client, dense_model):
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"modalities": ["audio"]}, "modalities"),
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),
+        ({"n": 0}, "n"),
     ],
 )
 def test_chat_refusals_name_the_field(server_url, fields, field):
@@ -205,3 +207,85 @@ def test_token_texts_concatenate_to_the_text(client, dense_model, token, tokens,
             if c.logprobs is not None and c.logprobs.content:
                 streamed.extend(e.token for e in c.logprobs.content)
     assert ("".join(pieces), streamed) == (text, tokens)
+
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def test_chat_n_greedy_answers_are_identical_and_usage_counts_the_prompt_once(client, dense_model):
+    one = client.chat.completions.create(
+        model=dense_model, messages=HI, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, extra_body={"thinking": False}
+    )
+    many = client.chat.completions.create(
+        model=dense_model, messages=HI, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, n=3,
+        extra_body={"thinking": False},
+    )
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert {c.message.content for c in many.choices} == {one.choices[0].message.content}
+    tokens = [[(e.token, e.logprob) for e in c.logprobs.content] for c in many.choices]
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert [e.token for e in one.choices[0].logprobs.content] == [t for t, _ in tokens[0]]
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens
+    assert many.usage.completion_tokens == 3 * one.usage.completion_tokens == sum(len(t) for t in tokens)
+    assert many.usage.total_tokens == many.usage.prompt_tokens + many.usage.completion_tokens
+
+
+def test_chat_n_sampled_answer_i_draws_with_seed_plus_i(client, dense_model):
+    def ask(seed, n):
+        return client.chat.completions.create(
+            model=dense_model, messages=HI, max_tokens=8, temperature=1.5, seed=seed, n=n, extra_body={"thinking": False}
+        )
+
+    many = [c.message.content for c in ask(5, 3).choices]
+    assert many == [ask(5 + i, 1).choices[0].message.content for i in range(3)]
+    assert len(set(many)) > 1  # three seeds, 8 tokens at temperature 1.5: not all alike
+
+
+def test_chat_n_stream_tags_each_chunk_with_its_answer(client, dense_model):
+    plain = client.chat.completions.create(
+        model=dense_model, messages=HI, max_tokens=6, temperature=1.0, seed=11, n=3, logprobs=True,
+        extra_body={"thinking": False},
+    )
+    texts, entries, finishes, usage = {}, {}, {}, None
+    with client.chat.completions.create(
+        model=dense_model, messages=HI, max_tokens=6, temperature=1.0, seed=11, n=3, logprobs=True, stream=True,
+        stream_options={"include_usage": True}, extra_body={"thinking": False},
+    ) as stream:
+        for chunk in stream:
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+                if c.logprobs is not None and c.logprobs.content:
+                    entries.setdefault(c.index, []).extend(e.token for e in c.logprobs.content)
+                if c.finish_reason is not None:
+                    assert c.index not in finishes  # one finish per answer
+                    finishes[c.index] = c.finish_reason
+    assert texts == {c.index: c.message.content for c in plain.choices}
+    assert entries == {c.index: [e.token for e in c.logprobs.content] for c in plain.choices}
+    assert finishes == {c.index: c.finish_reason for c in plain.choices}
+    assert (usage.prompt_tokens, usage.completion_tokens) == (plain.usage.prompt_tokens, plain.usage.completion_tokens)
+
+
+def test_completions_n_with_logprobs_and_echo(client, dense_model):
+    many = client.completions.create(model=dense_model, prompt="Once upon", max_tokens=5, temperature=0, n=2, logprobs=1)
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == many.choices[1].text
+    for c in many.choices:
+        assert "".join(c.logprobs.tokens) == c.text and c.logprobs.text_offset[0] == 0
+    assert many.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in many.choices)
+    echoed = {}
+    for chunk in client.completions.create(
+        model=dense_model, prompt="Once upon", max_tokens=5, temperature=0, n=2, echo=True, stream=True
+    ):
+        for c in chunk.choices:
+            echoed[c.index] = echoed.get(c.index, "") + c.text
+    assert echoed == {0: "Once upon" + many.choices[0].text, 1: "Once upon" + many.choices[1].text}
+
+
+def test_n_above_the_bound_is_a_typed_400_with_the_sdk(client, dense_model):
+    with pytest.raises(BadRequestError) as caught:
+        client.chat.completions.create(model=dense_model, messages=HI, max_tokens=2, n=9)
+    assert (caught.value.body["code"], caught.value.body["details"]["field"]) == ("invalid_controls", "n")
+    with pytest.raises(BadRequestError) as caught:
+        client.completions.create(model=dense_model, prompt="x", max_tokens=2, n=9)
+    assert caught.value.body["details"]["field"] == "n"

@@ -165,7 +165,8 @@ def test_completions_text_and_stream(served: dict[str, Any]) -> None:
         ({"echo": True, "logprobs": 2}, "echo", "invalid_request"),
         ({"logprobs": 21}, "logprobs", "invalid_controls"),
         ({"suffix": "end"}, "suffix", "invalid_request"),
-        ({"n": 2}, "n", "invalid_request"),
+        ({"n": 9}, "n", "invalid_controls"),
+        ({"best_of": 2}, "best_of", "invalid_request"),
         ({"max_tokens": -1}, "max_output_tokens", "invalid_controls"),
     ],
 )

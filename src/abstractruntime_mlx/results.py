@@ -70,6 +70,10 @@ class GenerationResult:
     the JSON value; None for free text."""
     logprobs: list[TokenLogprob] | None = None
     """One entry per generated token (``completion_tokens`` of them), when the call asked."""
+    choices: list[GenerationResult] | None = None
+    """A call that asked for several answers (``n``): each one, in order (``usage`` each its
+    own); this result is the first one's, its ``usage`` the prompt once and every answer's
+    tokens summed. None for one answer."""
 
     def to_dict(self) -> JSONObject:
         out: JSONObject = {
@@ -87,6 +91,8 @@ class GenerationResult:
             out["parsed"] = parsed
         if self.logprobs is not None:
             out["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        if self.choices is not None:
+            out["choices"] = [choice.to_dict() for choice in self.choices]
         return out
 
     def parsed_json(self) -> JSONValue:
@@ -100,7 +106,10 @@ class GenerationResult:
 @dataclass(slots=True)
 class GenerationChunk:
     """One streamed piece. Exactly one chunk per request is terminal (``finish_reason`` set);
-    it carries ``usage`` and the full ``metadata``."""
+    it carries ``usage`` and the full ``metadata``. A call with several answers (``n``) tags
+    each piece with its answer's ``index``; an answer that ends before the last one ends with a
+    piece whose ``choice_finish_reason`` is set, and the last one's terminal chunk carries the
+    call's ``usage`` (the prompt once, every answer's tokens summed)."""
 
     content: str = ""
     finish_reason: FinishReason | None = None
@@ -109,6 +118,8 @@ class GenerationChunk:
     token_ids: list[int] | None = None
     model: str | None = None
     logprobs: list[TokenLogprob] | None = None  # of the tokens this piece completes (when asked)
+    index: int = 0  # which of the call's answers this piece belongs to
+    choice_finish_reason: FinishReason | None = None  # answer ``index`` ended here, others go on
 
     @property
     def is_final(self) -> bool:

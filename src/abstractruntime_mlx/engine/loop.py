@@ -34,6 +34,8 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Callable, Generic, TypeVar, cast
@@ -323,6 +325,14 @@ class Engine:
         if on_prefill_progress is not None:
             request.observe_prefill = True
         return self.submit(request, on_prefill_progress=on_prefill_progress)
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """Requests submitted inside reach the worker at once: it takes them in one step, so
+        they are admitted together where slots allow (a call's several answers, whose shared
+        prompt the text lane then prefills once)."""
+        with self._cond:  # reentrant: ``submit`` takes it again
+            yield
 
     def submit(self, request: EngineRequest, *, on_prefill_progress: PrefillCallback | None = None) -> RequestStream:
         """Queue ``request``; what the loaded model cannot run is refused here, before MLX sees it."""

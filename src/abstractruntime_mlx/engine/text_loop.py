@@ -17,6 +17,8 @@ host building and encoding the graph (``docs/benchmarks.md``):
   costs no host work either: its slot idles in the batch until half the batch has finished or
   rows join, then one compaction drops every finished row. Where the step is bound by compute
   (the CPU: each row adds about 7% to a step of 8 rows of the tiny model), it is dropped at once.
+- Rows admitted together with the same prompt (a call's ``n`` choices) prefill it once: one
+  cache row, copied to each of them when the prefill ends; the copies report it as cached.
 - One sampling call for the batch (``sampling.sample_rows``; greedy rows share its argmax).
   Rows that ask for token logprobs (``RowInput.logprobs``) get them from the distribution
   they were sampled from, computed in the same step for those rows only (``row_logprobs``);
@@ -82,12 +84,15 @@ class _Row:
 
 @dataclass(slots=True, eq=False)
 class _Prefill:
-    """Rows prefilling together: their prompts but the last token, left-padded to one width."""
+    """Rows prefilling together: their distinct prompts but the last token, left-padded to one
+    width (``tokens``, one cache row each); ``source[i]``: the prompt row of ``rows[i]`` (rows
+    with the same prompt share one)."""
 
     rows: list[_Row]
     tokens: list[list[int]]
     cache: list[Any]
     chunks: list[int]  # column counts still to run, in order
+    source: list[int]
     done: int = 0  # columns run
 
 
@@ -181,9 +186,12 @@ class TextLoopBackend:
             if group is not None and any(r.uid == uid for r in group.rows):
                 keep = [i for i, r in enumerate(group.rows) if r.uid != uid]
                 if keep:
+                    prompts = sorted({group.source[i] for i in keep})  # the prompt rows still needed
                     group.rows = [group.rows[i] for i in keep]
-                    group.tokens = [group.tokens[i] for i in keep]
-                    _filter(group.cache, keep, shift=0)
+                    group.source = [prompts.index(group.source[i]) for i in keep]
+                    if len(prompts) < len(group.tokens):
+                        group.tokens = [group.tokens[j] for j in prompts]
+                        _filter(group.cache, prompts, shift=0)
                 else:
                     self._chunked = None
             if any(r.uid == uid for r in self._rows):
@@ -330,12 +338,17 @@ class TextLoopBackend:
                 self._finish_prefill(chunked, result)
 
     def _start(self, rows: list[_Row]) -> _Prefill:
-        """A prefill group: each prompt but its last token, left-padded to whole chunks of
-        ``prefill_step_size`` columns and a last, shorter one (padded to its length bucket,
-        where buckets are on): the longest prompt is chunked as the single lane chunks it."""
+        """A prefill group: each distinct prompt but its last token, left-padded to whole chunks
+        of ``prefill_step_size`` columns and a last, shorter one (padded to its length bucket,
+        where buckets are on): the longest prompt is chunked as the single lane chunks it.
+        Rows with the same prompt (a call's several choices) share its row: its KV is computed
+        once and copied to each of them when the prefill ends."""
         from mlx_lm.models.cache import BatchKVCache
 
-        lengths = [len(r.prompt) - 1 for r in rows]
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows]
+        prompts = [list(p) for p in distinct]
+        lengths = [len(p) - 1 for p in prompts]
         longest = max(lengths)
         full = max(0, longest - 1) // self._step_size
         last = longest - full * self._step_size
@@ -343,12 +356,12 @@ class TextLoopBackend:
             last = self._buckets.length(last)
         width = full * self._step_size + last
         pads = [width - n for n in lengths]
-        for r, pad in zip(rows, pads):
-            r.pad = pad
-        tokens = [[0] * pad + r.prompt[:-1] for r, pad in zip(rows, pads)]
+        for r, j in zip(rows, source):
+            r.pad = pads[j]
+        tokens = [[0] * pad + p[:-1] for p, pad in zip(prompts, pads)]
         chunks = [self._step_size] * full + ([last] if last else [])
         cache = [BatchKVCache(pads) for _ in self._lm.layers]
-        return _Prefill(rows, tokens, cache, chunks)
+        return _Prefill(rows, tokens, cache, chunks, source)
 
     def _run_chunk(self, group: _Prefill, result: StepResult, observe: bool) -> None:
         n = group.chunks.pop(0)
@@ -362,10 +375,15 @@ class TextLoopBackend:
 
     def _finish_prefill(self, group: _Prefill, result: StepResult) -> None:
         last = mx.array([r.prompt[-1] for r in group.rows], dtype=mx.uint32)
+        if len(group.tokens) < len(group.rows):  # one cache row per row: a shared prompt's copied
+            _filter(group.cache, group.source, shift=0)
         self._join(group.rows, group.cache, last)
-        for r in group.rows:
+        first: set[int] = set()
+        for r, j in zip(group.rows, group.source):
+            # A row whose prompt another row computed reports that KV as cached.
+            result.prompt_done[r.uid] = 0 if j not in first else len(r.prompt) - 1
+            first.add(j)
             r.prompt = []
-            result.prompt_done[r.uid] = 0
 
     def _join(self, rows: list[_Row], cache: list[Any], inputs: mx.array) -> None:
         """Append rows (their cache, their next inputs) to the decoding batch, finished rows

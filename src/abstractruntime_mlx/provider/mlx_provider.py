@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import itertools
 import json
@@ -40,6 +41,7 @@ from ..request import GenerationRequest
 from ..results import GenerationChunk, GenerationResult, TokenLogprob, TopLogprob
 from ..structured import ResponseFormat, parse_answer, run_schema_work
 from . import residency
+from .choices import choice_seed, combined_usage, merge_streams
 from .progress import ProgressTracker, progress_interval_from_env
 
 DEFAULT_MAX_OUTPUT_TOKENS = 1024
@@ -298,7 +300,12 @@ class MLXProvider:
     def generate_request(self, request: GenerationRequest, *, stream: bool) -> GenerationResult | ChunkStream: ...
 
     def generate_request(self, request: GenerationRequest, *, stream: bool = False) -> GenerationResult | ChunkStream:
-        """Run one validated request (the typed twin of ``generate``)."""
+        """Run one validated request (the typed twin of ``generate``); several answers (``n``)
+        are served by ``agenerate_request`` only."""
+        if request.n > 1:
+            raise InvalidControls(
+                "n > 1 is served by agenerate_request (its answers are read at once)", field="n", value=request.n
+            )
         prepared = self._prepare(request)
         submitted = self._submit(prepared)
         chunks = self._stream(prepared, submitted)
@@ -307,24 +314,60 @@ class MLXProvider:
         return _result_from_chunks(list(chunks), request.response_format)
 
     async def agenerate_request(self, request: GenerationRequest, *, stream: bool = False) -> GenerationResult | AsyncChunkStream:
+        """Run one validated request. With ``n`` > 1 its answers run as rows submitted at once
+        (their prompt prefilled once where the lane shares it, see ``choices``): the result is
+        the first answer with every answer in ``choices``; a stream tags each piece with its
+        answer's ``index``."""
         # Rendering and tokenizing run on a thread (a huge prompt must not stall the event
         # loop); errors (context too long, full queue) raise from this await. A structured
         # request compiles its grammar there too: on the few schema threads, so that many
         # schemas at once wait for each other, not for the threads other requests need.
         if request.response_format is not None:
-            prepared = await run_schema_work(self._prepare, request)
+            prepared = await run_schema_work(self._prepare_choices, request)
         else:
-            prepared = await asyncio.to_thread(self._prepare, request)
-        submitted = self._submit(prepared)
-        chunks = self._astream(prepared, submitted)
+            prepared = await asyncio.to_thread(self._prepare_choices, request)
+        submitted = self._submit_together(prepared)
+        streams = [self._astream(p, s) for p, s in zip(prepared, submitted)]
         if stream:
-            return AsyncChunkStream(chunks, submitted)
-        parts: list[GenerationChunk] = []
-        async for chunk in chunks:
-            parts.append(chunk)
-        return _result_from_chunks(parts, request.response_format)
+            return AsyncChunkStream(streams[0] if len(streams) == 1 else merge_streams(streams), *submitted)
+        try:
+            parts = await asyncio.gather(*(_collect(s) for s in streams))
+        except BaseException:
+            for one in submitted:
+                one.close()
+            raise
+        results = [_result_from_chunks(p, request.response_format) for p in parts]
+        if len(results) == 1:
+            return results[0]
+        usage = combined_usage([r.usage for r in results])
+        return dataclasses.replace(results[0], usage=usage or {}, choices=results)
 
     # --- internals --------------------------------------------------------------------------
+    def _prepare_choices(self, call: GenerationRequest) -> list[_Prepared]:
+        """One prepared request per answer asked for (the first one alone reports progress)."""
+        if call.n == 1:
+            return [self._prepare(call)]
+        return [
+            self._prepare(
+                dataclasses.replace(call, n=1, sampling=choice_seed(call.sampling, i), progress=call.progress if i == 0 else None)
+            )
+            for i in range(call.n)
+        ]
+
+    def _submit_together(self, prepared: list[_Prepared]) -> list[RequestStream]:
+        """Submit every answer's request in one go (the worker takes them in one step); when
+        one is refused (a full queue) those already submitted are cancelled."""
+        submitted: list[RequestStream] = []
+        try:
+            with self._engine.together():
+                for one in prepared:
+                    submitted.append(self._submit(one))
+        except BaseException:
+            for stream in submitted:
+                stream.close()
+            raise
+        return submitted
+
     def _prepare(self, call: GenerationRequest) -> _Prepared:
         controls = call.resolved if call.resolved is not None else self.resolve_controls(call)
         engine = self._engine
@@ -579,9 +622,10 @@ class ChunkStream:
 
 
 class AsyncChunkStream:
-    """Async twin of ``ChunkStream``: ``await stream.aclose()`` cancels the request."""
+    """Async twin of ``ChunkStream``: ``await stream.aclose()`` cancels the request (each of
+    them, for a call with several answers)."""
 
-    def __init__(self, chunks: AsyncIterator[GenerationChunk], submitted: RequestStream) -> None:
+    def __init__(self, chunks: AsyncIterator[GenerationChunk], *submitted: RequestStream) -> None:
         self._chunks = chunks
         self._submitted = submitted
 
@@ -592,7 +636,8 @@ class AsyncChunkStream:
         return await self._chunks.__anext__()
 
     async def aclose(self) -> None:
-        self._submitted.close()
+        for submitted in self._submitted:
+            submitted.close()
         await self._chunks.aclose()  # type: ignore[attr-defined]
 
     async def __aenter__(self) -> "AsyncChunkStream":
@@ -760,6 +805,10 @@ def _token_logprobs(tokenizer: Any, sampled: list[SampledLogprob]) -> list[Token
         )
         for s in sampled
     ]
+
+
+async def _collect(chunks: AsyncIterator[GenerationChunk]) -> list[GenerationChunk]:
+    return [chunk async for chunk in chunks]
 
 
 def _result_from_chunks(chunks: list[GenerationChunk], response_format: ResponseFormat | None = None) -> GenerationResult:

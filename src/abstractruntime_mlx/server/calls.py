@@ -52,13 +52,15 @@ class WireRenderer(Protocol):
         """The SSE records that open a stream (called first, on a streamed call only)."""
         ...
 
-    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None) -> str:
-        """The SSE record of a text delta (and the logprobs of its tokens, when asked)."""
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
+        """The SSE record of a text delta of answer ``index`` (and its tokens' logprobs, when asked)."""
         ...
 
     def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
         """The SSE records of the terminal chunk: ``tail`` is the text not written yet (the
-        terminal chunk's own included), ``logprobs`` its tokens' (when asked), ``text`` the whole answer."""
+        terminal chunk's own included), ``logprobs`` its tokens' (when asked), ``text`` the whole answer.
+        Also those of an answer that ends while others go on (``final.choice_finish_reason``
+        set, ``final.index`` the answer; a call with several answers)."""
         ...
 
     def ending(self) -> list[str]:
@@ -172,6 +174,7 @@ async def _records(
     last_write = float("-inf")  # so the first text never waits, however recent the clock's origin
     pending: list[PumpItem] = [] if first is None else [first]
     answer: list[str] = []
+    index = 0  # the answer the text gathered belongs to (a call may have several)
     finished = False
     opening = renderer.opening(model=model) if stream else []
     if opening:
@@ -193,17 +196,26 @@ async def _records(
             if text or logprobs:
                 joined = "".join(text)
                 answer.append(joined)
-                out.append(renderer.text(joined, logprobs))
+                out.append(renderer.text(joined, logprobs, index=index))
                 text.clear()
                 logprobs = None
 
         for item in pending:
+            if isinstance(item, ChunkItem) and item.chunk.index != index:
+                flush_text()  # deltas gather per answer
+                index = item.chunk.index
             match item:
                 case ChunkItem(chunk=piece) if piece.finish_reason is None:
                     if piece.content:
                         text.append(piece.content)
                     if piece.logprobs is not None:
                         logprobs = [*(logprobs or ()), *piece.logprobs]
+                    if piece.choice_finish_reason is not None:  # this answer ended, others go on
+                        tail = "".join(text)
+                        text.clear()
+                        answer.append(tail)
+                        out.extend(renderer.closing(piece, tail=tail, text="".join(answer), logprobs=logprobs))
+                        logprobs = None
                 case ChunkItem(chunk=piece):
                     text.append(piece.content)
                     if piece.logprobs is not None:

@@ -32,18 +32,20 @@ async def chat_completions(request: Request) -> Response:
     # Decoding and checking a large body (up to the body limit) takes long: off the event loop.
     body = await asyncio.to_thread(parse_body, ChatCompletionRequest, await read_body(request))
     refuse_unknown(body.unknown_fields())
-    return await serve_call(request, body, route="chat", renderer=ChatRenderer())
+    return await serve_call(request, body, route="chat", renderer=ChatRenderer(n=body.n or 1))
 
 
 class ChatRenderer:
-    """Writes one call's answer as ``chat.completion`` objects (``calls.WireRenderer``)."""
+    """Writes one call's answer as ``chat.completion`` objects (``calls.WireRenderer``); ``n``:
+    how many answers it has (each chunk names its own in ``choices[0].index``)."""
 
     ends_at_final = False
 
-    def __init__(self) -> None:
+    def __init__(self, *, n: int = 1) -> None:
         self.completion_id = new_completion_id()
         self.created = now_s()
         self._model = ""
+        self._n = n
 
     def _chunk(
         self,
@@ -53,6 +55,7 @@ class ChatRenderer:
         usage: Mapping[str, int] | None = None,
         metadata: Mapping[str, JSONValue] | None = None,
         logprobs: list[TokenLogprob] | None = None,
+        index: int = 0,
     ) -> str:
         return data_event(
             chunk_body(
@@ -64,6 +67,7 @@ class ChatRenderer:
                 usage=usage,
                 metadata=metadata,
                 logprobs=logprobs,
+                index=index,
             )
         )
 
@@ -72,15 +76,16 @@ class ChatRenderer:
 
     def opening(self, *, model: str) -> list[str]:
         self._model = model
-        return [self._chunk({"role": "assistant", "content": ""})]
+        return [self._chunk({"role": "assistant", "content": ""}, index=i) for i in range(self._n)]
 
-    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None) -> str:
-        return self._chunk({"content": delta}, logprobs=logprobs)
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
+        return self._chunk({"content": delta}, logprobs=logprobs, index=index)
 
     def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
         delta: JSONObject = {"content": tail} if tail else {}
+        reason = final.finish_reason or final.choice_finish_reason
         return [
-            self._chunk(delta, finish_reason=final.finish_reason, usage=final.usage, metadata=final.metadata, logprobs=logprobs)
+            self._chunk(delta, finish_reason=reason, usage=final.usage, metadata=final.metadata, logprobs=logprobs, index=final.index)
         ]
 
     def ending(self) -> list[str]:

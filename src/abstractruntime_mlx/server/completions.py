@@ -4,11 +4,12 @@ The prompt is continued as plain text, as OpenAI continues it: no chat template 
 tokenizer's begin-of-sequence token first, where it has one). The body takes the chat route's
 sampling fields (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` ...), its
 controls (``speculation``, ``prompt_cache_key``) and ``stream`` / ``stream_options``, with the
-same checks and errors. ``prompt`` is a string, or a list of one string. ``echo: true`` puts
-the prompt before the answer's text; ``logprobs: N`` (0..20) reports each generated token's
+same checks and errors, and ``n`` answers (``choices[i].index``) as chat gives them.
+``prompt`` is a string, or a list of one string. ``echo: true`` puts the prompt before each
+answer's text; ``logprobs: N`` (0..20) reports each generated token's
 logprob and its ``N`` most likely alternatives in the legacy shape (``tokens``,
 ``token_logprobs``, ``top_logprobs``, ``text_offset``). Refused with ``invalid_request`` (400)
-naming the field: several prompts, ``n`` or ``best_of`` above 1, ``suffix``, ``echo`` with
+naming the field: several prompts, ``best_of`` above 1, ``suffix``, ``echo`` with
 ``logprobs`` (the prompt's own logprobs are not computed), ``thinking`` (no template to
 carry it) and any field this route does not know.
 
@@ -49,7 +50,7 @@ class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictStr] = Field(min_length=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt | None = Field(default=None, ge=1, le=1)
+    n: StrictInt | None = None  # checked as the chat body's (1..MAX_CHOICES)
     best_of: StrictInt | None = Field(default=None, ge=1, le=1)
     echo: StrictBool = False
     logprobs: StrictInt | None = None
@@ -105,67 +106,63 @@ async def create_completion(request: Request) -> Response:
             "prompt_cache_key": body.prompt_cache_key,
             "logprobs": None if top is None else True,
             "top_logprobs": top,
+            "n": body.n,
             **body.sampling_given(),
         }
     )
-    renderer = CompletionRenderer(echo=prompt if body.echo else "")
+    renderer = CompletionRenderer(echo=prompt if body.echo else "", n=body.n or 1)
     return await serve_call(request, chat, route="completions", renderer=renderer, continuation=prompt)
 
 
 class CompletionRenderer:
     """Writes one call's answer as ``text_completion`` objects (``calls.WireRenderer``);
-    ``echo``: the prompt text the answer's text starts with."""
+    ``echo``: the prompt text each answer's text starts with; ``n``: how many answers."""
 
     ends_at_final = True
 
-    def __init__(self, *, echo: str = "") -> None:
+    def __init__(self, *, echo: str = "", n: int = 1) -> None:
         self.completion_id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._model = ""
         self._echo = echo
-        self._offset = len(echo)  # the next token's text_offset
+        self._n = n
+        self._offsets = [len(echo)] * n  # each answer's next token's text_offset
 
-    def _body(
-        self,
-        text: str,
-        *,
-        finish_reason: str | None,
-        usage: dict[str, int] | None = None,
-        metadata: JSONObject | None = None,
-        logprobs: list[TokenLogprob] | None = None,
-    ) -> JSONObject:
+    def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> JSONObject:
         wire: JSONValue = None
         if logprobs is not None:
-            wire, self._offset = completion_logprobs(logprobs, offset=self._offset)
+            wire, self._offsets[index] = completion_logprobs(logprobs, offset=self._offsets[index])
+        return {"index": index, "text": text, "logprobs": wire, "finish_reason": finish_reason}
+
+    def _body(self, choices: list[JSONValue], *, usage: dict[str, int] | None = None, metadata: JSONObject | None = None) -> JSONObject:
         body: JSONObject = {
             "id": self.completion_id,
             "object": "text_completion",
             "created": self.created,
             "model": self._model,
-            "choices": [{"index": 0, "text": text, "logprobs": wire, "finish_reason": finish_reason}],
+            "choices": choices,
         }
         return with_usage_and_block(body, usage=usage_to_wire(usage), metadata=metadata)
 
     def body(self, result: GenerationResult, *, model: str) -> JSONObject:
         self._model = model
-        return self._body(
-            self._echo + result.content,
-            finish_reason=result.finish_reason or "stop",
-            usage=result.usage,
-            metadata=result.metadata,
-            logprobs=result.logprobs,
-        )
+        choices: list[JSONValue] = [
+            self._choice(i, self._echo + one.content, one.finish_reason or "stop", one.logprobs)
+            for i, one in enumerate(result.choices or [result])
+        ]
+        return self._body(choices, usage=result.usage, metadata=result.metadata)
 
     def opening(self, *, model: str) -> list[str]:
         self._model = model
-        return [self.text(self._echo)] if self._echo else []
+        return [self.text(self._echo, index=i) for i in range(self._n)] if self._echo else []
 
-    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None) -> str:
-        return data_event(self._body(delta, finish_reason=None, logprobs=logprobs))
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
+        return data_event(self._body([self._choice(index, delta, None, logprobs)]))
 
     def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
-        last = data_event(self._body("", finish_reason=final.finish_reason, usage=final.usage, metadata=final.metadata))
-        return [self.text(tail, logprobs), last] if tail or logprobs else [last]
+        reason = final.finish_reason or final.choice_finish_reason
+        last = data_event(self._body([self._choice(final.index, "", reason, None)], usage=final.usage, metadata=final.metadata))
+        return [self.text(tail, logprobs, index=final.index), last] if tail or logprobs else [last]
 
     def ending(self) -> list[str]:
         return [DONE]

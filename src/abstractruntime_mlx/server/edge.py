@@ -123,6 +123,7 @@ def generation_request(body: ChatCompletionRequest, response_format: ResponseFor
         speculation=body.speculation,
         response_format=response_format,
         logprobs=body.logprobs_asked(),
+        n=body.n,
         prompt_cache_key=body.prompt_cache_key,
     )
 

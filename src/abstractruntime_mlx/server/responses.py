@@ -274,7 +274,7 @@ class ResponsesRenderer:
             self._event("response.content_part.added", {**place, "part": {"type": "output_text", "text": "", "annotations": []}}),
         ]
 
-    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None) -> str:
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
         return self._event(
             "response.output_text.delta",
             {"item_id": self.message_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []},

@@ -156,7 +156,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt | None = Field(default=None, ge=1, le=1)
+    n: StrictInt | None = None  # answers asked for: 1..MAX_CHOICES (``request.check_choices``)
     max_tokens: StrictInt | None = None
     max_output_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None

@@ -59,26 +59,29 @@ def abstractcore_block(metadata: Mapping[str, JSONValue] | None) -> JSONObject |
 
 
 def completion_body(result: GenerationResult, *, completion_id: str, model: str, created: int) -> JSONObject:
-    message: JSONObject = {"role": "assistant", "content": result.content}
-    if result.reasoning:
-        message["reasoning"] = result.reasoning
-    if result.tool_calls:
-        message["tool_calls"] = format_tool_calls(result.tool_calls)
+    """A ``chat.completion``: one choice per answer (``result.choices``, else the result)."""
     body: JSONObject = {
         "id": completion_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": None if result.logprobs is None else chat_logprobs(result.logprobs),
-                "finish_reason": result.finish_reason or "stop",
-            }
-        ],
+        "choices": [_chat_choice(one, index) for index, one in enumerate(result.choices or [result])],
     }
     return with_usage_and_block(body, usage=usage_to_wire(result.usage), metadata=result.metadata)
+
+
+def _chat_choice(result: GenerationResult, index: int) -> JSONObject:
+    message: JSONObject = {"role": "assistant", "content": result.content}
+    if result.reasoning:
+        message["reasoning"] = result.reasoning
+    if result.tool_calls:
+        message["tool_calls"] = format_tool_calls(result.tool_calls)
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": None if result.logprobs is None else chat_logprobs(result.logprobs),
+        "finish_reason": result.finish_reason or "stop",
+    }
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> JSONObject:
