@@ -289,3 +289,44 @@ def test_n_above_the_bound_is_a_typed_400_with_the_sdk(client, dense_model):
     with pytest.raises(BadRequestError) as caught:
         client.completions.create(model=dense_model, prompt="x", max_tokens=2, n=9)
     assert caught.value.body["details"]["field"] == "n"
+
+
+def test_responses_logprobs_on_output_text(client, dense_model):
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    answer = client.responses.create(
+        model=dense_model, input="Hi", max_output_tokens=6, temperature=0, extra_body={"thinking": False}, **asked
+    )
+    part = answer.output[-1].content[0]
+    assert len(part.logprobs) == answer.usage.output_tokens
+    assert "".join(e.token for e in part.logprobs) == part.text == answer.output_text
+    _check_greedy(part.logprobs, top=2)
+    deltas, done, final = [], None, None
+    with client.responses.stream(
+        model=dense_model, input="Hi", max_output_tokens=6, temperature=0, extra_body={"thinking": False}, **asked
+    ) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas.extend(e.token for e in event.logprobs)
+            elif event.type == "response.output_text.done":
+                done = [e.token for e in event.logprobs]
+            elif event.type in ("response.completed", "response.incomplete"):  # the output cap may cut it
+                final = event.response
+    assert deltas == done == [e.token for e in part.logprobs]
+    assert [e.token for e in final.output[-1].content[0].logprobs] == deltas
+    plain = client.responses.create(model=dense_model, input="Hi", max_output_tokens=2, extra_body={"thinking": False})
+    assert plain.output[-1].content[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "code"),
+    [
+        ({"include": ["reasoning.encrypted_content"]}, "include.0", "invalid_request"),
+        ({"top_logprobs": 2}, "top_logprobs", "invalid_request"),
+        ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs", "invalid_controls"),
+    ],
+)
+def test_responses_logprobs_refusals_name_the_field(server_url, fields, field, code):
+    answer = httpx.post(f"{server_url}/v1/responses", json={"input": "x", "max_output_tokens": 2, **fields})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert (error["code"], error["details"]["field"]) == (code, field)

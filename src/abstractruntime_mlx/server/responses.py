@@ -8,11 +8,14 @@ The body becomes a chat body (``calls.chat_body``) and runs as a chat call does:
   ``prompt_cache_key``, and this server's ``speculation`` / ``thinking`` (``extra_body`` in
   the OpenAI SDK), with the chat route's rules and errors;
 - ``text.format``: ``{"type": "json_schema", "name", "schema"}`` asks for a structured answer
-  (the chat route's ``response_format``), ``{"type": "json_object"}`` for any JSON object.
+  (the chat route's ``response_format``), ``{"type": "json_object"}`` for any JSON object;
+- ``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` (0..20): the answer's
+  token logprobs on its ``output_text`` part and on each text delta event (the chat route's).
 
 Refused with ``invalid_request`` (400) naming the field: ``previous_response_id`` (nothing is
 stored: send the whole conversation), ``tools`` and tool items in ``input`` (use
-``/v1/chat/completions``), ``background: true``, and input items of other types. The answer is
+``/v1/chat/completions``), ``background: true``, input items of other types, any other
+``include`` value, and ``top_logprobs`` without the logprobs ``include``. The answer is
 one ``message`` output item (a ``reasoning`` item before it when the model thought). A stream
 sends the Responses events (``response.created`` ... ``response.output_text.delta`` ...
 ``response.completed``, or ``response.incomplete`` when the output cap cut the answer); a
@@ -38,14 +41,15 @@ from .edge import read_body
 from .calls import chat_body, serve_call
 from .schemas import FiniteFloat, ModelName, StreamOptions, parse_body
 from .sse import named_event
-from .wire import error_payload, with_usage_and_block
+from .wire import error_payload, logprob_entries, with_usage_and_block
 
 log = logging.getLogger(__name__)
 
 TOLERATED_FIELDS = frozenset(
-    {"user", "metadata", "store", "service_tier", "truncation", "parallel_tool_calls", "tool_choice", "include",
-     "top_logprobs", "safety_identifier", "prompt_cache_retention", "max_tool_calls"}
+    {"user", "metadata", "store", "service_tier", "truncation", "parallel_tool_calls", "tool_choice",
+     "safety_identifier", "prompt_cache_retention", "max_tool_calls"}
 )
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text"}
 
 
@@ -82,9 +86,26 @@ class ResponsesRequest(BaseModel):
     speculation: object = None
     thinking: object = None
     keep_alive: object = None  # as on chat: how long the model stays resident once idle
+    include: list[StrictStr] | None = None
+    top_logprobs: StrictInt | None = None
 
     def unknown_fields(self) -> list[str]:
         return sorted(k for k in (self.model_extra or {}) if k not in TOLERATED_FIELDS)
+
+    def logprobs_asked(self) -> int | None:
+        """The alternatives per token asked with the logprobs ``include`` (None: no logprobs);
+        another ``include`` value, or ``top_logprobs`` without it, is a 400 naming the field."""
+        included = self.include or []
+        for index, value in enumerate(included):
+            if value != LOGPROBS_INCLUDE:
+                raise InvalidRequest(
+                    f"include {value!r} is not supported here (only {LOGPROBS_INCLUDE!r})", details={"field": f"include.{index}"}
+                )
+        if LOGPROBS_INCLUDE not in included:
+            if self.top_logprobs is not None:
+                raise InvalidRequest(f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]", details={"field": "top_logprobs"})
+            return None
+        return 0 if self.top_logprobs is None else self.top_logprobs
 
 
 def messages_of(body: ResponsesRequest) -> list[JSONObject]:
@@ -164,6 +185,7 @@ async def create_response(request: Request) -> Response:
         raise InvalidRequest("tools are not supported on /v1/responses; use /v1/chat/completions", details={"field": "tools"})
     if body.background:
         raise InvalidRequest("background responses are not supported (nothing is stored)", details={"field": "background"})
+    top = body.logprobs_asked()
     chat = await chat_body(
         {
             "model": body.model,
@@ -180,6 +202,8 @@ async def create_response(request: Request) -> Response:
             "speculation": body.speculation,
             "thinking": body.thinking,
             "keep_alive": body.keep_alive,
+            "logprobs": None if top is None else True,
+            "top_logprobs": top,
         }
     )
     # the body's JSON, as given (decoded from JSON, so JSON values)
@@ -191,7 +215,7 @@ async def create_response(request: Request) -> Response:
         "top_p": body.top_p,
         "text": {"format": format_echo},
     }
-    return await serve_call(request, chat, route="responses", renderer=ResponsesRenderer(echo))
+    return await serve_call(request, chat, route="responses", renderer=ResponsesRenderer(echo, logprobs=top is not None))
 
 
 # --------------------------------------------------------------------------- wire
@@ -216,13 +240,14 @@ class ResponsesRenderer:
 
     ends_at_final = True
 
-    def __init__(self, echo: JSONObject) -> None:
+    def __init__(self, echo: JSONObject, *, logprobs: bool = False) -> None:
         self.response_id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self._echo = echo
         self._model = ""
         self._seq = 0
+        self._logprobs: list[TokenLogprob] | None = [] if logprobs else None  # streamed so far, when asked
 
     def _response(self, *, status: str, output: list[JSONValue], usage: JSONObject | None, finish_reason: str | None, metadata: JSONObject | None) -> JSONObject:
         body: JSONObject = {
@@ -242,8 +267,10 @@ class ResponsesRenderer:
         }
         return with_usage_and_block(body, usage=usage, metadata=metadata)
 
-    def _message(self, text: str, status: str) -> JSONObject:
+    def _message(self, text: str, status: str, logprobs: list[TokenLogprob] | None = None) -> JSONObject:
         part: JSONObject = {"type": "output_text", "text": text, "annotations": []}
+        if logprobs is not None:
+            part["logprobs"] = logprob_entries(logprobs)
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": [part]}
 
     def body(self, result: GenerationResult, *, model: str) -> JSONObject:
@@ -253,7 +280,7 @@ class ResponsesRenderer:
             output.append(
                 {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": [{"type": "reasoning_text", "text": result.reasoning}]}
             )
-        output.append(self._message(result.content, "completed"))
+        output.append(self._message(result.content, "completed", None if self._logprobs is None else result.logprobs or []))
         return self._response(
             status=_status(result.finish_reason), output=output, usage=usage_of(result.usage),
             finish_reason=result.finish_reason, metadata=result.metadata,
@@ -275,24 +302,26 @@ class ResponsesRenderer:
         ]
 
     def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
+        if self._logprobs is not None and logprobs:
+            self._logprobs.extend(logprobs)
         return self._event(
             "response.output_text.delta",
-            {"item_id": self.message_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []},
+            {"item_id": self.message_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": logprob_entries(logprobs or [])},
         )
 
     def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
-        deltas = [self.text(tail)] if tail else []
+        deltas = [self.text(tail, logprobs)] if tail or logprobs else []
         place: JSONObject = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         status = _status(final.finish_reason)
         done = self._response(
-            status=status, output=[self._message(text, "completed")], usage=usage_of(final.usage),
+            status=status, output=[self._message(text, "completed", self._logprobs)], usage=usage_of(final.usage),
             finish_reason=final.finish_reason, metadata=final.metadata,
         )
         return [
             *deltas,
-            self._event("response.output_text.done", {**place, "text": text, "logprobs": []}),
+            self._event("response.output_text.done", {**place, "text": text, "logprobs": logprob_entries(self._logprobs or [])}),
             self._event("response.content_part.done", {**place, "part": {"type": "output_text", "text": text, "annotations": []}}),
-            self._event("response.output_item.done", {"output_index": 0, "item": self._message(text, "completed")}),
+            self._event("response.output_item.done", {"output_index": 0, "item": self._message(text, "completed", self._logprobs)}),
             self._event(f"response.{status}", {"response": done}),
         ]
 

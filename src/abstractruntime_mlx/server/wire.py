@@ -86,15 +86,16 @@ def _chat_choice(result: GenerationResult, index: int) -> JSONObject:
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> JSONObject:
     """OpenAI chat's ``choices[].logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-    return {
-        "content": [
-            {
-                **_logprob_entry(e.token, e.logprob),
-                "top_logprobs": [_logprob_entry(t.token, t.logprob) for t in e.top],
-            }
-            for e in entries
-        ]
-    }
+    return {"content": logprob_entries(entries)}
+
+
+def logprob_entries(entries: Sequence[TokenLogprob]) -> list[JSONValue]:
+    """``[{token, logprob, bytes, top_logprobs}]``: chat's ``logprobs.content`` and the Responses
+    API's ``output_text`` ``logprobs``."""
+    return [
+        {**_logprob_entry(e.token, e.logprob), "top_logprobs": [_logprob_entry(t.token, t.logprob) for t in e.top]}
+        for e in entries
+    ]
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], *, offset: int) -> tuple[JSONObject, int]:
