@@ -15,6 +15,9 @@ from test_server_harness import serve_in_thread
 from abstractruntime_mlx.server import create_app
 
 
+HI = [{"role": "user", "content": "Hi"}]
+
+
 @pytest.fixture(scope="module")
 def server_url(dense_model):
     from abstractruntime_mlx import create_llm
@@ -112,13 +115,34 @@ def test_chat_refusals_name_the_field(server_url, fields, field):
     assert answer.json()["error"]["details"]["field"] == field
 
 
-def test_logprobs_on_a_keyed_request_is_a_typed_400(server_url):
-    answer = httpx.post(
-        f"{server_url}/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True, "prompt_cache_key": "k"},
+def test_keyed_requests_report_logprobs_as_unkeyed_ones(client, dense_model):
+    """A ``prompt_cache_key`` runs on the prefix-cache lane: the same tokens and logprobs, cold
+    and when its prefix is reused."""
+
+    # Longer than a block of the prefix cache and its guard tokens: a whole block is reused.
+    long = [{"role": "user", "content": "A cache keeps what was computed once, so that it is not computed again. " * 4}]
+
+    def ask(**extra):
+        answer = client.chat.completions.create(
+            model=dense_model, messages=long, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+            extra_body={"thinking": False, **extra},
+        )
+        return answer, [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in answer.choices[0].logprobs.content]
+
+    plain, expected = ask()
+    for _ in range(2):  # cold, then its prefix reused
+        keyed, entries = ask(prompt_cache_key="parity-logprobs")
+        assert [(t, top) for t, _, top in entries] == [(t, top) for t, _, top in expected]
+        assert [lp for _, lp, _ in entries] == pytest.approx([lp for _, lp, _ in expected], abs=1e-3)
+        assert "".join(t for t, _, _ in entries) == keyed.choices[0].message.content == plain.choices[0].message.content
+        _check_greedy(keyed.choices[0].logprobs.content, top=3)
+    assert keyed.usage.prompt_tokens_details.cached_tokens > 0
+    assert keyed.model_extra["abstractcore"]["prompt_cache"]["outcome"] == "hit"
+    many = client.chat.completions.create(
+        model=dense_model, messages=long, max_tokens=6, temperature=0, logprobs=True, n=3,
+        extra_body={"thinking": False, "prompt_cache_key": "parity-logprobs"},
     )
-    assert answer.status_code == 400
-    assert answer.json()["error"]["code"] == "logprobs_unavailable"
+    assert [[e.token for e in c.logprobs.content] for c in many.choices] == [[t for t, _, _ in expected]] * 3
 
 
 def test_completions_logprobs_legacy_shape(client, dense_model):
@@ -208,8 +232,6 @@ def test_token_texts_concatenate_to_the_text(client, dense_model, token, tokens,
                 streamed.extend(e.token for e in c.logprobs.content)
     assert ("".join(pieces), streamed) == (text, tokens)
 
-
-HI = [{"role": "user", "content": "Hi"}]
 
 
 def test_chat_n_greedy_answers_are_identical_and_usage_counts_the_prompt_once(client, dense_model):

@@ -184,9 +184,8 @@ class EmbeddingsUnsupported(InvalidRequest):
 
 
 class LogprobsUnavailable(InvalidRequest):
-    """Token logprobs asked of a request the lane it runs on cannot report them for (an image
-    prompt, a prefix-cache key, MTP, the serialized lane): only the text lane's own loop
-    computes them."""
+    """Token logprobs asked of a request the lane it runs on cannot report them for (MTP
+    speculation, the serialized lane): the batched lanes' per-row sampler computes them."""
 
     code = "logprobs_unavailable"
 

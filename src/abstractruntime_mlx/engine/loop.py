@@ -900,9 +900,9 @@ class Engine:
             )
             if request.logprobs is not None and not getattr(group.backend, "reports_logprobs", False):
                 raise LogprobsUnavailable(
-                    f"token logprobs are computed on the text lane only; this request runs on the "
-                    f"{group.backend.kind.value} lane (an image prompt, a prompt_cache_key, MTP or "
-                    "mlx_batching=False take other lanes)",
+                    f"token logprobs are computed by the batched lanes' per-row sampler; this request runs on "
+                    f"the {group.backend.kind.value} lane, which draws without it (MTP speculation, or a "
+                    "provider with mlx_batching=False)",
                     details={"field": "logprobs", "lane": group.backend.kind.value},
                 )
             uid = group.backend.insert(row)
