@@ -282,6 +282,26 @@ def test_served_calls_are_ledger_runs(served: dict[str, Any]) -> None:
     assert any(ledger.run_steps(r.run_id)[0].node_id == "completions" for r in others)
 
 
+def test_a_streamed_call_with_several_answers_records_the_first(served: dict[str, Any]) -> None:
+    client, ledger = served["client"], served["ledger"]
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in client.chat.completions.create(
+        model=served["model"], messages=[{"role": "user", "content": "n"}], max_tokens=4, temperature=1.0, seed=9, n=2,
+        stream=True, stream_options={"include_usage": True}, extra_headers={"X-Session-Affinity": "session-n"},
+    ):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    served["recorder"].drain(timeout_s=30)
+
+    from abstractruntime_mlx.server.serve_ledger import session_run_id
+
+    (done,) = [s for s in ledger.run_steps(session_run_id("session-n")) if s.status == "completed"]
+    assert done.record["result"]["content"] == texts[0] and texts[0] != texts[0] + texts[1]
+    assert done.record["result"]["usage"]["completion_tokens"] == usage.completion_tokens == 8
+
+
 def test_metrics_mtp_acceptance_and_prefix_reuse_match_the_answers(hybrid_model: str) -> None:
     """MTP drafted/accepted tokens and prefix-reused tokens add up to what the answers reported."""
     from abstractruntime_mlx import create_llm
