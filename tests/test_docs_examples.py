@@ -19,6 +19,8 @@ DOCS = [
     "docs/inspector.md",
     "docs/flows.md",
     "docs/structured-output.md",
+    "docs/traces.md",
+    "docs/server.md",
 ]
 
 

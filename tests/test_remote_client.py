@@ -326,9 +326,12 @@ def test_sync_generate_and_stream_against_the_server(real: Any) -> None:
         assert result.metadata["speculation"]["reason"] == "disabled_for_this_call"
         assert result.metadata["controls"] == local.metadata["controls"]  # each control and its source
         events: list[dict[str, Any]] = []
-        chunks = list(client.generate("Hi", temperature=0, max_output_tokens=6, stream=True, on_progress=events.append))
+        chunks = list(client.generate("Hi", temperature=0, max_output_tokens=6, stream=True, on_progress=events.append, thinking=False))
         assert sum(1 for c in chunks if c.finish_reason) == 1 and chunks[-1].finish_reason == "length"
-        assert "".join(c.content for c in chunks) == llm.generate("Hi", temperature=0, max_output_tokens=6).content
+        assert "".join(c.content for c in chunks) == llm.generate("Hi", temperature=0, max_output_tokens=6, thinking=False).content
+        # Thinking on: the template opens the think block, the server sends its text apart.
+        thought = list(client.generate("Hi", temperature=0, max_output_tokens=6, stream=True, thinking=True))
+        assert "".join(c.reasoning or "" for c in thought).strip() == llm.generate("Hi", temperature=0, max_output_tokens=6, thinking=True).content.strip()
         assert chunks[-1].metadata["remote"]["ttft_s"] > 0
         assert [e["phase"] for e in events][0] == "prefill" and events[-1]["phase"] == "complete"
         caps = client.get_execution_capabilities()
@@ -361,7 +364,8 @@ def test_cancel_event_stops_the_call_and_frees_the_slot(real: Any) -> None:
     before = engine_stats(llm)["cancelled"]
     with RemoteClient(url) as client:
         stream = client.generate("Say something.", messages=[], temperature=0, max_output_tokens=4000, stream=True, cancel_event=cancel, speculation=False)
-        assert next(stream).content
+        first = next(stream)
+        assert first.content or first.reasoning
         cancel.set()
         rest = list(stream)
     assert rest[-1].finish_reason == "cancelled" and rest[-1].metadata["remote"]["cancelled"] is True

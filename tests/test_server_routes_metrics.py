@@ -94,12 +94,14 @@ def test_responses_stream_matches_the_answer(served: dict[str, Any]) -> None:
                 deltas.append(event.delta)
             if event.type in ("response.completed", "response.incomplete"):
                 final = event.response
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    # Each item opens with its first piece (the tiny template opens a think block: a reasoning item first).
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert "response.content_part.added" in kinds
     assert kinds[-1] == "response.incomplete"
     assert final is not None and final.usage.output_tokens == 6
     assert final.output_text == "".join(deltas)
-    sequence = [k for k in kinds]
-    assert sequence.index("response.output_text.done") < sequence.index("response.output_item.done")
+    last_item_done = max(i for i, kind in enumerate(kinds) if kind == "response.output_item.done")
+    assert kinds.index("response.output_text.done") < last_item_done
 
 
 def test_responses_structured_output_parses(served: dict[str, Any]) -> None:
@@ -115,8 +117,8 @@ def test_responses_structured_output_parses(served: dict[str, Any]) -> None:
     ("body", "field"),
     [
         ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input.0.type"),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input.0"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0.content.0"),
         ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"input": 3}, "input"),

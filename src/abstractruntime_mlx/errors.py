@@ -16,11 +16,14 @@ remote client rebuilds the same class from ``code``.
     │   ├── InvalidFlow (400, invalid_flow)          ``check`` found problems in a flow
     │   ├── InvalidResponseSchema (400, invalid_response_schema)   a structured-output schema that cannot be compiled
     │   │   └── ResponseSchemaTooLarge (400, schema_too_large)     over a size, node or depth limit
+    │   ├── InvalidTools (400, invalid_tools)        malformed ``tools``, or a ``tool_choice`` they do not offer
     │   ├── PromptCachePathUnsafe (400, prompt_cache_path_unsafe)   symlinked or non-private cache dir
     │   ├── EmbeddingsUnsupported (400, embeddings_unsupported)   serve: the model generates text, it cannot embed
+    │   ├── TokenCountUnsupported (400, token_count_unsupported)   serve: count_tokens on a provider that cannot count
     │   ├── RemoteNotAllowed (403, remote_not_allowed)   a flow sends prompts to a server the user did not allow
     │   │   └── RemoteAddressForbidden (403, remote_address_forbidden)   a link-local / cloud metadata address
-    │   └── OperatorSetting (403, operator_setting)   serve: a client's load option only the operator may set
+    │   ├── OperatorSetting (403, operator_setting)   serve: a client's load option only the operator may set
+    │   └── InvalidOtlpUrl (400, invalid_otlp_url)   ``--otlp``: not an http(s) URL with a host
     ├── PolicyError (400, policy_invalid)            the Core policy file is unreadable
     ├── ModelNotFound (404, model_not_found)         weights are not on this machine
     ├── RunNotFound (404, run_not_found)             the ledger has no such run
@@ -49,6 +52,8 @@ remote client rebuilds the same class from ``code``.
     ├── SpeculationUnavailable (422, speculation_unavailable)
     ├── StructuredOutputInvalid (422, structured_output_invalid)   no schema-valid answer (length cap, retries spent)
     ├── AuthenticationError (401, unauthorized)
+    ├── TraceExportFailed (502, trace_export_failed)   the OTLP receiver could not be reached or refused the spans
+    ├── MissingExtra (500, missing_extra)         an optional dependency is not installed (the message names the extra)
     ├── LedgerError (500, ledger_error)
     │   ├── LedgerNotFound (404, ledger_not_found)
     │   └── RunLockUnsafe (500, run_lock_unsafe)   the run lock file is a link, a directory, a FIFO or not this user's
@@ -169,6 +174,18 @@ class ResponseSchemaTooLarge(InvalidResponseSchema):
         self.maximum = maximum
 
 
+class InvalidTools(InvalidRequest):
+    """A ``tools`` list that is not a list of function tools (a name of letters, digits, ``_``,
+    ``-`` or ``.``; ``parameters`` a JSON Schema object), or a ``tool_choice`` that is not
+    ``none`` / ``auto`` / ``required`` or a function of ``tools``. ``details``: ``field``."""
+
+    code = "invalid_tools"
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message, details={"field": field})
+        self.field = field
+
+
 class PromptCachePathUnsafe(InvalidRequest):
     code = "prompt_cache_path_unsafe"
 
@@ -188,6 +205,13 @@ class LogprobsUnavailable(InvalidRequest):
     speculation, the serialized lane): the batched lanes' per-row sampler computes them."""
 
     code = "logprobs_unavailable"
+
+
+class TokenCountUnsupported(InvalidRequest):
+    """``POST /v1/messages/count_tokens`` on a model whose provider cannot render and tokenize a
+    prompt without generating (a provider other than the MLX one)."""
+
+    code = "token_count_unsupported"
 
 
 class RemoteNotAllowed(InvalidRequest):
@@ -214,6 +238,12 @@ class OperatorSetting(InvalidRequest):
     code = "operator_setting"
     http_status = 403
     type = "permission_error"
+
+
+class InvalidOtlpUrl(InvalidRequest):
+    """``--otlp URL`` is not an ``http://`` or ``https://`` URL with a host."""
+
+    code = "invalid_otlp_url"
 
 
 class PolicyError(MLXRuntimeError):
@@ -405,6 +435,21 @@ class AuthenticationError(MLXRuntimeError):
     code = "unauthorized"
     http_status = 401
     type = "authentication_error"
+
+
+class TraceExportFailed(MLXRuntimeError):
+    """The OTLP receiver was unreachable, timed out or answered with an error status.
+    ``details``: ``url`` and, when it answered, ``status``."""
+
+    code = "trace_export_failed"
+    http_status = 502
+
+
+class MissingExtra(MLXRuntimeError):
+    """An optional dependency is not installed; the message names the extra that brings it
+    (``pip install 'abstractruntime-mlx[otlp]'``). ``details``: ``extra``, ``module``."""
+
+    code = "missing_extra"
 
 
 class LedgerError(MLXRuntimeError):

@@ -51,10 +51,12 @@ __all__ = [
     "RunView",
     "SpanView",
     "call_views",
+    "child_run_steps",
     "child_runs",
     "control_text",
     "node_labels",
     "payload_text",
+    "prefix_break_text",
     "run_flow_document",
     "run_tree_dicts",
     "run_view",
@@ -152,9 +154,15 @@ class CallView:
     """The model that served the call (``route.served.model``, else the result's ``model``)."""
     route: dict[str, object] = field(default_factory=dict)
     """``{"asked": {...}, "served": {...}, "rule": ...}``: what the node named and what served it."""
+    request_params: dict[str, object] = field(default_factory=dict)
+    """The sampling parameters the call asked for (the step's ``params``: ``temperature``,
+    ``max_output_tokens`` ...)."""
     load: dict[str, object] = field(default_factory=dict)
     """The model load the call waited for: ``model``, ``size_bytes``, ``state`` (``loading``,
     ``loaded``, ``failed``), ``start_s``, ``end_s``, ``seconds``; empty when the model was resident."""
+    prefix_break: str | None = None
+    """Where the prompt broke its cache key's previous prompt (``prefix_break_text`` of
+    ``prompt_cache.prefix_break``); None when it extended it, or had no key."""
 
     @property
     def phase(self) -> str:
@@ -505,14 +513,19 @@ def _spans(
 
 
 def _child_run_nodes(steps: Sequence[StepRow]) -> dict[str, str]:
-    """``child run id -> node id`` of the run's nodes that started child runs (their steps wait
-    on ``details.sub_run_id``)."""
-    out: dict[str, str] = {}
+    """``child run id -> node id`` of the run's nodes that started child runs."""
+    return {child: step.node_id for child, step in child_run_steps(steps).items()}
+
+
+def child_run_steps(steps: Sequence[StepRow]) -> dict[str, StepRow]:
+    """``child run id -> the first step`` of the run that started it (its step waits on
+    ``details.sub_run_id``)."""
+    out: dict[str, StepRow] = {}
     for step in steps:
         for wait in (object_at(object_at(step.record, "result"), "wait"), object_at(step.record, "wait")):
             child = object_at(wait, "details").get("sub_run_id")
             if isinstance(child, str):
-                out.setdefault(child, step.node_id)
+                out.setdefault(child, step)
     return out
 
 
@@ -751,6 +764,7 @@ def _call_view(
         execution=execution,
         speculation=dict(object_at(meta, "speculation")),
         prompt_cache=dict(object_at(meta, "prompt_cache")),
+        prefix_break=prefix_break_text(object_at(object_at(meta, "prompt_cache"), "prefix_break")),
         sibling_batch=dict(object_at(meta, "sibling_batch")),
         client=client,
         recorded=ended is not None,
@@ -761,8 +775,41 @@ def _call_view(
         input_note=input_note,
         model=as_str(object_at(route, "served").get("model")) or as_str(result.get("model")),
         route=route,
+        request_params={k: v for k, v in object_at(payload, "params").items() if k != "trace_metadata"},
         load=_load_of(load_rows, origin),
     )
+
+
+_SEGMENT_ROLES = {"system": "system prompt", "user": "user turn", "assistant": "assistant turn", "tool": "tool result"}
+
+
+def prefix_break_text(brk: Mapping[str, object], *, excerpts: bool = False) -> str | None:
+    """``prefix broke at message 3 (tool result), token 1,412`` for a ``prompt_cache.prefix_break``
+    (None for an empty one), with the reused / expected counts; ``excerpts`` adds both sides'
+    text after the break."""
+    token = as_int(brk.get("token"))
+    if token is None:
+        return None
+    segment = brk.get("segment")
+    index = as_int(brk.get("message_index"))
+    if segment == "message" and index is not None:
+        role = str(brk.get("role") or "?")
+        where = f"at message {index} ({_SEGMENT_ROLES.get(role, role)})"
+    elif segment == "tools":
+        where = "in the tools block"
+    elif segment == "generation_prompt":
+        where = "in the generation prompt"
+    elif segment == "prompt_end":
+        where = "at the prompt's end"
+    else:
+        where = f"in an unknown place ({brk.get('reason') or 'not located'})"
+    text = f"prefix broke {where}, token {token:,}"
+    reused, expected = as_int(brk.get("reused_tokens")), as_int(brk.get("expected_tokens"))
+    if reused is not None and expected is not None:
+        text += f"; reused {reused:,} of {expected:,} tokens"
+    if excerpts and "previous" in brk and "current" in brk:
+        text += f"; was {json.dumps(brk['previous'], ensure_ascii=False)}, now {json.dumps(brk['current'], ensure_ascii=False)}"
+    return text
 
 
 def _last_text(messages: Sequence[JSONObject], role: str) -> str | None:

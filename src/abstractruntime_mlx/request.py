@@ -31,9 +31,10 @@ from .controls import (
     normalize_stop,
 )
 from .conversation import assemble_conversation
-from .errors import InvalidControls, InvalidRequest
+from .errors import InvalidControls, InvalidRequest, InvalidTools
 from .json_values import JSONObject, JSONValue
 from .structured import ResponseFormat
+from .tools import AUTO, ToolChoice, check_tools, parse_tool_choice
 
 ProgressSink = Callable[[JSONObject], object]
 """Receives each phase event (a JSON dict) of one request; best-effort, may be called from any thread."""
@@ -68,6 +69,7 @@ GENERATE_KEYWORDS: Final[frozenset[str]] = frozenset(
         "messages",
         "system_prompt",
         "tools",
+        "tool_choice",
         "media",
         "thinking",
         "speculation",
@@ -186,7 +188,8 @@ class GenerationRequest:
 
     - ``messages``: the conversation after the conversation rule (system prompt first,
       ``prompt`` last as a user turn); never empty.
-    - ``tools``: tool schemas for the chat template; ``media``: images as given (paths,
+    - ``tools``: tool schemas for the chat template (``tools.check_tools``); ``tool_choice``:
+      whether the model may, must or must not call one (``tools.ToolChoice``); ``media``: images as given (paths,
       bytes, PIL images), attached to the final user turn by whoever renders it.
     - ``sampling``: how tokens are drawn; ``max_output_tokens`` (``None``: the provider's
       default) and ``stop`` are the limits.
@@ -213,6 +216,7 @@ class GenerationRequest:
 
     messages: tuple[Message, ...]
     tools: tuple[Message, ...] = ()
+    tool_choice: ToolChoice = AUTO
     media: tuple[object, ...] = ()
     sampling: Sampling = field(default_factory=Sampling)
     max_output_tokens: int | None = None
@@ -241,6 +245,7 @@ class GenerationRequest:
         messages: object = None,
         system_prompt: object = None,
         tools: object = None,
+        tool_choice: object = None,
         media: object = None,
         sampling: Mapping[str, object] | Sampling | None = None,
         max_output_tokens: object = None,
@@ -264,10 +269,13 @@ class GenerationRequest:
             raise InvalidRequest("system_prompt must be a string")
         if messages is not None and not isinstance(messages, (list, tuple)):
             raise InvalidRequest("messages must be a list of message objects")
-        if tools is not None and (
-            not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools)
-        ):
-            raise InvalidRequest("tools must be a list of tool objects")
+        checked_tools = check_tools(tools)
+        choice = parse_tool_choice(tool_choice, checked_tools)
+        if choice.forced and response_format is not None:
+            raise InvalidTools(
+                "tool_choice forces a tool call, response_format a structured answer: ask for one of them",
+                field="tool_choice",
+            )
         cache_key = None if prompt_cache_key is None else check_prompt_cache_key(prompt_cache_key)
         if cache_key is not None and messages is None:
             raise InvalidRequest(
@@ -283,7 +291,8 @@ class GenerationRequest:
         call = ControlLevel.parse(speculation=speculation, thinking=thinking)
         return cls(
             messages=tuple(assemble_conversation(prompt=prompt, messages=messages, system_prompt=system_prompt)),
-            tools=tuple(dict(t) for t in tools or ()),
+            tools=checked_tools,
+            tool_choice=choice,
             media=_media(media),
             sampling=sampling if isinstance(sampling, Sampling) else normalize_sampling(**dict(sampling or {})),
             max_output_tokens=normalize_max_output_tokens(max_output_tokens),
@@ -321,6 +330,7 @@ class GenerationRequest:
             messages=kwargs.get("messages"),
             system_prompt=kwargs.get("system_prompt"),
             tools=kwargs.get("tools"),
+            tool_choice=kwargs.get("tool_choice"),
             media=kwargs.get("media"),
             sampling={name: kwargs[name] for name in SAMPLING_FIELDS if kwargs.get(name) is not None},
             max_output_tokens=output_cap(max_output_tokens=kwargs.get("max_output_tokens"), max_tokens=kwargs.get("max_tokens")),
@@ -360,6 +370,8 @@ class GenerationRequest:
         out: JSONObject = {"messages": [dict(m) for m in self.messages]}
         if self.tools:
             out["tools"] = [dict(t) for t in self.tools]
+        if self.tool_choice != AUTO:
+            out["tool_choice"] = self.tool_choice.to_openai()
         if self.media:
             out["media"] = [item if isinstance(item, str) else repr(item) for item in self.media]
         out.update(self.sampling.to_dict())

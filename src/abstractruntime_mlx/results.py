@@ -19,6 +19,17 @@ FinishReason = Literal["stop", "length", "cancelled", "tool_calls", "error"]
 WIRE_METADATA_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "controls", "structured")
 """The metadata blocks a result carries over HTTP (under ``abstractcore`` in a completion body)."""
 
+
+def stop_reason(metadata: Mapping[str, JSONValue] | None) -> str | int | None:
+    """What ended a stopped answer (``metadata["stop_reason"]``): the stop string that matched, or
+    the id of the end-of-sequence token the model generated; None when neither did (a length cap,
+    a cancel, or a result that does not say)."""
+    value = (metadata or {}).get("stop_reason")
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class TopLogprob:
     """One of the most likely tokens at a position: its text, id and log-probability."""
@@ -54,7 +65,8 @@ class GenerationResult:
     ``usage`` holds ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
     ``cached_input_tokens`` (plus the ``input_tokens``/``output_tokens`` aliases AbstractCore
     uses). ``metadata`` holds ``execution``, ``speculation``, ``performance``, ``prompt_cache``
-    and ``progress`` blocks; a block or key with no known value is absent.
+    and ``progress`` blocks, and ``stop_reason`` when a stop ended the answer (``stop_reason()``);
+    a block or key with no known value is absent.
     """
 
     content: str
@@ -109,7 +121,8 @@ class GenerationChunk:
     it carries ``usage`` and the full ``metadata``. A call with several answers (``n``) tags
     each piece with its answer's ``index``; an answer that ends before the last one ends with a
     piece whose ``choice_finish_reason`` is set, and the last one's terminal chunk carries the
-    call's ``usage`` (the prompt once, every answer's tokens summed)."""
+    call's ``usage`` (the prompt once, every answer's tokens summed). ``reasoning``: thinking text
+    a server sent apart (``delta.reasoning_content``); a local stream's thinking is in ``content``, raw."""
 
     content: str = ""
     finish_reason: FinishReason | None = None
@@ -120,6 +133,7 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] | None = None  # of the tokens this piece completes (when asked)
     index: int = 0  # which of the call's answers this piece belongs to
     choice_finish_reason: FinishReason | None = None  # answer ``index`` ended here, others go on
+    reasoning: str | None = None
 
     @property
     def is_final(self) -> bool:

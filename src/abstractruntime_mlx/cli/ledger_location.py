@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from ..errors import LedgerNotFound
+from ..errors import LedgerNotFound, RunNotFound
 
 if TYPE_CHECKING:
     from ..ledger import Ledger
@@ -62,3 +62,15 @@ def open_for_inspection(url: str) -> Ledger:
     if not os.access(path.parent, os.W_OK):
         options += "&immutable=1"
     return Ledger(f"sqlite:///file:{path}?{options}")
+
+
+def resolve_run_id(ledger: Ledger, run_id: str) -> str:
+    """``run_id``, or the one run whose id starts with it (``runs show 3f3e``)."""
+    if ledger.get_run(run_id) is not None:
+        return run_id
+    matches = [r.run_id for r in ledger.list_runs(limit=100_000) if r.run_id.startswith(run_id)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise RunNotFound(f"no run {run_id!r} in {ledger.url}", details={"run_id": run_id[:255]})
+    raise SystemExit(f"run id prefix {run_id!r} is ambiguous: {', '.join(sorted(matches)[:5])}...")

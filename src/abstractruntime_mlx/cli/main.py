@@ -43,6 +43,7 @@ COMMAND_MODULES = (
     "capabilities_cmd",
     "models_cmd",
     "generate_cmd",
+    "chat_cmd",
     "serve_cmd",
     "lb_config_cmd",
     "check_cmd",

@@ -18,6 +18,7 @@ gets it whatever that default is, the head attaching on first use.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -33,6 +34,7 @@ from ..json_values import as_str
 from .args import add_limit_arguments, drive_limits, integer
 from .ledger_location import DEFAULT_LEDGER_PATH, LEDGER_ENV, default_ledger_url
 from .runs_cmd import EXIT_FAILED, EXIT_OK, EXIT_WAITING, exit_code, print_results
+from .runs_export_cmd import add_otlp_arguments, otlp_target
 from .terminal import printable
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from ..runtime_plugin import FlowRunResult
     from ..runtime_plugin.check import CheckReport
     from ..runtime_plugin.routing import RemotePolicy
+    from ..traces import OtlpTarget
 
 TINY_MODEL_DIR: Final = "abstractruntime-mlx/tiny-hybrid-mtp"
 
@@ -63,6 +66,7 @@ class RunSettings:
     artifacts_dir: str | None = None
     allow_network_tools: bool = False
     session_id: str | None = None
+    otlp: OtlpTarget | None = None
 
 
 def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -123,6 +127,7 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     )
     parser.add_argument("--max-timer-wait", type=float, default=60.0, metavar="SECONDS", help="how long run sleeps for wait_until timers before leaving the run waiting (default 60)")
     add_limit_arguments(parser)
+    add_otlp_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(handler=_run)
 
@@ -167,6 +172,7 @@ def remote_policy(allow: object, run_vars: Mapping[str, object], *, source: str)
     file's ``allow_remote``: true, false or a list of ``HOST[:PORT]``) and the URLs the user gave
     in the run vars. A link-local or metadata address there is refused before anything runs."""
     from ..runtime_plugin.routing import RemotePolicy
+    from ..traces import OtlpTarget
 
     if not isinstance(allow, bool) and not (isinstance(allow, list) and all(isinstance(h, str) for h in allow)):
         raise InvalidRequest(f"{source}: 'allow_remote' must be true, false or a list of \"HOST[:PORT]\" strings")
@@ -256,6 +262,7 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         remote=remote,
         limits=limits,
         session_id=args.session.strip() if args.session else None,
+        otlp=otlp_target(args),
     )
 
 
@@ -376,13 +383,23 @@ def run_and_print(settings: RunSettings) -> int:
     since = dt.datetime.now(dt.UTC)
     live = LiveRuns(settings.ledger_url, since=since, mode=pick_mode(settings.as_json, sys.stdout), out=sys.stdout)
     try:
-        with live:
+        with live, _live_export(settings, since):
             results = _run_flow(settings)
     except KeyboardInterrupt:
         return interrupted(settings.ledger_url, since)
     wall_s = time.perf_counter() - started
     print_results(results, as_json=settings.as_json, ledger_url=settings.ledger_url, wall_s=wall_s)
     return exit_code(results)
+
+
+def _live_export(settings: RunSettings, since: dt.datetime) -> contextlib.AbstractContextManager[object]:
+    """``--otlp``: the runs' spans sent as their calls and runs end (``traces.LiveExport``)."""
+    if settings.otlp is None:
+        return contextlib.nullcontext()
+    from ..traces import LiveExport
+    from .main import installed_version
+
+    return LiveExport(settings.ledger_url, settings.otlp, since=since, service_version=installed_version())
 
 
 EXIT_INTERRUPTED: Final = 130

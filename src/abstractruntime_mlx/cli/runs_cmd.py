@@ -4,6 +4,7 @@
     abstractruntime-mlx runs show RUN_ID [--json]    # steps, node results, phase timeline
     abstractruntime-mlx runs replay RUN_ID      # re-render from the ledger; resume if interrupted
     abstractruntime-mlx runs web                # the same in a browser, live (runs_web_cmd)
+    abstractruntime-mlx runs export RUN_ID... --otlp URL | --json FILE   # OpenTelemetry traces (runs_export_cmd)
     abstractruntime-mlx runs resume RUN_ID --answer TEXT     # continue a waiting run
     abstractruntime-mlx runs resume RUN_ID --event NAME[=JSON]
     abstractruntime-mlx runs resume --all-running    # take over runs whose driver is gone
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Final
 from ..errors import MLXRuntimeError, RunNotFound, RunNotResumable
 from ..json_values import JSONValue, array_at, as_str, object_at
 from .args import add_limit_arguments, drive_limits, help_handler, integer
-from .ledger_location import default_ledger_url, existing_ledger_file, open_for_inspection
+from .ledger_location import default_ledger_url, existing_ledger_file, open_for_inspection, resolve_run_id
 from .terminal import printable
 
 if TYPE_CHECKING:
@@ -76,9 +77,10 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     replay.add_argument("--json", action="store_true")
     replay.set_defaults(handler=_replay)
 
-    from . import runs_web_cmd
+    from . import runs_export_cmd, runs_web_cmd
 
     runs_web_cmd.add_parser(actions)
+    runs_export_cmd.add_parser(actions)
 
     resume = actions.add_parser(
         "resume",
@@ -105,17 +107,6 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
 def _open(url_or_path: str | None) -> Ledger:
     """The ledger, opened for reading only."""
     return open_for_inspection(default_ledger_url(url_or_path))
-
-
-def resolve_run_id(ledger: Ledger, run_id: str) -> str:
-    if ledger.get_run(run_id) is not None:
-        return run_id
-    matches = [r.run_id for r in ledger.list_runs(limit=100_000) if r.run_id.startswith(run_id)]
-    if len(matches) == 1:
-        return matches[0]
-    if not matches:
-        raise RunNotFound(f"no run {run_id!r} in {ledger.url}", details={"run_id": run_id[:255]})
-    raise SystemExit(f"run id prefix {run_id!r} is ambiguous: {', '.join(sorted(matches)[:5])}...")
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -486,7 +477,7 @@ def waited_event(waiting: Mapping[str, object]) -> str:
 
 
 def format_node(node_id: str, result: Mapping[str, object]) -> str:
-    from ..inspection import control_text
+    from ..inspection import control_text, prefix_break_text
 
     meta = object_at(result, "metadata")
     execution = object_at(meta, "execution")
@@ -519,6 +510,9 @@ def format_node(node_id: str, result: Mapping[str, object]) -> str:
         if cache.get("degraded_reason"):
             line += f" degraded: {cache['degraded_reason']}"
         lines.append(line)
+        broke = prefix_break_text(object_at(cache, "prefix_break"), excerpts=True)
+        if broke:
+            lines.append(f"        {broke}")
     if sibling.get("role") == "sibling":
         state = "prefetched" if sibling.get("used") else f"not used ({sibling.get('reason')})"
         lines.append(f"      sibling batch: {state}, launched by {sibling.get('trigger_node')}")

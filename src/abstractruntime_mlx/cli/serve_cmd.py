@@ -10,16 +10,19 @@ starts empty and waits for ``POST /acore/models/load``, which (like the capabili
 reaches only repo ids in the Hugging Face cache, directories under ``--model-root DIR``
 (repeatable) and the ``--model`` directory itself. Every model load is shown on stderr
 (``load_progress``); ``--log-level info`` adds uvicorn's access log (a line per request);
-``--ledger URL`` records every served call (``server/serve_ledger.py``). ``--max-connections``,
+``--ledger URL`` records every served call (``server/serve_ledger.py``); ``--otlp URL`` sends
+each one as OpenTelemetry spans when it ends (``traces/``; in a temporary ledger without ``--ledger``). ``--max-connections``,
 ``--header-timeout`` and ``--idle-timeout`` bound the connections (``server/connections.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,11 +31,13 @@ from ..errors import InvalidRequest
 from ..json_values import JSONObject
 from ..default_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from .args import integer, number
+from .runs_export_cmd import add_otlp_arguments, otlp_target
 
 if TYPE_CHECKING:
     from ..provider.mlx_provider import MLXProvider
     from ..server import ModelSpec, PoolSettings
     from ..server.serve_ledger import ServeLedger
+    from ..traces import OtlpTarget
 
 API_KEY_ENV = "ABSTRACTRUNTIME_MLX_API_KEY"
 DEFAULT_HOST = "127.0.0.1"
@@ -68,6 +73,9 @@ class ServeSettings:
     kv_tokens_per_row: int | None = None
     # record every served call in this ledger (``serve --ledger``); None: no recording
     ledger_url: str | None = None
+    # send every served call as OpenTelemetry spans (``serve --otlp``); recorded in a temporary
+    # ledger when there is no ``ledger_url``
+    otlp: OtlpTarget | None = None
     # connection limits (server/connections.py); max_connections None: the default, fitted to the descriptor limit
     max_connections: int | None = None
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
@@ -194,6 +202,7 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
         metavar="URL_OR_PATH",
         help="record every served call in this ledger (a run per X-Session-Affinity session, else per request), for runs list/show/web",
     )
+    add_otlp_arguments(parser)
     _add_connection_arguments(parser)
     parser.set_defaults(handler=_serve)
 
@@ -265,6 +274,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         api_key=args.api_key or env.get(API_KEY_ENV) or None,
         log_level=args.log_level,
         ledger_url=None if args.ledger is None else _ledger_arg(args.ledger),
+        otlp=otlp_target(args),
         stream_interval_ms=args.stream_interval_ms,
         model_roots=tuple(args.model_root),
         options=options,
@@ -355,7 +365,12 @@ def serve(settings: ServeSettings) -> int:
             raise InvalidRequest(f"--model-root {root!r} is not a directory", details={"field": "--model-root"})
     roots = list(settings.model_roots)
     roots += [m.source for m in settings.models if Path(m.source).expanduser().is_dir()]  # loadable again after an unload
-    recorder = _open_serve_ledger(settings.ledger_url)
+    scratch = None
+    ledger_url = settings.ledger_url
+    if ledger_url is None and settings.otlp is not None:  # spans are built from a ledger: a temporary one
+        scratch = tempfile.TemporaryDirectory(prefix="abstractruntime-mlx-otlp-")
+        ledger_url = f"sqlite:///{Path(scratch.name) / 'ledger.sqlite'}"
+    recorder = _open_serve_ledger(ledger_url, announce=scratch is None)
     app = create_app(
         serve_ledger=recorder,
         model_factory=showing_factory(_load_mlx),
@@ -383,14 +398,31 @@ def serve(settings: ServeSettings) -> int:
     server = uvicorn.Server(config)
     served = ", ".join(m.name for m in settings.models) or "(no model)"
     print(f"abstractruntime-mlx: serving {served} on http://{settings.host}:{settings.port}", file=sys.stderr)
+    exporter = _live_export(settings.otlp, ledger_url)
     try:
-        server.run()
+        with exporter:
+            server.run()
     finally:
         pool.unload_all_now()  # what the lifespan did not unload (uvicorn stopped before it started)
         if recorder is not None:  # closed by the app's shutdown, unless uvicorn never started it
             recorder.close()
             recorder.ledger.close()
+        if scratch is not None:
+            scratch.cleanup()
     return 0
+
+
+def _live_export(target: OtlpTarget | None, ledger_url: str | None) -> contextlib.AbstractContextManager[object]:
+    """``--otlp``: each served call's spans sent when it ends (``traces.LiveExport``)."""
+    if target is None or ledger_url is None:
+        return contextlib.nullcontext()
+    import datetime as dt
+
+    from ..traces import LiveExport
+    from .main import installed_version
+
+    print(f"abstractruntime-mlx: sending OpenTelemetry spans to {target.url}", file=sys.stderr)
+    return LiveExport(ledger_url, target, since=dt.datetime.now(dt.UTC), service_version=installed_version())
 
 
 def _load_mlx(model: str, **options: object) -> MLXProvider:
@@ -405,7 +437,7 @@ def _ledger_arg(value: str) -> str:
     return normalize_ledger_url(value)
 
 
-def _open_serve_ledger(url: str | None) -> ServeLedger | None:
+def _open_serve_ledger(url: str | None, *, announce: bool = True) -> ServeLedger | None:
     """The recorder of ``serve --ledger`` (the ledger is created if new, like ``run``'s)."""
     if url is None:
         return None
@@ -413,7 +445,8 @@ def _open_serve_ledger(url: str | None) -> ServeLedger | None:
     from ..server.serve_ledger import ServeLedger
 
     recorder = ServeLedger(Ledger(url))
-    print(f"abstractruntime-mlx: recording served calls in {recorder.ledger.url}", file=sys.stderr)
+    if announce:
+        print(f"abstractruntime-mlx: recording served calls in {recorder.ledger.url}", file=sys.stderr)
     return recorder
 
 

@@ -243,6 +243,8 @@ def call_input_lines(view: RunView) -> list[str]:
         rule = call.route.get("rule")
         head = f"  {call.name or call.label}: {len(call.messages)} messages, {_int(call.prompt_tokens) or '?'} prompt tokens, served by {served}"
         out += ["", head + (f" (route {rule})" if rule else "")]
+        if call.prefix_break:
+            out.append(f"    prompt cache: {call.prefix_break}")
         if call.load.get("state"):
             out.append(f"    model load: {call.load.get('state')} in {as_float(call.load.get('seconds')) or 0:.2f}s")
         if call.input_note:

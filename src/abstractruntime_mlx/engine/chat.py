@@ -25,8 +25,9 @@ def render_prompt(
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
     thinking: bool | str | None = None,
+    add_generation_prompt: bool = True,
 ) -> str:
-    kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
+    kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt, "tokenize": False}
     if tools:
         kwargs["tools"] = tools
     if thinking is not None:

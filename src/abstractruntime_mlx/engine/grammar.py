@@ -26,12 +26,13 @@ grammar, both reported in ``metadata.structured``:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
 import llguidance
@@ -40,8 +41,10 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import InvalidResponseSchema
+from ..errors import InvalidResponseSchema, InvalidTools, MLXRuntimeError
+from ..model_output import HERMES_END, HERMES_START, MISTRAL_TAG, ToolFormat
 from ..structured import ResponseFormat
+from ..tools import ToolChoice, call_schema
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -50,6 +53,8 @@ GRAMMAR_CACHE_SIZE: Final = 64
 _NEG_INF: Final = float("-inf")
 # Thinking may use at most this share of a structured request's output cap.
 THINKING_SHARE: Final = 0.5
+# A forced call's JSON as chat templates write it: ``{"name": "f", "arguments": {"k": 1}}``.
+_CALL_JSON_STYLE: Final = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 Encode = Callable[..., list[int]]
@@ -124,6 +129,7 @@ class GrammarCompiler:
             hf_tokenizer, n_vocab=vocab_rows, eos_token=self.eos_token_ids or None
         )
         encode: Encode = getattr(hf_tokenizer, "encode")
+        self._encode = encode
         self._closers = _closing_groups(encode, self.eos_token_ids)
         self._think_start = _single_token(encode, "<think>")
         self._think_end = _single_token(encode, "</think>")
@@ -133,51 +139,122 @@ class GrammarCompiler:
     def compile(self, fmt: ResponseFormat) -> tuple[CompiledGrammar, bool]:
         """The grammar of ``fmt`` and whether it came from the cache; an uncompilable schema
         raises ``InvalidResponseSchema`` naming where."""
+
+        def build() -> str:
+            try:
+                grammar: str = llguidance.LLMatcher.grammar_from_json_schema(
+                    closed_objects(fmt.schema), overrides={"whitespace_flexible": False}
+                )
+            except ValueError as exc:
+                raise InvalidResponseSchema(f"the response schema cannot be compiled to a grammar: {exc}", path=_error_path(str(exc))) from None
+            return grammar
+
+        def failed(error: str) -> MLXRuntimeError:
+            return InvalidResponseSchema(f"the response schema cannot be compiled to a grammar: {error}", path=_error_path(error))
+
+        return self._compile(fmt.schema_hash, build, shortest_answer_chars(fmt.schema), failed)
+
+    def _compile(
+        self, key: str, build: Callable[[], str], shortest: int, failed: Callable[[str], MLXRuntimeError]
+    ) -> tuple[CompiledGrammar, bool]:
         with self._lock:
-            hit = self._cache.get(fmt.schema_hash)
+            hit = self._cache.get(key)
             if hit is not None:
-                self._cache.move_to_end(fmt.schema_hash)
+                self._cache.move_to_end(key)
                 return hit, True
         started = time.perf_counter()
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(closed_objects(fmt.schema), overrides={"whitespace_flexible": False})
-        except ValueError as exc:
-            raise InvalidResponseSchema(f"the response schema cannot be compiled to a grammar: {exc}", path=_error_path(str(exc))) from None
+        grammar = build()
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
-            raise InvalidResponseSchema(f"the response schema cannot be compiled to a grammar: {error}", path=_error_path(error))
+            raise failed(error)
         template = llguidance.LLMatcher(self._tokenizer, grammar)
         if template.is_error():
-            raise InvalidResponseSchema(f"the response schema cannot be compiled to a grammar: {template.get_error()}")
-        compiled = CompiledGrammar(template, shortest_answer_chars(fmt.schema), time.perf_counter() - started)
+            raise failed(template.get_error())
+        compiled = CompiledGrammar(template, shortest, time.perf_counter() - started)
         with self._lock:
-            self._cache[fmt.schema_hash] = compiled
+            self._cache[key] = compiled
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled, False
 
     def processor(self, fmt: ResponseFormat, *, max_tokens: int, prompt_text: str, thinking: bool | str | None) -> GrammarProcessor:
         """A fresh processor for one request (its own copy of the matcher), compiled on this thread."""
-        compiled, cached = self.compile(fmt)
         started = time.perf_counter()
+        compiled, cached = self.compile(fmt)
+        meta: dict[str, object] = {"mode": "constrained", "schema_hash": fmt.schema_hash, "name": fmt.name}
+        return self._processor(compiled, cached, meta, started=started, max_tokens=max_tokens, prompt_text=prompt_text, thinking=thinking)
+
+    def tool_processor(
+        self,
+        tools: Sequence[Mapping[str, object]],
+        choice: ToolChoice,
+        fmt: ToolFormat,
+        *,
+        max_tokens: int,
+        prompt_text: str,
+        thinking: bool | str | None,
+    ) -> GrammarProcessor:
+        """A processor forcing one call that ``choice`` allows, written in the model's format
+        ``fmt`` (``tool_call_grammar``), arguments matching the tool's ``parameters``."""
+        started = time.perf_counter()
+        schema = call_schema(tools, choice, fmt)
+        grammar = tool_call_grammar(schema, fmt, self._encode)
+        key = "tool:" + hashlib.sha256(grammar.encode("utf-8")).hexdigest()
+
+        def failed(error: str) -> MLXRuntimeError:
+            return InvalidTools(f"the tools' parameters cannot be compiled to a grammar: {error}", field="tools")
+
+        compiled, cached = self._compile(key, lambda: grammar, shortest_answer_chars(schema) + 16, failed)
+        meta: dict[str, object] = {"mode": "tool_call", "tool_choice": choice.to_openai(), "format": fmt}
+        return self._processor(compiled, cached, meta, started=started, max_tokens=max_tokens, prompt_text=prompt_text, thinking=thinking)
+
+    def _processor(
+        self,
+        compiled: CompiledGrammar,
+        cached: bool,
+        meta: dict[str, object],
+        *,
+        started: float,
+        max_tokens: int,
+        prompt_text: str,
+        thinking: bool | str | None,
+    ) -> GrammarProcessor:
         with self._lock:
             matcher = compiled.template.deep_copy()
         think = _thinking_state(prompt_text, thinking, self._think_start, self._think_end, tuple(self.eos_token_ids))
+        compile_s = time.perf_counter() - started  # the lookup only, when the grammar was cached
         return GrammarProcessor(
             matcher,
             max_tokens=max_tokens,
             reserve=closing_reserve(max_tokens, compiled.shortest_chars),
             closers=self._closers,
             think=think,
-            meta={
-                "mode": "constrained",
-                "schema_hash": fmt.schema_hash,
-                "name": fmt.name,
-                "engine": "llguidance",
-                "grammar_cached": cached,
-                "compile_s": round((0.0 if cached else compiled.compile_s) + time.perf_counter() - started, 6),
-            },
+            meta={**meta, "engine": "llguidance", "grammar_cached": cached, "compile_s": round(compile_s, 6)},
         )
+
+
+def tool_call_grammar(schema: Mapping[str, object], fmt: ToolFormat, encode: Encode) -> str:
+    """A Lark grammar (llguidance's dialect) of one call in ``fmt``: Hermes / Qwen
+    ``<tool_call>\\n{json}\\n</tool_call>``, Llama 3 the JSON object alone, Mistral
+    ``[TOOL_CALLS][{json}]``. A marker the tokenizer spells as one token is matched as that token."""
+    closed = {**closed_objects(schema), "x-guidance": _CALL_JSON_STYLE}
+    if fmt == "mistral":
+        closed = {"type": "array", "items": closed_objects(schema), "minItems": 1, "maxItems": 1, "x-guidance": _CALL_JSON_STYLE}
+        if "$defs" in schema or "definitions" in schema:
+            closed = {**closed, **{k: schema[k] for k in ("$defs", "definitions") if k in schema}}
+    body = "%json " + json.dumps(closed)
+    if fmt == "hermes":
+        return f'start: {_lark_marker(encode, HERMES_START)} "\\n" {body} "\\n" {_lark_marker(encode, HERMES_END)}\n'
+    if fmt == "mistral":
+        return f"start: {_lark_marker(encode, MISTRAL_TAG)} {body}\n"
+    return f"start: {body}\n"
+
+
+def _lark_marker(encode: Encode, text: str) -> str:
+    """``text`` in a Lark rule: its token (``<[id]>``, which also matches a special token) when it
+    is one, else the literal string."""
+    token = _single_token(encode, text)
+    return f"<[{token}]>" if token is not None else json.dumps(text)
 
 
 @dataclass(slots=True)

@@ -1010,12 +1010,14 @@ class Engine:
                 if not self._deliver(request, TokenDelta(text, [token], _take(running.logprobs))):
                     return
             if stopped:
+                request.stop_reason = running.stops.matched
                 if running.logprobs:
                     self._deliver(request, TokenDelta("", [], _take(running.logprobs)))
                 self._drop_row(group, uid)
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
         else:
+            request.stop_reason = token
             if running.logprobs:  # the end-of-sequence token is not part of the answer
                 running.logprobs.pop()
             if request.first_token_at is None:
@@ -1029,8 +1031,10 @@ class Engine:
             tail = running.stops.flush(segment)
             if tail or running.logprobs:
                 self._deliver(request, TokenDelta(tail, [], _take(running.logprobs)))
-            status = RequestStatus.FINISHED_LENGTH if finish_reason == "length" else RequestStatus.FINISHED_STOPPED
-            self._finish(request, status)
+            if running.stops.matched is not None:  # the text the last token completed held a stop
+                request.stop_reason = running.stops.matched
+            stopped = finish_reason != "length" or running.stops.matched is not None
+            self._finish(request, RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_LENGTH)
 
     def _deliver(self, request: EngineRequest, item: Any, *, droppable: bool = False) -> bool:
         if request.is_finished() or request.cancelled:
@@ -1091,6 +1095,7 @@ class Engine:
             speculation=request.speculation,
             error=error,
             prompt_cache=request.prompt_cache,
+            stop_reason=request.stop_reason if status == RequestStatus.FINISHED_STOPPED else None,
         )
         if locked:
             self._account(request, status)

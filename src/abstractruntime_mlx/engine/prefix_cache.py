@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidControls, PromptCacheFlushFailed, PromptCacheLocked, PromptCachePathUnsafe
+from .prefix_break import find_break
 
 log = logging.getLogger(__name__)
 
@@ -501,7 +502,10 @@ class PrefixCache:
         return self.serial.resident_bytes
 
     def report(self, request: Any, before: dict[str, int], *, shared: bool, layout: str) -> dict[str, Any]:
-        """``metadata["prompt_cache"]`` for a finished keyed request; updates the key's record."""
+        """``metadata["prompt_cache"]`` for a finished keyed request; updates the key's record.
+
+        Sets ``request.prefix_break`` when the prompt broke the key's previous prompt (see
+        ``prefix_break``): the caller locates it, off this thread."""
         after = self.counters()
         delta = {name: after[name] - before.get(name, 0) for name in CALL_COUNTERS}
         prompt = list(request.prompt_ids)
@@ -509,8 +513,11 @@ class PrefixCache:
         key = (request.prompt_cache_key, self.salt(request, layout))
         previous = self._keys.get(key)
         outcome, degraded = "miss", None
+        request.prefix_break = None
         if previous is not None:
-            common = min(_common_prefix(previous.prompt_ids, prompt), len(prompt) - 1)
+            num_shared = _common_prefix(previous.prompt_ids, prompt)
+            request.prefix_break = find_break(previous.prompt_ids, shared=num_shared, reused=cached, guard=GUARD_TOKENS)
+            common = min(num_shared, len(prompt) - 1)
             tolerance = max(BLOCK_SIZE, self.restore_align) + GUARD_TOKENS
             if cached > 0 and cached >= common - tolerance:
                 outcome = "hit"

@@ -12,6 +12,7 @@ from typing import Any, Callable
 from ..controls import Sampling
 from ..errors import MLXRuntimeError
 from .grammar import GrammarProcessor
+from .prefix_break import PrefixBreak
 from .sampling import SampledLogprob
 
 
@@ -133,6 +134,9 @@ class Outcome:
     speculation: dict[str, Any] | None
     error: MLXRuntimeError | None = None
     prompt_cache: dict[str, Any] | None = None
+    stop_reason: str | int | None = None
+    """What ended a stopped request: the stop string that matched, or the end-of-sequence token
+    id (None: it ended otherwise)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -172,6 +176,8 @@ class EngineRequest:
     cache_counters: dict[str, int] | None = None  # prefix-cache counters at admission
     cache_layout: str | None = None
     prompt_cache: dict[str, Any] | None = None
+    prefix_break: PrefixBreak | None = None  # set with ``prompt_cache`` when the prompt broke its key's prefix
+    stop_reason: str | int | None = None  # the matched stop string or end-of-sequence id (``Outcome``)
     # The admitted request whose prefill stores the prefix this one shares (see scheduler).
     prefix_leader: EngineRequest | None = None
     # The prefill position last delivered to the consumer (``Engine._on_prefill_row``): an

@@ -84,28 +84,32 @@ class StopMatcher:
         self._state = _ROOT
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text, once one did
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add new text; return (text safe to emit, whether a stop string matched). On a match
-        the text ends where the earliest-starting stop string begins."""
+        the text ends where the earliest-starting stop string begins, and ``matched`` is that
+        string."""
         automaton = self._automaton
         if automaton is None:
             return text, False
         buf = self._held + text
         offset = len(self._held)  # where ``text`` starts in ``buf``
         state = self._state
-        cut = -1
+        cut, cut_end = -1, -1
         for i, ch in enumerate(text):
             state = automaton.step(state, ch)
             end = offset + i + 1
             if automaton.match[state]:
                 start = end - automaton.match[state]
-                cut = start if cut < 0 else min(cut, start)
+                if cut < 0 or start < cut:
+                    cut, cut_end = start, end
             if cut >= 0 and end - cut >= automaton.longest - 1:
                 break  # a match ending later starts after ``cut``
         if cut >= 0:
             self._state, self._held = _ROOT, ""
             self.stopped = True
+            self.matched = buf[cut:cut_end]
             return buf[:cut], True
         self._state = state
         hold = automaton.depth[state]

@@ -10,7 +10,8 @@ sampled, and each one is reproducible.
 - ``combined_usage``: the call's usage, the prompt counted once and every answer's tokens summed.
 - ``merge_streams``: the answers' chunk streams as one stream, each piece tagged with its
   answer's ``index``; an answer that ends while others go on ends with a piece carrying its
-  ``choice_finish_reason``; the last one's terminal chunk carries the combined usage.
+  ``choice_finish_reason`` (and its ``stop_reason`` as its only metadata); the last one's
+  terminal chunk carries the combined usage.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from ..controls import Sampling
-from ..results import GenerationChunk
+from ..json_values import JSONObject
+from ..results import GenerationChunk, stop_reason
 
 SEED_SPACE = 2**64
 
@@ -92,8 +94,11 @@ async def merge_streams(streams: Sequence[AsyncIterator[GenerationChunk]]) -> As
             left -= 1
             usages[piece.index] = chunk.usage
             if left:
+                # The call's metadata comes with its last chunk; this answer keeps what ended it.
+                reason = stop_reason(chunk.metadata)
+                ended: JSONObject | None = None if reason is None else {"stop_reason": reason}
                 yield dataclasses.replace(
-                    chunk, index=piece.index, finish_reason=None, choice_finish_reason=chunk.finish_reason, usage=None, metadata=None
+                    chunk, index=piece.index, finish_reason=None, choice_finish_reason=chunk.finish_reason, usage=None, metadata=ended
                 )
             else:
                 yield dataclasses.replace(chunk, index=piece.index, usage=combined_usage(usages))

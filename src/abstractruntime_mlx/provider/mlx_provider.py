@@ -6,19 +6,20 @@ import asyncio
 import dataclasses
 import io
 import itertools
-import json
-import re
+import logging
 import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, overload
 
 from ..artifacts import DOWNLOAD_COMMAND, companion_candidates, detect_mtp, looks_like_path, resolve_model_path
 from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_controls
 from ..engine.chat import prepare_conversation, render_prompt
+from ..engine.prefix_break import attribute
 from ..engine.config import EngineConfig
 from ..engine.loop import Engine
 from ..engine.model import HEAD_LANES, Lane, LoadedModel
@@ -37,12 +38,15 @@ from ..errors import (
     UpstreamError,
 )
 from ..policy import read_policy_controls
+from ..model_output import THINK_END, THINK_START, parse_output, tool_format_of
 from ..request import GenerationRequest
 from ..results import GenerationChunk, GenerationResult, TokenLogprob, TopLogprob
 from ..structured import ResponseFormat, parse_answer, run_schema_work
 from . import residency
 from .choices import choice_seed, combined_usage, merge_streams
 from .progress import ProgressTracker, progress_interval_from_env
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_OUTPUT_TOKENS = 1024
 
@@ -91,8 +95,6 @@ EXECUTION_DEFAULTS: dict[str, Any] = {
 }
 
 _lease_ids = itertools.count(1)
-_THINK_END = "</think>"
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 @dataclass(slots=True)
@@ -103,6 +105,10 @@ class _Prepared:
     controls: ResolvedControls
     prompt_cache_key: str | None
     started: float
+    # What the prompt was rendered from, for prefix-break attribution (references, not copies).
+    text: str = ""
+    conversation: list[dict[str, Any]] = field(default_factory=list)
+    tools: tuple[Mapping[str, Any], ...] = ()
 
 
 class MLXProvider:
@@ -195,6 +201,14 @@ class MLXProvider:
             policy=read_policy_controls(),
             verified_default=bool(self._mtp.get("verified")),
         )
+
+    def reasoning_opens_in_prompt(self, request: GenerationRequest) -> bool:
+        """Whether the chat template's generation prompt for ``request`` leaves a think block
+        open (the answer starts inside it), as rendered for a one-message probe with the
+        request's resolved thinking; a streamed answer sends such text as reasoning."""
+        thinking = (request.resolved or self.resolve_controls(request)).thinking
+        text = render_prompt(self._engine.serving_model().tokenizer, [{"role": "user", "content": "x"}], thinking=thinking)
+        return text.rfind(THINK_START) > text.rfind(THINK_END)
 
     def speculation_ready(self) -> bool:
         if self._resident is None:
@@ -311,7 +325,7 @@ class MLXProvider:
         chunks = self._stream(prepared, submitted)
         if stream:
             return ChunkStream(chunks, submitted)
-        return _result_from_chunks(list(chunks), request.response_format)
+        return _result_from_chunks(list(chunks), request)
 
     async def agenerate_request(self, request: GenerationRequest, *, stream: bool = False) -> GenerationResult | AsyncChunkStream:
         """Run one validated request. With ``n`` > 1 its answers run as rows submitted at once
@@ -322,7 +336,7 @@ class MLXProvider:
         # loop); errors (context too long, full queue) raise from this await. A structured
         # request compiles its grammar there too: on the few schema threads, so that many
         # schemas at once wait for each other, not for the threads other requests need.
-        if request.response_format is not None:
+        if request.response_format is not None or request.tool_choice.forced:
             prepared = await run_schema_work(self._prepare_choices, request)
         else:
             prepared = await asyncio.to_thread(self._prepare_choices, request)
@@ -336,11 +350,24 @@ class MLXProvider:
             for one in submitted:
                 one.close()
             raise
-        results = [_result_from_chunks(p, request.response_format) for p in parts]
+        results = [_result_from_chunks(p, request) for p in parts]
         if len(results) == 1:
             return results[0]
         usage = combined_usage([r.usage for r in results])
         return dataclasses.replace(results[0], usage=usage or {}, choices=results)
+
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The prompt tokens ``request`` would be given: its messages and tools rendered with the
+        chat template (the thinking control resolved as a call resolves it) and tokenized;
+        nothing is generated or queued. It is the ``usage["prompt_tokens"]`` of that call. A
+        request with images is refused (``InvalidMedia``): their tokens are known only after the
+        vision processor ran on the worker."""
+        if request.media:
+            raise InvalidMedia("counting tokens takes text only: image tokens are counted when the call runs")
+        controls = request.resolved if request.resolved is not None else self.resolve_controls(request)
+        loaded = self._engine.serving_model()
+        conversation = prepare_conversation(request.messages, num_images=0)
+        return len(loaded.encode(_render(loaded, request, controls, conversation)))
 
     # --- internals --------------------------------------------------------------------------
     def _prepare_choices(self, call: GenerationRequest) -> list[_Prepared]:
@@ -374,20 +401,29 @@ class MLXProvider:
         loaded = engine.serving_model()
         images = _load_images(call.media, loaded)
         if call.continuation is not None:
+            conversation: list[dict[str, Any]] = []
             text = _continuation_text(loaded.tokenizer, call.continuation)
         else:
             conversation = prepare_conversation(call.messages, num_images=len(images))
-            text = render_prompt(loaded.tokenizer, conversation, tools=list(call.tools), thinking=controls.thinking)
+            text = _render(loaded, call, controls, conversation)
         prompt_ids = _encode_within_context(loaded, text, call.max_output_tokens)
-        draft_tokens, speculation_meta = self._speculation_plan(
-            controls, call.sampling, loaded, structured=call.response_format is not None
-        )
+        constrained = call.response_format is not None or call.tool_choice.forced
+        draft_tokens, speculation_meta = self._speculation_plan(controls, call.sampling, loaded, structured=constrained)
         max_tokens = _output_cap(loaded, len(prompt_ids), call.max_output_tokens)
         grammar = None
+        # Compiled here, on the caller's thread: the worker's other rows never wait for it.
         if call.response_format is not None:
-            # Compiled here, on the caller's thread: the worker's other rows never wait for it.
             grammar = loaded.grammar_compiler().processor(
                 call.response_format, max_tokens=max_tokens, prompt_text=text, thinking=controls.thinking
+            )
+        elif call.tool_choice.forced:
+            grammar = loaded.grammar_compiler().tool_processor(
+                call.tools,
+                call.tool_choice,
+                tool_format_of(getattr(loaded.tokenizer, "chat_template", None)),
+                max_tokens=max_tokens,
+                prompt_text=text,
+                thinking=controls.thinking,
             )
 
         request = EngineRequest(
@@ -410,7 +446,9 @@ class MLXProvider:
         if images:
             request.prompt_kwargs_factory = _image_kwargs_factory(request, loaded, text, images)
         tracker = ProgressTracker(call.progress, min_interval_s=self.progress_min_interval_s) if call.progress else None
-        return _Prepared(request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter())
+        return _Prepared(
+            request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter(), text, conversation, tuple(_offered_tools(call))
+        )
 
     def _speculation_plan(
         self, controls: ResolvedControls, sampling: Sampling, loaded: LoadedModel, *, structured: bool = False
@@ -511,7 +549,7 @@ class MLXProvider:
                 raise
         finally:
             items.close()  # type: ignore[attr-defined]
-        yield self._final_chunk(prepared, stream.outcome or request.outcome)
+        yield self._final_chunk(prepared, stream.outcome or request.outcome, self._prefix_break(prepared))
 
     async def _astream(self, prepared: _Prepared, stream: RequestStream) -> AsyncIterator[GenerationChunk]:
         request = prepared.request
@@ -526,7 +564,9 @@ class MLXProvider:
                 raise
         finally:
             await items.aclose()
-        yield self._final_chunk(prepared, stream.outcome or request.outcome)
+        # Only a break renders anything (a few template renders): off the event loop.
+        located = await asyncio.to_thread(self._prefix_break, prepared) if request.prefix_break is not None else None
+        yield self._final_chunk(prepared, stream.outcome or request.outcome, located)
 
     @staticmethod
     def _note_admission(prepared: _Prepared, tracker: ProgressTracker) -> None:
@@ -546,7 +586,35 @@ class MLXProvider:
         logprobs = _token_logprobs(self._engine.serving_model().tokenizer, item.logprobs) if item.logprobs else None
         return GenerationChunk(content=item.text, token_ids=list(item.token_ids), model=self.model, logprobs=logprobs)
 
-    def _final_chunk(self, prepared: _Prepared, outcome: Outcome | None) -> GenerationChunk:
+    def _prefix_break(self, prepared: _Prepared) -> dict[str, Any] | None:
+        """``prompt_cache.prefix_break`` when the worker found the prompt broke its key's previous
+        prompt: the message (or tools block) it broke in, located here, on the caller's thread."""
+        request = prepared.request
+        brk = request.prefix_break
+        if brk is None:
+            return None
+        loaded = self._engine.serving_model()
+        try:
+            return attribute(
+                brk,
+                prompt_ids=request.prompt_ids,
+                text=prepared.text,
+                conversation=prepared.conversation,
+                tokenizer=loaded.tokenizer,
+                tools=prepared.tools,
+                thinking=prepared.controls.thinking,
+            )
+        except Exception as exc:  # noqa: BLE001 - a report must never fail the request it describes
+            log.exception("prefix-break attribution failed")
+            return {
+                "token": brk.token,
+                "reused_tokens": brk.reused_tokens,
+                "expected_tokens": brk.expected_tokens,
+                "segment": "unknown",
+                "reason": f"attribution failed: {type(exc).__name__}: {exc}",
+            }
+
+    def _final_chunk(self, prepared: _Prepared, outcome: Outcome | None, prefix_break: dict[str, Any] | None = None) -> GenerationChunk:
         assert outcome is not None
         request = prepared.request
         usage = {
@@ -563,11 +631,15 @@ class MLXProvider:
             for key in ("runtime", "draft_kind", "drafter"):  # what would have run, had MTP run
                 speculation.pop(key, None)
         metadata: dict[str, Any] = {"execution": outcome.execution, "speculation": speculation}
+        if outcome.stop_reason is not None:
+            metadata["stop_reason"] = outcome.stop_reason  # the matched stop string, or the end-of-sequence id
         performance = _performance(request)
         if performance:
             metadata["performance"] = performance
         if outcome.prompt_cache is not None:
             metadata["prompt_cache"] = outcome.prompt_cache
+            if prefix_break is not None:
+                metadata["prompt_cache"] = {**outcome.prompt_cache, "prefix_break": prefix_break}
         elif prepared.prompt_cache_key is not None:
             # The request ended before it reached the cache (rejected, cancelled while waiting).
             metadata["prompt_cache"] = {"mode": "key", "key": prepared.prompt_cache_key, "outcome": "not_reached"}
@@ -696,6 +768,16 @@ def _drafter_source(path: Path, head: Path | None, mtp: dict[str, Any]) -> Path 
     return Path(companion) if companion else None
 
 
+def _offered_tools(call: GenerationRequest) -> list[Mapping[str, Any]]:
+    """The tools the prompt offers: none under ``tool_choice: none``."""
+    return list(call.tools) if call.tool_choice.mode != "none" else []
+
+
+def _render(loaded: LoadedModel, call: GenerationRequest, controls: ResolvedControls, conversation: list[dict[str, Any]]) -> str:
+    """The prompt text of ``call``: its conversation and offered tools through the model's chat template."""
+    return render_prompt(loaded.tokenizer, conversation, tools=_offered_tools(call), thinking=controls.thinking)
+
+
 def _encode_within_context(loaded: Any, text: str, cap: int | None) -> list[int]:
     """Tokenize ``text``, refusing at once (before encoding) a text that cannot fit the context."""
     context = loaded.context_length
@@ -811,54 +893,29 @@ async def _collect(chunks: AsyncIterator[GenerationChunk]) -> list[GenerationChu
     return [chunk async for chunk in chunks]
 
 
-def _result_from_chunks(chunks: list[GenerationChunk], response_format: ResponseFormat | None = None) -> GenerationResult:
+def _result_from_chunks(chunks: list[GenerationChunk], call: GenerationRequest) -> GenerationResult:
     final = chunks[-1]
     asked = [c.logprobs for c in chunks if c.logprobs is not None]
     text = "".join(c.content for c in chunks)
-    content, reasoning = _split_reasoning(text)
+    response_format = call.response_format
+    reads_calls = bool(call.tools) and call.tool_choice.mode != "none" and response_format is None
+    output = parse_output(text, tools=reads_calls)
     parsed = None
     if response_format is not None and final.finish_reason != "cancelled":
-        parsed = parse_answer(content, response_format, mode="constrained", finish_reason=final.finish_reason)
-        tool_calls = None
-    else:
-        content, tool_calls = _extract_tool_calls(content)
+        parsed = parse_answer(output.content, response_format, mode="constrained", finish_reason=final.finish_reason)
+    tool_calls = [c.to_openai() for c in output.tool_calls] or None
     finish = final.finish_reason
+    if tool_calls and finish == "stop":
+        finish = "tool_calls"
     return GenerationResult(
-        content=content,
+        content=output.content,
         finish_reason=finish,
         usage=final.usage or {},
         metadata=final.metadata or {},
         model=final.model,
-        reasoning=reasoning,
+        reasoning=output.reasoning,
         tool_calls=tool_calls,
         token_ids=final.token_ids,
         parsed=parsed,
         logprobs=[entry for entries in asked for entry in entries] if asked else None,
     )
-
-
-def _split_reasoning(text: str) -> tuple[str, str | None]:
-    if _THINK_END not in text:
-        return text, None
-    reasoning, _, content = text.partition(_THINK_END)
-    return content.lstrip("\n"), reasoning.replace("<think>", "").strip()
-
-
-def _extract_tool_calls(text: str) -> tuple[str, list[dict[str, Any]] | None]:
-    calls = []
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            payload = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if isinstance(payload, dict) and "name" in payload:
-            calls.append(
-                {
-                    "id": f"call_{uuid.uuid4().hex[:12]}",
-                    "type": "function",
-                    "function": {"name": payload["name"], "arguments": json.dumps(payload.get("arguments", {}))},
-                }
-            )
-    if not calls:
-        return text, None
-    return _TOOL_CALL.sub("", text).strip(), calls

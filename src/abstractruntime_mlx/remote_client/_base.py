@@ -54,7 +54,7 @@ from ..errors import (
 from ..image_types import MIME_BY_TYPE, sniff_image_type
 from ..json_values import JSONObject, JSONValue, array_at, as_str, object_at, objects_in, to_int
 from ..request import GenerationRequest, ProgressSink
-from ..results import WIRE_METADATA_KEYS, FinishReason, GenerationChunk, GenerationResult
+from ..results import WIRE_METADATA_KEYS, FinishReason, GenerationChunk, GenerationResult, stop_reason
 from ..structured import PROMPTED_PREFIX, answer_error, parse_answer, prompted_instruction
 
 log = logging.getLogger(__name__)
@@ -323,6 +323,7 @@ def decode_completion(body: Mapping[str, JSONValue], *, remote: Mapping[str, JSO
             reasoning = value
             break
     metadata = metadata_from(body.get("abstractcore"))
+    metadata.update(stop_reason_from(choice))
     metadata["remote"] = dict(remote)
     calls = [dict(call) for call in objects_in(array_at(message, "tool_calls"))]
     return GenerationResult(
@@ -334,6 +335,12 @@ def decode_completion(body: Mapping[str, JSONValue], *, remote: Mapping[str, JSO
         reasoning=reasoning,
         tool_calls=calls or None,
     )
+
+
+def stop_reason_from(choice: Mapping[str, JSONValue]) -> JSONObject:
+    """``{"stop_reason": ...}`` of a finished choice that names its stop (vLLM's field), else ``{}``."""
+    value = stop_reason({"stop_reason": choice.get("stop_reason")})
+    return {} if value is None else {"stop_reason": value}
 
 
 def finish_reason_of(value: JSONValue) -> FinishReason | None:
@@ -553,15 +560,18 @@ class StreamDecoder:
         if not choices:
             return []
         choice = choices[0]
-        text = as_str(object_at(choice, "delta").get("content")) or ""
+        delta = object_at(choice, "delta")
+        text = as_str(delta.get("content")) or ""
+        reasoning = as_str(delta.get("reasoning_content")) or None
         if choice.get("finish_reason") is not None:
             self.finish_reason = finish_reason_of(choice["finish_reason"])
+            self.abstractcore.update(stop_reason_from(choice))
             self.final_content += text
             return []
         if self.finish_reason is not None:  # text after the terminal record joins it
             self.final_content += text
             return []
-        return [GenerationChunk(content=text, model=self.model)] if text else []
+        return [GenerationChunk(content=text, model=self.model, reasoning=reasoning)] if text or reasoning else []
 
     def final_chunk(self, *, remote: Mapping[str, JSONValue]) -> GenerationChunk:
         if self.finish_reason is None:

@@ -17,8 +17,13 @@ Routes (see ``docs/server.md``)::
     POST /v1/completions                       OpenAI's text completions (completions.py)
     POST /v1/embeddings                        refused: embeddings_unsupported (embeddings.py)
     GET  /metrics                              Prometheus text format (metrics.py)
+    POST /v1/messages                          Anthropic's Messages API (anthropic.py)
+    POST /v1/messages/count_tokens             its prompt token count, nothing generated
+    POST /api/chat, /api/generate              Ollama's API (ollama.py): NDJSON streams
+    GET  /api/tags, /api/ps, /api/version; POST /api/show
 
-Every failure is ``{"error": {"message", "type", "code"}}`` with the error's HTTP status;
+Every failure is ``{"error": {"message", "type", "code"}}`` with the error's HTTP status (in
+Anthropic's and Ollama's shapes on their routes, ``dialects.py``);
 after the first SSE byte it is a ``data: {"error": ...}`` event followed by ``[DONE]`` (an
 ``error`` event on ``/v1/responses``). The three generating routes (chat, responses,
 completions) run their call through ``calls.serve_call``: one provider pump, one SSE record
@@ -54,7 +59,9 @@ from ..controls import normalize_speculation
 from ..request import MAX_PROMPT_CACHE_KEY_CHARS
 from ..errors import AuthenticationError, InvalidRequest, ModelNotFound, ResidencyConflict
 from ..json_values import JSONObject, JSONValue
+from .anthropic import count_tokens, create_message
 from .chat import chat_completions
+from .dialects import error_body_for
 from .completions import create_completion
 from .edge import (
     MAX_BODY_BYTES,  # noqa: F401 - re-exported: the body limit of every route
@@ -65,6 +72,7 @@ from .edge import (
     served_provider,
 )
 from .embeddings import create_embeddings
+from .ollama import ollama_chat, ollama_generate, ollama_ps, ollama_show, ollama_tags, ollama_version
 from .metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
 from .responses import create_response
 from .serve_ledger import ServeLedger
@@ -133,7 +141,8 @@ def _differing_options(provider: ServedProvider, requested: Mapping[str, object]
 
 
 class BearerAuth:
-    """Pure ASGI middleware: every HTTP path except ``/health`` needs ``Authorization: Bearer KEY``."""
+    """Pure ASGI middleware: every HTTP path except ``/health`` needs ``Authorization: Bearer KEY``
+    (or ``x-api-key: KEY``, the header Anthropic's clients send)."""
 
     def __init__(self, app: ASGIApp, *, api_key: str) -> None:
         self.app = app
@@ -144,19 +153,25 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         given = b""
+        api_key = b""
         for name, value in scope.get("headers", []):
-            if name == b"authorization":
+            if name == b"authorization" and not given:
                 given = value
-                break
+            elif name == b"x-api-key" and not api_key:
+                api_key = value
         scheme, _, token = given.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+        bearer_ok = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        accepted = bearer_ok or (bool(api_key) and hmac.compare_digest(api_key.strip(), self._key))
+        given = given or api_key
+        if not accepted:
             error = AuthenticationError(
                 "missing or wrong API key: send 'Authorization: Bearer <key>'"
                 if given
                 else "this server needs an API key: send 'Authorization: Bearer <key>'"
             )
             status, body = error_payload(error)
-            response = JSONResponse(body, status_code=status, headers={"WWW-Authenticate": "Bearer"})
+            shaped = error_body_for(scope["path"], status, body)
+            response = JSONResponse(shaped, status_code=status, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -438,6 +453,14 @@ def create_app(
             ("/v1/completions", create_completion, ["POST"]),
             ("/v1/embeddings", create_embeddings, ["POST"]),
             ("/metrics", metrics_endpoint, ["GET"]),
+            ("/v1/messages", create_message, ["POST"]),
+            ("/v1/messages/count_tokens", count_tokens, ["POST"]),
+            ("/api/chat", ollama_chat, ["POST"]),
+            ("/api/generate", ollama_generate, ["POST"]),
+            ("/api/tags", ollama_tags, ["GET"]),
+            ("/api/ps", ollama_ps, ["GET"]),
+            ("/api/show", ollama_show, ["POST"]),
+            ("/api/version", ollama_version, ["GET"]),
         )
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _on_http_error}, lifespan=lifespan)

@@ -48,8 +48,9 @@ class WireRenderer(Protocol):
         """The non-streamed response body."""
         ...
 
-    def opening(self, *, model: str) -> list[str]:
-        """The SSE records that open a stream (called first, on a streamed call only)."""
+    def opening(self, *, model: str, reasoning_open: bool) -> list[str]:
+        """The SSE records that open a stream (called first, on a streamed call only);
+        ``reasoning_open``: the prompt left a think block open, the answer starts inside it."""
         ...
 
     def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
@@ -156,12 +157,31 @@ async def _call_with(
         pump.close()
         release()
 
-    records = _records(first, pump, renderer, model=model, stream=body.stream, interval_s=request.app.state.stream_interval_s)
+    records = _records(
+        first, pump, renderer, model=model, stream=body.stream, interval_s=request.app.state.stream_interval_s,
+        reasoning_open=body.stream and _reasoning_opens(llm, typed),
+    )
     return SSEResponse(records, on_close=close)
 
 
+def _reasoning_opens(llm: ServedProvider, typed: GenerationRequest) -> bool:
+    """Whether ``llm`` starts the answer to ``typed`` inside a think block (a provider without the
+    hook: its answers say so themselves, with ``<think>``; a plain continuation has no template)."""
+    if typed.continuation is not None:
+        return False
+    probe = getattr(llm, "reasoning_opens_in_prompt", None)
+    return callable(probe) and probe(typed) is True
+
+
 async def _records(
-    first: PumpItem | None, pump: ProviderPump, renderer: WireRenderer, *, model: str, stream: bool, interval_s: float
+    first: PumpItem | None,
+    pump: ProviderPump,
+    renderer: WireRenderer,
+    *,
+    model: str,
+    stream: bool,
+    interval_s: float,
+    reasoning_open: bool = False,
 ) -> AsyncIterator[str]:
     """The SSE records of one call; text deltas that queued up together go out as one delta.
 
@@ -176,7 +196,7 @@ async def _records(
     answer: list[str] = []
     index = 0  # the answer the text gathered belongs to (a call may have several)
     finished = False
-    opening = renderer.opening(model=model) if stream else []
+    opening = renderer.opening(model=model, reasoning_open=reasoning_open) if stream else []
     if opening:
         yield "".join(opening)
     while True:

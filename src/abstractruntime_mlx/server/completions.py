@@ -15,7 +15,8 @@ carry it) and any field this route does not know.
 
 The answer is a ``text_completion`` object (``choices[0].text``, ``usage``, and the additive
 ``abstractcore`` block); a stream sends ``text_completion`` chunks, the terminal one with
-``finish_reason``, ``usage`` and ``abstractcore``, then ``data: [DONE]``.
+``finish_reason`` (and vLLM's ``stop_reason``, ``wire.finished_choice``), ``usage`` and
+``abstractcore``, then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.requests import Request
@@ -37,7 +38,7 @@ from .calls import chat_body, serve_call
 from .edge import read_body
 from .schemas import ModelName, SamplingFields, StreamOptions, parse_body, refuse_unknown
 from .sse import DONE, data_event, error_records
-from .wire import completion_logprobs, usage_to_wire, with_usage_and_block
+from .wire import completion_logprobs, finished_choice, usage_to_wire, with_usage_and_block
 
 TOLERATED_FIELDS = frozenset({"user"})
 """OpenAI fields accepted that change nothing here (``user`` only labels the caller)."""
@@ -128,11 +129,18 @@ class CompletionRenderer:
         self._n = n
         self._offsets = [len(echo)] * n  # each answer's next token's text_offset
 
-    def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None) -> JSONObject:
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: list[TokenLogprob] | None,
+        metadata: Mapping[str, JSONValue] | None = None,
+    ) -> JSONObject:
         wire: JSONValue = None
         if logprobs is not None:
             wire, self._offsets[index] = completion_logprobs(logprobs, offset=self._offsets[index])
-        return {"index": index, "text": text, "logprobs": wire, "finish_reason": finish_reason}
+        return finished_choice({"index": index, "text": text, "logprobs": wire}, finish_reason, metadata)
 
     def _body(self, choices: list[JSONValue], *, usage: dict[str, int] | None = None, metadata: JSONObject | None = None) -> JSONObject:
         body: JSONObject = {
@@ -147,12 +155,12 @@ class CompletionRenderer:
     def body(self, result: GenerationResult, *, model: str) -> JSONObject:
         self._model = model
         choices: list[JSONValue] = [
-            self._choice(i, self._echo + one.content, one.finish_reason or "stop", one.logprobs)
+            self._choice(i, self._echo + one.content, one.finish_reason or "stop", one.logprobs, one.metadata)
             for i, one in enumerate(result.choices or [result])
         ]
         return self._body(choices, usage=result.usage, metadata=result.metadata)
 
-    def opening(self, *, model: str) -> list[str]:
+    def opening(self, *, model: str, reasoning_open: bool) -> list[str]:
         self._model = model
         return [self.text(self._echo, index=i) for i in range(self._n)] if self._echo else []
 
@@ -161,7 +169,7 @@ class CompletionRenderer:
 
     def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
         reason = final.finish_reason or final.choice_finish_reason
-        last = data_event(self._body([self._choice(final.index, "", reason, None)], usage=final.usage, metadata=final.metadata))
+        last = data_event(self._body([self._choice(final.index, "", reason, None, final.metadata)], usage=final.usage, metadata=final.metadata))
         return [self.text(tail, logprobs, index=final.index), last] if tail or logprobs else [last]
 
     def ending(self) -> list[str]:

@@ -114,6 +114,7 @@ def generation_request(body: ChatCompletionRequest, response_format: ResponseFor
         messages=native.messages,
         media=native.images,
         tools=body.tools,
+        tool_choice=body.tool_choice,
         sampling={name: value for name in SAMPLING_FIELDS if (value := getattr(body, name)) is not None},
         max_output_tokens=output_cap(
             max_output_tokens=body.max_output_tokens, max_tokens=body.max_tokens, max_completion_tokens=body.max_completion_tokens

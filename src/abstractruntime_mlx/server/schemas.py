@@ -59,7 +59,6 @@ by ``request.check_prompt_cache_key``, as ``invalid_controls``)."""
 TOLERATED_CHAT_FIELDS: frozenset[str] = frozenset(
     {
         "user",
-        "tool_choice",
         "parallel_tool_calls",
         "timeout_s",
         "prompt_cache_retention",
@@ -173,7 +172,9 @@ class ChatCompletionRequest(SamplingFields):
     # sends beside ``thinking``; only ``enable_thinking`` is read, when ``thinking`` is absent.
     chat_template_kwargs: dict[str, object] | None = None
     prompt_cache_key: StrictStr | None = None
-    tools: list[dict[str, object]] | None = None
+    # Checked by ``tools.check_tools`` / ``parse_tool_choice`` (``invalid_tools`` naming the field).
+    tools: object = None
+    tool_choice: object = None
     # OpenAI's structured output; checked by ``structured.ResponseFormat.from_openai``.
     response_format: dict[str, object] | None = None
     # Ollama's: how long the model stays resident once idle (``keep_alive.parse_keep_alive``).
@@ -192,6 +193,10 @@ class ChatCompletionRequest(SamplingFields):
                 raise InvalidRequest("top_logprobs needs logprobs: true", details={"field": "top_logprobs"})
             return None
         return check_logprobs(0 if self.top_logprobs is None else self.top_logprobs, field="top_logprobs")
+
+    def reads_tool_calls(self) -> bool:
+        """Whether the answer is read for tool calls: tools offered, ``tool_choice`` not ``none``."""
+        return isinstance(self.tools, list) and bool(self.tools) and self.tool_choice != "none"
 
     def thinking_said(self) -> object:
         """The thinking control of this body: ``thinking``, else ``reasoning_effort``, else

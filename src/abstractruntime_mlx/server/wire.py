@@ -7,6 +7,8 @@ Pure functions, no I/O. Additive fields (AbstractCore's):
   are kept alongside OpenAI's three.
 - ``abstractcore``: ``{execution, speculation, performance, prompt_cache, controls, structured}``
   (the keys the provider reported; absent ones stay absent).
+- ``choices[0].stop_reason`` on a finished choice, as vLLM sends it: the stop string that
+  matched, the end-of-sequence token id that ended the answer, or ``null``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from ..errors import MLXRuntimeError
-from ..results import WIRE_METADATA_KEYS, GenerationChunk, GenerationResult, TokenLogprob
+from ..results import WIRE_METADATA_KEYS, GenerationChunk, GenerationResult, TokenLogprob, stop_reason
 from ..json_values import JSONObject, JSONValue
 
 log = logging.getLogger(__name__)
@@ -71,17 +73,21 @@ def completion_body(result: GenerationResult, *, completion_id: str, model: str,
 
 
 def _chat_choice(result: GenerationResult, index: int) -> JSONObject:
-    message: JSONObject = {"role": "assistant", "content": result.content}
+    # An answer that is only tool calls has no content (``null``), as OpenAI's.
+    content = None if result.tool_calls and not result.content else result.content
+    message: JSONObject = {"role": "assistant", "content": content}
     if result.reasoning:
+        # ``reasoning_content`` as vLLM and LM Studio name it; ``reasoning`` as before.
+        message["reasoning_content"] = result.reasoning
         message["reasoning"] = result.reasoning
     if result.tool_calls:
         message["tool_calls"] = format_tool_calls(result.tool_calls)
-    return {
+    choice: JSONObject = {
         "index": index,
         "message": message,
         "logprobs": None if result.logprobs is None else chat_logprobs(result.logprobs),
-        "finish_reason": result.finish_reason or "stop",
     }
+    return finished_choice(choice, result.finish_reason or "stop", result.metadata)
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> JSONObject:
@@ -131,7 +137,7 @@ def chunk_body(
     logprobs: Sequence[TokenLogprob] | None = None,
     index: int = 0,
 ) -> JSONObject:
-    choice: JSONObject = {"index": index, "delta": delta, "finish_reason": finish_reason}
+    choice: JSONObject = {"index": index, "delta": delta}
     if logprobs:
         choice["logprobs"] = chat_logprobs(logprobs)
     body: JSONObject = {
@@ -139,9 +145,17 @@ def chunk_body(
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": [finished_choice(choice, finish_reason, metadata)],
     }
     return with_usage_and_block(body, usage=usage_to_wire(usage), metadata=metadata)
+
+
+def finished_choice(choice: JSONObject, finish_reason: str | None, metadata: Mapping[str, JSONValue] | None) -> JSONObject:
+    """``choice`` with its ``finish_reason``; a finished one also gets vLLM's ``stop_reason``."""
+    choice["finish_reason"] = finish_reason
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason(metadata)
+    return choice
 
 
 def with_usage_and_block(body: JSONObject, *, usage: JSONObject | None, metadata: Mapping[str, JSONValue] | None) -> JSONObject:

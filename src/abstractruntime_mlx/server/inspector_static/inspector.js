@@ -596,6 +596,7 @@ function renderPanel(data) {
       ["rounds", spec.rounds], ["accepted tokens", spec.accepted_tokens], ["drafted tokens", spec.drafted_tokens],
       ["acceptance", call.acceptance != null ? `${(100 * call.acceptance).toFixed(1)}%` : null], ["reason", spec.reason]]),
     el("h3", {}, "prompt cache"),
+    call.prefix_break ? el("p", { class: "warning", id: "prefix-break" }, call.prefix_break) : null,
     table([["cached tokens", count(cached)], ...Object.entries(call.prompt_cache).filter(([k]) => k !== "cached_tokens").map(([k, v]) => [k.replaceAll("_", " "), typeof v === "object" ? JSON.stringify(v) : String(v)])]),
     call.sibling_batch.role || call.sibling_batch.launched
       ? [el("h3", {}, "sibling batch"), table(Object.entries(call.sibling_batch).map(([k, v]) => [k.replaceAll("_", " "), typeof v === "object" ? JSON.stringify(v) : String(v)]))]

@@ -1,0 +1,491 @@
+"""``POST /v1/messages``: Anthropic's Messages API, a thin translation onto the chat call path.
+
+The body becomes a chat body (``calls.chat_body``) and runs through ``calls.serve_call``:
+
+- ``system`` (a string or text blocks) is a system message first; ``messages`` take a string or
+  content blocks: ``text``, ``image`` (``source.type = "base64"``; the chat route's image rules,
+  ``media.py``), ``tool_use`` in assistant turns (the chat form's ``tool_calls``),
+  ``tool_result`` in user turns (a ``tool`` message each, before the turn's other content) and
+  ``thinking`` in assistant turns (the message's ``reasoning``); ``cache_control`` is accepted
+  and changes nothing (the prefix cache works without it);
+- ``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``,
+  ``thinking`` (``{"type": "enabled" | "disabled"}``), ``tools`` (custom tools: ``name``,
+  ``description``, ``input_schema``), ``tool_choice`` ``auto`` / ``none``, and this server's
+  ``speculation``, ``prompt_cache_key`` and ``keep_alive``.
+
+The answer is a ``message`` whose ``content`` holds a ``thinking`` block when the model thought,
+a ``text`` block, and a ``tool_use`` block per tool call the provider parsed (then
+``stop_reason: "tool_use"``); a stop string that matched is ``stop_reason: "stop_sequence"``
+with ``stop_sequence`` set to it; ``usage`` has ``input_tokens`` (the prompt tokens computed for
+this call), ``cache_read_input_tokens`` (those the prefix cache gave) and ``output_tokens``.
+``stream: true`` sends Anthropic's events (``message_start``, ``content_block_*``, ``ping``,
+``message_delta``, ``message_stop``); with ``tools`` the events are written once the answer is
+complete (tool calls are parsed from the whole answer). Every error is Anthropic's
+``{"type": "error", "error": {"type", "message", "code"}}`` (``dialects.py``); after the first
+byte it is an ``error`` event.
+
+``POST /v1/messages/count_tokens`` takes the conversation fields (``ConversationRequest``) and
+answers ``{"input_tokens": N}``, the provider's ``count_prompt_tokens`` of the same chat body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Annotated, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..errors import InvalidMedia, InvalidRequest, TokenCountUnsupported, UpstreamError
+from ..json_values import JSONObject, JSONValue
+from ..results import GenerationChunk, GenerationResult, TokenLogprob, stop_reason
+from .calls import chat_body, serve_call
+from .dialects import anthropic_error_body, dialect_error_response, reshape_error
+from .edge import generation_request, pool_of, read_body, served_provider
+from .pool import UNSET
+from .schemas import MAX_MESSAGES, FiniteFloat, ModelName, parse_body
+from .sse import SSEResponse, named_event
+from .wire import abstractcore_block, error_payload, format_tool_calls
+
+log = logging.getLogger(__name__)
+
+TOLERATED_FIELDS: Final = frozenset({"metadata", "service_tier", "container", "mcp_servers"})
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["user", "assistant"]
+    content: StrictStr | list[dict[str, object]]
+
+
+class AnthropicTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    description: StrictStr | None = None
+    input_schema: dict[str, object]
+    type: Literal["custom"] | None = None
+
+
+class ConversationRequest(BaseModel):
+    """What ``/v1/messages`` and ``/v1/messages/count_tokens`` share: the prompt as the template renders it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: ModelName | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: StrictStr | list[dict[str, object]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, object] | None = None
+    thinking: dict[str, object] | None = None
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(k for k in (self.model_extra or {}) if k not in TOLERATED_FIELDS)
+
+
+class MessagesRequest(ConversationRequest):
+    max_tokens: StrictInt
+    stop_sequences: list[StrictStr] | None = None
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
+    top_k: StrictInt | None = None
+    stream: StrictBool = False
+    # this server's controls (``extra_body`` in the SDK)
+    speculation: object = None
+    prompt_cache_key: StrictStr | None = None
+    keep_alive: object = None
+
+
+# --------------------------------------------------------------------------- request
+
+
+def _text_of(block: Mapping[str, object], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{where}: a text block needs a string 'text'", details={"field": f"{where}.text"})
+    return text
+
+
+def system_text(system: str | list[dict[str, object]] | None) -> str | None:
+    """The system prompt of ``system`` (text blocks joined with a newline)."""
+    if system is None or isinstance(system, str):
+        return system
+    texts = []
+    for index, block in enumerate(system):
+        where = f"system.{index}"
+        if block.get("type") != "text":
+            raise InvalidRequest(f"{where}: system blocks must be text blocks", details={"field": f"{where}.type"})
+        texts.append(_text_of(block, where))
+    return "\n".join(texts)
+
+
+def _image_part(block: Mapping[str, object], where: str) -> JSONObject:
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise InvalidMedia(f"{where}: an image block needs a 'source' object")
+    if source.get("type") != "base64":
+        raise InvalidMedia(
+            f"{where}: image source type {source.get('type')!r} is not supported; send the image inline "
+            "(source.type 'base64' with media_type and data)"
+        )
+    media_type, data = source.get("media_type"), source.get("data")
+    if not isinstance(media_type, str) or not isinstance(data, str):
+        raise InvalidMedia(f"{where}: a base64 image source needs string 'media_type' and 'data'")
+    # the chat route's image part: media.extract_images checks the type, the base64 and the bytes
+    return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+
+
+def _tool_result_text(block: Mapping[str, object], where: str) -> str:
+    content = block.get("content", "")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}.content must be a string or text blocks", details={"field": f"{where}.content"})
+    texts = []
+    for index, part in enumerate(content):
+        at = f"{where}.content.{index}"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise InvalidRequest(f"{at}: a tool_result's content holds text blocks only", details={"field": at})
+        texts.append(_text_of(part, at))
+    return "\n".join(texts)
+
+
+def _block_type(block: Mapping[str, object]) -> object:
+    return block.get("type")
+
+
+def _user_turn(blocks: list[dict[str, object]], where: str) -> list[JSONObject]:
+    results: list[JSONObject] = []
+    parts: list[JSONValue] = []
+    for index, block in enumerate(blocks):
+        at = f"{where}.{index}"
+        kind = _block_type(block)
+        if kind == "text":
+            parts.append({"type": "text", "text": _text_of(block, at)})
+        elif kind == "image":
+            parts.append(_image_part(block, at))
+        elif kind == "tool_result":
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise InvalidRequest(f"{at}: a tool_result block needs 'tool_use_id'", details={"field": f"{at}.tool_use_id"})
+            results.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, at)})
+        else:
+            raise _bad_block(kind, at, "user", ("text", "image", "tool_result"))
+    out = list(results)
+    if parts:
+        out.append({"role": "user", "content": parts})
+    return out
+
+
+def _assistant_turn(blocks: list[dict[str, object]], where: str) -> JSONObject:
+    texts: list[str] = []
+    calls: list[JSONValue] = []
+    reasoning: list[str] = []
+    for index, block in enumerate(blocks):
+        at = f"{where}.{index}"
+        kind = _block_type(block)
+        if kind == "text":
+            texts.append(_text_of(block, at))
+        elif kind == "tool_use":
+            call_id, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
+            if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, dict):
+                raise InvalidRequest(
+                    f"{at}: a tool_use block needs string 'id' and 'name' and an object 'input'", details={"field": at}
+                )
+            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+        elif kind == "thinking":
+            thought = block.get("thinking")
+            if not isinstance(thought, str):
+                raise InvalidRequest(f"{at}: a thinking block needs a string 'thinking'", details={"field": f"{at}.thinking"})
+            reasoning.append(thought)
+        else:
+            raise _bad_block(kind, at, "assistant", ("text", "tool_use", "thinking"))
+    message: JSONObject = {"role": "assistant", "content": "\n".join(texts)}
+    if calls:
+        message["tool_calls"] = calls
+    if reasoning:
+        message["reasoning"] = "\n".join(reasoning)
+    return message
+
+
+def _bad_block(kind: object, where: str, role: str, accepted: tuple[str, ...]) -> InvalidRequest:
+    return InvalidRequest(
+        f"{where}: content blocks of type {kind!r} are not supported in {role} turns (accepted: {', '.join(accepted)})",
+        details={"field": f"{where}.type"},
+    )
+
+
+def chat_messages(body: ConversationRequest) -> list[JSONObject]:
+    """The chat messages of ``system`` and ``messages``."""
+    messages: list[JSONObject] = []
+    system = system_text(body.system)
+    if system:
+        messages.append({"role": "system", "content": system})
+    for index, message in enumerate(body.messages):
+        where = f"messages.{index}.content"
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+        elif message.role == "user":
+            messages.extend(_user_turn(message.content, where))
+        else:
+            messages.append(_assistant_turn(message.content, where))
+    return messages
+
+
+def chat_tools(body: ConversationRequest) -> list[JSONObject] | None:
+    """The chat form of ``tools`` (``None`` when there are none or ``tool_choice`` is ``none``)."""
+    choice = (body.tool_choice or {}).get("type", "auto")
+    if choice not in ("auto", "none"):
+        raise InvalidRequest(
+            f"tool_choice type {choice!r} is not supported here (accepted: auto, none): this route does not force a tool call",
+            details={"field": "tool_choice.type"},
+        )
+    if not body.tools or choice == "none":
+        return None
+    out: list[JSONObject] = []
+    for tool in body.tools:
+        function: JSONObject = {"name": tool.name, "parameters": _json(tool.input_schema)}
+        if tool.description is not None:
+            function["description"] = tool.description
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def thinking_of(thinking: Mapping[str, object] | None) -> bool | None:
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise InvalidRequest(
+            f"thinking.type must be 'enabled', 'adaptive' or 'disabled' (got {kind!r})", details={"field": "thinking.type"}
+        )
+    return kind != "disabled"
+
+
+def _json(value: Mapping[str, object]) -> JSONObject:
+    return {str(k): v for k, v in json.loads(json.dumps(value)).items()}
+
+
+# --------------------------------------------------------------------------- route
+
+
+def anthropic_route(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """``endpoint`` with every failure in Anthropic's error shape."""
+
+    async def run(request: Request) -> Response:
+        try:
+            response = await endpoint(request)
+        except Exception as exc:  # noqa: BLE001 - unexpected ones are logged by error_payload
+            return dialect_error_response(request.url.path, exc)
+        return reshape_error(request.url.path, response)
+
+    run.__name__ = getattr(endpoint, "__name__", "endpoint")
+    return run
+
+
+@anthropic_route
+async def create_message(request: Request) -> Response:
+    body = await asyncio.to_thread(parse_body, MessagesRequest, await read_body(request))
+    unknown = body.unknown_fields()
+    if unknown:
+        log.warning("messages request: ignoring unknown field(s) %s", ", ".join(unknown))
+    tools = chat_tools(body)
+    # Tool calls are parsed from the whole answer: with tools a stream is written once it is complete.
+    replay = body.stream and tools is not None
+    chat = await chat_body(
+        {
+            "model": body.model,
+            "messages": chat_messages(body),
+            "stream": body.stream and not replay,
+            "max_tokens": body.max_tokens,
+            "stop": body.stop_sequences,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "tools": tools,
+            "thinking": thinking_of(body.thinking),
+            "speculation": body.speculation,
+            "prompt_cache_key": body.prompt_cache_key,
+            "keep_alive": body.keep_alive,
+        }
+    )
+    renderer = MessagesRenderer()
+    response = await serve_call(request, chat, route="messages", renderer=renderer)
+    if replay and response.status_code == 200 and renderer.message is not None:
+        return SSEResponse(_replayed(message_events(renderer.message)), on_close=lambda: None)
+    return response
+
+
+async def _replayed(records: list[str]) -> AsyncIterator[str]:
+    yield "".join(records)
+
+
+@anthropic_route
+async def count_tokens(request: Request) -> Response:
+    """``{"input_tokens": N}``: the prompt tokens ``/v1/messages`` would be given for this body
+    (system, messages and tools through the chat template; nothing is generated)."""
+    body = await asyncio.to_thread(parse_body, ConversationRequest, await read_body(request))
+    unknown = body.unknown_fields()
+    if unknown:
+        log.warning("count_tokens request: ignoring unknown field(s) %s", ", ".join(unknown))
+    chat = await chat_body(
+        {"model": body.model, "messages": chat_messages(body), "tools": chat_tools(body), "thinking": thinking_of(body.thinking)}
+    )
+    typed = generation_request(chat, None)
+    # The model is resident (loaded now if it was not) while its template renders the prompt.
+    lease = await pool_of(request).acquire(body.model, keep_alive=UNSET)
+    try:
+        counter = getattr(served_provider(lease), "count_prompt_tokens", None)
+        if not callable(counter):
+            raise TokenCountUnsupported(f"{lease.name} cannot count tokens without generating", details={"model": lease.name})
+        count = await asyncio.to_thread(counter, typed)
+    finally:
+        lease.release()
+    return JSONResponse({"input_tokens": int(count)})
+
+
+# --------------------------------------------------------------------------- wire
+
+
+def usage_of(usage: Mapping[str, int] | None) -> JSONObject:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens not read from the prefix cache."""
+    usage = usage or {}
+    prompt = int(usage.get("prompt_tokens", usage.get("input_tokens", 0)))
+    cached = int(usage.get("cached_input_tokens", 0))
+    return {
+        "input_tokens": max(0, prompt - cached),
+        "cache_read_input_tokens": cached,
+        "output_tokens": int(usage.get("completion_tokens", usage.get("output_tokens", 0))),
+    }
+
+
+def stop_of(finish_reason: str | None, metadata: Mapping[str, JSONValue] | None, *, tool_use: bool) -> tuple[str, str | None]:
+    """Anthropic's ``(stop_reason, stop_sequence)``: ``stop_sequence`` names the stop string that matched."""
+    if tool_use:
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    matched = stop_reason(metadata)
+    if isinstance(matched, str):
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def content_blocks(result: GenerationResult) -> list[JSONValue]:
+    blocks: list[JSONValue] = []
+    if result.reasoning:
+        blocks.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
+    if result.content or not result.tool_calls:
+        blocks.append({"type": "text", "text": result.content})
+    for call in format_tool_calls(result.tool_calls or []):
+        function = call["function"]
+        assert isinstance(function, dict)  # format_tool_calls' shape
+        arguments = json.loads(str(function["arguments"] or "{}"))
+        if not isinstance(arguments, dict):
+            raise UpstreamError(f"the tool call {function['name']!r} has arguments that are not a JSON object")
+        blocks.append({"type": "tool_use", "id": call["id"], "name": function["name"], "input": arguments})
+    return blocks
+
+
+class MessagesRenderer:
+    """Writes one call's answer as an Anthropic ``message``, or as its events (``calls.WireRenderer``)."""
+
+    ends_at_final = True
+
+    def __init__(self) -> None:
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.message: JSONObject | None = None  # the non-streamed body, once written
+        self._model = ""
+
+    def _message(self, content: list[JSONValue], *, stop: tuple[str | None, str | None], usage: JSONObject) -> JSONObject:
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self._model,
+            "content": content,
+            "stop_reason": stop[0],
+            "stop_sequence": stop[1],
+            "usage": usage,
+        }
+
+    def body(self, result: GenerationResult, *, model: str) -> JSONObject:
+        self._model = model
+        blocks = content_blocks(result)
+        tool_use = any(isinstance(b, dict) and b.get("type") == "tool_use" for b in blocks)
+        message = self._message(blocks, stop=stop_of(result.finish_reason, result.metadata, tool_use=tool_use), usage=usage_of(result.usage))
+        block = abstractcore_block(result.metadata)
+        if block is not None:
+            message["abstractcore"] = block
+        self.message = message
+        return message
+
+    def opening(self, *, model: str, reasoning_open: bool) -> list[str]:
+        self._model = model
+        start = self._message([], stop=(None, None), usage={"input_tokens": 0, "output_tokens": 0})
+        return [
+            _event("message_start", {"message": start}),
+            _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+            _event("ping", {}),
+        ]
+
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
+        # One answer, no logprobs: this route's body asks for neither (``logprobs`` is always None).
+        return _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta}})
+
+    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
+        deltas = [self.text(tail)] if tail else []
+        reason, sequence = stop_of(final.finish_reason, final.metadata, tool_use=False)
+        ending: JSONObject = {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage_of(final.usage)}
+        block = abstractcore_block(final.metadata)
+        if block is not None:
+            ending["abstractcore"] = block
+        return [*deltas, _event("content_block_stop", {"index": 0}), _event("message_delta", ending), _event("message_stop", {})]
+
+    def ending(self) -> list[str]:
+        return []
+
+    def failure(self, error: BaseException) -> list[str]:
+        status, payload = error_payload(error)
+        return [named_event("error", anthropic_error_body(status, payload))]
+
+
+def _event(kind: str, fields: JSONObject) -> str:
+    return named_event(kind, {"type": kind, **fields})
+
+
+def message_events(message: Mapping[str, JSONValue]) -> list[str]:
+    """The stream of a complete ``message``: each block started, given whole in one delta, stopped."""
+    content = message.get("content")
+    blocks = list(content) if isinstance(content, list) else []
+    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
+    start.pop("abstractcore", None)
+    records = [_event("message_start", {"message": start}), _event("ping", {})]
+    for index, block in enumerate(blocks):
+        assert isinstance(block, dict)  # content_blocks' shape
+        match block.get("type"):
+            case "thinking":
+                opened: JSONObject = {"type": "thinking", "thinking": "", "signature": ""}
+                delta: JSONObject = {"type": "thinking_delta", "thinking": block["thinking"]}
+            case "tool_use":
+                opened = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            case _:
+                opened = {"type": "text", "text": ""}
+                delta = {"type": "text_delta", "text": block["text"]}
+        records.append(_event("content_block_start", {"index": index, "content_block": opened}))
+        records.append(_event("content_block_delta", {"index": index, "delta": delta}))
+        records.append(_event("content_block_stop", {"index": index}))
+    stopped: JSONObject = {"stop_reason": message.get("stop_reason"), "stop_sequence": message.get("stop_sequence")}
+    ending: JSONObject = {"delta": stopped, "usage": message.get("usage")}
+    if message.get("abstractcore") is not None:
+        ending["abstractcore"] = message["abstractcore"]
+    records.append(_event("message_delta", ending))
+    records.append(_event("message_stop", {}))
+    return records
