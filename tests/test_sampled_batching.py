@@ -183,3 +183,24 @@ def test_one_request_sampler_matches_its_batch_row():
     assert make_sampler(Sampling()).__call__(lp).item() == mx.argmax(lp).item()
     # several positions at once (speculative verification): one draw each
     assert make_sampler(SAMPLINGS[0])(mx.stack([logprobs(3)])).shape == (1, 3)
+
+
+def test_image_rows_report_logprobs_from_the_row_sampler(make_llm, vision_model, tmp_path):
+    """The batch lane's per-row sampler gives each asking row its drawn tokens' logprobs;
+    asking changes no draw (greedy or seeded)."""
+    from abstractruntime_mlx.testing import tiny_image
+
+    image = str(tiny_image(tmp_path / "rb.png", (255, 0, 0), (0, 0, 255)))
+    llm = make_llm(vision_model, mlx_batching=True)
+    for sampling in ({"temperature": 0}, {"temperature": 0.9, "seed": 3}):
+        call = dict(thinking=False, max_output_tokens=6, media=[image], **sampling)
+        plain = llm.generate("Describe the image.", **call)
+        scored = llm.generate("Describe the image.", logprobs=2, **call)
+        assert scored.token_ids and scored.token_ids == plain.token_ids and plain.logprobs is None
+        assert scored.logprobs is not None and len(scored.logprobs) == scored.usage["completion_tokens"]
+        assert "".join(e.token for e in scored.logprobs) == scored.content
+        for entry in scored.logprobs:
+            assert entry.logprob <= 0 and len(entry.top) == 2 and entry.top[0].logprob >= entry.top[1].logprob
+            assert entry.logprob <= entry.top[0].logprob + 1e-5
+            if not sampling["temperature"]:
+                assert entry.token_id == entry.top[0].token_id

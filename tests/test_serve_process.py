@@ -50,7 +50,7 @@ def test_serve_logs_loads_and_requests_and_records_them(dense_model: str, tmp_pa
             time.sleep(0.2)
         with httpx.Client(base_url=url, timeout=60, headers={"X-Session-Affinity": "s-1"}) as http:
             ok = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
-            bad = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True})
+            bad = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1})
         assert ok.status_code == 200 and bad.status_code == 400
     finally:
         proc.send_signal(signal.SIGTERM)

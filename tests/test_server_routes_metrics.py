@@ -164,10 +164,11 @@ def test_completions_text_and_stream(served: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("extra", "field", "code"),
     [
-        ({"echo": True}, "echo", "invalid_request"),
-        ({"logprobs": 2}, "logprobs", "invalid_request"),
+        ({"echo": True, "logprobs": 2}, "echo", "invalid_request"),
+        ({"logprobs": 21}, "logprobs", "invalid_controls"),
         ({"suffix": "end"}, "suffix", "invalid_request"),
-        ({"n": 2}, "n", "invalid_request"),
+        ({"n": 9}, "n", "invalid_controls"),
+        ({"best_of": 2}, "best_of", "invalid_request"),
         ({"max_tokens": -1}, "max_output_tokens", "invalid_controls"),
     ],
 )
@@ -201,7 +202,7 @@ def test_metrics_count_known_requests(served: dict[str, Any]) -> None:
     list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "b"}], max_tokens=4, temperature=0, stream=True))
     client.completions.create(model=model, prompt="c", max_tokens=2, temperature=0)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=model, prompt="x", echo=True)
+        client.completions.create(model=model, prompt="x", echo=True, logprobs=1)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     after = metrics(url)
@@ -281,6 +282,27 @@ def test_served_calls_are_ledger_runs(served: dict[str, Any]) -> None:
     assert phases.count("complete") == 2 and "prefill" in phases
     others = [r for r in ledger.list_runs(workflow_id="serve") if r.run_id != run_id]
     assert any(ledger.run_steps(r.run_id)[0].node_id == "completions" for r in others)
+
+
+def test_a_streamed_call_with_several_answers_records_the_first(served: dict[str, Any]) -> None:
+    client, ledger = served["client"], served["ledger"]
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in client.chat.completions.create(
+        model=served["model"], messages=[{"role": "user", "content": "n"}], max_tokens=4, temperature=1.0, seed=9, n=2,
+        stream=True, stream_options={"include_usage": True}, extra_headers={"X-Session-Affinity": "session-n"},
+        extra_body={"thinking": False},  # the tiny template opens a think block, whose text streams apart
+    ):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    served["recorder"].drain(timeout_s=30)
+
+    from abstractruntime_mlx.server.serve_ledger import session_run_id
+
+    (done,) = [s for s in ledger.run_steps(session_run_id("session-n")) if s.status == "completed"]
+    assert done.record["result"]["content"] == texts[0] and texts[0] != texts[0] + texts[1]
+    assert done.record["result"]["usage"]["completion_tokens"] == usage.completion_tokens == 8
 
 
 def test_metrics_mtp_acceptance_and_prefix_reuse_match_the_answers(hybrid_model: str) -> None:

@@ -192,10 +192,14 @@ def test_the_openai_routes_send_vllms_stop_reason_and_the_remote_client_keeps_it
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text[: text.index(stop)]
     ended = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=12, temperature=0, extra_body=quiet, logit_bias={str(eos): 100})
     assert ended.choices[0].finish_reason == "stop" and (ended.choices[0].model_extra or {})["stop_reason"] == eos
-    legacy = client.completions.create(model=llm.model, prompt="Go", max_tokens=12, temperature=0, extra_body=quiet, stop=[stop])
-    assert legacy.choices[0].text == text[: text.index(stop)] and (legacy.choices[0].model_extra or {})["stop_reason"] == stop
-    streamed = [c.choices[0] for c in client.completions.create(model=llm.model, prompt="Go", max_tokens=12, temperature=0, extra_body=quiet, stop=[stop], stream=True) if c.choices]
-    assert [(c.model_extra or {}).get("stop_reason") for c in streamed if c.finish_reason is not None] == [stop]
+    # A legacy completion continues the prompt as plain text (no template): its own text and stop.
+    plain = client.completions.create(model=llm.model, prompt="Go", max_tokens=12, temperature=0).choices[0].text
+    plain_stop = plain[2:5]
+    legacy = client.completions.create(model=llm.model, prompt="Go", max_tokens=12, temperature=0, stop=[plain_stop])
+    assert legacy.choices[0].text == plain[: plain.index(plain_stop)]
+    assert (legacy.choices[0].model_extra or {})["stop_reason"] == plain_stop
+    streamed = [c.choices[0] for c in client.completions.create(model=llm.model, prompt="Go", max_tokens=12, temperature=0, stop=[plain_stop], stream=True) if c.choices]
+    assert [(c.model_extra or {}).get("stop_reason") for c in streamed if c.finish_reason is not None] == [plain_stop]
     with RemoteClient(url) as remote:
         assert remote.generate("Go", max_output_tokens=12, temperature=0, thinking=False, stop=[stop]).metadata["stop_reason"] == stop
         pieces = list(remote.generate("Go", max_output_tokens=12, temperature=0, thinking=False, stop=[stop], stream=True))

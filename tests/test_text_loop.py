@@ -219,3 +219,69 @@ def batch_widths(
             widths.append((sum(r.outcome is not None for r in reqs), len(backend._rows)))
             check_padding(backend)
     return reqs, widths
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[0], LONG], ids=["short", "chunked"])
+def test_rows_with_one_prompt_prefill_it_once(make, prompt):
+    """Rows admitted together with the same prompt share one prefill row (its KV copied to each
+    when the prefill ends): the copies report it as cached, and every row decodes as it would alone."""
+    reference = make()
+    alone = [reference.request(prompt, max_tokens=6), reference.request(PROMPTS[1], max_tokens=6)]
+    reference.drain()
+
+    s = make()
+    with s.engine.together():
+        rows = [s.request(prompt, max_tokens=6), s.request(PROMPTS[1], max_tokens=6), s.request(prompt, max_tokens=6)]
+    prefills = []
+    while s.engine._live:
+        if s.engine._group is not None:
+            backend = loop_of(s)
+            group = backend._chunked
+            if group is not None:
+                prefills.append((len(group.rows), len(group.tokens)))
+            check_padding(backend)
+        s.step()
+    if prompt == LONG:  # the long prompt's rows prefill a chunk a step, as one row
+        assert prefills and set(prefills) == {(2, 1)}
+    num_prompt = len(rows[0].prompt_ids)
+    assert [r.cached_tokens for r in rows] == [0, 0, num_prompt - 1]
+    assert [r.token_ids for r in rows] == [alone[0].token_ids, alone[1].token_ids, alone[0].token_ids]
+
+
+def test_a_cancelled_row_of_a_shared_prefill_leaves_its_twin_going(make):
+    reference = make()
+    alone = reference.request(LONG, max_tokens=5)
+    reference.drain()
+
+    s = make()
+    with s.engine.together():
+        twins = [s.request(LONG, max_tokens=5), s.request(LONG, max_tokens=5)]
+    s.until(lambda: s.engine._group is not None and loop_of(s)._chunked is not None)
+    s.step()
+    s.engine.cancel(twins[0])
+    s.step()
+    group = loop_of(s)._chunked
+    assert group is not None and len(group.rows) == len(group.tokens) == 1 and group.source == [0]
+    s.drain()
+    assert twins[0].outcome is not None and twins[0].outcome.finish_reason == "cancelled"
+    assert twins[1].token_ids == alone.token_ids
+
+
+def test_a_calls_answers_share_its_prompts_prefill(make_llm, dense_model):
+    """``n`` answers are submitted at once: the worker admits them together and the text lane
+    prefills the prompt once (the other answers report it as cached)."""
+    import asyncio
+
+    from abstractruntime_mlx.request import GenerationRequest
+
+    llm = make_llm(dense_model, mlx_batching=True, speculation=False)
+    call = GenerationRequest.build(prompt="Tell me a story", max_output_tokens=4, n=4, sampling={"temperature": 0}, thinking=False)
+    result = asyncio.run(llm.agenerate_request(call))
+    assert result.choices is not None and len(result.choices) == 4
+    prompt = result.usage["prompt_tokens"]
+    assert [c.usage["cached_input_tokens"] for c in result.choices] == [0] + [prompt - 1] * 3
+    assert len({tuple(c.token_ids or ()) for c in result.choices}) == 1
+    assert result.usage["completion_tokens"] == sum(c.usage["completion_tokens"] for c in result.choices)
+    with pytest.raises(errors.InvalidControls) as caught:
+        llm.generate_request(call)
+    assert caught.value.details["field"] == "n"

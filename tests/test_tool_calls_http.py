@@ -1,6 +1,8 @@
 """Tool calls and reasoning over HTTP, with the tiny random-weight model behind the real server
 and the official ``openai`` SDK: ``tool_choice`` forced by the grammar gives a valid call even
-from random weights; streams carry ``delta.tool_calls`` and ``delta.reasoning_content``."""
+from random weights; streams carry ``delta.tool_calls`` and ``delta.reasoning_content``, per
+answer when ``n`` asks for several, with the logprobs of every token and each answer's
+``stop_reason``; the Responses API takes function tools with the logprobs ``include``."""
 
 from __future__ import annotations
 
@@ -246,3 +248,75 @@ def test_responses_bad_tools_are_a_typed_400(server_url, fields, field):
     answer = httpx.post(f"{server_url}/v1/responses", json={"input": "x", "max_output_tokens": 4, **fields}, timeout=30)
     assert answer.status_code == 400
     assert answer.json()["error"]["code"] == "invalid_tools" and answer.json()["error"]["details"]["field"] == field
+
+
+# --------------------------------------------------------------------------- with n and logprobs
+
+
+def _per_answer(chunks: list[Any]) -> dict[int, list[Any]]:
+    """A stream's chunks split by their answer's index (each answer read as a stream of its own)."""
+    out: dict[int, list[Any]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            out.setdefault(choice.index, []).append(type(chunk)(**{**chunk.model_dump(), "choices": [choice.model_dump()]}))
+    return out
+
+
+def test_each_streamed_answer_has_its_own_reasoning_calls_and_logprobs(client, dense_model):
+    kwargs: dict[str, Any] = dict(
+        model=dense_model, messages=USER, tools=TOOLS, tool_choice=WEATHER_CHOICE, max_tokens=120, temperature=0,
+        n=2, logprobs=True, extra_body={"thinking": True},
+    )
+    whole = client.chat.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1]
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    answers = _per_answer(chunks)
+    assert sorted(answers) == [0, 1]
+    for index, pieces in answers.items():
+        choice = whole.choices[index]
+        calls, content, reasoning, finishes = _stream_calls(pieces)
+        assert finishes == ["tool_calls"] and choice.finish_reason == "tool_calls"
+        assert reasoning.strip() == choice.message.model_extra["reasoning_content"]
+        assert list(calls) == [0] and calls[0]["arguments"] == choice.message.tool_calls[0].function.arguments
+        assert "tool_call" not in content and "think" not in content
+        streamed = [e.token for p in pieces for c in p.choices if c.logprobs is not None for e in c.logprobs.content or []]
+        # Every token's entry reaches the stream (thinking and call text included), in order.
+        assert streamed == [e.token for e in choice.logprobs.content]
+    assert whole.usage.completion_tokens == sum(len(c.logprobs.content) for c in whole.choices)
+
+
+def test_a_finished_choice_carries_its_logprobs_and_stop_reason(client, dense_model):
+    kwargs: dict[str, Any] = dict(model=dense_model, messages=USER, max_tokens=12, temperature=0, extra_body={"thinking": False})
+    text = client.chat.completions.create(**kwargs).choices[0].message.content or ""
+    stop = text[2:5]
+    cut = client.chat.completions.create(stop=[stop], logprobs=True, n=2, **kwargs)
+    for choice in cut.choices:
+        assert choice.finish_reason == "stop" and (choice.model_extra or {})["stop_reason"] == stop
+        assert choice.message.content == text[: text.index(stop)]
+        # The tokens that made the stop string are listed, though the text ends before it.
+        assert "".join(e.token for e in choice.logprobs.content).startswith(choice.message.content + stop)
+    chunks = list(client.chat.completions.create(stop=[stop], logprobs=True, n=2, stream=True, **kwargs))
+    ends = sorted((c.index, c.finish_reason, (c.model_extra or {}).get("stop_reason")) for k in chunks for c in k.choices if c.finish_reason)
+    # Each answer's own terminal chunk names what ended it, the one that ends first too.
+    assert ends == [(0, "stop", stop), (1, "stop", stop)]
+
+
+def test_responses_take_function_tools_and_include_logprobs_together(client, dense_model):
+    asked: dict[str, Any] = dict(
+        model=dense_model, input="What is the weather in Paris?", tools=RESPONSES_TOOLS, max_output_tokens=6, temperature=0,
+        include=["message.output_text.logprobs"], top_logprobs=2, extra_body={"thinking": False},
+    )
+    answer = client.responses.create(**asked)
+    assert [t.name for t in answer.tools] == ["get_weather", "get_time"]
+    (message,) = [o for o in answer.output if o.type == "message"]
+    part = message.content[0]
+    assert "".join(e.token for e in part.logprobs) == part.text and len(part.logprobs) == answer.usage.output_tokens
+    assert all(len(e.top_logprobs) == 2 for e in part.logprobs)
+    deltas: list[str] = []
+    with client.responses.create(stream=True, **asked) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas.extend(e.token for e in event.logprobs)
+    assert deltas == [e.token for e in part.logprobs]
+    forced = client.responses.create(**{**asked, "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 60})
+    assert [o.type for o in forced.output] == ["function_call"] and forced.output[0].name == "get_weather"

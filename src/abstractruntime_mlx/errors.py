@@ -200,6 +200,13 @@ class EmbeddingsUnsupported(InvalidRequest):
     code = "embeddings_unsupported"
 
 
+class LogprobsUnavailable(InvalidRequest):
+    """Token logprobs asked of a request the lane it runs on cannot report them for (MTP
+    speculation, the serialized lane): the batched lanes' per-row sampler computes them."""
+
+    code = "logprobs_unavailable"
+
+
 class TokenCountUnsupported(InvalidRequest):
     """``POST /v1/messages/count_tokens`` on a model whose provider cannot render and tokenize a
     prompt without generating (a provider other than the MLX one)."""

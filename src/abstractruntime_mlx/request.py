@@ -42,6 +42,12 @@ ProgressSink = Callable[[JSONObject], object]
 Message = Mapping[str, JSONValue]
 """One chat turn as JSON (``role``, ``content`` ...): data from outside, checked only for its ``role``."""
 
+MAX_TOP_LOGPROBS: Final = 20
+"""Most alternatives a call may ask to see per generated token (OpenAI's ``top_logprobs`` bound)."""
+
+MAX_CHOICES: Final = 8
+"""Most answers one call may ask for (OpenAI's ``n``): its rows share one prefill."""
+
 MAX_AFFINITY_KEY_CHARS: Final = 512
 """Longest ``affinity_key`` (a session or run id): it travels in a header a load balancer hashes."""
 
@@ -77,6 +83,7 @@ GENERATE_KEYWORDS: Final[frozenset[str]] = frozenset(
         "response_model",
         "response_schema",
         "response_format",
+        "logprobs",
         *SAMPLING_FIELDS,
         *PROGRESS_ALIASES,
     }
@@ -125,6 +132,30 @@ def check_prompt_cache_key(value: object, *, field: str = "prompt_cache_key") ->
     return value
 
 
+def check_logprobs(value: object, *, field: str = "logprobs") -> int | None:
+    """How many alternatives per token a call asks for with its logprobs: None (no logprobs)
+    or an integer 0..``MAX_TOP_LOGPROBS``; else ``InvalidControls`` naming ``field``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidControls(
+            f"{field} must be an integer from 0 to {MAX_TOP_LOGPROBS} (the alternatives shown per token)",
+            field=field,
+            value=value,
+        )
+    return value
+
+
+def check_choices(value: object, *, field: str = "n") -> int:
+    """How many answers a call asks for: None (one) or an integer 1..``MAX_CHOICES``; else
+    ``InvalidControls`` naming ``field``."""
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
+        raise InvalidControls(f"{field} must be an integer from 1 to {MAX_CHOICES} (the answers asked for)", field=field, value=value)
+    return value
+
+
 def check_affinity_key(value: object) -> str:
     """A usable affinity key: a string, surrounding whitespace stripped, non-empty, of at most
     ``MAX_AFFINITY_KEY_CHARS`` characters; else ``InvalidControls`` naming ``affinity_key``.
@@ -166,6 +197,12 @@ class GenerationRequest:
       inherits); ``run``: what the enclosing run says (nodes only). Resolution against the
       provider, policy and verified default happens in ``controls.resolve_controls``.
     - ``response_format``: the structured answer asked for (None: free text), see ``structured``.
+    - ``continuation``: a plain text the model continues as is, without the chat template
+      (OpenAI's legacy completions); ``messages`` then hold it as one user turn, for the record.
+    - ``logprobs``: report each generated token's log-probability with this many of the most
+      likely alternatives (0..``MAX_TOP_LOGPROBS``); None: none (nothing is computed).
+    - ``n``: how many answers to the one prompt (1..``MAX_CHOICES``); the MLX provider runs
+      them as rows that share the prompt's prefill (``MLXProvider.agenerate_request``).
     - ``prompt_cache_key``: the caller's prefix-reuse key; ``trace_metadata``: passed to
       remote servers as a header.
     - ``affinity_key``: what keeps this call's conversation on one server of a pool (a run's
@@ -188,6 +225,9 @@ class GenerationRequest:
     thinking: ThinkingValue = None
     run: ControlLevel = NOTHING_SAID
     response_format: ResponseFormat | None = None
+    logprobs: int | None = None
+    n: int = 1
+    continuation: str | None = None
     prompt_cache_key: str | None = None
     trace_metadata: Mapping[str, object] | None = None
     affinity_key: str | None = field(default=None, compare=False)
@@ -214,6 +254,8 @@ class GenerationRequest:
         thinking: object = None,
         run: ControlLevel = NOTHING_SAID,
         response_format: ResponseFormat | None = None,
+        logprobs: object = None,
+        n: object = None,
         prompt_cache_key: object = None,
         trace_metadata: object = None,
         affinity_key: object = None,
@@ -259,6 +301,8 @@ class GenerationRequest:
             thinking=call.thinking,
             run=run,
             response_format=response_format,
+            logprobs=check_logprobs(logprobs),
+            n=check_choices(n),
             prompt_cache_key=cache_key,
             trace_metadata=dict(trace_metadata) if trace_metadata else None,
             affinity_key=None if affinity_key is None else check_affinity_key(affinity_key),
@@ -298,6 +342,7 @@ class GenerationRequest:
                 response_schema=kwargs.get("response_schema"),
                 response_format=kwargs.get("response_format"),
             ),
+            logprobs=kwargs.get("logprobs"),
             prompt_cache_key=kwargs.get("prompt_cache_key"),
             trace_metadata=kwargs.get("trace_metadata"),
             affinity_key=kwargs.get("affinity_key"),
@@ -337,6 +382,12 @@ class GenerationRequest:
         out.update(self.call.to_dict())
         if self.response_format is not None:
             out["response_format"] = self.response_format.to_openai()
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        if self.n > 1:
+            out["n"] = self.n
+        if self.continuation is not None:
+            out["continuation"] = True
         run = self.run.to_dict()
         if run:
             out["run"] = run

@@ -19,6 +19,7 @@ FinishReason = Literal["stop", "length", "cancelled", "tool_calls", "error"]
 WIRE_METADATA_KEYS: Final = ("execution", "speculation", "performance", "prompt_cache", "controls", "structured")
 """The metadata blocks a result carries over HTTP (under ``abstractcore`` in a completion body)."""
 
+
 def stop_reason(metadata: Mapping[str, JSONValue] | None) -> str | int | None:
     """What ended a stopped answer (``metadata["stop_reason"]``): the stop string that matched, or
     the id of the end-of-sequence token the model generated; None when neither did (a length cap,
@@ -27,6 +28,34 @@ def stop_reason(metadata: Mapping[str, JSONValue] | None) -> str | int | None:
     if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
         return value
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One of the most likely tokens at a position: its text, id and log-probability."""
+
+    token: str
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token: its text (the token alone, decoded), id, log-probability (<= 0)
+    and the most likely tokens at its position (``top``, most likely first; as many as asked)."""
+
+    token: str
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+    def to_dict(self) -> JSONObject:
+        return {
+            "token": self.token,
+            "token_id": self.token_id,
+            "logprob": self.logprob,
+            "top": [{"token": t.token, "token_id": t.token_id, "logprob": t.logprob} for t in self.top],
+        }
 
 
 @dataclass(slots=True)
@@ -51,6 +80,12 @@ class GenerationResult:
     parsed: JSONValue | BaseModel = None
     """The structured answer (``response_model`` / ``response_schema``): the pydantic instance or
     the JSON value; None for free text."""
+    logprobs: list[TokenLogprob] | None = None
+    """One entry per generated token (``completion_tokens`` of them), when the call asked."""
+    choices: list[GenerationResult] | None = None
+    """A call that asked for several answers (``n``): each one, in order (``usage`` each its
+    own); this result is the first one's, its ``usage`` the prompt once and every answer's
+    tokens summed. None for one answer."""
 
     def to_dict(self) -> JSONObject:
         out: JSONObject = {
@@ -66,6 +101,10 @@ class GenerationResult:
         parsed = self.parsed_json()
         if parsed is not None:
             out["parsed"] = parsed
+        if self.logprobs is not None:
+            out["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        if self.choices is not None:
+            out["choices"] = [choice.to_dict() for choice in self.choices]
         return out
 
     def parsed_json(self) -> JSONValue:
@@ -79,8 +118,11 @@ class GenerationResult:
 @dataclass(slots=True)
 class GenerationChunk:
     """One streamed piece. Exactly one chunk per request is terminal (``finish_reason`` set);
-    it carries ``usage`` and the full ``metadata``. ``reasoning``: thinking text a server sent
-    apart (``delta.reasoning_content``); a local stream's thinking is in ``content``, raw.
+    it carries ``usage`` and the full ``metadata``. A call with several answers (``n``) tags
+    each piece with its answer's ``index``; an answer that ends before the last one ends with a
+    piece whose ``choice_finish_reason`` is set, and the last one's terminal chunk carries the
+    call's ``usage`` (the prompt once, every answer's tokens summed). ``reasoning``: thinking text
+    a server sent apart (``delta.reasoning_content``); a local stream's thinking is in ``content``, raw.
     ``tool_calls``: the calls a server's stream completed with this chunk (``delta.tool_calls``
     rebuilt into OpenAI's ``{"id", "type", "function": {"name", "arguments"}}``), each call on
     one chunk only; a local stream's calls are in ``content``, raw."""
@@ -91,6 +133,9 @@ class GenerationChunk:
     metadata: JSONObject | None = None
     token_ids: list[int] | None = None
     model: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # of the tokens this piece completes (when asked)
+    index: int = 0  # which of the call's answers this piece belongs to
+    choice_finish_reason: FinishReason | None = None  # answer ``index`` ended here, others go on
     reasoning: str | None = None
     tool_calls: list[JSONObject] | None = None
 

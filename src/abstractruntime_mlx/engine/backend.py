@@ -19,10 +19,18 @@ brings its own penalties and logit bias as processors, and the one sampler upstr
 (``_RowSampler``) draws each row with that row's own controls and random stream
 (``sampling.sample_rows``). It finds which request a row is from the batch it samples: the
 prefill batch (every position 0) or the decoding batch, in upstream's row order.
+
+Token logprobs (``RowInput.logprobs``) come from the same place: the sampler sees each step's
+distribution, so for the rows that asked it queues their drawn token's logprob and top
+alternatives (``sampling.row_logprobs``), and ``step`` hands each delivered token the oldest
+queued for its row (upstream delivers a token the step after it was sampled). While such a
+row decodes, upstream's fused greedy step is off so that every draw goes through the sampler.
+A speculative generator draws without it: it reports no logprobs (``reports_logprobs``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
@@ -33,7 +41,7 @@ from ..errors import EngineError, UpstreamError
 from .config import PREFILL_STEP_SIZE
 from .grammar import GrammarProcessor
 from ..controls import Sampling
-from .sampling import RowStream, make_sampler, sample_rows
+from .sampling import PendingLogprobs, RowStream, SampledLogprob, make_sampler, row_logprobs, sample_rows
 from .scheduler import BackendKind
 
 if TYPE_CHECKING:
@@ -60,6 +68,7 @@ class TokenEvent:
     uid: int
     token: int
     finish_reason: str | None
+    logprob: SampledLogprob | None = None  # only for a row that asked (``RowInput.logprobs``)
 
 
 @dataclass(slots=True)
@@ -112,6 +121,9 @@ class RowInput:
     # and positions, from the processor); None: the backend embeds ``prompt_ids`` itself.
     prompt_inputs: dict[str, Any] | None = None
     prefix: PrefixReuse | None = None
+    # Token logprobs with this many alternatives per position (None: not asked); only a
+    # backend whose ``reports_logprobs`` is true computes them.
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +211,9 @@ class _RowSampler:
         if len(uids) != logprobs.shape[0]:
             raise RuntimeError(f"mlx-vlm sampled {logprobs.shape[0]} rows of a batch holding {len(uids)}")
         rows = self._backend._rows
-        return sample_rows(logprobs, [rows.get(uid) for uid in uids])
+        tokens = sample_rows(logprobs, [rows.get(uid) for uid in uids])
+        self._backend._queue_logprobs(logprobs, tokens, uids)
+        return tokens
 
 
 class BatchBackend:
@@ -241,6 +255,9 @@ class BatchBackend:
             # Upstream's block size includes the target's seed token; ours counts proposals.
             kwargs.update(draft_model=drafter.model, draft_kind=drafter.kind, draft_block_size=draft_tokens + 1)
         self._per_row = not speculative
+        self.reports_logprobs = not speculative  # the per-row sampler reads them
+        self._asking: dict[int, int] = {}  # uid -> alternatives asked, for rows that asked
+        self._logprobs: dict[int, collections.deque[PendingLogprobs]] = {}  # uid -> drawn, not delivered
         # The sampler touches MLX with request values (the seed): a value MLX refuses fails
         # this backend's requests, never the worker.
         with map_upstream_errors("creating the batch generator"):
@@ -283,6 +300,10 @@ class BatchBackend:
             )
         if stream is not None:
             self._rows[uid] = stream
+        if row.logprobs is not None:
+            if not self.reports_logprobs:
+                raise RuntimeError("a speculative batch draws without the per-row sampler: no logprobs")
+            self._asking[int(uid)] = row.logprobs
         self.uids.add(uid)
         return int(uid)
 
@@ -332,14 +353,15 @@ class BatchBackend:
         with map_upstream_errors("removing a request"):
             removed = bool(self._gen.remove(uid))
         if removed:
-            self.uids.discard(uid)
-            self._rows.pop(uid, None)
+            self.forget(uid)
         return removed
 
     def forget(self, uid: int) -> None:
         """The uid finished upstream on its own (stop or length)."""
         self.uids.discard(uid)
         self._rows.pop(uid, None)
+        self._asking.pop(uid, None)
+        self._logprobs.pop(uid, None)  # the token drawn after its last one is never delivered
 
     @property
     def prefilling(self) -> bool:
@@ -354,18 +376,39 @@ class BatchBackend:
     def step(self, *, observe_prefill: bool) -> StepResult:
         if self._per_row:
             decoding = self._gen._generation_batch
-            decoding.greedy_sampling = not any(uid in self._rows for uid in decoding.uids)
+            decoding.greedy_sampling = not any(uid in self._rows or uid in self._asking for uid in decoding.uids)
         with map_upstream_errors("a batch step"):
             prompt_responses, responses = self._gen.next()
-        result = StepResult()
-        for p in prompt_responses:
-            result.prompt_done[int(p.uid)] = int(getattr(p, "cached_tokens", 0) or 0)
-        for r in responses:
-            result.tokens.append(TokenEvent(int(r.uid), int(r.token), r.finish_reason))
+            result = StepResult()
+            for p in prompt_responses:
+                result.prompt_done[int(p.uid)] = int(getattr(p, "cached_tokens", 0) or 0)
+            for r in responses:
+                uid, token = int(r.uid), int(r.token)
+                result.tokens.append(TokenEvent(uid, token, r.finish_reason, self._delivered_logprob(uid, token)))
         result.batch_uids = self._batch_uids()
         if observe_prefill:
             result.prefill = self._prefill_rows()
         return result
+
+    def _queue_logprobs(self, logprobs: mx.array, tokens: mx.array, uids: list[int]) -> None:
+        """Queue the logprobs of the rows that asked, drawn from ``logprobs`` (B, V), upstream's
+        rows ``uids`` in order (lazy arrays, evaluated with the step's tokens)."""
+        rows = [i for i, uid in enumerate(uids) if uid in self._asking]
+        if not rows:
+            return
+        entries = row_logprobs(logprobs, tokens, rows, [self._asking[uids[i]] for i in rows])
+        for i, entry in zip(rows, entries):
+            self._logprobs.setdefault(uids[i], collections.deque()).append(entry)
+        mx.async_eval([a for entry in entries for a in entry.arrays()])
+
+    def _delivered_logprob(self, uid: int, token: int) -> SampledLogprob | None:
+        """The logprob of ``token``, delivered now for row ``uid`` (None: the row did not ask)."""
+        if uid not in self._asking:
+            return None
+        queued = self._logprobs.get(uid)
+        if not queued:
+            raise RuntimeError(f"row {uid}'s token {token} was not drawn by the per-row sampler")
+        return queued.popleft().read(token)
 
     def _batch_uids(self) -> set[int]:
         uids = set(self._gen._generation_batch.uids)

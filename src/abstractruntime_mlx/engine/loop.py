@@ -34,13 +34,16 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Callable, Generic, TypeVar, cast
 
 from ..errors import (
     EngineCrashed,
     EngineError,
+    LogprobsUnavailable,
     MLXRuntimeError,
     QueueFull,
     QueueTimeout,
@@ -82,6 +85,7 @@ from .fused_projections import fuse_text_model as fuse_projections
 from .prefill_shapes import Buckets, warm
 from .serial import InProcessBackend, SerialBackend
 from .single import SingleBackend, supports_model
+from .sampling import SampledLogprob
 from .stops import StopMatcher
 from .text_batch import TextBatchBackend
 from .text_loop import TextLoopBackend
@@ -113,6 +117,9 @@ class _Running:
     request: EngineRequest
     detokenizer: Any
     stops: StopMatcher
+    # Logprobs of tokens whose text is not delivered yet (held by the stop matcher or the
+    # detokenizer): they go out with the next delta, or alone before the request finishes.
+    logprobs: list[SampledLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -318,6 +325,14 @@ class Engine:
         if on_prefill_progress is not None:
             request.observe_prefill = True
         return self.submit(request, on_prefill_progress=on_prefill_progress)
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """Requests submitted inside reach the worker at once: it takes them in one step, so
+        they are admitted together where slots allow (a call's several answers, whose shared
+        prompt the text lane then prefills once)."""
+        with self._cond:  # reentrant: ``submit`` takes it again
+            yield
 
     def submit(self, request: EngineRequest, *, on_prefill_progress: PrefillCallback | None = None) -> RequestStream:
         """Queue ``request``; what the loaded model cannot run is refused here, before MLX sees it."""
@@ -881,7 +896,15 @@ class Engine:
                 request.grammar,
                 prompt_inputs=prompt_inputs,
                 prefix=self._prefix_reuse(request, group),
+                logprobs=request.logprobs,
             )
+            if request.logprobs is not None and not getattr(group.backend, "reports_logprobs", False):
+                raise LogprobsUnavailable(
+                    f"token logprobs are computed by the batched lanes' per-row sampler; this request runs on "
+                    f"the {group.backend.kind.value} lane, which draws without it (MTP speculation, or a "
+                    "provider with mlx_batching=False)",
+                    details={"field": "logprobs", "lane": group.backend.kind.value},
+                )
             uid = group.backend.insert(row)
         except MLXRuntimeError as exc:
             self._finish(request, RequestStatus.FINISHED_ERROR, error=exc)
@@ -939,6 +962,8 @@ class Engine:
             running = group.running.get(event.uid)
             if running is None:
                 continue
+            if event.logprob is not None:
+                running.logprobs.append(event.logprob)
             self._on_token(group, running, event.token, event.finish_reason)
         self.stats.tokens_s += time.perf_counter() - stepped
         self._close_group_if_idle()
@@ -978,26 +1003,34 @@ class Engine:
         if not (is_eos and finish_reason == "stop"):
             request.append_tokens([token])
             running.detokenizer.add_token(token)
-            text, stopped = running.stops.feed(running.detokenizer.last_segment)
+            segment = running.detokenizer.last_segment
+            _give_text(running.logprobs, segment)
+            text, stopped = running.stops.feed(segment)
             if text:
-                if not self._deliver(request, TokenDelta(text, [token])):
+                if not self._deliver(request, TokenDelta(text, [token], _take(running.logprobs))):
                     return
             if stopped:
                 request.stop_reason = running.stops.matched
+                if running.logprobs:
+                    self._deliver(request, TokenDelta("", [], _take(running.logprobs)))
                 self._drop_row(group, uid)
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 return
         else:
             request.stop_reason = token
+            if running.logprobs:  # the end-of-sequence token is not part of the answer
+                running.logprobs.pop()
             if request.first_token_at is None:
                 request.first_token_at = time.perf_counter()
         if finish_reason is not None:
             group.running.pop(uid, None)
             group.backend.forget(uid)
             running.detokenizer.finalize()
-            tail = running.stops.flush(running.detokenizer.last_segment)
-            if tail:
-                self._deliver(request, TokenDelta(tail, []))
+            segment = running.detokenizer.last_segment
+            _give_text(running.logprobs, segment, more=True)
+            tail = running.stops.flush(segment)
+            if tail or running.logprobs:
+                self._deliver(request, TokenDelta(tail, [], _take(running.logprobs)))
             if running.stops.matched is not None:  # the text the last token completed held a stop
                 request.stop_reason = running.stops.matched
             stopped = finish_reason != "length" or running.stops.matched is not None
@@ -1158,6 +1191,24 @@ class _SharedPrefixes:
 
     def resident_tokens(self, prompt_ids: list[int], salt: int) -> int:
         return self._cache.resident_prefix_tokens(prompt_ids, salt)
+
+
+def _give_text(pending: list[SampledLogprob], segment: str, *, more: bool = False) -> None:
+    """The detokenizer's ``segment`` becomes the text of the last token still pending (its
+    own; ``more``: added to it, the detokenizer's tail at the end). A token the detokenizer
+    holds back (an incomplete UTF-8 sequence, a lone space) gets ``""`` and the next one its
+    text, so that the tokens' texts concatenate to the answer's."""
+    if pending:
+        last = pending[-1]
+        text = (last.text or "") + segment if more else segment
+        pending[-1] = replace(last, text=text)
+
+
+def _take(items: list[SampledLogprob]) -> list[SampledLogprob]:
+    """The items, the list emptied (what a delta carries away)."""
+    taken = list(items)
+    items.clear()
+    return taken
 
 
 class _WorkerBroken(BaseException):

@@ -13,6 +13,7 @@ from ..controls import Sampling
 from ..errors import MLXRuntimeError
 from .grammar import GrammarProcessor
 from .prefix_break import PrefixBreak
+from .sampling import SampledLogprob
 
 
 class RequestStatus(IntEnum):
@@ -94,6 +95,9 @@ class ExclusiveReason(StrEnum):
 class TokenDelta:
     text: str
     token_ids: list[int]
+    # The logprobs of the tokens this text completes (a request that asked for them only);
+    # the text of a token held back by a stop string arrives later, its logprob now or then.
+    logprobs: list[SampledLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -154,6 +158,7 @@ class EngineRequest:
     observe_prefill: bool = False
     cancel_event: threading.Event = field(default_factory=threading.Event)
     grammar: GrammarProcessor | None = None  # structured output: this request's own matcher
+    logprobs: int | None = None  # token logprobs with this many alternatives each (None: off)
 
     status: RequestStatus = RequestStatus.WAITING
     mode: ExecutionMode | None = None

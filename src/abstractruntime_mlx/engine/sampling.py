@@ -16,7 +16,8 @@ applied per row before sampling (``backend.make_logits_processors``).
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence, cast
 
 import mlx.core as mx
 
@@ -135,3 +136,61 @@ def _min_p(logprobs: mx.array, min_p: mx.array) -> mx.array:
     probs = mx.softmax(logprobs, axis=-1)
     threshold = mx.max(probs, axis=-1, keepdims=True) * min_p
     return mx.where(probs < threshold, _NEG_INF, logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class SampledLogprob:
+    """The drawn token of one position, its log-probability and the ``top`` most likely
+    tokens there (``(token_id, logprob)``, most likely first), all read from the distribution
+    the row was sampled from: the model's log-softmax after the row's logits processors
+    (penalties, bias, grammar), before temperature and truncation (top-k / top-p / min-p).
+    ``text``: the token's share of the answer's text, the streaming detokenizer's segment for
+    it (set by the engine; the shares of an answer's tokens concatenate to its text)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    text: str | None = None
+
+
+class PendingLogprobs:
+    """One row's logprobs of the token in flight, still on the device: the chosen token's
+    log-probability and its ``top`` best alternatives (lazy arrays, read once delivered)."""
+
+    __slots__ = ("chosen", "top_ids", "top_values")
+
+    def __init__(self, chosen: mx.array, top_ids: mx.array | None, top_values: mx.array | None) -> None:
+        self.chosen, self.top_ids, self.top_values = chosen, top_ids, top_values
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.chosen, self.top_ids, self.top_values) if a is not None]
+
+    def read(self, token_id: int) -> SampledLogprob:
+        top: tuple[tuple[int, float], ...] = ()
+        if self.top_ids is not None and self.top_values is not None:
+            ids, values = self.top_ids.tolist(), self.top_values.tolist()
+            top = tuple((int(i), float(v)) for i, v in zip(ids, values))  # type: ignore[arg-type]
+        return SampledLogprob(token_id, float(cast(float, self.chosen.item())), top)
+
+
+def row_logprobs(logprobs: mx.array, tokens: mx.array, rows: Sequence[int], tops: Sequence[int]) -> list[PendingLogprobs]:
+    """The logprobs of ``tokens`` (B,) drawn from ``logprobs`` (B, V), for the batch rows
+    ``rows`` only, each with its ``tops[i]`` best alternatives.
+    Lazy: nothing is computed until the arrays are evaluated. Rows that did not ask cost nothing."""
+    index = mx.array(list(rows))
+    sub = logprobs[index]
+    chosen = mx.take_along_axis(sub, tokens[index][:, None].astype(mx.int32), axis=-1)[:, 0]
+    k = min(max(tops), sub.shape[-1])
+    top_ids = top_values = None
+    if k > 0:
+        candidates = mx.argpartition(-sub, kth=k - 1, axis=-1)[:, :k]
+        values = mx.take_along_axis(sub, candidates, axis=-1)
+        order = mx.argsort(-values, axis=-1)
+        top_ids = mx.take_along_axis(candidates, order, axis=-1)
+        top_values = mx.take_along_axis(values, order, axis=-1)
+    out = []
+    for j, want in enumerate(tops):
+        ids = None if top_ids is None or want == 0 else top_ids[j, :want]
+        vals = None if top_values is None or want == 0 else top_values[j, :want]
+        out.append(PendingLogprobs(chosen[j], ids, vals))
+    return out

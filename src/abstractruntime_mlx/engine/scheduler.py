@@ -406,6 +406,8 @@ class Scheduler:
         request = requests[0]
         if request.prompt_kwargs_factory is not None or request.sampling.has_logit_processors() or request.grammar is not None:
             return False
+        if request.logprobs is not None:  # the text lane computes them, the single lane does not
+            return False
         if request.prompt_cache_key is not None and state.prefix_cache and not state.single_lane_restores:
             return False
         return state.single_lane_model

@@ -17,7 +17,12 @@ host building and encoding the graph (``docs/benchmarks.md``):
   costs no host work either: its slot idles in the batch until half the batch has finished or
   rows join, then one compaction drops every finished row. Where the step is bound by compute
   (the CPU: each row adds about 7% to a step of 8 rows of the tiny model), it is dropped at once.
+- Rows admitted together with the same prompt (a call's ``n`` choices) prefill it once: one
+  cache row, copied to each of them when the prefill ends; the copies report it as cached.
 - One sampling call for the batch (``sampling.sample_rows``; greedy rows share its argmax).
+  Rows that ask for token logprobs (``RowInput.logprobs``) get them from the distribution
+  they were sampled from, computed in the same step for those rows only (``row_logprobs``);
+  a batch where no row asks computes nothing more.
 
 The step keeps mlx-lm's pipelining: the forward for step n+1 is queued (``mx.async_eval``)
 before the host reads step n's tokens. Long prompts (more than ``prefill_step_size`` tokens)
@@ -45,7 +50,7 @@ import mlx.core as mx
 
 from .backend import DecodingRow, LogitsProcessor, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors, row_processors
 from .prefill_shapes import Buckets
-from .sampling import RowStream, sample_rows
+from .sampling import PendingLogprobs, RowStream, row_logprobs, sample_rows
 from .scheduler import BackendKind
 
 __all__ = ["TextLoopBackend"]
@@ -73,16 +78,21 @@ class _Row:
     waited: int = 0  # steps it was held back for a wave
     generated: bool = False  # its token in flight is a generated one, not its last prompt token
     done: bool = False  # finished: its slot idles in the batch until the next compaction
+    logprobs: int | None = None  # alternatives asked per position (None: no logprobs)
+    pending: PendingLogprobs | None = None  # the logprobs of its token in flight
 
 
 @dataclass(slots=True, eq=False)
 class _Prefill:
-    """Rows prefilling together: their prompts but the last token, left-padded to one width."""
+    """Rows prefilling together: their distinct prompts but the last token, left-padded to one
+    width (``tokens``, one cache row each); ``source[i]``: the prompt row of ``rows[i]`` (rows
+    with the same prompt share one)."""
 
     rows: list[_Row]
     tokens: list[list[int]]
     cache: list[Any]
     chunks: list[int]  # column counts still to run, in order
+    source: list[int]
     done: int = 0  # columns run
 
 
@@ -91,6 +101,7 @@ class TextLoopBackend:
 
     kind = BackendKind.TEXT_BATCH
     can_hand_off = False
+    reports_logprobs = True
 
     def __init__(
         self,
@@ -144,7 +155,9 @@ class TextLoopBackend:
             processors = row_processors(row.sampling, row.grammar) or []
             context = _token_buffer(row.prompt_ids[:-1]) if processors else None
         uid = next(self._uid_count)
-        self._waiting.append(_Row(uid, list(row.prompt_ids), row.max_tokens, stream, processors, context))
+        self._waiting.append(
+            _Row(uid, list(row.prompt_ids), row.max_tokens, stream, processors, context, logprobs=row.logprobs)
+        )
         self.uids.add(uid)
         return uid
 
@@ -173,9 +186,12 @@ class TextLoopBackend:
             if group is not None and any(r.uid == uid for r in group.rows):
                 keep = [i for i, r in enumerate(group.rows) if r.uid != uid]
                 if keep:
+                    prompts = sorted({group.source[i] for i in keep})  # the prompt rows still needed
                     group.rows = [group.rows[i] for i in keep]
-                    group.tokens = [group.tokens[i] for i in keep]
-                    _filter(group.cache, keep, shift=0)
+                    group.source = [prompts.index(group.source[i]) for i in keep]
+                    if len(prompts) < len(group.tokens):
+                        group.tokens = [group.tokens[j] for j in prompts]
+                        _filter(group.cache, prompts, shift=0)
                 else:
                     self._chunked = None
             if any(r.uid == uid for r in self._rows):
@@ -229,12 +245,20 @@ class TextLoopBackend:
             logits = mx.concatenate(parts, axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         self._inputs = sample_rows(logprobs, [None if r.done else r.stream for r in rows])
-        mx.async_eval(self._inputs, contexts)
+        delivered = [r.pending for r in rows]  # the logprobs of the tokens read below
+        asking = [e for e, r in enumerate(rows) if r.logprobs is not None and not r.done]
+        pending: list[mx.array] = []
+        if asking:
+            tops = [rows[e].logprobs or 0 for e in asking]
+            for e, entry in zip(asking, row_logprobs(logprobs, self._inputs, asking, tops)):
+                rows[e].pending = entry
+                pending.extend(entry.arrays())
+        mx.async_eval(self._inputs, contexts, pending)
         self._steps += 1
         if self._steps % _CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         tokens = cast(list[int], inputs.tolist())  # waits for the step before only
-        for row, token in zip(rows, tokens):
+        for row, token, lp in zip(rows, tokens, delivered):
             if row.done:
                 continue
             if not row.generated:  # its last prompt token: the first generated one is now in flight
@@ -248,7 +272,7 @@ class TextLoopBackend:
             else:
                 reason = None
             row.done = reason is not None
-            result.tokens.append(TokenEvent(row.uid, token, reason))
+            result.tokens.append(TokenEvent(row.uid, token, reason, None if lp is None else lp.read(token)))
         # Idle slots cost compute, each compaction host work (every layer's cache rebuilt): which
         # costs more depends on what bounds the step (``idle_finished``).
         finished = sum(r.done for r in rows)
@@ -314,12 +338,17 @@ class TextLoopBackend:
                 self._finish_prefill(chunked, result)
 
     def _start(self, rows: list[_Row]) -> _Prefill:
-        """A prefill group: each prompt but its last token, left-padded to whole chunks of
-        ``prefill_step_size`` columns and a last, shorter one (padded to its length bucket,
-        where buckets are on): the longest prompt is chunked as the single lane chunks it."""
+        """A prefill group: each distinct prompt but its last token, left-padded to whole chunks
+        of ``prefill_step_size`` columns and a last, shorter one (padded to its length bucket,
+        where buckets are on): the longest prompt is chunked as the single lane chunks it.
+        Rows with the same prompt (a call's several choices) share its row: its KV is computed
+        once and copied to each of them when the prefill ends."""
         from mlx_lm.models.cache import BatchKVCache
 
-        lengths = [len(r.prompt) - 1 for r in rows]
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows]
+        prompts = [list(p) for p in distinct]
+        lengths = [len(p) - 1 for p in prompts]
         longest = max(lengths)
         full = max(0, longest - 1) // self._step_size
         last = longest - full * self._step_size
@@ -327,12 +356,12 @@ class TextLoopBackend:
             last = self._buckets.length(last)
         width = full * self._step_size + last
         pads = [width - n for n in lengths]
-        for r, pad in zip(rows, pads):
-            r.pad = pad
-        tokens = [[0] * pad + r.prompt[:-1] for r, pad in zip(rows, pads)]
+        for r, j in zip(rows, source):
+            r.pad = pads[j]
+        tokens = [[0] * pad + p[:-1] for p, pad in zip(prompts, pads)]
         chunks = [self._step_size] * full + ([last] if last else [])
         cache = [BatchKVCache(pads) for _ in self._lm.layers]
-        return _Prefill(rows, tokens, cache, chunks)
+        return _Prefill(rows, tokens, cache, chunks, source)
 
     def _run_chunk(self, group: _Prefill, result: StepResult, observe: bool) -> None:
         n = group.chunks.pop(0)
@@ -346,10 +375,15 @@ class TextLoopBackend:
 
     def _finish_prefill(self, group: _Prefill, result: StepResult) -> None:
         last = mx.array([r.prompt[-1] for r in group.rows], dtype=mx.uint32)
+        if len(group.tokens) < len(group.rows):  # one cache row per row: a shared prompt's copied
+            _filter(group.cache, group.source, shift=0)
         self._join(group.rows, group.cache, last)
-        for r in group.rows:
+        first: set[int] = set()
+        for r, j in zip(group.rows, group.source):
+            # A row whose prompt another row computed reports that KV as cached.
+            result.prompt_done[r.uid] = 0 if j not in first else len(r.prompt) - 1
+            first.add(j)
             r.prompt = []
-            result.prompt_done[r.uid] = 0
 
     def _join(self, rows: list[_Row], cache: list[Any], inputs: mx.array) -> None:
         """Append rows (their cache, their next inputs) to the decoding batch, finished rows

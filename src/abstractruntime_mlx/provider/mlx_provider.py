@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import itertools
 import logging
@@ -23,6 +24,7 @@ from ..engine.config import EngineConfig
 from ..engine.loop import Engine
 from ..engine.model import HEAD_LANES, Lane, LoadedModel
 from ..engine.prefix_cache import image_hash, validate_options as validate_cache_options
+from ..engine.sampling import SampledLogprob
 from ..engine.stream import RequestStream
 from ..engine.request import EngineRequest, FinishReason, Outcome, PrefillObservation, TokenDelta
 from ..errors import (
@@ -38,9 +40,10 @@ from ..errors import (
 from ..policy import read_policy_controls
 from ..model_output import THINK_END, THINK_START, parse_output, tool_format_of
 from ..request import GenerationRequest
-from ..results import GenerationChunk, GenerationResult
+from ..results import GenerationChunk, GenerationResult, TokenLogprob, TopLogprob
 from ..structured import ResponseFormat, parse_answer, run_schema_work
 from . import residency
+from .choices import choice_seed, combined_usage, merge_streams
 from .progress import ProgressTracker, progress_interval_from_env
 
 log = logging.getLogger(__name__)
@@ -311,7 +314,12 @@ class MLXProvider:
     def generate_request(self, request: GenerationRequest, *, stream: bool) -> GenerationResult | ChunkStream: ...
 
     def generate_request(self, request: GenerationRequest, *, stream: bool = False) -> GenerationResult | ChunkStream:
-        """Run one validated request (the typed twin of ``generate``)."""
+        """Run one validated request (the typed twin of ``generate``); several answers (``n``)
+        are served by ``agenerate_request`` only."""
+        if request.n > 1:
+            raise InvalidControls(
+                "n > 1 is served by agenerate_request (its answers are read at once)", field="n", value=request.n
+            )
         prepared = self._prepare(request)
         submitted = self._submit(prepared)
         chunks = self._stream(prepared, submitted)
@@ -320,22 +328,33 @@ class MLXProvider:
         return _result_from_chunks(list(chunks), request)
 
     async def agenerate_request(self, request: GenerationRequest, *, stream: bool = False) -> GenerationResult | AsyncChunkStream:
+        """Run one validated request. With ``n`` > 1 its answers run as rows submitted at once
+        (their prompt prefilled once where the lane shares it, see ``choices``): the result is
+        the first answer with every answer in ``choices``; a stream tags each piece with its
+        answer's ``index``."""
         # Rendering and tokenizing run on a thread (a huge prompt must not stall the event
         # loop); errors (context too long, full queue) raise from this await. A structured
         # request compiles its grammar there too: on the few schema threads, so that many
         # schemas at once wait for each other, not for the threads other requests need.
         if request.response_format is not None or request.tool_choice.forced:
-            prepared = await run_schema_work(self._prepare, request)
+            prepared = await run_schema_work(self._prepare_choices, request)
         else:
-            prepared = await asyncio.to_thread(self._prepare, request)
-        submitted = self._submit(prepared)
-        chunks = self._astream(prepared, submitted)
+            prepared = await asyncio.to_thread(self._prepare_choices, request)
+        submitted = self._submit_together(prepared)
+        streams = [self._astream(p, s) for p, s in zip(prepared, submitted)]
         if stream:
-            return AsyncChunkStream(chunks, submitted)
-        parts: list[GenerationChunk] = []
-        async for chunk in chunks:
-            parts.append(chunk)
-        return _result_from_chunks(parts, request)
+            return AsyncChunkStream(streams[0] if len(streams) == 1 else merge_streams(streams), *submitted)
+        try:
+            parts = await asyncio.gather(*(_collect(s) for s in streams))
+        except BaseException:
+            for one in submitted:
+                one.close()
+            raise
+        results = [_result_from_chunks(p, request) for p in parts]
+        if len(results) == 1:
+            return results[0]
+        usage = combined_usage([r.usage for r in results])
+        return dataclasses.replace(results[0], usage=usage or {}, choices=results)
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         """The prompt tokens ``request`` would be given: its messages and tools rendered with the
@@ -351,13 +370,42 @@ class MLXProvider:
         return len(loaded.encode(_render(loaded, request, controls, conversation)))
 
     # --- internals --------------------------------------------------------------------------
+    def _prepare_choices(self, call: GenerationRequest) -> list[_Prepared]:
+        """One prepared request per answer asked for (the first one alone reports progress)."""
+        if call.n == 1:
+            return [self._prepare(call)]
+        return [
+            self._prepare(
+                dataclasses.replace(call, n=1, sampling=choice_seed(call.sampling, i), progress=call.progress if i == 0 else None)
+            )
+            for i in range(call.n)
+        ]
+
+    def _submit_together(self, prepared: list[_Prepared]) -> list[RequestStream]:
+        """Submit every answer's request in one go (the worker takes them in one step); when
+        one is refused (a full queue) those already submitted are cancelled."""
+        submitted: list[RequestStream] = []
+        try:
+            with self._engine.together():
+                for one in prepared:
+                    submitted.append(self._submit(one))
+        except BaseException:
+            for stream in submitted:
+                stream.close()
+            raise
+        return submitted
+
     def _prepare(self, call: GenerationRequest) -> _Prepared:
         controls = call.resolved if call.resolved is not None else self.resolve_controls(call)
         engine = self._engine
         loaded = engine.serving_model()
         images = _load_images(call.media, loaded)
-        conversation = prepare_conversation(call.messages, num_images=len(images))
-        text = _render(loaded, call, controls, conversation)
+        if call.continuation is not None:
+            conversation: list[dict[str, Any]] = []
+            text = _continuation_text(loaded.tokenizer, call.continuation)
+        else:
+            conversation = prepare_conversation(call.messages, num_images=len(images))
+            text = _render(loaded, call, controls, conversation)
         prompt_ids = _encode_within_context(loaded, text, call.max_output_tokens)
         constrained = call.response_format is not None or call.tool_choice.forced
         draft_tokens, speculation_meta = self._speculation_plan(controls, call.sampling, loaded, structured=constrained)
@@ -393,6 +441,7 @@ class MLXProvider:
             observe_prefill=call.progress is not None,
             cancel_event=call.cancel or threading.Event(),
             grammar=grammar,
+            logprobs=call.logprobs,
         )
         if images:
             request.prompt_kwargs_factory = _image_kwargs_factory(request, loaded, text, images)
@@ -532,7 +581,10 @@ class MLXProvider:
             if item.token_ids:
                 # The worker set ``cached_tokens`` when the prompt was done, before this token was queued.
                 tracker.tokens(len(item.token_ids), cached=prepared.request.cached_tokens)
-        return GenerationChunk(content=item.text, token_ids=list(item.token_ids), model=self.model) if item.text else None
+        if not item.text and not item.logprobs:
+            return None
+        logprobs = _token_logprobs(self._engine.serving_model().tokenizer, item.logprobs) if item.logprobs else None
+        return GenerationChunk(content=item.text, token_ids=list(item.token_ids), model=self.model, logprobs=logprobs)
 
     def _prefix_break(self, prepared: _Prepared) -> dict[str, Any] | None:
         """``prompt_cache.prefix_break`` when the worker found the prompt broke its key's previous
@@ -642,9 +694,10 @@ class ChunkStream:
 
 
 class AsyncChunkStream:
-    """Async twin of ``ChunkStream``: ``await stream.aclose()`` cancels the request."""
+    """Async twin of ``ChunkStream``: ``await stream.aclose()`` cancels the request (each of
+    them, for a call with several answers)."""
 
-    def __init__(self, chunks: AsyncIterator[GenerationChunk], submitted: RequestStream) -> None:
+    def __init__(self, chunks: AsyncIterator[GenerationChunk], *submitted: RequestStream) -> None:
         self._chunks = chunks
         self._submitted = submitted
 
@@ -655,7 +708,8 @@ class AsyncChunkStream:
         return await self._chunks.__anext__()
 
     async def aclose(self) -> None:
-        self._submitted.close()
+        for submitted in self._submitted:
+            submitted.close()
         await self._chunks.aclose()  # type: ignore[attr-defined]
 
     async def __aenter__(self) -> "AsyncChunkStream":
@@ -807,8 +861,41 @@ def _performance(request: EngineRequest) -> dict[str, Any]:
     return out
 
 
+def _continuation_text(tokenizer: Any, prompt: str) -> str:
+    """A plain prompt as the model reads it: the tokenizer's begin-of-sequence text first (when
+    it has one and the prompt does not start with it), then the prompt as is."""
+    bos = getattr(tokenizer, "bos_token", None)
+    text = prompt if not isinstance(bos, str) or not bos or prompt.startswith(bos) else bos + prompt
+    if not text:
+        raise InvalidRequest("the prompt is empty and this model has no begin-of-sequence token", details={"field": "prompt"})
+    return text
+
+
+def _token_logprobs(tokenizer: Any, sampled: list[SampledLogprob]) -> list[TokenLogprob]:
+    """The engine's logprobs with each token's text: the chosen token's share of the answer's
+    text (they concatenate to it exactly), each alternative decoded alone."""
+
+    def text(token_id: int) -> str:
+        return str(tokenizer.decode([token_id]))
+
+    return [
+        TokenLogprob(
+            text(s.token_id) if s.text is None else s.text,
+            s.token_id,
+            s.logprob,
+            tuple(TopLogprob(text(i), i, lp) for i, lp in s.top),
+        )
+        for s in sampled
+    ]
+
+
+async def _collect(chunks: AsyncIterator[GenerationChunk]) -> list[GenerationChunk]:
+    return [chunk async for chunk in chunks]
+
+
 def _result_from_chunks(chunks: list[GenerationChunk], call: GenerationRequest) -> GenerationResult:
     final = chunks[-1]
+    asked = [c.logprobs for c in chunks if c.logprobs is not None]
     text = "".join(c.content for c in chunks)
     response_format = call.response_format
     reads_calls = bool(call.tools) and call.tool_choice.mode != "none" and response_format is None
@@ -830,4 +917,5 @@ def _result_from_chunks(chunks: list[GenerationChunk], call: GenerationRequest) 
         tool_calls=tool_calls,
         token_ids=final.token_ids,
         parsed=parsed,
+        logprobs=[entry for entries in asked for entry in entries] if asked else None,
     )

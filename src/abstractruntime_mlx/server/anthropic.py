@@ -51,7 +51,7 @@ from starlette.responses import JSONResponse, Response
 from ..errors import InvalidMedia, InvalidRequest, TokenCountUnsupported, UpstreamError
 from ..json_values import JSONObject, JSONValue
 from ..model_output import ContentPiece, OutputSplitter, ReasoningPiece, StreamPiece, ToolCallPiece, cut_off_reasoning
-from ..results import GenerationChunk, GenerationResult, stop_reason
+from ..results import GenerationChunk, GenerationResult, TokenLogprob, stop_reason
 from .calls import chat_body, serve_call
 from .dialects import anthropic_error_body, dialect_error_response, reshape_error
 from .edge import generation_request, pool_of, read_body, served_provider
@@ -469,10 +469,11 @@ class MessagesRenderer:
         start = self._message([], stop=(None, None), usage={"input_tokens": 0, "output_tokens": 0})
         return [_event("message_start", {"message": start}), _event("ping", {})]
 
-    def text(self, delta: str) -> str:
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
+        # One answer, no logprobs: this route's body asks for neither (``logprobs`` is always None).
         return "".join(self._pieces(self._splitter.feed(delta)))
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
+    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
         out = self._pieces([*self._splitter.feed(tail), *self._splitter.finish()])
         tool_use = self._splitter.num_calls > 0
         if not tool_use:

@@ -5,6 +5,7 @@ Routes (see ``docs/server.md``)::
     GET  /health                               never needs auth
     GET  /v1/models
     GET  /v1/models/execution-capabilities     ?model_name=&provider=mlx
+    GET  /v1/models/{model_id}
     POST /v1/chat/completions                  OpenAI-compatible, stream or not (chat.py)
     POST /acore/models/load                    {model, provider?, options{}}
     POST /acore/models/unload                  {model?}
@@ -232,6 +233,19 @@ async def list_models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": data})
 
 
+async def retrieve_model(request: Request) -> Response:
+    """OpenAI's model object of one model the server knows (by any name it answers to: its
+    name, an alias, a path); 404 ``model_not_found`` for any other."""
+    asked = str(request.path_params["model_id"])
+    known = pool_of(request).find(asked) if len(asked) <= MAX_MODEL_NAME_CHARS else None
+    if known is None:
+        raise ModelNotFound(f"no model {asked[:MAX_MODEL_NAME_CHARS]!r} on this server", details={"model": asked[:MAX_MODEL_NAME_CHARS]})
+    created = request.app.state.created
+    return JSONResponse(
+        {"id": known.name, "object": "model", "created": created, "owned_by": "abstractruntime-mlx", **known.to_dict()}
+    )
+
+
 async def execution_capabilities(request: Request) -> Response:
     pool = pool_of(request)
     asked = request.query_params.get("model_name") or request.query_params.get("model") or pool.default_name()
@@ -428,6 +442,7 @@ def create_app(
             ("/health", health, ["GET"]),
             ("/v1/models", list_models, ["GET"]),
             ("/v1/models/execution-capabilities", execution_capabilities, ["GET"]),
+            ("/v1/models/{model_id:path}", retrieve_model, ["GET"]),
             ("/v1/chat/completions", chat_completions, ["POST"]),
             ("/acore/models/load", load_model, ["POST"]),
             ("/acore/models/unload", unload_model, ["POST"]),

@@ -15,6 +15,7 @@ progress events, then one ``event: result`` holding the non-streamed body.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -26,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from ..errors import UpstreamError
 from ..json_values import JSONObject
 from ..request import GenerationRequest, ProgressSink
-from ..results import GenerationChunk, GenerationResult
+from ..results import GenerationChunk, GenerationResult, TokenLogprob
 from ..structured import ResponseFormat, run_schema_work
 from .edge import ServedProvider, error_response, first_item, generation_request, pool_of, progress_supported, served_provider
 from .keep_alive import parse_keep_alive
@@ -52,13 +53,15 @@ class WireRenderer(Protocol):
         ``reasoning_open``: the prompt left a think block open, the answer starts inside it."""
         ...
 
-    def text(self, delta: str) -> str:
-        """The SSE record of a text delta."""
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
+        """The SSE record of a text delta of answer ``index`` (and its tokens' logprobs, when asked)."""
         ...
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
+    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
         """The SSE records of the terminal chunk: ``tail`` is the text not written yet (the
-        terminal chunk's own included), ``text`` the whole answer."""
+        terminal chunk's own included), ``logprobs`` its tokens' (when asked), ``text`` the whole answer.
+        Also those of an answer that ends while others go on (``final.choice_finish_reason``
+        set, ``final.index`` the answer; a call with several answers)."""
         ...
 
     def ending(self) -> list[str]:
@@ -70,9 +73,13 @@ class WireRenderer(Protocol):
         ...
 
 
-async def serve_call(request: Request, body: ChatCompletionRequest, *, route: str, renderer: WireRenderer) -> Response:
+async def serve_call(
+    request: Request, body: ChatCompletionRequest, *, route: str, renderer: WireRenderer, continuation: str | None = None
+) -> Response:
     """Run ``body`` on the model it names (loaded first when it is not resident, held until the
-    answer ends); answer as ``renderer`` writes it. ``route`` names the call to the observers."""
+    answer ends); answer as ``renderer`` writes it. ``route`` names the call to the observers;
+    ``continuation``: a plain prompt the model continues without the chat template (its body's
+    one user turn holds it, for the record)."""
     keep_alive: KeepAlive = UNSET if body.keep_alive is None else parse_keep_alive(body.keep_alive)
     # A schema within the limits still takes up to about half a second to check: on the
     # schema threads, so that the loop and the other requests go on meanwhile.
@@ -80,6 +87,8 @@ async def serve_call(request: Request, body: ChatCompletionRequest, *, route: st
         None if body.response_format is None else await run_schema_work(ResponseFormat.from_openai, body.response_format)
     )
     typed = generation_request(body, response_format)
+    if continuation is not None:
+        typed = dataclasses.replace(typed, continuation=continuation)
     # The model is resident (loaded now if it was not) and held until the response ends.
     lease = await pool_of(request).acquire(body.model, keep_alive=keep_alive)
     streaming = False
@@ -157,7 +166,9 @@ async def _call_with(
 
 def _reasoning_opens(llm: ServedProvider, typed: GenerationRequest) -> bool:
     """Whether ``llm`` starts the answer to ``typed`` inside a think block (a provider without the
-    hook: its answers say so themselves, with ``<think>``)."""
+    hook: its answers say so themselves, with ``<think>``; a plain continuation has no template)."""
+    if typed.continuation is not None:
+        return False
     probe = getattr(llm, "reasoning_opens_in_prompt", None)
     return callable(probe) and probe(typed) is True
 
@@ -183,6 +194,7 @@ async def _records(
     last_write = float("-inf")  # so the first text never waits, however recent the clock's origin
     pending: list[PumpItem] = [] if first is None else [first]
     answer: list[str] = []
+    index = 0  # the answer the text gathered belongs to (a call may have several)
     finished = False
     opening = renderer.opening(model=model, reasoning_open=reasoning_open) if stream else []
     if opening:
@@ -197,25 +209,42 @@ async def _records(
                 pending.append(more)
         out: list[str] = []
         text: list[str] = []
+        logprobs: list[TokenLogprob] | None = None  # of the text gathered (None: not asked)
 
         def flush_text() -> None:
-            if text:
+            nonlocal logprobs
+            if text or logprobs:
                 joined = "".join(text)
                 answer.append(joined)
-                out.append(renderer.text(joined))
+                out.append(renderer.text(joined, logprobs, index=index))
                 text.clear()
+                logprobs = None
 
         for item in pending:
+            if isinstance(item, ChunkItem) and item.chunk.index != index:
+                flush_text()  # deltas gather per answer
+                index = item.chunk.index
             match item:
                 case ChunkItem(chunk=piece) if piece.finish_reason is None:
                     if piece.content:
                         text.append(piece.content)
+                    if piece.logprobs is not None:
+                        logprobs = [*(logprobs or ()), *piece.logprobs]
+                    if piece.choice_finish_reason is not None:  # this answer ended, others go on
+                        tail = "".join(text)
+                        text.clear()
+                        answer.append(tail)
+                        out.extend(renderer.closing(piece, tail=tail, text="".join(answer), logprobs=logprobs))
+                        logprobs = None
                 case ChunkItem(chunk=piece):
                     text.append(piece.content)
+                    if piece.logprobs is not None:
+                        logprobs = [*(logprobs or ()), *piece.logprobs]
                     tail = "".join(text)
                     text.clear()
                     answer.append(tail)
-                    out.extend(renderer.closing(piece, tail=tail, text="".join(answer)))
+                    out.extend(renderer.closing(piece, tail=tail, text="".join(answer), logprobs=logprobs))
+                    logprobs = None
                     finished = True
                     if renderer.ends_at_final:
                         out.extend(renderer.ending())

@@ -9,7 +9,10 @@ chunks (per call: one with its ``index``, ``id``, ``type`` and ``function.name``
 with ``finish_reason`` (``tool_calls`` when calls were made), ``usage`` and ``abstractcore``,
 then ``data: [DONE]``; an error after the first byte is a ``data: {"error": ...}`` record
 followed by ``[DONE]``. Calls are read (``model_output``) when tools were offered and
-``tool_choice`` is not ``none``.
+``tool_choice`` is not ``none``. With ``n`` answers every chunk names its answer in
+``choices[0].index`` and each answer is read apart (its own role chunk, reasoning, calls and
+terminal chunk); asked-for logprobs ride the chunk that sends their tokens' text (a token whose
+text is held back, as a possible marker, rides the answer's next chunk).
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ from starlette.responses import Response
 
 from ..json_values import JSONObject, JSONValue
 from ..model_output import ContentPiece, OutputSplitter, ReasoningPiece, StreamPiece, ToolCallPiece
-from ..results import GenerationChunk, GenerationResult
+from ..results import GenerationChunk, GenerationResult, TokenLogprob
 from .calls import serve_call
 from .edge import read_body
-from .schemas import ChatCompletionRequest, parse_body
+from .schemas import ChatCompletionRequest, parse_body, refuse_unknown
 from .sse import DONE, data_event, error_records
 from .wire import chunk_body, completion_body, new_completion_id, now_s
 
@@ -36,23 +39,27 @@ log = logging.getLogger(__name__)
 async def chat_completions(request: Request) -> Response:
     # Decoding and checking a large body (up to the body limit) takes long: off the event loop.
     body = await asyncio.to_thread(parse_body, ChatCompletionRequest, await read_body(request))
-    unknown = body.unknown_fields()
-    if unknown:
-        log.warning("chat request: ignoring unknown field(s) %s", ", ".join(unknown))
-    return await serve_call(request, body, route="chat", renderer=ChatRenderer(reads_calls=body.reads_tool_calls()))
+    refuse_unknown(body.unknown_fields())
+    renderer = ChatRenderer(n=body.n or 1, reads_calls=body.reads_tool_calls())
+    return await serve_call(request, body, route="chat", renderer=renderer)
 
 
 class ChatRenderer:
-    """Writes one call's answer as ``chat.completion`` objects (``calls.WireRenderer``)."""
+    """Writes one call's answer as ``chat.completion`` objects (``calls.WireRenderer``); ``n``:
+    how many answers it has (each chunk names its own in ``choices[0].index``)."""
 
     ends_at_final = False
 
-    def __init__(self, *, reads_calls: bool = False) -> None:
+    def __init__(self, *, n: int = 1, reads_calls: bool = False) -> None:
         self.completion_id = new_completion_id()
         self.created = now_s()
         self._model = ""
+        self._n = n
         self._reads_calls = reads_calls
-        self._splitter = OutputSplitter(tools=reads_calls)
+        # Each answer is read apart: its own reasoning, text and calls, and the logprobs of
+        # tokens whose text is still held back (they ride the answer's next chunk).
+        self._splitters = [OutputSplitter(tools=reads_calls) for _ in range(n)]
+        self._held: list[list[TokenLogprob] | None] = [None] * n
 
     def _chunk(
         self,
@@ -61,6 +68,8 @@ class ChatRenderer:
         finish_reason: str | None = None,
         usage: Mapping[str, int] | None = None,
         metadata: Mapping[str, JSONValue] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+        index: int = 0,
     ) -> str:
         return data_event(
             chunk_body(
@@ -71,6 +80,8 @@ class ChatRenderer:
                 finish_reason=finish_reason,
                 usage=usage,
                 metadata=metadata,
+                logprobs=logprobs,
+                index=index,
             )
         )
 
@@ -79,36 +90,51 @@ class ChatRenderer:
 
     def opening(self, *, model: str, reasoning_open: bool) -> list[str]:
         self._model = model
-        self._splitter = OutputSplitter(tools=self._reads_calls, reasoning_open=reasoning_open)
-        return [self._chunk({"role": "assistant", "content": ""})]
+        self._splitters = [OutputSplitter(tools=self._reads_calls, reasoning_open=reasoning_open) for _ in range(self._n)]
+        return [self._chunk({"role": "assistant", "content": ""}, index=i) for i in range(self._n)]
 
-    def text(self, delta: str) -> str:
-        return "".join(self._pieces(self._splitter.feed(delta)))
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
+        self._hold(index, logprobs)
+        return "".join(self._pieces(self._splitters[index].feed(delta), index))
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
-        pieces = [*self._splitter.feed(tail), *self._splitter.finish()]
+    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
+        index = final.index
+        splitter = self._splitters[index]
+        self._hold(index, logprobs)
+        pieces = [*splitter.feed(tail), *splitter.finish()]
         # Trailing answer text rides on the terminal chunk.
         last: JSONObject = {}
         if pieces and isinstance(trailing := pieces[-1], ContentPiece):
             last = {"content": trailing.text}
             pieces.pop()
-        finish = final.finish_reason
-        if self._splitter.num_calls and finish == "stop":
+        finish = final.finish_reason or final.choice_finish_reason
+        if splitter.num_calls and finish == "stop":
             finish = "tool_calls"
-        return [*self._pieces(pieces), self._chunk(last, finish_reason=finish, usage=final.usage, metadata=final.metadata)]
+        out = self._pieces(pieces, index)
+        held, self._held[index] = self._held[index], None
+        out.append(
+            self._chunk(last, finish_reason=finish, usage=final.usage, metadata=final.metadata, logprobs=held, index=index)
+        )
+        return out
 
-    def _pieces(self, pieces: list[StreamPiece]) -> list[str]:
+    def _hold(self, index: int, logprobs: list[TokenLogprob] | None) -> None:
+        if logprobs is not None:
+            self._held[index] = [*(self._held[index] or ()), *logprobs]
+
+    def _pieces(self, pieces: list[StreamPiece], index: int) -> list[str]:
         out: list[str] = []
         for piece in pieces:
+            held, self._held[index] = self._held[index], None
             match piece:
                 case ReasoningPiece(text=text):
-                    out.append(self._chunk({"reasoning_content": text}))
+                    out.append(self._chunk({"reasoning_content": text}, logprobs=held, index=index))
                 case ContentPiece(text=text):
-                    out.append(self._chunk({"content": text}))
-                case ToolCallPiece(index=index, call_id=call_id, call=call):
-                    head: JSONObject = {"index": index, "id": call_id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-                    out.append(self._chunk({"tool_calls": [head]}))
-                    out.append(self._chunk({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}))
+                    out.append(self._chunk({"content": text}, logprobs=held, index=index))
+                case ToolCallPiece(index=call, call_id=call_id, call=parsed):
+                    head: JSONObject = {"index": call, "id": call_id, "type": "function", "function": {"name": parsed.name, "arguments": ""}}
+                    out.append(self._chunk({"tool_calls": [head]}, logprobs=held, index=index))
+                    arguments: JSONObject = {"index": call, "function": {"arguments": parsed.arguments}}
+                    out.append(self._chunk({"tool_calls": [arguments]}, index=index))
         return out
 
     def ending(self) -> list[str]:

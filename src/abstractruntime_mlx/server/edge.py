@@ -123,6 +123,8 @@ def generation_request(body: ChatCompletionRequest, response_format: ResponseFor
         thinking=body.thinking_said(),
         speculation=body.speculation,
         response_format=response_format,
+        logprobs=body.logprobs_asked(),
+        n=body.n,
         prompt_cache_key=body.prompt_cache_key,
     )
 

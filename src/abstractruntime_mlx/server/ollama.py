@@ -47,7 +47,7 @@ from ..errors import InvalidMedia, InvalidRequest, ModelNotFound
 from ..image_types import sniff_image_type
 from ..json_values import JSONObject, JSONValue
 from ..model_output import ContentPiece, OutputSplitter, ReasoningPiece, StreamPiece, ToolCallPiece, cut_off_reasoning
-from ..results import GenerationChunk, GenerationResult
+from ..results import GenerationChunk, GenerationResult, TokenLogprob
 from .calls import chat_body, serve_call
 from .dialects import dialect_error_response, ollama_error_body, reshape_error
 from .edge import pool_of, read_body
@@ -430,10 +430,11 @@ class OllamaRenderer:
         self._splitter = OutputSplitter(tools=self._reads_calls, reasoning_open=reasoning_open)
         return []
 
-    def text(self, delta: str) -> str:
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
+        # One answer, no logprobs: this route's body asks for neither (``logprobs`` is always None).
         return "".join(self._lines(self._splitter.feed(delta)))
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
+    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
         pieces = [*self._splitter.feed(tail), *self._splitter.finish()]
         done = self._stats(self._object("", done=True), final.finish_reason, final.usage, final.metadata)
         return [*self._lines(pieces), _line(done)]

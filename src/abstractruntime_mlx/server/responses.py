@@ -9,13 +9,16 @@ The body becomes a chat body (``calls.chat_body``) and runs as a chat call does:
   the OpenAI SDK), with the chat route's rules and errors;
 - ``text.format``: ``{"type": "json_schema", "name", "schema"}`` asks for a structured answer
   (the chat route's ``response_format``), ``{"type": "json_object"}`` for any JSON object;
+- ``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` (0..20): the answer's
+  token logprobs on its ``output_text`` part and on its text delta events (the chat route's);
 - ``tools``: function tools (``{"type": "function", "name", "description", "parameters"}``) and
   ``tool_choice`` (``auto`` / ``none`` / ``required`` / ``{"type": "function", "name"}``), with
   the chat route's rules (``invalid_tools`` naming the field); ``function_call`` and
   ``function_call_output`` input items carry earlier calls and their results.
 
 Refused with ``invalid_request`` (400) naming the field: ``previous_response_id`` (nothing is
-stored: send the whole conversation), ``background: true``, and input items of other types.
+stored: send the whole conversation), ``background: true``, input items of other types, any
+other ``include`` value, and ``top_logprobs`` without the logprobs ``include``.
 The output: a ``reasoning`` item when the model thought, a ``message`` item (left out when the
 answer is only calls), then one ``function_call`` item per call. A stream sends the Responses
 events (``response.created`` ... ``response.reasoning_text.delta`` ...
@@ -23,7 +26,10 @@ events (``response.created`` ... ``response.reasoning_text.delta`` ...
 ``response.completed``, or ``response.incomplete`` when the output cap cut the answer), each
 item opened (``response.output_item.added``) when its first piece is ready and closed
 (``response.output_item.done``) before the next one opens; a failure after the first byte is an
-``error`` event holding ``{"error": {...}}``.
+``error`` event holding ``{"error": {...}}``. Asked-for logprobs cover every generated token
+(thinking and call text included) and ride the message: an ``output_text.delta`` carries those
+of the tokens since the previous one, the message's ``output_text`` part all of them (in a
+stream: those up to its end, when calls follow it).
 """
 
 from __future__ import annotations
@@ -41,20 +47,21 @@ from starlette.responses import Response
 from ..errors import InvalidRequest
 from ..json_values import JSONObject, JSONValue
 from ..model_output import ContentPiece, OutputSplitter, ReasoningPiece, StreamPiece, ToolCallPiece
-from ..results import GenerationChunk, GenerationResult
+from ..results import GenerationChunk, GenerationResult, TokenLogprob
 from ..tools import check_tools
 from .edge import read_body
 from .calls import chat_body, serve_call
 from .schemas import FiniteFloat, ModelName, StreamOptions, parse_body
 from .sse import named_event
-from .wire import error_payload, with_usage_and_block
+from .wire import error_payload, logprob_entries, with_usage_and_block
 
 log = logging.getLogger(__name__)
 
 TOLERATED_FIELDS = frozenset(
-    {"user", "metadata", "store", "service_tier", "truncation", "parallel_tool_calls", "include",
-     "top_logprobs", "safety_identifier", "prompt_cache_retention", "max_tool_calls"}
+    {"user", "metadata", "store", "service_tier", "truncation", "parallel_tool_calls",
+     "safety_identifier", "prompt_cache_retention", "max_tool_calls"}
 )
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text"}
 
 
@@ -92,9 +99,26 @@ class ResponsesRequest(BaseModel):
     speculation: object = None
     thinking: object = None
     keep_alive: object = None  # as on chat: how long the model stays resident once idle
+    include: list[StrictStr] | None = None
+    top_logprobs: StrictInt | None = None
 
     def unknown_fields(self) -> list[str]:
         return sorted(k for k in (self.model_extra or {}) if k not in TOLERATED_FIELDS)
+
+    def logprobs_asked(self) -> int | None:
+        """The alternatives per token asked with the logprobs ``include`` (None: no logprobs);
+        another ``include`` value, or ``top_logprobs`` without it, is a 400 naming the field."""
+        included = self.include or []
+        for index, value in enumerate(included):
+            if value != LOGPROBS_INCLUDE:
+                raise InvalidRequest(
+                    f"include {value!r} is not supported here (only {LOGPROBS_INCLUDE!r})", details={"field": f"include.{index}"}
+                )
+        if LOGPROBS_INCLUDE not in included:
+            if self.top_logprobs is not None:
+                raise InvalidRequest(f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]", details={"field": "top_logprobs"})
+            return None
+        return 0 if self.top_logprobs is None else self.top_logprobs
 
 
 def messages_of(body: ResponsesRequest) -> list[JSONObject]:
@@ -206,6 +230,7 @@ async def create_response(request: Request) -> Response:
     tools = chat_tools(body.tools)
     if body.background:
         raise InvalidRequest("background responses are not supported (nothing is stored)", details={"field": "background"})
+    top = body.logprobs_asked()
     chat = await chat_body(
         {
             "model": body.model,
@@ -224,6 +249,8 @@ async def create_response(request: Request) -> Response:
             "keep_alive": body.keep_alive,
             "tools": tools,
             "tool_choice": body.tool_choice,
+            "logprobs": None if top is None else True,
+            "top_logprobs": top,
         }
     )
     # the body's JSON, as given (decoded from JSON, so JSON values)
@@ -237,7 +264,8 @@ async def create_response(request: Request) -> Response:
         "tools": cast(list[JSONValue], list(check_tools(body.tools))),
         "tool_choice": cast(JSONValue, body.tool_choice if body.tool_choice is not None else "auto"),
     }
-    return await serve_call(request, chat, route="responses", renderer=ResponsesRenderer(echo, reads_calls=chat.reads_tool_calls()))
+    renderer = ResponsesRenderer(echo, reads_calls=chat.reads_tool_calls(), logprobs=top is not None)
+    return await serve_call(request, chat, route="responses", renderer=renderer)
 
 
 # --------------------------------------------------------------------------- wire
@@ -262,7 +290,7 @@ class ResponsesRenderer:
 
     ends_at_final = True
 
-    def __init__(self, echo: JSONObject, *, reads_calls: bool = False) -> None:
+    def __init__(self, echo: JSONObject, *, reads_calls: bool = False, logprobs: bool = False) -> None:
         self.response_id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self._echo = echo
@@ -273,6 +301,9 @@ class ResponsesRenderer:
         self._output: list[JSONObject] = []  # the stream's finished items
         self._open: JSONObject | None = None  # the item being streamed
         self._open_text: list[str] = []
+        # Logprobs when asked: all streamed so far (the message's part), and those no delta carried yet.
+        self._logprobs: list[TokenLogprob] | None = [] if logprobs else None
+        self._held: list[TokenLogprob] = []
 
     def _response(self, *, status: str, output: list[JSONValue], usage: JSONObject | None, finish_reason: str | None, metadata: JSONObject | None) -> JSONObject:
         body: JSONObject = {
@@ -291,8 +322,10 @@ class ResponsesRenderer:
         return with_usage_and_block(body, usage=usage, metadata=metadata)
 
     @staticmethod
-    def _message(text: str, status: str, item_id: str | None = None) -> JSONObject:
+    def _message(text: str, status: str, item_id: str | None = None, logprobs: list[TokenLogprob] | None = None) -> JSONObject:
         part: JSONObject = {"type": "output_text", "text": text, "annotations": []}
+        if logprobs is not None:
+            part["logprobs"] = logprob_entries(logprobs)
         return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant", "content": [part]}
 
     @staticmethod
@@ -316,7 +349,7 @@ class ResponsesRenderer:
             output.append(self._reasoning(result.reasoning))
         calls = result.tool_calls or []
         if result.content or not calls:
-            output.append(self._message(result.content, "completed"))
+            output.append(self._message(result.content, "completed", logprobs=None if self._logprobs is None else result.logprobs or []))
         for call in calls:
             fn = call.get("function")
             assert isinstance(fn, dict)
@@ -336,10 +369,12 @@ class ResponsesRenderer:
         started = self._response(status="in_progress", output=[], usage=None, finish_reason=None, metadata=None)
         return [self._event("response.created", {"response": started}), self._event("response.in_progress", {"response": started})]
 
-    def text(self, delta: str) -> str:
+    def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
+        self._hold(logprobs)
         return "".join(self._pieces(self._splitter.feed(delta)))
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str) -> list[str]:
+    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
+        self._hold(logprobs)
         records = self._pieces([*self._splitter.feed(tail), *self._splitter.finish()])
         if not self._output and self._open is None or self._open is not None and self._open["type"] == "reasoning" and not self._splitter.num_calls:
             records.extend(self._begin("message"))  # every answer has its message, empty or not
@@ -351,6 +386,16 @@ class ResponsesRenderer:
         )
         return [*records, self._event(f"response.{status}", {"response": done})]
 
+    def _hold(self, logprobs: list[TokenLogprob] | None) -> None:
+        if self._logprobs is not None and logprobs:
+            self._logprobs.extend(logprobs)
+            self._held.extend(logprobs)
+
+    def _delta(self, text: str) -> str:
+        """An ``output_text.delta`` of the open message, with the logprobs no delta carried yet."""
+        held, self._held = self._held, []
+        return self._event("response.output_text.delta", {**self._place(), "delta": text, "logprobs": logprob_entries(held)})
+
     def _pieces(self, pieces: list[StreamPiece]) -> list[str]:
         out: list[str] = []
         for piece in pieces:
@@ -361,7 +406,7 @@ class ResponsesRenderer:
                     self._open_text.append(text)
                 case ContentPiece(text=text):
                     out.extend(self._begin("message"))
-                    out.append(self._event("response.output_text.delta", {**self._place(), "delta": text, "logprobs": []}))
+                    out.append(self._delta(text))
                     self._open_text.append(text)
                 case ToolCallPiece(call_id=call_id, call=call):
                     out.extend(self._end())
@@ -405,9 +450,12 @@ class ResponsesRenderer:
             done = self._reasoning(text, str(item["id"]))
             out.append(self._event("response.reasoning_text.done", {**place, "text": text}))
         else:
-            done = self._message(text, "completed", str(item["id"]))
+            if self._held:  # tokens whose text no delta sent (thinking, a held-back tail)
+                out.append(self._delta(""))
+            done = self._message(text, "completed", str(item["id"]), self._logprobs)
             part: JSONObject = {"type": "output_text", "text": text, "annotations": []}
-            out.append(self._event("response.output_text.done", {**place, "text": text, "logprobs": []}))
+            entries = logprob_entries(self._logprobs or [])
+            out.append(self._event("response.output_text.done", {**place, "text": text, "logprobs": entries}))
             out.append(self._event("response.content_part.done", {**place, "part": part}))
         out.append(self._event("response.output_item.done", {"output_index": len(self._output), "item": done}))
         self._output.append(done)

@@ -3,8 +3,8 @@
 The chat body follows OpenAI's ``/v1/chat/completions`` plus AbstractCore's additive
 controls (``speculation``, ``thinking``, ``prompt_cache_key`` ...). OpenAI clients send fields
 this server has no use for (``user``, ``tool_choice`` ...): those in ``TOLERATED_CHAT_FIELDS``
-are accepted and dropped by name; any other unknown field is reported in a warning log line
-naming it, never dropped silently. Our own routes (``/acore/*``) forbid unknown fields.
+are accepted and dropped by name; any other unknown field is a 400 naming it
+(``refuse_unknown``), never dropped silently. Our own routes (``/acore/*``) forbid unknown fields.
 
 ``parse_body(model, raw)`` turns every bad body into ``InvalidRequest`` (400) whose message
 and ``details.field`` name the offending field: invalid JSON, JSON nested deeper than
@@ -36,7 +36,7 @@ from pydantic import (
 
 from ..controls import parse_speculation_option
 from ..errors import InvalidRequest
-from ..request import MAX_PROMPT_CACHE_KEY_CHARS
+from ..request import MAX_PROMPT_CACHE_KEY_CHARS, check_logprobs
 
 MAX_JSON_DEPTH: Final = 64
 """Deepest nesting of objects and arrays a body may have (tool schemas need far less)."""
@@ -155,10 +155,13 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt | None = Field(default=None, ge=1, le=1)
+    n: StrictInt | None = None  # answers asked for: 1..MAX_CHOICES (``request.check_choices``)
     max_tokens: StrictInt | None = None
     max_output_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
+    # OpenAI's: each generated token's logprob, with ``top_logprobs`` alternatives (0..20).
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
 
     # AbstractCore controls
     # Validated by ``controls.normalize_speculation`` / ``normalize_thinking`` (every accepted form).
@@ -181,6 +184,15 @@ class ChatCompletionRequest(SamplingFields):
         """Extra top-level fields that are neither known nor tolerated (for the warning)."""
         extra = self.model_extra or {}
         return sorted(k for k in extra if k not in TOLERATED_CHAT_FIELDS)
+
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives per token the body asks for with its logprobs (None: no
+        logprobs); ``top_logprobs`` without ``logprobs: true`` is refused, as OpenAI refuses it."""
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise InvalidRequest("top_logprobs needs logprobs: true", details={"field": "top_logprobs"})
+            return None
+        return check_logprobs(0 if self.top_logprobs is None else self.top_logprobs, field="top_logprobs")
 
     def reads_tool_calls(self) -> bool:
         """Whether the answer is read for tool calls: tools offered, ``tool_choice`` not ``none``."""
@@ -267,6 +279,16 @@ class PromptCacheKeyMetaRequest(BaseModel):
 
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def refuse_unknown(fields: list[str]) -> None:
+    """A body's fields this route neither uses nor tolerates are a 400 naming them (the
+    first in ``details.field``, all in ``details.fields``): never dropped silently."""
+    if fields:
+        raise InvalidRequest(
+            f"unsupported request field(s): {', '.join(fields)}",
+            details={"field": fields[0], "fields": list(fields)},
+        )
 
 
 def parse_body(model: type[M], raw: bytes) -> M:

@@ -186,7 +186,7 @@ class LedgerCall:
     def chunk(self, chunk: GenerationChunk) -> None:
         if chunk.finish_reason is not None:
             self._final = chunk
-        if chunk.content:
+        if chunk.content and chunk.index == 0:  # several answers (``n``): the first is recorded
             self._text.append(chunk.content)
 
     def result(self, result: GenerationResult) -> None:

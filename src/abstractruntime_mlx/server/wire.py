@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from ..errors import MLXRuntimeError
-from ..results import WIRE_METADATA_KEYS, GenerationChunk, GenerationResult, stop_reason
+from ..results import WIRE_METADATA_KEYS, GenerationChunk, GenerationResult, TokenLogprob, stop_reason
 from ..json_values import JSONObject, JSONValue
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,18 @@ def abstractcore_block(metadata: Mapping[str, JSONValue] | None) -> JSONObject |
 
 
 def completion_body(result: GenerationResult, *, completion_id: str, model: str, created: int) -> JSONObject:
+    """A ``chat.completion``: one choice per answer (``result.choices``, else the result)."""
+    body: JSONObject = {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [_chat_choice(one, index) for index, one in enumerate(result.choices or [result])],
+    }
+    return with_usage_and_block(body, usage=usage_to_wire(result.usage), metadata=result.metadata)
+
+
+def _chat_choice(result: GenerationResult, index: int) -> JSONObject:
     # An answer that is only tool calls has no content (``null``), as OpenAI's.
     content = None if result.tool_calls and not result.content else result.content
     message: JSONObject = {"role": "assistant", "content": content}
@@ -70,14 +82,47 @@ def completion_body(result: GenerationResult, *, completion_id: str, model: str,
         message["reasoning"] = result.reasoning
     if result.tool_calls:
         message["tool_calls"] = format_tool_calls(result.tool_calls)
-    body: JSONObject = {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [finished_choice({"index": 0, "message": message}, result.finish_reason or "stop", result.metadata)],
+    choice: JSONObject = {
+        "index": index,
+        "message": message,
+        "logprobs": None if result.logprobs is None else chat_logprobs(result.logprobs),
     }
-    return with_usage_and_block(body, usage=usage_to_wire(result.usage), metadata=result.metadata)
+    return finished_choice(choice, result.finish_reason or "stop", result.metadata)
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> JSONObject:
+    """OpenAI chat's ``choices[].logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    return {"content": logprob_entries(entries)}
+
+
+def logprob_entries(entries: Sequence[TokenLogprob]) -> list[JSONValue]:
+    """``[{token, logprob, bytes, top_logprobs}]``: chat's ``logprobs.content`` and the Responses
+    API's ``output_text`` ``logprobs``."""
+    return [
+        {**_logprob_entry(e.token, e.logprob), "top_logprobs": [_logprob_entry(t.token, t.logprob) for t in e.top]}
+        for e in entries
+    ]
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], *, offset: int) -> tuple[JSONObject, int]:
+    """The legacy completions' ``choices[].logprobs`` (``tokens``, ``token_logprobs``,
+    ``top_logprobs`` as ``{token: logprob}``, ``text_offset``: each token's character offset in
+    the choice's text, counted from ``offset``) and the offset after the last token."""
+    offsets: list[JSONValue] = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    body: JSONObject = {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+    return body, offset
+
+
+def _logprob_entry(token: str, logprob: float) -> JSONObject:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace"))}
 
 
 def chunk_body(
@@ -89,13 +134,18 @@ def chunk_body(
     finish_reason: str | None = None,
     usage: Mapping[str, int] | None = None,
     metadata: Mapping[str, JSONValue] | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
+    index: int = 0,
 ) -> JSONObject:
+    choice: JSONObject = {"index": index, "delta": delta}
+    if logprobs:
+        choice["logprobs"] = chat_logprobs(logprobs)
     body: JSONObject = {
         "id": completion_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [finished_choice({"index": 0, "delta": delta}, finish_reason, metadata)],
+        "choices": [finished_choice(choice, finish_reason, metadata)],
     }
     return with_usage_and_block(body, usage=usage_to_wire(usage), metadata=metadata)
 
