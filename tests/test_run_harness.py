@@ -3,6 +3,7 @@ test stops or kills while its second LLM node runs, and stopping that driver bet
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sqlite3
@@ -33,6 +34,19 @@ def slow_chain(flow_id: str, *, slow_tokens: int) -> dict[str, Any]:
     }
 
 
+def wait_until_stopped(pid: int) -> None:
+    """Wait until every thread of ``pid`` is stopped (state ``T`` in ``/proc``)."""
+    for _ in range(10_000):
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(state in ("T", "t", "Z", "X") for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop")
+
+
 def stop_outside_a_write(proc: subprocess.Popen[Any], ledger: Path | None) -> None:
     """SIGSTOP ``proc`` at a moment it holds no write transaction on the SQLite file ``ledger``
     (a process stopped inside one keeps every other writer of the file waiting; it writes phase
@@ -41,6 +55,9 @@ def stop_outside_a_write(proc: subprocess.Popen[Any], ledger: Path | None) -> No
         os.kill(proc.pid, signal.SIGSTOP)
         if ledger is None:
             return
+        # kill() returns before the signal lands: probe only once the process is stopped, or it
+        # may still open a write after the probe and be stopped inside it
+        wait_until_stopped(proc.pid)
         db = sqlite3.connect(ledger, timeout=0, isolation_level=None)
         try:
             db.execute("BEGIN IMMEDIATE")
