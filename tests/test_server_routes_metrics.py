@@ -132,6 +132,16 @@ def test_responses_bad_inputs_are_typed(served: dict[str, Any], body: dict[str, 
     assert error["details"]["field"] == field
 
 
+def test_responses_unknown_fields_are_refused_by_name(served: dict[str, Any]) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        served["client"].responses.create(model=served["model"], input="x", extra_body={"zeta": 1, "frobnicate": True})
+    error = caught.value.body
+    assert error["code"] == "invalid_request"
+    assert error["details"] == {"field": "frobnicate", "fields": ["frobnicate", "zeta"]}
+    # a tolerated field still answers
+    assert served["client"].responses.create(model=served["model"], input="x", max_output_tokens=2, user="u1").status
+
+
 def test_responses_bad_controls_and_unknown_model(served: dict[str, Any]) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         served["client"].responses.create(model=served["model"], input="x", extra_body={"speculation": "sometimes"})

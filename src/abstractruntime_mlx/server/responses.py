@@ -18,7 +18,8 @@ The body becomes a chat body (``calls.chat_body``) and runs as a chat call does:
 
 Refused with ``invalid_request`` (400) naming the field: ``previous_response_id`` (nothing is
 stored: send the whole conversation), ``background: true``, input items of other types, any
-other ``include`` value, and ``top_logprobs`` without the logprobs ``include``.
+other ``include`` value, ``top_logprobs`` without the logprobs ``include``, and any field that is
+neither used nor in ``TOLERATED_FIELDS`` (``details.fields`` lists them all).
 The output: a ``reasoning`` item when the model thought, a ``message`` item (left out when the
 answer is only calls), then one ``function_call`` item per call. A stream sends the Responses
 events (``response.created`` ... ``response.reasoning_text.delta`` ...
@@ -35,7 +36,6 @@ stream: those up to its end, when calls follow it).
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from typing import Literal, cast
@@ -51,11 +51,10 @@ from ..results import GenerationChunk, GenerationResult, TokenLogprob
 from ..tools import check_tools
 from .edge import read_body
 from .calls import chat_body, serve_call
-from .schemas import FiniteFloat, ModelName, StreamOptions, parse_body
+from .schemas import FiniteFloat, ModelName, StreamOptions, parse_body, refuse_unknown
 from .sse import named_event
 from .wire import error_payload, logprob_entries, with_usage_and_block
 
-log = logging.getLogger(__name__)
 
 TOLERATED_FIELDS = frozenset(
     {"user", "metadata", "store", "service_tier", "truncation", "parallel_tool_calls",
@@ -219,9 +218,7 @@ def response_format_of(text: TextOptions | None) -> JSONObject | None:
 
 async def create_response(request: Request) -> Response:
     body = await asyncio.to_thread(parse_body, ResponsesRequest, await read_body(request))
-    unknown = body.unknown_fields()
-    if unknown:
-        log.warning("responses request: ignoring unknown field(s) %s", ", ".join(unknown))
+    refuse_unknown(body.unknown_fields())
     if body.previous_response_id is not None:
         raise InvalidRequest(
             "previous_response_id is not supported: this server stores no responses; send the whole conversation in input",
