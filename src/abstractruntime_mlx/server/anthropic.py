@@ -41,7 +41,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
@@ -53,7 +53,7 @@ from ..json_values import JSONObject, JSONValue
 from ..model_output import ContentPiece, OutputSplitter, ReasoningPiece, StreamPiece, ToolCallPiece, cut_off_reasoning
 from ..results import GenerationChunk, GenerationResult, TokenLogprob, stop_reason
 from .calls import chat_body, serve_call
-from .dialects import anthropic_error_body, dialect_error_response, reshape_error
+from .dialects import anthropic_error_body, dialect_route
 from .edge import generation_request, pool_of, read_body, served_provider
 from .pool import UNSET
 from .schemas import MAX_MESSAGES, FiniteFloat, ModelName, parse_body
@@ -296,21 +296,7 @@ def _json(value: Mapping[str, object]) -> JSONObject:
 # --------------------------------------------------------------------------- route
 
 
-def anthropic_route(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """``endpoint`` with every failure in Anthropic's error shape."""
-
-    async def run(request: Request) -> Response:
-        try:
-            response = await endpoint(request)
-        except Exception as exc:  # noqa: BLE001 - unexpected ones are logged by error_payload
-            return dialect_error_response(request.url.path, exc)
-        return reshape_error(request.url.path, response)
-
-    run.__name__ = getattr(endpoint, "__name__", "endpoint")
-    return run
-
-
-@anthropic_route
+@dialect_route
 async def create_message(request: Request) -> Response:
     body = await asyncio.to_thread(parse_body, MessagesRequest, await read_body(request))
     unknown = body.unknown_fields()
@@ -338,7 +324,7 @@ async def create_message(request: Request) -> Response:
     return await serve_call(request, chat, route="messages", renderer=MessagesRenderer(reads_calls=chat.reads_tool_calls()))
 
 
-@anthropic_route
+@dialect_route
 async def count_tokens(request: Request) -> Response:
     """``{"input_tokens": N}``: the prompt tokens ``/v1/messages`` would be given for this body
     (system, messages and tools through the chat template; nothing is generated)."""

@@ -10,9 +10,10 @@ every shape; the HTTP status is the same in all three.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..json_values import JSONObject, JSONValue
@@ -85,3 +86,17 @@ def reshape_error(path: str, response: Response) -> Response:
     if not isinstance(payload, dict) or "error" not in payload:
         return response
     return JSONResponse(error_body_for(path, response.status_code, payload), status_code=response.status_code)
+
+
+def dialect_route(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """``endpoint`` with every failure in its route family's error shape (Anthropic's or Ollama's, by path)."""
+
+    async def run(request: Request) -> Response:
+        try:
+            response = await endpoint(request)
+        except Exception as exc:  # noqa: BLE001 - unexpected ones are logged by error_payload
+            return dialect_error_response(request.url.path, exc)
+        return reshape_error(request.url.path, response)
+
+    run.__name__ = getattr(endpoint, "__name__", "endpoint")
+    return run

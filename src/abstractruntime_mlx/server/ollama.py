@@ -34,7 +34,7 @@ import binascii
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Final, Literal
 
@@ -49,7 +49,7 @@ from ..json_values import JSONObject, JSONValue
 from ..model_output import ContentPiece, OutputSplitter, ReasoningPiece, StreamPiece, ToolCallPiece, cut_off_reasoning
 from ..results import GenerationChunk, GenerationResult, TokenLogprob
 from .calls import chat_body, serve_call
-from .dialects import dialect_error_response, ollama_error_body, reshape_error
+from .dialects import dialect_route, ollama_error_body
 from .edge import pool_of, read_body
 from .keep_alive import parse_keep_alive
 from .pool import UNSET, KeepAlive, ResidentModel
@@ -226,20 +226,6 @@ def _call_fields(body: _Common, messages: list[JSONObject]) -> dict[str, object]
 # --------------------------------------------------------------------------- routes
 
 
-def ollama_route(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """``endpoint`` with every failure in Ollama's error shape."""
-
-    async def run(request: Request) -> Response:
-        try:
-            response = await endpoint(request)
-        except Exception as exc:  # noqa: BLE001 - unexpected ones are logged by error_payload
-            return dialect_error_response(request.url.path, exc)
-        return reshape_error(request.url.path, response)
-
-    run.__name__ = getattr(endpoint, "__name__", "endpoint")
-    return run
-
-
 async def _serve(request: Request, body: _Common, fields: dict[str, object], *, kind: Literal["chat", "generate"]) -> Response:
     started = time.perf_counter()
     unknown = body.unknown_fields()
@@ -258,14 +244,14 @@ async def _serve(request: Request, body: _Common, fields: dict[str, object], *, 
     return response
 
 
-@ollama_route
+@dialect_route
 async def ollama_chat(request: Request) -> Response:
     body = await asyncio.to_thread(parse_body, ChatRequest, await read_body(request))
     fields = {**_call_fields(body, chat_messages(body)), "tools": body.tools}
     return await _serve(request, body, fields, kind="chat")
 
 
-@ollama_route
+@dialect_route
 async def ollama_generate(request: Request) -> Response:
     body = await asyncio.to_thread(parse_body, GenerateRequest, await read_body(request))
     if not body.prompt and not body.images:
@@ -303,12 +289,12 @@ def _model_entry(model: ResidentModel) -> JSONObject:
     return entry
 
 
-@ollama_route
+@dialect_route
 async def ollama_tags(request: Request) -> Response:
     return JSONResponse({"models": [_model_entry(m) for m in pool_of(request).models()]})
 
 
-@ollama_route
+@dialect_route
 async def ollama_ps(request: Request) -> Response:
     now = datetime.now(timezone.utc)
     models: list[JSONValue] = []
@@ -323,7 +309,7 @@ async def ollama_ps(request: Request) -> Response:
     return JSONResponse({"models": models})
 
 
-@ollama_route
+@dialect_route
 async def ollama_show(request: Request) -> Response:
     body = await asyncio.to_thread(parse_body, ShowRequest, await read_body(request))
     name = body.model or body.name
@@ -336,7 +322,7 @@ async def ollama_show(request: Request) -> Response:
     return JSONResponse({"details": _details(), "model_info": info, "capabilities": ["completion"], "parameters": "", "template": ""})
 
 
-@ollama_route
+@dialect_route
 async def ollama_version(request: Request) -> Response:
     return JSONResponse({"version": __version__})
 
