@@ -4,50 +4,25 @@ access-log line per request (``--log-level info``), and ``--ledger`` recording t
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from test_server_harness import start_serve
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_serve_logs_loads_and_requests_and_records_them(dense_model: str, tmp_path: Path) -> None:
     from abstractruntime_mlx.ledger import Ledger, sqlite_url
     from abstractruntime_mlx.server.serve_ledger import session_run_id
 
-    port, ledger_path = free_port(), tmp_path / "served.sqlite"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    cmd = [
-        sys.executable, "-m", "abstractruntime_mlx.cli.main", "serve", "--model", f"tiny={dense_model}",
-        "--port", str(port), "--log-level", "info", "--ledger", str(ledger_path),
-    ]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
+    ledger_path = tmp_path / "served.sqlite"
+    args = ["--model", f"tiny={dense_model}", "--log-level", "info", "--ledger", str(ledger_path)]
+    proc, url = start_serve(args, tmp_path, stdout=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
         with httpx.Client(base_url=url, timeout=60, headers={"X-Session-Affinity": "s-1"}) as http:
             ok = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
             bad = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1})

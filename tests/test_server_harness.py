@@ -1,16 +1,24 @@
 """Helpers shared by the HTTP tests (no tests here): a uvicorn server on a free loopback port
-in a background thread, a scripted fake provider, and small image builders."""
+in a background thread, the real ``serve`` command in a subprocess, a scripted fake provider,
+and small image builders."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+import httpx
 
 import uvicorn
 
@@ -38,6 +46,35 @@ def serve_in_thread(app: Any, **options: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=20)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_serve(args: list[str], tmp_path: Path, *, stdout: int = subprocess.DEVNULL) -> tuple[subprocess.Popen[str], str]:
+    """``abstractruntime-mlx serve ARGS`` in a subprocess on a free loopback port (stderr piped),
+    returned with its URL once ``/health`` answers; the caller stops it."""
+    port = free_port()
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "abstractruntime_mlx.cli.main", "serve", *args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=stdout, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() >= deadline:
+            proc.kill()
+            _, err = proc.communicate(timeout=60)
+            raise AssertionError(f"serve never answered /health: {err}")
+        time.sleep(0.2)
 
 
 def engine_stats(llm: Any) -> dict[str, Any]:

@@ -6,10 +6,7 @@ unreachable receiver, a URL that is not http, an error status, the missing extra
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +24,7 @@ from abstractruntime_mlx.ledger import Ledger, sqlite_url
 from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.traces import export_request, trace_id_of, tree_spans
 from abstractruntime_mlx.traces.otlp import protobuf_body
+from test_server_harness import free_port, start_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWS = ROOT / "tests" / "flows"
@@ -142,12 +140,6 @@ def receiver() -> Iterator[Receiver]:
     server.shutdown()
     server.server_close()
     thread.join(timeout=5)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -329,21 +321,8 @@ def test_run_sends_spans_live_and_an_unreachable_receiver_only_warns(receiver, c
 
 @pytest.mark.slow
 def test_serve_sends_each_call_as_spans(receiver, dense_model, tmp_path) -> None:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    cmd = [sys.executable, "-m", "abstractruntime_mlx.cli.main", "serve", "--model", f"tiny={dense_model}", "--port", str(port), "--otlp", receiver.url]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_serve(["--model", f"tiny={dense_model}", "--otlp", receiver.url], tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
         reply = httpx.post(
             f"{url}/v1/chat/completions", timeout=60,
             json={"model": "tiny", "max_tokens": 3, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]},
