@@ -43,7 +43,16 @@ from pathlib import Path
 from typing import Any
 
 MAX_NEW = 16
-TOOL_NAMES = ["list_files", "read_file", "write_file", "edit_file", "search_files", "run_tests", "fetch_issue", "post_comment"]
+TOOL_NAMES = [
+    "list_files",
+    "read_file",
+    "write_file",
+    "edit_file",
+    "search_files",
+    "run_tests",
+    "fetch_issue",
+    "post_comment",
+]
 RULES = [
     "Think about which tool moves the task forward, call exactly one tool, then wait for its observation.",
     "Never invent an observation: only the tool's own output tells you what happened.",
@@ -97,14 +106,25 @@ def observation(session: int, turn: int, lines: int) -> str:
     return "".join(OBSERVATION.format(n=turn * 100 + k, r=k % 5, s=session, t=(session + k) % 7) for k in range(lines))
 
 
-def run_session(generate: Any, session: int, system: str, tool_schema: list[dict[str, Any]], *, turns: int, key: str | None, obs_lines: int) -> list[dict[str, Any]]:
+def run_session(
+    generate: Any,
+    session: int,
+    system: str,
+    tool_schema: list[dict[str, Any]],
+    *,
+    turns: int,
+    key: str | None,
+    obs_lines: int,
+) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": system},
         {"role": "user", "content": f"Task {session}: find why handler_{session} times out and fix it."},
     ]
     rows = []
     for turn in range(turns):
-        kwargs: dict[str, Any] = dict(messages=messages, tools=tool_schema, max_output_tokens=MAX_NEW, temperature=0, thinking=False)
+        kwargs: dict[str, Any] = dict(
+            messages=messages, tools=tool_schema, max_output_tokens=MAX_NEW, temperature=0, thinking=False
+        )
         if key is not None:
             kwargs["prompt_cache_key"] = key
         result = generate(**kwargs)
@@ -127,7 +147,17 @@ def run_session(generate: Any, session: int, system: str, tool_schema: list[dict
     return rows
 
 
-def run_phase(generate: Any, sessions: int, system: str, tool_schema: list[dict[str, Any]], *, turns: int, reuse: bool, label: str, obs_lines: int) -> dict[str, Any]:
+def run_phase(
+    generate: Any,
+    sessions: int,
+    system: str,
+    tool_schema: list[dict[str, Any]],
+    *,
+    turns: int,
+    reuse: bool,
+    label: str,
+    obs_lines: int,
+) -> dict[str, Any]:
     results: list[list[dict[str, Any]]] = [[] for _ in range(sessions)]
     start = threading.Barrier(sessions)
     errors: list[BaseException] = []
@@ -135,7 +165,15 @@ def run_phase(generate: Any, sessions: int, system: str, tool_schema: list[dict[
     def one(i: int) -> None:
         start.wait()
         try:
-            results[i] = run_session(generate, i, system, tool_schema, turns=turns, key=f"session:{label}-{i}" if reuse else None, obs_lines=obs_lines)
+            results[i] = run_session(
+                generate,
+                i,
+                system,
+                tool_schema,
+                turns=turns,
+                key=f"session:{label}-{i}" if reuse else None,
+                obs_lines=obs_lines,
+            )
         except BaseException as exc:  # noqa: BLE001 - reported after the phase
             errors.append(exc)
 
@@ -165,7 +203,9 @@ def summarize(off: dict[str, Any], on: dict[str, Any], turns: int) -> dict[str, 
     firsts = sorted(rows[0]["cached_tokens"] / rows[0]["prompt_tokens"] for rows in on["sessions"])
     resident = [r["resident_bytes"] for rows in on["sessions"] for r in rows if r["resident_bytes"] is not None]
     budget = next((r["memory_max_bytes"] for rows in on["sessions"] for r in rows if r["memory_max_bytes"]), None)
-    identical = all(a["tokens"] == b["tokens"] for ra, rb in zip(off["sessions"], on["sessions"]) for a, b in zip(ra, rb))
+    identical = all(
+        a["tokens"] == b["tokens"] for ra, rb in zip(off["sessions"], on["sessions"]) for a, b in zip(ra, rb)
+    )
     return {
         "by_turn": by_turn,
         "growth_on": by_turn[-1]["ttft_on_ms"] / by_turn[1]["ttft_on_ms"] if turns > 1 else None,
@@ -183,7 +223,9 @@ def report(name: str, sessions: int, s: dict[str, Any], log: Any) -> None:
     log(f"\n{name}, {sessions} session(s):")
     log("  turn  prompt  cached   TTFT off ms   TTFT on ms   on/off")
     for row in s["by_turn"]:
-        log(f"  {row['turn']:4d}  {row['prompt_tokens']:6.0f}  {row['cached_tokens']:6.0f}   {row['ttft_off_ms']:11.1f}   {row['ttft_on_ms']:10.1f}   {row['ratio']:6.3f}")
+        log(
+            f"  {row['turn']:4d}  {row['prompt_tokens']:6.0f}  {row['cached_tokens']:6.0f}   {row['ttft_off_ms']:11.1f}   {row['ttft_on_ms']:10.1f}   {row['ratio']:6.3f}"
+        )
     later = [row["ratio"] for row in s["by_turn"][1:]]
     followers = s["first_turn_cached"][1:] if sessions > 1 else []
     checks = [
@@ -203,11 +245,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="4 turns, sessions 1 and 4, in process only")
     ap.add_argument("--turns", type=int, default=None, help="turns per session (default 8; --quick: 4)")
     ap.add_argument("--sessions", type=int, nargs="+", default=None, help="concurrencies (default 1 4 8; --quick: 1 4)")
-    ap.add_argument("--system-tokens", type=int, default=300, help="system prompt tokens before the tool schema (default 300: ~2,500 with the tools)")
-    ap.add_argument("--observation-lines", type=int, default=4, help="lines of a tool observation (default 4: ~350 new tokens a turn)")
-    ap.add_argument("--serve", action=argparse.BooleanOptionalAction, default=None, help="also through serve (default: on; --quick: off)")
-    ap.add_argument("--model", default=None, help="a checkpoint directory (default: the tiny dense-long model, built offline)")
-    ap.add_argument("--shape", choices=["0.6b", "4b"], default=None, help="build a random bf16 checkpoint of this Qwen3 shape (32k context) instead")
+    ap.add_argument(
+        "--system-tokens",
+        type=int,
+        default=300,
+        help="system prompt tokens before the tool schema (default 300: ~2,500 with the tools)",
+    )
+    ap.add_argument(
+        "--observation-lines",
+        type=int,
+        default=4,
+        help="lines of a tool observation (default 4: ~350 new tokens a turn)",
+    )
+    ap.add_argument(
+        "--serve",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also through serve (default: on; --quick: off)",
+    )
+    ap.add_argument(
+        "--model", default=None, help="a checkpoint directory (default: the tiny dense-long model, built offline)"
+    )
+    ap.add_argument(
+        "--shape",
+        choices=["0.6b", "4b"],
+        default=None,
+        help="build a random bf16 checkpoint of this Qwen3 shape (32k context) instead",
+    )
     ap.add_argument("--json", dest="json_out", default=None, help="write every figure here")
     args = ap.parse_args(argv)
     turns = args.turns or (4 if args.quick else 8)
@@ -226,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.shape:
         import _models  # bench/_models.py (``python bench/X.py`` puts bench/ first on sys.path)
 
-        model = _models.small_model(Path(scratch.name) / args.shape, shape={**_models.SHAPES[args.shape], "max_position_embeddings": 32768})
+        model = _models.small_model(
+            Path(scratch.name) / args.shape, shape={**_models.SHAPES[args.shape], "max_position_embeddings": 32768}
+        )
     else:
         model = tiny_model(Path(scratch.name) / "dense-long", kind="dense-long")
     batch = max(levels)
@@ -246,7 +312,16 @@ def main(argv: list[str] | None = None) -> int:
             system = system_prompt(label, args.system_tokens, count)
             for reuse in (False, True):
                 client.prompt_cache_clear()  # each phase starts cold (reuse off stores nothing anyway)
-                phases[reuse] = run_phase(client.generate, sessions, system, schema, turns=turns, reuse=reuse, label=label, obs_lines=args.observation_lines)
+                phases[reuse] = run_phase(
+                    client.generate,
+                    sessions,
+                    system,
+                    schema,
+                    turns=turns,
+                    reuse=reuse,
+                    label=label,
+                    obs_lines=args.observation_lines,
+                )
             summary = summarize(phases[False], phases[True], turns)
             report(name, sessions, summary, log)
             figures["runs"].append({"path": name, "sessions": sessions, **summary})

@@ -52,7 +52,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},
     "small": {
@@ -85,9 +84,24 @@ BUILDER_VERSION = 1
 DEPTHS = (1, 2, 3)
 POLICIES = ("load_aware", "fixed_cohorts", "mtp_off")
 TOPICS = (
-    "TTL caches", "LRU caches", "prefix caches", "batching", "speculative decoding", "KV caches",
-    "tokenizers", "attention", "recurrent state", "chat templates", "greedy decoding", "beam search",
-    "quantization", "rope scaling", "continuous batching", "prefill", "stop strings", "sampling",
+    "TTL caches",
+    "LRU caches",
+    "prefix caches",
+    "batching",
+    "speculative decoding",
+    "KV caches",
+    "tokenizers",
+    "attention",
+    "recurrent state",
+    "chat templates",
+    "greedy decoding",
+    "beam search",
+    "quantization",
+    "rope scaling",
+    "continuous batching",
+    "prefill",
+    "stop strings",
+    "sampling",
 )
 
 
@@ -96,7 +110,14 @@ TOPICS = (
 
 def hybrid_model(path: Path, *, shape: str, alpha: float, dtype: str, seed: int = 0) -> Path:
     """Build (or reuse) an aligned hybrid target with an embedded MTP head at ``path``."""
-    spec = {"shape": shape, "overrides": SHAPES[shape], "alpha": alpha, "dtype": dtype, "seed": seed, "builder_version": BUILDER_VERSION}
+    spec = {
+        "shape": shape,
+        "overrides": SHAPES[shape],
+        "alpha": alpha,
+        "dtype": dtype,
+        "seed": seed,
+        "builder_version": BUILDER_VERSION,
+    }
     marker = path / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == spec:
         return path
@@ -302,7 +323,9 @@ def print_single(name: str, s: dict[str, Any]) -> None:
 
 def print_concurrency(name: str, cc: dict[str, Any], depth: int) -> None:
     print(f"\n## {name}: half the requests ask for MTP depth {depth}, half plain")
-    print("| c | policy | aggregate tok/s | vs MTP off | TTFT p50 / p95 (ms) | MTP requests' TTFT p50 / p95 (ms) | ran MTP / deferred |")
+    print(
+        "| c | policy | aggregate tok/s | vs MTP off | TTFT p50 / p95 (ms) | MTP requests' TTFT p50 / p95 (ms) | ran MTP / deferred |"
+    )
     print("|---|---|---|---|---|---|---|")
 
     def ms(v: float | None) -> str:
@@ -350,17 +373,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# MTP speculation bench, {report['date']}: {report['machine']}, load average {report['load_average']}")
     for shape in args.models.split(","):
         started = time.perf_counter()
-        path = hybrid_model(root / f"hybrid-{shape}-{args.dtype}-a{args.alpha}", shape=shape, alpha=args.alpha, dtype=args.dtype)
+        path = hybrid_model(
+            root / f"hybrid-{shape}-{args.dtype}-a{args.alpha}", shape=shape, alpha=args.alpha, dtype=args.dtype
+        )
         target, head = num_parameters(path)
         built = time.perf_counter() - started
-        llm = create_llm("mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=max([8, *levels]), speculation=False)
+        llm = create_llm(
+            "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=max([8, *levels]), speculation=False
+        )
         try:
             # Every setting once (an accelerator compiles kernels per shape on first use).
             for d in (0, *DEPTHS):
-                warm = one(llm, prompts(1, 0)[0], 8, {"mode": "native_mtp", "num_draft_tokens": d, "require_acceleration": True} if d else False)
+                warm = one(
+                    llm,
+                    prompts(1, 0)[0],
+                    8,
+                    {"mode": "native_mtp", "num_draft_tokens": d, "require_acceleration": True} if d else False,
+                )
             for c in levels:  # every batch width once, MTP and not
                 with ThreadPoolExecutor(max_workers=c) as pool:
-                    list(pool.map(lambda i: one(llm, prompts(1, i)[0], 4, policy_speculation("fixed_cohorts", args.depth) if i % 2 else False), range(c)))
+                    list(
+                        pool.map(
+                            lambda i: one(
+                                llm,
+                                prompts(1, i)[0],
+                                4,
+                                policy_speculation("fixed_cohorts", args.depth) if i % 2 else False,
+                            ),
+                            range(c),
+                        )
+                    )
             loaded = llm._engine.loaded
             name = f"{shape} hybrid ({target / 1e6:.1f}M target + {head / 1e6:.2f}M head params, {args.dtype}, alpha {args.alpha})"
             entry: dict[str, Any] = {
@@ -375,7 +417,9 @@ def main(argv: list[str] | None = None) -> int:
             entry["single"] = single(llm, repeats=args.repeats, max_tokens=args.max_tokens)
             print_single(name, entry["single"])
             if levels:
-                entry["concurrency"] = concurrency(llm, levels, repeats=args.repeats, max_tokens=args.max_tokens, depth=args.depth)
+                entry["concurrency"] = concurrency(
+                    llm, levels, repeats=args.repeats, max_tokens=args.max_tokens, depth=args.depth
+                )
                 print_concurrency(name, entry["concurrency"], args.depth)
             report["models"][shape] = entry
         finally:

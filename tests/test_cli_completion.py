@@ -13,7 +13,6 @@ import pytest
 
 from abstractruntime_mlx.cli.completion_cmd import command_words
 from abstractruntime_mlx.cli.main import build_parser, main
-
 from test_cli_startup import DATABASE, HOST_AND_MLX, SERVER, imported_by
 
 
@@ -54,7 +53,17 @@ def test_zsh_script_loads_the_same_function_through_bashcompinit(capsys: pytest.
 
 def test_every_command_is_in_the_table() -> None:
     table = command_words(build_parser())
-    for path in ("run", "runs list", "runs show", "runs resume", "runs web", "check", "ledger status", "completion", "models path"):
+    for path in (
+        "run",
+        "runs list",
+        "runs show",
+        "runs resume",
+        "runs web",
+        "check",
+        "ledger status",
+        "completion",
+        "models path",
+    ):
         assert path in table, path
     assert "--json" in table["runs show"] and "bash" in table["completion"]
 
@@ -70,6 +79,16 @@ def test_read_commands_take_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert json.loads(capsys.readouterr().out) == {"name": str(model), "path": str(model)}
     assert main(["config", "show", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["path"] == str(policy_file)
-    read_commands = ("runs list", "runs show", "runs replay", "ledger status", "check", "models list", "config show", "capabilities", "models path")
+    read_commands = (
+        "runs list",
+        "runs show",
+        "runs replay",
+        "ledger status",
+        "check",
+        "models list",
+        "config show",
+        "capabilities",
+        "models path",
+    )
     table = command_words(build_parser())
     assert [c for c in read_commands if "--json" not in table[c]] == []

@@ -30,7 +30,6 @@ from abstractruntime_mlx.ledger import (
 )
 
 
-
 @pytest.fixture
 def db_path(tmp_path: Path) -> Path:
     return tmp_path / "ledger.db"

@@ -39,7 +39,10 @@ def assert_reused(results, key):
         assert cache["cached_tokens"] == result.usage["cached_input_tokens"] > 0
         assert cache["cached_tokens"] + cache["fed_tokens"] == result.usage["prompt_tokens"]
         # the whole previous prompt but its last few tokens was restored
-        assert cache["cached_tokens"] >= results[0].usage["prompt_tokens"] - prefix_cache.BLOCK_SIZE - prefix_cache.GUARD_TOKENS
+        assert (
+            cache["cached_tokens"]
+            >= results[0].usage["prompt_tokens"] - prefix_cache.BLOCK_SIZE - prefix_cache.GUARD_TOKENS
+        )
         assert cache["apc"]["memory_max_bytes"] >= cache["apc"]["resident_bytes"] > 0
         assert cache["apc"]["hits"] + cache["apc"]["exact_hits"] >= 1
         assert "degraded_reason" not in cache
@@ -144,7 +147,9 @@ def test_dense_snapshot_larger_than_the_budget_is_kept_in_part_and_said_so(make_
     first, second = conversation(llm, "tight", turns=2)
     cache = second.metadata["prompt_cache"]
     assert cache["outcome"] == "partial"
-    assert 0 < cache["cached_tokens"] < first.usage["prompt_tokens"] - prefix_cache.BLOCK_SIZE - prefix_cache.GUARD_TOKENS
+    assert (
+        0 < cache["cached_tokens"] < first.usage["prompt_tokens"] - prefix_cache.BLOCK_SIZE - prefix_cache.GUARD_TOKENS
+    )
     assert "not retained in full" in cache["degraded_reason"] and "mlx_cache_memory_max_gb" in cache["degraded_reason"]
     for result in (first, second):
         apc = result.metadata["prompt_cache"]["apc"]
@@ -263,8 +268,13 @@ def test_clear_during_traffic(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=4)
     plain = conversation(llm, None, turns=2, max_output_tokens=40)
     conversation(llm, "busy", turns=1)
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Question 0: what does a cache keep?"}]
-    stream = llm.generate("", messages=messages, prompt_cache_key="busy", max_output_tokens=40, thinking=False, stream=True)
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Question 0: what does a cache keep?"},
+    ]
+    stream = llm.generate(
+        "", messages=messages, prompt_cache_key="busy", max_output_tokens=40, thinking=False, stream=True
+    )
     next(stream)  # decoding now
     cleared = llm.prompt_cache_clear()
     rest = list(stream)
@@ -282,7 +292,9 @@ def test_phase_events_carry_the_cached_fed_split(make_llm, dense_model):
     first = llm.generate("", messages=messages, prompt_cache_key="p", max_output_tokens=4, thinking=False)
     messages = messages + [{"role": "assistant", "content": first.content}, {"role": "user", "content": "Question 1"}]
     events = []
-    second = llm.generate("", messages=messages, prompt_cache_key="p", max_output_tokens=4, thinking=False, on_progress=events.append)
+    second = llm.generate(
+        "", messages=messages, prompt_cache_key="p", max_output_tokens=4, thinking=False, on_progress=events.append
+    )
     cached = second.usage["cached_input_tokens"]
     assert cached > 0
     final = events[-1]
@@ -333,10 +345,9 @@ def test_image_hash_is_content_based(tmp_path):
 
 
 def test_http_routes_and_remote_client_report_the_same(make_llm, dense_model):
-    from test_server_harness import serve_in_thread
-
     from abstractruntime_mlx.remote_client import RemoteClient
     from abstractruntime_mlx.server import create_app
+    from test_server_harness import serve_in_thread
 
     llm = make_llm(dense_model, mlx_batching=True)
     with serve_in_thread(create_app(llm)) as url, RemoteClient(url) as client:

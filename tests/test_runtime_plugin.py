@@ -44,7 +44,10 @@ def fanout(nodes: dict[str, dict], *, flow_id: str = "fan", collect: bool = True
         {
             "id": "par",
             "type": "parallel",
-            "data": {"outputs": [{"id": f"then:{i}", "type": "execution"} for i in range(len(ids))] + [{"id": "completed", "type": "execution"}]},
+            "data": {
+                "outputs": [{"id": f"then:{i}", "type": "execution"} for i in range(len(ids))]
+                + [{"id": "completed", "type": "execution"}]
+            },
         },
     ]
     edges = [{"source": "start", "sourceHandle": "exec-out", "target": "par", "targetHandle": "exec-in"}]
@@ -54,7 +57,9 @@ def fanout(nodes: dict[str, dict], *, flow_id: str = "fan", collect: bool = True
         config = {"provider": "mlx", "temperature": 0, "max_output_tokens": 8, **spec}
         flow_nodes.append({"id": node_id, "type": "llm_call", "data": {"effectConfig": config, "pinDefaults": pins}})
         edges.append({"source": "par", "sourceHandle": f"then:{i}", "target": node_id, "targetHandle": "exec-in"})
-    end_inputs = [{"id": "exec-in", "type": "execution"}] + ([{"id": n, "type": "string"} for n in ids] if collect else [])
+    end_inputs = [{"id": "exec-in", "type": "execution"}] + (
+        [{"id": n, "type": "string"} for n in ids] if collect else []
+    )
     flow_nodes.append({"id": "end", "type": "on_flow_end", "data": {"inputs": end_inputs}})
     edges.append({"source": "par", "sourceHandle": "completed", "target": "end", "targetHandle": "exec-in"})
     if collect:
@@ -106,11 +111,25 @@ def test_node_beats_run_beats_provider_beats_policy(model, registry, ledger_url,
     policy_only = controls_by_node(run_once(PRECEDENCE_FLOW, ledger_url, model, registry))
     assert policy_only["n_inherit"]["speculation_source"] == "policy"
     assert policy_only["n_inherit"]["speculation"]["num_draft_tokens"] == 4
-    assert policy_only["n_off"] == {"speculation": False, "speculation_source": "call", "thinking": False, "thinking_source": "call"}
-    assert policy_only["n_mtp"]["speculation"]["num_draft_tokens"] == 2 and policy_only["n_mtp"]["speculation_source"] == "call"
+    assert policy_only["n_off"] == {
+        "speculation": False,
+        "speculation_source": "call",
+        "thinking": False,
+        "thinking_source": "call",
+    }
+    assert (
+        policy_only["n_mtp"]["speculation"]["num_draft_tokens"] == 2
+        and policy_only["n_mtp"]["speculation_source"] == "call"
+    )
 
     provider = controls_by_node(
-        run_once(PRECEDENCE_FLOW, ledger_url, model, registry, provider_options={"speculation": {"mode": "native_mtp", "num_draft_tokens": 3}})
+        run_once(
+            PRECEDENCE_FLOW,
+            ledger_url,
+            model,
+            registry,
+            provider_options={"speculation": {"mode": "native_mtp", "num_draft_tokens": 3}},
+        )
     )
     assert provider["n_inherit"]["speculation_source"] == "provider"
     assert provider["n_inherit"]["speculation"]["num_draft_tokens"] == 3
@@ -118,19 +137,31 @@ def test_node_beats_run_beats_provider_beats_policy(model, registry, ledger_url,
     run_vars = {"_runtime": {"speculation": {"mode": "native_mtp", "num_draft_tokens": 5}, "thinking": "low"}}
     run_level = controls_by_node(
         run_once(
-            PRECEDENCE_FLOW, ledger_url, model, registry, vars=run_vars,
+            PRECEDENCE_FLOW,
+            ledger_url,
+            model,
+            registry,
+            vars=run_vars,
             provider_options={"speculation": {"mode": "native_mtp", "num_draft_tokens": 3}},
         )
     )
-    assert run_level["n_inherit"]["speculation"]["num_draft_tokens"] == 5 and run_level["n_inherit"]["speculation_source"] == "run"
+    assert (
+        run_level["n_inherit"]["speculation"]["num_draft_tokens"] == 5
+        and run_level["n_inherit"]["speculation_source"] == "run"
+    )
     assert run_level["n_inherit"]["thinking"] == "low" and run_level["n_inherit"]["thinking_source"] == "run"
     # Off at the node beats MTP at the run; the node's own depth beats the run's depth.
     assert run_level["n_off"]["speculation"] is False and run_level["n_off"]["speculation_source"] == "call"
     assert run_level["n_off"]["thinking"] is False
-    assert run_level["n_mtp"]["speculation"]["num_draft_tokens"] == 2 and run_level["n_mtp"]["speculation_source"] == "call"
+    assert (
+        run_level["n_mtp"]["speculation"]["num_draft_tokens"] == 2
+        and run_level["n_mtp"]["speculation_source"] == "call"
+    )
     assert run_level["n_think"]["thinking"] == "high" and run_level["n_think"]["thinking_source"] == "call"
 
-    run_off = controls_by_node(run_once(PRECEDENCE_FLOW, ledger_url, model, registry, vars={"_runtime": {"speculation": False}}))
+    run_off = controls_by_node(
+        run_once(PRECEDENCE_FLOW, ledger_url, model, registry, vars={"_runtime": {"speculation": False}})
+    )
     assert run_off["n_inherit"] == {**run_off["n_inherit"], "speculation": False, "speculation_source": "run"}
     assert run_off["n_mtp"]["speculation"]["mode"] == "native_mtp"
 
@@ -138,7 +169,9 @@ def test_node_beats_run_beats_provider_beats_policy(model, registry, ledger_url,
 def test_effective_value_and_level_are_in_the_ledger(model, registry, ledger_url, policy_file):
     result = run_once(PRECEDENCE_FLOW, ledger_url, model, registry, vars={"_runtime": {"speculation": False}})
     with Ledger(ledger_url) as ledger:
-        completed = [s for s in ledger.run_steps(result.run_id) if s.effect_type == "llm_call" and s.status == "completed"]
+        completed = [
+            s for s in ledger.run_steps(result.run_id) if s.effect_type == "llm_call" and s.status == "completed"
+        ]
         assert {s.node_id for s in completed} == {"n_off", "n_mtp", "n_inherit", "n_think"}
         for step in completed:
             meta = step.record["result"]["metadata"]
@@ -218,7 +251,9 @@ def test_crash_between_effect_and_checkpoint_reuses_the_result(model, registry, 
 
         from abstractruntime import Runtime
 
-        flaky = Runtime(run_store=FlakyRunStore(pack.ledger), ledger_store=pack.ledger_store, effect_handlers=pack.effect_handlers())
+        flaky = Runtime(
+            run_store=FlakyRunStore(pack.ledger), ledger_store=pack.ledger_store, effect_handlers=pack.effect_handlers()
+        )
         run_id = flaky.start(workflow=spec, vars={})
         with pytest.raises(CrashAfterEffect):
             flaky.tick(workflow=spec, run_id=run_id)
@@ -230,7 +265,10 @@ def test_crash_between_effect_and_checkpoint_reuses_the_result(model, registry, 
         assert len(calls) == 1  # reused, not called again
         assert len(pack.ledger.node_timeline(run_id)) == rows_before
         steps = pack.ledger.run_steps(run_id)
-        assert sum(1 for s in steps if s.node_id == "only" and s.status == "completed" and s.effect_type == "llm_call") == 1
+        assert (
+            sum(1 for s in steps if s.node_id == "only" and s.status == "completed" and s.effect_type == "llm_call")
+            == 1
+        )
         trace = state.vars["_runtime"]["node_traces"]["only"]["steps"][-1]
         assert trace["reused_prior_result"] is True
     finally:
@@ -329,7 +367,10 @@ def test_prefetches_never_crowd_out_the_runtime_own_calls(tmp_path, policy_file)
     registry = ProviderRegistry()
     try:
         pack = build_pack(
-            tmp_path / "l.sqlite", model=small, registry=registry, effect_policy=None,
+            tmp_path / "l.sqlite",
+            model=small,
+            registry=registry,
+            effect_policy=None,
             provider_options={"mlx_max_batch_size": 2, "mlx_max_queue_size": 4},
         )
         try:
@@ -415,7 +456,9 @@ def test_run_level_base_url_sends_nodes_to_a_remote_server(model, server, ledger
     try:
         pack = build_pack(ledger_url, registry=remote_registry, allow_remote=[server.removeprefix("http://")])
         try:
-            (result,) = run_flow(PRECEDENCE_FLOW, vars={"_runtime": {"base_url": server, "speculation": False}}, pack=pack)
+            (result,) = run_flow(
+                PRECEDENCE_FLOW, vars={"_runtime": {"base_url": server, "speculation": False}}, pack=pack
+            )
         finally:
             pack.close()
         assert result.status == "completed", result.error

@@ -11,7 +11,14 @@ import pytest
 from abstractruntime_mlx.engine.request import Sampling
 from abstractruntime_mlx.engine.sampling import RowStream, make_sampler, sample_rows
 
-PROMPTS = ["Explain TTL caches.", "Explain LRU caches.", "What is a prefix cache?", "Why batch requests?", "Name a color.", "Count to three."]
+PROMPTS = [
+    "Explain TTL caches.",
+    "Explain LRU caches.",
+    "What is a prefix cache?",
+    "Why batch requests?",
+    "Name a color.",
+    "Count to three.",
+]
 
 # One request per control, two greedy ones (the last with a penalty, still greedy).
 CALLS = [
@@ -48,11 +55,21 @@ def test_seeded_rows_same_alone_batched_and_exclusive(make_llm, request, model_f
         assert b.token_ids == a.token_ids
     assert max(r.metadata["execution"]["peak_batch_size"] for r in batched) >= 4
     # the controls took effect: different seeds, different draws
-    assert alone[0].token_ids != llm.generate(PROMPTS[0], thinking=False, max_output_tokens=16, temperature=0.7, seed=9).token_ids
+    assert (
+        alone[0].token_ids
+        != llm.generate(PROMPTS[0], thinking=False, max_output_tokens=16, temperature=0.7, seed=9).token_ids
+    )
 
     # the seed's behaviour, restored by the option: alone, one at a time, with the same tokens
     llm.unload_model()
-    exclusive = make_llm(model, mlx_batching=True, mlx_max_batch_size=8, mlx_batch_wait_ms=200, speculation=False, mlx_sampled_exclusive=True)
+    exclusive = make_llm(
+        model,
+        mlx_batching=True,
+        mlx_max_batch_size=8,
+        mlx_batch_wait_ms=200,
+        speculation=False,
+        mlx_sampled_exclusive=True,
+    )
     isolated = together(exclusive, CALLS, PROMPTS, max_output_tokens=16)
     for i, (a, r) in enumerate(zip(alone, isolated)):
         assert r.token_ids == a.token_ids
@@ -103,7 +120,11 @@ def test_sampled_image_rows_batch_with_text(make_llm, vision_model, tmp_path):
 
     image = str(tiny_image(tmp_path / "rb.png", (255, 0, 0), (0, 0, 255)))
     llm = make_llm(vision_model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=200)
-    calls = [{"temperature": 0.9, "seed": 3, "media": [image]}, {"temperature": 0.7, "seed": 4}, {"temperature": 0, "media": [image]}]
+    calls = [
+        {"temperature": 0.9, "seed": 3, "media": [image]},
+        {"temperature": 0.7, "seed": 4},
+        {"temperature": 0, "media": [image]},
+    ]
     prompts = ["Describe the image.", PROMPTS[1], "Describe the image."]
     alone = [llm.generate(prompts[i], thinking=False, max_output_tokens=8, **calls[i]).token_ids for i in range(3)]
     batched = together(llm, calls, prompts, max_output_tokens=8)

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from starlette.testclient import TestClient
-from test_server_harness import FakeProvider
 
 import abstractruntime_mlx
 from abstractruntime_mlx import capabilities, errors, server
 from abstractruntime_mlx.engine.request import EngineRequest, NativePrefillProgress, PrefillObservation, TokenDelta
 from abstractruntime_mlx.testing import companion_head_path, tiny_model
+from test_server_harness import FakeProvider
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The cache keeps the most recent entries and drops the oldest ones. " * 30
@@ -42,7 +42,10 @@ def test_apple_extra_installs_the_provider_stack_at_the_dependency_floors():
     for name in ("mlx-lm", "mlx-vlm"):
         assert apple[name].specifier == base[name].specifier
     assert str(apple["mlx"].specifier) == ">=0.32.2" and apple["mlx"].marker.evaluate({"sys_platform": "darwin"})
-    assert {str(s) for s in base["mlx-vlm"].specifier} == {">=0.7.10", "<0.8.0"}  # ours, not the seed's 0.7.1: the comment says why
+    assert {str(s) for s in base["mlx-vlm"].specifier} == {
+        ">=0.7.10",
+        "<0.8.0",
+    }  # ours, not the seed's 0.7.1: the comment says why
     text = (ROOT / "pyproject.toml").read_text()
     assert "The seed says >= 0.7.1; ours starts at 0.7.10" in text
 
@@ -139,7 +142,10 @@ def damaged_heads(models_dir, tmp_path_factory):
     target = tiny_model(models_dir / "damage-hybrid-4bit", kind="hybrid-companion", seed=0, mtp_alpha=0.05)
     head = companion_head_path(target)
     root = tmp_path_factory.mktemp("damaged-heads")
-    return str(target), {"truncated": str(_truncated(head, root / "truncated")), "mismatched": str(_mismatched(head, root / "mismatched"))}
+    return str(target), {
+        "truncated": str(_truncated(head, root / "truncated")),
+        "mismatched": str(_mismatched(head, root / "mismatched")),
+    }
 
 
 @pytest.mark.parametrize("damage", ["truncated", "mismatched"])
@@ -179,7 +185,9 @@ def test_key_mode_lane_puts_the_split_on_the_start_event(make_llm, dense_model):
     llm.generate(PROMPT, messages=[], prompt_cache_key="chat", max_output_tokens=4, on_progress=first.append)
     assert first[0]["cached_tokens"] == 0 and first[0]["fed_tokens"] == first[0]["prompt_tokens"]  # a miss is known too
     second: list[dict] = []
-    result = llm.generate(PROMPT + " And then?", messages=[], prompt_cache_key="chat", max_output_tokens=4, on_progress=second.append)
+    result = llm.generate(
+        PROMPT + " And then?", messages=[], prompt_cache_key="chat", max_output_tokens=4, on_progress=second.append
+    )
     start = second[0]
     assert start["phase"] == "prefill" and "prefill_processed_tokens" not in start
     assert start["cached_tokens"] == result.usage["cached_input_tokens"] > 0

@@ -39,7 +39,9 @@ class Stepper:
     def request(self, prompt: str, max_tokens: int = 24, **kwargs: object) -> EngineRequest:
         loaded = self.engine.loaded
         assert loaded is not None
-        req = EngineRequest(request_id=f"r{next(_ids)}", prompt_ids=loaded.encode(prompt), max_tokens=max_tokens, **kwargs)  # type: ignore[arg-type]
+        req = EngineRequest(
+            request_id=f"r{next(_ids)}", prompt_ids=loaded.encode(prompt), max_tokens=max_tokens, **kwargs
+        )  # type: ignore[arg-type]
         self.engine.submit(req)
         return req
 
@@ -166,9 +168,7 @@ def test_prefill_observations_match_the_batch_lane(stepper):
 
 def test_stop_string_and_cancel_on_the_single_lane(stepper):
     reference = alone(stepper, PROMPTS[0])
-    text = reference.outcome is not None and "".join(
-        o.text for o in outputs(reference) if isinstance(o, TokenDelta)
-    )
+    text = reference.outcome is not None and "".join(o.text for o in outputs(reference) if isinstance(o, TokenDelta))
     assert isinstance(text, str) and len(text) > 6
     stop = text[3:6]
     s = stepper()

@@ -273,7 +273,9 @@ def generation_request(request: NodeRequest) -> GenerationRequest:
     ``max_tokens``, see ``output_cap``) and ``stop``."""
     call, run = _levels(request)
     sampling = {name: value for name, value in request.sampling.items() if value is not None}
-    cap = output_cap(max_output_tokens=sampling.pop("max_output_tokens", None), max_tokens=sampling.pop("max_tokens", None))
+    cap = output_cap(
+        max_output_tokens=sampling.pop("max_output_tokens", None), max_tokens=sampling.pop("max_tokens", None)
+    )
     stop = sampling.pop("stop", None)
     messages = copy.deepcopy(request.messages)
     if messages is None and request.prompt_cache_key is not None:
@@ -346,7 +348,13 @@ class ModelLoad:
 
     def event(self) -> JSONObject:
         """The phase event of the load (``phase`` ``load``), as the ledger's progress rows keep it."""
-        out: JSONObject = {"kind": "load", "phase": "load", "state": self.state, "model": self.model, "size_bytes": self.size_bytes}
+        out: JSONObject = {
+            "kind": "load",
+            "phase": "load",
+            "state": self.state,
+            "model": self.model,
+            "size_bytes": self.size_bytes,
+        }
         if self.seconds is not None:
             out["elapsed_s"] = round(self.seconds, 6)
         return out
@@ -372,7 +380,9 @@ class ProviderRegistry:
         self._remote: dict[str, RemoteClient] = {}
         self._loading: dict[tuple[str, str], threading.Lock] = {}
 
-    def local(self, model: str, options: Mapping[str, object] | None = None, *, on_load: OnLoad | None = None) -> _LocalEntry:
+    def local(
+        self, model: str, options: Mapping[str, object] | None = None, *, on_load: OnLoad | None = None
+    ) -> _LocalEntry:
         """The shared local provider for ``model`` with ``options`` (loaded on first use;
         ``on_load`` is told when that load, or the wait for another caller's, starts and ends)."""
         merged = {**DEFAULT_PROVIDER_OPTIONS, **dict(options or {})}
@@ -718,7 +728,6 @@ class LLMNode:
         has a ledger and ``key`` is given) and to ``on_progress``."""
         prepared = self.prepare(request)
         return self.execute(prepared, route=self.route_for(key, on_progress), cancel_event=cancel_event)
-
 
 
 def _prepared(

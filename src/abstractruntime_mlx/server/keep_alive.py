@@ -36,7 +36,10 @@ def parse_keep_alive(value: object, *, field: str = "keep_alive") -> float | Non
     if seconds < 0:
         return None
     if seconds > MAX_KEEP_ALIVE_S:
-        raise InvalidRequest(f"{field} is longer than a year; use a negative value to keep the model until memory is needed", details={"field": field})
+        raise InvalidRequest(
+            f"{field} is longer than a year; use a negative value to keep the model until memory is needed",
+            details={"field": field},
+        )
     return seconds
 
 

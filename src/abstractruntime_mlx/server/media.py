@@ -31,7 +31,13 @@ MAX_IMAGES: Final = 16
 DETAIL_VALUES: Final = frozenset({"auto", "low", "high"})
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),(?P<payload>.*)$", re.S)
-_MIME_TYPES: Final = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp", "image/gif": "gif"}
+_MIME_TYPES: Final = {
+    "image/png": "png",
+    "image/jpeg": "jpeg",
+    "image/jpg": "jpeg",
+    "image/webp": "webp",
+    "image/gif": "gif",
+}
 
 
 @dataclass(frozen=True, slots=True)

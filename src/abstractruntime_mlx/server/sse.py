@@ -23,9 +23,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..errors import RequestCancelled, UpstreamError
+from ..json_values import JSONObject, JSONValue
 from ..request import ProgressSink
 from ..results import GenerationChunk, GenerationResult
-from ..json_values import JSONObject, JSONValue
 from .observe import CallObserver
 from .wire import error_payload
 
