@@ -1,6 +1,6 @@
 """Agent turns: a ReAct-shaped conversation with prefix reuse on and off, 1, 4 and 8 sessions at once.
 
-    python bench/agent_turns.py                 # tiny dense-long model, 8 turns, sessions 1/4/8, in process and through serve
+    python bench/agent_turns.py                 # tiny dense-long model, 8 turns, sessions 1/4/8, in process + serve
     python bench/agent_turns.py --quick         # 4 turns, sessions 1/4, in process only
     python bench/agent_turns.py --json out.json # also write every figure
 
@@ -15,7 +15,8 @@ its turns one after another) twice in one process, on one resident model
 (``mlx_batching=True``, ``mlx_max_batch_size=8``): reuse off (no ``prompt_cache_key``: the
 whole transcript is prefilled every turn) and reuse on (one key per session, as the host
 derives it). The prompt cache is cleared before each phase, so no phase finds another's
-blocks; sessions of one phase share the system prompt and tools, like N runs of one flow. ``--serve`` repeats both phases through ``abstractruntime-mlx serve`` (a subprocess on
+blocks; sessions of one phase share the system prompt and tools, like N runs of one flow.
+``--serve`` repeats both phases through ``abstractruntime-mlx serve`` (a subprocess on
 127.0.0.1) with the remote client.
 
 Figures, per concurrency and path: TTFT by turn (median over sessions, the engine's
@@ -197,9 +198,16 @@ def summarize(off: dict[str, Any], on: dict[str, Any], turns: int) -> dict[str, 
     by_turn = []
     for turn in range(1, turns + 1):
         a, b = ttft(off, turn), ttft(on, turn)
-        by_turn.append({"turn": turn, "ttft_off_ms": a * 1000, "ttft_on_ms": b * 1000, "ratio": b / a,
-                        "prompt_tokens": statistics.median(rows[turn - 1]["prompt_tokens"] for rows in on["sessions"]),
-                        "cached_tokens": statistics.median(rows[turn - 1]["cached_tokens"] for rows in on["sessions"])})  # fmt: skip
+        by_turn.append(
+            {
+                "turn": turn,
+                "ttft_off_ms": a * 1000,
+                "ttft_on_ms": b * 1000,
+                "ratio": b / a,
+                "prompt_tokens": statistics.median(rows[turn - 1]["prompt_tokens"] for rows in on["sessions"]),
+                "cached_tokens": statistics.median(rows[turn - 1]["cached_tokens"] for rows in on["sessions"]),
+            }
+        )
     firsts = sorted(rows[0]["cached_tokens"] / rows[0]["prompt_tokens"] for rows in on["sessions"])
     resident = [r["resident_bytes"] for rows in on["sessions"] for r in rows if r["resident_bytes"] is not None]
     budget = next((r["memory_max_bytes"] for rows in on["sessions"] for r in rows if r["memory_max_bytes"]), None)
@@ -224,18 +232,39 @@ def report(name: str, sessions: int, s: dict[str, Any], log: Any) -> None:
     log("  turn  prompt  cached   TTFT off ms   TTFT on ms   on/off")
     for row in s["by_turn"]:
         log(
-            f"  {row['turn']:4d}  {row['prompt_tokens']:6.0f}  {row['cached_tokens']:6.0f}   {row['ttft_off_ms']:11.1f}   {row['ttft_on_ms']:10.1f}   {row['ratio']:6.3f}"
+            f"  {row['turn']:4d}  {row['prompt_tokens']:6.0f}  {row['cached_tokens']:6.0f}   "
+            f"{row['ttft_off_ms']:11.1f}   {row['ttft_on_ms']:10.1f}   {row['ratio']:6.3f}"
         )
     later = [row["ratio"] for row in s["by_turn"][1:]]
     followers = s["first_turn_cached"][1:] if sessions > 1 else []
     checks = [
-        ("turn >= 2 TTFT on/off <= 0.25", bool(later) and max(later) <= 0.25, f"worst {max(later):.3f}" if later else "-"),
-        ("TTFT growth turn 2 -> last <= 1.5x (on)", s["growth_on"] is not None and s["growth_on"] <= 1.5, f"{s['growth_on']:.2f}x on, {s['growth_off']:.2f}x off" if s["growth_on"] else "-"),
-        ("sessions 2..N first turn >= 80% cached", all(f >= 0.8 for f in followers), ", ".join(f"{f:.2f}" for f in s["first_turn_cached"])),
-        ("aggregate tok/s on >= off", s["tok_s_on"] >= s["tok_s_off"], f"{s['tok_s_on']:.1f} vs {s['tok_s_off']:.1f} ({s['tok_s_on'] / s['tok_s_off']:.2f}x)"),
-        ("resident cache bytes <= budget", s["budget_bytes"] is None or s["max_resident_bytes"] <= s["budget_bytes"], f"{s['max_resident_bytes'] / 2**20:.1f} MiB of {(s['budget_bytes'] or 0) / 2**20:.0f} MiB"),
+        (
+            "turn >= 2 TTFT on/off <= 0.25",
+            bool(later) and max(later) <= 0.25,
+            f"worst {max(later):.3f}" if later else "-",
+        ),
+        (
+            "TTFT growth turn 2 -> last <= 1.5x (on)",
+            s["growth_on"] is not None and s["growth_on"] <= 1.5,
+            f"{s['growth_on']:.2f}x on, {s['growth_off']:.2f}x off" if s["growth_on"] else "-",
+        ),
+        (
+            "sessions 2..N first turn >= 80% cached",
+            all(f >= 0.8 for f in followers),
+            ", ".join(f"{f:.2f}" for f in s["first_turn_cached"]),
+        ),
+        (
+            "aggregate tok/s on >= off",
+            s["tok_s_on"] >= s["tok_s_off"],
+            f"{s['tok_s_on']:.1f} vs {s['tok_s_off']:.1f} ({s['tok_s_on'] / s['tok_s_off']:.2f}x)",
+        ),
+        (
+            "resident cache bytes <= budget",
+            s["budget_bytes"] is None or s["max_resident_bytes"] <= s["budget_bytes"],
+            f"{s['max_resident_bytes'] / 2**20:.1f} MiB of {(s['budget_bytes'] or 0) / 2**20:.0f} MiB",
+        ),
         ("greedy answers identical on/off", s["identical"], ""),
-    ]  # fmt: skip
+    ]
     for label, ok, detail in checks:
         log(f"  [{'ok' if ok else 'MISSED'}] {label}: {detail}")
 

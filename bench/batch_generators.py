@@ -72,5 +72,6 @@ for B in (1, 4, 8):
     lm = max(run_lm(B) for _ in range(3))
     vl = max(run_vlm(B) for _ in range(3))
     print(
-        f"B={B}: mlx-lm BatchGenerator {lm:.0f} tok/s, mlx-vlm BatchGenerator {vl:.0f} tok/s, ratio vlm/lm {vl / lm:.2f}"
+        f"B={B}: mlx-lm BatchGenerator {lm:.0f} tok/s, mlx-vlm "
+        f"BatchGenerator {vl:.0f} tok/s, ratio vlm/lm {vl / lm:.2f}"
     )

@@ -558,11 +558,12 @@ def bench_client(
                     points.append(point)
                     m = point.ms
                     log(
-                        f"[{label}] client {name:16s} c={c}: {point.tok_s:8.1f} tok/s  TTFT p50 {_fmt(point.ttft_p50_ms)} ms  "
-                        f"per request ms: before submit {m['before_submit']:.2f}, queue {m['queue']:.2f}, prefill "
-                        f"{m['prefill']:.2f}, decode {m['decode']:.2f}, delivery {m['delivery']:.2f}; per run "
-                        f"{_fmt(point.prefill_calls)} prefill and {_fmt(point.decode_calls)} decode forwards; step "
-                        f"{_fmt(point.step_ms, '.3f')} ms (upstream {_fmt(point.upstream_ms, '.3f')}, tokens {_fmt(point.tokens_ms, '.3f')})"
+                        f"[{label}] client {name:16s} c={c}: {point.tok_s:8.1f} tok/s  TTFT p50 "
+                        f"{_fmt(point.ttft_p50_ms)} ms  per request ms: before submit {m['before_submit']:.2f}, "
+                        f"queue {m['queue']:.2f}, prefill {m['prefill']:.2f}, decode {m['decode']:.2f}, delivery "
+                        f"{m['delivery']:.2f}; per run {_fmt(point.prefill_calls)} prefill and "
+                        f"{_fmt(point.decode_calls)} decode forwards; step {_fmt(point.step_ms, '.3f')} ms "
+                        f"(upstream {_fmt(point.upstream_ms, '.3f')}, tokens {_fmt(point.tokens_ms, '.3f')})"
                     )
         finally:
             for target in live.values():
@@ -602,17 +603,19 @@ def print_client(points: list[ClientPoint]) -> None:
         mine = [p for p in points if p.model == model]
         print(f"\n## {model}: client-side mode (N distinct chat requests from c client threads)\n")
         print(
-            "| target | c | requests | tok/s | TTFT p50 ms (client) | before submit | queue | prefill | decode | delivery "
-            "| outside decode | decode ms/token | prefill / decode forwards per run | new shapes | step ms (upstream / tokens) |"
+            "| target | c | requests | tok/s | TTFT p50 ms (client) | before submit | queue | "
+            "prefill | decode | delivery | outside decode | decode ms/token | prefill / decode "
+            "forwards per run | new shapes | step ms (upstream / tokens) |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for p in mine:
             m = p.ms
             print(
-                f"| {p.target} | {p.concurrency} | {p.requests} | {p.tok_s:.1f} | {_fmt(p.ttft_p50_ms)} | {m['before_submit']:.2f} "
-                f"| {m['queue']:.2f} | {m['prefill']:.2f} | {m['decode']:.2f} | {m['delivery']:.2f} | {m['outside_decode']:.2f} "
-                f"| {_fmt(p.decode_ms_per_token, '.3f')} | {_fmt(p.prefill_calls)} / {_fmt(p.decode_calls)} | {_fmt(p.new_shapes, 'd')} "
-                f"| {_fmt(p.step_ms, '.2f')} ({_fmt(p.upstream_ms, '.2f')} / {_fmt(p.tokens_ms, '.2f')}) |"
+                f"| {p.target} | {p.concurrency} | {p.requests} | {p.tok_s:.1f} | {_fmt(p.ttft_p50_ms)} | "
+                f"{m['before_submit']:.2f} | {m['queue']:.2f} | {m['prefill']:.2f} | {m['decode']:.2f} | "
+                f"{m['delivery']:.2f} | {m['outside_decode']:.2f} | {_fmt(p.decode_ms_per_token, '.3f')} | "
+                f"{_fmt(p.prefill_calls)} / {_fmt(p.decode_calls)} | {_fmt(p.new_shapes, 'd')} | "
+                f"{_fmt(p.step_ms, '.2f')} ({_fmt(p.upstream_ms, '.2f')} / {_fmt(p.tokens_ms, '.2f')}) |"
             )
         by = {(p.target, p.concurrency): p for p in mine}
         for c in sorted({p.concurrency for p in mine}):
@@ -628,7 +631,8 @@ def print_client(points: list[ClientPoint]) -> None:
                 else "-"
             )
             print(
-                f"\nc={c}: ours against `{ref_name}`, mean ms per request (tok/s ratio: pooled {ours.tok_s / ref.tok_s:.2f}, {spread})\n"
+                f"\nc={c}: ours against `{ref_name}`, mean ms per request (tok/s "
+                f"ratio: pooled {ours.tok_s / ref.tok_s:.2f}, {spread})\n"
             )
             print(f"| phase | ours | {ref_name} | ours - {ref_name} |")
             print("|---|---|---|---|")
@@ -644,5 +648,6 @@ def print_client(points: list[ClientPoint]) -> None:
                     else ""
                 )
                 print(
-                    f"\n{variant} against `{ref_name}` at c={c}: tok/s ratio pooled {by[(variant, c)].tok_s / ref.tok_s:.2f}{median}"
+                    f"\n{variant} against `{ref_name}` at c={c}: tok/s ratio pooled "
+                    f"{by[(variant, c)].tok_s / ref.tok_s:.2f}{median}"
                 )

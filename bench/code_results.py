@@ -37,10 +37,12 @@ ids = ["start"] + [f"n{i}" for i in range(nodes)] + ["end"]
 flow = {"id": "big", "entryNode": "start",
         "nodes": [{"id": "start", "type": "on_flow_start", "data": {}}] + [node(i) for i in range(nodes)]
                  + [{"id": "end", "type": "on_flow_end", "data": {}}],
-        "edges": [{"source": a, "sourceHandle": "exec-out", "target": b, "targetHandle": "exec-in"} for a, b in zip(ids, ids[1:])]}
+        "edges": [{"source": a, "sourceHandle": "exec-out", "target": b, "targetHandle": "exec-in"}
+                  for a, b in zip(ids, ids[1:])]}
 ledger = work / "l.sqlite"
 fields = DriveLimits.__dataclass_fields__  # the same script measures a build without the result limit
-limits = DriveLimits(max_code_mib=2048, **({"max_code_result_mib": result_mib} if "max_code_result_mib" in fields else {}))
+result_limit = {"max_code_result_mib": result_mib} if "max_code_result_mib" in fields else {}
+limits = DriveLimits(max_code_mib=2048, **result_limit)
 (run,) = run_flow(flow, ledger_url=str(ledger), limits=limits)
 def size_of(paths):
     return sum(p.stat().st_size for p in paths if p.is_file())
@@ -77,7 +79,8 @@ def main() -> None:
         row = run_case(name, args.max_code_result_mib)
         code = str(row["error"]).split("]")[0].lstrip("[") if row["error"] else "-"
         print(
-            f"{name:<9} {row['status']!s:<10} {code:<22} {row['peak_rss_mib']:>12.0f} {row['ledger_mib']:>10.2f} {row['artifacts_mib']:>13.1f}"
+            f"{name:<9} {row['status']!s:<10} {code:<22} {row['peak_rss_mib']:>12.0f} "
+            f"{row['ledger_mib']:>10.2f} {row['artifacts_mib']:>13.1f}"
         )
 
 

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     for buckets in settings:
         r = run(path, buckets, args.bursts, args.width)
         print(
-            f"| {'on' if buckets else 'off'} | {r['load_s']} | {r['ttft_p50_ms']} | {r['ttft_p95_ms']} | {r['burst_wall_ms']} |",
+            f"| {'on' if buckets else 'off'} | {r['load_s']} | {r['ttft_p50_ms']} "
+            f"| {r['ttft_p95_ms']} | {r['burst_wall_ms']} |",
             flush=True,
         )
     return 0

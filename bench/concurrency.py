@@ -968,11 +968,12 @@ def bench_model(
                 log(
                     f"[{label}] {name:16s} c={c}: {point.tok_s:8.1f} tok/s  TTFT p50/p95 first token "
                     f"{_fmt(point.token_ttft_p50_ms)}/{_fmt(point.token_ttft_p95_ms)} ms, first text "
-                    f"{_fmt(point.ttft_p50_ms)}/{_fmt(point.ttft_p95_ms)} ms  ({point.completion_tokens} tokens in {point.wall_s:.2f}s)"
-                    f"  step {_fmt(point.step_ms, '.2f')} ms (backend {_fmt(point.backend_ms, '.2f')}, tokens "
-                    f"{_fmt(point.tokens_ms, '.2f')}, cpu {_fmt(point.cpu_ms, '.2f')}) x {point.steps or '-'}"
-                    f"  gpu {_fmt(point.gpu_util)}%  new shapes prefill/decode {_fmt(point.new_prefill_shapes, 'd')}"
-                    f"/{_fmt(point.new_decode_shapes, 'd')} of {_fmt(point.shapes_used, 'd')} used"
+                    f"{_fmt(point.ttft_p50_ms)}/{_fmt(point.ttft_p95_ms)} ms  ({point.completion_tokens} tokens in "
+                    f"{point.wall_s:.2f}s)  step {_fmt(point.step_ms, '.2f')} ms (backend "
+                    f"{_fmt(point.backend_ms, '.2f')}, tokens {_fmt(point.tokens_ms, '.2f')}, cpu "
+                    f"{_fmt(point.cpu_ms, '.2f')}) x {point.steps or '-'}  gpu {_fmt(point.gpu_util)}%  new shapes "
+                    f"prefill/decode {_fmt(point.new_prefill_shapes, 'd')}/{_fmt(point.new_decode_shapes, 'd')} of "
+                    f"{_fmt(point.shapes_used, 'd')} used"
                 )
     finally:
         for target in live.values():
@@ -1021,8 +1022,8 @@ def print_tables(points: list[Point], rs: list[dict[str, Any]]) -> None:
     for model in dict.fromkeys(p.model for p in points):
         print(f"\n## {model}\n")
         print(
-            "| target | c | tok/s | share of forward | TTFT p50 ms (first token) | TTFT p95 ms (first token) "
-            "| TTFT p50 ms (first text) | TTFT p95 ms (first text) | tokens | wall s | new shapes prefill/decode (used) |"
+            "| target | c | tok/s | share of forward | TTFT p50 ms (first token) | TTFT p95 ms (first token) | TTFT "
+            "p50 ms (first text) | TTFT p95 ms (first text) | tokens | wall s | new shapes prefill/decode (used) |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for p in points:
@@ -1032,9 +1033,10 @@ def print_tables(points: list[Point], rs: list[dict[str, Any]]) -> None:
                 print(f"| {p.target} | {p.concurrency} | skipped: {p.error} | | | | | | | | |")
                 continue
             print(
-                f"| {p.target} | {p.concurrency} | {p.tok_s:.1f} | {_fmt(p.forward_share, '.2f')} | {_fmt(p.token_ttft_p50_ms)} "
-                f"| {_fmt(p.token_ttft_p95_ms)} | {_fmt(p.ttft_p50_ms)} | {_fmt(p.ttft_p95_ms)} | {p.completion_tokens} "
-                f"| {p.wall_s:.2f} | {_fmt(p.new_prefill_shapes, 'd')}/{_fmt(p.new_decode_shapes, 'd')} ({_fmt(p.shapes_used, 'd')}) |"
+                f"| {p.target} | {p.concurrency} | {p.tok_s:.1f} | {_fmt(p.forward_share, '.2f')} | "
+                f"{_fmt(p.token_ttft_p50_ms)} | {_fmt(p.token_ttft_p95_ms)} | {_fmt(p.ttft_p50_ms)} | "
+                f"{_fmt(p.ttft_p95_ms)} | {p.completion_tokens} | {p.wall_s:.2f} | "
+                f"{_fmt(p.new_prefill_shapes, 'd')}/{_fmt(p.new_decode_shapes, 'd')} ({_fmt(p.shapes_used, 'd')}) |"
             )
         shares = [p for p in points if p.model == model and p.forward_share is not None and p.target != "forward"]
         if shares:
@@ -1059,8 +1061,9 @@ def print_tables(points: list[Point], rs: list[dict[str, Any]]) -> None:
             print("|---|---|---|---|---|---|---|---|---|")
             for p in profiled:
                 print(
-                    f"| {p.target} | {p.concurrency} | {p.steps} | {_fmt(p.step_ms, '.2f')} | {_fmt(p.backend_ms, '.2f')} "
-                    f"| {_fmt(p.tokens_ms, '.2f')} | {_fmt(p.other_ms, '.2f')} | {_fmt(p.cpu_ms, '.2f')} | {_fmt(p.gpu_util)} |"
+                    f"| {p.target} | {p.concurrency} | {p.steps} | {_fmt(p.step_ms, '.2f')} | "
+                    f"{_fmt(p.backend_ms, '.2f')} | {_fmt(p.tokens_ms, '.2f')} | "
+                    f"{_fmt(p.other_ms, '.2f')} | {_fmt(p.cpu_ms, '.2f')} | {_fmt(p.gpu_util)} |"
                 )
         mine = [r for r in rs if r["model"] == model]
         if mine:
@@ -1102,7 +1105,8 @@ def bench_client(
 
     book = PromptBook(AutoTokenizer.from_pretrained(str(path)))
     log(
-        f"[{label}] client-side mode: {requests} distinct chat requests per point, {repeats} repeat(s), {MAX_TOKENS} greedy tokens"
+        f"[{label}] client-side mode: {requests} distinct chat requests per "
+        f"point, {repeats} repeat(s), {MAX_TOKENS} greedy tokens"
     )
     log(f"[{label}] forward input shapes recorded from: {', '.join(SHAPES.watch(path)) or 'no model class found'}")
     try:
@@ -1169,8 +1173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--targets",
         default=None,
-        help=f"comma list of: {', '.join(TARGETS)} (default: all); with --client: {', '.join(client_side.CLIENT_TARGETS)} "
-        "(default ours,stream_generate,lm_loop)",
+        help=f"comma list of: {', '.join(TARGETS)} (default: all); with --client: "
+        f"{', '.join(client_side.CLIENT_TARGETS)} (default ours,stream_generate,lm_loop)",
     )
     ap.add_argument("--concurrency", default=None, help="comma list (default 1,2,4,8; --quick: 1,4; --client: 1,4,8)")
     ap.add_argument(
@@ -1271,7 +1275,8 @@ def main(argv: list[str] | None = None) -> int:
             path = builders[label]()
             params = _models.num_parameters(path)
             log(
-                f"[{label}] {path} ({params / 1e6:.1f}M parameters; built or found in {time.perf_counter() - t_build:.1f}s)"
+                f"[{label}] {path} ({params / 1e6:.1f}M parameters; built or "
+                f"found in {time.perf_counter() - t_build:.1f}s)"
             )
             name = f"{label} ({params / 1e6:.1f}M)"
             # The ~27M model is compute-bound on this CPU: a short warm-up reaches every code path.
@@ -1297,7 +1302,8 @@ def main(argv: list[str] | None = None) -> int:
     client_side.print_client(client_points)
     elapsed = time.perf_counter() - t0
     print(
-        f"\ntotal {elapsed:.0f}s; command: python bench/concurrency.py {' '.join(argv if argv is not None else sys.argv[1:])}"
+        f"\ntotal {elapsed:.0f}s; command: python bench/concurrency.py "
+        f"{' '.join(argv if argv is not None else sys.argv[1:])}"
     )
     if args.json_out:
         payload = {

@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n2. the model's decode step ({args.steps} steps after the prefill; ms per step, best of {args.repeats})")
     print(
-        "| B | plain KVCache (ceiling) | BatchKVCache, upstream | BatchKVCache, kernel | kernel / upstream | kernel / ceiling |"
+        "| B | plain KVCache (ceiling) | BatchKVCache, upstream | "
+        "BatchKVCache, kernel | kernel / upstream | kernel / ceiling |"
     )
     print("|---|---|---|---|---|---|")
     for width in widths:

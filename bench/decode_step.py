@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = int(vlm_lm.args.vocab_size) if hasattr(vlm_lm, "args") else 2000
     stream = mx.new_stream(mx.default_device())
     print(
-        f"# decode step, {args.model}, {mx.default_device()}, mlx {mx.__version__}; median ms per step over {STEPS} steps"
+        f"# decode step, {args.model}, {mx.default_device()}, mlx "
+        f"{mx.__version__}; median ms per step over {STEPS} steps"
     )
     print("| B | repeat | forward_lm | forward_vlm | forward_compiled | upstream | handed_off |")
     print("|---|---|---|---|---|---|---|")

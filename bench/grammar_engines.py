@@ -39,11 +39,12 @@ Figures per engine x tokenizer x schema (medians over ``--repeats``):
   Tokens are picked the same way for both engines: ``random.Random(seed)``; with
   probability 1/3 the first allowed of (EOS, ``"``, ``]``, ``}``, ``,``) — so strings
   close and documents end — else a uniform pick among the allowed ids. When a document is
-  complete (the matcher stopped, or xgrammar's ``is_completed``) a fresh matcher starts (not timed) until ``--steps`` masks are
-  counted. Same masks and same seed give the same tokens; ``same_path`` says whether the two
-  engines' decodes were identical token for token. (They are not, on this tokenizer: inside a
-  JSON string xgrammar 0.2.9 also allows the added tokens such as ``<think>`` and raw control
-  bytes like TAB or NUL, but not the lone ``\\`` token, which llguidance allows.)
+  complete (the matcher stopped, or xgrammar's ``is_completed``) a fresh matcher starts (not
+  timed) until ``--steps`` masks are counted. Same masks and same seed give the same tokens;
+  ``same_path`` says whether the two engines' decodes were identical token for token. (They are
+  not, on this tokenizer: inside a JSON string xgrammar 0.2.9 also allows the added tokens such
+  as ``<think>`` and raw control bytes like TAB or NUL, but not the lone ``\\`` token, which
+  llguidance allows.)
 - ``mask_first_us`` / ``mask_max_us``: the first mask of a fresh matcher (llguidance builds
   lexer states lazily, so its first masks carry part of the compile) and the slowest one.
 - ``apply_us``: applying the mask to a numpy float32 logits row of the vocabulary's size:
@@ -528,16 +529,21 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    head = "| engine | tokenizer | schema | tokenizer build ms | compile cold ms | compile cached ms | matcher ms | mask us/token | first mask us | mask max us | apply us/token | GIL x (2 thr) | same path |"
+    head = (
+        "| engine | tokenizer | schema | tokenizer build ms | compile cold ms | compile cached ms | matcher ms | "
+        "mask us/token | first mask us | mask max us | apply us/token | GIL x (2 thr) | same path |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['engine']} | {r['tokenizer']} | {r['schema']} | FAILED: {r['error'][:120]} |")
             continue
         lines.append(
-            f"| {r['engine']} | {r['tokenizer']} | {r['schema']} | {_fmt(r['tok_s'], 1e3, 0)} | {_fmt(r['compile_cold_s'], 1e3)}"
-            f" | {_fmt(r['compile_cached_s'], 1e3, 3)} | {_fmt(r['matcher_s'], 1e3, 3)} | {_fmt(r['mask_us'], 1, 1)}"
-            f" | {_fmt(r['mask_first_us'], 1, 0)} | {_fmt(r['mask_max_us'], 1, 0)} | {_fmt(r['apply_us'], 1, 1)} | {_fmt(r['gil_x'], 1, 2)} | {r.get('same_path', 'n/a')} |"
+            f"| {r['engine']} | {r['tokenizer']} | {r['schema']} | {_fmt(r['tok_s'], 1e3, 0)} | "
+            f"{_fmt(r['compile_cold_s'], 1e3)} | {_fmt(r['compile_cached_s'], 1e3, 3)} | "
+            f"{_fmt(r['matcher_s'], 1e3, 3)} | {_fmt(r['mask_us'], 1, 1)} | "
+            f"{_fmt(r['mask_first_us'], 1, 0)} | {_fmt(r['mask_max_us'], 1, 0)} | "
+            f"{_fmt(r['apply_us'], 1, 1)} | {_fmt(r['gil_x'], 1, 2)} | {r.get('same_path', 'n/a')} |"
         )
     return "\n".join(lines)
 

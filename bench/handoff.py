@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.model_dir)
     path = _models.tiny(root / "tiny") if args.model == "tiny" else _models.shaped_model(root / args.model, args.model)
     print(
-        f"# hand-off, {args.model}: 1 request, then {args.joiners} after {args.pause_ms:.0f} ms; median ms per decode step"
+        f"# hand-off, {args.model}: 1 request, then {args.joiners} after "
+        f"{args.pause_ms:.0f} ms; median ms per decode step"
     )
     print("| single lane | repeat | steps with the first row | median ms | steps after it left | median ms |")
     print("|---|---|---|---|---|---|")

@@ -180,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         re_ttft = statistics.median(remote.ttfts[level]) * 1000
         cpu = ""
         if local.tokens.get(level) and remote.tokens.get(level):
-            cpu = f"{local.cpu[level] / local.tokens[level] * 1e6:>17.0f} {remote.cpu[level] / remote.tokens[level] * 1e6:>7.0f}"
+            cpu = (
+                f"{local.cpu[level] / local.tokens[level] * 1e6:>17.0f} "
+                f"{remote.cpu[level] / remote.tokens[level] * 1e6:>7.0f}"
+            )
         print(
             f"{level:>4} {lo_rate:>12.1f} {re_rate:>13.1f} {re_rate / lo_rate:>5.2f}x "
             f"{lo_ttft:>12.2f} ms {re_ttft:>13.2f} ms {re_ttft - lo_ttft:>8.2f} ms {cpu}"

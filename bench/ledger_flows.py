@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"  progress rows/round {m['progress_rows_per_round']:.0f}"
             )
         print(
-            f"  throughput ratio on/off (median of per-cycle ratios) = {ratio:.4f}  -> recording cost {100 * (1 - ratio):+.2f} % (target <= 2 %)"
+            f"  throughput ratio on/off (median of per-cycle ratios) = {ratio:.4f}  "
+            f"-> recording cost {100 * (1 - ratio):+.2f} % (target <= 2 %)"
         )
         print(f"  A/A noise floor off_b/off (same statistic)         = {noise:.4f}  ({100 * (1 - noise):+.2f} %)")
         print(

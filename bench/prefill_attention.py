@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     model, heads, kv_heads, dim = routed_model(args.model, args.model_dir)
     layers = len(model.layers)
     print(
-        f"model {args.model}: {layers} layers, {heads} query / {kv_heads} KV heads of {dim}; SMALL_SCORES = {cuda_attention.SMALL_SCORES:,}"
+        f"model {args.model}: {layers} layers, {heads} query / {kv_heads} KV "
+        f"heads of {dim}; SMALL_SCORES = {cuda_attention.SMALL_SCORES:,}"
     )
 
     print(f"\n1. a prompt chunk's attention alone (ms: the first call at the shape, one layer; warm, {layers} layers)")
@@ -151,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         r = attention_alone(width, length, keys, layers, heads, kv_heads, dim)
         cells = " | ".join(f"{r[c]:.4f}" if c == "max abs diff" else f"{r[c]:.2f}" for c in columns)
         print(
-            f"| {width} | {length} | {keys} | {scores:,} | {'ops' if scores <= cuda_attention.SMALL_SCORES else 'cuDNN'} | "
-            f"{cells} | {r['ops warm'] / r['upstream warm']:.2f} |",
+            f"| {width} | {length} | {keys} | {scores:,} | "
+            f"{'ops' if scores <= cuda_attention.SMALL_SCORES else 'cuDNN'} "
+            f"| {cells} | {r['ops warm'] / r['upstream warm']:.2f} |",
             flush=True,
         )
 

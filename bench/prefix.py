@@ -24,8 +24,8 @@ model on the same path and sends the conversation's next turn under the same key
 turn's cached / prompt ratio and TTFT, against a cold turn in that process.
 
 A last phase runs the conversation again under a budget smaller than one snapshot
-(``mlx_cache_memory_max_gb``: a quarter of the most the cache held, or ``--tight-mib``) to show the budget holds: resident bytes stay
-under it and the next turn reports ``degraded_reason``.
+(``mlx_cache_memory_max_gb``: a quarter of the most the cache held, or ``--tight-mib``) to show
+the budget holds: resident bytes stay under it and the next turn reports ``degraded_reason``.
 
 Targets: from turn 2, cached/prompt >= 0.9; from turn 4, cached TTFT <= 1/5 of uncached; the
 second process's first turn >= 0.9 cached; resident bytes never above the budget.
@@ -48,9 +48,11 @@ from typing import Any
 TURNS = 8
 MAX_NEW = 32
 QUESTIONS = [
-    "Question {i}: summarise the part of the reference about {topic} in two sentences, and say what it means for a server.",
+    "Question {i}: summarise the part of the reference about {topic} "
+    "in two sentences, and say what it means for a server.",
     "Question {i}: which trade-off does the reference describe for {topic}, and when would you accept it in practice?",
-    "Question {i}: give one concrete failure the reference warns about for {topic}, and how an operator notices it early.",
+    "Question {i}: give one concrete failure the reference warns "
+    "about for {topic}, and how an operator notices it early.",
 ]
 TOPICS = [
     "eviction",
@@ -64,14 +66,21 @@ TOPICS = [
     "budgets",
 ]
 SENTENCES = [
-    "A cache keeps the results of earlier work close at hand so that later requests can reuse them instead of recomputing.",
-    "Every cache needs a rule for what to drop when it is full, and least-recently-used is the rule most systems start from.",
+    "A cache keeps the results of earlier work close at hand so that "
+    "later requests can reuse them instead of recomputing.",
+    "Every cache needs a rule for what to drop when it is full, and "
+    "least-recently-used is the rule most systems start from.",
     "A time-to-live bounds how stale an entry may become, trading freshness against the number of trips to the source.",
-    "Write-back caches acknowledge a write before it reaches the backing store, which is fast but loses data on a crash.",
-    "Batching many small requests into one larger step amortises fixed costs, at the price of waiting for the batch to fill.",
-    "Prefetching guesses what will be needed next; a wrong guess wastes bandwidth and evicts entries that were still useful.",
-    "Sharding spreads keys over several nodes so that no single node holds everything, but a hot key still lands on one.",
-    "A snapshot of expensive intermediate state lets a restarted process skip work that a previous process already did.",
+    "Write-back caches acknowledge a write before it reaches the "
+    "backing store, which is fast but loses data on a crash.",
+    "Batching many small requests into one larger step amortises fixed "
+    "costs, at the price of waiting for the batch to fill.",
+    "Prefetching guesses what will be needed next; a wrong guess wastes "
+    "bandwidth and evicts entries that were still useful.",
+    "Sharding spreads keys over several nodes so that no single node "
+    "holds everything, but a hot key still lands on one.",
+    "A snapshot of expensive intermediate state lets a restarted "
+    "process skip work that a previous process already did.",
     "Budgets in bytes, not in entries, keep memory predictable when entries differ greatly in size.",
     "Operators watch hit ratios, eviction counts and tail latency together, because each alone can hide a regression.",
 ]
@@ -262,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         child = second_process(path, disk, next_turn, f"bench-{repeats - 1}")
         child_ratio = child["cached"]["cached_tokens"] / child["cached"]["prompt_tokens"]
         log(
-            f"  first turn: prompt {child['cached']['prompt_tokens']}  cached {child['cached']['cached_tokens']} "
-            f"({child_ratio:.3f}, disk hits {child['cached']['disk_hits']})  ttft {child['cold']['ttft_s'] * 1000:.1f} (cold) -> "
-            f"{child['cached']['ttft_s'] * 1000:.1f} ms  identical={child['cold']['tokens'] == child['cached']['tokens']}"
+            f"  first turn: prompt {child['cached']['prompt_tokens']}  cached "
+            f"{child['cached']['cached_tokens']} ({child_ratio:.3f}, disk hits {child['cached']['disk_hits']})  "
+            f"ttft {child['cold']['ttft_s'] * 1000:.1f} (cold) -> {child['cached']['ttft_s'] * 1000:.1f} ms  "
+            f"identical={child['cold']['tokens'] == child['cached']['tokens']}"
         )
 
         tight_mib = args.tight_mib or max(r["max_resident_bytes"] for r in table) / 4 / (1 << 20)
@@ -286,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
 
     log("")
     log(
-        "| turn | prompt tokens | cached / prompt | TTFT uncached (ms) | TTFT cached (ms) | cached / uncached TTFT | greedy identical | max resident / budget |"
+        "| turn | prompt tokens | cached / prompt | TTFT uncached (ms) | TTFT cached (ms) "
+        "| cached / uncached TTFT | greedy identical | max resident / budget |"
     )
     log("|---:|---:|---:|---:|---:|---:|:---:|---:|")
     for row in table:
@@ -310,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         f"(ratio {child['cached']['ttft_s'] / child['cold']['ttft_s']:.3f}); load {child['load_s']:.2f} s"
     )
     log(
-        f"tight budget {tight['budget_bytes'] / (1 << 20):.1f} MiB: max resident {tight['max_resident_bytes'] / (1 << 20):.2f} MiB, "
-        f"outcomes {tight['outcomes']}, turns with degraded_reason: {tight['degraded_turns']}"
+        f"tight budget {tight['budget_bytes'] / (1 << 20):.1f} MiB: max resident "
+        f"{tight['max_resident_bytes'] / (1 << 20):.2f} MiB, outcomes "
+        f"{tight['outcomes']}, turns with degraded_reason: {tight['degraded_turns']}"
     )
     for name, ok in checks.items():
         log(f"target {'met   ' if ok else 'MISSED'}: {name}")

@@ -118,7 +118,8 @@ def main() -> int:
     print(f"{'turns':>5} {'messages':>8} {'prompt tokens':>13} {'find_break µs':>13} {'attribute ms':>12}  break")
     for r in rows:
         print(
-            f"{r['turns']:>5} {r['messages']:>8} {r['prompt_tokens']:>13,} {r['find_break_us']:>13} {r['attribute_ms']:>12}  {r['break']}"
+            f"{r['turns']:>5} {r['messages']:>8} {r['prompt_tokens']:>13,} "
+            f"{r['find_break_us']:>13} {r['attribute_ms']:>12}  {r['break']}"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

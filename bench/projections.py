@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         f"# fused projections, {args.model}, {mx.default_device()}, mlx {mx.__version__}; {len(stacked)} arrays stacked"
     )
     print(
-        "| B | separate ms/step | fused ms/step | separate / fused | prefill separate ms | prefill fused ms | same tokens |"
+        "| B | separate ms/step | fused ms/step | separate / fused | "
+        "prefill separate ms | prefill fused ms | same tokens |"
     )
     print("|---|---|---|---|---|---|---|")
     for width in (int(w) for w in args.widths.split(",")):

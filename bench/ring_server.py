@@ -79,7 +79,8 @@ def main() -> int:
                 )
                 tps, ttft, wall = rows[(name, c)]
                 print(
-                    f"{name:15} c{c:<3} {args.calls} calls x {args.max_tokens} tokens: {tps:8.1f} tok/s  mean TTFT {ttft * 1000:7.1f} ms  ({wall:.2f}s)",
+                    f"{name:15} c{c:<3} {args.calls} calls x {args.max_tokens} tokens: "
+                    f"{tps:8.1f} tok/s  mean TTFT {ttft * 1000:7.1f} ms  ({wall:.2f}s)",
                     flush=True,
                 )
     for name in (ring, ring + " direct"):

@@ -250,9 +250,9 @@ def bench_flows(model: str, runs: list[int], repeats: int, workdir: Path, max_to
         row["after_vs_before"] = round(row["after"]["runs_s"] / row["before"]["runs_s"], 2)
         rows.append(row)
         print(
-            f"fan-out x{n} ({max_tokens} tokens/node): before {row['before']['runs_s']:.2f} runs/s (peak {row['before']['peak_batch']}, {row['before']['modes']})  "
-            f"after {row['after']['runs_s']:.2f} runs/s (peak {row['after']['peak_batch']}, {row['after']['modes']})  "
-            f"after/before {row['after_vs_before']:.2f}",
+            f"fan-out x{n} ({max_tokens} tokens/node): before {row['before']['runs_s']:.2f} runs/s (peak "
+            f"{row['before']['peak_batch']}, {row['before']['modes']})  after {row['after']['runs_s']:.2f} runs/s "
+            f"(peak {row['after']['peak_batch']}, {row['after']['modes']})  after/before {row['after_vs_before']:.2f}",
             flush=True,
         )
     return rows
@@ -367,8 +367,9 @@ def bench_prefetch(model: str, widths: list[int], runs: int, workdir: Path) -> l
         }
         rows.append(row)
         print(
-            f"sequence of {width}+1 x{runs} runs: prefetched {stats['launched']}, used {stats['used']}/{predictable} "
-            f"(hit rate {row['hit_rate']:.2f}), mismatched {stats['mismatched']}, throttled {stats['throttled']}, peak batch {peak}",
+            f"sequence of {width}+1 x{runs} runs: prefetched {stats['launched']}, used "
+            f"{stats['used']}/{predictable} (hit rate {row['hit_rate']:.2f}), mismatched "
+            f"{stats['mismatched']}, throttled {stats['throttled']}, peak batch {peak}",
             flush=True,
         )
     return rows

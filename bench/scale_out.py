@@ -92,10 +92,12 @@ def main() -> int:
                 results, wall = batch(url, model, sqlite_url(tmp / f"{name}.db"), args.runs, args.max_tokens)
                 rows[name] = figures(results, wall)
                 print(
-                    f"{name:7} {args.runs} runs x 4 calls: {rows[name][0]:8.1f} tok/s  mean TTFT {rows[name][1] * 1000:7.1f} ms  ({wall:.2f}s)"
+                    f"{name:7} {args.runs} runs x 4 calls: {rows[name][0]:8.1f} tok/s  "
+                    f"mean TTFT {rows[name][1] * 1000:7.1f} ms  ({wall:.2f}s)"
                 )
             print(
-                f"pool/direct: throughput {rows['pool'][0] / rows['direct'][0]:.2f}x  TTFT {rows['pool'][1] / rows['direct'][1]:.2f}x"
+                f"pool/direct: throughput {rows['pool'][0] / rows['direct'][0]:.2f}x  "
+                f"TTFT {rows['pool'][1] / rows['direct'][1]:.2f}x"
             )
 
             ledger_url = sqlite_url(tmp / "failover.db")
@@ -122,8 +124,9 @@ def main() -> int:
             resumed = [s.started_at.timestamp() - killed_at for s in retried if s.started_at is not None]
             done = sum(1 for r in results if r.status == "completed")
             print(
-                f"failover: {done}/{len(results)} runs completed; {len(retried)} calls retried by the runtime (the rest by HAProxy); "
-                f"death to last retried call started {max(resumed) if resumed else 0.0:.2f}s; batch {wall:.2f}s"
+                f"failover: {done}/{len(results)} runs completed; {len(retried)} calls retried "
+                "by the runtime (the rest by HAProxy); death to last retried call started "
+                f"{max(resumed) if resumed else 0.0:.2f}s; batch {wall:.2f}s"
             )
     finally:
         for server in servers:

@@ -4,7 +4,7 @@ under concurrency, all on one resident model in one process.
     python bench/speculation.py                     # tiny + ~27M hybrid, c = 2, 4, 8
     python bench/speculation.py --quick             # tiny hybrid only, c = 2, 4
     python bench/speculation.py --models small --alpha 0.05 --json out.json
-    python bench/speculation.py --shape 4b --dtype bfloat16 --models custom --concurrency 0   # the H200 single-request case
+    python bench/speculation.py --shape 4b --dtype bfloat16 --models custom --concurrency 0  # H200, one request
 
 Models (built offline, random weights, the package's tokenizer): a Qwen3.5-style hybrid
 (gated-delta and full-attention layers) with an *aligned* MTP head, the construction of
@@ -324,7 +324,8 @@ def print_single(name: str, s: dict[str, Any]) -> None:
 def print_concurrency(name: str, cc: dict[str, Any], depth: int) -> None:
     print(f"\n## {name}: half the requests ask for MTP depth {depth}, half plain")
     print(
-        "| c | policy | aggregate tok/s | vs MTP off | TTFT p50 / p95 (ms) | MTP requests' TTFT p50 / p95 (ms) | ran MTP / deferred |"
+        "| c | policy | aggregate tok/s | vs MTP off | TTFT p50 / p95 (ms) | "
+        "MTP requests' TTFT p50 / p95 (ms) | ran MTP / deferred |"
     )
     print("|---|---|---|---|---|---|---|")
 
@@ -335,8 +336,9 @@ def print_concurrency(name: str, cc: dict[str, Any], depth: int) -> None:
         for policy in POLICIES:
             r = row[policy]
             print(
-                f"| {c} | {policy} | {r['aggregate_tps']:.1f} | {r['vs_off']:.2f}x | {ms(r['ttft_p50_s'])} / {ms(r['ttft_p95_s'])} "
-                f"| {ms(r['mtp_ttft_p50_s'])} / {ms(r['mtp_ttft_p95_s'])} | {r['ran_mtp']}/{r['mtp_requests']} · {r['deferred']} |"
+                f"| {c} | {policy} | {r['aggregate_tps']:.1f} | {r['vs_off']:.2f}x | "
+                f"{ms(r['ttft_p50_s'])} / {ms(r['ttft_p95_s'])} | {ms(r['mtp_ttft_p50_s'])} / "
+                f"{ms(r['mtp_ttft_p95_s'])} | {r['ran_mtp']}/{r['mtp_requests']} · {r['deferred']} |"
             )
 
 
@@ -404,7 +406,10 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     )
             loaded = llm._engine.loaded
-            name = f"{shape} hybrid ({target / 1e6:.1f}M target + {head / 1e6:.2f}M head params, {args.dtype}, alpha {args.alpha})"
+            name = (
+                f"{shape} hybrid ({target / 1e6:.1f}M target + {head / 1e6:.2f}M "
+                f"head params, {args.dtype}, alpha {args.alpha})"
+            )
             entry: dict[str, Any] = {
                 "path": str(path),
                 "target_params": target,

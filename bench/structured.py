@@ -163,7 +163,8 @@ def print_report(report: dict[str, Any]) -> None:
     print("\n| c | free tok/s | half tok/s | all tok/s | half/free | all/free |\n|---|---|---|---|---|---|")
     for c, row in report["tok_s"].items():
         print(
-            f"| {c} | {row['free']} | {row['half']} | {row['all']} | {row['half'] / row['free']:.2f} | {row['all'] / row['free']:.2f} |"
+            f"| {c} | {row['free']} | {row['half']} | {row['all']} | "
+            f"{row['half'] / row['free']:.2f} | {row['all'] / row['free']:.2f} |"
         )
 
 

@@ -224,7 +224,8 @@ def main() -> int:
             row = run_one(path, cls, args, env)
         rows.append(row)
         print(
-            f"| {row['flow']} | {row['class']} | {row['result']} | {row['seconds']} | {row['llm_calls']} | {row['peak_batch']} | {row['detail']} |",
+            f"| {row['flow']} | {row['class']} | {row['result']} | {row['seconds']} | "
+            f"{row['llm_calls']} | {row['peak_batch']} | {row['detail']} |",
             flush=True,
         )
         if args.jsonl:
@@ -238,7 +239,8 @@ def main() -> int:
     ran = [r for r in rows if r["rc"] is not None]
     ok = [r for r in ran if r["result"].startswith("completed") and "failure" not in r["result"]]
     print(
-        f"\n{len(ok)}/{len(ran)} flows that need nothing from outside completed; {len(rows) - len(ran)} not run (outside/broken)"
+        f"\n{len(ok)}/{len(ran)} flows that need nothing from outside "
+        f"completed; {len(rows) - len(ran)} not run (outside/broken)"
     )
     return 0 if len(ok) == len(ran) else 1
 

@@ -24,7 +24,10 @@ def _script(shell: str, capsys: pytest.CaptureFixture[str]) -> str:
 def _complete(script: str, *words: str) -> list[str]:
     """What bash offers for the last of ``words`` (the word being typed), with ``script`` loaded."""
     quoted = " ".join(f"'{w}'" for w in words)
-    program = f'{script}\nCOMP_WORDS=(abstractruntime-mlx {quoted}); COMP_CWORD={len(words)}; _abstractruntime_mlx; printf "%s\\n" "${{COMPREPLY[@]}}"'
+    program = (
+        f"{script}\nCOMP_WORDS=(abstractruntime-mlx {quoted}); COMP_CWORD={len(words)}; "
+        '_abstractruntime_mlx; printf "%s\\n" "${COMPREPLY[@]}"'
+    )
     done = subprocess.run(["bash", "-c", program], capture_output=True, text=True, timeout=30, cwd="/")
     assert done.returncode == 0, done.stderr
     return [line for line in done.stdout.splitlines() if line]

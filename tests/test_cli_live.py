@@ -144,7 +144,8 @@ def test_plain_lines_one_per_phase_change(tmp_path: Path) -> None:
         ledger.append_step(_step("r1", "s1", "ask", "completed", result))
         ledger.save_run(_run("r1", status="completed"))
         assert lines() == [
-            "[r1] ask  completed  lane cohort  prompt 5,642  cache hit 1,024  generated 64  48.5 tok/s  mtp acceptance 75%  finish stop",
+            "[r1] ask  completed  lane cohort  prompt 5,642  cache hit 1,024  "
+            "generated 64  48.5 tok/s  mtp acceptance 75%  finish stop",
             "[r1] run completed",
         ]
 

@@ -271,8 +271,14 @@ const fs = require("fs");
 const created = [];
 class Text { constructor(t) { this.text = String(t); } get textContent() { return this.text; } }
 class Element {
-  constructor(tag) { this.tag = tag; this.attrs = {}; this.children = []; this.listeners = {}; this.className = ""; this.hidden = false; this.dataset = {}; created.push(tag); }
-  setAttribute(k, v) { if (k === "hidden") this.hidden = true; else this.attrs[k] = v; if (k.startsWith("data-")) this.dataset[k.slice(5)] = v; }
+  constructor(tag) {
+    this.tag = tag; this.attrs = {}; this.children = []; this.listeners = {};
+    this.className = ""; this.hidden = false; this.dataset = {}; created.push(tag);
+  }
+  setAttribute(k, v) {
+    if (k === "hidden") this.hidden = true; else this.attrs[k] = v;
+    if (k.startsWith("data-")) this.dataset[k.slice(5)] = v;
+  }
   getAttribute(k) { return this.attrs[k]; }
   append(...nodes) { this.children.push(...nodes); }
   replaceChildren(...nodes) { this.children = nodes; }
@@ -280,12 +286,16 @@ class Element {
   get textContent() { return this.children.map((c) => c.textContent).join(""); }
   set textContent(t) { this.children = [new Text(t)]; }
   get options() { return this.children; }
-  all(tag) { return this.children.flatMap((c) => c instanceof Element ? [...(c.tag === tag ? [c] : []), ...c.all(tag)] : []); }
+  all(tag) {
+    return this.children.flatMap((c) => c instanceof Element ? [...(c.tag === tag ? [c] : []), ...c.all(tag)] : []);
+  }
 }
 globalThis.Node = Object;  // every node is an object
 const input = JSON.parse(fs.readFileSync(0, "utf8"));
 const byId = {};
-for (const id of ["ledger", "status", "workflow", "empty", "live", "filters", "crumb", "summary", "run-error", "timeline", "charts", "panel"]) byId[id] = new Element("div");
+const pageIds = ["ledger", "status", "workflow", "empty", "live", "filters", "crumb", "summary", "run-error",
+  "timeline", "charts", "panel"];
+for (const id of pageIds) byId[id] = new Element("div");
 const tbody = new Element("tbody");
 const stepsBody = new Element("tbody");
 byId.initial = { textContent: JSON.stringify(input.list) };
@@ -300,11 +310,14 @@ globalThis.document = {
   createElementNS: (_ns, tag) => new Element(tag),
 };
 globalThis.window = { addEventListener() {} };
-(0, eval)(fs.readFileSync(__SCRIPT__, "utf8") + ";globalThis.renderList = renderList; globalThis.renderRun = renderRun;");
+(0, eval)(
+  fs.readFileSync(__SCRIPT__, "utf8") + ";globalThis.renderList = renderList; globalThis.renderRun = renderRun;"
+);
 const rows = () => tbody.children.map((tr) => {
   const toggle = tr.all("button")[0];
   return { class: tr.className, id: tr.attrs["data-run-id"], root: tr.attrs["data-root"] ?? null, hidden: tr.hidden,
-    toggle: toggle ? toggle.textContent : null, links: tr.all("a").map((a) => ({ href: a.attrs.href, text: a.textContent })) };
+    toggle: toggle ? toggle.textContent : null,
+    links: tr.all("a").map((a) => ({ href: a.attrs.href, text: a.textContent })) };
 });
 renderList(input.list);
 const closed = rows();
@@ -312,7 +325,8 @@ tbody.children[0].all("button")[0].listeners.click();
 const opened = rows();
 renderList(input.list);
 const relisted = rows();
-const tags = new Set(["div", "tbody", "option", "tr", "td", "a", "button", "span", "b", "h1", "p", "svg", "g", "line", "text", "rect", "title", "table", "th", "h2", "h3", "pre", "polyline", "circle"]);
+const tags = new Set(["div", "tbody", "option", "tr", "td", "a", "button", "span", "b", "h1", "p", "svg", "g", "line",
+  "text", "rect", "title", "table", "th", "h2", "h3", "pre", "polyline", "circle"]);
 try { renderRun(input.run); } catch (e) { /* the timeline needs layout; the summary is drawn first */ }
 const parentLink = byId.summary.all("a")[0];
 process.stdout.write(JSON.stringify({ closed, opened, relisted, markup: created.filter((t) => !tags.has(t)),

@@ -149,7 +149,8 @@ def test_past_a_cap_of_busy_connections_a_new_one_gets_503_too_many_connections(
         busy = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
         for sock in busy:  # a complete header, a body that never comes: a request in flight
             sock.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"application/json\r\nContent-Length: 100\r\n\r\n{"
             )
         try:
             # past the header deadline (1 s) and still open: the server read the headers, the requests are in flight

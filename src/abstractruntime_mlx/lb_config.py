@@ -18,8 +18,9 @@ decides is only what to write:
   conn-failure empty-response junk-response 503``: a call to a dead server is sent again, to
   another server. A connection error marks a server down at once (``observe layer4
   error-limit 1 on-error mark-down``): a redispatch re-runs the hash, which would otherwise
-  pick the dead server again until two health checks failed; the checks bring it back. A request larger than ``tune.bufsize`` cannot be replayed by HAProxy and is
-  retried by the remote client itself (connection failures and ``queue_full`` only).
+  pick the dead server again until two health checks failed; the checks bring it back. A request
+  larger than ``tune.bufsize`` cannot be replayed by HAProxy and is retried by the remote client
+  itself (connection failures and ``queue_full`` only).
 - SSE passes through unbuffered (HTTP mode streams responses as they come); ``timeout server``
   is long, since a generation can stream for minutes.
 - a stats socket (``show stat``, ``show servers state``) for operators and tests.
@@ -196,7 +197,8 @@ def _check_path(path: object, what: str, *, field: str) -> None:
     )
     if bad:
         raise InvalidRequest(
-            f"{what} {path!r}: one word with no whitespace, '#', quotes, backslashes, control characters or non-ASCII digits",
+            f"{what} {path!r}: one word with no whitespace, '#', quotes, "
+            "backslashes, control characters or non-ASCII digits",
             details={"field": field},
         )
 
@@ -292,7 +294,8 @@ def haproxy_config(settings: LBSettings, *, comment: Sequence[str] = ()) -> str:
         "    http-check expect status 200",
         # A connection the server refuses or drops marks it down at once (not only after two
         # failed checks): a retry re-runs the hash, which must not pick the dead server again.
-        f"    default-server check inter {_ms(settings.check_interval_s)} fall 2 rise 2 observe layer4 error-limit 1 on-error mark-down",
+        f"    default-server check inter {_ms(settings.check_interval_s)} fall 2 rise 2"
+        " observe layer4 error-limit 1 on-error mark-down",
     ]
     for index, server in enumerate(settings.servers, start=1):
         lines.append(

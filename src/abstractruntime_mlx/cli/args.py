@@ -62,42 +62,48 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         type=integer,
         default=DEFAULT_MAX_STEPS,
         metavar="N",
-        help=f"node steps a run tree may take, subflows and agents included; past it the run fails with step_limit (default {DEFAULT_MAX_STEPS})",
+        help="node steps a run tree may take, subflows and agents included; past it "
+        f"the run fails with step_limit (default {DEFAULT_MAX_STEPS})",
     )
     parser.add_argument(
         "--max-depth",
         type=integer,
         default=DEFAULT_MAX_DEPTH,
         metavar="N",
-        help=f"how deep subflow and agent runs may nest; deeper, the run fails with depth_limit (default {DEFAULT_MAX_DEPTH})",
+        help="how deep subflow and agent runs may nest; deeper, the run "
+        f"fails with depth_limit (default {DEFAULT_MAX_DEPTH})",
     )
     parser.add_argument(
         "--max-wall-s",
         type=float,
         default=DEFAULT_MAX_WALL_S,
         metavar="SECONDS",
-        help=f"wall-clock time a run may take, checked between steps; past it the run fails with wall_time_limit (default {DEFAULT_MAX_WALL_S:g})",
+        help="wall-clock time a run may take, checked between steps; past it the run "
+        f"fails with wall_time_limit (default {DEFAULT_MAX_WALL_S:g})",
     )
     parser.add_argument(
         "--max-code-s",
         type=float,
         default=DEFAULT_CODE_TIME_S,
         metavar="SECONDS",
-        help=f"time one code node call may take; past it the run fails with code_time_limit (default {DEFAULT_CODE_TIME_S:g})",
+        help="time one code node call may take; past it the run fails with "
+        f"code_time_limit (default {DEFAULT_CODE_TIME_S:g})",
     )
     parser.add_argument(
         "--max-code-mib",
         type=integer,
         default=DEFAULT_CODE_MEMORY_MIB,
         metavar="MIB",
-        help=f"memory one code node call may take; past it the run fails with code_memory_limit (default {DEFAULT_CODE_MEMORY_MIB})",
+        help="memory one code node call may take; past it the run fails with "
+        f"code_memory_limit (default {DEFAULT_CODE_MEMORY_MIB})",
     )
     parser.add_argument(
         "--max-code-result-mib",
         type=integer,
         default=DEFAULT_CODE_RESULT_MIB,
         metavar="MIB",
-        help=f"size of the JSON of one code node call's result; past it the run fails with code_result_limit (default {DEFAULT_CODE_RESULT_MIB})",
+        help="size of the JSON of one code node call's result; past it the run fails "
+        f"with code_result_limit (default {DEFAULT_CODE_RESULT_MIB})",
     )
 
 

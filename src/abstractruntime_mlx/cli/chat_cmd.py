@@ -65,7 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "model",
         nargs="?",
         default=None,
-        help="checkpoint directory or cached Hugging Face repo id (default: the embedded tiny model; with --remote: the server's first model)",
+        help="checkpoint directory or cached Hugging Face repo id (default: the "
+        "embedded tiny model; with --remote: the server's first model)",
     )
     parser.add_argument(
         "--remote",

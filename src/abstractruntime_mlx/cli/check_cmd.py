@@ -86,7 +86,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     probe.add_argument(
         "--probe",
         action="store_true",
-        help="send one GET /health to each allowed remote base_url, and ask an abstractruntime-mlx server there whether it serves each node's model (nothing is contacted without it)",
+        help="send one GET /health to each allowed remote base_url, and ask an abstractruntime-mlx "
+        "server there whether it serves each node's model (nothing is contacted without it)",
     )
     probe.add_argument("--no-probe", action="store_true", help="contact no server (the default; kept for scripts)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -91,5 +91,8 @@ def completion_script(parser: argparse.ArgumentParser, shell: str) -> str:
 }}
 complete -o filenames -F _abstractruntime_mlx {PROGRAM}"""
     if shell == "zsh":
-        return f"# {PROGRAM} completion for zsh (through bashcompinit)\nautoload -U +X bashcompinit && bashcompinit\n{function}"
+        return (
+            f"# {PROGRAM} completion for zsh (through bashcompinit)\nautoload "
+            f"-U +X bashcompinit && bashcompinit\n{function}"
+        )
     return f"# {PROGRAM} completion for bash\n{function}"

@@ -117,7 +117,8 @@ def _lb_config(args: argparse.Namespace) -> int:
     partial.replace(out)  # HAProxy reloading at this moment reads the old file or the new one, whole
     for server in servers:
         print(
-            f"server {server.address}: maxconn {server.maxconn} ({server.slots} slots + {server.queue} queue, from {server.source})",
+            f"server {server.address}: maxconn {server.maxconn} ({server.slots} "
+            f"slots + {server.queue} queue, from {server.source})",
             file=sys.stderr,
         )
     print(f"wrote {out}", file=sys.stderr)

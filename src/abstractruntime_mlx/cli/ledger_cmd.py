@@ -50,7 +50,8 @@ def _status(args: argparse.Namespace) -> int:
     else:
         pending = ", ".join(info["pending"]) or "none"
         print(
-            f"ledger: {shown}\nrevision: {info['revision'] or 'empty'} (this release: {info['head']})\npending: {pending}"
+            f"ledger: {shown}\nrevision: {info['revision'] or 'empty'} "
+            f"(this release: {info['head']})\npending: {pending}"
         )
     return 0
 

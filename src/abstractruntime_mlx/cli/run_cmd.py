@@ -115,7 +115,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--cache-dir",
         default=None,
         metavar="DIR",
-        help="keep prompt-cache snapshots on disk here too (mlx_cache_disk_path), so a later run finds them after a restart",
+        help="keep prompt-cache snapshots on disk here too "
+        "(mlx_cache_disk_path), so a later run finds them after a restart",
     )
     parser.add_argument(
         "--no-sibling-batching",
@@ -134,7 +135,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--config",
         default=None,
         metavar="FILE",
-        help='JSON run settings: {"model": ..., "routes": {...}, "flows_dir": ..., "allow_network_tools": false, "allow_remote": false | true | ["HOST[:PORT]", ...]}',
+        help='JSON run settings: {"model": ..., "routes": {...}, "flows_dir": ..., '
+        '"allow_network_tools": false, "allow_remote": false | true | ["HOST[:PORT]", ...]}',
     )
     parser.add_argument(
         "--flows-dir",
@@ -429,8 +431,8 @@ def run_and_print(settings: RunSettings) -> int:
             flow_id, node_id, tool = uses[0]
             more = f" (and {len(uses) - 1} more)" if len(uses) > 1 else ""
             raise SystemExit(
-                f"error: node {node_id!r} of flow {flow_id!r} uses {tool!r}, a tool that reaches outside this machine{more}; "
-                "pass --allow-network-tools to allow it"
+                f"error: node {node_id!r} of flow {flow_id!r} uses {tool!r}, a tool that reaches "
+                f"outside this machine{more}; pass --allow-network-tools to allow it"
             )
     started = time.perf_counter()
     since = dt.datetime.now(dt.UTC)
@@ -477,7 +479,8 @@ def interrupted(ledger_url: str, since: dt.datetime) -> int:
             if run.parent_run_id is None and (run.run_id in marked or run.status == "running"):
                 print(
                     printable(
-                        f"interrupted: run {run.run_id} ({run.workflow_id}); continue: abstractruntime-mlx runs resume {run.run_id}"
+                        f"interrupted: run {run.run_id} ({run.workflow_id}); "
+                        f"continue: abstractruntime-mlx runs resume {run.run_id}"
                     ),
                     file=sys.stderr,
                 )

@@ -91,7 +91,8 @@ def add_otlp_arguments(parser: argparse.ArgumentParser, *, live: bool = True) ->
         action="store_const",
         const=True,
         default=None,
-        help=f"put the prompts and answers in the spans (gen_ai.input.messages ...; default: left out, or ${CONTENT_ENV})",
+        help="put the prompts and answers in the spans (gen_ai.input.messages "
+        f"...; default: left out, or ${CONTENT_ENV})",
     )
     content.add_argument(
         "--otlp-no-content",

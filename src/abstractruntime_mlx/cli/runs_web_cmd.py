@@ -57,7 +57,8 @@ def add_parser(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--max-streams",
         type=integer,
         default=DEFAULT_MAX_STREAMS,
-        help=f"live event streams open at once; one more is refused with 503 too_many_streams (default {DEFAULT_MAX_STREAMS})",
+        help="live event streams open at once; one more is refused with 503 "
+        f"too_many_streams (default {DEFAULT_MAX_STREAMS})",
     )
     web.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     web.set_defaults(handler=_web)

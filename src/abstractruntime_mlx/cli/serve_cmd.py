@@ -11,8 +11,9 @@ reaches only repo ids in the Hugging Face cache, directories under ``--model-roo
 (repeatable) and the ``--model`` directory itself. Every model load is shown on stderr
 (``load_progress``); ``--log-level info`` adds uvicorn's access log (a line per request);
 ``--ledger URL`` records every served call (``server/serve_ledger.py``); ``--otlp URL`` sends
-each one as OpenTelemetry spans when it ends (``traces/``; in a temporary ledger without ``--ledger``). ``--max-connections``,
-``--header-timeout`` and ``--idle-timeout`` bound the connections (``server/connections.py``).
+each one as OpenTelemetry spans when it ends (``traces/``; in a temporary ledger without
+``--ledger``). ``--max-connections``, ``--header-timeout`` and ``--idle-timeout`` bound the
+connections (``server/connections.py``).
 """
 
 from __future__ import annotations
@@ -144,14 +145,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         type=integer,
         default=None,
         metavar="N",
-        help="tokens per batch row the memory check reserves for the KV cache (default 4096, or the context if shorter)",
+        help="tokens per batch row the memory check reserves for the KV "
+        "cache (default 4096, or the context if shorter)",
     )
     parser.add_argument(
         "--model-root",
         action="append",
         default=[],
         metavar="DIR",
-        help="a directory whose models POST /acore/models/load may load (repeatable; the Hugging Face cache always is one)",
+        help="a directory whose models POST /acore/models/load may load "
+        "(repeatable; the Hugging Face cache always is one)",
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default: {DEFAULT_HOST})")
     parser.add_argument("--port", type=integer, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
@@ -194,14 +197,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--speculation",
         default=None,
-        help="constructor speculation: 'off', 'native_mtp', a draft depth N, 'inherit' or a JSON object (default: inherit the policy)",
+        help="constructor speculation: 'off', 'native_mtp', a draft depth N, "
+        "'inherit' or a JSON object (default: inherit the policy)",
     )
     parser.add_argument("--mtp-head", default=None, help="companion MTP head (repo id or directory)")
     parser.add_argument(
         "--stream-interval-ms",
         type=float,
         default=5.0,
-        help="shortest gap between two text writes of one stream; faster tokens are sent together (default 5; 0 = every chunk)",
+        help="shortest gap between two text writes of one stream; faster "
+        "tokens are sent together (default 5; 0 = every chunk)",
     )
     parser.add_argument(
         "--log-level",
@@ -213,7 +218,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--ledger",
         default=None,
         metavar="URL_OR_PATH",
-        help="record every served call in this ledger (a run per X-Session-Affinity session, else per request), for runs list/show/web",
+        help="record every served call in this ledger (a run per X-Session-Affinity "
+        "session, else per request), for runs list/show/web",
     )
     add_otlp_arguments(parser)
     _add_connection_arguments(parser)
@@ -227,8 +233,9 @@ def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         type=integer,
         default=None,
         metavar="N",
-        help=f"open connections at most; past it the oldest one waiting for a request header is closed, or (every one "
-        f"busy) the new one gets 503 too_many_connections (default {DEFAULT_MAX_CONNECTIONS}, kept below the open-file limit)",
+        help="open connections at most; past it the oldest one waiting for a request header "
+        "is closed, or (every one busy) the new one gets 503 too_many_connections "
+        f"(default {DEFAULT_MAX_CONNECTIONS}, kept below the open-file limit)",
     )
     parser.add_argument(
         "--header-timeout",
@@ -243,7 +250,8 @@ def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         type=integer,
         default=DEFAULT_IDLE_TIMEOUT_S,
         metavar="SECONDS",
-        help=f"an HTTP keep-alive connection that sends nothing this long after a response is closed (default {DEFAULT_IDLE_TIMEOUT_S})",
+        help="an HTTP keep-alive connection that sends nothing this long after a "
+        f"response is closed (default {DEFAULT_IDLE_TIMEOUT_S})",
     )
 
 

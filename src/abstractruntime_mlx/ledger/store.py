@@ -332,8 +332,8 @@ class Ledger:
     ``Ledger("postgresql+psycopg://user@host/db")``. Opening creates the newest schema on a
     fresh database and accepts one at ``SCHEMA_REVISION``. A database at an older revision is
     migrated when ``upgrade=True`` and refused otherwise, with a ``LedgerSchemaError`` naming
-    ``abstractruntime-mlx ledger upgrade URL``; a newer or foreign one is refused. Thread-safe: share one instance per URL and
-    process; every method is its own short transaction.
+    ``abstractruntime-mlx ledger upgrade URL``; a newer or foreign one is refused. Thread-safe:
+    share one instance per URL and process; every method is its own short transaction.
     """
 
     def __init__(

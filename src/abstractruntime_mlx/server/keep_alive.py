@@ -62,6 +62,7 @@ def _duration_s(text: str, field: str) -> float:
 def _invalid(field: str, value: object) -> InvalidRequest:
     shown = repr(value) if len(repr(value)) <= 64 else repr(value)[:61] + "..."
     return InvalidRequest(
-        f"{field} must be seconds (a number) or a duration such as '30s', '5m', '1h' (negative: no idle unload), not {shown}",
+        f"{field} must be seconds (a number) or a duration such as '30s', "
+        f"'5m', '1h' (negative: no idle unload), not {shown}",
         details={"field": field},
     )

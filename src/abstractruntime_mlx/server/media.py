@@ -91,7 +91,8 @@ def extract_images(messages: list[JSONObject]) -> NativeImages:
             else:
                 shown = kind if kind is not None else type(part).__name__
                 raise InvalidMedia(
-                    f"{where}: unsupported content part type {shown!r}; native chat accepts 'text' and 'image_url' parts"
+                    f"{where}: unsupported content part type {shown!r}; "
+                    "native chat accepts 'text' and 'image_url' parts"
                 )
         out.append({**message, "content": "\n".join(texts)})
     return NativeImages(messages=out, images=images, details=details)

@@ -208,7 +208,8 @@ def generate_messages(body: GenerateRequest) -> list[JSONObject]:
     ):
         if refused:
             raise InvalidRequest(
-                f"{field} is not supported: every prompt is rendered with the model's chat template; send the whole conversation",
+                f"{field} is not supported: every prompt is rendered with the "
+                "model's chat template; send the whole conversation",
                 details={"field": field},
             )
     messages: list[JSONObject] = []

@@ -376,7 +376,8 @@ class ModelPool:
             for entry in targets:
                 if entry.in_flight:
                     raise OwnerBusy(
-                        f"cannot unload {entry.name}: {entry.in_flight} request(s) are still running; close their streams first"
+                        f"cannot unload {entry.name}: {entry.in_flight} request(s) "
+                        "are still running; close their streams first"
                     )
             done: list[str] = []
             for entry in targets:
@@ -634,15 +635,19 @@ class ModelPool:
             if e is not entry and e.provider is not None
         ]
         needs = (
-            f"{entry.name} needs about {_mib(footprint.total_bytes)} (weights {_mib(footprint.weights_bytes)} + KV reserve "
-            f"{_mib(footprint.kv_bytes)})"
+            f"{entry.name} needs about {_mib(footprint.total_bytes)} (weights "
+            f"{_mib(footprint.weights_bytes)} + KV reserve {_mib(footprint.kv_bytes)})"
         )
         if larger:
-            message = f"{needs}, more than the whole {_mib(budget)} budget; raise --memory-budget or lower --kv-reserve-tokens"
+            message = (
+                f"{needs}, more than the whole {_mib(budget)} budget; raise "
+                "--memory-budget or lower --kv-reserve-tokens"
+            )
         else:
             message = (
-                f"{needs}, but {_mib(budget - resident)} of the {_mib(budget)} budget is free and the other models stay "
-                "(pinned or still running requests); unload a model, wait for running requests, or raise --memory-budget"
+                f"{needs}, but {_mib(budget - resident)} of the {_mib(budget)} budget is free "
+                "and the other models stay (pinned or still running requests); unload a "
+                "model, wait for running requests, or raise --memory-budget"
             )
         return InsufficientMemory(
             message,

@@ -235,7 +235,8 @@ async def create_response(request: Request) -> Response:
     refuse_unknown(body.unknown_fields())
     if body.previous_response_id is not None:
         raise InvalidRequest(
-            "previous_response_id is not supported: this server stores no responses; send the whole conversation in input",
+            "previous_response_id is not supported: this server stores no "
+            "responses; send the whole conversation in input",
             details={"field": "previous_response_id"},
         )
     tools = chat_tools(body.tools)

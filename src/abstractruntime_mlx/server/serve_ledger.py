@@ -10,9 +10,9 @@ is written before the call starts, its phase events go through the ledger's
 the answer, usage and metadata in the shape ``run`` records (``content``, ``usage``,
 ``metadata.execution`` ..., ``metadata.route``: the model as the request named it and the
 pool's name of the model that served it). The STARTED payload's ``http`` holds the HTTP method,
-the path (``/v1/chat/completions``, ``/v1/messages``, ``/api/chat`` ...) and whether it streamed. So ``runs list``, ``runs show`` and ``runs web`` show server
-traffic like flow runs. A session's run reads ``running`` while one of its calls runs, then
-the status of its last call.
+the path (``/v1/chat/completions``, ``/v1/messages``, ``/api/chat`` ...) and whether it
+streamed. So ``runs list``, ``runs show`` and ``runs web`` show server traffic like flow runs. A
+session's run reads ``running`` while one of its calls runs, then the status of its last call.
 
 Every record is written by one thread of this recorder, in the order the calls began and
 ended (a call's end comes before the start of a call that began after it ended), never on

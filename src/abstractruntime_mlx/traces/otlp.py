@@ -149,7 +149,8 @@ def _proto_request_class() -> type:
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     except ImportError as exc:
         raise MissingExtra(
-            "OTLP protobuf needs opentelemetry-proto: pip install 'abstractruntime-mlx[otlp]' (or send OTLP/JSON: --otlp-protocol json)",
+            "OTLP protobuf needs opentelemetry-proto: pip install "
+            "'abstractruntime-mlx[otlp]' (or send OTLP/JSON: --otlp-protocol json)",
             details={"extra": "otlp", "module": "opentelemetry.proto"},
         ) from exc
     return ExportTraceServiceRequest
