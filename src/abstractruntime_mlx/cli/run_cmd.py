@@ -33,7 +33,7 @@ from ..errors import InvalidRequest, MLXRuntimeError, RemoteNotAllowed
 from ..json_values import as_str
 from .args import add_limit_arguments, drive_limits, integer
 from .ledger_location import DEFAULT_LEDGER_PATH, LEDGER_ENV, default_ledger_url
-from .runs_cmd import exit_code, print_results
+from .runs_cmd import EXIT_FAILED, EXIT_OK, EXIT_WAITING, exit_code, print_results  # noqa: F401 - the exit codes of `run`
 from .runs_export_cmd import add_otlp_arguments, otlp_content, otlp_target
 from .terminal import printable
 
