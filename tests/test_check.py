@@ -153,6 +153,7 @@ def test_remote_base_url_that_does_not_answer(fanout, dense_model):
     assert check_flow(fanout, vars={"_runtime": {"base_url": dead}}, remote=allowed).ok  # nothing contacted by default
 
 
+@pytest.mark.slow
 def test_remote_base_url_that_answers(fanout):
     asked: list[str] = []
 

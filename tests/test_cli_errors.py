@@ -136,6 +136,7 @@ def test_disk_full_mid_run_is_one_error_line_and_nothing_on_stdout(tmp_path: Pat
     assert last.startswith("error: [ledger_error] ") and "I/O error" in last
 
 
+@pytest.mark.slow
 def test_no_transformers_banner(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     env.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
@@ -262,6 +263,7 @@ def _foreign_sqlite(path: Path) -> bytes:
     return path.read_bytes()
 
 
+@pytest.mark.slow
 def test_runs_web_refuses_a_file_that_is_not_a_ledger_and_leaves_it_alone(tmp_path: Path) -> None:
     """The real command: it opens the ledger read-only, so it never creates tables in the file."""
     path = tmp_path / "notes.sqlite"
@@ -306,6 +308,7 @@ def _ledger_with_runs(path: Path, count: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_reader_that_leaves_mid_output_ends_the_command_quietly(tmp_path: Path) -> None:
     """``runs list | head -1`` with more lines than a pipe holds: the command is still writing
     when the reader closes, so the write fails; no error line, status 141 as SIGPIPE gives."""
@@ -331,6 +334,7 @@ def test_a_reader_that_leaves_mid_output_ends_the_command_quietly(tmp_path: Path
     assert stderr == b""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "status"),
     [

@@ -197,6 +197,7 @@ def test_off_mode_writes_nothing(tmp_path: Path) -> None:
     assert out.getvalue() == "" and not (tmp_path / "l.sqlite").exists()
 
 
+@pytest.mark.slow
 def test_run_prints_phase_lines_when_not_a_terminal_and_pure_json_with_json(
     cli_env: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

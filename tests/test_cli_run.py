@@ -36,6 +36,7 @@ def test_parse_vars_nests_and_decodes_json():
         parse_vars(["novalue"])
 
 
+@pytest.mark.slow
 def test_run_list_show_replay_with_the_embedded_model(cli_env, capsys):
     code, out, _ = cli(capsys, "run", str(EXAMPLE), "--runs", "3")
     assert code == 0, out
@@ -90,6 +91,7 @@ def test_run_vars_model_and_json(cli_env, capsys, tmp_path):
     assert "sibling_batch" not in nodes["mtp2"]["metadata"]
 
 
+@pytest.mark.slow
 def test_unknown_run_id_is_reported(cli_env, capsys):
     cli(capsys, "run", str(EXAMPLE))
     code, out, err = cli(capsys, "runs", "show", "does-not-exist")

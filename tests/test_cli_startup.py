@@ -75,6 +75,7 @@ def test_help_imports_neither_the_host_nor_mlx_nor_the_server_nor_the_database(a
     assert imported_by(argv, HOST_AND_MLX + SERVER + DATABASE) == []
 
 
+@pytest.mark.slow
 def test_runs_list_imports_the_ledger_only(tmp_path: Path) -> None:
     path = tmp_path / "ledger.sqlite"
     Ledger(f"sqlite:///{path}").close()

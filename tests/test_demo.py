@@ -13,6 +13,7 @@ from abstractruntime_mlx.cli.main import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_demo_fits_a_screen_and_explains_its_mtp_outcomes(cli_env, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)  # the demo names examples/fanout.json, as scripts/demo.sh runs it
     code = main(["demo", "--ledger", str(cli_env)])

@@ -76,6 +76,7 @@ def test_seeded_sampling_is_reproducible(make_llm, dense_model):
     assert a.token_ids != c.token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_fixture", ["dense_model", "hybrid_model"])
 def test_greedy_identical_alone_or_batched(make_llm, request, model_fixture):
     model = request.getfixturevalue(model_fixture)
@@ -93,6 +94,7 @@ def test_greedy_identical_alone_or_batched(make_llm, request, model_fixture):
     assert [r.token_ids for r in batched] == alone
 
 
+@pytest.mark.slow
 def test_mtp_cohort_separate_from_target_only(make_llm, hybrid_model):
     mtp = {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": True}
     llm = make_llm(hybrid_model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=100, speculation=mtp)
@@ -169,6 +171,7 @@ def test_queue_full(make_llm, dense_model):
     assert list(waiting)[-1].finish_reason == "length"  # nothing already accepted was lost
 
 
+@pytest.mark.slow
 def test_queue_timeout_only_expires_waiting(make_llm, dense_model):
     # An output queue the unread running request cannot fill before the timeout: it must not
     # end with backpressure first (which would admit the waiting one).

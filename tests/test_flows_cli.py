@@ -196,6 +196,7 @@ def test_missing_subflow_is_one_error_line(ledger_path, capsys, dense_model, tmp
     assert code == EXIT_OK and result["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_agent_runs_on_the_hosts_react_workflow_with_our_llm_handler(ledger_path, capsys, agent_model):
     code, result, _ = run_json(capsys, FLOWS / "agent.json", "--model", agent_model)
     assert code == EXIT_OK, result
@@ -207,6 +208,7 @@ def test_agent_runs_on_the_hosts_react_workflow_with_our_llm_handler(ledger_path
     assert "Agent configuration error" not in json.dumps(result["output"])
 
 
+@pytest.mark.slow
 def test_agent_without_provider_or_model_runs_on_the_run_default(ledger_path, capsys, agent_model):
     code, result, _ = run_json(capsys, FLOWS / "agent_bare.json", "--model", agent_model)
     assert code == EXIT_OK and not result["failures"], result
@@ -215,6 +217,7 @@ def test_agent_without_provider_or_model_runs_on_the_run_default(ledger_path, ca
     )
 
 
+@pytest.mark.slow
 def test_agent_inside_a_subflow_inherits_the_run_default(ledger_path, capsys, agent_model):
     code, result, _ = run_json(capsys, FLOWS / "agent_in_sub.json", "--model", agent_model)
     assert code == EXIT_OK and not result["failures"], result
@@ -309,6 +312,7 @@ def test_ask_user_waits_shows_its_question_and_resumes(ledger_path, capsys, dens
     assert_error(capsys, "only a waiting or interrupted run", "runs", "resume", run_id, "--answer", "again")
 
 
+@pytest.mark.slow
 def test_timer_is_kept_while_running_and_left_waiting_past_the_limit(ledger_path, capsys, dense_model):
     code, result, _ = run_json(capsys, FLOWS / "timer.json", "--model", dense_model)
     assert code == EXIT_OK and result["status"] == "completed" and result["wall_s"] >= 0.9
@@ -408,6 +412,7 @@ def test_a_response_schema_in_effect_config_is_read_by_no_one_and_check_says_so(
     assert "structured" not in llm_step.record["result"]["metadata"]
 
 
+@pytest.mark.slow
 def test_prompts_the_host_slimmed_are_shown_in_full_and_the_run_tree_is_nested(ledger_path, capsys, agent_model):
     from abstractruntime_mlx.inspection import run_view
 

@@ -656,6 +656,7 @@ def test_inspector_queries_on_sqlite_and_postgresql(ledger_url: str) -> None:
             assert all([s["phase"] for s in call["segments"]] == ["prefill", "generate"] for call in view["calls"])
 
 
+@pytest.mark.slow
 def test_runs_web_command_serves_the_ledger(flow_ledger: str, tmp_path: Path) -> None:
     """The real command in a subprocess: it prints its URL (with the port it got) and serves."""
     import sys

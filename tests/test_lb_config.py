@@ -263,6 +263,7 @@ def cli(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_the_command_needs_capacity_for_a_server_it_cannot_ask(tmp_path):
     port = free_port()
     done = cli("--server", f"127.0.0.1:{port}")

@@ -278,6 +278,7 @@ def test_step_record_needs_identity(ledger: Ledger) -> None:
         ledger.append_step(_step(_rid(), ""))
 
 
+@pytest.mark.slow
 def test_per_run_seq_is_atomic_under_concurrent_appends(ledger_url: str) -> None:
     """8 threads over 2 independent Ledger instances (two engines, as two processes would)."""
     stores = [Ledger(ledger_url), Ledger(ledger_url)]

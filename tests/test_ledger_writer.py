@@ -312,6 +312,7 @@ _CRASH_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkill_mid_write_keeps_every_flushed_row(tmp_path: Path, db_path: Path) -> None:
     script = tmp_path / "writer_loop.py"
     script.write_text(_CRASH_SCRIPT)

@@ -41,6 +41,7 @@ def aligned_model(models_dir) -> str:
 # -- the head attaches to the resident target ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_head_attaches_once_on_the_worker_without_reloading(make_llm, hybrid_model, monkeypatch):
     llm = make_llm(hybrid_model, mlx_batching=True, speculation=False)
     loaded = llm._engine.loaded
@@ -175,6 +176,7 @@ def test_a_continuous_group_admits_optional_mtp_never_strict():
     assert under_load(deque([sampled, _request(4)]), sampled_exclusive=True) is None
 
 
+@pytest.mark.slow
 def test_optional_mtp_joins_the_batch_under_load_and_runs_mtp_alone(make_llm, hybrid_model):
     llm = make_llm(hybrid_model, mlx_batching=True, mlx_max_batch_size=4, speculation=False)
     reference = llm.generate(PROMPTS[1], thinking=False, max_output_tokens=12)
@@ -286,7 +288,8 @@ def test_cohort_stops_exactly_at_a_stop_string(make_llm, aligned_model):
         assert other.usage["completion_tokens"] == 24
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3, 4, 5])
+# Depth 2 (the default) in the fast subset; the others are the same check, one model load each.
+@pytest.mark.parametrize("depth", [2, *(pytest.param(depth, marks=pytest.mark.slow) for depth in (1, 3, 4, 5))])
 def test_greedy_tokens_identical_with_mtp_on_and_off(make_llm, hybrid_model, depth):
     llm = make_llm(hybrid_model, mlx_batching=True, mlx_max_batch_size=2, mlx_batch_wait_ms=1000, speculation=False)
     off = [llm.generate(p, thinking=False, max_output_tokens=16).token_ids for p in PROMPTS[:2]]
@@ -508,6 +511,7 @@ def test_per_node_mtp_whatever_the_policy_or_provider_default(
         assert "head_attach_s" not in steps["n_optional"]["speculation"]
 
 
+@pytest.mark.slow
 def test_deferral_is_in_the_ledger(hybrid_model, tmp_path, policy_file):
     """Sibling branches submitted together: the optional MTP one runs target-only with the plain one."""
     from test_runtime_plugin import fanout
@@ -525,6 +529,7 @@ def test_deferral_is_in_the_ledger(hybrid_model, tmp_path, policy_file):
     assert events and all(e["speculation_reason"] == "deferred_under_load" for e in events)
 
 
+@pytest.mark.slow
 def test_a_deferred_request_keys_its_prefix_as_target_only(make_llm, hybrid_model):
     """What a deferred request stores is target-only KV: a later target-only turn restores it."""
     system = "You are a careful assistant who answers briefly. " * 12

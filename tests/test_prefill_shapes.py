@@ -53,6 +53,7 @@ def batched(make_llm, model, buckets):
     )
 
 
+@pytest.mark.slow
 def test_bucketed_chunks_give_the_same_tokens_in_bucket_shapes(make_llm, dense_model, monkeypatch):
     plain = batched(make_llm, dense_model, False)
     assert plain._engine._buckets is None

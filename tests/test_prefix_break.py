@@ -92,6 +92,7 @@ def ask(llm, messages, tools, key):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batching", [True, False], ids=["native", "serialized"])
 def test_each_mutation_names_the_message_it_broke(make_llm, dense_model, batching):
     llm = make_llm(dense_model, mlx_batching=batching)

@@ -60,6 +60,7 @@ def turn_2(first_content):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["dense_model", "hybrid_model"])
 def test_flush_at_unload_and_restore_in_a_second_process(request, make_llm, model_name, tmp_path):
     model = request.getfixturevalue(model_name)
@@ -84,6 +85,7 @@ def test_flush_at_unload_and_restore_in_a_second_process(request, make_llm, mode
     assert later["stats"]["disk"]["files"] > 0
 
 
+@pytest.mark.slow
 def test_second_live_process_on_one_path_gets_a_typed_error(make_llm, dense_model, tmp_path):
     disk = tmp_path / "cache"
     owner = child(dense_model, disk, TURN_1, hold=True)
@@ -126,6 +128,7 @@ def test_disk_tier_needs_the_batching_lane(make_llm, dense_model, tmp_path):
     assert info.value.field == "mlx_cache_disk_path"
 
 
+@pytest.mark.slow
 def test_changed_weights_never_reuse(make_llm, dense_model, tmp_path):
     import mlx.core as mx
 
@@ -146,6 +149,7 @@ def test_changed_weights_never_reuse(make_llm, dense_model, tmp_path):
     assert after["stats"]["disk"]["namespace"] != before["stats"]["disk"]["namespace"]
 
 
+@pytest.mark.slow
 def test_damaged_cache_files_are_a_miss_not_a_crash(make_llm, dense_model, tmp_path, caplog):
     disk = tmp_path / "cache"
     llm = make_llm(dense_model, mlx_batching=True, mlx_cache_disk_path=str(disk))
@@ -183,6 +187,7 @@ def leading_shard(namespace):
     return shards[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["dense_model", "hybrid_model"])
 def test_bytes_changed_in_place_are_a_counted_miss(request, make_llm, model_name, tmp_path, caplog):
     model = request.getfixturevalue(model_name)

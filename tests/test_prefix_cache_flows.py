@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.ledger import Ledger
 from abstractruntime_mlx.runtime_plugin.handler import request_from_payload
@@ -41,6 +43,7 @@ def run_json(capsys, flow, *extra):
     return {n["node_id"]: n["result"] for n in run["nodes"]}, run["run_id"]
 
 
+@pytest.mark.slow
 def test_example_multiturn_flow_reuses_its_conversation(cli_env, capsys, tmp_path, dense_model):
     nodes, run_id = run_json(capsys, EXAMPLE, "--model", dense_model)
     assert [nodes[n]["metadata"]["prompt_cache"]["outcome"] for n in ("turn1", "turn2", "turn3")] == [

@@ -92,6 +92,7 @@ def test_throttle_reads_the_environment(make_llm, dense_model, monkeypatch):
     assert len(events) > 5  # every generated token and every chunk reported
 
 
+@pytest.mark.slow
 def test_outputs_identical_with_and_without_subscriber(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True, mlx_prefill_step_size=64, progress_min_interval_s=0.0)
     plain = llm.generate(LONG_PROMPT, thinking=False, max_output_tokens=12)

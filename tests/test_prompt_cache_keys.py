@@ -127,6 +127,7 @@ def node_results(out):
     return {n["node_id"]: n["result"] for n in run["nodes"]}
 
 
+@pytest.mark.slow
 def test_a_session_continues_in_a_later_run(ledger_path, capsys, tmp_path, dense_model):
     path = plain_flow(tmp_path)
     first = node_results(run_cli(capsys, "run", path, "--model", dense_model, "--session", "chat-7", "--json"))
@@ -145,6 +146,7 @@ def test_a_session_continues_in_a_later_run(ledger_path, capsys, tmp_path, dense
     assert reused and not reused[0].split("prompt tokens ")[1].startswith("0/")
 
 
+@pytest.mark.slow
 def test_a_session_is_warm_after_a_restart_with_a_cache_dir(ledger_path, capsys, tmp_path, dense_model):
     path = plain_flow(tmp_path)
     cache_dir = tmp_path / "ssd"
@@ -198,6 +200,7 @@ def test_agent_turns_reuse_their_transcript_with_identical_answers(ledger_path, 
         assert cache["cached_tokens"] >= earlier.result["usage"]["prompt_tokens"] - 24 - 16
 
 
+@pytest.mark.slow
 def test_a_node_sent_to_serve_carries_its_derived_key_and_reuses_there(
     ledger_path, capsys, tmp_path, dense_model, make_llm
 ):

@@ -94,6 +94,7 @@ def remote_flow(tmp_path: Path, effect_config: dict[str, object]) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_a_flow_base_url_gets_nothing_unless_remotes_are_allowed(cli_env, capsys, tmp_path, listener, dense_model):
     flow = remote_flow(tmp_path, {"provider": "mlx", "base_url": listener.url})
 
@@ -116,6 +117,7 @@ def test_a_flow_base_url_gets_nothing_unless_remotes_are_allowed(cli_env, capsys
     assert listener.prompts()
 
 
+@pytest.mark.slow
 def test_the_config_file_allows_remotes_by_host(cli_env, capsys, tmp_path, listener, dense_model):
     flow = remote_flow(tmp_path, {"provider": "mlx", "base_url": listener.url})
     config = tmp_path / "run.json"
@@ -132,6 +134,7 @@ def test_the_config_file_allows_remotes_by_host(cli_env, capsys, tmp_path, liste
     assert listener.prompts()
 
 
+@pytest.mark.slow
 def test_routes_and_run_vars_the_user_gives_are_allowed(cli_env, capsys, tmp_path, listener, dense_model):
     flow = remote_flow(tmp_path, {"provider": "lmstudio"})
     cli(capsys, "run", flow, "--model", dense_model, "--route", f"lmstudio={listener.url}")
@@ -140,6 +143,7 @@ def test_routes_and_run_vars_the_user_gives_are_allowed(cli_env, capsys, tmp_pat
     assert len(listener.prompts()) == 2
 
 
+@pytest.mark.slow
 def test_the_handler_refuses_a_server_nobody_allowed(tmp_path, listener, policy_file):
     """run_flow checks nothing first: the LLM_CALL handler itself refuses before sending."""
     flow = json.loads(Path(remote_flow(tmp_path, {"provider": "mlx", "base_url": listener.url})).read_text())

@@ -189,6 +189,7 @@ def test_run_past_its_step_limit_fails_at_the_node(cli_env, capsys, tmp_path, de
     assert any(f["error"].startswith("[step_limit]") for f in run["failures"])
 
 
+@pytest.mark.slow
 def test_run_past_its_wall_clock_limit_fails(cli_env, capsys, tmp_path, dense_model):
     code, out, _ = cli(
         capsys,
@@ -235,6 +236,7 @@ def test_code_nodes_still_run_and_report_their_errors(tmp_path, policy_file):
     assert "import of 'os' is not allowed in the sandbox" in refused.failures[0].error
 
 
+@pytest.mark.slow
 def test_a_code_node_that_never_returns_ends_with_the_time_limit(cli_env, capsys, tmp_path, dense_model):
     code, out, _ = cli(
         capsys,
@@ -252,6 +254,7 @@ def test_a_code_node_that_never_returns_ends_with_the_time_limit(cli_env, capsys
     assert [f["error"][:17] for f in run["failures"]] == ["[code_time_limit]"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS is enforced by Linux only")
 def test_a_code_node_past_its_memory_limit_fails_with_the_memory_error(cli_env, capsys, tmp_path, dense_model):
     body = "data = 'x' * (1024 * 1024 * 1024)\nreturn len(data)"

@@ -139,6 +139,7 @@ def acquire_once_released(ledger: Ledger, run_id: str) -> run_lock.RunLock:
             time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_holder_in_another_process_is_named_and_its_death_releases_the_lock(ledger_url):
     run_id = fresh_id("r")
     proc = start_holder(ledger_url, run_id)
@@ -165,6 +166,7 @@ def test_a_holder_in_another_process_is_named_and_its_death_releases_the_lock(le
             proc.kill()
 
 
+@pytest.mark.slow
 def test_a_holder_that_lets_go_leaves_the_lock_free(ledger_url):
     run_id = fresh_id("r")
     proc = start_holder(ledger_url, run_id)

@@ -105,6 +105,7 @@ def run_once(flow, ledger_url, model, registry, *, vars=None, **pack_options):
 # -- precedence through a real VisualFlow run ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_node_beats_run_beats_provider_beats_policy(model, registry, ledger_url, policy_file):
     set_default_speculation("output.text", 4, policy_file)
 
@@ -311,6 +312,7 @@ def test_run_store_round_trip_and_create_if_absent(tmp_path):
 # -- concurrency and sibling batching --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_concurrent_runs_share_one_resident_model(model, registry, ledger_url, policy_file):
     pack = build_pack(ledger_url, model=model, registry=registry, sibling_batching=False)
     try:
@@ -359,6 +361,7 @@ def test_a_changed_sibling_request_is_called_again(model, registry, ledger_url, 
     assert b == {"role": "sibling", "trigger_node": "a", "used": False, "reason": "request_changed"}
 
 
+@pytest.mark.slow
 def test_prefetches_never_crowd_out_the_runtime_own_calls(tmp_path, policy_file):
     """A small engine (2 slots + 4 queue places) and 4 concurrent runs of 4 branches: prefetching
     every sibling would overflow the queue; the prefetcher takes only spare room, so no call

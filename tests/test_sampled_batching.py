@@ -43,6 +43,7 @@ def together(llm, calls, prompts, **common):
         return list(pool.map(one, range(len(calls))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_fixture", ["dense_model", "hybrid_model"])
 def test_seeded_rows_same_alone_batched_and_exclusive(make_llm, request, model_fixture):
     model = request.getfixturevalue(model_fixture)
@@ -81,6 +82,7 @@ def test_seeded_rows_same_alone_batched_and_exclusive(make_llm, request, model_f
             assert execution["mode"] == "continuous"
 
 
+@pytest.mark.slow
 def test_sampled_request_joins_a_running_batch(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=4)
     first = llm.generate(PROMPTS[0], max_output_tokens=300, stream=True)
@@ -101,6 +103,7 @@ def test_unseeded_rows_draw_independent_streams(make_llm, dense_model):
     assert len({tuple(r.token_ids) for r in results}) == 3
 
 
+@pytest.mark.slow
 def test_sampling_with_speculation_runs_exclusive_and_says_why(make_llm, hybrid_model):
     # Strict: optional MTP would share the batch target-only with the plain request (under load).
     mtp = {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": True}
@@ -115,6 +118,7 @@ def test_sampling_with_speculation_runs_exclusive_and_says_why(make_llm, hybrid_
     assert sampled_plain["mode"] == "continuous" and "reason" not in sampled_plain
 
 
+@pytest.mark.slow
 def test_sampled_image_rows_batch_with_text(make_llm, vision_model, tmp_path):
     from abstractruntime_mlx.testing import tiny_image
 
@@ -206,6 +210,7 @@ def test_one_request_sampler_matches_its_batch_row():
     assert make_sampler(SAMPLINGS[0])(mx.stack([logprobs(3)])).shape == (1, 3)
 
 
+@pytest.mark.slow
 def test_image_rows_report_logprobs_from_the_row_sampler(make_llm, vision_model, tmp_path):
     """The batch lane's per-row sampler gives each asking row its drawn tokens' logprobs;
     asking changes no draw (greedy or seeded)."""

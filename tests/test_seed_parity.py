@@ -80,6 +80,7 @@ def test_top_level_capabilities_take_head_and_policy_path(models_dir, tmp_path, 
 # -- MTP on the non-batched provider -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_non_batched_provider_runs_mtp_on_mlx_vlms_in_process_lane(make_llm, hybrid_model):
     target_only = make_llm(hybrid_model, mlx_batching=True, speculation=False)
     reference = target_only.generate(PROMPT, thinking=False, max_output_tokens=16).token_ids
@@ -108,6 +109,7 @@ def test_non_batched_provider_loaded_without_mtp_names_the_load_time_choice(make
     assert info.value.reason == "speculation_is_load_time" and info.value.code == "speculation_unavailable"
 
 
+@pytest.mark.slow
 def test_in_process_lane_names_what_a_prompt_cache_key_does_not_do(make_llm, hybrid_model):
     llm = make_llm(hybrid_model)
     result = llm.generate(PROMPT, messages=[], prompt_cache_key="k", thinking=False, max_output_tokens=4)
@@ -204,6 +206,7 @@ def test_batched_lane_has_the_split_from_the_first_mid_prefill_event(make_llm, d
     assert all("cached_tokens" in e and "fed_tokens" in e for e in mid)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{"mlx_batching": True}, {"mlx_batching": False}], ids=["batched", "serialized"])
 def test_one_observation_per_real_change_of_position(make_llm, dense_model, options):
     llm = make_llm(dense_model, mlx_prefill_step_size=64, progress_min_interval_s=0.0, **options)
@@ -224,6 +227,7 @@ def test_a_prompt_shorter_than_one_chunk_reports_no_position(make_llm, dense_mod
     assert [e["phase"] for e in events[:2]] == ["prefill", "generate"]  # the first token follows the start event
 
 
+@pytest.mark.slow
 def test_serialized_lane_chunks_by_2048_unless_a_step_is_chosen(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=False, progress_min_interval_s=0.0)
     assert llm._engine.config.serial_prefill_step_size == 2048
@@ -241,6 +245,7 @@ def test_serialized_lane_chunks_by_2048_unless_a_step_is_chosen(make_llm, dense_
 # -- the engine stream ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_engine_stream_hands_observations_to_the_callback_on_the_iterating_thread(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True, mlx_prefill_step_size=64)
     engine = llm._engine

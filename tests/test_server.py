@@ -225,6 +225,7 @@ def test_stream_disconnect_cancels_and_frees_the_slot(narrow: Any) -> None:
     assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_nonstream_disconnect_cancels_and_frees_the_slot(narrow: Any) -> None:
     provider, url = narrow
     before = engine_stats(provider)["cancelled"]
@@ -626,6 +627,7 @@ def test_stream_interval_never_delays_the_first_token_or_the_end(interval_ms: fl
             assert list(records) == ["[DONE]"]
 
 
+@pytest.mark.slow
 def test_stream_writes_each_token_apart_when_they_come_apart_and_together_when_they_queue_up() -> None:
     """The verdict depends on order only: the test sends a token and reads its write before it
     sends the next; then it sends a burst that is queued at once, which goes out as one delta."""

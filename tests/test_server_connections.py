@@ -69,6 +69,7 @@ def health_status(url: str) -> int:
         return client.get(f"{url}/health").status_code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("http", PROTOCOLS)
 def test_idle_connections_past_the_cap_are_closed_and_health_answers(http: str) -> None:
     limits = ConnectionLimits(max_connections=20, header_timeout_s=1.0, idle_timeout_s=1)
@@ -83,6 +84,7 @@ def test_idle_connections_past_the_cap_are_closed_and_health_answers(http: str) 
                 sock.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("http", PROTOCOLS)
 def test_a_header_sent_a_byte_at_a_time_is_cut_off_at_the_header_deadline(http: str) -> None:
     limits = ConnectionLimits(
@@ -130,6 +132,7 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, Any]]:
     return int(lines[0].split()[1]), json.loads(body)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("http", PROTOCOLS)
 def test_keep_alive_serves_the_next_request_then_closes_an_idle_connection(http: str) -> None:
     limits = ConnectionLimits(max_connections=10, header_timeout_s=2.0, idle_timeout_s=1)
@@ -142,6 +145,7 @@ def test_keep_alive_serves_the_next_request_then_closes_an_idle_connection(http:
         assert closed_by_server(sock)  # then idle: closed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("http", PROTOCOLS)
 def test_past_a_cap_of_busy_connections_a_new_one_gets_503_too_many_connections(http: str) -> None:
     limits = ConnectionLimits(max_connections=4, header_timeout_s=1.0, idle_timeout_s=1)
@@ -210,6 +214,7 @@ def test_bad_limits_are_invalid_requests_naming_the_field(kwargs: dict[str, Any]
     assert info.value.details["field"] == field
 
 
+@pytest.mark.slow
 def test_the_soft_descriptor_limit_is_raised_to_the_hard_one() -> None:
     """In a child whose soft limit starts at 64 (the parent's own limits stay as they are)."""
     code = (

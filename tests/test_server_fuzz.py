@@ -255,6 +255,7 @@ def assert_still_serving(client: httpx.Client) -> None:
 # ----------------------------------------------------------------------------- properties
 
 
+@pytest.mark.slow
 @FUZZ
 @given(body=chat_bodies)
 def test_fuzzed_chat_bodies(server: httpx.Client, body: dict[str, Any]) -> None:
@@ -264,6 +265,7 @@ def test_fuzzed_chat_bodies(server: httpx.Client, body: dict[str, Any]) -> None:
     assert_still_serving(server)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(body=engine_bodies)
 def test_fuzzed_values_that_reach_the_provider(server: httpx.Client, body: dict[str, Any]) -> None:
@@ -273,6 +275,7 @@ def test_fuzzed_values_that_reach_the_provider(server: httpx.Client, body: dict[
     assert_still_serving(server)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(
     raw=raw_bodies,
@@ -344,6 +347,7 @@ other_requests = st.one_of(
 )
 
 
+@pytest.mark.slow
 @FUZZ
 @given(request=other_requests)
 def test_fuzzed_other_routes(server: httpx.Client, request: tuple[str, str, dict[str, Any]]) -> None:
@@ -357,6 +361,7 @@ def test_fuzzed_other_routes(server: httpx.Client, request: tuple[str, str, dict
     assert_still_serving(server)
 
 
+@pytest.mark.slow
 def test_the_strategies_reach_hostile_values() -> None:
     """The fuzzer really sends what the edge must refuse (else the properties prove little)."""
     seen = {"nan": False, "surrogate": False, "big": False}

@@ -189,6 +189,7 @@ def test_a_model_larger_than_the_budget_is_refused_at_start(tiny_models: dict[st
 # --------------------------------------------------------------------------- keep-alive
 
 
+@pytest.mark.slow
 def test_keep_alive_zero_unloads_when_idle_and_a_longer_one_keeps(tiny_models: dict[str, str]) -> None:
     app = create_app(models=specs(tiny_models))
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as client:
@@ -204,6 +205,7 @@ def test_keep_alive_zero_unloads_when_idle_and_a_longer_one_keeps(tiny_models: d
         assert models_by_id(url)["beta"]["keep_alive"] == "forever"
 
 
+@pytest.mark.slow
 def test_serve_keep_alive_default_unloads_idle_models_but_never_a_pinned_one(tiny_models: dict[str, str]) -> None:
     app = create_app(models=specs(tiny_models, pinned=("alpha",)), residency=PoolSettings(keep_alive_s=0.0))
     app.state.pool.preload(["alpha"])
@@ -328,6 +330,7 @@ def served_url(tiny_models: dict[str, str]) -> Iterator[str]:
         yield url
 
 
+@pytest.mark.slow
 def test_a_flow_routed_to_serve_runs_on_the_model_its_node_names(
     cli_env: Path, capsys: Any, tmp_path: Path, served_url: str
 ) -> None:

@@ -70,6 +70,7 @@ def metric_models(text: str) -> set[str]:
 # --------------------------------------------------------------------------- one name per model
 
 
+@pytest.mark.slow
 def test_a_model_has_one_name_in_answers_metrics_and_the_ledger(paths: dict[str, str], tmp_path: Path) -> None:
     from abstractruntime_mlx.ledger import Ledger, sqlite_url
     from abstractruntime_mlx.server.serve_ledger import ServeLedger, session_run_id
@@ -100,6 +101,7 @@ def test_a_model_has_one_name_in_answers_metrics_and_the_ledger(paths: dict[str,
         ledger.close()
 
 
+@pytest.mark.slow
 def test_spellings_of_a_model_loaded_by_name_share_one_name_and_label(roots: Path, paths: dict[str, str]) -> None:
     app = create_app(model_roots=[roots])
     spellings = ["R/alpha", "R//alpha", "R///alpha", f"{roots}/R/alpha", f"{roots}//R/./alpha"]
@@ -224,6 +226,7 @@ def slow_unloading_factory(delay_s: float) -> Any:
     return factory
 
 
+@pytest.mark.slow
 def test_a_request_that_leases_the_next_victim_mid_eviction_keeps_its_model(
     paths: dict[str, str], small_bytes: int
 ) -> None:

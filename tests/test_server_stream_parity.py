@@ -96,6 +96,7 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fields", "kinds", "stop"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_an_anthropic_stream_adds_up_to_the_same_blocks(
     claude: anthropic.Anthropic, fields: dict[str, Any], kinds: list[str], stop: str

@@ -242,6 +242,7 @@ def test_numbers_in_text_are_ascii_digits_on_a_real_server(fake: FakeProvider) -
         assert fake.calls[0]["logit_bias"] == {"5": 1.0, "12": -2.0}
 
 
+@pytest.mark.slow
 def test_a_prompt_cache_key_longer_than_the_limit_is_refused_and_never_stored(fake: FakeProvider) -> None:
     """Keys are held in memory for as long as the cache knows them: their length is bounded."""
     longest, too_long, huge = "k" * MAX_PROMPT_CACHE_KEY_CHARS, "k" * (MAX_PROMPT_CACHE_KEY_CHARS + 1), "k" * 10_000_000

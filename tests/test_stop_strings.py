@@ -185,6 +185,7 @@ def test_a_stop_among_the_most_stops_allowed_ends_a_real_generation_where_it_beg
     assert reply["choices"][0]["stop_reason"] == stop
 
 
+@pytest.mark.slow
 def test_the_openai_routes_send_vllms_stop_reason_and_the_remote_client_keeps_it(served: Any) -> None:
     import openai
 

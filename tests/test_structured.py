@@ -154,6 +154,7 @@ def test_sampled_constrained_rows_are_valid_and_seeded(batched):
     assert again.token_ids == results[0].token_ids
 
 
+@pytest.mark.slow
 def test_constrained_and_free_rows_share_a_batch_free_rows_unchanged(batched):
     prompts = [f"Question number {i}." for i in range(6)]
     alone = [batched.generate(p, thinking=False, temperature=0, max_output_tokens=24) for p in prompts]
@@ -308,6 +309,7 @@ def test_node_payload_carries_the_schema_and_refuses_a_non_object():
     assert info.value.details["field"] == "response_schema"
 
 
+@pytest.mark.slow
 def test_the_answer_cannot_end_inside_the_think_block(batched):
     # The end-of-turn token (<|im_end|> = 2 in the tiny tokenizer) pushed up hard: unconstrained,
     # the request would end at once, inside its think block, with no answer.

@@ -265,6 +265,7 @@ def test_prompted_fallback_retries_with_the_schema_and_the_error():
     )
 
 
+@pytest.mark.slow
 def test_prompted_fallback_against_abstractcore_gives_up_after_the_retries(dense_model):
     pytest.importorskip("abstractcore.endpoint.app")
     from abstractcore import create_llm as core_create_llm

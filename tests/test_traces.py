@@ -181,6 +181,7 @@ def _ns(when: object) -> int:
     return (when - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1) * 1000
 
 
+@pytest.mark.slow
 def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, dense_model) -> None:
     ledger_path, root = recorded
     code, out, err = cli(
@@ -277,6 +278,7 @@ def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, de
             assert run["start"] <= by_id[child["parent"]]["start"] <= child["start"] and child["end"] <= run["end"]
 
 
+@pytest.mark.slow
 def test_a_re_export_sends_the_same_spans_and_the_json_file_matches(recorded, receiver, capsys, tmp_path) -> None:
     ledger_path, root = recorded
     for _ in range(2):
@@ -318,6 +320,7 @@ def test_a_re_export_sends_the_same_spans_and_the_json_file_matches(recorded, re
     )
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_typed_errors(recorded, receiver, capsys, monkeypatch) -> None:
     ledger_path, root = recorded
     ledger = ["--ledger", str(ledger_path)]
@@ -342,6 +345,7 @@ def test_bad_inputs_are_typed_errors(recorded, receiver, capsys, monkeypatch) ->
     )
 
 
+@pytest.mark.slow
 def test_run_sends_spans_live_and_an_unreachable_receiver_only_warns(receiver, capsys, cli_env, dense_model) -> None:
     code, out, err = cli(
         capsys, "run", str(FLOWS / "parent.json"), "--model", dense_model, "--json", "--otlp", receiver.url
@@ -404,6 +408,7 @@ CONTENT_KEYS = {"gen_ai.system_instructions", "gen_ai.input.messages", "gen_ai.o
 CONTENT_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
 
 
+@pytest.mark.slow
 def test_prompts_and_answers_are_sent_only_when_asked(recorded, receiver, capsys, monkeypatch) -> None:
     ledger_path, root = recorded
     cases = [  # (environment value, flag) -> content in the spans
@@ -465,6 +470,7 @@ def test_prompts_and_answers_are_sent_only_when_asked(recorded, receiver, capsys
 # -- served calls: the HTTP route and the pool's model name ------------------------------
 
 
+@pytest.mark.slow
 def test_served_calls_carry_the_route_and_the_model_name(receiver, dense_model, tmp_path) -> None:
     import datetime as dt
 
