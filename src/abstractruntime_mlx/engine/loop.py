@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Generic, TypeVar, cast
+from typing import Any, Callable, Generic, Protocol, TypeVar, cast
 
 from ..errors import (
     EngineCrashed,
@@ -50,7 +50,19 @@ from ..errors import (
     RequestCancelled,
     RuntimeClosed,
 )
-from .backend import Backend, BatchBackend, Drafter, PrefillRow, PrefixReuse, RowInput, StepResult
+from .backend import (
+    Adopts,
+    Backend,
+    BatchBackend,
+    Drafter,
+    HandsOff,
+    PrefillRow,
+    PrefillsPartially,
+    PrefixReuse,
+    RowInput,
+    StepResult,
+    speculation_counters,
+)
 from .config import EngineConfig
 from .model import SERIAL_LANES, Lane, LoadedModel
 from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
@@ -114,6 +126,13 @@ class _Group:
 
 
 T = TypeVar("T")
+
+
+class BackendFactory(Protocol):
+    """Builds the backend a plan's new group (or a hand-off) runs on, in place of the
+    engine's own lanes: tests drive the loop on a fake backend through it."""
+
+    def build(self, new: NewGroup, head: EngineRequest | None) -> Backend: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +201,10 @@ class Engine:
         *,
         name: str = "model",
         cache_options: CacheOptions | None = None,
+        backend_factory: BackendFactory | None = None,
     ) -> None:
         self._load = load
+        self._backend_factory = backend_factory
         self._cache_options = cache_options
         self.prefix_cache: PrefixCache | None = None
         self.loaded: LoadedModel | None = None
@@ -546,7 +567,7 @@ class Engine:
                 group.key,
                 backend.kind,
                 backend.free_slots(),
-                row_decoding=backend.can_hand_off,
+                row_decoding=isinstance(backend, HandsOff) and backend.can_hand_off,
                 prefilling=prefilling_rows(rows),
             )
         return SchedulerState(
@@ -577,7 +598,7 @@ class Engine:
         if plan.new_group is not None:
             self._admitting = taken  # a backend that cannot be built fails them
             backend = self._new_backend(plan.new_group, taken[0] if taken else None)
-            self._group = _Group(key=plan.new_group.key, backend=backend, speculation_baseline=backend.speculation_counters(), size=len(taken))
+            self._group = _Group(key=plan.new_group.key, backend=backend, speculation_baseline=speculation_counters(backend), size=len(taken))
             self._admitting = []
         if plan.held:
             for hold in plan.held:
@@ -716,6 +737,8 @@ class Engine:
             self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
 
     def _new_backend(self, new: NewGroup, head: EngineRequest | None) -> Backend:
+        if self._backend_factory is not None:
+            return self._backend_factory.build(new, head)
         if new.kind == BackendKind.SINGLE:
             return self._single_backend(self._cache_manager_for(head), text_lane=new.key.lane == "text")
         if new.kind == BackendKind.TEXT_BATCH:
@@ -824,17 +847,18 @@ class Engine:
     def _hand_off(self, group: _Group) -> None:
         """Move the group's single decoding row into a new batch backend, its KV cache as is."""
         single = group.backend
+        if not isinstance(single, HandsOff):
+            raise RuntimeError(f"the {single.kind.value} lane hands no row off; only the single lane does")
         old_uid, row = single.detach()
         # The row stays in ``group.running`` until the batch holds it: a failure here fails
         # it with the group (``_fail_group``), as any failed step would.
         request = group.running[old_uid]
-        backend: BatchBackend | TextLoopBackend | TextBatchBackend
-        if group.key.lane == "text":
-            backend = self._text_backend(NewGroup(group.key, BackendKind.TEXT_BATCH, self.config.max_batch_size))
-        else:
-            backend = self._batch_backend(NewGroup(group.key, BackendKind.BATCH, self.config.max_batch_size), request)
+        kind = BackendKind.TEXT_BATCH if group.key.lane == "text" else BackendKind.BATCH
+        backend = self._new_backend(NewGroup(group.key, kind, self.config.max_batch_size), request)
         group.backend = backend
         single.close()
+        if not isinstance(backend, Adopts):
+            raise RuntimeError(f"the {backend.kind.value} lane takes no row from another")
         uid = backend.adopt(row)
         request.uid = uid
         request.path = DecodePath.SINGLE_THEN_BATCH
@@ -908,7 +932,7 @@ class Engine:
     def _step_group(self) -> None:
         group = self._group
         assert group is not None
-        if group.mode == ExecutionMode.CONTINUOUS:
+        if group.mode == ExecutionMode.CONTINUOUS and isinstance(group.backend, PrefillsPartially):
             group.backend.allow_partial_prefill()
         observe = any(r.observe_prefill for r in group.running.values())
         start = time.perf_counter()
@@ -1007,7 +1031,7 @@ class Engine:
         group = self._group
         if group is None or group.speculation_baseline is None or not request.draft_tokens:
             return
-        now = group.backend.speculation_counters()
+        now = speculation_counters(group.backend)
         if now is None:
             return
         rounds0, accepted0, drafted0 = group.speculation_baseline
