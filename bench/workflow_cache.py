@@ -12,7 +12,8 @@ derives one per node. The runs start together, each a little behind the previous
 (``--stagger-ms``), so at any time they are at different agents.
 
 The same workload runs twice in one process, each on its own resident model with a prefix-cache
-budget of ``--budget-fraction`` of the workload's working set (every distinct prompt block):
+budget of ``--budget-fraction`` of the workload's working set (what the cache holds after the
+workload on a roomy budget, measured first):
 
 - ``lru``: upstream's eviction (least recently released first);
 - ``graph``: before each call the run sends its eviction hints (``prompt_cache_hints``): the
@@ -60,7 +61,7 @@ def system_prompt(k: int, rules: int) -> str:
     return f"You are agent {k}, the {role}. " + "".join(RULE.format(i=i, role=role) for i in range(rules))
 
 
-def run_workload(llm: Any, *, mode: str, runs: int, agents: int, turns: int, rules: int, stagger_s: float) -> dict[str, Any]:
+def run_workload(llm: Any, *, mode: str, runs: int, agents: int, turns: int, rules: int, stagger_s: float, pins: bool = True) -> dict[str, Any]:
     from abstractruntime_mlx.runtime_plugin.prediction import steps_to_llm_nodes
 
     flow = flow_of(agents)
@@ -89,7 +90,7 @@ def run_workload(llm: Any, *, mode: str, runs: int, agents: int, turns: int, rul
                 ]
                 for turn in range(turns):
                     result = llm.generate("", messages=messages, max_output_tokens=MAX_NEW, thinking=False, temperature=0.0, prompt_cache_key=key)
-                    if mode == "graph" and turn < turns - 1:
+                    if mode == "graph" and pins and turn < turns - 1:
                         llm.prompt_cache_pin(key, PIN_TTL_S)  # between its turns (a tool call's wait)
                     with lock:
                         answers[(run, node, turn)] = list(result.token_ids)
@@ -104,7 +105,7 @@ def run_workload(llm: Any, *, mode: str, runs: int, agents: int, turns: int, rul
                         {"role": "assistant", "content": result.content},
                         {"role": "user", "content": OBSERVATION.format(n=turn, m=run + turn, s=k) * 3},
                     ]
-                if mode == "graph":
+                if mode == "graph" and pins:
                     llm.prompt_cache_release(key)
                 previous = f"The previous agent answered: {result.content}"
             if mode == "graph":
@@ -139,18 +140,6 @@ def run_workload(llm: Any, *, mode: str, runs: int, agents: int, turns: int, rul
     }
 
 
-def working_set_tokens(encode: Any, *, runs: int, agents: int, turns: int, rules: int) -> int:
-    """Distinct prompt tokens the workload stores: every agent's system prompt once, plus each
-    run's transcript beyond it (its longest prompt at that agent), a rough upper bound."""
-    total = 0
-    for k in range(1, agents + 1):
-        system = len(encode(system_prompt(k, rules)))
-        total += system
-        tail = 40 + turns * (MAX_NEW + 3 * len(encode(OBSERVATION.format(n=0, m=0, s=k))) + 16)
-        total += runs * tail
-    return total
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=8, help="concurrent runs (default 8)")
@@ -159,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rules", type=int, default=24, help="rules in each system prompt (default 24: ~600 tokens)")
     ap.add_argument("--budget-fraction", type=float, default=1 / 3, help="prefix-cache budget / working set (default 1/3)")
     ap.add_argument("--stagger-ms", type=float, default=40.0, help="delay between run starts (default 40 ms)")
+    ap.add_argument("--pins", action=argparse.BooleanOptionalAction, default=True, help="graph mode pins an agent between its turns (default on)")
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: the tiny dense-long model, built offline)")
     ap.add_argument("--json", dest="json_out", default=None, help="write every figure here")
     args = ap.parse_args(argv)
@@ -175,20 +165,17 @@ def main(argv: list[str] | None = None) -> int:
             options["mlx_cache_memory_max_gb"] = budget_gb
         return create_llm("mlx", model=str(model), **options)
 
-    # Bytes per cached token, from one probe request on a roomy budget.
-    probe = load(None)
-    probe_prompt = [{"role": "system", "content": system_prompt(1, args.rules)}, {"role": "user", "content": "probe"}]
-    done = probe.generate("", messages=probe_prompt, max_output_tokens=1, thinking=False, prompt_cache_key="probe")
-    stored = done.metadata["prompt_cache"]["apc"]["resident_bytes"]
-    stored_tokens = (int(done.usage["prompt_tokens"]) // 16) * 16
-    per_token = stored / max(1, stored_tokens)
-    ws_tokens = working_set_tokens(probe._engine.loaded.encode, runs=args.runs, agents=args.agents, turns=args.turns, rules=args.rules)
-    probe.unload_model()
-    budget = int(ws_tokens * per_token * args.budget_fraction)
+    # The working set: what the cache holds after the workload on a roomy budget (nothing evicted).
+    roomy = load(None)
+    try:
+        run_workload(roomy, mode="lru", runs=args.runs, agents=args.agents, turns=args.turns, rules=args.rules, stagger_s=args.stagger_ms / 1000)
+        working_set = int(roomy.get_prompt_cache_stats()["memory"]["resident_bytes"])
+    finally:
+        roomy.unload_model()
+    budget = int(working_set * args.budget_fraction)
     print(
         f"model {model}; python {platform.python_version()} {platform.machine()}; runs {args.runs}, agents {args.agents}, "
-        f"turns {args.turns}; working set ~{ws_tokens} tokens x {per_token:.0f} B = {ws_tokens * per_token / 1e6:.2f} MB; "
-        f"budget {budget / 1e6:.2f} MB ({args.budget_fraction:.2f})",
+        f"turns {args.turns}; working set {working_set / 1e6:.2f} MB; budget {budget / 1e6:.2f} MB ({args.budget_fraction:.2f})",
         flush=True,
     )
     results = {}
@@ -196,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = load(budget / (1 << 30))
         try:
             results[mode] = run_workload(
-                llm, mode=mode, runs=args.runs, agents=args.agents, turns=args.turns, rules=args.rules, stagger_s=args.stagger_ms / 1000
+                llm, mode=mode, runs=args.runs, agents=args.agents, turns=args.turns, rules=args.rules, stagger_s=args.stagger_ms / 1000, pins=args.pins
             )
         finally:
             llm.unload_model()
@@ -212,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"aggregate TTFT LRU / graph-aware: {speedup:.2f}x (target >= 1.5x); greedy answers identical: {identical}; graph eviction: {graph['eviction']}")
     if args.json_out:
         figures = {k: {n: v for n, v in r.items() if n != "answers"} for k, r in results.items()}
-        figures.update(speedup=round(speedup, 3), identical=identical, budget_bytes=budget, working_set_tokens=ws_tokens, args=vars(args))
+        figures.update(speedup=round(speedup, 3), identical=identical, budget_bytes=budget, working_set_bytes=working_set, args=vars(args))
         Path(args.json_out).write_text(json.dumps(figures, indent=2))
     return 0 if identical else 1
 
