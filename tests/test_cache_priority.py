@@ -72,6 +72,22 @@ def test_bad_hints_are_typed_errors(hints):
 
 # --- the block manager (real MLX arrays, no model) ---------------------------------------------
 
+
+def test_upstream_eviction_surface():
+    """The private names of mlx-vlm 0.7.10's APCManager the override replaces or reads."""
+    import inspect
+
+    from mlx_vlm import apc
+
+    assert list(inspect.signature(apc.APCManager._make_room).parameters) == ["self", "allocation_bytes", "retain_bytes"]
+    assert "cached_only" in inspect.signature(apc.APCManager._evict_lru).parameters
+    for name in ("_free_push", "_free_remove", "_memory_headroom"):
+        assert callable(getattr(apc.APCManager, name)), name
+    source = inspect.getsource(apc.APCManager._make_room)
+    for text in ("self._prefill_reserve_bytes", "self.memory_reserve_bytes", "self._free_head", "retain_bytes"):
+        assert text in source, text
+    assert {"next", "prev", "block_hash", "ref_cnt"} <= set(apc.APCBlock.__dataclass_fields__)
+
 LAYERS, HEADS, DIM = 2, 2, 8
 PROMPT_BLOCKS = 4
 

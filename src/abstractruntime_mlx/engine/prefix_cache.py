@@ -329,8 +329,8 @@ def counted_manager_class() -> type:
     (steps-to-execution, then recency) instead of upstream's LRU; without them upstream's own
     methods run. ``_make_room`` is upstream 0.7.10's with the block choice replaced.
 
-    Private upstream names read here (pinned with mlx-vlm>=0.7.10,<0.8; tests/test_backend_contract.py
-    checks them): ``APCManager._resident_bytes_locked``, ``_make_room``, ``_evict_lru``,
+    Private upstream names read here (pinned with mlx-vlm>=0.7.10,<0.8; tests/test_cache_priority.py
+    checks the eviction ones): ``APCManager._resident_bytes_locked``, ``_make_room``, ``_evict_lru``,
     ``_free_head``, ``_free_remove``, ``_free_push``, ``_memory_headroom``, ``_prefill_reserve_bytes``,
     ``memory_reserve_bytes``, ``lookup_prefix``, ``release``, ``pool``, ``hash_table``,
     ``_exact_cache``, ``APCBlock.next``, ``APCNode.components``, ``_cache_nbytes``.
