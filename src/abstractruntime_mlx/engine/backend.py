@@ -42,7 +42,7 @@ from .config import PREFILL_STEP_SIZE
 from .grammar import GrammarProcessor
 from ..controls import Sampling
 from .sampling import PendingLogprobs, RowStream, SampledLogprob, make_sampler, row_logprobs, sample_rows
-from .scheduler import BackendKind
+from .request import LaneName
 
 if TYPE_CHECKING:
     from .prefix_cache import SerialStore
@@ -141,8 +141,8 @@ class Backend(Protocol):
     """What the engine drives: ``BatchBackend`` (mlx-vlm), ``single.SingleBackend`` and
     ``serial.SerialBackend`` (mlx-lm)."""
 
-    # Which lane this is: what the scheduler plans with, and the ``execution.path`` it reports.
-    kind: BackendKind
+    # Which lane this is (its row of ``lanes.LANES``): what the scheduler plans with.
+    kind: LaneName
     max_batch_size: int
     uids: set[int]
 
@@ -224,7 +224,7 @@ class BatchBackend:
     sampled request running exclusive, greedy otherwise.
     """
 
-    kind = BackendKind.BATCH
+    kind = LaneName.BATCH
     can_hand_off = False
 
     def detach(self) -> tuple[int, DecodingRow]:

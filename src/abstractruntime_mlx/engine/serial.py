@@ -40,7 +40,7 @@ from .backend import (
 )
 from .prefix_cache import GUARD_TOKENS, SerialStore
 from .sampling import make_sampler
-from .scheduler import BackendKind
+from .request import LaneName
 
 PrefillHook = Callable[[int, PrefillRow], bool]
 
@@ -52,7 +52,7 @@ class _PrefillAbandoned(Exception):
 class SerialBackend:
     """mlx-lm generation for one request at a time, with the ``BatchBackend`` interface."""
 
-    kind = BackendKind.SERIAL
+    kind = LaneName.SERIAL
     max_batch_size = 1
     can_hand_off = False
 
@@ -230,6 +230,8 @@ class InProcessBackend(SerialBackend):
     ``drafter`` (the resident target's MTP head) drafts ``draft_tokens`` proposals per round
     for the group's requests; None or 0 runs target-only.
     """
+
+    kind = LaneName.IN_PROCESS
 
     def __init__(
         self,
