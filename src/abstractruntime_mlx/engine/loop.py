@@ -491,10 +491,7 @@ class Engine:
                             max_batch_size=self.config.max_batch_size,
                             restore_align=restore_alignment(self.config.prefill_step_size),
                         )
-                    self._lanes = LaneFactory(
-                        self.loaded, self.config, stream=self._stream, prefix_cache=self.prefix_cache, on_prefill=self._on_prefill_row
-                    )
-                    self._lanes.prepare()
+                    self._make_lanes().prepare()
                 except BaseException as exc:  # noqa: BLE001 - handed to start()
                     self._load_error = exc
                     self._closed = True
@@ -618,6 +615,13 @@ class Engine:
         if cache is None or not cache.shares_blocks(self._model.model):
             return None
         return _SharedPrefixes(cache)
+
+    def _make_lanes(self) -> LaneFactory:
+        """The loaded model's lanes (at load, on the worker, once the prefix cache exists)."""
+        self._lanes = LaneFactory(
+            self._model, self.config, stream=self._stream, prefix_cache=self.prefix_cache, on_prefill=self._on_prefill_row
+        )
+        return self._lanes
 
     @property
     def _factory(self) -> LaneFactory:
