@@ -283,3 +283,12 @@ def test_a_calls_answers_share_its_prompts_prefill(make_llm, dense_model):
     with pytest.raises(errors.InvalidControls) as caught:
         llm.generate_request(call)
     assert caught.value.details["field"] == "n"
+
+
+def test_the_load_route_refuses_a_removed_option_by_name():
+    from abstractruntime_mlx.server.schemas import LoadModelRequest
+
+    body = LoadModelRequest(model="m", options={"mlx_admission_wave_steps": 4})
+    with pytest.raises(errors.OptionRemoved) as info:
+        body.checked_options()
+    assert info.value.code == "option_removed" and info.value.details["field"] == "mlx_admission_wave_steps"
