@@ -17,21 +17,18 @@ from abstractruntime_mlx.engine.request import EngineRequest, Sampling
 from abstractruntime_mlx.provider import residency
 
 
-REAL_NEW_BACKEND = Engine._new_backend
+REAL_BACKENDS = Engine._backends
 
 
 def break_steps(monkeypatch, error: BaseException) -> None:
     """Every group started from now on, on any lane, runs on a fake backend whose first step
     raises ``error`` (the loop's own handling is tested on the fake in test_engine_loop.py)."""
 
-    def new_backend(self, new, head):
-        return FakeLanes(fail_at=1, fail_with=error).build(new, head)
-
-    monkeypatch.setattr(Engine, "_new_backend", new_backend)
+    monkeypatch.setattr(Engine, "_backends", property(lambda self: FakeLanes(fail_at=1, fail_with=error)))
 
 
 def mend_steps(monkeypatch) -> None:
-    monkeypatch.setattr(Engine, "_new_backend", REAL_NEW_BACKEND)
+    monkeypatch.setattr(Engine, "_backends", REAL_BACKENDS)
 
 
 PROMPT = "Explain TTL caches."
@@ -129,7 +126,7 @@ def test_a_step_failure_after_which_mlx_no_longer_computes_fails_the_model(make_
             monkeypatch.setattr(mx, "eval", broken_eval)
             raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(Engine, "_new_backend", lambda self, new, head: DeviceLost().build(new, head))
+    monkeypatch.setattr(Engine, "_backends", property(lambda self: DeviceLost()))
     with pytest.raises(errors.EngineCrashed, match="kernel failure"):
         llm.generate(PROMPT, max_output_tokens=2)
     monkeypatch.setattr(mx, "eval", real_eval)

@@ -42,7 +42,7 @@ from .config import PREFILL_STEP_SIZE
 from .grammar import GrammarProcessor
 from ..controls import Sampling
 from .sampling import PendingLogprobs, RowStream, SampledLogprob, make_sampler, row_logprobs, sample_rows
-from .scheduler import BackendKind
+from .request import LaneName
 
 if TYPE_CHECKING:
     from .prefix_cache import SerialStore
@@ -144,8 +144,8 @@ class Backend(Protocol):
     a capability of its own below (``HandsOff``, ``Adopts``, ``Speculates``,
     ``PrefillsPartially``), asked with ``isinstance``."""
 
-    # Which lane this is: what the scheduler plans with, and the ``execution.path`` it reports.
-    kind: BackendKind
+    # Which lane this is: what the scheduler plans with, its row of ``lanes.LANES``.
+    kind: LaneName
 
     def insert(self, row: RowInput) -> int: ...
     def free_slots(self) -> int: ...
@@ -263,7 +263,7 @@ class BatchBackend:
     sampled request running exclusive, greedy otherwise.
     """
 
-    kind = BackendKind.BATCH
+    kind = LaneName.BATCH
 
     def __init__(
         self,

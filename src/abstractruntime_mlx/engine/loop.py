@@ -2,10 +2,11 @@
 
 Callers ``submit`` requests and read them back through a ``RequestStream``. Each step the
 worker applies cancels, gathers a ``SchedulerState``, asks ``Scheduler.schedule`` for a
-``StepPlan`` (who starts, joins, waits; see ``scheduler``) and executes it: builds or hands
-off the backend, inserts the admitted rows and steps the group; ``output.OutputProcessor``
-turns the step's tokens into each request's deltas (detokenising, stop strings, the bounded
-output queue) and says which rows they ended. Controls run between steps.
+``StepPlan`` (who starts, joins, waits, on which lane; see ``scheduler`` and ``lanes``) and
+executes it: builds the lane's backend (``lane_factory``) or hands off, inserts the admitted
+rows and steps the group; ``output.OutputProcessor`` turns the step's tokens into each
+request's deltas (detokenising, stop strings, the bounded output queue) and says which rows
+they ended. Controls run between steps.
 
 Who writes what (the ownership rule):
 
@@ -38,7 +39,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Generic, Protocol, TypeVar, cast
+from typing import Any, Callable, Generic, TypeVar, cast
 
 from ..errors import (
     EngineCrashed,
@@ -53,8 +54,6 @@ from ..errors import (
 from .backend import (
     Adopts,
     Backend,
-    BatchBackend,
-    Drafter,
     HandsOff,
     PrefillRow,
     PrefillsPartially,
@@ -64,15 +63,16 @@ from .backend import (
     speculation_counters,
 )
 from .config import EngineConfig
-from .model import SERIAL_LANES, Lane, LoadedModel
+from .lane_factory import BackendFactory, LaneFactory
+from .lanes import LANES
+from .model import Lane, LoadedModel
 from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
-from .request import DecodePath, EngineRequest, ExecutionMode, RequestStatus
+from .request import EngineRequest, ExecutionMode, LaneName, RequestStatus
 from .output import Ending, OutputProcessor, outcome_of
 from .stream import PrefillCallback, RequestStream
 from .threads import POOL, WorkerHandle
 from .scheduler import (
     Admission,
-    BackendKind,
     GroupKey,
     GroupState,
     NewGroup,
@@ -81,15 +81,6 @@ from .scheduler import (
     StepPlan,
     prefilling_rows,
 )
-from . import cuda_attention
-from .fused_projections import fuse_text_model as fuse_projections
-from .prefill_shapes import Buckets, warm
-from .serial import InProcessBackend, SerialBackend
-from .single import SingleBackend, supports_model
-from .text_batch import TextBatchBackend
-from .text_loop import TextLoopBackend
-from .text_batch import language_model as text_language_model
-from .text_batch import make_cache as make_text_cache
 
 log = logging.getLogger(__name__)
 
@@ -126,13 +117,6 @@ class _Group:
 
 
 T = TypeVar("T")
-
-
-class BackendFactory(Protocol):
-    """Builds the backend a plan's new group (or a hand-off) runs on, in place of the
-    engine's own lanes: tests drive the loop on a fake backend through it."""
-
-    def build(self, new: NewGroup, head: EngineRequest | None) -> Backend: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,8 +187,9 @@ class Engine:
         cache_options: CacheOptions | None = None,
         backend_factory: BackendFactory | None = None,
     ) -> None:
+        """``backend_factory``: builds each group's backend (default: the loaded model's
+        ``LaneFactory``)."""
         self._load = load
-        self._backend_factory = backend_factory
         self._cache_options = cache_options
         self.prefix_cache: PrefixCache | None = None
         self.loaded: LoadedModel | None = None
@@ -226,11 +211,8 @@ class Engine:
         self._closed = False
         self._fatal: BaseException | None = None
         self._stream: Any = None
-        # Whether the loaded model's rows run on a plain KV cache per layer without position ids:
-        # what both the single lane and the text lane need (asked once).
-        self._plain_kv_model: bool | None = None
-        self._text_lm: Any = None  # what the text lane steps (``text_batch.language_model``), once built
-        self._buckets: Buckets | None = None  # the text lane's prefill shapes, where bounded
+        self._lanes: LaneFactory | None = None  # the loaded model's lanes, made at load
+        self._backend_factory = backend_factory
         self.stats = EngineStats()
         self._output = OutputProcessor()
         self._thread: WorkerHandle | None = None
@@ -488,9 +470,7 @@ class Engine:
                             max_batch_size=self.config.max_batch_size,
                             restore_align=restore_alignment(self.config.prefill_step_size),
                         )
-                    # Before the warm-up: it runs the prefill shapes the way serving will.
-                    cuda_attention.enable(decode=self._fused_decode_attention(), prefill=self._prefill_attention_ops())
-                    self._buckets = self._warmed_buckets()
+                    self._make_lanes().prepare()
                 except BaseException as exc:  # noqa: BLE001 - handed to start()
                     self._load_error = exc
                     self._closed = True
@@ -509,7 +489,9 @@ class Engine:
                     self.close_error = failure
                 self.prefix_cache = None
             self.loaded = None  # the worker owns the weights; they go with it
-            self._text_lm = None  # it shares them
+            if self._lanes is not None:
+                self._lanes.close()  # the text lane's model shares them
+                self._lanes = None
             mx.clear_cache()
 
     def _loop(self) -> None:
@@ -575,9 +557,7 @@ class Engine:
             waiting=tuple(self._waiting),
             group=view,
             stopping=self._stopping,
-            serial_lane=self._model.lane in SERIAL_LANES,
-            single_lane_model=self._single_lane_model(),
-            text_lane_model=self._text_lane_model(),
+            model_lanes=self._factory.model_lanes,
             prefix_cache=self.prefix_cache is not None,
             single_lane_restores=shared is not None and self.prefix_cache is not None and self.prefix_cache.disk is None,
             shared_prefixes=shared,
@@ -587,17 +567,17 @@ class Engine:
     def _execute(self, plan: StepPlan) -> None:
         """Carry out a plan's admission: hand off or start, take its requests off the queue,
         put the held ones back, insert the admitted ones."""
-        if plan.hand_off:
+        if plan.hand_off is not None:
             # Before anything leaves the queue: a failed hand-off fails the moving row only.
             assert self._group is not None
-            self._hand_off(self._group)
+            self._hand_off(self._group, plan.hand_off)
         taken: list[EngineRequest] = []
         if plan.num_taken:
             with self._cond:
                 taken = [self._waiting.popleft() for _ in range(plan.num_taken)]
         if plan.new_group is not None:
             self._admitting = taken  # a backend that cannot be built fails them
-            backend = self._new_backend(plan.new_group, taken[0] if taken else None)
+            backend = self._backends.build(plan.new_group, taken[0] if taken else None)
             self._group = _Group(key=plan.new_group.key, backend=backend, speculation_baseline=speculation_counters(backend), size=len(taken))
             self._admitting = []
         if plan.held:
@@ -615,18 +595,23 @@ class Engine:
             return None
         return _SharedPrefixes(cache)
 
-    def _single_lane_model(self) -> bool:
-        """Whether the loaded model's rows can decode on the single lane."""
-        return self.config.single_lane and self._plain_kv()
+    def _make_lanes(self) -> LaneFactory:
+        """The loaded model's lanes (at load, on the worker, once the prefix cache exists)."""
+        self._lanes = LaneFactory(
+            self._model, self.config, stream=self._stream, prefix_cache=self.prefix_cache, on_prefill=self._on_prefill_row
+        )
+        return self._lanes
 
-    def _text_lane_model(self) -> bool:
-        """Whether the loaded model's text rows can batch in the text lane."""
-        return self.config.text_lane and self._plain_kv()
+    @property
+    def _factory(self) -> LaneFactory:
+        """The loaded model's lanes, on the worker (made at load)."""
+        lanes = self._lanes
+        assert lanes is not None, "the lanes are read only while the model is loaded"
+        return lanes
 
-    def _plain_kv(self) -> bool:
-        if self._plain_kv_model is None:
-            self._plain_kv_model = self._model.lane == Lane.NATIVE and supports_model(self._model.model)
-        return self._plain_kv_model
+    @property
+    def _backends(self) -> BackendFactory:
+        return self._backend_factory or self._factory
 
     def _check_device(self, step_error: Exception) -> None:
         """After a failed step, MLX must still compute on the worker's stream; if it does not,
@@ -736,116 +721,8 @@ class Engine:
             )
             self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
 
-    def _new_backend(self, new: NewGroup, head: EngineRequest | None) -> Backend:
-        if self._backend_factory is not None:
-            return self._backend_factory.build(new, head)
-        if new.kind == BackendKind.SINGLE:
-            return self._single_backend(self._cache_manager_for(head), text_lane=new.key.lane == "text")
-        if new.kind == BackendKind.TEXT_BATCH:
-            return self._text_backend(new)
-        if new.kind == BackendKind.SERIAL and self._model.lane == Lane.MLX_VLM:
-            loaded = self._model
-            return InProcessBackend(
-                loaded.model,
-                loaded.tokenizer,
-                prefill_step_size=self.config.serial_prefill_step_size,
-                stream=self._stream,
-                on_prefill=self._on_prefill_row,
-                eos_token_ids=loaded.eos_token_ids,
-                drafter=loaded.drafter,
-                draft_tokens=new.key.draft_tokens if loaded.drafter is not None else 0,
-            )
-        if new.kind == BackendKind.SERIAL:
-            loaded = self._model
-            return SerialBackend(
-                loaded.model,
-                loaded.processor,
-                prefill_step_size=self.config.serial_prefill_step_size,
-                stream=self._stream,
-                on_prefill=self._on_prefill_row,
-            )
-        return self._batch_backend(new, head)
-
-    def _batch_backend(self, new: NewGroup, head: EngineRequest | None) -> BatchBackend:
-        loaded = self._model
-        key = new.key
-        drafter = Drafter(loaded.drafter) if key.draft_tokens and loaded.drafter is not None else None
-        return BatchBackend(
-            loaded.model,
-            loaded.processor,
-            max_batch_size=new.max_batch_size,
-            drafter=drafter,
-            draft_tokens=key.draft_tokens if drafter is not None else 0,
-            speculative_sampling=head.sampling if head is not None and key.mode == ExecutionMode.EXCLUSIVE else None,
-            prefill_step_size=self.config.prefill_step_size,
-            stream=self._stream,
-            apc_manager=self._cache_manager_for(head),
-        )
-
-    def _text_language_model(self) -> Any:
-        """What the text lane steps (built once per loaded model; it shares its weights)."""
-        if self._text_lm is None:
-            self._text_lm = text_language_model(self._model.path, self._model.model)
-            if self.config.fused_projections:
-                fuse_projections(self._text_lm, self._model.model)
-            if self._fused_decode_attention() or self._prefill_attention_ops():
-                cuda_attention.install(self._text_lm)
-        return self._text_lm
-
-    def _fused_decode_attention(self) -> bool:
-        return self.config.fused_decode_attention and cuda_attention.available()
-
-    def _prefill_attention_ops(self) -> bool:
-        return self.config.prefill_attention_ops and cuda_attention.available()
-
-    def _warmed_buckets(self) -> Buckets | None:
-        """The text lane's prefill buckets (``EngineConfig.prefill_buckets``), each shape run once
-        here, on the worker thread that will run it; None where they are off."""
-        if not self.config.prefill_buckets or not self._text_lane_model():
-            return None
-        cfg = self.config
-        buckets = Buckets(prefill_step_size=cfg.prefill_step_size, max_batch_size=cfg.max_batch_size)
-        try:
-            warm(self._text_language_model(), buckets)
-        except Exception as exc:  # noqa: BLE001 - unwarmed shapes are slower the first time, not wrong
-            log.warning("warming the prefill shapes failed: %s", exc)
-        return buckets
-
-    def _text_backend(self, new: NewGroup) -> TextLoopBackend | TextBatchBackend:
-        shared: dict[str, Any] = dict(
-            language_model=self._text_language_model(),
-            eos_token_ids=self._model.eos_token_ids,
-            max_batch_size=new.max_batch_size,
-            prefill_step_size=self.config.prefill_step_size,
-            stream=self._stream,
-            buckets=self._buckets,
-        )
-        if self.config.own_text_loop:
-            idle = self.config.idle_finished_rows
-            return TextLoopBackend(
-                self._model.model, wave_steps=self.config.admission_wave_steps,
-                idle_finished=cuda_attention.available() if idle is None else idle, **shared,
-            )
-        return TextBatchBackend(self._model.model, **shared)
-
-    def _single_backend(self, apc_manager: Any, *, text_lane: bool = False) -> SingleBackend:
-        """``text_lane``: the row may move into a text batch, so its cache is built from mlx-lm's
-        cache classes (the ones that batch merges)."""
-        processor = self._model.processor
-        tokenizer = getattr(processor, "tokenizer", processor)
-        lm = self._text_language_model() if text_lane else None
-        return SingleBackend(
-            self._model.model,
-            stop_criteria=tokenizer.stopping_criteria,  # the batch's own eos test
-            prefill_step_size=self.config.prefill_step_size,
-            stream=self._stream,
-            apc_manager=apc_manager,
-            make_cache=(lambda: make_text_cache(lm)) if lm is not None else None,
-            language_model=lm,
-        )
-
-    def _hand_off(self, group: _Group) -> None:
-        """Move the group's single decoding row into a new batch backend, its KV cache as is."""
+    def _hand_off(self, group: _Group, lane: LaneName) -> None:
+        """Move the group's single decoding row into a new backend of ``lane``, its KV cache as is."""
         single = group.backend
         if not isinstance(single, HandsOff):
             raise RuntimeError(f"the {single.kind.value} lane hands no row off; only the single lane does")
@@ -853,22 +730,16 @@ class Engine:
         # The row stays in ``group.running`` until the batch holds it: a failure here fails
         # it with the group (``_fail_group``), as any failed step would.
         request = group.running[old_uid]
-        kind = BackendKind.TEXT_BATCH if group.key.lane == "text" else BackendKind.BATCH
-        backend = self._new_backend(NewGroup(group.key, kind, self.config.max_batch_size), request)
+        assert LANES[lane].adopts_from == single.kind, f"the {lane} lane adopts no {single.kind} row"
+        backend = self._backends.build(NewGroup(group.key, lane, self.config.max_batch_size), request)
         group.backend = backend
         single.close()
         if not isinstance(backend, Adopts):
             raise RuntimeError(f"the {backend.kind.value} lane takes no row from another")
         uid = backend.adopt(row)
         request.uid = uid
-        request.path = DecodePath.SINGLE_THEN_BATCH
+        request.path = LANES[lane].adopted_path
         group.running[uid] = group.running.pop(old_uid)
-
-    def _cache_manager_for(self, head: EngineRequest | None) -> Any:
-        """The resident model's prefix-cache manager for a group of keyed requests, else None."""
-        if head is None or head.prompt_cache_key is None or self.prefix_cache is None:
-            return None
-        return self.prefix_cache.manager
 
     def _admit(self, admission: Admission) -> None:
         group = self._group
@@ -890,12 +761,13 @@ class Engine:
                 prefix=self._prefix_reuse(request, group),
                 logprobs=request.logprobs,
             )
+            lane_path = LANES[group.backend.kind].path.value
             if request.logprobs is not None and not getattr(group.backend, "reports_logprobs", False):
                 raise LogprobsUnavailable(
                     f"token logprobs are computed by the batched lanes' per-row sampler; this request runs on "
-                    f"the {group.backend.kind.value} lane, which draws without it (MTP speculation, or a "
+                    f"the {lane_path} lane, which draws without it (MTP speculation, or a "
                     "provider with mlx_batching=False)",
-                    details={"field": "logprobs", "lane": group.backend.kind.value},
+                    details={"field": "logprobs", "lane": lane_path},
                 )
             uid = group.backend.insert(row)
         except MLXRuntimeError as exc:
@@ -903,7 +775,7 @@ class Engine:
             return
         request.uid = uid
         request.mode = group.mode
-        request.path = DecodePath(group.backend.kind.value)
+        request.path = LANES[group.backend.kind].path
         request.exclusive_reason = group.key.reason
         request.started_at = time.perf_counter()
         request.transition(RequestStatus.PREFILLING)
@@ -921,7 +793,7 @@ class Engine:
             # prompt's rope positions; the key is served by a full prefill, said by name.
             request.prompt_cache = {"mode": "key", "key": request.prompt_cache_key, **IN_PROCESS_NO_REUSE}
             return None
-        if group.backend.kind == BackendKind.SERIAL:
+        if group.backend.kind == LaneName.SERIAL:
             layout = "serial"
         else:
             layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"

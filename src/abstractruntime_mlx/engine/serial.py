@@ -39,7 +39,7 @@ from .backend import (
 )
 from .prefix_cache import GUARD_TOKENS, SerialStore
 from .sampling import make_sampler
-from .scheduler import BackendKind
+from .request import LaneName
 
 PrefillHook = Callable[[int, PrefillRow], bool]
 
@@ -51,7 +51,7 @@ class _PrefillAbandoned(Exception):
 class SerialBackend:
     """mlx-lm generation for one request at a time, with the ``BatchBackend`` interface."""
 
-    kind = BackendKind.SERIAL
+    kind = LaneName.SERIAL
     max_batch_size = 1
 
     def __init__(self, model: Any, tokenizer: Any, *, prefill_step_size: int, stream: Any, on_prefill: PrefillHook) -> None:
@@ -219,6 +219,8 @@ class InProcessBackend(SerialBackend):
     ``drafter`` (the resident target's MTP head) drafts ``draft_tokens`` proposals per round
     for the group's requests; None or 0 runs target-only.
     """
+
+    kind = LaneName.IN_PROCESS
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ from ..artifacts import DOWNLOAD_COMMAND, companion_candidates, detect_mtp, look
 from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_controls
 from ..engine.chat import prepare_conversation, render_prompt
 from ..engine.prefix_break import attribute
-from ..engine.config import EngineConfig
+from ..engine.config import REMOVED, EngineConfig
 from ..engine.loop import Engine
 from ..engine.model import HEAD_LANES, Lane, LoadedModel
 from ..engine.cache_priority import validate_hints, validate_pin
@@ -34,6 +34,7 @@ from ..errors import (
     InvalidMedia,
     InvalidRequest,
     MLXRuntimeError,
+    OptionRemoved,
     RuntimeClosed,
     SpeculationUnavailable,
     UpstreamError,
@@ -66,11 +67,7 @@ ENGINE_OPTIONS: dict[str, str] = {
     "mlx_burst_gap_ms": "burst_gap_ms",
     # Plain text rows batch in the text lane (docs/provider.md, "Which batch loop").
     "mlx_text_lane": "text_lane",
-    # The text lane's own loop over the forward, or mlx-lm's BatchGenerator (docs/provider.md, "Which batch loop").
-    "mlx_own_text_loop": "own_text_loop",
-    # How many decode steps the own loop holds short prompts back to admit them as a wave (docs/provider.md, "Which batch loop").
-    "mlx_admission_wave_steps": "admission_wave_steps",
-    # Whether the own loop's finished rows idle until half the batch has finished (docs/provider.md, "Which batch loop").
+    # Whether the text lane's finished rows idle until half the batch has finished (docs/provider.md, "Which batch loop").
     "mlx_idle_finished_rows": "idle_finished_rows",
     # The text lane's prefill shapes: bucketed and warmed at load (docs/provider.md, "Prefill shapes").
     "mlx_prefill_buckets": "prefill_buckets",
@@ -82,6 +79,9 @@ ENGINE_OPTIONS: dict[str, str] = {
     "mlx_fused_projections": "fused_projections",
 }
 _ENGINE_DEFAULTS = EngineConfig()
+
+# Options that were removed: refused with ``OptionRemoved``, saying what replaced them.
+REMOVED_OPTIONS: dict[str, str] = {"mlx_own_text_loop": REMOVED["own_text_loop"], "mlx_admission_wave_steps": REMOVED["admission_wave_steps"]}
 
 # Constructor options and their defaults.
 EXECUTION_DEFAULTS: dict[str, Any] = {
@@ -127,6 +127,8 @@ class MLXProvider:
         progress_min_interval_s: float | None = None,
         **options: Any,
     ) -> None:
+        for name in sorted(set(options) & REMOVED_OPTIONS.keys()):
+            raise OptionRemoved(name, REMOVED_OPTIONS[name])
         unknown = set(options) - set(EXECUTION_DEFAULTS)
         if unknown:
             raise InvalidRequest(f"unknown create_llm option(s): {', '.join(sorted(unknown))}")
@@ -769,7 +771,6 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
     positive_int("mlx_max_queue_size")
     positive_int("mlx_output_queue_size", lo=2)
     positive_int("mlx_prefill_step_size", lo=16)
-    positive_int("mlx_admission_wave_steps", lo=0)
     idle = options["mlx_idle_finished_rows"]
     if idle is not None and not isinstance(idle, bool):
         raise InvalidControls("mlx_idle_finished_rows must be a boolean or None", field="mlx_idle_finished_rows", value=idle)
