@@ -20,7 +20,8 @@ from abstractruntime_mlx.engine.backend import DecodingRow, PrefillRow, RowInput
 from abstractruntime_mlx.engine.loop import Engine, EngineConfig
 from abstractruntime_mlx.engine.model import Lane, LoadedModel
 from abstractruntime_mlx.engine.request import EngineRequest
-from abstractruntime_mlx.engine.scheduler import BackendKind, NewGroup
+from abstractruntime_mlx.engine.request import LaneName
+from abstractruntime_mlx.engine.scheduler import NewGroup
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 EOS = len(LETTERS)  # no text; a row whose next token is EOS stops
@@ -57,7 +58,7 @@ class FakeRow:
 class FakeBackend:
     """What every backend does (``backend.Backend``), on ``FakeRow``s."""
 
-    def __init__(self, lanes: FakeLanes, kind: BackendKind, max_batch_size: int) -> None:
+    def __init__(self, lanes: FakeLanes, kind: LaneName, max_batch_size: int) -> None:
         self.lanes = lanes
         self.kind = kind
         self.max_batch_size = max_batch_size
@@ -166,10 +167,11 @@ class FakeLanes:
     built: list[FakeBackend] = field(default_factory=list)
     num_steps: int = 0
     uids: itertools.count[int] = field(default_factory=itertools.count)
+    model_lanes: frozenset[LaneName] = frozenset({LaneName.SINGLE, LaneName.TEXT, LaneName.BATCH})
 
     def build(self, new: NewGroup, head: EngineRequest | None) -> FakeBackend:
-        cls = FakeSingle if new.kind == BackendKind.SINGLE else FakeBatch
-        backend = cls(self, new.kind, new.max_batch_size)
+        cls = FakeSingle if new.lane == LaneName.SINGLE else FakeBatch
+        backend = cls(self, new.lane, new.max_batch_size)
         self.built.append(backend)
         return backend
 
@@ -179,7 +181,7 @@ class FakeLanes:
             raise self.fail_with
 
     @property
-    def kinds(self) -> list[BackendKind]:
+    def kinds(self) -> list[LaneName]:
         return [backend.kind for backend in self.built]
 
 

@@ -24,7 +24,7 @@ def break_steps(monkeypatch, error: BaseException) -> None:
     """Every group started from now on, on any lane, runs on a fake backend whose first step
     raises ``error`` (the loop's own handling is tested on the fake in test_engine_loop.py)."""
 
-    monkeypatch.setattr(Engine, "_backends", property(lambda self: FakeLanes(fail_at=1, fail_with=error)))
+    monkeypatch.setattr(Engine, "_backends", property(lambda self: FakeLanes(fail_at=1, fail_with=error, model_lanes=self._factory.model_lanes)))
 
 
 def mend_steps(monkeypatch) -> None:
@@ -126,7 +126,7 @@ def test_a_step_failure_after_which_mlx_no_longer_computes_fails_the_model(make_
             monkeypatch.setattr(mx, "eval", broken_eval)
             raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(Engine, "_backends", property(lambda self: DeviceLost()))
+    monkeypatch.setattr(Engine, "_backends", property(lambda self: DeviceLost(model_lanes=self._factory.model_lanes)))
     with pytest.raises(errors.EngineCrashed, match="kernel failure"):
         llm.generate(PROMPT, max_output_tokens=2)
     monkeypatch.setattr(mx, "eval", real_eval)

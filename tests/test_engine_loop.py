@@ -15,7 +15,7 @@ from abstractruntime_mlx import errors
 from abstractruntime_mlx.engine.backend import Adopts, HandsOff, PrefillsPartially, Speculates
 from abstractruntime_mlx.engine.loop import Engine, _as_engine_error
 from abstractruntime_mlx.engine.request import EngineRequest, PrefillObservation, RequestStatus, TokenDelta
-from abstractruntime_mlx.engine.scheduler import BackendKind
+from abstractruntime_mlx.engine.request import LaneName
 
 _ids = itertools.count()
 
@@ -77,7 +77,7 @@ def test_a_request_gets_its_tokens_and_text():
     assert tokens == expected_tokens([3], 5) == list(req.token_ids)
     assert text == "defgh"
     assert req.outcome is not None and req.outcome.finish_reason == "length" and req.outcome.completion_tokens == 5
-    assert s.lanes.kinds == [BackendKind.SINGLE] and req.execution_metadata()["path"] == "single"
+    assert s.lanes.kinds == [LaneName.SINGLE] and req.execution_metadata()["path"] == "single"
     assert s.engine.snapshot()["completed"] == 1
 
 
@@ -100,7 +100,7 @@ def test_cancel_while_prefilling_leaves_a_tombstone_until_the_row_can_go():
     s = Stepper(lanes, max_batch_size=4)
     keep, cancel = s.request([0], max_tokens=4), s.request([5], max_tokens=4)
     s.step()  # one group of two, both prefilling
-    assert s.lanes.kinds == [BackendKind.TEXT_BATCH] and s.backend.prefilling
+    assert s.lanes.kinds == [LaneName.TEXT] and s.backend.prefilling
     s.engine.cancel(cancel)
     s.step()
     group = s.engine._group
@@ -171,10 +171,10 @@ def test_hand_off_moves_the_single_row_into_a_batch_keeping_its_tokens():
     first = s.request([0], max_tokens=8)
     s.step()
     s.step()
-    assert s.lanes.kinds == [BackendKind.SINGLE] and first.num_output_tokens == 2
+    assert s.lanes.kinds == [LaneName.SINGLE] and first.num_output_tokens == 2
     second = s.request([9], max_tokens=4)
     s.step()
-    assert s.lanes.kinds == [BackendKind.SINGLE, BackendKind.TEXT_BATCH]
+    assert s.lanes.kinds == [LaneName.SINGLE, LaneName.TEXT]
     assert s.lanes.built[0].closed and first.uid in s.backend.rows
     s.drain()
     assert delivered(first) == (expected_tokens([0], 8), text_of(expected_tokens([0], 8)))
@@ -263,7 +263,6 @@ def test_capabilities_are_asked_not_stubbed():
     from abstractruntime_mlx.engine.backend import BatchBackend
     from abstractruntime_mlx.engine.serial import InProcessBackend, SerialBackend
     from abstractruntime_mlx.engine.single import SingleBackend
-    from abstractruntime_mlx.engine.text_batch import TextBatchBackend
     from abstractruntime_mlx.engine.text_loop import TextLoopBackend
 
     members = {
@@ -279,5 +278,5 @@ def test_capabilities_are_asked_not_stubbed():
 
     assert able(SingleBackend) == {"hands_off"}
     assert able(BatchBackend) == {"adopts", "speculates", "partial"}
-    assert able(TextLoopBackend) == able(TextBatchBackend) == {"adopts"}
+    assert able(TextLoopBackend) == {"adopts"}
     assert able(SerialBackend) == set() and able(InProcessBackend) == {"speculates"}

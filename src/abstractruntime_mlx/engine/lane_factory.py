@@ -14,7 +14,7 @@ import logging
 from typing import Any, Callable, Protocol, cast
 
 from . import cuda_attention
-from .backend import Backend, BatchBackend, DecodingRow, Drafter, PrefillRow
+from .backend import Backend, BatchBackend, Drafter, PrefillRow
 from .config import EngineConfig
 from .fused_projections import fuse_text_model
 from .lanes import LANES
@@ -31,14 +31,12 @@ from .text_model import language_model, make_cache, supports_model
 log = logging.getLogger(__name__)
 
 
-class Adopting(Backend, Protocol):
-    """A backend of a lane that adopts the single lane's row (``LaneSpec.adopts_from``)."""
-
-    def adopt(self, row: DecodingRow) -> int: ...
-
-
 class BackendFactory(Protocol):
-    """What the engine builds a group's backend with (a hand-off builds the adopting lane's)."""
+    """What the engine builds a group's backend with (a hand-off builds the adopting lane's),
+    and the lanes it has for the loaded model (what the scheduler plans with)."""
+
+    @property
+    def model_lanes(self) -> frozenset[LaneName]: ...
 
     def build(self, new: NewGroup, head: EngineRequest | None) -> Backend: ...
 

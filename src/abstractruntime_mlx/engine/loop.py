@@ -470,7 +470,8 @@ class Engine:
                             max_batch_size=self.config.max_batch_size,
                             restore_align=restore_alignment(self.config.prefill_step_size),
                         )
-                    self._make_lanes().prepare()
+                    if self._backend_factory is None:  # an injected factory brings its own lanes
+                        self._make_lanes().prepare()
                 except BaseException as exc:  # noqa: BLE001 - handed to start()
                     self._load_error = exc
                     self._closed = True
@@ -557,7 +558,7 @@ class Engine:
             waiting=tuple(self._waiting),
             group=view,
             stopping=self._stopping,
-            model_lanes=self._factory.model_lanes,
+            model_lanes=self._backends.model_lanes,
             prefix_cache=self.prefix_cache is not None,
             single_lane_restores=shared is not None and self.prefix_cache is not None and self.prefix_cache.disk is None,
             shared_prefixes=shared,
