@@ -7,7 +7,7 @@ import pytest
 
 from abstractruntime_mlx.nodes import ProviderRegistry
 from abstractruntime_mlx.runtime_plugin import FlowIndex, build_pack, run_flow
-from abstractruntime_mlx.runtime_plugin.prediction import Unpredictable, plan_payload, resolve_payload
+from abstractruntime_mlx.runtime_plugin.prefetch.prediction import Unpredictable, plan_payload, resolve_payload
 from abstractruntime_mlx.testing import tiny_model
 
 

@@ -30,7 +30,7 @@ from abstractruntime_mlx.runtime_plugin import (
     resume_run,
     run_flow,
 )
-from abstractruntime_mlx.runtime_plugin import catalog as catalog_module
+from abstractruntime_mlx.runtime_plugin.prefetch import catalog as catalog_module
 from abstractruntime_mlx.testing import tiny_model
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fanout.json"

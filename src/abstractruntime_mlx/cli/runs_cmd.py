@@ -222,8 +222,7 @@ def _replay(args: argparse.Namespace) -> int:
 def report_flow_drift(run_id: str, state: Mapping[str, object], *, flow_file: str | None = None, resuming: bool) -> None:
     """Say on stderr what changed in the run's flow file since the run started. A resume always
     continues the graph the run started with (stored in the run), never the edited file."""
-    from ..runtime_plugin.flowdiff import flow_drift
-    from ..runtime_plugin.flows import stored_flow, stored_options
+    from ..runtime_plugin.hosting import flow_drift, stored_flow, stored_options
 
     run_vars = object_at(state, "vars")
     drift = flow_drift(stored_flow(run_vars), stored_options(run_vars), flow_file=flow_file)

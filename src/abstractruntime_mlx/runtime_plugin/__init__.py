@@ -30,25 +30,38 @@ from ..controls import UNSET, Unset
 from ..ledger import Ledger
 from ..nodes import ProviderRegistry
 
-from .catalog import FlowCatalog, FlowIndex
-from .flows import (
+from .adapter import (
+    LLMCallHandler,
+    LedgerRunStore,
+    LedgerStepStore,
+    MLXPack,
+    PackOptions,
+    RemotePolicy,
+    Route,
+    RouteDecision,
+    Routing,
+    RuntimeProgress,
+    build_pack,
+    normalize_ledger_url,
+    parse_route,
+    request_from_payload,
+)
+from .hosting import (
+    DriveLimits,
+    FlowBundle,
+    FlowHost,
     FlowRunResult,
     NodeFailure,
     NodeOutcome,
-    load_flow,
+    drive,
+    network_tool_uses,
     node_failures,
     node_outcomes,
     resume_run,
     run_flow,
     run_tree,
 )
-from .handler import LLMCallHandler, RuntimeProgress
-from .host import DriveLimits, FlowBundle, FlowHost, drive, network_tool_uses
-from .pack import MLXPack, PackOptions, build_pack, normalize_ledger_url
-from .payload import request_from_payload
-from .prefetch import SiblingPrefetcher
-from .routing import RemotePolicy, Route, RouteDecision, Routing, parse_route
-from .stores import LedgerRunStore, LedgerStepStore
+from .prefetch import FlowCatalog, FlowIndex, SiblingPrefetcher, load_flow
 
 __all__ = [
     "DriveLimits",

@@ -19,7 +19,7 @@ from abstractruntime.core.effect_cancellation import current_effect_cancel_event
 from abstractruntime.core.progress_channel import current_effect_progress_callback
 from abstractruntime.core.runtime import EffectOutcome
 
-from ..errors import (
+from ...errors import (
     AuthenticationError,
     ConflictError,
     InvalidRequest,
@@ -28,16 +28,16 @@ from ..errors import (
     PolicyError,
     SpeculationUnavailable,
 )
-from ..json_values import JSONObject, object_at
-from ..ledger import Ledger, NodeKey
-from ..nodes import LLMNode, ModelLoad, NodeRequest, NodeResult, PreparedCall
-from ..request import ProgressSink
-from .catalog import FlowCatalog
+from ...json_values import JSONObject, object_at
+from ...ledger import Ledger, NodeKey
+from ...nodes import LLMNode, ModelLoad, NodeRequest, NodeResult, PreparedCall
+from ...request import ProgressSink
+from ..prefetch.catalog import FlowCatalog
 from .payload import explicit_base_url, input_as_sent, request_from_payload
 from .routing import RouteDecision, Routing
-from .prediction import Unpredictable
-from .prefetch import SiblingPrefetcher
-from .prompt_cache import CallIdentity
+from ..prefetch.prediction import Unpredictable
+from ..prefetch.prefetch import SiblingPrefetcher
+from ..prefetch.prompt_cache import CallIdentity
 from .stores import LedgerStepStore
 
 

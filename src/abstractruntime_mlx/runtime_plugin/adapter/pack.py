@@ -17,12 +17,12 @@ from abstractruntime.core.models import EffectType
 from abstractruntime.core.policy import EffectPolicy, RetryPolicy
 from abstractruntime.core.runtime import EffectHandler
 
-from ..controls import UNSET, Unset
-from ..ledger import Ledger, normalize_ledger_url
-from ..nodes import LLMNode, ProviderRegistry
-from .catalog import FlowCatalog
+from ...controls import UNSET, Unset
+from ...ledger import Ledger, normalize_ledger_url
+from ...nodes import LLMNode, ProviderRegistry
+from ..prefetch.catalog import FlowCatalog
 from .handler import LLMCallHandler, RuntimeProgress
-from .prefetch import SiblingPrefetcher
+from ..prefetch.prefetch import SiblingPrefetcher
 from .routing import RemotePolicy, Routing
 from .stores import LedgerRunStore, LedgerStepStore
 

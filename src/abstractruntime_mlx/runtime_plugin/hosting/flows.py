@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Final
 from abstractruntime import Runtime
 from abstractruntime.core.models import RunState, RunStatus, WaitReason
 
-from ..errors import RunNotFound, RunNotResumable
-from ..json_values import as_str, object_at
-from ..ledger import Ledger, run_lock
+from ...errors import RunNotFound, RunNotResumable
+from ...json_values import as_str, object_at
+from ...ledger import Ledger, run_lock
 
-from .catalog import load_flow
+from ..prefetch.catalog import load_flow
 from .flowdiff import flow_hash
 from .host import DriveLimits, FlowHost, drive, waiting_leaf
-from .pack import MLXPack, build_pack
+from ..adapter.pack import MLXPack, build_pack
 from .waits import describe_wait, event_envelope, event_name, wait_info
 
 if TYPE_CHECKING:
@@ -486,7 +486,7 @@ def _stored_subflows(options: Mapping[str, object]) -> dict[str, Mapping[str, ob
 
 
 def _pack_for_stored_run(ledger_url: str, run_id: str, *, model: str | None) -> MLXPack:
-    from ..ledger import Ledger
+    from ...ledger import Ledger
 
     probe = Ledger(ledger_url)
     try:

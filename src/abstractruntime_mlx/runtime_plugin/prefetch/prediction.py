@@ -25,7 +25,7 @@ from typing import Final
 
 from abstractruntime.visualflow_compiler.visual.builtins import get_builtin_handler
 
-from ..json_values import array_at, object_at, to_float, to_int
+from ...json_values import array_at, object_at, to_float, to_int
 
 __all__ = ["Unpredictable", "plan_payload", "resolve_payload"]
 

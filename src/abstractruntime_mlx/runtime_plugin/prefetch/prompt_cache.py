@@ -27,8 +27,8 @@ from dataclasses import dataclass
 # (tests/test_prompt_cache_keys.py fails loudly when it moves).
 from abstractruntime.integrations.abstractcore.effect_handlers import _maybe_inject_prompt_cache_key
 
-from ..errors import InvalidRequest
-from ..json_values import object_at
+from ...errors import InvalidRequest
+from ...json_values import object_at
 
 __all__ = ["CallIdentity", "node_prompt_cache_key"]
 
