@@ -31,6 +31,7 @@ from abstractruntime import Runtime
 from abstractruntime.core.models import RunState, RunStatus, WaitReason
 
 from ...errors import RunNotFound, RunNotResumable
+from ...inspection import NodeOutcome, node_outcomes
 from ...json_values import as_str, object_at
 from ...ledger import Ledger, run_lock
 
@@ -72,19 +73,6 @@ FLOW_VAR: Final = "mlx_pack"
 
 
 @dataclass(frozen=True, slots=True)
-class NodeOutcome:
-    """One LLM node of a run as the ledger recorded it (``result`` is the handler's dict;
-    ``run_id`` the run it ran in: the root or one of its subflow/agent runs)."""
-
-    node_id: str
-    step_id: str
-    attempt: int
-    result: dict[str, object]
-    duration_s: float | None
-    run_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
 class NodeFailure:
     """A node that failed in a run of the tree: a failed step, a result with
     ``success: false`` (also a failed tool call inside a result), or a flow error the compiler
@@ -109,18 +97,6 @@ class FlowRunResult:
     waiting: dict[str, object] | None = None
     """What the run waits for (``waits.wait_info`` of the run its wait chain ends in, with
     that run's ``run_id``), when ``status`` is ``waiting``."""
-
-
-def node_outcomes(ledger: Ledger, run_id: str) -> list[NodeOutcome]:
-    """The completed LLM nodes of a run, in completion order, read from the ledger alone."""
-    out: list[NodeOutcome] = []
-    for step in ledger.run_steps(run_id):
-        if step.effect_type != "llm_call" or step.status != "completed":
-            continue
-        result = step.record.get("result")
-        if isinstance(result, dict):
-            out.append(NodeOutcome(step.node_id, step.step_id, step.attempt, result, step.duration_s, run_id))
-    return out
 
 
 def run_tree(ledger: Ledger, run_id: str) -> list[str]:
