@@ -39,7 +39,7 @@ from .terminal import printable
 
 if TYPE_CHECKING:
     from ..runtime_plugin.hosting import DriveLimits
-    from ..runtime_plugin import FlowRunResult
+    from ..runtime_plugin import FlowRunResult, PackSettings
     from ..runtime_plugin.check import CheckReport
     from ..runtime_plugin.adapter import RemotePolicy
     from ..traces import OtlpTarget
@@ -69,6 +69,19 @@ class RunSettings:
     otlp: OtlpTarget | None = None
     otlp_content: bool = False
     """The spans carry the calls' prompts and answers (``--otlp-content``)."""
+
+    def pack_settings(self) -> PackSettings:
+        """How this run's pack serves its LLM nodes."""
+        from ..runtime_plugin import PackSettings
+
+        return PackSettings(
+            model=self.model,
+            force_model=self.force_model,
+            provider_options=self.provider_options,
+            sibling_batching=self.sibling_batching,
+            routes=self.routes,
+            allow_remote=self.remote.to_options(),
+        )
 
 
 def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -432,20 +445,15 @@ def _run_flow(settings: RunSettings) -> list[FlowRunResult]:
     from ..runtime_plugin import run_flow
 
     return run_flow(
-            settings.flow,
-            vars=settings.vars,
-            runs=settings.runs,
-            ledger_url=settings.ledger_url,
-            model=settings.model,
-            force_model=settings.force_model,
-            provider_options=settings.provider_options,
-            sibling_batching=settings.sibling_batching,
-            routes=settings.routes,
-            allow_remote=settings.remote.to_options(),
-            flows_dir=settings.flows_dir,
-            source=settings.source,
-            artifacts_dir=settings.artifacts_dir,
-            allow_network_tools=settings.allow_network_tools,
-            limits=settings.limits,
-            session_id=settings.session_id,
-        )
+        settings.flow,
+        vars=settings.vars,
+        runs=settings.runs,
+        ledger_url=settings.ledger_url,
+        flows_dir=settings.flows_dir,
+        source=settings.source,
+        artifacts_dir=settings.artifacts_dir,
+        allow_network_tools=settings.allow_network_tools,
+        limits=settings.limits,
+        session_id=settings.session_id,
+        settings=settings.pack_settings(),
+    )

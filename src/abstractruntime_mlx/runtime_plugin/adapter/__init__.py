@@ -12,7 +12,7 @@ Imports ``prefetch``; never ``hosting`` (which drives runs over a pack).
 from __future__ import annotations
 
 from .handler import LLMCallHandler, RuntimeProgress
-from .pack import MLXPack, PackOptions, build_pack, normalize_ledger_url
+from .pack import MLXPack, PackOptions, PackSettings, build_pack, normalize_ledger_url
 from .payload import request_from_payload
 from .routing import RemotePolicy, Route, RouteDecision, Routing, parse_route, routes_from_config
 from .stores import LedgerRunStore, LedgerStepStore
@@ -23,6 +23,7 @@ __all__ = [
     "LedgerStepStore",
     "MLXPack",
     "PackOptions",
+    "PackSettings",
     "RemotePolicy",
     "Route",
     "RouteDecision",
