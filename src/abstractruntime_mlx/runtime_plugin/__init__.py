@@ -12,6 +12,12 @@
   handler, sibling-branch batching.
 - ``run_flow`` / ``resume_run``: run VisualFlow JSON N times concurrently (one compiled spec
   per thread), resume an interrupted run from the ledger alone.
+- ``PackSettings``: the pack's options as one frozen value (or its fields as keywords).
+
+Sub-packages, each importing only those before it: ``prefetch`` (flow index, sibling
+prediction and prefetch, prompt-cache keys), ``adapter`` (pack, LLM_CALL handler, payload,
+routing, stores), ``hosting`` (host, run / resume, waits, takeover, flow hash, code sandbox),
+``check`` (the whole-flow check).
 
 MLX is imported on the first LLM call, never at import. See ``docs/runtime-plugin.md``.
 """
