@@ -934,7 +934,7 @@ class Engine:
             layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"
         request.cache_layout = layout
         request.cache_counters = cache.counters()
-        return PrefixReuse(cache.salt(request, layout), serial=cache.serial if layout == "serial" else None)
+        return PrefixReuse(cache.admit(request, layout), serial=cache.serial if layout == "serial" else None)
 
     def _step_group(self) -> None:
         group = self._group
@@ -1143,6 +1143,11 @@ class Engine:
     def prompt_cache_clear(self) -> dict[str, Any] | None:
         """Drop every owned RAM and SSD entry, between prefills; None without a prefix cache."""
         return self.control(lambda: self.prefix_cache.clear() if self.prefix_cache is not None else None, between_prefills=True)
+
+    def prompt_cache_command(self, command: Callable[[PrefixCache], dict[str, Any]]) -> dict[str, Any] | None:
+        """Run one prefix-cache command (eviction hints, pin, release) on the worker between
+        steps; None when this model has no prefix cache."""
+        return self.control(lambda: command(self.prefix_cache) if self.prefix_cache is not None else None)
 
     def _account(self, request: EngineRequest, status: RequestStatus) -> None:
         self._live.pop(request.request_id, None)
