@@ -62,7 +62,7 @@ def system_prompt(k: int, rules: int) -> str:
 
 
 def run_workload(llm: Any, *, mode: str, runs: int, agents: int, turns: int, rules: int, stagger_s: float, pins: bool = True) -> dict[str, Any]:
-    from abstractruntime_mlx.runtime_plugin.prediction import steps_to_llm_nodes
+    from abstractruntime_mlx.runtime_plugin.prefetch.prediction import steps_to_llm_nodes
 
     flow = flow_of(agents)
     nodes = [f"agent_{k}" for k in range(1, agents + 1)]

@@ -16,8 +16,8 @@ import pytest
 
 from abstractruntime_mlx.ledger import sqlite_url
 from abstractruntime_mlx.runtime_plugin import FlowHost, build_pack, run_flow
-from abstractruntime_mlx.runtime_plugin import host_shims
-from abstractruntime_mlx.runtime_plugin.payload import request_from_payload
+from abstractruntime_mlx.runtime_plugin.hosting import host_shims
+from abstractruntime_mlx.runtime_plugin.adapter.payload import request_from_payload
 
 # A value of each On Flow Start pin kind, and the text the host makes of it for a prompt
 # (``str(value)``, the same for an llm_call's prompt and an agent's task).

@@ -7,7 +7,7 @@ import pytest
 
 from abstractruntime_mlx.nodes import ProviderRegistry
 from abstractruntime_mlx.runtime_plugin import FlowIndex, build_pack, run_flow
-from abstractruntime_mlx.runtime_plugin.prediction import Unpredictable, plan_payload, resolve_payload
+from abstractruntime_mlx.runtime_plugin.prefetch.prediction import Unpredictable, plan_payload, resolve_payload
 from abstractruntime_mlx.testing import tiny_model
 
 
@@ -121,7 +121,7 @@ def test_predicted_siblings_batch_and_answer_the_same(model, tmp_path, policy_fi
 
 
 def test_steps_to_llm_nodes_counts_execution_edges():
-    from abstractruntime_mlx.runtime_plugin.prediction import steps_to_llm_nodes
+    from abstractruntime_mlx.runtime_plugin.prefetch.prediction import steps_to_llm_nodes
 
     def edge(a, b, handle="exec-out"):
         return {"source": a, "sourceHandle": handle, "target": b, "targetHandle": "exec-in"}

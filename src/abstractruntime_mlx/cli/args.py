@@ -12,7 +12,7 @@ from ..json_values import parse_ascii_int
 from ..default_limits import DEFAULT_CODE_MEMORY_MIB, DEFAULT_CODE_RESULT_MIB, DEFAULT_CODE_TIME_S, DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_WALL_S
 
 if TYPE_CHECKING:
-    from ..runtime_plugin.host import DriveLimits
+    from ..runtime_plugin.hosting import DriveLimits
 
 
 def integer(text: str) -> int:
@@ -59,7 +59,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
 
 def drive_limits(args: argparse.Namespace, *, max_timer_wait_s: float) -> DriveLimits:
     """The ``DriveLimits`` of ``add_limit_arguments``' flags; a value out of range exits, naming it."""
-    from ..runtime_plugin.host import DriveLimits
+    from ..runtime_plugin.hosting import DriveLimits
 
     try:
         return DriveLimits(

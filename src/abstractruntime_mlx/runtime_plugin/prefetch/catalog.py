@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from ..json_values import array_at, nests_deeper_than, object_at, parse_ascii_int
+from ...json_values import array_at, nests_deeper_than, object_at, parse_ascii_int
 from .prediction import LLM_NODE_TYPES, Unpredictable, plan_payload, resolve_payload, steps_to_llm_nodes
 
 __all__ = ["BRANCHING_NODE_TYPES", "BRANCH_HANDLE_PREFIX", "FlowCatalog", "FlowIndex", "SiblingCall", "branch_index", "load_flow"]

@@ -19,7 +19,7 @@ from abstractruntime.core.effect_cancellation import current_effect_cancel_event
 from abstractruntime.core.progress_channel import current_effect_progress_callback
 from abstractruntime.core.runtime import EffectOutcome
 
-from ..errors import (
+from ...errors import (
     AuthenticationError,
     ConflictError,
     InvalidRequest,
@@ -28,17 +28,17 @@ from ..errors import (
     PolicyError,
     SpeculationUnavailable,
 )
-from ..json_values import JSONObject, object_at
-from ..ledger import Ledger, NodeKey
-from ..nodes import LLMNode, ModelLoad, NodeRequest, NodeResult, PreparedCall
-from ..nodes.llm_node import ClientKind
-from ..request import ProgressSink
+from ...json_values import JSONObject, object_at
+from ...ledger import Ledger, NodeKey
+from ...nodes import LLMNode, ModelLoad, NodeRequest, NodeResult, PreparedCall
+from ...nodes.llm_node import ClientKind
+from ...request import ProgressSink
 from .payload import explicit_base_url, input_as_sent, request_from_payload
 from .routing import RouteDecision, Routing
-from .prediction import Unpredictable
-from .prefetch import SiblingPrefetcher
-from .catalog import FlowCatalog, FlowIndex
-from .prompt_cache import CacheHintTarget, CallIdentity, RunCacheHints, node_prompt_cache_key, run_hints
+from ..prefetch.prediction import Unpredictable
+from ..prefetch.prefetch import SiblingPrefetcher
+from ..prefetch.catalog import FlowCatalog, FlowIndex
+from ..prefetch.prompt_cache import CacheHintTarget, CallIdentity, RunCacheHints, node_prompt_cache_key, run_hints
 from .stores import LedgerStepStore
 
 

@@ -33,8 +33,8 @@ from typing import Final, Protocol
 # (tests/test_prompt_cache_keys.py fails loudly when it moves).
 from abstractruntime.integrations.abstractcore.effect_handlers import _maybe_inject_prompt_cache_key
 
-from ..errors import InvalidRequest, MLXRuntimeError
-from ..json_values import object_at
+from ...errors import InvalidRequest, MLXRuntimeError
+from ...json_values import object_at
 
 __all__ = ["CallIdentity", "RunCacheHints", "node_prompt_cache_key", "run_hints"]
 

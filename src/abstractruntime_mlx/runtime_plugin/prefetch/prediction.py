@@ -28,7 +28,7 @@ from typing import Final
 
 from abstractruntime.visualflow_compiler.visual.builtins import get_builtin_handler
 
-from ..json_values import array_at, object_at, to_float, to_int
+from ...json_values import array_at, object_at, to_float, to_int
 
 __all__ = ["LLM_NODE_TYPES", "Unpredictable", "plan_payload", "resolve_payload", "steps_to_llm_nodes"]
 
