@@ -42,10 +42,6 @@ the tiny tokenizer padded to it), meant for a GPU. The providers' batch size is 
 - ``ours_cudnn``: ours with ``mlx_prefill_attention_ops=False`` (prompt chunks' attention in
   cuDNN, a plan built per new shape; on CUDA the plain-ops prefill's before, elsewhere the same
   as ours);
-- ``ours_mlx_lm``: ours with ``mlx_own_text_loop=False`` (the text lane steps mlx-lm's
-  ``BatchGenerator`` instead of its own loop over the forward: the own loop's before);
-- ``ours_waves``: ours with ``mlx_admission_wave_steps=4`` (short prompts join a decoding
-  batch in waves of an eighth of the batch, held at most 4 steps, instead of at once);
 - ``ours_idle_rows`` / ``ours_compact_rows``: ours with ``mlx_idle_finished_rows=True`` /
   ``False`` (the own loop's finished rows idle until half the batch has finished, or are
   dropped at once; by default they idle on CUDA only);
@@ -130,8 +126,6 @@ OURS_VARIANTS: dict[str, dict[str, Any]] = {
     "ours_bucketed": {"mlx_prefill_buckets": True},
     "ours_unfused": {"mlx_fused_decode_attention": False},
     "ours_cudnn": {"mlx_prefill_attention_ops": False},
-    "ours_mlx_lm": {"mlx_own_text_loop": False},
-    "ours_waves": {"mlx_admission_wave_steps": 4},
     "ours_idle_rows": {"mlx_idle_finished_rows": True},
     "ours_compact_rows": {"mlx_idle_finished_rows": False},
     "ours_separate_proj": {"mlx_fused_projections": False},

@@ -9,8 +9,7 @@ request with a ``--prompt-tokens`` prompt arrives. For the decoding rows, the ga
 their tokens while that prompt is prefilled (from its submit to its first token) are compared
 with their gaps before it arrived: p50, p95 and max, and how long the long prompt took to its
 first token. Targets: ``ours`` (text rows in the text lane's own loop, which prefills one chunk
-of ``mlx_prefill_step_size`` tokens between decode steps), ``ours_mlx_lm``
-(``mlx_own_text_loop=False``: mlx-lm's batch loop, which does the same) and ``ours_vlm``
+of ``mlx_prefill_step_size`` tokens between decode steps) and ``ours_vlm``
 (``mlx_text_lane=False``, mlx-vlm's loop). All in one process, alternating, on the same
 checkpoint.
 """
@@ -122,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
         path = _models.shaped_model(root / args.model, args.model)
     targets: dict[str, dict[str, bool]] = {
         "ours": {},
-        "ours_mlx_lm": {"mlx_own_text_loop": False},
         "ours_vlm": {"mlx_text_lane": False},
     }
     results: dict[str, list[dict[str, float]]] = {name: [] for name in targets}

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from abstractruntime_mlx.runtime_plugin.host import FlowBundle, kg_memory_uses, network_tool_uses  # noqa: E402
+from abstractruntime_mlx.runtime_plugin.hosting.host import FlowBundle, kg_memory_uses, network_tool_uses  # noqa: E402
 
 OUTSIDE_NODE_TYPES = {
     "provider_models": "provider catalog",

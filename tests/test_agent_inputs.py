@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from abstractruntime_mlx.ledger import sqlite_url
-from abstractruntime_mlx.runtime_plugin import FlowHost, build_pack, host_shims, run_flow
-from abstractruntime_mlx.runtime_plugin.payload import request_from_payload
+from abstractruntime_mlx.runtime_plugin import FlowHost, build_pack, run_flow
+from abstractruntime_mlx.runtime_plugin.adapter.payload import request_from_payload
+from abstractruntime_mlx.runtime_plugin.hosting import host_shims
 
 # A value of each On Flow Start pin kind, and the text the host makes of it for a prompt
 # (``str(value)``, the same for an llm_call's prompt and an agent's task).

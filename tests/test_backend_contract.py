@@ -168,40 +168,6 @@ def test_adopting_a_decoding_row():
     assert cache.BatchKVCache is BatchKVCache  # the class the generator builds for a prefill
 
 
-def test_mlx_lm_batch_generator_fields():
-    """What ``engine/text_batch.py`` reads of mlx-lm's batch loop (the text lane)."""
-    from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
-    from mlx_lm.models.cache import KVCache, TokenBuffer
-
-    params = inspect.signature(BatchGenerator.__init__).parameters
-    for name in ("stop_tokens", "completion_batch_size", "prefill_batch_size", "prefill_step_size", "stream"):
-        assert name in params, name
-    insert = inspect.signature(BatchGenerator.insert).parameters
-    assert {"prompts", "max_tokens", "samplers", "logits_processors"} <= set(insert)
-    source = inspect.getsource(BatchGenerator)
-    for attr in (
-        "self._generation_batch",
-        "self._prompt_batch",
-        "self._unprocessed_sequences",
-        "self._uid_count",
-        "self._default_stop_sequences",
-    ):
-        assert attr in source, attr
-    step_state = inspect.getsource(GenerationBatch)
-    for attr in (
-        "_next_tokens",
-        "_next_logprobs",
-        "_current_tokens",
-        "_current_logprobs",
-        "_token_context",
-        "_num_tokens",
-        "_matchers",
-    ):
-        assert f"self.{attr}" in step_state, attr
-    assert {"uid", "progress", "end_of_prompt"} <= set(PromptProcessingBatch.Response.__dataclass_fields__)
-    assert callable(getattr(KVCache, "merge", None)) and callable(TokenBuffer)
-
-
 def test_mlx_lm_batch_cache_fields():
     """What ``engine/text_loop.py`` reads and writes of mlx-lm's ``BatchKVCache``: built from a
     left padding, extended in place (right-justified), its rows and leading columns dropped by
@@ -226,7 +192,7 @@ def test_mlx_lm_batch_cache_fields():
 def test_mlx_lm_prompt_batch_padding():
     """What ``engine/prefill_shapes.py`` relies on: the prompt batch the generator keeps and
     copies with its own class, and the batch cache's right padding turned into left padding."""
-    from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+    from mlx_lm.generate import PromptProcessingBatch
     from mlx_lm.models.cache import BatchKVCache
 
     assert "self.__class__" in inspect.getsource(PromptProcessingBatch._copy)
@@ -234,7 +200,6 @@ def test_mlx_lm_prompt_batch_padding():
         inspect.signature(PromptProcessingBatch.__init__).parameters
     )
     assert {"fallback_sampler", "prefill_step_size"} <= set(inspect.signature(PromptProcessingBatch.empty).parameters)
-    assert "self._prompt_batch.prompt(" in inspect.getsource(BatchGenerator._next)
     assert "right_padding" in inspect.signature(BatchKVCache.prepare).parameters
     assert callable(getattr(BatchKVCache, "finalize", None))
 

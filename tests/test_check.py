@@ -14,8 +14,8 @@ import pytest
 
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.errors import InvalidFlow
+from abstractruntime_mlx.runtime_plugin.adapter.routing import RemotePolicy
 from abstractruntime_mlx.runtime_plugin.check import check_flow
-from abstractruntime_mlx.runtime_plugin.routing import RemotePolicy
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fanout.json"
 

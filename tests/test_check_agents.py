@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from abstractruntime_mlx.cli.main import main
-from abstractruntime_mlx.runtime_plugin.check import AGENT_INPUT_PINS, check_flow
+from abstractruntime_mlx.runtime_plugin.check.flow_check import AGENT_INPUT_PINS, check_flow
 
 FLOWS = Path(__file__).resolve().parent / "flows"
 

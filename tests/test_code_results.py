@@ -16,7 +16,7 @@ from abstractruntime.storage.artifacts import FileArtifactStore
 
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.runtime_plugin import DriveLimits, run_flow
-from abstractruntime_mlx.runtime_plugin.code_sandbox import INLINE_RESULT_BYTES, is_result_ref, read_bounded
+from abstractruntime_mlx.runtime_plugin.hosting.code_sandbox import INLINE_RESULT_BYTES, is_result_ref, read_bounded
 from test_run_limits import END, START, cli, code_flow, wire, write
 
 MIB = 1024 * 1024

@@ -143,8 +143,8 @@ def test_off_the_cuda_backend_nothing_is_installed(make_llm, dense_model):
 
     llm = make_llm(dense_model, mlx_batching=True, mlx_single_lane=False, speculation=False)
     llm.generate("Hello.", thinking=False, max_output_tokens=2)
-    assert not llm._engine._fused_decode_attention() and not llm._engine._prefill_attention_ops()
-    module = importlib.import_module(type(llm._engine._text_lm).__module__)
+    assert not llm._engine._lanes._fused_decode_attention() and not llm._engine._lanes._prefill_attention_ops()
+    module = importlib.import_module(type(llm._engine._lanes._text_lm).__module__)
     assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
 
 

@@ -12,7 +12,7 @@ from abstractruntime_mlx.errors import InvalidControls
 from abstractruntime_mlx.nodes import NodeRequest
 from abstractruntime_mlx.nodes.llm_node import generation_request
 from abstractruntime_mlx.request import GenerationRequest, check_prompt_cache_key, output_cap
-from abstractruntime_mlx.runtime_plugin.payload import request_from_payload
+from abstractruntime_mlx.runtime_plugin.adapter.payload import request_from_payload
 from abstractruntime_mlx.server import create_app
 from test_server_harness import FakeProvider, serve_in_thread
 

@@ -402,24 +402,12 @@ def test_vision_images_change_output(make_llm, vision_model, tmp_path):
         llm.generate("x", media=[str(tmp_path / "missing.png")])
 
 
-@pytest.mark.parametrize("lane", ["single", "batch", "text_loop", "text_batch"])
+@pytest.mark.parametrize("lane", ["single", "batch", "text"])
 def test_upstream_failure_fails_the_group_not_the_engine(make_llm, dense_model, monkeypatch, lane):
-    from abstractruntime_mlx.engine import backend, single, text_batch, text_loop
+    from abstractruntime_mlx.engine import backend, single, text_loop
 
-    text = lane.startswith("text")
-    llm = make_llm(
-        dense_model,
-        mlx_batching=True,
-        mlx_single_lane=lane == "single",
-        mlx_text_lane=text,
-        mlx_own_text_loop=lane == "text_loop",
-    )
-    cls = {
-        "single": single.SingleBackend,
-        "batch": backend.BatchBackend,
-        "text_loop": text_loop.TextLoopBackend,
-        "text_batch": text_batch.TextBatchBackend,
-    }[lane]
+    llm = make_llm(dense_model, mlx_batching=True, mlx_single_lane=lane == "single", mlx_text_lane=lane == "text")
+    cls = {"single": single.SingleBackend, "batch": backend.BatchBackend, "text": text_loop.TextLoopBackend}[lane]
     real_step = cls.step
     calls = {"n": 0}
 

@@ -12,8 +12,8 @@ import pytest
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.ledger import Ledger, sqlite_url
 from abstractruntime_mlx.nodes import default_registry
-from abstractruntime_mlx.runtime_plugin.flowdiff import flow_drift, flow_hash
-from abstractruntime_mlx.runtime_plugin.flows import stored_flow, stored_options
+from abstractruntime_mlx.runtime_plugin.hosting.flowdiff import flow_drift, flow_hash
+from abstractruntime_mlx.runtime_plugin.hosting.flows import stored_flow, stored_options
 
 FLOWS = Path(__file__).resolve().parent / "flows"
 

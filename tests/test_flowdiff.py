@@ -6,7 +6,7 @@ import copy
 import json
 from pathlib import Path
 
-from abstractruntime_mlx.runtime_plugin.flowdiff import flow_changes, flow_hash
+from abstractruntime_mlx.runtime_plugin.hosting.flowdiff import flow_changes, flow_hash
 
 EXAMPLE = json.loads((Path(__file__).resolve().parents[1] / "examples" / "fanout.json").read_text())
 

@@ -20,7 +20,7 @@ from abstractruntime_mlx.errors import InvalidRequest
 from abstractruntime_mlx.ledger import Ledger
 from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.runtime_plugin import FlowBundle, Routing, network_tool_uses, parse_route
-from abstractruntime_mlx.runtime_plugin.stores import LedgerRunStore
+from abstractruntime_mlx.runtime_plugin.adapter.stores import LedgerRunStore
 from abstractruntime_mlx.testing import tiny_model
 
 FLOWS = Path(__file__).resolve().parent / "flows"
@@ -384,7 +384,7 @@ def test_structured_llm_call_feeds_the_next_node_a_field_of_its_answer(ledger_pa
 def test_a_wait_on_a_host_channel_names_the_key_to_send():
     from abstractruntime.core.models import WaitReason, WaitState
 
-    from abstractruntime_mlx.runtime_plugin.waits import wait_info
+    from abstractruntime_mlx.runtime_plugin.hosting.waits import wait_info
 
     assert wait_info(WaitState(reason=WaitReason.EVENT, wait_key="evt:session:s1:done"))["event"] == "done"
     assert wait_info(WaitState(reason=WaitReason.EVENT, wait_key="abstract.ask"))["event"] == "abstract.ask"

@@ -167,7 +167,7 @@ def test_a_busy_tree_counts_up_and_a_finished_one_stops(runs: Runs) -> None:
 
 
 def test_the_input_sent_records_only_the_turns_the_node_changed() -> None:
-    from abstractruntime_mlx.runtime_plugin.payload import input_as_sent, request_from_payload
+    from abstractruntime_mlx.runtime_plugin.adapter.payload import input_as_sent, request_from_payload
 
     stamp = '<runtime_metadata>{"display":"[2026-01-01 10:00:00]"}</runtime_metadata>\n'
     payload = {

@@ -14,8 +14,8 @@ from abstractruntime_mlx.lb_config import LBSettings, PoolServer, haproxy_config
 from abstractruntime_mlx.remote_client import RemoteClient
 from abstractruntime_mlx.remote_client._base import affinity_header_value, build_chat_call
 from abstractruntime_mlx.request import AFFINITY_HEADER, GenerationRequest
-from abstractruntime_mlx.runtime_plugin.payload import request_from_payload
-from abstractruntime_mlx.runtime_plugin.prompt_cache import CallIdentity
+from abstractruntime_mlx.runtime_plugin.adapter.payload import request_from_payload
+from abstractruntime_mlx.runtime_plugin.prefetch.prompt_cache import CallIdentity
 from abstractruntime_mlx.testing.pool import free_port, haproxy_binary
 
 COMPLETION = {

@@ -15,7 +15,7 @@ from abstractruntime.visualflow_compiler import compile_visualflow
 
 from abstractruntime_mlx.ledger import sqlite_url
 from abstractruntime_mlx.runtime_plugin import build_pack, run_flow
-from abstractruntime_mlx.runtime_plugin.host import drive
+from abstractruntime_mlx.runtime_plugin.hosting.host import drive
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fanout.json"
 IDENTITY = {"run_id", "workflow_id", "node_id", "step_id", "idempotency_key", "attempt"}

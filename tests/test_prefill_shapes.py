@@ -56,9 +56,9 @@ def batched(make_llm, model, buckets):
 @pytest.mark.slow
 def test_bucketed_chunks_give_the_same_tokens_in_bucket_shapes(make_llm, dense_model, monkeypatch):
     plain = batched(make_llm, dense_model, False)
-    assert plain._engine._buckets is None
+    assert plain._engine._lanes.buckets is None
     plain.generate("Hello.", thinking=False, max_output_tokens=2)  # builds the lane's model, on the worker
-    shapes = _Shapes(monkeypatch, type(plain._engine._text_lm))
+    shapes = _Shapes(monkeypatch, type(plain._engine._lanes._text_lm))
     unpadded = together(plain, CALLS)
     plain_shapes = list(shapes.seen)
     plain.unload_model()
@@ -66,7 +66,7 @@ def test_bucketed_chunks_give_the_same_tokens_in_bucket_shapes(make_llm, dense_m
     shapes.seen.clear()
     llm = batched(make_llm, dense_model, True)
     warmed = set(shapes.seen)  # run at load, on the worker
-    buckets = llm._engine._buckets
+    buckets = llm._engine._lanes.buckets
     assert warmed == {(w, n) for w in buckets.widths for n in buckets.lengths}
     shapes.seen.clear()
     padded = together(llm, CALLS)

@@ -9,7 +9,7 @@ import pytest
 
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.ledger import Ledger
-from abstractruntime_mlx.runtime_plugin.handler import request_from_payload
+from abstractruntime_mlx.runtime_plugin.adapter.handler import request_from_payload
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "multiturn.json"
 

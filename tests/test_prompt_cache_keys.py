@@ -14,8 +14,8 @@ from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.errors import InvalidRequest
 from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.runtime_plugin import run_flow
-from abstractruntime_mlx.runtime_plugin.payload import request_from_payload
-from abstractruntime_mlx.runtime_plugin.prompt_cache import CallIdentity
+from abstractruntime_mlx.runtime_plugin.adapter.payload import request_from_payload
+from abstractruntime_mlx.runtime_plugin.prefetch.prompt_cache import CallIdentity
 from abstractruntime_mlx.testing import tiny_model
 
 FLOWS = Path(__file__).resolve().parent / "flows"

@@ -15,7 +15,7 @@ import pytest
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.errors import RemoteAddressForbidden, RemoteNotAllowed
 from abstractruntime_mlx.runtime_plugin import RemotePolicy, parse_route, run_flow
-from abstractruntime_mlx.runtime_plugin.routing import forbidden_reason
+from abstractruntime_mlx.runtime_plugin.adapter.routing import forbidden_reason
 
 PROMPT = "the secret prompt 7f3a"
 

@@ -12,7 +12,7 @@ import pytest
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.runtime_plugin import DriveLimits, run_flow
 from abstractruntime_mlx.runtime_plugin.check import check_flow
-from abstractruntime_mlx.runtime_plugin.cycles import always_run, exec_cycles, subflow_cycles
+from abstractruntime_mlx.runtime_plugin.check.cycles import always_run, exec_cycles, subflow_cycles
 
 FLOWS = Path(__file__).parent / "flows"
 
@@ -275,7 +275,7 @@ def test_the_compiler_still_calls_create_code_handler():
     """``code_sandbox.install`` replaces this one name of the host's compiler."""
     from abstractruntime.visualflow_compiler.visual import executor
 
-    from abstractruntime_mlx.runtime_plugin import code_sandbox
+    from abstractruntime_mlx.runtime_plugin.hosting import code_sandbox
 
     code_sandbox.install()
     assert getattr(executor.create_code_handler, "_runs_in_child", False)

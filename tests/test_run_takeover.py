@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy import create_engine, make_url, text
 
 from abstractruntime_mlx.ledger import Ledger
-from abstractruntime_mlx.runtime_plugin.takeover import interrupted_roots
+from abstractruntime_mlx.runtime_plugin.hosting.takeover import interrupted_roots
 from test_run_harness import slow_chain, stop_outside_a_write
 
 pytestmark = pytest.mark.slow

@@ -4,6 +4,7 @@ idempotency, concurrency, sibling-branch batching, stores, entry point."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import socket
 import threading
@@ -30,7 +31,7 @@ from abstractruntime_mlx.runtime_plugin import (
     resume_run,
     run_flow,
 )
-from abstractruntime_mlx.runtime_plugin import catalog as catalog_module
+from abstractruntime_mlx.runtime_plugin.prefetch import catalog as catalog_module
 from abstractruntime_mlx.testing import tiny_model
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fanout.json"
@@ -483,3 +484,31 @@ def test_example_flow_is_valid_json_with_per_node_controls():
     assert "speculation" not in configs["inherit"] and "thinking" not in configs["inherit"]
     assert configs["think"]["thinking"] == "high"
     assert {n["type"] for n in flow["nodes"]} >= {"parallel", "on_flow_end"}
+
+
+def test_pack_settings_are_build_packs_options_as_one_value(tmp_path: Path) -> None:
+    from abstractruntime_mlx.runtime_plugin import PackSettings
+
+    settings = PackSettings(
+        model="/models/a",
+        force_model=True,
+        routes=["lmstudio=mlx:/models/b"],
+        allow_remote=["10.0.0.2"],
+        sibling_batching=False,
+    )
+    with pytest.raises(TypeError, match="not both"):
+        build_pack(settings=settings, model="/models/c")
+    pack = build_pack(settings=settings)
+    try:
+        assert pack.settings is settings and pack.handler.prefetcher is None
+        stored = pack.resume_options()
+        assert PackSettings.from_resume_options(stored) == dataclasses.replace(settings, provider_options=None)
+        assert PackSettings.from_resume_options(stored, model="/models/new").model == "/models/new"
+    finally:
+        pack.close()
+    runtime = build_runtime(str(tmp_path / "runs.sqlite"), model="/models/a", mlx_max_batch_size=2)
+    try:
+        assert pack_of(runtime).settings.model == "/models/a"
+        assert pack_of(runtime).settings.provider_options == {"mlx_max_batch_size": 2}
+    finally:
+        pack_of(runtime).close()

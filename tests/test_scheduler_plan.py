@@ -7,17 +7,21 @@ measured.
 from __future__ import annotations
 
 from abstractruntime_mlx.engine.config import EngineConfig
-from abstractruntime_mlx.engine.request import EngineRequest, ExclusiveReason, ExecutionMode, RequestStatus, Sampling
+from abstractruntime_mlx.engine.request import EngineRequest, ExclusiveReason, ExecutionMode, LaneName, RequestStatus, Sampling
 from abstractruntime_mlx.engine.scheduler import (
     MIN_SHARED_PREFIX,
     Admission,
-    BackendKind,
     GroupState,
+    PrefillPlan,
     Scheduler,
     SchedulerState,
     StepPlan,
     group_key,
+    plan_prefill,
+    should_compact,
 )
+
+SINGLE_LANE_MODEL = frozenset({LaneName.BATCH, LaneName.SINGLE})
 
 
 def req(name, *, temperature=0.0, draft=0, strict=False, key=None, prompt=(1, 2, 3), penalty=None):
@@ -44,8 +48,8 @@ def ids(plan: StepPlan) -> list[str]:
     return [a.request.request_id for a in plan.admit]
 
 
-def running(key_of, kind=BackendKind.BATCH, *, free=3, decoding=False, prefilling=()):
-    return GroupState(group_key(key_of), kind, free, row_decoding=decoding, prefilling=tuple(prefilling))
+def running(key_of, lane=LaneName.BATCH, *, free=3, decoding=False, prefilling=()):
+    return GroupState(group_key(key_of), lane, free, row_decoding=decoding, prefilling=tuple(prefilling))
 
 
 # --- starting a group ---------------------------------------------------------------------
@@ -62,7 +66,7 @@ def test_a_continuous_group_starts_once_the_burst_goes_quiet():
     # an arrival inside the gap extends the window from its arrival
     assert s.schedule(state([a, b], now=1.0015)) == StepPlan(wait_until=1.0035)
     plan = s.schedule(state([a, b], now=1.0035))
-    assert plan.new_group is not None and plan.new_group.kind == BackendKind.BATCH
+    assert plan.new_group is not None and plan.new_group.lane == LaneName.BATCH
     assert (plan.new_group.key.mode, plan.new_group.max_batch_size) == (ExecutionMode.CONTINUOUS, 4)
     assert ids(plan) == ["a", "b"] and plan.step and plan.num_taken == 2
 
@@ -90,19 +94,19 @@ def test_a_full_window_or_a_stop_starts_at_once():
 
 def test_a_lone_text_request_starts_on_the_single_lane():
     def kind(request, **kw):
-        plan = scheduler(burst_gap_ms=0).schedule(state([request], **{"single_lane_model": True, **kw}))
+        plan = scheduler(burst_gap_ms=0).schedule(state([request], **{"model_lanes": SINGLE_LANE_MODEL, **kw}))
         assert plan.new_group is not None
-        return plan.new_group.kind
+        return plan.new_group.lane
 
-    assert kind(req("a")) == BackendKind.SINGLE
-    assert kind(req("a"), single_lane_model=False) == BackendKind.BATCH  # the model has no single lane
-    assert kind(req("p", penalty=1.2)) == BackendKind.BATCH  # logits processors run in the batch
-    assert kind(req("k", key="s")) == BackendKind.SINGLE
-    assert kind(req("k", key="s"), prefix_cache=True) == BackendKind.BATCH  # keyed rows use the prefix cache
-    plan = scheduler(burst_gap_ms=0, single_lane=False).schedule(state([req("a")], single_lane_model=True))
-    assert plan.new_group is not None and plan.new_group.kind == BackendKind.BATCH
-    two = scheduler(burst_gap_ms=0).schedule(state([req("a"), req("b")], single_lane_model=True))
-    assert two.new_group is not None and two.new_group.kind == BackendKind.BATCH
+    assert kind(req("a")) == LaneName.SINGLE
+    assert kind(req("a"), model_lanes=frozenset({LaneName.BATCH})) == LaneName.BATCH  # the model has no single lane
+    assert kind(req("p", penalty=1.2)) == LaneName.BATCH  # logits processors run in the batch
+    assert kind(req("k", key="s")) == LaneName.SINGLE
+    assert kind(req("k", key="s"), prefix_cache=True) == LaneName.BATCH  # keyed rows use the prefix cache
+    plan = scheduler(burst_gap_ms=0, single_lane=False).schedule(state([req("a")], model_lanes=SINGLE_LANE_MODEL))
+    assert plan.new_group is not None and plan.new_group.lane == LaneName.BATCH
+    two = scheduler(burst_gap_ms=0).schedule(state([req("a"), req("b")], model_lanes=SINGLE_LANE_MODEL))
+    assert two.new_group is not None and two.new_group.lane == LaneName.BATCH
 
 
 def test_exclusive_and_serial_start_alone_without_waiting():
@@ -112,8 +116,8 @@ def test_exclusive_and_serial_start_alone_without_waiting():
     key = plan.new_group.key
     assert (key.mode, key.reason, plan.new_group.max_batch_size) == (ExecutionMode.EXCLUSIVE, ExclusiveReason.SAMPLED_SPECULATION, 1)
     assert ids(plan) == ["x"]
-    plan = scheduler().schedule(state([req("a"), req("b")], serial_lane=True))
-    assert plan.new_group is not None and plan.new_group.kind == BackendKind.SERIAL
+    plan = scheduler().schedule(state([req("a"), req("b")], model_lanes=frozenset({LaneName.SERIAL})))
+    assert plan.new_group is not None and plan.new_group.lane == LaneName.SERIAL
     assert (plan.new_group.key.reason, ids(plan)) == (ExclusiveReason.SERIALIZED_LANE, ["a"])
 
 
@@ -170,11 +174,11 @@ def test_no_late_joiners_when_full_paused_or_not_continuous():
 def test_the_single_lane_hands_its_row_off_when_a_compatible_request_arrives():
     s = scheduler(max_batch_size=3)
     waiting = [req("a"), req("b"), req("c")]
-    prefilling = running(req("g"), BackendKind.SINGLE, free=0, decoding=False)
+    prefilling = running(req("g"), LaneName.SINGLE, free=0, decoding=False)
     assert s.schedule(state(waiting, group=prefilling)) == StepPlan(step=True)  # the row moves once it decodes
-    decoding = running(req("g"), BackendKind.SINGLE, free=0, decoding=True)
+    decoding = running(req("g"), LaneName.SINGLE, free=0, decoding=True)
     plan = s.schedule(state(waiting, group=decoding))
-    assert plan.hand_off and ids(plan) == ["a", "b"]  # the moved row holds the third slot
+    assert plan.hand_off == LaneName.BATCH and ids(plan) == ["a", "b"]  # the moved row holds the third slot
     assert s.schedule(state([req("m", draft=2, strict=True)], group=decoding)) == StepPlan(step=True)
     assert scheduler(max_batch_size=1).schedule(state(waiting, group=decoding)) == StepPlan(step=True)
 
@@ -244,3 +248,54 @@ def test_a_held_request_is_a_barrier_until_its_leader_prefilled():
 def test_admissions_are_typed_data():
     plan = scheduler(burst_gap_ms=0).schedule(state([req("a")]))
     assert plan.admit == (Admission(plan.admit[0].request, target_only=False),)
+
+
+# --- lanes --------------------------------------------------------------------------------
+
+TEXT_MODEL = frozenset({LaneName.BATCH, LaneName.SINGLE, LaneName.TEXT})
+
+
+def test_text_rows_start_in_the_text_lane_and_hand_off_into_it():
+    s = scheduler(burst_gap_ms=0)
+    plan = s.schedule(state([req("a"), req("b")], model_lanes=TEXT_MODEL))
+    assert plan.new_group is not None and plan.new_group.lane == LaneName.TEXT
+    assert plan.new_group.key.lane == LaneName.TEXT
+    keyed = s.schedule(state([req("k", key="s"), req("l", key="s")], model_lanes=TEXT_MODEL, prefix_cache=True))
+    assert keyed.new_group is not None and keyed.new_group.lane == LaneName.BATCH  # prefix blocks: mlx-vlm's batch
+    off = scheduler(burst_gap_ms=0, text_lane=False).schedule(state([req("a"), req("b")], model_lanes=TEXT_MODEL))
+    assert off.new_group is not None and off.new_group.lane == LaneName.BATCH
+    lone = s.schedule(state([req("a")], model_lanes=TEXT_MODEL))
+    assert lone.new_group is not None and lone.new_group.lane == LaneName.SINGLE
+    text_key = group_key(req("g"), text_lane=True)
+    decoding = GroupState(text_key, LaneName.SINGLE, 0, row_decoding=True)
+    moved = scheduler(max_batch_size=3).schedule(state([req("a")], group=decoding, model_lanes=TEXT_MODEL))
+    assert moved.hand_off == LaneName.TEXT and ids(moved) == ["a"]
+
+
+def test_the_in_process_lane_runs_every_request_alone():
+    plan = scheduler().schedule(state([req("a", draft=2), req("b")], model_lanes=frozenset({LaneName.IN_PROCESS})))
+    assert plan.new_group is not None and plan.new_group.lane == LaneName.IN_PROCESS
+    assert (plan.new_group.key.reason, plan.new_group.max_batch_size, ids(plan)) == (ExclusiveReason.SERIALIZED_LANE, 1, ["a"])
+
+
+# --- the text lane's step: prefill and compaction ------------------------------------------
+
+
+def test_plan_prefill_admits_short_prompts_and_one_chunked_group():
+    # step size 8: a prompt of 9 tokens (8 to prefill, its last rides in the decode step) is short
+    assert plan_prefill([9, 10, 3], free=4, step_size=8, chunking=False) == PrefillPlan(short=(0, 2), long=(1,))
+    # several long prompts start one chunked group together
+    assert plan_prefill([20, 30], free=4, step_size=8, chunking=False) == PrefillPlan(long=(0, 1))
+    # while a group chunks, long prompts wait and short ones behind them still join
+    assert plan_prefill([20, 3], free=4, step_size=8, chunking=True) == PrefillPlan(short=(1,))
+    # free slots bound it, in arrival order
+    assert plan_prefill([3, 3, 3], free=2, step_size=8, chunking=False) == PrefillPlan(short=(0, 1))
+    assert plan_prefill([3], free=0, step_size=8, chunking=False) == PrefillPlan()
+
+
+def test_should_compact_idles_finished_rows_only_where_allowed():
+    assert not should_compact(8, 0, joining=True, idle_allowed=False)  # nothing finished: nothing to drop
+    assert should_compact(8, 1, joining=False, idle_allowed=False)  # dropped at once
+    assert not should_compact(8, 3, joining=False, idle_allowed=True)  # idle until half the batch finished
+    assert should_compact(8, 4, joining=False, idle_allowed=True)
+    assert should_compact(8, 1, joining=True, idle_allowed=True)  # rows joining compact first

@@ -18,10 +18,9 @@ from abstractruntime_mlx.engine.loop import Engine, EngineConfig, _as_engine_err
 from abstractruntime_mlx.engine.model import Lane, load_model
 from abstractruntime_mlx.engine.request import EngineRequest, PrefillObservation, Sampling, TokenDelta
 from abstractruntime_mlx.engine.single import SingleBackend
-from abstractruntime_mlx.engine.text_batch import TextBatchBackend
 from abstractruntime_mlx.engine.text_loop import TextLoopBackend
 
-# A batch of text rows runs in the text lane (its own loop, or mlx-lm's) unless mlx_text_lane is off.
+# A batch of text rows runs in the text lane unless mlx_text_lane is off.
 BATCH_PATHS = ("batch", "text_batch")
 
 PROMPTS = ["Explain TTL caches.", "Explain LRU caches.", "What is a prefix cache?"]
@@ -35,6 +34,7 @@ class Stepper:
         self.engine = Engine(lambda: load_model(Path(path), lane=Lane.NATIVE), EngineConfig(**config))  # type: ignore[arg-type]
         self.engine.loaded = self.engine._load()
         self.engine._stream = mx.default_stream(mx.default_device())
+        self.engine._make_lanes()
 
     def request(self, prompt: str, max_tokens: int = 24, **kwargs: object) -> EngineRequest:
         loaded = self.engine.loaded
@@ -75,13 +75,11 @@ def outputs(req: EngineRequest) -> list[object]:
     return items
 
 
-@pytest.fixture(params=[True, False], ids=["own_loop", "mlx_lm_loop"])
-def stepper(dense_model, request):
-    """Steppers whose text lane steps its own loop or mlx-lm's (``own_text_loop``)."""
+@pytest.fixture()
+def stepper(dense_model):
     made: list[Stepper] = []
 
     def factory(**config: object) -> Stepper:
-        config.setdefault("own_text_loop", request.param)
         s = Stepper(dense_model, **config)
         made.append(s)
         return s
@@ -211,8 +209,7 @@ def test_a_failed_hand_off_fails_the_moving_request_only(stepper, monkeypatch, t
     def refuse(self, row):
         raise errors.UpstreamError("simulated: the batch refused the row")
 
-    for cls in (TextLoopBackend, TextBatchBackend) if text_lane else (BatchBackend,):
-        monkeypatch.setattr(cls, "adopt", refuse)
+    monkeypatch.setattr(TextLoopBackend if text_lane else BatchBackend, "adopt", refuse)
     s = stepper(max_batch_size=4, text_lane=text_lane)
     first = s.request(PROMPTS[0])
     s.until(lambda: first.num_output_tokens == 2)

@@ -296,7 +296,7 @@ def test_answer_check_names_the_problem():
 
 def test_node_payload_carries_the_schema_and_refuses_a_non_object():
     from abstractruntime_mlx.nodes.llm_node import generation_request
-    from abstractruntime_mlx.runtime_plugin.payload import request_from_payload
+    from abstractruntime_mlx.runtime_plugin.adapter.payload import request_from_payload
 
     payload = {"prompt": "p", "params": {}, "response_schema": RECORD, "response_schema_name": "Record"}
     node_request = request_from_payload(payload, {})
@@ -370,7 +370,7 @@ def test_a_schema_at_each_limit_is_accepted():
 
 
 def test_flow_nodes_and_openai_bodies_get_the_same_limits():
-    from abstractruntime_mlx.runtime_plugin.payload import request_from_payload
+    from abstractruntime_mlx.runtime_plugin.adapter.payload import request_from_payload
 
     for make in (
         lambda schema: request_from_payload({"prompt": "p", "response_schema": schema}, {}),

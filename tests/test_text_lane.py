@@ -1,6 +1,5 @@
 """The text lane behaves as mlx-vlm's batch loop does: the same tokens, stops, limits, phase
-events, structured answers and cancels, row by row, on either of its loops (its own,
-``text_loop``, and mlx-lm's ``BatchGenerator``, ``text_batch``)."""
+events, structured answers and cancels, row by row."""
 
 from __future__ import annotations
 
@@ -19,12 +18,6 @@ SCHEMA = {
     "required": ["name", "n"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(params=[True, False], ids=["own_loop", "mlx_lm_loop"])
-def own_loop(request):
-    """Which loop the text lane steps (``mlx_own_text_loop``)."""
-    return request.param
 
 
 def batched(make_llm, model, text_lane, **options):
@@ -48,10 +41,10 @@ MIXED = [
 ]
 
 
-def test_a_mixed_batch_gives_the_same_tokens_on_either_loop(make_llm, dense_model, own_loop):
-    llm = batched(make_llm, dense_model, True, mlx_own_text_loop=own_loop)
+def test_a_mixed_batch_gives_the_same_tokens_as_mlx_vlms_loop(make_llm, dense_model):
+    llm = batched(make_llm, dense_model, True)
     text = together(llm, MIXED)
-    text_lm = llm._engine._text_lm
+    text_lm = llm._engine._lanes._text_lm
     llm.unload_model()
     full = together(batched(make_llm, dense_model, False), MIXED)
     assert {r.metadata["execution"]["path"] for r in text} == {"text_batch"}
@@ -63,8 +56,8 @@ def test_a_mixed_batch_gives_the_same_tokens_on_either_loop(make_llm, dense_mode
     assert [r.usage for r in text] == [r.usage for r in full]
 
 
-def test_stop_strings_and_structured_rows_on_the_text_lane(make_llm, dense_model, own_loop):
-    llm = batched(make_llm, dense_model, True, mlx_own_text_loop=own_loop)
+def test_stop_strings_and_structured_rows_on_the_text_lane(make_llm, dense_model):
+    llm = batched(make_llm, dense_model, True)
     free = llm.generate(PROMPTS[0], thinking=False, max_output_tokens=24)
     stop = free.content[3:6]
     calls = [
@@ -79,8 +72,8 @@ def test_stop_strings_and_structured_rows_on_the_text_lane(make_llm, dense_model
     assert structured.parsed is not None and set(structured.parsed) == {"name", "n"}
 
 
-def test_phase_events_on_the_text_lane(make_llm, dense_model, own_loop):
-    llm = batched(make_llm, dense_model, True, mlx_own_text_loop=own_loop, mlx_prefill_step_size=16, progress_min_interval_s=0.0)
+def test_phase_events_on_the_text_lane(make_llm, dense_model):
+    llm = batched(make_llm, dense_model, True, mlx_prefill_step_size=16, progress_min_interval_s=0.0)
     events: list[dict] = []
     result = llm.generate("word " * 80, thinking=False, max_output_tokens=5, on_progress=events.append)
     assert result.metadata["execution"]["path"] == "text_batch"
@@ -92,8 +85,8 @@ def test_phase_events_on_the_text_lane(make_llm, dense_model, own_loop):
     assert events[-1]["generated_tokens"] == result.usage["completion_tokens"]
 
 
-def test_a_cancelled_row_leaves_the_others_running(make_llm, dense_model, own_loop):
-    llm = batched(make_llm, dense_model, True, mlx_own_text_loop=own_loop)
+def test_a_cancelled_row_leaves_the_others_running(make_llm, dense_model):
+    llm = batched(make_llm, dense_model, True)
     start = threading.Barrier(2)
 
     def long_stream():
@@ -117,8 +110,8 @@ def test_a_cancelled_row_leaves_the_others_running(make_llm, dense_model, own_lo
     assert snapshot["cancelled"] == 1 and snapshot["completed"] >= 1
 
 
-def test_bad_sampling_values_fail_that_request_only(make_llm, dense_model, own_loop):
-    llm = batched(make_llm, dense_model, True, mlx_own_text_loop=own_loop)
+def test_bad_sampling_values_fail_that_request_only(make_llm, dense_model):
+    llm = batched(make_llm, dense_model, True)
     with pytest.raises(errors.InvalidControls):
         llm.generate(PROMPTS[0], max_output_tokens=4, logit_bias={10**9: 1.0})
     assert llm.generate(PROMPTS[1], thinking=False, max_output_tokens=3).finish_reason == "length"

@@ -1,8 +1,10 @@
 """The text lane's own loop (``engine/text_loop.py``): long prompts prefill a chunk a step
 between decode steps, rows join and leave with the padding tracked on the host, cancels at
-every stage. What both text-lane loops share is in ``test_text_lane.py``."""
+every stage. What it shares with mlx-vlm's loop is in ``test_text_lane.py``."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -120,9 +122,7 @@ def test_a_cancel_at_any_stage_leaves_the_others_tokens_unchanged(make, stage):
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("mlx_own_text_loop", "yes"), ("mlx_own_text_loop", 1), ("mlx_own_text_loop", None),
-     ("mlx_admission_wave_steps", -1), ("mlx_admission_wave_steps", 2.5), ("mlx_admission_wave_steps", True),
-     ("mlx_idle_finished_rows", "auto"), ("mlx_idle_finished_rows", 0)],
+    [("mlx_idle_finished_rows", "auto"), ("mlx_idle_finished_rows", 0)],
 )
 def test_a_bad_loop_option_is_refused(make_llm, dense_model, option, value):
     with pytest.raises(errors.InvalidControls) as info:
@@ -136,32 +136,8 @@ def test_idle_finished_rows_reaches_the_loop(make_llm, dense_model, value):
     assert llm._engine.config.idle_finished_rows is value
 
 
-def test_short_prompts_join_a_decoding_batch_in_waves(make):
-    """An eighth of the batch size (here 2 of 16) or ``admission_wave_steps`` decode steps,
-    whichever comes first; the tokens are the ones it gets when admitted at once."""
-    reference = make()
-    alone = reference.request(PROMPTS[2], max_tokens=6)
-    reference.drain()
-
-    s = make(max_batch_size=16, prefill_step_size=256, admission_wave_steps=3)  # every prompt fits one chunk
-    decoding = [s.request(PROMPTS[0], max_tokens=60), s.request(PROMPTS[1], max_tokens=60)]
-    s.until(lambda: all(r.num_output_tokens >= 1 for r in decoding))
-    late = s.request(PROMPTS[2], max_tokens=6)
-    held = 0
-    while not loop_of(s)._rows or late.uid not in {r.uid for r in loop_of(s)._rows}:
-        s.step()
-        held += late.uid in {r.uid for r in loop_of(s)._waiting}
-    assert held == 3  # alone, it waited for company that never came
-
-    pair = [s.request(PROMPTS[0], max_tokens=6), s.request(PROMPTS[1], max_tokens=6)]
-    s.step()  # the engine hands both over; together they are a wave
-    assert {r.uid for r in pair} <= {r.uid for r in loop_of(s)._rows}
-    s.drain()
-    assert late.token_ids == alone.token_ids
-
-
-def test_waves_off_admit_every_arrival_at_once(make):
-    s = make(max_batch_size=16, prefill_step_size=256, admission_wave_steps=0)
+def test_every_arrival_joins_a_decoding_batch_at_once(make):
+    s = make(max_batch_size=16, prefill_step_size=256)
     decoding = [s.request(PROMPTS[0], max_tokens=20), s.request(PROMPTS[1], max_tokens=20)]
     s.until(lambda: all(r.num_output_tokens >= 1 for r in decoding))
     late = s.request(PROMPTS[2], max_tokens=4)
@@ -170,10 +146,32 @@ def test_waves_off_admit_every_arrival_at_once(make):
     s.drain()
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "replaced_by"),
+    [("mlx_own_text_loop", False, "always steps its own loop"), ("mlx_own_text_loop", True, "always steps its own loop"),
+     ("mlx_admission_wave_steps", 4, "admits whatever arrived"), ("mlx_admission_wave_steps", 0, "admits whatever arrived")],
+)
+def test_a_removed_loop_option_is_refused_saying_what_replaced_it(make_llm, dense_model, option, value, replaced_by):
+    with pytest.raises(errors.OptionRemoved) as info:
+        make_llm(dense_model, mlx_batching=True, **{option: value})
+    assert info.value.code == "option_removed" and info.value.field == option and info.value.http_status == 400
+    assert replaced_by in info.value.message and replaced_by in info.value.details["replacement"]
+
+
+@pytest.mark.parametrize("field", ["own_text_loop", "admission_wave_steps"])
+def test_the_engine_config_refuses_the_removed_fields(field):
+    from abstractruntime_mlx.engine.config import EngineConfig
+
+    with pytest.raises(errors.OptionRemoved) as info:
+        EngineConfig(**{field: 0})
+    assert info.value.field == field
+    assert field not in {f.name for f in dataclasses.fields(EngineConfig)}  # not a field any more: nothing reads it
+
+
 def test_finished_rows_idle_until_half_the_batch_has_finished(make):
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], "Hi"]
     limits = [3, 6, 14, 14]
-    reference = make(own_text_loop=False)
+    reference = make(text_lane=False)  # mlx-vlm's loop
     expected = [reference.request(p, max_tokens=n) for p, n in zip(prompts, limits)]
     reference.drain()
 
@@ -191,7 +189,7 @@ def test_finished_rows_drop_at_once_unless_the_host_bounds_the_step(make):
 
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], "Hi"]
     limits = [3, 6, 14, 14]
-    reference = make(own_text_loop=False)
+    reference = make(text_lane=False)  # mlx-vlm's loop
     expected = [reference.request(p, max_tokens=n) for p, n in zip(prompts, limits)]
     reference.drain()
 
@@ -285,3 +283,12 @@ def test_a_calls_answers_share_its_prompts_prefill(make_llm, dense_model):
     with pytest.raises(errors.InvalidControls) as caught:
         llm.generate_request(call)
     assert caught.value.details["field"] == "n"
+
+
+def test_the_load_route_refuses_a_removed_option_by_name():
+    from abstractruntime_mlx.server.schemas import LoadModelRequest
+
+    body = LoadModelRequest(model="m", options={"mlx_admission_wave_steps": 4})
+    with pytest.raises(errors.OptionRemoved) as info:
+        body.checked_options()
+    assert info.value.code == "option_removed" and info.value.details["field"] == "mlx_admission_wave_steps"

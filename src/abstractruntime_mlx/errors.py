@@ -8,6 +8,7 @@ remote client rebuilds the same class from ``code``.
     MLXRuntimeError
     ├── InvalidRequest (400, invalid_request)
     │   ├── InvalidControls (400, invalid_controls)
+    │   │   └── OptionRemoved (400, option_removed)   an option that no longer exists; the message says what replaced it
     │   │   └── StopTooLarge (400, stop_too_large)   a stop list over its count or byte limit
     │   ├── InvalidMedia (400, native_media_invalid)
     │   ├── ContextTooLong (400, context_too_long)
@@ -108,6 +109,18 @@ class InvalidControls(InvalidRequest):
         super().__init__(message, details=details)
         self.field = field
         self.value = value
+
+
+class OptionRemoved(InvalidControls):
+    """An engine or ``create_llm`` option that was removed; ``details``: ``field`` (its name)
+    and ``replacement`` (what does its job now)."""
+
+    code = "option_removed"
+
+    def __init__(self, name: str, replacement: str) -> None:
+        super().__init__(f"{name} was removed: {replacement}; drop the option", field=name)
+        self.details = {"field": name, "replacement": replacement}
+        self.replacement = replacement
 
 
 class StopTooLarge(InvalidControls):

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from .conversation import assemble_conversation
-from .errors import InvalidRequest
+from .errors import InvalidRequest, RunNotFound
 from .json_values import JSONObject, JSONValue, as_float, as_int, as_str, object_at
 from .ledger import Ledger, ProgressRow, RunDetail, RunSummary, StepRow
 from .run_graph import RunGraph, display_labels, run_graph
@@ -47,6 +47,7 @@ __all__ = [
     "CallSample",
     "CallView",
     "ControlView",
+    "NodeOutcome",
     "RunTotals",
     "RunView",
     "SpanView",
@@ -54,13 +55,18 @@ __all__ = [
     "child_run_steps",
     "child_runs",
     "control_text",
+    "event_dict",
+    "node_dict",
     "node_labels",
+    "node_outcomes",
     "payload_text",
     "prefix_break_text",
+    "run_dict",
     "run_flow_document",
     "run_tree_dicts",
     "run_view",
     "summary_dict",
+    "tree_call_summary",
     "tree_calls",
     "tree_totals",
 ]
@@ -965,3 +971,86 @@ def control_text(value: object) -> str:
         depth = value.get("num_draft_tokens")
         return f"{mode}(depth={depth})" if depth else str(mode)
     return str(value)
+
+
+# --------------------------------------------------------------------------------------
+# A run as ``runs show`` gives it: the run view with its nodes, events and child runs
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeOutcome:
+    """One LLM node of a run as the ledger recorded it (``result`` is the handler's dict;
+    ``run_id`` the run it ran in: the root or one of its subflow/agent runs)."""
+
+    node_id: str
+    step_id: str
+    attempt: int
+    result: dict[str, object]
+    duration_s: float | None
+    run_id: str = ""
+
+
+def node_outcomes(ledger: Ledger, run_id: str) -> list[NodeOutcome]:
+    """The completed LLM nodes of a run, in completion order, read from the ledger alone."""
+    out: list[NodeOutcome] = []
+    for step in ledger.run_steps(run_id):
+        if step.effect_type != "llm_call" or step.status != "completed":
+            continue
+        result = step.record.get("result")
+        if isinstance(result, dict):
+            out.append(NodeOutcome(step.node_id, step.step_id, step.attempt, result, step.duration_s, run_id))
+    return out
+
+
+def node_dict(node: NodeOutcome) -> dict[str, object]:
+    return {"node_id": node.node_id, "run_id": node.run_id, "result": node.result}
+
+
+def run_dict(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int = 0) -> dict[str, object]:
+    """What ``runs show`` shows, as JSON-safe values: the web inspector's run view (summary,
+    error, steps, LLM calls), what the run waits for, its LLM nodes' results, its phase events
+    (with ``events``) and its child runs, nested."""
+    detail = ledger.get_run(run_id)
+    view = run_view(ledger, run_id)
+    if detail is None or view is None:
+        raise RunNotFound(f"no run {run_id!r} in {ledger.url}", details={"run_id": run_id[:255]})
+    out: dict[str, object] = dict(view.as_dict())
+    waiting = detail.state.get("waiting")
+    out["waiting"] = waiting if detail.status == "waiting" and isinstance(waiting, dict) else None
+    out["nodes"] = [node_dict(n) for n in node_outcomes(ledger, run_id)]
+    if events:
+        out["events"] = [event_dict(row, view.summary.created_at) for row in ledger.node_timeline(run_id)]
+    children: list[dict[str, object]] = []
+    for child in sorted(ledger.list_run_states(parent_run_id=run_id, limit=10_000), key=lambda c: str(c.get("created_at") or "")):
+        if _depth >= MAX_NESTING:
+            children.append({"run_id": child.get("run_id"), "workflow_id": child.get("workflow_id"), "deeper_than": MAX_NESTING})
+            continue
+        children.append(run_dict(ledger, str(child["run_id"]), events=events, _depth=_depth + 1))
+    out["children"] = children
+    if _depth == 0:
+        out["tree_calls"] = tree_call_summary(ledger, run_id)
+    return out
+
+
+def tree_call_summary(ledger: Ledger, run_id: str) -> dict[str, object]:
+    """The LLM calls of the run and of its child runs (``tree_calls``): totals, and one entry per
+    call naming its run."""
+    calls = tree_calls(ledger, run_id, max_depth=MAX_NESTING)
+    return {
+        "calls": len(calls),
+        "runs": len({owner for owner, _ in calls}),
+        "prompt_tokens": sum(c.prompt_tokens or 0 for _, c in calls),
+        "generated_tokens": sum(c.generated_tokens or 0 for _, c in calls),
+        "by_call": [
+            {"run_id": owner, "node_id": c.node_id, "label": c.label, "name": c.name, "step_id": c.step_id, "attempt": c.attempt,
+             "status": c.status, "prompt_tokens": c.prompt_tokens, "generated_tokens": c.generated_tokens}
+            for owner, c in calls
+        ],
+    }
+
+
+def event_dict(row: ProgressRow, run_start: dt.datetime) -> dict[str, object]:
+    """One phase event: its time since the run started (``t_s``) and its columns."""
+    fields = {name: getattr(row, name) for name in row.__dataclass_fields__ if name != "event"}
+    return {"t_s": (row.created_at - run_start).total_seconds(), **fields}

@@ -20,7 +20,7 @@ from ..default_limits import (
 from ..json_values import parse_ascii_int
 
 if TYPE_CHECKING:
-    from ..runtime_plugin.host import DriveLimits
+    from ..runtime_plugin.hosting import DriveLimits
 
 
 def integer(text: str) -> int:
@@ -109,7 +109,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
 
 def drive_limits(args: argparse.Namespace, *, max_timer_wait_s: float) -> DriveLimits:
     """The ``DriveLimits`` of ``add_limit_arguments``' flags; a value out of range exits, naming it."""
-    from ..runtime_plugin.host import DriveLimits
+    from ..runtime_plugin.hosting import DriveLimits
 
     try:
         return DriveLimits(

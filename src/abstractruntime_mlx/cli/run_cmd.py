@@ -38,10 +38,10 @@ from .runs_export_cmd import add_otlp_arguments, otlp_content, otlp_target
 from .terminal import printable
 
 if TYPE_CHECKING:
-    from ..runtime_plugin import FlowRunResult
+    from ..runtime_plugin import FlowRunResult, PackSettings
+    from ..runtime_plugin.adapter import RemotePolicy
     from ..runtime_plugin.check import CheckReport
-    from ..runtime_plugin.host import DriveLimits
-    from ..runtime_plugin.routing import RemotePolicy
+    from ..runtime_plugin.hosting import DriveLimits
     from ..traces import OtlpTarget
 
 TINY_MODEL_DIR: Final = "abstractruntime-mlx/tiny-hybrid-mtp"
@@ -69,6 +69,19 @@ class RunSettings:
     otlp: OtlpTarget | None = None
     otlp_content: bool = False
     """The spans carry the calls' prompts and answers (``--otlp-content``)."""
+
+    def pack_settings(self) -> PackSettings:
+        """How this run's pack serves its LLM nodes."""
+        from ..runtime_plugin import PackSettings
+
+        return PackSettings(
+            model=self.model,
+            force_model=self.force_model,
+            provider_options=self.provider_options,
+            sibling_batching=self.sibling_batching,
+            routes=self.routes,
+            allow_remote=self.remote.to_options(),
+        )
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -216,7 +229,7 @@ def remote_policy(allow: object, run_vars: Mapping[str, object], *, source: str)
     """The servers this run may send nodes to: ``allow`` (``--allow-remote``, or the config
     file's ``allow_remote``: true, false or a list of ``HOST[:PORT]``) and the URLs the user gave
     in the run vars. A link-local or metadata address there is refused before anything runs."""
-    from ..runtime_plugin.routing import RemotePolicy
+    from ..runtime_plugin.adapter import RemotePolicy
 
     if not isinstance(allow, bool) and not (isinstance(allow, list) and all(isinstance(h, str) for h in allow)):
         raise InvalidRequest(f"{source}: 'allow_remote' must be true, false or a list of \"HOST[:PORT]\" strings")
@@ -251,7 +264,7 @@ def parse_vars(items: Sequence[str]) -> dict[str, object]:
 def settings_from_args(args: argparse.Namespace) -> RunSettings:
     from ..controls import parse_speculation_option
     from ..runtime_plugin import load_flow
-    from ..runtime_plugin.routing import parse_route, routes_from_config
+    from ..runtime_plugin.adapter import parse_route, routes_from_config
 
     if args.runs < 1:
         raise SystemExit("--runs must be >= 1")
@@ -325,7 +338,7 @@ RUN_CONFIG_KEYS: Final = frozenset(
 def read_run_config(path: str) -> dict[str, object]:
     """The JSON object of ``--config FILE`` (keys: ``RUN_CONFIG_KEYS``); a flag given on the
     command line wins over the file."""
-    from ..runtime_plugin.routing import routes_from_config
+    from ..runtime_plugin.adapter import routes_from_config
 
     file = Path(path).expanduser()
     try:
@@ -359,7 +372,7 @@ def check_before_run(settings: RunSettings) -> bool:
     A run routed to servers (``--route``) asks them first (``check --probe``): it would contact
     them anyway, and a node whose model the server cannot serve is refused before anything runs."""
     from ..runtime_plugin.check import check_flow
-    from ..runtime_plugin.flowdiff import flow_hash
+    from ..runtime_plugin.hosting import flow_hash
 
     report = check_flow(
         settings.flow,
@@ -495,16 +508,11 @@ def _run_flow(settings: RunSettings) -> list[FlowRunResult]:
         vars=settings.vars,
         runs=settings.runs,
         ledger_url=settings.ledger_url,
-        model=settings.model,
-        force_model=settings.force_model,
-        provider_options=settings.provider_options,
-        sibling_batching=settings.sibling_batching,
-        routes=settings.routes,
-        allow_remote=settings.remote.to_options(),
         flows_dir=settings.flows_dir,
         source=settings.source,
         artifacts_dir=settings.artifacts_dir,
         allow_network_tools=settings.allow_network_tools,
         limits=settings.limits,
         session_id=settings.session_id,
+        settings=settings.pack_settings(),
     )

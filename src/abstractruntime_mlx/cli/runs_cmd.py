@@ -34,14 +34,13 @@ from .terminal import printable
 if TYPE_CHECKING:
     from ..ledger import Ledger, ProgressRow, RunSummary, StepRow
     from ..inspection import CallView
-    from ..runtime_plugin import FlowRunResult, NodeOutcome
+    from ..runtime_plugin import FlowRunResult
 
 # AbstractRuntime's RunStatus values, and ``interrupted``: a run stopped by Ctrl-C (the ledger's
 # status column only; ``runs resume`` continues it).
 RUN_STATUSES: Final = ("running", "waiting", "interrupted", "completed", "failed", "cancelled")
 RESUMABLE: Final = ("running", "waiting", "interrupted")
 
-MAX_NESTING = 8
 TEXT_WIDTH = 72
 
 
@@ -115,7 +114,7 @@ def _list(args: argparse.Namespace) -> int:
     url = default_ledger_url(args.ledger)
     with open_for_inspection(url) as ledger:
         rows = ledger.list_runs(limit=args.limit, status=args.status, roots_only=not args.flat)
-        children = {} if args.flat else child_runs(ledger, [r.run_id for r in rows], max_depth=MAX_NESTING)
+        children = {} if args.flat else child_runs(ledger, [r.run_id for r in rows])
         if args.json:
             print(json.dumps([_tree_dict(r, children) for r in rows], indent=2, default=str))
             return 0
@@ -180,6 +179,8 @@ def _show(args: argparse.Namespace) -> int:
     with _open(args.ledger) as ledger:
         run_id = resolve_run_id(ledger, args.run_id)
         if args.json:
+            from ..inspection import run_dict
+
             print(json.dumps(run_dict(ledger, run_id, events=args.events), indent=2, default=str))
         else:
             print(printable(render_run(ledger, run_id, events=args.events)))
@@ -201,7 +202,8 @@ def _replay(args: argparse.Namespace) -> int:
         result = resume_run(run_id, ledger_url=url, model=args.model, refuse_finished=True)
         print_results([result], as_json=args.json, ledger_url=url)
         return 0 if result.status == "completed" else 1
-    from ..runtime_plugin import FlowRunResult, node_outcomes
+    from ..inspection import node_outcomes
+    from ..runtime_plugin import FlowRunResult
 
     with open_for_inspection(url) as ledger:
         state = detail.state
@@ -222,8 +224,7 @@ def _replay(args: argparse.Namespace) -> int:
 def report_flow_drift(run_id: str, state: Mapping[str, object], *, flow_file: str | None = None, resuming: bool) -> None:
     """Say on stderr what changed in the run's flow file since the run started. A resume always
     continues the graph the run started with (stored in the run), never the edited file."""
-    from ..runtime_plugin.flowdiff import flow_drift
-    from ..runtime_plugin.flows import stored_flow, stored_options
+    from ..runtime_plugin.hosting import flow_drift, stored_flow, stored_options
 
     run_vars = object_at(state, "vars")
     drift = flow_drift(stored_flow(run_vars), stored_options(run_vars), flow_file=flow_file)
@@ -315,6 +316,8 @@ def print_results(
     replayed: bool = False,
 ) -> None:
     if as_json:
+        from ..inspection import node_dict
+
         print(
             json.dumps(
                 [
@@ -371,10 +374,6 @@ def _json_safe(value: object) -> JSONValue:
     """A flow output as plain JSON values (what is not JSON becomes its text)."""
     loaded: JSONValue = json.loads(json.dumps(value, default=str))
     return loaded
-
-
-def node_dict(node: NodeOutcome) -> dict[str, object]:
-    return {"node_id": node.node_id, "run_id": node.run_id, "result": node.result}
 
 
 def _one_line(text: str) -> str:
@@ -530,9 +529,8 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     """A terminal view of one run: header, what it waits for, steps, node results, the LLM
     calls with their timeline (one bar per call: loop iterations are drawn separately), then
     its child runs (subflows, agents), indented."""
-    from ..inspection import run_flow_document, run_view
+    from ..inspection import MAX_NESTING, node_outcomes, run_flow_document, run_view
     from ..run_graph import display_labels
-    from ..runtime_plugin import node_outcomes
     from .show_view import call_input_lines, calls_table, calls_timeline, output_lines
 
     detail = ledger.get_run(run_id)
@@ -660,57 +658,12 @@ def _call_times(calls: Sequence[CallView]) -> dict[tuple[str | None, int], str]:
     return out
 
 
-def run_dict(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int = 0) -> dict[str, object]:
-    """What ``render_run`` shows, as JSON-safe values: the web inspector's run view (summary,
-    error, steps, LLM calls), what the run waits for, its LLM nodes' results, its phase events
-    (with ``events``) and its child runs, nested."""
-    from ..inspection import run_view
-    from ..runtime_plugin import node_outcomes
-
-    detail = ledger.get_run(run_id)
-    view = run_view(ledger, run_id)
-    if detail is None or view is None:
-        raise RunNotFound(f"no run {run_id!r} in {ledger.url}", details={"run_id": run_id[:255]})
-    out: dict[str, object] = dict(view.as_dict())
-    waiting = detail.state.get("waiting")
-    out["waiting"] = waiting if detail.status == "waiting" and isinstance(waiting, dict) else None
-    out["nodes"] = [node_dict(n) for n in node_outcomes(ledger, run_id)]
-    if events:
-        out["events"] = [_event_dict(row, view.summary.created_at) for row in ledger.node_timeline(run_id)]
-    children: list[dict[str, object]] = []
-    for child in sorted(ledger.list_run_states(parent_run_id=run_id, limit=10_000), key=lambda c: str(c.get("created_at") or "")):
-        if _depth >= MAX_NESTING:
-            children.append({"run_id": child.get("run_id"), "workflow_id": child.get("workflow_id"), "deeper_than": MAX_NESTING})
-            continue
-        children.append(run_dict(ledger, str(child["run_id"]), events=events, _depth=_depth + 1))
-    out["children"] = children
-    if _depth == 0:
-        out["tree_calls"] = _tree_calls(ledger, run_id)
-    return out
-
-
-def _tree_calls(ledger: Ledger, run_id: str) -> dict[str, object]:
-    """The LLM calls of the run and of its child runs: totals, and one entry per call naming its run."""
-    from ..inspection import tree_calls
-
-    calls = tree_calls(ledger, run_id, max_depth=MAX_NESTING)
-    return {
-        "calls": len(calls),
-        "runs": len({owner for owner, _ in calls}),
-        "prompt_tokens": sum(c.prompt_tokens or 0 for _, c in calls),
-        "generated_tokens": sum(c.generated_tokens or 0 for _, c in calls),
-        "by_call": [
-            {"run_id": owner, "node_id": c.node_id, "label": c.label, "name": c.name, "step_id": c.step_id, "attempt": c.attempt,
-             "status": c.status, "prompt_tokens": c.prompt_tokens, "generated_tokens": c.generated_tokens}
-            for owner, c in calls
-        ],
-    }
-
-
 def _tree_call_lines(ledger: Ledger, run_id: str) -> list[str]:
     """``runs show``'s section on the LLM calls of the run and its child runs, when it has any
     child run with calls: one line per call naming its run (``.`` for the run itself), then totals."""
-    tree = _tree_calls(ledger, run_id)
+    from ..inspection import tree_call_summary
+
+    tree = tree_call_summary(ledger, run_id)
     by_call = array_at(tree, "by_call")
     if not any(isinstance(c, dict) and c.get("run_id") != run_id for c in by_call):
         return []
@@ -735,11 +688,6 @@ def _tree_call_lines(ledger: Ledger, run_id: str) -> list[str]:
         f"  total: {tree['calls']} LLM call{'s' if tree['calls'] != 1 else ''} in {tree['runs']} run{'s' if tree['runs'] != 1 else ''}, prompt tokens {tree['prompt_tokens']:,}, generated tokens {tree['generated_tokens']:,}"
     )
     return lines
-
-
-def _event_dict(row: ProgressRow, run_start: dt.datetime) -> dict[str, object]:
-    fields = {name: getattr(row, name) for name in row.__dataclass_fields__ if name != "event"}
-    return {"t_s": _secs(row.created_at, run_start), **fields}
 
 
 def _node_name(labels: Mapping[str, str], node_id: str) -> str:

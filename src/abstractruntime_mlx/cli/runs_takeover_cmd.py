@@ -4,7 +4,7 @@
     abstractruntime-mlx runs resume --all-running RUN_ID      # that run's tree only
 
 Every run tree with a run still ``running`` is resumed here, one after the other, reusing the
-nodes the ledger has results for (``runtime_plugin.takeover``). A tree another live process
+nodes the ledger has results for (``runtime_plugin.hosting.takeover``). A tree another live process
 still drives is left alone and listed as ``held``; that is not an error (a periodic takeover
 job sees the healthy coordinators' runs every time). Exit status: 0 when every resumed run
 completed (or there was nothing to take over), 1 when a resumed run failed or resuming one
@@ -25,7 +25,7 @@ from .ledger_location import default_ledger_url, existing_ledger_file
 from .terminal import printable
 
 if TYPE_CHECKING:
-    from ..runtime_plugin.takeover import Takeover
+    from ..runtime_plugin.hosting import Takeover
 
 # ``run``'s exit statuses (runs_cmd.exit_code), which this module does not import: runs_cmd calls it.
 EXIT_OK: Final = 0
@@ -35,7 +35,7 @@ EXIT_WAITING: Final = 3
 
 def resume_all_running(args: argparse.Namespace) -> int:
     """The ``runs resume --all-running [RUN_ID]`` handler (``runs_cmd`` parses the arguments)."""
-    from ..runtime_plugin.takeover import resume_interrupted
+    from ..runtime_plugin.hosting import resume_interrupted
 
     if not args.all_running:
         raise InvalidRequest("runs resume needs a RUN_ID, or --all-running to take over every interrupted run")

@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
+
+from ..errors import OptionRemoved
 
 # Prompt tokens per prefill chunk on the batched lanes.
 PREFILL_STEP_SIZE = 256
@@ -37,21 +39,11 @@ class EngineConfig:
     # ``batch_wait_ms`` after the first): a burst (a flow's fan-out, clients at once) is
     # prefilled as one batch, and its first request does not start alone on the single lane.
     burst_gap_ms: float = 2.0
-    # Continuous groups of plain text rows run in the text lane (``text_loop`` / ``text_batch``), which
-    # steps faster at high concurrency and interleaves prefill chunks with decode; off: every
-    # batch runs in mlx-vlm's loop.
+    # Continuous groups of plain text rows run in the text lane (``text_loop``), which steps
+    # faster at high concurrency and interleaves prefill chunks with decode; off: every batch
+    # runs in mlx-vlm's loop.
     text_lane: bool = True
-    # The text lane steps its own loop over the model's forward (``text_loop``): one forward and
-    # no device wait per admission, none per finished row; off: mlx-lm's ``BatchGenerator``
-    # (``text_batch``).
-    own_text_loop: bool = True
-    # While its rows decode, the own text loop can admit short prompts in waves: held back
-    # until they are an eighth of the batch size (or fill the free slots), at most this many
-    # decode steps. 0 (the default): each step admits whatever arrived; on the H200 waves of
-    # up to 4 steps measured +7% at 32 rows and -4% at 64, TTFT p50 up to +40 ms
-    # (docs/benchmarks.md).
-    admission_wave_steps: int = 0
-    # In the own text loop a finished row's slot can idle in the batch until half the batch has
+    # In the text lane a finished row's slot can idle in the batch until half the batch has
     # finished or rows join (one compaction for many finishes) instead of being dropped at once.
     # None (the default) decides by what bounds the step: idle on MLX's CUDA backend, where the
     # host encoding kernels bounds it and idle slots cost no host work; dropped at once elsewhere
@@ -75,3 +67,18 @@ class EngineConfig:
     # its MLP's gate/up projections in another (``fused_projections``): fewer kernels for the
     # host to build and encode per step. Same weights, held once.
     fused_projections: bool = True
+    # Removed: refused with ``OptionRemoved`` (``REMOVED``), never silently ignored.
+    own_text_loop: InitVar[object] = None
+    admission_wave_steps: InitVar[object] = None
+
+    def __post_init__(self, own_text_loop: object, admission_wave_steps: object) -> None:
+        for name, value in (("own_text_loop", own_text_loop), ("admission_wave_steps", admission_wave_steps)):
+            if value is not None:
+                raise OptionRemoved(name, REMOVED[name])
+
+
+# Options that no longer exist, and what replaced them (the provider's ``mlx_`` names too).
+REMOVED: dict[str, str] = {
+    "own_text_loop": "the text lane always steps its own loop (mlx-lm's BatchGenerator measured 1.19-1.47x slower)",
+    "admission_wave_steps": "each text-lane step admits whatever arrived (waves measured 0.96-1.07x)",
+}

@@ -174,10 +174,7 @@ def share_views(model: Any, views: dict[str, tuple[mx.array, mx.array]]) -> int:
 
 def fuse_text_model(language_model: Any, resident: Any) -> None:
     """Fuse the text lane's model (mlx-lm's twin of ``resident``, holding its arrays) and hand
-    ``resident`` the views, so the originals are freed. mlx-vlm's language model stepped
-    directly (no mlx-lm class for the checkpoint) is left as it is."""
-    if not isinstance(language_model, nn.Module):
-        return
+    ``resident`` the views, so the originals are freed."""
     views = fuse(language_model)
     owner = getattr(resident, "language_model", resident)
     shared = share_views(owner, views) if owner is not language_model else len(views)

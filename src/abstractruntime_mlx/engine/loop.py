@@ -2,9 +2,11 @@
 
 Callers ``submit`` requests and read them back through a ``RequestStream``. Each step the
 worker applies cancels, gathers a ``SchedulerState``, asks ``Scheduler.schedule`` for a
-``StepPlan`` (who starts, joins, waits; see ``scheduler``) and executes it: builds or hands
-off the backend, inserts the admitted rows, steps the group, detokenises, applies stop
-strings and hands tokens to each request's bounded output queue. Controls run between steps.
+``StepPlan`` (who starts, joins, waits, on which lane; see ``scheduler`` and ``lanes``) and
+executes it: builds the lane's backend (``lane_factory``) or hands off, inserts the admitted
+rows and steps the group; ``output.OutputProcessor`` turns the step's tokens into each
+request's deltas (detokenising, stop strings, the bounded output queue) and says which rows
+they ended. Controls run between steps.
 
 Who writes what (the ownership rule):
 
@@ -29,14 +31,13 @@ from __future__ import annotations
 
 import atexit
 import logging
-import queue
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Callable, Generic, TypeVar, cast
 
@@ -49,29 +50,29 @@ from ..errors import (
     QueueTimeout,
     RequestCancelled,
     RuntimeClosed,
-    StreamBackpressure,
 )
-from .backend import Backend, BatchBackend, Drafter, PrefillRow, PrefixReuse, RowInput, StepResult
+from .backend import (
+    Adopts,
+    Backend,
+    HandsOff,
+    PrefillRow,
+    PrefillsPartially,
+    PrefixReuse,
+    RowInput,
+    StepResult,
+    speculation_counters,
+)
 from .config import EngineConfig
-from .model import SERIAL_LANES, Lane, LoadedModel
+from .lane_factory import BackendFactory, LaneFactory
+from .lanes import LANES
+from .model import Lane, LoadedModel
 from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
-from .request import (
-    END_OF_STREAM,
-    DecodePath,
-    EngineRequest,
-    ExclusiveReason,
-    ExecutionMode,
-    FinishReason,
-    Outcome,
-    PrefillObservation,
-    RequestStatus,
-    TokenDelta,
-)
+from .request import EngineRequest, ExecutionMode, LaneName, RequestStatus
+from .output import Ending, OutputProcessor, outcome_of
 from .stream import PrefillCallback, RequestStream
 from .threads import POOL, WorkerHandle
 from .scheduler import (
     Admission,
-    BackendKind,
     GroupKey,
     GroupState,
     NewGroup,
@@ -80,17 +81,6 @@ from .scheduler import (
     StepPlan,
     prefilling_rows,
 )
-from . import cuda_attention
-from .fused_projections import fuse_text_model as fuse_projections
-from .prefill_shapes import Buckets, warm
-from .serial import InProcessBackend, SerialBackend
-from .single import SingleBackend, supports_model
-from .sampling import SampledLogprob
-from .stops import StopMatcher
-from .text_batch import TextBatchBackend
-from .text_loop import TextLoopBackend
-from .text_batch import language_model as text_language_model
-from .text_batch import make_cache as make_text_cache
 
 log = logging.getLogger(__name__)
 
@@ -113,20 +103,10 @@ IN_PROCESS_NO_REUSE: dict[str, Any] = {
 
 
 @dataclass(slots=True)
-class _Running:
-    request: EngineRequest
-    detokenizer: Any
-    stops: StopMatcher
-    # Logprobs of tokens whose text is not delivered yet (held by the stop matcher or the
-    # detokenizer): they go out with the next delta, or alone before the request finishes.
-    logprobs: list[SampledLogprob] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class _Group:
     key: GroupKey
     backend: Backend
-    running: dict[int, _Running] = field(default_factory=dict)
+    running: dict[int, EngineRequest] = field(default_factory=dict)  # by backend uid
     tombstones: set[int] = field(default_factory=set)
     speculation_baseline: tuple[int, float, int] | None = None
     size: int = 0
@@ -178,16 +158,6 @@ class EngineStats:
     cpu_s: float = 0.0  # the worker thread's CPU time during steps (the rest of ``step_s`` it waited)
 
 
-def reports_position(last: int, row: PrefillRow) -> bool:
-    """Whether a prefill observation is news for the consumer: one observation per real
-    change of position (backends re-read the same counters, and the start of a prefill is
-    the start event's, not an observation), and none for a prefill that one chunk finished:
-    a prompt shorter than one chunk reports no position, its first token follows."""
-    if row.processed <= last:
-        return False
-    return not (last == 0 and row.processed >= row.total - 1)
-
-
 class EngineState(StrEnum):
     LOADING = "loading"
     READY = "ready"
@@ -215,7 +185,10 @@ class Engine:
         *,
         name: str = "model",
         cache_options: CacheOptions | None = None,
+        backend_factory: BackendFactory | None = None,
     ) -> None:
+        """``backend_factory``: builds each group's backend (default: the loaded model's
+        ``LaneFactory``)."""
         self._load = load
         self._cache_options = cache_options
         self.prefix_cache: PrefixCache | None = None
@@ -238,12 +211,10 @@ class Engine:
         self._closed = False
         self._fatal: BaseException | None = None
         self._stream: Any = None
-        # Whether the loaded model's rows run on a plain KV cache per layer without position ids:
-        # what both the single lane and the text lane need (asked once).
-        self._plain_kv_model: bool | None = None
-        self._text_lm: Any = None  # what the text lane steps (``text_batch.language_model``), once built
-        self._buckets: Buckets | None = None  # the text lane's prefill shapes, where bounded
+        self._lanes: LaneFactory | None = None  # the loaded model's lanes, made at load
+        self._backend_factory = backend_factory
         self.stats = EngineStats()
+        self._output = OutputProcessor()
         self._thread: WorkerHandle | None = None
         # What closing the prefix cache raised as the worker stopped (read after ``stop()``).
         self.close_error: MLXRuntimeError | None = None
@@ -499,9 +470,8 @@ class Engine:
                             max_batch_size=self.config.max_batch_size,
                             restore_align=restore_alignment(self.config.prefill_step_size),
                         )
-                    # Before the warm-up: it runs the prefill shapes the way serving will.
-                    cuda_attention.enable(decode=self._fused_decode_attention(), prefill=self._prefill_attention_ops())
-                    self._buckets = self._warmed_buckets()
+                    if self._backend_factory is None:  # an injected factory brings its own lanes
+                        self._make_lanes().prepare()
                 except BaseException as exc:  # noqa: BLE001 - handed to start()
                     self._load_error = exc
                     self._closed = True
@@ -520,7 +490,9 @@ class Engine:
                     self.close_error = failure
                 self.prefix_cache = None
             self.loaded = None  # the worker owns the weights; they go with it
-            self._text_lm = None  # it shares them
+            if self._lanes is not None:
+                self._lanes.close()  # the text lane's model shares them
+                self._lanes = None
             mx.clear_cache()
 
     def _loop(self) -> None:
@@ -573,12 +545,12 @@ class Engine:
         view = None
         if group is not None:
             backend = group.backend
-            rows = [running.request for running in group.running.values()] if shared is not None else []
+            rows = list(group.running.values()) if shared is not None else []
             view = GroupState(
                 group.key,
                 backend.kind,
                 backend.free_slots(),
-                row_decoding=backend.can_hand_off,
+                row_decoding=isinstance(backend, HandsOff) and backend.can_hand_off,
                 prefilling=prefilling_rows(rows),
             )
         return SchedulerState(
@@ -586,9 +558,7 @@ class Engine:
             waiting=tuple(self._waiting),
             group=view,
             stopping=self._stopping,
-            serial_lane=self._model.lane in SERIAL_LANES,
-            single_lane_model=self._single_lane_model(),
-            text_lane_model=self._text_lane_model(),
+            model_lanes=self._backends.model_lanes,
             prefix_cache=self.prefix_cache is not None,
             single_lane_restores=shared is not None and self.prefix_cache is not None and self.prefix_cache.disk is None,
             shared_prefixes=shared,
@@ -598,18 +568,18 @@ class Engine:
     def _execute(self, plan: StepPlan) -> None:
         """Carry out a plan's admission: hand off or start, take its requests off the queue,
         put the held ones back, insert the admitted ones."""
-        if plan.hand_off:
+        if plan.hand_off is not None:
             # Before anything leaves the queue: a failed hand-off fails the moving row only.
             assert self._group is not None
-            self._hand_off(self._group)
+            self._hand_off(self._group, plan.hand_off)
         taken: list[EngineRequest] = []
         if plan.num_taken:
             with self._cond:
                 taken = [self._waiting.popleft() for _ in range(plan.num_taken)]
         if plan.new_group is not None:
             self._admitting = taken  # a backend that cannot be built fails them
-            backend = self._new_backend(plan.new_group, taken[0] if taken else None)
-            self._group = _Group(key=plan.new_group.key, backend=backend, speculation_baseline=backend.speculation_counters(), size=len(taken))
+            backend = self._backends.build(plan.new_group, taken[0] if taken else None)
+            self._group = _Group(key=plan.new_group.key, backend=backend, speculation_baseline=speculation_counters(backend), size=len(taken))
             self._admitting = []
         if plan.held:
             for hold in plan.held:
@@ -626,18 +596,23 @@ class Engine:
             return None
         return _SharedPrefixes(cache)
 
-    def _single_lane_model(self) -> bool:
-        """Whether the loaded model's rows can decode on the single lane."""
-        return self.config.single_lane and self._plain_kv()
+    def _make_lanes(self) -> LaneFactory:
+        """The loaded model's lanes (at load, on the worker, once the prefix cache exists)."""
+        self._lanes = LaneFactory(
+            self._model, self.config, stream=self._stream, prefix_cache=self.prefix_cache, on_prefill=self._on_prefill_row
+        )
+        return self._lanes
 
-    def _text_lane_model(self) -> bool:
-        """Whether the loaded model's text rows can batch in the text lane."""
-        return self.config.text_lane and self._plain_kv()
+    @property
+    def _factory(self) -> LaneFactory:
+        """The loaded model's lanes, on the worker (made at load)."""
+        lanes = self._lanes
+        assert lanes is not None, "the lanes are read only while the model is loaded"
+        return lanes
 
-    def _plain_kv(self) -> bool:
-        if self._plain_kv_model is None:
-            self._plain_kv_model = self._model.lane == Lane.NATIVE and supports_model(self._model.model)
-        return self._plain_kv_model
+    @property
+    def _backends(self) -> BackendFactory:
+        return self._backend_factory or self._factory
 
     def _check_device(self, step_error: Exception) -> None:
         """After a failed step, MLX must still compute on the worker's stream; if it does not,
@@ -715,10 +690,10 @@ class Engine:
         group = self._group
         if group is None:
             return
-        for uid, running in list(group.running.items()):
-            if running.request.cancelled:
+        for uid, request in list(group.running.items()):
+            if request.cancelled:
                 self._drop_row(group, uid)
-                self._finish(running.request, RequestStatus.FINISHED_CANCELLED)
+                self._finish(request, RequestStatus.FINISHED_CANCELLED)
         self._retry_tombstones(group)
         self._close_group_if_idle()
 
@@ -747,136 +722,25 @@ class Engine:
             )
             self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
 
-    def _new_backend(self, new: NewGroup, head: EngineRequest | None) -> Backend:
-        if new.kind == BackendKind.SINGLE:
-            return self._single_backend(self._cache_manager_for(head), text_lane=new.key.lane == "text")
-        if new.kind == BackendKind.TEXT_BATCH:
-            return self._text_backend(new)
-        if new.kind == BackendKind.SERIAL and self._model.lane == Lane.MLX_VLM:
-            loaded = self._model
-            return InProcessBackend(
-                loaded.model,
-                loaded.tokenizer,
-                prefill_step_size=self.config.serial_prefill_step_size,
-                stream=self._stream,
-                on_prefill=self._on_prefill_row,
-                eos_token_ids=loaded.eos_token_ids,
-                drafter=loaded.drafter,
-                draft_tokens=new.key.draft_tokens if loaded.drafter is not None else 0,
-            )
-        if new.kind == BackendKind.SERIAL:
-            loaded = self._model
-            return SerialBackend(
-                loaded.model,
-                loaded.processor,
-                prefill_step_size=self.config.serial_prefill_step_size,
-                stream=self._stream,
-                on_prefill=self._on_prefill_row,
-            )
-        return self._batch_backend(new, head)
-
-    def _batch_backend(self, new: NewGroup, head: EngineRequest | None) -> BatchBackend:
-        loaded = self._model
-        key = new.key
-        drafter = Drafter(loaded.drafter) if key.draft_tokens and loaded.drafter is not None else None
-        return BatchBackend(
-            loaded.model,
-            loaded.processor,
-            max_batch_size=new.max_batch_size,
-            drafter=drafter,
-            draft_tokens=key.draft_tokens if drafter is not None else 0,
-            speculative_sampling=head.sampling if head is not None and key.mode == ExecutionMode.EXCLUSIVE else None,
-            prefill_step_size=self.config.prefill_step_size,
-            stream=self._stream,
-            apc_manager=self._cache_manager_for(head),
-        )
-
-    def _text_language_model(self) -> Any:
-        """What the text lane steps (built once per loaded model; it shares its weights)."""
-        if self._text_lm is None:
-            self._text_lm = text_language_model(self._model.path, self._model.model)
-            if self.config.fused_projections:
-                fuse_projections(self._text_lm, self._model.model)
-            if self._fused_decode_attention() or self._prefill_attention_ops():
-                cuda_attention.install(self._text_lm)
-        return self._text_lm
-
-    def _fused_decode_attention(self) -> bool:
-        return self.config.fused_decode_attention and cuda_attention.available()
-
-    def _prefill_attention_ops(self) -> bool:
-        return self.config.prefill_attention_ops and cuda_attention.available()
-
-    def _warmed_buckets(self) -> Buckets | None:
-        """The text lane's prefill buckets (``EngineConfig.prefill_buckets``), each shape run once
-        here, on the worker thread that will run it; None where they are off."""
-        if not self.config.prefill_buckets or not self._text_lane_model():
-            return None
-        cfg = self.config
-        buckets = Buckets(prefill_step_size=cfg.prefill_step_size, max_batch_size=cfg.max_batch_size)
-        try:
-            warm(self._text_language_model(), buckets)
-        except Exception as exc:  # noqa: BLE001 - unwarmed shapes are slower the first time, not wrong
-            log.warning("warming the prefill shapes failed: %s", exc)
-        return buckets
-
-    def _text_backend(self, new: NewGroup) -> TextLoopBackend | TextBatchBackend:
-        shared: dict[str, Any] = dict(
-            language_model=self._text_language_model(),
-            eos_token_ids=self._model.eos_token_ids,
-            max_batch_size=new.max_batch_size,
-            prefill_step_size=self.config.prefill_step_size,
-            stream=self._stream,
-            buckets=self._buckets,
-        )
-        if self.config.own_text_loop:
-            idle = self.config.idle_finished_rows
-            return TextLoopBackend(
-                self._model.model, wave_steps=self.config.admission_wave_steps,
-                idle_finished=cuda_attention.available() if idle is None else idle, **shared,
-            )
-        return TextBatchBackend(self._model.model, **shared)
-
-    def _single_backend(self, apc_manager: Any, *, text_lane: bool = False) -> SingleBackend:
-        """``text_lane``: the row may move into a text batch, so its cache is built from mlx-lm's
-        cache classes (the ones that batch merges)."""
-        processor = self._model.processor
-        tokenizer = getattr(processor, "tokenizer", processor)
-        lm = self._text_language_model() if text_lane else None
-        return SingleBackend(
-            self._model.model,
-            stop_criteria=tokenizer.stopping_criteria,  # the batch's own eos test
-            prefill_step_size=self.config.prefill_step_size,
-            stream=self._stream,
-            apc_manager=apc_manager,
-            make_cache=(lambda: make_text_cache(lm)) if lm is not None else None,
-            language_model=lm,
-        )
-
-    def _hand_off(self, group: _Group) -> None:
-        """Move the group's single decoding row into a new batch backend, its KV cache as is."""
+    def _hand_off(self, group: _Group, lane: LaneName) -> None:
+        """Move the group's single decoding row into a new backend of ``lane``, its KV cache as is."""
         single = group.backend
+        if not isinstance(single, HandsOff):
+            raise RuntimeError(f"the {single.kind.value} lane hands no row off; only the single lane does")
         old_uid, row = single.detach()
         # The row stays in ``group.running`` until the batch holds it: a failure here fails
         # it with the group (``_fail_group``), as any failed step would.
-        request = group.running[old_uid].request
-        backend: BatchBackend | TextLoopBackend | TextBatchBackend
-        if group.key.lane == "text":
-            backend = self._text_backend(NewGroup(group.key, BackendKind.TEXT_BATCH, self.config.max_batch_size))
-        else:
-            backend = self._batch_backend(NewGroup(group.key, BackendKind.BATCH, self.config.max_batch_size), request)
+        request = group.running[old_uid]
+        assert LANES[lane].adopts_from == single.kind, f"the {lane} lane adopts no {single.kind} row"
+        backend = self._backends.build(NewGroup(group.key, lane, self.config.max_batch_size), request)
         group.backend = backend
         single.close()
+        if not isinstance(backend, Adopts):
+            raise RuntimeError(f"the {backend.kind.value} lane takes no row from another")
         uid = backend.adopt(row)
         request.uid = uid
-        request.path = DecodePath.SINGLE_THEN_BATCH
+        request.path = LANES[lane].adopted_path
         group.running[uid] = group.running.pop(old_uid)
-
-    def _cache_manager_for(self, head: EngineRequest | None) -> Any:
-        """The resident model's prefix-cache manager for a group of keyed requests, else None."""
-        if head is None or head.prompt_cache_key is None or self.prefix_cache is None:
-            return None
-        return self.prefix_cache.manager
 
     def _admit(self, admission: Admission) -> None:
         group = self._group
@@ -898,12 +762,13 @@ class Engine:
                 prefix=self._prefix_reuse(request, group),
                 logprobs=request.logprobs,
             )
+            lane_path = LANES[group.backend.kind].path.value
             if request.logprobs is not None and not getattr(group.backend, "reports_logprobs", False):
                 raise LogprobsUnavailable(
                     f"token logprobs are computed by the batched lanes' per-row sampler; this request runs on "
-                    f"the {group.backend.kind.value} lane, which draws without it (MTP speculation, or a "
+                    f"the {lane_path} lane, which draws without it (MTP speculation, or a "
                     "provider with mlx_batching=False)",
-                    details={"field": "logprobs", "lane": group.backend.kind.value},
+                    details={"field": "logprobs", "lane": lane_path},
                 )
             uid = group.backend.insert(row)
         except MLXRuntimeError as exc:
@@ -911,11 +776,12 @@ class Engine:
             return
         request.uid = uid
         request.mode = group.mode
-        request.path = DecodePath(group.backend.kind.value)
+        request.path = LANES[group.backend.kind].path
         request.exclusive_reason = group.key.reason
         request.started_at = time.perf_counter()
         request.transition(RequestStatus.PREFILLING)
-        group.running[uid] = _Running(request, self._model.new_detokenizer(), StopMatcher(request.stop))
+        group.running[uid] = request
+        self._output.add(request, self._model.new_detokenizer(), self._model.eos_token_ids)
 
     def _prefix_reuse(self, request: EngineRequest, group: _Group) -> PrefixReuse | None:
         """How a keyed request reuses stored prefixes in this group's layout (None: unkeyed,
@@ -928,20 +794,20 @@ class Engine:
             # prompt's rope positions; the key is served by a full prefill, said by name.
             request.prompt_cache = {"mode": "key", "key": request.prompt_cache_key, **IN_PROCESS_NO_REUSE}
             return None
-        if group.backend.kind == BackendKind.SERIAL:
+        if group.backend.kind == LaneName.SERIAL:
             layout = "serial"
         else:
             layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"
         request.cache_layout = layout
         request.cache_counters = cache.counters()
-        return PrefixReuse(cache.salt(request, layout), serial=cache.serial if layout == "serial" else None)
+        return PrefixReuse(cache.admit(request, layout), serial=cache.serial if layout == "serial" else None)
 
     def _step_group(self) -> None:
         group = self._group
         assert group is not None
-        if group.mode == ExecutionMode.CONTINUOUS:
+        if group.mode == ExecutionMode.CONTINUOUS and isinstance(group.backend, PrefillsPartially):
             group.backend.allow_partial_prefill()
-        observe = any(r.request.observe_prefill for r in group.running.values())
+        observe = any(r.observe_prefill for r in group.running.values())
         start = time.perf_counter()
         result = group.backend.step(observe_prefill=observe)
         stepped = time.perf_counter()
@@ -950,21 +816,21 @@ class Engine:
         for uid, row in result.prefill.items():
             self._on_prefill_row(uid, row)
         for uid, cached in result.prompt_done.items():
-            running = group.running.get(uid)
-            if running is not None:
-                running.request.cached_tokens = cached
+            request = group.running.get(uid)
+            if request is not None:
+                request.cached_tokens = cached
         for event in result.tokens:
             if event.uid in group.tombstones:
                 if event.finish_reason is not None:
                     group.tombstones.discard(event.uid)
                     group.backend.forget(event.uid)
                 continue
-            running = group.running.get(event.uid)
-            if running is None:
+            request = group.running.get(event.uid)
+            if request is None:
                 continue
-            if event.logprob is not None:
-                running.logprobs.append(event.logprob)
-            self._on_token(group, running, event.token, event.finish_reason)
+            ending = self._output.on_token(request, event)
+            if ending is not None:
+                self._end_row(group, event.uid, ending)
         self.stats.tokens_s += time.perf_counter() - stepped
         self._close_group_if_idle()
 
@@ -972,16 +838,12 @@ class Engine:
         """Deliver one prefill observation; False when the row's request was cancelled (a
         backend that prefills in one call stops there)."""
         group = self._group
-        running = group.running.get(uid) if group is not None else None
-        if running is None:
+        request = group.running.get(uid) if group is not None else None
+        if request is None:
             return True
-        request = running.request
         if request.cancelled:
             return False
-        if request.observe_prefill and request.first_token_at is None and reports_position(request.prefill_position, row):
-            request.prefill_position = row.processed
-            obs = PrefillObservation(processed=row.processed, total=row.total, cached=row.cached)
-            self._deliver(request, obs, droppable=True)
+        self._output.on_prefill(request, row)
         return True
 
     def _record_batch(self, group: _Group, result: StepResult) -> None:
@@ -989,78 +851,20 @@ class Engine:
         if size > self.stats.peak_batch_size:
             self.stats.peak_batch_size = size
         for uid in result.batch_uids:
-            running = group.running.get(uid)
-            if running is not None and size > running.request.peak_batch_size:
-                running.request.peak_batch_size = size
+            request = group.running.get(uid)
+            if request is not None and size > request.peak_batch_size:
+                request.peak_batch_size = size
 
-    def _on_token(self, group: _Group, running: _Running, token: int, finish_reason: str | None) -> None:
-        request = running.request
-        uid = request.uid
-        assert uid is not None  # a row of a running group always has its uid
-        if request.status == RequestStatus.PREFILLING:
-            request.transition(RequestStatus.DECODING)
-        is_eos = token in self._model.eos_token_ids
-        if not (is_eos and finish_reason == "stop"):
-            request.append_tokens([token])
-            running.detokenizer.add_token(token)
-            segment = running.detokenizer.last_segment
-            _give_text(running.logprobs, segment)
-            text, stopped = running.stops.feed(segment)
-            if text:
-                if not self._deliver(request, TokenDelta(text, [token], _take(running.logprobs))):
-                    return
-            if stopped:
-                request.stop_reason = running.stops.matched
-                if running.logprobs:
-                    self._deliver(request, TokenDelta("", [], _take(running.logprobs)))
-                self._drop_row(group, uid)
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
-                return
-        else:
-            request.stop_reason = token
-            if running.logprobs:  # the end-of-sequence token is not part of the answer
-                running.logprobs.pop()
-            if request.first_token_at is None:
-                request.first_token_at = time.perf_counter()
-        if finish_reason is not None:
-            group.running.pop(uid, None)
+    def _end_row(self, group: _Group, uid: int, ending: Ending) -> None:
+        """A token ended its request: free the row (forgotten where the backend ended it,
+        removed otherwise), then finish the request."""
+        request = group.running[uid]
+        if ending.row_finished:
+            group.running.pop(uid)
             group.backend.forget(uid)
-            running.detokenizer.finalize()
-            segment = running.detokenizer.last_segment
-            _give_text(running.logprobs, segment, more=True)
-            tail = running.stops.flush(segment)
-            if tail or running.logprobs:
-                self._deliver(request, TokenDelta(tail, [], _take(running.logprobs)))
-            if running.stops.matched is not None:  # the text the last token completed held a stop
-                request.stop_reason = running.stops.matched
-            stopped = finish_reason != "length" or running.stops.matched is not None
-            self._finish(request, RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_LENGTH)
-
-    def _deliver(self, request: EngineRequest, item: Any, *, droppable: bool = False) -> bool:
-        if request.is_finished() or request.cancelled:
-            return False
-        q = request.outputs
-        budget = request.output_queue_size
-        if droppable and q.qsize() * 2 >= budget:
-            return True  # prefill observations yield to tokens when the consumer lags
-        try:
-            if q.qsize() >= budget:
-                raise queue.Full
-            q.put(item)
-        except queue.Full:
-            if droppable:
-                return True
-            error = StreamBackpressure(
-                f"the stream consumer is too slow: {budget} undelivered outputs; "
-                "read the stream faster or raise mlx_output_queue_size"
-            )
-            group = self._group
-            if group is not None and request.uid is not None and request.uid in group.running:
-                self._drop_row(group, request.uid)
-            self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
-            return False
-        request.notify()
-        return True
+        else:
+            self._drop_row(group, uid)
+        self._finish(request, ending.status, error=ending.error)
 
     def _close_group_if_idle(self) -> None:
         group = self._group
@@ -1086,25 +890,13 @@ class Engine:
         if request.speculation_deferred:
             request.speculation = dict(DEFERRED_UNDER_LOAD)
         self._record_prompt_cache(request)
-        request.outcome = Outcome(
-            finish_reason=request.finish_reason() or FinishReason.ERROR,
-            prompt_tokens=request.num_prompt_tokens,
-            completion_tokens=request.num_output_tokens,
-            cached_tokens=request.cached_tokens,
-            execution=request.execution_metadata(),
-            speculation=request.speculation,
-            error=error,
-            prompt_cache=request.prompt_cache,
-            stop_reason=request.stop_reason if status == RequestStatus.FINISHED_STOPPED else None,
-        )
+        request.outcome = outcome_of(request, status, error)
         if locked:
             self._account(request, status)
         else:
             with self._cond:
                 self._account(request, status)
-        request.done.set()
-        request.outputs.put(END_OF_STREAM)
-        request.notify()
+        self._output.end_stream(request)
 
     def _record_speculation(self, request: EngineRequest) -> None:
         """MTP counters since the group started. A cohort's rounds are batch-wide, and upstream
@@ -1112,7 +904,7 @@ class Engine:
         group = self._group
         if group is None or group.speculation_baseline is None or not request.draft_tokens:
             return
-        now = group.backend.speculation_counters()
+        now = speculation_counters(group.backend)
         if now is None:
             return
         rounds0, accepted0, drafted0 = group.speculation_baseline
@@ -1144,6 +936,11 @@ class Engine:
         """Drop every owned RAM and SSD entry, between prefills; None without a prefix cache."""
         return self.control(lambda: self.prefix_cache.clear() if self.prefix_cache is not None else None, between_prefills=True)
 
+    def prompt_cache_command(self, command: Callable[[PrefixCache], dict[str, Any]]) -> dict[str, Any] | None:
+        """Run one prefix-cache command (eviction hints, pin, release) on the worker between
+        steps; None when this model has no prefix cache."""
+        return self.control(lambda: command(self.prefix_cache) if self.prefix_cache is not None else None)
+
     def _account(self, request: EngineRequest, status: RequestStatus) -> None:
         self._live.pop(request.request_id, None)
         if status == RequestStatus.FINISHED_CANCELLED:
@@ -1156,7 +953,7 @@ class Engine:
     def _fail_group(self, error: MLXRuntimeError) -> None:
         """Fail the requests a failed step touched: the group's rows and any being admitted."""
         group = self._group
-        touched = [running.request for running in group.running.values()] if group is not None else []
+        touched = list(group.running.values()) if group is not None else []
         touched += self._admitting
         self._admitting = []
         self._close_group()
@@ -1191,24 +988,6 @@ class _SharedPrefixes:
 
     def resident_tokens(self, prompt_ids: list[int], salt: int) -> int:
         return self._cache.resident_prefix_tokens(prompt_ids, salt)
-
-
-def _give_text(pending: list[SampledLogprob], segment: str, *, more: bool = False) -> None:
-    """The detokenizer's ``segment`` becomes the text of the last token still pending (its
-    own; ``more``: added to it, the detokenizer's tail at the end). A token the detokenizer
-    holds back (an incomplete UTF-8 sequence, a lone space) gets ``""`` and the next one its
-    text, so that the tokens' texts concatenate to the answer's."""
-    if pending:
-        last = pending[-1]
-        text = (last.text or "") + segment if more else segment
-        pending[-1] = replace(last, text=text)
-
-
-def _take(items: list[SampledLogprob]) -> list[SampledLogprob]:
-    """The items, the list emptied (what a delta carries away)."""
-    taken = list(items)
-    items.clear()
-    return taken
 
 
 class _WorkerBroken(BaseException):

@@ -19,7 +19,7 @@ With ``EngineConfig.prefill_attention_ops`` (on by default) chunks of up to
 matter for longer chunks only.
 
 Private upstream fields read here (mlx-lm >=0.31.3,<0.33, ``tests/test_backend_contract.py``):
-``BatchGenerator._prompt_batch`` and ``PromptProcessingBatch._copy``.
+``PromptProcessingBatch._copy`` (the warm-up's prompt batch).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["Buckets", "bucket_prompt_batch", "length_buckets", "warm", "width_buckets"]
+__all__ = ["Buckets", "length_buckets", "warm", "width_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -101,15 +101,6 @@ def _bucketed_class() -> Any:
             mx.clear_cache()
 
     return BucketedPromptBatch
-
-
-def bucket_prompt_batch(gen: Any, buckets: Buckets) -> None:
-    """Give mlx-lm's ``BatchGenerator`` a prompt batch that pads chunks to ``buckets``. Upstream
-    extends and splits its prompt batch in place and copies it with its own class, so the one
-    swap at creation covers every prefill the generator runs."""
-    batch = _bucketed_class().empty(gen.model, gen.sampler, prefill_step_size=gen.prefill_step_size)
-    batch.buckets = buckets
-    gen._prompt_batch = batch
 
 
 def warm(model: Any, buckets: Buckets) -> None:

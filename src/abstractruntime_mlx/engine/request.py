@@ -62,21 +62,34 @@ _ALLOWED = {
 
 
 class ExecutionMode(StrEnum):
-    """How a group of requests runs (reported as ``execution.mode``)."""
+    """How a group of requests shares its lane (reported as ``execution.mode``): every row with
+    its own controls and late joiners (continuous), one MTP depth and no joiners (cohort), or
+    alone (exclusive). Not a lane: a continuous group runs on the single, text or batch lane."""
 
     CONTINUOUS = "continuous"
     COHORT = "cohort"
     EXCLUSIVE = "exclusive"
 
 
+class LaneName(StrEnum):
+    """Where a group runs: one row of ``lanes.LANES`` each, and the ``kind`` of its backend."""
+
+    SERIAL = "serial"  # mlx-lm, one request at a time (``mlx_batching=False``)
+    IN_PROCESS = "in_process"  # mlx-vlm's in-process generation, one at a time, MTP included
+    SINGLE = "single"  # one row on a plain KV cache; a compatible arrival moves it into a batch
+    TEXT = "text"  # the text lane's own loop, plain text rows
+    BATCH = "batch"  # mlx-vlm's batch generator: everything else
+
+
 class DecodePath(StrEnum):
-    """Which decode loop ran a request (``execution.path``)."""
+    """What ``execution.path`` reports: a lane's ``path`` (``lanes.LANES``), or
+    ``single_then_batch`` for a row a batch adopted from the single lane."""
 
     SINGLE = "single"  # alone on the single-request lane
     SINGLE_THEN_BATCH = "single_then_batch"  # began alone, moved into a batch with its KV cache
-    BATCH = "batch"  # upstream's batch generator
-    TEXT_BATCH = "text_batch"  # mlx-lm's batch generator (plain text rows)
-    SERIAL = "serial"  # the serialized mlx-lm lane
+    BATCH = "batch"  # mlx-vlm's batch generator
+    TEXT_BATCH = "text_batch"  # the text lane's own loop (plain text rows)
+    SERIAL = "serial"  # a one-at-a-time lane (mlx-lm's, or mlx-vlm's in-process one)
 
 
 class ExclusiveReason(StrEnum):

@@ -30,14 +30,14 @@ Policy (the fairness rule):
   to, then running target-only with it). A continuous group waits only while a burst keeps
   arriving (``burst_gap_ms`` without a compatible arrival ends it, ``batch_wait_ms`` at most);
   later requests join its free slots.
-- The serialized lane (``mlx_batching=False``) runs every request alone, as exclusive.
-- Text lane (``text_lane``): a continuous group of text rows (no images, prefix-cache key
-  or MTP; ``text_lane_row``) on a model that has the lane runs in the text lane's
-  loop (``text_loop``, or mlx-lm's ``text_batch``); other rows never join it (their key's ``lane`` differs), so a
-  row that needs mlx-vlm's loop at the head of the queue is a barrier like any other.
-- Single lane: a continuous group of one, whose row can later move into a batch as is (text,
-  no logits processors or grammar, no prefix-cache key), decodes on the single-request lane;
-  the first compatible arrival moves that row (once it decodes) into a batch it then joins.
+- Which lane a new group runs on is the table's (``lanes.LANES``, ``lanes.choose_lane``): the
+  one-at-a-time lanes (``mlx_batching=False``) run every request alone, as exclusive; a
+  continuous group of one whose row can later move into a batch as is decodes on the single
+  lane, and the first compatible arrival moves that row (once it decodes) into the batch lane
+  of its key (``lanes.adopting_lane``); a continuous group of text rows (``lanes.text_lane_row``)
+  on a model that has the text lane runs there; everything else on mlx-vlm's batch.
+  A text key (``GroupKey.lane``) never admits rows that need mlx-vlm's loop, so such a row at the
+  head of the queue is a barrier like any other.
 - Requests with different prefix-cache groups never share a group: keyed requests (which
   look up and store in the resident model's prefix cache) never batch with keyless ones.
 - Shared prefixes are prefilled once: a keyed request about to be admitted to a continuous
@@ -52,11 +52,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Hashable, Protocol, Sequence
 
 from .config import EngineConfig
-from .request import EngineRequest, ExclusiveReason, ExecutionMode, RequestStatus
+from .lanes import LaneContext, adopting_lane, choose_lane, one_at_a_time_lane, text_lane_row
+from .request import EngineRequest, ExclusiveReason, ExecutionMode, LaneName, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +66,8 @@ class GroupKey:
     cache_group: Hashable
     reason: ExclusiveReason | None = field(default=None, compare=False)
     sampled_exclusive: bool = field(default=False, compare=False)
-    # Continuous groups only: "text" runs in the text lane (``text_lane_row``), "full" in mlx-vlm's.
-    lane: str = "full"
+    # The batch lane its continuous rows share: the text lane (``lanes.text_lane_row``) or mlx-vlm's.
+    lane: LaneName = LaneName.BATCH
     text_lane: bool = field(default=False, compare=False)  # whether the text lane is open
 
     def admits(self, request: EngineRequest) -> bool:
@@ -78,11 +78,6 @@ class GroupKey:
             return True
         # A continuous group is target-only work running: optional MTP joins it target-only.
         return self.mode == ExecutionMode.CONTINUOUS and request.deferrable and self == target_only_key(request, **options)
-
-
-def text_lane_row(request: EngineRequest) -> bool:
-    """A row the text lane can run as mlx-vlm's loop would: text, no prefix-cache key."""
-    return request.prompt_kwargs_factory is None and request.prompt_cache_key is None
 
 
 def group_key(
@@ -102,7 +97,7 @@ def group_key(
             return GroupKey(ExecutionMode.EXCLUSIVE, draft_tokens, (cache_group, request.request_id), reason)
     elif draft_tokens > 0:
         return GroupKey(ExecutionMode.COHORT, draft_tokens, cache_group)
-    lane = "text" if text_lane and text_lane_row(request) else "full"
+    lane = LaneName.TEXT if text_lane and text_lane_row(request) else LaneName.BATCH
     return GroupKey(ExecutionMode.CONTINUOUS, 0, cache_group, sampled_exclusive=sampled_exclusive, lane=lane, text_lane=text_lane)
 
 
@@ -186,21 +181,12 @@ def count_compatible_head(waiting: Sequence[EngineRequest], key: GroupKey) -> in
 # --- the plan --------------------------------------------------------------------------
 
 
-class BackendKind(StrEnum):
-    """Which backend a group runs on (``Backend.kind``)."""
-
-    BATCH = "batch"  # upstream's batch generator: late joiners take its free slots
-    TEXT_BATCH = "text_batch"  # the text lane, for plain text rows (``text_loop`` or ``text_batch``)
-    SINGLE = "single"  # one row on a plain KV cache; a compatible arrival moves it into a batch
-    SERIAL = "serial"  # the serialized mlx-lm lane, one request at a time
-
-
 @dataclass(frozen=True, slots=True)
 class NewGroup:
-    """Start a group for ``key`` on a backend of ``kind`` with ``max_batch_size`` slots."""
+    """Start a group for ``key`` on ``lane`` (``lanes.LANES``) with ``max_batch_size`` slots."""
 
     key: GroupKey
-    kind: BackendKind
+    lane: LaneName
     max_batch_size: int
 
 
@@ -233,8 +219,8 @@ class StepPlan:
     # Nothing starts yet: wait for arrivals until this time (on ``SchedulerState.now``'s clock).
     wait_until: float | None = None
     new_group: NewGroup | None = None
-    # Move the single lane's decoding row into a new batch before admitting.
-    hand_off: bool = False
+    # Move the single lane's decoding row into a new batch of this lane before admitting.
+    hand_off: LaneName | None = None
     admit: tuple[Admission, ...] = ()
     held: tuple[HeldForPrefix, ...] = ()
     # Step the group (the one this plan starts, or the one running).
@@ -268,7 +254,7 @@ class GroupState:
     """The running group, as admission needs it."""
 
     key: GroupKey
-    kind: BackendKind
+    lane: LaneName
     free_slots: int  # cancelled rows upstream could not drop yet still hold theirs
     row_decoding: bool = False  # the single lane's row has its next token in flight: it can move
     prefilling: tuple[EngineRequest, ...] = ()  # keyed rows whose prefill is not done
@@ -286,9 +272,8 @@ class SchedulerState:
     waiting: Sequence[EngineRequest]  # in arrival order
     group: GroupState | None = None
     stopping: bool = False
-    serial_lane: bool = False  # the model runs on the serialized mlx-lm lane
-    single_lane_model: bool = False  # the model's rows can decode on the single lane
-    text_lane_model: bool = False  # the model's text rows can run in the text lane
+    # The lanes the loaded model has (``LaneFactory.model_lanes``); the engine's options close some.
+    model_lanes: frozenset[LaneName] = frozenset({LaneName.BATCH})
     prefix_cache: bool = False  # a prefix cache is resident (keyed requests use it)
     single_lane_restores: bool = False  # the single lane can restore and store keyed rows' prefixes
     shared_prefixes: PrefixIndex | None = None  # set where prefixes are shared as blocks
@@ -334,15 +319,17 @@ class Scheduler:
             return StepPlan()
         cfg = self.config
         head = waiting[0]
-        if state.serial_lane:
+        lanes = self._lane_context(state)
+        alone = one_at_a_time_lane(lanes)
+        if alone is not None:
             key = GroupKey(ExecutionMode.EXCLUSIVE, self._head_key(state).draft_tokens, (head.cache_group, head.request_id), ExclusiveReason.SERIALIZED_LANE)
-            return self._started(state, NewGroup(key, BackendKind.SERIAL, 1), [head])
+            return self._started(state, NewGroup(key, alone, 1), [head])
         window = self._window
         if window is None or window.head is not head:
             key = self._head_key(state)
             if key.mode == ExecutionMode.EXCLUSIVE:
                 key = GroupKey(ExecutionMode.EXCLUSIVE, key.draft_tokens, (head.cache_group, head.request_id), key.reason)
-                return self._started(state, NewGroup(key, BackendKind.BATCH, 1), [head])
+                return self._started(state, NewGroup(key, choose_lane(key.mode, [head], lanes), 1), [head])
             window = _Window(head, key, state.now, count_compatible_head(waiting, key), state.now)
         else:
             seen = count_compatible_head(waiting, window.key)
@@ -361,14 +348,19 @@ class Scheduler:
         requests = compatible_head(waiting, key, limit)
         if not requests:
             return StepPlan()  # the head waits for its prefix leader
-        if self._single_lane_for(state, key, requests):
-            kind = BackendKind.SINGLE
-        else:
-            kind = BackendKind.TEXT_BATCH if key.lane == "text" else BackendKind.BATCH
-        return self._started(state, NewGroup(key, kind, limit), requests)
+        return self._started(state, NewGroup(key, choose_lane(key.mode, requests, lanes), limit), requests)
+
+    def _lane_context(self, state: SchedulerState) -> LaneContext:
+        """The lanes open: the loaded model's, less those the engine's options turn off."""
+        closed = set()
+        if not self.config.single_lane:
+            closed.add(LaneName.SINGLE)
+        if not self.config.text_lane:
+            closed.add(LaneName.TEXT)
+        return LaneContext(state.model_lanes - closed, state.prefix_cache, state.single_lane_restores)
 
     def _text_lane(self, state: SchedulerState) -> bool:
-        return self.config.text_lane and state.text_lane_model
+        return LaneName.TEXT in self._lane_context(state).open
 
     def _head_key(self, state: SchedulerState) -> GroupKey:
         """The head's group; optional MTP with target-only work right behind it runs
@@ -397,40 +389,24 @@ class Scheduler:
             until = min(until, window.last_arrival + quiet_ms / 1000.0)
         return until if until > state.now else None
 
-    def _single_lane_for(self, state: SchedulerState, key: GroupKey, requests: list[EngineRequest]) -> bool:
-        """A continuous group of one, a request whose row can later move into a batch as is
-        (text, no logits processors or grammar; a prefix-cache key only where the lane restores
-        prefixes: RAM blocks, no SSD tier), a model that has the lane."""
-        if not self.config.single_lane or key.mode != ExecutionMode.CONTINUOUS or len(requests) != 1:
-            return False
-        request = requests[0]
-        if request.prompt_kwargs_factory is not None or request.sampling.has_logit_processors() or request.grammar is not None:
-            return False
-        if request.logprobs is not None:  # the text lane computes them, the single lane does not
-            return False
-        if request.prompt_cache_key is not None and state.prefix_cache and not state.single_lane_restores:
-            return False
-        return state.single_lane_model
-
     def _started(self, state: SchedulerState, new: NewGroup, requests: list[EngineRequest]) -> StepPlan:
-        group = GroupState(new.key, new.kind, new.max_batch_size)
+        group = GroupState(new.key, new.lane, new.max_batch_size)
         admit, held = self._hold_shared_prefixes(state, group, requests)
         return StepPlan(new_group=new, admit=admit, held=held, step=True)
 
     # --- a running continuous group ---------------------------------------------------------
     def _admit_late(self, state: SchedulerState, group: GroupState) -> StepPlan:
-        hand_off = False
+        hand_off: LaneName | None = None
         free = group.free_slots
-        if group.kind == BackendKind.SINGLE:
+        if group.lane == LaneName.SINGLE:
             # A compatible arrival moves the row into a batch, once the row decodes.
             if not group.row_decoding or self.config.max_batch_size < 2:
                 return StepPlan(step=True)
             if count_compatible_head(state.waiting, group.key) == 0:
                 return StepPlan(step=True)
-            hand_off = True
+            hand_off = adopting_lane(group.key.lane)
             free = self.config.max_batch_size - 1  # the batch holds the moved row
-            kind = BackendKind.TEXT_BATCH if group.key.lane == "text" else BackendKind.BATCH
-            group = GroupState(group.key, kind, free, prefilling=group.prefilling)
+            group = GroupState(group.key, hand_off, free, prefilling=group.prefilling)
         if free <= 0 or state.admission_paused:
             return StepPlan(hand_off=hand_off, step=True)
         requests = compatible_head(state.waiting, group.key, free)
@@ -444,7 +420,7 @@ class Scheduler:
         a request of the batch is still prefilling (see ``prefix_leader``)."""
         target_only = group.mode == ExecutionMode.CONTINUOUS
         index = state.shared_prefixes
-        if index is None or group.mode != ExecutionMode.CONTINUOUS or group.kind != BackendKind.BATCH:
+        if index is None or group.mode != ExecutionMode.CONTINUOUS or group.lane != LaneName.BATCH:
             return tuple(Admission(r, target_only and r.draft_tokens > 0) for r in requests), ()
         prefilling = list(group.prefilling)
         admit: list[Admission] = []
@@ -469,3 +445,44 @@ class Scheduler:
 def prefilling_rows(requests: Sequence[EngineRequest]) -> tuple[EngineRequest, ...]:
     """The keyed rows of a group whose prefill is not done (prefix leaders for late joiners)."""
     return tuple(r for r in requests if r.status == RequestStatus.PREFILLING and r.prompt_cache_key is not None)
+
+
+# --- the text lane's step: prefill and compaction ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """Which waiting rows (indices, in arrival order) a text-lane step admits: ``short`` ones
+    (their prompt fits one chunk) prefill together at once, ``long`` ones start a group that
+    runs a chunk a step; the rest wait."""
+
+    short: tuple[int, ...] = ()
+    long: tuple[int, ...] = ()
+
+
+def plan_prefill(prompt_lengths: Sequence[int], *, free: int, step_size: int, chunking: bool) -> PrefillPlan:
+    """Admit waiting rows (``prompt_lengths``, in arrival order) into ``free`` slots: a prompt
+    whose all but last token fit ``step_size`` is short; a longer one starts a chunked group
+    unless one is ``chunking`` already (one such group at a time; it waits meanwhile)."""
+    short: list[int] = []
+    long: list[int] = []
+    for i, length in enumerate(prompt_lengths):
+        if free <= 0:
+            break
+        if length - 1 <= step_size:
+            short.append(i)
+        elif not chunking:
+            long.append(i)
+        else:
+            continue
+        free -= 1
+    return PrefillPlan(tuple(short), tuple(long))
+
+
+def should_compact(n_rows: int, n_finished: int, *, joining: bool, idle_allowed: bool) -> bool:
+    """Whether a text-lane step drops its finished rows from the batch now. Rows joining always
+    compact first; otherwise finished rows idle (``idle_allowed``, where idle slots cost the
+    step less than a compaction) until half the batch has finished, or leave at once."""
+    if n_finished == 0:
+        return False
+    return joining or not idle_allowed or 2 * n_finished >= n_rows

@@ -28,7 +28,6 @@ from typing import Any, Callable, Iterator
 
 from ..errors import UpstreamError
 from .backend import (
-    DecodingRow,
     LogitsProcessor,
     PrefillRow,
     RestoredPrefix,
@@ -40,7 +39,7 @@ from .backend import (
 )
 from .prefix_cache import GUARD_TOKENS, SerialStore
 from .sampling import make_sampler
-from .scheduler import BackendKind
+from .request import LaneName
 
 PrefillHook = Callable[[int, PrefillRow], bool]
 
@@ -52,9 +51,8 @@ class _PrefillAbandoned(Exception):
 class SerialBackend:
     """mlx-lm generation for one request at a time, with the ``BatchBackend`` interface."""
 
-    kind = BackendKind.SERIAL
+    kind = LaneName.SERIAL
     max_batch_size = 1
-    can_hand_off = False
 
     def __init__(self, model: Any, tokenizer: Any, *, prefill_step_size: int, stream: Any, on_prefill: PrefillHook) -> None:
         self.model = model
@@ -146,9 +144,6 @@ class SerialBackend:
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.uids)
 
-    def allow_partial_prefill(self) -> None:
-        """Nothing to allow: a lane of one slot never admits during another's decode."""
-
     def remove(self, uid: int) -> bool:
         self.forget(uid)
         return True
@@ -170,9 +165,6 @@ class SerialBackend:
     @property
     def has_work(self) -> bool:
         return self._row is not None
-
-    def detach(self) -> tuple[int, DecodingRow]:
-        raise RuntimeError("the serialized lane's row stays in it; only the single lane hands a row off")
 
     # --- stepping --------------------------------------------------------------------
     def step(self, *, observe_prefill: bool) -> StepResult:
@@ -207,9 +199,6 @@ class SerialBackend:
         if uid is not None and not self._on_prefill(uid, row):
             raise _PrefillAbandoned()
 
-    def speculation_counters(self) -> tuple[int, float, int] | None:
-        return None
-
     def close(self) -> None:
         if self._uid is not None:
             self.forget(self._uid)
@@ -230,6 +219,8 @@ class InProcessBackend(SerialBackend):
     ``drafter`` (the resident target's MTP head) drafts ``draft_tokens`` proposals per round
     for the group's requests; None or 0 runs target-only.
     """
+
+    kind = LaneName.IN_PROCESS
 
     def __init__(
         self,

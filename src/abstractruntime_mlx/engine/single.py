@@ -6,12 +6,12 @@ mlx-lm's ``generate_step`` pattern (queue step n+1 with ``mx.async_eval``, then 
 while the device computes). The engine drives it through the same backend protocol as a
 ``BatchBackend`` of one slot, so phase events, cancels, stop strings and limits share one path.
 
-When a compatible request arrives, the running row moves into a ``BatchBackend``
-(``BatchBackend.adopt``) with its KV cache and its token already in flight: no re-prefill,
+When a compatible request arrives, the running row moves into the batch lane of its group
+(``BatchBackend.adopt``, or ``TextLoopBackend.adopt`` for a text-lane group) with its KV cache and its token already in flight: no re-prefill,
 and the batch's first step decodes that token. A request still prefilling moves once its
 first token is out.
 
-Which requests and models qualify (``supports_model``, the scheduler's ``_single_lane_for``):
+Which requests and models qualify (``text_model.supports_model``, ``lanes.single_lane_row``):
 text prompts without logits processors, on models whose cache is a plain ``KVCache`` per layer
 and whose rows need no position ids. A keyed row (``apc_manager`` given, the salt in
 ``RowInput.prefix`` as the batch takes it) restores the prefix's KV blocks
@@ -28,31 +28,17 @@ from typing import Any, Callable, cast
 
 import mlx.core as mx
 
-from .backend import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors, needs_positions
+from .backend import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors
 from .sampling import RowStream, sample_rows
-from .scheduler import BackendKind
+from .request import LaneName
 
 _CLEAR_CACHE_EVERY = 256  # tokens (mlx-lm's generate_step)
-
-
-def supports_model(model: Any) -> bool:
-    """True when ``model``'s decoding can move into a batch as is: a plain KV cache per
-    layer (what mlx-vlm's ``BatchKVCache.merge`` takes) and no per-row position ids."""
-    from mlx_vlm.models.cache import KVCache
-
-    lm = getattr(model, "language_model", model)
-    if needs_positions(model):
-        return False
-    make_cache = getattr(lm, "make_cache", None)
-    if make_cache is None:
-        return hasattr(lm, "layers")
-    return all(type(c) is KVCache for c in make_cache())
 
 
 class SingleBackend:
     """One request at a time on a plain KV cache, with the ``BatchBackend`` interface."""
 
-    kind = BackendKind.SINGLE
+    kind = LaneName.SINGLE
     max_batch_size = 1
 
     def __init__(
@@ -68,10 +54,10 @@ class SingleBackend:
     ) -> None:
         self.model = model
         # Which cache classes the row's cache is built from: the ones of the batch it may move
-        # into (mlx-vlm's by default; mlx-lm's for a text-lane group, ``text_batch.make_cache``).
+        # into (mlx-vlm's by default; mlx-lm's for a text-lane group, ``text_model.make_cache``).
         self._make_cache = make_cache
         self._apc = apc_manager
-        # What each step calls: the model's language model, or the text lane's (``text_batch.language_model``).
+        # What each step calls: the model's language model, or the text lane's (``text_model.language_model``).
         self._lm = language_model if language_model is not None else getattr(model, "language_model", model)
         self._stop = stop_criteria
         self._prefill_step_size = prefill_step_size
@@ -125,9 +111,6 @@ class SingleBackend:
 
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.uids)
-
-    def allow_partial_prefill(self) -> None:
-        """Nothing to allow: a newcomer moves this row into a batch instead."""
 
     def remove(self, uid: int) -> bool:
         self.forget(uid)
@@ -261,9 +244,6 @@ class SingleBackend:
         if self._row is None:
             return mx.argmax(logprobs, axis=-1)
         return sample_rows(logprobs, [self._row])
-
-    def speculation_counters(self) -> tuple[int, float, int] | None:
-        return None
 
     def close(self) -> None:
         if self._uid is not None:

@@ -1,7 +1,7 @@
 """The text lane's own batch loop: plain text rows decode over the model's forward directly.
 
-What it saves against mlx-lm's ``BatchGenerator`` (``text_batch``, kept behind
-``EngineConfig.own_text_loop=False``), measured on the H200 where every step is bound by the
+What it saves against mlx-lm's ``BatchGenerator`` (which the lane stepped before; this loop
+measured 1.19-1.47x faster), measured on the H200 where every step is bound by the
 host building and encoding the graph (``docs/benchmarks.md``):
 
 - Admission costs one forward, not two, and no device wait. Arriving prompts (all but their
@@ -16,7 +16,8 @@ host building and encoding the graph (``docs/benchmarks.md``):
   Where the step is bound by the host encoding kernels (MLX's CUDA backend) a finished row
   costs no host work either: its slot idles in the batch until half the batch has finished or
   rows join, then one compaction drops every finished row. Where the step is bound by compute
-  (the CPU: each row adds about 7% to a step of 8 rows of the tiny model), it is dropped at once.
+  (the CPU: each row adds about 7% to a step of 8 rows of the tiny model), it is dropped at once
+  (``scheduler.should_compact``).
 - Rows admitted together with the same prompt (a call's ``n`` choices) prefill it once: one
   cache row, copied to each of them when the prefill ends; the copies report it as cached.
 - One sampling call for the batch (``sampling.sample_rows``; greedy rows share its argmax).
@@ -27,13 +28,15 @@ host building and encoding the graph (``docs/benchmarks.md``):
 The step keeps mlx-lm's pipelining: the forward for step n+1 is queued (``mx.async_eval``)
 before the host reads step n's tokens. Long prompts (more than ``prefill_step_size`` tokens)
 prefill one chunk per step, interleaved with decode, so a long prompt arriving never stalls the
-rows already decoding for more than a chunk; short prompts are admitted meanwhile, at once or
-in waves (``admission_wave_steps``).
+rows already decoding for more than a chunk; short prompts are admitted meanwhile, each step
+whatever arrived (``scheduler.plan_prefill``).
 
-Rows, controls and results are the text lane's (``text_batch``): a sampled row draws from its
-own ``RowStream``, penalties, bias and grammar are per-row logits processors fed the tokens so
-far as mlx-lm feeds them, the tokenizer's end-of-sequence ids stop a row with ``"stop"``, and
-a row that decoded alone on the single lane moves in with its KV cache (``adopt``).
+A sampled row draws from its own ``RowStream``, penalties, bias and grammar are per-row logits
+processors fed the tokens so far as mlx-lm feeds them, the tokenizer's end-of-sequence ids stop
+a row with ``"stop"`` (as mlx-vlm's loop reports them), and a row that decoded alone on the
+single lane moves in with its KV cache (``adopt``; the single lane builds mlx-lm caches for
+text-lane groups, ``text_model.make_cache``). It steps mlx-lm's own class for the checkpoint
+(``text_model.language_model``), given the resident weight arrays.
 
 Private upstream fields read here (mlx-lm >=0.31.3,<0.33, ``tests/test_backend_contract.py``):
 ``BatchKVCache``'s ``keys``, ``values``, ``offset``, ``left_padding`` and ``_idx``.
@@ -51,18 +54,12 @@ import mlx.core as mx
 from .backend import DecodingRow, LogitsProcessor, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors, row_processors
 from .prefill_shapes import Buckets
 from .sampling import PendingLogprobs, RowStream, row_logprobs, sample_rows
-from .scheduler import BackendKind
+from .request import LaneName
+from .scheduler import plan_prefill, should_compact
 
 __all__ = ["TextLoopBackend"]
 
 _CLEAR_CACHE_EVERY = 512  # decode steps, as mlx-lm's batch loop
-
-# Admission in waves (``EngineConfig.admission_wave_steps``, off by default): while rows
-# decode, short prompts wait until they are this fraction of the batch size (or fill the free
-# slots). The idea: each admission costs about one forward of host time whatever its width
-# (the H200's steps are host-bound); measured, it did not pay at 64 rows (docs/benchmarks.md).
-# Batches of up to 8 rows admit every prompt at once.
-WAVE_FRACTION = 8
 
 
 @dataclass(slots=True, eq=False)
@@ -75,7 +72,6 @@ class _Row:
     context: Any = None  # the tokens fed so far (mlx-lm's ``TokenBuffer``), for the processors
     num_tokens: int = 0  # tokens delivered
     pad: int = 0  # left padding in the cache that holds the row
-    waited: int = 0  # steps it was held back for a wave
     generated: bool = False  # its token in flight is a generated one, not its last prompt token
     done: bool = False  # finished: its slot idles in the batch until the next compaction
     logprobs: int | None = None  # alternatives asked per position (None: no logprobs)
@@ -99,8 +95,7 @@ class _Prefill:
 class TextLoopBackend:
     """A batch of plain text rows stepped over the language model's forward."""
 
-    kind = BackendKind.TEXT_BATCH
-    can_hand_off = False
+    kind = LaneName.TEXT
     reports_logprobs = True
 
     def __init__(
@@ -113,15 +108,13 @@ class TextLoopBackend:
         prefill_step_size: int,
         stream: Any,
         buckets: Buckets | None = None,
-        wave_steps: int = 0,
         idle_finished: bool = False,
     ) -> None:
-        """``language_model``: ``text_batch.language_model``'s result (``model(tokens, cache=)
+        """``language_model``: ``text_model.language_model``'s result (``model(tokens, cache=)
         -> logits``, a plain ``KVCache`` per layer); ``buckets``: pad the last chunk of each
-        prefill to these lengths (``prefill_shapes``); ``wave_steps``: how many decode steps
-        short prompts may be held back to join as a wave (0: never); ``idle_finished``: finished
-        rows idle in the batch until half of it has finished or rows join (False: each step
-        drops its finished rows)."""
+        prefill to these lengths (``prefill_shapes``); ``idle_finished``: finished rows idle in
+        the batch until half of it has finished or rows join (False: each step drops its
+        finished rows)."""
         self.model = model
         self.max_batch_size = max_batch_size
         self._lm = language_model
@@ -137,8 +130,6 @@ class TextLoopBackend:
         self._cache: list[Any] = []  # a BatchKVCache per layer
         self._inputs: mx.array | None = None  # each decoding row's next input token, in flight
         self._steps = 0
-        self._wave = -(-max_batch_size // WAVE_FRACTION)
-        self._wave_steps = wave_steps
         self._idle_finished = idle_finished
 
     # --- admission -------------------------------------------------------------------
@@ -175,9 +166,6 @@ class TextLoopBackend:
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.uids)
 
-    def allow_partial_prefill(self) -> None:
-        """Nothing to allow: waiting prompts are admitted whenever decode slots are free."""
-
     def remove(self, uid: int) -> bool:
         """Drop a row at any stage (waiting, mid-prefill or decoding)."""
         with map_upstream_errors("removing a request"):
@@ -209,9 +197,6 @@ class TextLoopBackend:
     @property
     def has_work(self) -> bool:
         return bool(self.uids)
-
-    def detach(self) -> tuple[int, DecodingRow]:
-        raise RuntimeError("the text lane's rows stay in it; only the single lane hands a row off")
 
     # --- stepping --------------------------------------------------------------------
     def step(self, *, observe_prefill: bool) -> StepResult:
@@ -275,8 +260,7 @@ class TextLoopBackend:
             result.tokens.append(TokenEvent(row.uid, token, reason, None if lp is None else lp.read(token)))
         # Idle slots cost compute, each compaction host work (every layer's cache rebuilt): which
         # costs more depends on what bounds the step (``idle_finished``).
-        finished = sum(r.done for r in rows)
-        if finished and (not self._idle_finished or 2 * finished >= len(rows)):
+        if should_compact(len(rows), sum(r.done for r in rows), joining=False, idle_allowed=self._idle_finished):
             self._compact()
 
     def _compact(self) -> None:
@@ -299,30 +283,16 @@ class TextLoopBackend:
             r.pad -= shift
 
     def _prefill(self, result: StepResult, observe: bool) -> None:
-        """Admit what the free slots allow: short prompts in one forward, long ones as a group
-        that runs a chunk a step (one such group at a time). While rows decode, short prompts
-        are admitted in waves (``_wave``)."""
+        """Admit what the free slots allow (``scheduler.plan_prefill``): short prompts in one
+        forward, long ones as a group that runs a chunk a step (one such group at a time)."""
         live = sum(not r.done for r in self._rows)
         free = self.max_batch_size - live - (len(self._chunked.rows) if self._chunked else 0)
-        slots = free
-        short: list[_Row] = []
-        long: list[_Row] = []
-        waiting: collections.deque[_Row] = collections.deque()
-        for row in self._waiting:
-            if free > 0 and len(row.prompt) - 1 <= self._step_size:
-                short.append(row)
-                free -= 1
-            elif free > 0 and self._chunked is None:
-                long.append(row)
-                free -= 1
-            else:
-                waiting.append(row)
-        if short and live and len(short) < min(self._wave, slots) and max(r.waited for r in short) < self._wave_steps:
-            for r in short:
-                r.waited += 1
-            waiting = collections.deque(sorted((*short, *waiting), key=lambda r: r.uid))  # arrival order
-            short = []
-        self._waiting = waiting
+        rows = list(self._waiting)
+        plan = plan_prefill([len(r.prompt) for r in rows], free=free, step_size=self._step_size, chunking=self._chunked is not None)
+        short = [rows[i] for i in plan.short]
+        long = [rows[i] for i in plan.long]
+        taken = {*plan.short, *plan.long}
+        self._waiting = collections.deque(r for i, r in enumerate(rows) if i not in taken)
         if long:
             self._chunked = self._start(long)
         if short:
@@ -388,7 +358,8 @@ class TextLoopBackend:
     def _join(self, rows: list[_Row], cache: list[Any], inputs: mx.array) -> None:
         """Append rows (their cache, their next inputs) to the decoding batch, finished rows
         dropped first."""
-        self._compact()
+        if should_compact(len(self._rows), sum(r.done for r in self._rows), joining=True, idle_allowed=self._idle_finished):
+            self._compact()
         if not self._rows:
             self._rows, self._cache, self._inputs = list(rows), cache, inputs
             return
@@ -403,9 +374,6 @@ class TextLoopBackend:
             r.pad += longest - theirs
         self._rows.extend(rows)
         self._inputs = mx.concatenate([self._inputs, inputs])
-
-    def speculation_counters(self) -> tuple[int, float, int] | None:
-        return None
 
     def close(self) -> None:
         self._waiting.clear()

@@ -20,10 +20,11 @@ from ..artifacts import DOWNLOAD_COMMAND, companion_candidates, detect_mtp, look
 from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_controls
 from ..engine.chat import prepare_conversation, render_prompt
 from ..engine.prefix_break import attribute
-from ..engine.config import EngineConfig
+from ..engine.config import REMOVED, EngineConfig
 from ..engine.loop import Engine
 from ..engine.model import HEAD_LANES, Lane, LoadedModel
-from ..engine.prefix_cache import image_hash, validate_options as validate_cache_options
+from ..engine.cache_priority import validate_hints, validate_pin
+from ..engine.prefix_cache import PrefixCache, image_hash, validate_options as validate_cache_options
 from ..engine.sampling import SampledLogprob
 from ..engine.stream import RequestStream
 from ..engine.request import EngineRequest, FinishReason, Outcome, PrefillObservation, TokenDelta
@@ -33,6 +34,7 @@ from ..errors import (
     InvalidMedia,
     InvalidRequest,
     MLXRuntimeError,
+    OptionRemoved,
     RuntimeClosed,
     SpeculationUnavailable,
     UpstreamError,
@@ -65,11 +67,7 @@ ENGINE_OPTIONS: dict[str, str] = {
     "mlx_burst_gap_ms": "burst_gap_ms",
     # Plain text rows batch in the text lane (docs/provider.md, "Which batch loop").
     "mlx_text_lane": "text_lane",
-    # The text lane's own loop over the forward, or mlx-lm's BatchGenerator (docs/provider.md, "Which batch loop").
-    "mlx_own_text_loop": "own_text_loop",
-    # How many decode steps the own loop holds short prompts back to admit them as a wave (docs/provider.md, "Which batch loop").
-    "mlx_admission_wave_steps": "admission_wave_steps",
-    # Whether the own loop's finished rows idle until half the batch has finished (docs/provider.md, "Which batch loop").
+    # Whether the text lane's finished rows idle until half the batch has finished (docs/provider.md, "Which batch loop").
     "mlx_idle_finished_rows": "idle_finished_rows",
     # The text lane's prefill shapes: bucketed and warmed at load (docs/provider.md, "Prefill shapes").
     "mlx_prefill_buckets": "prefill_buckets",
@@ -81,6 +79,9 @@ ENGINE_OPTIONS: dict[str, str] = {
     "mlx_fused_projections": "fused_projections",
 }
 _ENGINE_DEFAULTS = EngineConfig()
+
+# Options that were removed: refused with ``OptionRemoved``, saying what replaced them.
+REMOVED_OPTIONS: dict[str, str] = {"mlx_own_text_loop": REMOVED["own_text_loop"], "mlx_admission_wave_steps": REMOVED["admission_wave_steps"]}
 
 # Constructor options and their defaults.
 EXECUTION_DEFAULTS: dict[str, Any] = {
@@ -126,6 +127,8 @@ class MLXProvider:
         progress_min_interval_s: float | None = None,
         **options: Any,
     ) -> None:
+        for name in sorted(set(options) & REMOVED_OPTIONS.keys()):
+            raise OptionRemoved(name, REMOVED_OPTIONS[name])
         unknown = set(options) - set(EXECUTION_DEFAULTS)
         if unknown:
             raise InvalidRequest(f"unknown create_llm option(s): {', '.join(sorted(unknown))}")
@@ -296,6 +299,31 @@ class MLXProvider:
             out["key"] = key
             out["warning"] = "a key-specific clear clears the whole prompt-cache namespace: every key of this model"
         return out
+
+    def prompt_cache_hints(self, hints: Mapping[str, int | None], *, replace: bool = False) -> dict[str, Any]:
+        """Steps-to-execution per ``prompt_cache_key``: how many steps away each key's next call
+        is (0: next), or None when no live run reaches it again. Idle blocks are then evicted
+        unreachable first, unhinted next, the farthest next call after, recency between equals
+        (see docs/prompt-cache.md). Merged into the hints given before unless ``replace``."""
+        valid = validate_hints(hints)
+        return self._cache_command(lambda cache: cache.set_hints(valid, replace=replace))
+
+    def prompt_cache_pin(self, key: str, ttl_s: float) -> dict[str, Any]:
+        """Keep ``key``'s idle blocks resident for ``ttl_s`` seconds (again: renew). A store never
+        evicts them; a live request that needs the memory takes the oldest pin first."""
+        name, ttl = validate_pin(key, ttl_s)
+        return self._cache_command(lambda cache: cache.pin(name, ttl))
+
+    def prompt_cache_release(self, key: str) -> dict[str, Any]:
+        """End ``key``'s pin (``released``: whether one was alive)."""
+        name, _ = validate_pin(key, 1.0)
+        return self._cache_command(lambda cache: cache.release(name))
+
+    def _cache_command(self, command: Callable[[PrefixCache], dict[str, Any]]) -> dict[str, Any]:
+        result = self._engine.prompt_cache_command(command)
+        if result is None:
+            return {"applied": False, "reason": "prefix_cache_not_loaded"}
+        return {"applied": True, **result}
 
     # --- generation ----------------------------------------------------------------------
     def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | ChunkStream:
@@ -743,7 +771,6 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
     positive_int("mlx_max_queue_size")
     positive_int("mlx_output_queue_size", lo=2)
     positive_int("mlx_prefill_step_size", lo=16)
-    positive_int("mlx_admission_wave_steps", lo=0)
     idle = options["mlx_idle_finished_rows"]
     if idle is not None and not isinstance(idle, bool):
         raise InvalidControls("mlx_idle_finished_rows must be a boolean or None", field="mlx_idle_finished_rows", value=idle)

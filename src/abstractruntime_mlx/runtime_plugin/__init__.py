@@ -12,43 +12,62 @@
   handler, sibling-branch batching.
 - ``run_flow`` / ``resume_run``: run VisualFlow JSON N times concurrently (one compiled spec
   per thread), resume an interrupted run from the ledger alone.
+- ``PackSettings``: the pack's options as one frozen value (or its fields as keywords).
+
+Sub-packages, each importing only those before it: ``prefetch`` (flow index, sibling
+prediction and prefetch, prompt-cache keys), ``adapter`` (pack, LLM_CALL handler, payload,
+routing, stores), ``hosting`` (host, run / resume, waits, takeover, flow hash, code sandbox),
+``check`` (the whole-flow check).
 
 MLX is imported on the first LLM call, never at import. See ``docs/runtime-plugin.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Unpack
+import dataclasses
+from typing import Unpack, cast
 
 from abstractruntime import Runtime
 from abstractruntime.core.models import EffectType
-from abstractruntime.core.policy import EffectPolicy
 from abstractruntime.core.runtime import EffectHandler
 
-from ..controls import UNSET, Unset
 from ..ledger import Ledger
 from ..nodes import ProviderRegistry
 
-from .catalog import FlowCatalog, FlowIndex
-from .flows import (
+from .adapter import (
+    LLMCallHandler,
+    LedgerRunStore,
+    LedgerStepStore,
+    MLXPack,
+    PackOptions,
+    PackSettings,
+    RemotePolicy,
+    Route,
+    RouteDecision,
+    Routing,
+    RuntimeProgress,
+    build_pack,
+    normalize_ledger_url,
+    parse_route,
+    request_from_payload,
+)
+from .adapter.pack import SETTING_NAMES, pack_settings
+from .hosting import (
+    DriveLimits,
+    FlowBundle,
+    FlowHost,
     FlowRunResult,
     NodeFailure,
     NodeOutcome,
-    load_flow,
+    drive,
+    network_tool_uses,
     node_failures,
     node_outcomes,
     resume_run,
     run_flow,
     run_tree,
 )
-from .handler import LLMCallHandler, RuntimeProgress
-from .host import DriveLimits, FlowBundle, FlowHost, drive, network_tool_uses
-from .pack import MLXPack, PackOptions, build_pack, normalize_ledger_url
-from .payload import request_from_payload
-from .prefetch import SiblingPrefetcher
-from .routing import RemotePolicy, Route, RouteDecision, Routing, parse_route
-from .stores import LedgerRunStore, LedgerStepStore
+from .prefetch import FlowCatalog, FlowIndex, SiblingPrefetcher, load_flow
 
 __all__ = [
     "DriveLimits",
@@ -61,6 +80,7 @@ __all__ = [
     "LedgerRunStore",
     "LedgerStepStore",
     "MLXPack",
+    "PackSettings",
     "NodeFailure",
     "NodeOutcome",
     "RemotePolicy",
@@ -92,17 +112,21 @@ def register(
     effect_handlers: dict[EffectType, EffectHandler] | None = None,
     *,
     pack: MLXPack | None = None,
-    **pack_options: Unpack[PackOptions],
+    ledger_url: str | None = None,
+    ledger: Ledger | None = None,
+    registry: ProviderRegistry | None = None,
+    settings: PackSettings | None = None,
+    **options: Unpack[PackOptions],
 ) -> dict[EffectType, EffectHandler]:
     """Install the MLX LLM_CALL handler: returns ``effect_handlers`` (or a new dict) with
     ``EffectType.LLM_CALL`` set, for ``Runtime(effect_handlers=...)``.
 
-    ``pack`` reuses a built pack; otherwise ``pack_options`` go to ``build_pack`` (e.g.
+    ``pack`` reuses a built pack; otherwise the other arguments go to ``build_pack`` (e.g.
     ``ledger_url=``, ``model=``). Without a ledger the handler forwards phase events to
     AbstractRuntime's progress channel, so the host's own ledger store records them.
     """
     handlers = effect_handlers if effect_handlers is not None else {}
-    pack = pack or build_pack(**pack_options)
+    pack = pack or build_pack(ledger_url, ledger=ledger, registry=registry, settings=settings, **options)
     handlers[EffectType.LLM_CALL] = pack.handler
     return handlers
 
@@ -110,43 +134,24 @@ def register(
 def build_runtime(
     ledger_url: str,
     *,
-    model: str | None = None,
     ledger: Ledger | None = None,
-    force_model: bool = False,
-    provider_options: Mapping[str, object] | None = None,
-    server_base_url: str | None = None,
-    sibling_batching: bool = True,
-    record_progress: bool = True,
-    runtime_progress: RuntimeProgress = "auto",
     registry: ProviderRegistry | None = None,
-    effect_policy: EffectPolicy | None | Unset = UNSET,
-    routes: Sequence[str] = (),
-    allow_remote: bool | Sequence[str] = False,
-    **more_provider_options: object,
+    settings: PackSettings | None = None,
+    **options: object,
 ) -> Runtime:
     """A ``Runtime`` whose runs, steps and phase events live in the ledger at ``ledger_url``
     (SQLAlchemy URL or SQLite path) and whose LLM_CALL effects run on MLX.
 
-    ``model`` is the default model of nodes that name none. The other named options are
-    ``build_pack``'s; ``provider_options`` entries may also be given directly as further
-    keywords (``mlx_max_batch_size=8``). ``pack_of(runtime).close()`` releases the ledger and
-    the writer.
+    ``options`` named as ``PackSettings``' fields are the pack's (``model=`` is the default
+    model of nodes that name none); any other keyword is a provider option, added to
+    ``provider_options`` (``mlx_max_batch_size=8``). ``pack_of(runtime).close()`` releases the
+    ledger and the writer.
     """
-    pack = build_pack(
-        ledger_url,
-        ledger=ledger,
-        model=model,
-        force_model=force_model,
-        provider_options={**(provider_options or {}), **more_provider_options},
-        server_base_url=server_base_url,
-        sibling_batching=sibling_batching,
-        record_progress=record_progress,
-        runtime_progress=runtime_progress,
-        registry=registry,
-        effect_policy=effect_policy,
-        routes=routes,
-        allow_remote=allow_remote,
-    )
+    named = {name: value for name, value in options.items() if name in SETTING_NAMES}
+    extra = {name: value for name, value in options.items() if name not in SETTING_NAMES}
+    base = pack_settings(settings, cast(PackOptions, named))
+    merged = dataclasses.replace(base, provider_options={**(base.provider_options or {}), **extra})
+    pack = build_pack(ledger_url, ledger=ledger, registry=registry, settings=merged)
     runtime = pack.runtime()
     setattr(runtime, _PACK_ATTRIBUTE, pack)
     return runtime

@@ -31,7 +31,6 @@ CLIENT_LIMITS: Final[Mapping[str, float]] = {
     "mlx_max_queue_size": 1024,
     "mlx_output_queue_size": 4096,
     "mlx_prefill_step_size": 8192,
-    "mlx_admission_wave_steps": 64,
     "mlx_queue_timeout_s": 600.0,
 }
 """The largest value a client may ask for (unless the operator's own value is larger)."""

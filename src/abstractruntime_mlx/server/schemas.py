@@ -35,7 +35,7 @@ from pydantic import (
 )
 
 from ..controls import parse_speculation_option
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, OptionRemoved
 from ..request import MAX_PROMPT_CACHE_KEY_CHARS, check_logprobs
 
 MAX_JSON_DEPTH: Final = 64
@@ -234,6 +234,10 @@ class LoadModelRequest(BaseModel):
             raise InvalidRequest(f"this server loads provider 'mlx' only, not {self.provider!r}")
         if self.task not in (None, "text_generation", "text"):
             raise InvalidRequest(f"this server serves text generation only, not task {self.task!r}")
+        from ..provider.mlx_provider import REMOVED_OPTIONS
+
+        for name in sorted(set(self.options) & REMOVED_OPTIONS.keys()):
+            raise OptionRemoved(name, REMOVED_OPTIONS[name])
         accepted = load_options()
         unknown = sorted(set(self.options) - accepted)
         if unknown:

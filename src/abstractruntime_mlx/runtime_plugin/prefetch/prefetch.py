@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Final
 
 
-from ..nodes import LLMNode, NodeResult, PreparedCall, ProgressRoute
+from ...nodes import LLMNode, NodeResult, PreparedCall, ProgressRoute
 
 
 __all__ = ["PrefetchStats", "SiblingPrefetcher"]

@@ -38,14 +38,14 @@ from abstractruntime import Runtime
 from abstractruntime.core.config import RuntimeConfig
 from abstractruntime.core.models import EffectType, RunState, RunStatus, StepRecord, WaitReason
 
-from ..errors import DepthLimitExceeded, RunLimitExceeded, StepLimitExceeded, WallTimeLimitExceeded
-from ..json_values import array_at, object_at
-from ..ledger.store import parse_timestamp
-from ..default_limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_TIMER_WAIT_S, DEFAULT_MAX_WALL_S
+from ...errors import DepthLimitExceeded, RunLimitExceeded, StepLimitExceeded, WallTimeLimitExceeded
+from ...json_values import array_at, object_at
+from ...ledger.store import parse_timestamp
+from ...default_limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_TIMER_WAIT_S, DEFAULT_MAX_WALL_S
 from . import code_sandbox
-from .catalog import load_flow
+from ..prefetch.catalog import load_flow
 from .host_shims import compile_ready
-from .routing import LOCAL_PROVIDER
+from ..adapter.routing import LOCAL_PROVIDER
 
 if TYPE_CHECKING:
     from abstractcore.tools import ToolDefinition
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from abstractruntime.integrations.abstractcore.tool_executor import MappingToolExecutor
     from abstractruntime.storage.artifacts import ArtifactStore
 
-    from .pack import MLXPack
+    from ..adapter.pack import MLXPack
 
 __all__ = [
     "NETWORK_TOOLS",

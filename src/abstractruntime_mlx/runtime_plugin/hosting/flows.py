@@ -21,23 +21,24 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Unpack
 
 from abstractruntime import Runtime
 from abstractruntime.core.models import RunState, RunStatus, WaitReason
 
-from ..errors import RunNotFound, RunNotResumable
-from ..json_values import as_str, object_at
-from ..ledger import Ledger, run_lock
+from ...errors import RunNotFound, RunNotResumable
+from ...inspection import NodeOutcome, node_outcomes
+from ...json_values import as_str, object_at
+from ...ledger import Ledger, run_lock
 
-from .catalog import load_flow
+from ..prefetch.catalog import load_flow
 from .flowdiff import flow_hash
 from .host import DriveLimits, FlowHost, drive, waiting_leaf
-from .pack import MLXPack, build_pack
+from ..adapter.pack import MLXPack, PackOptions, PackSettings, build_pack
 from .waits import describe_wait, event_envelope, event_name, wait_info
 
 if TYPE_CHECKING:
@@ -72,19 +73,6 @@ FLOW_VAR: Final = "mlx_pack"
 
 
 @dataclass(frozen=True, slots=True)
-class NodeOutcome:
-    """One LLM node of a run as the ledger recorded it (``result`` is the handler's dict;
-    ``run_id`` the run it ran in: the root or one of its subflow/agent runs)."""
-
-    node_id: str
-    step_id: str
-    attempt: int
-    result: dict[str, object]
-    duration_s: float | None
-    run_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
 class NodeFailure:
     """A node that failed in a run of the tree: a failed step, a result with
     ``success: false`` (also a failed tool call inside a result), or a flow error the compiler
@@ -109,18 +97,6 @@ class FlowRunResult:
     waiting: dict[str, object] | None = None
     """What the run waits for (``waits.wait_info`` of the run its wait chain ends in, with
     that run's ``run_id``), when ``status`` is ``waiting``."""
-
-
-def node_outcomes(ledger: Ledger, run_id: str) -> list[NodeOutcome]:
-    """The completed LLM nodes of a run, in completion order, read from the ledger alone."""
-    out: list[NodeOutcome] = []
-    for step in ledger.run_steps(run_id):
-        if step.effect_type != "llm_call" or step.status != "completed":
-            continue
-        result = step.record.get("result")
-        if isinstance(result, dict):
-            out.append(NodeOutcome(step.node_id, step.step_id, step.attempt, result, step.duration_s, run_id))
-    return out
 
 
 def run_tree(ledger: Ledger, run_id: str) -> list[str]:
@@ -166,26 +142,22 @@ def run_flow(
     runs: int = 1,
     ledger_url: str | None = None,
     pack: MLXPack | None = None,
-    model: str | None = None,
-    force_model: bool = False,
-    provider_options: Mapping[str, object] | None = None,
-    sibling_batching: bool = True,
-    record_progress: bool = True,
     session_id: str | None = None,
-    routes: Sequence[str] = (),
-    allow_remote: bool | Sequence[str] = False,
     flows_dir: str | Path | None = None,
     artifacts_dir: str | Path | None = None,
     allow_network_tools: bool = False,
     limits: DriveLimits | None = None,
     source: str | Path | None = None,
+    settings: PackSettings | None = None,
+    **options: Unpack[PackOptions],
 ) -> list[FlowRunResult]:
     """Run ``flow`` ``runs`` times concurrently (one thread, one compiled registry and one
     ``Runtime`` per run) and return the results in start order.
 
     Give either ``pack`` (reused, left open) or ``ledger_url`` (a pack is built with
-    ``model``/``force_model``/``routes``/``provider_options``/``sibling_batching``/
-    ``record_progress``/``allow_remote`` and closed at the end). ``vars`` are the run's input
+    ``settings``, or ``PackSettings``' fields as keywords: ``model``, ``force_model``,
+    ``routes``, ``provider_options``, ``sibling_batching``, ``record_progress``,
+    ``allow_remote``...; closed at the end). ``vars`` are the run's input
     vars; ``vars["_runtime"]`` holds run-level controls (``speculation``, ``thinking``,
     ``base_url``). A node is sent to a server (its own ``base_url``, the run's) only when the
     pack allows it (``allow_remote``: True, or hosts; ``--route`` URLs are allowed); otherwise it
@@ -218,16 +190,7 @@ def run_flow(
     if pack is None:
         if ledger_url is None:
             raise ValueError("run_flow needs ledger_url=... or pack=...")
-        pack = build_pack(
-            ledger_url,
-            model=model,
-            force_model=force_model,
-            provider_options=provider_options,
-            sibling_batching=sibling_batching,
-            record_progress=record_progress,
-            routes=routes,
-            allow_remote=allow_remote,
-        )
+        pack = build_pack(ledger_url, settings=settings, **options)
     try:
         host = FlowHost.for_flow(pack, flow_dict, flows_dir=flows_dir, artifacts_dir=artifacts_dir, allow_network_tools=allow_network_tools)
         run_vars = copy.deepcopy(dict(vars or {}))
@@ -290,6 +253,7 @@ def _one_run(host: FlowHost, run_vars: dict[str, object], session_id: str | None
             state = drive(runtime, registry, run_id, limits=limits)
         finally:
             pack.prefetcher.discard_run(run_id)
+            pack.handler.cache_hints.finish_run(run_id)
     return _result(pack, state, time.perf_counter() - started)
 
 
@@ -429,6 +393,7 @@ def _resume_locked(
             state = drive(runtime, registry, run_id, limits=limits or DriveLimits())
         finally:
             pack.prefetcher.discard_run(run_id)
+            pack.handler.cache_hints.finish_run(run_id)
     return _result(pack, state, time.perf_counter() - started)
 
 
@@ -486,7 +451,7 @@ def _stored_subflows(options: Mapping[str, object]) -> dict[str, Mapping[str, ob
 
 
 def _pack_for_stored_run(ledger_url: str, run_id: str, *, model: str | None) -> MLXPack:
-    from ..ledger import Ledger
+    from ...ledger import Ledger
 
     probe = Ledger(ledger_url)
     try:
@@ -495,15 +460,4 @@ def _pack_for_stored_run(ledger_url: str, run_id: str, *, model: str | None) -> 
         probe.close()
     if data is None:
         raise RunNotFound(f"no run {run_id!r} in {ledger_url}", details={"run_id": run_id[:255]})
-    options = stored_options(object_at(data, "vars"))
-    routes = options.get("routes")
-    allow_remote = options.get("allow_remote", False)
-    return build_pack(
-        ledger_url,
-        model=model or as_str(options.get("model")),
-        force_model=bool(options.get("force_model", False)),
-        provider_options=object_at(options, "provider_options") or None,
-        sibling_batching=bool(options.get("sibling_batching", True)),
-        routes=[str(route) for route in routes] if isinstance(routes, list) else [],
-        allow_remote=[str(host) for host in allow_remote] if isinstance(allow_remote, list) else allow_remote is True,
-    )
+    return build_pack(ledger_url, settings=PackSettings.from_resume_options(stored_options(object_at(data, "vars")), model=model))

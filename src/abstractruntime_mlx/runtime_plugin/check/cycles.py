@@ -21,7 +21,7 @@ from typing import Final
 from abstractruntime.visualflow_compiler.visual.loop_back_check import BODY_PIN, LOOP_NODE_TYPES
 from abstractruntime.visualflow_compiler.visual.loop_limit_lowering import LOOP_LIMIT_NODE_TYPE
 
-from ..json_values import array_at, object_at
+from ...json_values import array_at, object_at
 
 __all__ = ["always_run", "exec_cycles", "subflow_cycles"]
 

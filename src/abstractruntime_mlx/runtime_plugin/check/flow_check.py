@@ -43,13 +43,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Final, Literal
 
-from ..controls import SPECULATION_KEYS, Sampling, normalize_sampling, normalize_speculation, normalize_thinking
-from ..errors import InvalidControls, InvalidFlow, InvalidRequest, MLXRuntimeError, RemoteNotAllowed
-from ..json_values import JSONObject, array_at, as_str, nests_deeper_than, object_at
-from ..request import check_prompt_cache_key
-from .catalog import BRANCH_HANDLE_PREFIX, BRANCHING_NODE_TYPES, MAX_FLOW_DEPTH, branch_index
+from ...controls import SPECULATION_KEYS, Sampling, normalize_sampling, normalize_speculation, normalize_thinking
+from ...errors import InvalidControls, InvalidFlow, InvalidRequest, MLXRuntimeError, RemoteNotAllowed
+from ...json_values import JSONObject, array_at, as_str, nests_deeper_than, object_at
+from ...request import check_prompt_cache_key
+from ..prefetch.catalog import BRANCH_HANDLE_PREFIX, BRANCHING_NODE_TYPES, MAX_FLOW_DEPTH, branch_index
 from .cycles import always_run, exec_cycles, subflow_cycles
-from .routing import RemotePolicy, Routing, forbidden_reason
+from ..adapter.routing import RemotePolicy, Routing, forbidden_reason
 
 __all__ = [
     "HOST_RUNTIME_KEYS",
@@ -329,7 +329,7 @@ def _check_bundle(
     """Subflows that cannot be found or that call themselves, the subflows' execution cycles,
     knowledge-graph memory, servers the user did not allow, and tools that reach outside this
     machine (``run``'s rules)."""
-    from .host import FlowBundle, kg_memory_uses, network_tool_uses, remote_targets, subflow_calls
+    from ..hosting.host import FlowBundle, kg_memory_uses, network_tool_uses, remote_targets, subflow_calls
 
     try:
         bundle = FlowBundle.resolve(raw, flows_dir=flows_dir)
@@ -1088,7 +1088,7 @@ def _first_str(*values: object) -> str | None:
 
 
 def _default_resolve_model(name: str) -> Path:
-    from ..artifacts import resolve_model_path
+    from ...artifacts import resolve_model_path
 
     return resolve_model_path(name)
 

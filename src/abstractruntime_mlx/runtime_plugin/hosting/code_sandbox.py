@@ -55,8 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
-from ..default_limits import DEFAULT_CODE_MEMORY_MIB, DEFAULT_CODE_RESULT_MIB, DEFAULT_CODE_TIME_S
-from ..errors import CodeMemoryLimitExceeded, CodeResultLimitExceeded, CodeTimeLimitExceeded, RunLimitExceeded
+from ...default_limits import DEFAULT_CODE_MEMORY_MIB, DEFAULT_CODE_RESULT_MIB, DEFAULT_CODE_TIME_S
+from ...errors import CodeMemoryLimitExceeded, CodeResultLimitExceeded, CodeTimeLimitExceeded, RunLimitExceeded
 
 if TYPE_CHECKING:
     from abstractruntime.storage.artifacts import ArtifactStore

@@ -18,13 +18,13 @@ from typing import Final
 
 from abstractruntime.turn_grounding import strip_turn_grounding
 
-from ..controls import SAMPLING_FIELDS, UNSET
-from ..errors import InvalidRequest
-from ..json_values import JSONObject, array_at, object_at
-from ..nodes import NodeRequest
-from ..request import Message, output_cap
-from ..structured import check_schema_limits
-from .prompt_cache import CallIdentity, node_prompt_cache_key
+from ...controls import SAMPLING_FIELDS, UNSET
+from ...errors import InvalidRequest
+from ...json_values import JSONObject, array_at, object_at
+from ...nodes import NodeRequest
+from ...request import Message, output_cap
+from ...structured import check_schema_limits
+from ..prefetch.prompt_cache import CallIdentity, node_prompt_cache_key
 from .routing import RouteDecision
 
 

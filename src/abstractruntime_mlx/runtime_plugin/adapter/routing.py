@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Final
 from urllib.parse import urlsplit
 
-from ..errors import InvalidRequest, RemoteAddressForbidden, RemoteNotAllowed
-from ..json_values import JSONObject
+from ...errors import InvalidRequest, RemoteAddressForbidden, RemoteNotAllowed
+from ...json_values import JSONObject
 
 __all__ = ["LOCAL_PROVIDER", "RemotePolicy", "Route", "RouteDecision", "Routing", "parse_route", "url_origin"]
 

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from ..errors import MLXRuntimeError, RunLocked, RunNotResumable
-from ..ledger import Ledger
-from ..ledger.run_lock import root_run_id
+from ...errors import MLXRuntimeError, RunLocked, RunNotResumable
+from ...ledger import Ledger
+from ...ledger.run_lock import root_run_id
 from .flows import FlowRunResult, resume_run
 from .host import DriveLimits
 

@@ -26,7 +26,7 @@ import importlib.metadata
 from collections.abc import Mapping
 from typing import Final
 
-from ..json_values import array_at, object_at
+from ...json_values import array_at, object_at
 
 __all__ = ["AGENT_TASK_PIN", "HOST_RANGE", "compile_ready", "host_needs_shim"]
 

@@ -28,9 +28,9 @@ from abstractruntime.core.run_identity import verify_run_identity
 from abstractruntime.storage.base import LedgerStore, RunStore
 from abstractruntime.storage.serialize import runstate_to_dict, steprecord_to_dict
 
-from ..json_values import object_at
-from ..ledger import Ledger
-from ..ledger.store import parse_timestamp
+from ...json_values import object_at
+from ...ledger import Ledger
+from ...ledger.store import parse_timestamp
 
 __all__ = ["LedgerRunStore", "LedgerStepStore", "run_from_dict"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from ..json_values import array_at, object_at
+from ...json_values import array_at, object_at
 
 __all__ = ["FlowDrift", "flow_changes", "flow_drift", "flow_hash"]
 
