@@ -55,6 +55,13 @@ from .backend import Backend, BatchBackend, Drafter, PrefillRow, PrefixReuse, Ro
 from .config import EngineConfig
 from .model import SERIAL_LANES, Lane, LoadedModel
 from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
+from .reports import (
+    PromptCacheReport,
+    SpeculationCounters,
+    execution_report,
+    in_process_cache_report,
+    speculation_report,
+)
 from .request import (
     END_OF_STREAM,
     DecodePath,
@@ -96,21 +103,6 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _IDLE_WAIT_S = 0.5
-
-DEFERRED_UNDER_LOAD: dict[str, Any] = {
-    "used": False,
-    "reason": "deferred_under_load",
-    "message": "optional MTP ran target-only in the continuous batch while target-only work waited or ran",
-}
-
-
-IN_PROCESS_NO_REUSE: dict[str, Any] = {
-    "outcome": "not_supported",
-    "reason": "in_process_lane",
-    "message": "mlx-vlm's in-process lane (mlx_batching=False with MTP) prefills every prompt in full; "
-    "prefix reuse runs on the mlx-lm lane (speculation=False) or with mlx_batching=True",
-}
-
 
 @dataclass(slots=True)
 class _Running:
@@ -926,7 +918,7 @@ class Engine:
         if self._model.lane == Lane.MLX_VLM:
             # mlx-vlm's in-process generation takes no restored cache without the full
             # prompt's rope positions; the key is served by a full prefill, said by name.
-            request.prompt_cache = {"mode": "key", "key": request.prompt_cache_key, **IN_PROCESS_NO_REUSE}
+            request.prompt_cache = in_process_cache_report(request.prompt_cache_key)
             return None
         if group.backend.kind == BackendKind.SERIAL:
             layout = "serial"
@@ -1082,21 +1074,7 @@ class Engine:
             error = RequestCancelled("the request was cancelled")
         request.transition(status)
         request.finished_at = time.perf_counter()
-        self._record_speculation(request)
-        if request.speculation_deferred:
-            request.speculation = dict(DEFERRED_UNDER_LOAD)
-        self._record_prompt_cache(request)
-        request.outcome = Outcome(
-            finish_reason=request.finish_reason() or FinishReason.ERROR,
-            prompt_tokens=request.num_prompt_tokens,
-            completion_tokens=request.num_output_tokens,
-            cached_tokens=request.cached_tokens,
-            execution=request.execution_metadata(),
-            speculation=request.speculation,
-            error=error,
-            prompt_cache=request.prompt_cache,
-            stop_reason=request.stop_reason if status == RequestStatus.FINISHED_STOPPED else None,
-        )
+        request.outcome = self._outcome(request, status, error)
         if locked:
             self._account(request, status)
         else:
@@ -1106,35 +1084,48 @@ class Engine:
         request.outputs.put(END_OF_STREAM)
         request.notify()
 
-    def _record_speculation(self, request: EngineRequest) -> None:
-        """MTP counters since the group started. A cohort's rounds are batch-wide, and upstream
-        sums the per-round mean acceptance, so they are shared diagnostics, not token totals."""
+    def _outcome(self, request: EngineRequest, status: RequestStatus, error: MLXRuntimeError | None) -> Outcome:
+        """The terminal outcome of a finishing request, with its three reports."""
+        plan = request.speculation
+        return Outcome(
+            finish_reason=request.finish_reason() or FinishReason.ERROR,
+            prompt_tokens=request.num_prompt_tokens,
+            completion_tokens=request.num_output_tokens,
+            cached_tokens=request.cached_tokens,
+            execution=execution_report(request),
+            speculation=None if plan is None else speculation_report(plan, self._speculation_counters(request), request.speculation_deferred),
+            error=error,
+            prompt_cache=self._prompt_cache_report(request),
+            stop_reason=request.stop_reason if status == RequestStatus.FINISHED_STOPPED else None,
+        )
+
+    def _speculation_counters(self, request: EngineRequest) -> SpeculationCounters | None:
+        """MTP counters since the group started (None: no MTP, or a backend without them)."""
         group = self._group
         if group is None or group.speculation_baseline is None or not request.draft_tokens:
-            return
+            return None
         now = group.backend.speculation_counters()
         if now is None:
-            return
+            return None
         rounds0, accepted0, drafted0 = group.speculation_baseline
-        shared = group.size > 1
-        request.speculation = {
-            "rounds": now[0] - rounds0,
-            "accepted_tokens": round(now[1] - accepted0, 3),
-            "drafted_tokens": now[2] - drafted0,
-            "accounting": "cohort" if shared else "request",
-            "counter_semantics": "sum_of_round_means_not_batch_token_totals" if shared else "request_tokens",
-        }
+        return SpeculationCounters(
+            rounds=now[0] - rounds0,
+            accepted_tokens=round(now[1] - accepted0, 3),
+            drafted_tokens=now[2] - drafted0,
+            shared=group.size > 1,
+        )
 
-    def _record_prompt_cache(self, request: EngineRequest) -> None:
+    def _prompt_cache_report(self, request: EngineRequest) -> PromptCacheReport | None:
+        """What the prefix cache did for a keyed request (the one set at admission where the
+        lane reuses no prefix; None: unkeyed, or it never reached the cache)."""
         cache = self.prefix_cache
         if cache is None or request.cache_counters is None or request.cache_layout is None:
-            return
+            return request.prompt_cache
         try:
-            request.prompt_cache = cache.report(
-                request, request.cache_counters, shared=request.peak_batch_size > 1, layout=request.cache_layout
-            )
+            return cache.report(request, request.cache_counters, shared=request.peak_batch_size > 1, layout=request.cache_layout)
         except Exception:  # noqa: BLE001 - a report must never fail the request it describes
             log.exception("prefix-cache report failed")
+            return request.prompt_cache
 
     def prompt_cache_stats(self) -> dict[str, Any] | None:
         """The prefix cache's stats, read on the worker; None when this model has none."""
