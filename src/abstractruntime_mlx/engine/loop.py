@@ -51,7 +51,7 @@ from ..errors import (
     RuntimeClosed,
     StreamBackpressure,
 )
-from .backend import Backend, BatchBackend, Drafter, PrefillRow, PrefixReuse, RowInput, StepResult
+from .backend import Backend, BatchBackend, Drafter, PrefillRow, PrefixReuse, RowInput, StepResult, image_prompt_inputs
 from .config import EngineConfig
 from .model import SERIAL_LANES, Lane, LoadedModel
 from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
@@ -878,8 +878,10 @@ class Engine:
             request.speculation_deferred = True  # optional MTP under load: target-only, in the batch
         try:
             prompt_inputs = None
-            if request.prompt_kwargs_factory is not None:
-                prompt_inputs = request.prompt_kwargs_factory()  # images expand the prompt: check its final length again
+            image = request.image_prompt
+            if image is not None:
+                # Images expand the prompt: its final ids are known here, so its length is checked again.
+                request.prompt_ids, prompt_inputs = image_prompt_inputs(self._model.model, self._model.processor, image.text, list(image.images))
                 self._model.check_request(prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens)
             row = RowInput(
                 request.prompt_ids,

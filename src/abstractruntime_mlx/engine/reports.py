@@ -9,7 +9,8 @@ Keys with no known value are absent, not zero; the key order is the wire's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .request import DecodePath, EngineRequest, ExclusiveReason, ExecutionMode

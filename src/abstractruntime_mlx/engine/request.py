@@ -140,6 +140,15 @@ class Outcome:
     id (None: it ended otherwise)."""
 
 
+@dataclass(frozen=True, slots=True)
+class ImagePrompt:
+    """A prompt with images. Its final ids and the row's embeddings come from the vision
+    processor, on the worker at admission (``Engine._admit``), which sets ``prompt_ids``."""
+
+    text: str
+    images: tuple[Any, ...]
+
+
 @dataclass(slots=True, eq=False)
 class EngineRequest:
     request_id: str
@@ -151,7 +160,7 @@ class EngineRequest:
     # Strict MTP (``require_acceleration``): never deferred. Optional MTP runs target-only in
     # the continuous batch while target-only work waits or runs (``speculation_deferred``).
     speculation_required: bool = False
-    prompt_kwargs_factory: Callable[[], dict[str, Any]] | None = None
+    image_prompt: ImagePrompt | None = None
     cache_group: Any = None
     prompt_cache_key: str | None = None
     media_hash: int = 0

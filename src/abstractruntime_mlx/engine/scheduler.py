@@ -82,7 +82,7 @@ class GroupKey:
 
 def text_lane_row(request: EngineRequest) -> bool:
     """A row the text lane can run as mlx-vlm's loop would: text, no prefix-cache key."""
-    return request.prompt_kwargs_factory is None and request.prompt_cache_key is None
+    return request.image_prompt is None and request.prompt_cache_key is None
 
 
 def group_key(
@@ -404,7 +404,7 @@ class Scheduler:
         if not self.config.single_lane or key.mode != ExecutionMode.CONTINUOUS or len(requests) != 1:
             return False
         request = requests[0]
-        if request.prompt_kwargs_factory is not None or request.sampling.has_logit_processors() or request.grammar is not None:
+        if request.image_prompt is not None or request.sampling.has_logit_processors() or request.grammar is not None:
             return False
         if request.logprobs is not None:  # the text lane computes them, the single lane does not
             return False
@@ -451,7 +451,7 @@ class Scheduler:
         held: list[HeldForPrefix] = []
         for request in requests:
             leader = None
-            if request.prompt_cache_key is not None and request.prompt_kwargs_factory is None:
+            if request.prompt_cache_key is not None and request.image_prompt is None:
                 salt = index.salt(request)
                 same_salt = [r for r in prefilling if index.salt(r) == salt]
                 if same_salt:

@@ -14,7 +14,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping
-from typing import Any, AsyncIterator, Callable, Iterator, Literal, overload
+from typing import Any, AsyncIterator, Iterator, Literal, overload
 
 from ..artifacts import DOWNLOAD_COMMAND, companion_candidates, detect_mtp, looks_like_path, resolve_model_path
 from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_controls
@@ -27,7 +27,7 @@ from ..engine.prefix_cache import image_hash, validate_options as validate_cache
 from ..engine.reports import SpeculationPlan, speculation_report, unreached_cache_report
 from ..engine.sampling import SampledLogprob
 from ..engine.stream import RequestStream
-from ..engine.request import EngineRequest, FinishReason, Outcome, PrefillObservation, TokenDelta
+from ..engine.request import EngineRequest, FinishReason, ImagePrompt, Outcome, PrefillObservation, TokenDelta
 from ..errors import (
     ContextTooLong,
     InvalidControls,
@@ -442,11 +442,10 @@ class MLXProvider:
             output_queue_size=self.execution_options["mlx_output_queue_size"],
             observe_prefill=call.progress is not None,
             cancel_event=call.cancel or threading.Event(),
+            image_prompt=ImagePrompt(text, tuple(images)) if images else None,
             grammar=grammar,
             logprobs=call.logprobs,
         )
-        if images:
-            request.prompt_kwargs_factory = _image_kwargs_factory(request, loaded, text, images)
         tracker = ProgressTracker(call.progress, min_interval_s=self.progress_min_interval_s) if call.progress else None
         return _Prepared(
             request, tracker, speculation, controls, call.prompt_cache_key, time.perf_counter(), text, conversation, tuple(_offered_tools(call))
@@ -776,23 +775,27 @@ def _render(loaded: LoadedModel, call: GenerationRequest, controls: ResolvedCont
 
 
 def _encode_within_context(loaded: Any, text: str, cap: int | None) -> list[int]:
-    """Tokenize ``text``, refusing at once (before encoding) a text that cannot fit the context."""
+    """Tokenize ``text``, refusing at once (before encoding) a text that cannot fit the context
+    with the output cap ``_output_cap`` would give its fewest possible tokens."""
     context = loaded.context_length
     if context is not None:
         at_least = loaded.min_prompt_tokens(text)
-        if at_least + (cap or 1) > context:
+        least_cap = _output_cap(loaded, at_least, cap)
+        if at_least + least_cap > context:
             raise ContextTooLong(
                 f"the prompt needs at least {at_least} tokens ({len(text)} characters) and the output cap is "
-                f"{cap or 1}; this model's context is {context} tokens",
-                details={"prompt_tokens_at_least": at_least, "max_output_tokens": cap or 1, "context_length": context},
+                f"{least_cap}; this model's context is {context} tokens",
+                details={"prompt_tokens_at_least": at_least, "max_output_tokens": least_cap, "context_length": context},
             )
     ids: list[int] = loaded.encode(text)
     return ids
 
 
 def _output_cap(loaded: Any, prompt_tokens: int, cap: int | None) -> int:
-    """The caller's cap, or the default shrunk to what the context leaves (at least 1, so a
-    prompt that fills the context is refused as ``context_too_long`` by the engine)."""
+    """The engine's ``max_tokens``, decided here alone: the caller's cap, or the default shrunk
+    to what the context leaves (at least 1, so a prompt that fills the context is refused as
+    ``context_too_long``). The engine checks prompt plus cap against the context again once an
+    image prompt's final length is known (``LoadedModel.check_request``)."""
     if cap is not None:
         return cap
     context = loaded.context_length
@@ -829,19 +832,6 @@ def _load_images(media: tuple[Any, ...], loaded: LoadedModel) -> list[Any]:
         except (UnidentifiedImageError, OSError) as exc:
             raise InvalidMedia(f"media[{i}] is not a readable image: {exc}") from exc
     return images
-
-
-def _image_kwargs_factory(
-    request: EngineRequest, loaded: Any, text: str, images: list[Any]
-) -> Callable[[], dict[str, Any]]:
-    from ..engine.backend import image_prompt_inputs
-
-    def factory() -> dict[str, Any]:
-        ids, kwargs = image_prompt_inputs(loaded.model, loaded.processor, text, images)
-        request.prompt_ids = ids
-        return kwargs
-
-    return factory
 
 
 def _performance(request: EngineRequest) -> dict[str, Any]:
