@@ -1,5 +1,6 @@
 """Faults inside the engine on real MLX: a bad value that reaches MLX fails only its request,
-a worker that cannot go on marks the model failed, and unload + load bring it back."""
+a worker that cannot go on marks the model failed, and unload + load bring it back. Step
+failures are injected by running new groups on the fake backend (``fake_backend``)."""
 
 from __future__ import annotations
 
@@ -8,36 +9,30 @@ import uuid
 
 import pytest
 
+from fake_backend import FakeLanes
+
 from abstractruntime_mlx import errors
+from abstractruntime_mlx.engine.loop import Engine
 from abstractruntime_mlx.engine.request import EngineRequest, Sampling
 from abstractruntime_mlx.provider import residency
 
 
-def patch_step(monkeypatch, step, *, batching: bool = True) -> None:
-    """Replace the step of every backend a lane may use (a lone batched request runs on the
-    single lane); ``monkeypatch.undo`` or ``restore_step`` puts them back."""
-    from abstractruntime_mlx.engine import backend, serial, single
-
-    classes = (backend.BatchBackend, single.SingleBackend) if batching else (serial.SerialBackend,)
-    for cls in classes:
-        monkeypatch.setattr(cls, "step", step)
+REAL_NEW_BACKEND = Engine._new_backend
 
 
-def restore_step(monkeypatch, *, batching: bool = True) -> None:
-    from abstractruntime_mlx.engine import backend, serial, single
+def break_steps(monkeypatch, error: BaseException) -> None:
+    """Every group started from now on, on any lane, runs on a fake backend whose first step
+    raises ``error`` (the loop's own handling is tested on the fake in test_engine_loop.py)."""
 
-    classes = (backend.BatchBackend, single.SingleBackend) if batching else (serial.SerialBackend,)
-    for cls in classes:
-        monkeypatch.setattr(cls, "step", REAL_STEPS[cls])
+    def new_backend(self, new, head):
+        return FakeLanes(fail_at=1, fail_with=error).build(new, head)
 
-
-def _real_steps() -> dict[type, object]:
-    from abstractruntime_mlx.engine import backend, serial, single
-
-    return {cls: cls.step for cls in (backend.BatchBackend, single.SingleBackend, serial.SerialBackend)}
+    monkeypatch.setattr(Engine, "_new_backend", new_backend)
 
 
-REAL_STEPS = _real_steps()
+def mend_steps(monkeypatch) -> None:
+    monkeypatch.setattr(Engine, "_new_backend", REAL_NEW_BACKEND)
+
 
 PROMPT = "Explain TTL caches."
 LANES = [pytest.param(True, id="batched"), pytest.param(False, id="serialized")]
@@ -100,22 +95,11 @@ class WorkerKilled(BaseException):
 def test_worker_that_cannot_go_on_marks_the_model_failed(make_llm, dense_model, monkeypatch, batching):
     llm = make_llm(dense_model, mlx_batching=batching, mlx_max_batch_size=1)
     engine = llm._engine
-    armed = threading.Event()
-
-    def step(self, *, observe_prefill):
-        if armed.is_set():
-            raise WorkerKilled("simulated worker fault")
-        return REAL_STEPS[type(self)](self, observe_prefill=observe_prefill)
-
-    patch_step(monkeypatch, step, batching=batching)
-    running = llm.generate(PROMPT, max_output_tokens=400, stream=True)
-    next(running)
-    waiting = llm.generate(PROMPT, max_output_tokens=4, stream=True)
-    armed.set()
-    for stream in (running, waiting):
-        with pytest.raises(errors.EngineCrashed, match="WorkerKilled"):
-            list(stream)
-    restore_step(monkeypatch, batching=batching)
+    assert llm.generate(PROMPT, max_output_tokens=2).finish_reason == "length"
+    break_steps(monkeypatch, WorkerKilled("simulated worker fault"))
+    with pytest.raises(errors.EngineCrashed, match="WorkerKilled"):
+        llm.generate(PROMPT, max_output_tokens=4)
+    mend_steps(monkeypatch)
     health = llm.health()
     assert health["state"] == "failed" and health["error"]["type"] == "WorkerKilled"
     assert engine.active_count == 0  # every live request was released
@@ -140,15 +124,16 @@ def test_a_step_failure_after_which_mlx_no_longer_computes_fails_the_model(make_
     def broken_eval(*args, **kwargs):
         raise RuntimeError("simulated device loss")
 
-    def step(self, *, observe_prefill):
-        monkeypatch.setattr(mx, "eval", broken_eval)
-        raise RuntimeError("simulated kernel failure")
+    class DeviceLost(FakeLanes):
+        def count_step(self) -> None:
+            monkeypatch.setattr(mx, "eval", broken_eval)
+            raise RuntimeError("simulated kernel failure")
 
-    patch_step(monkeypatch, step)
+    monkeypatch.setattr(Engine, "_new_backend", lambda self, new, head: DeviceLost().build(new, head))
     with pytest.raises(errors.EngineCrashed, match="kernel failure"):
         llm.generate(PROMPT, max_output_tokens=2)
     monkeypatch.setattr(mx, "eval", real_eval)
-    restore_step(monkeypatch)
+    mend_steps(monkeypatch)
     health = llm.health()
     assert health["state"] == "failed" and "simulated device loss" in health["error"]["message"]
     assert llm.unload_model() is True
@@ -158,13 +143,10 @@ def test_a_failed_model_is_replaced_by_the_next_load_of_it(make_llm, dense_model
     """A new provider of a failed model loads it afresh instead of attaching to the dead engine."""
     llm = make_llm(dense_model, mlx_batching=True)
 
-    def step(self, *, observe_prefill):
-        raise WorkerKilled("simulated worker fault")
-
-    patch_step(monkeypatch, step)
+    break_steps(monkeypatch, WorkerKilled("simulated worker fault"))
     with pytest.raises(errors.EngineCrashed):
         llm.generate(PROMPT, max_output_tokens=2)
-    restore_step(monkeypatch)
+    mend_steps(monkeypatch)
     fresh = make_llm(dense_model, mlx_batching=True)
     assert fresh._resident is not llm._resident
     assert fresh.generate(PROMPT, max_output_tokens=3).finish_reason == "length"
@@ -277,13 +259,10 @@ def test_server_refuses_bad_values_and_recovers_a_failed_model(dense_model, poli
         assert chat().status_code == 200
         assert client.get("/health").json()["model_state"] == "ready"
 
-        def step(self, *, observe_prefill):
-            raise WorkerKilled("simulated worker fault")
-
-        patch_step(monkeypatch, step)
+        break_steps(monkeypatch, WorkerKilled("simulated worker fault"))
         crashed = chat()
         assert crashed.status_code == 500 and crashed.json()["error"]["code"] == "engine_crashed"
-        restore_step(monkeypatch)
+        mend_steps(monkeypatch)
         health = client.get("/health")
         assert health.status_code == 503
         assert health.json()["status"] == "unhealthy" and health.json()["model_state"] == "failed"
@@ -294,9 +273,9 @@ def test_server_refuses_bad_values_and_recovers_a_failed_model(dense_model, poli
         assert client.get("/health").status_code == 200
         assert chat().status_code == 200
         # and unload of a failed model works too
-        patch_step(monkeypatch, step)
+        break_steps(monkeypatch, WorkerKilled("simulated worker fault"))
         assert chat().status_code == 500
-        restore_step(monkeypatch)
+        mend_steps(monkeypatch)
         assert client.post("/acore/models/unload", json={}).json()["unloaded"] is True
         assert client.get("/health").json()["loaded"] is False
 

@@ -118,3 +118,31 @@ def test_predicted_siblings_batch_and_answer_the_same(model, tmp_path, policy_fi
     assert "sibling_batch" not in batched["final"]["metadata"]
     assert max(r["metadata"]["execution"]["peak_batch_size"] for r in batched.values()) == 3
     assert stats.used == 2 and stats.mismatched == 0
+
+
+def test_steps_to_llm_nodes_counts_execution_edges():
+    from abstractruntime_mlx.runtime_plugin.prediction import steps_to_llm_nodes
+
+    def edge(a, b, handle="exec-out"):
+        return {"source": a, "sourceHandle": handle, "target": b, "targetHandle": "exec-in"}
+
+    flow = {
+        "nodes": [
+            {"id": "start", "type": "on_flow_start"},
+            {"id": "plan", "type": "agent"},
+            {"id": "fan", "type": "parallel"},
+            {"id": "left", "type": "llm_call"},
+            {"id": "right", "type": "llm_call"},
+            {"id": "tool", "type": "code"},
+            {"id": "review", "type": "agent"},
+            {"id": "end", "type": "on_flow_end"},
+        ],
+        "edges": [
+            edge("start", "plan"), edge("plan", "fan"), edge("fan", "left", "branch:0"), edge("fan", "right", "branch:1"),
+            edge("left", "tool"), edge("tool", "review"), edge("review", "plan", "retry"), edge("review", "end"),
+            {"source": "left", "sourceHandle": "response", "target": "review", "targetHandle": "prompt"},  # data: no step
+        ],
+    }
+    assert steps_to_llm_nodes(flow, "start") == {"plan": 1, "left": 3, "right": 3, "review": 5}
+    assert steps_to_llm_nodes(flow, "review") == {"plan": 1, "left": 3, "right": 3, "review": 5}
+    assert steps_to_llm_nodes(flow, "end") == {}

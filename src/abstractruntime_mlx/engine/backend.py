@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, runtime_checkable
 
 import mlx.core as mx
 
@@ -138,31 +138,70 @@ class RestoredPrefix:
 
 
 class Backend(Protocol):
-    """What the engine drives: ``BatchBackend`` (mlx-vlm), ``single.SingleBackend`` and
-    ``serial.SerialBackend`` (mlx-lm)."""
+    """What the engine drives, and what every backend does: ``BatchBackend`` (mlx-vlm),
+    ``single.SingleBackend``, ``serial.SerialBackend`` / ``InProcessBackend``,
+    ``text_loop.TextLoopBackend`` and ``text_batch.TextBatchBackend``. What only some do is
+    a capability of its own below (``HandsOff``, ``Adopts``, ``Speculates``,
+    ``PrefillsPartially``), asked with ``isinstance``."""
 
     # Which lane this is: what the scheduler plans with, and the ``execution.path`` it reports.
     kind: BackendKind
-    max_batch_size: int
-    uids: set[int]
 
     def insert(self, row: RowInput) -> int: ...
     def free_slots(self) -> int: ...
-    def allow_partial_prefill(self) -> None: ...
-    def remove(self, uid: int) -> bool: ...
-    def forget(self, uid: int) -> None: ...
+    def remove(self, uid: int) -> bool:
+        """Drop a row; False when upstream cannot drop it yet (mid multi-row prefill)."""
+        ...
+    def forget(self, uid: int) -> None:
+        """The row finished on its own (stop or length): let go of what it held."""
+        ...
     @property
-    def prefilling(self) -> bool: ...
+    def prefilling(self) -> bool:
+        """A prompt is mid-prefill (its prefix-cache blocks are leased until it ends)."""
+        ...
+    def step(self, *, observe_prefill: bool) -> StepResult: ...
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class HandsOff(Protocol):
+    """A lane whose one decoding row can move into a batch as is (the single lane's)."""
+
     @property
     def can_hand_off(self) -> bool:
-        """Its one row decodes and can move into a batch as is (only the single lane's can)."""
+        """Its row decodes, its next token in flight: it can move now."""
         ...
     def detach(self) -> tuple[int, DecodingRow]:
         """Give up the decoding row (only while ``can_hand_off``); the lane is empty afterwards."""
         ...
-    def step(self, *, observe_prefill: bool) -> StepResult: ...
-    def speculation_counters(self) -> tuple[int, float, int] | None: ...
-    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Adopts(Protocol):
+    """A batch that takes a row another lane decoded (``HandsOff.detach``), its cache as is."""
+
+    def adopt(self, row: DecodingRow) -> int: ...
+
+
+@runtime_checkable
+class Speculates(Protocol):
+    """A lane that may draft with an MTP head and counts its rounds."""
+
+    def speculation_counters(self) -> tuple[int, float, int] | None:
+        """The drafter's lifetime (rounds, accepted, drafted) counters, or None without one."""
+        ...
+
+
+@runtime_checkable
+class PrefillsPartially(Protocol):
+    """A batch that must be told to admit a late prompt while its other rows decode."""
+
+    def allow_partial_prefill(self) -> None: ...
+
+
+def speculation_counters(backend: Backend) -> tuple[int, float, int] | None:
+    """``backend``'s MTP counters; None for a lane that never drafts."""
+    return backend.speculation_counters() if isinstance(backend, Speculates) else None
 
 
 @dataclass(slots=True)
@@ -225,10 +264,6 @@ class BatchBackend:
     """
 
     kind = BackendKind.BATCH
-    can_hand_off = False
-
-    def detach(self) -> tuple[int, DecodingRow]:
-        raise RuntimeError("a batch's rows stay in it; only the single lane hands a row off")
 
     def __init__(
         self,

@@ -3,8 +3,9 @@
 Callers ``submit`` requests and read them back through a ``RequestStream``. Each step the
 worker applies cancels, gathers a ``SchedulerState``, asks ``Scheduler.schedule`` for a
 ``StepPlan`` (who starts, joins, waits; see ``scheduler``) and executes it: builds or hands
-off the backend, inserts the admitted rows, steps the group, detokenises, applies stop
-strings and hands tokens to each request's bounded output queue. Controls run between steps.
+off the backend, inserts the admitted rows and steps the group; ``output.OutputProcessor``
+turns the step's tokens into each request's deltas (detokenising, stop strings, the bounded
+output queue) and says which rows they ended. Controls run between steps.
 
 Who writes what (the ownership rule):
 
@@ -29,16 +30,15 @@ from __future__ import annotations
 
 import atexit
 import logging
-import queue
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Generic, TypeVar, cast
+from typing import Any, Callable, Generic, Protocol, TypeVar, cast
 
 from ..errors import (
     EngineCrashed,
@@ -49,31 +49,27 @@ from ..errors import (
     QueueTimeout,
     RequestCancelled,
     RuntimeClosed,
-    StreamBackpressure,
 )
-from .backend import Backend, BatchBackend, Drafter, PrefillRow, PrefixReuse, RowInput, StepResult, image_prompt_inputs
+from .backend import (
+    Adopts,
+    Backend,
+    BatchBackend,
+    Drafter,
+    HandsOff,
+    PrefillRow,
+    PrefillsPartially,
+    PrefixReuse,
+    RowInput,
+    StepResult,
+    image_prompt_inputs,
+    speculation_counters,
+)
 from .config import EngineConfig
 from .model import SERIAL_LANES, Lane, LoadedModel
 from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
-from .reports import (
-    PromptCacheReport,
-    SpeculationCounters,
-    execution_report,
-    in_process_cache_report,
-    speculation_report,
-)
-from .request import (
-    END_OF_STREAM,
-    DecodePath,
-    EngineRequest,
-    ExclusiveReason,
-    ExecutionMode,
-    FinishReason,
-    Outcome,
-    PrefillObservation,
-    RequestStatus,
-    TokenDelta,
-)
+from .reports import PromptCacheReport, SpeculationCounters, in_process_cache_report
+from .request import DecodePath, EngineRequest, ExecutionMode, RequestStatus
+from .output import Ending, OutputProcessor, outcome_of
 from .stream import PrefillCallback, RequestStream
 from .threads import POOL, WorkerHandle
 from .scheduler import (
@@ -92,8 +88,6 @@ from .fused_projections import fuse_text_model as fuse_projections
 from .prefill_shapes import Buckets, warm
 from .serial import InProcessBackend, SerialBackend
 from .single import SingleBackend, supports_model
-from .sampling import SampledLogprob
-from .stops import StopMatcher
 from .text_batch import TextBatchBackend
 from .text_loop import TextLoopBackend
 from .text_batch import language_model as text_language_model
@@ -105,20 +99,10 @@ _POLL_S = 0.05
 _IDLE_WAIT_S = 0.5
 
 @dataclass(slots=True)
-class _Running:
-    request: EngineRequest
-    detokenizer: Any
-    stops: StopMatcher
-    # Logprobs of tokens whose text is not delivered yet (held by the stop matcher or the
-    # detokenizer): they go out with the next delta, or alone before the request finishes.
-    logprobs: list[SampledLogprob] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class _Group:
     key: GroupKey
     backend: Backend
-    running: dict[int, _Running] = field(default_factory=dict)
+    running: dict[int, EngineRequest] = field(default_factory=dict)  # by backend uid
     tombstones: set[int] = field(default_factory=set)
     speculation_baseline: tuple[int, float, int] | None = None
     size: int = 0
@@ -129,6 +113,13 @@ class _Group:
 
 
 T = TypeVar("T")
+
+
+class BackendFactory(Protocol):
+    """Builds the backend a plan's new group (or a hand-off) runs on, in place of the
+    engine's own lanes: tests drive the loop on a fake backend through it."""
+
+    def build(self, new: NewGroup, head: EngineRequest | None) -> Backend: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,16 +161,6 @@ class EngineStats:
     cpu_s: float = 0.0  # the worker thread's CPU time during steps (the rest of ``step_s`` it waited)
 
 
-def reports_position(last: int, row: PrefillRow) -> bool:
-    """Whether a prefill observation is news for the consumer: one observation per real
-    change of position (backends re-read the same counters, and the start of a prefill is
-    the start event's, not an observation), and none for a prefill that one chunk finished:
-    a prompt shorter than one chunk reports no position, its first token follows."""
-    if row.processed <= last:
-        return False
-    return not (last == 0 and row.processed >= row.total - 1)
-
-
 class EngineState(StrEnum):
     LOADING = "loading"
     READY = "ready"
@@ -207,8 +188,10 @@ class Engine:
         *,
         name: str = "model",
         cache_options: CacheOptions | None = None,
+        backend_factory: BackendFactory | None = None,
     ) -> None:
         self._load = load
+        self._backend_factory = backend_factory
         self._cache_options = cache_options
         self.prefix_cache: PrefixCache | None = None
         self.loaded: LoadedModel | None = None
@@ -236,6 +219,7 @@ class Engine:
         self._text_lm: Any = None  # what the text lane steps (``text_batch.language_model``), once built
         self._buckets: Buckets | None = None  # the text lane's prefill shapes, where bounded
         self.stats = EngineStats()
+        self._output = OutputProcessor()
         self._thread: WorkerHandle | None = None
         # What closing the prefix cache raised as the worker stopped (read after ``stop()``).
         self.close_error: MLXRuntimeError | None = None
@@ -565,12 +549,12 @@ class Engine:
         view = None
         if group is not None:
             backend = group.backend
-            rows = [running.request for running in group.running.values()] if shared is not None else []
+            rows = list(group.running.values()) if shared is not None else []
             view = GroupState(
                 group.key,
                 backend.kind,
                 backend.free_slots(),
-                row_decoding=backend.can_hand_off,
+                row_decoding=isinstance(backend, HandsOff) and backend.can_hand_off,
                 prefilling=prefilling_rows(rows),
             )
         return SchedulerState(
@@ -601,7 +585,7 @@ class Engine:
         if plan.new_group is not None:
             self._admitting = taken  # a backend that cannot be built fails them
             backend = self._new_backend(plan.new_group, taken[0] if taken else None)
-            self._group = _Group(key=plan.new_group.key, backend=backend, speculation_baseline=backend.speculation_counters(), size=len(taken))
+            self._group = _Group(key=plan.new_group.key, backend=backend, speculation_baseline=speculation_counters(backend), size=len(taken))
             self._admitting = []
         if plan.held:
             for hold in plan.held:
@@ -707,10 +691,10 @@ class Engine:
         group = self._group
         if group is None:
             return
-        for uid, running in list(group.running.items()):
-            if running.request.cancelled:
+        for uid, request in list(group.running.items()):
+            if request.cancelled:
                 self._drop_row(group, uid)
-                self._finish(running.request, RequestStatus.FINISHED_CANCELLED)
+                self._finish(request, RequestStatus.FINISHED_CANCELLED)
         self._retry_tombstones(group)
         self._close_group_if_idle()
 
@@ -740,6 +724,8 @@ class Engine:
             self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
 
     def _new_backend(self, new: NewGroup, head: EngineRequest | None) -> Backend:
+        if self._backend_factory is not None:
+            return self._backend_factory.build(new, head)
         if new.kind == BackendKind.SINGLE:
             return self._single_backend(self._cache_manager_for(head), text_lane=new.key.lane == "text")
         if new.kind == BackendKind.TEXT_BATCH:
@@ -848,17 +834,18 @@ class Engine:
     def _hand_off(self, group: _Group) -> None:
         """Move the group's single decoding row into a new batch backend, its KV cache as is."""
         single = group.backend
+        if not isinstance(single, HandsOff):
+            raise RuntimeError(f"the {single.kind.value} lane hands no row off; only the single lane does")
         old_uid, row = single.detach()
         # The row stays in ``group.running`` until the batch holds it: a failure here fails
         # it with the group (``_fail_group``), as any failed step would.
-        request = group.running[old_uid].request
-        backend: BatchBackend | TextLoopBackend | TextBatchBackend
-        if group.key.lane == "text":
-            backend = self._text_backend(NewGroup(group.key, BackendKind.TEXT_BATCH, self.config.max_batch_size))
-        else:
-            backend = self._batch_backend(NewGroup(group.key, BackendKind.BATCH, self.config.max_batch_size), request)
+        request = group.running[old_uid]
+        kind = BackendKind.TEXT_BATCH if group.key.lane == "text" else BackendKind.BATCH
+        backend = self._new_backend(NewGroup(group.key, kind, self.config.max_batch_size), request)
         group.backend = backend
         single.close()
+        if not isinstance(backend, Adopts):
+            raise RuntimeError(f"the {backend.kind.value} lane takes no row from another")
         uid = backend.adopt(row)
         request.uid = uid
         request.path = DecodePath.SINGLE_THEN_BATCH
@@ -909,7 +896,8 @@ class Engine:
         request.exclusive_reason = group.key.reason
         request.started_at = time.perf_counter()
         request.transition(RequestStatus.PREFILLING)
-        group.running[uid] = _Running(request, self._model.new_detokenizer(), StopMatcher(request.stop))
+        group.running[uid] = request
+        self._output.add(request, self._model.new_detokenizer(), self._model.eos_token_ids)
 
     def _prefix_reuse(self, request: EngineRequest, group: _Group) -> PrefixReuse | None:
         """How a keyed request reuses stored prefixes in this group's layout (None: unkeyed,
@@ -928,14 +916,14 @@ class Engine:
             layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"
         request.cache_layout = layout
         request.cache_counters = cache.counters()
-        return PrefixReuse(cache.salt(request, layout), serial=cache.serial if layout == "serial" else None)
+        return PrefixReuse(cache.admit(request, layout), serial=cache.serial if layout == "serial" else None)
 
     def _step_group(self) -> None:
         group = self._group
         assert group is not None
-        if group.mode == ExecutionMode.CONTINUOUS:
+        if group.mode == ExecutionMode.CONTINUOUS and isinstance(group.backend, PrefillsPartially):
             group.backend.allow_partial_prefill()
-        observe = any(r.request.observe_prefill for r in group.running.values())
+        observe = any(r.observe_prefill for r in group.running.values())
         start = time.perf_counter()
         result = group.backend.step(observe_prefill=observe)
         stepped = time.perf_counter()
@@ -944,21 +932,21 @@ class Engine:
         for uid, row in result.prefill.items():
             self._on_prefill_row(uid, row)
         for uid, cached in result.prompt_done.items():
-            running = group.running.get(uid)
-            if running is not None:
-                running.request.cached_tokens = cached
+            request = group.running.get(uid)
+            if request is not None:
+                request.cached_tokens = cached
         for event in result.tokens:
             if event.uid in group.tombstones:
                 if event.finish_reason is not None:
                     group.tombstones.discard(event.uid)
                     group.backend.forget(event.uid)
                 continue
-            running = group.running.get(event.uid)
-            if running is None:
+            request = group.running.get(event.uid)
+            if request is None:
                 continue
-            if event.logprob is not None:
-                running.logprobs.append(event.logprob)
-            self._on_token(group, running, event.token, event.finish_reason)
+            ending = self._output.on_token(request, event)
+            if ending is not None:
+                self._end_row(group, event.uid, ending)
         self.stats.tokens_s += time.perf_counter() - stepped
         self._close_group_if_idle()
 
@@ -966,16 +954,12 @@ class Engine:
         """Deliver one prefill observation; False when the row's request was cancelled (a
         backend that prefills in one call stops there)."""
         group = self._group
-        running = group.running.get(uid) if group is not None else None
-        if running is None:
+        request = group.running.get(uid) if group is not None else None
+        if request is None:
             return True
-        request = running.request
         if request.cancelled:
             return False
-        if request.observe_prefill and request.first_token_at is None and reports_position(request.prefill_position, row):
-            request.prefill_position = row.processed
-            obs = PrefillObservation(processed=row.processed, total=row.total, cached=row.cached)
-            self._deliver(request, obs, droppable=True)
+        self._output.on_prefill(request, row)
         return True
 
     def _record_batch(self, group: _Group, result: StepResult) -> None:
@@ -983,78 +967,20 @@ class Engine:
         if size > self.stats.peak_batch_size:
             self.stats.peak_batch_size = size
         for uid in result.batch_uids:
-            running = group.running.get(uid)
-            if running is not None and size > running.request.peak_batch_size:
-                running.request.peak_batch_size = size
+            request = group.running.get(uid)
+            if request is not None and size > request.peak_batch_size:
+                request.peak_batch_size = size
 
-    def _on_token(self, group: _Group, running: _Running, token: int, finish_reason: str | None) -> None:
-        request = running.request
-        uid = request.uid
-        assert uid is not None  # a row of a running group always has its uid
-        if request.status == RequestStatus.PREFILLING:
-            request.transition(RequestStatus.DECODING)
-        is_eos = token in self._model.eos_token_ids
-        if not (is_eos and finish_reason == "stop"):
-            request.append_tokens([token])
-            running.detokenizer.add_token(token)
-            segment = running.detokenizer.last_segment
-            _give_text(running.logprobs, segment)
-            text, stopped = running.stops.feed(segment)
-            if text:
-                if not self._deliver(request, TokenDelta(text, [token], _take(running.logprobs))):
-                    return
-            if stopped:
-                request.stop_reason = running.stops.matched
-                if running.logprobs:
-                    self._deliver(request, TokenDelta("", [], _take(running.logprobs)))
-                self._drop_row(group, uid)
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
-                return
-        else:
-            request.stop_reason = token
-            if running.logprobs:  # the end-of-sequence token is not part of the answer
-                running.logprobs.pop()
-            if request.first_token_at is None:
-                request.first_token_at = time.perf_counter()
-        if finish_reason is not None:
-            group.running.pop(uid, None)
+    def _end_row(self, group: _Group, uid: int, ending: Ending) -> None:
+        """A token ended its request: free the row (forgotten where the backend ended it,
+        removed otherwise), then finish the request."""
+        request = group.running[uid]
+        if ending.row_finished:
+            group.running.pop(uid)
             group.backend.forget(uid)
-            running.detokenizer.finalize()
-            segment = running.detokenizer.last_segment
-            _give_text(running.logprobs, segment, more=True)
-            tail = running.stops.flush(segment)
-            if tail or running.logprobs:
-                self._deliver(request, TokenDelta(tail, [], _take(running.logprobs)))
-            if running.stops.matched is not None:  # the text the last token completed held a stop
-                request.stop_reason = running.stops.matched
-            stopped = finish_reason != "length" or running.stops.matched is not None
-            self._finish(request, RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_LENGTH)
-
-    def _deliver(self, request: EngineRequest, item: Any, *, droppable: bool = False) -> bool:
-        if request.is_finished() or request.cancelled:
-            return False
-        q = request.outputs
-        budget = request.output_queue_size
-        if droppable and q.qsize() * 2 >= budget:
-            return True  # prefill observations yield to tokens when the consumer lags
-        try:
-            if q.qsize() >= budget:
-                raise queue.Full
-            q.put(item)
-        except queue.Full:
-            if droppable:
-                return True
-            error = StreamBackpressure(
-                f"the stream consumer is too slow: {budget} undelivered outputs; "
-                "read the stream faster or raise mlx_output_queue_size"
-            )
-            group = self._group
-            if group is not None and request.uid is not None and request.uid in group.running:
-                self._drop_row(group, request.uid)
-            self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
-            return False
-        request.notify()
-        return True
+        else:
+            self._drop_row(group, uid)
+        self._finish(request, ending.status, error=ending.error)
 
     def _close_group_if_idle(self) -> None:
         group = self._group
@@ -1076,37 +1002,22 @@ class Engine:
             error = RequestCancelled("the request was cancelled")
         request.transition(status)
         request.finished_at = time.perf_counter()
-        request.outcome = self._outcome(request, status, error)
+        request.outcome = outcome_of(
+            request, status, error, speculation=self._speculation_counters(request), prompt_cache=self._prompt_cache_report(request)
+        )
         if locked:
             self._account(request, status)
         else:
             with self._cond:
                 self._account(request, status)
-        request.done.set()
-        request.outputs.put(END_OF_STREAM)
-        request.notify()
-
-    def _outcome(self, request: EngineRequest, status: RequestStatus, error: MLXRuntimeError | None) -> Outcome:
-        """The terminal outcome of a finishing request, with its three reports."""
-        plan = request.speculation
-        return Outcome(
-            finish_reason=request.finish_reason() or FinishReason.ERROR,
-            prompt_tokens=request.num_prompt_tokens,
-            completion_tokens=request.num_output_tokens,
-            cached_tokens=request.cached_tokens,
-            execution=execution_report(request),
-            speculation=None if plan is None else speculation_report(plan, self._speculation_counters(request), request.speculation_deferred),
-            error=error,
-            prompt_cache=self._prompt_cache_report(request),
-            stop_reason=request.stop_reason if status == RequestStatus.FINISHED_STOPPED else None,
-        )
+        self._output.end_stream(request)
 
     def _speculation_counters(self, request: EngineRequest) -> SpeculationCounters | None:
         """MTP counters since the group started (None: no MTP, or a backend without them)."""
         group = self._group
         if group is None or group.speculation_baseline is None or not request.draft_tokens:
             return None
-        now = group.backend.speculation_counters()
+        now = speculation_counters(group.backend)
         if now is None:
             return None
         rounds0, accepted0, drafted0 = group.speculation_baseline
@@ -1137,6 +1048,11 @@ class Engine:
         """Drop every owned RAM and SSD entry, between prefills; None without a prefix cache."""
         return self.control(lambda: self.prefix_cache.clear() if self.prefix_cache is not None else None, between_prefills=True)
 
+    def prompt_cache_command(self, command: Callable[[PrefixCache], dict[str, Any]]) -> dict[str, Any] | None:
+        """Run one prefix-cache command (eviction hints, pin, release) on the worker between
+        steps; None when this model has no prefix cache."""
+        return self.control(lambda: command(self.prefix_cache) if self.prefix_cache is not None else None)
+
     def _account(self, request: EngineRequest, status: RequestStatus) -> None:
         self._live.pop(request.request_id, None)
         if status == RequestStatus.FINISHED_CANCELLED:
@@ -1149,7 +1065,7 @@ class Engine:
     def _fail_group(self, error: MLXRuntimeError) -> None:
         """Fail the requests a failed step touched: the group's rows and any being admitted."""
         group = self._group
-        touched = [running.request for running in group.running.values()] if group is not None else []
+        touched = list(group.running.values()) if group is not None else []
         touched += self._admitting
         self._admitting = []
         self._close_group()
@@ -1184,24 +1100,6 @@ class _SharedPrefixes:
 
     def resident_tokens(self, prompt_ids: list[int], salt: int) -> int:
         return self._cache.resident_prefix_tokens(prompt_ids, salt)
-
-
-def _give_text(pending: list[SampledLogprob], segment: str, *, more: bool = False) -> None:
-    """The detokenizer's ``segment`` becomes the text of the last token still pending (its
-    own; ``more``: added to it, the detokenizer's tail at the end). A token the detokenizer
-    holds back (an incomplete UTF-8 sequence, a lone space) gets ``""`` and the next one its
-    text, so that the tokens' texts concatenate to the answer's."""
-    if pending:
-        last = pending[-1]
-        text = (last.text or "") + segment if more else segment
-        pending[-1] = replace(last, text=text)
-
-
-def _take(items: list[SampledLogprob]) -> list[SampledLogprob]:
-    """The items, the list emptied (what a delta carries away)."""
-    taken = list(items)
-    items.clear()
-    return taken
 
 
 class _WorkerBroken(BaseException):

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidControls, PromptCacheFlushFailed, PromptCacheLocked, PromptCachePathUnsafe
+from .cache_priority import CachePriorities, eviction_order, validate_hints, validate_pin
 from .prefix_break import find_break
 from .reports import ApcReport, PromptCacheReport
 
@@ -324,15 +325,24 @@ def counted_manager_class() -> type:
     built for; a prefix of any 16-token length makes new shapes every turn, each paying the
     kernels' setup again (measured at hundreds of ms a turn for a 4B model on an H200).
 
-    Private upstream names read here (pinned with mlx-vlm>=0.7.10,<0.8):
-    ``APCManager._resident_bytes_locked``, ``lookup_prefix``, ``release``, ``pool``,
-    ``_exact_cache``, ``APCNode.components``, ``_cache_nbytes``.
+    ``priorities`` (a ``cache_priority.CachePriorities``, set by ``PrefixCache``): while it has
+    hints or live pins, ``_make_room`` and ``_evict_lru`` evict idle blocks in its order
+    (steps-to-execution, then recency) instead of upstream's LRU; without them upstream's own
+    methods run. ``_make_room`` is upstream 0.7.10's with the block choice replaced.
+
+    Private upstream names read here (pinned with mlx-vlm>=0.7.10,<0.8; tests/test_cache_priority.py
+    checks the eviction ones): ``APCManager._resident_bytes_locked``, ``_make_room``, ``_evict_lru``,
+    ``_free_head``, ``_free_remove``, ``_free_push``, ``_memory_headroom``, ``_prefill_reserve_bytes``,
+    ``memory_reserve_bytes``, ``lookup_prefix``, ``release``, ``pool``, ``hash_table``,
+    ``_exact_cache``, ``APCBlock.next``, ``APCNode.components``, ``_cache_nbytes``.
     """
+    import mlx.core as mx
     from mlx_vlm.apc import APCManager, _cache_nbytes
 
     class CountedAPCManager(APCManager):
         _block_bytes = 0
         restore_align = BLOCK_SIZE
+        priorities: CachePriorities | None = None
 
         def lookup_prefix(self, token_ids: Any, extra_hash: int = 0) -> tuple[list[Any], int]:
             """Upstream's lookup, cut to a multiple of ``restore_align`` tokens."""
@@ -342,6 +352,89 @@ def counted_manager_class() -> type:
                 self.release(matched[keep // self.block_size :])
                 matched, tokens = matched[: keep // self.block_size], keep
             return matched, tokens
+
+        # --- eviction by steps-to-execution (``cache_priority``) ---------------------
+        def _make_room(self, allocation_bytes: int = 0, *, retain_bytes: int = 0) -> bool:
+            """Upstream's ``_make_room`` with the blocks evicted in the priorities' order; a
+            store (``retain_bytes``) never evicts a pinned block, a live request's allocation
+            takes the oldest pin when nothing else is left."""
+            priorities = self.priorities
+            if priorities is None or not priorities.active:
+                return bool(super()._make_room(allocation_bytes, retain_bytes=retain_bytes))
+            required = self.memory_reserve_bytes + (
+                self._prefill_reserve_bytes + allocation_bytes if retain_bytes else max(self._prefill_reserve_bytes, allocation_bytes)
+            )
+            with self.lock:
+                resident = self._resident_bytes_locked()
+                target = max(0, min(self.memory_max_bytes - retain_bytes, resident + self._memory_headroom() - required))
+                evicted = 0
+                victims: list[Any] | None = None
+                while resident > target:
+                    if self._exact_cache:
+                        resident -= _cache_nbytes(self._exact_cache[next(iter(self._exact_cache))].prompt_cache)
+                        self._exact_cache.popitem(last=False)
+                    else:
+                        if not victims:
+                            victims = self._victims()
+                        if not victims:
+                            if retain_bytes or priorities.drop_oldest_pin() is None:
+                                break
+                            continue
+                        resident -= self._drop_idle_block(victims.pop())
+                    self.stats.evictions += 1
+                    self.stats.memory_evictions += 1
+                    evicted += 1
+            if evicted or self._memory_headroom() < required:
+                mx.clear_cache()
+            return bool(resident + retain_bytes <= self.memory_max_bytes and self._memory_headroom() >= required)
+
+        def _evict_lru(self, *, cached_only: bool = False) -> Any:
+            """An empty pooled block, else the first idle cached block in the priorities' order."""
+            priorities = self.priorities
+            if priorities is None or not priorities.active:
+                return super()._evict_lru(cached_only=cached_only)
+            block: Any = self._free_head
+            while not cached_only and block is not None and block.block_hash is not None:
+                block = block.next
+            if block is None or cached_only:
+                victims = self._victims()
+                if not victims:
+                    return None
+                block = victims[-1]
+            self._free_remove(block)
+            block_hash = block.block_hash
+            if block_hash is not None and self.hash_table.get(block_hash) is block:
+                del self.hash_table[block_hash]
+                self.stats.evictions += 1
+            block.block_hash = None
+            block.token_ids = ()
+            block.release_components()
+            return block
+
+        def _victims(self) -> list[Any]:
+            """The idle cached blocks a pin does not hold, the next to evict last (pop order)."""
+            assert self.priorities is not None
+            idle: list[Any] = []
+            block: Any = self._free_head  # upstream's free queue: least recently released first
+            while block is not None:
+                if block.block_hash is not None:
+                    idle.append(block)
+                block = block.next
+            infos = [self.priorities.block(b.block_hash, i) for i, b in enumerate(idle)]
+            pinned = [pin.key for pin in self.priorities.live_pins()]
+            order = eviction_order(infos, self.priorities.hints, pinned)
+            return [idle[i] for i in reversed(order)]
+
+        def _drop_idle_block(self, block: Any) -> int:
+            """Evict one idle cached block (it stays pooled, empty); returns the bytes freed."""
+            self._free_remove(block)
+            freed = int(self._block_bytes or block.resident_bytes())
+            self.hash_table.pop(block.block_hash, None)
+            block.block_hash = None
+            block.token_ids = ()
+            block.release_components()
+            self._free_push(block)
+            return freed
 
         def _resident_bytes_locked(self) -> int:
             held = [block for block in self.pool if block.components]
@@ -360,6 +453,18 @@ def restore_alignment(prefill_step_size: int) -> int:
 
     on_cuda = mx.default_device() == mx.gpu and not mx.metal.is_available()
     return prefill_step_size if on_cuda else BLOCK_SIZE
+
+
+def block_hashes(prompt: Any, salt: int) -> list[int]:
+    """The APC hash chain of ``prompt``'s full 16-token blocks under ``salt``, as upstream keys them."""
+    from mlx_vlm.apc import SEED_PARENT_HASH, _hash_tokens
+
+    parent, out = SEED_PARENT_HASH, []
+    tokens = [int(t) for t in prompt]
+    for start in range(0, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        parent = _hash_tokens(parent, tuple(tokens[start : start + BLOCK_SIZE]), salt)
+        out.append(parent)
+    return out
 
 
 # --- per-key bookkeeping -----------------------------------------------------------------
@@ -402,9 +507,11 @@ class PrefixCache:
                 )
             self.disk = DiskNamespace(options.disk_path, cache_identity(loaded, scope=options.scope))
         self.restore_align = restore_align
+        self.priorities = CachePriorities()
         if loaded.lane == "native":
             self.manager = self._native_manager(max_batch_size)
             self.manager.restore_align = restore_align
+            self.manager.priorities = self.priorities
             self.backend = "mlx_vlm_apc"
         else:
             self.serial = SerialStore(self.budget.max_bytes)
@@ -449,6 +556,45 @@ class PrefixCache:
             media_hash=request.media_hash,
         )
 
+    def admit(self, request: Any, layout: str) -> int:
+        """The salt of a keyed request being admitted; records its key as an owner of its
+        prompt's blocks (what ``cache_priority`` ranks them by)."""
+        salt = self.salt(request, layout)
+        self._own(request, salt)
+        return salt
+
+    def _own(self, request: Any, salt: int) -> None:
+        manager = self.manager
+        if manager is None or request.prompt_cache_key is None:
+            return
+        with manager.lock:
+            self.priorities.prune(manager.hash_table, len(manager.hash_table))
+        self.priorities.own(request.prompt_cache_key, block_hashes(request.prompt_ids, salt))
+
+    # --- eviction hints and pins (``cache_priority``) --------------------------------------
+    @property
+    def eviction(self) -> str:
+        """``steps_to_execution`` where hints and pins order eviction (the native lane's KV
+        blocks), ``lru`` on the serialized lane, whose snapshot store stays LRU."""
+        return "steps_to_execution" if self.manager is not None else "lru"
+
+    def set_hints(self, hints: object, *, replace: bool = False) -> dict[str, Any]:
+        """Steps-to-execution per key (None: no live run reaches it); merged unless ``replace``."""
+        valid = validate_hints(hints)
+        self.priorities.set_hints(valid, replace=replace)
+        return {"eviction": self.eviction, "hinted_keys": len(self.priorities.hints), "updated": len(valid)}
+
+    def pin(self, key: object, ttl_s: object) -> dict[str, Any]:
+        """Keep ``key``'s blocks resident for ``ttl_s`` (a live request's need still wins)."""
+        name, ttl = validate_pin(key, ttl_s)
+        pin = self.priorities.pin(name, ttl)
+        return {"eviction": self.eviction, "key": name, "ttl_s": ttl, "pins": len(self.priorities.pins), "expires_in_s": round(pin.expires_at - pin.pinned_at, 3)}
+
+    def release(self, key: object) -> dict[str, Any]:
+        if not isinstance(key, str) or not key.strip():
+            raise InvalidControls("a released prompt-cache key must be a non-empty string", field="key", value=key)
+        return {"eviction": self.eviction, "key": key, "released": self.priorities.release(key)}
+
     def shares_blocks(self, model: Any) -> bool:
         """True when this model's prefixes are stored as KV blocks a later row can extend
         (dense caches); hybrids keep whole-prompt checkpoints instead."""
@@ -459,20 +605,17 @@ class PrefixCache:
     def resident_prefix_tokens(self, prompt: list[int], salt: int) -> int:
         """How many leading tokens of ``prompt`` a lookup would restore now (RAM or SSD blocks),
         without taking the blocks."""
-        from mlx_vlm.apc import SEED_PARENT_HASH, _hash_tokens
-
         manager = self.manager
         if manager is None:
             return 0
         disk = manager.disk
-        parent, matched = SEED_PARENT_HASH, 0
+        matched = 0
         with manager.lock:
-            for start in range(0, len(prompt) - BLOCK_SIZE + 1, BLOCK_SIZE):
-                chunk = tuple(prompt[start : start + BLOCK_SIZE])
-                parent = _hash_tokens(parent, chunk, salt)
-                block = manager.hash_table.get(parent)
+            for i, block_hash in enumerate(block_hashes(prompt, salt)):
+                chunk = tuple(prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+                block = manager.hash_table.get(block_hash)
                 in_ram = block is not None and block.token_ids == chunk
-                if not in_ram and (disk is None or not disk.has(parent)):
+                if not in_ram and (disk is None or not disk.has(block_hash)):
                     break
                 matched += BLOCK_SIZE
         return matched
@@ -513,6 +656,7 @@ class PrefixCache:
         prompt = list(request.prompt_ids)
         cached = int(request.cached_tokens or 0)
         key = (request.prompt_cache_key, self.salt(request, layout))
+        self._own(request, key[1])  # again: owners of blocks stored since admission may have been pruned
         previous = self._keys.get(key)
         outcome, degraded = "miss", None
         request.prefix_break = None
@@ -580,6 +724,7 @@ class PrefixCache:
             "counters": counters,
             "requests": dict(self.totals),
             "keys_tracked": len(self._keys),
+            "eviction": {"order": self.eviction, **self.priorities.stats()},
         }
         return out
 
@@ -623,6 +768,7 @@ class PrefixCache:
             assert self.serial is not None
             self.serial.clear()
         self._keys.clear()
+        self.priorities.owners.clear()  # hints and pins are the runtime's: they stay
         return {"scope": "all_keys", "ram_entries_removed": ram, "disk_files_removed": disk_removed}
 
     def flush(self) -> None:

@@ -28,7 +28,6 @@ from typing import Any, Callable, Iterator
 
 from ..errors import UpstreamError
 from .backend import (
-    DecodingRow,
     LogitsProcessor,
     PrefillRow,
     RestoredPrefix,
@@ -54,7 +53,6 @@ class SerialBackend:
 
     kind = BackendKind.SERIAL
     max_batch_size = 1
-    can_hand_off = False
 
     def __init__(self, model: Any, tokenizer: Any, *, prefill_step_size: int, stream: Any, on_prefill: PrefillHook) -> None:
         self.model = model
@@ -146,9 +144,6 @@ class SerialBackend:
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.uids)
 
-    def allow_partial_prefill(self) -> None:
-        """Nothing to allow: a lane of one slot never admits during another's decode."""
-
     def remove(self, uid: int) -> bool:
         self.forget(uid)
         return True
@@ -170,9 +165,6 @@ class SerialBackend:
     @property
     def has_work(self) -> bool:
         return self._row is not None
-
-    def detach(self) -> tuple[int, DecodingRow]:
-        raise RuntimeError("the serialized lane's row stays in it; only the single lane hands a row off")
 
     # --- stepping --------------------------------------------------------------------
     def step(self, *, observe_prefill: bool) -> StepResult:
@@ -206,9 +198,6 @@ class SerialBackend:
         row = PrefillRow(processed=self._prefilled + processed, total=self._prefilled + total, cached=self._cached)
         if uid is not None and not self._on_prefill(uid, row):
             raise _PrefillAbandoned()
-
-    def speculation_counters(self) -> tuple[int, float, int] | None:
-        return None
 
     def close(self) -> None:
         if self._uid is not None:

@@ -126,9 +126,6 @@ class SingleBackend:
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.uids)
 
-    def allow_partial_prefill(self) -> None:
-        """Nothing to allow: a newcomer moves this row into a batch instead."""
-
     def remove(self, uid: int) -> bool:
         self.forget(uid)
         return True
@@ -261,9 +258,6 @@ class SingleBackend:
         if self._row is None:
             return mx.argmax(logprobs, axis=-1)
         return sample_rows(logprobs, [self._row])
-
-    def speculation_counters(self) -> tuple[int, float, int] | None:
-        return None
 
     def close(self) -> None:
         if self._uid is not None:

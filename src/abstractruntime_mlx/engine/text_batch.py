@@ -122,7 +122,6 @@ class TextBatchBackend:
     """One mlx-lm ``BatchGenerator`` and the uids it holds."""
 
     kind = BackendKind.TEXT_BATCH
-    can_hand_off = False
 
     def __init__(
         self,
@@ -205,9 +204,6 @@ class TextBatchBackend:
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.uids)
 
-    def allow_partial_prefill(self) -> None:
-        """Nothing to allow: mlx-lm admits waiting prompts whenever decode slots are free."""
-
     def remove(self, uid: int) -> bool:
         """mlx-lm drops a row at any stage (waiting, mid-prefill or decoding)."""
         with map_upstream_errors("removing a request"):
@@ -226,9 +222,6 @@ class TextBatchBackend:
     def has_work(self) -> bool:
         return bool(self.uids)
 
-    def detach(self) -> tuple[int, DecodingRow]:
-        raise RuntimeError("the text lane's rows stay in it; only the single lane hands a row off")
-
     # --- stepping --------------------------------------------------------------------
     def step(self, *, observe_prefill: bool) -> StepResult:
         with map_upstream_errors("a text batch step (mlx-lm)"):
@@ -245,9 +238,6 @@ class TextBatchBackend:
             result.tokens.append(TokenEvent(int(r.uid), int(r.token), r.finish_reason))
         result.batch_uids = set(self._gen._generation_batch.uids) | set(self._gen._prompt_batch.uids)
         return result
-
-    def speculation_counters(self) -> tuple[int, float, int] | None:
-        return None
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

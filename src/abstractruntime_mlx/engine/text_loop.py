@@ -100,7 +100,6 @@ class TextLoopBackend:
     """A batch of plain text rows stepped over the language model's forward."""
 
     kind = BackendKind.TEXT_BATCH
-    can_hand_off = False
     reports_logprobs = True
 
     def __init__(
@@ -175,9 +174,6 @@ class TextLoopBackend:
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.uids)
 
-    def allow_partial_prefill(self) -> None:
-        """Nothing to allow: waiting prompts are admitted whenever decode slots are free."""
-
     def remove(self, uid: int) -> bool:
         """Drop a row at any stage (waiting, mid-prefill or decoding)."""
         with map_upstream_errors("removing a request"):
@@ -209,9 +205,6 @@ class TextLoopBackend:
     @property
     def has_work(self) -> bool:
         return bool(self.uids)
-
-    def detach(self) -> tuple[int, DecodingRow]:
-        raise RuntimeError("the text lane's rows stay in it; only the single lane hands a row off")
 
     # --- stepping --------------------------------------------------------------------
     def step(self, *, observe_prefill: bool) -> StepResult:
@@ -403,9 +396,6 @@ class TextLoopBackend:
             r.pad += longest - theirs
         self._rows.extend(rows)
         self._inputs = mx.concatenate([self._inputs, inputs])
-
-    def speculation_counters(self) -> tuple[int, float, int] | None:
-        return None
 
     def close(self) -> None:
         self._waiting.clear()

@@ -14,7 +14,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping
-from typing import Any, AsyncIterator, Iterator, Literal, overload
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, overload
 
 from ..artifacts import DOWNLOAD_COMMAND, companion_candidates, detect_mtp, looks_like_path, resolve_model_path
 from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_controls
@@ -23,7 +23,8 @@ from ..engine.prefix_break import attribute
 from ..engine.config import EngineConfig
 from ..engine.loop import Engine
 from ..engine.model import HEAD_LANES, Lane, LoadedModel
-from ..engine.prefix_cache import image_hash, validate_options as validate_cache_options
+from ..engine.cache_priority import validate_hints, validate_pin
+from ..engine.prefix_cache import PrefixCache, image_hash, validate_options as validate_cache_options
 from ..engine.reports import SpeculationPlan, speculation_report, unreached_cache_report
 from ..engine.sampling import SampledLogprob
 from ..engine.stream import RequestStream
@@ -297,6 +298,31 @@ class MLXProvider:
             out["key"] = key
             out["warning"] = "a key-specific clear clears the whole prompt-cache namespace: every key of this model"
         return out
+
+    def prompt_cache_hints(self, hints: Mapping[str, int | None], *, replace: bool = False) -> dict[str, Any]:
+        """Steps-to-execution per ``prompt_cache_key``: how many steps away each key's next call
+        is (0: next), or None when no live run reaches it again. Idle blocks are then evicted
+        unreachable first, unhinted next, the farthest next call after, recency between equals
+        (see docs/prompt-cache.md). Merged into the hints given before unless ``replace``."""
+        valid = validate_hints(hints)
+        return self._cache_command(lambda cache: cache.set_hints(valid, replace=replace))
+
+    def prompt_cache_pin(self, key: str, ttl_s: float) -> dict[str, Any]:
+        """Keep ``key``'s idle blocks resident for ``ttl_s`` seconds (again: renew). A store never
+        evicts them; a live request that needs the memory takes the oldest pin first."""
+        name, ttl = validate_pin(key, ttl_s)
+        return self._cache_command(lambda cache: cache.pin(name, ttl))
+
+    def prompt_cache_release(self, key: str) -> dict[str, Any]:
+        """End ``key``'s pin (``released``: whether one was alive)."""
+        name, _ = validate_pin(key, 1.0)
+        return self._cache_command(lambda cache: cache.release(name))
+
+    def _cache_command(self, command: Callable[[PrefixCache], dict[str, Any]]) -> dict[str, Any]:
+        result = self._engine.prompt_cache_command(command)
+        if result is None:
+            return {"applied": False, "reason": "prefix_cache_not_loaded"}
+        return {"applied": True, **result}
 
     # --- generation ----------------------------------------------------------------------
     def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | ChunkStream:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Final
 
 from ..json_values import array_at, nests_deeper_than, object_at, parse_ascii_int
-from .prediction import Unpredictable, plan_payload, resolve_payload
+from .prediction import LLM_NODE_TYPES, Unpredictable, plan_payload, resolve_payload, steps_to_llm_nodes
 
 __all__ = ["BRANCHING_NODE_TYPES", "BRANCH_HANDLE_PREFIX", "FlowCatalog", "FlowIndex", "SiblingCall", "branch_index", "load_flow"]
 
@@ -99,6 +99,10 @@ class FlowIndex:
         nodes: dict[str, Mapping[str, object]] = {
             str(n.get("id")): n for n in array_at(flow, "nodes") if isinstance(n, Mapping)
         }
+        self._flow = flow
+        self._steps: dict[str, dict[str, int]] = {}
+        self.node_types = {node_id: str(node.get("type")) for node_id, node in nodes.items()}
+        self.llm_nodes = tuple(node_id for node_id, kind in self.node_types.items() if kind in LLM_NODE_TYPES)
         edges = [e for e in array_at(flow, "edges") if isinstance(e, Mapping)]
         self._configs: dict[str, dict[str, object]] = {}
         for node_id, node in nodes.items():
@@ -137,6 +141,12 @@ class FlowIndex:
 
     def node_config(self, node_id: str) -> dict[str, object]:
         return dict(self._configs.get(node_id, {}))
+
+    def steps_from(self, node_id: str) -> dict[str, int]:
+        """Execution edges from ``node_id`` to each LLM node it reaches (``prediction``)."""
+        if node_id not in self._steps:
+            self._steps[node_id] = steps_to_llm_nodes(self._flow, node_id)
+        return self._steps[node_id]
 
     def later_siblings(self, node_id: str) -> list[SiblingCall]:
         """Predictable ``llm_call`` branches after ``node_id``'s branch, in pin order."""

@@ -290,6 +290,7 @@ def _one_run(host: FlowHost, run_vars: dict[str, object], session_id: str | None
             state = drive(runtime, registry, run_id, limits=limits)
         finally:
             pack.prefetcher.discard_run(run_id)
+            pack.handler.cache_hints.finish_run(run_id)
     return _result(pack, state, time.perf_counter() - started)
 
 
@@ -429,6 +430,7 @@ def _resume_locked(
             state = drive(runtime, registry, run_id, limits=limits or DriveLimits())
         finally:
             pack.prefetcher.discard_run(run_id)
+            pack.handler.cache_hints.finish_run(run_id)
     return _result(pack, state, time.perf_counter() - started)
 
 

@@ -31,13 +31,14 @@ from ..errors import (
 from ..json_values import JSONObject, object_at
 from ..ledger import Ledger, NodeKey
 from ..nodes import LLMNode, ModelLoad, NodeRequest, NodeResult, PreparedCall
+from ..nodes.llm_node import ClientKind
 from ..request import ProgressSink
-from .catalog import FlowCatalog
 from .payload import explicit_base_url, input_as_sent, request_from_payload
 from .routing import RouteDecision, Routing
 from .prediction import Unpredictable
 from .prefetch import SiblingPrefetcher
-from .prompt_cache import CallIdentity
+from .catalog import FlowCatalog, FlowIndex
+from .prompt_cache import CacheHintTarget, CallIdentity, RunCacheHints, node_prompt_cache_key, run_hints
 from .stores import LedgerStepStore
 
 
@@ -94,12 +95,14 @@ class LLMCallHandler:
         server_base_url: str | None = None,
         runtime_progress: RuntimeProgress = "auto",
         routing: Routing | None = None,
+        cache_hints: RunCacheHints | None = None,
     ) -> None:
         if runtime_progress not in ("auto", "always", "never"):
             raise ValueError(f"runtime_progress must be 'auto', 'always' or 'never' (got {runtime_progress!r})")
         self.node = node
         self.flows = flows or FlowCatalog()
         self.prefetcher = prefetcher
+        self.cache_hints = cache_hints or RunCacheHints()
         self.model = model
         self.force_model = force_model
         self.server_base_url = server_base_url
@@ -133,13 +136,7 @@ class LLMCallHandler:
         )
         if route.base_url is not None:
             self.routing.remote.check(route.base_url, where=f"node {node_id!r}")
-        session_id = getattr(run, "session_id", None)
-        call = CallIdentity(
-            run_id=run.run_id,
-            workflow_id=str(run.workflow_id),
-            node_id=node_id,
-            session_id=session_id if isinstance(session_id, str) and session_id else None,
-        )
+        call = _call_identity(run, node_id)
         return request_from_payload(payload, run.vars, node_config=node_config, route=route, call=call), route
 
     def _handle(self, run: RunView, effect: EffectView) -> EffectOutcome:
@@ -166,6 +163,7 @@ class LLMCallHandler:
         extra: JSONObject = {"route": route.to_metadata(), "input": input_as_sent(payload, request)}
         if loads:
             extra["model_load"] = loads[-1].event()
+        cache_target = self._hint_cache(run, index, node_id, request, prepared)
         result: NodeResult | None = None
         if self.prefetcher is not None:
             result, claimed = self._claim(run.run_id, node_id, prepared, key, callback, cancel_event)
@@ -175,11 +173,33 @@ class LLMCallHandler:
                 extra = {**extra, "sibling_batch": {**object_at(extra, "sibling_batch"), "launched": launched}}
         if result is None:
             result = self.node.execute(prepared, route=self.node.route_for(key, callback), cancel_event=cancel_event)
+        if cache_target is not None and request.prompt_cache_key is not None and index is not None:
+            self.cache_hints.after_call(run.run_id, node_id, request.prompt_cache_key, agent=index.node_types.get(node_id) == "agent")
         result.extra_metadata.update(extra)
         body = result.to_runtime_result()
         if result.generation.finish_reason == "cancelled":
             return EffectOutcome.cancelled({"reason": "cancelled", "node_id": node_id, "partial": body})
         return EffectOutcome.completed(body)
+
+    def _hint_cache(
+        self, run: RunView, index: FlowIndex | None, node_id: str, request: NodeRequest, prepared: PreparedCall
+    ) -> CacheHintTarget | None:
+        """Send the run's eviction hints to the local model serving this call (``RunCacheHints``);
+        the provider they went to, or None (a remote call, no key, no known flow)."""
+        key = request.prompt_cache_key
+        if index is None or key is None or prepared.client_kind != ClientKind.LOCAL or prepared.model is None:
+            return None
+        target: CacheHintTarget = self.node.registry.local(prepared.model, self.node.provider_options).provider
+        call = _call_identity(run, node_id)
+
+        def key_of(other: str) -> str | None:
+            return node_prompt_cache_key(
+                {}, index.node_config(other), run.vars, dataclasses.replace(call, node_id=other), provider="mlx", model=prepared.model
+            )
+
+        hints = run_hints(index.steps_from(node_id), index.llm_nodes, key_of, (node_id, key))
+        self.cache_hints.before_call(target, run.run_id, node_id, hints)
+        return target
 
     def _load_recorder(self, key: NodeKey, seen: list[ModelLoad]) -> Callable[[ModelLoad], None]:
         """Tells the ledger (a ``load`` phase row of this call) when the call's model starts and
@@ -266,6 +286,16 @@ class LLMCallHandler:
             return self.runtime_progress == "always"
         store = getattr(run, "_runtime_ledger_store", None)
         return not (self.node.ledger is not None and _is_store_of(store, self.node.ledger))
+
+
+def _call_identity(run: RunView, node_id: str) -> CallIdentity:
+    session_id = getattr(run, "session_id", None)
+    return CallIdentity(
+        run_id=run.run_id,
+        workflow_id=str(run.workflow_id),
+        node_id=node_id,
+        session_id=session_id if isinstance(session_id, str) and session_id else None,
+    )
 
 
 def _is_store_of(store: object, ledger: Ledger) -> bool:

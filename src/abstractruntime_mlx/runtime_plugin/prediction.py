@@ -10,6 +10,9 @@ control the prediction does not model (tools, structured output, context); ``inc
 false`` and ``use_context: false``, which the editor writes by default, change nothing and are
 accepted.
 
+``steps_to_llm_nodes(flow, node_id)`` says how many execution edges away each LLM node
+(``llm_call``, ``agent``) is from a node: what the prefix cache's eviction hints are made of.
+
 ``plan_payload(flow, node_id)`` returns a payload template whose values may be expressions
 over the run's vars; ``resolve_payload(template, run_vars)`` computes it for one run. A
 prediction is only ever a guess: the handler uses a prefetched result only when the real
@@ -27,7 +30,7 @@ from abstractruntime.visualflow_compiler.visual.builtins import get_builtin_hand
 
 from ..json_values import array_at, object_at, to_float, to_int
 
-__all__ = ["Unpredictable", "plan_payload", "resolve_payload"]
+__all__ = ["LLM_NODE_TYPES", "Unpredictable", "plan_payload", "resolve_payload", "steps_to_llm_nodes"]
 
 # effectConfig keys a predicted request honours; anything else makes the node unpredictable.
 PREDICTABLE_CONFIG: Final = frozenset(
@@ -41,6 +44,7 @@ NO_OP_WHEN_FALSE: Final = frozenset({"include_context", "use_context"})
 LITERAL_TYPES: Final = frozenset({"literal_string", "literal_number", "literal_boolean", "literal_json", "literal_array"})
 COMPUTED_TYPES: Final = LITERAL_TYPES | {"concat", "format"}
 START_TYPES: Final = frozenset({"on_flow_start"})
+LLM_NODE_TYPES: Final = frozenset({"llm_call", "agent"})
 DEFAULT_TEMPERATURE: Final = 0.7  # the VisualFlow compiler's default for an llm_call node
 
 
@@ -161,6 +165,31 @@ class _Graph:
                 pin_order = tuple(letters + sorted(k for k in inputs if k not in letters))
             return Concat(tuple(inputs[p] for p in pin_order if p in inputs), separator)
         return Builtin(str(node_type), tuple(sorted(inputs.items())), data.get("literalValue"), pin_order)
+
+
+def steps_to_llm_nodes(flow: Mapping[str, object], node_id: str) -> dict[str, int]:
+    """Each LLM node reachable from ``node_id`` over execution edges, with the fewest edges to
+    it (``node_id`` itself only when a cycle leads back to it). Branches of a parallel or
+    sequence node count one edge each, as their node runs them all."""
+    nodes = {str(n.get("id")): n for n in array_at(flow, "nodes") if isinstance(n, Mapping)}
+    successors: dict[str, list[str]] = {}
+    for edge in array_at(flow, "edges"):
+        if isinstance(edge, Mapping) and edge.get("targetHandle") == "exec-in":
+            successors.setdefault(str(edge.get("source")), []).append(str(edge.get("target")))
+    steps: dict[str, int] = {}
+    frontier, seen, distance = [node_id], {node_id}, 0
+    while frontier:
+        distance += 1
+        following: list[str] = []
+        for source in frontier:
+            for target in successors.get(source, ()):
+                if nodes.get(target, {}).get("type") in LLM_NODE_TYPES and target not in steps:
+                    steps[target] = distance
+                if target not in seen:
+                    seen.add(target)
+                    following.append(target)
+        frontier = following
+    return steps
 
 
 def plan_payload(flow: Mapping[str, object], node_id: str) -> dict[str, object]:

@@ -16,21 +16,29 @@ and a flow reuses here exactly when it would on the host. Precedence, first foun
 
 The provider and model in the digest are the ones that serve the node (the route), which is
 what the host's client reports as its default identity.
+
+``RunCacheHints`` turns a run's place in its flow into the prefix cache's eviction hints and
+pins (steps-to-execution from ``prediction.steps_to_llm_nodes``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Final, Protocol
 
 # A private host function, read for parity; pinned with abstractruntime>=0.13,<0.14
 # (tests/test_prompt_cache_keys.py fails loudly when it moves).
 from abstractruntime.integrations.abstractcore.effect_handlers import _maybe_inject_prompt_cache_key
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, MLXRuntimeError
 from ..json_values import object_at
 
-__all__ = ["CallIdentity", "node_prompt_cache_key"]
+__all__ = ["CallIdentity", "RunCacheHints", "node_prompt_cache_key", "run_hints"]
+
+log = logging.getLogger(__name__)
 
 _EXPLICIT_PARAMS = ("prompt_cache_key", "prompt_cache_binding", "expected_prompt_cache_binding")
 
@@ -89,3 +97,88 @@ class _HostRun:
 
 def _nonempty(value: object) -> str | None:
     return value.strip() if isinstance(value, str) and value.strip() else None
+
+
+# --- what the graph tells the prefix cache ---------------------------------------------------
+
+DEFAULT_AGENT_PIN_TTL_S: Final = 120.0
+
+
+class CacheHintTarget(Protocol):
+    """The provider calls the hints are sent through (``MLXProvider``'s)."""
+
+    def prompt_cache_hints(self, hints: Mapping[str, int | None], *, replace: bool = False) -> Mapping[str, object]: ...
+
+    def prompt_cache_pin(self, key: str, ttl_s: float) -> Mapping[str, object]: ...
+
+    def prompt_cache_release(self, key: str) -> Mapping[str, object]: ...
+
+
+def run_hints(steps: Mapping[str, int], llm_nodes: Iterable[str], key_of: Callable[[str], str | None], current: tuple[str, str]) -> dict[str, int | None]:
+    """Steps-to-execution of one run's keys from its current node: the current key 0, a node it
+    reaches its edge count, a node it no longer reaches None."""
+    hints: dict[str, int | None] = {}
+    for node_id in llm_nodes:
+        key = key_of(node_id)
+        if key is not None and node_id != current[0]:
+            hints[key] = steps.get(node_id)
+    hints[current[1]] = 0
+    return hints
+
+
+@dataclass(slots=True)
+class _RunCache:
+    target: CacheHintTarget
+    keys: set[str] = field(default_factory=set)
+    pinned: tuple[str, str] | None = None  # (node id, key)
+
+
+class RunCacheHints:
+    """Tells each local model's prefix cache what the runs ahead of it need (docs/prompt-cache.md).
+
+    Before an LLM node's call: the run's hints (``run_hints``), and the pin of an agent the run
+    has left is released. After an agent node's call: its key is pinned for ``pin_ttl_s`` (its
+    next turn follows a tool call or a wait). When the run ends (``finish_run``): its pin is
+    released and its keys are hinted None. A cache command that fails is logged, never raised:
+    hints only order eviction.
+    """
+
+    def __init__(self, *, pin_ttl_s: float = DEFAULT_AGENT_PIN_TTL_S) -> None:
+        self.pin_ttl_s = pin_ttl_s
+        self._lock = threading.Lock()
+        self._runs: dict[str, _RunCache] = {}
+
+    def before_call(self, target: CacheHintTarget, run_id: str, node_id: str, hints: Mapping[str, int | None]) -> None:
+        with self._lock:
+            state = self._runs.setdefault(run_id, _RunCache(target))
+            state.keys.update(hints)
+            left = state.pinned if state.pinned is not None and state.pinned[0] != node_id else None
+            if left is not None:
+                state.pinned = None
+        if left is not None:
+            _quietly(target.prompt_cache_release, left[1])
+        _quietly(target.prompt_cache_hints, dict(hints))
+
+    def after_call(self, run_id: str, node_id: str, key: str, *, agent: bool) -> None:
+        with self._lock:
+            state = self._runs.get(run_id)
+            if state is None or not agent:
+                return
+            state.pinned = (node_id, key)
+        _quietly(state.target.prompt_cache_pin, key, self.pin_ttl_s)
+
+    def finish_run(self, run_id: str) -> None:
+        with self._lock:
+            state = self._runs.pop(run_id, None)
+        if state is None:
+            return
+        if state.pinned is not None:
+            _quietly(state.target.prompt_cache_release, state.pinned[1])
+        _quietly(state.target.prompt_cache_hints, {key: None for key in state.keys})
+
+
+def _quietly(command: Callable[..., object], *args: object) -> None:
+    try:
+        command(*args)
+    except MLXRuntimeError as exc:
+        log.warning("prompt-cache hint not applied: [%s] %s", exc.code, exc.message)

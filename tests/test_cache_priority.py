@@ -1,0 +1,262 @@
+"""Eviction by steps-to-execution and pins with a TTL: the pure policy, the block manager that
+applies it (real MLX arrays), and a resident tiny model under a tight budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from abstractruntime_mlx import errors
+from abstractruntime_mlx.engine import prefix_cache
+from abstractruntime_mlx.engine.cache_priority import BlockInfo, CachePriorities, eviction_order, validate_hints
+
+# --- the policy on hand-built blocks ----------------------------------------------------------
+
+
+def blocks(*specs: tuple[int, set[str]]) -> list[BlockInfo]:
+    return [BlockInfo(last_used, frozenset(owners)) for last_used, owners in specs]
+
+
+def test_unreachable_first_then_unhinted_then_farthest_with_lru_between_equals():
+    idle = blocks(
+        (0, {"near"}),  # 0: next step
+        (1, {"far"}),  # 1: three steps away
+        (2, {"gone"}),  # 2: no live run reaches it
+        (3, {"stranger"}),  # 3: never hinted
+        (4, {"gone"}),  # 4: unreachable, used later than 2
+        (5, set()),  # 5: no known owner
+        (6, {"far"}),  # 6: far, used later than 1
+    )
+    hints = {"near": 0, "far": 3, "gone": None}
+    assert eviction_order(idle, hints) == [2, 4, 3, 5, 1, 6, 0]
+
+
+def test_a_shared_block_counts_its_most_urgent_owner():
+    idle = blocks((0, {"gone", "near"}), (1, {"gone"}), (2, {"gone", "stranger"}), (3, {"far", "near"}), (4, {"far"}))
+    assert eviction_order(idle, {"gone": None, "near": 0, "far": 5}) == [1, 2, 4, 0, 3]
+
+
+def test_pinned_owners_keep_their_blocks_out_of_the_order():
+    idle = blocks((0, {"a"}), (1, {"b"}), (2, {"a", "c"}))
+    assert eviction_order(idle, {}, pinned={"a"}) == [1]
+    assert eviction_order(idle, {}) == [0, 1, 2]  # no hints: plain LRU
+
+
+def test_pins_expire_renew_and_the_oldest_goes_first():
+    now = [100.0]
+    priorities = CachePriorities(clock=lambda: now[0])
+    assert not priorities.active
+    priorities.pin("a", 10)
+    now[0] = 101
+    priorities.pin("b", 1)
+    now[0] = 101.5
+    priorities.pin("a", 10)  # a renewal keeps its age
+    assert [p.key for p in priorities.live_pins()] == ["a", "b"] and priorities.active
+    now[0] = 102.5
+    assert [p.key for p in priorities.live_pins()] == ["a"]
+    assert priorities.pins_expired == 1
+    priorities.pin("c", 10)
+    assert priorities.drop_oldest_pin().key == "a"
+    assert priorities.release("c") is True and priorities.release("c") is False
+    assert not priorities.active and priorities.pins_dropped == 1
+
+
+@pytest.mark.parametrize(
+    "hints",
+    [{"k": -1}, {"k": True}, {"k": 1.5}, {"": 1}, {1: 1}, ["k"], {"k": 1 << 30}],
+)
+def test_bad_hints_are_typed_errors(hints):
+    with pytest.raises(errors.InvalidControls) as info:
+        validate_hints(hints)
+    assert info.value.code == "invalid_controls"
+
+
+# --- the block manager (real MLX arrays, no model) ---------------------------------------------
+
+
+def test_upstream_eviction_surface():
+    """The private names of mlx-vlm 0.7.10's APCManager the override replaces or reads."""
+    import inspect
+
+    from mlx_vlm import apc
+
+    assert list(inspect.signature(apc.APCManager._make_room).parameters) == ["self", "allocation_bytes", "retain_bytes"]
+    assert "cached_only" in inspect.signature(apc.APCManager._evict_lru).parameters
+    for name in ("_free_push", "_free_remove", "_memory_headroom"):
+        assert callable(getattr(apc.APCManager, name)), name
+    source = inspect.getsource(apc.APCManager._make_room)
+    for text in ("self._prefill_reserve_bytes", "self.memory_reserve_bytes", "self._free_head", "retain_bytes"):
+        assert text in source, text
+    assert {"next", "prev", "block_hash", "ref_cnt"} <= set(apc.APCBlock.__dataclass_fields__)
+
+LAYERS, HEADS, DIM = 2, 2, 8
+PROMPT_BLOCKS = 4
+
+
+def kv(tokens: int):
+    import mlx.core as mx
+
+    keys = [mx.random.normal((1, HEADS, tokens, DIM)) for _ in range(LAYERS)]
+    values = [mx.random.normal((1, HEADS, tokens, DIM)) for _ in range(LAYERS)]
+    mx.eval(keys + values)
+    return keys, values
+
+
+def block_bytes() -> int:
+    return 2 * LAYERS * HEADS * prefix_cache.BLOCK_SIZE * DIM * 4
+
+
+def make_manager(max_prompts: float, priorities: CachePriorities | None):
+    budget = int(max_prompts * PROMPT_BLOCKS * block_bytes())
+    manager = prefix_cache.counted_manager_class()(
+        num_blocks=64,
+        block_size=prefix_cache.BLOCK_SIZE,
+        overrides={"memory_max_gb": budget / prefix_cache.GIB, "memory_reserve_gb": 0, "checkpoint_entries": 0},
+    )
+    manager.priorities = priorities
+    return manager
+
+
+def prompt(key: str) -> list[int]:
+    base = 1000 * (1 + "abcdefgh".index(key))
+    return [base + i for i in range(PROMPT_BLOCKS * prefix_cache.BLOCK_SIZE)]
+
+
+def store(manager, priorities: CachePriorities | None, key: str) -> None:
+    tokens = prompt(key)
+    if priorities is not None:
+        priorities.own(key, prefix_cache.block_hashes(tokens, 0))
+    keys, values = kv(len(tokens))
+    manager.release(manager.store_kv_blocks(tokens, keys, values))
+
+
+def resident(manager, key: str) -> int:
+    matched, tokens = manager.lookup_prefix(prompt(key))
+    manager.release(matched)
+    return tokens
+
+
+FULL = PROMPT_BLOCKS * prefix_cache.BLOCK_SIZE
+
+
+def test_lru_without_priorities_evicts_the_oldest():
+    manager = make_manager(2, None)
+    for key in "abc":
+        store(manager, None, key)
+    assert [resident(manager, k) for k in "abc"] == [0, FULL, FULL]
+
+
+def test_a_hinted_key_survives_and_the_unreachable_one_goes():
+    priorities = CachePriorities()
+    manager = make_manager(2, priorities)
+    store(manager, priorities, "a")
+    store(manager, priorities, "b")
+    priorities.set_hints({"a": 0, "b": None})
+    store(manager, priorities, "c")
+    assert [resident(manager, k) for k in "abc"] == [FULL, 0, FULL]
+    assert manager.resident_bytes() <= manager.memory_max_bytes
+
+
+def test_a_pinned_key_survives_a_store_until_its_pin_expires():
+    now = [0.0]
+    priorities = CachePriorities(clock=lambda: now[0])
+    manager = make_manager(2, priorities)
+    store(manager, priorities, "a")
+    store(manager, priorities, "b")
+    priorities.pin("a", 5)
+    store(manager, priorities, "c")
+    assert [resident(manager, k) for k in "abc"] == [FULL, 0, FULL]
+    now[0] = 6.0  # expired: plain LRU again, a is the oldest
+    store(manager, priorities, "d")
+    assert resident(manager, "a") == 0 and resident(manager, "d") == FULL
+    assert priorities.pins_expired == 1
+
+
+def test_a_store_never_evicts_pinned_blocks():
+    priorities = CachePriorities()
+    manager = make_manager(2, priorities)
+    store(manager, priorities, "a")
+    store(manager, priorities, "b")
+    priorities.pin("a", 60)
+    priorities.pin("b", 60)
+    store(manager, priorities, "c")
+    assert [resident(manager, k) for k in "abc"] == [FULL, FULL, 0]
+    assert len(priorities.pins) == 2
+
+
+def test_pins_lose_to_a_live_request_oldest_first(monkeypatch):
+    now = [0.0]
+    priorities = CachePriorities(clock=lambda: now[0])
+    manager = make_manager(3, priorities)
+    for key in "abc":
+        store(manager, priorities, key)
+    for key in "abc":
+        now[0] += 1
+        priorities.pin(key, 60)
+    # The machine's free memory is short of what a live request needs by two prompts' worth.
+    held = manager.resident_bytes()
+    monkeypatch.setattr(manager, "_memory_headroom", lambda: -(held * 2 // 3) + block_bytes() // 2)
+    manager._make_room(0)
+    assert [resident(manager, k) for k in "abc"] == [0, 0, FULL]
+    assert [p.key for p in priorities.live_pins()] == ["c"] and priorities.pins_dropped == 2
+
+
+# --- a resident tiny model under a tight budget -------------------------------------------------
+
+
+def ask(llm, key: str, question: str = "What does a cache keep?"):
+    system = f"You are agent {key}. " + "You answer briefly and carefully. " * 10
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return llm.generate("", messages=messages, max_output_tokens=4, thinking=False, prompt_cache_key=key)
+
+
+def three_agents(llm, *, hints=None, pin=None):
+    """a, b, c each once (a budget of about two), then a again: what a's second call finds."""
+    first = [ask(llm, key) for key in ("agent-a", "agent-b")]
+    if hints is not None:
+        assert llm.prompt_cache_hints(hints)["applied"] is True
+    if pin is not None:
+        assert llm.prompt_cache_pin(pin, 60)["applied"] is True
+    first.append(ask(llm, "agent-c"))
+    return first, ask(llm, "agent-a", "And what does it drop?")
+
+
+@pytest.fixture()
+def tight_llm(make_llm, dense_model):
+    probe = make_llm(dense_model, mlx_batching=True)
+    result = ask(probe, "agent-a")
+    per_prompt = result.metadata["prompt_cache"]["apc"]["resident_bytes"]
+    probe.unload_model()
+
+    def build():
+        return make_llm(dense_model, mlx_batching=True, mlx_cache_memory_max_gb=2.5 * per_prompt / prefix_cache.GIB)
+
+    return build
+
+
+def test_lru_drops_the_next_agent_and_hints_keep_it(tight_llm):
+    lru_first, lru_again = three_agents(tight_llm())
+    assert lru_again.metadata["prompt_cache"]["cached_tokens"] == 0
+    llm = tight_llm()
+    hinted_first, hinted_again = three_agents(llm, hints={"agent-a": 1, "agent-b": None, "agent-c": 0})
+    assert hinted_again.metadata["prompt_cache"]["cached_tokens"] > 0
+    # greedy answers are the same with and without hints
+    assert [r.token_ids for r in lru_first + [lru_again]] == [r.token_ids for r in hinted_first + [hinted_again]]
+    stats = llm.get_prompt_cache_stats()
+    assert stats["eviction"]["order"] == "steps_to_execution" and stats["eviction"]["hinted_keys"] == 3
+
+
+def test_a_pinned_agent_keeps_its_prefix(tight_llm):
+    _, again = three_agents(tight_llm(), pin="agent-a")
+    assert again.metadata["prompt_cache"]["cached_tokens"] > 0
+
+
+def test_provider_commands_validate_and_release(tight_llm):
+    llm = tight_llm()
+    with pytest.raises(errors.InvalidControls):
+        llm.prompt_cache_hints({"k": -2})
+    with pytest.raises(errors.InvalidControls):
+        llm.prompt_cache_pin("k", 0)
+    ask(llm, "agent-a")
+    assert llm.prompt_cache_pin("agent-a", 30)["pins"] == 1
+    assert llm.prompt_cache_release("agent-a")["released"] is True
+    assert llm.prompt_cache_release("agent-a")["released"] is False
