@@ -63,14 +63,14 @@ class LaneSpec:
 
 def text_lane_row(request: EngineRequest) -> bool:
     """A row the text lane can run as mlx-vlm's loop would: text, no prefix-cache key."""
-    return request.prompt_kwargs_factory is None and request.prompt_cache_key is None
+    return request.image_prompt is None and request.prompt_cache_key is None
 
 
 def single_lane_row(request: EngineRequest, ctx: LaneContext) -> bool:
     """A row that can later move into a batch as is: text, no logits processors, grammar or
     logprobs (the text lane computes them, the single lane does not); a prefix-cache key only
     where the lane restores prefixes (RAM blocks, no SSD tier)."""
-    if request.prompt_kwargs_factory is not None or request.sampling.has_logit_processors() or request.grammar is not None:
+    if request.image_prompt is not None or request.sampling.has_logit_processors() or request.grammar is not None:
         return False
     if request.logprobs is not None:
         return False

@@ -60,6 +60,7 @@ from .backend import (
     PrefixReuse,
     RowInput,
     StepResult,
+    image_prompt_inputs,
     speculation_counters,
 )
 from .config import EngineConfig
@@ -67,6 +68,7 @@ from .lane_factory import BackendFactory, LaneFactory
 from .lanes import LANES
 from .model import Lane, LoadedModel
 from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
+from .reports import PromptCacheReport, SpeculationCounters, in_process_cache_report
 from .request import EngineRequest, ExecutionMode, LaneName, RequestStatus
 from .output import Ending, OutputProcessor, outcome_of
 from .stream import PrefillCallback, RequestStream
@@ -86,21 +88,6 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _IDLE_WAIT_S = 0.5
-
-DEFERRED_UNDER_LOAD: dict[str, Any] = {
-    "used": False,
-    "reason": "deferred_under_load",
-    "message": "optional MTP ran target-only in the continuous batch while target-only work waited or ran",
-}
-
-
-IN_PROCESS_NO_REUSE: dict[str, Any] = {
-    "outcome": "not_supported",
-    "reason": "in_process_lane",
-    "message": "mlx-vlm's in-process lane (mlx_batching=False with MTP) prefills every prompt in full; "
-    "prefix reuse runs on the mlx-lm lane (speculation=False) or with mlx_batching=True",
-}
-
 
 @dataclass(slots=True)
 class _Group:
@@ -750,8 +737,10 @@ class Engine:
             request.speculation_deferred = True  # optional MTP under load: target-only, in the batch
         try:
             prompt_inputs = None
-            if request.prompt_kwargs_factory is not None:
-                prompt_inputs = request.prompt_kwargs_factory()  # images expand the prompt: check its final length again
+            image = request.image_prompt
+            if image is not None:
+                # Images expand the prompt: its final ids are known here, so its length is checked again.
+                request.prompt_ids, prompt_inputs = image_prompt_inputs(self._model.model, self._model.processor, image.text, list(image.images))
                 self._model.check_request(prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens)
             row = RowInput(
                 request.prompt_ids,
@@ -792,7 +781,7 @@ class Engine:
         if self._model.lane == Lane.MLX_VLM:
             # mlx-vlm's in-process generation takes no restored cache without the full
             # prompt's rope positions; the key is served by a full prefill, said by name.
-            request.prompt_cache = {"mode": "key", "key": request.prompt_cache_key, **IN_PROCESS_NO_REUSE}
+            request.prompt_cache = in_process_cache_report(request.prompt_cache_key)
             return None
         if group.backend.kind == LaneName.SERIAL:
             layout = "serial"
@@ -886,11 +875,9 @@ class Engine:
             error = RequestCancelled("the request was cancelled")
         request.transition(status)
         request.finished_at = time.perf_counter()
-        self._record_speculation(request)
-        if request.speculation_deferred:
-            request.speculation = dict(DEFERRED_UNDER_LOAD)
-        self._record_prompt_cache(request)
-        request.outcome = outcome_of(request, status, error)
+        request.outcome = outcome_of(
+            request, status, error, speculation=self._speculation_counters(request), prompt_cache=self._prompt_cache_report(request)
+        )
         if locked:
             self._account(request, status)
         else:
@@ -898,35 +885,33 @@ class Engine:
                 self._account(request, status)
         self._output.end_stream(request)
 
-    def _record_speculation(self, request: EngineRequest) -> None:
-        """MTP counters since the group started. A cohort's rounds are batch-wide, and upstream
-        sums the per-round mean acceptance, so they are shared diagnostics, not token totals."""
+    def _speculation_counters(self, request: EngineRequest) -> SpeculationCounters | None:
+        """MTP counters since the group started (None: no MTP, or a backend without them)."""
         group = self._group
         if group is None or group.speculation_baseline is None or not request.draft_tokens:
-            return
+            return None
         now = speculation_counters(group.backend)
         if now is None:
-            return
+            return None
         rounds0, accepted0, drafted0 = group.speculation_baseline
-        shared = group.size > 1
-        request.speculation = {
-            "rounds": now[0] - rounds0,
-            "accepted_tokens": round(now[1] - accepted0, 3),
-            "drafted_tokens": now[2] - drafted0,
-            "accounting": "cohort" if shared else "request",
-            "counter_semantics": "sum_of_round_means_not_batch_token_totals" if shared else "request_tokens",
-        }
+        return SpeculationCounters(
+            rounds=now[0] - rounds0,
+            accepted_tokens=round(now[1] - accepted0, 3),
+            drafted_tokens=now[2] - drafted0,
+            shared=group.size > 1,
+        )
 
-    def _record_prompt_cache(self, request: EngineRequest) -> None:
+    def _prompt_cache_report(self, request: EngineRequest) -> PromptCacheReport | None:
+        """What the prefix cache did for a keyed request (the one set at admission where the
+        lane reuses no prefix; None: unkeyed, or it never reached the cache)."""
         cache = self.prefix_cache
         if cache is None or request.cache_counters is None or request.cache_layout is None:
-            return
+            return request.prompt_cache
         try:
-            request.prompt_cache = cache.report(
-                request, request.cache_counters, shared=request.peak_batch_size > 1, layout=request.cache_layout
-            )
+            return cache.report(request, request.cache_counters, shared=request.peak_batch_size > 1, layout=request.cache_layout)
         except Exception:  # noqa: BLE001 - a report must never fail the request it describes
             log.exception("prefix-cache report failed")
+            return request.prompt_cache
 
     def prompt_cache_stats(self) -> dict[str, Any] | None:
         """The prefix cache's stats, read on the worker; None when this model has none."""

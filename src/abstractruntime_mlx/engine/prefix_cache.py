@@ -40,6 +40,7 @@ from typing import Any
 from ..errors import InvalidControls, PromptCacheFlushFailed, PromptCacheLocked, PromptCachePathUnsafe
 from .cache_priority import CachePriorities, eviction_order, validate_hints, validate_pin
 from .prefix_break import find_break
+from .reports import ApcReport, PromptCacheReport
 
 log = logging.getLogger(__name__)
 
@@ -644,8 +645,9 @@ class PrefixCache:
         assert self.serial is not None
         return self.serial.resident_bytes
 
-    def report(self, request: Any, before: dict[str, int], *, shared: bool, layout: str) -> dict[str, Any]:
-        """``metadata["prompt_cache"]`` for a finished keyed request; updates the key's record.
+    def report(self, request: Any, before: dict[str, int], *, shared: bool, layout: str) -> PromptCacheReport:
+        """What the cache did for a finished keyed request (``metadata["prompt_cache"]``);
+        updates the key's record.
 
         Sets ``request.prefix_break`` when the prompt broke the key's previous prompt (see
         ``prefix_break``): the caller locates it, off this thread."""
@@ -692,23 +694,15 @@ class PrefixCache:
             self._keys.popitem(last=False)
         self.totals["requests"] += 1
         self.totals[{"hit": "hits", "partial": "partial", "miss": "misses", "not_retained": "not_retained"}[outcome]] += 1
-        meta: dict[str, Any] = {
-            "mode": "key",
-            "key": request.prompt_cache_key,
-            "backend": self.backend,
-            "cached_tokens": cached,
-            "fed_tokens": len(prompt) - cached,
-            "outcome": outcome,
-            "apc": {
-                **delta,
-                "accounting": "shared" if shared else "request",
-                "memory_max_bytes": self.budget.max_bytes,
-                "resident_bytes": self.resident_bytes(),
-            },
-        }
-        if degraded is not None:
-            meta["degraded_reason"] = degraded
-        return meta
+        return PromptCacheReport(
+            request.prompt_cache_key,
+            outcome,
+            backend=self.backend,
+            cached_tokens=cached,
+            fed_tokens=len(prompt) - cached,
+            apc=ApcReport(**delta, shared=shared, memory_max_bytes=self.budget.max_bytes, resident_bytes=self.resident_bytes()),
+            degraded_reason=degraded,
+        )
 
     # --- control ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

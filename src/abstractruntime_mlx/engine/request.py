@@ -13,6 +13,7 @@ from ..controls import Sampling
 from ..errors import MLXRuntimeError
 from .grammar import GrammarProcessor
 from .prefix_break import PrefixBreak
+from .reports import ExecutionReport, PromptCacheReport, SpeculationPlan, SpeculationReport
 from .sampling import SampledLogprob
 
 
@@ -143,13 +144,22 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None
-    execution: dict[str, Any]
-    speculation: dict[str, Any] | None
+    execution: ExecutionReport
+    speculation: SpeculationReport | None  # None: submitted without a plan (``EngineRequest.speculation``)
     error: MLXRuntimeError | None = None
-    prompt_cache: dict[str, Any] | None = None
+    prompt_cache: PromptCacheReport | None = None  # keyed requests that reached the cache
     stop_reason: str | int | None = None
     """What ended a stopped request: the stop string that matched, or the end-of-sequence token
     id (None: it ended otherwise)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePrompt:
+    """A prompt with images. Its final ids and the row's embeddings come from the vision
+    processor, on the worker at admission (``Engine._admit``), which sets ``prompt_ids``."""
+
+    text: str
+    images: tuple[Any, ...]
 
 
 @dataclass(slots=True, eq=False)
@@ -163,7 +173,7 @@ class EngineRequest:
     # Strict MTP (``require_acceleration``): never deferred. Optional MTP runs target-only in
     # the continuous batch while target-only work waits or runs (``speculation_deferred``).
     speculation_required: bool = False
-    prompt_kwargs_factory: Callable[[], dict[str, Any]] | None = None
+    image_prompt: ImagePrompt | None = None
     cache_group: Any = None
     prompt_cache_key: str | None = None
     media_hash: int = 0
@@ -184,11 +194,11 @@ class EngineRequest:
     finished_at: float | None = None
     peak_batch_size: int = 0
     cached_tokens: int | None = None
-    speculation: dict[str, Any] | None = None
+    speculation: SpeculationPlan | None = None  # the provider's plan (``draft_tokens`` is its depth)
     speculation_deferred: bool = False  # optional MTP admitted target-only under load
     cache_counters: dict[str, int] | None = None  # prefix-cache counters at admission
     cache_layout: str | None = None
-    prompt_cache: dict[str, Any] | None = None
+    prompt_cache: PromptCacheReport | None = None  # set at admission where the lane reuses no prefix
     prefix_break: PrefixBreak | None = None  # set with ``prompt_cache`` when the prompt broke its key's prefix
     stop_reason: str | int | None = None  # the matched stop string or end-of-sequence id (``Outcome``)
     # The admitted request whose prefill stores the prefix this one shares (see scheduler).
@@ -258,22 +268,6 @@ class EngineRequest:
     @property
     def cancelled(self) -> bool:
         return self.cancel_event.is_set()
-
-    def execution_metadata(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.mode is not None:
-            out["mode"] = self.mode
-        if self.path is not None:
-            out["path"] = self.path
-        if self.exclusive_reason is not None:
-            out["reason"] = self.exclusive_reason
-        if self.peak_batch_size:
-            out["peak_batch_size"] = self.peak_batch_size
-        if self.started_at is not None:
-            out["queue_s"] = round(self.started_at - self.submitted_at, 6)
-        if self.first_token_at is not None:
-            out["ttft_s"] = round(self.first_token_at - self.submitted_at, 6)
-        return out
 
     def notify(self) -> None:
         waker = self.waker

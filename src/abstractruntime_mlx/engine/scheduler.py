@@ -427,7 +427,7 @@ class Scheduler:
         held: list[HeldForPrefix] = []
         for request in requests:
             leader = None
-            if request.prompt_cache_key is not None and request.prompt_kwargs_factory is None:
+            if request.prompt_cache_key is not None and request.image_prompt is None:
                 salt = index.salt(request)
                 same_salt = [r for r in prefilling if index.salt(r) == salt]
                 if same_salt:

@@ -25,9 +25,10 @@ from ..engine.loop import Engine
 from ..engine.model import HEAD_LANES, Lane, LoadedModel
 from ..engine.cache_priority import validate_hints, validate_pin
 from ..engine.prefix_cache import PrefixCache, image_hash, validate_options as validate_cache_options
+from ..engine.reports import SpeculationPlan, speculation_report, unreached_cache_report
 from ..engine.sampling import SampledLogprob
 from ..engine.stream import RequestStream
-from ..engine.request import EngineRequest, FinishReason, Outcome, PrefillObservation, TokenDelta
+from ..engine.request import EngineRequest, FinishReason, ImagePrompt, Outcome, PrefillObservation, TokenDelta
 from ..errors import (
     ContextTooLong,
     InvalidControls,
@@ -102,7 +103,7 @@ _lease_ids = itertools.count(1)
 class _Prepared:
     request: EngineRequest
     tracker: ProgressTracker | None
-    speculation: dict[str, Any]
+    speculation: SpeculationPlan
     controls: ResolvedControls
     prompt_cache_key: str | None
     started: float
@@ -436,7 +437,7 @@ class MLXProvider:
             text = _render(loaded, call, controls, conversation)
         prompt_ids = _encode_within_context(loaded, text, call.max_output_tokens)
         constrained = call.response_format is not None or call.tool_choice.forced
-        draft_tokens, speculation_meta = self._speculation_plan(controls, call.sampling, loaded, structured=constrained)
+        draft_tokens, speculation = self._speculation_plan(controls, call.sampling, loaded, structured=constrained)
         max_tokens = _output_cap(loaded, len(prompt_ids), call.max_output_tokens)
         grammar = None
         # Compiled here, on the caller's thread: the worker's other rows never wait for it.
@@ -461,6 +462,7 @@ class MLXProvider:
             sampling=call.sampling,
             stop=call.stop,
             draft_tokens=draft_tokens,
+            speculation=speculation,
             speculation_required=bool(draft_tokens and controls.speculation.require_acceleration),
             cache_group=None,
             prompt_cache_key=call.prompt_cache_key,
@@ -468,29 +470,32 @@ class MLXProvider:
             output_queue_size=self.execution_options["mlx_output_queue_size"],
             observe_prefill=call.progress is not None,
             cancel_event=call.cancel or threading.Event(),
+            image_prompt=ImagePrompt(text, tuple(images)) if images else None,
             grammar=grammar,
             logprobs=call.logprobs,
         )
-        if images:
-            request.prompt_kwargs_factory = _image_kwargs_factory(request, loaded, text, images)
         tracker = ProgressTracker(call.progress, min_interval_s=self.progress_min_interval_s) if call.progress else None
         return _Prepared(
-            request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter(), text, conversation, tuple(_offered_tools(call))
+            request, tracker, speculation, controls, call.prompt_cache_key, time.perf_counter(), text, conversation, tuple(_offered_tools(call))
         )
 
     def _speculation_plan(
         self, controls: ResolvedControls, sampling: Sampling, loaded: LoadedModel, *, structured: bool = False
-    ) -> tuple[int, dict[str, Any]]:
-        """The draft depth the engine runs (0: none) and the ``speculation`` metadata saying why."""
+    ) -> tuple[int, SpeculationPlan]:
+        """The draft depth the engine runs (0: none) and the plan saying why (``metadata["speculation"]``)."""
         effective, source = controls.speculation, controls.speculation_source
-        meta: dict[str, Any] = {"requested": effective.enabled, "mode": effective.mode, "source": source}
         if not effective.enabled:
-            meta["used"] = False
-            meta["reason"] = controls.speculation_off_reason
-            return 0, meta
+            return 0, SpeculationPlan(requested=False, mode=effective.mode, source=source, used=False, reason=controls.speculation_off_reason)
         depth = effective.num_draft_tokens
         assert depth is not None  # the resolver always fills the depth of native MTP
-        meta.update(num_draft_tokens=depth, require_acceleration=bool(effective.require_acceleration))
+        asked = SpeculationPlan(
+            requested=True,
+            mode=effective.mode,
+            source=source,
+            used=False,
+            num_draft_tokens=depth,
+            require_acceleration=bool(effective.require_acceleration),
+        )
         reason, message = None, None
         attach_s: float | None = None
         if loaded.lane not in HEAD_LANES:
@@ -510,13 +515,12 @@ class MLXProvider:
         if reason is not None:
             if effective.require_acceleration:
                 raise SpeculationUnavailable(message or reason, reason=reason)
-            meta.update(used=False, reason=reason, message=message)
-            return 0, meta
-        meta.update(used=True, runtime="mlx_vlm", draft_kind="mtp", drafter=loaded.drafter_source)
+            return 0, dataclasses.replace(asked, reason=reason, message=message)
+        used = dataclasses.replace(asked, used=True, drafter=loaded.drafter_source)
         if attach_s is not None:
             # This request attached the head (once per resident model): what it cost.
-            meta.update(head_attach_s=round(attach_s, 6), head_bytes=loaded.drafter_bytes)
-        return depth, meta
+            used = dataclasses.replace(used, head_attach_s=round(attach_s, 6), head_bytes=loaded.drafter_bytes)
+        return depth, used
 
     def _mlx_lm_lane_reason(self, loaded: LoadedModel) -> tuple[str, str]:
         """Why MTP cannot run on the mlx-lm lane (a non-batched provider whose default was off)."""
@@ -654,23 +658,16 @@ class MLXProvider:
         }
         if outcome.cached_tokens is not None:
             usage["cached_input_tokens"] = outcome.cached_tokens
-        speculation = {**prepared.speculation, **(outcome.speculation or {})}
-        if speculation.get("used") is False:
-            for key in ("runtime", "draft_kind", "drafter"):  # what would have run, had MTP run
-                speculation.pop(key, None)
-        metadata: dict[str, Any] = {"execution": outcome.execution, "speculation": speculation}
+        assert outcome.speculation is not None  # every request this provider submits carries its plan
+        metadata: dict[str, Any] = {"execution": outcome.execution.to_wire(), "speculation": outcome.speculation.to_wire()}
         if outcome.stop_reason is not None:
             metadata["stop_reason"] = outcome.stop_reason  # the matched stop string, or the end-of-sequence id
         performance = _performance(request)
         if performance:
             metadata["performance"] = performance
-        if outcome.prompt_cache is not None:
-            metadata["prompt_cache"] = outcome.prompt_cache
-            if prefix_break is not None:
-                metadata["prompt_cache"] = {**outcome.prompt_cache, "prefix_break": prefix_break}
-        elif prepared.prompt_cache_key is not None:
-            # The request ended before it reached the cache (rejected, cancelled while waiting).
-            metadata["prompt_cache"] = {"mode": "key", "key": prepared.prompt_cache_key, "outcome": "not_reached"}
+        if prepared.prompt_cache_key is not None:
+            cache_report = outcome.prompt_cache or unreached_cache_report(prepared.prompt_cache_key)
+            metadata["prompt_cache"] = cache_report.to_wire(prefix_break)
         if prepared.controls.thinking is not None:
             metadata["thinking"] = prepared.controls.thinking
         if request.grammar is not None:
@@ -750,11 +747,10 @@ class AsyncChunkStream:
 def _speculation_event(prepared: _Prepared) -> dict[str, Any]:
     """What phase events say about speculation once the request is admitted: whether MTP runs
     and, when it does not, the named reason (``deferred_under_load`` decided at admission)."""
-    if prepared.request.speculation_deferred:
-        return {"speculation_used": False, "speculation_reason": "deferred_under_load"}
-    if prepared.speculation.get("used"):
+    report = speculation_report(prepared.speculation, None, prepared.request.speculation_deferred)
+    if report.used:
         return {"speculation_used": True}
-    return {"speculation_used": False, "speculation_reason": prepared.speculation.get("reason")}
+    return {"speculation_used": False, "speculation_reason": report.reason}
 
 
 def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -806,23 +802,27 @@ def _render(loaded: LoadedModel, call: GenerationRequest, controls: ResolvedCont
 
 
 def _encode_within_context(loaded: Any, text: str, cap: int | None) -> list[int]:
-    """Tokenize ``text``, refusing at once (before encoding) a text that cannot fit the context."""
+    """Tokenize ``text``, refusing at once (before encoding) a text that cannot fit the context
+    with the output cap ``_output_cap`` would give its fewest possible tokens."""
     context = loaded.context_length
     if context is not None:
         at_least = loaded.min_prompt_tokens(text)
-        if at_least + (cap or 1) > context:
+        least_cap = _output_cap(loaded, at_least, cap)
+        if at_least + least_cap > context:
             raise ContextTooLong(
                 f"the prompt needs at least {at_least} tokens ({len(text)} characters) and the output cap is "
-                f"{cap or 1}; this model's context is {context} tokens",
-                details={"prompt_tokens_at_least": at_least, "max_output_tokens": cap or 1, "context_length": context},
+                f"{least_cap}; this model's context is {context} tokens",
+                details={"prompt_tokens_at_least": at_least, "max_output_tokens": least_cap, "context_length": context},
             )
     ids: list[int] = loaded.encode(text)
     return ids
 
 
 def _output_cap(loaded: Any, prompt_tokens: int, cap: int | None) -> int:
-    """The caller's cap, or the default shrunk to what the context leaves (at least 1, so a
-    prompt that fills the context is refused as ``context_too_long`` by the engine)."""
+    """The engine's ``max_tokens``, decided here alone: the caller's cap, or the default shrunk
+    to what the context leaves (at least 1, so a prompt that fills the context is refused as
+    ``context_too_long``). The engine checks prompt plus cap against the context again once an
+    image prompt's final length is known (``LoadedModel.check_request``)."""
     if cap is not None:
         return cap
     context = loaded.context_length
@@ -859,19 +859,6 @@ def _load_images(media: tuple[Any, ...], loaded: LoadedModel) -> list[Any]:
         except (UnidentifiedImageError, OSError) as exc:
             raise InvalidMedia(f"media[{i}] is not a readable image: {exc}") from exc
     return images
-
-
-def _image_kwargs_factory(
-    request: EngineRequest, loaded: Any, text: str, images: list[Any]
-) -> Callable[[], dict[str, Any]]:
-    from ..engine.backend import image_prompt_inputs
-
-    def factory() -> dict[str, Any]:
-        ids, kwargs = image_prompt_inputs(loaded.model, loaded.processor, text, images)
-        request.prompt_ids = ids
-        return kwargs
-
-    return factory
 
 
 def _performance(request: EngineRequest) -> dict[str, Any]:

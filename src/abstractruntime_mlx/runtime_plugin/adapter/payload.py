@@ -66,9 +66,6 @@ def request_from_payload(
     seed = params.get("seed")
     if seed is not None and not isinstance(seed, bool) and isinstance(seed, int) and seed >= 0:
         sampling["seed"] = seed
-    max_out = _output_cap(params, payload, run_vars or {})
-    if max_out is not None:
-        sampling["max_output_tokens"] = max_out
     model = given if isinstance(given := payload.get("model"), str) and given else None
     if force_model or model is None:
         model = default_model or model
@@ -90,6 +87,7 @@ def request_from_payload(
         run_speculation=_level(runtime_ns, "speculation"),
         run_thinking=_level(runtime_ns, "thinking"),
         sampling=sampling,
+        max_output_tokens=_output_cap(params, payload, run_vars or {}),
         prompt_cache_key=node_prompt_cache_key(params, config, run_vars or {}, call, provider=provider, model=model),
         response_schema=_response_schema(payload.get("response_schema")),
         response_schema_name=_str_or_none(payload.get("response_schema_name")),
