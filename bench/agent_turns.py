@@ -1,6 +1,6 @@
 """Agent turns: a ReAct-shaped conversation with prefix reuse on and off, 1, 4 and 8 sessions at once.
 
-    python bench/agent_turns.py                 # tiny dense-long model, 8 turns, sessions 1/4/8, in process and through serve
+    python bench/agent_turns.py                 # tiny dense-long model, 8 turns, sessions 1/4/8, in process + serve
     python bench/agent_turns.py --quick         # 4 turns, sessions 1/4, in process only
     python bench/agent_turns.py --json out.json # also write every figure
 
@@ -15,7 +15,8 @@ its turns one after another) twice in one process, on one resident model
 (``mlx_batching=True``, ``mlx_max_batch_size=8``): reuse off (no ``prompt_cache_key``: the
 whole transcript is prefilled every turn) and reuse on (one key per session, as the host
 derives it). The prompt cache is cleared before each phase, so no phase finds another's
-blocks; sessions of one phase share the system prompt and tools, like N runs of one flow. ``--serve`` repeats both phases through ``abstractruntime-mlx serve`` (a subprocess on
+blocks; sessions of one phase share the system prompt and tools, like N runs of one flow.
+``--serve`` repeats both phases through ``abstractruntime-mlx serve`` (a subprocess on
 127.0.0.1) with the remote client.
 
 Figures, per concurrency and path: TTFT by turn (median over sessions, the engine's
@@ -43,7 +44,16 @@ from pathlib import Path
 from typing import Any
 
 MAX_NEW = 16
-TOOL_NAMES = ["list_files", "read_file", "write_file", "edit_file", "search_files", "run_tests", "fetch_issue", "post_comment"]
+TOOL_NAMES = [
+    "list_files",
+    "read_file",
+    "write_file",
+    "edit_file",
+    "search_files",
+    "run_tests",
+    "fetch_issue",
+    "post_comment",
+]
 RULES = [
     "Think about which tool moves the task forward, call exactly one tool, then wait for its observation.",
     "Never invent an observation: only the tool's own output tells you what happened.",
@@ -97,14 +107,25 @@ def observation(session: int, turn: int, lines: int) -> str:
     return "".join(OBSERVATION.format(n=turn * 100 + k, r=k % 5, s=session, t=(session + k) % 7) for k in range(lines))
 
 
-def run_session(generate: Any, session: int, system: str, tool_schema: list[dict[str, Any]], *, turns: int, key: str | None, obs_lines: int) -> list[dict[str, Any]]:
+def run_session(
+    generate: Any,
+    session: int,
+    system: str,
+    tool_schema: list[dict[str, Any]],
+    *,
+    turns: int,
+    key: str | None,
+    obs_lines: int,
+) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": system},
         {"role": "user", "content": f"Task {session}: find why handler_{session} times out and fix it."},
     ]
     rows = []
     for turn in range(turns):
-        kwargs: dict[str, Any] = dict(messages=messages, tools=tool_schema, max_output_tokens=MAX_NEW, temperature=0, thinking=False)
+        kwargs: dict[str, Any] = dict(
+            messages=messages, tools=tool_schema, max_output_tokens=MAX_NEW, temperature=0, thinking=False
+        )
         if key is not None:
             kwargs["prompt_cache_key"] = key
         result = generate(**kwargs)
@@ -127,7 +148,17 @@ def run_session(generate: Any, session: int, system: str, tool_schema: list[dict
     return rows
 
 
-def run_phase(generate: Any, sessions: int, system: str, tool_schema: list[dict[str, Any]], *, turns: int, reuse: bool, label: str, obs_lines: int) -> dict[str, Any]:
+def run_phase(
+    generate: Any,
+    sessions: int,
+    system: str,
+    tool_schema: list[dict[str, Any]],
+    *,
+    turns: int,
+    reuse: bool,
+    label: str,
+    obs_lines: int,
+) -> dict[str, Any]:
     results: list[list[dict[str, Any]]] = [[] for _ in range(sessions)]
     start = threading.Barrier(sessions)
     errors: list[BaseException] = []
@@ -135,7 +166,15 @@ def run_phase(generate: Any, sessions: int, system: str, tool_schema: list[dict[
     def one(i: int) -> None:
         start.wait()
         try:
-            results[i] = run_session(generate, i, system, tool_schema, turns=turns, key=f"session:{label}-{i}" if reuse else None, obs_lines=obs_lines)
+            results[i] = run_session(
+                generate,
+                i,
+                system,
+                tool_schema,
+                turns=turns,
+                key=f"session:{label}-{i}" if reuse else None,
+                obs_lines=obs_lines,
+            )
         except BaseException as exc:  # noqa: BLE001 - reported after the phase
             errors.append(exc)
 
@@ -159,13 +198,22 @@ def summarize(off: dict[str, Any], on: dict[str, Any], turns: int) -> dict[str, 
     by_turn = []
     for turn in range(1, turns + 1):
         a, b = ttft(off, turn), ttft(on, turn)
-        by_turn.append({"turn": turn, "ttft_off_ms": a * 1000, "ttft_on_ms": b * 1000, "ratio": b / a,
-                        "prompt_tokens": statistics.median(rows[turn - 1]["prompt_tokens"] for rows in on["sessions"]),
-                        "cached_tokens": statistics.median(rows[turn - 1]["cached_tokens"] for rows in on["sessions"])})  # fmt: skip
+        by_turn.append(
+            {
+                "turn": turn,
+                "ttft_off_ms": a * 1000,
+                "ttft_on_ms": b * 1000,
+                "ratio": b / a,
+                "prompt_tokens": statistics.median(rows[turn - 1]["prompt_tokens"] for rows in on["sessions"]),
+                "cached_tokens": statistics.median(rows[turn - 1]["cached_tokens"] for rows in on["sessions"]),
+            }
+        )
     firsts = sorted(rows[0]["cached_tokens"] / rows[0]["prompt_tokens"] for rows in on["sessions"])
     resident = [r["resident_bytes"] for rows in on["sessions"] for r in rows if r["resident_bytes"] is not None]
     budget = next((r["memory_max_bytes"] for rows in on["sessions"] for r in rows if r["memory_max_bytes"]), None)
-    identical = all(a["tokens"] == b["tokens"] for ra, rb in zip(off["sessions"], on["sessions"]) for a, b in zip(ra, rb))
+    identical = all(
+        a["tokens"] == b["tokens"] for ra, rb in zip(off["sessions"], on["sessions"]) for a, b in zip(ra, rb)
+    )
     return {
         "by_turn": by_turn,
         "growth_on": by_turn[-1]["ttft_on_ms"] / by_turn[1]["ttft_on_ms"] if turns > 1 else None,
@@ -183,17 +231,40 @@ def report(name: str, sessions: int, s: dict[str, Any], log: Any) -> None:
     log(f"\n{name}, {sessions} session(s):")
     log("  turn  prompt  cached   TTFT off ms   TTFT on ms   on/off")
     for row in s["by_turn"]:
-        log(f"  {row['turn']:4d}  {row['prompt_tokens']:6.0f}  {row['cached_tokens']:6.0f}   {row['ttft_off_ms']:11.1f}   {row['ttft_on_ms']:10.1f}   {row['ratio']:6.3f}")
+        log(
+            f"  {row['turn']:4d}  {row['prompt_tokens']:6.0f}  {row['cached_tokens']:6.0f}   "
+            f"{row['ttft_off_ms']:11.1f}   {row['ttft_on_ms']:10.1f}   {row['ratio']:6.3f}"
+        )
     later = [row["ratio"] for row in s["by_turn"][1:]]
     followers = s["first_turn_cached"][1:] if sessions > 1 else []
     checks = [
-        ("turn >= 2 TTFT on/off <= 0.25", bool(later) and max(later) <= 0.25, f"worst {max(later):.3f}" if later else "-"),
-        ("TTFT growth turn 2 -> last <= 1.5x (on)", s["growth_on"] is not None and s["growth_on"] <= 1.5, f"{s['growth_on']:.2f}x on, {s['growth_off']:.2f}x off" if s["growth_on"] else "-"),
-        ("sessions 2..N first turn >= 80% cached", all(f >= 0.8 for f in followers), ", ".join(f"{f:.2f}" for f in s["first_turn_cached"])),
-        ("aggregate tok/s on >= off", s["tok_s_on"] >= s["tok_s_off"], f"{s['tok_s_on']:.1f} vs {s['tok_s_off']:.1f} ({s['tok_s_on'] / s['tok_s_off']:.2f}x)"),
-        ("resident cache bytes <= budget", s["budget_bytes"] is None or s["max_resident_bytes"] <= s["budget_bytes"], f"{s['max_resident_bytes'] / 2**20:.1f} MiB of {(s['budget_bytes'] or 0) / 2**20:.0f} MiB"),
+        (
+            "turn >= 2 TTFT on/off <= 0.25",
+            bool(later) and max(later) <= 0.25,
+            f"worst {max(later):.3f}" if later else "-",
+        ),
+        (
+            "TTFT growth turn 2 -> last <= 1.5x (on)",
+            s["growth_on"] is not None and s["growth_on"] <= 1.5,
+            f"{s['growth_on']:.2f}x on, {s['growth_off']:.2f}x off" if s["growth_on"] else "-",
+        ),
+        (
+            "sessions 2..N first turn >= 80% cached",
+            all(f >= 0.8 for f in followers),
+            ", ".join(f"{f:.2f}" for f in s["first_turn_cached"]),
+        ),
+        (
+            "aggregate tok/s on >= off",
+            s["tok_s_on"] >= s["tok_s_off"],
+            f"{s['tok_s_on']:.1f} vs {s['tok_s_off']:.1f} ({s['tok_s_on'] / s['tok_s_off']:.2f}x)",
+        ),
+        (
+            "resident cache bytes <= budget",
+            s["budget_bytes"] is None or s["max_resident_bytes"] <= s["budget_bytes"],
+            f"{s['max_resident_bytes'] / 2**20:.1f} MiB of {(s['budget_bytes'] or 0) / 2**20:.0f} MiB",
+        ),
         ("greedy answers identical on/off", s["identical"], ""),
-    ]  # fmt: skip
+    ]
     for label, ok, detail in checks:
         log(f"  [{'ok' if ok else 'MISSED'}] {label}: {detail}")
 
@@ -203,11 +274,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="4 turns, sessions 1 and 4, in process only")
     ap.add_argument("--turns", type=int, default=None, help="turns per session (default 8; --quick: 4)")
     ap.add_argument("--sessions", type=int, nargs="+", default=None, help="concurrencies (default 1 4 8; --quick: 1 4)")
-    ap.add_argument("--system-tokens", type=int, default=300, help="system prompt tokens before the tool schema (default 300: ~2,500 with the tools)")
-    ap.add_argument("--observation-lines", type=int, default=4, help="lines of a tool observation (default 4: ~350 new tokens a turn)")
-    ap.add_argument("--serve", action=argparse.BooleanOptionalAction, default=None, help="also through serve (default: on; --quick: off)")
-    ap.add_argument("--model", default=None, help="a checkpoint directory (default: the tiny dense-long model, built offline)")
-    ap.add_argument("--shape", choices=["0.6b", "4b"], default=None, help="build a random bf16 checkpoint of this Qwen3 shape (32k context) instead")
+    ap.add_argument(
+        "--system-tokens",
+        type=int,
+        default=300,
+        help="system prompt tokens before the tool schema (default 300: ~2,500 with the tools)",
+    )
+    ap.add_argument(
+        "--observation-lines",
+        type=int,
+        default=4,
+        help="lines of a tool observation (default 4: ~350 new tokens a turn)",
+    )
+    ap.add_argument(
+        "--serve",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also through serve (default: on; --quick: off)",
+    )
+    ap.add_argument(
+        "--model", default=None, help="a checkpoint directory (default: the tiny dense-long model, built offline)"
+    )
+    ap.add_argument(
+        "--shape",
+        choices=["0.6b", "4b"],
+        default=None,
+        help="build a random bf16 checkpoint of this Qwen3 shape (32k context) instead",
+    )
     ap.add_argument("--json", dest="json_out", default=None, help="write every figure here")
     args = ap.parse_args(argv)
     turns = args.turns or (4 if args.quick else 8)
@@ -226,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.shape:
         import _models  # bench/_models.py (``python bench/X.py`` puts bench/ first on sys.path)
 
-        model = _models.small_model(Path(scratch.name) / args.shape, shape={**_models.SHAPES[args.shape], "max_position_embeddings": 32768})
+        model = _models.small_model(
+            Path(scratch.name) / args.shape, shape={**_models.SHAPES[args.shape], "max_position_embeddings": 32768}
+        )
     else:
         model = tiny_model(Path(scratch.name) / "dense-long", kind="dense-long")
     batch = max(levels)
@@ -246,7 +341,16 @@ def main(argv: list[str] | None = None) -> int:
             system = system_prompt(label, args.system_tokens, count)
             for reuse in (False, True):
                 client.prompt_cache_clear()  # each phase starts cold (reuse off stores nothing anyway)
-                phases[reuse] = run_phase(client.generate, sessions, system, schema, turns=turns, reuse=reuse, label=label, obs_lines=args.observation_lines)
+                phases[reuse] = run_phase(
+                    client.generate,
+                    sessions,
+                    system,
+                    schema,
+                    turns=turns,
+                    reuse=reuse,
+                    label=label,
+                    obs_lines=args.observation_lines,
+                )
             summary = summarize(phases[False], phases[True], turns)
             report(name, sessions, summary, log)
             figures["runs"].append({"path": name, "sessions": sessions, **summary})

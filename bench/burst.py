@@ -46,8 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     path = _models.tiny(root / "tiny") if args.model == "tiny" else _models.shaped_model(root / args.model, args.model)
     c = args.concurrency
     llm = create_llm(
-        "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=max(4, c), mlx_max_queue_size=max(32, 2 * c),
-        speculation=False, mlx_single_lane=args.single_lane == "on", mlx_burst_gap_ms=args.burst_gap_ms,
+        "mlx",
+        model=str(path),
+        mlx_batching=True,
+        mlx_max_batch_size=max(4, c),
+        mlx_max_queue_size=max(32, 2 * c),
+        speculation=False,
+        mlx_single_lane=args.single_lane == "on",
+        mlx_burst_gap_ms=args.burst_gap_ms,
     )
     engine = llm._engine
     steps: list[tuple[float, float, str, int, bool]] = []
@@ -64,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def call(i: int, tag: str) -> dict[str, Any]:
         start, first = time.perf_counter(), None
-        for chunk in llm.generate(prompt(i, tag), stream=True, thinking=False, temperature=0, max_output_tokens=MAX_TOKENS):
+        for chunk in llm.generate(
+            prompt(i, tag), stream=True, thinking=False, temperature=0, max_output_tokens=MAX_TOKENS
+        ):
             if first is None and getattr(chunk, "content", None):
                 first = time.perf_counter() - start
         return {"end": time.perf_counter(), "ttft": first}
@@ -83,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats):
             t0, wall, results = burst(f"r{r}")
             ttft = statistics.median(x["ttft"] for x in results if x["ttft"] is not None) * 1000
-            print(f"\nburst {r + 1}: wall {wall * 1000:.0f} ms, {c * MAX_TOKENS / wall:.0f} tok/s, TTFT p50 {ttft:.0f} ms")
+            print(
+                f"\nburst {r + 1}: wall {wall * 1000:.0f} ms, {c * MAX_TOKENS / wall:.0f} tok/s, TTFT p50 {ttft:.0f} ms"
+            )
             print("| at ms | backend | rows | prefilling | steps | mean ms | max ms |")
             print("|---|---|---|---|---|---|---|")
             runs: list[list[Any]] = []
@@ -93,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     runs.append([(backend, rows, prefilling), [duration], start - t0])
             for (backend, rows, prefilling), durations, at in runs:
-                print(f"| {at * 1000:.1f} | {backend} | {rows} | {prefilling} | {len(durations)} | "
-                      f"{statistics.mean(durations) * 1000:.2f} | {max(durations) * 1000:.1f} |")
+                print(
+                    f"| {at * 1000:.1f} | {backend} | {rows} | {prefilling} | {len(durations)} | "
+                    f"{statistics.mean(durations) * 1000:.2f} | {max(durations) * 1000:.1f} |"
+                )
     finally:
         llm.unload_model(llm.model)
     return 0

@@ -151,14 +151,20 @@ class StepCounters:
     upstream_s: float = 0.0
     tokens_s: float = 0.0
 
-    def minus(self, other: "StepCounters") -> "StepCounters":
+    def minus(self, other: StepCounters) -> StepCounters:
         return StepCounters(
-            self.steps - other.steps, self.step_s - other.step_s, self.upstream_s - other.upstream_s, self.tokens_s - other.tokens_s
+            self.steps - other.steps,
+            self.step_s - other.step_s,
+            self.upstream_s - other.upstream_s,
+            self.tokens_s - other.tokens_s,
         )
 
-    def plus(self, other: "StepCounters") -> "StepCounters":
+    def plus(self, other: StepCounters) -> StepCounters:
         return StepCounters(
-            self.steps + other.steps, self.step_s + other.step_s, self.upstream_s + other.upstream_s, self.tokens_s + other.tokens_s
+            self.steps + other.steps,
+            self.step_s + other.step_s,
+            self.upstream_s + other.upstream_s,
+            self.tokens_s + other.tokens_s,
         )
 
 
@@ -200,8 +206,13 @@ class OursClient(ClientSideTarget):
         if self.options:
             path = _alias(path, f"client-{self.name}")  # one resident model per directory
         self.llm = create_llm(
-            "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=max_batch, mlx_max_queue_size=queue_size,
-            speculation=False, **self.options,
+            "mlx",
+            model=str(path),
+            mlx_batching=True,
+            mlx_max_batch_size=max_batch,
+            mlx_max_queue_size=queue_size,
+            speculation=False,
+            **self.options,
         )
 
     def counters(self) -> StepCounters | None:
@@ -211,7 +222,9 @@ class OursClient(ClientSideTarget):
     def call(self, prompt: ChatPrompt, max_tokens: int, c: int) -> Phases:
         _PARTS.sums = {}
         got = Phases(call=time.perf_counter())
-        stream = self.llm.generate(prompt.text, stream=True, thinking=False, temperature=0, max_output_tokens=max_tokens)
+        stream = self.llm.generate(
+            prompt.text, stream=True, thinking=False, temperature=0, max_output_tokens=max_tokens
+        )
         got.parts = dict(_PARTS.sums)
         last = None
         for chunk in stream:
@@ -249,7 +262,7 @@ class _Job:
     max_tokens: int
     width: int
     phases: Phases
-    out: "queue.SimpleQueue[str | None]" = field(default_factory=queue.SimpleQueue)  # None: the end
+    out: queue.SimpleQueue[str | None] = field(default_factory=queue.SimpleQueue)  # None: the end
     detokenizer: Any = None
 
 
@@ -262,7 +275,7 @@ class _WorkerClient(ClientSideTarget):
         loaded = mlx_lm.load(str(path))
         self.model, self.tokenizer = loaded[0], loaded[1]
         self.eos = {int(e) for e in self.tokenizer.eos_token_ids}
-        self.inbox: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         # The worker parks on its inbox when the target is done: a thread that ran MLX work
         # must not exit (MLX's per-thread state aborts the interpreter otherwise).
         threading.Thread(target=self._serve, name=f"{self.name}-worker", daemon=True).start()
@@ -274,7 +287,10 @@ class _WorkerClient(ClientSideTarget):
         got = Phases(call=time.perf_counter())
         t0 = got.call
         text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=False, enable_thinking=False
+            [{"role": "user", "content": prompt.text}],
+            add_generation_prompt=True,
+            tokenize=False,
+            enable_thinking=False,
         )
         t1 = time.perf_counter()
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -350,8 +366,13 @@ class LmLoopClient(_WorkerClient):
                     gen.close()
                 width = jobs[0].width
                 gen = BatchGenerator(
-                    self.model, max_tokens=jobs[0].max_tokens, stop_tokens=[[e] for e in self.eos],
-                    completion_batch_size=width, prefill_batch_size=width, prefill_step_size=256, stream=stream,
+                    self.model,
+                    max_tokens=jobs[0].max_tokens,
+                    stop_tokens=[[e] for e in self.eos],
+                    completion_batch_size=width,
+                    prefill_batch_size=width,
+                    prefill_step_size=256,
+                    stream=stream,
                 )
             t0 = time.perf_counter()
             if jobs:
@@ -429,7 +450,11 @@ class ClientPoint:
 
 
 def summarise_client(
-    model: str, target: str, c: int, runs: list[tuple[list[Phases], float]], shapes: Window | None = None,
+    model: str,
+    target: str,
+    c: int,
+    runs: list[tuple[list[Phases], float]],
+    shapes: Window | None = None,
     steps: StepCounters | None = None,
 ) -> ClientPoint:
     reqs = [p for got, _ in runs for p in got]
@@ -444,9 +469,15 @@ def summarise_client(
     per_token = [s["decode"] / (p.tokens - 1) for p, s in zip(reqs, splits) if p.tokens > 1]
     ttft = sorted((p.first_seen - p.call) * 1000 for p in reqs if p.first_seen is not None)
     return ClientPoint(
-        model=model, target=target, concurrency=c, requests=len(reqs), completion_tokens=tokens,
-        wall_s=round(wall, 4), tok_s=round(tokens / wall, 2) if wall > 0 else 0.0,
-        ttft_p50_ms=round(statistics.median(ttft), 2) if ttft else None, ms=ms,
+        model=model,
+        target=target,
+        concurrency=c,
+        requests=len(reqs),
+        completion_tokens=tokens,
+        wall_s=round(wall, 4),
+        tok_s=round(tokens / wall, 2) if wall > 0 else 0.0,
+        ttft_p50_ms=round(statistics.median(ttft), 2) if ttft else None,
+        ms=ms,
         decode_ms_per_token=round(statistics.mean(per_token), 3) if per_token else None,
         run_tok_s=[round(sum(p.tokens for p in got) / w, 2) if w > 0 else 0.0 for got, w in runs],
         prefill_calls=None if shapes is None else round(shapes.prefill_calls / len(runs), 1),
@@ -527,11 +558,12 @@ def bench_client(
                     points.append(point)
                     m = point.ms
                     log(
-                        f"[{label}] client {name:16s} c={c}: {point.tok_s:8.1f} tok/s  TTFT p50 {_fmt(point.ttft_p50_ms)} ms  "
-                        f"per request ms: before submit {m['before_submit']:.2f}, queue {m['queue']:.2f}, prefill "
-                        f"{m['prefill']:.2f}, decode {m['decode']:.2f}, delivery {m['delivery']:.2f}; per run "
-                        f"{_fmt(point.prefill_calls)} prefill and {_fmt(point.decode_calls)} decode forwards; step "
-                        f"{_fmt(point.step_ms, '.3f')} ms (upstream {_fmt(point.upstream_ms, '.3f')}, tokens {_fmt(point.tokens_ms, '.3f')})"
+                        f"[{label}] client {name:16s} c={c}: {point.tok_s:8.1f} tok/s  TTFT p50 "
+                        f"{_fmt(point.ttft_p50_ms)} ms  per request ms: before submit {m['before_submit']:.2f}, "
+                        f"queue {m['queue']:.2f}, prefill {m['prefill']:.2f}, decode {m['decode']:.2f}, delivery "
+                        f"{m['delivery']:.2f}; per run {_fmt(point.prefill_calls)} prefill and "
+                        f"{_fmt(point.decode_calls)} decode forwards; step {_fmt(point.step_ms, '.3f')} ms "
+                        f"(upstream {_fmt(point.upstream_ms, '.3f')}, tokens {_fmt(point.tokens_ms, '.3f')})"
                     )
         finally:
             for target in live.values():
@@ -571,17 +603,19 @@ def print_client(points: list[ClientPoint]) -> None:
         mine = [p for p in points if p.model == model]
         print(f"\n## {model}: client-side mode (N distinct chat requests from c client threads)\n")
         print(
-            "| target | c | requests | tok/s | TTFT p50 ms (client) | before submit | queue | prefill | decode | delivery "
-            "| outside decode | decode ms/token | prefill / decode forwards per run | new shapes | step ms (upstream / tokens) |"
+            "| target | c | requests | tok/s | TTFT p50 ms (client) | before submit | queue | "
+            "prefill | decode | delivery | outside decode | decode ms/token | prefill / decode "
+            "forwards per run | new shapes | step ms (upstream / tokens) |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for p in mine:
             m = p.ms
             print(
-                f"| {p.target} | {p.concurrency} | {p.requests} | {p.tok_s:.1f} | {_fmt(p.ttft_p50_ms)} | {m['before_submit']:.2f} "
-                f"| {m['queue']:.2f} | {m['prefill']:.2f} | {m['decode']:.2f} | {m['delivery']:.2f} | {m['outside_decode']:.2f} "
-                f"| {_fmt(p.decode_ms_per_token, '.3f')} | {_fmt(p.prefill_calls)} / {_fmt(p.decode_calls)} | {_fmt(p.new_shapes, 'd')} "
-                f"| {_fmt(p.step_ms, '.2f')} ({_fmt(p.upstream_ms, '.2f')} / {_fmt(p.tokens_ms, '.2f')}) |"
+                f"| {p.target} | {p.concurrency} | {p.requests} | {p.tok_s:.1f} | {_fmt(p.ttft_p50_ms)} | "
+                f"{m['before_submit']:.2f} | {m['queue']:.2f} | {m['prefill']:.2f} | {m['decode']:.2f} | "
+                f"{m['delivery']:.2f} | {m['outside_decode']:.2f} | {_fmt(p.decode_ms_per_token, '.3f')} | "
+                f"{_fmt(p.prefill_calls)} / {_fmt(p.decode_calls)} | {_fmt(p.new_shapes, 'd')} | "
+                f"{_fmt(p.step_ms, '.2f')} ({_fmt(p.upstream_ms, '.2f')} / {_fmt(p.tokens_ms, '.2f')}) |"
             )
         by = {(p.target, p.concurrency): p for p in mine}
         for c in sorted({p.concurrency for p in mine}):
@@ -591,8 +625,15 @@ def print_client(points: list[ClientPoint]) -> None:
             if ours is None or ref is None:
                 continue
             each = run_ratios(ours, ref)
-            spread = f"median of the {len(each)} repeats' {statistics.median(each):.2f} ({each[0]:.2f}-{each[-1]:.2f})" if each else "-"
-            print(f"\nc={c}: ours against `{ref_name}`, mean ms per request (tok/s ratio: pooled {ours.tok_s / ref.tok_s:.2f}, {spread})\n")
+            spread = (
+                f"median of the {len(each)} repeats' {statistics.median(each):.2f} ({each[0]:.2f}-{each[-1]:.2f})"
+                if each
+                else "-"
+            )
+            print(
+                f"\nc={c}: ours against `{ref_name}`, mean ms per request (tok/s "
+                f"ratio: pooled {ours.tok_s / ref.tok_s:.2f}, {spread})\n"
+            )
             print(f"| phase | ours | {ref_name} | ours - {ref_name} |")
             print("|---|---|---|---|")
             for title, key in ROWS:
@@ -601,5 +642,12 @@ def print_client(points: list[ClientPoint]) -> None:
                 print(f"| {title} | {_fmt(a, '.2f')} | {_fmt(b, '.2f')} | {diff} |")
             for variant in sorted(t for t, cc in by if cc == c and t.startswith("ours_")):
                 each = run_ratios(by[(variant, c)], ref)
-                median = f", median of the repeats' {statistics.median(each):.2f} ({each[0]:.2f}-{each[-1]:.2f})" if each else ""
-                print(f"\n{variant} against `{ref_name}` at c={c}: tok/s ratio pooled {by[(variant, c)].tok_s / ref.tok_s:.2f}{median}")
+                median = (
+                    f", median of the repeats' {statistics.median(each):.2f} ({each[0]:.2f}-{each[-1]:.2f})"
+                    if each
+                    else ""
+                )
+                print(
+                    f"\n{variant} against `{ref_name}` at c={c}: tok/s ratio pooled "
+                    f"{by[(variant, c)].tok_s / ref.tok_s:.2f}{median}"
+                )

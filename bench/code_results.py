@@ -20,7 +20,6 @@ import json
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 CASES = {"1x1B": (1, 1), "3x20MB": (3, 20_000_000), "1x250MB": (1, 250_000_000)}
 
@@ -38,10 +37,12 @@ ids = ["start"] + [f"n{i}" for i in range(nodes)] + ["end"]
 flow = {"id": "big", "entryNode": "start",
         "nodes": [{"id": "start", "type": "on_flow_start", "data": {}}] + [node(i) for i in range(nodes)]
                  + [{"id": "end", "type": "on_flow_end", "data": {}}],
-        "edges": [{"source": a, "sourceHandle": "exec-out", "target": b, "targetHandle": "exec-in"} for a, b in zip(ids, ids[1:])]}
+        "edges": [{"source": a, "sourceHandle": "exec-out", "target": b, "targetHandle": "exec-in"}
+                  for a, b in zip(ids, ids[1:])]}
 ledger = work / "l.sqlite"
 fields = DriveLimits.__dataclass_fields__  # the same script measures a build without the result limit
-limits = DriveLimits(max_code_mib=2048, **({"max_code_result_mib": result_mib} if "max_code_result_mib" in fields else {}))
+result_limit = {"max_code_result_mib": result_mib} if "max_code_result_mib" in fields else {}
+limits = DriveLimits(max_code_mib=2048, **result_limit)
 (run,) = run_flow(flow, ledger_url=str(ledger), limits=limits)
 def size_of(paths):
     return sum(p.stat().st_size for p in paths if p.is_file())
@@ -57,7 +58,12 @@ print(json.dumps({
 def run_case(name: str, result_mib: int) -> dict[str, object]:
     nodes, size = CASES[name]
     with tempfile.TemporaryDirectory() as work:
-        done = subprocess.run([sys.executable, "-c", CHILD, str(nodes), str(size), str(result_mib), work], capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, str(nodes), str(size), str(result_mib), work],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     if done.returncode != 0:
         raise SystemExit(f"{name}: {done.stderr[-2000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -72,7 +78,10 @@ def main() -> None:
     for name in args.case or list(CASES):
         row = run_case(name, args.max_code_result_mib)
         code = str(row["error"]).split("]")[0].lstrip("[") if row["error"] else "-"
-        print(f"{name:<9} {row['status']!s:<10} {code:<22} {row['peak_rss_mib']:>12.0f} {row['ledger_mib']:>10.2f} {row['artifacts_mib']:>13.1f}")
+        print(
+            f"{name:<9} {row['status']!s:<10} {code:<22} {row['peak_rss_mib']:>12.0f} "
+            f"{row['ledger_mib']:>10.2f} {row['artifacts_mib']:>13.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,11 @@ def run(path: Path, buckets: bool, bursts: int, width: int) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     llm = create_llm(
-        "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=max(width, 8), speculation=False,
+        "mlx",
+        model=str(path),
+        mlx_batching=True,
+        mlx_max_batch_size=max(width, 8),
+        speculation=False,
         mlx_prefill_buckets=buckets,
     )
     load_s = time.perf_counter() - t0
@@ -72,13 +76,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default="/tmp/bench-models")
     args = ap.parse_args(argv)
     root = Path(args.model_dir)
-    path = _models.tiny(root / "tiny") if args.model == "tiny" else _models.shaped_model(root / f"qwen3-{args.model}-shape", args.model)
+    path = (
+        _models.tiny(root / "tiny")
+        if args.model == "tiny"
+        else _models.shaped_model(root / f"qwen3-{args.model}-shape", args.model)
+    )
     settings = {"on": [True], "off": [False], "both": [False, True]}[args.buckets]
     print("| buckets | load s | TTFT p50 ms | TTFT p95 ms | burst wall ms |")
     print("|---|---|---|---|---|")
     for buckets in settings:
         r = run(path, buckets, args.bursts, args.width)
-        print(f"| {'on' if buckets else 'off'} | {r['load_s']} | {r['ttft_p50_ms']} | {r['ttft_p95_ms']} | {r['burst_wall_ms']} |", flush=True)
+        print(
+            f"| {'on' if buckets else 'off'} | {r['load_s']} | {r['ttft_p50_ms']} "
+            f"| {r['ttft_p95_ms']} | {r['burst_wall_ms']} |",
+            flush=True,
+        )
     return 0
 
 

@@ -103,11 +103,11 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
-
+from typing import Any
 
 import _models  # bench/_models.py (``python bench/X.py`` puts bench/ first on sys.path)
 import client_side
@@ -205,7 +205,7 @@ class Profile:
     cpu_s: float | None = None
     gpu_util: list[float] | None = None
 
-    def add(self, other: "Profile") -> "Profile":
+    def add(self, other: Profile) -> Profile:
         def plus(a: float | None, b: float | None) -> float | None:
             return None if a is None or b is None else a + b
 
@@ -270,7 +270,13 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def summarise(
-    model: str, target: str, c: int, reqs: list[Request], wall: float, profile: Profile | None = None, shapes: Window | None = None,
+    model: str,
+    target: str,
+    c: int,
+    reqs: list[Request],
+    wall: float,
+    profile: Profile | None = None,
+    shapes: Window | None = None,
     run_tok_s: list[float] | None = None,
 ) -> Point:
     tokens = sum(r.tokens for r in reqs)
@@ -291,7 +297,9 @@ def summarise(
     if profile is not None and profile.gpu_util:
         extra["gpu_util"] = round(statistics.mean(profile.gpu_util), 1)
     if shapes is not None:
-        extra.update(new_prefill_shapes=shapes.new_prefill, new_decode_shapes=shapes.new_decode, shapes_used=len(shapes.used))
+        extra.update(
+            new_prefill_shapes=shapes.new_prefill, new_decode_shapes=shapes.new_decode, shapes_used=len(shapes.used)
+        )
     return Point(
         model=model,
         target=target,
@@ -511,8 +519,13 @@ def ours_factory(path: Path, **options: Any) -> Any:
     from abstractruntime_mlx import create_llm
 
     return create_llm(
-        "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=MAX_BATCH, mlx_max_queue_size=QUEUE_SIZE,
-        speculation=False, **options,
+        "mlx",
+        model=str(path),
+        mlx_batching=True,
+        mlx_max_batch_size=MAX_BATCH,
+        mlx_max_queue_size=QUEUE_SIZE,
+        speculation=False,
+        **options,
     )
 
 
@@ -536,7 +549,12 @@ def abstractcore_factory(path: Path) -> Any:
     # AbstractCore warns on every length-truncated answer; all of ours are.
     warnings.filterwarnings("ignore", message="Output truncated", category=RuntimeWarning)
     return create_llm(
-        "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=MAX_BATCH, mlx_max_queue_size=QUEUE_SIZE, speculation=False
+        "mlx",
+        model=str(path),
+        mlx_batching=True,
+        mlx_max_batch_size=MAX_BATCH,
+        mlx_max_queue_size=QUEUE_SIZE,
+        speculation=False,
     )
 
 
@@ -562,7 +580,17 @@ class ServerTarget(ClientTarget):
             self.port = s.getsockname()[1]
         self.log = tempfile.NamedTemporaryFile(prefix="mlx_lm_server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_lm.server", "--model", str(path), "--host", "127.0.0.1", "--port", str(self.port)],
+            [
+                sys.executable,
+                "-m",
+                "mlx_lm.server",
+                "--model",
+                str(path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
@@ -904,7 +932,14 @@ def bench_model(
                     per_run[name].append(round(sum(q.tokens for q in got) / took, 2) if took > 0 else 0.0)
                     prof = live[name].last_profile
                     if prof is not None:
-                        prof = Profile(prof.steps, prof.step_s, prof.backend_s, prof.tokens_s, prof.cpu_s, util if GPU.handle else None)
+                        prof = Profile(
+                            prof.steps,
+                            prof.step_s,
+                            prof.backend_s,
+                            prof.tokens_s,
+                            prof.cpu_s,
+                            util if GPU.handle else None,
+                        )
                         prev = profiles.get(name)
                         profiles[name] = prof if prev is None else prev.add(prof)
             if py_spy is not None:
@@ -915,17 +950,24 @@ def bench_model(
                     point = Point(label, name, c, 0, 0, 0.0, 0.0, None, None, error=failed[name])
                 else:
                     point = summarise(
-                        label, name, c, *runs[name], profile=profiles.get(name), shapes=shapes[name], run_tok_s=per_run[name]
+                        label,
+                        name,
+                        c,
+                        *runs[name],
+                        profile=profiles.get(name),
+                        shapes=shapes[name],
+                        run_tok_s=per_run[name],
                     )
                 points.append(point)
                 log(
                     f"[{label}] {name:16s} c={c}: {point.tok_s:8.1f} tok/s  TTFT p50/p95 first token "
                     f"{_fmt(point.token_ttft_p50_ms)}/{_fmt(point.token_ttft_p95_ms)} ms, first text "
-                    f"{_fmt(point.ttft_p50_ms)}/{_fmt(point.ttft_p95_ms)} ms  ({point.completion_tokens} tokens in {point.wall_s:.2f}s)"
-                    f"  step {_fmt(point.step_ms, '.2f')} ms (backend {_fmt(point.backend_ms, '.2f')}, tokens "
-                    f"{_fmt(point.tokens_ms, '.2f')}, cpu {_fmt(point.cpu_ms, '.2f')}) x {point.steps or '-'}"
-                    f"  gpu {_fmt(point.gpu_util)}%  new shapes prefill/decode {_fmt(point.new_prefill_shapes, 'd')}"
-                    f"/{_fmt(point.new_decode_shapes, 'd')} of {_fmt(point.shapes_used, 'd')} used"
+                    f"{_fmt(point.ttft_p50_ms)}/{_fmt(point.ttft_p95_ms)} ms  ({point.completion_tokens} tokens in "
+                    f"{point.wall_s:.2f}s)  step {_fmt(point.step_ms, '.2f')} ms (backend "
+                    f"{_fmt(point.backend_ms, '.2f')}, tokens {_fmt(point.tokens_ms, '.2f')}, cpu "
+                    f"{_fmt(point.cpu_ms, '.2f')}) x {point.steps or '-'}  gpu {_fmt(point.gpu_util)}%  new shapes "
+                    f"prefill/decode {_fmt(point.new_prefill_shapes, 'd')}/{_fmt(point.new_decode_shapes, 'd')} of "
+                    f"{_fmt(point.shapes_used, 'd')} used"
                 )
     finally:
         for target in live.values():
@@ -956,15 +998,17 @@ def ratios(points: list[Point]) -> list[dict[str, Any]]:
             # Repeat by repeat: the targets of one repeat run back to back, so a slow spell of a
             # shared machine weighs on both sides of each ratio.
             per_run = sorted(a / b for a, b in zip(p.run_tok_s, q.run_tok_s) if b > 0)
-            out.append({
-                "model": p.model,
-                "concurrency": p.concurrency,
-                "versus": ref,
-                "ratio": round(value, 3),
-                "target": floor,
-                "meets": None if floor is None else value >= floor,
-                "runs": [round(x, 3) for x in per_run],
-            })
+            out.append(
+                {
+                    "model": p.model,
+                    "concurrency": p.concurrency,
+                    "versus": ref,
+                    "ratio": round(value, 3),
+                    "target": floor,
+                    "meets": None if floor is None else value >= floor,
+                    "runs": [round(x, 3) for x in per_run],
+                }
+            )
     return out
 
 
@@ -972,8 +1016,8 @@ def print_tables(points: list[Point], rs: list[dict[str, Any]]) -> None:
     for model in dict.fromkeys(p.model for p in points):
         print(f"\n## {model}\n")
         print(
-            "| target | c | tok/s | share of forward | TTFT p50 ms (first token) | TTFT p95 ms (first token) "
-            "| TTFT p50 ms (first text) | TTFT p95 ms (first text) | tokens | wall s | new shapes prefill/decode (used) |"
+            "| target | c | tok/s | share of forward | TTFT p50 ms (first token) | TTFT p95 ms (first token) | TTFT "
+            "p50 ms (first text) | TTFT p95 ms (first text) | tokens | wall s | new shapes prefill/decode (used) |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for p in points:
@@ -983,9 +1027,10 @@ def print_tables(points: list[Point], rs: list[dict[str, Any]]) -> None:
                 print(f"| {p.target} | {p.concurrency} | skipped: {p.error} | | | | | | | | |")
                 continue
             print(
-                f"| {p.target} | {p.concurrency} | {p.tok_s:.1f} | {_fmt(p.forward_share, '.2f')} | {_fmt(p.token_ttft_p50_ms)} "
-                f"| {_fmt(p.token_ttft_p95_ms)} | {_fmt(p.ttft_p50_ms)} | {_fmt(p.ttft_p95_ms)} | {p.completion_tokens} "
-                f"| {p.wall_s:.2f} | {_fmt(p.new_prefill_shapes, 'd')}/{_fmt(p.new_decode_shapes, 'd')} ({_fmt(p.shapes_used, 'd')}) |"
+                f"| {p.target} | {p.concurrency} | {p.tok_s:.1f} | {_fmt(p.forward_share, '.2f')} | "
+                f"{_fmt(p.token_ttft_p50_ms)} | {_fmt(p.token_ttft_p95_ms)} | {_fmt(p.ttft_p50_ms)} | "
+                f"{_fmt(p.ttft_p95_ms)} | {p.completion_tokens} | {p.wall_s:.2f} | "
+                f"{_fmt(p.new_prefill_shapes, 'd')}/{_fmt(p.new_decode_shapes, 'd')} ({_fmt(p.shapes_used, 'd')}) |"
             )
         shares = [p for p in points if p.model == model and p.forward_share is not None and p.target != "forward"]
         if shares:
@@ -994,25 +1039,33 @@ def print_tables(points: list[Point], rs: list[dict[str, Any]]) -> None:
             print("| target | " + " | ".join(f"c={c}" for c in concs) + " |")
             print("|---|" + "---|" * len(concs))
             for name in dict.fromkeys(p.target for p in shares):
-                cells = [next((f"{p.forward_share:.2f}" for p in shares if p.target == name and p.concurrency == c), "-") for c in concs]
+                cells = [
+                    next((f"{p.forward_share:.2f}" for p in shares if p.target == name and p.concurrency == c), "-")
+                    for c in concs
+                ]
                 print(f"| {name} | " + " | ".join(cells) + " |")
         profiled = [p for p in points if p.model == model and p.steps]
         if profiled:
-            print("\nper-step profile (ms per decode step; backend = inside the backend's step: upstream "
-                  "bookkeeping, graph building, device waits; tokens = our per-token host work; cpu = worker "
-                  "thread CPU time; gpu = NVML utilisation)\n")
+            print(
+                "\nper-step profile (ms per decode step; backend = inside the backend's step: upstream "
+                "bookkeeping, graph building, device waits; tokens = our per-token host work; cpu = worker "
+                "thread CPU time; gpu = NVML utilisation)\n"
+            )
             print("| target | c | steps | step ms | backend ms | tokens ms | other ms | cpu ms | gpu % |")
             print("|---|---|---|---|---|---|---|---|---|")
             for p in profiled:
                 print(
-                    f"| {p.target} | {p.concurrency} | {p.steps} | {_fmt(p.step_ms, '.2f')} | {_fmt(p.backend_ms, '.2f')} "
-                    f"| {_fmt(p.tokens_ms, '.2f')} | {_fmt(p.other_ms, '.2f')} | {_fmt(p.cpu_ms, '.2f')} | {_fmt(p.gpu_util)} |"
+                    f"| {p.target} | {p.concurrency} | {p.steps} | {_fmt(p.step_ms, '.2f')} | "
+                    f"{_fmt(p.backend_ms, '.2f')} | {_fmt(p.tokens_ms, '.2f')} | "
+                    f"{_fmt(p.other_ms, '.2f')} | {_fmt(p.cpu_ms, '.2f')} | {_fmt(p.gpu_util)} |"
                 )
         mine = [r for r in rs if r["model"] == model]
         if mine:
             concs = sorted({r["concurrency"] for r in mine})
             refs = [t for t in FLOORS if any(r["versus"] == t for r in mine)]
-            print("\nours / X (aggregate tok/s; `!` = below target; then the median and range of the repeats' ratios)\n")
+            print(
+                "\nours / X (aggregate tok/s; `!` = below target; then the median and range of the repeats' ratios)\n"
+            )
             print("| ours / | " + " | ".join(f"c={c}" for c in concs) + " |")
             print("|---|" + "---|" * len(concs))
             for ref in refs:
@@ -1025,24 +1078,45 @@ def print_tables(points: list[Point], rs: list[dict[str, Any]]) -> None:
                         mark = "" if r["meets"] is None else (" ok" if r["meets"] else " !")
                         tgt = "" if r["target"] is None else f" (>= {r['target']})"
                         runs = r["runs"]
-                        spread = f"; {statistics.median(runs):.2f} ({runs[0]:.2f}-{runs[-1]:.2f})" if len(runs) > 1 else ""
+                        spread = (
+                            f"; {statistics.median(runs):.2f} ({runs[0]:.2f}-{runs[-1]:.2f})" if len(runs) > 1 else ""
+                        )
                         cells.append(f"{r['ratio']:.2f}{tgt}{mark}{spread}")
                 print(f"| {ref} | " + " | ".join(cells) + " |")
 
 
 def bench_client(
-    label: str, path: Path, targets: list[str], concs: list[int], requests: int, repeats: int, log: Callable[[str], None]
+    label: str,
+    path: Path,
+    targets: list[str],
+    concs: list[int],
+    requests: int,
+    repeats: int,
+    log: Callable[[str], None],
 ) -> list[client_side.ClientPoint]:
     """The client-side mode (bench/client_side.py) on this script's prompts."""
     from transformers import AutoTokenizer
 
     book = PromptBook(AutoTokenizer.from_pretrained(str(path)))
-    log(f"[{label}] client-side mode: {requests} distinct chat requests per point, {repeats} repeat(s), {MAX_TOKENS} greedy tokens")
+    log(
+        f"[{label}] client-side mode: {requests} distinct chat requests per "
+        f"point, {repeats} repeat(s), {MAX_TOKENS} greedy tokens"
+    )
     log(f"[{label}] forward input shapes recorded from: {', '.join(SHAPES.watch(path)) or 'no model class found'}")
     try:
         return client_side.bench_client(
-            label, path, targets, concs, lambda tag, c, n: list(book.batch(tag, c, n)), lambda c: requests, repeats, MAX_TOKENS,
-            log, max_batch=MAX_BATCH, queue_size=QUEUE_SIZE, shapes=SHAPES,
+            label,
+            path,
+            targets,
+            concs,
+            lambda tag, c, n: list(book.batch(tag, c, n)),
+            lambda c: requests,
+            repeats,
+            MAX_TOKENS,
+            log,
+            max_batch=MAX_BATCH,
+            queue_size=QUEUE_SIZE,
+            shapes=SHAPES,
         )
     finally:
         SHAPES.unwatch()
@@ -1087,27 +1161,61 @@ def _per_model(spec: str, defaults: dict[str, int]) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model only, c = 1 and 4")
-    ap.add_argument("--models", default=None, help="comma list of: tiny, small, 0.6b, 4b (default tiny,small; --quick: tiny)")
     ap.add_argument(
-        "--targets", default=None,
-        help=f"comma list of: {', '.join(TARGETS)} (default: all); with --client: {', '.join(client_side.CLIENT_TARGETS)} "
-        "(default ours,stream_generate,lm_loop)",
+        "--models", default=None, help="comma list of: tiny, small, 0.6b, 4b (default tiny,small; --quick: tiny)"
+    )
+    ap.add_argument(
+        "--targets",
+        default=None,
+        help=f"comma list of: {', '.join(TARGETS)} (default: all); with --client: "
+        f"{', '.join(client_side.CLIENT_TARGETS)} (default ours,stream_generate,lm_loop)",
     )
     ap.add_argument("--concurrency", default=None, help="comma list (default 1,2,4,8; --quick: 1,4; --client: 1,4,8)")
     ap.add_argument(
-        "--client", action="store_true",
+        "--client",
+        action="store_true",
         help="client-side mode (bench/client_side.py): N distinct chat requests from c client threads, each request's "
         "time split into before submit, queue, prefill, decode and delivery (default 16 requests per point)",
     )
-    ap.add_argument("--requests-per-slot", default="tiny=2,small=1", help="N = this x c requests per run, per model (tiny=2,small=1)")
-    ap.add_argument("--requests", type=int, default=None, help="a fixed N requests per run at every concurrency (instead of per slot)")
-    ap.add_argument("--serial-max-c", type=int, default=None, help="measure stream_generate and mlx_lm.server only up to this concurrency")
-    ap.add_argument("--max-batch", type=int, default=None, help="the providers' mlx_max_batch_size (default: the largest concurrency)")
-    ap.add_argument("--repeats", default=None, help="runs per point, per model (tiny=5,small=2; --client: tiny=3,small=1); figures pool all runs")
-    ap.add_argument("--model-dir", default=None, help="where to build/reuse the checkpoints (default: a temporary directory)")
+    ap.add_argument(
+        "--requests-per-slot",
+        default="tiny=2,small=1",
+        help="N = this x c requests per run, per model (tiny=2,small=1)",
+    )
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="a fixed N requests per run at every concurrency (instead of per slot)",
+    )
+    ap.add_argument(
+        "--serial-max-c",
+        type=int,
+        default=None,
+        help="measure stream_generate and mlx_lm.server only up to this concurrency",
+    )
+    ap.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="the providers' mlx_max_batch_size (default: the largest concurrency)",
+    )
+    ap.add_argument(
+        "--repeats",
+        default=None,
+        help="runs per point, per model (tiny=5,small=2; --client: tiny=3,small=1); figures pool all runs",
+    )
+    ap.add_argument(
+        "--model-dir", default=None, help="where to build/reuse the checkpoints (default: a temporary directory)"
+    )
     ap.add_argument("--json", dest="json_out", default=None, help="write machine, points and ratios here")
-    ap.add_argument("--py-spy", dest="py_spy", default=None, metavar="DIR",
-                    help="after each point, profile one more run per target with py-spy (native frames) into DIR")
+    ap.add_argument(
+        "--py-spy",
+        dest="py_spy",
+        default=None,
+        metavar="DIR",
+        help="after each point, profile one more run per target with py-spy (native frames) into DIR",
+    )
     args = ap.parse_args(argv)
 
     global MAX_BATCH, QUEUE_SIZE
@@ -1139,7 +1247,11 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     log("machine: " + json.dumps(info))
     scratch = contextlib.ExitStack()
-    root = Path(args.model_dir) if args.model_dir else Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="bench-conc-")))
+    root = (
+        Path(args.model_dir)
+        if args.model_dir
+        else Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="bench-conc-")))
+    )
     builders = {
         "tiny": lambda: _models.tiny(root / "tiny"),
         "small": lambda: _models.small_model(root / "small"),
@@ -1156,20 +1268,37 @@ def main(argv: list[str] | None = None) -> int:
             t_build = time.perf_counter()
             path = builders[label]()
             params = _models.num_parameters(path)
-            log(f"[{label}] {path} ({params / 1e6:.1f}M parameters; built or found in {time.perf_counter() - t_build:.1f}s)")
+            log(
+                f"[{label}] {path} ({params / 1e6:.1f}M parameters; built or "
+                f"found in {time.perf_counter() - t_build:.1f}s)"
+            )
             name = f"{label} ({params / 1e6:.1f}M)"
             # The ~27M model is compute-bound on this CPU: a short warm-up reaches every code path.
             warm = 8 if label == "small" else MAX_TOKENS
             if args.client:
                 client_points += bench_client(name, path, targets, concs, requests, repeats[label], log)
             else:
-                points += bench_model(name, path, targets, concs, per_slot[label], repeats[label], log, warm, args.requests,
-                                      args.serial_max_c, Path(args.py_spy) if args.py_spy else None)
+                points += bench_model(
+                    name,
+                    path,
+                    targets,
+                    concs,
+                    per_slot[label],
+                    repeats[label],
+                    log,
+                    warm,
+                    args.requests,
+                    args.serial_max_c,
+                    Path(args.py_spy) if args.py_spy else None,
+                )
     rs = ratios(points)
     print_tables(points, rs)
     client_side.print_client(client_points)
     elapsed = time.perf_counter() - t0
-    print(f"\ntotal {elapsed:.0f}s; command: python bench/concurrency.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(
+        f"\ntotal {elapsed:.0f}s; command: python bench/concurrency.py "
+        f"{' '.join(argv if argv is not None else sys.argv[1:])}"
+    )
     if args.json_out:
         payload = {
             "machine": info,

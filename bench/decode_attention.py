@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
-
-import mlx.core as mx
+from typing import Any
 
 import _models
+import mlx.core as mx
+
 from abstractruntime_mlx.engine import cuda_attention
 
 WARPS = (8, 16)  # the kernel's block sizes compared (32 warps exceed the registers a thread may use)
@@ -61,16 +62,21 @@ def attention_alone(width: int, layers: int, heads: int, kv_heads: int, dim: int
             for _ in range(layers):  # each layer's output feeds the next query, as in a model
                 x = call(x)
             return x
+
         return run
 
     repeats = 50 if length < 2000 else 10
     result = {
-        "upstream masked": 1e3 * timed(chain(lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=scale, mask=mask)), repeats),
-        "upstream unmasked": 1e3 * timed(chain(lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=scale)), repeats),
+        "upstream masked": 1e3
+        * timed(chain(lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=scale, mask=mask)), repeats),
+        "upstream unmasked": 1e3
+        * timed(chain(lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=scale)), repeats),
     }
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask).astype(mx.float32)
     for warps in WARPS:
-        result[f"kernel w{warps}"] = 1e3 * timed(chain(lambda x: cuda_attention.decode_attention(x, k, v, start, scale, warps=warps)), repeats)
+        result[f"kernel w{warps}"] = 1e3 * timed(
+            chain(lambda x: cuda_attention.decode_attention(x, k, v, start, scale, warps=warps)), repeats
+        )
         got = cuda_attention.decode_attention(q, k, v, start, scale, warps=warps).astype(mx.float32)
         result["max abs diff"] = max(result.get("max abs diff", 0.0), float(mx.abs(got - want).max().item()))
     return result
@@ -138,18 +144,29 @@ def main(argv: list[str] | None = None) -> int:
     for width in sorted({1, 4, *widths}):
         for length in (150, 600, 4000):
             r = attention_alone(width, len(model.layers), heads, kv_heads, dim, length)
-            print(f"| {width} | {length} | " + " | ".join(f"{r[c]:.3f}" if c == "max abs diff" else f"{r[c]:.2f}" for c in columns) + " |")
+            print(
+                f"| {width} | {length} | "
+                + " | ".join(f"{r[c]:.3f}" if c == "max abs diff" else f"{r[c]:.2f}" for c in columns)
+                + " |"
+            )
 
     print(f"\n2. the model's decode step ({args.steps} steps after the prefill; ms per step, best of {args.repeats})")
-    print("| B | plain KVCache (ceiling) | BatchKVCache, upstream | BatchKVCache, kernel | kernel / upstream | kernel / ceiling |")
+    print(
+        "| B | plain KVCache (ceiling) | BatchKVCache, upstream | "
+        "BatchKVCache, kernel | kernel / upstream | kernel / ceiling |"
+    )
     print("|---|---|---|---|---|---|")
     for width in widths:
         rows = [[rng.randrange(100, 5000) for _ in range(rng.randrange(49, 95))] for _ in range(width)]
-        best = {kind: min(decode_steps(model, rows, args.steps, kind) for _ in range(args.repeats))
-                for kind in ("plain", "batch_upstream", "batch_kernel")}
+        best = {
+            kind: min(decode_steps(model, rows, args.steps, kind) for _ in range(args.repeats))
+            for kind in ("plain", "batch_upstream", "batch_kernel")
+        }
         ms = {k: 1e3 * v for k, v in best.items()}
-        print(f"| {width} | {ms['plain']:.2f} | {ms['batch_upstream']:.2f} | {ms['batch_kernel']:.2f} | "
-              f"{ms['batch_upstream'] / ms['batch_kernel']:.2f}x | {ms['plain'] / ms['batch_kernel']:.2f} |")
+        print(
+            f"| {width} | {ms['plain']:.2f} | {ms['batch_upstream']:.2f} | {ms['batch_kernel']:.2f} | "
+            f"{ms['batch_upstream'] / ms['batch_kernel']:.2f}x | {ms['plain'] / ms['batch_kernel']:.2f} |"
+        )
 
     return 0
 

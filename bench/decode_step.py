@@ -90,10 +90,15 @@ def forward(model: Any, width: int, vocab: int, *, compiled: bool = False) -> fl
         states = []
         for c in cache:
             pad = [(0, 0), (0, 0), (0, capacity - c._idx), (0, 0)]
-            states.append({
-                "keys": mx.pad(c.keys[..., : c._idx, :], pad), "values": mx.pad(c.values[..., : c._idx, :], pad),
-                "offset": c.offset, "left_padding": c.left_padding, "idx": mx.array(c._idx, mx.int32),
-            })
+            states.append(
+                {
+                    "keys": mx.pad(c.keys[..., : c._idx, :], pad),
+                    "values": mx.pad(c.values[..., : c._idx, :], pad),
+                    "offset": c.offset,
+                    "left_padding": c.left_padding,
+                    "idx": mx.array(c._idx, mx.int32),
+                }
+            )
         mx.eval(states)
         layers = [_FixedCache(s) for s in states]
 
@@ -201,7 +206,9 @@ def upstream(model: Any, processor: Any, width: int, vocab: int, stream: Any, *,
         backend = BatchBackend(model, processor, max_batch_size=width, stream=stream)
         if handed_off:
             tokenizer = getattr(processor, "tokenizer", processor)
-            single = SingleBackend(model, stop_criteria=tokenizer.stopping_criteria, prefill_step_size=256, stream=stream)
+            single = SingleBackend(
+                model, stop_criteria=tokenizer.stopping_criteria, prefill_step_size=256, stream=stream
+            )
             single.insert(RowInput(rows[0], 10_000))
             while not single.decoding:
                 single.step(observe_prefill=False)
@@ -232,7 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     vlm_lm = getattr(vlm_model, "language_model", vlm_model)
     vocab = int(vlm_lm.args.vocab_size) if hasattr(vlm_lm, "args") else 2000
     stream = mx.new_stream(mx.default_device())
-    print(f"# decode step, {args.model}, {mx.default_device()}, mlx {mx.__version__}; median ms per step over {STEPS} steps")
+    print(
+        f"# decode step, {args.model}, {mx.default_device()}, mlx "
+        f"{mx.__version__}; median ms per step over {STEPS} steps"
+    )
     print("| B | repeat | forward_lm | forward_vlm | forward_compiled | upstream | handed_off |")
     print("|---|---|---|---|---|---|---|")
     for width in (int(w) for w in args.widths.split(",")):
@@ -255,8 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\n| repeat | generate_step, mlx-lm model | generate_step, mlx-vlm model | single lane, mlx-vlm model |")
         print("|---|---|---|---|")
         for r in range(args.repeats):
-            cells = [single_ms(lm_model, vocab, stream, lane=False), single_ms(vlm_model, vocab, stream, lane=False),
-                     single_ms(vlm_model, vocab, stream, lane=True)]
+            cells = [
+                single_ms(lm_model, vocab, stream, lane=False),
+                single_ms(vlm_model, vocab, stream, lane=False),
+                single_ms(vlm_model, vocab, stream, lane=True),
+            ]
             print(f"| {r + 1} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
     return 0
 

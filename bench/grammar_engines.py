@@ -39,11 +39,12 @@ Figures per engine x tokenizer x schema (medians over ``--repeats``):
   Tokens are picked the same way for both engines: ``random.Random(seed)``; with
   probability 1/3 the first allowed of (EOS, ``"``, ``]``, ``}``, ``,``) — so strings
   close and documents end — else a uniform pick among the allowed ids. When a document is
-  complete (the matcher stopped, or xgrammar's ``is_completed``) a fresh matcher starts (not timed) until ``--steps`` masks are
-  counted. Same masks and same seed give the same tokens; ``same_path`` says whether the two
-  engines' decodes were identical token for token. (They are not, on this tokenizer: inside a
-  JSON string xgrammar 0.2.9 also allows the added tokens such as ``<think>`` and raw control
-  bytes like TAB or NUL, but not the lone ``\\`` token, which llguidance allows.)
+  complete (the matcher stopped, or xgrammar's ``is_completed``) a fresh matcher starts (not
+  timed) until ``--steps`` masks are counted. Same masks and same seed give the same tokens;
+  ``same_path`` says whether the two engines' decodes were identical token for token. (They are
+  not, on this tokenizer: inside a JSON string xgrammar 0.2.9 also allows the added tokens such
+  as ``<think>`` and raw control bytes like TAB or NUL, but not the lone ``\\`` token, which
+  llguidance allows.)
 - ``mask_first_us`` / ``mask_max_us``: the first mask of a fresh matcher (llguidance builds
   lexer states lazily, so its first masks carry part of the compile) and the slowest one.
 - ``apply_us``: applying the mask to a numpy float32 logits row of the vocabulary's size:
@@ -68,7 +69,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-
 import numpy as np  # noqa: E402
 
 QWEN_ROWS = 151_936
@@ -92,7 +92,12 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "object",
         "properties": {
             "id": {"type": "string", "pattern": "^[a-f0-9]{4}$"},
-            "tags": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma", "delta"]}, "minItems": 1, "maxItems": 3},
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["alpha", "beta", "gamma", "delta"]},
+                "minItems": 1,
+                "maxItems": 3,
+            },
             "meta": {
                 "type": "object",
                 "properties": {
@@ -169,7 +174,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 def _random_piece(rng: random.Random) -> str:
     kind = rng.random()
     if kind < 0.80:
-        word = "".join(rng.choice("etaoinshrdlcumwfgypbvkjxqz"[: rng.randint(10, 26)]) for _ in range(rng.randint(2, 8)))
+        word = "".join(
+            rng.choice("etaoinshrdlcumwfgypbvkjxqz"[: rng.randint(10, 26)]) for _ in range(rng.randint(2, 8))
+        )
         if rng.random() < 0.2:
             word = word.capitalize()
         return (" " if rng.random() < 0.5 else "") + word
@@ -272,7 +279,9 @@ class Xgrammar:
 
     def _compile(self, tok: Any, schema: dict[str, Any]) -> Any:
         # Compact JSON like llguidance's whitespace_flexible=False: no free whitespace, "," / ":".
-        return self._compilers[id(tok)].compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+        return self._compilers[id(tok)].compile_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(",", ":")
+        )
 
     def compile_cold(self, tok: Any, schema: dict[str, Any]) -> Any:
         self._compilers[id(tok)].clear_cache()
@@ -320,7 +329,9 @@ def apply_mask(words: np.ndarray, logits: np.ndarray) -> np.ndarray:
     return np.where(allowed, logits, np.float32(-np.inf))
 
 
-def decode(engine: Any, tok: Any, compiled: Any, *, rows: int, steps: int, seed: int, closers: list[int]) -> dict[str, Any]:
+def decode(
+    engine: Any, tok: Any, compiled: Any, *, rows: int, steps: int, seed: int, closers: list[int]
+) -> dict[str, Any]:
     """``steps`` masks along a pseudo-random path; returns timings and the path."""
     rng = random.Random(seed)
     logits = np.random.default_rng(seed).standard_normal(rows, dtype=np.float32)
@@ -379,7 +390,18 @@ def gil_ratio(engine: Any, tok: Any, compiled: Any, path: list[int], eos: int, b
     return serial / (time.perf_counter() - started)
 
 
-def bench_one(engine: Any, tok: Any, tok_s: float, schema: dict[str, Any], *, rows: int, eos: int, closers: list[int], repeats: int, steps: int) -> dict[str, Any]:
+def bench_one(
+    engine: Any,
+    tok: Any,
+    tok_s: float,
+    schema: dict[str, Any],
+    *,
+    rows: int,
+    eos: int,
+    closers: list[int],
+    repeats: int,
+    steps: int,
+) -> dict[str, Any]:
     cold, cached, matcher, mask_us, mask_first_us, mask_max_us, apply_us = [], [], [], [], [], [], []
     paths: list[list[int]] = []
     docs: list[int] = []
@@ -431,7 +453,7 @@ def main() -> int:
     for cls in (Llguidance, Xgrammar):
         try:
             engines.append(cls())
-        except Exception as exc:  # ImportError, or a broken native library
+        except Exception as exc:  # noqa: BLE001 - ImportError, or a broken native library
             print(f"note: {cls.name} skipped: {type(exc).__name__}: {exc}")
     if not engines:
         print("no engine importable")
@@ -453,8 +475,20 @@ def main() -> int:
             for schema_name, schema in SCHEMAS.items():
                 row = {"engine": engine.name, "tokenizer": tok_name, "schema": schema_name}
                 try:
-                    row.update(bench_one(engine, tok, tok_s, schema, rows=rows, eos=eos, closers=closers, repeats=args.repeats, steps=args.steps))
-                except Exception as exc:
+                    row.update(
+                        bench_one(
+                            engine,
+                            tok,
+                            tok_s,
+                            schema,
+                            rows=rows,
+                            eos=eos,
+                            closers=closers,
+                            repeats=args.repeats,
+                            steps=args.steps,
+                        )
+                    )
+                except Exception as exc:  # noqa: BLE001 - one engine failing a schema is a result row
                     row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 results.append(row)
                 print("  " + _line(row), flush=True)
@@ -495,16 +529,21 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    head = "| engine | tokenizer | schema | tokenizer build ms | compile cold ms | compile cached ms | matcher ms | mask us/token | first mask us | mask max us | apply us/token | GIL x (2 thr) | same path |"
+    head = (
+        "| engine | tokenizer | schema | tokenizer build ms | compile cold ms | compile cached ms | matcher ms | "
+        "mask us/token | first mask us | mask max us | apply us/token | GIL x (2 thr) | same path |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['engine']} | {r['tokenizer']} | {r['schema']} | FAILED: {r['error'][:120]} |")
             continue
         lines.append(
-            f"| {r['engine']} | {r['tokenizer']} | {r['schema']} | {_fmt(r['tok_s'], 1e3, 0)} | {_fmt(r['compile_cold_s'], 1e3)}"
-            f" | {_fmt(r['compile_cached_s'], 1e3, 3)} | {_fmt(r['matcher_s'], 1e3, 3)} | {_fmt(r['mask_us'], 1, 1)}"
-            f" | {_fmt(r['mask_first_us'], 1, 0)} | {_fmt(r['mask_max_us'], 1, 0)} | {_fmt(r['apply_us'], 1, 1)} | {_fmt(r['gil_x'], 1, 2)} | {r.get('same_path', 'n/a')} |"
+            f"| {r['engine']} | {r['tokenizer']} | {r['schema']} | {_fmt(r['tok_s'], 1e3, 0)} | "
+            f"{_fmt(r['compile_cold_s'], 1e3)} | {_fmt(r['compile_cached_s'], 1e3, 3)} | "
+            f"{_fmt(r['matcher_s'], 1e3, 3)} | {_fmt(r['mask_us'], 1, 1)} | "
+            f"{_fmt(r['mask_first_us'], 1, 0)} | {_fmt(r['mask_max_us'], 1, 0)} | "
+            f"{_fmt(r['apply_us'], 1, 1)} | {_fmt(r['gil_x'], 1, 2)} | {r.get('same_path', 'n/a')} |"
         )
     return "\n".join(lines)
 

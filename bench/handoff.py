@@ -31,8 +31,14 @@ def scenario(path: Path, *, single_lane: bool, joiners: int, pause_s: float, rep
     from abstractruntime_mlx import create_llm
 
     llm = create_llm(
-        "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=max(4, joiners + 1),
-        mlx_max_queue_size=max(32, 2 * joiners), speculation=False, mlx_single_lane=single_lane, mlx_burst_gap_ms=0,
+        "mlx",
+        model=str(path),
+        mlx_batching=True,
+        mlx_max_batch_size=max(4, joiners + 1),
+        mlx_max_queue_size=max(32, 2 * joiners),
+        speculation=False,
+        mlx_single_lane=single_lane,
+        mlx_burst_gap_ms=0,
     )
     engine = llm._engine
     steps: list[tuple[int, float]] = []  # (rows decoding, seconds) of steps with no prompt batch
@@ -86,12 +92,17 @@ def main(argv: list[str] | None = None) -> int:
 
     root = Path(args.model_dir)
     path = _models.tiny(root / "tiny") if args.model == "tiny" else _models.shaped_model(root / args.model, args.model)
-    print(f"# hand-off, {args.model}: 1 request, then {args.joiners} after {args.pause_ms:.0f} ms; median ms per decode step")
+    print(
+        f"# hand-off, {args.model}: 1 request, then {args.joiners} after "
+        f"{args.pause_ms:.0f} ms; median ms per decode step"
+    )
     print("| single lane | repeat | steps with the first row | median ms | steps after it left | median ms |")
     print("|---|---|---|---|---|---|")
     for _ in range(args.rounds):
         for single_lane in (True, False):
-            scenario(path, single_lane=single_lane, joiners=args.joiners, pause_s=args.pause_ms / 1000, repeats=args.repeats)
+            scenario(
+                path, single_lane=single_lane, joiners=args.joiners, pause_s=args.pause_ms / 1000, repeats=args.repeats
+            )
     return 0
 
 

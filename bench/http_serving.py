@@ -20,14 +20,13 @@ Targets: ratio >= 0.9 at concurrency 8, added TTFT p50 <= 5 ms.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import os
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import sys
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -67,7 +66,9 @@ class Path_:
 async def _one(generate: Any, prompt: str, max_tokens: int) -> tuple[float, int]:
     started = time.perf_counter()
     ttft = None
-    stream = await generate(prompt, stream=True, temperature=0, speculation=False, max_output_tokens=max_tokens, messages=[])
+    stream = await generate(
+        prompt, stream=True, temperature=0, speculation=False, max_output_tokens=max_tokens, messages=[]
+    )
     tokens = 0
     async for chunk in stream:
         if ttft is None and chunk.content:
@@ -80,7 +81,9 @@ async def _one(generate: Any, prompt: str, max_tokens: int) -> tuple[float, int]
 async def _round(path: Path_, level: int, max_tokens: int, offset: int) -> None:
     cpu_before = [cpu_s(pid) for pid in path.pids]
     started = time.perf_counter()
-    results = await asyncio.gather(*[_one(path.generate, PROMPTS[(offset + i) % len(PROMPTS)], max_tokens) for i in range(level)])
+    results = await asyncio.gather(
+        *[_one(path.generate, PROMPTS[(offset + i) % len(PROMPTS)], max_tokens) for i in range(level)]
+    )
     wall = time.perf_counter() - started
     cpu_after = [cpu_s(pid) for pid in path.pids]
     tokens = sum(t for _, t in results)
@@ -133,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--stream-interval-ms", type=float, default=5.0, help="the server's --stream-interval-ms (its default)")
+    parser.add_argument(
+        "--stream-interval-ms", type=float, default=5.0, help="the server's --stream-interval-ms (its default)"
+    )
     parser.add_argument("--model", default=None, help="checkpoint (default: a tiny dense model built offline)")
     args = parser.parse_args(argv)
     levels = sorted(set(args.concurrency))
@@ -175,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         re_ttft = statistics.median(remote.ttfts[level]) * 1000
         cpu = ""
         if local.tokens.get(level) and remote.tokens.get(level):
-            cpu = f"{local.cpu[level] / local.tokens[level] * 1e6:>17.0f} {remote.cpu[level] / remote.tokens[level] * 1e6:>7.0f}"
+            cpu = (
+                f"{local.cpu[level] / local.tokens[level] * 1e6:>17.0f} "
+                f"{remote.cpu[level] / remote.tokens[level] * 1e6:>7.0f}"
+            )
         print(
             f"{level:>4} {lo_rate:>12.1f} {re_rate:>13.1f} {re_rate / lo_rate:>5.2f}x "
             f"{lo_ttft:>12.2f} ms {re_ttft:>13.2f} ms {re_ttft - lo_ttft:>8.2f} ms {cpu}"

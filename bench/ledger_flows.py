@@ -137,7 +137,13 @@ def compare(packs: dict[str, Any], flow: dict[str, Any], *, runs: int, rounds: i
         measured.extend(this.values())
     summary: dict[str, Any] = {
         "rounds": [
-            {"mode": r.mode, "wall_s": r.wall_s, "tokens": r.completion_tokens, "rows": r.progress_rows, "tokens_per_s": r.tokens_per_s}
+            {
+                "mode": r.mode,
+                "wall_s": r.wall_s,
+                "tokens": r.completion_tokens,
+                "rows": r.progress_rows,
+                "tokens_per_s": r.tokens_per_s,
+            }
             for r in measured
         ]
     }
@@ -195,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         def pack(**extra: Any) -> Any:
             return build_pack(url, model=model, registry=registry, provider_options=options, **extra)
 
-        packs = {"on": pack(record_progress=True), "off": pack(record_progress=False), "off_b": pack(record_progress=False)}
+        packs = {
+            "on": pack(record_progress=True),
+            "off": pack(record_progress=False),
+            "off_b": pack(record_progress=False),
+        }
         accounting = Accounting()
         writer = packs["on"].node.writer
         writer.put = accounting.timed(writer.put, "put")  # type: ignore[method-assign]
@@ -235,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {mode:5}: {m['median_tokens_per_s']:9.1f} tok/s  median round {m['median_wall_s']:.3f}s"
                 f"  progress rows/round {m['progress_rows_per_round']:.0f}"
             )
-        print(f"  throughput ratio on/off (median of per-cycle ratios) = {ratio:.4f}  -> recording cost {100 * (1 - ratio):+.2f} % (target <= 2 %)")
+        print(
+            f"  throughput ratio on/off (median of per-cycle ratios) = {ratio:.4f}  "
+            f"-> recording cost {100 * (1 - ratio):+.2f} % (target <= 2 %)"
+        )
         print(f"  A/A noise floor off_b/off (same statistic)         = {noise:.4f}  ({100 * (1 - noise):+.2f} %)")
         print(
             f"  accounted recording work: put {accounted['put_us_per_event']:.1f} us/event x {accounted['events']}, "

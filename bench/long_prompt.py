@@ -49,8 +49,13 @@ def one_run(llm: Any, rows: int, long_text: str) -> dict[str, float]:
     started = threading.Event()
 
     def decode(i: int) -> None:
-        stream = llm.generate(f"row {i}: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(30)), thinking=False,
-                              temperature=0, max_output_tokens=DECODE_TOKENS, stream=True)
+        stream = llm.generate(
+            f"row {i}: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(30)),
+            thinking=False,
+            temperature=0,
+            max_output_tokens=DECODE_TOKENS,
+            stream=True,
+        )
         announced = False
         for chunk in stream:
             if chunk.content:
@@ -97,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefill-step-size", type=int, default=256)
-    ap.add_argument("--model", default="tiny", choices=["tiny", *_models.SHAPES],
-                    help="tiny: the package's dense-long checkpoint; else a random bf16 checkpoint of that shape")
+    ap.add_argument(
+        "--model",
+        default="tiny",
+        choices=["tiny", *_models.SHAPES],
+        help="tiny: the package's dense-long checkpoint; else a random bf16 checkpoint of that shape",
+    )
     ap.add_argument("--model-dir", default=None, help="where to build the checkpoint (default: a temporary directory)")
     args = ap.parse_args(argv)
 
@@ -123,26 +132,39 @@ def main(argv: list[str] | None = None) -> int:
         for file in Path(path).iterdir():
             if not (alias / file.name).exists():
                 (alias / file.name).symlink_to(file.resolve())
-        llms[name] = create_llm("mlx", model=str(alias), mlx_batching=True, mlx_max_batch_size=args.rows + 1,
-                                mlx_prefill_step_size=args.prefill_step_size, speculation=False, **options)
+        llms[name] = create_llm(
+            "mlx",
+            model=str(alias),
+            mlx_batching=True,
+            mlx_max_batch_size=args.rows + 1,
+            mlx_prefill_step_size=args.prefill_step_size,
+            speculation=False,
+            **options,
+        )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     long_text = _long_prompt(tokenizer, args.prompt_tokens)
-    for name, llm in llms.items():  # warm-up: the shapes of one whole run
+    for llm in llms.values():  # warm-up: the shapes of one whole run
         one_run(llm, args.rows, long_text)
     for _ in range(args.repeats):
         for name, llm in llms.items():
             results[name].append(one_run(llm, args.rows, long_text))
-    print(f"\n{args.rows} rows decoding while a {len(tokenizer.encode(long_text))}-token prompt is admitted "
-          f"(prefill step {args.prefill_step_size}); medians of {args.repeats} runs\n")
+    print(
+        f"\n{args.rows} rows decoding while a {len(tokenizer.encode(long_text))}-token prompt is admitted "
+        f"(prefill step {args.prefill_step_size}); medians of {args.repeats} runs\n"
+    )
     print("| target | gap before, p50 ms | gap during, p50 ms | p95 ms | max ms | long prompt TTFT s |")
     print("|---|---|---|---|---|---|")
     for name, runs in results.items():
+
         def med(key: str) -> float:
             return statistics.median(r[key] for r in runs)
-        print(f"| {name} | {med('before_p50_ms'):.1f} | {med('during_p50_ms'):.1f} | {med('during_p95_ms'):.1f} | "
-              f"{med('during_max_ms'):.1f} | {med('ttft_long_s'):.2f} |")
+
+        print(
+            f"| {name} | {med('before_p50_ms'):.1f} | {med('during_p50_ms'):.1f} | {med('during_p95_ms'):.1f} | "
+            f"{med('during_max_ms'):.1f} | {med('ttft_long_s'):.2f} |"
+        )
     for llm in llms.values():
         llm.unload_model()
     return 0

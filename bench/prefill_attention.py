@@ -22,22 +22,38 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
-
-from abstractruntime_mlx.engine import cuda_attention
 from decode_attention import routed_model
 
-CHUNKS = ((1, 64, 64), (8, 64, 64), (64, 64, 64), (64, 96, 96), (8, 256, 256), (64, 128, 128), (64, 256, 256),
-          (1, 256, 1024), (1, 256, 4096), (8, 256, 1024), (8, 256, 2048), (1, 2048, 2048), (4, 512, 512))
+from abstractruntime_mlx.engine import cuda_attention
+
+CHUNKS = (
+    (1, 64, 64),
+    (8, 64, 64),
+    (64, 64, 64),
+    (64, 96, 96),
+    (8, 256, 256),
+    (64, 128, 128),
+    (64, 256, 256),
+    (1, 256, 1024),
+    (1, 256, 4096),
+    (8, 256, 1024),
+    (8, 256, 2048),
+    (1, 2048, 2048),
+    (4, 512, 512),
+)
 
 
 def ms(t0: float) -> float:
     return 1e3 * (time.perf_counter() - t0)
 
 
-def attention_alone(width: int, length: int, keys: int, layers: int, heads: int, kv_heads: int, dim: int) -> dict[str, float]:
+def attention_alone(
+    width: int, length: int, keys: int, layers: int, heads: int, kv_heads: int, dim: int
+) -> dict[str, float]:
     rng = random.Random(width * keys)
     q = mx.random.normal((width, heads, length, dim)).astype(mx.bfloat16)
     k = mx.random.normal((width, kv_heads, keys, dim)).astype(mx.bfloat16)
@@ -54,6 +70,7 @@ def attention_alone(width: int, length: int, keys: int, layers: int, heads: int,
     }
     result: dict[str, float] = {}
     for name, call in calls.items():
+
         def run() -> mx.array:
             x = q
             for _ in range(layers):
@@ -84,8 +101,12 @@ def serving_prefill(model: Any, width: int, rng: random.Random) -> dict[str, flo
     prompts = [[rng.randrange(100, 5000) for _ in range(rng.randrange(51, 95))] for _ in range(width)]
     timings = []
     for _ in range(2):  # the first run at this shape, then a warm one
-        batch = PromptProcessingBatch(model, uids=list(range(width)), caches=[make_prompt_cache(model) for _ in range(width)],
-                                      prefill_step_size=256)
+        batch = PromptProcessingBatch(
+            model,
+            uids=list(range(width)),
+            caches=[make_prompt_cache(model) for _ in range(width)],
+            prefill_step_size=256,
+        )
         t0 = time.perf_counter()
         batch.prompt([p[:-1] for p in prompts])
         timings.append(ms(t0))
@@ -97,20 +118,30 @@ def serving_prefill(model: Any, width: int, rng: random.Random) -> dict[str, flo
     gen.next()
     gen.next()
     later_step = ms(t0) / 2
-    return {"prefill": timings[0], "warm prefill": timings[1], "first decode step": first_step, "later decode step": later_step}
+    return {
+        "prefill": timings[0],
+        "warm prefill": timings[1],
+        "first decode step": first_step,
+        "later decode step": later_step,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="4b", choices=["tiny", "0.6b", "4b"])
     parser.add_argument("--model-dir", default="/tmp/arm-bench-models")
-    parser.add_argument("--widths", default="5,13,21,29,37,45,53,61", help="widths the upstream path meets; ops meets each + 1")
+    parser.add_argument(
+        "--widths", default="5,13,21,29,37,45,53,61", help="widths the upstream path meets; ops meets each + 1"
+    )
     args = parser.parse_args(argv)
     if not cuda_attention.available():
         raise SystemExit("this compares against cuDNN: it needs MLX's CUDA backend (mlx-cuda)")
     model, heads, kv_heads, dim = routed_model(args.model, args.model_dir)
     layers = len(model.layers)
-    print(f"model {args.model}: {layers} layers, {heads} query / {kv_heads} KV heads of {dim}; SMALL_SCORES = {cuda_attention.SMALL_SCORES:,}")
+    print(
+        f"model {args.model}: {layers} layers, {heads} query / {kv_heads} KV "
+        f"heads of {dim}; SMALL_SCORES = {cuda_attention.SMALL_SCORES:,}"
+    )
 
     print(f"\n1. a prompt chunk's attention alone (ms: the first call at the shape, one layer; warm, {layers} layers)")
     columns = ["upstream first", "ops first", "upstream warm", "ops warm", "max abs diff"]
@@ -120,8 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         scores = width * heads * length * keys
         r = attention_alone(width, length, keys, layers, heads, kv_heads, dim)
         cells = " | ".join(f"{r[c]:.4f}" if c == "max abs diff" else f"{r[c]:.2f}" for c in columns)
-        print(f"| {width} | {length} | {keys} | {scores:,} | {'ops' if scores <= cuda_attention.SMALL_SCORES else 'cuDNN'} | "
-              f"{cells} | {r['ops warm'] / r['upstream warm']:.2f} |", flush=True)
+        print(
+            f"| {width} | {length} | {keys} | {scores:,} | "
+            f"{'ops' if scores <= cuda_attention.SMALL_SCORES else 'cuDNN'} "
+            f"| {cells} | {r['ops warm'] / r['upstream warm']:.2f} |",
+            flush=True,
+        )
 
     print("\n2. a server's prompt batch at a width never seen before, 51-94-token prompts (ms)")
     print("| path | rows | prefill (first at the shape) | prefill (warm) | first decode step | later decode step |")
@@ -136,10 +171,15 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 cuda_attention.enable(decode=False, prefill=False)
             totals[name].append(r["prefill"])
-            print(f"| {name} | {w} | {r['prefill']:.1f} | {r['warm prefill']:.1f} | {r['first decode step']:.1f} | "
-                  f"{r['later decode step']:.1f} |", flush=True)
+            print(
+                f"| {name} | {w} | {r['prefill']:.1f} | {r['warm prefill']:.1f} | {r['first decode step']:.1f} | "
+                f"{r['later decode step']:.1f} |",
+                flush=True,
+            )
     for name, values in totals.items():
-        print(f"{name}: prefill at first-seen widths, mean {sum(values) / len(values):.1f} ms, sum {sum(values):.0f} ms")
+        print(
+            f"{name}: prefill at first-seen widths, mean {sum(values) / len(values):.1f} ms, sum {sum(values):.0f} ms"
+        )
     return 0
 
 

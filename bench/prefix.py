@@ -24,8 +24,8 @@ model on the same path and sends the conversation's next turn under the same key
 turn's cached / prompt ratio and TTFT, against a cold turn in that process.
 
 A last phase runs the conversation again under a budget smaller than one snapshot
-(``mlx_cache_memory_max_gb``: a quarter of the most the cache held, or ``--tight-mib``) to show the budget holds: resident bytes stay
-under it and the next turn reports ``degraded_reason``.
+(``mlx_cache_memory_max_gb``: a quarter of the most the cache held, or ``--tight-mib``) to show
+the budget holds: resident bytes stay under it and the next turn reports ``degraded_reason``.
 
 Targets: from turn 2, cached/prompt >= 0.9; from turn 4, cached TTFT <= 1/5 of uncached; the
 second process's first turn >= 0.9 cached; resident bytes never above the budget.
@@ -48,25 +48,42 @@ from typing import Any
 TURNS = 8
 MAX_NEW = 32
 QUESTIONS = [
-    "Question {i}: summarise the part of the reference about {topic} in two sentences, and say what it means for a server.",
+    "Question {i}: summarise the part of the reference about {topic} "
+    "in two sentences, and say what it means for a server.",
     "Question {i}: which trade-off does the reference describe for {topic}, and when would you accept it in practice?",
-    "Question {i}: give one concrete failure the reference warns about for {topic}, and how an operator notices it early.",
+    "Question {i}: give one concrete failure the reference warns "
+    "about for {topic}, and how an operator notices it early.",
 ]
-TOPICS = ["eviction", "time-to-live", "write-back", "batching", "prefetching", "sharding", "snapshots", "warm restarts", "budgets"]
+TOPICS = [
+    "eviction",
+    "time-to-live",
+    "write-back",
+    "batching",
+    "prefetching",
+    "sharding",
+    "snapshots",
+    "warm restarts",
+    "budgets",
+]
 SENTENCES = [
-    "A cache keeps the results of earlier work close at hand so that later requests can reuse them instead of recomputing.",
-    "Every cache needs a rule for what to drop when it is full, and least-recently-used is the rule most systems start from.",
+    "A cache keeps the results of earlier work close at hand so that "
+    "later requests can reuse them instead of recomputing.",
+    "Every cache needs a rule for what to drop when it is full, and "
+    "least-recently-used is the rule most systems start from.",
     "A time-to-live bounds how stale an entry may become, trading freshness against the number of trips to the source.",
-    "Write-back caches acknowledge a write before it reaches the backing store, which is fast but loses data on a crash.",
-    "Batching many small requests into one larger step amortises fixed costs, at the price of waiting for the batch to fill.",
-    "Prefetching guesses what will be needed next; a wrong guess wastes bandwidth and evicts entries that were still useful.",
-    "Sharding spreads keys over several nodes so that no single node holds everything, but a hot key still lands on one.",
-    "A snapshot of expensive intermediate state lets a restarted process skip work that a previous process already did.",
+    "Write-back caches acknowledge a write before it reaches the "
+    "backing store, which is fast but loses data on a crash.",
+    "Batching many small requests into one larger step amortises fixed "
+    "costs, at the price of waiting for the batch to fill.",
+    "Prefetching guesses what will be needed next; a wrong guess wastes "
+    "bandwidth and evicts entries that were still useful.",
+    "Sharding spreads keys over several nodes so that no single node "
+    "holds everything, but a hot key still lands on one.",
+    "A snapshot of expensive intermediate state lets a restarted "
+    "process skip work that a previous process already did.",
     "Budgets in bytes, not in entries, keep memory predictable when entries differ greatly in size.",
     "Operators watch hit ratios, eviction counts and tail latency together, because each alone can hide a regression.",
 ]
-
-
 
 
 def system_prompt(target_tokens: int, encode: Any) -> str:
@@ -132,7 +149,8 @@ def conversation(
     return rows, messages
 
 
-CHILD = """
+CHILD = (
+    """
 import json, sys, time
 from abstractruntime_mlx import create_llm
 model, disk, messages, key = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
@@ -149,14 +167,19 @@ for name, k in (("cached", key), ("cold", None)):
                  "disk_hits": (r.metadata.get("prompt_cache") or {}).get("apc", {}).get("disk_hits")}
 llm.unload_model(llm.model)
 print(json.dumps(out))
-""" % MAX_NEW
+"""  # noqa: UP031 - the child's source has braces of its own
+    % MAX_NEW
+)
 
 
 def second_process(model: Path, disk: Path, messages: list[dict[str, Any]], key: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(model), str(disk), json.dumps(messages), key],
-        capture_output=True, text=True, env=env, timeout=900,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
     )
     if done.returncode != 0:
         raise SystemExit(f"second process failed:\n{done.stderr[-3000:]}")
@@ -171,14 +194,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 repeat")
     ap.add_argument("--repeats", type=int, default=None, help="conversations per variant (default 3; --quick: 1)")
-    ap.add_argument("--system-tokens", type=int, default=1500, help="length of the system prompt in tokens (default 1500)")
-    ap.add_argument("--tight-mib", type=float, default=None, help="the too-small budget of the last phase, MiB (default: a quarter of the most RAM the cache held)")
+    ap.add_argument(
+        "--system-tokens", type=int, default=1500, help="length of the system prompt in tokens (default 1500)"
+    )
+    ap.add_argument(
+        "--tight-mib",
+        type=float,
+        default=None,
+        help="the too-small budget of the last phase, MiB (default: a quarter of the most RAM the cache held)",
+    )
     ap.add_argument("--turns", type=int, default=None, help=f"conversation turns (default {TURNS})")
     ap.add_argument("--tight-turns", type=int, default=3, help="turns of the tight-budget phase (default 3)")
-    ap.add_argument("--model-dir", default=None, help="where to build/reuse the checkpoint (default: a temporary directory)")
+    ap.add_argument(
+        "--model-dir", default=None, help="where to build/reuse the checkpoint (default: a temporary directory)"
+    )
     ap.add_argument("--json", dest="json_out", default=None, help="write every figure here")
     args = ap.parse_args(argv)
     import _models as models  # bench/_models.py (bench/ is first on sys.path)
+
     repeats = args.repeats or (1 if args.quick else 3)
     turns = args.turns or TURNS
 
@@ -188,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     from abstractruntime_mlx import create_llm
 
     with contextlib.ExitStack() as scratch:
-        root = Path(args.model_dir) if args.model_dir else Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="bench-prefix-")))
+        root = (
+            Path(args.model_dir)
+            if args.model_dir
+            else Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="bench-prefix-")))
+        )
         path = models.tiny(root / "tiny") if args.quick else models.small_model(root / "small")
         params = models.num_parameters(path)
         disk_root = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="bench-prefix-ssd-")))
@@ -215,31 +252,36 @@ def main(argv: list[str] | None = None) -> int:
             ratio = median([p["cached"]["cached_tokens"] / p["cached"]["prompt_tokens"] for p in per])
             plain = median([p["plain"]["ttft_s"] for p in per])
             cached = median([p["cached"]["ttft_s"] for p in per])
-            table.append({
-                "turn": t + 1,
-                "prompt_tokens": prompt,
-                "cached_ratio": round(ratio, 3),
-                "ttft_uncached_ms": round(plain * 1000, 1),
-                "ttft_cached_ms": round(cached * 1000, 1),
-                "ttft_ratio": round(cached / plain, 3),
-                "identical": all(p["identical"] for p in per),
-                "max_resident_bytes": max(p["cached"]["resident_bytes"] or 0 for p in per),
-                "budget_bytes": per[0]["cached"]["memory_max_bytes"],
-            })
+            table.append(
+                {
+                    "turn": t + 1,
+                    "prompt_tokens": prompt,
+                    "cached_ratio": round(ratio, 3),
+                    "ttft_uncached_ms": round(plain * 1000, 1),
+                    "ttft_cached_ms": round(cached * 1000, 1),
+                    "ttft_ratio": round(cached / plain, 3),
+                    "identical": all(p["identical"] for p in per),
+                    "max_resident_bytes": max(p["cached"]["resident_bytes"] or 0 for p in per),
+                    "budget_bytes": per[0]["cached"]["memory_max_bytes"],
+                }
+            )
 
         next_turn = last_messages + [{"role": "user", "content": question(turns)}]
         log("second process on the same SSD path ...")
         child = second_process(path, disk, next_turn, f"bench-{repeats - 1}")
         child_ratio = child["cached"]["cached_tokens"] / child["cached"]["prompt_tokens"]
         log(
-            f"  first turn: prompt {child['cached']['prompt_tokens']}  cached {child['cached']['cached_tokens']} "
-            f"({child_ratio:.3f}, disk hits {child['cached']['disk_hits']})  ttft {child['cold']['ttft_s'] * 1000:.1f} (cold) -> "
-            f"{child['cached']['ttft_s'] * 1000:.1f} ms  identical={child['cold']['tokens'] == child['cached']['tokens']}"
+            f"  first turn: prompt {child['cached']['prompt_tokens']}  cached "
+            f"{child['cached']['cached_tokens']} ({child_ratio:.3f}, disk hits {child['cached']['disk_hits']})  "
+            f"ttft {child['cold']['ttft_s'] * 1000:.1f} (cold) -> {child['cached']['ttft_s'] * 1000:.1f} ms  "
+            f"identical={child['cold']['tokens'] == child['cached']['tokens']}"
         )
 
         tight_mib = args.tight_mib or max(r["max_resident_bytes"] for r in table) / 4 / (1 << 20)
         log(f"tight budget: {tight_mib:.2f} MiB ...")
-        tight_llm = create_llm("mlx", model=str(path), mlx_batching=True, speculation=False, mlx_cache_memory_max_gb=tight_mib / 1024)
+        tight_llm = create_llm(
+            "mlx", model=str(path), mlx_batching=True, speculation=False, mlx_cache_memory_max_gb=tight_mib / 1024
+        )
         tight_rows, _ = conversation(tight_llm, system, "tight", log=log, baseline=False, turns=args.tight_turns)
         tight_llm.unload_model(tight_llm.model)
         tight = {
@@ -247,11 +289,16 @@ def main(argv: list[str] | None = None) -> int:
             "max_resident_bytes": max(r["cached"]["resident_bytes"] or 0 for r in tight_rows),
             "outcomes": [r["cached"]["outcome"] for r in tight_rows],
             "degraded_turns": sum(1 for r in tight_rows if r["cached"]["degraded_reason"]),
-            "degraded_reason": next((r["cached"]["degraded_reason"] for r in tight_rows if r["cached"]["degraded_reason"]), None),
+            "degraded_reason": next(
+                (r["cached"]["degraded_reason"] for r in tight_rows if r["cached"]["degraded_reason"]), None
+            ),
         }
 
     log("")
-    log("| turn | prompt tokens | cached / prompt | TTFT uncached (ms) | TTFT cached (ms) | cached / uncached TTFT | greedy identical | max resident / budget |")
+    log(
+        "| turn | prompt tokens | cached / prompt | TTFT uncached (ms) | TTFT cached (ms) "
+        "| cached / uncached TTFT | greedy identical | max resident / budget |"
+    )
     log("|---:|---:|---:|---:|---:|---:|:---:|---:|")
     for row in table:
         log(
@@ -268,19 +315,35 @@ def main(argv: list[str] | None = None) -> int:
         and tight["max_resident_bytes"] <= tight["budget_bytes"],
         "greedy tokens identical with and without the cache": all(r["identical"] for r in table),
     }
-    log(f"second process: first turn cached {child_ratio:.3f} of {child['cached']['prompt_tokens']} prompt tokens, "
+    log(
+        f"second process: first turn cached {child_ratio:.3f} of {child['cached']['prompt_tokens']} prompt tokens, "
         f"TTFT {child['cached']['ttft_s'] * 1000:.1f} ms vs {child['cold']['ttft_s'] * 1000:.1f} ms cold "
-        f"(ratio {child['cached']['ttft_s'] / child['cold']['ttft_s']:.3f}); load {child['load_s']:.2f} s")
-    log(f"tight budget {tight['budget_bytes'] / (1 << 20):.1f} MiB: max resident {tight['max_resident_bytes'] / (1 << 20):.2f} MiB, "
-        f"outcomes {tight['outcomes']}, turns with degraded_reason: {tight['degraded_turns']}")
+        f"(ratio {child['cached']['ttft_s'] / child['cold']['ttft_s']:.3f}); load {child['load_s']:.2f} s"
+    )
+    log(
+        f"tight budget {tight['budget_bytes'] / (1 << 20):.1f} MiB: max resident "
+        f"{tight['max_resident_bytes'] / (1 << 20):.2f} MiB, outcomes "
+        f"{tight['outcomes']}, turns with degraded_reason: {tight['degraded_turns']}"
+    )
     for name, ok in checks.items():
         log(f"target {'met   ' if ok else 'MISSED'}: {name}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({
-            "model": str(path), "parameters": params, "repeats": repeats, "turns": table,
-            "second_process": {**child, "cached_ratio": child_ratio}, "tight_budget": tight,
-            "cache_stats_at_unload": stats, "targets": checks,
-        }, indent=2, default=str))
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "model": str(path),
+                    "parameters": params,
+                    "repeats": repeats,
+                    "turns": table,
+                    "second_process": {**child, "cached_ratio": child_ratio},
+                    "tight_budget": tight,
+                    "cache_stats_at_unload": stats,
+                    "targets": checks,
+                },
+                indent=2,
+                default=str,
+            )
+        )
     return 0 if all(checks.values()) else 1
 
 

@@ -38,8 +38,14 @@ from abstractruntime_mlx.engine.prefix_cache import GUARD_TOKENS, _common_prefix
 from abstractruntime_mlx.testing import tiny_model  # noqa: E402
 
 TOOLS = [
-    {"type": "function", "function": {"name": n, "description": f"the {n} tool " * 8,
-                                      "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+    {
+        "type": "function",
+        "function": {
+            "name": n,
+            "description": f"the {n} tool " * 8,
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
     for n in ("search", "fetch", "write")
 ]
 
@@ -52,7 +58,11 @@ def transcript(turns: int, *, changed_turn: int | None = None) -> list[dict[str,
             result = f"turn={t} hits=" + ",".join(f"docs/page-{t}-{i}.md" for i in range(4))
         out += [
             {"role": "user", "content": f"Step {t}: look up the cache docs, part {t}."},
-            {"role": "assistant", "content": "", "tool_calls": [{"id": f"c{t}", "function": {"name": "search", "arguments": {"q": f"part {t}"}}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": f"c{t}", "function": {"name": "search", "arguments": {"q": f"part {t}"}}}],
+            },
             {"role": "tool", "content": result, "tool_call_id": f"c{t}"},
             {"role": "assistant", "content": f"Part {t} is about reuse. " * 3},
         ]
@@ -79,7 +89,9 @@ def measure(tokenizer: Any, turns: int, repeats: int) -> dict[str, Any]:
         find_us.append((time.perf_counter() - t0) * 1e6)
         assert brk is not None
         t0 = time.perf_counter()
-        located = attribute(brk, prompt_ids=prompt, text=text, conversation=after, tokenizer=tokenizer, tools=TOOLS, thinking=False)
+        located = attribute(
+            brk, prompt_ids=prompt, text=text, conversation=after, tokenizer=tokenizer, tools=TOOLS, thinking=False
+        )
         attr_ms.append((time.perf_counter() - t0) * 1e3)
     assert located["segment"] == "message" and located["message_index"] == 4 * (turns // 2) + 3, located
     return {
@@ -105,7 +117,10 @@ def main() -> int:
         rows = [measure(tokenizer, turns, args.repeats) for turns in args.turns]
     print(f"{'turns':>5} {'messages':>8} {'prompt tokens':>13} {'find_break µs':>13} {'attribute ms':>12}  break")
     for r in rows:
-        print(f"{r['turns']:>5} {r['messages']:>8} {r['prompt_tokens']:>13,} {r['find_break_us']:>13} {r['attribute_ms']:>12}  {r['break']}")
+        print(
+            f"{r['turns']:>5} {r['messages']:>8} {r['prompt_tokens']:>13,} "
+            f"{r['find_break_us']:>13} {r['attribute_ms']:>12}  {r['break']}"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

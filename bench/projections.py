@@ -61,8 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     fused = mlx_lm.load(str(path))[0]
     stacked = fuse(fused)
     vocab = int(separate.args.vocab_size)
-    print(f"# fused projections, {args.model}, {mx.default_device()}, mlx {mx.__version__}; {len(stacked)} arrays stacked")
-    print("| B | separate ms/step | fused ms/step | separate / fused | prefill separate ms | prefill fused ms | same tokens |")
+    print(
+        f"# fused projections, {args.model}, {mx.default_device()}, mlx {mx.__version__}; {len(stacked)} arrays stacked"
+    )
+    print(
+        "| B | separate ms/step | fused ms/step | separate / fused | "
+        "prefill separate ms | prefill fused ms | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|")
     for width in (int(w) for w in args.widths.split(",")):
         steps: dict[str, list[float]] = {"separate": [], "fused": []}
@@ -74,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         a, b = greedy_tokens(separate, width, vocab), greedy_tokens(fused, width, vocab)
         same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
         s, f = statistics.median(steps["separate"]), statistics.median(steps["fused"])
-        print(f"| {width} | {s:.2f} | {f:.2f} | {s / f:.2f} | {pre_s:.1f} | {pre_f:.1f} | {same}/{width * AGREE_STEPS} |", flush=True)
+        print(
+            f"| {width} | {s:.2f} | {f:.2f} | {s / f:.2f} | {pre_s:.1f} | {pre_f:.1f} | {same}/{width * AGREE_STEPS} |",
+            flush=True,
+        )
     return 0
 
 

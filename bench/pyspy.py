@@ -36,9 +36,22 @@ def record(path: Path) -> Iterator[None]:
         raise RuntimeError("py-spy is not on PATH (pip install py-spy)")
     path.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
-        [exe, "record", "--pid", str(os.getpid()), "--native", "--threads", "--rate", str(RATE_HZ),
-         "--format", "raw", "--output", str(path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            exe,
+            "record",
+            "--pid",
+            str(os.getpid()),
+            "--native",
+            "--threads",
+            "--rate",
+            str(RATE_HZ),
+            "--format",
+            "raw",
+            "--output",
+            str(path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     time.sleep(1.0)  # attaching takes a moment; the run should not start before sampling does
     try:

@@ -34,7 +34,9 @@ def one_call(url: str, model: str, index: int, max_tokens: int) -> tuple[int, fl
     with RemoteClient(url, model=model) as client:
         started, first = time.perf_counter(), float("nan")
         tokens = 0
-        for chunk in client.stream(f"Call {index}: tell a story.", messages=[], max_output_tokens=max_tokens, temperature=0, thinking=False):
+        for chunk in client.stream(
+            f"Call {index}: tell a story.", messages=[], max_output_tokens=max_tokens, temperature=0, thinking=False
+        ):
             if chunk.content and first != first:  # nan: not seen yet
                 first = time.perf_counter() - started
             if chunk.usage is not None:
@@ -42,7 +44,9 @@ def one_call(url: str, model: str, index: int, max_tokens: int) -> tuple[int, fl
     return tokens, first
 
 
-def measure(url: str, model: str, *, calls: int, max_tokens: int, concurrency: int, first: int) -> tuple[float, float, float]:
+def measure(
+    url: str, model: str, *, calls: int, max_tokens: int, concurrency: int, first: int
+) -> tuple[float, float, float]:
     """(tok/s, mean TTFT s, wall s) of ``calls`` calls, ``concurrency`` at a time."""
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -65,12 +69,20 @@ def main() -> int:
     ring = f"ring x{args.ranks}"
     setups = (("plain", 1, True), (ring, args.ranks, True), (ring + " direct", args.ranks, False))
     for name, ranks, launcher in setups:
-        with MLXLMServerProcess.start(model, port=free_port(), ranks=ranks, launcher=launcher, log_path=tmp / f"{ranks}-{launcher}.log") as server:
+        with MLXLMServerProcess.start(
+            model, port=free_port(), ranks=ranks, launcher=launcher, log_path=tmp / f"{ranks}-{launcher}.log"
+        ) as server:
             measure(server.url, model, calls=2, max_tokens=8, concurrency=2, first=10_000)  # warm
             for c in args.concurrency:
-                rows[(name, c)] = measure(server.url, model, calls=args.calls, max_tokens=args.max_tokens, concurrency=c, first=c * 1000)
+                rows[(name, c)] = measure(
+                    server.url, model, calls=args.calls, max_tokens=args.max_tokens, concurrency=c, first=c * 1000
+                )
                 tps, ttft, wall = rows[(name, c)]
-                print(f"{name:15} c{c:<3} {args.calls} calls x {args.max_tokens} tokens: {tps:8.1f} tok/s  mean TTFT {ttft * 1000:7.1f} ms  ({wall:.2f}s)", flush=True)
+                print(
+                    f"{name:15} c{c:<3} {args.calls} calls x {args.max_tokens} tokens: "
+                    f"{tps:8.1f} tok/s  mean TTFT {ttft * 1000:7.1f} ms  ({wall:.2f}s)",
+                    flush=True,
+                )
     for name in (ring, ring + " direct"):
         for c in args.concurrency:
             got, plain = rows[(name, c)], rows[("plain", c)]

@@ -43,12 +43,13 @@ import random
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
-
+from typing import Any
 
 import _models  # bench/_models.py (``python bench/X.py`` puts bench/ first on sys.path)
+
 from abstractruntime_mlx.runtime_plugin import run_flow
 
 MAX_TOKENS = 48
@@ -113,7 +114,9 @@ def bench_requests(models: dict[str, str], concurrency: list[int], repeats: int)
     rows: list[dict[str, Any]] = []
     targets = ["greedy", "sampled", "sampled_top_p", "exclusive"]
     for name, path in models.items():
-        totals = {(t, c): {"tokens": 0, "wall_s": 0.0, "peak_batch": 0, "modes": set()} for t in targets for c in concurrency}
+        totals = {
+            (t, c): {"tokens": 0, "wall_s": 0.0, "peak_batch": 0, "modes": set()} for t in targets for c in concurrency
+        }
         options = {"mlx_batching": True, "mlx_max_batch_size": MAX_BATCH, "speculation": False}
         for repeat in range(repeats + 1):  # repeat 0 warms up every width (4 tokens per request)
             order = targets[repeat % len(targets) :] + targets[: repeat % len(targets)]
@@ -136,7 +139,11 @@ def bench_requests(models: dict[str, str], concurrency: list[int], repeats: int)
             row: dict[str, Any] = {"model": name, "concurrency": c}
             for t in targets:
                 acc = totals[(t, c)]
-                row[t] = {"tok_s": round(acc["tokens"] / acc["wall_s"], 1), "peak_batch": acc["peak_batch"], "modes": sorted(acc["modes"])}
+                row[t] = {
+                    "tok_s": round(acc["tokens"] / acc["wall_s"], 1),
+                    "peak_batch": acc["peak_batch"],
+                    "modes": sorted(acc["modes"]),
+                }
             row["sampled_vs_greedy"] = round(row["sampled"]["tok_s"] / row["greedy"]["tok_s"], 2)
             row["sampled_vs_exclusive"] = round(row["sampled"]["tok_s"] / row["exclusive"]["tok_s"], 2)
             row["top_p_vs_greedy"] = round(row["sampled_top_p"]["tok_s"] / row["greedy"]["tok_s"], 2)
@@ -174,8 +181,19 @@ def fanout_flow(max_tokens: int = FLOW_MAX_TOKENS) -> dict[str, Any]:
     """Four sampled branches (no temperature: the compiler's 0.7) over start-node pins."""
     topics = ["caches", "queues", "indexes", "schedulers"]
     nodes: list[dict[str, Any]] = [
-        {"id": "start", "type": "on_flow_start", "data": {"outputs": [{"id": "exec-out", "type": "execution"}, {"id": "topic", "type": "string"}]}},
-        {"id": "fan", "type": "parallel", "data": {"outputs": [{"id": f"then:{i}", "type": "execution"} for i in range(4)] + [{"id": "completed", "type": "execution"}]}},
+        {
+            "id": "start",
+            "type": "on_flow_start",
+            "data": {"outputs": [{"id": "exec-out", "type": "execution"}, {"id": "topic", "type": "string"}]},
+        },
+        {
+            "id": "fan",
+            "type": "parallel",
+            "data": {
+                "outputs": [{"id": f"then:{i}", "type": "execution"} for i in range(4)]
+                + [{"id": "completed", "type": "execution"}]
+            },
+        },
         {"id": "end", "type": "on_flow_end", "data": {"inputs": [{"id": "exec-in", "type": "execution"}]}},
     ]
     edges: list[dict[str, Any]] = [
@@ -187,11 +205,20 @@ def fanout_flow(max_tokens: int = FLOW_MAX_TOKENS) -> dict[str, Any]:
             {
                 "id": f"llm{i}",
                 "type": "llm_call",
-                "data": {"effectConfig": {"provider": "mlx", "max_output_tokens": max_tokens, "thinking": False}, "pinDefaults": {"prompt": f"Write three sentences about {topic}."}},
+                "data": {
+                    "effectConfig": {"provider": "mlx", "max_output_tokens": max_tokens, "thinking": False},
+                    "pinDefaults": {"prompt": f"Write three sentences about {topic}."},
+                },
             }
         )
         edges.append({"source": "fan", "sourceHandle": f"then:{i}", "target": f"llm{i}", "targetHandle": "exec-in"})
-    return {"id": "bench_sampled_fanout", "name": "bench_sampled_fanout", "entryNode": "start", "nodes": nodes, "edges": edges}
+    return {
+        "id": "bench_sampled_fanout",
+        "name": "bench_sampled_fanout",
+        "entryNode": "start",
+        "nodes": nodes,
+        "edges": edges,
+    }
 
 
 def bench_flows(model: str, runs: list[int], repeats: int, workdir: Path, max_tokens: int) -> list[dict[str, Any]]:
@@ -223,9 +250,9 @@ def bench_flows(model: str, runs: list[int], repeats: int, workdir: Path, max_to
         row["after_vs_before"] = round(row["after"]["runs_s"] / row["before"]["runs_s"], 2)
         rows.append(row)
         print(
-            f"fan-out x{n} ({max_tokens} tokens/node): before {row['before']['runs_s']:.2f} runs/s (peak {row['before']['peak_batch']}, {row['before']['modes']})  "
-            f"after {row['after']['runs_s']:.2f} runs/s (peak {row['after']['peak_batch']}, {row['after']['modes']})  "
-            f"after/before {row['after_vs_before']:.2f}",
+            f"fan-out x{n} ({max_tokens} tokens/node): before {row['before']['runs_s']:.2f} runs/s (peak "
+            f"{row['before']['peak_batch']}, {row['before']['modes']})  after {row['after']['runs_s']:.2f} runs/s "
+            f"(peak {row['after']['peak_batch']}, {row['after']['modes']})  after/before {row['after_vs_before']:.2f}",
             flush=True,
         )
     return rows
@@ -238,12 +265,41 @@ def sequence_flow(flow_id: str, width: int) -> dict[str, Any]:
     """Shaped like the public examples' ``sequence`` flows: ``width`` independent LLM calls over
     start-node inputs, then one that combines their answers through a ``concat``."""
     nodes: list[dict[str, Any]] = [
-        {"id": "start", "type": "on_flow_start", "data": {"outputs": [{"id": "exec-out", "type": "execution"}, {"id": "query", "type": "string"}, {"id": "style", "type": "string"}]}},
-        {"id": "seq", "type": "sequence", "data": {"outputs": [{"id": f"then:{i}", "type": "execution"} for i in range(width + 1)]}},
+        {
+            "id": "start",
+            "type": "on_flow_start",
+            "data": {
+                "outputs": [
+                    {"id": "exec-out", "type": "execution"},
+                    {"id": "query", "type": "string"},
+                    {"id": "style", "type": "string"},
+                ]
+            },
+        },
+        {
+            "id": "seq",
+            "type": "sequence",
+            "data": {"outputs": [{"id": f"then:{i}", "type": "execution"} for i in range(width + 1)]},
+        },
         {"id": "intro", "type": "literal_string", "data": {"literalValue": "Answer briefly:"}},
-        {"id": "ask", "type": "concat", "data": {"inputs": [{"id": "a", "type": "string"}, {"id": "b", "type": "string"}], "concatConfig": {"separator": "\\n"}}},
-        {"id": "merge", "type": "concat", "data": {"inputs": [{"id": f"p{i}", "type": "string"} for i in range(width)]}},
-        {"id": "end", "type": "on_flow_end", "data": {"inputs": [{"id": "exec-in", "type": "execution"}, {"id": "response", "type": "string"}]}},
+        {
+            "id": "ask",
+            "type": "concat",
+            "data": {
+                "inputs": [{"id": "a", "type": "string"}, {"id": "b", "type": "string"}],
+                "concatConfig": {"separator": "\\n"},
+            },
+        },
+        {
+            "id": "merge",
+            "type": "concat",
+            "data": {"inputs": [{"id": f"p{i}", "type": "string"} for i in range(width)]},
+        },
+        {
+            "id": "end",
+            "type": "on_flow_end",
+            "data": {"inputs": [{"id": "exec-in", "type": "execution"}, {"id": "response", "type": "string"}]},
+        },
     ]
     edges: list[dict[str, Any]] = [
         {"source": "start", "sourceHandle": "exec-out", "target": "seq", "targetHandle": "exec-in"},
@@ -257,7 +313,12 @@ def sequence_flow(flow_id: str, width: int) -> dict[str, Any]:
                 "id": f"m{i}",
                 "type": "llm_call",
                 "data": {
-                    "effectConfig": {"provider": "mlx", "model": f"vendor/model-{i}", "include_context": False, "max_output_tokens": 24},
+                    "effectConfig": {
+                        "provider": "mlx",
+                        "model": f"vendor/model-{i}",
+                        "include_context": False,
+                        "max_output_tokens": 24,
+                    },
                     "pinDefaults": {"system": "Be terse.", "include_context": False},
                 },
             }
@@ -266,7 +327,9 @@ def sequence_flow(flow_id: str, width: int) -> dict[str, Any]:
         source = ("ask", "result") if via_concat else ("start", "query")
         edges.append({"source": source[0], "sourceHandle": source[1], "target": f"m{i}", "targetHandle": "prompt"})
         edges.append({"source": f"m{i}", "sourceHandle": "response", "target": "merge", "targetHandle": f"p{i}"})
-    nodes.append({"id": "final", "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "max_output_tokens": 24}}})
+    nodes.append(
+        {"id": "final", "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "max_output_tokens": 24}}}
+    )
     edges += [
         {"source": "seq", "sourceHandle": f"then:{width}", "target": "final", "targetHandle": "exec-in"},
         {"source": "merge", "sourceHandle": "result", "target": "final", "targetHandle": "prompt"},
@@ -288,12 +351,25 @@ def bench_prefetch(model: str, widths: list[int], runs: int, workdir: Path) -> l
             stats = pack.prefetcher.stats.as_dict()
         assert all(r.status == "completed" for r in results), [r.error for r in results]
         predictable = (width - 1) * runs  # every independent branch after the first
-        peak = max(int(n.result.get("metadata", {}).get("execution", {}).get("peak_batch_size", 0)) for r in results for n in r.nodes)
-        row = {"width": width, "runs": runs, "predictable": predictable, **stats, "hit_rate": round(stats["used"] / predictable, 2), "peak_batch": peak, "wall_s": round(wall, 2)}
+        peak = max(
+            int(n.result.get("metadata", {}).get("execution", {}).get("peak_batch_size", 0))
+            for r in results
+            for n in r.nodes
+        )
+        row = {
+            "width": width,
+            "runs": runs,
+            "predictable": predictable,
+            **stats,
+            "hit_rate": round(stats["used"] / predictable, 2),
+            "peak_batch": peak,
+            "wall_s": round(wall, 2),
+        }
         rows.append(row)
         print(
-            f"sequence of {width}+1 x{runs} runs: prefetched {stats['launched']}, used {stats['used']}/{predictable} "
-            f"(hit rate {row['hit_rate']:.2f}), mismatched {stats['mismatched']}, throttled {stats['throttled']}, peak batch {peak}",
+            f"sequence of {width}+1 x{runs} runs: prefetched {stats['launched']}, used "
+            f"{stats['used']}/{predictable} (hit rate {row['hit_rate']:.2f}), mismatched "
+            f"{stats['mismatched']}, throttled {stats['throttled']}, peak batch {peak}",
             flush=True,
         )
     return rows
@@ -306,7 +382,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,8")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--flow-runs", default="1,4")
-    parser.add_argument("--flow-max-tokens", type=int, default=FLOW_MAX_TOKENS, help="max_output_tokens of the fan-out flow's nodes")
+    parser.add_argument(
+        "--flow-max-tokens", type=int, default=FLOW_MAX_TOKENS, help="max_output_tokens of the fan-out flow's nodes"
+    )
     parser.add_argument("--skip", default="", help="comma list of parts to skip: requests, flows, prefetch")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -317,13 +395,18 @@ def main() -> None:
     builders = {"tiny": _models.tiny, "small": _models.small_model}
     models = {name: str(builders[name](workdir / name)) for name in args.models.split(",")}
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    print(f"# bench/sampled.py  {platform.machine()} {platform.system()}  cpus={os.cpu_count()}  repeats={args.repeats}", flush=True)
+    print(
+        f"# bench/sampled.py  {platform.machine()} {platform.system()}  cpus={os.cpu_count()}  repeats={args.repeats}",
+        flush=True,
+    )
     out: dict[str, Any] = {"repeats": args.repeats, "max_tokens": MAX_TOKENS}
     if "requests" not in skip:
         out["requests"] = bench_requests(models, concurrency, args.repeats)
     tiny = models.get("tiny") or str(_models.tiny(workdir / "tiny"))
     if "flows" not in skip:
-        out["flows"] = bench_flows(tiny, [int(n) for n in args.flow_runs.split(",")], args.repeats, workdir, args.flow_max_tokens)
+        out["flows"] = bench_flows(
+            tiny, [int(n) for n in args.flow_runs.split(",")], args.repeats, workdir, args.flow_max_tokens
+        )
     if "prefetch" not in skip:
         out["prefetch"] = bench_prefetch(tiny, [3, 4, 7], runs=2, workdir=workdir)
     if args.json:

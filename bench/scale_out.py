@@ -34,13 +34,25 @@ from test_scale_out_haproxy import fanout_flow  # noqa: E402
 
 def batch(url: str, model: str, ledger_url: str, runs: int, max_tokens: int) -> tuple[list[FlowRunResult], float]:
     started = time.perf_counter()
-    results = run_flow(fanout_flow(max_tokens), runs=runs, ledger_url=ledger_url, model=model, vars={"_runtime": {"base_url": url}}, allow_remote=["127.0.0.1"])
+    results = run_flow(
+        fanout_flow(max_tokens),
+        runs=runs,
+        ledger_url=ledger_url,
+        model=model,
+        vars={"_runtime": {"base_url": url}},
+        allow_remote=["127.0.0.1"],
+    )
     return results, time.perf_counter() - started
 
 
 def figures(results: list[FlowRunResult], wall_s: float) -> tuple[float, float]:
     tokens = sum(int(n.result["usage"].get("completion_tokens", 0)) for r in results for n in r.nodes)  # type: ignore[union-attr]
-    ttfts = [float(n.result["metadata"]["execution"]["ttft_s"]) for r in results for n in r.nodes if "ttft_s" in n.result["metadata"].get("execution", {})]  # type: ignore[union-attr, operator]
+    ttfts = [
+        float(n.result["metadata"]["execution"]["ttft_s"])
+        for r in results
+        for n in r.nodes
+        if "ttft_s" in n.result["metadata"].get("execution", {})
+    ]  # type: ignore[union-attr, operator]
     return tokens / wall_s, statistics.mean(ttfts) if ttfts else float("nan")
 
 
@@ -55,7 +67,23 @@ def main() -> int:
     servers = [ServerProcess.start(model, port=free_port()) for _ in range(2)]
     try:
         lb_port, cfg, sock = free_port(), tmp / "pool.cfg", tmp / "haproxy.sock"
-        subprocess.run([sys.executable, "-m", "abstractruntime_mlx.cli.main", "lb-config", *(a for s in servers for a in ("--server", f"127.0.0.1:{s.port}")), "--bind", f"127.0.0.1:{lb_port}", "--stats-socket", str(sock), "--out", str(cfg)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "abstractruntime_mlx.cli.main",
+                "lb-config",
+                *(a for s in servers for a in ("--server", f"127.0.0.1:{s.port}")),
+                "--bind",
+                f"127.0.0.1:{lb_port}",
+                "--stats-socket",
+                str(sock),
+                "--out",
+                str(cfg),
+            ],
+            check=True,
+            capture_output=True,
+        )
         with HAProxyProcess.start(cfg, socket_path=sock, port=lb_port, servers_up=2) as lb:
             batch(servers[0].url, model, sqlite_url(tmp / "warm.db"), 2, 8)  # warm both paths
             batch(lb.url, model, sqlite_url(tmp / "warm2.db"), 2, 8)
@@ -63,8 +91,14 @@ def main() -> int:
             for name, url in (("direct", servers[0].url), ("pool", lb.url)):
                 results, wall = batch(url, model, sqlite_url(tmp / f"{name}.db"), args.runs, args.max_tokens)
                 rows[name] = figures(results, wall)
-                print(f"{name:7} {args.runs} runs x 4 calls: {rows[name][0]:8.1f} tok/s  mean TTFT {rows[name][1] * 1000:7.1f} ms  ({wall:.2f}s)")
-            print(f"pool/direct: throughput {rows['pool'][0] / rows['direct'][0]:.2f}x  TTFT {rows['pool'][1] / rows['direct'][1]:.2f}x")
+                print(
+                    f"{name:7} {args.runs} runs x 4 calls: {rows[name][0]:8.1f} tok/s  "
+                    f"mean TTFT {rows[name][1] * 1000:7.1f} ms  ({wall:.2f}s)"
+                )
+            print(
+                f"pool/direct: throughput {rows['pool'][0] / rows['direct'][0]:.2f}x  "
+                f"TTFT {rows['pool'][1] / rows['direct'][1]:.2f}x"
+            )
 
             ledger_url = sqlite_url(tmp / "failover.db")
             out: dict[str, object] = {}
@@ -81,11 +115,19 @@ def main() -> int:
             thread.join()
             results, wall = out["r"]  # type: ignore[misc]
             with Ledger(ledger_url) as ledger:
-                retried = [s for r in results for s in ledger.run_steps(r.run_id) if s.effect_type == "llm_call" and s.status == "completed" and s.attempt >= 2]
+                retried = [
+                    s
+                    for r in results
+                    for s in ledger.run_steps(r.run_id)
+                    if s.effect_type == "llm_call" and s.status == "completed" and s.attempt >= 2
+                ]
             resumed = [s.started_at.timestamp() - killed_at for s in retried if s.started_at is not None]
             done = sum(1 for r in results if r.status == "completed")
-            print(f"failover: {done}/{len(results)} runs completed; {len(retried)} calls retried by the runtime (the rest by HAProxy); "
-                  f"death to last retried call started {max(resumed) if resumed else 0.0:.2f}s; batch {wall:.2f}s")
+            print(
+                f"failover: {done}/{len(results)} runs completed; {len(retried)} calls retried "
+                "by the runtime (the rest by HAProxy); death to last retried call started "
+                f"{max(resumed) if resumed else 0.0:.2f}s; batch {wall:.2f}s"
+            )
     finally:
         for server in servers:
             server.stop()

@@ -48,10 +48,12 @@ class Window:
     def new_decode(self) -> int:
         return sum(1 for _, length in self.new if length == 1)
 
-    def add(self, other: "Window") -> "Window":
+    def add(self, other: Window) -> Window:
         return Window(
-            self.used | other.used, self.new | other.new,
-            self.prefill_calls + other.prefill_calls, self.decode_calls + other.decode_calls,
+            self.used | other.used,
+            self.new | other.new,
+            self.prefill_calls + other.prefill_calls,
+            self.decode_calls + other.decode_calls,
         )
 
 

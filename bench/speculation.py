@@ -4,7 +4,7 @@ under concurrency, all on one resident model in one process.
     python bench/speculation.py                     # tiny + ~27M hybrid, c = 2, 4, 8
     python bench/speculation.py --quick             # tiny hybrid only, c = 2, 4
     python bench/speculation.py --models small --alpha 0.05 --json out.json
-    python bench/speculation.py --shape 4b --dtype bfloat16 --models custom --concurrency 0   # the H200 single-request case
+    python bench/speculation.py --shape 4b --dtype bfloat16 --models custom --concurrency 0  # H200, one request
 
 Models (built offline, random weights, the package's tokenizer): a Qwen3.5-style hybrid
 (gated-delta and full-attention layers) with an *aligned* MTP head, the construction of
@@ -52,7 +52,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},
     "small": {
@@ -85,9 +84,24 @@ BUILDER_VERSION = 1
 DEPTHS = (1, 2, 3)
 POLICIES = ("load_aware", "fixed_cohorts", "mtp_off")
 TOPICS = (
-    "TTL caches", "LRU caches", "prefix caches", "batching", "speculative decoding", "KV caches",
-    "tokenizers", "attention", "recurrent state", "chat templates", "greedy decoding", "beam search",
-    "quantization", "rope scaling", "continuous batching", "prefill", "stop strings", "sampling",
+    "TTL caches",
+    "LRU caches",
+    "prefix caches",
+    "batching",
+    "speculative decoding",
+    "KV caches",
+    "tokenizers",
+    "attention",
+    "recurrent state",
+    "chat templates",
+    "greedy decoding",
+    "beam search",
+    "quantization",
+    "rope scaling",
+    "continuous batching",
+    "prefill",
+    "stop strings",
+    "sampling",
 )
 
 
@@ -96,7 +110,14 @@ TOPICS = (
 
 def hybrid_model(path: Path, *, shape: str, alpha: float, dtype: str, seed: int = 0) -> Path:
     """Build (or reuse) an aligned hybrid target with an embedded MTP head at ``path``."""
-    spec = {"shape": shape, "overrides": SHAPES[shape], "alpha": alpha, "dtype": dtype, "seed": seed, "builder_version": BUILDER_VERSION}
+    spec = {
+        "shape": shape,
+        "overrides": SHAPES[shape],
+        "alpha": alpha,
+        "dtype": dtype,
+        "seed": seed,
+        "builder_version": BUILDER_VERSION,
+    }
     marker = path / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == spec:
         return path
@@ -302,7 +323,10 @@ def print_single(name: str, s: dict[str, Any]) -> None:
 
 def print_concurrency(name: str, cc: dict[str, Any], depth: int) -> None:
     print(f"\n## {name}: half the requests ask for MTP depth {depth}, half plain")
-    print("| c | policy | aggregate tok/s | vs MTP off | TTFT p50 / p95 (ms) | MTP requests' TTFT p50 / p95 (ms) | ran MTP / deferred |")
+    print(
+        "| c | policy | aggregate tok/s | vs MTP off | TTFT p50 / p95 (ms) | "
+        "MTP requests' TTFT p50 / p95 (ms) | ran MTP / deferred |"
+    )
     print("|---|---|---|---|---|---|---|")
 
     def ms(v: float | None) -> str:
@@ -312,8 +336,9 @@ def print_concurrency(name: str, cc: dict[str, Any], depth: int) -> None:
         for policy in POLICIES:
             r = row[policy]
             print(
-                f"| {c} | {policy} | {r['aggregate_tps']:.1f} | {r['vs_off']:.2f}x | {ms(r['ttft_p50_s'])} / {ms(r['ttft_p95_s'])} "
-                f"| {ms(r['mtp_ttft_p50_s'])} / {ms(r['mtp_ttft_p95_s'])} | {r['ran_mtp']}/{r['mtp_requests']} · {r['deferred']} |"
+                f"| {c} | {policy} | {r['aggregate_tps']:.1f} | {r['vs_off']:.2f}x | "
+                f"{ms(r['ttft_p50_s'])} / {ms(r['ttft_p95_s'])} | {ms(r['mtp_ttft_p50_s'])} / "
+                f"{ms(r['mtp_ttft_p95_s'])} | {r['ran_mtp']}/{r['mtp_requests']} · {r['deferred']} |"
             )
 
 
@@ -350,19 +375,41 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# MTP speculation bench, {report['date']}: {report['machine']}, load average {report['load_average']}")
     for shape in args.models.split(","):
         started = time.perf_counter()
-        path = hybrid_model(root / f"hybrid-{shape}-{args.dtype}-a{args.alpha}", shape=shape, alpha=args.alpha, dtype=args.dtype)
+        path = hybrid_model(
+            root / f"hybrid-{shape}-{args.dtype}-a{args.alpha}", shape=shape, alpha=args.alpha, dtype=args.dtype
+        )
         target, head = num_parameters(path)
         built = time.perf_counter() - started
-        llm = create_llm("mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=max([8, *levels]), speculation=False)
+        llm = create_llm(
+            "mlx", model=str(path), mlx_batching=True, mlx_max_batch_size=max([8, *levels]), speculation=False
+        )
         try:
             # Every setting once (an accelerator compiles kernels per shape on first use).
             for d in (0, *DEPTHS):
-                warm = one(llm, prompts(1, 0)[0], 8, {"mode": "native_mtp", "num_draft_tokens": d, "require_acceleration": True} if d else False)
+                warm = one(
+                    llm,
+                    prompts(1, 0)[0],
+                    8,
+                    {"mode": "native_mtp", "num_draft_tokens": d, "require_acceleration": True} if d else False,
+                )
             for c in levels:  # every batch width once, MTP and not
                 with ThreadPoolExecutor(max_workers=c) as pool:
-                    list(pool.map(lambda i: one(llm, prompts(1, i)[0], 4, policy_speculation("fixed_cohorts", args.depth) if i % 2 else False), range(c)))
+                    list(
+                        pool.map(
+                            lambda i: one(
+                                llm,
+                                prompts(1, i)[0],
+                                4,
+                                policy_speculation("fixed_cohorts", args.depth) if i % 2 else False,
+                            ),
+                            range(c),
+                        )
+                    )
             loaded = llm._engine.loaded
-            name = f"{shape} hybrid ({target / 1e6:.1f}M target + {head / 1e6:.2f}M head params, {args.dtype}, alpha {args.alpha})"
+            name = (
+                f"{shape} hybrid ({target / 1e6:.1f}M target + {head / 1e6:.2f}M "
+                f"head params, {args.dtype}, alpha {args.alpha})"
+            )
             entry: dict[str, Any] = {
                 "path": str(path),
                 "target_params": target,
@@ -375,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
             entry["single"] = single(llm, repeats=args.repeats, max_tokens=args.max_tokens)
             print_single(name, entry["single"])
             if levels:
-                entry["concurrency"] = concurrency(llm, levels, repeats=args.repeats, max_tokens=args.max_tokens, depth=args.depth)
+                entry["concurrency"] = concurrency(
+                    llm, levels, repeats=args.repeats, max_tokens=args.max_tokens, depth=args.depth
+                )
                 print_concurrency(name, entry["concurrency"], args.depth)
             report["models"][shape] = entry
         finally:

@@ -56,10 +56,14 @@ def token_texts(count: int, rng: random.Random) -> list[str]:
 
 def stop_list(count: int, rng: random.Random, *, length: tuple[int, int] = (4, 12)) -> tuple[str, ...]:
     # each starts with 'z', absent from the text: no match, yet their tails share the text's letters
-    return tuple("z" + "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(*length) - 1)) for _ in range(count))
+    return tuple(
+        "z" + "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(*length) - 1)) for _ in range(count)
+    )
 
 
-def per_token_us(make: type[StopMatcher] | type[ListMatcher], stops: tuple[str, ...], tokens: list[str], repeats: int) -> float:
+def per_token_us(
+    make: type[StopMatcher] | type[ListMatcher], stops: tuple[str, ...], tokens: list[str], repeats: int
+) -> float:
     runs = []
     for _ in range(repeats):
         matcher = make(stops)
@@ -86,7 +90,9 @@ def main() -> None:
     tokens = token_texts(args.tokens, rng)
     lists = {f"{n} stops": stop_list(n, rng) for n in (1, 16, MAX_STOP_STRINGS)}
     width = MAX_STOP_BYTES // MAX_STOP_STRINGS
-    lists[f"{MAX_STOP_STRINGS} x {width} B ({MAX_STOP_BYTES} B)"] = stop_list(MAX_STOP_STRINGS, rng, length=(width, width))
+    lists[f"{MAX_STOP_STRINGS} x {width} B ({MAX_STOP_BYTES} B)"] = stop_list(
+        MAX_STOP_STRINGS, rng, length=(width, width)
+    )
     print(f"{args.tokens} tokens, median of {args.repeats} passes; µs per token")
     print("| stop list | automaton | list search (old) | old / new | build (ms) |")
     print("|---|---|---|---|---|")

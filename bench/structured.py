@@ -36,7 +36,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-
 import _models  # bench/_models.py (``python bench/X.py`` puts bench/ first on sys.path)
 
 MAX_BATCH = 8
@@ -49,7 +48,14 @@ RECORD = {
         "summary": {"type": "string"},
         "score": {"type": "integer", "minimum": 0, "maximum": 100},
         "label": {"enum": ["good", "bad", "unknown"]},
-        "items": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}, "v": {"type": "number"}}, "required": ["k", "v"]}},
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"k": {"type": "string"}, "v": {"type": "number"}},
+                "required": ["k", "v"],
+            },
+        },
     },
     "required": ["title", "summary", "score", "label", "items"],
 }
@@ -57,14 +63,31 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "record": RECORD,
     "enum": {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]},
     "recursive": {
-        "$defs": {"n": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}}, "required": ["v"]}},
+        "$defs": {
+            "n": {
+                "type": "object",
+                "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
+                "required": ["v"],
+            }
+        },
         "$ref": "#/$defs/n",
     },
     "flow_like": {
         "type": "object",
         "properties": {
             **{f"field_{i}": {"type": "string"} for i in range(6)},
-            "steps": {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}, "done": {"type": "boolean"}, "weight": {"type": "number"}}, "required": ["name", "done"]}},
+            "steps": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "done": {"type": "boolean"},
+                        "weight": {"type": "number"},
+                    },
+                    "required": ["name", "done"],
+                },
+            },
             "verdict": {"enum": ["accept", "reject", "revise"]},
         },
         "required": ["field_0", "field_1", "verdict"],
@@ -121,7 +144,7 @@ def bench_model(name: str, path: Path, *, concurrencies: list[int], repeats: int
             run_load(llm, c, "half", max_tokens, seed=99)  # warm this width
             totals = {m: {"tokens": 0.0, "wall_s": 0.0} for m in modes}
             for r in range(repeats):
-                order = modes[r % 3:] + modes[: r % 3]
+                order = modes[r % 3 :] + modes[: r % 3]
                 for mode in order:
                     got = run_load(llm, c, mode, max_tokens, seed=r)
                     totals[mode]["tokens"] += got["tokens"]
@@ -139,7 +162,10 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"| {name} | {row['cold_ms']} | {row['cached_ms']} |")
     print("\n| c | free tok/s | half tok/s | all tok/s | half/free | all/free |\n|---|---|---|---|---|---|")
     for c, row in report["tok_s"].items():
-        print(f"| {c} | {row['free']} | {row['half']} | {row['all']} | {row['half'] / row['free']:.2f} | {row['all'] / row['free']:.2f} |")
+        print(
+            f"| {c} | {row['free']} | {row['half']} | {row['all']} | "
+            f"{row['half'] / row['free']:.2f} | {row['all'] / row['free']:.2f} |"
+        )
 
 
 def main() -> None:
@@ -155,7 +181,9 @@ def main() -> None:
         models = [("tiny", _models.tiny(Path(tmp) / "tiny"))]
         if not args.quick:
             models.append(("small-27M", _models.small_model(Path(tmp) / "small")))
-        reports = [bench_model(n, p, concurrencies=[1, 8], repeats=repeats, max_tokens=args.max_tokens) for n, p in models]
+        reports = [
+            bench_model(n, p, concurrencies=[1, 8], repeats=repeats, max_tokens=args.max_tokens) for n, p in models
+        ]
     for report in reports:
         print_report(report)
     if args.json:

@@ -52,7 +52,9 @@ def flow_of(agents: int) -> dict[str, Any]:
     nodes += [{"id": f"agent_{k}", "type": "agent"} for k in range(1, agents + 1)]
     nodes.append({"id": "end", "type": "on_flow_end"})
     ids = [n["id"] for n in nodes]
-    edges = [{"source": a, "sourceHandle": "exec-out", "target": b, "targetHandle": "exec-in"} for a, b in zip(ids, ids[1:])]
+    edges = [
+        {"source": a, "sourceHandle": "exec-out", "target": b, "targetHandle": "exec-in"} for a, b in zip(ids, ids[1:])
+    ]
     return {"id": "bench-workflow-cache", "nodes": nodes, "edges": edges}
 
 
@@ -61,7 +63,9 @@ def system_prompt(k: int, rules: int) -> str:
     return f"You are agent {k}, the {role}. " + "".join(RULE.format(i=i, role=role) for i in range(rules))
 
 
-def run_workload(llm: Any, *, mode: str, runs: int, agents: int, turns: int, rules: int, stagger_s: float, pins: bool = True) -> dict[str, Any]:
+def run_workload(
+    llm: Any, *, mode: str, runs: int, agents: int, turns: int, rules: int, stagger_s: float, pins: bool = True
+) -> dict[str, Any]:
     from abstractruntime_mlx.runtime_plugin.prefetch.prediction import steps_to_llm_nodes
 
     flow = flow_of(agents)
@@ -89,7 +93,14 @@ def run_workload(llm: Any, *, mode: str, runs: int, agents: int, turns: int, rul
                     {"role": "user", "content": f"Run {run}. {previous}"},
                 ]
                 for turn in range(turns):
-                    result = llm.generate("", messages=messages, max_output_tokens=MAX_NEW, thinking=False, temperature=0.0, prompt_cache_key=key)
+                    result = llm.generate(
+                        "",
+                        messages=messages,
+                        max_output_tokens=MAX_NEW,
+                        thinking=False,
+                        temperature=0.0,
+                        prompt_cache_key=key,
+                    )
                     if mode == "graph" and pins and turn < turns - 1:
                         llm.prompt_cache_pin(key, PIN_TTL_S)  # between its turns (a tool call's wait)
                     with lock:
@@ -146,10 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agents", type=int, default=4, help="agents in the chain (default 4)")
     ap.add_argument("--turns", type=int, default=2, help="turns an agent (default 2)")
     ap.add_argument("--rules", type=int, default=24, help="rules in each system prompt (default 24: ~600 tokens)")
-    ap.add_argument("--budget-fraction", type=float, default=1 / 3, help="prefix-cache budget / working set (default 1/3)")
+    ap.add_argument(
+        "--budget-fraction", type=float, default=1 / 3, help="prefix-cache budget / working set (default 1/3)"
+    )
     ap.add_argument("--stagger-ms", type=float, default=40.0, help="delay between run starts (default 40 ms)")
-    ap.add_argument("--pins", action=argparse.BooleanOptionalAction, default=True, help="graph mode pins an agent between its turns (default on)")
-    ap.add_argument("--model", default=None, help="a checkpoint directory (default: the tiny dense-long model, built offline)")
+    ap.add_argument(
+        "--pins",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="graph mode pins an agent between its turns (default on)",
+    )
+    ap.add_argument(
+        "--model", default=None, help="a checkpoint directory (default: the tiny dense-long model, built offline)"
+    )
     ap.add_argument("--json", dest="json_out", default=None, help="write every figure here")
     args = ap.parse_args(argv)
 
@@ -168,14 +188,23 @@ def main(argv: list[str] | None = None) -> int:
     # The working set: what the cache holds after the workload on a roomy budget (nothing evicted).
     roomy = load(None)
     try:
-        run_workload(roomy, mode="lru", runs=args.runs, agents=args.agents, turns=args.turns, rules=args.rules, stagger_s=args.stagger_ms / 1000)
+        run_workload(
+            roomy,
+            mode="lru",
+            runs=args.runs,
+            agents=args.agents,
+            turns=args.turns,
+            rules=args.rules,
+            stagger_s=args.stagger_ms / 1000,
+        )
         working_set = int(roomy.get_prompt_cache_stats()["memory"]["resident_bytes"])
     finally:
         roomy.unload_model()
     budget = int(working_set * args.budget_fraction)
     print(
-        f"model {model}; python {platform.python_version()} {platform.machine()}; runs {args.runs}, agents {args.agents}, "
-        f"turns {args.turns}; working set {working_set / 1e6:.2f} MB; budget {budget / 1e6:.2f} MB ({args.budget_fraction:.2f})",
+        f"model {model}; python {platform.python_version()} {platform.machine()}; runs "
+        f"{args.runs}, agents {args.agents}, turns {args.turns}; working set "
+        f"{working_set / 1e6:.2f} MB; budget {budget / 1e6:.2f} MB ({args.budget_fraction:.2f})",
         flush=True,
     )
     results = {}
@@ -183,23 +212,40 @@ def main(argv: list[str] | None = None) -> int:
         llm = load(budget / (1 << 30))
         try:
             results[mode] = run_workload(
-                llm, mode=mode, runs=args.runs, agents=args.agents, turns=args.turns, rules=args.rules, stagger_s=args.stagger_ms / 1000, pins=args.pins
+                llm,
+                mode=mode,
+                runs=args.runs,
+                agents=args.agents,
+                turns=args.turns,
+                rules=args.rules,
+                stagger_s=args.stagger_ms / 1000,
+                pins=args.pins,
             )
         finally:
             llm.unload_model()
         r = results[mode]
         print(
-            f"{mode:>5}: {r['calls']} calls, aggregate TTFT {r['aggregate_ttft_s']:.3f} s, cached {r['cached_tokens']}/{r['prompt_tokens']} "
-            f"({r['cached_ratio']:.1%}), wall {r['wall_s']:.2f} s, resident {r['resident_bytes'] / 1e6:.2f}/{r['max_bytes'] / 1e6:.2f} MB",
+            f"{mode:>5}: {r['calls']} calls, aggregate TTFT {r['aggregate_ttft_s']:.3f} s, cached "
+            f"{r['cached_tokens']}/{r['prompt_tokens']} ({r['cached_ratio']:.1%}), wall {r['wall_s']:.2f} "
+            f"s, resident {r['resident_bytes'] / 1e6:.2f}/{r['max_bytes'] / 1e6:.2f} MB",
             flush=True,
         )
     lru, graph = results["lru"], results["graph"]
     identical = lru["answers"] == graph["answers"]
     speedup = lru["aggregate_ttft_s"] / graph["aggregate_ttft_s"] if graph["aggregate_ttft_s"] else float("inf")
-    print(f"aggregate TTFT LRU / graph-aware: {speedup:.2f}x (target >= 1.5x); greedy answers identical: {identical}; graph eviction: {graph['eviction']}")
+    print(
+        f"aggregate TTFT LRU / graph-aware: {speedup:.2f}x (target >= 1.5x); greedy "
+        f"answers identical: {identical}; graph eviction: {graph['eviction']}"
+    )
     if args.json_out:
         figures = {k: {n: v for n, v in r.items() if n != "answers"} for k, r in results.items()}
-        figures.update(speedup=round(speedup, 3), identical=identical, budget_bytes=budget, working_set_bytes=working_set, args=vars(args))
+        figures.update(
+            speedup=round(speedup, 3),
+            identical=identical,
+            budget_bytes=budget,
+            working_set_bytes=working_set,
+            args=vars(args),
+        )
         Path(args.json_out).write_text(json.dumps(figures, indent=2))
     return 0 if identical else 1
 

@@ -53,14 +53,18 @@ def classify(bundle: FlowBundle) -> tuple[str, str]:
         return "human", "ask_user"
     if "wait_event" in types or "on_event" in types:
         return "event", "wait_event"
-    features = [name for name, wanted in (
-        ("agent", {"agent"}),
-        ("subflow", {"subflow"}),
-        ("memory", {"memory_note", "memory_query", "memory_rehydrate", "memory_compact", "memory_tag"}),
-        ("timer", {"wait_until"}),
-        ("event", {"emit_event"}),
-        ("llm", {"llm_call"}),
-    ) if types & wanted]
+    features = [
+        name
+        for name, wanted in (
+            ("agent", {"agent"}),
+            ("subflow", {"subflow"}),
+            ("memory", {"memory_note", "memory_query", "memory_rehydrate", "memory_compact", "memory_tag"}),
+            ("timer", {"wait_until"}),
+            ("event", {"emit_event"}),
+            ("llm", {"llm_call"}),
+        )
+        if types & wanted
+    ]
     return ("+".join(features) or "data"), ""
 
 
@@ -85,7 +89,11 @@ def next_answer(waiting: dict[str, Any], asked: list[str]) -> str:
     to leave a loop, one after another, then the remaining choices."""
     choices = [str(c) for c in waiting.get("choices") or []]
     repeats = asked.count(asked[-1])
-    named = [word for word in QUIT_WORDS if word in str(waiting.get("prompt") or "").split() or f"type {word}" in str(waiting.get("prompt") or "")]
+    named = [
+        word
+        for word in QUIT_WORDS
+        if word in str(waiting.get("prompt") or "").split() or f"type {word}" in str(waiting.get("prompt") or "")
+    ]
     if repeats >= 2 and named:  # the question says how to leave ("type /q to quit"): a person does, the second time
         return named[0]
     if repeats < 3:
@@ -127,7 +135,9 @@ def agent_rows(row: dict[str, Any]) -> list[str]:
 def run_one(path: Path, cls: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
     started = time.perf_counter()
     base = ["--ledger", args.ledger]
-    rc, result, err = _cli(["run", str(path), "--model", args.model, "--flows-dir", str(args.flows_dir), *base], env, args.timeout)
+    rc, result, err = _cli(
+        ["run", str(path), "--model", args.model, "--flows-dir", str(args.flows_dir), *base], env, args.timeout
+    )
     answers = 0
     asked: list[str] = []
     while result is not None and result.get("status") == "waiting" and answers < MAX_ANSWERS:
@@ -145,13 +155,21 @@ def run_one(path: Path, cls: str, args: argparse.Namespace, env: dict[str, str])
         rc, result, err = _cli(["runs", "resume", result["run_id"], *reply, *base], env, args.timeout)
     seconds = time.perf_counter() - started
     nodes = (result or {}).get("nodes") or []
-    peak = max([int(((n.get("result") or {}).get("metadata") or {}).get("execution", {}).get("peak_batch_size") or 0) for n in nodes] + [0])
+    peak = max(
+        [
+            int(((n.get("result") or {}).get("metadata") or {}).get("execution", {}).get("peak_batch_size") or 0)
+            for n in nodes
+        ]
+        + [0]
+    )
     status = (result or {}).get("status") or "error"
     failures = (result or {}).get("failures") or []
     outcome = status if not failures else f"{status}, {len(failures)} node failure{'s' if len(failures) != 1 else ''}"
     if answers:
         outcome += f" after {answers} answer{'s' if answers != 1 else ''}"
-    detail = (result or {}).get("error") or (failures[0]["error"] if failures else "") or (err if rc not in (0, 3) else "")
+    detail = (
+        (result or {}).get("error") or (failures[0]["error"] if failures else "") or (err if rc not in (0, 3) else "")
+    )
     return {
         "flow": path.stem,
         "class": cls,
@@ -174,7 +192,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--only", nargs="*", default=None, help="flow file stems to run")
     parser.add_argument("--jsonl", default=None, help="append one JSON row per flow to this file")
-    parser.add_argument("--shard", default="0/1", metavar="I/N", help="run only every N-th flow starting at I (parallel runners)")
+    parser.add_argument(
+        "--shard", default="0/1", metavar="I/N", help="run only every N-th flow starting at I (parallel runners)"
+    )
     args = parser.parse_args()
     env = dict(os.environ)
     rows = []
@@ -190,11 +210,24 @@ def main() -> int:
         except ValueError as exc:
             cls, reason = "broken", str(exc)
         if cls in ("outside", "broken"):
-            row = {"flow": path.stem, "class": cls, "result": "not run", "rc": None, "seconds": 0.0, "llm_calls": 0, "peak_batch": 0, "detail": reason}
+            row = {
+                "flow": path.stem,
+                "class": cls,
+                "result": "not run",
+                "rc": None,
+                "seconds": 0.0,
+                "llm_calls": 0,
+                "peak_batch": 0,
+                "detail": reason,
+            }
         else:
             row = run_one(path, cls, args, env)
         rows.append(row)
-        print(f"| {row['flow']} | {row['class']} | {row['result']} | {row['seconds']} | {row['llm_calls']} | {row['peak_batch']} | {row['detail']} |", flush=True)
+        print(
+            f"| {row['flow']} | {row['class']} | {row['result']} | {row['seconds']} | "
+            f"{row['llm_calls']} | {row['peak_batch']} | {row['detail']} |",
+            flush=True,
+        )
         if args.jsonl:
             with open(args.jsonl, "a", encoding="utf-8") as out:
                 out.write(json.dumps(row) + "\n")
@@ -205,7 +238,10 @@ def main() -> int:
         print("\n".join(agents))
     ran = [r for r in rows if r["rc"] is not None]
     ok = [r for r in ran if r["result"].startswith("completed") and "failure" not in r["result"]]
-    print(f"\n{len(ok)}/{len(ran)} flows that need nothing from outside completed; {len(rows) - len(ran)} not run (outside/broken)")
+    print(
+        f"\n{len(ok)}/{len(ran)} flows that need nothing from outside "
+        f"completed; {len(rows) - len(ran)} not run (outside/broken)"
+    )
     return 0 if len(ok) == len(ran) else 1
 
 

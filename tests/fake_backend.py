@@ -19,8 +19,7 @@ from typing import Any, cast
 from abstractruntime_mlx.engine.backend import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent
 from abstractruntime_mlx.engine.loop import Engine, EngineConfig
 from abstractruntime_mlx.engine.model import Lane, LoadedModel
-from abstractruntime_mlx.engine.request import EngineRequest
-from abstractruntime_mlx.engine.request import LaneName
+from abstractruntime_mlx.engine.request import EngineRequest, LaneName
 from abstractruntime_mlx.engine.scheduler import NewGroup
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -103,7 +102,9 @@ class FakeBackend:
                 row.prefill_left -= 1
                 if observe_prefill:
                     done = len(row.prompt_ids) * (row.prefill_steps - row.prefill_left) // row.prefill_steps
-                    result.prefill[uid] = PrefillRow(processed=min(done, len(row.prompt_ids) - 1), total=len(row.prompt_ids), cached=0)
+                    result.prefill[uid] = PrefillRow(
+                        processed=min(done, len(row.prompt_ids) - 1), total=len(row.prompt_ids), cached=0
+                    )
                 continue
             if row.num_tokens == 0:
                 result.prompt_done[uid] = 0
@@ -136,11 +137,13 @@ class FakeSingle(FakeBackend):
         return any(row.num_tokens > 0 for row in self.rows.values())
 
     def detach(self) -> tuple[int, DecodingRow]:
-        (uid, row), = self.rows.items()
+        ((uid, row),) = self.rows.items()
         self.rows.clear()
         self.uids.clear()
         # The fake row rides in the cache; there is no token in flight to carry.
-        return uid, DecodingRow(cache=[row], next_token=cast(Any, None), num_tokens=row.num_tokens, max_tokens=row.max_tokens, row=None)
+        return uid, DecodingRow(
+            cache=[row], next_token=cast(Any, None), num_tokens=row.num_tokens, max_tokens=row.max_tokens, row=None
+        )
 
 
 class FakeBatch(FakeBackend):
@@ -210,7 +213,9 @@ class FakeModel:
     def new_detokenizer(self) -> FakeDetokenizer:
         return FakeDetokenizer()
 
-    def check_request(self, *, prompt_tokens: int, max_tokens: int, logit_bias: tuple[tuple[int, float], ...] = ()) -> None:
+    def check_request(
+        self, *, prompt_tokens: int, max_tokens: int, logit_bias: tuple[tuple[int, float], ...] = ()
+    ) -> None:
         pass
 
 

@@ -16,8 +16,8 @@ import pytest
 
 from abstractruntime_mlx.ledger import sqlite_url
 from abstractruntime_mlx.runtime_plugin import FlowHost, build_pack, run_flow
-from abstractruntime_mlx.runtime_plugin.hosting import host_shims
 from abstractruntime_mlx.runtime_plugin.adapter.payload import request_from_payload
+from abstractruntime_mlx.runtime_plugin.hosting import host_shims
 
 # A value of each On Flow Start pin kind, and the text the host makes of it for a prompt
 # (``str(value)``, the same for an llm_call's prompt and an agent's task).
@@ -48,14 +48,22 @@ def node(node_id: str, node_type: str, inputs=(), outputs=(), **data: object) ->
 
 
 def edge(source: str, source_pin: str, target: str, target_pin: str) -> dict[str, object]:
-    return {"id": f"{source}-{source_pin}-{target}-{target_pin}", "source": source, "sourceHandle": source_pin, "target": target, "targetHandle": target_pin}
+    return {
+        "id": f"{source}-{source_pin}-{target}-{target_pin}",
+        "source": source,
+        "sourceHandle": source_pin,
+        "target": target,
+        "targetHandle": target_pin,
+    }
 
 
 def start_node(kind: str) -> dict[str, object]:
     return node("start", "on_flow_start", outputs=[EXEC_OUT, pin("value", kind)])
 
 
-def agent_flow(kind: str, task_pin: str = "task", *, wired: bool = True, defaults: Mapping[str, object] | None = None) -> dict[str, object]:
+def agent_flow(
+    kind: str, task_pin: str = "task", *, wired: bool = True, defaults: Mapping[str, object] | None = None
+) -> dict[str, object]:
     """On Flow Start ``value`` -> an Agent's ``task_pin`` (one ReAct iteration, no tools)."""
     agent = node(
         "agent",
@@ -73,22 +81,37 @@ def agent_flow(kind: str, task_pin: str = "task", *, wired: bool = True, default
 
 def llm_flow(kind: str, flow_id: str) -> dict[str, object]:
     """On Flow Start ``value`` -> an llm_call's ``prompt``."""
-    llm = node("llm", "llm_call", inputs=[EXEC_IN, pin("prompt", "string")], outputs=[EXEC_OUT, pin("response", "string")],
-               effectConfig={"max_output_tokens": 2, "temperature": 0})
-    return {"id": flow_id, "name": "llm", "nodes": [start_node(kind), llm],
-            "edges": [edge("start", "exec-out", "llm", "exec-in"), edge("start", "value", "llm", "prompt")]}
+    llm = node(
+        "llm",
+        "llm_call",
+        inputs=[EXEC_IN, pin("prompt", "string")],
+        outputs=[EXEC_OUT, pin("response", "string")],
+        effectConfig={"max_output_tokens": 2, "temperature": 0},
+    )
+    return {
+        "id": flow_id,
+        "name": "llm",
+        "nodes": [start_node(kind), llm],
+        "edges": [edge("start", "exec-out", "llm", "exec-in"), edge("start", "value", "llm", "prompt")],
+    }
 
 
 def parent_flow(kind: str) -> dict[str, object]:
     """On Flow Start ``value`` -> a subflow's ``value`` pin (the child's On Flow Start)."""
     sub = node("sub", "subflow", inputs=[EXEC_IN, pin("value", kind)], outputs=[EXEC_OUT], subflowId=f"child_{kind}")
-    return {"id": f"parent_{kind}", "name": "parent", "nodes": [start_node(kind), sub],
-            "edges": [edge("start", "exec-out", "sub", "exec-in"), edge("start", "value", "sub", "value")]}
+    return {
+        "id": f"parent_{kind}",
+        "name": "parent",
+        "nodes": [start_node(kind), sub],
+        "edges": [edge("start", "exec-out", "sub", "exec-in"), edge("start", "value", "sub", "value")],
+    }
 
 
 @pytest.fixture()
 def pack(tmp_path, dense_model, policy_file, registry):
-    pack = build_pack(sqlite_url(tmp_path / "runs.sqlite"), model=dense_model, sibling_batching=False, registry=registry)
+    pack = build_pack(
+        sqlite_url(tmp_path / "runs.sqlite"), model=dense_model, sibling_batching=False, registry=registry
+    )
     yield pack
     pack.close()
 
@@ -142,7 +165,13 @@ def test_the_host_still_drops_an_agent_task_pin(pack, monkeypatch):
 
 
 def test_the_shim_is_pinned_to_the_host_range():
-    assert [host_shims.host_needs_shim(v) for v in ("0.12.9", "0.13.0", "0.13.7", "0.14.0", "1.0")] == [False, True, True, False, False]
+    assert [host_shims.host_needs_shim(v) for v in ("0.12.9", "0.13.0", "0.13.7", "0.14.0", "1.0")] == [
+        False,
+        True,
+        True,
+        False,
+        False,
+    ]
 
 
 def test_the_shim_renames_only_what_the_host_cannot_read():
@@ -152,8 +181,12 @@ def test_the_shim_renames_only_what_the_host_cannot_read():
     agent = shaped["nodes"][1]["data"]
     assert [e["targetHandle"] for e in shaped["edges"]] == ["exec-in", "prompt"]
     assert [e["source"] for e in shaped["edges"]] == ["start", "start"]  # task wins over the second prompt input
-    assert [p["id"] for p in agent["inputs"]] == ["exec-in", "prompt", "max_iterations"] and "prompt" not in agent["pinDefaults"]
-    assert flow["edges"][1]["targetHandle"] == "task" and flow["nodes"][1]["data"]["inputs"][1]["id"] == "task"  # untouched
+    assert [p["id"] for p in agent["inputs"]] == ["exec-in", "prompt", "max_iterations"] and "prompt" not in agent[
+        "pinDefaults"
+    ]
+    assert (
+        flow["edges"][1]["targetHandle"] == "task" and flow["nodes"][1]["data"]["inputs"][1]["id"] == "task"
+    )  # untouched
     assert host_shims.compile_ready(flow, apply=False) == flow
     prompt_flow = agent_flow("string", "prompt")
     assert host_shims.compile_ready(prompt_flow, apply=True) == prompt_flow

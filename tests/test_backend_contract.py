@@ -17,7 +17,17 @@ def test_batch_generator_fields():
     from mlx_vlm.generate.ar import BatchGenerator, PromptProcessingBatch
 
     params = inspect.signature(BatchGenerator.__init__).parameters
-    for name in ("completion_batch_size", "prefill_batch_size", "prefill_step_size", "greedy_sampling", "draft_model", "draft_kind", "draft_block_size", "stream", "compute_logprobs"):
+    for name in (
+        "completion_batch_size",
+        "prefill_batch_size",
+        "prefill_step_size",
+        "greedy_sampling",
+        "draft_model",
+        "draft_kind",
+        "draft_block_size",
+        "stream",
+        "compute_logprobs",
+    ):
         assert name in params, name
     insert = inspect.signature(BatchGenerator.insert).parameters
     assert {"prompts", "max_tokens", "prompt_kwargs", "logits_processors"} <= set(insert)
@@ -27,7 +37,13 @@ def test_batch_generator_fields():
     # the prefill admission gate that ``allow_partial_prefill`` works around
     assert "num_to_add >= self.prefill_batch_size" in source
     batch_source = inspect.getsource(PromptProcessingBatch)
-    for attr in ("_processed_prompt_columns", "_suffix_lens", "_left_padding_per_row", "_cached_tokens_per_row", "_right_pad_per_row"):
+    for attr in (
+        "_processed_prompt_columns",
+        "_suffix_lens",
+        "_left_padding_per_row",
+        "_cached_tokens_per_row",
+        "_right_pad_per_row",
+    ):
         assert f"self.{attr}" in batch_source, attr
 
 
@@ -53,7 +69,7 @@ def test_row_counters_on_a_live_batch(dense_model):
                 finished.add(event.uid)
     backend.close()
     assert finished == set(uids)
-    for uid, processed in seen.items():
+    for processed in seen.values():
         assert processed == sorted(processed) and processed, processed
 
 
@@ -67,18 +83,41 @@ def test_prefix_cache_upstream_surface():
     assert "_apc_semantic_hash" in APC_PRIVATE_PROMPT_KEYS
     assert {"tenant", "image_hash"} <= set(inspect.signature(apc.semantic_extra_hash).parameters)
     manager_source = inspect.getsource(apc.APCManager)
-    for key in ("memory_max_gb", "memory_reserve_gb", "checkpoint_interval_tokens", "checkpoint_entries", "checkpoint_guard_tokens"):
+    for key in (
+        "memory_max_gb",
+        "memory_reserve_gb",
+        "checkpoint_interval_tokens",
+        "checkpoint_entries",
+        "checkpoint_guard_tokens",
+    ):
         assert f'"{key}"' in manager_source, key
     for attr in ("self.hash_table", "self._exact_cache", "self.lock"):
         assert attr in manager_source, attr
     manager = apc.APCManager(num_blocks=4, block_size=16, overrides={"memory_max_gb": 0.001})
     snap = manager.stats_snapshot()
-    for name in ("stores", "exact_stores", "lookups_hit", "exact_hits", "lookups_miss", "memory_skips", "rejects", "disk_hits"):
+    for name in (
+        "stores",
+        "exact_stores",
+        "lookups_hit",
+        "exact_hits",
+        "lookups_miss",
+        "memory_skips",
+        "rejects",
+        "disk_hits",
+    ):
         assert isinstance(snap[name], int), name
     assert manager.memory_max_bytes == int(0.001 * (1 << 30))
     store_params = inspect.signature(apc.DiskBlockStore.__init__).parameters
     assert {"root", "namespace", "max_bytes", "num_workers", "overrides"} <= set(store_params)
-    for attr in ("flush", "close", "_clear_disk_state_after_external_delete", "disk_bytes", "pending_bytes", "num_blocks_indexed", "num_exact_indexed"):
+    for attr in (
+        "flush",
+        "close",
+        "_clear_disk_state_after_external_delete",
+        "disk_bytes",
+        "pending_bytes",
+        "num_blocks_indexed",
+        "num_exact_indexed",
+    ):
         assert hasattr(apc.DiskBlockStore, attr), attr
     assert callable(apc._free_ram_bytes)
 
@@ -102,11 +141,28 @@ def test_adopting_a_decoding_row():
     from mlx_vlm.models.cache import BatchKVCache, KVCache
 
     params = inspect.signature(GenerationBatch.__init__).parameters
-    for name in ("model", "uids", "inputs", "prompt_cache", "sampler", "stop_criteria", "max_tokens", "greedy_sampling", "thinking_budget_criteria"):
+    for name in (
+        "model",
+        "uids",
+        "inputs",
+        "prompt_cache",
+        "sampler",
+        "stop_criteria",
+        "max_tokens",
+        "greedy_sampling",
+        "thinking_budget_criteria",
+    ):
         assert name in params, name
     assert "self._num_tokens" in inspect.getsource(GenerationBatch)
     source = inspect.getsource(BatchGenerator)
-    for attr in ("self.uid_count", "self.sampler", "self.tokenizer", "self.greedy_sampling", "self.compute_logprobs", "def _extend_generation_batch"):
+    for attr in (
+        "self.uid_count",
+        "self.sampler",
+        "self.tokenizer",
+        "self.greedy_sampling",
+        "self.compute_logprobs",
+        "def _extend_generation_batch",
+    ):
         assert attr in source, attr
     assert KVCache.merge([KVCache()]).__class__ is BatchKVCache
     assert cache.BatchKVCache is BatchKVCache  # the class the generator builds for a prefill
@@ -140,7 +196,9 @@ def test_mlx_lm_prompt_batch_padding():
     from mlx_lm.models.cache import BatchKVCache
 
     assert "self.__class__" in inspect.getsource(PromptProcessingBatch._copy)
-    assert {"model", "uids", "caches", "prefill_step_size"} <= set(inspect.signature(PromptProcessingBatch.__init__).parameters)
+    assert {"model", "uids", "caches", "prefill_step_size"} <= set(
+        inspect.signature(PromptProcessingBatch.__init__).parameters
+    )
     assert {"fallback_sampler", "prefill_step_size"} <= set(inspect.signature(PromptProcessingBatch.empty).parameters)
     assert "right_padding" in inspect.signature(BatchKVCache.prepare).parameters
     assert callable(getattr(BatchKVCache, "finalize", None))
@@ -158,7 +216,13 @@ def test_mlx_lm_attention_surface():
         assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
         assert "scaled_dot_product_attention(" in inspect.getsource(module.Attention.__call__)
     assert list(inspect.signature(base.scaled_dot_product_attention).parameters)[:6] == [
-        "queries", "keys", "values", "cache", "scale", "mask"]
+        "queries",
+        "keys",
+        "values",
+        "cache",
+        "scale",
+        "mask",
+    ]
     cache = BatchKVCache([2, 0, 1])
     cache.update_and_fetch(mx.zeros((3, 1, 4, 8)), mx.zeros((3, 1, 4, 8)))
     mask = cache.make_mask(1)

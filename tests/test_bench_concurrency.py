@@ -65,7 +65,9 @@ def test_forward_loop_runs_waves_of_c_rows(dense_model: str) -> None:
 
 
 def test_phases_add_up_to_the_request_time() -> None:
-    got = client_side.Phases(call=1.0, submit=1.002, admit=1.005, first=1.015, finish=1.095, first_seen=1.016, end=1.096)
+    got = client_side.Phases(
+        call=1.0, submit=1.002, admit=1.005, first=1.015, finish=1.095, first_seen=1.016, end=1.096
+    )
     got.parts = {"template": 0.0005, "tokenise": 0.001}
     ms = got.split_ms()
     assert sum(ms[k] for k in client_side.PHASES) == pytest.approx(ms["total"])
@@ -85,9 +87,18 @@ def test_client_mode_measures_every_target(dense_model: str, policy_file: Path) 
     log.watch(Path(dense_model))
     try:
         points = client_side.bench_client(
-            "tiny", Path(dense_model), ["ours", "stream_generate", "lm_loop"], [1, 2],
-            lambda tag, c, n: list(book.batch(tag, c, n)), lambda c: 3, 1, 8, lambda msg: None,
-            max_batch=2, queue_size=32, shapes=log,
+            "tiny",
+            Path(dense_model),
+            ["ours", "stream_generate", "lm_loop"],
+            [1, 2],
+            lambda tag, c, n: list(book.batch(tag, c, n)),
+            lambda c: 3,
+            1,
+            8,
+            lambda msg: None,
+            max_batch=2,
+            queue_size=32,
+            shapes=log,
         )
     finally:
         log.unwatch()
@@ -124,7 +135,12 @@ def test_pyspy_summary_takes_the_busiest_thread_inclusively(tmp_path: Path) -> N
     )
     thread, total, shares = pyspy.busiest_thread(raw)
     assert (thread, total) == ("thread (11): worker", 10)
-    assert shares == [(1.0, "run (loop.py)"), (0.8, "step (gen.py)"), (0.6, "eval (libmlx.so)"), (0.2, "prompt (gen.py)")]
+    assert shares == [
+        (1.0, "run (loop.py)"),
+        (0.8, "step (gen.py)"),
+        (0.6, "eval (libmlx.so)"),
+        (0.2, "prompt (gen.py)"),
+    ]
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     assert pyspy.busiest_thread(empty) == ("", 0, [])
@@ -138,8 +154,13 @@ def test_ratios_pair_the_repeats_of_one_run() -> None:
     def point(target: str, tok_s: float, runs: list[float]) -> Point:
         return Point("tiny", target, 4, 8, 512, 1.0, tok_s, None, None, run_tok_s=runs)
 
-    got = ratios([point("ours", 110.0, [120.0, 90.0, 100.0]), point("raw_lm", 100.0, [100.0, 100.0, 80.0]),
-                  point("abstractcore", 50.0, [])])
+    got = ratios(
+        [
+            point("ours", 110.0, [120.0, 90.0, 100.0]),
+            point("raw_lm", 100.0, [100.0, 100.0, 80.0]),
+            point("abstractcore", 50.0, []),
+        ]
+    )
     by = {r["versus"]: r for r in got}
     assert by["raw_lm"]["ratio"] == pytest.approx(1.1)
     assert by["raw_lm"]["runs"] == [0.9, 1.2, 1.25]

@@ -88,6 +88,7 @@ def test_upstream_eviction_surface():
         assert text in source, text
     assert {"next", "prev", "block_hash", "ref_cnt"} <= set(apc.APCBlock.__dataclass_fields__)
 
+
 LAYERS, HEADS, DIM = 2, 2, 8
 PROMPT_BLOCKS = 4
 

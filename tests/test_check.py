@@ -14,8 +14,8 @@ import pytest
 
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.errors import InvalidFlow
-from abstractruntime_mlx.runtime_plugin.check import check_flow
 from abstractruntime_mlx.runtime_plugin.adapter.routing import RemotePolicy
+from abstractruntime_mlx.runtime_plugin.check import check_flow
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fanout.json"
 
@@ -68,7 +68,11 @@ def test_labels_are_named(fanout, dense_model):
     node(fanout, "plain")["data"]["label"] = "Plain answer"
     node(fanout, "plain")["data"]["effectConfig"]["thinking"] = "loud"
     (problem,) = check_flow(fanout, model=str(dense_model)).errors
-    assert (problem.node_id, problem.label, problem.field) == ("plain", "Plain answer", "nodes[2].data.effectConfig.thinking")
+    assert (problem.node_id, problem.label, problem.field) == (
+        "plain",
+        "Plain answer",
+        "nodes[2].data.effectConfig.thinking",
+    )
     assert problem.render().startswith("error: node 'plain' (Plain answer) nodes[2].data.effectConfig.thinking:")
 
 
@@ -86,7 +90,11 @@ def test_labels_are_named(fanout, dense_model):
 def test_controls_our_validation_refuses(fanout, dense_model, config, field):
     node(fanout, "inherit")["data"]["effectConfig"].update(config)
     (problem,) = check_flow(fanout, model=str(dense_model)).errors
-    assert (problem.code, problem.node_id, problem.field) == ("invalid_controls", "inherit", f"nodes[4].data.effectConfig.{field}")
+    assert (problem.code, problem.node_id, problem.field) == (
+        "invalid_controls",
+        "inherit",
+        f"nodes[4].data.effectConfig.{field}",
+    )
 
 
 def test_did_you_mean_for_a_speculation_key(fanout, dense_model):
@@ -104,7 +112,9 @@ def test_values_the_host_accepts_are_not_flagged(fanout, dense_model):
 
 
 def test_run_level_controls_are_validated(fanout, dense_model):
-    report = check_flow(fanout, vars={"_runtime": {"speculation": {"mode": "turbo"}, "stream": "yes"}}, model=str(dense_model))
+    report = check_flow(
+        fanout, vars={"_runtime": {"speculation": {"mode": "turbo"}, "stream": "yes"}}, model=str(dense_model)
+    )
     assert [(p.code, p.field) for p in report.errors] == [
         ("invalid_controls", "vars._runtime.speculation.mode"),
         ("invalid_controls", "vars._runtime.stream"),
@@ -135,12 +145,15 @@ def _free_port() -> int:
 def test_remote_base_url_that_does_not_answer(fanout, dense_model):
     dead = f"http://127.0.0.1:{_free_port()}"
     allowed = RemotePolicy.build(urls=[dead])  # the user's own --var _runtime.base_url
-    report = check_flow(fanout, vars={"_runtime": {"base_url": dead}}, model=str(dense_model), remote=allowed, probe_remote=True)
+    report = check_flow(
+        fanout, vars={"_runtime": {"base_url": dead}}, model=str(dense_model), remote=allowed, probe_remote=True
+    )
     assert {(p.code, p.field) for p in report.errors} == {("remote_unreachable", "vars._runtime.base_url")}
     assert len(report.errors) == 4
     assert check_flow(fanout, vars={"_runtime": {"base_url": dead}}, remote=allowed).ok  # nothing contacted by default
 
 
+@pytest.mark.slow
 def test_remote_base_url_that_answers(fanout):
     asked: list[str] = []
 
@@ -159,7 +172,9 @@ def test_remote_base_url_that_answers(fanout):
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         node(fanout, "plain")["data"]["effectConfig"]["base_url"] = url
-        report = check_flow(fanout, vars={"_runtime": {"base_url": url}}, remote=RemotePolicy.build(True), probe_remote=True)
+        report = check_flow(
+            fanout, vars={"_runtime": {"base_url": url}}, remote=RemotePolicy.build(True), probe_remote=True
+        )
     finally:
         server.shutdown()
         server.server_close()
@@ -187,15 +202,47 @@ def editor_shaped_flow() -> dict[str, Any]:
         "name": "editor shaped",
         "entryNode": "node-1",
         "nodes": [
-            {"id": "node-1", "type": "on_flow_start", "data": {"label": "On Flow Start", "outputs": pins("topic", exec_pin="exec-out")}},
-            {"id": "node-2", "type": "llm_call", "data": {"label": "LLM Call", "inputs": pins("prompt", exec_pin="exec-in"),
-             "outputs": pins("response", exec_pin="exec-out"), "effectConfig": {"provider": "mlx", "temperature": 0}}},
-            {"id": "node-3", "type": "agent", "data": {"label": "Agent", "inputs": pins("task", exec_pin="exec-in"),
-             "outputs": pins("result", exec_pin="exec-out"), "agentConfig": {"provider": "mlx", "max_iterations": 2}}},
-            {"id": "node-4", "type": "on_flow_end", "data": {"label": "On Flow End", "inputs": pins("answer", "ok", exec_pin="exec-in")}},
+            {
+                "id": "node-1",
+                "type": "on_flow_start",
+                "data": {"label": "On Flow Start", "outputs": pins("topic", exec_pin="exec-out")},
+            },
+            {
+                "id": "node-2",
+                "type": "llm_call",
+                "data": {
+                    "label": "LLM Call",
+                    "inputs": pins("prompt", exec_pin="exec-in"),
+                    "outputs": pins("response", exec_pin="exec-out"),
+                    "effectConfig": {"provider": "mlx", "temperature": 0},
+                },
+            },
+            {
+                "id": "node-3",
+                "type": "agent",
+                "data": {
+                    "label": "Agent",
+                    "inputs": pins("task", exec_pin="exec-in"),
+                    "outputs": pins("result", exec_pin="exec-out"),
+                    "agentConfig": {"provider": "mlx", "max_iterations": 2},
+                },
+            },
+            {
+                "id": "node-4",
+                "type": "on_flow_end",
+                "data": {"label": "On Flow End", "inputs": pins("answer", "ok", exec_pin="exec-in")},
+            },
             {"id": "node-5", "type": "literal_string", "data": {"label": "Note", "literalValue": "scratch"}},
-            {"id": "node-6", "type": "on_event", "data": {"label": "On Event", "outputs": pins("payload", exec_pin="exec-out")}},
-            {"id": "node-7", "type": "answer_user", "data": {"label": "Answer", "inputs": pins("message", exec_pin="exec-in")}},
+            {
+                "id": "node-6",
+                "type": "on_event",
+                "data": {"label": "On Event", "outputs": pins("payload", exec_pin="exec-out")},
+            },
+            {
+                "id": "node-7",
+                "type": "answer_user",
+                "data": {"label": "Answer", "inputs": pins("message", exec_pin="exec-in")},
+            },
         ],
         "edges": [
             {"source": "node-1", "sourceHandle": "exec-out", "target": "node-2", "targetHandle": "exec-in"},
@@ -230,7 +277,10 @@ def test_unreadable_documents(tmp_path):
     (problem,) = check_flow(tmp_path / "absent.json").problems
     assert "no flow file" in problem.message
     report = check_flow({"nodes": [{"id": "a", "type": "on_flow_start"}, {"id": "a", "type": "on_flow_end"}]})
-    assert {(p.code, p.field) for p in report.errors} == {("invalid_document", "id"), ("duplicate_node_id", "nodes[1].id")}
+    assert {(p.code, p.field) for p in report.errors} == {
+        ("invalid_document", "id"),
+        ("duplicate_node_id", "nodes[1].id"),
+    }
 
 
 # --------------------------------------------------------------------------------------- CLI
@@ -252,7 +302,11 @@ def test_check_command(cli_env, capsys, tmp_path, fanout, dense_model):
     assert code == 1
     report = json.loads(out)
     assert report["ok"] is False and report["errors"] == 3
-    assert {p["code"] for p in report["problems"]} == {"edge_to_missing_node", "unreachable_node", "unknown_runtime_key"}
+    assert {p["code"] for p in report["problems"]} == {
+        "edge_to_missing_node",
+        "unreachable_node",
+        "unknown_runtime_key",
+    }
 
 
 def test_run_refuses_a_flow_with_problems_and_writes_nothing(cli_env, capsys, tmp_path, fanout):
@@ -396,7 +450,7 @@ def _format_flow(template: str, values: object, *, wired: str | None = None) -> 
         ("about {topic", {"topic": "t"}, None, "is not a format template"),
         ("a } alone", {}, None, "is not a format template"),
         ("about {topic} and {mood}", {"topic": "t"}, None, "reads 'mood', which its values do not have"),
-        ("JSON like {{\"a\": 1}} about {topic} and {topic.upper} {items[0]}", {"topic": "t", "items": [1]}, None, None),
+        ('JSON like {{"a": 1}} about {topic} and {topic.upper} {items[0]}', {"topic": "t", "items": [1]}, None, None),
         ("about {mood}", {"topic": "t"}, "values", None),  # the values come on a wire: unknown here
         ('{"a": 1}', {}, "template", None),  # the template comes on a wire: unknown here
     ],
@@ -409,4 +463,8 @@ def test_format_templates_the_host_would_fail_on_are_errors(dense_model, templat
     else:
         (one,) = found
         assert one.node_id == "fmt" and one.severity == "error" and problem in one.message
-        assert one.field == "nodes[1].data.pinDefaults.template" and "{{ and }}" in one.message or "KeyError" in one.message
+        assert (
+            one.field == "nodes[1].data.pinDefaults.template"
+            and "{{ and }}" in one.message
+            or "KeyError" in one.message
+        )

@@ -54,7 +54,9 @@ def test_an_agent_served_with_a_model_not_on_this_machine_is_an_error(agent_flow
 def test_an_agent_naming_its_own_local_model(agent_flow, dense_model, tmp_path):
     config = agent(agent_flow)["data"]["agentConfig"]
     config.update(provider="mlx", model=str(tmp_path / "gone"))
-    assert errors(check_flow(agent_flow, model=dense_model)) == [("model_not_found", "agent", "nodes[1].data.agentConfig.model")]
+    assert errors(check_flow(agent_flow, model=dense_model)) == [
+        ("model_not_found", "agent", "nodes[1].data.agentConfig.model")
+    ]
     config["model"] = dense_model
     assert check_flow(agent_flow, model=None).ok
     # no provider and no model: the run's default model (run_defaults), which must exist
@@ -67,7 +69,9 @@ def test_an_agents_pin_defaults_win_over_its_config(agent_flow, dense_model):
     agent(agent_flow)["data"]["pinDefaults"].update(provider="mlx", model=dense_model)
     assert check_flow(agent_flow, model=None).ok
     agent(agent_flow)["data"]["pinDefaults"]["provider"] = "openai"
-    assert errors(check_flow(agent_flow, model=None)) == [("provider_not_served", "agent", "nodes[1].data.pinDefaults.provider")]
+    assert errors(check_flow(agent_flow, model=None)) == [
+        ("provider_not_served", "agent", "nodes[1].data.pinDefaults.provider")
+    ]
 
 
 @pytest.mark.parametrize(
@@ -92,8 +96,12 @@ def test_an_agents_controls_and_limits_are_checked(agent_flow, dense_model, sect
 
 def test_a_wire_into_an_input_the_agent_never_reads_is_a_warning(agent_flow, dense_model):
     flow = copy.deepcopy(agent_flow)
-    flow["edges"].append({"id": "x", "source": "start", "sourceHandle": "topic", "target": "agent", "targetHandle": "questoin"})
-    flow["edges"].append({"id": "y", "source": "start", "sourceHandle": "topic", "target": "agent", "targetHandle": "task"})
+    flow["edges"].append(
+        {"id": "x", "source": "start", "sourceHandle": "topic", "target": "agent", "targetHandle": "questoin"}
+    )
+    flow["edges"].append(
+        {"id": "y", "source": "start", "sourceHandle": "topic", "target": "agent", "targetHandle": "task"}
+    )
     report = check_flow(flow, model=dense_model, force_model=True)
     assert report.ok
     unread = [w for w in warnings(report) if w[0] == "unread_input"]

@@ -28,7 +28,9 @@ from abstractruntime_mlx.server import create_app
 from test_server_harness import serve_in_thread
 
 SYSTEM = "You are a terse assistant who answers in one line. " * 6  # a prefix of several 16-token blocks
-FIGURES = re.compile(r"^prompt (\d+) tokens \((\d+) cached\) \| (\d+) generated \| TTFT \d+ ms \| decode [\d.]+ tok/s$", re.M)
+FIGURES = re.compile(
+    r"^prompt (\d+) tokens \((\d+) cached\) \| (\d+) generated \| TTFT \d+ ms \| decode [\d.]+ tok/s$", re.M
+)
 
 
 def chat(capsys: Any, monkeypatch: pytest.MonkeyPatch, lines: str, *args: str) -> tuple[int, str, str]:
@@ -43,8 +45,19 @@ def figures(err: str) -> list[tuple[int, int, int]]:
     return [(int(p), int(c), int(g)) for p, c, g in FIGURES.findall(err)]
 
 
-def test_second_turn_reuses_the_first_turns_prefix(cli_env: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, dense_model: str) -> None:
-    code, _out, err = chat(capsys, monkeypatch, "Explain TTL caches.\nAnd LRU caches?\n", dense_model, "--system", SYSTEM, "--max-tokens", "8")
+def test_second_turn_reuses_the_first_turns_prefix(
+    cli_env: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, dense_model: str
+) -> None:
+    code, _out, err = chat(
+        capsys,
+        monkeypatch,
+        "Explain TTL caches.\nAnd LRU caches?\n",
+        dense_model,
+        "--system",
+        SYSTEM,
+        "--max-tokens",
+        "8",
+    )
     assert code == 0, err
     (p1, c1, g1), (p2, c2, g2) = figures(err)
     assert c1 == 0 and g1 == g2 == 8
@@ -53,30 +66,47 @@ def test_second_turn_reuses_the_first_turns_prefix(cli_env: Path, capsys: Any, m
     assert p1 - 24 <= c2 < p1
 
 
-def test_a_reply_is_the_models_greedy_stream(cli_env: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, dense_model: str, make_llm: Any) -> None:
-    code, out, err = chat(capsys, monkeypatch, "Explain TTL caches.\n", dense_model, "--max-tokens", "12", "--thinking", "off")
+def test_a_reply_is_the_models_greedy_stream(
+    cli_env: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, dense_model: str, make_llm: Any
+) -> None:
+    code, out, err = chat(
+        capsys, monkeypatch, "Explain TTL caches.\n", dense_model, "--max-tokens", "12", "--thinking", "off"
+    )
     assert code == 0, err
     llm = make_llm(dense_model, mlx_batching=True)
-    stream = llm.generate("", messages=[{"role": "user", "content": "Explain TTL caches."}], stream=True, thinking=False, max_output_tokens=12)
+    stream = llm.generate(
+        "",
+        messages=[{"role": "user", "content": "Explain TTL caches."}],
+        stream=True,
+        thinking=False,
+        max_output_tokens=12,
+    )
     expected = "".join(chunk.content for chunk in stream)
     assert out == printable(expected, keep="\n\t") + "\n"
 
 
-def test_commands_change_the_session_and_bad_ones_are_typed_errors(cli_env: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, dense_model: str) -> None:
-    lines = "\n".join([
-        "/system Answer briefly.",
-        "/system",
-        "/thinking high",
-        "/thinking banana",
-        "/frobnicate",
-        "first question",
-        "/stats",
-        "/clear",
-        "/stats",
-        "/help",
-        "/exit",
-        "never answered",
-    ]) + "\n"
+def test_commands_change_the_session_and_bad_ones_are_typed_errors(
+    cli_env: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, dense_model: str
+) -> None:
+    lines = (
+        "\n".join(
+            [
+                "/system Answer briefly.",
+                "/system",
+                "/thinking high",
+                "/thinking banana",
+                "/frobnicate",
+                "first question",
+                "/stats",
+                "/clear",
+                "/stats",
+                "/help",
+                "/exit",
+                "never answered",
+            ]
+        )
+        + "\n"
+    )
     code, _out, err = chat(capsys, monkeypatch, lines, dense_model, "--max-tokens", "4")
     assert code == 1  # two lines failed; each is one error line and the chat went on
     assert "system: 'Answer briefly.'" in err
@@ -90,17 +120,31 @@ def test_commands_change_the_session_and_bad_ones_are_typed_errors(cli_env: Path
     assert "/thinking MODE" in err
 
 
-def test_a_bad_thinking_flag_fails_before_loading(cli_env: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, dense_model: str) -> None:
+def test_a_bad_thinking_flag_fails_before_loading(
+    cli_env: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, dense_model: str
+) -> None:
     code, out, err = chat(capsys, monkeypatch, "hi\n", dense_model, "--thinking", "loud")
     assert code == 1 and out == ""
     assert err.startswith("error: [invalid_controls]") and "loading" not in err
 
 
-def test_remote_chat_against_serve_reuses_the_prefix(cli_env: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, dense_model: str) -> None:
+def test_remote_chat_against_serve_reuses_the_prefix(
+    cli_env: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, dense_model: str
+) -> None:
     llm = create_llm("mlx", model=dense_model, mlx_batching=True)
     try:
         with serve_in_thread(create_app(llm)) as url:
-            code, out, err = chat(capsys, monkeypatch, "Explain TTL caches.\nAnd LRU caches?\n/stats\n", "--remote", url, "--system", SYSTEM, "--max-tokens", "8")
+            code, out, err = chat(
+                capsys,
+                monkeypatch,
+                "Explain TTL caches.\nAnd LRU caches?\n/stats\n",
+                "--remote",
+                url,
+                "--system",
+                SYSTEM,
+                "--max-tokens",
+                "8",
+            )
     finally:
         llm.unload_model(llm.model)
     assert code == 0, err
@@ -122,7 +166,12 @@ def test_history_lives_in_the_state_dir() -> None:
 
 
 def _process(args: list[str], env_dir: Path, **kwargs: Any) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "XDG_CACHE_HOME": str(env_dir / "cache"), "XDG_STATE_HOME": str(env_dir / "state"), "TERM": "dumb"}
+    env = {
+        **os.environ,
+        "XDG_CACHE_HOME": str(env_dir / "cache"),
+        "XDG_STATE_HOME": str(env_dir / "state"),
+        "TERM": "dumb",
+    }
     return subprocess.Popen(
         [sys.executable, "-m", "abstractruntime_mlx.cli.main", "chat", *args],
         env=env,
@@ -133,7 +182,13 @@ def _process(args: list[str], env_dir: Path, **kwargs: Any) -> subprocess.Popen[
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_reply_not_the_chat(tmp_path: Path, dense_model: str, policy_file: Path) -> None:
-    process = _process([dense_model, "--max-tokens", "3000"], tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = _process(
+        [dense_model, "--max-tokens", "3000"],
+        tmp_path,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert process.stdin is not None and process.stdout is not None
     try:
         process.stdin.write(b"tell me a very long story\n")

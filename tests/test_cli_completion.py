@@ -13,7 +13,6 @@ import pytest
 
 from abstractruntime_mlx.cli.completion_cmd import command_words
 from abstractruntime_mlx.cli.main import build_parser, main
-
 from test_cli_startup import DATABASE, HOST_AND_MLX, SERVER, imported_by
 
 
@@ -25,7 +24,10 @@ def _script(shell: str, capsys: pytest.CaptureFixture[str]) -> str:
 def _complete(script: str, *words: str) -> list[str]:
     """What bash offers for the last of ``words`` (the word being typed), with ``script`` loaded."""
     quoted = " ".join(f"'{w}'" for w in words)
-    program = f'{script}\nCOMP_WORDS=(abstractruntime-mlx {quoted}); COMP_CWORD={len(words)}; _abstractruntime_mlx; printf "%s\\n" "${{COMPREPLY[@]}}"'
+    program = (
+        f"{script}\nCOMP_WORDS=(abstractruntime-mlx {quoted}); COMP_CWORD={len(words)}; "
+        '_abstractruntime_mlx; printf "%s\\n" "${COMPREPLY[@]}"'
+    )
     done = subprocess.run(["bash", "-c", program], capture_output=True, text=True, timeout=30, cwd="/")
     assert done.returncode == 0, done.stderr
     return [line for line in done.stdout.splitlines() if line]
@@ -54,7 +56,17 @@ def test_zsh_script_loads_the_same_function_through_bashcompinit(capsys: pytest.
 
 def test_every_command_is_in_the_table() -> None:
     table = command_words(build_parser())
-    for path in ("run", "runs list", "runs show", "runs resume", "runs web", "check", "ledger status", "completion", "models path"):
+    for path in (
+        "run",
+        "runs list",
+        "runs show",
+        "runs resume",
+        "runs web",
+        "check",
+        "ledger status",
+        "completion",
+        "models path",
+    ):
         assert path in table, path
     assert "--json" in table["runs show"] and "bash" in table["completion"]
 
@@ -70,6 +82,16 @@ def test_read_commands_take_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert json.loads(capsys.readouterr().out) == {"name": str(model), "path": str(model)}
     assert main(["config", "show", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["path"] == str(policy_file)
-    read_commands = ("runs list", "runs show", "runs replay", "ledger status", "check", "models list", "config show", "capabilities", "models path")
+    read_commands = (
+        "runs list",
+        "runs show",
+        "runs replay",
+        "ledger status",
+        "check",
+        "models list",
+        "config show",
+        "capabilities",
+        "models path",
+    )
     table = command_words(build_parser())
     assert [c for c in read_commands if "--json" not in table[c]] == []

@@ -14,16 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_server_harness import serve_in_thread
 
 from abstractruntime_mlx import create_llm
-from abstractruntime_mlx.cli.main import error_line, main
 from abstractruntime_mlx.cli.ledger_location import open_for_inspection
+from abstractruntime_mlx.cli.main import error_line, main
 from abstractruntime_mlx.errors import LedgerError, LedgerNotFound, QueueFull
 from abstractruntime_mlx.ledger import Ledger
 from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.server import create_app
 from abstractruntime_mlx.testing.tiny import read_marker
+from test_server_harness import serve_in_thread
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -34,7 +34,14 @@ def one_node_flow(path: Path, node_type: str = "llm_call") -> Path:
         "entryNode": "start",
         "nodes": [
             {"id": "start", "type": "on_flow_start", "data": {}},
-            {"id": "ask", "type": node_type, "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 3}, "pinDefaults": {"prompt": "hi"}}},
+            {
+                "id": "ask",
+                "type": node_type,
+                "data": {
+                    "effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 3},
+                    "pinDefaults": {"prompt": "hi"},
+                },
+            },
             {"id": "end", "type": "on_flow_end", "data": {}},
         ],
         "edges": [
@@ -67,7 +74,10 @@ def cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy_file: Any) -
     ("exc", "line"),
     [
         (QueueFull("busy"), "error: [queue_full] busy"),
-        (OSError(28, "No space left on device", "/data/l.sqlite"), "error: [io_error] No space left on device: '/data/l.sqlite'"),
+        (
+            OSError(28, "No space left on device", "/data/l.sqlite"),
+            "error: [io_error] No space left on device: '/data/l.sqlite'",
+        ),
         (ValueError("bad flow"), "error: [invalid_request] bad flow"),
         (SystemExit("error: --runs must be >= 1"), "error: [invalid_request] --runs must be >= 1"),
     ],
@@ -126,10 +136,20 @@ def test_disk_full_mid_run_is_one_error_line_and_nothing_on_stdout(tmp_path: Pat
     assert last.startswith("error: [ledger_error] ") and "I/O error" in last
 
 
+@pytest.mark.slow
 def test_no_transformers_banner(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     env.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
-    argv = [sys.executable, "-m", "abstractruntime_mlx.cli.main", "models", "tiny", str(tmp_path / "m"), "--kind", "dense"]
+    argv = [
+        sys.executable,
+        "-m",
+        "abstractruntime_mlx.cli.main",
+        "models",
+        "tiny",
+        str(tmp_path / "m"),
+        "--kind",
+        "dense",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "PyTorch" not in done.stdout + done.stderr
@@ -174,7 +194,9 @@ def test_models_tiny_refuses_a_non_empty_directory_unless_forced(tmp_path: Path,
         ["ledger", "upgrade", "LEDGER"],
     ],
 )
-def test_every_command_on_a_missing_ledger_says_ledger_not_found_and_creates_nothing(tmp_path: Path, capsys: Any, argv: list[str]) -> None:
+def test_every_command_on_a_missing_ledger_says_ledger_not_found_and_creates_nothing(
+    tmp_path: Path, capsys: Any, argv: list[str]
+) -> None:
     missing = tmp_path / "nowhere" / "ledger.sqlite"
     code, out, err = cli(capsys, *(str(missing) if a == "LEDGER" else a for a in argv))
     assert code == 1 and out == ""
@@ -241,6 +263,7 @@ def _foreign_sqlite(path: Path) -> bytes:
     return path.read_bytes()
 
 
+@pytest.mark.slow
 def test_runs_web_refuses_a_file_that_is_not_a_ledger_and_leaves_it_alone(tmp_path: Path) -> None:
     """The real command: it opens the ledger read-only, so it never creates tables in the file."""
     path = tmp_path / "notes.sqlite"
@@ -249,7 +272,9 @@ def test_runs_web_refuses_a_file_that_is_not_a_ledger_and_leaves_it_alone(tmp_pa
     cmd = [sys.executable, "-m", "abstractruntime_mlx.cli.main", "runs", "web", "--ledger", str(path), "--port", "0"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 1, done.stderr
-    assert done.stderr.startswith("error: [ledger_not_found] ") and "is not an abstractruntime-mlx ledger" in done.stderr
+    assert (
+        done.stderr.startswith("error: [ledger_not_found] ") and "is not an abstractruntime-mlx ledger" in done.stderr
+    )
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.sqlite"]
 
@@ -283,12 +308,23 @@ def _ledger_with_runs(path: Path, count: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_reader_that_leaves_mid_output_ends_the_command_quietly(tmp_path: Path) -> None:
     """``runs list | head -1`` with more lines than a pipe holds: the command is still writing
     when the reader closes, so the write fails; no error line, status 141 as SIGPIPE gives."""
     ledger = _ledger_with_runs(tmp_path / "l.sqlite", 3000)  # ~300 KiB of lines, a pipe holds 64 KiB
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    argv = [sys.executable, "-m", "abstractruntime_mlx.cli.main", "runs", "list", "--limit", "3000", "--ledger", str(ledger)]
+    argv = [
+        sys.executable,
+        "-m",
+        "abstractruntime_mlx.cli.main",
+        "runs",
+        "list",
+        "--limit",
+        "3000",
+        "--ledger",
+        str(ledger),
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     assert proc.stdout is not None and proc.stderr is not None
     assert proc.stdout.readline().startswith(b"ledger: ")
@@ -298,6 +334,7 @@ def test_a_reader_that_leaves_mid_output_ends_the_command_quietly(tmp_path: Path
     assert stderr == b""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "status"),
     [
@@ -317,7 +354,10 @@ def test_a_reader_gone_before_the_output_ends_the_command_quietly(tmp_path: Path
     try:
         done = subprocess.run(
             [sys.executable, "-m", "abstractruntime_mlx.cli.main", *argv],
-            stdout=write_end, stderr=subprocess.PIPE, env=env, timeout=120,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            env=env,
+            timeout=120,
         )
     finally:
         os.close(write_end)

@@ -39,16 +39,30 @@ def _completed_calls(url: str) -> int:
         runs = ledger.list_runs()
         if not runs:
             return 0
-        return sum(1 for s in ledger.run_steps(runs[0].run_id) if s.effect_type == "llm_call" and s.status == "completed")
+        return sum(
+            1 for s in ledger.run_steps(runs[0].run_id) if s.effect_type == "llm_call" and s.status == "completed"
+        )
 
 
 @pytest.mark.slow
-def test_ctrl_c_marks_the_run_interrupted_and_resume_finishes_it(tmp_path: Path, dense_model: str, capsys: pytest.CaptureFixture[str], policy_file: Path) -> None:
+def test_ctrl_c_marks_the_run_interrupted_and_resume_finishes_it(
+    tmp_path: Path, dense_model: str, capsys: pytest.CaptureFixture[str], policy_file: Path
+) -> None:
     ledger = tmp_path / "runs.sqlite"
     url = sqlite_url(ledger)
     env = {**os.environ, "ABSTRACTCORE_CONFIG_FILE": str(policy_file)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "abstractruntime_mlx.cli.main", "run", str(_long_loop(tmp_path)), "--model", dense_model, "--ledger", str(ledger)],
+        [
+            sys.executable,
+            "-m",
+            "abstractruntime_mlx.cli.main",
+            "run",
+            str(_long_loop(tmp_path)),
+            "--model",
+            dense_model,
+            "--ledger",
+            str(ledger),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -71,7 +85,9 @@ def test_ctrl_c_marks_the_run_interrupted_and_resume_finishes_it(tmp_path: Path,
         (run,) = opened.list_runs()
     done_before = _completed_calls(url)
     assert run.status == "interrupted" and 2 <= done_before < 40
-    assert err.strip().splitlines() == [f"interrupted: run {run.run_id} (t_loop); continue: abstractruntime-mlx runs resume {run.run_id}"]
+    assert err.strip().splitlines() == [
+        f"interrupted: run {run.run_id} (t_loop); continue: abstractruntime-mlx runs resume {run.run_id}"
+    ]
 
     assert main(["runs", "show", run.run_id[:8], "--ledger", str(ledger)]) == 0
     shown = capsys.readouterr().out
@@ -91,7 +107,9 @@ def test_ctrl_c_marks_the_run_interrupted_and_resume_finishes_it(tmp_path: Path,
     assert len(completed) == 40 and len(started) <= 41
 
 
-def test_resuming_an_unknown_run_is_run_not_found_in_the_library_as_in_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_resuming_an_unknown_run_is_run_not_found_in_the_library_as_in_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from abstractruntime_mlx.errors import RunNotFound
     from abstractruntime_mlx.runtime_plugin import resume_run
 

@@ -36,6 +36,7 @@ def test_parse_vars_nests_and_decodes_json():
         parse_vars(["novalue"])
 
 
+@pytest.mark.slow
 def test_run_list_show_replay_with_the_embedded_model(cli_env, capsys):
     code, out, _ = cli(capsys, "run", str(EXAMPLE), "--runs", "3")
     assert code == 0, out
@@ -68,8 +69,17 @@ def test_run_vars_model_and_json(cli_env, capsys, tmp_path):
 
     model = str(tiny_model(tmp_path / "other", kind="dense", seed=1))
     code, out, _ = cli(
-        capsys, "run", str(EXAMPLE), "--model", model, "--var", "_runtime.speculation=false",
-        "--var", "_runtime.thinking=low", "--no-sibling-batching", "--json",
+        capsys,
+        "run",
+        str(EXAMPLE),
+        "--model",
+        model,
+        "--var",
+        "_runtime.speculation=false",
+        "--var",
+        "_runtime.thinking=low",
+        "--no-sibling-batching",
+        "--json",
     )
     assert code == 0
     (run,) = json.loads(out)
@@ -81,6 +91,7 @@ def test_run_vars_model_and_json(cli_env, capsys, tmp_path):
     assert "sibling_batch" not in nodes["mtp2"]["metadata"]
 
 
+@pytest.mark.slow
 def test_unknown_run_id_is_reported(cli_env, capsys):
     cli(capsys, "run", str(EXAMPLE))
     code, out, err = cli(capsys, "runs", "show", "does-not-exist")
@@ -93,10 +104,35 @@ SLOW_FLOW = {
     "entryNode": "start",
     "nodes": [
         {"id": "start", "type": "on_flow_start", "data": {}},
-        {"id": "first", "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 8}, "pinDefaults": {"prompt": "One."}}},
-        {"id": "second", "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 8}, "pinDefaults": {"prompt": "Two."}}},
-        {"id": "slow", "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 1200, "speculation": False}, "pinDefaults": {"prompt": "Write a long story."}}},
-        {"id": "end", "type": "on_flow_end", "data": {"inputs": [{"id": "exec-in", "type": "execution"}, {"id": "story", "type": "string"}]}},
+        {
+            "id": "first",
+            "type": "llm_call",
+            "data": {
+                "effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 8},
+                "pinDefaults": {"prompt": "One."},
+            },
+        },
+        {
+            "id": "second",
+            "type": "llm_call",
+            "data": {
+                "effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 8},
+                "pinDefaults": {"prompt": "Two."},
+            },
+        },
+        {
+            "id": "slow",
+            "type": "llm_call",
+            "data": {
+                "effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 1200, "speculation": False},
+                "pinDefaults": {"prompt": "Write a long story."},
+            },
+        },
+        {
+            "id": "end",
+            "type": "on_flow_end",
+            "data": {"inputs": [{"id": "exec-in", "type": "execution"}, {"id": "story", "type": "string"}]},
+        },
     ],
     "edges": [
         {"source": "start", "sourceHandle": "exec-out", "target": "first", "targetHandle": "exec-in"},
@@ -114,7 +150,17 @@ def test_sigkill_mid_run_then_resume(cli_env, capsys, tmp_path, dense_model):
     flow.write_text(json.dumps(SLOW_FLOW))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "abstractruntime_mlx.cli.main", "run", str(flow), "--model", dense_model, "--ledger", str(cli_env)],
+        [
+            sys.executable,
+            "-m",
+            "abstractruntime_mlx.cli.main",
+            "run",
+            str(flow),
+            "--model",
+            dense_model,
+            "--ledger",
+            str(cli_env),
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -126,9 +172,10 @@ def test_sigkill_mid_run_then_resume(cli_env, capsys, tmp_path, dense_model):
             if cli_env.exists():
                 with sqlite3.connect(cli_env, timeout=5) as db:
                     try:
-                        started = db.execute(
-                            "SELECT 1 FROM steps WHERE node_id = 'slow' AND status = 'started'"
-                        ).fetchone() is not None
+                        started = (
+                            db.execute("SELECT 1 FROM steps WHERE node_id = 'slow' AND status = 'started'").fetchone()
+                            is not None
+                        )
                     except sqlite3.OperationalError:
                         started = False  # tables not created yet
             if started:

@@ -18,17 +18,30 @@ from abstractruntime_mlx.ledger import Ledger, NodeKey, ProgressEvent, sqlite_ur
 
 
 def _event(key: NodeKey, at: float, **event: Any) -> ProgressEvent:
-    return ProgressEvent(key=key, event={"kind": "llm", **event}, idempotency_key=f"p:{uuid.uuid4().hex}", created_at=at)
+    return ProgressEvent(
+        key=key, event={"kind": "llm", **event}, idempotency_key=f"p:{uuid.uuid4().hex}", created_at=at
+    )
 
 
 def _completed(run_id: str, step_id: str, node_id: str, controls: dict[str, Any], mode: str) -> dict[str, Any]:
     now = dt.datetime.now(dt.UTC).isoformat()
     return {
-        "run_id": run_id, "step_id": step_id, "node_id": node_id, "status": "completed", "attempt": 1,
+        "run_id": run_id,
+        "step_id": step_id,
+        "node_id": node_id,
+        "status": "completed",
+        "attempt": 1,
         "effect": {"type": "llm_call", "payload": {"prompt": "p"}},
-        "result": {"content": "x", "metadata": {"controls": controls, "execution": {"mode": mode, "peak_batch_size": 2, "queue_s": 0.2},
-                                                "speculation": {"accepted_tokens": 6.0, "drafted_tokens": 8}}},
-        "started_at": now, "ended_at": now,
+        "result": {
+            "content": "x",
+            "metadata": {
+                "controls": controls,
+                "execution": {"mode": mode, "peak_batch_size": 2, "queue_s": 0.2},
+                "speculation": {"accepted_tokens": 6.0, "drafted_tokens": 8},
+            },
+        },
+        "started_at": now,
+        "ended_at": now,
     }
 
 
@@ -36,16 +49,52 @@ def test_loop_iterations_are_separate_rows_and_bars_with_control_sources(tmp_pat
     t0 = time.time()
     created = dt.datetime.fromtimestamp(t0, dt.UTC).isoformat()
     with Ledger(sqlite_url(tmp_path / "l.sqlite")) as ledger:
-        ledger.save_run({"run_id": "r", "workflow_id": "loop", "status": "completed", "created_at": created, "updated_at": created, "vars": {}})
-        controls = {"speculation": {"mode": "native_mtp", "num_draft_tokens": 2}, "speculation_source": "run", "thinking": False, "thinking_source": "node"}
+        ledger.save_run(
+            {
+                "run_id": "r",
+                "workflow_id": "loop",
+                "status": "completed",
+                "created_at": created,
+                "updated_at": created,
+                "vars": {},
+            }
+        )
+        controls = {
+            "speculation": {"mode": "native_mtp", "num_draft_tokens": 2},
+            "speculation_source": "run",
+            "thinking": False,
+            "thinking_source": "node",
+        }
         # The node "ask" runs twice (a loop), "judge" once in between.
         for i, (node, step, start) in enumerate((("ask", "s1", 0.0), ("judge", "s2", 1.0), ("ask", "s3", 2.0))):
             key = NodeKey("r", node, workflow_id="loop", step_id=step, attempt=1)
-            ledger.append_progress([
-                _event(key, t0 + start, phase="prefill", prompt_tokens=100, elapsed_s=0.0, event_index=0),
-                _event(key, t0 + start + 0.4, phase="generate", prompt_tokens=100, generated_tokens=1, ttft_s=0.4, elapsed_s=0.4, event_index=1),
-                _event(key, t0 + start + 0.9, phase="complete", final=True, prompt_tokens=100, generated_tokens=16, tokens_per_second=30.0, finish_reason="stop", elapsed_s=0.9, event_index=2),
-            ])
+            ledger.append_progress(
+                [
+                    _event(key, t0 + start, phase="prefill", prompt_tokens=100, elapsed_s=0.0, event_index=0),
+                    _event(
+                        key,
+                        t0 + start + 0.4,
+                        phase="generate",
+                        prompt_tokens=100,
+                        generated_tokens=1,
+                        ttft_s=0.4,
+                        elapsed_s=0.4,
+                        event_index=1,
+                    ),
+                    _event(
+                        key,
+                        t0 + start + 0.9,
+                        phase="complete",
+                        final=True,
+                        prompt_tokens=100,
+                        generated_tokens=16,
+                        tokens_per_second=30.0,
+                        finish_reason="stop",
+                        elapsed_s=0.9,
+                        event_index=2,
+                    ),
+                ]
+            )
             ledger.append_step(_completed("r", step, node, controls, "cohort" if i != 1 else "exclusive"))
         view = run_view(ledger, "r")
     assert view is not None
@@ -67,9 +116,21 @@ def test_loop_iterations_are_separate_rows_and_bars_with_control_sources(tmp_pat
 def test_node_labels_come_from_the_stored_flow() -> None:
     from abstractruntime_mlx.inspection import node_labels
 
-    flow = {"nodes": [{"id": "a", "data": {"label": "Ask the user"}}, {"id": "b", "data": {}}, {"data": {"label": "no id"}}, "junk"]}
+    flow = {
+        "nodes": [
+            {"id": "a", "data": {"label": "Ask the user"}},
+            {"id": "b", "data": {}},
+            {"data": {"label": "no id"}},
+            "junk",
+        ]
+    }
     assert node_labels({"vars": {"_runtime": {"mlx_pack": {"flow": flow}}}}) == {"a": "Ask the user", "b": "b"}
-    for state in ({}, {"vars": None}, {"vars": {"_runtime": "x"}}, {"vars": {"_runtime": {"mlx_pack": {"flow": {"nodes": None}}}}}):
+    for state in (
+        {},
+        {"vars": None},
+        {"vars": {"_runtime": "x"}},
+        {"vars": {"_runtime": {"mlx_pack": {"flow": {"nodes": None}}}}},
+    ):
         assert node_labels(state) == {}
 
 
@@ -83,7 +144,9 @@ def _raw_controls(text: str) -> list[str]:
     return [c for c in text if c != "\n" and (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0)]
 
 
-def test_every_view_escapes_control_characters_of_flow_and_node_ids(tmp_path: Path, monkeypatch: Any, capsys: Any, dense_model: str) -> None:
+def test_every_view_escapes_control_characters_of_flow_and_node_ids(
+    tmp_path: Path, monkeypatch: Any, capsys: Any, dense_model: str
+) -> None:
     from abstractruntime_mlx.nodes import default_registry
 
     monkeypatch.setenv("ABSTRACTCORE_CONFIG_FILE", str(tmp_path / "abstractcore.json"))
@@ -94,7 +157,14 @@ def test_every_view_escapes_control_characters_of_flow_and_node_ids(tmp_path: Pa
         "entryNode": "start",
         "nodes": [
             {"id": "start", "type": "on_flow_start", "data": {}},
-            {"id": node_id, "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 3}, "pinDefaults": {"prompt": "hi"}}},
+            {
+                "id": node_id,
+                "type": "llm_call",
+                "data": {
+                    "effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 3},
+                    "pinDefaults": {"prompt": "hi"},
+                },
+            },
             {"id": "end", "type": "on_flow_end", "data": {}},
         ],
         "edges": [
@@ -148,7 +218,16 @@ def test_the_live_table_escapes_control_characters(tmp_path: Path) -> None:
     t0 = time.time()
     created = dt.datetime.fromtimestamp(t0, dt.UTC).isoformat()
     with Ledger(sqlite_url(tmp_path / "l.sqlite")) as ledger:
-        ledger.save_run({"run_id": "r", "workflow_id": "w" + ESCAPES, "status": "running", "created_at": created, "updated_at": created, "vars": {}})
+        ledger.save_run(
+            {
+                "run_id": "r",
+                "workflow_id": "w" + ESCAPES,
+                "status": "running",
+                "created_at": created,
+                "updated_at": created,
+                "vars": {},
+            }
+        )
         key = NodeKey("r", "n" + ESCAPES, workflow_id="w" + ESCAPES, step_id="s1", attempt=1)
         ledger.append_progress([_event(key, t0, phase="prefill", prompt_tokens=10, elapsed_s=0.0, event_index=0)])
         view = run_view(ledger, "r")
@@ -166,16 +245,56 @@ def _waiting_run_with_a_child(path: Path) -> None:
     created = dt.datetime.fromtimestamp(t0, dt.UTC).isoformat()
     waiting = {"reason": "user", "prompt": "Go on?", "wait_key": "k1"}
     with Ledger(sqlite_url(path)) as ledger:
-        ledger.save_run({"run_id": "root", "workflow_id": "main", "status": "waiting", "created_at": created, "updated_at": created,
-                         "vars": {}, "current_node": "confirm", "waiting": waiting})
-        ledger.save_run({"run_id": "child", "workflow_id": "sub", "status": "completed", "parent_run_id": "root",
-                         "created_at": created, "updated_at": created, "vars": {}})
+        ledger.save_run(
+            {
+                "run_id": "root",
+                "workflow_id": "main",
+                "status": "waiting",
+                "created_at": created,
+                "updated_at": created,
+                "vars": {},
+                "current_node": "confirm",
+                "waiting": waiting,
+            }
+        )
+        ledger.save_run(
+            {
+                "run_id": "child",
+                "workflow_id": "sub",
+                "status": "completed",
+                "parent_run_id": "root",
+                "created_at": created,
+                "updated_at": created,
+                "vars": {},
+            }
+        )
         key = NodeKey("root", "ask", workflow_id="main", step_id="s1", attempt=1)
-        ledger.append_progress([
-            _event(key, t0, phase="prefill", prompt_tokens=100, elapsed_s=0.0, event_index=0),
-            _event(key, t0 + 0.4, phase="generate", prompt_tokens=100, generated_tokens=1, ttft_s=0.4, elapsed_s=0.4, event_index=1),
-            _event(key, t0 + 0.9, phase="complete", final=True, prompt_tokens=100, generated_tokens=16, finish_reason="stop", elapsed_s=0.9, event_index=2),
-        ])
+        ledger.append_progress(
+            [
+                _event(key, t0, phase="prefill", prompt_tokens=100, elapsed_s=0.0, event_index=0),
+                _event(
+                    key,
+                    t0 + 0.4,
+                    phase="generate",
+                    prompt_tokens=100,
+                    generated_tokens=1,
+                    ttft_s=0.4,
+                    elapsed_s=0.4,
+                    event_index=1,
+                ),
+                _event(
+                    key,
+                    t0 + 0.9,
+                    phase="complete",
+                    final=True,
+                    prompt_tokens=100,
+                    generated_tokens=16,
+                    finish_reason="stop",
+                    elapsed_s=0.9,
+                    event_index=2,
+                ),
+            ]
+        )
         ledger.append_step(_completed("root", "s1", "ask", {"thinking": False, "thinking_source": "node"}, "cohort"))
 
 
@@ -192,7 +311,9 @@ def test_runs_show_json_carries_what_the_text_shows(tmp_path: Path, capsys: Any)
     assert [(n["node_id"], n["result"]["content"]) for n in shown["nodes"]] == [("ask", "x")]
     assert [(c["node_id"], c["execution"]["mode"]) for c in shown["calls"]] == [("ask", "cohort")] and "cohort" in text
     assert [e["phase"] for e in shown["events"]] == ["prefill", "generate", "complete"]
-    assert [(c["run"]["run_id"], c["children"]) for c in shown["children"]] == [("child", [])] and "child run child" in text
+    assert [(c["run"]["run_id"], c["children"]) for c in shown["children"]] == [
+        ("child", [])
+    ] and "child run child" in text
     assert main(["runs", "show", "root", "--ledger", str(path), "--json"]) == 0
     assert "events" not in json.loads(capsys.readouterr().out)
 
@@ -203,7 +324,13 @@ def test_resume_hints_name_the_real_run_and_event(tmp_path: Path, capsys: Any) -
     assert main(["runs", "show", "ro", "--ledger", str(path)]) == 0
     assert "      abstractruntime-mlx runs resume root --answer TEXT" in capsys.readouterr().out.splitlines()
     # What `run` prints for a run whose subflow waits for an event: the root run's id, the event's name.
-    event = {"reason": "event", "event": "approved", "run_id": "child-run", "node_id": "gate", "wait_key": "evt:session:s1:approved"}
+    event = {
+        "reason": "event",
+        "event": "approved",
+        "run_id": "child-run",
+        "node_id": "gate",
+        "wait_key": "evt:session:s1:approved",
+    }
     assert format_wait(event, "root-run").endswith("continue with: runs resume root-run --event approved[=JSON]")
     timer = {"reason": "until", "until": "2030-01-01T00:00:00Z", "run_id": "root-run", "node_id": "sleep"}
     assert format_wait(timer, "root-run").endswith("continue with: runs resume root-run")

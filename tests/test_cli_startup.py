@@ -50,7 +50,10 @@ def imported_by(argv: list[str], names: tuple[str, ...]) -> list[str]:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     done = subprocess.run(
         [sys.executable, "-c", PROBE, json.dumps(argv), json.dumps(names)],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     result: list[str] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -59,12 +62,20 @@ def imported_by(argv: list[str], names: tuple[str, ...]) -> list[str]:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["runs", "--help"], ["run", "--help"], ["runs", "web", "--help"], ["serve", "--help"], ["ledger", "--help"]],
+    [
+        ["--help"],
+        ["runs", "--help"],
+        ["run", "--help"],
+        ["runs", "web", "--help"],
+        ["serve", "--help"],
+        ["ledger", "--help"],
+    ],
 )
 def test_help_imports_neither_the_host_nor_mlx_nor_the_server_nor_the_database(argv: list[str]) -> None:
     assert imported_by(argv, HOST_AND_MLX + SERVER + DATABASE) == []
 
 
+@pytest.mark.slow
 def test_runs_list_imports_the_ledger_only(tmp_path: Path) -> None:
     path = tmp_path / "ledger.sqlite"
     Ledger(f"sqlite:///{path}").close()

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from abstractruntime.storage.artifacts import FileArtifactStore
 
 from abstractruntime_mlx.cli.main import main
@@ -116,7 +115,9 @@ def test_the_result_limit_is_a_flag_of_run_and_runs_resume(cli_env, capsys, tmp_
         assert done.value.code == 0
         assert "--max-code-result-mib MIB size of the JSON of one code node call's result" in out
         assert "fails with code_result_limit (default 64)" in out
-    code, _, err = cli(capsys, "run", write(tmp_path, code_flow("return 1")), "--model", dense_model, "--max-code-result-mib", "0")
+    code, _, err = cli(
+        capsys, "run", write(tmp_path, code_flow("return 1")), "--model", dense_model, "--max-code-result-mib", "0"
+    )
     assert code == 1 and "max_code_result_mib must be an integer >= 1" in err
 
 

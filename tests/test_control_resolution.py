@@ -25,7 +25,10 @@ MTP4 = {"mode": "native_mtp", "num_draft_tokens": 4, "require_acceleration": Fal
 POLICIES: dict[str, dict[str, Any] | None] = {
     "none": None,
     "off": {"speculation": False},
-    "depth3+low": {"speculation": {"mode": "native_mtp", "num_draft_tokens": 3, "require_acceleration": False}, "thinking": "low"},
+    "depth3+low": {
+        "speculation": {"mode": "native_mtp", "num_draft_tokens": 3, "require_acceleration": False},
+        "thinking": "low",
+    },
 }
 # Provider (constructor) levels.
 PROVIDERS: dict[str, dict[str, Any]] = {
@@ -68,7 +71,12 @@ def write_policy(path: Path, options: dict[str, Any] | None) -> None:
 
 
 def resolved(spec: Any, spec_source: str, thinking: Any, thinking_source: str) -> dict[str, Any]:
-    return {"speculation": spec, "speculation_source": spec_source, "thinking": thinking, "thinking_source": thinking_source}
+    return {
+        "speculation": spec,
+        "speculation_source": spec_source,
+        "thinking": thinking,
+        "thinking_source": thinking_source,
+    }
 
 
 def ran(metadata: dict[str, Any]) -> dict[str, Any]:
@@ -95,7 +103,9 @@ def test_every_level_combination_reports_what_runs(hybrid_model, policy_file, pr
         registry.close()
 
 
-def check_all_four(hybrid_model: str, registry: ProviderRegistry, llm: Any, policy_name: str, provider_name: str) -> None:
+def check_all_four(
+    hybrid_model: str, registry: ProviderRegistry, llm: Any, policy_name: str, provider_name: str
+) -> None:
     bare = resolved(*EXPECTED_BARE[(policy_name, provider_name)])
     where = f"policy={policy_name} provider={provider_name}"
 
@@ -105,7 +115,9 @@ def check_all_four(hybrid_model: str, registry: ProviderRegistry, llm: Any, poli
         bare["speculation"],
         bare["speculation_source"],
     ), where
-    assert caps["thinking"] == {"effective_default": bare["thinking"], "effective_source": bare["thinking_source"]}, where
+    assert caps["thinking"] == {"effective_default": bare["thinking"], "effective_source": bare["thinking_source"]}, (
+        where
+    )
     with TestClient(create_app(llm)) as http:
         served_caps = http.get("/v1/models/execution-capabilities", params={"model_name": hybrid_model}).json()
         assert served_caps["speculation"] == caps["speculation"] and served_caps["thinking"] == caps["thinking"], where
@@ -124,7 +136,9 @@ def check_all_four(hybrid_model: str, registry: ProviderRegistry, llm: Any, poli
             )
             prepared = node.prepare(request)
             expected = prepared.controls.to_metadata()
-            said = {name: "call" if name in call else "run" if name in run else None for name in ("speculation", "thinking")}
+            said = {
+                name: "call" if name in call else "run" if name in run else None for name in ("speculation", "thinking")
+            }
             for name in ("speculation", "thinking"):
                 assert expected[f"{name}_source"] == (said[name] or bare[f"{name}_source"]), case
             if not call and not run:

@@ -17,8 +17,8 @@ from abstractruntime_mlx.controls import (
     merge_speculation,
     normalize_max_output_tokens,
     normalize_sampling,
-    normalize_stop,
     normalize_speculation,
+    normalize_stop,
     normalize_thinking,
     resolve_controls,
     resolve_speculation,
@@ -492,7 +492,20 @@ def test_collection_windows_are_bounded(dense_model, name, value):
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("0", 0), ("42", 42), (" 7 ", 7), ("-3", -3), ("+3", 3), ("²", None), ("٣", None), ("１", None), ("1_000", None), ("", None), ("4.0", None), ("9" * 5000, None)],
+    [
+        ("0", 0),
+        ("42", 42),
+        (" 7 ", 7),
+        ("-3", -3),
+        ("+3", 3),
+        ("²", None),
+        ("٣", None),
+        ("１", None),
+        ("1_000", None),
+        ("", None),
+        ("4.0", None),
+        ("9" * 5000, None),
+    ],
 )
 def test_integers_from_text_are_ascii_digits_only(text, expected):
     from abstractruntime_mlx.json_values import parse_ascii_int

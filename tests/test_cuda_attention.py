@@ -72,8 +72,9 @@ def routed(monkeypatch):
 def _greedy(model, prompts, steps):
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, max_tokens=steps, stop_tokens=[], completion_batch_size=len(prompts),
-                         prefill_batch_size=len(prompts))
+    gen = BatchGenerator(
+        model, max_tokens=steps, stop_tokens=[], completion_batch_size=len(prompts), prefill_batch_size=len(prompts)
+    )
     uids = gen.insert(prompts, max_tokens=[steps] * len(prompts))
     tokens: dict[int, list[int]] = {u: [] for u in uids}
     while any(len(t) < steps for t in tokens.values()):
@@ -152,9 +153,17 @@ def test_off_the_cuda_backend_nothing_is_installed(make_llm, dense_model):
 
 @cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("batch,heads,kv_heads,dim,length", [
-    (1, 4, 4, 16, 1), (3, 4, 2, 16, 9), (5, 32, 8, 128, 150), (64, 16, 8, 128, 257), (2, 8, 8, 64, 1030), (4, 6, 2, 80, 40),
-])
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,dim,length",
+    [
+        (1, 4, 4, 16, 1),
+        (3, 4, 2, 16, 9),
+        (5, 32, 8, 128, 150),
+        (64, 16, 8, 128, 257),
+        (2, 8, 8, 64, 1030),
+        (4, 6, 2, 80, 40),
+    ],
+)
 def test_kernel_matches_upstream_masked_attention(dtype, batch, heads, kv_heads, dim, length):
     mx.random.seed(batch * 1000 + length)
     q = mx.random.normal((batch, heads, 1, dim)).astype(dtype)
@@ -178,8 +187,14 @@ def test_engine_tokens_with_and_without_the_cuda_paths(make_llm, dense_model):
     calls = [{"prompt": "word " * n + "end.", "thinking": False, "max_output_tokens": 8} for n in (3, 17, 40)]
     runs = []
     for on in (False, True):
-        llm = make_llm(dense_model, mlx_batching=True, mlx_single_lane=False, speculation=False,
-                       mlx_fused_decode_attention=on, mlx_prefill_attention_ops=on)
+        llm = make_llm(
+            dense_model,
+            mlx_batching=True,
+            mlx_single_lane=False,
+            speculation=False,
+            mlx_fused_decode_attention=on,
+            mlx_prefill_attention_ops=on,
+        )
         runs.append([r.token_ids for r in together(llm, calls)])
         llm.unload_model()
     assert runs[0] == runs[1]

@@ -13,6 +13,7 @@ from abstractruntime_mlx.cli.main import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_demo_fits_a_screen_and_explains_its_mtp_outcomes(cli_env, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)  # the demo names examples/fanout.json, as scripts/demo.sh runs it
     code = main(["demo", "--ledger", str(cli_env)])
@@ -37,9 +38,22 @@ def test_the_demo_fits_a_screen_and_explains_its_mtp_outcomes(cli_env, capsys, m
 
 def test_speculation_outcomes_in_words():
     assert speculation_outcome({"requested": False}) == "off"
-    used = {"requested": True, "mode": "native_mtp", "num_draft_tokens": 2, "used": True, "accepted_tokens": 14.0, "drafted_tokens": 35}
+    used = {
+        "requested": True,
+        "mode": "native_mtp",
+        "num_draft_tokens": 2,
+        "used": True,
+        "accepted_tokens": 14.0,
+        "drafted_tokens": 35,
+    }
     assert speculation_outcome(used) == "native_mtp(2) used, 14/35 drafted tokens accepted"
-    deferred = {"requested": True, "mode": "native_mtp", "num_draft_tokens": 2, "used": False, "reason": "deferred_under_load"}
+    deferred = {
+        "requested": True,
+        "mode": "native_mtp",
+        "num_draft_tokens": 2,
+        "used": False,
+        "reason": "deferred_under_load",
+    }
     assert speculation_outcome(deferred) == "native_mtp(2) not used: deferred_under_load"
     assert speculation_why("deferred_under_load") != speculation_why("some_other_reason")
     assert speculation_why("no_mtp_drafter_for_model") == "see docs/provider.md"

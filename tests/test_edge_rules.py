@@ -7,7 +7,6 @@ from typing import Any
 
 import httpx
 import pytest
-from test_server_harness import FakeProvider, serve_in_thread
 
 from abstractruntime_mlx.errors import InvalidControls
 from abstractruntime_mlx.nodes import NodeRequest
@@ -15,6 +14,7 @@ from abstractruntime_mlx.nodes.llm_node import generation_request
 from abstractruntime_mlx.request import GenerationRequest, check_prompt_cache_key, output_cap
 from abstractruntime_mlx.runtime_plugin.adapter.payload import request_from_payload
 from abstractruntime_mlx.server import create_app
+from test_server_harness import FakeProvider, serve_in_thread
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
@@ -80,7 +80,9 @@ def test_conflicting_caps_are_refused_over_http_with_the_same_code() -> None:
             error = reply.json()["error"]
             assert error["code"] == "invalid_controls" and error["details"]["field"] == field
         assert fake.calls == []
-        equal = httpx.post(f"{url}{CHAT}", json={"messages": USER, "max_tokens": 3, "max_completion_tokens": 3}, timeout=30)
+        equal = httpx.post(
+            f"{url}{CHAT}", json={"messages": USER, "max_tokens": 3, "max_completion_tokens": 3}, timeout=30
+        )
         assert equal.status_code == 200, equal.text
     assert fake.calls[0]["max_output_tokens"] == 3
 
@@ -115,11 +117,15 @@ def test_keys_differing_only_in_surrounding_whitespace_are_one_key_over_http(den
     first_turn = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
     common = {"temperature": 0, "max_tokens": 4, "speculation": False, "thinking": False}
     with serve_in_thread(create_app(llm)) as url:
-        first = httpx.post(f"{url}{CHAT}", json={"messages": first_turn, "prompt_cache_key": " k", **common}, timeout=120)
+        first = httpx.post(
+            f"{url}{CHAT}", json={"messages": first_turn, "prompt_cache_key": " k", **common}, timeout=120
+        )
         assert first.status_code == 200, first.text
         answer = first.json()["choices"][0]["message"]["content"]
         second_turn = [*first_turn, {"role": "assistant", "content": answer}, {"role": "user", "content": "Another."}]
-        second = httpx.post(f"{url}{CHAT}", json={"messages": second_turn, "prompt_cache_key": "k", **common}, timeout=120)
+        second = httpx.post(
+            f"{url}{CHAT}", json={"messages": second_turn, "prompt_cache_key": "k", **common}, timeout=120
+        )
         assert second.status_code == 200, second.text
     cache = second.json()["abstractcore"]["prompt_cache"]
     assert cache["outcome"] == "hit", cache

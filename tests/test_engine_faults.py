@@ -154,6 +154,7 @@ def test_a_failed_model_is_replaced_by_the_next_load_of_it(make_llm, dense_model
 # --------------------------------------------------------------------------- context limits
 
 
+@pytest.mark.slow
 def test_context_too_long_in_the_provider(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True)
     loaded = llm._engine.loaded

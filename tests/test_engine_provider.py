@@ -76,6 +76,7 @@ def test_seeded_sampling_is_reproducible(make_llm, dense_model):
     assert a.token_ids != c.token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_fixture", ["dense_model", "hybrid_model"])
 def test_greedy_identical_alone_or_batched(make_llm, request, model_fixture):
     model = request.getfixturevalue(model_fixture)
@@ -93,6 +94,7 @@ def test_greedy_identical_alone_or_batched(make_llm, request, model_fixture):
     assert [r.token_ids for r in batched] == alone
 
 
+@pytest.mark.slow
 def test_mtp_cohort_separate_from_target_only(make_llm, hybrid_model):
     mtp = {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": True}
     llm = make_llm(hybrid_model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=100, speculation=mtp)
@@ -111,11 +113,17 @@ def test_mtp_cohort_separate_from_target_only(make_llm, hybrid_model):
         spec = r.metadata["speculation"]
         assert spec["used"] is True and spec["num_draft_tokens"] == 2
         assert spec["rounds"] > 0 and spec["drafted_tokens"] > 0
-        assert spec["accounting"] == "cohort" and spec["counter_semantics"] == "sum_of_round_means_not_batch_token_totals"
+        assert (
+            spec["accounting"] == "cohort" and spec["counter_semantics"] == "sum_of_round_means_not_batch_token_totals"
+        )
     assert max(r.metadata["execution"]["peak_batch_size"] for r in cohort) == 2
     assert target_only.metadata["execution"]["mode"] == "continuous"
     assert target_only.metadata["execution"]["peak_batch_size"] == 1
-    assert target_only.metadata["speculation"] == {**target_only.metadata["speculation"], "used": False, "reason": "disabled_for_this_call"}
+    assert target_only.metadata["speculation"] == {
+        **target_only.metadata["speculation"],
+        "used": False,
+        "reason": "disabled_for_this_call",
+    }
     # MTP preserves greedy output
     assert cohort[0].token_ids == plain.token_ids
     alone = llm.generate(PROMPTS[0], thinking=False, max_output_tokens=12)
@@ -127,7 +135,12 @@ def test_mtp_cohort_separate_from_target_only(make_llm, hybrid_model):
 def test_strict_mtp_refuses_penalties_optional_reports(make_llm, hybrid_model):
     llm = make_llm(hybrid_model, mlx_batching=True, speculation={"mode": "native_mtp", "num_draft_tokens": 2})
     with pytest.raises(errors.SpeculationUnavailable) as info:
-        llm.generate("hi", max_output_tokens=4, repetition_penalty=1.3, speculation={"mode": "native_mtp", "require_acceleration": True})
+        llm.generate(
+            "hi",
+            max_output_tokens=4,
+            repetition_penalty=1.3,
+            speculation={"mode": "native_mtp", "require_acceleration": True},
+        )
     assert info.value.reason == "mtp_logit_processors_unsupported" and info.value.http_status == 422
     result = llm.generate("hi", max_output_tokens=4, repetition_penalty=1.3)
     assert result.metadata["speculation"]["used"] is False
@@ -141,7 +154,9 @@ def test_no_head_strict_fails_optional_falls_back(make_llm, dense_model):
         llm.generate("hi", max_output_tokens=2, speculation={"mode": "native_mtp", "require_acceleration": True})
     assert info.value.reason == "no_mtp_drafter_for_model"
     r = llm.generate("hi", max_output_tokens=2, speculation={"mode": "native_mtp"})
-    assert r.metadata["speculation"]["used"] is False and r.metadata["speculation"]["reason"] == "no_mtp_drafter_for_model"
+    assert (
+        r.metadata["speculation"]["used"] is False and r.metadata["speculation"]["reason"] == "no_mtp_drafter_for_model"
+    )
 
 
 def test_queue_full(make_llm, dense_model):
@@ -156,11 +171,17 @@ def test_queue_full(make_llm, dense_model):
     assert list(waiting)[-1].finish_reason == "length"  # nothing already accepted was lost
 
 
+@pytest.mark.slow
 def test_queue_timeout_only_expires_waiting(make_llm, dense_model):
     # An output queue the unread running request cannot fill before the timeout: it must not
     # end with backpressure first (which would admit the waiting one).
     llm = make_llm(
-        dense_model, mlx_batching=True, mlx_max_batch_size=1, mlx_queue_timeout_s=0.3, mlx_batch_wait_ms=0, mlx_output_queue_size=4096
+        dense_model,
+        mlx_batching=True,
+        mlx_max_batch_size=1,
+        mlx_queue_timeout_s=0.3,
+        mlx_batch_wait_ms=0,
+        mlx_output_queue_size=4096,
     )
     running = llm.generate(PROMPTS[0], max_output_tokens=2000, stream=True)
     next(running)
@@ -223,7 +244,7 @@ def test_async_stream_aclose_cancels(make_llm, dense_model):
     async def main():
         stream = await llm.agenerate(PROMPTS[0], max_output_tokens=4000, stream=True)
         got = 0
-        async for chunk in stream:
+        async for _chunk in stream:
             got += 1
             if got == 2:
                 break

@@ -33,10 +33,10 @@ def test_changes_name_nodes_fields_and_wires():
     edited["entryNode"] = "fanout"
     assert flow_hash(edited) != flow_hash(EXAMPLE)
     assert flow_changes(EXAMPLE, edited) == [
-        "entryNode \"start\" -> \"fanout\"",
+        'entryNode "start" -> "fanout"',
         "node 'think' removed",
         "node 'extra' added (type 'llm_call')",
-        "node 'mtp2': data.effectConfig.speculation removed (was {\"mode\": \"native_mtp\", \"num_draft_tokens\": 2})",
+        'node \'mtp2\': data.effectConfig.speculation removed (was {"mode": "native_mtp", "num_draft_tokens": 2})',
         "node 'plain' (Plain): data.effectConfig.temperature 0 -> 0.7",
         "node 'plain' (Plain): data.label added (\"Plain\")",
         "wire fanout.then:0 -> plain.exec-in removed",

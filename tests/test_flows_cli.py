@@ -44,8 +44,12 @@ def agent_model(tmp_path_factory):
 def test_dense_long_is_the_dense_model_with_a_long_context(dense_model, agent_model):
     dense, long = (json.loads((Path(p) / "config.json").read_text()) for p in (dense_model, agent_model))
     assert (dense["max_position_embeddings"], long["max_position_embeddings"]) == (4096, 32768)
-    assert {k: v for k, v in dense.items() if k != "max_position_embeddings"} == {k: v for k, v in long.items() if k != "max_position_embeddings"}
-    assert (Path(dense_model) / "model.safetensors").read_bytes() == (Path(agent_model) / "model.safetensors").read_bytes()
+    assert {k: v for k, v in dense.items() if k != "max_position_embeddings"} == {
+        k: v for k, v in long.items() if k != "max_position_embeddings"
+    }
+    assert (Path(dense_model) / "model.safetensors").read_bytes() == (
+        Path(agent_model) / "model.safetensors"
+    ).read_bytes()
 
 
 def cli(capsys, *argv):
@@ -82,7 +86,12 @@ def test_routing_rule_order():
         routes=["lmstudio=mlx:/m/studio", "lmstudio/big=mlx:/m/big", "openai=http://127.0.0.1:9/v1/"],
     )
     exact = routing.decide("lmstudio", "big")
-    assert (exact.provider, exact.model, exact.base_url, exact.rule) == ("mlx", "/m/big", None, "--route lmstudio/big=mlx:/m/big")
+    assert (exact.provider, exact.model, exact.base_url, exact.rule) == (
+        "mlx",
+        "/m/big",
+        None,
+        "--route lmstudio/big=mlx:/m/big",
+    )
     assert routing.decide("LMStudio", "small").model == "/m/studio"
     remote = routing.decide("openai", "gpt-4o")
     assert (remote.base_url, remote.model) == ("http://127.0.0.1:9/v1", "gpt-4o")
@@ -99,7 +108,9 @@ def test_routing_rule_order():
         plain.decide("lmstudio", "qwen")
 
 
-@pytest.mark.parametrize("bad", ["lmstudio", "=mlx:/m", "lmstudio=", "lmstudio/=mlx:/m", "lmstudio=ollama:/m", "lmstudio=mlx:"])
+@pytest.mark.parametrize(
+    "bad", ["lmstudio", "=mlx:/m", "lmstudio=", "lmstudio/=mlx:/m", "lmstudio=ollama:/m", "lmstudio=mlx:"]
+)
 def test_bad_routes_are_refused(bad):
     with pytest.raises(InvalidRequest, match="route"):
         parse_route(bad)
@@ -121,14 +132,21 @@ def test_model_serves_a_flow_that_names_a_remote_provider(ledger_path, capsys, d
         "rule": "--model",
     }
     # The ledger keeps both: the step record holds the same metadata.
-    [llm_step] = [s for s in steps_of(ledger_path, result["run_id"]) if s.effect_type == "llm_call" and s.status == "completed"]
+    [llm_step] = [
+        s for s in steps_of(ledger_path, result["run_id"]) if s.effect_type == "llm_call" and s.status == "completed"
+    ]
     assert llm_step.record["result"]["metadata"]["route"]["asked"]["provider"] == "lmstudio"
 
 
 def test_route_flag_and_config_file(ledger_path, capsys, dense_model, tmp_path):
-    code, result, _ = run_json(capsys, FLOWS / "routed.json", "--route", f"lmstudio/qwen/qwen3-next-80b=mlx:{dense_model}")
+    code, result, _ = run_json(
+        capsys, FLOWS / "routed.json", "--route", f"lmstudio/qwen/qwen3-next-80b=mlx:{dense_model}"
+    )
     assert code == EXIT_OK
-    assert result["nodes"][0]["result"]["metadata"]["route"]["rule"] == f"--route lmstudio/qwen/qwen3-next-80b=mlx:{dense_model}"
+    assert (
+        result["nodes"][0]["result"]["metadata"]["route"]["rule"]
+        == f"--route lmstudio/qwen/qwen3-next-80b=mlx:{dense_model}"
+    )
 
     config = tmp_path / "run.json"
     config.write_text(json.dumps({"routes": {"lmstudio": f"mlx:{dense_model}"}}))
@@ -154,7 +172,9 @@ def test_subflows_run_as_child_runs_shown_nested(ledger_path, capsys, dense_mode
     assert set(result["output"]) >= {"first", "second"}
     with Ledger(f"sqlite:///{ledger_path}") as ledger:
         children = [ledger.get_run(c) for c in result["children"]]
-    assert all(c.parent_run_id == result["run_id"] and c.workflow_id == "t_child" and c.status == "completed" for c in children)
+    assert all(
+        c.parent_run_id == result["run_id"] and c.workflow_id == "t_child" and c.status == "completed" for c in children
+    )
 
     code, out, _ = cli(capsys, "runs", "show", result["run_id"][:8])
     assert code == 0
@@ -164,11 +184,19 @@ def test_subflows_run_as_child_runs_shown_nested(ledger_path, capsys, dense_mode
 def test_missing_subflow_is_one_error_line(ledger_path, capsys, dense_model, tmp_path):
     lone = tmp_path / "parent.json"
     lone.write_text((FLOWS / "parent.json").read_text())
-    assert_error(capsys, "subflow 't_child' used by node 'sub' of flow 't_parent' was not found", "run", str(lone), "--model", dense_model)
+    assert_error(
+        capsys,
+        "subflow 't_child' used by node 'sub' of flow 't_parent' was not found",
+        "run",
+        str(lone),
+        "--model",
+        dense_model,
+    )
     code, result, _ = run_json(capsys, lone, "--model", dense_model, "--flows-dir", FLOWS)
     assert code == EXIT_OK and result["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_agent_runs_on_the_hosts_react_workflow_with_our_llm_handler(ledger_path, capsys, agent_model):
     code, result, _ = run_json(capsys, FLOWS / "agent.json", "--model", agent_model)
     assert code == EXIT_OK, result
@@ -180,12 +208,16 @@ def test_agent_runs_on_the_hosts_react_workflow_with_our_llm_handler(ledger_path
     assert "Agent configuration error" not in json.dumps(result["output"])
 
 
+@pytest.mark.slow
 def test_agent_without_provider_or_model_runs_on_the_run_default(ledger_path, capsys, agent_model):
     code, result, _ = run_json(capsys, FLOWS / "agent_bare.json", "--model", agent_model)
     assert code == EXIT_OK and not result["failures"], result
-    assert result["nodes"] and all(n["result"]["metadata"]["route"]["served"]["model"] == agent_model for n in result["nodes"])
+    assert result["nodes"] and all(
+        n["result"]["metadata"]["route"]["served"]["model"] == agent_model for n in result["nodes"]
+    )
 
 
+@pytest.mark.slow
 def test_agent_inside_a_subflow_inherits_the_run_default(ledger_path, capsys, agent_model):
     code, result, _ = run_json(capsys, FLOWS / "agent_in_sub.json", "--model", agent_model)
     assert code == EXIT_OK and not result["failures"], result
@@ -208,7 +240,14 @@ def test_network_tool_flow_fails_before_running(ledger_path, capsys, dense_model
     flow["nodes"][1]["data"]["agentConfig"]["tools"] = ["fetch_url"]
     path = tmp_path / "web.json"
     path.write_text(json.dumps(flow))
-    assert_error(capsys, r"node 'agent'.*uses 'fetch_url'.*--allow-network-tools.*\[network_tool\]", "run", str(path), "--model", dense_model)
+    assert_error(
+        capsys,
+        r"node 'agent'.*uses 'fetch_url'.*--allow-network-tools.*\[network_tool\]",
+        "run",
+        str(path),
+        "--model",
+        dense_model,
+    )
     assert not ledger_path.exists() or not Ledger(f"sqlite:///{ledger_path}").list_runs()
 
 
@@ -233,13 +272,19 @@ def test_list_due_wait_until(tmp_path):
 
     with Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}") as ledger:
         store = LedgerRunStore(ledger)
-        for run_id, until in (("late", "2030-01-01T00:00:00+00:00"), ("due", "2020-01-01T00:00:00+00:00"), ("earlier", "2019-01-01T00:00:00+00:00")):
+        for run_id, until in (
+            ("late", "2030-01-01T00:00:00+00:00"),
+            ("due", "2020-01-01T00:00:00+00:00"),
+            ("earlier", "2019-01-01T00:00:00+00:00"),
+        ):
             run = RunState.new(workflow_id="w", entry_node="n", run_id=run_id)
             run.status = RunStatus.WAITING
             run.waiting = WaitState(reason=WaitReason.UNTIL, wait_key=f"until:{run_id}", until=until)
             store.save(run)
         assert [r.run_id for r in store.list_due_wait_until(now_iso="2025-01-01T00:00:00+00:00")] == ["earlier", "due"]
-        assert [r.run_id for r in store.list_due_wait_until(now_iso="2025-01-01T00:00:00+00:00", limit=1)] == ["earlier"]
+        assert [r.run_id for r in store.list_due_wait_until(now_iso="2025-01-01T00:00:00+00:00", limit=1)] == [
+            "earlier"
+        ]
         with pytest.raises(ValueError):
             store.list_due_wait_until(now_iso="soon")
 
@@ -251,7 +296,11 @@ def test_ask_user_waits_shows_its_question_and_resumes(ledger_path, capsys, dens
     run_id = result["run_id"]
 
     code, out, _ = cli(capsys, "runs", "show", run_id[:8])
-    assert "waiting at node 'ask_user' (ask) for user" in out and "prompt: 'Which topic?'" in out and "--answer TEXT" in out
+    assert (
+        "waiting at node 'ask_user' (ask) for user" in out
+        and "prompt: 'Which topic?'" in out
+        and "--answer TEXT" in out
+    )
 
     assert_error(capsys, "waits for an answer", "runs", "resume", run_id)
     assert_error(capsys, "waits for an answer", "runs", "resume", run_id, "--event", "go")
@@ -263,6 +312,7 @@ def test_ask_user_waits_shows_its_question_and_resumes(ledger_path, capsys, dens
     assert_error(capsys, "only a waiting or interrupted run", "runs", "resume", run_id, "--answer", "again")
 
 
+@pytest.mark.slow
 def test_timer_is_kept_while_running_and_left_waiting_past_the_limit(ledger_path, capsys, dense_model):
     code, result, _ = run_json(capsys, FLOWS / "timer.json", "--model", dense_model)
     assert code == EXIT_OK and result["status"] == "completed" and result["wall_s"] >= 0.9
@@ -300,8 +350,12 @@ def test_a_node_failure_in_a_completed_run_exits_non_zero(ledger_path, capsys, d
     # template) as the run's flow error and completes; the summary counts it.
     code, out, _ = cli(capsys, "run", FLOWS / "braces_end.json", "--model", dense_model, "--var", BRACES)
     assert code == EXIT_FAILED
-    assert "node failed: 'on_flow_end' (end)" in out and "1/1 runs completed, 0 waiting, 0 failed; 1 node failure" in out
-    assert [line for line in out.splitlines() if line.strip().startswith(('error:', 'node failed:'))] == [line for line in out.splitlines() if 'node failed:' in line]  # printed once
+    assert (
+        "node failed: 'on_flow_end' (end)" in out and "1/1 runs completed, 0 waiting, 0 failed; 1 node failure" in out
+    )
+    assert [line for line in out.splitlines() if line.strip().startswith(("error:", "node failed:"))] == [
+        line for line in out.splitlines() if "node failed:" in line
+    ]  # printed once
 
 
 def test_loop_iterations_are_drawn_separately(ledger_path, capsys, dense_model):
@@ -336,7 +390,9 @@ def test_a_wait_on_a_host_channel_names_the_key_to_send():
     assert wait_info(WaitState(reason=WaitReason.EVENT, wait_key="abstract.ask"))["event"] == "abstract.ask"
 
 
-def test_a_response_schema_in_effect_config_is_read_by_no_one_and_check_says_so(ledger_path, capsys, tmp_path, dense_model):
+def test_a_response_schema_in_effect_config_is_read_by_no_one_and_check_says_so(
+    ledger_path, capsys, tmp_path, dense_model
+):
     """Only the host's ``response_schema`` pin (wired or ``pinDefaults``) asks an llm_call for a
     structured answer: the host's compiler and this pack never read ``effectConfig.response_schema``,
     so ``check`` reports it (docs/structured-output.md says the same)."""
@@ -356,6 +412,7 @@ def test_a_response_schema_in_effect_config_is_read_by_no_one_and_check_says_so(
     assert "structured" not in llm_step.record["result"]["metadata"]
 
 
+@pytest.mark.slow
 def test_prompts_the_host_slimmed_are_shown_in_full_and_the_run_tree_is_nested(ledger_path, capsys, agent_model):
     from abstractruntime_mlx.inspection import run_view
 
@@ -395,5 +452,7 @@ def test_a_slimmed_prompt_without_its_started_record_says_so():
 
     marker = {"$slim": {"v": 1, "kind": "started_payload_field", "field": "prompt", "sha256": "0" * 64, "bytes": 2715}}
     assert payload_text({"prompt": marker}, "prompt", {}) == "prompt not kept by the host (2,715 bytes)"
-    assert payload_text({"prompt": marker}, "prompt", {"prompt": "edited"}) == "prompt not kept by the host (2,715 bytes)"
+    assert (
+        payload_text({"prompt": marker}, "prompt", {"prompt": "edited"}) == "prompt not kept by the host (2,715 bytes)"
+    )
     assert payload_text({"prompt": "hi"}, "prompt", {}) == "hi"

@@ -138,7 +138,9 @@ def test_unknown_run_is_a_typed_404(client: TestClient) -> None:
 def test_pages_embed_their_data_and_ship_their_own_assets(client: TestClient) -> None:
     listing = client.get("/")
     assert listing.status_code == 200 and listing.headers["content-type"].startswith("text/html")
-    data = json.loads(re.search(r'<script id="initial" type="application/json">(.*?)</script>', listing.text, re.S).group(1))  # type: ignore[union-attr]
+    data = json.loads(
+        re.search(r'<script id="initial" type="application/json">(.*?)</script>', listing.text, re.S).group(1)
+    )  # type: ignore[union-attr]
     assert len(data["runs"]) == 2
     run_id = data["runs"][0]["run_id"]
     page = client.get(f"/runs/{run_id}")
@@ -173,9 +175,15 @@ def _tree_ledger(url: str) -> None:
     with Ledger(url) as ledger:
         ledger.save_run(_run_state("lone", status="completed", workflow_id="w_lone", created_at=at(0)))
         ledger.save_run(_run_state("root", status="completed", workflow_id="w_parent", created_at=at(1)))
-        ledger.save_run(_run_state("sub-1", status="completed", workflow_id="w_child", created_at=at(2), parent_run_id="root"))
-        ledger.save_run(_run_state(HOSTILE_ID, status="failed", workflow_id="w_child", created_at=at(3), parent_run_id="root"))
-        ledger.save_run(_run_state("agent-1", status="completed", workflow_id="w_agent", created_at=at(4), parent_run_id=HOSTILE_ID))
+        ledger.save_run(
+            _run_state("sub-1", status="completed", workflow_id="w_child", created_at=at(2), parent_run_id="root")
+        )
+        ledger.save_run(
+            _run_state(HOSTILE_ID, status="failed", workflow_id="w_child", created_at=at(3), parent_run_id="root")
+        )
+        ledger.save_run(
+            _run_state("agent-1", status="completed", workflow_id="w_agent", created_at=at(4), parent_run_id=HOSTILE_ID)
+        )
 
 
 def test_run_list_nests_child_runs_under_their_root(tmp_path: Path) -> None:
@@ -188,7 +196,9 @@ def test_run_list_nests_child_runs_under_their_root(tmp_path: Path) -> None:
         sub, hostile = runs["root"]["children"]  # oldest first
         assert (sub["run_id"], sub["parent_run_id"], sub["children"]) == ("sub-1", "root", [])
         assert (hostile["run_id"], hostile["status"]) == (HOSTILE_ID, "failed")
-        assert [(g["run_id"], g["parent_run_id"], g["children"]) for g in hostile["children"]] == [("agent-1", HOSTILE_ID, [])]
+        assert [(g["run_id"], g["parent_run_id"], g["children"]) for g in hostile["children"]] == [
+            ("agent-1", HOSTILE_ID, [])
+        ]
         # Filters pick top-level runs; their child runs come along whatever their status.
         failed = c.get("/api/runs", params={"status": "failed"}).json()["runs"]
         assert failed == []
@@ -198,8 +208,13 @@ def test_run_list_nests_child_runs_under_their_root(tmp_path: Path) -> None:
 
         page = c.get("/").text  # the list page embeds the same tree, with no markup of a run id
         assert "<img src=x" not in page and "</script><img" not in page
-        data = json.loads(re.search(r'<script id="initial" type="application/json">(.*?)</script>', page, re.S).group(1))  # type: ignore[union-attr]
-        assert [k["run_id"] for k in {r["run_id"]: r for r in data["runs"]}["root"]["children"]] == ["sub-1", HOSTILE_ID]
+        data = json.loads(
+            re.search(r'<script id="initial" type="application/json">(.*?)</script>', page, re.S).group(1)
+        )  # type: ignore[union-attr]
+        assert [k["run_id"] for k in {r["run_id"]: r for r in data["runs"]}["root"]["children"]] == [
+            "sub-1",
+            HOSTILE_ID,
+        ]
 
         child_page = c.get("/runs/sub-1")  # a child run's view names its parent (the page links it)
         assert child_page.status_code == 200
@@ -219,13 +234,25 @@ def test_list_script_renders_child_rows_as_escaped_links(tmp_path: Path) -> None
         listing = c.get("/api/runs").json()
         child_view = c.get("/api/runs/agent-1").json()
     harness = tmp_path / "render.js"
-    harness.write_text(LIST_HARNESS.replace("__SCRIPT__", json.dumps(str(STATIC_DIR / "inspector.js"))), encoding="utf-8")
-    done = subprocess.run([node, str(harness)], input=json.dumps({"list": listing, "run": child_view}), capture_output=True, text=True, timeout=60)
+    harness.write_text(
+        LIST_HARNESS.replace("__SCRIPT__", json.dumps(str(STATIC_DIR / "inspector.js"))), encoding="utf-8"
+    )
+    done = subprocess.run(
+        [node, str(harness)],
+        input=json.dumps({"list": listing, "run": child_view}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     rows = out["closed"]
     assert [(r["class"], r["id"], r["hidden"]) for r in rows] == [
-        ("root", "root", False), ("child", "sub-1", True), ("child", HOSTILE_ID, True), ("child", "agent-1", True), ("root", "lone", False),
+        ("root", "root", False),
+        ("child", "sub-1", True),
+        ("child", HOSTILE_ID, True),
+        ("child", "agent-1", True),
+        ("root", "lone", False),
     ]
     assert rows[0]["toggle"] == "▸ 3 child runs" and rows[4]["toggle"] is None
     assert [r["hidden"] for r in out["opened"]] == [False] * 5 and out["opened"][0]["toggle"] == "▾ 3 child runs"
@@ -244,8 +271,14 @@ const fs = require("fs");
 const created = [];
 class Text { constructor(t) { this.text = String(t); } get textContent() { return this.text; } }
 class Element {
-  constructor(tag) { this.tag = tag; this.attrs = {}; this.children = []; this.listeners = {}; this.className = ""; this.hidden = false; this.dataset = {}; created.push(tag); }
-  setAttribute(k, v) { if (k === "hidden") this.hidden = true; else this.attrs[k] = v; if (k.startsWith("data-")) this.dataset[k.slice(5)] = v; }
+  constructor(tag) {
+    this.tag = tag; this.attrs = {}; this.children = []; this.listeners = {};
+    this.className = ""; this.hidden = false; this.dataset = {}; created.push(tag);
+  }
+  setAttribute(k, v) {
+    if (k === "hidden") this.hidden = true; else this.attrs[k] = v;
+    if (k.startsWith("data-")) this.dataset[k.slice(5)] = v;
+  }
   getAttribute(k) { return this.attrs[k]; }
   append(...nodes) { this.children.push(...nodes); }
   replaceChildren(...nodes) { this.children = nodes; }
@@ -253,12 +286,16 @@ class Element {
   get textContent() { return this.children.map((c) => c.textContent).join(""); }
   set textContent(t) { this.children = [new Text(t)]; }
   get options() { return this.children; }
-  all(tag) { return this.children.flatMap((c) => c instanceof Element ? [...(c.tag === tag ? [c] : []), ...c.all(tag)] : []); }
+  all(tag) {
+    return this.children.flatMap((c) => c instanceof Element ? [...(c.tag === tag ? [c] : []), ...c.all(tag)] : []);
+  }
 }
 globalThis.Node = Object;  // every node is an object
 const input = JSON.parse(fs.readFileSync(0, "utf8"));
 const byId = {};
-for (const id of ["ledger", "status", "workflow", "empty", "live", "filters", "crumb", "summary", "run-error", "timeline", "charts", "panel"]) byId[id] = new Element("div");
+const pageIds = ["ledger", "status", "workflow", "empty", "live", "filters", "crumb", "summary", "run-error",
+  "timeline", "charts", "panel"];
+for (const id of pageIds) byId[id] = new Element("div");
 const tbody = new Element("tbody");
 const stepsBody = new Element("tbody");
 byId.initial = { textContent: JSON.stringify(input.list) };
@@ -273,11 +310,14 @@ globalThis.document = {
   createElementNS: (_ns, tag) => new Element(tag),
 };
 globalThis.window = { addEventListener() {} };
-(0, eval)(fs.readFileSync(__SCRIPT__, "utf8") + ";globalThis.renderList = renderList; globalThis.renderRun = renderRun;");
+(0, eval)(
+  fs.readFileSync(__SCRIPT__, "utf8") + ";globalThis.renderList = renderList; globalThis.renderRun = renderRun;"
+);
 const rows = () => tbody.children.map((tr) => {
   const toggle = tr.all("button")[0];
   return { class: tr.className, id: tr.attrs["data-run-id"], root: tr.attrs["data-root"] ?? null, hidden: tr.hidden,
-    toggle: toggle ? toggle.textContent : null, links: tr.all("a").map((a) => ({ href: a.attrs.href, text: a.textContent })) };
+    toggle: toggle ? toggle.textContent : null,
+    links: tr.all("a").map((a) => ({ href: a.attrs.href, text: a.textContent })) };
 });
 renderList(input.list);
 const closed = rows();
@@ -285,7 +325,8 @@ tbody.children[0].all("button")[0].listeners.click();
 const opened = rows();
 renderList(input.list);
 const relisted = rows();
-const tags = new Set(["div", "tbody", "option", "tr", "td", "a", "button", "span", "b", "h1", "p", "svg", "g", "line", "text", "rect", "title", "table", "th", "h2", "h3", "pre", "polyline", "circle"]);
+const tags = new Set(["div", "tbody", "option", "tr", "td", "a", "button", "span", "b", "h1", "p", "svg", "g", "line",
+  "text", "rect", "title", "table", "th", "h2", "h3", "pre", "polyline", "circle"]);
 try { renderRun(input.run); } catch (e) { /* the timeline needs layout; the summary is drawn first */ }
 const parentLink = byId.summary.all("a")[0];
 process.stdout.write(JSON.stringify({ closed, opened, relisted, markup: created.filter((t) => !tags.has(t)),
@@ -319,11 +360,21 @@ def test_api_key_guards_every_route(flow_ledger: str) -> None:
 
 def _run_state(run_id: str, *, status: str = "running", workflow_id: str = "live_flow", **extra: Any) -> dict[str, Any]:
     now = dt.datetime.now(dt.UTC).isoformat()
-    return {"run_id": run_id, "workflow_id": workflow_id, "status": status, "created_at": extra.pop("created_at", now), "updated_at": now, "vars": {}, **extra}
+    return {
+        "run_id": run_id,
+        "workflow_id": workflow_id,
+        "status": status,
+        "created_at": extra.pop("created_at", now),
+        "updated_at": now,
+        "vars": {},
+        **extra,
+    }
 
 
 def _progress(key: NodeKey, event: dict[str, Any]) -> ProgressEvent:
-    return ProgressEvent(key=key, event={"kind": "llm", **event}, idempotency_key=f"p:{uuid.uuid4().hex}", created_at=time.time())
+    return ProgressEvent(
+        key=key, event={"kind": "llm", **event}, idempotency_key=f"p:{uuid.uuid4().hex}", created_at=time.time()
+    )
 
 
 class Server:
@@ -335,7 +386,9 @@ class Server:
         self.app = create_inspector_app(url, **options)
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1))
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> Server:
@@ -367,7 +420,9 @@ def test_run_stream_follows_a_run_in_progress_until_it_ends(tmp_path: Path) -> N
     ledger = Ledger(url)
     ledger.save_run(_run_state("live-1"))
     key = NodeKey("live-1", "n1", workflow_id="live_flow", step_id="s1", attempt=1)
-    ledger.append_progress([_progress(key, {"phase": "prefill", "prompt_tokens": 512, "elapsed_s": 0.0, "event_index": 0})])
+    ledger.append_progress(
+        [_progress(key, {"phase": "prefill", "prompt_tokens": 512, "elapsed_s": 0.0, "event_index": 0})]
+    )
     with Server(url, poll_interval_s=0.05) as server, httpx.Client(base_url=server.base_url, timeout=20) as http:
         with http.stream("GET", "/api/runs/live-1/stream") as response:
             assert response.headers["content-type"].startswith("text/event-stream")
@@ -377,11 +432,38 @@ def test_run_stream_follows_a_run_in_progress_until_it_ends(tmp_path: Path) -> N
             (call,) = view["calls"]
             assert call["phase"] == "prefill" and call["prefill_processed_tokens"] is None
 
-            ledger.append_progress([_progress(key, {"phase": "prefill", "prompt_tokens": 512, "prefill_processed_tokens": 256, "elapsed_s": 0.1, "event_index": 1})])
+            ledger.append_progress(
+                [
+                    _progress(
+                        key,
+                        {
+                            "phase": "prefill",
+                            "prompt_tokens": 512,
+                            "prefill_processed_tokens": 256,
+                            "elapsed_s": 0.1,
+                            "event_index": 1,
+                        },
+                    )
+                ]
+            )
             name, view = next(events)
             assert name == "run" and view["calls"][0]["prefill_processed_tokens"] == 256
 
-            ledger.append_progress([_progress(key, {"phase": "generate", "prompt_tokens": 512, "generated_tokens": 1, "ttft_s": 0.2, "elapsed_s": 0.2, "event_index": 2})])
+            ledger.append_progress(
+                [
+                    _progress(
+                        key,
+                        {
+                            "phase": "generate",
+                            "prompt_tokens": 512,
+                            "generated_tokens": 1,
+                            "ttft_s": 0.2,
+                            "elapsed_s": 0.2,
+                            "event_index": 2,
+                        },
+                    )
+                ]
+            )
             name, view = next(events)
             assert [s["phase"] for s in view["calls"][0]["segments"]] == ["prefill", "generate"]
 
@@ -452,7 +534,10 @@ def test_in_a_real_browser(flow_ledger: str, hybrid_model: str, tmp_path: Path) 
             # A run started now appears in the open list, and reaches completed, without a reload.
             done = threading.Event()
             worker = threading.Thread(
-                target=lambda: (run_flow(EXAMPLE, ledger_url=flow_ledger, model=hybrid_model, force_model=True), done.set()),
+                target=lambda: (
+                    run_flow(EXAMPLE, ledger_url=flow_ledger, model=hybrid_model, force_model=True),
+                    done.set(),
+                ),
                 daemon=True,
             )
             worker.start()
@@ -467,7 +552,9 @@ def test_in_a_real_browser(flow_ledger: str, hybrid_model: str, tmp_path: Path) 
             page.locator("#runs tbody tr a").first.click()
             page.wait_for_selector("#timeline svg")
             bars = page.locator("#timeline .bar")
-            assert sorted(bars.nth(i).get_attribute("data-node") or "" for i in range(bars.count())) == sorted(FANOUT_NODES)
+            assert sorted(bars.nth(i).get_attribute("data-node") or "" for i in range(bars.count())) == sorted(
+                FANOUT_NODES
+            )
             for i in range(bars.count()):
                 phases = bars.nth(i).locator("rect.seg").evaluate_all("els => els.map(e => e.dataset.phase)")
                 assert "prefill" in phases and "generate" in phases
@@ -482,11 +569,27 @@ def test_in_a_real_browser(flow_ledger: str, hybrid_model: str, tmp_path: Path) 
             with Ledger(flow_ledger) as ledger:
                 ledger.save_run(_run_state("live-browser", workflow_id="mlx_fanout"))
                 key = NodeKey("live-browser", "plain", workflow_id="mlx_fanout", step_id="s-live", attempt=1)
-                ledger.append_progress([_progress(key, {"phase": "prefill", "prompt_tokens": 4000, "elapsed_s": 0.0, "event_index": 0})])
+                ledger.append_progress(
+                    [_progress(key, {"phase": "prefill", "prompt_tokens": 4000, "elapsed_s": 0.0, "event_index": 0})]
+                )
                 page.goto(server.base_url + "/runs/live-browser")
                 page.wait_for_selector("#live:not([hidden])")
                 assert page.locator("#timeline rect.seg[data-phase='generate']").count() == 0
-                ledger.append_progress([_progress(key, {"phase": "generate", "prompt_tokens": 4000, "generated_tokens": 1, "ttft_s": 0.3, "elapsed_s": 0.3, "event_index": 1})])
+                ledger.append_progress(
+                    [
+                        _progress(
+                            key,
+                            {
+                                "phase": "generate",
+                                "prompt_tokens": 4000,
+                                "generated_tokens": 1,
+                                "ttft_s": 0.3,
+                                "elapsed_s": 0.3,
+                                "event_index": 1,
+                            },
+                        )
+                    ]
+                )
                 page.wait_for_selector("#timeline rect.seg[data-phase='generate']", timeout=20_000)
                 ledger.save_run(_run_state("live-browser", status="completed", workflow_id="mlx_fanout"))
                 page.wait_for_selector("#summary .status-completed", timeout=20_000)
@@ -509,11 +612,33 @@ def test_inspector_queries_on_sqlite_and_postgresql(ledger_url: str) -> None:
         ledger.save_run(_run_state(run_b, workflow_id=workflow))
         for step, generated in (("s1", 10), ("s2", 7)):  # two calls of one node: 10 + 7 generated tokens
             key = NodeKey(run_a, "ask", workflow_id=workflow, step_id=step, attempt=1)
-            ledger.append_progress([
-                _progress(key, {"phase": "prefill", "prompt_tokens": 100, "elapsed_s": 0.0, "event_index": 0}),
-                _progress(key, {"phase": "generate", "prompt_tokens": 100, "generated_tokens": 1, "ttft_s": 0.1, "elapsed_s": 0.1, "event_index": 1}),
-                _progress(key, {"phase": "complete", "final": True, "prompt_tokens": 100, "generated_tokens": generated, "elapsed_s": 0.3, "event_index": 2}),
-            ])
+            ledger.append_progress(
+                [
+                    _progress(key, {"phase": "prefill", "prompt_tokens": 100, "elapsed_s": 0.0, "event_index": 0}),
+                    _progress(
+                        key,
+                        {
+                            "phase": "generate",
+                            "prompt_tokens": 100,
+                            "generated_tokens": 1,
+                            "ttft_s": 0.1,
+                            "elapsed_s": 0.1,
+                            "event_index": 1,
+                        },
+                    ),
+                    _progress(
+                        key,
+                        {
+                            "phase": "complete",
+                            "final": True,
+                            "prompt_tokens": 100,
+                            "generated_tokens": generated,
+                            "elapsed_s": 0.3,
+                            "event_index": 2,
+                        },
+                    ),
+                ]
+            )
         cursor = ledger.run_cursor(run_a)
         assert cursor is not None and cursor.last_progress_seq == 6 and cursor.last_step_seq == 0
         assert [r.seq for r in ledger.node_timeline(run_a, after_seq=4)] == [5, 6]
@@ -531,12 +656,25 @@ def test_inspector_queries_on_sqlite_and_postgresql(ledger_url: str) -> None:
             assert all([s["phase"] for s in call["segments"]] == ["prefill", "generate"] for call in view["calls"])
 
 
+@pytest.mark.slow
 def test_runs_web_command_serves_the_ledger(flow_ledger: str, tmp_path: Path) -> None:
     """The real command in a subprocess: it prints its URL (with the port it got) and serves."""
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, "-m", "abstractruntime_mlx.cli.main", "runs", "web", "--ledger", flow_ledger, "--port", "0", "--api-key", "k"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "abstractruntime_mlx.cli.main",
+        "runs",
+        "web",
+        "--ledger",
+        flow_ledger,
+        "--port",
+        "0",
+        "--api-key",
+        "k",
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stderr is not None
@@ -555,7 +693,11 @@ def test_runs_web_command_serves_the_ledger(flow_ledger: str, tmp_path: Path) ->
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    missing = subprocess.run([*cmd[:5], "--ledger", str(tmp_path / "absent.sqlite")], capture_output=True, text=True, env=env, timeout=60)
+    missing = subprocess.run(
+        [*cmd[:5], "--ledger", str(tmp_path / "absent.sqlite")], capture_output=True, text=True, env=env, timeout=60
+    )
     assert missing.returncode != 0 and "no ledger at" in missing.stderr and not (tmp_path / "absent.sqlite").exists()
-    bad_port = subprocess.run([*cmd[:5], "--ledger", flow_ledger, "--port", "70000"], capture_output=True, text=True, env=env, timeout=60)
+    bad_port = subprocess.run(
+        [*cmd[:5], "--ledger", flow_ledger, "--port", "70000"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert bad_port.returncode != 0 and "--port" in bad_port.stderr

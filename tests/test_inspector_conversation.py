@@ -31,9 +31,17 @@ FLOWS = Path(__file__).parent / "flows"
 CONTEXT = {
     "messages": [
         {"role": "user", "content": "What files are here?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "list_files", "arguments": "{\"pattern\": \"*\"}"}}
-        ]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "list_files", "arguments": '{"pattern": "*"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "name": "list_files", "content": "a.txt\nb.txt"},
         {"role": "assistant", "content": "Two files: a.txt and b.txt."},
     ]
@@ -58,8 +66,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     root = tmp_path_factory.mktemp("conversation")
     model = str(tiny_model(root / "dense-long", kind="dense-long"))  # not resident yet: the first call loads it
     url = sqlite_url(root / "ledger.sqlite")
-    (context_run,) = run_flow(load_flow(FLOWS / "context_call.json"), ledger_url=url, model=model, force_model=True, vars=VARS)
-    (agents_run,) = run_flow(load_flow(FLOWS / "two_agents.json"), ledger_url=url, model=model, force_model=True, vars=VARS)
+    (context_run,) = run_flow(
+        load_flow(FLOWS / "context_call.json"), ledger_url=url, model=model, force_model=True, vars=VARS
+    )
+    (agents_run,) = run_flow(
+        load_flow(FLOWS / "two_agents.json"), ledger_url=url, model=model, force_model=True, vars=VARS
+    )
     assert context_run.status == "completed" and agents_run.status == "completed", (context_run, agents_run)
     yield Runs(url, model, context_run.run_id, agents_run.run_id)
     default_registry().close()
@@ -109,7 +121,10 @@ def test_a_root_run_totals_its_agents_and_names_them(client: TestClient, runs: R
     view = client.get(f"/api/runs/{runs.agents_run}").json()
     assert view["calls"] == [] and view["run"]["prompt_tokens"] == 0  # the root makes no call itself
     spans = view["spans"]
-    assert [(s["kind"], s["node_id"], s["node_label"]) for s in spans] == [("agent", "writer", "writer"), ("agent", "critic", "critic")]
+    assert [(s["kind"], s["node_id"], s["node_label"]) for s in spans] == [
+        ("agent", "writer", "writer"),
+        ("agent", "critic", "critic"),
+    ]
     calls = [c for s in spans for c in s["calls"]]
     totals = view["totals"]
     assert totals["runs"] == 3 and totals["calls"] == len(calls) >= 2
@@ -144,7 +159,9 @@ def test_a_busy_tree_counts_up_and_a_finished_one_stops(runs: Runs) -> None:
     assert run_elapsed(root, [root, *children], later) == pytest.approx(tree.totals.elapsed_s, abs=1e-3)
     assert tree.totals.elapsed_s < 500
     # The root waits on its agent while the agent runs: the root's time goes on.
-    waiting = dataclasses.replace(root, summary=dataclasses.replace(root.summary, status="waiting", wait_reason="subworkflow"))
+    waiting = dataclasses.replace(
+        root, summary=dataclasses.replace(root.summary, status="waiting", wait_reason="subworkflow")
+    )
     busy_child = dataclasses.replace(children[0], summary=dataclasses.replace(children[0].summary, status="running"))
     assert run_elapsed(waiting, [waiting, busy_child], later) == pytest.approx(500.0)
 
@@ -153,7 +170,10 @@ def test_the_input_sent_records_only_the_turns_the_node_changed() -> None:
     from abstractruntime_mlx.runtime_plugin.adapter.payload import input_as_sent, request_from_payload
 
     stamp = '<runtime_metadata>{"display":"[2026-01-01 10:00:00]"}</runtime_metadata>\n'
-    payload = {"prompt": stamp + "go", "messages": [{"role": "user", "content": stamp + "hi"}, {"role": "assistant", "content": "yo"}]}
+    payload = {
+        "prompt": stamp + "go",
+        "messages": [{"role": "user", "content": stamp + "hi"}, {"role": "assistant", "content": "yo"}],
+    }
     assert input_as_sent(payload, request_from_payload(payload, {})) == {"prompt": "go", "messages": {"0": "hi"}}
     plain = {"prompt": "go", "messages": [{"role": "user", "content": "hi"}]}
     assert input_as_sent(plain, request_from_payload(plain, {})) == {}
@@ -187,12 +207,23 @@ def test_runs_show_json_and_text_show_input_model_and_output(runs: Runs, capsys:
 def test_run_prints_the_flows_output_at_the_end(runs: Runs, cli_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from abstractruntime_mlx.cli.main import main
 
-    code = main(["run", str(FLOWS / "context_call.json"), "--model", runs.model, "--ledger", str(cli_env), "--var", f"context={json.dumps(CONTEXT)}"])
+    code = main(
+        [
+            "run",
+            str(FLOWS / "context_call.json"),
+            "--model",
+            runs.model,
+            "--ledger",
+            str(cli_env),
+            "--var",
+            f"context={json.dumps(CONTEXT)}",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     lines = out.splitlines()
     answers = [i for i, line in enumerate(lines) if line.startswith("  output answer:")]
-    assert answers and any(line.startswith("  output success: true") for line in lines[answers[0]:])
+    assert answers and any(line.startswith("  output success: true") for line in lines[answers[0] :])
 
 
 # ------------------------------------------------------------------------------ browser
@@ -222,7 +253,10 @@ def test_pages_show_the_prompt_the_model_and_root_totals_in_chromium(runs: Runs,
             # The two-agent root: its agents' turns are on its timeline, under their agent node.
             page.goto(f"{server.base_url}/runs/{runs.agents_run}")
             page.wait_for_selector("#timeline svg")
-            assert page.locator("#timeline .span-label").evaluate_all("els => els.map(e => e.textContent)")[:2] == ["▸ agent writer", "▸ agent critic"]
+            assert page.locator("#timeline .span-label").evaluate_all("els => els.map(e => e.textContent)")[:2] == [
+                "▸ agent writer",
+                "▸ agent critic",
+            ]
             assert "0 in" not in page.locator("#tokens").inner_text()
             turn = page.locator("#timeline .bar[data-turn='1']").first
             turn.click()

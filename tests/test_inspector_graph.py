@@ -19,7 +19,6 @@ import pytest
 
 from abstractruntime_mlx.ledger import sqlite_url
 from abstractruntime_mlx.testing import tiny_model
-
 from test_inspector import ARTIFACTS, ROOT, Server
 
 FLOW = Path(__file__).resolve().parent / "flows" / "tour.json"
@@ -72,8 +71,14 @@ def test_run_tree_graph_live_in_chromium(tour: tuple[str, str], agent_model: str
 
             # The graph: every node of the flow, in the editor's layout, with its state in this run.
             assert _states(page) == {
-                "start": ("completed", 1), "sub": ("completed", 1), "each": ("completed", 1), "llm-a": ("completed", 3),
-                "agent": ("completed", 1), "ask": ("waiting", 1), "llm-b": ("idle", 0), "end": ("idle", 0),
+                "start": ("completed", 1),
+                "sub": ("completed", 1),
+                "each": ("completed", 1),
+                "llm-a": ("completed", 3),
+                "agent": ("completed", 1),
+                "ask": ("waiting", 1),
+                "llm-b": ("idle", 0),
+                "end": ("idle", 0),
             }
             labels = page.locator("#graph .gnode .glabel").evaluate_all("els => els.map(e => e.textContent)")
             assert "LLM Call (llm-a)" in labels and "LLM Call (llm-b)" in labels  # one label, told apart
@@ -88,7 +93,9 @@ def test_run_tree_graph_live_in_chromium(tour: tuple[str, str], agent_model: str
 
             # A loop node's calls are numbered; clicking the node opens them, with its inputs and outputs.
             page.locator("#graph .gnode[data-node='llm-a']").click()
-            assert page.locator("#panel .node-calls a").all_inner_texts() == [f"LLM Call (llm-a) #{i}" for i in (1, 2, 3)]
+            assert page.locator("#panel .node-calls a").all_inner_texts() == [
+                f"LLM Call (llm-a) #{i}" for i in (1, 2, 3)
+            ]
             assert '"prompt"' in page.locator("#panel pre.node-inputs").inner_text()
             assert '"content"' in page.locator("#panel pre.node-outputs").inner_text()
             page.locator("#panel .node-calls a").nth(1).click()
@@ -107,7 +114,9 @@ def test_run_tree_graph_live_in_chromium(tour: tuple[str, str], agent_model: str
             # Live: the open root page follows the run as its question is answered and it ends.
             page.goto(f"{server.base_url}/runs/{root}")
             page.wait_for_selector("#graph .gnode[data-node='ask'][data-state='waiting']")
-            worker = threading.Thread(target=lambda: resume_run(root, ledger_url=url, model=agent_model, answer="caches"), daemon=True)
+            worker = threading.Thread(
+                target=lambda: resume_run(root, ledger_url=url, model=agent_model, answer="caches"), daemon=True
+            )
             worker.start()
             page.wait_for_selector("#graph .gnode[data-node='llm-b'][data-state='completed']", timeout=120_000)
             page.wait_for_selector("#summary .status-completed", timeout=60_000)

@@ -14,11 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-from test_inspector import Server, _events, _run_state
-from test_server_harness import wait_until
 
 from abstractruntime_mlx.ledger import Ledger, sqlite_url
 from abstractruntime_mlx.server.inspector import DEFAULT_MAX_STREAMS
+from test_inspector import Server, _events, _run_state
+from test_server_harness import wait_until
 
 # Long enough that nothing is re-read by the clock during a test: reads happen only for a
 # topic no stream followed before.
@@ -49,7 +49,9 @@ def ledger(tmp_path: Path) -> Iterator[CountingLedger]:
     store.close()
 
 
-def _open(stack: contextlib.ExitStack, http: httpx.Client, path: str, **params: str) -> Iterator[tuple[str, dict[str, Any]]]:
+def _open(
+    stack: contextlib.ExitStack, http: httpx.Client, path: str, **params: str
+) -> Iterator[tuple[str, dict[str, Any]]]:
     response = stack.enter_context(http.stream("GET", path, params=params))
     assert response.status_code == 200, response.read()
     return _events(response.iter_lines())
@@ -91,7 +93,10 @@ def test_a_change_reaches_every_stream(ledger: CountingLedger) -> None:
 
 def test_the_stream_cap_refuses_one_more_with_a_typed_503(ledger: CountingLedger) -> None:
     ledger.save_run(_run_state("live-1"))
-    with Server(ledger, poll_interval_s=NEVER_S, max_streams=2) as server, httpx.Client(base_url=server.base_url, timeout=20) as http:
+    with (
+        Server(ledger, poll_interval_s=NEVER_S, max_streams=2) as server,
+        httpx.Client(base_url=server.base_url, timeout=20) as http,
+    ):
         live = server.app.state.live
         with contextlib.ExitStack() as stack:
             # Each iterator is kept: dropping it would close its connection.
@@ -120,8 +125,16 @@ def test_runs_web_takes_the_cap(tmp_path: Path) -> None:
 
     parser = build_parser()
     ledger = str(tmp_path / "l.sqlite")
-    assert settings_from_args(parser.parse_args(["runs", "web", "--ledger", ledger]), environ={}).max_streams == DEFAULT_MAX_STREAMS
-    assert settings_from_args(parser.parse_args(["runs", "web", "--ledger", ledger, "--max-streams", "3"]), environ={}).max_streams == 3
+    assert (
+        settings_from_args(parser.parse_args(["runs", "web", "--ledger", ledger]), environ={}).max_streams
+        == DEFAULT_MAX_STREAMS
+    )
+    assert (
+        settings_from_args(
+            parser.parse_args(["runs", "web", "--ledger", ledger, "--max-streams", "3"]), environ={}
+        ).max_streams
+        == 3
+    )
     with pytest.raises(SystemExit, match="--max-streams must be >= 1"):
         settings_from_args(parser.parse_args(["runs", "web", "--ledger", ledger, "--max-streams", "0"]), environ={})
 
@@ -129,4 +142,3 @@ def test_runs_web_takes_the_cap(tmp_path: Path) -> None:
 def test_the_default_cap_is_documented() -> None:
     text = (Path(__file__).resolve().parents[1] / "docs" / "inspector.md").read_text(encoding="utf-8")
     assert f"`--max-streams N` | `{DEFAULT_MAX_STREAMS}`" in text
-

@@ -7,12 +7,12 @@ from typing import Any
 
 import httpx
 import pytest
-from test_server_harness import serve_in_thread
 
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.errors import InvalidRequest
 from abstractruntime_mlx.server import ModelSpec, create_app
 from abstractruntime_mlx.server.keep_alive import parse_keep_alive
+from test_server_harness import serve_in_thread
 
 NOT_ASCII = ["\u0663", "\u0663s", "-\u0663", "1\u0660s", "\uff13m", "\u0969h", "3.\u0665s", "\u0663ms"]
 
@@ -32,7 +32,11 @@ def test_ascii_forms_still_read() -> None:
 def test_a_real_server_answers_400_and_loads_nothing(dense_model: str) -> None:
     with serve_in_thread(create_app(models=[ModelSpec("alpha", dense_model)])) as url:
         for value in ("\u0663", "\u0663s"):
-            chat = httpx.post(f"{url}/v1/chat/completions", json={"model": "alpha", "messages": [{"role": "user", "content": "hi"}], "keep_alive": value}, timeout=60)
+            chat = httpx.post(
+                f"{url}/v1/chat/completions",
+                json={"model": "alpha", "messages": [{"role": "user", "content": "hi"}], "keep_alive": value},
+                timeout=60,
+            )
             assert chat.status_code == 400 and chat.json()["error"]["details"]["field"] == "keep_alive"
             load = httpx.post(f"{url}/acore/models/load", json={"model": "alpha", "keep_alive": value}, timeout=60)
             assert load.status_code == 400 and load.json()["error"]["details"]["field"] == "keep_alive"

@@ -43,11 +43,22 @@ def test_the_docs_table_is_the_lane_table():
 
 
 def test_each_lane_names_the_backend_that_reports_it():
-    classes = {cls.__name__: cls for module in (backend, serial, single, text_loop) for cls in vars(module).values() if isinstance(cls, type)}
+    classes = {
+        cls.__name__: cls
+        for module in (backend, serial, single, text_loop)
+        for cls in vars(module).values()
+        if isinstance(cls, type)
+    }
     for spec in LANES.values():
         assert classes[spec.backend].kind == spec.name, spec.name
     # the wire values ``execution.path`` keeps
-    assert {str(s.path) for s in LANES.values()} | {"single_then_batch"} == {"single", "single_then_batch", "batch", "text_batch", "serial"}
+    assert {str(s.path) for s in LANES.values()} | {"single_then_batch"} == {
+        "single",
+        "single_then_batch",
+        "batch",
+        "text_batch",
+        "serial",
+    }
 
 
 def req(**kw: object) -> EngineRequest:

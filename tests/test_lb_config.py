@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -79,7 +77,9 @@ def test_a_node_call_carries_its_runs_session_else_its_run_id():
 
 
 def two_servers(**kwargs: object) -> LBSettings:
-    return LBSettings(servers=(PoolServer("10.0.0.2", 8080, slots=4, queue=32), PoolServer("::1", 8081, slots=8, queue=0)), **kwargs)  # type: ignore[arg-type]
+    return LBSettings(
+        servers=(PoolServer("10.0.0.2", 8080, slots=4, queue=32), PoolServer("::1", 8081, slots=8, queue=0)), **kwargs
+    )  # type: ignore[arg-type]
 
 
 def test_the_configuration_hashes_the_affinity_header_with_bounded_load_and_per_server_capacity():
@@ -122,10 +122,14 @@ def test_the_configuration_hashes_the_affinity_header_with_bounded_load_and_per_
 def test_bad_settings_are_invalid_requests_naming_the_field(settings, field):
     with pytest.raises(InvalidRequest) as info:
         settings()
-    assert info.value.code == "invalid_request" and info.value.http_status == 400 and info.value.details["field"] == field
+    assert (
+        info.value.code == "invalid_request" and info.value.http_status == 400 and info.value.details["field"] == field
+    )
 
 
-@pytest.mark.parametrize("text", ["host", "host:", ":80", "host:0", "host:65536", "host:http", "a b:80", "[::1]80", "#x:80"])
+@pytest.mark.parametrize(
+    "text", ["host", "host:", ":80", "host:0", "host:65536", "host:http", "a b:80", "[::1]80", "#x:80"]
+)
 def test_a_bad_address_is_refused(text):
     with pytest.raises(InvalidRequest, match="server"):
         parse_address(text)
@@ -169,7 +173,19 @@ def test_the_bind_address_takes_a_wildcard_and_is_written_as_parsed():
 
 @pytest.mark.parametrize(
     "path",
-    ["S.sock mode 666 #", "/tmp/a b.sock", "/tmp/a#b", "/tmp/a\nb", "/tmp/a\tb", "/tmp/'a'", '/tmp/"a"', "/tmp/a\\b", "/tmp/\u0663.sock", "/tmp/a\u2028b", ""],
+    [
+        "S.sock mode 666 #",
+        "/tmp/a b.sock",
+        "/tmp/a#b",
+        "/tmp/a\nb",
+        "/tmp/a\tb",
+        "/tmp/'a'",
+        '/tmp/"a"',
+        "/tmp/a\\b",
+        "/tmp/\u0663.sock",
+        "/tmp/a\u2028b",
+        "",
+    ],
 )
 def test_a_stats_socket_path_haproxy_would_misread_is_refused(path):
     with pytest.raises(InvalidRequest) as info:
@@ -229,7 +245,9 @@ def test_the_command_refuses_a_value_it_would_write_wrongly_and_writes_nothing(t
 def test_the_written_by_comment_names_the_servers_as_parsed(tmp_path):
     done = cli("--server", "127.0.0.1:9", "--server", "[::1]:10", "--slots", "1", "--queue", "1", "--no-probe")
     assert done.returncode == 0, done.stderr
-    assert "# Written by: abstractruntime-mlx lb-config --server 127.0.0.1:9 --server [::1]:10" in done.stdout.splitlines()
+    assert (
+        "# Written by: abstractruntime-mlx lb-config --server 127.0.0.1:9 --server [::1]:10" in done.stdout.splitlines()
+    )
 
 
 def test_a_server_that_does_not_answer_has_no_known_capacity():
@@ -237,9 +255,15 @@ def test_a_server_that_does_not_answer_has_no_known_capacity():
 
 
 def cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "abstractruntime_mlx.cli.main", "lb-config", *argv], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "abstractruntime_mlx.cli.main", "lb-config", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
+@pytest.mark.slow
 def test_the_command_needs_capacity_for_a_server_it_cannot_ask(tmp_path):
     port = free_port()
     done = cli("--server", f"127.0.0.1:{port}")

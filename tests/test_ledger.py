@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.util
-import sqlite3
 import re
+import sqlite3
 import threading
 import uuid
 from collections.abc import Iterator
@@ -33,7 +33,6 @@ from abstractruntime_mlx.ledger import (
     sqlite_url,
     wrap_db_errors,
 )
-
 
 
 @pytest.fixture
@@ -146,7 +145,9 @@ def test_newer_schema_revision_is_refused(tmp_path: Path) -> None:
     Ledger(sqlite_url(path)).close()
     with sqlite3.connect(path) as conn:
         conn.execute("UPDATE alembic_version SET version_num='9999'")
-    with pytest.raises(LedgerSchemaError, match="schema revision '9999', which this abstractruntime-mlx does not know") as info:
+    with pytest.raises(
+        LedgerSchemaError, match="schema revision '9999', which this abstractruntime-mlx does not know"
+    ) as info:
         Ledger(sqlite_url(path))
     assert info.value.code == "ledger_error"
     assert info.value.details == {"found": "9999", "supported": SCHEMA_REVISION}
@@ -277,6 +278,7 @@ def test_step_record_needs_identity(ledger: Ledger) -> None:
         ledger.append_step(_step(_rid(), ""))
 
 
+@pytest.mark.slow
 def test_per_run_seq_is_atomic_under_concurrent_appends(ledger_url: str) -> None:
     """8 threads over 2 independent Ledger instances (two engines, as two processes would)."""
     stores = [Ledger(ledger_url), Ledger(ledger_url)]

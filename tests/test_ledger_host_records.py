@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from abstractruntime import Runtime
+from abstractruntime import Runtime, WorkflowRegistry
 from abstractruntime.storage.in_memory import InMemoryLedgerStore, InMemoryRunStore
-from abstractruntime import WorkflowRegistry
 from abstractruntime.visualflow_compiler import compile_visualflow
 
 from abstractruntime_mlx.ledger import sqlite_url
@@ -89,7 +88,9 @@ def test_host_apis_see_every_phase_event_in_order(tmp_path, flow, dense_model, p
 
         # observers saw every record of the run, progress records included
         mine = [r for r in observed if r.get("run_id") == run_id]
-        assert sorted(r["idempotency_key"] for r in mine if is_progress(r)) == sorted(r["idempotency_key"] for r in progress)
+        assert sorted(r["idempotency_key"] for r in mine if is_progress(r)) == sorted(
+            r["idempotency_key"] for r in progress
+        )
         assert len(mine) == len(records)
     finally:
         pack.close()
@@ -102,7 +103,9 @@ def test_records_have_the_shape_the_host_writes_itself(tmp_path, flow, dense_mod
     try:
         host_pack.flows.register(flow)
         runtime = Runtime(
-            run_store=InMemoryRunStore(), ledger_store=InMemoryLedgerStore(), effect_handlers=host_pack.effect_handlers()
+            run_store=InMemoryRunStore(),
+            ledger_store=InMemoryLedgerStore(),
+            effect_handlers=host_pack.effect_handlers(),
         )
         spec = compile_visualflow(flow)
         workflows = WorkflowRegistry()
@@ -111,7 +114,9 @@ def test_records_have_the_shape_the_host_writes_itself(tmp_path, flow, dense_mod
         host_records = [r for r in runtime.get_ledger(state.run_id) if is_progress(r)]
     finally:
         host_pack.close()
-    pack = build_pack(sqlite_url(tmp_path / "ledger.db"), model=str(dense_model), sibling_batching=False, registry=registry)
+    pack = build_pack(
+        sqlite_url(tmp_path / "ledger.db"), model=str(dense_model), sibling_batching=False, registry=registry
+    )
     try:
         [result] = run_flow(flow, pack=pack)
         ours = [r for r in pack.runtime().get_ledger(result.run_id) if is_progress(r)]

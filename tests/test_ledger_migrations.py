@@ -24,9 +24,9 @@ from sqlalchemy.engine import make_url
 
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.ledger import SCHEMA_REVISION, Ledger, LedgerSchemaError, NodeKey, ProgressEvent, sqlite_url
+from abstractruntime_mlx.ledger.keys import progress_idempotency_key
 from abstractruntime_mlx.ledger.models import Base
 from abstractruntime_mlx.ledger.schema import MIGRATIONS_DIR
-from abstractruntime_mlx.ledger.keys import progress_idempotency_key
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ledger-rev1.sqlite"
 PG_URL = os.environ.get("LEDGER_TEST_URL")
@@ -65,7 +65,9 @@ def _copy_fixture_into(url: str) -> None:
                 ]
                 dst.execute(Table(name, MetaData(), autoload_with=dst).insert(), rows)
             for name in ("steps", "progress"):
-                dst.execute(text(f"SELECT setval(pg_get_serial_sequence('{name}', 'id'), (SELECT max(id) FROM {name}))"))
+                dst.execute(
+                    text(f"SELECT setval(pg_get_serial_sequence('{name}', 'id'), (SELECT max(id) FROM {name}))")
+                )
     finally:
         source.dispose()
         target.dispose()
@@ -85,7 +87,9 @@ def old_ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     admin = create_engine(PG_URL)
     with admin.begin() as conn:
         conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
+    url = (
+        make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
+    )
     try:
         _copy_fixture_into(url)
         yield url
@@ -142,13 +146,21 @@ def test_upgrade_keeps_every_row_and_presents_host_records(old_ledger):
         assert (total_steps, total_progress) == (len(old_steps), len(old_progress))
         # keys are rewritten the way new keys are made: a re-delivered old event is recognised
         old = old_progress[0]
-        key = NodeKey(old["run_id"], old["node_id"], workflow_id=old["workflow_id"], step_id=old["step_id"], attempt=old["attempt"])
+        key = NodeKey(
+            old["run_id"],
+            old["node_id"],
+            workflow_id=old["workflow_id"],
+            step_id=old["step_id"],
+            attempt=old["attempt"],
+        )
         event = {"kind": "llm", "phase": old["phase"], "event_index": old["event_index"]}
         assert progress_idempotency_key(key, event) in {p.idempotency_key for p in ledger.node_timeline(old["run_id"])}
         assert ledger.append_progress([ProgressEvent(key, event, progress_idempotency_key(key, event), 0.0)]) == 0
         # and the sequence continues after the last record
         last = len(ledger.list_records(old["run_id"]))
-        next_seq = ledger.append_step({"run_id": old["run_id"], "step_id": "new", "node_id": "x", "status": "completed", "attempt": 1})
+        next_seq = ledger.append_step(
+            {"run_id": old["run_id"], "step_id": "new", "node_id": "x", "status": "completed", "attempt": 1}
+        )
         assert next_seq == last + 1
     # the migrated schema is exactly the one a fresh ledger gets
     engine = create_engine(old_ledger)

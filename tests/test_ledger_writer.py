@@ -30,7 +30,6 @@ from abstractruntime_mlx.ledger import (
 )
 
 
-
 @pytest.fixture
 def db_path(tmp_path: Path) -> Path:
     return tmp_path / "ledger.db"
@@ -313,6 +312,7 @@ _CRASH_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkill_mid_write_keeps_every_flushed_row(tmp_path: Path, db_path: Path) -> None:
     script = tmp_path / "writer_loop.py"
     script.write_text(_CRASH_SCRIPT)

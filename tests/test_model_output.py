@@ -24,19 +24,23 @@ from abstractruntime_mlx.testing.chat_template import CHAT_TEMPLATE
 
 QWEN3 = (
     "<think>\nThe user wants the current weather in Paris. I have a get_weather tool that takes a city. "
-    "I'll call it.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
+    'I\'ll call it.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 )
 QWEN3_TWO = (
-    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n"
-    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Lyon\", \"unit\": \"celsius\"}}\n</tool_call>"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "celsius"}}\n</tool_call>'
 )
-HERMES_2_PRO = "<tool_call>\n{\"arguments\": {\"city\": \"Paris\"}, \"name\": \"get_weather\"}\n</tool_call>"
-LLAMA_31_TAG = "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}<|eom_id|>"
-LLAMA_32_BARE = "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}"
-LLAMA_TWO = "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}; {\"name\": \"get_time\", \"parameters\": {}}"
-MISTRAL_V3 = "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]"
-MISTRAL_V11 = "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}"
-WITH_PREAMBLE = "Let me check that for you.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
+HERMES_2_PRO = '<tool_call>\n{"arguments": {"city": "Paris"}, "name": "get_weather"}\n</tool_call>'
+LLAMA_31_TAG = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}<|eom_id|>'
+LLAMA_32_BARE = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_TWO = (
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+)
+MISTRAL_V3 = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+WITH_PREAMBLE = (
+    'Let me check that for you.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
 
 
 @pytest.mark.parametrize(
@@ -77,11 +81,11 @@ def test_reasoning_is_separated_and_calls_only_when_tools_were_offered():
 @pytest.mark.parametrize(
     "text",
     [
-        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par",  # cut by the output cap
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut by the output cap
         "<tool_call>\nnot json\n</tool_call>",
-        "<tool_call>\n{\"arguments\": {}}\n</tool_call>",  # no name
-        "{\"city\": \"Paris\"}",  # JSON, but not a call
-        "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": 3}]",
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+        '{"city": "Paris"}',  # JSON, but not a call
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": 3}]',
     ],
 )
 def test_text_that_is_not_a_whole_call_stays_the_answer(text):
@@ -115,7 +119,10 @@ def _stream(text: str, *, tools: bool, seed: int, reasoning_open: bool = False) 
     return out
 
 
-@pytest.mark.parametrize("text", [QWEN3, QWEN3_TWO, HERMES_2_PRO, LLAMA_31_TAG, LLAMA_32_BARE, LLAMA_TWO, MISTRAL_V3, MISTRAL_V11, WITH_PREAMBLE])
+@pytest.mark.parametrize(
+    "text",
+    [QWEN3, QWEN3_TWO, HERMES_2_PRO, LLAMA_31_TAG, LLAMA_32_BARE, LLAMA_TWO, MISTRAL_V3, MISTRAL_V11, WITH_PREAMBLE],
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_stream_adds_up_to_the_whole_answer(text, seed):
     pieces = _stream(text, tools=True, seed=seed)
@@ -134,8 +141,8 @@ def test_a_stream_adds_up_to_the_whole_answer(text, seed):
 def test_a_stream_sends_a_call_once_its_json_is_complete_and_never_its_text():
     splitter = OutputSplitter(tools=True)
     assert splitter.feed("Checking. <tool") == [ContentPiece("Checking. ")]
-    assert splitter.feed("_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": ") == []
-    (piece,) = splitter.feed("\"Paris\"}}")
+    assert splitter.feed('_call>\n{"name": "get_weather", "arguments": {"city": ') == []
+    (piece,) = splitter.feed('"Paris"}}')
     assert isinstance(piece, ToolCallPiece) and piece.index == 0 and piece.call.name == "get_weather"
     assert splitter.feed("\n</tool_call>") == [] and splitter.finish() == []
     assert splitter.num_calls == 1
@@ -146,5 +153,5 @@ def test_a_stream_whose_prompt_opened_the_think_block():
     assert "".join(p.text for p in pieces if isinstance(p, ReasoningPiece)).strip() == "weighing Paris"
     assert "".join(p.text for p in pieces if isinstance(p, ContentPiece)) == "It is sunny."
     # Without tools nothing is withheld: a brace is text.
-    plain = _stream("{\"name\": \"get_weather\"}", tools=False, seed=4)
-    assert "".join(p.text for p in plain if isinstance(p, ContentPiece)) == "{\"name\": \"get_weather\"}"
+    plain = _stream('{"name": "get_weather"}', tools=False, seed=4)
+    assert "".join(p.text for p in plain if isinstance(p, ContentPiece)) == '{"name": "get_weather"}'

@@ -41,6 +41,7 @@ def aligned_model(models_dir) -> str:
 # -- the head attaches to the resident target ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_head_attaches_once_on_the_worker_without_reloading(make_llm, hybrid_model, monkeypatch):
     llm = make_llm(hybrid_model, mlx_batching=True, speculation=False)
     loaded = llm._engine.loaded
@@ -175,13 +176,16 @@ def test_a_continuous_group_admits_optional_mtp_never_strict():
     assert under_load(deque([sampled, _request(4)]), sampled_exclusive=True) is None
 
 
+@pytest.mark.slow
 def test_optional_mtp_joins_the_batch_under_load_and_runs_mtp_alone(make_llm, hybrid_model):
     llm = make_llm(hybrid_model, mlx_batching=True, mlx_max_batch_size=4, speculation=False)
     reference = llm.generate(PROMPTS[1], thinking=False, max_output_tokens=12)
     running = llm.generate(PROMPTS[0], max_output_tokens=300, stream=True)
     next(running)  # target-only work is decoding
     events: list[dict] = []
-    late = llm.generate(PROMPTS[1], thinking=False, max_output_tokens=12, speculation=OPTIONAL, on_progress=events.append)
+    late = llm.generate(
+        PROMPTS[1], thinking=False, max_output_tokens=12, speculation=OPTIONAL, on_progress=events.append
+    )
     list(running)
     assert late.metadata["execution"]["mode"] == "continuous" and late.metadata["execution"]["peak_batch_size"] == 2
     spec = late.metadata["speculation"]
@@ -194,10 +198,14 @@ def test_optional_mtp_joins_the_batch_under_load_and_runs_mtp_alone(make_llm, hy
     assert all(e["speculation_used"] is False and e["speculation_reason"] == "deferred_under_load" for e in admitted)
 
     alone_events: list[dict] = []
-    alone = llm.generate(PROMPTS[1], thinking=False, max_output_tokens=12, speculation=OPTIONAL, on_progress=alone_events.append)
+    alone = llm.generate(
+        PROMPTS[1], thinking=False, max_output_tokens=12, speculation=OPTIONAL, on_progress=alone_events.append
+    )
     assert alone.metadata["execution"]["mode"] == "cohort" and alone.metadata["speculation"]["used"] is True
     assert alone.metadata["speculation"]["rounds"] > 0 and alone.token_ids == reference.token_ids
-    assert all(e["speculation_used"] is True and "speculation_reason" not in e for e in alone_events if "execution_mode" in e)
+    assert all(
+        e["speculation_used"] is True and "speculation_reason" not in e for e in alone_events if "execution_mode" in e
+    )
 
 
 def test_strict_mtp_is_never_deferred(make_llm, hybrid_model):
@@ -235,10 +243,16 @@ def test_cohort_keeps_exact_output_caps(make_llm, aligned_model):
     for depth in (1, 3, 5):
         cohort = together(
             llm,
-            [{"prompt": PROMPTS[i], "thinking": False, "max_output_tokens": n, "speculation": strict(depth)} for i, n in enumerate(caps)],
+            [
+                {"prompt": PROMPTS[i], "thinking": False, "max_output_tokens": n, "speculation": strict(depth)}
+                for i, n in enumerate(caps)
+            ],
         )
         for result, cap, reference in zip(cohort, caps, off):
-            assert result.metadata["execution"]["mode"] == "cohort" and result.metadata["execution"]["peak_batch_size"] == 2
+            assert (
+                result.metadata["execution"]["mode"] == "cohort"
+                and result.metadata["execution"]["peak_batch_size"] == 2
+            )
             assert result.usage["completion_tokens"] == len(result.token_ids) == cap
             assert result.finish_reason == "length" and result.token_ids == reference.token_ids
         assert cohort[1].metadata["speculation"]["accepted_tokens"] > 0
@@ -255,23 +269,36 @@ def test_cohort_stops_exactly_at_a_stop_string(make_llm, aligned_model):
         mtp, other = together(
             llm,
             [
-                {"prompt": PROMPTS[0], "thinking": False, "max_output_tokens": 24, "stop": [stop], "speculation": strict(depth)},
+                {
+                    "prompt": PROMPTS[0],
+                    "thinking": False,
+                    "max_output_tokens": 24,
+                    "stop": [stop],
+                    "speculation": strict(depth),
+                },
                 {"prompt": PROMPTS[1], "thinking": False, "max_output_tokens": 24, "speculation": strict(depth)},
             ],
         )
         assert mtp.metadata["execution"]["mode"] == "cohort" and mtp.metadata["execution"]["peak_batch_size"] == 2
         assert mtp.finish_reason == "stop" and mtp.content == target_only.content
-        assert mtp.token_ids == target_only.token_ids and mtp.usage["completion_tokens"] == target_only.usage["completion_tokens"]
+        assert (
+            mtp.token_ids == target_only.token_ids
+            and mtp.usage["completion_tokens"] == target_only.usage["completion_tokens"]
+        )
         assert other.usage["completion_tokens"] == 24
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3, 4, 5])
+# Depth 2 (the default) in the fast subset; the others are the same check, one model load each.
+@pytest.mark.parametrize("depth", [2, *(pytest.param(depth, marks=pytest.mark.slow) for depth in (1, 3, 4, 5))])
 def test_greedy_tokens_identical_with_mtp_on_and_off(make_llm, hybrid_model, depth):
     llm = make_llm(hybrid_model, mlx_batching=True, mlx_max_batch_size=2, mlx_batch_wait_ms=1000, speculation=False)
     off = [llm.generate(p, thinking=False, max_output_tokens=16).token_ids for p in PROMPTS[:2]]
     alone = llm.generate(PROMPTS[0], thinking=False, max_output_tokens=16, speculation=strict(depth))
     assert alone.metadata["speculation"]["num_draft_tokens"] == depth and alone.token_ids == off[0]
-    cohort = together(llm, [{"prompt": p, "thinking": False, "max_output_tokens": 16, "speculation": strict(depth)} for p in PROMPTS[:2]])
+    cohort = together(
+        llm,
+        [{"prompt": p, "thinking": False, "max_output_tokens": 16, "speculation": strict(depth)} for p in PROMPTS[:2]],
+    )
     assert [r.metadata["execution"]["peak_batch_size"] for r in cohort] == [2, 2]
     assert [r.token_ids for r in cohort] == off
 
@@ -287,7 +314,10 @@ def test_greedy_tokens_identical_with_mtp_on_and_off(make_llm, hybrid_model, dep
         ("off", False),
         (False, False),
         ("native_mtp", {"mode": "native_mtp"}),
-        ('{"num_draft_tokens": 4, "require_acceleration": true}', {"mode": "native_mtp", "num_draft_tokens": 4, "require_acceleration": True}),
+        (
+            '{"num_draft_tokens": 4, "require_acceleration": true}',
+            {"mode": "native_mtp", "num_draft_tokens": 4, "require_acceleration": True},
+        ),
         ({"mode": "native_mtp", "num_draft_tokens": 1}, {"mode": "native_mtp", "num_draft_tokens": 1}),
         ("inherit", None),
     ],
@@ -313,18 +343,31 @@ def test_run_and_serve_take_the_same_speculation_flag(dense_model):
     from abstractruntime_mlx.cli import run_cmd, serve_cmd
 
     flow = str(Path(__file__).resolve().parents[1] / "examples" / "fanout.json")
-    for text, wire in (("2", {"mode": "native_mtp", "num_draft_tokens": 2}), ("off", False), ('{"num_draft_tokens": 3}', {"mode": "native_mtp", "num_draft_tokens": 3})):
+    for text, wire in (
+        ("2", {"mode": "native_mtp", "num_draft_tokens": 2}),
+        ("off", False),
+        ('{"num_draft_tokens": 3}', {"mode": "native_mtp", "num_draft_tokens": 3}),
+    ):
         parser = argparse.ArgumentParser()
         subparsers = parser.add_subparsers()
         run_cmd.add_parser(subparsers)
         serve_cmd.add_parser(subparsers)
-        run = run_cmd.settings_from_args(parser.parse_args(["run", flow, "--model", dense_model, "--speculation", text]))
+        run = run_cmd.settings_from_args(
+            parser.parse_args(["run", flow, "--model", dense_model, "--speculation", text])
+        )
         assert run.provider_options["speculation"] == wire
-        serve = serve_cmd.settings_from_args(parser.parse_args(["serve", "--model", dense_model, "--speculation", text]), environ={})
+        serve = serve_cmd.settings_from_args(
+            parser.parse_args(["serve", "--model", dense_model, "--speculation", text]), environ={}
+        )
         assert serve.options["speculation"] == wire
     parser = argparse.ArgumentParser()
     run_cmd.add_parser(parser.add_subparsers())
-    assert "speculation" not in run_cmd.settings_from_args(parser.parse_args(["run", flow, "--model", dense_model, "--speculation", "inherit"])).provider_options
+    assert (
+        "speculation"
+        not in run_cmd.settings_from_args(
+            parser.parse_args(["run", flow, "--model", dense_model, "--speculation", "inherit"])
+        ).provider_options
+    )
     with pytest.raises(SystemExit, match="--speculation"):
         run_cmd.settings_from_args(parser.parse_args(["run", flow, "--model", dense_model, "--speculation", "0"]))
 
@@ -336,18 +379,32 @@ def test_models_load_takes_the_serve_forms(hybrid_model, policy_file):
 
     app = create_app(model_roots=[str(Path(hybrid_model).parent)])
     with TestClient(app) as client:
-        loaded = client.post("/acore/models/load", json={"model": hybrid_model, "speculation": 2, "options": {"mlx_batching": True}})
+        loaded = client.post(
+            "/acore/models/load", json={"model": hybrid_model, "speculation": 2, "options": {"mlx_batching": True}}
+        )
         assert loaded.status_code == 200, loaded.json()
-        assert app.state.pool.find(hybrid_model).provider.speculation_default() == {"mode": "native_mtp", "num_draft_tokens": 2}
-        same = client.post("/acore/models/load", json={"model": hybrid_model, "options": {"mlx_batching": True, "speculation": "2"}})
+        assert app.state.pool.find(hybrid_model).provider.speculation_default() == {
+            "mode": "native_mtp",
+            "num_draft_tokens": 2,
+        }
+        same = client.post(
+            "/acore/models/load", json={"model": hybrid_model, "options": {"mlx_batching": True, "speculation": "2"}}
+        )
         assert same.status_code == 200 and same.json()["loaded_new"] is False
-        other = client.post("/acore/models/load", json={"model": hybrid_model, "options": {"mlx_batching": True, "speculation": 3}})
+        other = client.post(
+            "/acore/models/load", json={"model": hybrid_model, "options": {"mlx_batching": True, "speculation": 3}}
+        )
         assert other.status_code == 409 and other.json()["error"]["code"] == "residency_conflict"
-        both = client.post("/acore/models/load", json={"model": hybrid_model, "speculation": 2, "options": {"speculation": "off"}})
+        both = client.post(
+            "/acore/models/load", json={"model": hybrid_model, "speculation": 2, "options": {"speculation": "off"}}
+        )
         assert both.status_code == 400 and "disagree" in both.json()["error"]["message"]
         bad = client.post("/acore/models/load", json={"model": hybrid_model, "speculation": 0})
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_controls"
-        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0})
+        chat = client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0},
+        )
         assert chat.status_code == 200 and chat.json()["abstractcore"]["speculation"]["used"] is True
 
 
@@ -363,11 +420,17 @@ def chain(nodes: dict[str, dict], *, flow_id: str = "chain") -> dict:
     for node_id in ids:
         config = {"provider": "mlx", "temperature": 0, "max_output_tokens": 8, **nodes[node_id]}
         flow_nodes.append(
-            {"id": node_id, "type": "llm_call", "data": {"effectConfig": config, "pinDefaults": {"prompt": f"Say something about {node_id}."}}}
+            {
+                "id": node_id,
+                "type": "llm_call",
+                "data": {"effectConfig": config, "pinDefaults": {"prompt": f"Say something about {node_id}."}},
+            }
         )
         edges.append({"source": previous, "sourceHandle": "exec-out", "target": node_id, "targetHandle": "exec-in"})
         previous = node_id
-    flow_nodes.append({"id": "end", "type": "on_flow_end", "data": {"inputs": [{"id": "exec-in", "type": "execution"}]}})
+    flow_nodes.append(
+        {"id": "end", "type": "on_flow_end", "data": {"inputs": [{"id": "exec-in", "type": "execution"}]}}
+    )
     edges.append({"source": previous, "sourceHandle": "exec-out", "target": "end", "targetHandle": "exec-in"})
     return {"id": flow_id, "entryNode": "start", "nodes": flow_nodes, "edges": edges}
 
@@ -397,7 +460,11 @@ def _run_flow(flow, model, tmp_path, **pack_options):
         registry.close()
     assert result.status == "completed", result.error
     with Ledger(url) as ledger:
-        steps = {s.node_id: s.record["result"]["metadata"] for s in ledger.run_steps(result.run_id) if s.effect_type == "llm_call" and s.status == "completed"}
+        steps = {
+            s.node_id: s.record["result"]["metadata"]
+            for s in ledger.run_steps(result.run_id)
+            if s.effect_type == "llm_call" and s.status == "completed"
+        }
         rows = ledger.node_timeline(result.run_id)
     return steps, rows
 
@@ -411,16 +478,27 @@ def _run_flow(flow, model, tmp_path, **pack_options):
         (None, {"speculation": False}, False, "disabled_by_provider_default"),  # provider default off
     ],
 )
-def test_per_node_mtp_whatever_the_policy_or_provider_default(hybrid_model, tmp_path, policy_file, policy, provider_options, inherit_used, inherit_reason):
+def test_per_node_mtp_whatever_the_policy_or_provider_default(
+    hybrid_model, tmp_path, policy_file, policy, provider_options, inherit_used, inherit_reason
+):
     from abstractruntime_mlx.policy import set_default_speculation
 
     if policy is not None:
         set_default_speculation("output.text", policy, policy_file)
     steps, rows = _run_flow(PER_NODE, hybrid_model, tmp_path, provider_options=provider_options)
     assert set(steps) == {"n_strict", "n_optional", "n_off", "n_inherit"}
-    assert steps["n_strict"]["speculation"]["used"] is True and steps["n_strict"]["speculation"]["num_draft_tokens"] == 2
-    assert steps["n_optional"]["speculation"]["used"] is True and steps["n_optional"]["speculation"]["num_draft_tokens"] == 3
-    assert steps["n_off"]["speculation"] == {**steps["n_off"]["speculation"], "used": False, "reason": "disabled_for_this_call"}
+    assert (
+        steps["n_strict"]["speculation"]["used"] is True and steps["n_strict"]["speculation"]["num_draft_tokens"] == 2
+    )
+    assert (
+        steps["n_optional"]["speculation"]["used"] is True
+        and steps["n_optional"]["speculation"]["num_draft_tokens"] == 3
+    )
+    assert steps["n_off"]["speculation"] == {
+        **steps["n_off"]["speculation"],
+        "used": False,
+        "reason": "disabled_for_this_call",
+    }
     assert steps["n_inherit"]["speculation"]["used"] is inherit_used
     assert steps["n_inherit"]["speculation"].get("reason") == inherit_reason
     # Phase events in the ledger say what ran, node by node.
@@ -433,12 +511,16 @@ def test_per_node_mtp_whatever_the_policy_or_provider_default(hybrid_model, tmp_
         assert "head_attach_s" not in steps["n_optional"]["speculation"]
 
 
+@pytest.mark.slow
 def test_deferral_is_in_the_ledger(hybrid_model, tmp_path, policy_file):
     """Sibling branches submitted together: the optional MTP one runs target-only with the plain one."""
     from test_runtime_plugin import fanout
 
     # The plain branch decodes long enough that the optional one meets it whichever is submitted first.
-    flow = fanout({"plain": {"speculation": False, "max_output_tokens": 200}, "optional": {"speculation": OPTIONAL}}, flow_id="load")
+    flow = fanout(
+        {"plain": {"speculation": False, "max_output_tokens": 200}, "optional": {"speculation": OPTIONAL}},
+        flow_id="load",
+    )
     steps, rows = _run_flow(flow, hybrid_model, tmp_path, provider_options={"mlx_batch_wait_ms": 1000})
     assert steps["optional"]["speculation"]["used"] is False
     assert steps["optional"]["speculation"]["reason"] == "deferred_under_load"
@@ -447,6 +529,7 @@ def test_deferral_is_in_the_ledger(hybrid_model, tmp_path, policy_file):
     assert events and all(e["speculation_reason"] == "deferred_under_load" for e in events)
 
 
+@pytest.mark.slow
 def test_a_deferred_request_keys_its_prefix_as_target_only(make_llm, hybrid_model):
     """What a deferred request stores is target-only KV: a later target-only turn restores it."""
     system = "You are a careful assistant who answers briefly. " * 12
@@ -454,7 +537,9 @@ def test_a_deferred_request_keys_its_prefix_as_target_only(make_llm, hybrid_mode
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "What does a cache keep?"}]
     running = llm.generate(PROMPTS[0], messages=[], max_output_tokens=300, prompt_cache_key="other", stream=True)
     next(running)  # keyed target-only work is decoding
-    first = llm.generate("", messages=messages, prompt_cache_key="conv", thinking=False, max_output_tokens=8, speculation=OPTIONAL)
+    first = llm.generate(
+        "", messages=messages, prompt_cache_key="conv", thinking=False, max_output_tokens=8, speculation=OPTIONAL
+    )
     list(running)
     assert first.metadata["speculation"]["reason"] == "deferred_under_load"
     messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "And what does it drop?"}]

@@ -41,9 +41,21 @@ def ledger(tmp_path):
         ({}, MTP3, MTP4, {**MTP3, "require_acceleration": False}, "provider"),
         # a partial provider default inherits the policy's depth (one merge rule at every level)
         ({}, {"require_acceleration": True}, MTP4, {**MTP4.to_wire(), "require_acceleration": True}, "provider"),
-        ({"run_speculation": {"num_draft_tokens": 5}}, MTP3, MTP4, {**MTP3, "num_draft_tokens": 5, "require_acceleration": False}, "run"),
+        (
+            {"run_speculation": {"num_draft_tokens": 5}},
+            MTP3,
+            MTP4,
+            {**MTP3, "num_draft_tokens": 5, "require_acceleration": False},
+            "run",
+        ),
         ({"speculation": False, "run_speculation": MTP3}, MTP3, MTP4, False, "call"),
-        ({"speculation": {"num_draft_tokens": 2}, "run_speculation": False}, UNSET, MTP4, {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": False}, "call"),
+        (
+            {"speculation": {"num_draft_tokens": 2}, "run_speculation": False},
+            UNSET,
+            MTP4,
+            {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": False},
+            "call",
+        ),
         ({"run_speculation": False}, MTP3, MTP4, False, "run"),
         ({}, False, MTP4, False, "provider"),
         ({}, UNSET, UNSET, False, "off"),
@@ -61,7 +73,11 @@ def test_speculation_precedence(request_kwargs, provider, policy, expected, sour
 
 def test_verified_default_when_nothing_is_said():
     controls = resolve_node_controls(NodeRequest(), verified_default=True)
-    assert controls.to_metadata()["speculation"] == {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": False}
+    assert controls.to_metadata()["speculation"] == {
+        "mode": "native_mtp",
+        "num_draft_tokens": 2,
+        "require_acceleration": False,
+    }
     assert controls.sources["speculation"] == "verified_default"
 
 

@@ -15,21 +15,58 @@ def sequence_flow(*, final_config: dict | None = None, first_pins: dict | None =
     """Shaped like the public examples: a sequence of LLM calls over start-node inputs (one
     wired straight in, one through a concat with a literal, one through a format node), then a
     call that combines the earlier answers."""
-    start_out = [{"id": "exec-out", "type": "execution"}, {"id": "query", "type": "string"}, {"id": "seed", "type": "number"}]
+    start_out = [
+        {"id": "exec-out", "type": "execution"},
+        {"id": "query", "type": "string"},
+        {"id": "seed", "type": "number"},
+    ]
     nodes = [
         {"id": "start", "type": "on_flow_start", "data": {"outputs": start_out, "pinDefaults": {"seed": 5}}},
-        {"id": "seq", "type": "sequence", "data": {"outputs": [{"id": f"then:{i}", "type": "execution"} for i in range(4)]}},
+        {
+            "id": "seq",
+            "type": "sequence",
+            "data": {"outputs": [{"id": f"then:{i}", "type": "execution"} for i in range(4)]},
+        },
         {"id": "intro", "type": "literal_string", "data": {"literalValue": "Answer briefly:"}},
-        {"id": "ask", "type": "concat", "data": {"inputs": [{"id": "a", "type": "string"}, {"id": "b", "type": "string"}], "concatConfig": {"separator": "\\n"}}},
+        {
+            "id": "ask",
+            "type": "concat",
+            "data": {
+                "inputs": [{"id": "a", "type": "string"}, {"id": "b", "type": "string"}],
+                "concatConfig": {"separator": "\\n"},
+            },
+        },
         {"id": "fmt", "type": "format", "data": {"pinDefaults": {"template": "Topic: {q}", "values": {"q": "caches"}}}},
-        {"id": "merge", "type": "concat", "data": {"inputs": [{"id": "a", "type": "string"}, {"id": "b", "type": "string"}]}},
-        {"id": "end", "type": "on_flow_end", "data": {"inputs": [{"id": "exec-in", "type": "execution"}, {"id": "response", "type": "string"}]}},
+        {
+            "id": "merge",
+            "type": "concat",
+            "data": {"inputs": [{"id": "a", "type": "string"}, {"id": "b", "type": "string"}]},
+        },
+        {
+            "id": "end",
+            "type": "on_flow_end",
+            "data": {"inputs": [{"id": "exec-in", "type": "execution"}, {"id": "response", "type": "string"}]},
+        },
     ]
-    editor_defaults = {"provider": "mlx", "model": "vendor/some-model", "include_context": False, "max_output_tokens": 8}
+    editor_defaults = {
+        "provider": "mlx",
+        "model": "vendor/some-model",
+        "include_context": False,
+        "max_output_tokens": 8,
+    }
     for i, pins in enumerate([first_pins or {}, {}, {}]):
-        data = {"effectConfig": dict(editor_defaults), "pinDefaults": {"system": "Be terse.", "include_context": False, **pins}}
+        data = {
+            "effectConfig": dict(editor_defaults),
+            "pinDefaults": {"system": "Be terse.", "include_context": False, **pins},
+        }
         nodes.append({"id": f"m{i}", "type": "llm_call", "data": data})
-    nodes.append({"id": "final", "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "max_output_tokens": 8, **(final_config or {})}}})
+    nodes.append(
+        {
+            "id": "final",
+            "type": "llm_call",
+            "data": {"effectConfig": {"provider": "mlx", "max_output_tokens": 8, **(final_config or {})}},
+        }
+    )
     edges = [
         {"source": "start", "sourceHandle": "exec-out", "target": "seq", "targetHandle": "exec-in"},
         {"source": "intro", "sourceHandle": "value", "target": "ask", "targetHandle": "a"},
@@ -58,7 +95,11 @@ def test_start_pins_literals_and_string_nodes_are_computed():
     assert payloads["m2"]["prompt"] == "Topic: caches"
     for payload in payloads.values():
         assert payload["system_prompt"] == "Be terse."
-        assert payload["params"] == {"temperature": 0.7, "seed": 5, "max_output_tokens": 8}  # default temperature, seed from the start pin's default
+        assert payload["params"] == {
+            "temperature": 0.7,
+            "seed": 5,
+            "max_output_tokens": 8,
+        }  # default temperature, seed from the start pin's default
         assert payload["model"] == "vendor/some-model"
     assert resolve_payload(plan_payload(flow, "m0"), {"query": "q", "seed": 9})["params"]["seed"] == 9
     index = FlowIndex(flow)
@@ -100,7 +141,13 @@ def test_predicted_siblings_batch_and_answer_the_same(model, tmp_path, policy_fi
     try:
         outputs = {}
         for batching in (False, True):
-            with build_pack(tmp_path / f"{batching}.sqlite", model=model, force_model=True, registry=registry, sibling_batching=batching) as pack:
+            with build_pack(
+                tmp_path / f"{batching}.sqlite",
+                model=model,
+                force_model=True,
+                registry=registry,
+                sibling_batching=batching,
+            ) as pack:
                 (result,) = run_flow(flow, vars=run_vars, pack=pack)
                 stats = pack.prefetcher.stats
             assert result.status == "completed", result.error
@@ -138,9 +185,20 @@ def test_steps_to_llm_nodes_counts_execution_edges():
             {"id": "end", "type": "on_flow_end"},
         ],
         "edges": [
-            edge("start", "plan"), edge("plan", "fan"), edge("fan", "left", "branch:0"), edge("fan", "right", "branch:1"),
-            edge("left", "tool"), edge("tool", "review"), edge("review", "plan", "retry"), edge("review", "end"),
-            {"source": "left", "sourceHandle": "response", "target": "review", "targetHandle": "prompt"},  # data: no step
+            edge("start", "plan"),
+            edge("plan", "fan"),
+            edge("fan", "left", "branch:0"),
+            edge("fan", "right", "branch:1"),
+            edge("left", "tool"),
+            edge("tool", "review"),
+            edge("review", "plan", "retry"),
+            edge("review", "end"),
+            {
+                "source": "left",
+                "sourceHandle": "response",
+                "target": "review",
+                "targetHandle": "prompt",
+            },  # data: no step
         ],
     }
     assert steps_to_llm_nodes(flow, "start") == {"plan": 1, "left": 3, "right": 3, "review": 5}

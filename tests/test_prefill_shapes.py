@@ -43,11 +43,17 @@ class _Shapes:
 
 def batched(make_llm, model, buckets):
     return make_llm(
-        model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=200, mlx_single_lane=False,
-        speculation=False, mlx_prefill_buckets=buckets,
+        model,
+        mlx_batching=True,
+        mlx_max_batch_size=4,
+        mlx_batch_wait_ms=200,
+        mlx_single_lane=False,
+        speculation=False,
+        mlx_prefill_buckets=buckets,
     )
 
 
+@pytest.mark.slow
 def test_bucketed_chunks_give_the_same_tokens_in_bucket_shapes(make_llm, dense_model, monkeypatch):
     plain = batched(make_llm, dense_model, False)
     assert plain._engine._lanes.buckets is None
@@ -80,7 +86,11 @@ def test_bucketed_chunks_of_a_long_prompt(make_llm, dense_model):
     unpadded = together(plain, calls)
     plain.unload_model()
     llm = make_llm(
-        dense_model, mlx_batching=True, mlx_single_lane=False, mlx_prefill_step_size=64, speculation=False,
+        dense_model,
+        mlx_batching=True,
+        mlx_single_lane=False,
+        mlx_prefill_step_size=64,
+        speculation=False,
         mlx_prefill_buckets=True,
     )
     padded = together(llm, calls)

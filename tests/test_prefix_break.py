@@ -32,11 +32,21 @@ TOOLS = [
 
 def transcript(*, clock="2024-05-01 10:00:00", result_format="json", first_ask="Find the cache docs for me please."):
     """An agent's transcript: system prompt with a clock, a tool call, its result, a reply, a new turn."""
-    result = json.dumps({"hits": 3, "top": "docs/prompt-cache.md"}) if result_format == "json" else "hits=3 top=docs/prompt-cache.md"
+    result = (
+        json.dumps({"hits": 3, "top": "docs/prompt-cache.md"})
+        if result_format == "json"
+        else "hits=3 top=docs/prompt-cache.md"
+    )
     return [
         {"role": "system", "content": f"Current time: {clock}. You are a careful agent. " + "Answer briefly. " * 10},
         {"role": "user", "content": first_ask},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "search", "arguments": {"q": "cache"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "search", "arguments": {"q": "cache"}}}
+            ],
+        },
         {"role": "tool", "content": result, "tool_call_id": "c1"},
         {"role": "assistant", "content": "Found it in the docs folder."},
         {"role": "user", "content": "Now summarise it in two lines."},
@@ -45,10 +55,25 @@ def transcript(*, clock="2024-05-01 10:00:00", result_format="json", first_ask="
 
 # (name, second call's messages, second call's tools, expected attribution)
 MUTATIONS = [
-    ("timestamp in the system prompt", transcript(clock="2024-05-01 10:00:07"), TOOLS, {"segment": "message", "message_index": 0, "role": "system"}),
+    (
+        "timestamp in the system prompt",
+        transcript(clock="2024-05-01 10:00:07"),
+        TOOLS,
+        {"segment": "message", "message_index": 0, "role": "system"},
+    ),
     ("tools reordered", transcript(), TOOLS[::-1], {"segment": "tools"}),
-    ("tool result format changed", transcript(result_format="kv"), TOOLS, {"segment": "message", "message_index": 3, "role": "tool"}),
-    ("earlier user turn edited", transcript(first_ask="Find the prompt cache docs for me please."), TOOLS, {"segment": "message", "message_index": 1, "role": "user"}),
+    (
+        "tool result format changed",
+        transcript(result_format="kv"),
+        TOOLS,
+        {"segment": "message", "message_index": 3, "role": "tool"},
+    ),
+    (
+        "earlier user turn edited",
+        transcript(first_ask="Find the prompt cache docs for me please."),
+        TOOLS,
+        {"segment": "message", "message_index": 1, "role": "user"},
+    ),
 ]
 
 
@@ -62,9 +87,12 @@ def prompt_ids(model, messages, tools):
 
 
 def ask(llm, messages, tools, key):
-    return llm.generate("", messages=messages, tools=tools, prompt_cache_key=key, thinking=False, temperature=0, max_output_tokens=4)
+    return llm.generate(
+        "", messages=messages, tools=tools, prompt_cache_key=key, thinking=False, temperature=0, max_output_tokens=4
+    )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batching", [True, False], ids=["native", "serialized"])
 def test_each_mutation_names_the_message_it_broke(make_llm, dense_model, batching):
     llm = make_llm(dense_model, mlx_batching=batching)
@@ -110,8 +138,12 @@ def test_async_calls_attribute_too(make_llm, dense_model):
     name, messages, tools, expected = MUTATIONS[2]
 
     async def two_turns():
-        await llm.agenerate("", messages=transcript(), tools=TOOLS, prompt_cache_key="async", thinking=False, max_output_tokens=2)
-        return await llm.agenerate("", messages=messages, tools=tools, prompt_cache_key="async", thinking=False, max_output_tokens=2)
+        await llm.agenerate(
+            "", messages=transcript(), tools=TOOLS, prompt_cache_key="async", thinking=False, max_output_tokens=2
+        )
+        return await llm.agenerate(
+            "", messages=messages, tools=tools, prompt_cache_key="async", thinking=False, max_output_tokens=2
+        )
 
     brk = asyncio.run(two_turns()).metadata["prompt_cache"]["prefix_break"]
     assert {k: brk.get(k) for k in expected} == expected
@@ -176,7 +208,9 @@ def test_a_flow_run_records_the_break_in_its_ledger_and_runs_show(cli_env, capsy
     calls = {c["node_id"]: c for c in json.loads(shown)["calls"]}
     assert calls["turn1"]["prefix_break"] is None
     assert calls["turn2"]["prompt_cache"]["prefix_break"] == turn2
-    assert calls["turn2"]["prefix_break"].startswith(f"prefix broke at message 0 (system prompt), token {turn2['token']:,}")
+    assert calls["turn2"]["prefix_break"].startswith(
+        f"prefix broke at message 0 (system prompt), token {turn2['token']:,}"
+    )
     assert calls["turn3"]["prefix_break"].startswith(f"prefix broke at message 3 (user turn), token {turn3['token']:,}")
 
     code = main(["runs", "show", run["run_id"]])

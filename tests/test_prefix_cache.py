@@ -39,7 +39,10 @@ def assert_reused(results, key):
         assert cache["cached_tokens"] == result.usage["cached_input_tokens"] > 0
         assert cache["cached_tokens"] + cache["fed_tokens"] == result.usage["prompt_tokens"]
         # the whole previous prompt but its last few tokens was restored
-        assert cache["cached_tokens"] >= results[0].usage["prompt_tokens"] - prefix_cache.BLOCK_SIZE - prefix_cache.GUARD_TOKENS
+        assert (
+            cache["cached_tokens"]
+            >= results[0].usage["prompt_tokens"] - prefix_cache.BLOCK_SIZE - prefix_cache.GUARD_TOKENS
+        )
         assert cache["apc"]["memory_max_bytes"] >= cache["apc"]["resident_bytes"] > 0
         assert cache["apc"]["hits"] + cache["apc"]["exact_hits"] >= 1
         assert "degraded_reason" not in cache
@@ -47,7 +50,14 @@ def assert_reused(results, key):
 
 LANES = [
     pytest.param("dense_model", {"mlx_batching": True, "speculation": False}, "continuous", id="dense-continuous"),
-    pytest.param("hybrid_model", {"mlx_batching": True, "speculation": False}, "continuous", id="hybrid-continuous"),
+    # The hybrid model on the lanes the dense one covers too: in the whole suite only.
+    pytest.param(
+        "hybrid_model",
+        {"mlx_batching": True, "speculation": False},
+        "continuous",
+        id="hybrid-continuous",
+        marks=pytest.mark.slow,
+    ),
     pytest.param(
         "hybrid_model",
         {"mlx_batching": True, "speculation": {"mode": "native_mtp", "num_draft_tokens": 2}},
@@ -56,7 +66,13 @@ LANES = [
     ),
     pytest.param("dense_model", {"mlx_batching": False}, "exclusive", id="dense-serial-mlx-lm"),
     # speculation=False: the mlx-lm lane (with MTP on, a non-batched hybrid runs mlx-vlm's in-process lane)
-    pytest.param("hybrid_model", {"mlx_batching": False, "speculation": False}, "exclusive", id="hybrid-serial-mlx-lm"),
+    pytest.param(
+        "hybrid_model",
+        {"mlx_batching": False, "speculation": False},
+        "exclusive",
+        id="hybrid-serial-mlx-lm",
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
@@ -119,6 +135,7 @@ def test_bad_cache_options_are_typed(make_llm, dense_model, option, value):
     assert info.value.field == option
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batching", [True, False], ids=["native", "serial"])
 def test_budget_too_small_for_one_snapshot(make_llm, hybrid_model, batching):
     # A hybrid snapshot of ~200 prompt tokens is several hundred KB; 64 KiB holds none.
@@ -144,7 +161,9 @@ def test_dense_snapshot_larger_than_the_budget_is_kept_in_part_and_said_so(make_
     first, second = conversation(llm, "tight", turns=2)
     cache = second.metadata["prompt_cache"]
     assert cache["outcome"] == "partial"
-    assert 0 < cache["cached_tokens"] < first.usage["prompt_tokens"] - prefix_cache.BLOCK_SIZE - prefix_cache.GUARD_TOKENS
+    assert (
+        0 < cache["cached_tokens"] < first.usage["prompt_tokens"] - prefix_cache.BLOCK_SIZE - prefix_cache.GUARD_TOKENS
+    )
     assert "not retained in full" in cache["degraded_reason"] and "mlx_cache_memory_max_gb" in cache["degraded_reason"]
     for result in (first, second):
         apc = result.metadata["prompt_cache"]["apc"]
@@ -194,6 +213,7 @@ def test_keyless_requests_store_nothing(make_llm, dense_model):
     assert stats["memory"]["entries"] == 0 and stats["counters"]["stores"] == 0
 
 
+@pytest.mark.slow
 def test_concurrent_conversations_on_different_keys_kept_apart(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=50, mlx_cache_sharing="key")
     keys = ["k0", "k1", "k2"]
@@ -259,12 +279,18 @@ def test_sharing_mode_is_validated(make_llm, dense_model):
     assert info.value.code == "invalid_controls" and info.value.details["field"] == "mlx_cache_sharing"
 
 
+@pytest.mark.slow
 def test_clear_during_traffic(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=4)
     plain = conversation(llm, None, turns=2, max_output_tokens=40)
     conversation(llm, "busy", turns=1)
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Question 0: what does a cache keep?"}]
-    stream = llm.generate("", messages=messages, prompt_cache_key="busy", max_output_tokens=40, thinking=False, stream=True)
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Question 0: what does a cache keep?"},
+    ]
+    stream = llm.generate(
+        "", messages=messages, prompt_cache_key="busy", max_output_tokens=40, thinking=False, stream=True
+    )
     next(stream)  # decoding now
     cleared = llm.prompt_cache_clear()
     rest = list(stream)
@@ -282,7 +308,9 @@ def test_phase_events_carry_the_cached_fed_split(make_llm, dense_model):
     first = llm.generate("", messages=messages, prompt_cache_key="p", max_output_tokens=4, thinking=False)
     messages = messages + [{"role": "assistant", "content": first.content}, {"role": "user", "content": "Question 1"}]
     events = []
-    second = llm.generate("", messages=messages, prompt_cache_key="p", max_output_tokens=4, thinking=False, on_progress=events.append)
+    second = llm.generate(
+        "", messages=messages, prompt_cache_key="p", max_output_tokens=4, thinking=False, on_progress=events.append
+    )
     cached = second.usage["cached_input_tokens"]
     assert cached > 0
     final = events[-1]
@@ -296,6 +324,7 @@ def test_phase_events_carry_the_cached_fed_split(make_llm, dense_model):
     assert all(e.get("cached_tokens", cached) == cached for e in events)
 
 
+@pytest.mark.slow
 def test_image_bytes_change_the_identity(make_llm, vision_model, tmp_path):
     from abstractruntime_mlx.testing import tiny_image
 
@@ -333,10 +362,9 @@ def test_image_hash_is_content_based(tmp_path):
 
 
 def test_http_routes_and_remote_client_report_the_same(make_llm, dense_model):
-    from test_server_harness import serve_in_thread
-
     from abstractruntime_mlx.remote_client import RemoteClient
     from abstractruntime_mlx.server import create_app
+    from test_server_harness import serve_in_thread
 
     llm = make_llm(dense_model, mlx_batching=True)
     with serve_in_thread(create_app(llm)) as url, RemoteClient(url) as client:
@@ -353,6 +381,7 @@ def test_http_routes_and_remote_client_report_the_same(make_llm, dense_model):
     assert "warning" in cleared
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dense_model", "hybrid_model"])
 def test_resident_bytes_counted_in_blocks_equal_upstreams_sum(make_llm, kind, request):
     """The manager counts resident bytes per block; the figure is upstream's tensor-by-tensor sum."""
@@ -369,6 +398,7 @@ def test_resident_bytes_counted_in_blocks_equal_upstreams_sum(make_llm, kind, re
     assert llm.get_prompt_cache_stats()["memory"]["resident_bytes"] == counted
 
 
+@pytest.mark.slow
 def test_a_restored_prefix_cut_to_an_alignment_keeps_greedy_output(make_llm, dense_model):
     """On CUDA restored prefixes are cut to the prefill step; the cut changes what is fed, not
     what is generated."""
@@ -382,6 +412,7 @@ def test_a_restored_prefix_cut_to_an_alignment_keeps_greedy_output(make_llm, den
     assert all(c > 0 and c % 64 == 0 for c in cached), cached
 
 
+@pytest.mark.slow
 def test_a_lone_keyed_request_restores_and_stores_on_the_single_lane(make_llm, dense_model, tmp_path):
     """Alone, a keyed request decodes on the single lane: it restores the prefix the batch or
     an earlier turn stored, stores its own for the next, and gives the uncached tokens."""

@@ -54,9 +54,13 @@ def child(model, disk, messages, *, hold=False):
 
 
 def turn_2(first_content):
-    return TURN_1 + [{"role": "assistant", "content": first_content}, {"role": "user", "content": "Question 1: and why?"}]
+    return TURN_1 + [
+        {"role": "assistant", "content": first_content},
+        {"role": "user", "content": "Question 1: and why?"},
+    ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["dense_model", "hybrid_model"])
 def test_flush_at_unload_and_restore_in_a_second_process(request, make_llm, model_name, tmp_path):
     model = request.getfixturevalue(model_name)
@@ -81,6 +85,7 @@ def test_flush_at_unload_and_restore_in_a_second_process(request, make_llm, mode
     assert later["stats"]["disk"]["files"] > 0
 
 
+@pytest.mark.slow
 def test_second_live_process_on_one_path_gets_a_typed_error(make_llm, dense_model, tmp_path):
     disk = tmp_path / "cache"
     owner = child(dense_model, disk, TURN_1, hold=True)
@@ -123,6 +128,7 @@ def test_disk_tier_needs_the_batching_lane(make_llm, dense_model, tmp_path):
     assert info.value.field == "mlx_cache_disk_path"
 
 
+@pytest.mark.slow
 def test_changed_weights_never_reuse(make_llm, dense_model, tmp_path):
     import mlx.core as mx
 
@@ -143,6 +149,7 @@ def test_changed_weights_never_reuse(make_llm, dense_model, tmp_path):
     assert after["stats"]["disk"]["namespace"] != before["stats"]["disk"]["namespace"]
 
 
+@pytest.mark.slow
 def test_damaged_cache_files_are_a_miss_not_a_crash(make_llm, dense_model, tmp_path, caplog):
     disk = tmp_path / "cache"
     llm = make_llm(dense_model, mlx_batching=True, mlx_cache_disk_path=str(disk))
@@ -180,6 +187,7 @@ def leading_shard(namespace):
     return shards[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["dense_model", "hybrid_model"])
 def test_bytes_changed_in_place_are_a_counted_miss(request, make_llm, model_name, tmp_path, caplog):
     model = request.getfixturevalue(model_name)
@@ -201,8 +209,12 @@ def test_bytes_changed_in_place_are_a_counted_miss(request, make_llm, model_name
 
     llm = make_llm(model, mlx_batching=True, speculation=False, mlx_cache_disk_path=str(disk))  # a restart
     with caplog.at_level(logging.WARNING, logger=disk_store.__name__):
-        later = llm.generate("", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False)
-        again = llm.generate("", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False)
+        later = llm.generate(
+            "", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False
+        )
+        again = llm.generate(
+            "", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False
+        )
     cache = later.metadata["prompt_cache"]
     assert later.token_ids == plain.token_ids  # greedy identity with the uncached answer
     assert cache["outcome"] == "miss" and cache["cached_tokens"] == 0
@@ -238,7 +250,9 @@ def test_a_symlinked_shard_is_never_followed(make_llm, dense_model, tmp_path, wh
     if when == "while_running":
         assert llm.get_prompt_cache_stats()["disk"]["blocks_indexed"] > 0
         swap()
-    later = llm.generate("", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False)
+    later = llm.generate(
+        "", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False
+    )
     cache = later.metadata["prompt_cache"]
     assert later.token_ids == plain.token_ids
     assert cache["cached_tokens"] == 0 and cache["apc"]["disk_hits"] == 0
@@ -295,9 +309,13 @@ def test_a_checksum_that_is_not_a_private_regular_file_is_a_counted_miss(make_ll
     if when == "while_running":
         assert llm.get_prompt_cache_stats()["disk"]["blocks_indexed"] > 0
         put_at(sidecar, kind, other)
-    later = llm.generate("", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False)
+    later = llm.generate(
+        "", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False
+    )
     assert later.token_ids == plain.token_ids
-    assert later.metadata["prompt_cache"]["cached_tokens"] == 0  # the leading shard is skipped: nothing after it is a prefix
+    assert (
+        later.metadata["prompt_cache"]["cached_tokens"] == 0
+    )  # the leading shard is skipped: nothing after it is a prefix
     assert llm.get_prompt_cache_stats()["counters"]["disk_corrupt"] == 1
     assert not os.path.lexists(shard)
     assert other.read_bytes() == recorded  # what a link pointed at is never written
@@ -314,7 +332,9 @@ def test_a_shard_that_is_not_a_private_regular_file_is_a_counted_miss(make_llm, 
     llm = make_llm(dense_model, mlx_batching=True, speculation=False, mlx_cache_disk_path=str(disk))
     assert llm.get_prompt_cache_stats()["disk"]["blocks_indexed"] > 0
     put_at(shard, kind, other)
-    later = llm.generate("", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False)
+    later = llm.generate(
+        "", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False
+    )
     assert later.token_ids == plain.token_ids
     assert later.metadata["prompt_cache"]["cached_tokens"] == 0
     assert llm.get_prompt_cache_stats()["counters"]["disk_corrupt"] == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.ledger import Ledger
@@ -16,9 +17,15 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "multiturn.json"
 def test_key_levels_node_first_then_run():
     payload = {"prompt": "hi", "messages": [], "params": {"prompt_cache_key": "from-params"}}
     run_vars = {"_runtime": {"prompt_cache_key": "from-run"}}
-    assert request_from_payload(payload, run_vars, node_config={"prompt_cache_key": "from-config"}).prompt_cache_key == "from-params"
+    assert (
+        request_from_payload(payload, run_vars, node_config={"prompt_cache_key": "from-config"}).prompt_cache_key
+        == "from-params"
+    )
     payload["params"] = {}
-    assert request_from_payload(payload, run_vars, node_config={"prompt_cache_key": "from-config"}).prompt_cache_key == "from-config"
+    assert (
+        request_from_payload(payload, run_vars, node_config={"prompt_cache_key": "from-config"}).prompt_cache_key
+        == "from-config"
+    )
     payload["params"] = {"prompt_cache_binding": {"key": "bound"}}
     assert request_from_payload(payload, run_vars).prompt_cache_key == "bound"
     payload["params"] = {"prompt_cache_binding": "bound-str"}
@@ -36,9 +43,14 @@ def run_json(capsys, flow, *extra):
     return {n["node_id"]: n["result"] for n in run["nodes"]}, run["run_id"]
 
 
+@pytest.mark.slow
 def test_example_multiturn_flow_reuses_its_conversation(cli_env, capsys, tmp_path, dense_model):
     nodes, run_id = run_json(capsys, EXAMPLE, "--model", dense_model)
-    assert [nodes[n]["metadata"]["prompt_cache"]["outcome"] for n in ("turn1", "turn2", "turn3")] == ["miss", "hit", "hit"]
+    assert [nodes[n]["metadata"]["prompt_cache"]["outcome"] for n in ("turn1", "turn2", "turn3")] == [
+        "miss",
+        "hit",
+        "hit",
+    ]
     for name in ("turn2", "turn3"):
         cache = nodes[name]["metadata"]["prompt_cache"]
         assert cache["key"] == "multiturn-demo"

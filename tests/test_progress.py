@@ -45,7 +45,9 @@ def check_sequence(events, result):
         assert "ttft_s" not in e and "generated_tokens" not in e
     processed = [e["prefill_processed_tokens"] for e in events if "prefill_processed_tokens" in e]
     assert processed == sorted(processed)
-    assert all(p <= e["prompt_tokens"] for p, e in zip(processed, [e for e in events if "prefill_processed_tokens" in e]))
+    assert all(
+        p <= e["prompt_tokens"] for p, e in zip(processed, [e for e in events if "prefill_processed_tokens" in e])
+    )
     for e in events:
         if e["phase"] != "prefill":
             assert "prefill_processed_tokens" not in e and "prefill_tokens_per_second" not in e
@@ -90,6 +92,7 @@ def test_throttle_reads_the_environment(make_llm, dense_model, monkeypatch):
     assert len(events) > 5  # every generated token and every chunk reported
 
 
+@pytest.mark.slow
 def test_outputs_identical_with_and_without_subscriber(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True, mlx_prefill_step_size=64, progress_min_interval_s=0.0)
     plain = llm.generate(LONG_PROMPT, thinking=False, max_output_tokens=12)
@@ -115,14 +118,18 @@ def test_raising_callback_is_disabled_and_reported(make_llm, dense_model):
 def test_alias_names_first_callable_wins(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True)
     a, b = [], []
-    llm.generate("hi", max_output_tokens=2, on_progress=None, progress_callback=a.append, progress_event_callback=b.append)
+    llm.generate(
+        "hi", max_output_tokens=2, on_progress=None, progress_callback=a.append, progress_event_callback=b.append
+    )
     assert a and not b
     assert pick_progress_callback({"progress_event_callback": b.append}) is not None
     assert llm.supports_text_progress_events() is True
 
 
 def test_concurrent_requests_keep_their_own_events(make_llm, dense_model):
-    llm = make_llm(dense_model, mlx_batching=True, mlx_prefill_step_size=64, mlx_batch_wait_ms=50, progress_min_interval_s=0.0)
+    llm = make_llm(
+        dense_model, mlx_batching=True, mlx_prefill_step_size=64, mlx_batch_wait_ms=50, progress_min_interval_s=0.0
+    )
     prompts = [LONG_PROMPT, "short question?"]
     logs = [[], []]
     barrier = threading.Barrier(2)

@@ -27,9 +27,22 @@ def key_of(payload, run_vars=None, call=CALL, node_config=None):
     return request_from_payload(payload, run_vars or {}, node_config=node_config, call=call).prompt_cache_key
 
 
-def host_key(*, session_id="sess-1", provider="mlx", model="m1", workflow_id="assistant@0.0.3:c53b1579", node_id="reason", namespace="session"):
+def host_key(
+    *,
+    session_id="sess-1",
+    provider="mlx",
+    model="m1",
+    workflow_id="assistant@0.0.3:c53b1579",
+    node_id="reason",
+    namespace="session",
+):
     return _derive_prompt_cache_key(
-        namespace=namespace, session_id=session_id, provider=provider, model=model, workflow_id=workflow_id, node_id=node_id
+        namespace=namespace,
+        session_id=session_id,
+        provider=provider,
+        model=model,
+        workflow_id=workflow_id,
+        node_id=node_id,
     )
 
 
@@ -72,7 +85,10 @@ def test_opt_outs_and_overrides(monkeypatch):
         key_of({**PAYLOAD, "params": {"prompt_cache_key": "a", "prompt_cache_binding": {"key": "b"}}})
     assert info.value.code == "invalid_request" and info.value.details["field"] == "prompt_cache_key"
     # this pack's own levels: the node's effectConfig key, then the run's
-    assert key_of(PAYLOAD, {"_runtime": {"prompt_cache_key": "run-key"}}, node_config={"prompt_cache_key": "node-key"}) == "node-key"
+    assert (
+        key_of(PAYLOAD, {"_runtime": {"prompt_cache_key": "run-key"}}, node_config={"prompt_cache_key": "node-key"})
+        == "node-key"
+    )
     assert key_of(PAYLOAD, {"_runtime": {"prompt_cache_key": "run-key"}}) == "run-key"
     # process-wide off, as on the host
     monkeypatch.setenv("ABSTRACTRUNTIME_PROMPT_CACHE", "0")
@@ -111,6 +127,7 @@ def node_results(out):
     return {n["node_id"]: n["result"] for n in run["nodes"]}
 
 
+@pytest.mark.slow
 def test_a_session_continues_in_a_later_run(ledger_path, capsys, tmp_path, dense_model):
     path = plain_flow(tmp_path)
     first = node_results(run_cli(capsys, "run", path, "--model", dense_model, "--session", "chat-7", "--json"))
@@ -129,12 +146,15 @@ def test_a_session_continues_in_a_later_run(ledger_path, capsys, tmp_path, dense
     assert reused and not reused[0].split("prompt tokens ")[1].startswith("0/")
 
 
+@pytest.mark.slow
 def test_a_session_is_warm_after_a_restart_with_a_cache_dir(ledger_path, capsys, tmp_path, dense_model):
     path = plain_flow(tmp_path)
     cache_dir = tmp_path / "ssd"
     run_cli(capsys, "run", path, "--model", dense_model, "--session", "s", "--cache-dir", cache_dir, "--json")
     default_registry().close()  # the model is unloaded: its RAM tier is gone, the SSD tier flushed
-    again = node_results(run_cli(capsys, "run", path, "--model", dense_model, "--session", "s", "--cache-dir", cache_dir, "--json"))
+    again = node_results(
+        run_cli(capsys, "run", path, "--model", dense_model, "--session", "s", "--cache-dir", cache_dir, "--json")
+    )
     cache = again["turn1"]["metadata"]["prompt_cache"]
     assert cache["apc"]["disk_hits"] > 0 and again["turn1"]["usage"]["cached_input_tokens"] > 0
 
@@ -180,10 +200,12 @@ def test_agent_turns_reuse_their_transcript_with_identical_answers(ledger_path, 
         assert cache["cached_tokens"] >= earlier.result["usage"]["prompt_tokens"] - 24 - 16
 
 
-def test_a_node_sent_to_serve_carries_its_derived_key_and_reuses_there(ledger_path, capsys, tmp_path, dense_model, make_llm):
-    from test_server_harness import serve_in_thread
-
+@pytest.mark.slow
+def test_a_node_sent_to_serve_carries_its_derived_key_and_reuses_there(
+    ledger_path, capsys, tmp_path, dense_model, make_llm
+):
     from abstractruntime_mlx.server import create_app
+    from test_server_harness import serve_in_thread
 
     llm = make_llm(dense_model, mlx_batching=True)
     path = plain_flow(tmp_path)
@@ -193,7 +215,13 @@ def test_a_node_sent_to_serve_carries_its_derived_key_and_reuses_there(ledger_pa
     nodes = {n["node_id"]: n["result"] for n in run["nodes"]}
     served = nodes["turn1"]["metadata"]["route"]["served"]
     assert served["base_url"] == url
-    key = host_key(session_id="remote-session", provider=served["provider"], model=served["model"], workflow_id=run["workflow_id"], node_id="turn1")
+    key = host_key(
+        session_id="remote-session",
+        provider=served["provider"],
+        model=served["model"],
+        workflow_id=run["workflow_id"],
+        node_id="turn1",
+    )
     assert nodes["turn1"]["metadata"]["prompt_cache"]["key"] == key
     # the server reused under the key as the local provider does
     assert nodes["turn2"]["metadata"]["prompt_cache"]["outcome"] == "hit"

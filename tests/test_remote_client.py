@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-from test_server_harness import FakeProvider, engine_stats, png_bytes, serve_in_thread, wait_until
 
 from abstractruntime_mlx import create_llm
 from abstractruntime_mlx.errors import (
@@ -29,14 +28,26 @@ from abstractruntime_mlx.request import GenerationRequest
 from abstractruntime_mlx.results import GenerationChunk, GenerationResult
 from abstractruntime_mlx.server import create_app
 from abstractruntime_mlx.testing import tiny_model
+from test_server_harness import FakeProvider, engine_stats, png_bytes, serve_in_thread, wait_until
 
 COMPLETION = {
     "id": "chatcmpl-1",
     "object": "chat.completion",
     "model": "m",
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok", "reasoning": "hmm"}, "finish_reason": "stop"}],
-    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4, "prompt_tokens_details": {"cached_tokens": 2}},
-    "abstractcore": {"execution": {"mode": "continuous", "peak_batch_size": 2}, "speculation": {"used": False}, "trace": {"x": 1}},
+    "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "ok", "reasoning": "hmm"}, "finish_reason": "stop"}
+    ],
+    "usage": {
+        "prompt_tokens": 3,
+        "completion_tokens": 1,
+        "total_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    },
+    "abstractcore": {
+        "execution": {"mode": "continuous", "peak_batch_size": 2},
+        "speculation": {"used": False},
+        "trace": {"x": 1},
+    },
 }
 QUEUE_FULL = {"error": {"message": "the waiting queue is full", "type": "capacity_error", "code": "queue_full"}}
 
@@ -105,7 +116,11 @@ def test_media_becomes_inline_data_urls_on_the_last_user_turn(tmp_path: Any) -> 
     path = tmp_path / "red.png"
     path.write_bytes(png_bytes())
     call = chat_call(
-        messages=[{"role": "user", "content": "first"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "what?"}],
+        messages=[
+            {"role": "user", "content": "first"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "what?"},
+        ],
         media=[str(path), png_bytes((0, 0, 255)), Image.new("RGB", (4, 4))],
     )
     last = call.body["messages"][-1]["content"]
@@ -122,16 +137,36 @@ def test_media_becomes_inline_data_urls_on_the_last_user_turn(tmp_path: Any) -> 
 def test_error_bodies_rebuild_the_typed_class() -> None:
     assert isinstance(decode_error(503, json.dumps(QUEUE_FULL).encode()), QueueFull)
     # AbstractCore's FastAPI HTTPException shape
-    wrapped = {"detail": {"error": {"message": "bad image", "type": "invalid_request_error", "code": "native_media_invalid"}}}
+    wrapped = {
+        "detail": {"error": {"message": "bad image", "type": "invalid_request_error", "code": "native_media_invalid"}}
+    }
     assert isinstance(decode_error(400, json.dumps(wrapped).encode()), InvalidMedia)
     strict = decode_error(
         422,
-        json.dumps({"error": {"message": "no head", "code": "speculation_unavailable", "details": {"reason": "no_mtp_drafter_for_model"}}}).encode(),
+        json.dumps(
+            {
+                "error": {
+                    "message": "no head",
+                    "code": "speculation_unavailable",
+                    "details": {"reason": "no_mtp_drafter_for_model"},
+                }
+            }
+        ).encode(),
     )
     assert isinstance(strict, SpeculationUnavailable) and strict.reason == "no_mtp_drafter_for_model"
-    controls = decode_error(400, json.dumps({"error": {"message": "m", "code": "invalid_controls", "details": {"field": "top_p", "value": 2}}}).encode())
+    controls = decode_error(
+        400,
+        json.dumps(
+            {"error": {"message": "m", "code": "invalid_controls", "details": {"field": "top_p", "value": 2}}}
+        ).encode(),
+    )
     assert isinstance(controls, InvalidControls) and controls.field == "top_p"
-    unknown = decode_error(500, json.dumps({"error": {"message": "boom", "type": "native_runtime_error", "code": "native_runtime_error"}}).encode())
+    unknown = decode_error(
+        500,
+        json.dumps(
+            {"error": {"message": "boom", "type": "native_runtime_error", "code": "native_runtime_error"}}
+        ).encode(),
+    )
     assert unknown.code == "backend_error" and unknown.details["server_code"] == "native_runtime_error"
     assert isinstance(decode_error(401, b"Unauthorized"), AuthenticationError)
 
@@ -165,7 +200,11 @@ def test_nonstream_result_keeps_usage_and_metadata() -> None:
 
 
 def test_queue_full_is_retried_with_backoff_and_recorded() -> None:
-    answers = [httpx.Response(503, json=QUEUE_FULL), httpx.Response(503, json=QUEUE_FULL), httpx.Response(200, json=COMPLETION)]
+    answers = [
+        httpx.Response(503, json=QUEUE_FULL),
+        httpx.Response(503, json=QUEUE_FULL),
+        httpx.Response(200, json=COMPLETION),
+    ]
     with RemoteClient("http://server", model="m", transport=_mock(lambda r: answers.pop(0)), backoff_s=0.001) as client:
         result = client.generate("hi")
     assert result.metadata["remote"]["retries"] == 2
@@ -221,7 +260,13 @@ def test_sse_stream_gives_exactly_one_final_chunk_merging_a_trailing_usage_chunk
         event({"model": "m", "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
         + event({"model": "m", "choices": [{"index": 0, "delta": {"content": "He"}, "finish_reason": None}]})
         + ": keep-alive comment\n\n"
-        + event({"model": "m", "choices": [{"index": 0, "delta": {"content": "llo"}, "finish_reason": None}], "abstractcore": {"execution": {"mode": "cohort"}}})
+        + event(
+            {
+                "model": "m",
+                "choices": [{"index": 0, "delta": {"content": "llo"}, "finish_reason": None}],
+                "abstractcore": {"execution": {"mode": "cohort"}},
+            }
+        )
         + event({"model": "m", "choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": "stop"}]})
         + event({"model": "m", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}})
         + "data: [DONE]\n\n"
@@ -267,7 +312,9 @@ def test_async_client_through_asgi_forwards_media_progress_and_errors() -> None:
     async def main() -> None:
         async with AsyncRemoteClient("http://asgi", transport=httpx.ASGITransport(app=app)) as client:
             events: list[dict[str, Any]] = []
-            stream = await client.generate("look", media=[png_bytes()], stream=True, on_progress=events.append, speculation=False)
+            stream = await client.generate(
+                "look", media=[png_bytes()], stream=True, on_progress=events.append, speculation=False
+            )
             chunks = [c async for c in stream]
             assert "".join(c.content for c in chunks) == "Hello world"  # deltas that queued together merge
             assert [c.finish_reason for c in chunks].count("stop") == 1
@@ -326,12 +373,22 @@ def test_sync_generate_and_stream_against_the_server(real: Any) -> None:
         assert result.metadata["speculation"]["reason"] == "disabled_for_this_call"
         assert result.metadata["controls"] == local.metadata["controls"]  # each control and its source
         events: list[dict[str, Any]] = []
-        chunks = list(client.generate("Hi", temperature=0, max_output_tokens=6, stream=True, on_progress=events.append, thinking=False))
+        chunks = list(
+            client.generate(
+                "Hi", temperature=0, max_output_tokens=6, stream=True, on_progress=events.append, thinking=False
+            )
+        )
         assert sum(1 for c in chunks if c.finish_reason) == 1 and chunks[-1].finish_reason == "length"
-        assert "".join(c.content for c in chunks) == llm.generate("Hi", temperature=0, max_output_tokens=6, thinking=False).content
+        assert (
+            "".join(c.content for c in chunks)
+            == llm.generate("Hi", temperature=0, max_output_tokens=6, thinking=False).content
+        )
         # Thinking on: the template opens the think block, the server sends its text apart.
         thought = list(client.generate("Hi", temperature=0, max_output_tokens=6, stream=True, thinking=True))
-        assert "".join(c.reasoning or "" for c in thought).strip() == llm.generate("Hi", temperature=0, max_output_tokens=6, thinking=True).content.strip()
+        assert (
+            "".join(c.reasoning or "" for c in thought).strip()
+            == llm.generate("Hi", temperature=0, max_output_tokens=6, thinking=True).content.strip()
+        )
         assert chunks[-1].metadata["remote"]["ttft_s"] > 0
         assert [e["phase"] for e in events][0] == "prefill" and events[-1]["phase"] == "complete"
         caps = client.get_execution_capabilities()
@@ -343,12 +400,19 @@ WEATHER_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+        },
     },
 }
 TIME_TOOL: dict[str, Any] = {
     "type": "function",
-    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}},
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]},
+    },
 }
 
 
@@ -358,8 +422,13 @@ TIME_TOOL: dict[str, Any] = {
 def test_streamed_tool_calls_are_rebuilt_into_chunks(real: Any, choice: Any) -> None:
     _, url = real
     kwargs: dict[str, Any] = dict(
-        messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=choice,
-        temperature=0, max_output_tokens=60, speculation=False, thinking=False,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice=choice,
+        temperature=0,
+        max_output_tokens=60,
+        speculation=False,
+        thinking=False,
     )
     with RemoteClient(url) as client:
         whole = client.generate(**kwargs)
@@ -385,23 +454,29 @@ def test_tool_call_pieces_are_gathered_by_index_until_complete() -> None:
         return event({"model": "m", "choices": [{"index": 0, "delta": d, "finish_reason": finish}]})
 
     def head(index: int, call_id: str, name: str) -> dict[str, Any]:
-        return {"tool_calls": [{"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]}
+        return {
+            "tool_calls": [
+                {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+            ]
+        }
 
     def args(index: int, text: str) -> dict[str, Any]:
         return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
 
     # vLLM's shape: arguments in pieces; the second call never closes its object before the end.
-    body = "".join([
-        delta({"role": "assistant", "content": ""}),
-        delta(head(0, "call_a", "get_weather")),
-        delta(args(0, '{"city": ')),
-        delta(args(0, '"Paris"}')),
-        delta(head(1, "call_b", "get_time")),
-        delta(args(1, '{"zone": "UTC"')),
-        delta({}, finish="tool_calls"),
-        event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}}),
-        "data: [DONE]\n\n",
-    ])
+    body = "".join(
+        [
+            delta({"role": "assistant", "content": ""}),
+            delta(head(0, "call_a", "get_weather")),
+            delta(args(0, '{"city": ')),
+            delta(args(0, '"Paris"}')),
+            delta(head(1, "call_b", "get_time")),
+            delta(args(1, '{"zone": "UTC"')),
+            delta({}, finish="tool_calls"),
+            event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}}),
+            "data: [DONE]\n\n",
+        ]
+    )
 
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
@@ -410,7 +485,9 @@ def test_tool_call_pieces_are_gathered_by_index_until_complete() -> None:
         chunks = list(client.generate("hi", stream=True))
     per_chunk = [[c["id"] for c in chunk.tool_calls or []] for chunk in chunks]
     assert per_chunk == [["call_a"], ["call_b"]]
-    assert chunks[0].tool_calls == [{"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert chunks[0].tool_calls == [
+        {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    ]
     assert chunks[-1].finish_reason == "tool_calls" and chunks[-1].tool_calls is not None
     assert chunks[-1].tool_calls[0]["function"]["arguments"] == '{"zone": "UTC"'  # as sent: the server ended it there
 
@@ -419,7 +496,9 @@ def test_async_concurrent_streams_are_batched_by_the_server(real: Any) -> None:
     _, url = real
 
     async def one(client: AsyncRemoteClient, i: int) -> GenerationChunk:
-        stream = await client.generate(f"Question {i}", temperature=0, max_output_tokens=32, stream=True, speculation=False)
+        stream = await client.generate(
+            f"Question {i}", temperature=0, max_output_tokens=32, stream=True, speculation=False
+        )
         last = None
         async for chunk in stream:
             last = chunk
@@ -439,22 +518,36 @@ def test_cancel_event_stops_the_call_and_frees_the_slot(real: Any) -> None:
     cancel = threading.Event()
     before = engine_stats(llm)["cancelled"]
     with RemoteClient(url) as client:
-        stream = client.generate("Say something.", messages=[], temperature=0, max_output_tokens=4000, stream=True, cancel_event=cancel, speculation=False)
+        stream = client.generate(
+            "Say something.",
+            messages=[],
+            temperature=0,
+            max_output_tokens=4000,
+            stream=True,
+            cancel_event=cancel,
+            speculation=False,
+        )
         first = next(stream)
         assert first.content or first.reasoning
         cancel.set()
         rest = list(stream)
     assert rest[-1].finish_reason == "cancelled" and rest[-1].metadata["remote"]["cancelled"] is True
-    assert wait_until(lambda: engine_stats(llm)["cancelled"] == before + 1 and engine_stats(llm)["active"] == 0, timeout_s=10)
+    assert wait_until(
+        lambda: engine_stats(llm)["cancelled"] == before + 1 and engine_stats(llm)["active"] == 0, timeout_s=10
+    )
 
 
 def test_closing_an_abandoned_stream_cancels_it(real: Any) -> None:
     llm, url = real
     before = engine_stats(llm)["cancelled"]
     with RemoteClient(url) as client:
-        with client.generate("Say something.", messages=[], temperature=0, max_output_tokens=4000, stream=True) as stream:
+        with client.generate(
+            "Say something.", messages=[], temperature=0, max_output_tokens=4000, stream=True
+        ) as stream:
             next(stream)
-    assert wait_until(lambda: engine_stats(llm)["cancelled"] == before + 1 and engine_stats(llm)["active"] == 0, timeout_s=10)
+    assert wait_until(
+        lambda: engine_stats(llm)["cancelled"] == before + 1 and engine_stats(llm)["active"] == 0, timeout_s=10
+    )
 
 
 @pytest.mark.slow
@@ -466,8 +559,12 @@ def test_images_reach_a_vision_model(tmp_path: Any) -> None:
     llm = create_llm("mlx", model=str(path), mlx_batching=True)
     try:
         with serve_in_thread(create_app(llm)) as url, RemoteClient(url) as client:
-            result = client.generate("Describe the image.", media=[str(image)], temperature=0, max_output_tokens=4, speculation=False)
-            local = llm.generate("Describe the image.", media=[str(image)], temperature=0, max_output_tokens=4, speculation=False)
+            result = client.generate(
+                "Describe the image.", media=[str(image)], temperature=0, max_output_tokens=4, speculation=False
+            )
+            local = llm.generate(
+                "Describe the image.", media=[str(image)], temperature=0, max_output_tokens=4, speculation=False
+            )
         assert result.content == local.content
         assert result.usage["prompt_tokens"] == local.usage["prompt_tokens"]
     finally:
@@ -483,4 +580,8 @@ def test_sse_parser_handles_records_split_across_network_chunks() -> None:
         events = []
         for start in range(0, len(raw), size):
             events.extend(parser.feed_bytes(raw[start : start + size]))
-        assert [(e.event, e.data) for e in events] == [(None, '{"a": 1}'), ("progress", '{"phase":\n"x"}'), (None, "[DONE]")]
+        assert [(e.event, e.data) for e in events] == [
+            (None, '{"a": 1}'),
+            ("progress", '{"phase":\n"x"}'),
+            (None, "[DONE]"),
+        ]

@@ -8,11 +8,11 @@ import asyncio
 from typing import Any
 
 import pytest
-from test_server_harness import serve_in_thread
 
 from abstractruntime_mlx.errors import InvalidMedia, SpeculationUnavailable
 from abstractruntime_mlx.remote_client import AsyncRemoteClient, RemoteClient
 from abstractruntime_mlx.testing import tiny_model
+from test_server_harness import serve_in_thread
 
 pytest.importorskip("abstractcore.endpoint.app")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -74,7 +74,9 @@ def test_concurrent_async_streams_against_abstractcore(core_url: str) -> None:
 
 def test_abstractcore_errors_become_typed_errors(core_url: str) -> None:
     with RemoteClient(core_url) as client:
-        remote_image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
+        remote_image = [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}
+        ]
         with pytest.raises(InvalidMedia):
             client.generate("", messages=remote_image, max_output_tokens=2)
         with pytest.raises(SpeculationUnavailable):

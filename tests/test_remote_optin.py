@@ -32,7 +32,15 @@ class Listener:
             def _record(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 seen.append((self.command, self.path, self.rfile.read(length).decode("utf-8", "replace")))
-                body = json.dumps({"error": {"message": "refused by the test listener", "type": "invalid_request_error", "code": "invalid_request"}}).encode()
+                body = json.dumps(
+                    {
+                        "error": {
+                            "message": "refused by the test listener",
+                            "type": "invalid_request_error",
+                            "code": "invalid_request",
+                        }
+                    }
+                ).encode()
                 self.send_response(400)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -73,7 +81,11 @@ def remote_flow(tmp_path: Path, effect_config: dict[str, object]) -> str:
         "entryNode": "start",
         "nodes": [
             {"id": "start", "type": "on_flow_start", "data": {}},
-            {"id": "ask", "type": "llm_call", "data": {"effectConfig": {"model": "m", **effect_config}, "pinDefaults": {"prompt": PROMPT}}},
+            {
+                "id": "ask",
+                "type": "llm_call",
+                "data": {"effectConfig": {"model": "m", **effect_config}, "pinDefaults": {"prompt": PROMPT}},
+            },
         ],
         "edges": [{"source": "start", "sourceHandle": "exec-out", "target": "ask", "targetHandle": "exec-in"}],
     }
@@ -82,6 +94,7 @@ def remote_flow(tmp_path: Path, effect_config: dict[str, object]) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_a_flow_base_url_gets_nothing_unless_remotes_are_allowed(cli_env, capsys, tmp_path, listener, dense_model):
     flow = remote_flow(tmp_path, {"provider": "mlx", "base_url": listener.url})
 
@@ -89,7 +102,9 @@ def test_a_flow_base_url_gets_nothing_unless_remotes_are_allowed(cli_env, capsys
     assert code == 1 and out == ""
     assert "[remote_not_allowed]" in err and "node 'ask'" in err and listener.url in err
     code, out, _ = cli(capsys, "check", flow, "--model", dense_model, "--json")
-    assert code == 1 and [(p["code"], p["node_id"]) for p in json.loads(out)["problems"]] == [("remote_not_allowed", "ask")]
+    assert code == 1 and [(p["code"], p["node_id"]) for p in json.loads(out)["problems"]] == [
+        ("remote_not_allowed", "ask")
+    ]
     code, _, _ = cli(capsys, "check", flow, "--model", dense_model, "--allow-remote")
     assert code == 0
     assert listener.requests == []  # no prompt, and no GET /health either
@@ -102,6 +117,7 @@ def test_a_flow_base_url_gets_nothing_unless_remotes_are_allowed(cli_env, capsys
     assert listener.prompts()
 
 
+@pytest.mark.slow
 def test_the_config_file_allows_remotes_by_host(cli_env, capsys, tmp_path, listener, dense_model):
     flow = remote_flow(tmp_path, {"provider": "mlx", "base_url": listener.url})
     config = tmp_path / "run.json"
@@ -118,6 +134,7 @@ def test_the_config_file_allows_remotes_by_host(cli_env, capsys, tmp_path, liste
     assert listener.prompts()
 
 
+@pytest.mark.slow
 def test_routes_and_run_vars_the_user_gives_are_allowed(cli_env, capsys, tmp_path, listener, dense_model):
     flow = remote_flow(tmp_path, {"provider": "lmstudio"})
     cli(capsys, "run", flow, "--model", dense_model, "--route", f"lmstudio={listener.url}")
@@ -126,6 +143,7 @@ def test_routes_and_run_vars_the_user_gives_are_allowed(cli_env, capsys, tmp_pat
     assert len(listener.prompts()) == 2
 
 
+@pytest.mark.slow
 def test_the_handler_refuses_a_server_nobody_allowed(tmp_path, listener, policy_file):
     """run_flow checks nothing first: the LLM_CALL handler itself refuses before sending."""
     flow = json.loads(Path(remote_flow(tmp_path, {"provider": "mlx", "base_url": listener.url})).read_text())

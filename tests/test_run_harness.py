@@ -21,9 +21,32 @@ def slow_chain(flow_id: str, *, slow_tokens: int) -> dict[str, Any]:
         "entryNode": "start",
         "nodes": [
             {"id": "start", "type": "on_flow_start", "data": {}},
-            {"id": "first", "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 8}, "pinDefaults": {"prompt": "One."}}},
-            {"id": "slow", "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": slow_tokens, "speculation": False}, "pinDefaults": {"prompt": "Write a long story."}}},
-            {"id": "end", "type": "on_flow_end", "data": {"inputs": [{"id": "exec-in", "type": "execution"}, {"id": "story", "type": "string"}]}},
+            {
+                "id": "first",
+                "type": "llm_call",
+                "data": {
+                    "effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": 8},
+                    "pinDefaults": {"prompt": "One."},
+                },
+            },
+            {
+                "id": "slow",
+                "type": "llm_call",
+                "data": {
+                    "effectConfig": {
+                        "provider": "mlx",
+                        "temperature": 0,
+                        "max_output_tokens": slow_tokens,
+                        "speculation": False,
+                    },
+                    "pinDefaults": {"prompt": "Write a long story."},
+                },
+            },
+            {
+                "id": "end",
+                "type": "on_flow_end",
+                "data": {"inputs": [{"id": "exec-in", "type": "execution"}, {"id": "story", "type": "string"}]},
+            },
         ],
         "edges": [
             {"source": "start", "sourceHandle": "exec-out", "target": "first", "targetHandle": "exec-in"},

@@ -38,7 +38,12 @@ CYCLE = {
 SPIN = {  # a while loop whose condition never turns false: check lets it through, limits stop it
     "id": "spin",
     "entryNode": "start",
-    "nodes": [START, {"id": "forever", "type": "while", "data": {"pinDefaults": {"condition": True}}}, set_var("tick"), END],
+    "nodes": [
+        START,
+        {"id": "forever", "type": "while", "data": {"pinDefaults": {"condition": True}}},
+        set_var("tick"),
+        END,
+    ],
     "edges": [wire("start", "forever"), wire("forever", "tick", "loop"), wire("forever", "end", "done")],
 }
 
@@ -68,7 +73,11 @@ def code_flow(body: str) -> dict[str, object]:
                     "pinDefaults": {"x": 2},
                 },
             },
-            {"id": "end", "type": "on_flow_end", "data": {"inputs": [{"id": "exec-in", "type": "execution"}, {"id": "result", "type": "any"}]}},
+            {
+                "id": "end",
+                "type": "on_flow_end",
+                "data": {"inputs": [{"id": "exec-in", "type": "execution"}, {"id": "result", "type": "any"}]},
+            },
         ],
         "edges": [
             wire("start", "crunch"),
@@ -108,7 +117,15 @@ def test_loop_bodies_and_limited_wires_bound_a_cycle():
     limited = {**CYCLE, "edges": [wire("start", "a"), wire("a", "b"), wire("b", "a", data={"loopLimit": {"max": 3}})]}
     assert exec_cycles(limited) == []
     # From the loop's done back into the loop restarts the whole loop forever.
-    restart = {**SPIN, "edges": [wire("start", "forever"), wire("forever", "tick", "loop"), wire("forever", "end", "done"), wire("end", "forever")]}
+    restart = {
+        **SPIN,
+        "edges": [
+            wire("start", "forever"),
+            wire("forever", "tick", "loop"),
+            wire("forever", "end", "done"),
+            wire("end", "forever"),
+        ],
+    }
     assert exec_cycles(restart) == [["end", "forever"]]
     assert exec_cycles({**CYCLE, "edges": [wire("start", "a"), wire("a", "a")]}) == [["a"]]
 
@@ -143,12 +160,19 @@ def test_recursion_behind_a_condition_is_a_warning(dense_model):
     guarded = {
         "id": "guarded",
         "entryNode": "start",
-        "nodes": [START, {"id": "more", "type": "if", "data": {"pinDefaults": {"condition": False}}}, {"id": "again", "type": "subflow", "data": {"subflowId": "guarded"}}, END],
+        "nodes": [
+            START,
+            {"id": "more", "type": "if", "data": {"pinDefaults": {"condition": False}}},
+            {"id": "again", "type": "subflow", "data": {"subflowId": "guarded"}},
+            END,
+        ],
         "edges": [wire("start", "more"), wire("more", "again", "true"), wire("more", "end", "false")],
     }
     assert always_run(guarded) == {"start", "more"}
     report = check_flow(guarded, model=dense_model)
-    assert report.ok and [(p.code, p.severity) for p in report.problems if p.code == "recursive_subflow"] == [("recursive_subflow", "warning")]
+    assert report.ok and [(p.code, p.severity) for p in report.problems if p.code == "recursive_subflow"] == [
+        ("recursive_subflow", "warning")
+    ]
     # the same call on every run is refused
     (problem,) = check_flow(subflow("loops", "loops"), model=dense_model).errors
     assert problem.code == "recursive_subflow" and "without end" in problem.message
@@ -165,15 +189,29 @@ def test_run_past_its_step_limit_fails_at_the_node(cli_env, capsys, tmp_path, de
     assert any(f["error"].startswith("[step_limit]") for f in run["failures"])
 
 
+@pytest.mark.slow
 def test_run_past_its_wall_clock_limit_fails(cli_env, capsys, tmp_path, dense_model):
-    code, out, _ = cli(capsys, "run", write(tmp_path, SPIN), "--model", dense_model, "--max-steps", "100000000", "--max-wall-s", "1", "--json")
+    code, out, _ = cli(
+        capsys,
+        "run",
+        write(tmp_path, SPIN),
+        "--model",
+        dense_model,
+        "--max-steps",
+        "100000000",
+        "--max-wall-s",
+        "1",
+        "--json",
+    )
     (run,) = json.loads(out)
     assert code == 1 and run["status"] == "failed" and run["error"].startswith("[wall_time_limit] node '")
 
 
 def test_a_self_recursive_subflow_stops_at_the_depth_limit(tmp_path, policy_file):
     # run_flow runs no check: the depth limit alone has to stop it.
-    (result,) = run_flow(subflow("again", "again"), ledger_url=str(tmp_path / "l.sqlite"), limits=DriveLimits(max_depth=3))
+    (result,) = run_flow(
+        subflow("again", "again"), ledger_url=str(tmp_path / "l.sqlite"), limits=DriveLimits(max_depth=3)
+    )
     assert result.status == "failed"
     assert "[depth_limit] node 'start': node 'call_again' of 'again' starts a run 4 levels deep" in str(result.error)
     assert len(result.children) == 4
@@ -198,23 +236,38 @@ def test_code_nodes_still_run_and_report_their_errors(tmp_path, policy_file):
     assert "import of 'os' is not allowed in the sandbox" in refused.failures[0].error
 
 
+@pytest.mark.slow
 def test_a_code_node_that_never_returns_ends_with_the_time_limit(cli_env, capsys, tmp_path, dense_model):
-    code, out, _ = cli(capsys, "run", write(tmp_path, code_flow("while True:\n    pass")), "--model", dense_model, "--max-code-s", "1", "--json")
+    code, out, _ = cli(
+        capsys,
+        "run",
+        write(tmp_path, code_flow("while True:\n    pass")),
+        "--model",
+        dense_model,
+        "--max-code-s",
+        "1",
+        "--json",
+    )
     (run,) = json.loads(out)
     assert code == 1 and run["status"] == "failed"
     assert run["error"].startswith("[code_time_limit] node 'crunch': ")
     assert [f["error"][:17] for f in run["failures"]] == ["[code_time_limit]"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS is enforced by Linux only")
 def test_a_code_node_past_its_memory_limit_fails_with_the_memory_error(cli_env, capsys, tmp_path, dense_model):
     body = "data = 'x' * (1024 * 1024 * 1024)\nreturn len(data)"
-    code, out, _ = cli(capsys, "run", write(tmp_path, code_flow(body)), "--model", dense_model, "--max-code-mib", "256", "--json")
+    code, out, _ = cli(
+        capsys, "run", write(tmp_path, code_flow(body)), "--model", dense_model, "--max-code-mib", "256", "--json"
+    )
     (run,) = json.loads(out)
     assert code == 1 and run["status"] == "failed"
     assert run["error"].startswith("[code_memory_limit] node 'crunch': ")
     # The same body under a limit it fits in runs.
-    code, out, _ = cli(capsys, "run", write(tmp_path, code_flow(body)), "--model", dense_model, "--max-code-mib", "2048", "--json")
+    code, out, _ = cli(
+        capsys, "run", write(tmp_path, code_flow(body)), "--model", dense_model, "--max-code-mib", "2048", "--json"
+    )
     assert code == 0 and json.loads(out)[0]["output"]["result"] == 1024 * 1024 * 1024
 
 

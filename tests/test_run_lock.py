@@ -21,14 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from abstractruntime_mlx.errors import LedgerError, RunLocked, RunLockUnsafe, RunNotResumable
-from abstractruntime_mlx.ledger import Ledger, sqlite_url
 from abstractruntime_mlx.cli.main import main
-from abstractruntime_mlx.ledger import run_lock
+from abstractruntime_mlx.errors import LedgerError, RunLocked, RunLockUnsafe, RunNotResumable
+from abstractruntime_mlx.ledger import Ledger, run_lock, sqlite_url
 from abstractruntime_mlx.nodes import default_registry
 from abstractruntime_mlx.runtime_plugin import resume_run, run_flow
 from test_run_harness import slow_chain, stop_outside_a_write
-
 
 FLOWS = Path(__file__).resolve().parent / "flows"
 ASK = FLOWS / "ask.json"
@@ -37,8 +35,16 @@ ASK = FLOWS / "ask.json"
 def save_run(ledger: Ledger, run_id: str, *, parent: str | None = None, status: str = "running") -> None:
     now = "2026-01-01T00:00:00+00:00"
     ledger.save_run(
-        {"run_id": run_id, "workflow_id": "demo", "status": status, "current_node": "n", "vars": {},
-         "created_at": now, "updated_at": now, "parent_run_id": parent}
+        {
+            "run_id": run_id,
+            "workflow_id": "demo",
+            "status": status,
+            "current_node": "n",
+            "vars": {},
+            "created_at": now,
+            "updated_at": now,
+            "parent_run_id": parent,
+        }
     )
 
 
@@ -66,7 +72,10 @@ def test_a_second_driver_in_this_process_is_refused_until_the_first_lets_go(ledg
                 assert holder["command"] == "first driver"
                 assert f"pid {os.getpid()} on host {socket.gethostname()} running `first driver`" in error.message
             else:
-                assert holder["application_name"] == f"abstractruntime-mlx pid={os.getpid()} host={socket.gethostname()} first driver"[:63]
+                assert (
+                    holder["application_name"]
+                    == f"abstractruntime-mlx pid={os.getpid()} host={socket.gethostname()} first driver"[:63]
+                )
                 assert str(holder["application_name"]) in error.message
             other = fresh_id("other")
             with run_lock.acquire(ledger, other):  # other runs are not affected
@@ -130,6 +139,7 @@ def acquire_once_released(ledger: Ledger, run_id: str) -> run_lock.RunLock:
             time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_holder_in_another_process_is_named_and_its_death_releases_the_lock(ledger_url):
     run_id = fresh_id("r")
     proc = start_holder(ledger_url, run_id)
@@ -140,7 +150,11 @@ def test_a_holder_in_another_process_is_named_and_its_death_releases_the_lock(le
             holder = info.value.details["holder"]
             assert isinstance(holder, dict)
             if ledger.dialect_name == "sqlite":
-                assert (holder["pid"], holder["host"], holder["command"]) == (proc.pid, socket.gethostname(), "holder script")
+                assert (holder["pid"], holder["host"], holder["command"]) == (
+                    proc.pid,
+                    socket.gethostname(),
+                    "holder script",
+                )
             else:
                 assert str(holder["application_name"]).startswith(f"abstractruntime-mlx pid={proc.pid} ")
             proc.kill()
@@ -152,6 +166,7 @@ def test_a_holder_in_another_process_is_named_and_its_death_releases_the_lock(le
             proc.kill()
 
 
+@pytest.mark.slow
 def test_a_holder_that_lets_go_leaves_the_lock_free(ledger_url):
     run_id = fresh_id("r")
     proc = start_holder(ledger_url, run_id)
@@ -261,7 +276,9 @@ def test_the_advisory_key_is_a_signed_64_bit_hash_of_the_run_id():
 @pytest.fixture()
 def ask_run(ledger_url, dense_model, policy_file, tmp_path):
     """A run of ``ask.json`` waiting for its answer."""
-    [result] = run_flow(ASK, ledger_url=ledger_url, model=dense_model, force_model=True, artifacts_dir=tmp_path / "artifacts")
+    [result] = run_flow(
+        ASK, ledger_url=ledger_url, model=dense_model, force_model=True, artifacts_dir=tmp_path / "artifacts"
+    )
     assert result.status == "waiting"
     yield result.run_id
     default_registry().close()
@@ -286,7 +303,10 @@ def test_a_held_run_is_not_resumed_and_a_waiting_run_takes_one_answer(ledger_url
     for kwargs in ({"answer": "B"}, {"event": ("go", {})}, {"refuse_finished": True}):
         with pytest.raises(RunNotResumable) as info:
             resume_run(ask_run, ledger_url=ledger_url, **kwargs)
-        assert info.value.code == "run_not_resumable" and info.value.details == {"run_id": ask_run, "status": "completed"}
+        assert info.value.code == "run_not_resumable" and info.value.details == {
+            "run_id": ask_run,
+            "status": "completed",
+        }
     assert resume_run(ask_run, ledger_url=ledger_url).status == "completed"  # the library call returns it as it is
     assert llm_starts(ledger_url, ask_run) == 1
 
@@ -306,7 +326,9 @@ def test_run_flow_locks_the_run_before_it_exists(ledger_url, dense_model, policy
 
     monkeypatch.setattr(run_lock, "acquire", spy)
     try:
-        [result] = run_flow(ASK, ledger_url=ledger_url, model=dense_model, force_model=True, artifacts_dir=tmp_path / "artifacts")
+        [result] = run_flow(
+            ASK, ledger_url=ledger_url, model=dense_model, force_model=True, artifacts_dir=tmp_path / "artifacts"
+        )
     finally:
         default_registry().close()
     assert seen == [result.run_id]
@@ -356,7 +378,10 @@ def test_two_answers_at_once_one_drives_the_other_is_refused(cli_ledger, dense_m
         default_registry().close()
     assert [r.status for r in waiting] == ["waiting"] * 5
     for round_, run_id in enumerate(r.run_id for r in waiting):
-        racers = {answer: cli_process(cli_ledger, "runs", "resume", run_id, "--answer", answer, "--json") for answer in ("A", "B")}
+        racers = {
+            answer: cli_process(cli_ledger, "runs", "resume", run_id, "--answer", answer, "--json")
+            for answer in ("A", "B")
+        }
         outcomes = {answer: finish(proc) for answer, proc in racers.items()}
 
         winners = [a for a, (code, _, _) in outcomes.items() if code == 0]
@@ -367,7 +392,9 @@ def test_two_answers_at_once_one_drives_the_other_is_refused(cli_ledger, dense_m
         assert code == 1 and out == "" and error_code(err) in ("run_locked", "run_not_resumable"), (round_, err)
 
         [started] = llm_steps(cli_ledger, run_id)  # the LLM node ran once, on the winner's answer
-        assert started.record["effect"]["payload"]["prompt"].splitlines()[-1] == winner  # after the host's metadata line
+        assert (
+            started.record["effect"]["payload"]["prompt"].splitlines()[-1] == winner
+        )  # after the host's metadata line
         [completed] = llm_steps(cli_ledger, run_id, "completed")
         with Ledger(sqlite_url(cli_ledger)) as db:
             run = db.get_run(run_id)

@@ -48,7 +48,9 @@ def takeover(ledger_url: str) -> tuple[int, list[dict[str, object]], str]:
 
 def llm_starts(ledger_url: str, run_id: str) -> list[str]:
     with Ledger(ledger_url) as ledger:
-        return sorted(s.node_id for s in ledger.run_steps(run_id) if s.effect_type == "llm_call" and s.status == "started")
+        return sorted(
+            s.node_id for s in ledger.run_steps(run_id) if s.effect_type == "llm_call" and s.status == "started"
+        )
 
 
 def steps_of(ledger_url: str, run_ids: list[str]) -> list[tuple[str, int, str, str]]:
@@ -90,7 +92,9 @@ def own_ledger(ledger_url):
         admin.dispose()
 
 
-def test_a_second_coordinator_refuses_held_runs_then_takes_over_after_the_first_dies(own_ledger, dense_model, policy_file, tmp_path):
+def test_a_second_coordinator_refuses_held_runs_then_takes_over_after_the_first_dies(
+    own_ledger, dense_model, policy_file, tmp_path
+):
     ledger_url = own_ledger
     flow = tmp_path / "chain.json"
     flow.write_text(json.dumps(FLOW))
@@ -98,7 +102,17 @@ def test_a_second_coordinator_refuses_held_runs_then_takes_over_after_the_first_
         earlier = {r.run_id for r in ledger.list_runs(limit=100_000)}
         assert not (set(interrupted_roots(ledger)) - earlier)
 
-    first = cli(ledger_url, "run", str(flow), "--runs", str(RUNS), "--model", dense_model, "--artifacts", str(tmp_path / "artifacts"))
+    first = cli(
+        ledger_url,
+        "run",
+        str(flow),
+        "--runs",
+        str(RUNS),
+        "--model",
+        dense_model,
+        "--artifacts",
+        str(tmp_path / "artifacts"),
+    )
     try:
         deadline = time.monotonic() + 120
         runs = None
@@ -107,7 +121,9 @@ def test_a_second_coordinator_refuses_held_runs_then_takes_over_after_the_first_
             time.sleep(0.01)
         assert runs is not None, first.communicate(timeout=60)
         sqlite_file = make_url(ledger_url).database if ledger_url.startswith("sqlite") else None
-        stop_outside_a_write(first, Path(sqlite_file) if sqlite_file else None)  # alive, holding its runs' locks, doing nothing
+        stop_outside_a_write(
+            first, Path(sqlite_file) if sqlite_file else None
+        )  # alive, holding its runs' locks, doing nothing
 
         before = steps_of(ledger_url, runs)
         code, outcomes, err = takeover(ledger_url)
@@ -138,7 +154,11 @@ def test_a_second_coordinator_refuses_held_runs_then_takes_over_after_the_first_
     assert set(mine) == set(runs)
     for run_id, o in mine.items():
         assert (o["takeover"], o["status"]) == ("resumed", "completed"), o
-        assert llm_starts(ledger_url, run_id) == ["first", "slow", "slow"]  # first reused; slow: killed attempt + resume
+        assert llm_starts(ledger_url, run_id) == [
+            "first",
+            "slow",
+            "slow",
+        ]  # first reused; slow: killed attempt + resume
 
     code, outcomes, err = takeover(ledger_url)  # nothing is left to take over
     assert code == 0 and not [o for o in outcomes if o["run_id"] in runs], (outcomes, err)
@@ -146,12 +166,63 @@ def test_a_second_coordinator_refuses_held_runs_then_takes_over_after_the_first_
 
 def test_the_command_names_what_it_needs(tmp_path, policy_file):
     ledger = tmp_path / "runs.sqlite"
-    done = subprocess.run([sys.executable, "-m", "abstractruntime_mlx.cli.main", "runs", "resume", "--ledger", str(ledger)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and done.stderr.startswith("error: [invalid_request] runs resume needs a RUN_ID, or --all-running")
-    done = subprocess.run([sys.executable, "-m", "abstractruntime_mlx.cli.main", "runs", "resume", "--all-running", "--ledger", str(ledger)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "abstractruntime_mlx.cli.main", "runs", "resume", "--ledger", str(ledger)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and done.stderr.startswith(
+        "error: [invalid_request] runs resume needs a RUN_ID, or --all-running"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "abstractruntime_mlx.cli.main",
+            "runs",
+            "resume",
+            "--all-running",
+            "--ledger",
+            str(ledger),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1 and done.stderr.startswith("error: [ledger_not_found]")
     Ledger(f"sqlite:///{ledger}").close()
-    done = subprocess.run([sys.executable, "-m", "abstractruntime_mlx.cli.main", "runs", "resume", "--all-running", "--answer", "A", "--ledger", str(ledger)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "abstractruntime_mlx.cli.main",
+            "runs",
+            "resume",
+            "--all-running",
+            "--answer",
+            "A",
+            "--ledger",
+            str(ledger),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1 and "--answer and --event are for one waiting run" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "abstractruntime_mlx.cli.main", "runs", "resume", "--all-running", "--ledger", str(ledger)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "abstractruntime_mlx.cli.main",
+            "runs",
+            "resume",
+            "--all-running",
+            "--ledger",
+            str(ledger),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and done.stdout.startswith("no interrupted run to take over"), done.stderr

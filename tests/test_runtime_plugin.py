@@ -45,7 +45,10 @@ def fanout(nodes: dict[str, dict], *, flow_id: str = "fan", collect: bool = True
         {
             "id": "par",
             "type": "parallel",
-            "data": {"outputs": [{"id": f"then:{i}", "type": "execution"} for i in range(len(ids))] + [{"id": "completed", "type": "execution"}]},
+            "data": {
+                "outputs": [{"id": f"then:{i}", "type": "execution"} for i in range(len(ids))]
+                + [{"id": "completed", "type": "execution"}]
+            },
         },
     ]
     edges = [{"source": "start", "sourceHandle": "exec-out", "target": "par", "targetHandle": "exec-in"}]
@@ -55,7 +58,9 @@ def fanout(nodes: dict[str, dict], *, flow_id: str = "fan", collect: bool = True
         config = {"provider": "mlx", "temperature": 0, "max_output_tokens": 8, **spec}
         flow_nodes.append({"id": node_id, "type": "llm_call", "data": {"effectConfig": config, "pinDefaults": pins}})
         edges.append({"source": "par", "sourceHandle": f"then:{i}", "target": node_id, "targetHandle": "exec-in"})
-    end_inputs = [{"id": "exec-in", "type": "execution"}] + ([{"id": n, "type": "string"} for n in ids] if collect else [])
+    end_inputs = [{"id": "exec-in", "type": "execution"}] + (
+        [{"id": n, "type": "string"} for n in ids] if collect else []
+    )
     flow_nodes.append({"id": "end", "type": "on_flow_end", "data": {"inputs": end_inputs}})
     edges.append({"source": "par", "sourceHandle": "completed", "target": "end", "targetHandle": "exec-in"})
     if collect:
@@ -101,17 +106,32 @@ def run_once(flow, ledger_url, model, registry, *, vars=None, **pack_options):
 # -- precedence through a real VisualFlow run ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_node_beats_run_beats_provider_beats_policy(model, registry, ledger_url, policy_file):
     set_default_speculation("output.text", 4, policy_file)
 
     policy_only = controls_by_node(run_once(PRECEDENCE_FLOW, ledger_url, model, registry))
     assert policy_only["n_inherit"]["speculation_source"] == "policy"
     assert policy_only["n_inherit"]["speculation"]["num_draft_tokens"] == 4
-    assert policy_only["n_off"] == {"speculation": False, "speculation_source": "call", "thinking": False, "thinking_source": "call"}
-    assert policy_only["n_mtp"]["speculation"]["num_draft_tokens"] == 2 and policy_only["n_mtp"]["speculation_source"] == "call"
+    assert policy_only["n_off"] == {
+        "speculation": False,
+        "speculation_source": "call",
+        "thinking": False,
+        "thinking_source": "call",
+    }
+    assert (
+        policy_only["n_mtp"]["speculation"]["num_draft_tokens"] == 2
+        and policy_only["n_mtp"]["speculation_source"] == "call"
+    )
 
     provider = controls_by_node(
-        run_once(PRECEDENCE_FLOW, ledger_url, model, registry, provider_options={"speculation": {"mode": "native_mtp", "num_draft_tokens": 3}})
+        run_once(
+            PRECEDENCE_FLOW,
+            ledger_url,
+            model,
+            registry,
+            provider_options={"speculation": {"mode": "native_mtp", "num_draft_tokens": 3}},
+        )
     )
     assert provider["n_inherit"]["speculation_source"] == "provider"
     assert provider["n_inherit"]["speculation"]["num_draft_tokens"] == 3
@@ -119,19 +139,31 @@ def test_node_beats_run_beats_provider_beats_policy(model, registry, ledger_url,
     run_vars = {"_runtime": {"speculation": {"mode": "native_mtp", "num_draft_tokens": 5}, "thinking": "low"}}
     run_level = controls_by_node(
         run_once(
-            PRECEDENCE_FLOW, ledger_url, model, registry, vars=run_vars,
+            PRECEDENCE_FLOW,
+            ledger_url,
+            model,
+            registry,
+            vars=run_vars,
             provider_options={"speculation": {"mode": "native_mtp", "num_draft_tokens": 3}},
         )
     )
-    assert run_level["n_inherit"]["speculation"]["num_draft_tokens"] == 5 and run_level["n_inherit"]["speculation_source"] == "run"
+    assert (
+        run_level["n_inherit"]["speculation"]["num_draft_tokens"] == 5
+        and run_level["n_inherit"]["speculation_source"] == "run"
+    )
     assert run_level["n_inherit"]["thinking"] == "low" and run_level["n_inherit"]["thinking_source"] == "run"
     # Off at the node beats MTP at the run; the node's own depth beats the run's depth.
     assert run_level["n_off"]["speculation"] is False and run_level["n_off"]["speculation_source"] == "call"
     assert run_level["n_off"]["thinking"] is False
-    assert run_level["n_mtp"]["speculation"]["num_draft_tokens"] == 2 and run_level["n_mtp"]["speculation_source"] == "call"
+    assert (
+        run_level["n_mtp"]["speculation"]["num_draft_tokens"] == 2
+        and run_level["n_mtp"]["speculation_source"] == "call"
+    )
     assert run_level["n_think"]["thinking"] == "high" and run_level["n_think"]["thinking_source"] == "call"
 
-    run_off = controls_by_node(run_once(PRECEDENCE_FLOW, ledger_url, model, registry, vars={"_runtime": {"speculation": False}}))
+    run_off = controls_by_node(
+        run_once(PRECEDENCE_FLOW, ledger_url, model, registry, vars={"_runtime": {"speculation": False}})
+    )
     assert run_off["n_inherit"] == {**run_off["n_inherit"], "speculation": False, "speculation_source": "run"}
     assert run_off["n_mtp"]["speculation"]["mode"] == "native_mtp"
 
@@ -139,7 +171,9 @@ def test_node_beats_run_beats_provider_beats_policy(model, registry, ledger_url,
 def test_effective_value_and_level_are_in_the_ledger(model, registry, ledger_url, policy_file):
     result = run_once(PRECEDENCE_FLOW, ledger_url, model, registry, vars={"_runtime": {"speculation": False}})
     with Ledger(ledger_url) as ledger:
-        completed = [s for s in ledger.run_steps(result.run_id) if s.effect_type == "llm_call" and s.status == "completed"]
+        completed = [
+            s for s in ledger.run_steps(result.run_id) if s.effect_type == "llm_call" and s.status == "completed"
+        ]
         assert {s.node_id for s in completed} == {"n_off", "n_mtp", "n_inherit", "n_think"}
         for step in completed:
             meta = step.record["result"]["metadata"]
@@ -219,7 +253,9 @@ def test_crash_between_effect_and_checkpoint_reuses_the_result(model, registry, 
 
         from abstractruntime import Runtime
 
-        flaky = Runtime(run_store=FlakyRunStore(pack.ledger), ledger_store=pack.ledger_store, effect_handlers=pack.effect_handlers())
+        flaky = Runtime(
+            run_store=FlakyRunStore(pack.ledger), ledger_store=pack.ledger_store, effect_handlers=pack.effect_handlers()
+        )
         run_id = flaky.start(workflow=spec, vars={})
         with pytest.raises(CrashAfterEffect):
             flaky.tick(workflow=spec, run_id=run_id)
@@ -231,7 +267,10 @@ def test_crash_between_effect_and_checkpoint_reuses_the_result(model, registry, 
         assert len(calls) == 1  # reused, not called again
         assert len(pack.ledger.node_timeline(run_id)) == rows_before
         steps = pack.ledger.run_steps(run_id)
-        assert sum(1 for s in steps if s.node_id == "only" and s.status == "completed" and s.effect_type == "llm_call") == 1
+        assert (
+            sum(1 for s in steps if s.node_id == "only" and s.status == "completed" and s.effect_type == "llm_call")
+            == 1
+        )
         trace = state.vars["_runtime"]["node_traces"]["only"]["steps"][-1]
         assert trace["reused_prior_result"] is True
     finally:
@@ -274,6 +313,7 @@ def test_run_store_round_trip_and_create_if_absent(tmp_path):
 # -- concurrency and sibling batching --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_concurrent_runs_share_one_resident_model(model, registry, ledger_url, policy_file):
     pack = build_pack(ledger_url, model=model, registry=registry, sibling_batching=False)
     try:
@@ -322,6 +362,7 @@ def test_a_changed_sibling_request_is_called_again(model, registry, ledger_url, 
     assert b == {"role": "sibling", "trigger_node": "a", "used": False, "reason": "request_changed"}
 
 
+@pytest.mark.slow
 def test_prefetches_never_crowd_out_the_runtime_own_calls(tmp_path, policy_file):
     """A small engine (2 slots + 4 queue places) and 4 concurrent runs of 4 branches: prefetching
     every sibling would overflow the queue; the prefetcher takes only spare room, so no call
@@ -330,7 +371,10 @@ def test_prefetches_never_crowd_out_the_runtime_own_calls(tmp_path, policy_file)
     registry = ProviderRegistry()
     try:
         pack = build_pack(
-            tmp_path / "l.sqlite", model=small, registry=registry, effect_policy=None,
+            tmp_path / "l.sqlite",
+            model=small,
+            registry=registry,
+            effect_policy=None,
             provider_options={"mlx_max_batch_size": 2, "mlx_max_queue_size": 4},
         )
         try:
@@ -416,7 +460,9 @@ def test_run_level_base_url_sends_nodes_to_a_remote_server(model, server, ledger
     try:
         pack = build_pack(ledger_url, registry=remote_registry, allow_remote=[server.removeprefix("http://")])
         try:
-            (result,) = run_flow(PRECEDENCE_FLOW, vars={"_runtime": {"base_url": server, "speculation": False}}, pack=pack)
+            (result,) = run_flow(
+                PRECEDENCE_FLOW, vars={"_runtime": {"base_url": server, "speculation": False}}, pack=pack
+            )
         finally:
             pack.close()
         assert result.status == "completed", result.error
@@ -443,7 +489,13 @@ def test_example_flow_is_valid_json_with_per_node_controls():
 def test_pack_settings_are_build_packs_options_as_one_value(tmp_path: Path) -> None:
     from abstractruntime_mlx.runtime_plugin import PackSettings
 
-    settings = PackSettings(model="/models/a", force_model=True, routes=["lmstudio=mlx:/models/b"], allow_remote=["10.0.0.2"], sibling_batching=False)
+    settings = PackSettings(
+        model="/models/a",
+        force_model=True,
+        routes=["lmstudio=mlx:/models/b"],
+        allow_remote=["10.0.0.2"],
+        sibling_batching=False,
+    )
     with pytest.raises(TypeError, match="not both"):
         build_pack(settings=settings, model="/models/c")
     pack = build_pack(settings=settings)

@@ -11,7 +11,14 @@ import pytest
 from abstractruntime_mlx.engine.request import Sampling
 from abstractruntime_mlx.engine.sampling import RowStream, make_sampler, sample_rows
 
-PROMPTS = ["Explain TTL caches.", "Explain LRU caches.", "What is a prefix cache?", "Why batch requests?", "Name a color.", "Count to three."]
+PROMPTS = [
+    "Explain TTL caches.",
+    "Explain LRU caches.",
+    "What is a prefix cache?",
+    "Why batch requests?",
+    "Name a color.",
+    "Count to three.",
+]
 
 # One request per control, two greedy ones (the last with a penalty, still greedy).
 CALLS = [
@@ -36,6 +43,7 @@ def together(llm, calls, prompts, **common):
         return list(pool.map(one, range(len(calls))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_fixture", ["dense_model", "hybrid_model"])
 def test_seeded_rows_same_alone_batched_and_exclusive(make_llm, request, model_fixture):
     model = request.getfixturevalue(model_fixture)
@@ -48,11 +56,21 @@ def test_seeded_rows_same_alone_batched_and_exclusive(make_llm, request, model_f
         assert b.token_ids == a.token_ids
     assert max(r.metadata["execution"]["peak_batch_size"] for r in batched) >= 4
     # the controls took effect: different seeds, different draws
-    assert alone[0].token_ids != llm.generate(PROMPTS[0], thinking=False, max_output_tokens=16, temperature=0.7, seed=9).token_ids
+    assert (
+        alone[0].token_ids
+        != llm.generate(PROMPTS[0], thinking=False, max_output_tokens=16, temperature=0.7, seed=9).token_ids
+    )
 
     # the seed's behaviour, restored by the option: alone, one at a time, with the same tokens
     llm.unload_model()
-    exclusive = make_llm(model, mlx_batching=True, mlx_max_batch_size=8, mlx_batch_wait_ms=200, speculation=False, mlx_sampled_exclusive=True)
+    exclusive = make_llm(
+        model,
+        mlx_batching=True,
+        mlx_max_batch_size=8,
+        mlx_batch_wait_ms=200,
+        speculation=False,
+        mlx_sampled_exclusive=True,
+    )
     isolated = together(exclusive, CALLS, PROMPTS, max_output_tokens=16)
     for i, (a, r) in enumerate(zip(alone, isolated)):
         assert r.token_ids == a.token_ids
@@ -64,6 +82,7 @@ def test_seeded_rows_same_alone_batched_and_exclusive(make_llm, request, model_f
             assert execution["mode"] == "continuous"
 
 
+@pytest.mark.slow
 def test_sampled_request_joins_a_running_batch(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=4)
     first = llm.generate(PROMPTS[0], max_output_tokens=300, stream=True)
@@ -84,6 +103,7 @@ def test_unseeded_rows_draw_independent_streams(make_llm, dense_model):
     assert len({tuple(r.token_ids) for r in results}) == 3
 
 
+@pytest.mark.slow
 def test_sampling_with_speculation_runs_exclusive_and_says_why(make_llm, hybrid_model):
     # Strict: optional MTP would share the batch target-only with the plain request (under load).
     mtp = {"mode": "native_mtp", "num_draft_tokens": 2, "require_acceleration": True}
@@ -98,12 +118,17 @@ def test_sampling_with_speculation_runs_exclusive_and_says_why(make_llm, hybrid_
     assert sampled_plain["mode"] == "continuous" and "reason" not in sampled_plain
 
 
+@pytest.mark.slow
 def test_sampled_image_rows_batch_with_text(make_llm, vision_model, tmp_path):
     from abstractruntime_mlx.testing import tiny_image
 
     image = str(tiny_image(tmp_path / "rb.png", (255, 0, 0), (0, 0, 255)))
     llm = make_llm(vision_model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=200)
-    calls = [{"temperature": 0.9, "seed": 3, "media": [image]}, {"temperature": 0.7, "seed": 4}, {"temperature": 0, "media": [image]}]
+    calls = [
+        {"temperature": 0.9, "seed": 3, "media": [image]},
+        {"temperature": 0.7, "seed": 4},
+        {"temperature": 0, "media": [image]},
+    ]
     prompts = ["Describe the image.", PROMPTS[1], "Describe the image."]
     alone = [llm.generate(prompts[i], thinking=False, max_output_tokens=8, **calls[i]).token_ids for i in range(3)]
     batched = together(llm, calls, prompts, max_output_tokens=8)
@@ -185,6 +210,7 @@ def test_one_request_sampler_matches_its_batch_row():
     assert make_sampler(SAMPLINGS[0])(mx.stack([logprobs(3)])).shape == (1, 3)
 
 
+@pytest.mark.slow
 def test_image_rows_report_logprobs_from_the_row_sampler(make_llm, vision_model, tmp_path):
     """The batch lane's per-row sampler gives each asking row its drawn tokens' logprobs;
     asking changes no draw (greedy or seeded)."""

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -24,7 +23,10 @@ from abstractruntime_mlx.testing.pool import HAProxyProcess, ServerProcess, free
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(haproxy_binary() is None, reason="haproxy is not installed (Debian: apt-get install haproxy; macOS: brew install haproxy)"),
+    pytest.mark.skipif(
+        haproxy_binary() is None,
+        reason="haproxy is not installed (Debian: apt-get install haproxy; macOS: brew install haproxy)",
+    ),
 ]
 
 BRANCHES = 4
@@ -35,12 +37,39 @@ def fanout_flow(max_tokens: int) -> dict[str, object]:
     branches = [f"b{i}" for i in range(BRANCHES)]
     nodes: list[dict[str, object]] = [
         {"id": "start", "type": "on_flow_start", "data": {}},
-        {"id": "fan", "type": "parallel", "data": {"outputs": [*({"id": f"then:{i}", "type": "execution"} for i in range(BRANCHES)), {"id": "completed", "type": "execution"}]}},
+        {
+            "id": "fan",
+            "type": "parallel",
+            "data": {
+                "outputs": [
+                    *({"id": f"then:{i}", "type": "execution"} for i in range(BRANCHES)),
+                    {"id": "completed", "type": "execution"},
+                ]
+            },
+        },
         *(
-            {"id": b, "type": "llm_call", "data": {"effectConfig": {"provider": "mlx", "temperature": 0, "max_output_tokens": max_tokens, "speculation": False}, "pinDefaults": {"prompt": f"Branch {b}: tell a story."}}}
+            {
+                "id": b,
+                "type": "llm_call",
+                "data": {
+                    "effectConfig": {
+                        "provider": "mlx",
+                        "temperature": 0,
+                        "max_output_tokens": max_tokens,
+                        "speculation": False,
+                    },
+                    "pinDefaults": {"prompt": f"Branch {b}: tell a story."},
+                },
+            }
             for b in branches
         ),
-        {"id": "end", "type": "on_flow_end", "data": {"inputs": [{"id": "exec-in", "type": "execution"}, *({"id": b, "type": "string"} for b in branches)]}},
+        {
+            "id": "end",
+            "type": "on_flow_end",
+            "data": {
+                "inputs": [{"id": "exec-in", "type": "execution"}, *({"id": b, "type": "string"} for b in branches)]
+            },
+        },
     ]
     edges: list[dict[str, object]] = [
         {"source": "start", "sourceHandle": "exec-out", "target": "fan", "targetHandle": "exec-in"},
@@ -60,10 +89,23 @@ def pool(dense_model, tmp_path_factory):
     try:
         lb_port = free_port()
         config, socket_path = tmp / "pool.cfg", tmp / "haproxy.sock"
-        argv = ["lb-config", *(a for s in servers for a in ("--server", f"127.0.0.1:{s.port}")), "--bind", f"127.0.0.1:{lb_port}", "--stats-socket", str(socket_path), "--out", str(config)]
-        done = subprocess.run([sys.executable, "-m", "abstractruntime_mlx.cli.main", *argv], capture_output=True, text=True, timeout=60)
+        argv = [
+            "lb-config",
+            *(a for s in servers for a in ("--server", f"127.0.0.1:{s.port}")),
+            "--bind",
+            f"127.0.0.1:{lb_port}",
+            "--stats-socket",
+            str(socket_path),
+            "--out",
+            str(config),
+        ]
+        done = subprocess.run(
+            [sys.executable, "-m", "abstractruntime_mlx.cli.main", *argv], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, done.stderr
-        assert done.stderr.count("maxconn 36 (4 slots + 32 queue, from server)") == 2, done.stderr  # read from the servers
+        assert done.stderr.count("maxconn 36 (4 slots + 32 queue, from server)") == 2, (
+            done.stderr
+        )  # read from the servers
         with HAProxyProcess.start(config, socket_path=socket_path, port=lb_port, servers_up=2) as lb:
             yield servers, lb
     finally:
@@ -181,4 +223,6 @@ def test_a_server_killed_mid_batch_costs_retries_not_runs(pool, dense_model, tmp
                 retried.append(f"{r.run_id}/{n.node_id} (prefetch)")
     assert retried, "no call was cut off by the kill: a retried call shows as a step attempt or a failed prefetch"
     name = f"s{servers.index(victim) + 1}"  # lb-config names the servers in the order given
-    wait_until(lambda: lb.server_stats()[name]["status"].startswith("DOWN"), what=f"HAProxy marking {name} down", timeout_s=60)
+    wait_until(
+        lambda: lb.server_stats()[name]["status"].startswith("DOWN"), what=f"HAProxy marking {name} down", timeout_s=60
+    )

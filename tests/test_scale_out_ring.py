@@ -63,7 +63,9 @@ def rendered(dense_model: str) -> Any:
     tokenizer = load_tokenizer(Path(dense_model))
 
     def count(prompt: str, thinking: bool) -> int:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False, enable_thinking=thinking)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False, enable_thinking=thinking
+        )
         return len(tokenizer.encode(text, add_special_tokens=False))
 
     assert count("Hi", True) != count("Hi", False)  # the template tells them apart, so the counts below do
@@ -78,7 +80,9 @@ def remote_of(metadata: Mapping[str, object] | None) -> Mapping[str, object]:
 
 
 def client(ring: MLXLMServerProcess, **options: Any) -> RemoteClient:
-    return RemoteClient(ring.url, model=SERVED_AS, **options)  # a model named: mlx_lm's GET /v1/models needs a Hub cache
+    return RemoteClient(
+        ring.url, model=SERVED_AS, **options
+    )  # a model named: mlx_lm's GET /v1/models needs a Hub cache
 
 
 def test_a_plain_call_answers_through_the_remote_client(ring: MLXLMServerProcess, rendered: Any) -> None:
@@ -118,7 +122,9 @@ def test_concurrent_calls_each_get_their_own_answer(ring: MLXLMServerProcess, re
 
 
 @pytest.mark.parametrize(("thinking", "template_on"), [(True, True), (False, False), ("high", True), (None, True)])
-def test_thinking_reaches_the_chat_template(ring: MLXLMServerProcess, rendered: Any, thinking: bool | str | None, template_on: bool) -> None:
+def test_thinking_reaches_the_chat_template(
+    ring: MLXLMServerProcess, rendered: Any, thinking: bool | str | None, template_on: bool
+) -> None:
     """The client sends ``chat_template_kwargs.enable_thinking`` (and a level as ``reasoning_effort``,
     which the tiny template ignores); unsaid, the template's default (on) applies. With thinking on
     the generation prompt leaves ``<think>`` open and mlx_lm.server returns the text as ``reasoning``."""
@@ -142,7 +148,9 @@ def run_routed(capsys: pytest.CaptureFixture[str], ring: MLXLMServerProcess, *ex
     return result
 
 
-def test_a_flow_node_routed_to_it_runs_as_on_serve(ring: MLXLMServerProcess, rendered: Any, cli_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_flow_node_routed_to_it_runs_as_on_serve(
+    ring: MLXLMServerProcess, rendered: Any, cli_env: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     prompt, max_tokens = ASK["pinDefaults"]["prompt"], ASK["effectConfig"]["max_output_tokens"]
     result = run_routed(capsys, ring)
     route = result["metadata"]["route"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections import deque
 
+import pytest
+
 from abstractruntime_mlx.engine.request import EngineRequest, ExecutionMode, RequestStatus, Sampling
 from abstractruntime_mlx.engine.scheduler import group_key, take_compatible
 from abstractruntime_mlx.engine.stops import StopMatcher
-
-import pytest
 
 
 def req(name, *, temperature=0.0, draft=0, cache=None, penalty=None, strict=False):

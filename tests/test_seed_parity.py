@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from starlette.testclient import TestClient
-from test_server_harness import FakeProvider
 
 import abstractruntime_mlx
 from abstractruntime_mlx import capabilities, errors, server
 from abstractruntime_mlx.engine.request import EngineRequest, NativePrefillProgress, PrefillObservation, TokenDelta
 from abstractruntime_mlx.testing import companion_head_path, tiny_model
+from test_server_harness import FakeProvider
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The cache keeps the most recent entries and drops the oldest ones. " * 30
@@ -42,7 +42,10 @@ def test_apple_extra_installs_the_provider_stack_at_the_dependency_floors():
     for name in ("mlx-lm", "mlx-vlm"):
         assert apple[name].specifier == base[name].specifier
     assert str(apple["mlx"].specifier) == ">=0.32.2" and apple["mlx"].marker.evaluate({"sys_platform": "darwin"})
-    assert {str(s) for s in base["mlx-vlm"].specifier} == {">=0.7.10", "<0.8.0"}  # ours, not the seed's 0.7.1: the comment says why
+    assert {str(s) for s in base["mlx-vlm"].specifier} == {
+        ">=0.7.10",
+        "<0.8.0",
+    }  # ours, not the seed's 0.7.1: the comment says why
     text = (ROOT / "pyproject.toml").read_text()
     assert "The seed says >= 0.7.1; ours starts at 0.7.10" in text
 
@@ -77,6 +80,7 @@ def test_top_level_capabilities_take_head_and_policy_path(models_dir, tmp_path, 
 # -- MTP on the non-batched provider -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_non_batched_provider_runs_mtp_on_mlx_vlms_in_process_lane(make_llm, hybrid_model):
     target_only = make_llm(hybrid_model, mlx_batching=True, speculation=False)
     reference = target_only.generate(PROMPT, thinking=False, max_output_tokens=16).token_ids
@@ -105,6 +109,7 @@ def test_non_batched_provider_loaded_without_mtp_names_the_load_time_choice(make
     assert info.value.reason == "speculation_is_load_time" and info.value.code == "speculation_unavailable"
 
 
+@pytest.mark.slow
 def test_in_process_lane_names_what_a_prompt_cache_key_does_not_do(make_llm, hybrid_model):
     llm = make_llm(hybrid_model)
     result = llm.generate(PROMPT, messages=[], prompt_cache_key="k", thinking=False, max_output_tokens=4)
@@ -139,7 +144,10 @@ def damaged_heads(models_dir, tmp_path_factory):
     target = tiny_model(models_dir / "damage-hybrid-4bit", kind="hybrid-companion", seed=0, mtp_alpha=0.05)
     head = companion_head_path(target)
     root = tmp_path_factory.mktemp("damaged-heads")
-    return str(target), {"truncated": str(_truncated(head, root / "truncated")), "mismatched": str(_mismatched(head, root / "mismatched"))}
+    return str(target), {
+        "truncated": str(_truncated(head, root / "truncated")),
+        "mismatched": str(_mismatched(head, root / "mismatched")),
+    }
 
 
 @pytest.mark.parametrize("damage", ["truncated", "mismatched"])
@@ -179,7 +187,9 @@ def test_key_mode_lane_puts_the_split_on_the_start_event(make_llm, dense_model):
     llm.generate(PROMPT, messages=[], prompt_cache_key="chat", max_output_tokens=4, on_progress=first.append)
     assert first[0]["cached_tokens"] == 0 and first[0]["fed_tokens"] == first[0]["prompt_tokens"]  # a miss is known too
     second: list[dict] = []
-    result = llm.generate(PROMPT + " And then?", messages=[], prompt_cache_key="chat", max_output_tokens=4, on_progress=second.append)
+    result = llm.generate(
+        PROMPT + " And then?", messages=[], prompt_cache_key="chat", max_output_tokens=4, on_progress=second.append
+    )
     start = second[0]
     assert start["phase"] == "prefill" and "prefill_processed_tokens" not in start
     assert start["cached_tokens"] == result.usage["cached_input_tokens"] > 0
@@ -196,6 +206,7 @@ def test_batched_lane_has_the_split_from_the_first_mid_prefill_event(make_llm, d
     assert all("cached_tokens" in e and "fed_tokens" in e for e in mid)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{"mlx_batching": True}, {"mlx_batching": False}], ids=["batched", "serialized"])
 def test_one_observation_per_real_change_of_position(make_llm, dense_model, options):
     llm = make_llm(dense_model, mlx_prefill_step_size=64, progress_min_interval_s=0.0, **options)
@@ -216,6 +227,7 @@ def test_a_prompt_shorter_than_one_chunk_reports_no_position(make_llm, dense_mod
     assert [e["phase"] for e in events[:2]] == ["prefill", "generate"]  # the first token follows the start event
 
 
+@pytest.mark.slow
 def test_serialized_lane_chunks_by_2048_unless_a_step_is_chosen(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=False, progress_min_interval_s=0.0)
     assert llm._engine.config.serial_prefill_step_size == 2048
@@ -233,6 +245,7 @@ def test_serialized_lane_chunks_by_2048_unless_a_step_is_chosen(make_llm, dense_
 # -- the engine stream ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_engine_stream_hands_observations_to_the_callback_on_the_iterating_thread(make_llm, dense_model):
     llm = make_llm(dense_model, mlx_batching=True, mlx_prefill_step_size=64)
     engine = llm._engine

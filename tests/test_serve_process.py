@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from test_server_harness import start_serve
 
 pytestmark = pytest.mark.slow
@@ -24,7 +25,10 @@ def test_serve_logs_loads_and_requests_and_records_them(dense_model: str, tmp_pa
     proc, url = start_serve(args, tmp_path, stdout=subprocess.PIPE)
     try:
         with httpx.Client(base_url=url, timeout=60, headers={"X-Session-Affinity": "s-1"}) as http:
-            ok = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+            ok = http.post(
+                "/v1/chat/completions",
+                json={"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]},
+            )
             bad = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1})
         assert ok.status_code == 200 and bad.status_code == 400
     finally:
@@ -33,7 +37,9 @@ def test_serve_logs_loads_and_requests_and_records_them(dense_model: str, tmp_pa
     assert proc.returncode == -signal.SIGTERM, err  # uvicorn shuts down, then re-raises the signal
     lines = err.splitlines()
     assert any(line.startswith(f"abstractruntime-mlx: loading {dense_model} (") for line in lines), err
-    assert any(line.startswith(f"abstractruntime-mlx: loaded {dense_model} (") and line.endswith(" s") for line in lines), err
+    assert any(
+        line.startswith(f"abstractruntime-mlx: loaded {dense_model} (") and line.endswith(" s") for line in lines
+    ), err
     access = out.splitlines()  # uvicorn writes its access log on stdout
     assert any('"POST /v1/chat/completions HTTP/1.1" 200' in line for line in access), out
     assert any('"POST /v1/completions HTTP/1.1" 400' in line for line in access), out

@@ -19,13 +19,13 @@ from typing import Any
 import httpx
 import pytest
 from starlette.testclient import TestClient
-from test_server_harness import FakeProvider, engine_stats, serve_in_thread, wait_until
 
 from abstractruntime_mlx import create_llm
 from abstractruntime_mlx.errors import EngineCrashed, QueueFull
 from abstractruntime_mlx.results import GenerationChunk
 from abstractruntime_mlx.server import create_app
 from abstractruntime_mlx.testing import tiny_model
+from test_server_harness import FakeProvider, engine_stats, serve_in_thread, wait_until
 
 USER = [{"role": "user", "content": "Say something."}]
 
@@ -99,7 +99,11 @@ def test_openai_sdk_stream_ends_with_terminal_chunk_and_done(server_url: str, ll
     assert finals[0].usage.completion_tokens == 6
     assert finals[0].model_extra["abstractcore"]["execution"]["peak_batch_size"] >= 1
     # The tiny template opens a think block in the prompt: its text streams as reasoning_content.
-    delta_text = [(c.choices[0].delta.content or "") + ((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "") for c in chunks if c.choices]
+    delta_text = [
+        (c.choices[0].delta.content or "") + ((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "")
+        for c in chunks
+        if c.choices
+    ]
     assert "".join(delta_text)
 
     raw = httpx.post(
@@ -134,7 +138,13 @@ def test_concurrent_streams_are_batched(server_url: str) -> None:
 def test_progress_events_are_sent_when_asked(server_url: str) -> None:
     response = httpx.post(
         f"{server_url}/v1/chat/completions",
-        json={"messages": USER, "max_tokens": 5, "stream": True, "temperature": 0, "stream_options": {"include_progress": True}},
+        json={
+            "messages": USER,
+            "max_tokens": 5,
+            "stream": True,
+            "temperature": 0,
+            "stream_options": {"include_progress": True},
+        },
         timeout=30,
     )
     records = sse_records(response.text)
@@ -209,10 +219,13 @@ def test_stream_disconnect_cancels_and_frees_the_slot(narrow: Any) -> None:
     assert wait_until(lambda: _idle(provider), timeout_s=10)
     assert engine_stats(provider)["cancelled"] == before + 1
     # the only slot is free again: a short request completes
-    done = httpx.post(f"{url}/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "temperature": 0}, timeout=30)
+    done = httpx.post(
+        f"{url}/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "temperature": 0}, timeout=30
+    )
     assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_nonstream_disconnect_cancels_and_frees_the_slot(narrow: Any) -> None:
     provider, url = narrow
     before = engine_stats(provider)["cancelled"]
@@ -220,7 +233,9 @@ def test_nonstream_disconnect_cancels_and_frees_the_slot(narrow: Any) -> None:
         httpx.post(f"{url}/v1/chat/completions", json=LONG, timeout=httpx.Timeout(0.5, connect=5))
     assert wait_until(lambda: _idle(provider), timeout_s=10)
     assert engine_stats(provider)["cancelled"] == before + 1
-    done = httpx.post(f"{url}/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "temperature": 0}, timeout=30)
+    done = httpx.post(
+        f"{url}/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "temperature": 0}, timeout=30
+    )
     assert done.status_code == 200
 
 
@@ -308,7 +323,9 @@ def test_a_failed_ssd_flush_at_unload_is_a_500_and_the_model_is_gone(tmp_path: A
     namespace.write_text("not a directory")
     with TestClient(create_app(provider)) as client:
         long_chat = [{"role": "system", "content": "You answer briefly. " * 20}, *USER]  # long enough to store blocks
-        chat = client.post("/v1/chat/completions", json={"messages": long_chat, "max_tokens": 2, "prompt_cache_key": "k"})
+        chat = client.post(
+            "/v1/chat/completions", json={"messages": long_chat, "max_tokens": 2, "prompt_cache_key": "k"}
+        )
         assert chat.status_code == 200, chat.text
         failed = client.post("/acore/models/unload", json={})
         assert failed.status_code == 500 and failed.json()["error"]["code"] == "prompt_cache_flush_failed"
@@ -327,7 +344,10 @@ def test_unload_with_active_requests_is_refused(tmp_path: Any) -> None:
                 next(lines)
                 assert wait_until(lambda: engine_stats(provider)["active"] == 1), engine_stats(provider)
                 busy = client.post(f"{url}/acore/models/unload", json={})
-                assert busy.status_code == 409 and busy.json()["error"]["code"] == "owner_busy", (busy.text, engine_stats(provider))
+                assert busy.status_code == 409 and busy.json()["error"]["code"] == "owner_busy", (
+                    busy.text,
+                    engine_stats(provider),
+                )
             assert wait_until(lambda: _idle(provider), timeout_s=10)
             assert client.post(f"{url}/acore/models/unload", json={}).json()["unloaded"] is True
             assert client.get(f"{url}/health").json()["loaded"] is False
@@ -445,7 +465,9 @@ def test_prompt_cache_routes() -> None:
         cleared = client.post("/acore/prompt_cache/clear", json={"key": "k"}).json()
         assert cleared["ok"] is True and cleared["result"]["key"] == "k"
         meta = {"session_id": "s1", "run_id": "r1", "node_id": "llm"}
-        stored = client.post("/acore/prompt_cache/key_meta", json={"provider": "mlx", "model": "fake-model", "key": "k", "meta": meta})
+        stored = client.post(
+            "/acore/prompt_cache/key_meta", json={"provider": "mlx", "model": "fake-model", "key": "k", "meta": meta}
+        )
         assert stored.json() == {"ok": True, "supported": True, "operation": "key_meta", "key": "k", "meta": meta}
         merged = client.post("/acore/prompt_cache/key_meta", json={"key": "k", "meta": {"attempt": 2}}).json()
         assert merged["meta"] == {**meta, "attempt": 2}
@@ -453,10 +475,16 @@ def test_prompt_cache_routes() -> None:
         reserved = client.post("/acore/prompt_cache/key_meta", json={"key": "k", "meta": {"fed_token_ids": [1]}})
         assert reserved.status_code == 400
         # a key in the form every edge gives it: " k" is "k"; only whitespace is no key
-        assert client.post("/acore/prompt_cache/key_meta", json={"key": " k ", "meta": {"attempt": 3}}).json()["key"] == "k"
+        assert (
+            client.post("/acore/prompt_cache/key_meta", json={"key": " k ", "meta": {"attempt": 3}}).json()["key"]
+            == "k"
+        )
         assert client.get("/acore/prompt_cache/key_meta", params={"key": " k"}).json()["meta"]["attempt"] == 3
         assert client.post("/acore/prompt_cache/clear", json={"key": "  k"}).json()["result"]["key"] == "k"
-        for bad in (client.post("/acore/prompt_cache/key_meta", json={"key": "   ", "meta": {}}), client.get("/acore/prompt_cache/key_meta", params={"key": " "})):
+        for bad in (
+            client.post("/acore/prompt_cache/key_meta", json={"key": "   ", "meta": {}}),
+            client.get("/acore/prompt_cache/key_meta", params={"key": " "}),
+        ):
             assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
         long_key = client.get("/acore/prompt_cache/key_meta", params={"key": "k" * 513})
         assert long_key.status_code == 400 and "limit is 512" in long_key.json()["error"]["message"]
@@ -475,7 +503,9 @@ def test_serve_command_binds_loopback_by_default() -> None:
 
     parser = argparse.ArgumentParser()
     serve_cmd.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--model", "m", "--no-mlx-batching", "--mlx-max-batch-size", "2", "--speculation", "3"])
+    args = parser.parse_args(
+        ["serve", "--model", "m", "--no-mlx-batching", "--mlx-max-batch-size", "2", "--speculation", "3"]
+    )
     settings = serve_cmd.settings_from_args(args, environ={"ABSTRACTRUNTIME_MLX_API_KEY": "k"})
     assert settings.host == "127.0.0.1" and settings.port == 8080 and settings.api_key == "k"
     assert settings.options == {
@@ -495,7 +525,18 @@ def test_serve_command_runs_uvicorn(model_path: str) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "abstractruntime_mlx.cli.main", "serve", "--model", model_path, "--port", str(port), "--api-key", "k"],
+        [
+            sys.executable,
+            "-m",
+            "abstractruntime_mlx.cli.main",
+            "serve",
+            "--model",
+            model_path,
+            "--port",
+            str(port),
+            "--api-key",
+            "k",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -535,7 +576,15 @@ class GatedProvider(FakeProvider):
     def send(self, *texts: str, finish: bool = False) -> None:
         burst = [GenerationChunk(content=text, model=self.model) for text in texts]
         if finish:
-            burst.append(GenerationChunk(content="", finish_reason="stop", usage=self._usage(), metadata=dict(self.metadata), model=self.model))
+            burst.append(
+                GenerationChunk(
+                    content="",
+                    finish_reason="stop",
+                    usage=self._usage(),
+                    metadata=dict(self.metadata),
+                    model=self.model,
+                )
+            )
         self._bursts.put(burst)
 
     async def _chunks(self, on_progress: Any) -> Any:
@@ -578,6 +627,7 @@ def test_stream_interval_never_delays_the_first_token_or_the_end(interval_ms: fl
             assert list(records) == ["[DONE]"]
 
 
+@pytest.mark.slow
 def test_stream_writes_each_token_apart_when_they_come_apart_and_together_when_they_queue_up() -> None:
     """The verdict depends on order only: the test sends a token and reads its write before it
     sends the next; then it sends a burst that is queued at once, which goes out as one delta."""

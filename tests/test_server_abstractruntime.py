@@ -8,12 +8,12 @@ import dataclasses
 from typing import Any
 
 import pytest
-from test_server_harness import request_fields, serve_in_thread
 
 from abstractruntime_mlx import create_llm
 from abstractruntime_mlx.request import GenerationRequest
 from abstractruntime_mlx.server import create_app
 from abstractruntime_mlx.testing import tiny_model
+from test_server_harness import request_fields, serve_in_thread
 
 
 class Recording:

@@ -18,7 +18,12 @@ from test_server_harness import FakeProvider, serve_in_thread
 
 ROUTES = {
     # route: (path, body fields beside the prompt, the object of the answer, its usage key of output tokens)
-    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}, "chat.completion", "completion_tokens"),
+    "chat": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4},
+        "chat.completion",
+        "completion_tokens",
+    ),
     "responses": ("/v1/responses", {"input": "Say hi", "max_output_tokens": 4}, "response", "output_tokens"),
     "completions": ("/v1/completions", {"prompt": "Say hi", "max_tokens": 4}, "text_completion", "completion_tokens"),
 }

@@ -22,7 +22,6 @@ from typing import Any
 import httpx
 import pytest
 from packaging.version import Version
-from test_server_harness import serve_in_thread
 
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.errors import InvalidRequest, TooManyConnections, error_class_for_code
@@ -34,6 +33,7 @@ from abstractruntime_mlx.server.connections import (
     connection_cap,
     guarded_protocol,
 )
+from test_server_harness import serve_in_thread
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 CLOSE_WITHIN_S = 20.0  # many times every timeout below
@@ -43,7 +43,9 @@ PROTOCOLS = ["h11", "httptools"]
 @contextmanager
 def guarded_server(limits: ConnectionLimits, http: str) -> Iterator[tuple[str, int]]:
     """An empty server (no model: ``/health`` answers) behind ``limits``; yields (url, port)."""
-    with serve_in_thread(create_app(), http=guarded_protocol(limits, http=http), timeout_keep_alive=limits.idle_timeout_s) as url:
+    with serve_in_thread(
+        create_app(), http=guarded_protocol(limits, http=http), timeout_keep_alive=limits.idle_timeout_s
+    ) as url:
         yield url, int(url.rsplit(":", 1)[1])
 
 
@@ -67,6 +69,7 @@ def health_status(url: str) -> int:
         return client.get(f"{url}/health").status_code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("http", PROTOCOLS)
 def test_idle_connections_past_the_cap_are_closed_and_health_answers(http: str) -> None:
     limits = ConnectionLimits(max_connections=20, header_timeout_s=1.0, idle_timeout_s=1)
@@ -81,9 +84,12 @@ def test_idle_connections_past_the_cap_are_closed_and_health_answers(http: str) 
                 sock.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("http", PROTOCOLS)
 def test_a_header_sent_a_byte_at_a_time_is_cut_off_at_the_header_deadline(http: str) -> None:
-    limits = ConnectionLimits(max_connections=100, header_timeout_s=1.0, idle_timeout_s=60)  # under the cap: no eviction
+    limits = ConnectionLimits(
+        max_connections=100, header_timeout_s=1.0, idle_timeout_s=60
+    )  # under the cap: no eviction
     with guarded_server(limits, http) as (url, port):
         slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(30)]
         for sock in slow:
@@ -126,6 +132,7 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, Any]]:
     return int(lines[0].split()[1]), json.loads(body)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("http", PROTOCOLS)
 def test_keep_alive_serves_the_next_request_then_closes_an_idle_connection(http: str) -> None:
     limits = ConnectionLimits(max_connections=10, header_timeout_s=2.0, idle_timeout_s=1)
@@ -138,13 +145,17 @@ def test_keep_alive_serves_the_next_request_then_closes_an_idle_connection(http:
         assert closed_by_server(sock)  # then idle: closed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("http", PROTOCOLS)
 def test_past_a_cap_of_busy_connections_a_new_one_gets_503_too_many_connections(http: str) -> None:
     limits = ConnectionLimits(max_connections=4, header_timeout_s=1.0, idle_timeout_s=1)
     with guarded_server(limits, http) as (url, port):
         busy = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
         for sock in busy:  # a complete header, a body that never comes: a request in flight
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"application/json\r\nContent-Length: 100\r\n\r\n{"
+            )
         try:
             # past the header deadline (1 s) and still open: the server read the headers, the requests are in flight
             time.sleep(1.5)
@@ -203,6 +214,7 @@ def test_bad_limits_are_invalid_requests_naming_the_field(kwargs: dict[str, Any]
     assert info.value.details["field"] == field
 
 
+@pytest.mark.slow
 def test_the_soft_descriptor_limit_is_raised_to_the_hard_one() -> None:
     """In a child whose soft limit starts at 64 (the parent's own limits stay as they are)."""
     code = (
@@ -212,7 +224,9 @@ def test_the_soft_descriptor_limit_is_raised_to_the_hard_one() -> None:
         "from abstractruntime_mlx.server.connections import raise_open_file_limit\n"
         "print(raise_open_file_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(SRC)})
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(SRC)}
+    )
     assert done.returncode == 0, done.stderr
     reported, soft, hard = (int(word) for word in done.stdout.split())
     assert reported == soft and soft > 64 and (soft == hard or hard < 0)  # hard < 0: unlimited (RLIM_INFINITY)
@@ -250,7 +264,14 @@ def test_the_uvicorn_hooks_are_those_of_the_supported_range() -> None:
     assert Version("0.29") <= Version(version("uvicorn")) < Version("0.56")
     for protocol in (H11Protocol, HttpToolsProtocol):
         source = inspect.getsource(protocol)
-        for hook in ("def connection_made", "def data_received", "def on_response_complete", "def connection_lost", "self.cycle = RequestResponseCycle(", "on_response=self.on_response_complete"):
+        for hook in (
+            "def connection_made",
+            "def data_received",
+            "def on_response_complete",
+            "def connection_lost",
+            "self.cycle = RequestResponseCycle(",
+            "on_response=self.on_response_complete",
+        ):
             assert hook in source, (protocol.__name__, hook)
         cycle_source = inspect.getsource(sys.modules[protocol.__module__].RequestResponseCycle)
         assert "self.response_complete = True" in cycle_source

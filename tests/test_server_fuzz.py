@@ -19,10 +19,10 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_server_harness import serve_in_thread
 
 from abstractruntime_mlx import create_llm
 from abstractruntime_mlx.server import create_app
+from test_server_harness import serve_in_thread
 
 TIMEOUT_S = 30.0  # a request slower than this counts as a hang
 NORMAL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
@@ -66,7 +66,9 @@ output_caps = st.one_of(st.integers(min_value=-3, max_value=4), st.sampled_from(
 content_parts = st.lists(
     st.one_of(
         st.fixed_dictionaries({"type": st.just("text"), "text": st.one_of(texts, json_values)}),
-        st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.one_of(json_values, st.fixed_dictionaries({"url": texts}))}),
+        st.fixed_dictionaries(
+            {"type": st.just("image_url"), "image_url": st.one_of(json_values, st.fixed_dictionaries({"url": texts}))}
+        ),
         st.dictionaries(texts, json_values, max_size=3),
     ),
     max_size=3,
@@ -74,7 +76,11 @@ content_parts = st.lists(
 tool_calls = st.lists(
     st.one_of(
         st.fixed_dictionaries(
-            {"id": texts, "type": st.just("function"), "function": st.fixed_dictionaries({"name": texts, "arguments": st.one_of(texts, json_values)})}
+            {
+                "id": texts,
+                "type": st.just("function"),
+                "function": st.fixed_dictionaries({"name": texts, "arguments": st.one_of(texts, json_values)}),
+            }
         ),
         json_values,
     ),
@@ -83,8 +89,16 @@ tool_calls = st.lists(
 messages = st.lists(
     st.one_of(
         st.fixed_dictionaries(
-            {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]), "content": st.one_of(texts, content_parts, st.none())},
-            optional={"name": texts, "tool_calls": st.one_of(tool_calls, json_values), "tool_call_id": texts, "reasoning": json_values},
+            {
+                "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
+                "content": st.one_of(texts, content_parts, st.none()),
+            },
+            optional={
+                "name": texts,
+                "tool_calls": st.one_of(tool_calls, json_values),
+                "tool_call_id": texts,
+                "reasoning": json_values,
+            },
         ),
         st.dictionaries(texts, json_values, max_size=3),
     ),
@@ -94,7 +108,10 @@ messages = st.lists(
 chat_fields = {
     "model": st.one_of(texts, json_values),
     "stream": st.one_of(st.booleans(), json_values),
-    "stream_options": st.one_of(st.fixed_dictionaries({}, optional={"include_usage": json_values, "include_progress": st.booleans()}), json_values),
+    "stream_options": st.one_of(
+        st.fixed_dictionaries({}, optional={"include_usage": json_values, "include_progress": st.booleans()}),
+        json_values,
+    ),
     "n": json_values,
     "temperature": st.one_of(floats, json_values),
     "top_p": st.one_of(floats, json_values),
@@ -103,7 +120,14 @@ chat_fields = {
     "repetition_penalty": floats,
     "presence_penalty": floats,
     "frequency_penalty": floats,
-    "logit_bias": st.one_of(st.dictionaries(st.one_of(token_ids, texts.filter(lambda k: not k.strip().isdigit())), st.one_of(floats, json_values), max_size=3), json_values),
+    "logit_bias": st.one_of(
+        st.dictionaries(
+            st.one_of(token_ids, texts.filter(lambda k: not k.strip().isdigit())),
+            st.one_of(floats, json_values),
+            max_size=3,
+        ),
+        json_values,
+    ),
     "seed": st.one_of(seeds, json_values),
     "stop": st.one_of(texts, st.lists(texts, max_size=3), json_values),
     "max_output_tokens": st.one_of(output_caps, json_values),
@@ -126,7 +150,9 @@ unicode_texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), ma
 finite = st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([0, 0.5, 1, 2, 1e-9, 1e9]))
 engine_fields = {
     "stream": st.booleans(),
-    "stream_options": st.fixed_dictionaries({}, optional={"include_progress": st.booleans(), "include_usage": st.booleans()}),
+    "stream_options": st.fixed_dictionaries(
+        {}, optional={"include_progress": st.booleans(), "include_usage": st.booleans()}
+    ),
     "temperature": finite,
     "top_p": finite,
     "top_k": st.one_of(st.integers(min_value=-1, max_value=50), big_ints),
@@ -141,12 +167,20 @@ engine_fields = {
         st.none(),
         st.booleans(),
         st.sampled_from(["off", "native_mtp", "warp"]),
-        st.fixed_dictionaries({"mode": st.sampled_from(["native_mtp", "off", "x"])}, optional={"num_draft_tokens": big_ints, "require_acceleration": st.booleans()}),
+        st.fixed_dictionaries(
+            {"mode": st.sampled_from(["native_mtp", "off", "x"])},
+            optional={"num_draft_tokens": big_ints, "require_acceleration": st.booleans()},
+        ),
     ),
     "thinking": st.one_of(st.booleans(), st.sampled_from(["low", "medium", "high", "max", ""])),
     "prompt_cache_key": unicode_texts,
     "tools": st.lists(
-        st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({"name": unicode_texts}, optional={"parameters": json_values})}),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function"),
+                "function": st.fixed_dictionaries({"name": unicode_texts}, optional={"parameters": json_values}),
+            }
+        ),
         max_size=2,
     ),
 }
@@ -221,6 +255,7 @@ def assert_still_serving(client: httpx.Client) -> None:
 # ----------------------------------------------------------------------------- properties
 
 
+@pytest.mark.slow
 @FUZZ
 @given(body=chat_bodies)
 def test_fuzzed_chat_bodies(server: httpx.Client, body: dict[str, Any]) -> None:
@@ -230,6 +265,7 @@ def test_fuzzed_chat_bodies(server: httpx.Client, body: dict[str, Any]) -> None:
     assert_still_serving(server)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(body=engine_bodies)
 def test_fuzzed_values_that_reach_the_provider(server: httpx.Client, body: dict[str, Any]) -> None:
@@ -239,8 +275,14 @@ def test_fuzzed_values_that_reach_the_provider(server: httpx.Client, body: dict[
     assert_still_serving(server)
 
 
+@pytest.mark.slow
 @FUZZ
-@given(raw=raw_bodies, path=st.sampled_from(["/v1/chat/completions", "/acore/models/load", "/acore/prompt_cache/key_meta", "/acore/prompt_cache/clear"]))
+@given(
+    raw=raw_bodies,
+    path=st.sampled_from(
+        ["/v1/chat/completions", "/acore/models/load", "/acore/prompt_cache/key_meta", "/acore/prompt_cache/clear"]
+    ),
+)
 def test_fuzzed_raw_bodies(server: httpx.Client, raw: bytes, path: str) -> None:
     assert_answered(server.post(path, content=raw, headers={"Content-Type": "application/json"}))
     assert_still_serving(server)
@@ -251,27 +293,61 @@ other_requests = st.one_of(
         st.just("POST"),
         st.just("/acore/models/load"),
         st.fixed_dictionaries(
-            {"model": st.one_of(texts, st.sampled_from(["/proc/self", "~", "/", "..", "org/name", "a" * 300]), json_values)},
-            optional={"provider": json_values, "options": st.one_of(st.dictionaries(st.sampled_from(["mlx_max_batch_size", "mtp_head", "speculation", "warp"]), json_values, max_size=2), json_values), "task": json_values, "pin": json_values},
+            {
+                "model": st.one_of(
+                    texts, st.sampled_from(["/proc/self", "~", "/", "..", "org/name", "a" * 300]), json_values
+                )
+            },
+            optional={
+                "provider": json_values,
+                "options": st.one_of(
+                    st.dictionaries(
+                        st.sampled_from(["mlx_max_batch_size", "mtp_head", "speculation", "warp"]),
+                        json_values,
+                        max_size=2,
+                    ),
+                    json_values,
+                ),
+                "task": json_values,
+                "pin": json_values,
+            },
         ),
     ),
-    st.tuples(st.just("POST"), st.just("/acore/models/unload"), st.fixed_dictionaries({"force": st.just(True)}, optional={"model": json_values})),
-    st.tuples(st.just("POST"), st.just("/acore/prompt_cache/clear"), st.fixed_dictionaries({}, optional={"key": json_values})),
+    st.tuples(
+        st.just("POST"),
+        st.just("/acore/models/unload"),
+        st.fixed_dictionaries({"force": st.just(True)}, optional={"model": json_values}),
+    ),
+    st.tuples(
+        st.just("POST"), st.just("/acore/prompt_cache/clear"), st.fixed_dictionaries({}, optional={"key": json_values})
+    ),
     st.tuples(
         st.just("POST"),
         st.just("/acore/prompt_cache/key_meta"),
-        st.fixed_dictionaries({"key": st.one_of(texts, json_values)}, optional={"meta": json_values, "model": json_values, "provider": json_values}),
+        st.fixed_dictionaries(
+            {"key": st.one_of(texts, json_values)},
+            optional={"meta": json_values, "model": json_values, "provider": json_values},
+        ),
     ),
-    st.tuples(st.just("GET"), st.just("/acore/prompt_cache/key_meta"), st.fixed_dictionaries({}, optional={"key": texts})),
+    st.tuples(
+        st.just("GET"), st.just("/acore/prompt_cache/key_meta"), st.fixed_dictionaries({}, optional={"key": texts})
+    ),
     st.tuples(
         st.just("GET"),
         st.just("/v1/models/execution-capabilities"),
-        st.fixed_dictionaries({}, optional={"model_name": st.one_of(texts, st.sampled_from(["/proc/self", "~", "/etc", "a" * 300])), "provider": texts}),
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "model_name": st.one_of(texts, st.sampled_from(["/proc/self", "~", "/etc", "a" * 300])),
+                "provider": texts,
+            },
+        ),
     ),
     st.tuples(st.just("GET"), st.sampled_from(["/v1/models", "/acore/prompt_cache/stats", "/health"]), st.just({})),
 )
 
 
+@pytest.mark.slow
 @FUZZ
 @given(request=other_requests)
 def test_fuzzed_other_routes(server: httpx.Client, request: tuple[str, str, dict[str, Any]]) -> None:
@@ -285,6 +361,7 @@ def test_fuzzed_other_routes(server: httpx.Client, request: tuple[str, str, dict
     assert_still_serving(server)
 
 
+@pytest.mark.slow
 def test_the_strategies_reach_hostile_values() -> None:
     """The fuzzer really sends what the edge must refuse (else the properties prove little)."""
     seen = {"nan": False, "surrogate": False, "big": False}

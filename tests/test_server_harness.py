@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 import uvicorn
 
 from abstractruntime_mlx.errors import MLXRuntimeError
@@ -54,7 +53,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_serve(args: list[str], tmp_path: Path, *, stdout: int = subprocess.DEVNULL) -> tuple[subprocess.Popen[str], str]:
+def start_serve(
+    args: list[str], tmp_path: Path, *, stdout: int = subprocess.DEVNULL
+) -> tuple[subprocess.Popen[str], str]:
     """``abstractruntime-mlx serve ARGS`` in a subprocess on a free loopback port (stderr piped),
     returned with its URL once ``/health`` answers; the caller stops it."""
     port = free_port()
@@ -211,7 +212,11 @@ class FakeProvider:
             final = chunk
         assert final is not None
         return GenerationResult(
-            content=text, finish_reason=final.finish_reason, usage=final.usage or {}, metadata=final.metadata or {}, model=self.model
+            content=text,
+            finish_reason=final.finish_reason,
+            usage=final.usage or {},
+            metadata=final.metadata or {},
+            model=self.model,
         )
 
     async def _chunks(self, on_progress: Any) -> Any:
@@ -231,4 +236,6 @@ class FakeProvider:
             raise self.error
         if on_progress is not None:
             on_progress({"kind": "llm", "phase": "complete", "final": True, "finish_reason": "stop"})
-        yield GenerationChunk(content="", finish_reason="stop", usage=self._usage(), metadata=dict(self.metadata), model=self.model)
+        yield GenerationChunk(
+            content="", finish_reason="stop", usage=self._usage(), metadata=dict(self.metadata), model=self.model
+        )

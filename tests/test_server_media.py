@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
-from test_server_harness import FakeProvider, data_url, image_part, jpeg_bytes, png_bytes
 
 from abstractruntime_mlx.server import create_app
 from abstractruntime_mlx.server.media import MAX_IMAGE_BYTES, MiB
+from test_server_harness import FakeProvider, data_url, image_part, jpeg_bytes, png_bytes
 
 PNG = png_bytes()
 # A PNG whose base64 form carries "=" padding (its length is not a multiple of 3).
@@ -82,7 +82,11 @@ def test_unsupported_part_types_are_rejected(client: Any) -> None:
 
 
 def test_images_in_history_are_rejected(client: Any) -> None:
-    messages = [user(image_part(data_url(PNG))), {"role": "assistant", "content": "A red square."}, {"role": "user", "content": "And now?"}]
+    messages = [
+        user(image_part(data_url(PNG))),
+        {"role": "assistant", "content": "A red square."},
+        {"role": "user", "content": "And now?"},
+    ]
     rejected(post(client, messages), "only in the final user message")
 
 

@@ -56,7 +56,9 @@ def test_directories_inside_a_root_resolve(hub_cache: Path, root: Path) -> None:
     assert roots.resolve("org/cached") == "org/cached"
 
 
-@pytest.mark.parametrize("name", ["/proc/self", "~", "/etc", "/no/such/dir", "../outside", "alpha/../../outside", "escape"])
+@pytest.mark.parametrize(
+    "name", ["/proc/self", "~", "/etc", "/no/such/dir", "../outside", "alpha/../../outside", "escape"]
+)
 def test_paths_outside_the_roots_are_refused_without_saying_anything_about_them(
     hub_cache: Path, root: Path, name: str
 ) -> None:
@@ -113,4 +115,3 @@ def test_serve_takes_repeatable_model_roots(tmp_path: Path) -> None:
 
     args = build_parser().parse_args(["serve", "--model-root", "/a", "--model-root", "/b"])
     assert settings_from_args(args, environ={}).model_roots == ("/a", "/b")
-

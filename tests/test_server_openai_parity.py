@@ -10,10 +10,9 @@ import math
 import httpx
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
-from test_server_harness import serve_in_thread
 
 from abstractruntime_mlx.server import create_app
-
+from test_server_harness import serve_in_thread
 
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -47,8 +46,13 @@ def _check_greedy(entries, *, top: int) -> None:
 
 def test_chat_logprobs_greedy_are_the_argmax(client, dense_model):
     completion = client.chat.completions.create(
-        model=dense_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0,
-        logprobs=True, top_logprobs=4, extra_body={"thinking": False},
+        model=dense_model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=4,
+        extra_body={"thinking": False},
     )
     choice = completion.choices[0]
     content = choice.logprobs.content
@@ -59,7 +63,10 @@ def test_chat_logprobs_greedy_are_the_argmax(client, dense_model):
 
 def test_chat_without_logprobs_has_none(client, dense_model):
     completion = client.chat.completions.create(
-        model=dense_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        model=dense_model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
         extra_body={"thinking": False},
     )
     assert completion.choices[0].logprobs is None
@@ -67,13 +74,24 @@ def test_chat_without_logprobs_has_none(client, dense_model):
 
 def test_chat_stream_carries_logprobs_per_chunk(client, dense_model):
     plain = client.chat.completions.create(
-        model=dense_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0,
-        logprobs=True, top_logprobs=2, extra_body={"thinking": False},
+        model=dense_model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"thinking": False},
     )
     entries, usage = [], None
     with client.chat.completions.create(
-        model=dense_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0,
-        logprobs=True, top_logprobs=2, stream=True, extra_body={"thinking": False},
+        model=dense_model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        extra_body={"thinking": False},
     ) as stream:
         for chunk in stream:
             if chunk.usage is not None:
@@ -88,8 +106,14 @@ def test_chat_stream_carries_logprobs_per_chunk(client, dense_model):
 
 def test_sampled_logprobs_are_the_sampled_tokens(client, dense_model):
     completion = client.chat.completions.create(
-        model=dense_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=1.5, seed=3,
-        logprobs=True, top_logprobs=0, extra_body={"thinking": False},
+        model=dense_model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=8,
+        temperature=1.5,
+        seed=3,
+        logprobs=True,
+        top_logprobs=0,
+        extra_body={"thinking": False},
     )
     content = completion.choices[0].logprobs.content
     assert len(content) == completion.usage.completion_tokens
@@ -109,7 +133,8 @@ def test_sampled_logprobs_are_the_sampled_tokens(client, dense_model):
 )
 def test_chat_refusals_name_the_field(server_url, fields, field):
     answer = httpx.post(
-        f"{server_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **fields}
+        f"{server_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **fields},
     )
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["details"]["field"] == field
@@ -124,10 +149,17 @@ def test_keyed_requests_report_logprobs_as_unkeyed_ones(client, dense_model):
 
     def ask(**extra):
         answer = client.chat.completions.create(
-            model=dense_model, messages=long, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+            model=dense_model,
+            messages=long,
+            max_tokens=6,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
             extra_body={"thinking": False, **extra},
         )
-        return answer, [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in answer.choices[0].logprobs.content]
+        return answer, [
+            (e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in answer.choices[0].logprobs.content
+        ]
 
     plain, expected = ask()
     for _ in range(2):  # cold, then its prefix reused
@@ -139,14 +171,21 @@ def test_keyed_requests_report_logprobs_as_unkeyed_ones(client, dense_model):
     assert keyed.usage.prompt_tokens_details.cached_tokens > 0
     assert keyed.model_extra["abstractcore"]["prompt_cache"]["outcome"] == "hit"
     many = client.chat.completions.create(
-        model=dense_model, messages=long, max_tokens=6, temperature=0, logprobs=True, n=3,
+        model=dense_model,
+        messages=long,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        n=3,
         extra_body={"thinking": False, "prompt_cache_key": "parity-logprobs"},
     )
     assert [[e.token for e in c.logprobs.content] for c in many.choices] == [[t for t, _, _ in expected]] * 3
 
 
 def test_completions_logprobs_legacy_shape(client, dense_model):
-    completion = client.completions.create(model=dense_model, prompt="Once upon", max_tokens=6, temperature=0, logprobs=3)
+    completion = client.completions.create(
+        model=dense_model, prompt="Once upon", max_tokens=6, temperature=0, logprobs=3
+    )
     choice = completion.choices[0]
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == completion.usage.completion_tokens
@@ -165,16 +204,26 @@ def test_completions_is_a_raw_continuation_with_echo(client, dense_model, server
     assert echoed.choices[0].text == "Once upon" + raw.choices[0].text
     # No chat template: far fewer prompt tokens than the same text as a chat turn.
     chat = client.chat.completions.create(
-        model=dense_model, messages=[{"role": "user", "content": "Once upon"}], max_tokens=1, extra_body={"thinking": False}
+        model=dense_model,
+        messages=[{"role": "user", "content": "Once upon"}],
+        max_tokens=1,
+        extra_body={"thinking": False},
     )
     assert raw.usage.prompt_tokens < chat.usage.prompt_tokens
     streamed = "".join(
         c.choices[0].text
-        for c in client.completions.create(model=dense_model, prompt="Once upon", max_tokens=6, temperature=0, echo=True, stream=True)
+        for c in client.completions.create(
+            model=dense_model, prompt="Once upon", max_tokens=6, temperature=0, echo=True, stream=True
+        )
         if c.choices
     )
     assert streamed == echoed.choices[0].text
-    for extra, field in (({"echo": True, "logprobs": 1}, "echo"), ({"logprobs": 21}, "logprobs"), ({"thinking": False}, "thinking"), ({"frobnicate": 1}, "frobnicate")):
+    for extra, field in (
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"thinking": False}, "thinking"),
+        ({"frobnicate": 1}, "frobnicate"),
+    ):
         answer = httpx.post(f"{server_url}/v1/completions", json={"prompt": "x", "max_tokens": 2, **extra})
         assert answer.status_code == 400, (extra, answer.text)
         assert answer.json()["error"]["details"]["field"] == field
@@ -221,8 +270,14 @@ def test_token_texts_concatenate_to_the_text(client, dense_model, token, tokens,
     assert (choice.text, choice.logprobs.tokens) == (text, tokens)
     assert choice.logprobs.text_offset == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
     chat = client.chat.completions.create(
-        model=dense_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
-        logprobs=True, logit_bias=forced, stream=True, extra_body={"thinking": False},
+        model=dense_model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        logit_bias=forced,
+        stream=True,
+        extra_body={"thinking": False},
     )
     pieces, streamed = [], []
     for chunk in chat:
@@ -233,13 +288,24 @@ def test_token_texts_concatenate_to_the_text(client, dense_model, token, tokens,
     assert ("".join(pieces), streamed) == (text, tokens)
 
 
-
 def test_chat_n_greedy_answers_are_identical_and_usage_counts_the_prompt_once(client, dense_model):
     one = client.chat.completions.create(
-        model=dense_model, messages=HI, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, extra_body={"thinking": False}
+        model=dense_model,
+        messages=HI,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"thinking": False},
     )
     many = client.chat.completions.create(
-        model=dense_model, messages=HI, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, n=3,
+        model=dense_model,
+        messages=HI,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        n=3,
         extra_body={"thinking": False},
     )
     assert [c.index for c in many.choices] == [0, 1, 2]
@@ -255,7 +321,13 @@ def test_chat_n_greedy_answers_are_identical_and_usage_counts_the_prompt_once(cl
 def test_chat_n_sampled_answer_i_draws_with_seed_plus_i(client, dense_model):
     def ask(seed, n):
         return client.chat.completions.create(
-            model=dense_model, messages=HI, max_tokens=8, temperature=1.5, seed=seed, n=n, extra_body={"thinking": False}
+            model=dense_model,
+            messages=HI,
+            max_tokens=8,
+            temperature=1.5,
+            seed=seed,
+            n=n,
+            extra_body={"thinking": False},
         )
 
     many = [c.message.content for c in ask(5, 3).choices]
@@ -265,13 +337,27 @@ def test_chat_n_sampled_answer_i_draws_with_seed_plus_i(client, dense_model):
 
 def test_chat_n_stream_tags_each_chunk_with_its_answer(client, dense_model):
     plain = client.chat.completions.create(
-        model=dense_model, messages=HI, max_tokens=6, temperature=1.0, seed=11, n=3, logprobs=True,
+        model=dense_model,
+        messages=HI,
+        max_tokens=6,
+        temperature=1.0,
+        seed=11,
+        n=3,
+        logprobs=True,
         extra_body={"thinking": False},
     )
     texts, entries, finishes, usage = {}, {}, {}, None
     with client.chat.completions.create(
-        model=dense_model, messages=HI, max_tokens=6, temperature=1.0, seed=11, n=3, logprobs=True, stream=True,
-        stream_options={"include_usage": True}, extra_body={"thinking": False},
+        model=dense_model,
+        messages=HI,
+        max_tokens=6,
+        temperature=1.0,
+        seed=11,
+        n=3,
+        logprobs=True,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"thinking": False},
     ) as stream:
         for chunk in stream:
             usage = chunk.usage or usage
@@ -289,7 +375,9 @@ def test_chat_n_stream_tags_each_chunk_with_its_answer(client, dense_model):
 
 
 def test_completions_n_with_logprobs_and_echo(client, dense_model):
-    many = client.completions.create(model=dense_model, prompt="Once upon", max_tokens=5, temperature=0, n=2, logprobs=1)
+    many = client.completions.create(
+        model=dense_model, prompt="Once upon", max_tokens=5, temperature=0, n=2, logprobs=1
+    )
     assert [c.index for c in many.choices] == [0, 1]
     assert many.choices[0].text == many.choices[1].text
     for c in many.choices:

@@ -19,7 +19,6 @@ from typing import Any
 
 import httpx
 import pytest
-from test_server_harness import serve_in_thread, wait_until
 
 from abstractruntime_mlx.cli.main import main
 from abstractruntime_mlx.errors import InvalidRequest
@@ -27,6 +26,7 @@ from abstractruntime_mlx.server import ModelSpec, PoolSettings, create_app
 from abstractruntime_mlx.server.keep_alive import parse_keep_alive
 from abstractruntime_mlx.server.memory import estimate_footprint, parse_byte_size
 from abstractruntime_mlx.testing import tiny_model
+from test_server_harness import serve_in_thread, wait_until
 
 USER = [{"role": "user", "content": "Say something."}]
 LONG = {"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True}
@@ -35,7 +35,10 @@ LONG = {"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True}
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("pool-models")
-    return {name: str(tiny_model(root / name, kind="dense", seed=seed)) for seed, name in enumerate(("alpha", "beta", "gamma"))}
+    return {
+        name: str(tiny_model(root / name, kind="dense", seed=seed))
+        for seed, name in enumerate(("alpha", "beta", "gamma"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +90,10 @@ def test_two_tiny_models_served_by_one_process(tiny_models: dict[str, str]) -> N
             except httpx.HTTPError:
                 return False
 
-        if not wait_until(lambda: healthy() or proc.poll() is not None, timeout_s=60, interval_s=0.1) or proc.poll() is not None:
+        if (
+            not wait_until(lambda: healthy() or proc.poll() is not None, timeout_s=60, interval_s=0.1)
+            or proc.poll() is not None
+        ):
             proc.terminate()
             pytest.fail(f"serve did not come up: {proc.communicate(timeout=30)[1].decode(errors='replace')[-2000:]}")
         listed = models_by_id(url)
@@ -103,7 +109,10 @@ def test_two_tiny_models_served_by_one_process(tiny_models: dict[str, str]) -> N
             unknown = chat(client, "nobody/nothing")
             assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
             health = client.get("/health").json()
-            assert health["model"] == "alpha" and {m["id"]: m["state"] for m in health["models"]} == {"alpha": "loaded", "beta": "loaded"}
+            assert health["model"] == "alpha" and {m["id"]: m["state"] for m in health["models"]} == {
+                "alpha": "loaded",
+                "beta": "loaded",
+            }
             assert health["memory"]["budget_bytes"] > 0 and health["memory"]["resident_bytes"] > 0
             caps = client.get("/v1/models/execution-capabilities", params={"model_name": "google_gemma-3-1b-it"}).json()
             assert caps["model"] == tiny_models["beta"] and caps["residency"]["state"] == "loaded"
@@ -158,7 +167,10 @@ def test_pinned_and_busy_models_make_a_load_refused_with_insufficient_memory(
             assert refused.status_code == 507, refused.text
             error = refused.json()["error"]
             assert error["code"] == "insufficient_memory"
-            assert sorted((k["model"], k["reason"]) for k in error["details"]["kept"]) == [("alpha", "pinned"), ("beta", "in_flight")]
+            assert sorted((k["model"], k["reason"]) for k in error["details"]["kept"]) == [
+                ("alpha", "pinned"),
+                ("beta", "in_flight"),
+            ]
             assert error["details"]["reason"] == "models_in_use"
             assert error["details"]["budget_bytes"] == two_fit.memory_budget_bytes
         states = {name: m["state"] for name, m in models_by_id(url).items()}
@@ -177,6 +189,7 @@ def test_a_model_larger_than_the_budget_is_refused_at_start(tiny_models: dict[st
 # --------------------------------------------------------------------------- keep-alive
 
 
+@pytest.mark.slow
 def test_keep_alive_zero_unloads_when_idle_and_a_longer_one_keeps(tiny_models: dict[str, str]) -> None:
     app = create_app(models=specs(tiny_models))
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as client:
@@ -192,6 +205,7 @@ def test_keep_alive_zero_unloads_when_idle_and_a_longer_one_keeps(tiny_models: d
         assert models_by_id(url)["beta"]["keep_alive"] == "forever"
 
 
+@pytest.mark.slow
 def test_serve_keep_alive_default_unloads_idle_models_but_never_a_pinned_one(tiny_models: dict[str, str]) -> None:
     app = create_app(models=specs(tiny_models, pinned=("alpha",)), residency=PoolSettings(keep_alive_s=0.0))
     app.state.pool.preload(["alpha"])
@@ -275,7 +289,10 @@ def test_serve_settings_build_the_pool() -> None:
     argv = ["serve", "--model", "a=/x", "--model", "/models/b", "--alias", "gpt=a", "--pin", "/models/b"]
     argv += ["--memory-budget", "1GiB", "--keep-alive", "5m"]
     settings = serve_cmd.settings_from_args(parser.parse_args(argv), environ={})
-    assert [(s.name, s.source, s.pinned) for s in settings.model_specs()] == [("a", "/x", False), ("/models/b", "/models/b", True)]
+    assert [(s.name, s.source, s.pinned) for s in settings.model_specs()] == [
+        ("a", "/x", False),
+        ("/models/b", "/models/b", True),
+    ]
     assert settings.aliases == (("gpt", "a"),) and settings.preload() == ["a", "/models/b"]
     pool = settings.pool_settings()
     assert pool.memory_budget_bytes == 1024**3 and pool.keep_alive_s == 300.0
@@ -293,7 +310,10 @@ def routed_flow(tmp_path: Path, model: str) -> str:
             {
                 "id": "ask",
                 "type": "llm_call",
-                "data": {"effectConfig": {"provider": "lmstudio", "model": model}, "pinDefaults": {"prompt": "Say hi."}},
+                "data": {
+                    "effectConfig": {"provider": "lmstudio", "model": model},
+                    "pinDefaults": {"prompt": "Say hi."},
+                },
             },
         ],
         "edges": [{"source": "start", "sourceHandle": "exec-out", "target": "ask", "targetHandle": "exec-in"}],
@@ -310,7 +330,10 @@ def served_url(tiny_models: dict[str, str]) -> Iterator[str]:
         yield url
 
 
-def test_a_flow_routed_to_serve_runs_on_the_model_its_node_names(cli_env: Path, capsys: Any, tmp_path: Path, served_url: str) -> None:
+@pytest.mark.slow
+def test_a_flow_routed_to_serve_runs_on_the_model_its_node_names(
+    cli_env: Path, capsys: Any, tmp_path: Path, served_url: str
+) -> None:
     flow = routed_flow(tmp_path, "google_gemma-3-1b-it")
     route = f"lmstudio={served_url}"
     assert main(["check", flow, "--route", route, "--probe"]) == 0
@@ -320,7 +343,9 @@ def test_a_flow_routed_to_serve_runs_on_the_model_its_node_names(cli_env: Path, 
     assert models_by_id(served_url)["beta"]["state"] == "loaded"  # loaded by the node's request, by alias
 
 
-def test_check_refuses_a_flow_whose_model_the_server_cannot_serve(cli_env: Path, capsys: Any, tmp_path: Path, served_url: str) -> None:
+def test_check_refuses_a_flow_whose_model_the_server_cannot_serve(
+    cli_env: Path, capsys: Any, tmp_path: Path, served_url: str
+) -> None:
     flow = routed_flow(tmp_path, "qwen/not-here")
     code = main(["check", flow, "--route", f"lmstudio={served_url}", "--probe", "--json"])
     out, _ = capsys.readouterr()

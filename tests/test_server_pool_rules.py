@@ -19,13 +19,13 @@ from typing import Any
 import httpx
 import pytest
 from starlette.testclient import TestClient
-from test_server_harness import serve_in_thread, wait_until
 
 from abstractruntime_mlx.errors import InvalidRequest, OperatorSetting, error_class_for_code
 from abstractruntime_mlx.server import ModelSpec, PoolSettings, create_app
 from abstractruntime_mlx.server.load_policy import CLIENT_LIMITS, client_load_options
 from abstractruntime_mlx.server.memory import estimate_footprint
 from abstractruntime_mlx.testing import tiny_model
+from test_server_harness import serve_in_thread, wait_until
 
 USER = [{"role": "user", "content": "Say something."}]
 WIDE = {"mlx_batching": True, "mlx_max_batch_size": 2}
@@ -39,7 +39,10 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def paths(roots: Path) -> dict[str, str]:
-    return {name: str(tiny_model(roots / "R" / name, kind="dense", seed=seed)) for seed, name in enumerate(("alpha", "beta", "gamma"))}
+    return {
+        name: str(tiny_model(roots / "R" / name, kind="dense", seed=seed))
+        for seed, name in enumerate(("alpha", "beta", "gamma"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +70,7 @@ def metric_models(text: str) -> set[str]:
 # --------------------------------------------------------------------------- one name per model
 
 
+@pytest.mark.slow
 def test_a_model_has_one_name_in_answers_metrics_and_the_ledger(paths: dict[str, str], tmp_path: Path) -> None:
     from abstractruntime_mlx.ledger import Ledger, sqlite_url
     from abstractruntime_mlx.server.serve_ledger import ServeLedger, session_run_id
@@ -75,7 +79,10 @@ def test_a_model_has_one_name_in_answers_metrics_and_the_ledger(paths: dict[str,
     recorder = ServeLedger(ledger)
     app = create_app(models=[ModelSpec("a", paths["alpha"])], aliases={"x": "a"}, serve_ledger=recorder)
     try:
-        with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60, headers={"X-Session-Affinity": "s1"}) as client:
+        with (
+            serve_in_thread(app) as url,
+            httpx.Client(base_url=url, timeout=60, headers={"X-Session-Affinity": "s1"}) as client,
+        ):
             for spelling in ("a", "x", "mlx/a", paths["alpha"], None):
                 answer = chat(client, spelling)
                 assert answer.status_code == 200, answer.text
@@ -94,6 +101,7 @@ def test_a_model_has_one_name_in_answers_metrics_and_the_ledger(paths: dict[str,
         ledger.close()
 
 
+@pytest.mark.slow
 def test_spellings_of_a_model_loaded_by_name_share_one_name_and_label(roots: Path, paths: dict[str, str]) -> None:
     app = create_app(model_roots=[roots])
     spellings = ["R/alpha", "R//alpha", "R///alpha", f"{roots}/R/alpha", f"{roots}//R/./alpha"]
@@ -143,8 +151,13 @@ def test_create_app_refuses_aliases_that_name_one_name_twice(paths: dict[str, st
 # --------------------------------------------------------------------------- 507 reasons
 
 
-def test_a_model_larger_than_the_budget_is_refused_as_such_and_idle_models_stay(paths: dict[str, str], small_bytes: int) -> None:
-    specs = [ModelSpec("alpha", paths["alpha"]), ModelSpec("huge", paths["gamma"], options={"mlx_batching": True, "mlx_max_batch_size": 4})]
+def test_a_model_larger_than_the_budget_is_refused_as_such_and_idle_models_stay(
+    paths: dict[str, str], small_bytes: int
+) -> None:
+    specs = [
+        ModelSpec("alpha", paths["alpha"]),
+        ModelSpec("huge", paths["gamma"], options={"mlx_batching": True, "mlx_max_batch_size": 4}),
+    ]
     budget = int(small_bytes * 2.5)
     assert estimate_footprint(Path(paths["gamma"]), max_batch_size=4).total_bytes > budget
     app = create_app(models=specs, residency=PoolSettings(memory_budget_bytes=budget))
@@ -166,7 +179,11 @@ def test_a_model_larger_than_the_budget_is_refused_as_such_and_idle_models_stay(
 def test_bursts_across_three_models_that_need_two_evictions_never_fail(paths: dict[str, str], small_bytes: int) -> None:
     """Two small models fit; gamma needs both evicted, and either small one needs gamma evicted.
     Requests arrive while each eviction runs: none may find its resident model closed."""
-    specs = [ModelSpec("alpha", paths["alpha"]), ModelSpec("beta", paths["beta"]), ModelSpec("gamma", paths["gamma"], options=WIDE)]
+    specs = [
+        ModelSpec("alpha", paths["alpha"]),
+        ModelSpec("beta", paths["beta"]),
+        ModelSpec("gamma", paths["gamma"], options=WIDE),
+    ]
     budget = int(small_bytes * 2.5)
     wide = estimate_footprint(Path(paths["gamma"]), max_batch_size=2).total_bytes
     assert 2 * small_bytes <= budget < wide + small_bytes and wide <= budget
@@ -174,7 +191,11 @@ def test_bursts_across_three_models_that_need_two_evictions_never_fail(paths: di
     pick = random.Random(7)
     rounds = [[pick.choice(("alpha", "beta", "gamma")) for _ in range(9)] for _ in range(8)]
     statuses: Counter[tuple[int, str]] = Counter()
-    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=120) as client, ThreadPoolExecutor(9) as workers:
+    with (
+        serve_in_thread(app) as url,
+        httpx.Client(base_url=url, timeout=120) as client,
+        ThreadPoolExecutor(9) as workers,
+    ):
         for burst in rounds:
             for model, reply in zip(burst, workers.map(lambda m: chat(client, m), burst)):
                 code = reply.json().get("error", {}).get("code", "") if reply.status_code != 200 else ""
@@ -205,21 +226,45 @@ def slow_unloading_factory(delay_s: float) -> Any:
     return factory
 
 
-def test_a_request_that_leases_the_next_victim_mid_eviction_keeps_its_model(paths: dict[str, str], small_bytes: int) -> None:
-    specs = [ModelSpec("alpha", paths["alpha"]), ModelSpec("beta", paths["beta"]), ModelSpec("gamma", paths["gamma"], options=WIDE)]
-    app = create_app(models=specs, residency=PoolSettings(memory_budget_bytes=int(small_bytes * 2.5)), model_factory=slow_unloading_factory(0.3))
+@pytest.mark.slow
+def test_a_request_that_leases_the_next_victim_mid_eviction_keeps_its_model(
+    paths: dict[str, str], small_bytes: int
+) -> None:
+    specs = [
+        ModelSpec("alpha", paths["alpha"]),
+        ModelSpec("beta", paths["beta"]),
+        ModelSpec("gamma", paths["gamma"], options=WIDE),
+    ]
+    app = create_app(
+        models=specs,
+        residency=PoolSettings(memory_budget_bytes=int(small_bytes * 2.5)),
+        model_factory=slow_unloading_factory(0.3),
+    )
     pool = app.state.pool
-    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=120) as client, ThreadPoolExecutor(1) as loader:
+    with (
+        serve_in_thread(app) as url,
+        httpx.Client(base_url=url, timeout=120) as client,
+        ThreadPoolExecutor(1) as loader,
+    ):
         for name in ("alpha", "beta"):  # alpha is the least recently used: the first victim
             assert chat(client, name).status_code == 200
         gamma = loader.submit(chat, client, "gamma")  # needs alpha and beta evicted
         assert wait_until(lambda: {m.name: m.state.value for m in pool.models()}["alpha"] == "unloading", timeout_s=20)
         # EOS (id 2) held off: beta streams its whole cap, long past the first eviction.
-        body = {"model": "beta", "messages": USER, "max_tokens": 300, "temperature": 0, "stream": True, "logit_bias": {"2": -100}}
+        body = {
+            "model": "beta",
+            "messages": USER,
+            "max_tokens": 300,
+            "temperature": 0,
+            "stream": True,
+            "logit_bias": {"2": -100},
+        }
         with client.stream("POST", "/v1/chat/completions", json=body) as running:
             events = [line for line in running.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
-        finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e[6:])["choices"] if c.get("finish_reason")]
+        finishes = [
+            c["finish_reason"] for e in events[:-1] for c in json.loads(e[6:])["choices"] if c.get("finish_reason")
+        ]
         assert len(finishes) == 1  # the stream ended with its answer, not closed under it
         assert gamma.result().status_code == 200, gamma.result().text  # loaded once beta went idle
         counters = pool.counters()
@@ -253,7 +298,9 @@ def operator_app(roots: Path, paths: dict[str, str]) -> Any:
     ],
 )
 @pytest.mark.parametrize("model", ["alpha", "R/beta"])
-def test_a_client_cannot_load_with_an_operator_setting(operator_app: Any, option: str, value: object, model: str) -> None:
+def test_a_client_cannot_load_with_an_operator_setting(
+    operator_app: Any, option: str, value: object, model: str
+) -> None:
     with TestClient(operator_app) as client:
         refused = client.post("/acore/models/load", json={"model": model, "options": {option: value}})
         assert refused.status_code == 403, refused.text
@@ -268,9 +315,12 @@ def test_a_client_cannot_put_the_disk_tier_anywhere(operator_app: Any, tmp_path:
     fresh = tmp_path / "elsewhere" / "cache"
     with TestClient(operator_app) as client:
         refused = client.post(
-            "/acore/models/load", json={"model": "R/beta", "options": {"mlx_cache_disk_path": str(fresh), "mlx_cache_disk_max_gb": 1}}
+            "/acore/models/load",
+            json={"model": "R/beta", "options": {"mlx_cache_disk_path": str(fresh), "mlx_cache_disk_max_gb": 1}},
         )
-        assert refused.status_code == 403 and refused.json()["error"]["details"]["field"] == "options.mlx_cache_disk_path"
+        assert (
+            refused.status_code == 403 and refused.json()["error"]["details"]["field"] == "options.mlx_cache_disk_path"
+        )
     assert not (tmp_path / "elsewhere").exists()
 
 
@@ -288,10 +338,17 @@ def test_the_operators_settings_stay_under_a_clients_options(operator_app: Any) 
 def test_client_load_options_bounds() -> None:
     operator = {"mlx_max_batch_size": 128}
     assert client_load_options({"mlx_max_batch_size": 128}, operator=operator) == {"mlx_max_batch_size": 128}
-    assert client_load_options({"mlx_max_batch_size": 64, "mlx_batching": True}, operator={}) == {"mlx_max_batch_size": 64, "mlx_batching": True}
+    assert client_load_options({"mlx_max_batch_size": 64, "mlx_batching": True}, operator={}) == {
+        "mlx_max_batch_size": 64,
+        "mlx_batching": True,
+    }
     assert client_load_options({"mlx_cache_scope": "local"}, operator={}) == {}  # the default, unchanged
     with pytest.raises(OperatorSetting) as refused:
         client_load_options({"mlx_max_batch_size": 65}, operator={})
-    assert refused.value.details == {"field": "options.mlx_max_batch_size", "option": "mlx_max_batch_size", "limit": 64.0}
+    assert refused.value.details == {
+        "field": "options.mlx_max_batch_size",
+        "option": "mlx_max_batch_size",
+        "limit": 64.0,
+    }
     assert error_class_for_code("operator_setting") is OperatorSetting
     assert json.loads(json.dumps(refused.value.to_dict()))["code"] == "operator_setting"

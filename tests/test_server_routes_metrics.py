@@ -85,8 +85,12 @@ def test_responses_stream_matches_the_answer(served: dict[str, Any]) -> None:
     deltas: list[str] = []
     final = None
     with served["client"].responses.create(
-        model=served["model"], input=[{"role": "user", "content": [{"type": "input_text", "text": "Count"}]}],
-        instructions="Be brief.", max_output_tokens=6, temperature=0, stream=True,
+        model=served["model"],
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Count"}]}],
+        instructions="Be brief.",
+        max_output_tokens=6,
+        temperature=0,
+        stream=True,
     ) as stream:
         for event in stream:
             kinds.append(event.type)
@@ -106,7 +110,10 @@ def test_responses_stream_matches_the_answer(served: dict[str, Any]) -> None:
 
 def test_responses_structured_output_parses(served: dict[str, Any]) -> None:
     response = served["client"].responses.create(
-        model=served["model"], input="Answer in JSON.", max_output_tokens=64, temperature=0,
+        model=served["model"],
+        input="Answer in JSON.",
+        max_output_tokens=64,
+        temperature=0,
         text={"format": {"type": "json_schema", "name": "verdict", "schema": SCHEMA, "strict": True}},
     )
     assert json.loads(response.output_text) in ({"ok": True}, {"ok": False})
@@ -148,7 +155,9 @@ def test_responses_bad_controls_and_unknown_model(served: dict[str, Any]) -> Non
     assert caught.value.body["code"] == "invalid_controls"
     with pytest.raises(openai.BadRequestError) as caught:
         served["client"].responses.create(
-            model=served["model"], input="x", text={"format": {"type": "json_schema", "name": "s", "schema": {"type": "nonsense"}}}
+            model=served["model"],
+            input="x",
+            text={"format": {"type": "json_schema", "name": "s", "schema": {"type": "nonsense"}}},
         )
     assert caught.value.body["code"] == "invalid_response_schema"
     with pytest.raises(openai.NotFoundError) as missing:
@@ -165,7 +174,9 @@ def test_completions_text_and_stream(served: dict[str, Any]) -> None:
     assert answer.object == "text_completion"
     assert answer.choices[0].finish_reason == "length"
     assert answer.usage.completion_tokens == 4
-    pieces = list(client.completions.create(model=served["model"], prompt=["Once"], max_tokens=4, temperature=0, stream=True))
+    pieces = list(
+        client.completions.create(model=served["model"], prompt=["Once"], max_tokens=4, temperature=0, stream=True)
+    )
     assert pieces[-1].choices[0].finish_reason == "length"
     assert pieces[-1].usage.completion_tokens == 4
     assert "".join(p.choices[0].text for p in pieces) == answer.choices[0].text  # greedy: the same tokens
@@ -208,8 +219,14 @@ def test_embeddings_say_the_model_cannot_embed(served: dict[str, Any]) -> None:
 def test_metrics_count_known_requests(served: dict[str, Any]) -> None:
     url, model, client = served["url"], served["model"], served["client"]
     before = metrics(url)
-    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "a"}], max_tokens=3, temperature=0)
-    list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "b"}], max_tokens=4, temperature=0, stream=True))
+    client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "a"}], max_tokens=3, temperature=0
+    )
+    list(
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "b"}], max_tokens=4, temperature=0, stream=True
+        )
+    )
     client.completions.create(model=model, prompt="c", max_tokens=2, temperature=0)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="x", echo=True, logprobs=1)
@@ -259,7 +276,9 @@ def test_errors_inside_streams_are_counted_and_raised() -> None:
         assert caught.value.body["code"] == "engine_crashed"
     assert value(samples, "abstractruntime_mlx_errors_total", model="fake", code="engine_crashed") == 3
     for route in ("chat", "responses", "completions"):
-        assert value(samples, "abstractruntime_mlx_requests_total", model="fake", route=route, finish_reason="error") == 1
+        assert (
+            value(samples, "abstractruntime_mlx_requests_total", model="fake", route=route, finish_reason="error") == 1
+        )
 
 
 # --------------------------------------------------------------------------- serve --ledger
@@ -272,7 +291,12 @@ def test_served_calls_are_ledger_runs(served: dict[str, Any]) -> None:
         for prompt in ("first", "second"):
             answer = http.post(
                 f"{url}/v1/chat/completions",
-                json={"model": model, "max_tokens": 3, "temperature": 0, "messages": [{"role": "user", "content": prompt}]},
+                json={
+                    "model": model,
+                    "max_tokens": 3,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": prompt}],
+                },
             )
             assert answer.status_code == 200
     loose = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "alone", "max_tokens": 2}, timeout=60)
@@ -299,8 +323,15 @@ def test_a_streamed_call_with_several_answers_records_the_first(served: dict[str
     texts: dict[int, str] = {}
     usage = None
     for chunk in client.chat.completions.create(
-        model=served["model"], messages=[{"role": "user", "content": "n"}], max_tokens=4, temperature=1.0, seed=9, n=2,
-        stream=True, stream_options={"include_usage": True}, extra_headers={"X-Session-Affinity": "session-n"},
+        model=served["model"],
+        messages=[{"role": "user", "content": "n"}],
+        max_tokens=4,
+        temperature=1.0,
+        seed=9,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"X-Session-Affinity": "session-n"},
         extra_body={"thinking": False},  # the tiny template opens a think block, whose text streams apart
     ):
         usage = chunk.usage or usage
@@ -323,7 +354,10 @@ def test_metrics_mtp_acceptance_and_prefix_reuse_match_the_answers(hybrid_model:
     try:
         with serve_in_thread(create_app(llm)) as url, httpx.Client(base_url=url, timeout=60) as http:
             body = {
-                "model": llm.model, "max_tokens": 8, "temperature": 0, "prompt_cache_key": "conversation-1",
+                "model": llm.model,
+                "max_tokens": 8,
+                "temperature": 0,
+                "prompt_cache_key": "conversation-1",
                 "speculation": {"mode": "native_mtp", "num_draft_tokens": 2},
                 "messages": [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "hi"}],
             }
@@ -340,5 +374,8 @@ def test_metrics_mtp_acceptance_and_prefix_reuse_match_the_answers(hybrid_model:
     cached = sum(a["usage"].get("cached_input_tokens", 0) for a in answers)
     assert cached > 0  # the second call reused the first one's prefix
     assert value(samples, "abstractruntime_mlx_prefix_cache_hit_tokens_total", model=llm.model) == cached
-    lookups = sum(value(samples, "abstractruntime_mlx_prefix_cache_lookups_total", model=llm.model, outcome=o) for o in ("hit", "partial", "miss", "not_retained"))
+    lookups = sum(
+        value(samples, "abstractruntime_mlx_prefix_cache_lookups_total", model=llm.model, outcome=o)
+        for o in ("hit", "partial", "miss", "not_retained")
+    )
     assert lookups == 2

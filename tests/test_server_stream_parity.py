@@ -12,9 +12,9 @@ import anthropic
 import jsonschema
 import ollama
 import pytest
-from test_server_harness import serve_in_thread
 
 from abstractruntime_mlx.server import create_app
+from test_server_harness import serve_in_thread
 
 WEATHER = {
     "type": "object",
@@ -77,18 +77,30 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("plain", {"thinking": {"type": "disabled"}}, ["text"], "max_tokens"),
     ("thinking-cut-off", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, ["thinking", "text"], "max_tokens"),
     ("tools-auto", {"thinking": {"type": "disabled"}, "tools": TOOLS}, ["text"], "max_tokens"),
-    ("any", {"thinking": {"type": "disabled"}, "tools": TOOLS, "tool_choice": {"type": "any"}}, ["tool_use"], "tool_use"),
+    (
+        "any",
+        {"thinking": {"type": "disabled"}, "tools": TOOLS, "tool_choice": {"type": "any"}},
+        ["tool_use"],
+        "tool_use",
+    ),
     (
         "thinking-then-named-tool",
-        {"thinking": {"type": "enabled", "budget_tokens": 1024}, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "get_weather"}},
+        {
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "tools": TOOLS,
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+        },
         ["thinking", "tool_use"],
         "tool_use",
     ),
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fields", "kinds", "stop"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_an_anthropic_stream_adds_up_to_the_same_blocks(claude: anthropic.Anthropic, fields: dict[str, Any], kinds: list[str], stop: str) -> None:
+def test_an_anthropic_stream_adds_up_to_the_same_blocks(
+    claude: anthropic.Anthropic, fields: dict[str, Any], kinds: list[str], stop: str
+) -> None:
     request: dict[str, Any] = {"model": "tiny", "max_tokens": 100, "temperature": 0, "messages": USER, **fields}
     whole = claude.messages.create(**request)
     with claude.messages.stream(**request) as stream:
@@ -107,7 +119,9 @@ def test_an_anthropic_stream_adds_up_to_the_same_blocks(claude: anthropic.Anthro
         if block.type == "thinking":
             assert block.thinking and "think>" not in block.thinking
     # A tool_use block goes out whole: one input_json_delta holding all of its input.
-    tool_deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    tool_deltas = [
+        e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
     assert [json.loads(d) for d in tool_deltas] == [b["input"] for b in _blocks(whole) if b["type"] == "tool_use"]
 
 
@@ -116,13 +130,23 @@ def llama(base_url: str) -> ollama.Client:
     return ollama.Client(host=base_url)
 
 
-OLLAMA_TOOLS: list[Any] = [{"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"]}} for t in TOOLS]
+OLLAMA_TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"]}} for t in TOOLS
+]
 
 
 @pytest.mark.parametrize("think", [False, True], ids=["think-off", "think-on"])
 @pytest.mark.parametrize("tools", [None, OLLAMA_TOOLS], ids=["no-tools", "tools"])
-def test_an_ollama_chat_stream_adds_up_to_the_answer(llama: ollama.Client, dense_model: str, think: bool, tools: Any) -> None:
-    request: dict[str, Any] = {"model": dense_model, "messages": USER, "think": think, "tools": tools, "options": {"num_predict": 24, "temperature": 0}}
+def test_an_ollama_chat_stream_adds_up_to_the_answer(
+    llama: ollama.Client, dense_model: str, think: bool, tools: Any
+) -> None:
+    request: dict[str, Any] = {
+        "model": dense_model,
+        "messages": USER,
+        "think": think,
+        "tools": tools,
+        "options": {"num_predict": 24, "temperature": 0},
+    }
     whole = llama.chat(stream=False, **request)
     lines = list(llama.chat(stream=True, **request))
     assert [line.done for line in lines] == [False] * (len(lines) - 1) + [True]

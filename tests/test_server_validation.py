@@ -12,13 +12,13 @@ from typing import Any
 import httpx
 import pytest
 from starlette.testclient import TestClient
-from test_server_harness import FakeProvider, serve_in_thread
 
 from abstractruntime_mlx.errors import InvalidControls
 from abstractruntime_mlx.request import MAX_PROMPT_CACHE_KEY_CHARS, GenerationRequest
 from abstractruntime_mlx.server import create_app
 from abstractruntime_mlx.server.app import MAX_BODY_BYTES
 from abstractruntime_mlx.server.schemas import MAX_JSON_DEPTH, MAX_MESSAGES
+from test_server_harness import FakeProvider, serve_in_thread
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
@@ -136,7 +136,7 @@ def test_a_paired_surrogate_is_a_normal_character(client: Any, fake: FakeProvide
 
 @pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 100_000])
 def test_deeply_nested_json_is_a_400(client: Any, fake: FakeProvider, depth: int) -> None:
-    raw = '{"messages": %s, "metadata": %s}' % ('[{"role": "user", "content": "x"}]', "[" * depth + "]" * depth)
+    raw = '{"messages": [{"role": "user", "content": "x"}], "metadata": ' + "[" * depth + "]" * depth + "}"
     reply = post_raw(client, CHAT, raw)
     assert reply.status_code == 400, reply.text
     assert "nested deeper" in reply.json()["error"]["message"]
@@ -176,7 +176,11 @@ def test_malformed_tool_calls_are_rejected(client: Any, fake: FakeProvider, tool
     ],
 )
 def test_well_formed_tool_calls_reach_the_template(client: Any, fake: FakeProvider, call: dict[str, Any]) -> None:
-    messages = [*USER, {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    messages = [
+        *USER,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+    ]
     assert client.post(CHAT, json={"messages": messages}).status_code == 200
     assert fake.calls[0]["messages"][1]["tool_calls"] == [call]
 
@@ -226,7 +230,9 @@ def test_numbers_in_text_are_ascii_digits_on_a_real_server(fake: FakeProvider) -
             reply = httpx.post(f"{url}{CHAT}", json={"messages": USER, "logit_bias": {key: 1}}, timeout=30)
             assert_bad(reply, f"logit_bias.{key}", code="invalid_controls")
         for depth in ("²", "٣"):
-            load = httpx.post(f"{url}/acore/models/load", json={"model": "fake-model", "speculation": depth}, timeout=30)
+            load = httpx.post(
+                f"{url}/acore/models/load", json={"model": "fake-model", "speculation": depth}, timeout=30
+            )
             assert_bad(load, "speculation", code="invalid_controls")
         assert fake.calls == []
         # What was accepted before still is: the served model, and token ids in ASCII digits.
@@ -236,6 +242,7 @@ def test_numbers_in_text_are_ascii_digits_on_a_real_server(fake: FakeProvider) -
         assert fake.calls[0]["logit_bias"] == {"5": 1.0, "12": -2.0}
 
 
+@pytest.mark.slow
 def test_a_prompt_cache_key_longer_than_the_limit_is_refused_and_never_stored(fake: FakeProvider) -> None:
     """Keys are held in memory for as long as the cache knows them: their length is bounded."""
     longest, too_long, huge = "k" * MAX_PROMPT_CACHE_KEY_CHARS, "k" * (MAX_PROMPT_CACHE_KEY_CHARS + 1), "k" * 10_000_000
@@ -261,7 +268,9 @@ def test_a_prompt_cache_key_longer_than_the_limit_is_refused_and_never_stored(fa
 
 
 def test_the_prompt_cache_key_limit_holds_at_the_python_edge() -> None:
-    assert GenerationRequest.from_kwargs("", messages=[], prompt_cache_key="k" * MAX_PROMPT_CACHE_KEY_CHARS).prompt_cache_key
+    assert GenerationRequest.from_kwargs(
+        "", messages=[], prompt_cache_key="k" * MAX_PROMPT_CACHE_KEY_CHARS
+    ).prompt_cache_key
     with pytest.raises(InvalidControls) as info:
         GenerationRequest.from_kwargs("", messages=[], prompt_cache_key="k" * (MAX_PROMPT_CACHE_KEY_CHARS + 1))
     assert info.value.code == "invalid_controls" and info.value.field == "prompt_cache_key"

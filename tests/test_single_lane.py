@@ -40,7 +40,9 @@ class Stepper:
     def request(self, prompt: str, max_tokens: int = 24, **kwargs: object) -> EngineRequest:
         loaded = self.engine.loaded
         assert loaded is not None
-        req = EngineRequest(request_id=f"r{next(_ids)}", prompt_ids=loaded.encode(prompt), max_tokens=max_tokens, **kwargs)  # type: ignore[arg-type]
+        req = EngineRequest(
+            request_id=f"r{next(_ids)}", prompt_ids=loaded.encode(prompt), max_tokens=max_tokens, **kwargs
+        )  # type: ignore[arg-type]
         self.engine.submit(req)
         return req
 
@@ -132,6 +134,7 @@ def test_a_second_request_moves_the_first_into_a_batch_without_a_pause(stepper, 
     assert s.engine.stats.completed == 2
 
 
+@pytest.mark.slow
 def test_a_request_still_prefilling_moves_after_its_first_token(stepper):
     long_prompt = " ".join(PROMPTS * 6)
     reference = alone(lambda: stepper(prefill_step_size=8), long_prompt, max_tokens=12)
@@ -152,6 +155,7 @@ def test_a_request_still_prefilling_moves_after_its_first_token(stepper):
     assert second.outcome is not None and second.outcome.completion_tokens == 6
 
 
+@pytest.mark.slow
 def test_prefill_observations_match_the_batch_lane(stepper):
     long_prompt = " ".join(PROMPTS * 6)
     seen = []
@@ -165,9 +169,7 @@ def test_prefill_observations_match_the_batch_lane(stepper):
 
 def test_stop_string_and_cancel_on_the_single_lane(stepper):
     reference = alone(stepper, PROMPTS[0])
-    text = reference.outcome is not None and "".join(
-        o.text for o in outputs(reference) if isinstance(o, TokenDelta)
-    )
+    text = reference.outcome is not None and "".join(o.text for o in outputs(reference) if isinstance(o, TokenDelta))
     assert isinstance(text, str) and len(text) > 6
     stop = text[3:6]
     s = stepper()
@@ -222,6 +224,7 @@ def test_a_failed_hand_off_fails_the_moving_request_only(stepper, monkeypatch, t
     assert s.engine._live == {} and s.engine.stats.failed == 1
 
 
+@pytest.mark.slow
 def test_a_burst_starts_as_one_batch(stepper):
     # A continuous group starts once ``burst_gap_ms`` pass without a new arrival (at most
     # ``batch_wait_ms`` after the first): requests arriving 30 ms apart are prefilled together.

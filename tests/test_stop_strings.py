@@ -12,7 +12,6 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_server_harness import serve_in_thread
 
 from abstractruntime_mlx.controls import MAX_STOP_BYTES, MAX_STOP_STRINGS, normalize_stop
 from abstractruntime_mlx.engine.stops import StopMatcher
@@ -20,6 +19,7 @@ from abstractruntime_mlx.errors import InvalidControls, StopTooLarge
 from abstractruntime_mlx.remote_client import RemoteClient
 from abstractruntime_mlx.request import GenerationRequest
 from abstractruntime_mlx.server import create_app
+from test_server_harness import serve_in_thread
 
 
 class ListMatcher:
@@ -100,7 +100,11 @@ def test_the_list_is_bounded_in_count_and_bytes() -> None:
     for stops, limit, maximum in cases:
         with pytest.raises(StopTooLarge) as info:
             GenerationRequest.from_kwargs("hi", stop=stops)
-        assert isinstance(info.value, InvalidControls) and info.value.code == "stop_too_large" and info.value.http_status == 400
+        assert (
+            isinstance(info.value, InvalidControls)
+            and info.value.code == "stop_too_large"
+            and info.value.http_status == 400
+        )
         assert info.value.details == {"field": "stop", "limit": limit, "max": maximum}  # the list is not echoed
 
 
@@ -117,7 +121,9 @@ LANES = [
 
 
 @pytest.mark.parametrize(("options", "path"), LANES, ids=[path for _, path in LANES])
-def test_every_lane_reports_the_stop_string_or_the_end_token_that_ended_the_answer(make_llm: Any, dense_model: str, options: dict[str, Any], path: str) -> None:
+def test_every_lane_reports_the_stop_string_or_the_end_token_that_ended_the_answer(
+    make_llm: Any, dense_model: str, options: dict[str, Any], path: str
+) -> None:
     llm = make_llm(dense_model, speculation=False, **options)
     call: dict[str, Any] = {"max_output_tokens": 12, "temperature": 0}
     free = llm.generate("Go", **call)
@@ -146,14 +152,22 @@ def served(dense_model: str) -> Any:
         llm.unload_model(llm.model)
 
 
-@pytest.mark.parametrize(("count", "limit"), [(10_000, "max_stop_strings"), (100_000, "max_stop_strings"), (1, "max_stop_bytes")])
+@pytest.mark.parametrize(
+    ("count", "limit"), [(10_000, "max_stop_strings"), (100_000, "max_stop_strings"), (1, "max_stop_bytes")]
+)
 def test_the_server_refuses_a_stop_list_over_the_limits_with_a_typed_400(served: Any, count: int, limit: str) -> None:
     _llm, url = served
     stops = ["x" * (MAX_STOP_BYTES + 1)] if count == 1 else [f"stop {i}" for i in range(count)]
-    reply = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stop": stops}, timeout=60)
+    reply = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stop": stops},
+        timeout=60,
+    )
     assert reply.status_code == 400
     error = reply.json()["error"]
-    assert error["code"] == "stop_too_large" and error["details"]["limit"] == limit and error["details"]["field"] == "stop"
+    assert (
+        error["code"] == "stop_too_large" and error["details"]["limit"] == limit and error["details"]["field"] == "stop"
+    )
     with RemoteClient(url) as client, pytest.raises(StopTooLarge):
         client.generate("hi", max_output_tokens=4, stop=stops[: MAX_STOP_STRINGS + 1] if count > 1 else stops)
 
@@ -171,6 +185,7 @@ def test_a_stop_among_the_most_stops_allowed_ends_a_real_generation_where_it_beg
     assert reply["choices"][0]["stop_reason"] == stop
 
 
+@pytest.mark.slow
 def test_the_openai_routes_send_vllms_stop_reason_and_the_remote_client_keeps_it(served: Any) -> None:
     import openai
 
@@ -179,18 +194,28 @@ def test_the_openai_routes_send_vllms_stop_reason_and_the_remote_client_keeps_it
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     messages: Any = [{"role": "user", "content": "Go"}]
     quiet = {"thinking": False}  # the tiny template opens a think block, whose text streams apart
-    free = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=12, temperature=0, extra_body=quiet)
+    free = client.chat.completions.create(
+        model=llm.model, messages=messages, max_tokens=12, temperature=0, extra_body=quiet
+    )
     text = free.choices[0].message.content or ""
     assert free.choices[0].finish_reason == "length" and free.choices[0].model_extra == {"stop_reason": None}
     stop = text[2:5]
-    cut = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=12, temperature=0, extra_body=quiet, stop=[stop])
+    cut = client.chat.completions.create(
+        model=llm.model, messages=messages, max_tokens=12, temperature=0, extra_body=quiet, stop=[stop]
+    )
     assert cut.choices[0].message.content == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop" and (cut.choices[0].model_extra or {})["stop_reason"] == stop
-    chunks = list(client.chat.completions.create(model=llm.model, messages=messages, max_tokens=12, temperature=0, extra_body=quiet, stop=[stop], stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=llm.model, messages=messages, max_tokens=12, temperature=0, extra_body=quiet, stop=[stop], stream=True
+        )
+    )
     terminal = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason is not None]
     assert [(c.finish_reason, (c.model_extra or {}).get("stop_reason")) for c in terminal] == [("stop", stop)]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text[: text.index(stop)]
-    ended = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=12, temperature=0, extra_body=quiet, logit_bias={str(eos): 100})
+    ended = client.chat.completions.create(
+        model=llm.model, messages=messages, max_tokens=12, temperature=0, extra_body=quiet, logit_bias={str(eos): 100}
+    )
     assert ended.choices[0].finish_reason == "stop" and (ended.choices[0].model_extra or {})["stop_reason"] == eos
     # A legacy completion continues the prompt as plain text (no template): its own text and stop.
     plain = client.completions.create(model=llm.model, prompt="Go", max_tokens=12, temperature=0).choices[0].text
@@ -198,10 +223,23 @@ def test_the_openai_routes_send_vllms_stop_reason_and_the_remote_client_keeps_it
     legacy = client.completions.create(model=llm.model, prompt="Go", max_tokens=12, temperature=0, stop=[plain_stop])
     assert legacy.choices[0].text == plain[: plain.index(plain_stop)]
     assert (legacy.choices[0].model_extra or {})["stop_reason"] == plain_stop
-    streamed = [c.choices[0] for c in client.completions.create(model=llm.model, prompt="Go", max_tokens=12, temperature=0, stop=[plain_stop], stream=True) if c.choices]
+    streamed = [
+        c.choices[0]
+        for c in client.completions.create(
+            model=llm.model, prompt="Go", max_tokens=12, temperature=0, stop=[plain_stop], stream=True
+        )
+        if c.choices
+    ]
     assert [(c.model_extra or {}).get("stop_reason") for c in streamed if c.finish_reason is not None] == [plain_stop]
     with RemoteClient(url) as remote:
-        assert remote.generate("Go", max_output_tokens=12, temperature=0, thinking=False, stop=[stop]).metadata["stop_reason"] == stop
-        pieces = list(remote.generate("Go", max_output_tokens=12, temperature=0, thinking=False, stop=[stop], stream=True))
+        assert (
+            remote.generate("Go", max_output_tokens=12, temperature=0, thinking=False, stop=[stop]).metadata[
+                "stop_reason"
+            ]
+            == stop
+        )
+        pieces = list(
+            remote.generate("Go", max_output_tokens=12, temperature=0, thinking=False, stop=[stop], stream=True)
+        )
         assert pieces[-1].metadata is not None and pieces[-1].metadata["stop_reason"] == stop
         assert "stop_reason" not in remote.generate("Go", max_output_tokens=3, temperature=0).metadata

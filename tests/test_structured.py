@@ -50,7 +50,10 @@ NESTED = {
         "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "minItems": 1, "maxItems": 3},
         "owner": {
             "type": "object",
-            "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 1, "maximum": 120}},
+            "properties": {
+                "name": {"type": "string", "maxLength": 6},
+                "age": {"type": "integer", "minimum": 1, "maximum": 120},
+            },
             "required": ["name", "age"],
             "additionalProperties": False,
         },
@@ -120,7 +123,9 @@ def batched(make_llm, dense_model):
 
 @pytest.mark.parametrize("schema", [RECORD, NESTED, TREE], ids=["record", "nested-pattern", "recursive"])
 def test_random_weights_give_schema_valid_json(batched, schema):
-    result = batched.generate("Describe it.", thinking=False, temperature=0, max_output_tokens=96, response_schema=schema)
+    result = batched.generate(
+        "Describe it.", thinking=False, temperature=0, max_output_tokens=96, response_schema=schema
+    )
     assert_valid(result, schema)
     assert result.finish_reason == "stop"
     assert result.metadata["execution"]["mode"] == "continuous"
@@ -131,19 +136,25 @@ def test_pydantic_model_and_json_object(batched):
     result = batched.generate("Pick one.", thinking=False, temperature=0, max_output_tokens=48, response_model=Pick)
     assert isinstance(result.parsed, Pick)
     assert result.to_dict()["parsed"] == result.parsed.model_dump()
-    any_object = batched.generate("Anything.", thinking=False, temperature=0, max_output_tokens=48, response_format={"type": "json_object"})
+    any_object = batched.generate(
+        "Anything.", thinking=False, temperature=0, max_output_tokens=48, response_format={"type": "json_object"}
+    )
     assert isinstance(any_object.parsed, dict) and any_object.metadata["structured"]["name"] == "json_object"
 
 
 def test_sampled_constrained_rows_are_valid_and_seeded(batched):
     calls = [dict(temperature=1.0, seed=s) for s in (1, 2, 3)]
-    results = [batched.generate("Describe it.", thinking=False, max_output_tokens=64, response_schema=RECORD, **c) for c in calls]
+    results = [
+        batched.generate("Describe it.", thinking=False, max_output_tokens=64, response_schema=RECORD, **c)
+        for c in calls
+    ]
     for r in results:
         assert_valid(r, RECORD)
     again = batched.generate("Describe it.", thinking=False, max_output_tokens=64, response_schema=RECORD, **calls[0])
     assert again.token_ids == results[0].token_ids
 
 
+@pytest.mark.slow
 def test_constrained_and_free_rows_share_a_batch_free_rows_unchanged(batched):
     prompts = [f"Question number {i}." for i in range(6)]
     alone = [batched.generate(p, thinking=False, temperature=0, max_output_tokens=24) for p in prompts]
@@ -152,7 +163,9 @@ def test_constrained_and_free_rows_share_a_batch_free_rows_unchanged(batched):
     def one(i):
         start.wait()
         if i % 2:
-            return batched.generate(prompts[i], thinking=False, temperature=0, max_output_tokens=48, response_schema=RECORD)
+            return batched.generate(
+                prompts[i], thinking=False, temperature=0, max_output_tokens=48, response_schema=RECORD
+            )
         return batched.generate(prompts[i], thinking=False, temperature=0, max_output_tokens=24)
 
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -192,7 +205,9 @@ def test_a_cap_too_small_for_the_schema_is_a_typed_error(batched):
 
 def test_thinking_block_first_then_the_grammar(batched):
     # The tiny template leaves "<think>\n" open when thinking is on: the grammar waits for "</think>".
-    result = batched.generate("Think, then answer.", thinking=True, temperature=0, max_output_tokens=96, response_schema=RECORD)
+    result = batched.generate(
+        "Think, then answer.", thinking=True, temperature=0, max_output_tokens=96, response_schema=RECORD
+    )
     assert_valid(result, RECORD)
     assert result.reasoning is not None  # "</think>" came (forced at half the cap at the latest)
 
@@ -211,19 +226,35 @@ def test_serialized_lane_and_exclusive_lane(make_llm, dense_model):
 
 def test_mtp_requests_run_target_only_under_a_grammar(make_llm, hybrid_model):
     llm = make_llm(hybrid_model, mlx_batching=True, speculation={"mode": "native_mtp", "num_draft_tokens": 2})
-    r = llm.generate("x", thinking=False, temperature=0, max_output_tokens=64, response_schema=RECORD, speculation={"mode": "native_mtp"})
+    r = llm.generate(
+        "x",
+        thinking=False,
+        temperature=0,
+        max_output_tokens=64,
+        response_schema=RECORD,
+        speculation={"mode": "native_mtp"},
+    )
     assert_valid(r, RECORD)
     assert r.metadata["speculation"]["used"] is False and r.metadata["speculation"]["reason"] == "structured_output"
     assert r.metadata["execution"]["mode"] == "continuous"
     with pytest.raises(SpeculationUnavailable) as info:
-        llm.generate("x", max_output_tokens=8, response_schema=RECORD, speculation={"mode": "native_mtp", "require_acceleration": True})
+        llm.generate(
+            "x",
+            max_output_tokens=8,
+            response_schema=RECORD,
+            speculation={"mode": "native_mtp", "require_acceleration": True},
+        )
     assert info.value.reason == "structured_output"
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "path"),
     [
-        ({"response_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, InvalidResponseSchema, "/properties/a/type"),
+        (
+            {"response_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
+            InvalidResponseSchema,
+            "/properties/a/type",
+        ),
         ({"response_schema": []}, InvalidResponseSchema, ""),
         ({"response_schema": {"type": "object"}, "response_model": Pick}, InvalidRequest, None),
         ({"response_model": dict}, InvalidRequest, None),
@@ -244,7 +275,11 @@ def test_bad_structured_inputs_are_typed_400s(batched, kwargs, error, path):
 def test_a_schema_the_grammar_engine_cannot_compile_fails_before_admission(batched):
     # Valid JSON Schema that llguidance refuses (an unresolvable reference).
     with pytest.raises(InvalidResponseSchema) as info:
-        batched.generate("x", max_output_tokens=4, response_schema={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}})
+        batched.generate(
+            "x",
+            max_output_tokens=4,
+            response_schema={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+        )
     assert info.value.code == "invalid_response_schema"
     # nothing was lost: the engine still serves
     assert batched.generate("x", thinking=False, temperature=0, max_output_tokens=4).usage["completion_tokens"] == 4
@@ -274,6 +309,7 @@ def test_node_payload_carries_the_schema_and_refuses_a_non_object():
     assert info.value.details["field"] == "response_schema"
 
 
+@pytest.mark.slow
 def test_the_answer_cannot_end_inside_the_think_block(batched):
     # The end-of-turn token (<|im_end|> = 2 in the tiny tokenizer) pushed up hard: unconstrained,
     # the request would end at once, inside its think block, with no answer.
@@ -281,7 +317,15 @@ def test_the_answer_cannot_end_inside_the_think_block(batched):
     free = batched.generate("Think.", thinking=True, temperature=0, max_output_tokens=48, logit_bias=bias)
     assert free.usage["completion_tokens"] <= 1 and free.reasoning is None
     for seed in (1, 2):
-        result = batched.generate("Think.", thinking=True, temperature=0.9, seed=seed, max_output_tokens=96, logit_bias=bias, response_schema=RECORD)
+        result = batched.generate(
+            "Think.",
+            thinking=True,
+            temperature=0.9,
+            seed=seed,
+            max_output_tokens=96,
+            logit_bias=bias,
+            response_schema=RECORD,
+        )
         assert_valid(result, RECORD)
         assert result.reasoning is not None and result.metadata["structured"]["closed_at_budget"] is True
 
@@ -296,7 +340,12 @@ def test_the_answer_cannot_end_inside_the_think_block(batched):
         ({"enum": list(range(MAX_SCHEMA_NODES - 1))}, "max_schema_nodes", MAX_SCHEMA_NODES, ""),
         (DEEP, "max_schema_depth", MAX_SCHEMA_DEPTH, "/properties/a" * 16),
         (nested_arrays(MAX_SCHEMA_DEPTH + 1), "max_schema_depth", MAX_SCHEMA_DEPTH, "/items" * MAX_SCHEMA_DEPTH),
-        ({"properties": {"a/b~c": nested_arrays(MAX_SCHEMA_DEPTH)}}, "max_schema_depth", MAX_SCHEMA_DEPTH, "/properties/a~1b~0c" + "/items" * (MAX_SCHEMA_DEPTH - 2)),
+        (
+            {"properties": {"a/b~c": nested_arrays(MAX_SCHEMA_DEPTH)}},
+            "max_schema_depth",
+            MAX_SCHEMA_DEPTH,
+            "/properties/a~1b~0c" + "/items" * (MAX_SCHEMA_DEPTH - 2),
+        ),
         ({"const": "x" * MAX_SCHEMA_BYTES}, "max_schema_bytes", MAX_SCHEMA_BYTES, ""),
     ],
     ids=["anyOf-20k", "one-value-over", "objects-450-deep", "arrays-one-level-over", "escaped-pointer", "bytes"],

@@ -16,13 +16,13 @@ import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
-from test_server_harness import serve_in_thread, wait_until
 
 from abstractruntime_mlx import structured
 from abstractruntime_mlx.engine.grammar import GrammarCompiler
 from abstractruntime_mlx.errors import StructuredOutputInvalid
 from abstractruntime_mlx.remote_client import AsyncRemoteClient, RemoteClient
 from abstractruntime_mlx.server import create_app
+from test_server_harness import serve_in_thread, wait_until
 
 SCHEMA = {
     "type": "object",
@@ -57,7 +57,12 @@ def test_openai_sdk_json_schema_and_json_object(server_url, dense_model):
     assert structured["mode"] == "constrained" and structured["name"] == "pick"
     body = httpx.post(
         f"{server_url}/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}, "max_tokens": 40, "thinking": False},
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_object"},
+            "max_tokens": 40,
+            "thinking": False,
+        },
     ).json()
     assert isinstance(json.loads(body["choices"][0]["message"]["content"]), dict)
 
@@ -65,13 +70,20 @@ def test_openai_sdk_json_schema_and_json_object(server_url, dense_model):
 @pytest.mark.parametrize(
     ("response_format", "status", "code"),
     [
-        ({"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": 5}}}}}, 400, "invalid_response_schema"),
+        (
+            {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": 5}}}}},
+            400,
+            "invalid_response_schema",
+        ),
         ({"type": "yaml"}, 400, "invalid_request"),
         ("json", 400, "invalid_request"),
     ],
 )
 def test_bad_response_format_is_a_400_naming_it(server_url, response_format, status, code):
-    answer = httpx.post(f"{server_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "response_format": response_format})
+    answer = httpx.post(
+        f"{server_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "response_format": response_format},
+    )
     assert answer.status_code == status
     assert answer.json()["error"]["code"] == code
     assert httpx.get(f"{server_url}/health").status_code == 200
@@ -82,7 +94,12 @@ def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _chat(server_url: str, response_format: dict[str, Any] | None = None, max_tokens: int = 40) -> httpx.Response:
-    body: dict[str, Any] = {"messages": [{"role": "user", "content": "Pick."}], "max_tokens": max_tokens, "temperature": 0, "thinking": False}
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Pick."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "thinking": False,
+    }
     if response_format is not None:
         body["response_format"] = response_format
     return httpx.post(f"{server_url}/v1/chat/completions", json=body, timeout=120)
@@ -184,7 +201,12 @@ def test_many_schemas_at_once_wait_for_each_other_not_for_other_requests(server_
 def test_a_cut_answer_is_a_422(server_url):
     answer = httpx.post(
         f"{server_url}/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "thinking": False, "response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+            "thinking": False,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}},
+        },
     )
     assert answer.status_code == 422 and answer.json()["error"]["code"] == "structured_output_invalid"
 
@@ -197,14 +219,22 @@ def test_remote_client_against_our_server_is_constrained(server_url):
 
     async def main():
         async with AsyncRemoteClient(server_url) as client:
-            return await client.generate("Pick.", response_schema=SCHEMA, thinking=False, temperature=0, max_output_tokens=40)
+            return await client.generate(
+                "Pick.", response_schema=SCHEMA, thinking=False, temperature=0, max_output_tokens=40
+            )
 
     again = asyncio.run(main())
     assert again.parsed == result.parsed
 
 
 def _completion(content: str) -> dict[str, Any]:
-    return {"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+    return {
+        "id": "c",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+    }
 
 
 def test_prompted_fallback_retries_with_the_schema_and_the_error():
@@ -220,12 +250,22 @@ def test_prompted_fallback_retries_with_the_schema_and_the_error():
     with RemoteClient("http://server", model="m", transport=httpx.MockTransport(handler)) as client:
         result = client.generate("Pick.", response_schema=SCHEMA, max_output_tokens=40)
     assert result.parsed == {"color": "green", "count": 3}
-    assert result.metadata["structured"] == {"mode": "prompted", "schema_hash": result.metadata["structured"]["schema_hash"], "name": "StructuredOutput", "attempts": 2}
+    assert result.metadata["structured"] == {
+        "mode": "prompted",
+        "schema_hash": result.metadata["structured"]["schema_hash"],
+        "name": "StructuredOutput",
+        "attempts": 2,
+    }
     assert seen[0]["response_format"]["json_schema"]["schema"] == SCHEMA
     retry_system = seen[1]["messages"][0]
-    assert retry_system["role"] == "system" and '"color"' in retry_system["content"] and "not JSON" in retry_system["content"]
+    assert (
+        retry_system["role"] == "system"
+        and '"color"' in retry_system["content"]
+        and "not JSON" in retry_system["content"]
+    )
 
 
+@pytest.mark.slow
 def test_prompted_fallback_against_abstractcore_gives_up_after_the_retries(dense_model):
     pytest.importorskip("abstractcore.endpoint.app")
     from abstractcore import create_llm as core_create_llm
@@ -233,7 +273,10 @@ def test_prompted_fallback_against_abstractcore_gives_up_after_the_retries(dense
 
     llm = core_create_llm("mlx", model=dense_model, mlx_batching=True)
     try:
-        with serve_in_thread(core_create_app(provider_instance=llm)) as url, RemoteClient(url, structured_retries=1) as client:
+        with (
+            serve_in_thread(core_create_app(provider_instance=llm)) as url,
+            RemoteClient(url, structured_retries=1) as client,
+        ):
             with pytest.raises(StructuredOutputInvalid) as info:
                 client.generate("Pick.", response_schema=SCHEMA, thinking=False, temperature=0, max_output_tokens=8)
     finally:

@@ -64,12 +64,8 @@ def _lm_greedy(path: Path) -> list[int]:
 
 
 def _vlm_greedy(model, processor, prompt: str, **kwargs) -> list[int]:
-    result = None
-    for result in mlx_vlm.stream_generate(
-        model, processor, prompt, max_tokens=MAX_TOKENS, temperature=0.0, **kwargs
-    ):
-        pass
-    return list(result.token_ids)  # the final result; its last per-token yield repeats
+    results = list(mlx_vlm.stream_generate(model, processor, prompt, max_tokens=MAX_TOKENS, temperature=0.0, **kwargs))
+    return list(results[-1].token_ids)  # the final result; its last per-token yield repeats
 
 
 # --- building ------------------------------------------------------------------------

@@ -13,9 +13,9 @@ import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
-from test_server_harness import serve_in_thread
 
 from abstractruntime_mlx.server import create_app
+from test_server_harness import serve_in_thread
 
 WEATHER = {
     "type": "object",
@@ -24,7 +24,10 @@ WEATHER = {
 }
 TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
 TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER},
+    },
     {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}},
 ]
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -73,8 +76,13 @@ def _stream_calls(chunks: list[Any]) -> tuple[dict[int, dict[str, str]], str, st
 
 def test_a_named_tool_choice_gives_a_valid_call_even_from_random_weights(client, dense_model):
     completion = client.chat.completions.create(
-        model=dense_model, messages=USER, tools=TOOLS, tool_choice=WEATHER_CHOICE,
-        max_tokens=60, temperature=0, extra_body={"thinking": False},
+        model=dense_model,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice=WEATHER_CHOICE,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"thinking": False},
     )
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -89,7 +97,12 @@ def test_a_named_tool_choice_gives_a_valid_call_even_from_random_weights(client,
 
 def test_required_calls_one_of_the_tools_and_a_stream_sends_the_same_call(client, dense_model):
     kwargs: dict[str, Any] = dict(
-        model=dense_model, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=60, temperature=0,
+        model=dense_model,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=60,
+        temperature=0,
         extra_body={"thinking": False},
     )
     whole = client.chat.completions.create(**kwargs).choices[0]
@@ -103,13 +116,21 @@ def test_required_calls_one_of_the_tools_and_a_stream_sends_the_same_call(client
     assert list(calls) == [0]
     assert calls[0]["id"].startswith("call_")
     # The same greedy tokens: the same call, and none of its text in delta.content.
-    assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == (call.function.name, json.loads(call.function.arguments))
+    assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == (
+        call.function.name,
+        json.loads(call.function.arguments),
+    )
     assert "tool_call" not in content and content.strip() == ""
 
 
 def test_thinking_then_a_forced_call_separates_reasoning_whole_and_streamed(client, dense_model):
     kwargs: dict[str, Any] = dict(
-        model=dense_model, messages=USER, tools=TOOLS, tool_choice=WEATHER_CHOICE, max_tokens=120, temperature=0,
+        model=dense_model,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice=WEATHER_CHOICE,
+        max_tokens=120,
+        temperature=0,
         extra_body={"thinking": True},
     )
     whole = client.chat.completions.create(**kwargs).choices[0]
@@ -119,7 +140,9 @@ def test_thinking_then_a_forced_call_separates_reasoning_whole_and_streamed(clie
     assert "</think>" not in reasoning and "tool_call" not in reasoning
     assert whole.finish_reason == "tool_calls" and whole.message.tool_calls[0].function.name == "get_weather"
 
-    calls, content, streamed_reasoning, finishes = _stream_calls(list(client.chat.completions.create(stream=True, **kwargs)))
+    calls, content, streamed_reasoning, finishes = _stream_calls(
+        list(client.chat.completions.create(stream=True, **kwargs))
+    )
     assert streamed_reasoning.strip() == reasoning
     assert calls[0]["arguments"] == whole.message.tool_calls[0].function.arguments
     assert "think" not in content and finishes == ["tool_calls"]
@@ -128,7 +151,14 @@ def test_thinking_then_a_forced_call_separates_reasoning_whole_and_streamed(clie
 def test_tool_choice_none_offers_no_tools_and_reads_no_calls(server_url, dense_model):
     offered = httpx.post(
         f"{server_url}/v1/chat/completions",
-        json={"messages": USER, "tools": TOOLS, "tool_choice": "none", "max_tokens": 8, "temperature": 0, "thinking": False},
+        json={
+            "messages": USER,
+            "tools": TOOLS,
+            "tool_choice": "none",
+            "max_tokens": 8,
+            "temperature": 0,
+            "thinking": False,
+        },
         timeout=60,
     ).json()
     bare = httpx.post(
@@ -145,26 +175,39 @@ def test_tool_choice_none_offers_no_tools_and_reads_no_calls(server_url, dense_m
 @pytest.mark.parametrize(
     ("fields", "field"),
     [
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice.function.name"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}},
+            "tool_choice.function.name",
+        ),
         ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
         ({"tools": [{"type": "function", "function": {"parameters": WEATHER}}]}, "tools.0.function.name"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools.0.function.parameters"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools.0.function.parameters",
+        ),
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools.1.function.name"),
         ({"tools": "get_weather"}, "tools"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ],
 )
 def test_bad_tools_and_tool_choice_are_a_typed_400(server_url, fields, field):
-    answer = httpx.post(f"{server_url}/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **fields}, timeout=30)
+    answer = httpx.post(
+        f"{server_url}/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **fields}, timeout=30
+    )
     assert answer.status_code == 400
     error = answer.json()["error"]
     assert error["code"] == "invalid_tools" and error["details"]["field"] == field
 
 
 def test_parameters_that_cannot_compile_are_a_typed_400(server_url):
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": 5}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": 5}}}},
+        }
+    ]
     answer = httpx.post(
         f"{server_url}/v1/chat/completions",
         json={"messages": USER, "tools": tools, "tool_choice": "required", "max_tokens": 4},
@@ -183,8 +226,12 @@ RESPONSES_TOOLS: list[Any] = [
 
 def test_responses_function_call_whole_and_streamed(client, dense_model):
     kwargs: dict[str, Any] = dict(
-        model=dense_model, input="What is the weather in Paris?", tools=RESPONSES_TOOLS,
-        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60, temperature=0,
+        model=dense_model,
+        input="What is the weather in Paris?",
+        tools=RESPONSES_TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=60,
+        temperature=0,
         extra_body={"thinking": False},
     )
     response = client.responses.create(**kwargs)
@@ -212,11 +259,20 @@ def test_responses_function_call_whole_and_streamed(client, dense_model):
 
 
 def test_responses_carry_earlier_calls_and_their_results(client, dense_model, server_url):
-    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}
+    call = {
+        "type": "function_call",
+        "call_id": "call_1",
+        "name": "get_weather",
+        "arguments": '{"city": "Paris", "unit": "celsius"}',
+    }
     result = {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21"}
     asked = {"role": "user", "content": "What is the weather in Paris?"}
     with_results = client.responses.create(
-        model=dense_model, input=[asked, call, result], tools=RESPONSES_TOOLS, max_output_tokens=4, temperature=0,
+        model=dense_model,
+        input=[asked, call, result],
+        tools=RESPONSES_TOOLS,
+        max_output_tokens=4,
+        temperature=0,
         extra_body={"thinking": False},
     )
     # The same conversation on the chat route: the same prompt, token for token.
@@ -225,10 +281,23 @@ def test_responses_carry_earlier_calls_and_their_results(client, dense_model, se
         json={
             "messages": [
                 asked,
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": call["name"], "arguments": call["arguments"]},
+                        }
+                    ],
+                },
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21"},
             ],
-            "tools": TOOLS, "max_tokens": 4, "temperature": 0, "thinking": False,
+            "tools": TOOLS,
+            "max_tokens": 4,
+            "temperature": 0,
+            "thinking": False,
         },
         timeout=60,
     ).json()
@@ -241,7 +310,10 @@ def test_responses_carry_earlier_calls_and_their_results(client, dense_model, se
     [
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"tools": [{"type": "function", "name": "bad name"}]}, "tools.0.name"),
-        ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "launch"}}, "tool_choice.function.name"),
+        (
+            {"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "launch"}},
+            "tool_choice.function.name",
+        ),
     ],
 )
 def test_responses_bad_tools_are_a_typed_400(server_url, fields, field):
@@ -258,14 +330,23 @@ def _per_answer(chunks: list[Any]) -> dict[int, list[Any]]:
     out: dict[int, list[Any]] = {}
     for chunk in chunks:
         for choice in chunk.choices:
-            out.setdefault(choice.index, []).append(type(chunk)(**{**chunk.model_dump(), "choices": [choice.model_dump()]}))
+            out.setdefault(choice.index, []).append(
+                type(chunk)(**{**chunk.model_dump(), "choices": [choice.model_dump()]})
+            )
     return out
 
 
 def test_each_streamed_answer_has_its_own_reasoning_calls_and_logprobs(client, dense_model):
     kwargs: dict[str, Any] = dict(
-        model=dense_model, messages=USER, tools=TOOLS, tool_choice=WEATHER_CHOICE, max_tokens=120, temperature=0,
-        n=2, logprobs=True, extra_body={"thinking": True},
+        model=dense_model,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice=WEATHER_CHOICE,
+        max_tokens=120,
+        temperature=0,
+        n=2,
+        logprobs=True,
+        extra_body={"thinking": True},
     )
     whole = client.chat.completions.create(**kwargs)
     assert [c.index for c in whole.choices] == [0, 1]
@@ -279,14 +360,18 @@ def test_each_streamed_answer_has_its_own_reasoning_calls_and_logprobs(client, d
         assert reasoning.strip() == choice.message.model_extra["reasoning_content"]
         assert list(calls) == [0] and calls[0]["arguments"] == choice.message.tool_calls[0].function.arguments
         assert "tool_call" not in content and "think" not in content
-        streamed = [e.token for p in pieces for c in p.choices if c.logprobs is not None for e in c.logprobs.content or []]
+        streamed = [
+            e.token for p in pieces for c in p.choices if c.logprobs is not None for e in c.logprobs.content or []
+        ]
         # Every token's entry reaches the stream (thinking and call text included), in order.
         assert streamed == [e.token for e in choice.logprobs.content]
     assert whole.usage.completion_tokens == sum(len(c.logprobs.content) for c in whole.choices)
 
 
 def test_a_finished_choice_carries_its_logprobs_and_stop_reason(client, dense_model):
-    kwargs: dict[str, Any] = dict(model=dense_model, messages=USER, max_tokens=12, temperature=0, extra_body={"thinking": False})
+    kwargs: dict[str, Any] = dict(
+        model=dense_model, messages=USER, max_tokens=12, temperature=0, extra_body={"thinking": False}
+    )
     text = client.chat.completions.create(**kwargs).choices[0].message.content or ""
     stop = text[2:5]
     cut = client.chat.completions.create(stop=[stop], logprobs=True, n=2, **kwargs)
@@ -296,15 +381,26 @@ def test_a_finished_choice_carries_its_logprobs_and_stop_reason(client, dense_mo
         # The tokens that made the stop string are listed, though the text ends before it.
         assert "".join(e.token for e in choice.logprobs.content).startswith(choice.message.content + stop)
     chunks = list(client.chat.completions.create(stop=[stop], logprobs=True, n=2, stream=True, **kwargs))
-    ends = sorted((c.index, c.finish_reason, (c.model_extra or {}).get("stop_reason")) for k in chunks for c in k.choices if c.finish_reason)
+    ends = sorted(
+        (c.index, c.finish_reason, (c.model_extra or {}).get("stop_reason"))
+        for k in chunks
+        for c in k.choices
+        if c.finish_reason
+    )
     # Each answer's own terminal chunk names what ended it, the one that ends first too.
     assert ends == [(0, "stop", stop), (1, "stop", stop)]
 
 
 def test_responses_take_function_tools_and_include_logprobs_together(client, dense_model):
     asked: dict[str, Any] = dict(
-        model=dense_model, input="What is the weather in Paris?", tools=RESPONSES_TOOLS, max_output_tokens=6, temperature=0,
-        include=["message.output_text.logprobs"], top_logprobs=2, extra_body={"thinking": False},
+        model=dense_model,
+        input="What is the weather in Paris?",
+        tools=RESPONSES_TOOLS,
+        max_output_tokens=6,
+        temperature=0,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+        extra_body={"thinking": False},
     )
     answer = client.responses.create(**asked)
     assert [t.name for t in answer.tools] == ["get_weather", "get_time"]
@@ -318,5 +414,7 @@ def test_responses_take_function_tools_and_include_logprobs_together(client, den
             if event.type == "response.output_text.delta":
                 deltas.extend(e.token for e in event.logprobs)
     assert deltas == [e.token for e in part.logprobs]
-    forced = client.responses.create(**{**asked, "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 60})
+    forced = client.responses.create(
+        **{**asked, "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 60}
+    )
     assert [o.type for o in forced.output] == ["function_call"] and forced.output[0].name == "get_weather"

@@ -82,7 +82,11 @@ def _proto_span(span: object) -> dict[str, object]:
         "status": s.status.code,  # type: ignore[attr-defined]
         "attributes": {a.key: _proto_value(a.value) for a in s.attributes},  # type: ignore[attr-defined]
         "events": [
-            {"name": e.name, "time": e.time_unix_nano, "attributes": {a.key: _proto_value(a.value) for a in e.attributes}}
+            {
+                "name": e.name,
+                "time": e.time_unix_nano,
+                "attributes": {a.key: _proto_value(a.value) for a in e.attributes},
+            }
             for e in s.events  # type: ignore[attr-defined]
         ],
     }
@@ -109,7 +113,11 @@ def _json_span(s: dict[str, object]) -> dict[str, object]:
         "status": s.get("status", {}).get("code", 0),  # type: ignore[attr-defined]
         "attributes": {a["key"]: _json_value(a["value"]) for a in s["attributes"]},  # type: ignore[index]
         "events": [
-            {"name": e["name"], "time": int(e["timeUnixNano"]), "attributes": {a["key"]: _json_value(a["value"]) for a in e["attributes"]}}
+            {
+                "name": e["name"],
+                "time": int(e["timeUnixNano"]),
+                "attributes": {a["key"]: _json_value(a["value"]) for a in e["attributes"]},
+            }
             for e in s.get("events", [])  # type: ignore[attr-defined]
         ],
     }
@@ -173,9 +181,12 @@ def _ns(when: object) -> int:
     return (when - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1) * 1000
 
 
+@pytest.mark.slow
 def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, dense_model) -> None:
     ledger_path, root = recorded
-    code, out, err = cli(capsys, "runs", "export", root[:8], "--ledger", str(ledger_path), "--otlp", receiver.url, "--otlp-content")
+    code, out, err = cli(
+        capsys, "runs", "export", root[:8], "--ledger", str(ledger_path), "--otlp", receiver.url, "--otlp-content"
+    )
     assert code == 0, err
     assert [(r.path, r.content_type) for r in receiver.requests] == [("/v1/traces", "application/x-protobuf")]
     spans = receiver.spans()
@@ -192,7 +203,9 @@ def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, de
         last_step = max(s.ended_at or s.started_at for s in db.run_steps(root))
         assert run["start"] == _ns(detail.created_at) and run["end"] == _ns(max(detail.updated_at, last_step))
         child_spans = [s for s in spans if s["name"] == "run t_child"]
-        assert sorted(s["attributes"]["abstractruntime.run.id"] for s in child_spans) == sorted(c.run_id for c in children)
+        assert sorted(s["attributes"]["abstractruntime.run.id"] for s in child_spans) == sorted(
+            c.run_id for c in children
+        )
         # each child run hangs under the parent's subflow node that started it
         assert sorted(by_id[s["parent"]]["name"] for s in child_spans) == ["node subflow (sub)", "node subflow (sub2)"]
 
@@ -204,7 +217,9 @@ def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, de
         assert sorted(s["attributes"]["abstractruntime.node.id"] for s in nodes) == ["end", "sub", "sub2"]
         (end,) = [s for s in nodes if s["attributes"]["abstractruntime.node.id"] == "end"]
         assert end["attributes"]["abstractruntime.step.effects"] == ["emit_event"]
-        assert end["start"] == _ns(min(s.started_at for s in end_steps)) and end["end"] == _ns(max(s.ended_at for s in end_steps))
+        assert end["start"] == _ns(min(s.started_at for s in end_steps)) and end["end"] == _ns(
+            max(s.ended_at for s in end_steps)
+        )
 
         calls = [s for s in spans if s["attributes"].get("gen_ai.operation.name") == "chat"]
         assert len(calls) == 2
@@ -231,7 +246,9 @@ def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, de
             assert node["start"] <= call["start"] <= prefill["start"] <= prefill["end"] == decode["start"]
             assert decode["start"] <= decode["end"] == call["end"] <= node["end"]
             assert decode["end"] == _ns(complete.created_at)
-            assert decode["start"] - call["start"] >= round(complete.ttft_s * 1e9) - 1_000  # first token after the queue
+            assert (
+                decode["start"] - call["start"] >= round(complete.ttft_s * 1e9) - 1_000
+            )  # first token after the queue
             assert decode["attributes"]["abstractruntime.decode.generated_tokens"] == 8
             # the call's phase events, as span events of its prefill and decode spans
             rows = [r for r in db.node_timeline(run_id) if r.phase in ("prefill", "generate", "complete")]
@@ -251,7 +268,9 @@ def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, de
                 if row.phase == "generate" and row.generated_tokens is not None:
                     assert ea["abstractruntime.progress.fraction"] == pytest.approx(row.generated_tokens / 8)
                 if row.phase == "prefill" and row.prefill_processed_tokens is not None:
-                    assert ea["abstractruntime.progress.fraction"] == pytest.approx(row.prefill_processed_tokens / row.prompt_tokens)
+                    assert ea["abstractruntime.progress.fraction"] == pytest.approx(
+                        row.prefill_processed_tokens / row.prompt_tokens
+                    )
                 if row.tokens_per_second is not None and row.phase != "prefill":
                     assert ea["abstractruntime.progress.tokens_per_second"] == row.tokens_per_second
             assert decode["events"][-1]["attributes"]["abstractruntime.progress.fraction"] == 1.0  # complete
@@ -259,6 +278,7 @@ def test_export_sends_the_run_tree_as_genai_spans(recorded, receiver, capsys, de
             assert run["start"] <= by_id[child["parent"]]["start"] <= child["start"] and child["end"] <= run["end"]
 
 
+@pytest.mark.slow
 def test_a_re_export_sends_the_same_spans_and_the_json_file_matches(recorded, receiver, capsys, tmp_path) -> None:
     ledger_path, root = recorded
     for _ in range(2):
@@ -267,20 +287,40 @@ def test_a_re_export_sends_the_same_spans_and_the_json_file_matches(recorded, re
     assert first.body == second.body  # same ids, same times: a receiver keeps one copy
     out_file = tmp_path / "trace.json"
     code, _, err = cli(
-        capsys, "runs", "export", root, "--ledger", str(ledger_path), "--json", str(out_file),
-        "--otlp", receiver.url, "--otlp-protocol", "json", "--otlp-header", "Authorization=Basic abc",
+        capsys,
+        "runs",
+        "export",
+        root,
+        "--ledger",
+        str(ledger_path),
+        "--json",
+        str(out_file),
+        "--otlp",
+        receiver.url,
+        "--otlp-protocol",
+        "json",
+        "--otlp-header",
+        "Authorization=Basic abc",
     )
     assert code == 0, err
     written = json.loads(out_file.read_text())
-    assert receiver.requests[-1].content_type == "application/json" and json.loads(receiver.requests[-1].body) == written
+    assert (
+        receiver.requests[-1].content_type == "application/json" and json.loads(receiver.requests[-1].body) == written
+    )
     proto = Receiver("", [first]).spans()
     as_json = Receiver("", [receiver.requests[-1]]).spans()
     assert as_json == proto  # the JSON and protobuf encodings say the same
     with Ledger(sqlite_url(ledger_path)) as db:
         spans = tree_spans(db, root)
-    assert protobuf_body(export_request(spans, service_version=written["resourceSpans"][0]["scopeSpans"][0]["scope"]["version"])) == first.body
+    assert (
+        protobuf_body(
+            export_request(spans, service_version=written["resourceSpans"][0]["scopeSpans"][0]["scope"]["version"])
+        )
+        == first.body
+    )
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_typed_errors(recorded, receiver, capsys, monkeypatch) -> None:
     ledger_path, root = recorded
     ledger = ["--ledger", str(ledger_path)]
@@ -300,11 +340,16 @@ def test_bad_inputs_are_typed_errors(recorded, receiver, capsys, monkeypatch) ->
     assert code == 1 and "--otlp-header expects KEY=VALUE" in err
     monkeypatch.setitem(sys.modules, "opentelemetry.proto.collector.trace.v1.trace_service_pb2", None)  # not installed
     code, _, err = cli(capsys, "runs", "export", root, *ledger, "--otlp", receiver.url)
-    assert code == 1 and err.startswith("error: [missing_extra] OTLP protobuf needs opentelemetry-proto: pip install 'abstractruntime-mlx[otlp]'")
+    assert code == 1 and err.startswith(
+        "error: [missing_extra] OTLP protobuf needs opentelemetry-proto: pip install 'abstractruntime-mlx[otlp]'"
+    )
 
 
+@pytest.mark.slow
 def test_run_sends_spans_live_and_an_unreachable_receiver_only_warns(receiver, capsys, cli_env, dense_model) -> None:
-    code, out, err = cli(capsys, "run", str(FLOWS / "parent.json"), "--model", dense_model, "--json", "--otlp", receiver.url)
+    code, out, err = cli(
+        capsys, "run", str(FLOWS / "parent.json"), "--model", dense_model, "--json", "--otlp", receiver.url
+    )
     assert code == 0, err
     (result,) = json.loads(out)
     with Ledger(sqlite_url(cli_env)) as db:
@@ -313,7 +358,16 @@ def test_run_sends_spans_live_and_an_unreachable_receiver_only_warns(receiver, c
     assert {(s["span_id"], s["end"]) for s in received} >= expected  # the latest of each span is the ledger's
     assert {s["span_id"] for s in received} == {span_id for span_id, _ in expected}
 
-    code, out, err = cli(capsys, "run", str(FLOWS / "parent.json"), "--model", dense_model, "--json", "--otlp", f"http://127.0.0.1:{free_port()}")
+    code, out, err = cli(
+        capsys,
+        "run",
+        str(FLOWS / "parent.json"),
+        "--model",
+        dense_model,
+        "--json",
+        "--otlp",
+        f"http://127.0.0.1:{free_port()}",
+    )
     assert code == 0 and json.loads(out)[0]["status"] == "completed"
     assert "traces.live warning: trace export failed, spans kept for the next try: [trace_export_failed]" in err
     assert err.count("trace export failed") == 1  # once per distinct failure
@@ -324,12 +378,15 @@ def test_serve_sends_each_call_as_spans(receiver, dense_model, tmp_path) -> None
     proc, url = start_serve(["--model", f"tiny={dense_model}", "--otlp", receiver.url], tmp_path)
     try:
         reply = httpx.post(
-            f"{url}/v1/chat/completions", timeout=60,
+            f"{url}/v1/chat/completions",
+            timeout=60,
             json={"model": "tiny", "max_tokens": 3, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]},
         )
         assert reply.status_code == 200
         deadline = time.monotonic() + 30
-        while not any(s["attributes"].get("gen_ai.operation.name") == "chat" for s in receiver.spans()):  # sent when the call ends
+        while not any(
+            s["attributes"].get("gen_ai.operation.name") == "chat" for s in receiver.spans()
+        ):  # sent when the call ends
             assert time.monotonic() < deadline, "no call span arrived"
             time.sleep(0.2)
     finally:
@@ -351,6 +408,7 @@ CONTENT_KEYS = {"gen_ai.system_instructions", "gen_ai.input.messages", "gen_ai.o
 CONTENT_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
 
 
+@pytest.mark.slow
 def test_prompts_and_answers_are_sent_only_when_asked(recorded, receiver, capsys, monkeypatch) -> None:
     ledger_path, root = recorded
     cases = [  # (environment value, flag) -> content in the spans
@@ -367,13 +425,25 @@ def test_prompts_and_answers_are_sent_only_when_asked(recorded, receiver, capsys
         else:
             monkeypatch.setenv(CONTENT_ENV, env)
         receiver.requests.clear()
-        code, _, err = cli(capsys, "runs", "export", root, "--ledger", str(ledger_path), "--otlp", receiver.url, *([flag] if flag else []))
+        code, _, err = cli(
+            capsys,
+            "runs",
+            "export",
+            root,
+            "--ledger",
+            str(ledger_path),
+            "--otlp",
+            receiver.url,
+            *([flag] if flag else []),
+        )
         assert code == 0, err
         calls = [s for s in receiver.spans() if s["attributes"].get("gen_ai.operation.name") == "chat"]
         assert len(calls) == 2
         for call in calls:
             keys = set(call["attributes"])
-            assert ({"gen_ai.input.messages", "gen_ai.output.messages"} <= keys if expected else not CONTENT_KEYS & keys), (env, flag)
+            assert (
+                {"gen_ai.input.messages", "gen_ai.output.messages"} <= keys if expected else not CONTENT_KEYS & keys
+            ), (env, flag)
             assert call["attributes"]["gen_ai.usage.output_tokens"] == 8  # the rest is there either way
         if not expected:
             assert not any(CONTENT_KEYS & set(s["attributes"]) for s in receiver.spans())
@@ -381,32 +451,49 @@ def test_prompts_and_answers_are_sent_only_when_asked(recorded, receiver, capsys
     code, _, err = cli(capsys, "runs", "export", root, "--ledger", str(ledger_path), "--otlp", receiver.url)
     assert code == 1 and err.startswith(f"error: [invalid_request] ${CONTENT_ENV} expects one of true, false"), err
     with pytest.raises(SystemExit) as usage:
-        main(["runs", "export", root, "--ledger", str(ledger_path), "--otlp", receiver.url, "--otlp-content", "--otlp-no-content"])
+        main(
+            [
+                "runs",
+                "export",
+                root,
+                "--ledger",
+                str(ledger_path),
+                "--otlp",
+                receiver.url,
+                "--otlp-content",
+                "--otlp-no-content",
+            ]
+        )
     assert usage.value.code == 2 and "not allowed with argument --otlp-content" in capsys.readouterr().err
 
 
 # -- served calls: the HTTP route and the pool's model name ------------------------------
 
 
+@pytest.mark.slow
 def test_served_calls_carry_the_route_and_the_model_name(receiver, dense_model, tmp_path) -> None:
     import datetime as dt
-
-    from test_server_harness import serve_in_thread
 
     from abstractruntime_mlx.server.app import create_app
     from abstractruntime_mlx.server.pool import ModelSpec
     from abstractruntime_mlx.server.serve_ledger import ServeLedger
     from abstractruntime_mlx.traces import LiveExport, OtlpTarget
+    from test_server_harness import serve_in_thread
 
     url = sqlite_url(tmp_path / "serve.sqlite")
     ledger = Ledger(url)
     recorder = ServeLedger(ledger)
-    app = create_app(models=[ModelSpec("tiny", dense_model)], aliases={"x": "tiny"}, serve_ledger=recorder, stream_interval_ms=0)
+    app = create_app(
+        models=[ModelSpec("tiny", dense_model)], aliases={"x": "tiny"}, serve_ledger=recorder, stream_interval_ms=0
+    )
     messages = [{"role": "user", "content": "hi"}]
     asked = {  # path -> (the model as the request names it, body)
         "/v1/chat/completions": ("x", {"max_tokens": 3, "temperature": 0, "messages": messages}),
         "/v1/messages": (dense_model, {"max_tokens": 3, "temperature": 0, "messages": messages}),
-        "/api/chat": ("tiny", {"stream": False, "think": False, "options": {"temperature": 0, "num_predict": 3}, "messages": messages}),
+        "/api/chat": (
+            "tiny",
+            {"stream": False, "think": False, "options": {"temperature": 0, "num_predict": 3}, "messages": messages},
+        ),
     }
     try:
         with LiveExport(url, OtlpTarget.parse(receiver.url), since=dt.datetime.now(dt.UTC), poll_s=0.2) as exporter:

@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 
-def create_llm(provider: str = "mlx", model: str | None = None, **options: Any) -> "MLXProvider":
+def create_llm(provider: str = "mlx", model: str | None = None, **options: Any) -> MLXProvider:
     """Create the local MLX provider: ``create_llm("mlx", model=NAME_OR_PATH, mlx_batching=True, ...)``."""
     from .provider import create_llm as _create
 
@@ -44,4 +44,6 @@ def get_execution_capabilities(
     ``abstractruntime_mlx.providers.speculation``)."""
     from .capabilities import get_execution_capabilities as _caps
 
-    return _caps(model_name, provider=provider, instance=instance, head=head, policy_path=policy_path, cache_dir=cache_dir)
+    return _caps(
+        model_name, provider=provider, instance=instance, head=head, policy_path=policy_path, cache_dir=cache_dir
+    )

@@ -14,10 +14,10 @@ is ``null`` (unknown) unless a loaded ``instance`` answers ``speculation_ready()
 is not proof that a head is ready. A loaded instance whose head is on this machine but not
 attached yet (``speculation_attachable()``) reports ``mtp_head_attaches_on_first_use`` and
 ``requires_reload: false``. ``head_path`` / ``head_fingerprint`` (bounded, see
-``artifacts.model_fingerprint``) identify the local head and are absent when there is none. A model that is not on this machine is reported
-(``supported: false, reason: "model_not_found"``, with the download command in ``message``)
-rather than raised, so a discovery UI can render it; a corrupt policy file still raises
-``PolicyError``.
+``artifacts.model_fingerprint``) identify the local head and are absent when there is none. A
+model that is not on this machine is reported (``supported: false, reason: "model_not_found"``,
+with the download command in ``message``) rather than raised, so a discovery UI can render it; a
+corrupt policy file still raises ``PolicyError``.
 
 ``effective_default`` / ``effective_source`` come from ``controls.resolve_controls`` over the
 provider level (a loaded ``instance``'s own ``resolve_controls()``) and the Core policy: the

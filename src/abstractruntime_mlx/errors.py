@@ -39,7 +39,7 @@ remote client rebuilds the same class from ``code``.
     ├── CapacityError (503, capacity)
     │   ├── QueueFull (503, queue_full)
     │   ├── TooManyStreams (503, too_many_streams)   the inspector's live-stream cap is reached
-    │   ├── TooManyConnections (503, too_many_connections)   serve: every connection up to the cap has a request in flight
+    │   ├── TooManyConnections (503, too_many_connections)  serve: each connection up to the cap has a request in flight
     │   ├── InsufficientMemory (507, insufficient_memory)   serve: a model does not fit, even after evicting idle ones
     │   └── StreamBackpressure (429, stream_backpressure)
     ├── QueueTimeout (504, queue_timeout)

@@ -18,8 +18,9 @@ decides is only what to write:
   conn-failure empty-response junk-response 503``: a call to a dead server is sent again, to
   another server. A connection error marks a server down at once (``observe layer4
   error-limit 1 on-error mark-down``): a redispatch re-runs the hash, which would otherwise
-  pick the dead server again until two health checks failed; the checks bring it back. A request larger than ``tune.bufsize`` cannot be replayed by HAProxy and is
-  retried by the remote client itself (connection failures and ``queue_full`` only).
+  pick the dead server again until two health checks failed; the checks bring it back. A request
+  larger than ``tune.bufsize`` cannot be replayed by HAProxy and is retried by the remote client
+  itself (connection failures and ``queue_full`` only).
 - SSE passes through unbuffered (HTTP mode streams responses as they come); ``timeout server``
   is long, since a generation can stream for minutes.
 - a stats socket (``show stat``, ``show servers state``) for operators and tests.
@@ -109,7 +110,9 @@ class LBSettings:
         if not self.servers:
             raise InvalidRequest("an HAProxy pool needs at least one --server HOST:PORT", details={"field": "server"})
         if len(self.servers) > _MAX_SERVERS:
-            raise InvalidRequest(f"{len(self.servers)} servers; the limit is {_MAX_SERVERS}", details={"field": "server"})
+            raise InvalidRequest(
+                f"{len(self.servers)} servers; the limit is {_MAX_SERVERS}", details={"field": "server"}
+            )
         seen: set[tuple[str, int]] = set()
         for server in self.servers:
             _check_host(server.host, f"server {server.host!r}", field="server")
@@ -120,7 +123,9 @@ class LBSettings:
             for name, value, lo in (("slots", server.slots, 1), ("queue", server.queue, 0)):
                 _check_int(value, f"server {server.address}: {name}", field="slots", lo=lo)
             if server.source not in _SOURCES:
-                raise InvalidRequest(f"server {server.address}: source must be one of {sorted(_SOURCES)}", details={"field": "source"})
+                raise InvalidRequest(
+                    f"server {server.address}: source must be one of {sorted(_SOURCES)}", details={"field": "source"}
+                )
         parse_address(self.bind, field="bind", wildcard=True)
         _check_int(self.balance_factor, "balance factor", field="balance_factor", lo=0)
         if self.balance_factor != 0 and self.balance_factor < 100:
@@ -152,7 +157,10 @@ def parse_address(text: str, *, field: str = "server", wildcard: bool = False) -
         host, sep, port_text = text.rpartition(":")
         ipv6 = False
     if not sep or not host or not _PORT.fullmatch(port_text):
-        raise InvalidRequest(f"{field} {text!r}: expected HOST:PORT (IPv6 as [ADDR]:PORT, the port in ASCII digits)", details={"field": field})
+        raise InvalidRequest(
+            f"{field} {text!r}: expected HOST:PORT (IPv6 as [ADDR]:PORT, the port in ASCII digits)",
+            details={"field": field},
+        )
     port = int(port_text)
     if not 0 < port < 65536:
         raise InvalidRequest(f"{field} {text!r}: the port must be 1 to 65535", details={"field": field})
@@ -189,7 +197,8 @@ def _check_path(path: object, what: str, *, field: str) -> None:
     )
     if bad:
         raise InvalidRequest(
-            f"{what} {path!r}: one word with no whitespace, '#', quotes, backslashes, control characters or non-ASCII digits",
+            f"{what} {path!r}: one word with no whitespace, '#', quotes, "
+            "backslashes, control characters or non-ASCII digits",
             details={"field": field},
         )
 
@@ -200,7 +209,9 @@ def _check_int(value: object, what: str, *, field: str, lo: int, hi: int | None 
         raise InvalidRequest(f"{what} must be an integer {bound} (got {value!r})", details={"field": field})
 
 
-def probe_capacity(host: str, port: int, *, api_key: str | None = None, timeout_s: float = 2.0) -> tuple[int, int] | None:
+def probe_capacity(
+    host: str, port: int, *, api_key: str | None = None, timeout_s: float = 2.0
+) -> tuple[int, int] | None:
     """``(slots, queue)`` as the server at ``host:port`` reports them (``GET
     /acore/prompt_cache/stats``: ``execution.max_batch_size`` and ``max_queue_size``), or None
     when it cannot say (not running, not this package's server, no such route)."""
@@ -216,7 +227,12 @@ def probe_capacity(host: str, port: int, *, api_key: str | None = None, timeout_
         return None
     execution = object_at(object_at(body, "stats"), "execution")
     slots, queue = execution.get("max_batch_size"), execution.get("max_queue_size")
-    if isinstance(slots, int) and isinstance(queue, int) and not isinstance(slots, bool) and not isinstance(queue, bool):
+    if (
+        isinstance(slots, int)
+        and isinstance(queue, int)
+        and not isinstance(slots, bool)
+        and not isinstance(queue, bool)
+    ):
         return slots, queue
     return None
 
@@ -232,7 +248,9 @@ def haproxy_config(settings: LBSettings, *, comment: Sequence[str] = ()) -> str:
     ``comment``: lines written as ``#`` comments at the top (printable text, one line each)."""
     for line in comment:
         if not line.isprintable():
-            raise InvalidRequest(f"comment line {line[:40]!r}: printable text on one line only", details={"field": "comment"})
+            raise InvalidRequest(
+                f"comment line {line[:40]!r}: printable text on one line only", details={"field": "comment"}
+            )
     total = sum(s.maxconn for s in settings.servers)
     lines = [
         "# HAProxy configuration for a pool of abstractruntime-mlx model servers.",
@@ -276,7 +294,8 @@ def haproxy_config(settings: LBSettings, *, comment: Sequence[str] = ()) -> str:
         "    http-check expect status 200",
         # A connection the server refuses or drops marks it down at once (not only after two
         # failed checks): a retry re-runs the hash, which must not pick the dead server again.
-        f"    default-server check inter {_ms(settings.check_interval_s)} fall 2 rise 2 observe layer4 error-limit 1 on-error mark-down",
+        f"    default-server check inter {_ms(settings.check_interval_s)} fall 2 rise 2"
+        " observe layer4 error-limit 1 on-error mark-down",
     ]
     for index, server in enumerate(settings.servers, start=1):
         lines.append(

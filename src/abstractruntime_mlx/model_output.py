@@ -98,7 +98,7 @@ def split_reasoning(text: str) -> tuple[str, str | None]:
     is (the prompt opened the block). Without either the whole text is the answer."""
     stripped = text.lstrip()
     if stripped.startswith(THINK_START):
-        inner = stripped[len(THINK_START):]
+        inner = stripped[len(THINK_START) :]
         reasoning, closed, answer = inner.partition(THINK_END)
         return (answer.lstrip("\n") if closed else ""), reasoning.strip()
     if THINK_END in text:
@@ -210,7 +210,7 @@ class OutputSplitter:
             else:
                 self._phase = "answer"
         if self._phase == "reasoning":
-            body = self.text[self._reasoning_start:]
+            body = self.text[self._reasoning_start :]
             end = body.find(THINK_END)
             if end < 0:
                 upto = len(body) if final else len(body) - _partial_suffix(body, (THINK_END,))
@@ -219,7 +219,7 @@ class OutputSplitter:
             out.extend(self._reasoning(body, end))
             self._phase = "answer"
             self._answer_start = self._reasoning_start + end + len(THINK_END)
-        answer = self.text[self._answer_start:]
+        answer = self.text[self._answer_start :]
         if self._answer_start:
             answer = answer.lstrip("\n")
         out.extend(self._answer(answer, final=final))
@@ -232,7 +232,7 @@ class OutputSplitter:
             if lead == upto:
                 return []
             self._reasoning_sent = lead
-        piece = body[self._reasoning_sent:upto]
+        piece = body[self._reasoning_sent : upto]
         self._reasoning_sent = max(self._reasoning_sent, upto)
         return [ReasoningPiece(piece)] if piece else []
 
@@ -247,14 +247,16 @@ class OutputSplitter:
                 safe = self._content_sent  # the answer was sent already; only calls remain
         else:
             spans = _call_spans(answer, final=False)
-            first = min([answer.find(m) for m in CALL_MARKERS if m in answer] + [s for s, _, _ in spans] + [len(answer)])
+            first = min(
+                [answer.find(m) for m in CALL_MARKERS if m in answer] + [s for s, _, _ in spans] + [len(answer)]
+            )
             held = _partial_suffix(answer[:first], CALL_MARKERS) if first == len(answer) else 0
             if not self._content_sent and answer[:first].lstrip().startswith("{"):
                 held = first  # maybe a Llama call written as bare JSON: decided at the end
             safe = answer[: first - held]
             calls = [call for _, _, found in spans for call in found]
         if len(safe) > len(self._content_sent) and safe.startswith(self._content_sent):
-            out.append(ContentPiece(safe[len(self._content_sent):]))
+            out.append(ContentPiece(safe[len(self._content_sent) :]))
             self._content_sent = safe
         for index in range(len(self._call_ids), len(calls)):
             self._call_ids.append(new_call_id())
@@ -350,7 +352,7 @@ def _mistral(text: str, at: int, final: bool) -> tuple[int, list[ParsedToolCall]
     name = rest[:name_end].strip() if name_end >= 0 else ""
     if not _NAME.fullmatch(name):
         return None
-    args = rest[name_end + len(MISTRAL_ARGS):]
+    args = rest[name_end + len(MISTRAL_ARGS) :]
     decoded = _first_json(args)
     if decoded is None or not isinstance(decoded[0], dict):
         return None
@@ -377,7 +379,7 @@ def _bare_json_calls(text: str) -> list[ParsedToolCall]:
 def _first_json(text: str) -> tuple[object, int] | None:
     """The JSON value ``text`` starts with (after whitespace) and how many characters it used."""
     body = text.lstrip()
-    if not body[:1] in ("{", "["):
+    if body[:1] not in ("{", "["):
         return None
     try:
         value, end = _DECODER.raw_decode(body)

@@ -95,7 +95,9 @@ OUTPUT_CAP_NAMES: Final[tuple[str, ...]] = ("max_output_tokens", "max_tokens", "
 """The names an output cap goes by at the edges (AbstractCore's, then OpenAI's two)."""
 
 
-def output_cap(*, max_output_tokens: object = None, max_tokens: object = None, max_completion_tokens: object = None) -> object:
+def output_cap(
+    *, max_output_tokens: object = None, max_tokens: object = None, max_completion_tokens: object = None
+) -> object:
     """The one output cap among its aliases, as given (its value is checked by
     ``GenerationRequest.build``): ``None`` when none is given, the value when one is given or
     all given are equal; two different values raise ``InvalidControls`` naming the alias that
@@ -152,7 +154,9 @@ def check_choices(value: object, *, field: str = "n") -> int:
     if value is None:
         return 1
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
-        raise InvalidControls(f"{field} must be an integer from 1 to {MAX_CHOICES} (the answers asked for)", field=field, value=value)
+        raise InvalidControls(
+            f"{field} must be an integer from 1 to {MAX_CHOICES} (the answers asked for)", field=field, value=value
+        )
     return value
 
 
@@ -333,7 +337,9 @@ class GenerationRequest:
             tool_choice=kwargs.get("tool_choice"),
             media=kwargs.get("media"),
             sampling={name: kwargs[name] for name in SAMPLING_FIELDS if kwargs.get(name) is not None},
-            max_output_tokens=output_cap(max_output_tokens=kwargs.get("max_output_tokens"), max_tokens=kwargs.get("max_tokens")),
+            max_output_tokens=output_cap(
+                max_output_tokens=kwargs.get("max_output_tokens"), max_tokens=kwargs.get("max_tokens")
+            ),
             stop=kwargs.get("stop"),
             speculation=kwargs.get("speculation"),
             thinking=kwargs.get("thinking"),
@@ -357,7 +363,9 @@ class GenerationRequest:
         """What this call says about speculation and thinking."""
         return ControlLevel(speculation=self.speculation, thinking=self.thinking)
 
-    def with_sinks(self, *, cancel: threading.Event | None = None, progress: ProgressSink | None = None) -> GenerationRequest:
+    def with_sinks(
+        self, *, cancel: threading.Event | None = None, progress: ProgressSink | None = None
+    ) -> GenerationRequest:
         """The same request with these sinks (others kept)."""
         return dataclasses.replace(
             self,

@@ -6,7 +6,7 @@ client can rebuild them without knowing anything about MLX.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 

@@ -89,7 +89,13 @@ class RunGraph:
             "laid_out": self.laid_out,
             "nodes": [_node_dict(n) for n in self.nodes],
             "edges": [
-                {"source": e.source, "source_handle": e.source_handle, "target": e.target, "target_handle": e.target_handle, "execution": e.execution}
+                {
+                    "source": e.source,
+                    "source_handle": e.source_handle,
+                    "target": e.target,
+                    "target_handle": e.target_handle,
+                    "execution": e.execution,
+                }
                 for e in self.edges
             ],
         }
@@ -252,7 +258,10 @@ def _positions(nodes: Sequence[Mapping[str, object]], edges: Sequence[GraphEdge]
     one row per node of a column."""
     if _has_layout(nodes):
         return {
-            str(n["id"]): (as_float(object_at(n, "position").get("x")) or 0.0, as_float(object_at(n, "position").get("y")) or 0.0)
+            str(n["id"]): (
+                as_float(object_at(n, "position").get("x")) or 0.0,
+                as_float(object_at(n, "position").get("y")) or 0.0,
+            )
             for n in nodes
         }
     ids = [str(n["id"]) for n in nodes]
@@ -292,7 +301,9 @@ def _visits(trace_steps: Sequence[Mapping[str, object]], own_steps: Sequence[Ste
 
 def _child_run_ids(trace_steps: Sequence[Mapping[str, object]], own_steps: Sequence[StepRow]) -> list[str]:
     out: list[str] = []
-    records = [object_at(t, "wait") for t in trace_steps] + [object_at(object_at(s.record, "result"), "wait") for s in own_steps]
+    records = [object_at(t, "wait") for t in trace_steps] + [
+        object_at(object_at(s.record, "result"), "wait") for s in own_steps
+    ]
     records += [object_at(s.record, "wait") for s in own_steps]
     for wait in records:
         child = object_at(wait, "details").get("sub_run_id")

@@ -74,7 +74,12 @@ class ResponseFormat:
 
     @classmethod
     def build(
-        cls, schema: object, *, kind: FormatKind = "json_schema", name: object = None, model: type[BaseModel] | None = None
+        cls,
+        schema: object,
+        *,
+        kind: FormatKind = "json_schema",
+        name: object = None,
+        model: type[BaseModel] | None = None,
     ) -> ResponseFormat:
         if not isinstance(schema, Mapping) or not schema:
             raise InvalidResponseSchema("the response schema must be a non-empty JSON object")
@@ -84,16 +89,33 @@ class ResponseFormat:
 
     @classmethod
     def from_call(
-        cls, *, response_model: object = None, response_schema: object = None, response_format: object = None, name: object = None
+        cls,
+        *,
+        response_model: object = None,
+        response_schema: object = None,
+        response_format: object = None,
+        name: object = None,
     ) -> ResponseFormat | None:
         """The ``generate(...)`` / node edge: at most one of the three forms (None: free text)."""
-        given = [n for n, v in (("response_model", response_model), ("response_schema", response_schema), ("response_format", response_format)) if v is not None]
+        given = [
+            n
+            for n, v in (
+                ("response_model", response_model),
+                ("response_schema", response_schema),
+                ("response_format", response_format),
+            )
+            if v is not None
+        ]
         if len(given) > 1:
-            raise InvalidRequest(f"give one of response_model, response_schema, response_format (got {', '.join(given)})")
+            raise InvalidRequest(
+                f"give one of response_model, response_schema, response_format (got {', '.join(given)})"
+            )
         if response_model is not None:
             if not (isinstance(response_model, type) and issubclass(response_model, BaseModel)):
                 raise InvalidRequest("response_model must be a pydantic BaseModel subclass")
-            return cls.build(response_model.model_json_schema(), name=name or response_model.__name__, model=response_model)
+            return cls.build(
+                response_model.model_json_schema(), name=name or response_model.__name__, model=response_model
+            )
         if response_schema is not None:
             return cls.build(response_schema, name=name)
         if response_format is not None:
@@ -114,7 +136,9 @@ class ResponseFormat:
         if kind == "json_schema":
             spec = value.get("json_schema")
             if not isinstance(spec, Mapping):
-                raise InvalidResponseSchema("response_format.json_schema must be an object holding 'schema'", path="/json_schema")
+                raise InvalidResponseSchema(
+                    "response_format.json_schema must be an object holding 'schema'", path="/json_schema"
+                )
             return cls.build(spec.get("schema"), name=spec.get("name"))
         raise InvalidRequest(f"response_format.type must be 'json_schema', 'json_object' or 'text' (got {kind!r})")
 
@@ -184,7 +208,13 @@ def check_schema_limits(schema: object) -> None:
     nodes = 1
     while stack:
         value, depth, at = stack.pop()
-        members = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+        members = (
+            value.items()
+            if isinstance(value, Mapping)
+            else enumerate(value)
+            if isinstance(value, (list, tuple))
+            else ()
+        )
         for key, child in members:
             nodes += 1
             if nodes > MAX_SCHEMA_NODES:
@@ -250,7 +280,9 @@ def _checked_schema(schema: Mapping[str, object]) -> JSONObject:
         jsonschema.Draft202012Validator.check_schema(plain)
     except jsonschema.exceptions.SchemaError as exc:
         pointer = "".join(f"/{part}" for part in exc.path)
-        raise InvalidResponseSchema(f"the response schema is not a valid JSON Schema at '{pointer or '/'}': {exc.message}", path=pointer) from None
+        raise InvalidResponseSchema(
+            f"the response schema is not a valid JSON Schema at '{pointer or '/'}': {exc.message}", path=pointer
+        ) from None
     return plain
 
 

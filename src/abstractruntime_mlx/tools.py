@@ -84,7 +84,9 @@ def check_tools(tools: object, *, field: str = "tools") -> tuple[JSONObject, ...
             raise InvalidTools(f"{where} must be a tool object", field=where)
         kind = tool.get("type", "function")
         if kind != "function":
-            raise InvalidTools(f"{where}.type must be 'function' (got {kind!r}); only function tools are served", field=f"{where}.type")
+            raise InvalidTools(
+                f"{where}.type must be 'function' (got {kind!r}); only function tools are served", field=f"{where}.type"
+            )
         spec = tool.get("function", tool)
         at = f"{where}.function" if "function" in tool else where
         if not isinstance(spec, Mapping):
@@ -107,7 +109,9 @@ def check_tools(tools: object, *, field: str = "tools") -> tuple[JSONObject, ...
     return tuple(out)
 
 
-def parse_tool_choice(value: object, tools: Sequence[Mapping[str, object]], *, field: str = "tool_choice") -> ToolChoice:
+def parse_tool_choice(
+    value: object, tools: Sequence[Mapping[str, object]], *, field: str = "tool_choice"
+) -> ToolChoice:
     """The ``tool_choice`` of a call offering ``tools`` (``None``: ``auto``)."""
     if value is None:
         return AUTO
@@ -126,7 +130,10 @@ def parse_tool_choice(value: object, tools: Sequence[Mapping[str, object]], *, f
             raise InvalidTools(f'{field} must be {{"type": "function", "function": {{"name": ...}}}}', field=field)
         if name not in names:
             offered = ", ".join(names) or "none"
-            raise InvalidTools(f"{field} names tool {name!r}, which is not among the tools offered ({offered})", field=f"{field}.function.name")
+            raise InvalidTools(
+                f"{field} names tool {name!r}, which is not among the tools offered ({offered})",
+                field=f"{field}.function.name",
+            )
         return ToolChoice(mode="function", name=name)
     raise InvalidTools(f"{field} must be a string or an object", field=field)
 

@@ -6,10 +6,18 @@ import argparse
 import math
 import re
 import string
-from typing import TYPE_CHECKING, Callable, Final
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final
 
+from ..default_limits import (
+    DEFAULT_CODE_MEMORY_MIB,
+    DEFAULT_CODE_RESULT_MIB,
+    DEFAULT_CODE_TIME_S,
+    DEFAULT_MAX_DEPTH,
+    DEFAULT_MAX_STEPS,
+    DEFAULT_MAX_WALL_S,
+)
 from ..json_values import parse_ascii_int
-from ..default_limits import DEFAULT_CODE_MEMORY_MIB, DEFAULT_CODE_RESULT_MIB, DEFAULT_CODE_TIME_S, DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_WALL_S
 
 if TYPE_CHECKING:
     from ..runtime_plugin.hosting import DriveLimits
@@ -37,7 +45,7 @@ def number(text: str) -> float:
     return value
 
 
-def help_handler(parser: argparse.ArgumentParser) -> "Callable[[argparse.Namespace], int]":
+def help_handler(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     """The handler of a command group called without a subcommand: its help, exit status 2."""
 
     def handler(_args: argparse.Namespace) -> int:
@@ -49,12 +57,54 @@ def help_handler(parser: argparse.ArgumentParser) -> "Callable[[argparse.Namespa
 
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     """The limits a driven run runs under (``runtime_plugin.DriveLimits``), for ``run`` and ``runs resume``."""
-    parser.add_argument("--max-steps", type=integer, default=DEFAULT_MAX_STEPS, metavar="N", help=f"node steps a run tree may take, subflows and agents included; past it the run fails with step_limit (default {DEFAULT_MAX_STEPS})")
-    parser.add_argument("--max-depth", type=integer, default=DEFAULT_MAX_DEPTH, metavar="N", help=f"how deep subflow and agent runs may nest; deeper, the run fails with depth_limit (default {DEFAULT_MAX_DEPTH})")
-    parser.add_argument("--max-wall-s", type=float, default=DEFAULT_MAX_WALL_S, metavar="SECONDS", help=f"wall-clock time a run may take, checked between steps; past it the run fails with wall_time_limit (default {DEFAULT_MAX_WALL_S:g})")
-    parser.add_argument("--max-code-s", type=float, default=DEFAULT_CODE_TIME_S, metavar="SECONDS", help=f"time one code node call may take; past it the run fails with code_time_limit (default {DEFAULT_CODE_TIME_S:g})")
-    parser.add_argument("--max-code-mib", type=integer, default=DEFAULT_CODE_MEMORY_MIB, metavar="MIB", help=f"memory one code node call may take; past it the run fails with code_memory_limit (default {DEFAULT_CODE_MEMORY_MIB})")
-    parser.add_argument("--max-code-result-mib", type=integer, default=DEFAULT_CODE_RESULT_MIB, metavar="MIB", help=f"size of the JSON of one code node call's result; past it the run fails with code_result_limit (default {DEFAULT_CODE_RESULT_MIB})")
+    parser.add_argument(
+        "--max-steps",
+        type=integer,
+        default=DEFAULT_MAX_STEPS,
+        metavar="N",
+        help="node steps a run tree may take, subflows and agents included; past it "
+        f"the run fails with step_limit (default {DEFAULT_MAX_STEPS})",
+    )
+    parser.add_argument(
+        "--max-depth",
+        type=integer,
+        default=DEFAULT_MAX_DEPTH,
+        metavar="N",
+        help="how deep subflow and agent runs may nest; deeper, the run "
+        f"fails with depth_limit (default {DEFAULT_MAX_DEPTH})",
+    )
+    parser.add_argument(
+        "--max-wall-s",
+        type=float,
+        default=DEFAULT_MAX_WALL_S,
+        metavar="SECONDS",
+        help="wall-clock time a run may take, checked between steps; past it the run "
+        f"fails with wall_time_limit (default {DEFAULT_MAX_WALL_S:g})",
+    )
+    parser.add_argument(
+        "--max-code-s",
+        type=float,
+        default=DEFAULT_CODE_TIME_S,
+        metavar="SECONDS",
+        help="time one code node call may take; past it the run fails with "
+        f"code_time_limit (default {DEFAULT_CODE_TIME_S:g})",
+    )
+    parser.add_argument(
+        "--max-code-mib",
+        type=integer,
+        default=DEFAULT_CODE_MEMORY_MIB,
+        metavar="MIB",
+        help="memory one code node call may take; past it the run fails with "
+        f"code_memory_limit (default {DEFAULT_CODE_MEMORY_MIB})",
+    )
+    parser.add_argument(
+        "--max-code-result-mib",
+        type=integer,
+        default=DEFAULT_CODE_RESULT_MIB,
+        metavar="MIB",
+        help="size of the JSON of one code node call's result; past it the run fails "
+        f"with code_result_limit (default {DEFAULT_CODE_RESULT_MIB})",
+    )
 
 
 def drive_limits(args: argparse.Namespace, *, max_timer_wait_s: float) -> DriveLimits:

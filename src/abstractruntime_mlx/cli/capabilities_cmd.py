@@ -7,7 +7,7 @@ import json
 import os
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "capabilities",
         help="describe MTP support and concurrency of a model without loading it (JSON)",

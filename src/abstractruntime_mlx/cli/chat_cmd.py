@@ -54,22 +54,58 @@ class ChatSettings:
     show_stats: bool = True
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "chat",
         help="chat with a model in the terminal (a REPL; or one answer per stdin line)",
         description="Load MODEL once and chat with it: streamed replies, slash commands (/help), "
         "prefix reuse across turns. Stdin not a terminal: one answer per line.",
     )
-    parser.add_argument("model", nargs="?", default=None, help="checkpoint directory or cached Hugging Face repo id (default: the embedded tiny model; with --remote: the server's first model)")
-    parser.add_argument("--remote", default=None, metavar="URL", help="chat with a running 'abstractruntime-mlx serve' at URL instead of loading MODEL here")
-    parser.add_argument("--api-key", default=None, help="the server's API key, with --remote (default: $ABSTRACTRUNTIME_MLX_API_KEY)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="checkpoint directory or cached Hugging Face repo id (default: the "
+        "embedded tiny model; with --remote: the server's first model)",
+    )
+    parser.add_argument(
+        "--remote",
+        default=None,
+        metavar="URL",
+        help="chat with a running 'abstractruntime-mlx serve' at URL instead of loading MODEL here",
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="the server's API key, with --remote (default: $ABSTRACTRUNTIME_MLX_API_KEY)"
+    )
     parser.add_argument("--system", default=None, metavar="TEXT", help="the system prompt (/system changes it)")
-    parser.add_argument("--thinking", default=None, metavar="MODE", help="on, off, auto or a level: minimal, low, medium, high, xhigh (default: auto, the model's own)")
-    parser.add_argument("--max-tokens", type=integer, default=None, metavar="N", help="cap on each reply's tokens (default 1024, or what the context leaves)")
-    parser.add_argument("--temperature", type=number, default=None, metavar="T", help="sampling temperature (default 0: greedy)")
-    parser.add_argument("--history", default=None, metavar="FILE", help=f"readline history file (default $XDG_STATE_HOME/{HISTORY_FILE})")
-    parser.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True, help="after each reply, a line of figures on stderr (default: on)")
+    parser.add_argument(
+        "--thinking",
+        default=None,
+        metavar="MODE",
+        help="on, off, auto or a level: minimal, low, medium, high, xhigh (default: auto, the model's own)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=integer,
+        default=None,
+        metavar="N",
+        help="cap on each reply's tokens (default 1024, or what the context leaves)",
+    )
+    parser.add_argument(
+        "--temperature", type=number, default=None, metavar="T", help="sampling temperature (default 0: greedy)"
+    )
+    parser.add_argument(
+        "--history",
+        default=None,
+        metavar="FILE",
+        help=f"readline history file (default $XDG_STATE_HOME/{HISTORY_FILE})",
+    )
+    parser.add_argument(
+        "--stats",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after each reply, a line of figures on stderr (default: on)",
+    )
     parser.set_defaults(handler=_chat)
 
 
@@ -131,7 +167,9 @@ def opened_model(settings: ChatSettings) -> Iterator[tuple[StreamOpener, str]]:
             if name is None:
                 served = client.list_models()
                 if not served:
-                    raise ModelNotFound(f"the server at {settings.remote} has no model loaded; name one (chat MODEL --remote URL)")
+                    raise ModelNotFound(
+                        f"the server at {settings.remote} has no model loaded; name one (chat MODEL --remote URL)"
+                    )
                 name = str(served[0]["id"])
                 client.model = name
             yield (lambda request: client.generate_request(request, stream=True)), name
@@ -222,7 +260,10 @@ def _readline(history: Path | None) -> Iterator[None]:
                 readline.write_history_file(history)
                 history.chmod(0o600)
             except OSError as exc:
-                print(f"warning: the chat history was not saved to {str(history)!r}: {exc.strerror or exc}", file=sys.stderr)
+                print(
+                    f"warning: the chat history was not saved to {str(history)!r}: {exc.strerror or exc}",
+                    file=sys.stderr,
+                )
 
 
 def _complete_command(text: str, state: int) -> str | None:

@@ -57,7 +57,10 @@ class TurnFigures:
     finish_reason: str
 
     def line(self) -> str:
-        parts = [f"prompt {self.prompt_tokens} tokens ({self.cached_tokens} cached)", f"{self.completion_tokens} generated"]
+        parts = [
+            f"prompt {self.prompt_tokens} tokens ({self.cached_tokens} cached)",
+            f"{self.completion_tokens} generated",
+        ]
         if self.ttft_s is not None:
             parts.append(f"TTFT {self.ttft_s * 1000:.0f} ms")
         if self.decode_tps is not None:

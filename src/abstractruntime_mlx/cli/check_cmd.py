@@ -34,7 +34,7 @@ class CheckSettings:
     allow_remote: bool = False
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "check",
         help="check a VisualFlow JSON flow without running it (every problem, node by node)",
@@ -43,15 +43,52 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
         "this machine, runs that would never end, servers you did not allow (and, with --probe, servers that "
         "do not answer). Exit 1 when there is an error.",
     )
-    parser.add_argument("flows", nargs="+", metavar="FLOW", help="path to a VisualFlow JSON file (several: one report each, then a summary)")
-    parser.add_argument("--var", action="append", default=[], metavar="KEY=VALUE", help="a run variable, as for `run` (_runtime.speculation=false)")
-    parser.add_argument("--model", default=None, help="the model `run --model` would serve every LLM node with (checked on disk only)")
-    parser.add_argument("--route", action="append", default=[], metavar="SPEC", help="a routing rule, as for `run` (PROVIDER[/MODEL]=mlx:MODEL|URL)")
-    parser.add_argument("--flows-dir", default=None, metavar="DIR", help="where subflows are found, as for `run` (default: each flow file's directory)")
-    parser.add_argument("--allow-network-tools", action="store_true", help="as for `run`: tools that reach outside this machine are allowed")
-    parser.add_argument("--allow-remote", action="store_true", help="as for `run`: the servers the flow names itself (base_url) are allowed")
+    parser.add_argument(
+        "flows",
+        nargs="+",
+        metavar="FLOW",
+        help="path to a VisualFlow JSON file (several: one report each, then a summary)",
+    )
+    parser.add_argument(
+        "--var",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a run variable, as for `run` (_runtime.speculation=false)",
+    )
+    parser.add_argument(
+        "--model", default=None, help="the model `run --model` would serve every LLM node with (checked on disk only)"
+    )
+    parser.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a routing rule, as for `run` (PROVIDER[/MODEL]=mlx:MODEL|URL)",
+    )
+    parser.add_argument(
+        "--flows-dir",
+        default=None,
+        metavar="DIR",
+        help="where subflows are found, as for `run` (default: each flow file's directory)",
+    )
+    parser.add_argument(
+        "--allow-network-tools",
+        action="store_true",
+        help="as for `run`: tools that reach outside this machine are allowed",
+    )
+    parser.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="as for `run`: the servers the flow names itself (base_url) are allowed",
+    )
     probe = parser.add_mutually_exclusive_group()
-    probe.add_argument("--probe", action="store_true", help="send one GET /health to each allowed remote base_url, and ask an abstractruntime-mlx server there whether it serves each node's model (nothing is contacted without it)")
+    probe.add_argument(
+        "--probe",
+        action="store_true",
+        help="send one GET /health to each allowed remote base_url, and ask an abstractruntime-mlx "
+        "server there whether it serves each node's model (nothing is contacted without it)",
+    )
     probe.add_argument("--no-probe", action="store_true", help="contact no server (the default; kept for scripts)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(handler=_check)

@@ -19,7 +19,7 @@ SHELLS: Final = ("bash", "zsh")
 PROGRAM: Final = "abstractruntime-mlx"
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "completion",
         help="print a bash or zsh completion script",
@@ -65,7 +65,8 @@ def completion_script(parser: argparse.ArgumentParser, shell: str) -> str:
         raise ValueError(f"shell must be one of {', '.join(SHELLS)} (got {shell!r})")
     table = command_words(parser)
     cases = "\n".join(
-        f"        {_pattern(path)}) words={shlex.quote(' '.join(sorted(set(words))))} ;;" for path, words in sorted(table.items())
+        f"        {_pattern(path)}) words={shlex.quote(' '.join(sorted(set(words))))} ;;"
+        for path, words in sorted(table.items())
     )
     paths = " ".join(shlex.quote(p) for p in sorted(table) if p)
     function = f"""_abstractruntime_mlx() {{
@@ -90,5 +91,8 @@ def completion_script(parser: argparse.ArgumentParser, shell: str) -> str:
 }}
 complete -o filenames -F _abstractruntime_mlx {PROGRAM}"""
     if shell == "zsh":
-        return f"# {PROGRAM} completion for zsh (through bashcompinit)\nautoload -U +X bashcompinit && bashcompinit\n{function}"
+        return (
+            f"# {PROGRAM} completion for zsh (through bashcompinit)\nautoload "
+            f"-U +X bashcompinit && bashcompinit\n{function}"
+        )
     return f"# {PROGRAM} completion for bash\n{function}"

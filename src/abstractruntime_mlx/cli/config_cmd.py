@@ -10,10 +10,11 @@ import argparse
 import json
 import os
 from pathlib import Path
+
 from .args import help_handler
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "config",
         help="show or change the Core MTP policy",

@@ -43,7 +43,7 @@ _WHY: Final = {
 }
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="run the fan-out example flow 3 times at once, then once alone, and say node by node what happened",
@@ -55,7 +55,11 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     parser.add_argument("--runs", type=integer, default=3, help="concurrent runs in step 1 (default 3)")
     parser.add_argument("--ledger", default=None, help="ledger URL or SQLite path (default as for `run`)")
     parser.add_argument("--model", default=None, help="as for `run` (default: the embedded tiny MTP model)")
-    parser.add_argument("--verbose", action="store_true", help="also print `run`'s full output for every run and `runs show` of the first")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print `run`'s full output for every run and `runs show` of the first",
+    )
     parser.set_defaults(handler=_demo)
 
 
@@ -118,7 +122,11 @@ def _demo(args: argparse.Namespace) -> int:
         print(printable(f"abstractruntime-mlx runs show {first[0]}"))
         _cli(["runs", "show", first[0], "--ledger", url])
     else:
-        print(printable(f"inspect a run: abstractruntime-mlx runs show {first[0][:8]} --ledger {url}  (--verbose prints it)"))
+        print(
+            printable(
+                f"inspect a run: abstractruntime-mlx runs show {first[0][:8]} --ledger {url}  (--verbose prints it)"
+            )
+        )
     return code
 
 

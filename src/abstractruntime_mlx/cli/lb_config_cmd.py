@@ -21,21 +21,60 @@ from .args import integer, number
 API_KEY_ENV = "ABSTRACTRUNTIME_MLX_API_KEY"
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "lb-config",
         help="write an HAProxy configuration for a pool of model servers (session affinity, health checks, retries)",
     )
-    parser.add_argument("--server", action="append", default=[], required=True, metavar="HOST:PORT", help="a model server of the pool (repeat for each)")
-    parser.add_argument("--slots", type=integer, default=None, help="engine batch slots of a server that cannot be asked (serve's default is 4)")
-    parser.add_argument("--queue", type=integer, default=None, help="queue places of a server that cannot be asked (serve's default is 32)")
-    parser.add_argument("--bind", default="127.0.0.1:8090", metavar="HOST:PORT", help="where HAProxy listens (default 127.0.0.1:8090)")
-    parser.add_argument("--stats-socket", default=None, metavar="PATH", help="HAProxy's admin socket, mode 600 (show stat, show servers state); one word: no whitespace, '#' or quotes")
-    parser.add_argument("--balance-factor", type=integer, default=150, help="hash-balance-factor, bounded load in %% of the average (0: off; default 150)")
-    parser.add_argument("--retries", type=integer, default=3, help="how many times HAProxy sends a failed call again (default 3)")
-    parser.add_argument("--queue-timeout", type=number, default=120.0, metavar="SECONDS", help="how long a call may wait in HAProxy's queue (default 120)")
+    parser.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        required=True,
+        metavar="HOST:PORT",
+        help="a model server of the pool (repeat for each)",
+    )
+    parser.add_argument(
+        "--slots",
+        type=integer,
+        default=None,
+        help="engine batch slots of a server that cannot be asked (serve's default is 4)",
+    )
+    parser.add_argument(
+        "--queue",
+        type=integer,
+        default=None,
+        help="queue places of a server that cannot be asked (serve's default is 32)",
+    )
+    parser.add_argument(
+        "--bind", default="127.0.0.1:8090", metavar="HOST:PORT", help="where HAProxy listens (default 127.0.0.1:8090)"
+    )
+    parser.add_argument(
+        "--stats-socket",
+        default=None,
+        metavar="PATH",
+        help="HAProxy's admin socket, mode 600 (show stat, show servers state); one word: no whitespace, '#' or quotes",
+    )
+    parser.add_argument(
+        "--balance-factor",
+        type=integer,
+        default=150,
+        help="hash-balance-factor, bounded load in %% of the average (0: off; default 150)",
+    )
+    parser.add_argument(
+        "--retries", type=integer, default=3, help="how many times HAProxy sends a failed call again (default 3)"
+    )
+    parser.add_argument(
+        "--queue-timeout",
+        type=number,
+        default=120.0,
+        metavar="SECONDS",
+        help="how long a call may wait in HAProxy's queue (default 120)",
+    )
     parser.add_argument("--api-key", default=None, help=f"bearer key to ask the servers with (default: ${API_KEY_ENV})")
-    parser.add_argument("--no-probe", action="store_true", help="do not ask the servers; use --slots and --queue for all")
+    parser.add_argument(
+        "--no-probe", action="store_true", help="do not ask the servers; use --slots and --queue for all"
+    )
     parser.add_argument("--out", default=None, metavar="FILE", help="write the configuration here (default: stdout)")
     parser.set_defaults(handler=_lb_config)
 
@@ -77,6 +116,10 @@ def _lb_config(args: argparse.Namespace) -> int:
     partial.write_text(text, encoding="utf-8")
     partial.replace(out)  # HAProxy reloading at this moment reads the old file or the new one, whole
     for server in servers:
-        print(f"server {server.address}: maxconn {server.maxconn} ({server.slots} slots + {server.queue} queue, from {server.source})", file=sys.stderr)
+        print(
+            f"server {server.address}: maxconn {server.maxconn} ({server.slots} "
+            f"slots + {server.queue} queue, from {server.source})",
+            file=sys.stderr,
+        )
     print(f"wrote {out}", file=sys.stderr)
     return 0

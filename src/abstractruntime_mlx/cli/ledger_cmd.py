@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from .ledger_location import default_ledger_url, existing_ledger_file
 from .args import help_handler
+from .ledger_location import default_ledger_url, existing_ledger_file
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("ledger", help="the ledger database's schema revision: status, upgrade")
     parser.set_defaults(handler=help_handler(parser))
     actions = parser.add_subparsers(dest="ledger_command", metavar="ACTION")
@@ -49,7 +49,10 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps({"ledger": shown, **info}))
     else:
         pending = ", ".join(info["pending"]) or "none"
-        print(f"ledger: {shown}\nrevision: {info['revision'] or 'empty'} (this release: {info['head']})\npending: {pending}")
+        print(
+            f"ledger: {shown}\nrevision: {info['revision'] or 'empty'} "
+            f"(this release: {info['head']})\npending: {pending}"
+        )
     return 0
 
 

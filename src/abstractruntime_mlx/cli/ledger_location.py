@@ -40,7 +40,8 @@ def existing_ledger_file(url: str) -> Path | None:
     path = Path(database).expanduser().resolve()
     if not path.is_file():
         raise LedgerNotFound(
-            f"no ledger at {path}: no run has been recorded there (`abstractruntime-mlx run FLOW --ledger {path}` creates it)",
+            f"no ledger at {path}: no run has been recorded there "
+            f"(`abstractruntime-mlx run FLOW --ledger {path}` creates it)",
             details={"path": str(path)},
         )
     return path

@@ -101,11 +101,19 @@ def run_status(run: RunView, runs: Sequence[RunView]) -> str:
     else its status."""
     status = run.summary.status
     if status == "waiting" and run.summary.wait_reason == "subworkflow":
-        busy = [r for r in runs if r.summary.parent_run_id == run.summary.run_id and r.summary.status in ("running", "waiting")]
+        busy = [
+            r
+            for r in runs
+            if r.summary.parent_run_id == run.summary.run_id and r.summary.status in ("running", "waiting")
+        ]
         if busy:
             child = busy[-1]
             what = "agent" if child.summary.workflow_id.startswith("visual_react_agent") else "subflow"
-            return f"running {what} {child.summary.workflow_id}" if child.summary.status == "running" else f"waiting in {what} {child.summary.workflow_id}"
+            return (
+                f"running {what} {child.summary.workflow_id}"
+                if child.summary.status == "running"
+                else f"waiting in {what} {child.summary.workflow_id}"
+            )
     return status
 
 
@@ -276,16 +284,22 @@ def runs_table(runs: Sequence[RunView], *, width: int = WIDE_COLUMNS, now: dt.da
     run or a run below it is running; a call waiting for its model shows ``loading MODEL SIZE``."""
     from rich import box
     from rich.console import Group
+    from rich.padding import Padding
     from rich.progress_bar import ProgressBar
     from rich.table import Table
     from rich.text import Text
 
-    from rich.padding import Padding
-
-    styles = {"load": "magenta", "prefill": "yellow", "generate": "cyan", "completed": "green", "failed": "red", "queued": "dim"}
+    styles = {
+        "load": "magenta",
+        "prefill": "yellow",
+        "generate": "cyan",
+        "completed": "green",
+        "failed": "red",
+        "queued": "dim",
+    }
     wide = width >= WIDE_COLUMNS
     parts: list[RenderableType] = []
-    when = now or dt.datetime.now(dt.timezone.utc)
+    when = now or dt.datetime.now(dt.UTC)
     for depth, run in tree_order(runs):
         status = run_status(run, runs)
         indent = 2 * depth
@@ -319,7 +333,9 @@ def runs_table(runs: Sequence[RunView], *, width: int = WIDE_COLUMNS, now: dt.da
         for name, justify, min_width in columns:
             # The node's name wraps in its cell when the terminal is narrow: never cut.
             folds = name == "node"
-            table.add_column(name, justify=justify, no_wrap=not folds, overflow="fold" if folds else "ellipsis", min_width=min_width)
+            table.add_column(
+                name, justify=justify, no_wrap=not folds, overflow="fold" if folds else "ellipsis", min_width=min_width
+            )
         for call in run.calls:
             total = call.prompt_tokens or 0
             done = call.prefill_processed_tokens or 0

@@ -13,7 +13,6 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TextIO, TypeVar
 
 from ..artifacts import size_on_disk
@@ -44,8 +43,13 @@ def showing_load(name: str, *, source: str | None = None, out: TextIO | None = N
             from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
             progress = stack.enter_context(
-                Progress(SpinnerColumn(), TextColumn("loading {task.description}"), TimeElapsedColumn(),
-                         console=Console(file=stream), transient=True)
+                Progress(
+                    SpinnerColumn(),
+                    TextColumn("loading {task.description}"),
+                    TimeElapsedColumn(),
+                    console=Console(file=stream),
+                    transient=True,
+                )
             )
             progress.add_task(what, total=None)
         else:
@@ -54,7 +58,11 @@ def showing_load(name: str, *, source: str | None = None, out: TextIO | None = N
             yield
         except (MLXRuntimeError, OSError, ValueError) as exc:
             stack.close()
-            print(f"abstractruntime-mlx: failed to load {name} after {time.perf_counter() - started:.1f} s: {exc}", file=stream, flush=True)
+            print(
+                f"abstractruntime-mlx: failed to load {name} after {time.perf_counter() - started:.1f} s: {exc}",
+                file=stream,
+                flush=True,
+            )
             raise
     print(f"abstractruntime-mlx: loaded {what} in {time.perf_counter() - started:.1f} s", file=stream, flush=True)
 

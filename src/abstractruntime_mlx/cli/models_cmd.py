@@ -59,7 +59,7 @@ class LocalModel(TypedDict):
     path: str
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("models", help="download, list, remove or build models")
     parser.set_defaults(handler=help_handler(parser))
     actions = parser.add_subparsers(dest="models_command", metavar="ACTION")
@@ -73,14 +73,26 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
 
     listing = actions.add_parser("list", help="list the cached and local models with size and kind")
     listing.add_argument("--cache-dir", default=None, help="Hugging Face cache directory (default: HF_HUB_CACHE)")
-    listing.add_argument("--dir", action="append", default=[], metavar="DIR", help=f"a folder of model folders (repeatable; also ${MODEL_DIRS_ENV})")
+    listing.add_argument(
+        "--dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help=f"a folder of model folders (repeatable; also ${MODEL_DIRS_ENV})",
+    )
     listing.add_argument("--json", action="store_true", help="one JSON object per model instead of the table")
     listing.set_defaults(handler=_list)
 
     remove = actions.add_parser("rm", help="remove a cached model (every revision) or a local model folder")
     remove.add_argument("name", help="a cached repo id, a model folder's name under a --dir, or its path")
     remove.add_argument("--cache-dir", default=None, help="Hugging Face cache directory (default: HF_HUB_CACHE)")
-    remove.add_argument("--dir", action="append", default=[], metavar="DIR", help=f"a folder of model folders (repeatable; also ${MODEL_DIRS_ENV})")
+    remove.add_argument(
+        "--dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help=f"a folder of model folders (repeatable; also ${MODEL_DIRS_ENV})",
+    )
     remove.add_argument("--yes", action="store_true", help="remove without asking")
     remove.set_defaults(handler=_rm)
 
@@ -119,9 +131,13 @@ def _snapshot_download(name: str, *, revision: str | None, cache_dir: str | None
     try:
         return str(snapshot_download(name, revision=revision, cache_dir=cache_dir))
     except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError) as exc:
-        raise ModelNotFound(f"{name} is not a model on the Hugging Face hub: {_first_line(exc)}", details={"model": name}) from exc
+        raise ModelNotFound(
+            f"{name} is not a model on the Hugging Face hub: {_first_line(exc)}", details={"model": name}
+        ) from exc
     except GatedRepoError as exc:
-        raise UpstreamError(f"{name} is gated; log in with `hf auth login` and accept its terms ({_first_line(exc)})") from exc
+        raise UpstreamError(
+            f"{name} is gated; log in with `hf auth login` and accept its terms ({_first_line(exc)})"
+        ) from exc
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
         raise UpstreamError(f"downloading {name} failed: {_first_line(exc)}") from exc
 
@@ -133,7 +149,10 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    rows: list[CachedModel | LocalModel] = [*list_cached_models(cache_dir=args.cache_dir), *list_local_models(model_dirs(args.dir))]
+    rows: list[CachedModel | LocalModel] = [
+        *list_cached_models(cache_dir=args.cache_dir),
+        *list_local_models(model_dirs(args.dir)),
+    ]
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -250,11 +269,21 @@ def _print_table(rows: list[CachedModel | LocalModel]) -> None:
         print("no models: none in the Hugging Face cache, and no --dir given (models download NAME fetches one)")
         return
     table = Table(box=None, pad_edge=False)
-    for column, justify in (("NAME", "left"), ("KIND", "left"), ("SIZE", "right"), ("SOURCE", "left"), ("PATH", "left")):
+    for column, justify in (
+        ("NAME", "left"),
+        ("KIND", "left"),
+        ("SIZE", "right"),
+        ("SOURCE", "left"),
+        ("PATH", "left"),
+    ):
         table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for row in rows:
         table.add_row(
-            printable(row["name"]), row["kind"], _human(row["size_on_disk"]), row["source"], printable(row["path"] or "")
+            printable(row["name"]),
+            row["kind"],
+            _human(row["size_on_disk"]),
+            row["source"],
+            printable(row["path"] or ""),
         )
     # Piped or redirected, lines are as long as their paths (a terminal's width would cut them).
     width = None if sys.stdout.isatty() else 100_000
@@ -297,7 +326,12 @@ class Removable:
         from huggingface_hub import scan_cache_dir
 
         info = scan_cache_dir(self._cache_dir)
-        hashes = [r.commit_hash for repo in info.repos if repo.repo_id == self.name and repo.repo_type == "model" for r in repo.revisions]
+        hashes = [
+            r.commit_hash
+            for repo in info.repos
+            if repo.repo_id == self.name and repo.repo_type == "model"
+            for r in repo.revisions
+        ]
         info.delete_revisions(*hashes).execute()
         repo_dir = Path(self.path)
         if repo_dir.is_dir():  # a repo with no revision left keeps only empty refs: drop it too

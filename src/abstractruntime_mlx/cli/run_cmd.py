@@ -33,15 +33,15 @@ from ..errors import InvalidRequest, MLXRuntimeError, RemoteNotAllowed
 from ..json_values import as_str
 from .args import add_limit_arguments, drive_limits, integer
 from .ledger_location import DEFAULT_LEDGER_PATH, LEDGER_ENV, default_ledger_url
-from .runs_cmd import EXIT_FAILED, EXIT_OK, EXIT_WAITING, exit_code, print_results
+from .runs_cmd import EXIT_FAILED, EXIT_OK, EXIT_WAITING, exit_code, print_results  # noqa: F401 - the exit codes of `run`
 from .runs_export_cmd import add_otlp_arguments, otlp_content, otlp_target
 from .terminal import printable
 
 if TYPE_CHECKING:
-    from ..runtime_plugin.hosting import DriveLimits
     from ..runtime_plugin import FlowRunResult, PackSettings
-    from ..runtime_plugin.check import CheckReport
     from ..runtime_plugin.adapter import RemotePolicy
+    from ..runtime_plugin.check import CheckReport
+    from ..runtime_plugin.hosting import DriveLimits
     from ..traces import OtlpTarget
 
 TINY_MODEL_DIR: Final = "abstractruntime-mlx/tiny-hybrid-mtp"
@@ -84,7 +84,7 @@ class RunSettings:
         )
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "run",
         help="run a VisualFlow JSON flow (N concurrent runs) and print each LLM node's result",
@@ -92,11 +92,25 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
         "steps and every phase event in the ledger.",
     )
     parser.add_argument("flow", help="path to a VisualFlow JSON file (e.g. examples/fanout.json)")
-    parser.add_argument("--model", default=None, help="model for every LLM node (default: the embedded tiny model for nodes naming none)")
-    parser.add_argument("--var", action="append", default=[], metavar="KEY=VALUE", help="a run variable; VALUE is JSON if it parses, else a string; dotted keys nest (_runtime.speculation=false)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model for every LLM node (default: the embedded tiny model for nodes naming none)",
+    )
+    parser.add_argument(
+        "--var",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a run variable; VALUE is JSON if it parses, else a string; dotted keys nest (_runtime.speculation=false)",
+    )
     parser.add_argument("--runs", type=integer, default=1, help="number of concurrent runs (default 1)")
-    parser.add_argument("--ledger", default=None, help=f"ledger URL or SQLite path (default ${LEDGER_ENV} or {DEFAULT_LEDGER_PATH})")
-    parser.add_argument("--max-batch-size", type=integer, default=None, help="engine batch slots (mlx_max_batch_size; default 4)")
+    parser.add_argument(
+        "--ledger", default=None, help=f"ledger URL or SQLite path (default ${LEDGER_ENV} or {DEFAULT_LEDGER_PATH})"
+    )
+    parser.add_argument(
+        "--max-batch-size", type=integer, default=None, help="engine batch slots (mlx_max_batch_size; default 4)"
+    )
     parser.add_argument(
         "--speculation",
         default=None,
@@ -114,9 +128,14 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
         "--cache-dir",
         default=None,
         metavar="DIR",
-        help="keep prompt-cache snapshots on disk here too (mlx_cache_disk_path), so a later run finds them after a restart",
+        help="keep prompt-cache snapshots on disk here too "
+        "(mlx_cache_disk_path), so a later run finds them after a restart",
     )
-    parser.add_argument("--no-sibling-batching", action="store_true", help="run parallel branches strictly one after another (no prefetch)")
+    parser.add_argument(
+        "--no-sibling-batching",
+        action="store_true",
+        help="run parallel branches strictly one after another (no prefetch)",
+    )
     parser.add_argument(
         "--route",
         action="append",
@@ -129,18 +148,38 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
         "--config",
         default=None,
         metavar="FILE",
-        help='JSON run settings: {"model": ..., "routes": {...}, "flows_dir": ..., "allow_network_tools": false, "allow_remote": false | true | ["HOST[:PORT]", ...]}',
+        help='JSON run settings: {"model": ..., "routes": {...}, "flows_dir": ..., '
+        '"allow_network_tools": false, "allow_remote": false | true | ["HOST[:PORT]", ...]}',
     )
-    parser.add_argument("--flows-dir", default=None, help="where subflows are looked up as <id>.json (default: the flow file's directory)")
-    parser.add_argument("--artifacts", default=None, metavar="DIR", help="artifact store directory (default: <ledger file>.artifacts beside a SQLite ledger)")
-    parser.add_argument("--allow-network-tools", action="store_true", help="let agents and tool nodes use tools that reach outside this machine (web_search, fetch_url...)")
+    parser.add_argument(
+        "--flows-dir",
+        default=None,
+        help="where subflows are looked up as <id>.json (default: the flow file's directory)",
+    )
+    parser.add_argument(
+        "--artifacts",
+        default=None,
+        metavar="DIR",
+        help="artifact store directory (default: <ledger file>.artifacts beside a SQLite ledger)",
+    )
+    parser.add_argument(
+        "--allow-network-tools",
+        action="store_true",
+        help="let agents and tool nodes use tools that reach outside this machine (web_search, fetch_url...)",
+    )
     parser.add_argument(
         "--allow-remote",
         action="store_true",
         help="let the flow send LLM nodes to the servers it names itself (a base_url in the flow file); "
         "--route URLs and --var _runtime.base_url are allowed without it",
     )
-    parser.add_argument("--max-timer-wait", type=float, default=60.0, metavar="SECONDS", help="how long run sleeps for wait_until timers before leaving the run waiting (default 60)")
+    parser.add_argument(
+        "--max-timer-wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long run sleeps for wait_until timers before leaving the run waiting (default 60)",
+    )
     add_limit_arguments(parser)
     add_otlp_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -170,7 +209,9 @@ def served_model(run_vars: Mapping[str, object]) -> str | None:
     with RemoteClient(urls[0], max_retries=0) as client:
         models = client.list_models()
     if not models:
-        raise ModelNotFound(f"the server at {urls[0]} has no model loaded; load one (POST /acore/models/load) or pass --model")
+        raise ModelNotFound(
+            f"the server at {urls[0]} has no model loaded; load one (POST /acore/models/load) or pass --model"
+        )
     return str(models[0]["id"])
 
 
@@ -179,7 +220,9 @@ def runtime_urls(run_vars: Mapping[str, object]) -> list[str]:
     runtime = run_vars.get("_runtime")
     if not isinstance(runtime, Mapping):
         return []
-    return [v.strip() for v in (runtime.get("base_url"), runtime.get("server_base_url")) if isinstance(v, str) and v.strip()]
+    return [
+        v.strip() for v in (runtime.get("base_url"), runtime.get("server_base_url")) if isinstance(v, str) and v.strip()
+    ]
 
 
 def remote_policy(allow: object, run_vars: Mapping[str, object], *, source: str) -> RemotePolicy:
@@ -187,7 +230,6 @@ def remote_policy(allow: object, run_vars: Mapping[str, object], *, source: str)
     file's ``allow_remote``: true, false or a list of ``HOST[:PORT]``) and the URLs the user gave
     in the run vars. A link-local or metadata address there is refused before anything runs."""
     from ..runtime_plugin.adapter import RemotePolicy
-    from ..traces import OtlpTarget
 
     if not isinstance(allow, bool) and not (isinstance(allow, list) and all(isinstance(h, str) for h in allow)):
         raise InvalidRequest(f"{source}: 'allow_remote' must be true, false or a list of \"HOST[:PORT]\" strings")
@@ -258,7 +300,11 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
     if args.max_timer_wait < 0:
         raise SystemExit("error: --max-timer-wait must be >= 0")
     limits = drive_limits(args, max_timer_wait_s=args.max_timer_wait)
-    remote = remote_policy(True if args.allow_remote else config.get("allow_remote", False), run_vars, source=str(args.config or "--allow-remote"))
+    remote = remote_policy(
+        True if args.allow_remote else config.get("allow_remote", False),
+        run_vars,
+        source=str(args.config or "--allow-remote"),
+    )
     return RunSettings(
         flow=flow,
         source=args.flow,
@@ -271,7 +317,9 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         sibling_batching=not args.no_sibling_batching,
         as_json=args.json,
         routes=routes,
-        flows_dir=args.flows_dir or as_str(config.get("flows_dir")) or str(Path(args.flow).expanduser().resolve().parent),
+        flows_dir=args.flows_dir
+        or as_str(config.get("flows_dir"))
+        or str(Path(args.flow).expanduser().resolve().parent),
         artifacts_dir=args.artifacts or as_str(config.get("artifacts_dir")),
         allow_network_tools=bool(args.allow_network_tools or config.get("allow_network_tools", False)),
         remote=remote,
@@ -282,7 +330,9 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
     )
 
 
-RUN_CONFIG_KEYS: Final = frozenset({"model", "routes", "flows_dir", "artifacts_dir", "allow_network_tools", "allow_remote"})
+RUN_CONFIG_KEYS: Final = frozenset(
+    {"model", "routes", "flows_dir", "artifacts_dir", "allow_network_tools", "allow_remote"}
+)
 
 
 def read_run_config(path: str) -> dict[str, object]:
@@ -338,7 +388,9 @@ def check_before_run(settings: RunSettings) -> bool:
     if not report.ok:
         print(printable(report.render()), file=sys.stderr)
     elif report.warnings:
-        text = warnings_text(report, name=settings.source or "flow", flow_key=flow_hash(settings.flow), seen_file=warned_flows_file())
+        text = warnings_text(
+            report, name=settings.source or "flow", flow_key=flow_hash(settings.flow), seen_file=warned_flows_file()
+        )
         print(printable(text), file=sys.stderr)
     return report.ok
 
@@ -392,8 +444,8 @@ def run_and_print(settings: RunSettings) -> int:
             flow_id, node_id, tool = uses[0]
             more = f" (and {len(uses) - 1} more)" if len(uses) > 1 else ""
             raise SystemExit(
-                f"error: node {node_id!r} of flow {flow_id!r} uses {tool!r}, a tool that reaches outside this machine{more}; "
-                "pass --allow-network-tools to allow it"
+                f"error: node {node_id!r} of flow {flow_id!r} uses {tool!r}, a tool that reaches "
+                f"outside this machine{more}; pass --allow-network-tools to allow it"
             )
     started = time.perf_counter()
     since = dt.datetime.now(dt.UTC)
@@ -416,7 +468,11 @@ def _live_export(settings: RunSettings, since: dt.datetime) -> contextlib.Abstra
     from .main import installed_version
 
     return LiveExport(
-        settings.ledger_url, settings.otlp, since=since, service_version=installed_version(), content=settings.otlp_content
+        settings.ledger_url,
+        settings.otlp,
+        since=since,
+        service_version=installed_version(),
+        content=settings.otlp_content,
     )
 
 
@@ -435,7 +491,10 @@ def interrupted(ledger_url: str, since: dt.datetime) -> int:
         for run in started:
             if run.parent_run_id is None and (run.run_id in marked or run.status == "running"):
                 print(
-                    printable(f"interrupted: run {run.run_id} ({run.workflow_id}); continue: abstractruntime-mlx runs resume {run.run_id}"),
+                    printable(
+                        f"interrupted: run {run.run_id} ({run.workflow_id}); "
+                        f"continue: abstractruntime-mlx runs resume {run.run_id}"
+                    ),
                     file=sys.stderr,
                 )
     return EXIT_INTERRUPTED

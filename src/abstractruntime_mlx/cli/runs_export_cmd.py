@@ -43,14 +43,21 @@ CONTENT_ENV_VALUES: Final[Mapping[str, bool]] = {
 as OpenTelemetry's GenAI instrumentations read it."""
 
 
-def add_parser(actions: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     export = actions.add_parser(
         "export",
         help="send runs as OpenTelemetry traces (GenAI spans) to an OTLP/HTTP receiver, or write the OTLP/JSON",
     )
-    export.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="run id or a unique prefix; its child runs come along")
+    export.add_argument(
+        "run_ids", nargs="+", metavar="RUN_ID", help="run id or a unique prefix; its child runs come along"
+    )
     export.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
-    export.add_argument("--json", default=None, metavar="FILE", help="write the OTLP/JSON ExportTraceServiceRequest to FILE ('-': stdout)")
+    export.add_argument(
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="write the OTLP/JSON ExportTraceServiceRequest to FILE ('-': stdout)",
+    )
     add_otlp_arguments(export, live=False)
     export.set_defaults(handler=_export)
 
@@ -64,7 +71,12 @@ def add_otlp_arguments(parser: argparse.ArgumentParser, *, live: bool = True) ->
         metavar="URL",
         help=f"send OpenTelemetry spans to this OTLP/HTTP receiver (URL/v1/traces){when}",
     )
-    parser.add_argument("--otlp-protocol", default="protobuf", choices=("protobuf", "json"), help="OTLP/HTTP body encoding (default protobuf)")
+    parser.add_argument(
+        "--otlp-protocol",
+        default="protobuf",
+        choices=("protobuf", "json"),
+        help="OTLP/HTTP body encoding (default protobuf)",
+    )
     parser.add_argument(
         "--otlp-header",
         action="append",
@@ -79,7 +91,8 @@ def add_otlp_arguments(parser: argparse.ArgumentParser, *, live: bool = True) ->
         action="store_const",
         const=True,
         default=None,
-        help=f"put the prompts and answers in the spans (gen_ai.input.messages ...; default: left out, or ${CONTENT_ENV})",
+        help="put the prompts and answers in the spans (gen_ai.input.messages "
+        f"...; default: left out, or ${CONTENT_ENV})",
     )
     content.add_argument(
         "--otlp-no-content",
@@ -150,5 +163,8 @@ def _export(args: argparse.Namespace) -> int:
     if target is not None:
         send_spans(spans, target, service_version=version)
     where = target.url if target is not None else args.json
-    print(f"exported {len(spans)} spans of {len(run_ids)} run{'s' if len(run_ids) != 1 else ''} to {where}", file=sys.stderr)
+    print(
+        f"exported {len(spans)} spans of {len(run_ids)} run{'s' if len(run_ids) != 1 else ''} to {where}",
+        file=sys.stderr,
+    )
     return 0

@@ -40,7 +40,9 @@ def resume_all_running(args: argparse.Namespace) -> int:
     if not args.all_running:
         raise InvalidRequest("runs resume needs a RUN_ID, or --all-running to take over every interrupted run")
     if args.answer is not None or args.event is not None:
-        raise InvalidRequest("--all-running resumes interrupted runs; --answer and --event are for one waiting run (runs resume RUN_ID)")
+        raise InvalidRequest(
+            "--all-running resumes interrupted runs; --answer and --event are for one waiting run (runs resume RUN_ID)"
+        )
     url = default_ledger_url(args.ledger)
     existing_ledger_file(url)
     outcomes = resume_interrupted(
@@ -70,7 +72,9 @@ def _outcome_dict(o: Takeover) -> dict[str, object]:
         "status": None if r is None else r.status,
         "wall_s": None if r is None else r.wall_s,
         "output": None if r is None else r.output,
-        "failures": [] if r is None else [{"run_id": f.run_id, "node_id": f.node_id, "error": f.error} for f in r.failures],
+        "failures": []
+        if r is None
+        else [{"run_id": f.run_id, "node_id": f.node_id, "error": f.error} for f in r.failures],
         "error": None if o.error is None else {"code": o.error.code, "message": o.error.message},
     }
 
@@ -87,7 +91,9 @@ def _outcome_line(o: Takeover) -> str:
 
 def _exit_status(outcomes: list[Takeover]) -> int:
     results = [o.result for o in outcomes if o.result is not None]
-    if any(str(o.status) == "failed" for o in outcomes) or any(r.status not in ("completed", "waiting") or r.failures for r in results):
+    if any(str(o.status) == "failed" for o in outcomes) or any(
+        r.status not in ("completed", "waiting") or r.failures for r in results
+    ):
         return EXIT_FAILED
     if any(r.status == "waiting" for r in results):
         return EXIT_WAITING

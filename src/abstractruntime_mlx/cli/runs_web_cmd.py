@@ -38,7 +38,7 @@ class WebSettings:
     log_level: str = "warning"
 
 
-def add_parser(actions: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     web = actions.add_parser(
         "web",
         help="browse the ledger's runs in a web page (read-only; live while runs are in progress)",
@@ -46,14 +46,19 @@ def add_parser(actions: "argparse._SubParsersAction[argparse.ArgumentParser]") -
     )
     web.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
     web.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default: {DEFAULT_HOST})")
-    web.add_argument("--port", type=integer, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT}; 0 picks a free one)")
+    web.add_argument(
+        "--port", type=integer, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT}; 0 picks a free one)"
+    )
     web.add_argument("--api-key", default=None, help=f"require this key (default: ${API_KEY_ENV})")
-    web.add_argument("--poll-interval", type=float, default=0.5, help="seconds between ledger reads of a live page (default 0.5)")
+    web.add_argument(
+        "--poll-interval", type=float, default=0.5, help="seconds between ledger reads of a live page (default 0.5)"
+    )
     web.add_argument(
         "--max-streams",
         type=integer,
         default=DEFAULT_MAX_STREAMS,
-        help=f"live event streams open at once; one more is refused with 503 too_many_streams (default {DEFAULT_MAX_STREAMS})",
+        help="live event streams open at once; one more is refused with 503 "
+        f"too_many_streams (default {DEFAULT_MAX_STREAMS})",
     )
     web.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     web.set_defaults(handler=_web)

@@ -11,8 +11,9 @@ reaches only repo ids in the Hugging Face cache, directories under ``--model-roo
 (repeatable) and the ``--model`` directory itself. Every model load is shown on stderr
 (``load_progress``); ``--log-level info`` adds uvicorn's access log (a line per request);
 ``--ledger URL`` records every served call (``server/serve_ledger.py``); ``--otlp URL`` sends
-each one as OpenTelemetry spans when it ends (``traces/``; in a temporary ledger without ``--ledger``). ``--max-connections``,
-``--header-timeout`` and ``--idle-timeout`` bound the connections (``server/connections.py``).
+each one as OpenTelemetry spans when it ends (``traces/``; in a temporary ledger without
+``--ledger``). ``--max-connections``, ``--header-timeout`` and ``--idle-timeout`` bound the
+connections (``server/connections.py``).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..default_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from ..errors import InvalidRequest
 from ..json_values import JSONObject
-from ..default_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from .args import integer, number
 from .runs_export_cmd import add_otlp_arguments, otlp_content, otlp_target
 
@@ -105,7 +106,7 @@ class ServeSettings:
         return first + [name for name in self.pinned if name not in first]
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("serve", help="serve models over HTTP (OpenAI-compatible + /acore routes)")
     parser.add_argument(
         "--model",
@@ -119,7 +120,11 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
         "--alias", action="append", default=[], metavar="ALIAS=NAME", help="another name for a --model (repeatable)"
     )
     parser.add_argument(
-        "--pin", action="append", default=[], metavar="NAME", help="load this --model at start and never evict it (repeatable)"
+        "--pin",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="load this --model at start and never evict it (repeatable)",
     )
     parser.add_argument(
         "--memory-budget",
@@ -140,18 +145,22 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
         type=integer,
         default=None,
         metavar="N",
-        help="tokens per batch row the memory check reserves for the KV cache (default 4096, or the context if shorter)",
+        help="tokens per batch row the memory check reserves for the KV "
+        "cache (default 4096, or the context if shorter)",
     )
     parser.add_argument(
         "--model-root",
         action="append",
         default=[],
         metavar="DIR",
-        help="a directory whose models POST /acore/models/load may load (repeatable; the Hugging Face cache always is one)",
+        help="a directory whose models POST /acore/models/load may load "
+        "(repeatable; the Hugging Face cache always is one)",
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default: {DEFAULT_HOST})")
     parser.add_argument("--port", type=integer, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
-    parser.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    parser.add_argument(
+        "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})"
+    )
     parser.add_argument(
         "--mlx-batching",
         action=argparse.BooleanOptionalAction,
@@ -162,7 +171,9 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     parser.add_argument("--mlx-max-queue-size", type=integer, default=None, help="waiting requests (default 32)")
     parser.add_argument("--mlx-batch-wait-ms", type=float, default=None, help="collection window in ms (default 10)")
     parser.add_argument("--mlx-queue-timeout-s", type=float, default=None, help="queue timeout in s (default 120)")
-    parser.add_argument("--mlx-output-queue-size", type=integer, default=None, help="buffered outputs per request (default 256)")
+    parser.add_argument(
+        "--mlx-output-queue-size", type=integer, default=None, help="buffered outputs per request (default 256)"
+    )
     parser.add_argument(
         "--mlx-sampled-exclusive",
         action="store_true",
@@ -178,19 +189,24 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     )
     parser.add_argument("--mlx-cache-scope", default=None, help="the prefix cache's partition label (default 'local')")
     parser.add_argument(
-        "--mlx-cache-disk-path", default=None, metavar="DIR", help="keep prompt-cache snapshots on disk here too (SSD tier)"
+        "--mlx-cache-disk-path",
+        default=None,
+        metavar="DIR",
+        help="keep prompt-cache snapshots on disk here too (SSD tier)",
     )
     parser.add_argument(
         "--speculation",
         default=None,
-        help="constructor speculation: 'off', 'native_mtp', a draft depth N, 'inherit' or a JSON object (default: inherit the policy)",
+        help="constructor speculation: 'off', 'native_mtp', a draft depth N, "
+        "'inherit' or a JSON object (default: inherit the policy)",
     )
     parser.add_argument("--mtp-head", default=None, help="companion MTP head (repo id or directory)")
     parser.add_argument(
         "--stream-interval-ms",
         type=float,
         default=5.0,
-        help="shortest gap between two text writes of one stream; faster tokens are sent together (default 5; 0 = every chunk)",
+        help="shortest gap between two text writes of one stream; faster "
+        "tokens are sent together (default 5; 0 = every chunk)",
     )
     parser.add_argument(
         "--log-level",
@@ -202,7 +218,8 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
         "--ledger",
         default=None,
         metavar="URL_OR_PATH",
-        help="record every served call in this ledger (a run per X-Session-Affinity session, else per request), for runs list/show/web",
+        help="record every served call in this ledger (a run per X-Session-Affinity "
+        "session, else per request), for runs list/show/web",
     )
     add_otlp_arguments(parser)
     _add_connection_arguments(parser)
@@ -216,8 +233,9 @@ def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         type=integer,
         default=None,
         metavar="N",
-        help=f"open connections at most; past it the oldest one waiting for a request header is closed, or (every one "
-        f"busy) the new one gets 503 too_many_connections (default {DEFAULT_MAX_CONNECTIONS}, kept below the open-file limit)",
+        help="open connections at most; past it the oldest one waiting for a request header "
+        "is closed, or (every one busy) the new one gets 503 too_many_connections "
+        f"(default {DEFAULT_MAX_CONNECTIONS}, kept below the open-file limit)",
     )
     parser.add_argument(
         "--header-timeout",
@@ -232,7 +250,8 @@ def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         type=integer,
         default=DEFAULT_IDLE_TIMEOUT_S,
         metavar="SECONDS",
-        help=f"an HTTP keep-alive connection that sends nothing this long after a response is closed (default {DEFAULT_IDLE_TIMEOUT_S})",
+        help="an HTTP keep-alive connection that sends nothing this long after a "
+        f"response is closed (default {DEFAULT_IDLE_TIMEOUT_S})",
     )
 
 
@@ -265,10 +284,14 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
     given = [alias for alias, _ in aliases]
     twice = sorted({a for a in given if given.count(a) > 1})
     if twice:  # one name, one model: never a silent last-wins
-        raise InvalidRequest(f"--alias: the alias {twice[0]!r} is given twice", details={"field": "--alias", "alias": twice[0]})
+        raise InvalidRequest(
+            f"--alias: the alias {twice[0]!r} is given twice", details={"field": "--alias", "alias": twice[0]}
+        )
     for pin in args.pin:
         if pin not in names:
-            raise InvalidRequest(f"--pin {pin!r} names no --model (served names: {names or 'none'})", details={"field": "--pin"})
+            raise InvalidRequest(
+                f"--pin {pin!r} names no --model (served names: {names or 'none'})", details={"field": "--pin"}
+            )
     return ServeSettings(
         model=models[0].source if models else None,
         host=args.host,
@@ -300,7 +323,9 @@ def _served_name(text: str) -> ServedName:
     if not sep:
         return ServedName(text.strip(), text.strip())
     if not name or not source:
-        raise InvalidRequest(f"--model {text!r}: expected NAME=PATH (or a bare path or repo id)", details={"field": "--model"})
+        raise InvalidRequest(
+            f"--model {text!r}: expected NAME=PATH (or a bare path or repo id)", details={"field": "--model"}
+        )
     return ServedName(name, source)
 
 
@@ -310,7 +335,10 @@ def _alias(text: str, names: list[str]) -> tuple[str, str]:
     if not sep or not alias or not target:
         raise InvalidRequest(f"--alias {text!r}: expected ALIAS=NAME", details={"field": "--alias"})
     if target not in names:
-        raise InvalidRequest(f"--alias {text!r}: {target!r} is not a --model name (served names: {names or 'none'})", details={"field": "--alias"})
+        raise InvalidRequest(
+            f"--alias {text!r}: {target!r} is not a --model name (served names: {names or 'none'})",
+            details={"field": "--alias"},
+        )
     if alias in names:
         raise InvalidRequest(f"--alias {text!r}: {alias!r} is already a --model name", details={"field": "--alias"})
     return alias, target
@@ -355,7 +383,9 @@ def serve(settings: ServeSettings) -> int:
     from .load_progress import showing_factory
 
     limits = ConnectionLimits(
-        connection_cap(settings.max_connections, raise_open_file_limit()), settings.header_timeout_s, settings.idle_timeout_s
+        connection_cap(settings.max_connections, raise_open_file_limit()),
+        settings.header_timeout_s,
+        settings.idle_timeout_s,
     )
 
     if not _is_loopback(settings.host) and not settings.api_key:
@@ -367,7 +397,9 @@ def serve(settings: ServeSettings) -> int:
         if not Path(root).expanduser().is_dir():
             raise InvalidRequest(f"--model-root {root!r} is not a directory", details={"field": "--model-root"})
     roots = list(settings.model_roots)
-    roots += [m.source for m in settings.models if Path(m.source).expanduser().is_dir()]  # loadable again after an unload
+    roots += [
+        m.source for m in settings.models if Path(m.source).expanduser().is_dir()
+    ]  # loadable again after an unload
     scratch = None
     ledger_url = settings.ledger_url
     if ledger_url is None and settings.otlp is not None:  # spans are built from a ledger: a temporary one
@@ -427,7 +459,9 @@ def _live_export(
     from .main import installed_version
 
     print(f"abstractruntime-mlx: sending OpenTelemetry spans to {target.url}", file=sys.stderr)
-    return LiveExport(ledger_url, target, since=dt.datetime.now(dt.UTC), service_version=installed_version(), content=content)
+    return LiveExport(
+        ledger_url, target, since=dt.datetime.now(dt.UTC), service_version=installed_version(), content=content
+    )
 
 
 def _load_mlx(model: str, **options: object) -> MLXProvider:

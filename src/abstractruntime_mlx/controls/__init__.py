@@ -19,9 +19,9 @@ from .models import (
     normalize_max_output_tokens,
     normalize_sampling,
     normalize_speculation,
-    parse_speculation_option,
     normalize_stop,
     normalize_thinking,
+    parse_speculation_option,
 )
 from .resolve import (
     DEFAULT_DRAFT_TOKENS,

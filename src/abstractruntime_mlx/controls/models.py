@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -437,7 +437,11 @@ def _stop(value: object) -> tuple[str, ...]:
     if not isinstance(items, (list, tuple)):
         raise InvalidControls("stop must be a string or a list of strings", field="stop", value=value)
     if len(items) > MAX_STOP_STRINGS:
-        raise StopTooLarge(f"stop holds {len(items)} strings; the limit is {MAX_STOP_STRINGS}", limit="max_stop_strings", maximum=MAX_STOP_STRINGS)
+        raise StopTooLarge(
+            f"stop holds {len(items)} strings; the limit is {MAX_STOP_STRINGS}",
+            limit="max_stop_strings",
+            maximum=MAX_STOP_STRINGS,
+        )
     out: list[str] = []
     size = 0
     for item in items:
@@ -445,6 +449,10 @@ def _stop(value: object) -> tuple[str, ...]:
             raise InvalidControls("stop entries must be non-empty strings", field="stop", value=item)
         size += len(item.encode("utf-8", "surrogatepass"))
         if size > MAX_STOP_BYTES:
-            raise StopTooLarge(f"stop strings exceed {MAX_STOP_BYTES} bytes (UTF-8) in all", limit="max_stop_bytes", maximum=MAX_STOP_BYTES)
+            raise StopTooLarge(
+                f"stop strings exceed {MAX_STOP_BYTES} bytes (UTF-8) in all",
+                limit="max_stop_bytes",
+                maximum=MAX_STOP_BYTES,
+            )
         out.append(item)
     return tuple(out)

@@ -22,9 +22,9 @@ from .errors import (
     LedgerWriteFailed,
     wrap_db_errors,
 )
+from .keys import NodeKey, ProgressEvent, host_progress_key, progress_idempotency_key
 from .models import SCHEMA_REVISION, SCHEMA_VERSION
 from .queries import ProgressRow, RunCursor, RunDetail, RunSummary, StepRow
-from .keys import NodeKey, ProgressEvent, host_progress_key, progress_idempotency_key
 from .store import DEFAULT_BUSY_TIMEOUT_MS, Ledger, normalize_ledger_url, open_ledger, sqlite_url
 from .writer import ProgressWriter, WriterState
 

@@ -9,7 +9,6 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-
 __all__ = ["NodeKey", "ProgressEvent", "host_progress_key", "progress_idempotency_key"]
 
 

@@ -384,7 +384,9 @@ def render_progress(session: Session, rows: Sequence[Progress]) -> list[dict[str
     return [progress_record(row, anchors.get((row.run_id, row.step_id or ""))) for row in rows]
 
 
-def run_records(session: Session, run_id: str, *, after: int = 0, limit: int | None = None) -> list[tuple[int, dict[str, object]]]:
+def run_records(
+    session: Session, run_id: str, *, after: int = 0, limit: int | None = None
+) -> list[tuple[int, dict[str, object]]]:
     """``(seq, record)`` of the run's ledger after ``after``, in order: step records as appended
     and progress rows as host ``abstract.progress`` records (they share one sequence)."""
     steps_stmt = select(Step).where(Step.run_id == run_id, Step.seq > after).order_by(Step.seq)

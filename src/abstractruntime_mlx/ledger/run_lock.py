@@ -174,7 +174,9 @@ def lock_path(url: URL, run_id: str) -> Path:
     if database.startswith("file:"):  # a URI filename: file:/path?mode=ro
         database = database.removeprefix("file:").split("?", 1)[0]
     if not database or database == ":memory:":
-        raise LedgerError(f"an in-memory SQLite ledger has no file to lock runs beside ({url.render_as_string(hide_password=True)})")
+        raise LedgerError(
+            f"an in-memory SQLite ledger has no file to lock runs beside ({url.render_as_string(hide_password=True)})"
+        )
     ledger_file = Path(database).expanduser().resolve()
     digest = hashlib.sha256(run_id.encode("utf-8")).hexdigest()
     return ledger_file.with_name(ledger_file.name + ".locks") / f"{digest}.lock"

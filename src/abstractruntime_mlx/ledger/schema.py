@@ -84,7 +84,8 @@ def create_current(connection: Connection) -> None:
 
     Base.metadata.create_all(connection)
     connection.execute(
-        text("INSERT INTO ledger_meta (key, value) VALUES ('schema_version', :version)"), {"version": str(SCHEMA_VERSION)}
+        text("INSERT INTO ledger_meta (key, value) VALUES ('schema_version', :version)"),
+        {"version": str(SCHEMA_VERSION)},
     )
     command.stamp(_config(connection), SCHEMA_REVISION)
 

@@ -38,6 +38,7 @@ from sqlalchemy.pool import ConnectionPoolEntry
 from ..json_values import as_bool, as_float, as_int, as_str
 from . import queries, schema
 from .errors import LedgerError, wrap_db_errors
+from .keys import ProgressEvent
 from .models import (
     PROGRESS_FLOAT_KEYS,
     PROGRESS_INT_KEYS,
@@ -49,8 +50,6 @@ from .models import (
     SeqHead,
     Step,
 )
-
-from .keys import NodeKey, ProgressEvent, progress_idempotency_key
 from .writer import DEFAULT_IDLE_WAIT_S, DEFAULT_LINGER_S, DEFAULT_MAX_BATCH, ProgressWriter
 
 __all__ = [
@@ -333,8 +332,8 @@ class Ledger:
     ``Ledger("postgresql+psycopg://user@host/db")``. Opening creates the newest schema on a
     fresh database and accepts one at ``SCHEMA_REVISION``. A database at an older revision is
     migrated when ``upgrade=True`` and refused otherwise, with a ``LedgerSchemaError`` naming
-    ``abstractruntime-mlx ledger upgrade URL``; a newer or foreign one is refused. Thread-safe: share one instance per URL and
-    process; every method is its own short transaction.
+    ``abstractruntime-mlx ledger upgrade URL``; a newer or foreign one is refused. Thread-safe:
+    share one instance per URL and process; every method is its own short transaction.
     """
 
     def __init__(
@@ -658,7 +657,9 @@ class Ledger:
         with self._read(f"read last record of run {run_id}") as session:
             return queries.last_record(session, run_id)
 
-    def subscribe(self, callback: Callable[[dict[str, object]], None], *, run_id: str | None = None) -> Callable[[], None]:
+    def subscribe(
+        self, callback: Callable[[dict[str, object]], None], *, run_id: str | None = None
+    ) -> Callable[[], None]:
         """Call ``callback(record)`` after each step record or progress record of ``run_id`` (or of
         every run) is committed through this ``Ledger``; returns the unsubscribe function.
 

@@ -40,6 +40,7 @@ class ProgressStore(Protocol):
 
     def append_progress(self, items: Iterable[ProgressEvent]) -> int: ...
 
+
 DEFAULT_MAX_BATCH = 1000
 DEFAULT_IDLE_WAIT_S = 0.25
 DEFAULT_LINGER_S = 0.02

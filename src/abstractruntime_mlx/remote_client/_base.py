@@ -135,7 +135,9 @@ class ChatCall:
     on_progress: ProgressSink | None
 
 
-def build_chat_call(request: GenerationRequest, *, model: str | None, stream: bool = False, want_events: bool = False) -> ChatCall:
+def build_chat_call(
+    request: GenerationRequest, *, model: str | None, stream: bool = False, want_events: bool = False
+) -> ChatCall:
     """The JSON body of ``request`` (already validated at its edge).
 
     Unsaid controls are omitted (the server's provider/policy decides); speculation off is
@@ -217,7 +219,9 @@ def image_data_url(item: object, index: int = 0) -> str:
         item.save(buffer, format="PNG")
         data = buffer.getvalue()
     else:
-        raise InvalidMedia(f"media[{index}]: expected a file path, image bytes or a PIL image, got {type(item).__name__}")
+        raise InvalidMedia(
+            f"media[{index}]: expected a file path, image bytes or a PIL image, got {type(item).__name__}"
+        )
     kind = sniff_image_type(data)
     if kind is None:
         raise InvalidMedia(f"media[{index}]: not a PNG, JPEG, WebP or GIF image")
@@ -278,7 +282,12 @@ def structured_step(
     error = answer_error(result.content, fmt)
     if error is None:
         result.parsed = parse_answer(result.content, fmt, mode="prompted", attempts=attempts)
-        result.metadata["structured"] = {"mode": "prompted", "schema_hash": fmt.schema_hash, "name": fmt.name, "attempts": attempts}
+        result.metadata["structured"] = {
+            "mode": "prompted",
+            "schema_hash": fmt.schema_hash,
+            "name": fmt.name,
+            "attempts": attempts,
+        }
         return result
     if attempts > max_retries:
         raise StructuredOutputInvalid(
@@ -424,13 +433,17 @@ def backoff_s(attempt: int, base_s: float) -> float:
 def transport_error(exc: httpx.HTTPError, url: str) -> MLXRuntimeError:
     """The one place httpx failures become typed errors (chained by the caller with ``from``)."""
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return UpstreamError(f"cannot reach the model server at {url}: {exc}", details={"transport": type(exc).__name__})
+        return UpstreamError(
+            f"cannot reach the model server at {url}: {exc}", details={"transport": type(exc).__name__}
+        )
     if isinstance(exc, httpx.TimeoutException):
         return UpstreamError(
             f"the model server at {url} did not answer in time ({type(exc).__name__}); raise the client's timeout",
             details={"transport": type(exc).__name__},
         )
-    return UpstreamError(f"the connection to {url} failed: {type(exc).__name__}: {exc}", details={"transport": type(exc).__name__})
+    return UpstreamError(
+        f"the connection to {url} failed: {type(exc).__name__}: {exc}", details={"transport": type(exc).__name__}
+    )
 
 
 # --------------------------------------------------------------------------- SSE
@@ -580,7 +593,9 @@ class StreamDecoder:
             callback(payload)
         except Exception as exc:  # noqa: BLE001 - a host's callback must not break generation
             self._on_progress = None
-            log.warning("progress callback raised %s: %s; it is disabled for the rest of this call", type(exc).__name__, exc)
+            log.warning(
+                "progress callback raised %s: %s; it is disabled for the rest of this call", type(exc).__name__, exc
+            )
 
     def _chunk(self, payload: JSONValue) -> list[GenerationChunk]:
         if not isinstance(payload, Mapping):

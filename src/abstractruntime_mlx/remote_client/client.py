@@ -25,9 +25,9 @@ from typing import Literal, overload
 
 import httpx
 
+from ..errors import UpstreamError
 from ..json_values import JSONObject, JSONValue, array_at, as_str, objects_in
 from ..request import AFFINITY_HEADER, GenerationRequest
-from ..errors import InvalidRequest, UpstreamError
 from ..results import GenerationChunk, GenerationResult
 from ._base import (
     CHAT_PATH,
@@ -234,7 +234,9 @@ class RemoteClient(_ClientCore):
         self, prompt: str = "", *, stream: bool, **kwargs: object
     ) -> GenerationResult | Iterator[GenerationChunk]: ...
 
-    def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: object) -> GenerationResult | Iterator[GenerationChunk]:
+    def generate(
+        self, prompt: str = "", *, stream: bool = False, **kwargs: object
+    ) -> GenerationResult | Iterator[GenerationChunk]:
         """The provider's ``generate`` over HTTP (same keywords, same result types)."""
         return self.generate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
 
@@ -265,7 +267,9 @@ class RemoteClient(_ClientCore):
                 return step
             attempts, attempt = attempts + 1, step
 
-    def _generate_once(self, request: GenerationRequest, *, stream: bool) -> GenerationResult | Iterator[GenerationChunk]:
+    def _generate_once(
+        self, request: GenerationRequest, *, stream: bool
+    ) -> GenerationResult | Iterator[GenerationChunk]:
         self._use()
         prepared = self._prepare(request, stream, self._model_name())
         if prepared.cancel_event is not None and prepared.cancel_event.is_set():
@@ -350,7 +354,9 @@ class RemoteClient(_ClientCore):
         return [model for model in array_at(self._request("GET", "/v1/models"), "data") if isinstance(model, dict)]
 
     def load_model(self, model: str, options: Mapping[str, JSONValue] | None = None) -> JSONObject:
-        body = self._request("POST", "/acore/models/load", json={"provider": "mlx", "model": model, "options": options or {}})
+        body = self._request(
+            "POST", "/acore/models/load", json={"provider": "mlx", "model": model, "options": options or {}}
+        )
         self.model = model
         return body
 
@@ -358,7 +364,10 @@ class RemoteClient(_ClientCore):
         return self._request("POST", "/acore/models/unload", json={"model": model or self.model})
 
     def get_execution_capabilities(self, model_name: str | None = None, provider: str = "mlx") -> JSONObject:
-        params = {"provider": provider, **({"model_name": model_name or self.model} if (model_name or self.model) else {})}
+        params = {
+            "provider": provider,
+            **({"model_name": model_name or self.model} if (model_name or self.model) else {}),
+        }
         return self._request("GET", "/v1/models/execution-capabilities", params=params)
 
     def get_prompt_cache_stats(self) -> JSONObject:
@@ -478,10 +487,14 @@ class AsyncRemoteClient(_ClientCore):
 
     # --- generation -----------------------------------------------------------------------
     @overload
-    async def generate(self, prompt: str = "", *, stream: Literal[False] = False, **kwargs: object) -> GenerationResult: ...
+    async def generate(
+        self, prompt: str = "", *, stream: Literal[False] = False, **kwargs: object
+    ) -> GenerationResult: ...
 
     @overload
-    async def generate(self, prompt: str = "", *, stream: Literal[True], **kwargs: object) -> AsyncIterator[GenerationChunk]: ...
+    async def generate(
+        self, prompt: str = "", *, stream: Literal[True], **kwargs: object
+    ) -> AsyncIterator[GenerationChunk]: ...
 
     @overload
     async def generate(
@@ -494,7 +507,9 @@ class AsyncRemoteClient(_ClientCore):
         return await self.generate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
 
     @overload
-    async def generate_request(self, request: GenerationRequest, *, stream: Literal[False] = False) -> GenerationResult: ...
+    async def generate_request(
+        self, request: GenerationRequest, *, stream: Literal[False] = False
+    ) -> GenerationResult: ...
 
     @overload
     async def generate_request(
@@ -522,7 +537,9 @@ class AsyncRemoteClient(_ClientCore):
                 return step
             attempts, attempt = attempts + 1, step
 
-    async def _generate_once(self, request: GenerationRequest, *, stream: bool) -> GenerationResult | AsyncIterator[GenerationChunk]:
+    async def _generate_once(
+        self, request: GenerationRequest, *, stream: bool
+    ) -> GenerationResult | AsyncIterator[GenerationChunk]:
         self._use()
         prepared = self._prepare(request, stream, await self._model_name())
         if prepared.cancel_event is not None and prepared.cancel_event.is_set():
@@ -610,10 +627,14 @@ class AsyncRemoteClient(_ClientCore):
         return await self._request("GET", "/health")
 
     async def list_models(self) -> list[JSONObject]:
-        return [model for model in array_at(await self._request("GET", "/v1/models"), "data") if isinstance(model, dict)]
+        return [
+            model for model in array_at(await self._request("GET", "/v1/models"), "data") if isinstance(model, dict)
+        ]
 
     async def load_model(self, model: str, options: Mapping[str, JSONValue] | None = None) -> JSONObject:
-        body = await self._request("POST", "/acore/models/load", json={"provider": "mlx", "model": model, "options": options or {}})
+        body = await self._request(
+            "POST", "/acore/models/load", json={"provider": "mlx", "model": model, "options": options or {}}
+        )
         self.model = model
         return body
 
@@ -621,7 +642,10 @@ class AsyncRemoteClient(_ClientCore):
         return await self._request("POST", "/acore/models/unload", json={"model": model or self.model})
 
     async def get_execution_capabilities(self, model_name: str | None = None, provider: str = "mlx") -> JSONObject:
-        params = {"provider": provider, **({"model_name": model_name or self.model} if (model_name or self.model) else {})}
+        params = {
+            "provider": provider,
+            **({"model_name": model_name or self.model} if (model_name or self.model) else {}),
+        }
         return await self._request("GET", "/v1/models/execution-capabilities", params=params)
 
     async def get_prompt_cache_stats(self) -> JSONObject:
@@ -664,7 +688,9 @@ class AsyncChunkStream:
         first_at: float | None = None
         try:
             if not _is_sse(response):
-                result = decode_completion(_json_body(await response.aread()), remote=client._remote(prepared, self._retries))
+                result = decode_completion(
+                    _json_body(await response.aread()), remote=client._remote(prepared, self._retries)
+                )
                 yield _final_from_result(result)
                 return
             decoder = StreamDecoder(on_progress=prepared.call.on_progress)

@@ -181,7 +181,9 @@ def _user_turn(blocks: list[dict[str, object]], where: str) -> list[JSONObject]:
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or not call_id:
-                raise InvalidRequest(f"{at}: a tool_result block needs 'tool_use_id'", details={"field": f"{at}.tool_use_id"})
+                raise InvalidRequest(
+                    f"{at}: a tool_result block needs 'tool_use_id'", details={"field": f"{at}.tool_use_id"}
+                )
             results.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, at)})
         else:
             raise _bad_block(kind, at, "user", ("text", "image", "tool_result"))
@@ -210,7 +212,9 @@ def _assistant_turn(blocks: list[dict[str, object]], where: str) -> JSONObject:
         elif kind == "thinking":
             thought = block.get("thinking")
             if not isinstance(thought, str):
-                raise InvalidRequest(f"{at}: a thinking block needs a string 'thinking'", details={"field": f"{at}.thinking"})
+                raise InvalidRequest(
+                    f"{at}: a thinking block needs a string 'thinking'", details={"field": f"{at}.thinking"}
+                )
             reasoning.append(thought)
         else:
             raise _bad_block(kind, at, "assistant", ("text", "tool_use", "thinking"))
@@ -258,10 +262,13 @@ def chat_tool_choice(body: ConversationRequest) -> JSONValue:
     if kind == "tool":
         name = choice.get("name")
         if not isinstance(name, str) or not name:
-            raise InvalidRequest("tool_choice of type 'tool' needs a string 'name'", details={"field": "tool_choice.name"})
+            raise InvalidRequest(
+                "tool_choice of type 'tool' needs a string 'name'", details={"field": "tool_choice.name"}
+            )
         return {"type": "function", "function": {"name": name}}
     raise InvalidRequest(
-        f"tool_choice type {kind!r} is not supported (accepted: auto, any, tool, none)", details={"field": "tool_choice.type"}
+        f"tool_choice type {kind!r} is not supported (accepted: auto, any, tool, none)",
+        details={"field": "tool_choice.type"},
     )
 
 
@@ -284,7 +291,8 @@ def thinking_of(thinking: Mapping[str, object] | None) -> bool | None:
     kind = thinking.get("type")
     if kind not in ("enabled", "disabled", "adaptive"):
         raise InvalidRequest(
-            f"thinking.type must be 'enabled', 'adaptive' or 'disabled' (got {kind!r})", details={"field": "thinking.type"}
+            f"thinking.type must be 'enabled', 'adaptive' or 'disabled' (got {kind!r})",
+            details={"field": "thinking.type"},
         )
     return kind != "disabled"
 
@@ -321,7 +329,9 @@ async def create_message(request: Request) -> Response:
             "keep_alive": body.keep_alive,
         }
     )
-    return await serve_call(request, chat, route="messages", renderer=MessagesRenderer(reads_calls=chat.reads_tool_calls()))
+    return await serve_call(
+        request, chat, route="messages", renderer=MessagesRenderer(reads_calls=chat.reads_tool_calls())
+    )
 
 
 @dialect_route
@@ -348,7 +358,9 @@ async def count_tokens(request: Request) -> Response:
     try:
         counter = getattr(served_provider(lease), "count_prompt_tokens", None)
         if not callable(counter):
-            raise TokenCountUnsupported(f"{lease.name} cannot count tokens without generating", details={"model": lease.name})
+            raise TokenCountUnsupported(
+                f"{lease.name} cannot count tokens without generating", details={"model": lease.name}
+            )
         count = await asyncio.to_thread(counter, typed)
     finally:
         lease.release()
@@ -370,7 +382,9 @@ def usage_of(usage: Mapping[str, int] | None) -> JSONObject:
     }
 
 
-def stop_of(finish_reason: str | None, metadata: Mapping[str, JSONValue] | None, *, tool_use: bool) -> tuple[str, str | None]:
+def stop_of(
+    finish_reason: str | None, metadata: Mapping[str, JSONValue] | None, *, tool_use: bool
+) -> tuple[str, str | None]:
     """Anthropic's ``(stop_reason, stop_sequence)``: ``stop_sequence`` names the stop string that matched."""
     if tool_use:
         return "tool_use", None
@@ -427,7 +441,9 @@ class MessagesRenderer:
         self._has_text = False
         self._held = ""  # whitespace at the end of the open block (or before the text block opens), not sent yet
 
-    def _message(self, content: list[JSONValue], *, stop: tuple[str | None, str | None], usage: JSONObject) -> JSONObject:
+    def _message(
+        self, content: list[JSONValue], *, stop: tuple[str | None, str | None], usage: JSONObject
+    ) -> JSONObject:
         return {
             "id": self.message_id,
             "type": "message",
@@ -443,7 +459,9 @@ class MessagesRenderer:
         self._model = model
         blocks = content_blocks(result, reasoning_open=reasoning_open)
         tool_use = any(isinstance(b, dict) and b.get("type") == "tool_use" for b in blocks)
-        message = self._message(blocks, stop=stop_of(result.finish_reason, result.metadata, tool_use=tool_use), usage=usage_of(result.usage))
+        message = self._message(
+            blocks, stop=stop_of(result.finish_reason, result.metadata, tool_use=tool_use), usage=usage_of(result.usage)
+        )
         block = abstractcore_block(result.metadata)
         if block is not None:
             message["abstractcore"] = block
@@ -459,7 +477,9 @@ class MessagesRenderer:
         # One answer, no logprobs: this route's body asks for neither (``logprobs`` is always None).
         return "".join(self._pieces(self._splitter.feed(delta)))
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
+    def closing(
+        self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None
+    ) -> list[str]:
         out = self._pieces([*self._splitter.feed(tail), *self._splitter.finish()])
         tool_use = self._splitter.num_calls > 0
         if not tool_use:
@@ -472,7 +492,10 @@ class MessagesRenderer:
                 out.append(self._delta(self._held))
         out.extend(self._close())
         reason, sequence = stop_of(final.finish_reason, final.metadata, tool_use=tool_use)
-        ending: JSONObject = {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage_of(final.usage)}
+        ending: JSONObject = {
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage_of(final.usage),
+        }
         block = abstractcore_block(final.metadata)
         if block is not None:
             ending["abstractcore"] = block
@@ -491,7 +514,12 @@ class MessagesRenderer:
                     opened: JSONObject = {"type": "tool_use", "id": call_id, "name": call.name, "input": {}}
                     index = self._next_index()
                     out.append(_event("content_block_start", {"index": index, "content_block": opened}))
-                    out.append(_event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta", "partial_json": call.arguments}}))
+                    out.append(
+                        _event(
+                            "content_block_delta",
+                            {"index": index, "delta": {"type": "input_json_delta", "partial_json": call.arguments}},
+                        )
+                    )
                     out.append(_event("content_block_stop", {"index": index}))
         return out
 
@@ -506,7 +534,7 @@ class MessagesRenderer:
         out = self._close() if self._open not in (None, kind) else []
         pending = self._held + text
         visible = pending.rstrip()
-        self._held = pending[len(visible):]
+        self._held = pending[len(visible) :]
         if not visible:
             return out
         if self._open is None:
@@ -515,14 +543,20 @@ class MessagesRenderer:
         return out
 
     def _open_block(self, kind: Literal["thinking", "text"]) -> str:
-        opened: JSONObject = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+        opened: JSONObject = (
+            {"type": "thinking", "thinking": "", "signature": ""}
+            if kind == "thinking"
+            else {"type": "text", "text": ""}
+        )
         self._open = kind
         self._has_text = self._has_text or kind == "text"
         return _event("content_block_start", {"index": self._next_index(), "content_block": opened})
 
     def _delta(self, text: str) -> str:
         delta: JSONObject = (
-            {"type": "thinking_delta", "thinking": text} if self._open == "thinking" else {"type": "text_delta", "text": text}
+            {"type": "thinking_delta", "thinking": text}
+            if self._open == "thinking"
+            else {"type": "text_delta", "text": text}
         )
         return _event("content_block_delta", {"index": self._num_blocks - 1, "delta": delta})
 

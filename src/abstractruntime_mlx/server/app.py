@@ -56,13 +56,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..capabilities import get_execution_capabilities
 from ..controls import normalize_speculation
-from ..request import MAX_PROMPT_CACHE_KEY_CHARS
 from ..errors import AuthenticationError, InvalidRequest, ModelNotFound, ResidencyConflict
 from ..json_values import JSONObject, JSONValue
+from ..request import MAX_PROMPT_CACHE_KEY_CHARS
 from .anthropic import count_tokens, create_message
 from .chat import chat_completions
-from .dialects import error_body_for
 from .completions import create_completion
+from .dialects import error_body_for
 from .edge import (
     MAX_BODY_BYTES,  # noqa: F401 - re-exported: the body limit of every route
     ServedProvider,
@@ -72,15 +72,14 @@ from .edge import (
     served_provider,
 )
 from .embeddings import create_embeddings
-from .ollama import ollama_chat, ollama_generate, ollama_ps, ollama_show, ollama_tags, ollama_version
-from .metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
-from .responses import create_response
-from .serve_ledger import ServeLedger
 from .keep_alive import parse_keep_alive
 from .load_policy import client_load_options, option_equal
 from .memory import machine_memory
+from .metrics import MetricsMiddleware, ServerMetrics, metrics_endpoint
 from .model_roots import ModelRoots
+from .ollama import ollama_chat, ollama_generate, ollama_ps, ollama_show, ollama_tags, ollama_version
 from .pool import UNSET, KeepAlive, ModelPool, ModelSpec, ModelState, PoolSettings, provider_health
+from .responses import create_response
 from .schemas import (
     MAX_MODEL_NAME_CHARS,
     LoadModelRequest,
@@ -89,6 +88,7 @@ from .schemas import (
     UnloadModelRequest,
     parse_body,
 )
+from .serve_ledger import ServeLedger
 from .wire import error_payload, now_s
 
 # Tokens of one stream arriving faster than this are written together. Real models stream
@@ -97,7 +97,9 @@ from .wire import error_payload, now_s
 DEFAULT_STREAM_INTERVAL_MS: Final = 5.0
 MAX_KEY_META_ENTRIES: Final = 4096
 MAX_KEY_META_BYTES: Final = 16 * 1024
-RESERVED_META_KEYS: Final = frozenset({"fed_token_ids", "fed_token_count", "backend", "token_count", "provider", "model"})
+RESERVED_META_KEYS: Final = frozenset(
+    {"fed_token_ids", "fed_token_count", "backend", "token_count", "provider", "model"}
+)
 PUBLIC_PATHS: Final = frozenset({"/health"})
 
 
@@ -111,7 +113,9 @@ def _default_factory(model: str, **options: object) -> ServedProvider:
     return create_llm("mlx", model=model, **options)
 
 
-def _remember_key_meta(store: OrderedDict[str, dict[str, object]], key: str, meta: Mapping[str, object]) -> dict[str, object]:
+def _remember_key_meta(
+    store: OrderedDict[str, dict[str, object]], key: str, meta: Mapping[str, object]
+) -> dict[str, object]:
     merged = {**store.pop(key, {}), **meta}
     store[key] = merged
     while len(store) > MAX_KEY_META_ENTRIES:
@@ -239,7 +243,9 @@ async def retrieve_model(request: Request) -> Response:
     asked = str(request.path_params["model_id"])
     known = pool_of(request).find(asked) if len(asked) <= MAX_MODEL_NAME_CHARS else None
     if known is None:
-        raise ModelNotFound(f"no model {asked[:MAX_MODEL_NAME_CHARS]!r} on this server", details={"model": asked[:MAX_MODEL_NAME_CHARS]})
+        raise ModelNotFound(
+            f"no model {asked[:MAX_MODEL_NAME_CHARS]!r} on this server", details={"model": asked[:MAX_MODEL_NAME_CHARS]}
+        )
     created = request.app.state.created
     return JSONResponse(
         {"id": known.name, "object": "model", "created": created, "owned_by": "abstractruntime-mlx", **known.to_dict()}
@@ -265,7 +271,11 @@ async def execution_capabilities(request: Request) -> Response:
     else:
         name = await asyncio.to_thread(pool.roots.resolve, asked, field="model_name")
     caps = await asyncio.to_thread(get_execution_capabilities, name, provider=provider_name, instance=instance)
-    residency: JSONObject = {"state": ModelState.UNLOADED.value, "loadable": True} if known is None else {"id": known.name, **known.to_dict()}
+    residency: JSONObject = (
+        {"state": ModelState.UNLOADED.value, "loadable": True}
+        if known is None
+        else {"id": known.name, **known.to_dict()}
+    )
     return JSONResponse({**caps, "residency": residency})
 
 
@@ -310,7 +320,13 @@ async def unload_model(request: Request) -> Response:
         raise ModelNotFound(f"{body.model!r} is not a model of this server")
     names = await pool.unload(body.model) if body.model is not None or pool.resident() else []
     return JSONResponse(
-        {"ok": True, "success": True, "unloaded": bool(names), "model": names[0] if len(names) == 1 else None, "models": list(names)}
+        {
+            "ok": True,
+            "success": True,
+            "unloaded": bool(names),
+            "model": names[0] if len(names) == 1 else None,
+            "models": list(names),
+        }
     )
 
 
@@ -377,7 +393,13 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     return JSONResponse(
-        {"error": {"message": f"{exc.detail}: {request.method} {request.url.path}", "type": "invalid_request_error", "code": code}},
+        {
+            "error": {
+                "message": f"{exc.detail}: {request.method} {request.url.path}",
+                "type": "invalid_request_error",
+                "code": code,
+            }
+        },
         status_code=exc.status_code,
     )
 

@@ -12,6 +12,7 @@ early failures keep their HTTP status; later ones travel in the stream. Text del
 up together go out as one. A non-streamed call asking for phase events answers SSE too: the
 progress events, then one ``event: result`` holding the non-streamed body.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,12 +30,30 @@ from ..json_values import JSONObject
 from ..request import GenerationRequest, ProgressSink
 from ..results import GenerationChunk, GenerationResult, TokenLogprob
 from ..structured import ResponseFormat, run_schema_work
-from .edge import ServedProvider, error_response, first_item, generation_request, pool_of, progress_supported, served_provider
+from .edge import (
+    ServedProvider,
+    error_response,
+    first_item,
+    generation_request,
+    pool_of,
+    progress_supported,
+    served_provider,
+)
 from .keep_alive import parse_keep_alive
 from .observe import begin_call
 from .pool import UNSET, KeepAlive
 from .schemas import ChatCompletionRequest, parse_body
-from .sse import ChunkItem, EndItem, FailureItem, ProgressItem, ProviderPump, PumpItem, ResultItem, SSEResponse, named_event
+from .sse import (
+    ChunkItem,
+    EndItem,
+    FailureItem,
+    ProgressItem,
+    ProviderPump,
+    PumpItem,
+    ResultItem,
+    SSEResponse,
+    named_event,
+)
 
 
 class WireRenderer(Protocol):
@@ -57,7 +76,9 @@ class WireRenderer(Protocol):
         """The SSE record of a text delta of answer ``index`` (and its tokens' logprobs, when asked)."""
         ...
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
+    def closing(
+        self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None
+    ) -> list[str]:
         """The SSE records of the terminal chunk: ``tail`` is the text not written yet (the
         terminal chunk's own included), ``logprobs`` its tokens' (when asked), ``text`` the whole answer.
         Also those of an answer that ends while others go on (``final.choice_finish_reason``
@@ -74,7 +95,12 @@ class WireRenderer(Protocol):
 
 
 async def serve_call(
-    request: Request, body: ChatCompletionRequest, *, route: str, renderer: WireRenderer, continuation: str | None = None
+    request: Request,
+    body: ChatCompletionRequest,
+    *,
+    route: str,
+    renderer: WireRenderer,
+    continuation: str | None = None,
 ) -> Response:
     """Run ``body`` on the model it names (loaded first when it is not resident, held until the
     answer ends); answer as ``renderer`` writes it. ``route`` names the call to the observers;
@@ -84,7 +110,9 @@ async def serve_call(
     # A schema within the limits still takes up to about half a second to check: on the
     # schema threads, so that the loop and the other requests go on meanwhile.
     response_format = (
-        None if body.response_format is None else await run_schema_work(ResponseFormat.from_openai, body.response_format)
+        None
+        if body.response_format is None
+        else await run_schema_work(ResponseFormat.from_openai, body.response_format)
     )
     typed = generation_request(body, response_format)
     if continuation is not None:
@@ -94,7 +122,14 @@ async def serve_call(
     streaming = False
     try:
         response = await _call_with(
-            request, body, typed, served_provider(lease), model=lease.name, route=route, renderer=renderer, release=lease.release
+            request,
+            body,
+            typed,
+            served_provider(lease),
+            model=lease.name,
+            route=route,
+            renderer=renderer,
+            release=lease.release,
         )
         streaming = isinstance(response, SSEResponse)
         return response
@@ -120,7 +155,9 @@ async def _call_with(
     # never passed on and no phase invented (the seed's rule); the event stream has no progress records.
     supported = progress_supported(llm)
     with_progress = body.include_progress and supported
-    observer = await begin_call(request, route=route, model=model, call=typed, stream=body.stream, asked_model=body.model)
+    observer = await begin_call(
+        request, route=route, model=model, call=typed, stream=body.stream, asked_model=body.model
+    )
     cancel_event = threading.Event()
 
     def call(on_progress: ProgressSink | None) -> Awaitable[GenerationResult | AsyncIterator[GenerationChunk]]:
@@ -158,7 +195,12 @@ async def _call_with(
         release()
 
     records = _records(
-        first, pump, renderer, model=model, stream=body.stream, interval_s=request.app.state.stream_interval_s,
+        first,
+        pump,
+        renderer,
+        model=model,
+        stream=body.stream,
+        interval_s=request.app.state.stream_interval_s,
         reasoning_open=_reasoning_opens(llm, typed),
     )
     return SSEResponse(records, on_close=close)
@@ -266,7 +308,9 @@ async def _records(
                     if finished:
                         out.extend(renderer.ending())
                     else:
-                        out.extend(renderer.failure(UpstreamError("the provider stream ended without a terminal chunk")))
+                        out.extend(
+                            renderer.failure(UpstreamError("the provider stream ended without a terminal chunk"))
+                        )
                     yield "".join(out)
                     return
         flush_text()

@@ -90,14 +90,18 @@ class ChatRenderer:
 
     def opening(self, *, model: str, reasoning_open: bool) -> list[str]:
         self._model = model
-        self._splitters = [OutputSplitter(tools=self._reads_calls, reasoning_open=reasoning_open) for _ in range(self._n)]
+        self._splitters = [
+            OutputSplitter(tools=self._reads_calls, reasoning_open=reasoning_open) for _ in range(self._n)
+        ]
         return [self._chunk({"role": "assistant", "content": ""}, index=i) for i in range(self._n)]
 
     def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
         self._hold(index, logprobs)
         return "".join(self._pieces(self._splitters[index].feed(delta), index))
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
+    def closing(
+        self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None
+    ) -> list[str]:
         index = final.index
         splitter = self._splitters[index]
         self._hold(index, logprobs)
@@ -113,7 +117,9 @@ class ChatRenderer:
         out = self._pieces(pieces, index)
         held, self._held[index] = self._held[index], None
         out.append(
-            self._chunk(last, finish_reason=finish, usage=final.usage, metadata=final.metadata, logprobs=held, index=index)
+            self._chunk(
+                last, finish_reason=finish, usage=final.usage, metadata=final.metadata, logprobs=held, index=index
+            )
         )
         return out
 
@@ -131,7 +137,12 @@ class ChatRenderer:
                 case ContentPiece(text=text):
                     out.append(self._chunk({"content": text}, logprobs=held, index=index))
                 case ToolCallPiece(index=call, call_id=call_id, call=parsed):
-                    head: JSONObject = {"index": call, "id": call_id, "type": "function", "function": {"name": parsed.name, "arguments": ""}}
+                    head: JSONObject = {
+                        "index": call,
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": parsed.name, "arguments": ""},
+                    }
                     out.append(self._chunk({"tool_calls": [head]}, logprobs=held, index=index))
                     arguments: JSONObject = {"index": call, "function": {"arguments": parsed.arguments}}
                     out.append(self._chunk({"tool_calls": [arguments]}, index=index))

@@ -78,7 +78,11 @@ class CompletionRequest(SamplingFields):
 
 _REFUSED: tuple[tuple[str, Callable[[CompletionRequest], bool], str], ...] = (
     ("suffix", lambda b: b.suffix is not None, "suffix (insertion) is not supported"),
-    ("thinking", lambda b: b.thinking is not None, "thinking is a chat-template control; a plain completion has no template"),
+    (
+        "thinking",
+        lambda b: b.thinking is not None,
+        "thinking is a chat-template control; a plain completion has no template",
+    ),
     (
         "echo",
         lambda b: b.echo and b.logprobs is not None,
@@ -100,7 +104,9 @@ async def create_completion(request: Request) -> Response:
             "model": body.model,
             "messages": [{"role": "user", "content": prompt}],
             "stream": body.stream,
-            "stream_options": None if body.stream_options is None else body.stream_options.model_dump(exclude_none=True),
+            "stream_options": None
+            if body.stream_options is None
+            else body.stream_options.model_dump(exclude_none=True),
             "max_tokens": body.max_tokens,
             "speculation": body.speculation,
             "keep_alive": body.keep_alive,
@@ -142,7 +148,9 @@ class CompletionRenderer:
             wire, self._offsets[index] = completion_logprobs(logprobs, offset=self._offsets[index])
         return finished_choice({"index": index, "text": text, "logprobs": wire}, finish_reason, metadata)
 
-    def _body(self, choices: list[JSONValue], *, usage: dict[str, int] | None = None, metadata: JSONObject | None = None) -> JSONObject:
+    def _body(
+        self, choices: list[JSONValue], *, usage: dict[str, int] | None = None, metadata: JSONObject | None = None
+    ) -> JSONObject:
         body: JSONObject = {
             "id": self.completion_id,
             "object": "text_completion",
@@ -167,9 +175,17 @@ class CompletionRenderer:
     def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
         return data_event(self._body([self._choice(index, delta, None, logprobs)]))
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
+    def closing(
+        self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None
+    ) -> list[str]:
         reason = final.finish_reason or final.choice_finish_reason
-        last = data_event(self._body([self._choice(final.index, "", reason, None, final.metadata)], usage=final.usage, metadata=final.metadata))
+        last = data_event(
+            self._body(
+                [self._choice(final.index, "", reason, None, final.metadata)],
+                usage=final.usage,
+                metadata=final.metadata,
+            )
+        )
         return [self.text(tail, logprobs, index=final.index), last] if tail or logprobs else [last]
 
     def ending(self) -> list[str]:

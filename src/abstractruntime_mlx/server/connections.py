@@ -73,20 +73,31 @@ class ConnectionLimits:
     idle_timeout_s: int = DEFAULT_IDLE_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int) or self.max_connections < 1:
+        if (
+            isinstance(self.max_connections, bool)
+            or not isinstance(self.max_connections, int)
+            or self.max_connections < 1
+        ):
             raise InvalidRequest(
                 f"max_connections (--max-connections) must be an integer >= 1, not {self.max_connections!r}",
                 details={"field": "max_connections"},
             )
         for name, flag in (("header_timeout_s", "--header-timeout"), ("idle_timeout_s", "--idle-timeout")):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_S:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or not 0 < value <= MAX_TIMEOUT_S
+            ):
                 raise InvalidRequest(
                     f"{name} ({flag}) must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds, not {value!r}",
                     details={"field": name},
                 )
         if isinstance(self.idle_timeout_s, float):
-            raise InvalidRequest("idle_timeout_s (--idle-timeout) takes whole seconds", details={"field": "idle_timeout_s"})
+            raise InvalidRequest(
+                "idle_timeout_s (--idle-timeout) takes whole seconds", details={"field": "idle_timeout_s"}
+            )
 
 
 def raise_open_file_limit() -> int | None:
@@ -114,7 +125,9 @@ def connection_cap(requested: int | None, descriptor_limit: int | None) -> int:
     """The connection cap for a process with ``descriptor_limit`` open files: ``requested``
     (default ``DEFAULT_MAX_CONNECTIONS``, lowered to fit), kept ``DESCRIPTOR_HEADROOM`` below the
     limit. An explicit ``requested`` that does not fit is ``InvalidRequest``."""
-    allowed = None if descriptor_limit is None else max(1, descriptor_limit - min(DESCRIPTOR_HEADROOM, descriptor_limit // 4))
+    allowed = (
+        None if descriptor_limit is None else max(1, descriptor_limit - min(DESCRIPTOR_HEADROOM, descriptor_limit // 4))
+    )
     if requested is None:
         return DEFAULT_MAX_CONNECTIONS if allowed is None else min(DEFAULT_MAX_CONNECTIONS, allowed)
     if allowed is not None and requested > allowed:
@@ -132,7 +145,11 @@ class _Watch:
     __slots__ = ("_guard", "_transport", "_loop", "_in_flight", "_timer")
 
     def __init__(
-        self, guard: ConnectionGuard, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, in_flight: Callable[[], bool]
+        self,
+        guard: ConnectionGuard,
+        transport: asyncio.Transport,
+        loop: asyncio.AbstractEventLoop,
+        in_flight: Callable[[], bool],
     ) -> None:
         self._guard = guard
         self._transport = transport
@@ -216,7 +233,9 @@ def refusal_bytes(limits: ConnectionLimits) -> bytes:
     return head.encode("ascii") + payload
 
 
-def _open(guard: ConnectionGuard, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, in_flight: Callable[[], bool]) -> _Watch:
+def _open(
+    guard: ConnectionGuard, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, in_flight: Callable[[], bool]
+) -> _Watch:
     watch = _Watch(guard, transport, loop, in_flight)
     if not guard.admit(watch):
         transport.write(refusal_bytes(guard.limits))

@@ -48,7 +48,11 @@ def _inner(payload: Mapping[str, JSONValue]) -> Mapping[str, JSONValue]:
 
 def anthropic_error_body(status: int, payload: Mapping[str, JSONValue]) -> JSONObject:
     inner = _inner(payload)
-    error: JSONObject = {"type": anthropic_error_type(status), "message": inner.get("message"), "code": inner.get("code")}
+    error: JSONObject = {
+        "type": anthropic_error_type(status),
+        "message": inner.get("message"),
+        "code": inner.get("code"),
+    }
     if inner.get("details") is not None:
         error["details"] = inner["details"]
     return {"type": "error", "error": error}

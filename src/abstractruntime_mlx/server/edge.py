@@ -117,7 +117,9 @@ def generation_request(body: ChatCompletionRequest, response_format: ResponseFor
         tool_choice=body.tool_choice,
         sampling={name: value for name in SAMPLING_FIELDS if (value := getattr(body, name)) is not None},
         max_output_tokens=output_cap(
-            max_output_tokens=body.max_output_tokens, max_tokens=body.max_tokens, max_completion_tokens=body.max_completion_tokens
+            max_output_tokens=body.max_output_tokens,
+            max_tokens=body.max_tokens,
+            max_completion_tokens=body.max_completion_tokens,
         ),
         stop=body.stop,
         thinking=body.thinking_said(),

@@ -24,7 +24,11 @@ async def create_embeddings(request: Request) -> Response:
     except ValueError:
         body = {}
     asked = body.get("model") if isinstance(body, dict) else None
-    name = asked.strip()[:MAX_MODEL_NAME_CHARS] if isinstance(asked, str) and asked.strip() else pool_of(request).default_name()
+    name = (
+        asked.strip()[:MAX_MODEL_NAME_CHARS]
+        if isinstance(asked, str) and asked.strip()
+        else pool_of(request).default_name()
+    )
     raise EmbeddingsUnsupported(
         f"{name or 'this server'!s} cannot embed: this server runs text-generation models only; "
         "use an embedding server for /v1/embeddings",

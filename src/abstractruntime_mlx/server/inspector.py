@@ -46,11 +46,11 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..default_limits import DEFAULT_MAX_STREAMS
 from ..errors import AuthenticationError, InvalidRequest, MLXRuntimeError, RunNotFound
 from ..inspection import child_runs, run_tree_dicts, run_view
 from ..json_values import JSONObject, JSONValue, object_at, parse_ascii_int
-from ..ledger import Ledger, RunCursor
-from ..default_limits import DEFAULT_MAX_STREAMS
+from ..ledger import Ledger
 from .inspector_live import LivePoller, Read, Snapshot, Subscription
 from .sse import SSEResponse, named_event
 from .wire import error_payload
@@ -108,7 +108,9 @@ class InspectorAuth:
             await response(scope, receive, send)
             return
         error = AuthenticationError(
-            "wrong API key" if (token or query_key or request.cookies.get(KEY_COOKIE)) else "this inspector needs an API key",
+            "wrong API key"
+            if (token or query_key or request.cookies.get(KEY_COOKIE))
+            else "this inspector needs an API key",
         )
         if request.url.path.startswith("/api/"):
             status, body = error_payload(error)
@@ -136,9 +138,7 @@ def _filters(request: Request) -> tuple[str | None, str | None, int]:
         )
     workflow = params.get("workflow") or None
     if workflow is not None and len(workflow) > MAX_FILTER_LENGTH:
-        raise InvalidRequest(
-            f"workflow must be at most {MAX_FILTER_LENGTH} characters", details={"field": "workflow"}
-        )
+        raise InvalidRequest(f"workflow must be at most {MAX_FILTER_LENGTH} characters", details={"field": "workflow"})
     raw_limit = params.get("limit")
     limit = DEFAULT_LIST_LIMIT
     if raw_limit is not None:
@@ -192,10 +192,10 @@ def _page(name: str, title: str, data: Mapping[str, JSONValue]) -> HTMLResponse:
 
 def _message_page(status: int, title: str, message: str) -> HTMLResponse:
     body = (
-        "<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{t}</title>"
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         "<link rel='stylesheet' href='/static/inspector.css'></head><body><header><a href='/'>runs</a></header>"
-        "<main><h1>{t}</h1><p class='message'>{m}</p></main></body></html>"
-    ).format(t=html.escape(title), m=html.escape(message))
+        f"<main><h1>{html.escape(title)}</h1><p class='message'>{html.escape(message)}</p></main></body></html>"
+    )
     return HTMLResponse(body, status_code=status)
 
 
@@ -295,7 +295,9 @@ async def run_stream(request: Request) -> Response:
 # --------------------------------------------------------------------------- app
 
 
-def _guarded(endpoint: Callable[[Request], Awaitable[Response]], *, page: bool) -> Callable[[Request], Awaitable[Response]]:
+def _guarded(
+    endpoint: Callable[[Request], Awaitable[Response]], *, page: bool
+) -> Callable[[Request], Awaitable[Response]]:
     async def run(request: Request) -> Response:
         try:
             response: Response = await endpoint(request)
@@ -312,7 +314,9 @@ def _guarded(endpoint: Callable[[Request], Awaitable[Response]], *, page: bool) 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if request.url.path.startswith("/api/"):
-        code = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else "http_error"
+        code = (
+            "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else "http_error"
+        )
         body = {"error": {"message": str(exc.detail), "type": "invalid_request_error", "code": code}}
         return JSONResponse(body, status_code=exc.status_code)
     return _message_page(exc.status_code, str(exc.detail), f"{request.method} {request.url.path}")

@@ -36,7 +36,10 @@ def parse_keep_alive(value: object, *, field: str = "keep_alive") -> float | Non
     if seconds < 0:
         return None
     if seconds > MAX_KEEP_ALIVE_S:
-        raise InvalidRequest(f"{field} is longer than a year; use a negative value to keep the model until memory is needed", details={"field": field})
+        raise InvalidRequest(
+            f"{field} is longer than a year; use a negative value to keep the model until memory is needed",
+            details={"field": field},
+        )
     return seconds
 
 
@@ -59,6 +62,7 @@ def _duration_s(text: str, field: str) -> float:
 def _invalid(field: str, value: object) -> InvalidRequest:
     shown = repr(value) if len(repr(value)) <= 64 else repr(value)[:61] + "..."
     return InvalidRequest(
-        f"{field} must be seconds (a number) or a duration such as '30s', '5m', '1h' (negative: no idle unload), not {shown}",
+        f"{field} must be seconds (a number) or a duration such as '30s', "
+        f"'5m', '1h' (negative: no idle unload), not {shown}",
         details={"field": field},
     )

@@ -31,7 +31,13 @@ MAX_IMAGES: Final = 16
 DETAIL_VALUES: Final = frozenset({"auto", "low", "high"})
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),(?P<payload>.*)$", re.S)
-_MIME_TYPES: Final = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp", "image/gif": "gif"}
+_MIME_TYPES: Final = {
+    "image/png": "png",
+    "image/jpeg": "jpeg",
+    "image/jpg": "jpeg",
+    "image/webp": "webp",
+    "image/gif": "gif",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +91,8 @@ def extract_images(messages: list[JSONObject]) -> NativeImages:
             else:
                 shown = kind if kind is not None else type(part).__name__
                 raise InvalidMedia(
-                    f"{where}: unsupported content part type {shown!r}; native chat accepts 'text' and 'image_url' parts"
+                    f"{where}: unsupported content part type {shown!r}; "
+                    "native chat accepts 'text' and 'image_url' parts"
                 )
         out.append({**message, "content": "\n".join(texts)})
     return NativeImages(messages=out, images=images, details=details)

@@ -54,7 +54,11 @@ class MachineMemory:
     source: str
 
     def to_dict(self) -> dict[str, int | str | None]:
-        return {"working_set_bytes": self.working_set_bytes, "available_bytes": self.available_bytes, "source": self.source}
+        return {
+            "working_set_bytes": self.working_set_bytes,
+            "available_bytes": self.available_bytes,
+            "source": self.source,
+        }
 
 
 def parse_byte_size(text: str) -> int:
@@ -71,7 +75,9 @@ def parse_byte_size(text: str) -> int:
     return int(value)
 
 
-def estimate_footprint(path: Path, *, max_batch_size: int, kv_tokens_per_row: int = DEFAULT_KV_TOKENS_PER_ROW) -> Footprint:
+def estimate_footprint(
+    path: Path, *, max_batch_size: int, kv_tokens_per_row: int = DEFAULT_KV_TOKENS_PER_ROW
+) -> Footprint:
     """The estimate for the checkpoint directory ``path`` (no file is loaded; missing files count 0)."""
     weights = 0
     if path.is_dir():

@@ -41,8 +41,47 @@ from ..results import GenerationChunk, GenerationResult
 log = logging.getLogger(__name__)
 
 PREFIX: Final = "abstractruntime_mlx"
-TTFT_BUCKETS_S: Final = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
-INTER_TOKEN_BUCKETS_S: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+TTFT_BUCKETS_S: Final = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+INTER_TOKEN_BUCKETS_S: Final = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
 BATCH_WIDTH_BUCKETS: Final = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 MAX_GAP_OBSERVATIONS: Final = 65_536
 """Most inter-token observations one non-streamed call adds (its mean gap, once per gap)."""
@@ -50,6 +89,7 @@ MAX_ERROR_BODY_BYTES: Final = 64 * 1024
 """Error bodies longer than this are not read for their code (ours are far shorter)."""
 SSE_ERROR_MARK: Final = b'data: {"error":'
 """How an error event starts in a stream (``sse.data_event`` of ``wire.error_payload``)."""
+
 
 class HeldModel(Protocol):
     """What the metrics read of one model the server holds (``pool.ResidentModel``)."""
@@ -135,24 +175,55 @@ class ResidentCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         reading = self.latest
-        state = GaugeMetricFamily(f"{PREFIX}_model_state", "1 for each resident model, labelled with its engine state", labels=["model", "state"])
-        in_flight = GaugeMetricFamily(f"{PREFIX}_requests_in_flight", "requests holding the model (queued, running or streaming)", labels=["model"])
+        state = GaugeMetricFamily(
+            f"{PREFIX}_model_state",
+            "1 for each resident model, labelled with its engine state",
+            labels=["model", "state"],
+        )
+        in_flight = GaugeMetricFamily(
+            f"{PREFIX}_requests_in_flight",
+            "requests holding the model (queued, running or streaming)",
+            labels=["model"],
+        )
         queue = GaugeMetricFamily(f"{PREFIX}_queue_depth", "requests waiting for a batch slot", labels=["model"])
-        running = GaugeMetricFamily(f"{PREFIX}_running_rows", "requests admitted to the engine (prefilling or decoding)", labels=["model"])
-        slots = GaugeMetricFamily(f"{PREFIX}_batch_slots", "the engine's batch slots (max_batch_size)", labels=["model"])
+        running = GaugeMetricFamily(
+            f"{PREFIX}_running_rows", "requests admitted to the engine (prefilling or decoding)", labels=["model"]
+        )
+        slots = GaugeMetricFamily(
+            f"{PREFIX}_batch_slots", "the engine's batch slots (max_batch_size)", labels=["model"]
+        )
         peak = GaugeMetricFamily(f"{PREFIX}_peak_batch_width", "widest batch since the model loaded", labels=["model"])
-        engine = CounterMetricFamily(f"{PREFIX}_engine_requests", "requests the engine finished since the model loaded, by outcome", labels=["model", "outcome"])
-        cache_bytes = GaugeMetricFamily(f"{PREFIX}_prefix_cache_bytes", "bytes the prefix cache holds, by tier", labels=["model", "tier"])
+        engine = CounterMetricFamily(
+            f"{PREFIX}_engine_requests",
+            "requests the engine finished since the model loaded, by outcome",
+            labels=["model", "outcome"],
+        )
+        cache_bytes = GaugeMetricFamily(
+            f"{PREFIX}_prefix_cache_bytes", "bytes the prefix cache holds, by tier", labels=["model", "tier"]
+        )
         entries = GaugeMetricFamily(f"{PREFIX}_prefix_cache_entries", "prefix-cache entries in RAM", labels=["model"])
-        lookups = CounterMetricFamily(f"{PREFIX}_prefix_cache_lookups", "keyed requests by prefix-cache outcome since the model loaded", labels=["model", "outcome"])
-        loads = CounterMetricFamily(f"{PREFIX}_model_loads", "model loads since start, by outcome", labels=["model", "outcome"])
-        unloads = CounterMetricFamily(f"{PREFIX}_model_unloads", "model unloads since start, by reason", labels=["model", "reason"])
+        lookups = CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_lookups",
+            "keyed requests by prefix-cache outcome since the model loaded",
+            labels=["model", "outcome"],
+        )
+        loads = CounterMetricFamily(
+            f"{PREFIX}_model_loads", "model loads since start, by outcome", labels=["model", "outcome"]
+        )
+        unloads = CounterMetricFamily(
+            f"{PREFIX}_model_unloads", "model unloads since start, by reason", labels=["model", "reason"]
+        )
         for snap in reading.snapshots:
             in_flight.add_metric([snap.model], float(snap.in_flight))
             if snap.state is not None:
                 state.add_metric([snap.model, snap.state], 1.0)
             ex = snap.execution
-            for family, key in ((queue, "queued"), (running, "active"), (slots, "max_batch_size"), (peak, "peak_batch_size")):
+            for family, key in (
+                (queue, "queued"),
+                (running, "active"),
+                (slots, "max_batch_size"),
+                (peak, "peak_batch_size"),
+            ):
                 value = as_float(ex.get(key))
                 if value is not None:
                     family.add_metric([snap.model], value)
@@ -162,14 +233,37 @@ class ResidentCollector(Collector):
                     engine.add_metric([snap.model, outcome], value)
             _add_prefix_cache(snap, cache_bytes, entries, lookups)
         for model, counts in reading.counters.items():
-            for outcome, value in (("loaded", counts.loads), ("failed", counts.load_failures), ("refused", counts.refusals)):
+            for outcome, value in (
+                ("loaded", counts.loads),
+                ("failed", counts.load_failures),
+                ("refused", counts.refusals),
+            ):
                 loads.add_metric([model, outcome], float(value))
-            for reason, value in (("evicted", counts.evictions), ("keep_alive", counts.expirations), ("requested", counts.unloads)):
+            for reason, value in (
+                ("evicted", counts.evictions),
+                ("keep_alive", counts.expirations),
+                ("requested", counts.unloads),
+            ):
                 unloads.add_metric([model, reason], float(value))
-        yield from (state, in_flight, queue, running, slots, peak, engine, cache_bytes, entries, lookups, loads, unloads)
+        yield from (
+            state,
+            in_flight,
+            queue,
+            running,
+            slots,
+            peak,
+            engine,
+            cache_bytes,
+            entries,
+            lookups,
+            loads,
+            unloads,
+        )
 
 
-def _add_prefix_cache(snap: ModelSnapshot, cache_bytes: GaugeMetricFamily, entries: GaugeMetricFamily, lookups: CounterMetricFamily) -> None:
+def _add_prefix_cache(
+    snap: ModelSnapshot, cache_bytes: GaugeMetricFamily, entries: GaugeMetricFamily, lookups: CounterMetricFamily
+) -> None:
     pc = snap.prefix_cache
     if not pc:
         return
@@ -196,16 +290,52 @@ class ServerMetrics:
     def __init__(self, held: HeldModels) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(f"{PREFIX}_requests", "generation requests that ended, by route and finish reason", ["model", "route", "finish_reason"], registry=r)
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of finished requests", ["model"], registry=r)
-        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "tokens generated by finished requests", ["model"], registry=r)
-        self.cached_tokens = Counter(f"{PREFIX}_prefix_cache_hit_tokens", "prompt tokens reused from the prefix cache", ["model"], registry=r)
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "time from submission to the first token", ["model"], buckets=TTFT_BUCKETS_S, registry=r)
-        self.inter_token = Histogram(f"{PREFIX}_inter_token_latency_seconds", "gap between two generated tokens", ["model"], buckets=INTER_TOKEN_BUCKETS_S, registry=r)
-        self.batch_width = Histogram(f"{PREFIX}_batch_width", "widest batch each request ran in", ["model"], buckets=BATCH_WIDTH_BUCKETS, registry=r)
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "generation requests that ended, by route and finish reason",
+            ["model", "route", "finish_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "prompt tokens of finished requests", ["model"], registry=r
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens", "tokens generated by finished requests", ["model"], registry=r
+        )
+        self.cached_tokens = Counter(
+            f"{PREFIX}_prefix_cache_hit_tokens", "prompt tokens reused from the prefix cache", ["model"], registry=r
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "time from submission to the first token",
+            ["model"],
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "gap between two generated tokens",
+            ["model"],
+            buckets=INTER_TOKEN_BUCKETS_S,
+            registry=r,
+        )
+        self.batch_width = Histogram(
+            f"{PREFIX}_batch_width",
+            "widest batch each request ran in",
+            ["model"],
+            buckets=BATCH_WIDTH_BUCKETS,
+            registry=r,
+        )
         self.mtp_drafted = Counter(f"{PREFIX}_mtp_drafted_tokens", "tokens drafted by MTP heads", ["model"], registry=r)
-        self.mtp_accepted = Counter(f"{PREFIX}_mtp_accepted_tokens", "drafted tokens the model accepted", ["model"], registry=r)
-        self.errors = Counter(f"{PREFIX}_errors", "error answers (HTTP error bodies and in-stream error events) by code", ["model", "code"], registry=r)
+        self.mtp_accepted = Counter(
+            f"{PREFIX}_mtp_accepted_tokens", "drafted tokens the model accepted", ["model"], registry=r
+        )
+        self.errors = Counter(
+            f"{PREFIX}_errors",
+            "error answers (HTTP error bodies and in-stream error events) by code",
+            ["model", "code"],
+            registry=r,
+        )
         self._held = held
         self.resident = ResidentCollector()
         r.register(self.resident)
@@ -291,7 +421,10 @@ class CallMeter:
             m.batch_width.labels(model).observe(width)
         speculation = object_at(metadata, "speculation")
         if speculation.get("used") is True:
-            drafted, accepted = as_float(speculation.get("drafted_tokens")), as_float(speculation.get("accepted_tokens"))
+            drafted, accepted = (
+                as_float(speculation.get("drafted_tokens")),
+                as_float(speculation.get("accepted_tokens")),
+            )
             if drafted is not None:
                 m.mtp_drafted.labels(model).inc(drafted)
             if accepted is not None:

@@ -35,7 +35,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
@@ -73,7 +73,9 @@ _OPTION_FIELDS: Final = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
-_NO_EFFECT_OPTIONS: Final = frozenset({"num_ctx", "num_gpu", "num_thread", "num_batch", "main_gpu", "use_mmap", "numa", "num_keep"})
+_NO_EFFECT_OPTIONS: Final = frozenset(
+    {"num_ctx", "num_gpu", "num_thread", "num_batch", "main_gpu", "use_mmap", "numa", "num_keep"}
+)
 TOLERATED_FIELDS: Final = frozenset({"truncate", "shift", "logprobs", "top_logprobs"})
 
 
@@ -150,7 +152,9 @@ def response_format_of(fmt: str | Mapping[str, object] | None) -> JSONObject | N
     if fmt == "json":
         return {"type": "json_object"}
     if isinstance(fmt, str):
-        raise InvalidRequest(f"format must be 'json' or a JSON schema object (got {fmt!r})", details={"field": "format"})
+        raise InvalidRequest(
+            f"format must be 'json' or a JSON schema object (got {fmt!r})", details={"field": "format"}
+        )
     schema: JSONObject = json.loads(json.dumps(fmt))
     return {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
 
@@ -180,7 +184,10 @@ def _content(text: str, images: list[str] | None, where: str) -> JSONValue:
 def chat_messages(body: ChatRequest) -> list[JSONObject]:
     out: list[JSONObject] = []
     for index, message in enumerate(body.messages):
-        turn: JSONObject = {"role": message.role, "content": _content(message.content, message.images, f"messages.{index}.images")}
+        turn: JSONObject = {
+            "role": message.role,
+            "content": _content(message.content, message.images, f"messages.{index}.images"),
+        }
         if message.tool_calls:
             turn["tool_calls"] = json.loads(json.dumps(message.tool_calls))
         if message.thinking:
@@ -194,10 +201,15 @@ def chat_messages(body: ChatRequest) -> list[JSONObject]:
 
 
 def generate_messages(body: GenerateRequest) -> list[JSONObject]:
-    for field, refused in (("raw", body.raw), ("suffix", body.suffix is not None), ("context", body.context is not None)):
+    for field, refused in (
+        ("raw", body.raw),
+        ("suffix", body.suffix is not None),
+        ("context", body.context is not None),
+    ):
         if refused:
             raise InvalidRequest(
-                f"{field} is not supported: every prompt is rendered with the model's chat template; send the whole conversation",
+                f"{field} is not supported: every prompt is rendered with the "
+                "model's chat template; send the whole conversation",
                 details={"field": field},
             )
     messages: list[JSONObject] = []
@@ -226,7 +238,9 @@ def _call_fields(body: _Common, messages: list[JSONObject]) -> dict[str, object]
 # --------------------------------------------------------------------------- routes
 
 
-async def _serve(request: Request, body: _Common, fields: dict[str, object], *, kind: Literal["chat", "generate"]) -> Response:
+async def _serve(
+    request: Request, body: _Common, fields: dict[str, object], *, kind: Literal["chat", "generate"]
+) -> Response:
     started = time.perf_counter()
     unknown = body.unknown_fields()
     if unknown:
@@ -235,7 +249,9 @@ async def _serve(request: Request, body: _Common, fields: dict[str, object], *, 
     # The load is timed on its own (load_duration); the call then finds the model resident.
     lease = await pool_of(request).acquire(body.model, keep_alive=_keep_alive(body.keep_alive))
     try:
-        renderer = OllamaRenderer(kind, started=started, load_s=time.perf_counter() - started, reads_calls=chat.reads_tool_calls())
+        renderer = OllamaRenderer(
+            kind, started=started, load_s=time.perf_counter() - started, reads_calls=chat.reads_tool_calls()
+        )
         response = await serve_call(request, chat, route=f"ollama_{kind}", renderer=renderer)
     finally:
         lease.release()
@@ -268,13 +284,23 @@ async def _load_or_unload(request: Request, body: GenerateRequest) -> Response:
         if known is None:
             raise ModelNotFound(f"{body.model!r} is not a model of this server")
         await pool.unload(body.model)
-        return JSONResponse({"model": known.name, "created_at": created_at(), "response": "", "done": True, "done_reason": "unload"})
+        return JSONResponse(
+            {"model": known.name, "created_at": created_at(), "response": "", "done": True, "done_reason": "unload"}
+        )
     started = time.perf_counter()
     lease = await pool.acquire(body.model, keep_alive=keep_alive)
     lease.release()
     ns = int((time.perf_counter() - started) * NS)
     return JSONResponse(
-        {"model": lease.name, "created_at": created_at(), "response": "", "done": True, "done_reason": "load", "total_duration": ns, "load_duration": ns}
+        {
+            "model": lease.name,
+            "created_at": created_at(),
+            "response": "",
+            "done": True,
+            "done_reason": "load",
+            "total_duration": ns,
+            "load_duration": ns,
+        }
     )
 
 
@@ -296,7 +322,7 @@ async def ollama_tags(request: Request) -> Response:
 
 @dialect_route
 async def ollama_ps(request: Request) -> Response:
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     models: list[JSONValue] = []
     for model in pool_of(request).resident():
         entry = _model_entry(model)
@@ -319,7 +345,9 @@ async def ollama_show(request: Request) -> Response:
     if known is None:
         raise ModelNotFound(f"{name!r} is not a model of this server")
     info: JSONObject = {"source": known.source, "state": known.state.value, "aliases": list(known.aliases)}
-    return JSONResponse({"details": _details(), "model_info": info, "capabilities": ["completion"], "parameters": "", "template": ""})
+    return JSONResponse(
+        {"details": _details(), "model_info": info, "capabilities": ["completion"], "parameters": "", "template": ""}
+    )
 
 
 @dialect_route
@@ -335,7 +363,7 @@ def _rfc3339(moment: datetime) -> str:
 
 
 def created_at() -> str:
-    return _rfc3339(datetime.now(timezone.utc))
+    return _rfc3339(datetime.now(UTC))
 
 
 def ollama_tool_calls(calls: list[JSONObject] | None) -> list[JSONValue]:
@@ -361,7 +389,9 @@ class OllamaRenderer:
 
     ends_at_final = True
 
-    def __init__(self, kind: Literal["chat", "generate"], *, started: float, load_s: float, reads_calls: bool = False) -> None:
+    def __init__(
+        self, kind: Literal["chat", "generate"], *, started: float, load_s: float, reads_calls: bool = False
+    ) -> None:
         self.kind = kind
         self._started = started
         self._load_s = load_s
@@ -369,7 +399,9 @@ class OllamaRenderer:
         self._reads_calls = reads_calls
         self._splitter = OutputSplitter(tools=reads_calls)
 
-    def _object(self, text: str, *, done: bool, thinking: str | None = None, tool_calls: list[JSONValue] | None = None) -> JSONObject:
+    def _object(
+        self, text: str, *, done: bool, thinking: str | None = None, tool_calls: list[JSONValue] | None = None
+    ) -> JSONObject:
         out: JSONObject = {"model": self._model, "created_at": created_at()}
         if self.kind == "chat":
             message: JSONObject = {"role": "assistant", "content": text}
@@ -385,7 +417,13 @@ class OllamaRenderer:
         out["done"] = done
         return out
 
-    def _stats(self, out: JSONObject, finish_reason: str | None, usage: Mapping[str, int] | None, metadata: Mapping[str, JSONValue] | None) -> JSONObject:
+    def _stats(
+        self,
+        out: JSONObject,
+        finish_reason: str | None,
+        usage: Mapping[str, int] | None,
+        metadata: Mapping[str, JSONValue] | None,
+    ) -> JSONObject:
         usage = usage or {}
         total_s = time.perf_counter() - self._started
         out["done_reason"] = "length" if finish_reason == "length" else "stop"
@@ -420,7 +458,9 @@ class OllamaRenderer:
         # One answer, no logprobs: this route's body asks for neither (``logprobs`` is always None).
         return "".join(self._lines(self._splitter.feed(delta)))
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
+    def closing(
+        self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None
+    ) -> list[str]:
         pieces = [*self._splitter.feed(tail), *self._splitter.finish()]
         done = self._stats(self._object("", done=True), final.finish_reason, final.usage, final.metadata)
         return [*self._lines(pieces), _line(done)]
@@ -434,7 +474,9 @@ class OllamaRenderer:
                 case ContentPiece(text=text):
                     out.append(_line(self._object(text, done=False)))
                 case ToolCallPiece(call=call):
-                    out.append(_line(self._object("", done=False, tool_calls=[_ollama_call(call.name, call.arguments)])))
+                    out.append(
+                        _line(self._object("", done=False, tool_calls=[_ollama_call(call.name, call.arguments)]))
+                    )
         return out
 
     def ending(self) -> list[str]:
@@ -442,4 +484,3 @@ class OllamaRenderer:
 
     def failure(self, error: BaseException) -> list[str]:
         return [_line(ollama_error_body(error_payload(error)[1]))]
-

@@ -248,7 +248,12 @@ class ModelPool:
             # once unloaded it is forgotten (the factory never rebuilds it).
             name = str(instance.model)
             entry = self._entries.get(name) or _Entry(name, name, {}, True, False, None)
-            entry.provider, entry.state, entry.pinned, entry.last_used = instance, ModelState.LOADED, True, time.monotonic()
+            entry.provider, entry.state, entry.pinned, entry.last_used = (
+                instance,
+                ModelState.LOADED,
+                True,
+                time.monotonic(),
+            )
             entry.footprint = self._estimate(entry.source, entry.options)
             self._entries[name] = entry
             self._default = self._default or name
@@ -325,7 +330,9 @@ class ModelPool:
         entry = self._find(requested)
         return dict(self.settings.default_options if entry is None else entry.base_options)
 
-    async def load(self, requested: str, options: Mapping[str, object] | None, *, keep_alive: KeepAlive = UNSET) -> Loaded:
+    async def load(
+        self, requested: str, options: Mapping[str, object] | None, *, keep_alive: KeepAlive = UNSET
+    ) -> Loaded:
         """``/acore/models/load``. A resident model is returned as is when ``options`` agree with it
         (the caller's check); a failed one is unloaded and loaded afresh. ``options`` are a client's
         (``load_policy.client_load_options`` checked them): they go over the operator's."""
@@ -369,7 +376,8 @@ class ModelPool:
             for entry in targets:
                 if entry.in_flight:
                     raise OwnerBusy(
-                        f"cannot unload {entry.name}: {entry.in_flight} request(s) are still running; close their streams first"
+                        f"cannot unload {entry.name}: {entry.in_flight} request(s) "
+                        "are still running; close their streams first"
                     )
             done: list[str] = []
             for entry in targets:
@@ -392,7 +400,12 @@ class ModelPool:
             self._check_fits(entry, footprint, machine_memory())
             self._counter(entry.name).loads += 1
             entry.provider = self._factory(entry.source, **entry.options)
-            entry.state, entry.owned, entry.footprint, entry.last_used = ModelState.LOADED, True, footprint, time.monotonic()
+            entry.state, entry.owned, entry.footprint, entry.last_used = (
+                ModelState.LOADED,
+                True,
+                footprint,
+                time.monotonic(),
+            )
             self._schedule_expiry(entry)
 
     async def reap(self, now: float | None = None) -> list[str]:
@@ -445,7 +458,11 @@ class ModelPool:
         if entry is not None:
             return entry
         for entry in self._entries.values():
-            for known in {entry.name, entry.source, str(entry.provider.model) if entry.provider is not None else entry.name}:
+            for known in {
+                entry.name,
+                entry.source,
+                str(entry.provider.model) if entry.provider is not None else entry.name,
+            }:
                 if name == known or name == Path(known).name or _same_path(name, known):
                     return entry
         return None
@@ -580,7 +597,9 @@ class ModelPool:
         return sum(
             e.footprint.total_bytes
             for e in self._entries.values()
-            if e is not entry and e.provider is not None and e.footprint is not None
+            if e is not entry
+            and e.provider is not None
+            and e.footprint is not None
             and (e.pinned or not e.owned or e.name in refused)
         )
 
@@ -607,20 +626,28 @@ class ModelPool:
         resident = self._resident_bytes(entry)
         larger = footprint.total_bytes > budget
         kept: list[JSONValue] = [
-            {"model": e.name, "bytes": e.footprint.total_bytes if e.footprint else 0, "reason": self._kept_reason(e, refused)}
+            {
+                "model": e.name,
+                "bytes": e.footprint.total_bytes if e.footprint else 0,
+                "reason": self._kept_reason(e, refused),
+            }
             for e in self._entries.values()
             if e is not entry and e.provider is not None
         ]
         needs = (
-            f"{entry.name} needs about {_mib(footprint.total_bytes)} (weights {_mib(footprint.weights_bytes)} + KV reserve "
-            f"{_mib(footprint.kv_bytes)})"
+            f"{entry.name} needs about {_mib(footprint.total_bytes)} (weights "
+            f"{_mib(footprint.weights_bytes)} + KV reserve {_mib(footprint.kv_bytes)})"
         )
         if larger:
-            message = f"{needs}, more than the whole {_mib(budget)} budget; raise --memory-budget or lower --kv-reserve-tokens"
+            message = (
+                f"{needs}, more than the whole {_mib(budget)} budget; raise "
+                "--memory-budget or lower --kv-reserve-tokens"
+            )
         else:
             message = (
-                f"{needs}, but {_mib(budget - resident)} of the {_mib(budget)} budget is free and the other models stay "
-                "(pinned or still running requests); unload a model, wait for running requests, or raise --memory-budget"
+                f"{needs}, but {_mib(budget - resident)} of the {_mib(budget)} budget is free "
+                "and the other models stay (pinned or still running requests); unload a "
+                "model, wait for running requests, or raise --memory-budget"
             )
         return InsufficientMemory(
             message,
@@ -701,7 +728,11 @@ class ModelPool:
             path = resolve_model_path(source)
         except MLXRuntimeError:
             path = Path(source)
-        width = options.get("mlx_max_batch_size", EngineConfig().max_batch_size) if options.get("mlx_batching", False) else 1
+        width = (
+            options.get("mlx_max_batch_size", EngineConfig().max_batch_size)
+            if options.get("mlx_batching", False)
+            else 1
+        )
         rows = width if isinstance(width, int) and not isinstance(width, bool) and width > 0 else 1
         return estimate_footprint(path, max_batch_size=rows, kv_tokens_per_row=self.settings.kv_tokens_per_row)
 
@@ -709,7 +740,14 @@ class ModelPool:
         if self.settings.memory_budget_bytes is not None:
             return self.settings.memory_budget_bytes
         held = self._resident_bytes(None)
-        limits = [v for v in (machine.working_set_bytes, None if machine.available_bytes is None else held + machine.available_bytes) if v is not None]
+        limits = [
+            v
+            for v in (
+                machine.working_set_bytes,
+                None if machine.available_bytes is None else held + machine.available_bytes,
+            )
+            if v is not None
+        ]
         return min(limits) if limits else 1 << 62
 
     def _resident_bytes(self, excluding: _Entry | None) -> int:

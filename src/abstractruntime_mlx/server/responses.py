@@ -49,16 +49,24 @@ from ..json_values import JSONObject, JSONValue
 from ..model_output import ContentPiece, OutputSplitter, ReasoningPiece, StreamPiece, ToolCallPiece
 from ..results import GenerationChunk, GenerationResult, TokenLogprob
 from ..tools import check_tools
-from .edge import read_body
 from .calls import chat_body, serve_call
+from .edge import read_body
 from .schemas import FiniteFloat, ModelName, StreamOptions, parse_body, refuse_unknown
 from .sse import named_event
 from .wire import error_payload, logprob_entries, with_usage_and_block
 
-
 TOLERATED_FIELDS = frozenset(
-    {"user", "metadata", "store", "service_tier", "truncation", "parallel_tool_calls",
-     "safety_identifier", "prompt_cache_retention", "max_tool_calls"}
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "truncation",
+        "parallel_tool_calls",
+        "safety_identifier",
+        "prompt_cache_retention",
+        "max_tool_calls",
+    }
 )
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text"}
@@ -111,11 +119,14 @@ class ResponsesRequest(BaseModel):
         for index, value in enumerate(included):
             if value != LOGPROBS_INCLUDE:
                 raise InvalidRequest(
-                    f"include {value!r} is not supported here (only {LOGPROBS_INCLUDE!r})", details={"field": f"include.{index}"}
+                    f"include {value!r} is not supported here (only {LOGPROBS_INCLUDE!r})",
+                    details={"field": f"include.{index}"},
                 )
         if LOGPROBS_INCLUDE not in included:
             if self.top_logprobs is not None:
-                raise InvalidRequest(f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]", details={"field": "top_logprobs"})
+                raise InvalidRequest(
+                    f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]", details={"field": "top_logprobs"}
+                )
             return None
         return 0 if self.top_logprobs is None else self.top_logprobs
 
@@ -155,7 +166,9 @@ def messages_of(body: ResponsesRequest) -> list[JSONObject]:
             )
         role = item.get("role")
         if role not in ("user", "system", "developer", "assistant"):
-            raise InvalidRequest(f"{where}.role must be user, system, developer or assistant", details={"field": f"{where}.role"})
+            raise InvalidRequest(
+                f"{where}.role must be user, system, developer or assistant", details={"field": f"{where}.role"}
+            )
         messages.append({"role": str(role), "content": _content(item.get("content"), where=f"{where}.content")})
     return messages
 
@@ -212,7 +225,8 @@ def response_format_of(text: TextOptions | None) -> JSONObject | None:
         spec: JSONObject = {"name": fmt.get("name") or "response", "schema": fmt.get("schema")}  # type: ignore[dict-item]
         return {"type": "json_schema", "json_schema": spec}
     raise InvalidRequest(
-        f"text.format.type must be 'text', 'json_object' or 'json_schema' (got {kind!r})", details={"field": "text.format.type"}
+        f"text.format.type must be 'text', 'json_object' or 'json_schema' (got {kind!r})",
+        details={"field": "text.format.type"},
     )
 
 
@@ -221,19 +235,24 @@ async def create_response(request: Request) -> Response:
     refuse_unknown(body.unknown_fields())
     if body.previous_response_id is not None:
         raise InvalidRequest(
-            "previous_response_id is not supported: this server stores no responses; send the whole conversation in input",
+            "previous_response_id is not supported: this server stores no "
+            "responses; send the whole conversation in input",
             details={"field": "previous_response_id"},
         )
     tools = chat_tools(body.tools)
     if body.background:
-        raise InvalidRequest("background responses are not supported (nothing is stored)", details={"field": "background"})
+        raise InvalidRequest(
+            "background responses are not supported (nothing is stored)", details={"field": "background"}
+        )
     top = body.logprobs_asked()
     chat = await chat_body(
         {
             "model": body.model,
             "messages": messages_of(body),
             "stream": body.stream,
-            "stream_options": None if body.stream_options is None else body.stream_options.model_dump(exclude_none=True),
+            "stream_options": None
+            if body.stream_options is None
+            else body.stream_options.model_dump(exclude_none=True),
             "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature,
             "top_p": body.top_p,
@@ -251,7 +270,9 @@ async def create_response(request: Request) -> Response:
         }
     )
     # the body's JSON, as given (decoded from JSON, so JSON values)
-    format_echo = cast(JSONObject, dict(body.text.format)) if body.text is not None and body.text.format else {"type": "text"}
+    format_echo = (
+        cast(JSONObject, dict(body.text.format)) if body.text is not None and body.text.format else {"type": "text"}
+    )
     echo: JSONObject = {
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
@@ -302,7 +323,15 @@ class ResponsesRenderer:
         self._logprobs: list[TokenLogprob] | None = [] if logprobs else None
         self._held: list[TokenLogprob] = []
 
-    def _response(self, *, status: str, output: list[JSONValue], usage: JSONObject | None, finish_reason: str | None, metadata: JSONObject | None) -> JSONObject:
+    def _response(
+        self,
+        *,
+        status: str,
+        output: list[JSONValue],
+        usage: JSONObject | None,
+        finish_reason: str | None,
+        metadata: JSONObject | None,
+    ) -> JSONObject:
         body: JSONObject = {
             "id": self.response_id,
             "object": "response",
@@ -319,24 +348,38 @@ class ResponsesRenderer:
         return with_usage_and_block(body, usage=usage, metadata=metadata)
 
     @staticmethod
-    def _message(text: str, status: str, item_id: str | None = None, logprobs: list[TokenLogprob] | None = None) -> JSONObject:
+    def _message(
+        text: str, status: str, item_id: str | None = None, logprobs: list[TokenLogprob] | None = None
+    ) -> JSONObject:
         part: JSONObject = {"type": "output_text", "text": text, "annotations": []}
         if logprobs is not None:
             part["logprobs"] = logprob_entries(logprobs)
-        return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant", "content": [part]}
+        return {
+            "type": "message",
+            "id": item_id or f"msg_{uuid.uuid4().hex}",
+            "status": status,
+            "role": "assistant",
+            "content": [part],
+        }
 
     @staticmethod
     def _reasoning(text: str, item_id: str | None = None) -> JSONObject:
         return {
-            "type": "reasoning", "id": item_id or f"rs_{uuid.uuid4().hex}", "summary": [],
+            "type": "reasoning",
+            "id": item_id or f"rs_{uuid.uuid4().hex}",
+            "summary": [],
             "content": [{"type": "reasoning_text", "text": text}],
         }
 
     @staticmethod
     def _function_call(call_id: str, name: str, arguments: str, status: str) -> JSONObject:
         return {
-            "type": "function_call", "id": f"fc_{call_id.removeprefix('call_')}", "call_id": call_id,
-            "name": name, "arguments": arguments, "status": status,
+            "type": "function_call",
+            "id": f"fc_{call_id.removeprefix('call_')}",
+            "call_id": call_id,
+            "name": name,
+            "arguments": arguments,
+            "status": status,
         }
 
     def body(self, result: GenerationResult, *, model: str, reasoning_open: bool = False) -> JSONObject:
@@ -346,14 +389,21 @@ class ResponsesRenderer:
             output.append(self._reasoning(result.reasoning))
         calls = result.tool_calls or []
         if result.content or not calls:
-            output.append(self._message(result.content, "completed", logprobs=None if self._logprobs is None else result.logprobs or []))
+            output.append(
+                self._message(
+                    result.content, "completed", logprobs=None if self._logprobs is None else result.logprobs or []
+                )
+            )
         for call in calls:
             fn = call.get("function")
             assert isinstance(fn, dict)
             output.append(self._function_call(str(call["id"]), str(fn["name"]), str(fn["arguments"]), "completed"))
         return self._response(
-            status=_status(result.finish_reason), output=output, usage=usage_of(result.usage),
-            finish_reason=result.finish_reason, metadata=result.metadata,
+            status=_status(result.finish_reason),
+            output=output,
+            usage=usage_of(result.usage),
+            finish_reason=result.finish_reason,
+            metadata=result.metadata,
         )
 
     def _event(self, kind: str, fields: JSONObject) -> str:
@@ -364,22 +414,36 @@ class ResponsesRenderer:
         self._model = model
         self._splitter = OutputSplitter(tools=self._reads_calls, reasoning_open=reasoning_open)
         started = self._response(status="in_progress", output=[], usage=None, finish_reason=None, metadata=None)
-        return [self._event("response.created", {"response": started}), self._event("response.in_progress", {"response": started})]
+        return [
+            self._event("response.created", {"response": started}),
+            self._event("response.in_progress", {"response": started}),
+        ]
 
     def text(self, delta: str, logprobs: list[TokenLogprob] | None = None, *, index: int = 0) -> str:
         self._hold(logprobs)
         return "".join(self._pieces(self._splitter.feed(delta)))
 
-    def closing(self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None) -> list[str]:
+    def closing(
+        self, final: GenerationChunk, *, tail: str, text: str, logprobs: list[TokenLogprob] | None = None
+    ) -> list[str]:
         self._hold(logprobs)
         records = self._pieces([*self._splitter.feed(tail), *self._splitter.finish()])
-        if not self._output and self._open is None or self._open is not None and self._open["type"] == "reasoning" and not self._splitter.num_calls:
+        if (
+            not self._output
+            and self._open is None
+            or self._open is not None
+            and self._open["type"] == "reasoning"
+            and not self._splitter.num_calls
+        ):
             records.extend(self._begin("message"))  # every answer has its message, empty or not
         records.extend(self._end())
         status = _status(final.finish_reason)
         done = self._response(
-            status=status, output=list(self._output), usage=usage_of(final.usage),
-            finish_reason=final.finish_reason, metadata=final.metadata,
+            status=status,
+            output=list(self._output),
+            usage=usage_of(final.usage),
+            finish_reason=final.finish_reason,
+            metadata=final.metadata,
         )
         return [*records, self._event(f"response.{status}", {"response": done})]
 
@@ -391,7 +455,9 @@ class ResponsesRenderer:
     def _delta(self, text: str) -> str:
         """An ``output_text.delta`` of the open message, with the logprobs no delta carried yet."""
         held, self._held = self._held, []
-        return self._event("response.output_text.delta", {**self._place(), "delta": text, "logprobs": logprob_entries(held)})
+        return self._event(
+            "response.output_text.delta", {**self._place(), "delta": text, "logprobs": logprob_entries(held)}
+        )
 
     def _pieces(self, pieces: list[StreamPiece]) -> list[str]:
         out: list[str] = []
@@ -411,8 +477,12 @@ class ResponsesRenderer:
                     index = len(self._output)
                     place: JSONObject = {"item_id": item["id"], "output_index": index}
                     out.append(self._event("response.output_item.added", {"output_index": index, "item": item}))
-                    out.append(self._event("response.function_call_arguments.delta", {**place, "delta": call.arguments}))
-                    out.append(self._event("response.function_call_arguments.done", {**place, "arguments": call.arguments}))
+                    out.append(
+                        self._event("response.function_call_arguments.delta", {**place, "delta": call.arguments})
+                    )
+                    out.append(
+                        self._event("response.function_call_arguments.done", {**place, "arguments": call.arguments})
+                    )
                     done = self._function_call(call_id, call.name, call.arguments, "completed")
                     out.append(self._event("response.output_item.done", {"output_index": index, "item": done}))
                     self._output.append(done)
@@ -429,11 +499,18 @@ class ResponsesRenderer:
         out = self._end()
         if kind == "reasoning":
             self._open = {**self._reasoning(""), "content": []}
-            out.append(self._event("response.output_item.added", {"output_index": len(self._output), "item": self._open}))
+            out.append(
+                self._event("response.output_item.added", {"output_index": len(self._output), "item": self._open})
+            )
             return out
         self._open = {**self._message("", "in_progress"), "content": []}
         out.append(self._event("response.output_item.added", {"output_index": len(self._output), "item": self._open}))
-        out.append(self._event("response.content_part.added", {**self._place(), "part": {"type": "output_text", "text": "", "annotations": []}}))
+        out.append(
+            self._event(
+                "response.content_part.added",
+                {**self._place(), "part": {"type": "output_text", "text": "", "annotations": []}},
+            )
+        )
         return out
 
     def _end(self) -> list[str]:

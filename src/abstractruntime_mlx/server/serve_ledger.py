@@ -10,9 +10,9 @@ is written before the call starts, its phase events go through the ledger's
 the answer, usage and metadata in the shape ``run`` records (``content``, ``usage``,
 ``metadata.execution`` ..., ``metadata.route``: the model as the request named it and the
 pool's name of the model that served it). The STARTED payload's ``http`` holds the HTTP method,
-the path (``/v1/chat/completions``, ``/v1/messages``, ``/api/chat`` ...) and whether it streamed. So ``runs list``, ``runs show`` and ``runs web`` show server
-traffic like flow runs. A session's run reads ``running`` while one of its calls runs, then
-the status of its last call.
+the path (``/v1/chat/completions``, ``/v1/messages``, ``/api/chat`` ...) and whether it
+streamed. So ``runs list``, ``runs show`` and ``runs web`` show server traffic like flow runs. A
+session's run reads ``running`` while one of its calls runs, then the status of its last call.
 
 Every record is written by one thread of this recorder, in the order the calls began and
 ended (a call's end comes before the start of a call that began after it ended), never on
@@ -67,7 +67,9 @@ class ServeLedger:
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
         self.writer = ledger.progress_writer()
-        self._records = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-ledger")  # one writer: records in order
+        self._records = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="serve-ledger"
+        )  # one writer: records in order
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}  # run id -> calls running in it
 
@@ -86,7 +88,13 @@ class ServeLedger:
         return await loop.run_in_executor(self._records, self._begin, route, model, call, stream, session, http)
 
     def _begin(
-        self, route: str, model: str, call: GenerationRequest, stream: bool, session: str | None, http: ServedHttp | None
+        self,
+        route: str,
+        model: str,
+        call: GenerationRequest,
+        stream: bool,
+        session: str | None,
+        http: ServedHttp | None,
     ) -> LedgerCall:
         now = _now()
         session = session.strip() if session and session.strip() else None
@@ -105,7 +113,10 @@ class ServeLedger:
         if not created:
             self.ledger.save_run({**stored, "status": "running", "current_node": route, "updated_at": now})
         step_id = uuid.uuid4().hex
-        effect: JSONObject = {"type": "llm_call", "payload": _payload(call, route=route, model=model, stream=stream, http=http)}
+        effect: JSONObject = {
+            "type": "llm_call",
+            "payload": _payload(call, route=route, model=model, stream=stream, http=http),
+        }
         self.ledger.append_step(
             {
                 "run_id": run_id,
@@ -209,7 +220,9 @@ class LedgerCall:
             cancelled = getattr(error, "code", None) == "cancelled"
             status = "cancelled" if cancelled else "failed"
             code = getattr(error, "code", "internal_error")
-            record.update(status=status, error=f"[{code}] {error}" if error is not None else "the call ended without an answer")
+            record.update(
+                status=status, error=f"[{code}] {error}" if error is not None else "the call ended without an answer"
+            )
         else:
             status = "completed"
             record.update(status=status, result=self._result_record(final))
@@ -221,7 +234,10 @@ class LedgerCall:
         metadata["client"] = {"kind": "served", "session": self._session}
         metadata.setdefault(
             "route",
-            {"asked": {"provider": PROVIDER, "model": self._asked_model}, "served": {"provider": PROVIDER, "model": self._model}},
+            {
+                "asked": {"provider": PROVIDER, "model": self._asked_model},
+                "served": {"provider": PROVIDER, "model": self._model},
+            },
         )
         content = final.content if isinstance(final, GenerationResult) else "".join(self._text)
         out: JSONObject = {

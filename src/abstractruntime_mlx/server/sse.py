@@ -5,9 +5,10 @@
 on any thread) into one queue of typed items, in arrival order. Chunks are bounded
 (``max_pending``) so a slow HTTP client slows the pump, and the engine's own backpressure
 (``StreamBackpressure``) still applies. An ``observer`` (``observe.CallObserver``: the metrics,
-the serve ledger) sees the same call: phase events, chunks or the result, then how it ended. ``close()`` is synchronous and idempotent: it sets the
-request's ``cancel_event`` (the engine frees the slot at its next step) and cancels the task,
-whose ``finally`` closes the provider stream.
+the serve ledger) sees the same call: phase events, chunks or the result, then how it ended.
+``close()`` is synchronous and idempotent: it sets the request's ``cancel_event`` (the engine
+frees the slot at its next step) and cancels the task, whose ``finally`` closes the provider
+stream.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..errors import RequestCancelled, UpstreamError
+from ..json_values import JSONObject, JSONValue
 from ..request import ProgressSink
 from ..results import GenerationChunk, GenerationResult
-from ..json_values import JSONObject, JSONValue
 from .observe import CallObserver
 from .wire import error_payload
 

@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from ..errors import MLXRuntimeError
-from ..results import WIRE_METADATA_KEYS, GenerationChunk, GenerationResult, TokenLogprob, stop_reason
 from ..json_values import JSONObject, JSONValue
+from ..results import WIRE_METADATA_KEYS, GenerationChunk, GenerationResult, TokenLogprob, stop_reason
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,9 @@ def chunk_body(
     return with_usage_and_block(body, usage=usage_to_wire(usage), metadata=metadata)
 
 
-def finished_choice(choice: JSONObject, finish_reason: str | None, metadata: Mapping[str, JSONValue] | None) -> JSONObject:
+def finished_choice(
+    choice: JSONObject, finish_reason: str | None, metadata: Mapping[str, JSONValue] | None
+) -> JSONObject:
     """``choice`` with its ``finish_reason``; a finished one also gets vLLM's ``stop_reason``."""
     choice["finish_reason"] = finish_reason
     if finish_reason is not None:
@@ -158,7 +160,9 @@ def finished_choice(choice: JSONObject, finish_reason: str | None, metadata: Map
     return choice
 
 
-def with_usage_and_block(body: JSONObject, *, usage: JSONObject | None, metadata: Mapping[str, JSONValue] | None) -> JSONObject:
+def with_usage_and_block(
+    body: JSONObject, *, usage: JSONObject | None, metadata: Mapping[str, JSONValue] | None
+) -> JSONObject:
     """``body`` with ``usage`` (already in its route's form) and the ``abstractcore`` block of
     ``metadata`` added, each only when there is one (absent keys stay absent)."""
     if usage is not None:

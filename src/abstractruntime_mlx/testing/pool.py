@@ -18,10 +18,10 @@ import csv
 import io
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -78,7 +78,13 @@ def haproxy_binary() -> str | None:
     return shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin:/opt/homebrew/sbin")
 
 
-def wait_until(ready: Callable[[], bool], *, what: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = START_TIMEOUT_S) -> None:
+def wait_until(
+    ready: Callable[[], bool],
+    *,
+    what: str,
+    proc: subprocess.Popen[bytes] | None = None,
+    timeout_s: float = START_TIMEOUT_S,
+) -> None:
     """Poll ``ready()`` until it is true; ``RuntimeError`` naming ``what`` when ``proc`` exits or
     the time is up."""
     deadline = time.monotonic() + timeout_s
@@ -174,8 +180,20 @@ class ServerProcess(_LocalServer):
     """One ``abstractruntime-mlx serve --model MODEL`` on 127.0.0.1:``port``."""
 
     @classmethod
-    def start(cls, model: str, *, port: int, extra: tuple[str, ...] = (), log_path: Path | None = None) -> ServerProcess:
-        command = [sys.executable, "-m", "abstractruntime_mlx.cli.main", "serve", "--model", model, "--port", str(port), *extra]
+    def start(
+        cls, model: str, *, port: int, extra: tuple[str, ...] = (), log_path: Path | None = None
+    ) -> ServerProcess:
+        command = [
+            sys.executable,
+            "-m",
+            "abstractruntime_mlx.cli.main",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            *extra,
+        ]
         log = open(log_path, "wb") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
         env = {**os.environ, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -291,9 +309,13 @@ class MLXLMServerProcess(_LocalServer):
             # What mlx.launch gives each local rank (MLX_RANK, MLX_HOSTFILE), started here: a
             # shell that starts every rank and waits, so they share its process group.
             hostfile = Path(tempfile.mkdtemp(prefix="ring-")) / "hosts.json"
-            hostfile.write_text(json.dumps([[f"127.0.0.1:{ring_port + rank}"] for rank in range(ranks)]), encoding="utf-8")
+            hostfile.write_text(
+                json.dumps([[f"127.0.0.1:{ring_port + rank}"] for rank in range(ranks)]), encoding="utf-8"
+            )
             one = shlex.join([sys.executable, *server_args])
-            script = " ".join(f"MLX_RANK={rank} MLX_HOSTFILE={shlex.quote(str(hostfile))} {one} &" for rank in range(ranks))
+            script = " ".join(
+                f"MLX_RANK={rank} MLX_HOSTFILE={shlex.quote(str(hostfile))} {one} &" for rank in range(ranks)
+            )
             command = ["/bin/sh", "-c", script + " wait"]
         else:
             command = [sys.executable, *server_args]
@@ -301,7 +323,13 @@ class MLXLMServerProcess(_LocalServer):
         # /dev/null, always readable, its main loop would never wait.
         with open(log_path if log_path is not None else os.devnull, "wb") as log:
             proc = subprocess.Popen(
-                command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+                command,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
             )
         server = cls(proc, port, log_path)
         what = f"mlx.launch -n {ranks} mlx_lm.server" if ranks > 1 else "mlx_lm.server"
@@ -313,11 +341,15 @@ class MLXLMServerProcess(_LocalServer):
         thread died (a model it cannot load or shard), and the process stays up without it."""
         status = _status(self.url + "/health")
         if status == 503:
-            raise RuntimeError(f"mlx_lm.server on port {self.port}: its generation thread died (/health 503); see its log")
+            raise RuntimeError(
+                f"mlx_lm.server on port {self.port}: its generation thread died (/health 503); see its log"
+            )
         if status != 200:
             return False
         body = json.dumps({"messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}).encode()
-        request = urllib.request.Request(self.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=60.0) as response:  # noqa: S310 - loopback URL built here
                 return int(response.status) == 200

@@ -32,9 +32,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, cast
+from typing import Any, cast
 
 from .tokenizer import build_tokenizer, save_tokenizer, token_ids
 
@@ -79,7 +80,9 @@ def tiny_model(
             raise FileExistsError(f"{path} exists and is not empty")
         if current is None:
             raise FileExistsError(f"{path} is not empty and holds no tiny model; not overwriting it")
-        if current == spec and (kind != "hybrid-companion" or read_marker(companion_head_path(path)) == _head_spec(spec)):
+        if current == spec and (
+            kind != "hybrid-companion" or read_marker(companion_head_path(path)) == _head_spec(spec)
+        ):
             return path
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +140,11 @@ def build_from_cli(path: str, kind: str, seed: int, *, force: bool = False) -> P
         if current == _spec(kind, seed, None):
             return target
         if not force:
-            held = "files that are no tiny model" if current is None else f"a tiny {current.get('kind')!r} model (seed {current.get('seed')})"
+            held = (
+                "files that are no tiny model"
+                if current is None
+                else f"a tiny {current.get('kind')!r} model (seed {current.get('seed')})"
+            )
             raise InvalidRequest(
                 f"{target} is not empty (it holds {held}); choose an empty directory or pass --force to replace it",
                 details={"path": str(target)},
@@ -385,9 +392,7 @@ def _mtp_weights(text: dict[str, Any], seed: int) -> dict[str, Any]:
 
     head_config = {"model_type": "qwen3_5_mtp", "text_config": text, "block_size": MTP_BLOCK_SIZE}
     # A different stream from the target's, so the head is not a copy of target layers.
-    return _init_params(
-        lambda: qwen3_5_mtp.Model(qwen3_5_mtp.ModelConfig.from_dict(head_config)), seed + 1
-    )
+    return _init_params(lambda: qwen3_5_mtp.Model(qwen3_5_mtp.ModelConfig.from_dict(head_config)), seed + 1)
 
 
 def _align(target: dict[str, Any], mtp: dict[str, Any], alpha: float) -> None:

@@ -38,9 +38,7 @@ SPECIAL_TOKENS = (
     "</tool_response>",
 )
 # Markup tokens that stay visible when decoding with skip_special_tokens (as in Qwen).
-MARKUP_TOKENS = frozenset(
-    {"<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"}
-)
+MARKUP_TOKENS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"})
 
 _WORDS = """
 the a an of to in on at for with from by and or but not is are was were be been has have had

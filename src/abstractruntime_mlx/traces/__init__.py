@@ -1,8 +1,8 @@
 """Runs in the ledger as OpenTelemetry traces (GenAI semantic conventions), sent over OTLP/HTTP.
 
-    spans = tree_spans(ledger, run_id)                       # spans.py
-    send_spans(spans, OtlpTarget.parse("http://localhost:4318"))   # otlp.py
-    with LiveExport(ledger_url, target, since=started): ...  # live.py: spans as calls and runs end
+spans = tree_spans(ledger, run_id)                       # spans.py
+send_spans(spans, OtlpTarget.parse("http://localhost:4318"))   # otlp.py
+with LiveExport(ledger_url, target, since=started): ...  # live.py: spans as calls and runs end
 """
 
 from __future__ import annotations

@@ -71,7 +71,9 @@ class OtlpTarget:
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> OtlpTarget:
         if protocol not in PROTOCOLS:
-            raise InvalidOtlpUrl(f"OTLP protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}", details={"field": "--otlp-protocol"})
+            raise InvalidOtlpUrl(
+                f"OTLP protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}", details={"field": "--otlp-protocol"}
+            )
         checked: OtlpProtocol = "json" if protocol == "json" else "protobuf"
         if checked == "protobuf":
             _proto_request_class()  # the missing extra is said before anything runs
@@ -111,7 +113,8 @@ def _span(span: TraceSpan) -> JSONObject:
     }
     if span.events:
         out["events"] = [
-            {"timeUnixNano": str(e.time_ns), "name": e.name, "attributes": _attributes(e.attributes)} for e in span.events
+            {"timeUnixNano": str(e.time_ns), "name": e.name, "attributes": _attributes(e.attributes)}
+            for e in span.events
         ]
     if span.parent_span_id is not None:
         out["parentSpanId"] = span.parent_span_id
@@ -146,7 +149,8 @@ def _proto_request_class() -> type:
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     except ImportError as exc:
         raise MissingExtra(
-            "OTLP protobuf needs opentelemetry-proto: pip install 'abstractruntime-mlx[otlp]' (or send OTLP/JSON: --otlp-protocol json)",
+            "OTLP protobuf needs opentelemetry-proto: pip install "
+            "'abstractruntime-mlx[otlp]' (or send OTLP/JSON: --otlp-protocol json)",
             details={"extra": "otlp", "module": "opentelemetry.proto"},
         ) from exc
     return ExportTraceServiceRequest

@@ -233,7 +233,10 @@ def run_spans(ledger: Ledger, run_id: str, *, content: bool = False) -> list[Tra
     visit_of_step = {step_id: visit for visit in visits for step_id in visit.step_ids}
     last_visit_of_node = {visit.node_id: visit for visit in visits}
     flow = run_flow_document(ledger, detail)
-    labels = {**(display_labels(flow) if flow is not None else node_labels(detail.state)), **{c.node_id: c.label for c in view.calls}}
+    labels = {
+        **(display_labels(flow) if flow is not None else node_labels(detail.state)),
+        **{c.node_id: c.label for c in view.calls},
+    }
 
     out: list[TraceSpan] = []
     call_spans: list[TraceSpan] = []
@@ -442,7 +445,9 @@ def _call_attributes(
     return out
 
 
-def _progress_events(call: CallView, at: Callable[[float], int], start_s: float, next_start_s: float | None) -> list[SpanEvent]:
+def _progress_events(
+    call: CallView, at: Callable[[float], int], start_s: float, next_start_s: float | None
+) -> list[SpanEvent]:
     """The call's phase events from ``start_s`` until the next phase span starts, as span events:
     the phase, how far it was (``fraction``, 0..1: prompt tokens in the KV cache over the prompt's
     in prefill; generated tokens over ``max_tokens`` after), the token counts and the rate. The

@@ -24,9 +24,16 @@ down_revision = "0001"
 branch_labels = None
 depends_on = None
 
-steps = sa.table("steps", sa.column("id"), sa.column("run_id"), sa.column("seq"), sa.column("step_id"), sa.column("status"))
+steps = sa.table(
+    "steps", sa.column("id"), sa.column("run_id"), sa.column("seq"), sa.column("step_id"), sa.column("status")
+)
 progress = sa.table(
-    "progress", sa.column("id"), sa.column("run_id"), sa.column("seq"), sa.column("step_id"), sa.column("idempotency_key")
+    "progress",
+    sa.column("id"),
+    sa.column("run_id"),
+    sa.column("seq"),
+    sa.column("step_id"),
+    sa.column("idempotency_key"),
 )
 heads = sa.table("ledger_seq_heads", sa.column("run_id"), sa.column("stream"), sa.column("last_seq"))
 meta = sa.table("ledger_meta", sa.column("key"), sa.column("value"))
@@ -86,8 +93,13 @@ def upgrade() -> None:
         bind.execute(sa.insert(heads).values(run_id=run_id, stream="records", last_seq=len(order)))
         if progress_rows:
             bind.execute(
-                sa.update(progress).where(progress.c.id == sa.bindparam("b_id")).values(idempotency_key=sa.bindparam("b_key")),
-                [{"b_id": row.id, "b_key": host_key(row.step_id or run_id, row.idempotency_key)} for row in progress_rows],
+                sa.update(progress)
+                .where(progress.c.id == sa.bindparam("b_id"))
+                .values(idempotency_key=sa.bindparam("b_key")),
+                [
+                    {"b_id": row.id, "b_key": host_key(row.step_id or run_id, row.idempotency_key)}
+                    for row in progress_rows
+                ],
             )
     bind.execute(sa.update(meta).where(meta.c.key == "schema_version").values(value="2"))
 
