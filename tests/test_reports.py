@@ -24,10 +24,21 @@ def wire(value: dict) -> str:
 
 def test_execution_report_of_a_request_that_ran() -> None:
     request = EngineRequest("r", [1, 2, 3], max_tokens=4, submitted_at=10.0)
-    request.mode, request.path, request.exclusive_reason = ExecutionMode.EXCLUSIVE, DecodePath.SERIAL, ExclusiveReason.SERIALIZED_LANE
+    request.mode, request.path, request.exclusive_reason = (
+        ExecutionMode.EXCLUSIVE,
+        DecodePath.SERIAL,
+        ExclusiveReason.SERIALIZED_LANE,
+    )
     request.peak_batch_size, request.started_at, request.first_token_at = 1, 10.5, 11.2500004
     assert wire(execution_report(request).to_wire()) == wire(
-        {"mode": "exclusive", "path": "serial", "reason": "serialized_lane", "peak_batch_size": 1, "queue_s": 0.5, "ttft_s": 1.25}
+        {
+            "mode": "exclusive",
+            "path": "serial",
+            "reason": "serialized_lane",
+            "peak_batch_size": 1,
+            "queue_s": 0.5,
+            "ttft_s": 1.25,
+        }
     )
 
 
@@ -37,7 +48,13 @@ def test_execution_report_of_a_request_that_never_started_is_empty() -> None:
 
 OFF = SpeculationPlan(requested=False, mode="off", source="call", used=False, reason="disabled_for_this_call")
 RUNS = SpeculationPlan(
-    requested=True, mode="native_mtp", source="call", used=True, num_draft_tokens=2, require_acceleration=True, drafter="/m/head"
+    requested=True,
+    mode="native_mtp",
+    source="call",
+    used=True,
+    num_draft_tokens=2,
+    require_acceleration=True,
+    drafter="/m/head",
 )
 
 
@@ -72,13 +89,30 @@ def test_speculation_refused_by_the_plan_keeps_its_depth_and_message() -> None:
 
 
 def test_speculation_that_ran_carries_its_counters_per_request_or_per_cohort() -> None:
-    head = {"requested": True, "mode": "native_mtp", "source": "call", "num_draft_tokens": 2, "require_acceleration": True}
+    head = {
+        "requested": True,
+        "mode": "native_mtp",
+        "source": "call",
+        "num_draft_tokens": 2,
+        "require_acceleration": True,
+    }
     ran = {**head, "used": True, "runtime": "mlx_vlm", "draft_kind": "mtp", "drafter": "/m/head"}
-    alone = speculation_report(RUNS, SpeculationCounters(rounds=4, accepted_tokens=5.0, drafted_tokens=8, shared=False), False)
-    assert wire(alone.to_wire()) == wire(
-        {**ran, "rounds": 4, "accepted_tokens": 5.0, "drafted_tokens": 8, "accounting": "request", "counter_semantics": "request_tokens"}
+    alone = speculation_report(
+        RUNS, SpeculationCounters(rounds=4, accepted_tokens=5.0, drafted_tokens=8, shared=False), False
     )
-    cohort = speculation_report(RUNS, SpeculationCounters(rounds=4, accepted_tokens=1.5, drafted_tokens=8, shared=True), False)
+    assert wire(alone.to_wire()) == wire(
+        {
+            **ran,
+            "rounds": 4,
+            "accepted_tokens": 5.0,
+            "drafted_tokens": 8,
+            "accounting": "request",
+            "counter_semantics": "request_tokens",
+        }
+    )
+    cohort = speculation_report(
+        RUNS, SpeculationCounters(rounds=4, accepted_tokens=1.5, drafted_tokens=8, shared=True), False
+    )
     assert cohort.to_wire()["accounting"] == "cohort"
     assert cohort.to_wire()["counter_semantics"] == "sum_of_round_means_not_batch_token_totals"
     assert wire(speculation_report(RUNS, None, False).to_wire()) == wire(ran)

@@ -14,8 +14,9 @@ cohort, exclusive), the lane which loop runs it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from .request import DecodePath, EngineRequest, ExecutionMode, LaneName
 
@@ -111,15 +112,35 @@ def _batch(mode: ExecutionMode, requests: Sequence[EngineRequest], ctx: LaneCont
 LANES: dict[LaneName, LaneSpec] = {
     spec.name: spec
     for spec in (
-        LaneSpec(LaneName.SERIAL, _serial, lambda b, new, head: b.serial(new, head), "SerialBackend", DecodePath.SERIAL),
         LaneSpec(
-            LaneName.IN_PROCESS, _in_process, lambda b, new, head: b.in_process(new, head), "InProcessBackend", DecodePath.SERIAL
+            LaneName.SERIAL, _serial, lambda b, new, head: b.serial(new, head), "SerialBackend", DecodePath.SERIAL
         ),
-        LaneSpec(LaneName.SINGLE, _single, lambda b, new, head: b.single(new, head), "SingleBackend", DecodePath.SINGLE),
         LaneSpec(
-            LaneName.TEXT, _text, lambda b, new, head: b.text(new, head), "TextLoopBackend", DecodePath.TEXT_BATCH, LaneName.SINGLE
+            LaneName.IN_PROCESS,
+            _in_process,
+            lambda b, new, head: b.in_process(new, head),
+            "InProcessBackend",
+            DecodePath.SERIAL,
         ),
-        LaneSpec(LaneName.BATCH, _batch, lambda b, new, head: b.batch(new, head), "BatchBackend", DecodePath.BATCH, LaneName.SINGLE),
+        LaneSpec(
+            LaneName.SINGLE, _single, lambda b, new, head: b.single(new, head), "SingleBackend", DecodePath.SINGLE
+        ),
+        LaneSpec(
+            LaneName.TEXT,
+            _text,
+            lambda b, new, head: b.text(new, head),
+            "TextLoopBackend",
+            DecodePath.TEXT_BATCH,
+            LaneName.SINGLE,
+        ),
+        LaneSpec(
+            LaneName.BATCH,
+            _batch,
+            lambda b, new, head: b.batch(new, head),
+            "BatchBackend",
+            DecodePath.BATCH,
+            LaneName.SINGLE,
+        ),
     )
 }
 

@@ -35,11 +35,11 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 from ..errors import (
     EngineCrashed,
@@ -67,12 +67,10 @@ from .config import EngineConfig
 from .lane_factory import BackendFactory, LaneFactory
 from .lanes import LANES
 from .model import Lane, LoadedModel
+from .output import Ending, OutputProcessor, outcome_of
 from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
 from .reports import PromptCacheReport, SpeculationCounters, in_process_cache_report
 from .request import EngineRequest, ExecutionMode, LaneName, RequestStatus
-from .output import Ending, OutputProcessor, outcome_of
-from .stream import PrefillCallback, RequestStream
-from .threads import POOL, WorkerHandle
 from .scheduler import (
     Admission,
     GroupKey,
@@ -83,11 +81,14 @@ from .scheduler import (
     StepPlan,
     prefilling_rows,
 )
+from .stream import PrefillCallback, RequestStream
+from .threads import POOL, WorkerHandle
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _IDLE_WAIT_S = 0.5
+
 
 @dataclass(slots=True)
 class _Group:
@@ -152,7 +153,7 @@ class EngineState(StrEnum):
     CLOSED = "closed"
 
 
-_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 @atexit.register
@@ -207,7 +208,7 @@ class Engine:
         self.close_error: MLXRuntimeError | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
-    def start(self, timeout_s: float | None = None) -> "Engine":
+    def start(self, timeout_s: float | None = None) -> Engine:
         """Start the worker and wait until the model is loaded (its load error is raised here)."""
         self._thread = POOL.run(self._run, name=f"abstractruntime-mlx:{self.name}")
         _LIVE_ENGINES.add(self)
@@ -298,7 +299,9 @@ class Engine:
         loaded = self.loaded
         if loaded is not None:
             loaded.check_request(
-                prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens, logit_bias=request.sampling.logit_bias
+                prompt_tokens=request.num_prompt_tokens,
+                max_tokens=request.max_tokens,
+                logit_bias=request.sampling.logit_bias,
             )
         with self._cond:
             self._check_serving()
@@ -372,7 +375,13 @@ class Engine:
         now, read on the caller's thread (the split a start event reports); None on the
         batched lanes, whose prefix blocks are looked up on the worker as prefill starts."""
         loaded, cache = self.loaded, self.prefix_cache
-        if loaded is None or loaded.lane != Lane.MLX_LM or cache is None or cache.serial is None or request.prompt_cache_key is None:
+        if (
+            loaded is None
+            or loaded.lane != Lane.MLX_LM
+            or cache is None
+            or cache.serial is None
+            or request.prompt_cache_key is None
+        ):
             return None
         return cache.serial.peek(cache.salt(request, "serial"), request.prompt_ids)
 
@@ -473,7 +482,11 @@ class Engine:
                     self.prefix_cache.close()  # flushes the SSD tier for later processes
                 except Exception as exc:  # noqa: BLE001 - the worker still stops; unload reports it
                     log.warning("closing the prefix cache: %s", exc)
-                    failure = exc if isinstance(exc, MLXRuntimeError) else EngineError(f"closing the prefix cache failed: {exc}")
+                    failure = (
+                        exc
+                        if isinstance(exc, MLXRuntimeError)
+                        else EngineError(f"closing the prefix cache failed: {exc}")
+                    )
                     self.close_error = failure
                 self.prefix_cache = None
             self.loaded = None  # the worker owns the weights; they go with it
@@ -547,7 +560,9 @@ class Engine:
             stopping=self._stopping,
             model_lanes=self._backends.model_lanes,
             prefix_cache=self.prefix_cache is not None,
-            single_lane_restores=shared is not None and self.prefix_cache is not None and self.prefix_cache.disk is None,
+            single_lane_restores=shared is not None
+            and self.prefix_cache is not None
+            and self.prefix_cache.disk is None,
             shared_prefixes=shared,
             admission_paused=self.prefix_cache is not None and any(item.between_prefills for item in self._controls),
         )
@@ -566,7 +581,12 @@ class Engine:
         if plan.new_group is not None:
             self._admitting = taken  # a backend that cannot be built fails them
             backend = self._backends.build(plan.new_group, taken[0] if taken else None)
-            self._group = _Group(key=plan.new_group.key, backend=backend, speculation_baseline=speculation_counters(backend), size=len(taken))
+            self._group = _Group(
+                key=plan.new_group.key,
+                backend=backend,
+                speculation_baseline=speculation_counters(backend),
+                size=len(taken),
+            )
             self._admitting = []
         if plan.held:
             for hold in plan.held:
@@ -576,7 +596,7 @@ class Engine:
         for admission in plan.admit:
             self._admit(admission)
 
-    def _shared_prefixes(self) -> "_SharedPrefixes | None":
+    def _shared_prefixes(self) -> _SharedPrefixes | None:
         """The prefix cache as the scheduler sees it, where prefixes are shared as blocks."""
         cache = self.prefix_cache
         if cache is None or not cache.shares_blocks(self._model.model):
@@ -586,7 +606,11 @@ class Engine:
     def _make_lanes(self) -> LaneFactory:
         """The loaded model's lanes (at load, on the worker, once the prefix cache exists)."""
         self._lanes = LaneFactory(
-            self._model, self.config, stream=self._stream, prefix_cache=self.prefix_cache, on_prefill=self._on_prefill_row
+            self._model,
+            self.config,
+            stream=self._stream,
+            prefix_cache=self.prefix_cache,
+            on_prefill=self._on_prefill_row,
         )
         return self._lanes
 
@@ -740,7 +764,9 @@ class Engine:
             image = request.image_prompt
             if image is not None:
                 # Images expand the prompt: its final ids are known here, so its length is checked again.
-                request.prompt_ids, prompt_inputs = image_prompt_inputs(self._model.model, self._model.processor, image.text, list(image.images))
+                request.prompt_ids, prompt_inputs = image_prompt_inputs(
+                    self._model.model, self._model.processor, image.text, list(image.images)
+                )
                 self._model.check_request(prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens)
             row = RowInput(
                 request.prompt_ids,
@@ -868,7 +894,14 @@ class Engine:
             except Exception:  # noqa: BLE001 - a backend that failed may not close cleanly
                 log.exception("closing a batch backend failed")
 
-    def _finish(self, request: EngineRequest, status: RequestStatus, *, error: MLXRuntimeError | None = None, locked: bool = False) -> None:
+    def _finish(
+        self,
+        request: EngineRequest,
+        status: RequestStatus,
+        *,
+        error: MLXRuntimeError | None = None,
+        locked: bool = False,
+    ) -> None:
         if request.is_finished():
             return
         if status == RequestStatus.FINISHED_CANCELLED and error is None:
@@ -876,7 +909,11 @@ class Engine:
         request.transition(status)
         request.finished_at = time.perf_counter()
         request.outcome = outcome_of(
-            request, status, error, speculation=self._speculation_counters(request), prompt_cache=self._prompt_cache_report(request)
+            request,
+            status,
+            error,
+            speculation=self._speculation_counters(request),
+            prompt_cache=self._prompt_cache_report(request),
         )
         if locked:
             self._account(request, status)
@@ -908,7 +945,9 @@ class Engine:
         if cache is None or request.cache_counters is None or request.cache_layout is None:
             return request.prompt_cache
         try:
-            return cache.report(request, request.cache_counters, shared=request.peak_batch_size > 1, layout=request.cache_layout)
+            return cache.report(
+                request, request.cache_counters, shared=request.peak_batch_size > 1, layout=request.cache_layout
+            )
         except Exception:  # noqa: BLE001 - a report must never fail the request it describes
             log.exception("prefix-cache report failed")
             return request.prompt_cache
@@ -919,7 +958,9 @@ class Engine:
 
     def prompt_cache_clear(self) -> dict[str, Any] | None:
         """Drop every owned RAM and SSD entry, between prefills; None without a prefix cache."""
-        return self.control(lambda: self.prefix_cache.clear() if self.prefix_cache is not None else None, between_prefills=True)
+        return self.control(
+            lambda: self.prefix_cache.clear() if self.prefix_cache is not None else None, between_prefills=True
+        )
 
     def prompt_cache_command(self, command: Callable[[PrefixCache], dict[str, Any]]) -> dict[str, Any] | None:
         """Run one prefix-cache command (eviction hints, pin, release) on the worker between

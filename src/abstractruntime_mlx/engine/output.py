@@ -107,9 +107,15 @@ class OutputProcessor:
 
     def on_prefill(self, request: EngineRequest, row: PrefillRow) -> None:
         """Deliver a prefill observation to a consumer that asked for them, when it is news."""
-        if request.observe_prefill and request.first_token_at is None and reports_position(request.prefill_position, row):
+        if (
+            request.observe_prefill
+            and request.first_token_at is None
+            and reports_position(request.prefill_position, row)
+        ):
             request.prefill_position = row.processed
-            _deliver(request, PrefillObservation(processed=row.processed, total=row.total, cached=row.cached), droppable=True)
+            _deliver(
+                request, PrefillObservation(processed=row.processed, total=row.total, cached=row.cached), droppable=True
+            )
 
     def end_stream(self, request: EngineRequest) -> None:
         """The request finished (its ``outcome`` set): drop its output state, wake its consumer."""

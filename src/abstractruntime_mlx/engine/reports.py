@@ -8,8 +8,8 @@ Keys with no known value are absent, not zero; the key order is the wire's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -133,7 +133,9 @@ class SpeculationReport:
         return out
 
 
-def speculation_report(plan: SpeculationPlan, counters: SpeculationCounters | None, deferred: bool) -> SpeculationReport:
+def speculation_report(
+    plan: SpeculationPlan, counters: SpeculationCounters | None, deferred: bool
+) -> SpeculationReport:
     """What ran of ``plan``: deferred under load, it ran target-only (no counters)."""
     if deferred:
         return SpeculationReport(plan, used=False, reason=DEFERRED_UNDER_LOAD, message=DEFERRED_MESSAGE, counters=None)

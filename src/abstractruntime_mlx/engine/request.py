@@ -5,9 +5,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Any, Callable
+from typing import Any
 
 from ..controls import Sampling
 from ..errors import MLXRuntimeError
@@ -206,7 +207,7 @@ class EngineRequest:
     # The prefill position last delivered to the consumer (``Engine._on_prefill_row``): an
     # observation is delivered only when it moves past it.
     prefill_position: int = 0
-    outputs: "queue.SimpleQueue[Any]" = field(init=False)
+    outputs: queue.SimpleQueue[Any] = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Outcome | None = None
     waker: Callable[[], None] | None = None

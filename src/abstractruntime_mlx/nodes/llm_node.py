@@ -354,7 +354,13 @@ class ModelLoad:
 
     def event(self) -> JSONObject:
         """The phase event of the load (``phase`` ``load``), as the ledger's progress rows keep it."""
-        out: JSONObject = {"kind": "load", "phase": "load", "state": self.state, "model": self.model, "size_bytes": self.size_bytes}
+        out: JSONObject = {
+            "kind": "load",
+            "phase": "load",
+            "state": self.state,
+            "model": self.model,
+            "size_bytes": self.size_bytes,
+        }
         if self.seconds is not None:
             out["elapsed_s"] = round(self.seconds, 6)
         return out
@@ -380,7 +386,9 @@ class ProviderRegistry:
         self._remote: dict[str, RemoteClient] = {}
         self._loading: dict[tuple[str, str], threading.Lock] = {}
 
-    def local(self, model: str, options: Mapping[str, object] | None = None, *, on_load: OnLoad | None = None) -> _LocalEntry:
+    def local(
+        self, model: str, options: Mapping[str, object] | None = None, *, on_load: OnLoad | None = None
+    ) -> _LocalEntry:
         """The shared local provider for ``model`` with ``options`` (loaded on first use;
         ``on_load`` is told when that load, or the wait for another caller's, starts and ends)."""
         merged = {**DEFAULT_PROVIDER_OPTIONS, **dict(options or {})}
@@ -726,7 +734,6 @@ class LLMNode:
         has a ledger and ``key`` is given) and to ``on_progress``."""
         prepared = self.prepare(request)
         return self.execute(prepared, route=self.route_for(key, on_progress), cancel_event=cancel_event)
-
 
 
 def _prepared(

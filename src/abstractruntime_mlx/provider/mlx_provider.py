@@ -11,24 +11,25 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
-from typing import Any, AsyncIterator, Callable, Iterator, Literal, overload
+from typing import Any, Literal, overload
 
 from ..artifacts import DOWNLOAD_COMMAND, companion_candidates, detect_mtp, looks_like_path, resolve_model_path
 from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_controls
+from ..engine.cache_priority import validate_hints, validate_pin
 from ..engine.chat import prepare_conversation, render_prompt
-from ..engine.prefix_break import attribute
 from ..engine.config import REMOVED, EngineConfig
 from ..engine.loop import Engine
 from ..engine.model import HEAD_LANES, Lane, LoadedModel
-from ..engine.cache_priority import validate_hints, validate_pin
-from ..engine.prefix_cache import PrefixCache, image_hash, validate_options as validate_cache_options
+from ..engine.prefix_break import attribute
+from ..engine.prefix_cache import PrefixCache, image_hash
+from ..engine.prefix_cache import validate_options as validate_cache_options
 from ..engine.reports import SpeculationPlan, speculation_report, unreached_cache_report
+from ..engine.request import EngineRequest, FinishReason, ImagePrompt, Outcome, PrefillObservation, TokenDelta
 from ..engine.sampling import SampledLogprob
 from ..engine.stream import RequestStream
-from ..engine.request import EngineRequest, FinishReason, ImagePrompt, Outcome, PrefillObservation, TokenDelta
 from ..errors import (
     ContextTooLong,
     InvalidControls,
@@ -40,11 +41,11 @@ from ..errors import (
     SpeculationUnavailable,
     UpstreamError,
 )
-from ..policy import read_policy_controls
 from ..model_output import THINK_END, THINK_START, parse_output, tool_format_of
+from ..policy import read_policy_controls
 from ..request import GenerationRequest
 from ..results import GenerationChunk, GenerationResult, TokenLogprob, TopLogprob
-from ..structured import ResponseFormat, parse_answer, run_schema_work
+from ..structured import parse_answer, run_schema_work
 from . import residency
 from .choices import choice_seed, combined_usage, merge_streams
 from .progress import ProgressTracker, progress_interval_from_env
@@ -82,7 +83,10 @@ ENGINE_OPTIONS: dict[str, str] = {
 _ENGINE_DEFAULTS = EngineConfig()
 
 # Options that were removed: refused with ``OptionRemoved``, saying what replaced them.
-REMOVED_OPTIONS: dict[str, str] = {"mlx_own_text_loop": REMOVED["own_text_loop"], "mlx_admission_wave_steps": REMOVED["admission_wave_steps"]}
+REMOVED_OPTIONS: dict[str, str] = {
+    "mlx_own_text_loop": REMOVED["own_text_loop"],
+    "mlx_admission_wave_steps": REMOVED["admission_wave_steps"],
+}
 
 # Constructor options and their defaults.
 EXECUTION_DEFAULTS: dict[str, Any] = {
@@ -155,7 +159,11 @@ class MLXProvider:
         config = EngineConfig(
             **{field: self.execution_options[option] for option, field in ENGINE_OPTIONS.items()},
             # The serialized lanes chunk by 2,048 (mlx-lm's default) unless the caller chose a step.
-            **({"serial_prefill_step_size": options["mlx_prefill_step_size"]} if "mlx_prefill_step_size" in options else {}),
+            **(
+                {"serial_prefill_step_size": options["mlx_prefill_step_size"]}
+                if "mlx_prefill_step_size" in options
+                else {}
+            ),
         )
         self._lease = next(_lease_ids)
         self._resident: residency.Resident | None = residency.acquire(
@@ -211,7 +219,9 @@ class MLXProvider:
         open (the answer starts inside it), as rendered for a one-message probe with the
         request's resolved thinking; a streamed answer sends such text as reasoning."""
         thinking = (request.resolved or self.resolve_controls(request)).thinking
-        text = render_prompt(self._engine.serving_model().tokenizer, [{"role": "user", "content": "x"}], thinking=thinking)
+        text = render_prompt(
+            self._engine.serving_model().tokenizer, [{"role": "user", "content": "x"}], thinking=thinking
+        )
         return text.rfind(THINK_START) > text.rfind(THINK_END)
 
     def speculation_ready(self) -> bool:
@@ -330,7 +340,9 @@ class MLXProvider:
     def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | ChunkStream:
         return self.generate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
 
-    async def agenerate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | AsyncChunkStream:
+    async def agenerate(
+        self, prompt: str = "", *, stream: bool = False, **kwargs: Any
+    ) -> GenerationResult | AsyncChunkStream:
         return await self.agenerate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
 
     @overload
@@ -356,7 +368,9 @@ class MLXProvider:
             return ChunkStream(chunks, submitted)
         return _result_from_chunks(list(chunks), request)
 
-    async def agenerate_request(self, request: GenerationRequest, *, stream: bool = False) -> GenerationResult | AsyncChunkStream:
+    async def agenerate_request(
+        self, request: GenerationRequest, *, stream: bool = False
+    ) -> GenerationResult | AsyncChunkStream:
         """Run one validated request. With ``n`` > 1 its answers run as rows submitted at once
         (their prompt prefilled once where the lane shares it, see ``choices``): the result is
         the first answer with every answer in ``choices``; a stream tags each piece with its
@@ -405,7 +419,9 @@ class MLXProvider:
             return [self._prepare(call)]
         return [
             self._prepare(
-                dataclasses.replace(call, n=1, sampling=choice_seed(call.sampling, i), progress=call.progress if i == 0 else None)
+                dataclasses.replace(
+                    call, n=1, sampling=choice_seed(call.sampling, i), progress=call.progress if i == 0 else None
+                )
             )
             for i in range(call.n)
         ]
@@ -476,7 +492,15 @@ class MLXProvider:
         )
         tracker = ProgressTracker(call.progress, min_interval_s=self.progress_min_interval_s) if call.progress else None
         return _Prepared(
-            request, tracker, speculation, controls, call.prompt_cache_key, time.perf_counter(), text, conversation, tuple(_offered_tools(call))
+            request,
+            tracker,
+            speculation,
+            controls,
+            call.prompt_cache_key,
+            time.perf_counter(),
+            text,
+            conversation,
+            tuple(_offered_tools(call)),
         )
 
     def _speculation_plan(
@@ -485,7 +509,9 @@ class MLXProvider:
         """The draft depth the engine runs (0: none) and the plan saying why (``metadata["speculation"]``)."""
         effective, source = controls.speculation, controls.speculation_source
         if not effective.enabled:
-            return 0, SpeculationPlan(requested=False, mode=effective.mode, source=source, used=False, reason=controls.speculation_off_reason)
+            return 0, SpeculationPlan(
+                requested=False, mode=effective.mode, source=source, used=False, reason=controls.speculation_off_reason
+            )
         depth = effective.num_draft_tokens
         assert depth is not None  # the resolver always fills the depth of native MTP
         asked = SpeculationPlan(
@@ -511,7 +537,10 @@ class MLXProvider:
             try:
                 attach_s = self._engine.attach_head()
             except UpstreamError as exc:
-                reason, message = "mtp_head_attach_failed", f"the MTP head at {loaded.head_source} could not be attached: {exc.message}"
+                reason, message = (
+                    "mtp_head_attach_failed",
+                    f"the MTP head at {loaded.head_source} could not be attached: {exc.message}",
+                )
         if reason is not None:
             if effective.require_acceleration:
                 raise SpeculationUnavailable(message or reason, reason=reason)
@@ -534,7 +563,11 @@ class MLXProvider:
 
     def _no_head_message(self) -> str:
         """Why no MTP head is available here, naming the command that downloads one."""
-        names = companion_candidates(self.model) if not looks_like_path(self.model) and not Path(self.model).expanduser().is_dir() else []
+        names = (
+            companion_candidates(self.model)
+            if not looks_like_path(self.model) and not Path(self.model).expanduser().is_dir()
+            else []
+        )
         if names:
             return (
                 f"{self.model} has no MTP head on this machine (no embedded mtp.* weights, no companion head "
@@ -577,7 +610,11 @@ class MLXProvider:
                 if chunk is not None:
                     yield chunk
         except MLXRuntimeError as exc:
-            if stream.outcome is None or stream.outcome.finish_reason != FinishReason.CANCELLED or exc.code != "cancelled":
+            if (
+                stream.outcome is None
+                or stream.outcome.finish_reason != FinishReason.CANCELLED
+                or exc.code != "cancelled"
+            ):
                 raise
         finally:
             items.close()  # type: ignore[attr-defined]
@@ -646,7 +683,9 @@ class MLXProvider:
                 "reason": f"attribution failed: {type(exc).__name__}: {exc}",
             }
 
-    def _final_chunk(self, prepared: _Prepared, outcome: Outcome | None, prefix_break: dict[str, Any] | None = None) -> GenerationChunk:
+    def _final_chunk(
+        self, prepared: _Prepared, outcome: Outcome | None, prefix_break: dict[str, Any] | None = None
+    ) -> GenerationChunk:
         assert outcome is not None
         request = prepared.request
         usage = {
@@ -659,7 +698,10 @@ class MLXProvider:
         if outcome.cached_tokens is not None:
             usage["cached_input_tokens"] = outcome.cached_tokens
         assert outcome.speculation is not None  # every request this provider submits carries its plan
-        metadata: dict[str, Any] = {"execution": outcome.execution.to_wire(), "speculation": outcome.speculation.to_wire()}
+        metadata: dict[str, Any] = {
+            "execution": outcome.execution.to_wire(),
+            "speculation": outcome.speculation.to_wire(),
+        }
         if outcome.stop_reason is not None:
             metadata["stop_reason"] = outcome.stop_reason  # the matched stop string, or the end-of-sequence id
         performance = _performance(request)
@@ -701,7 +743,7 @@ class ChunkStream:
         self._chunks = chunks
         self._submitted = submitted
 
-    def __iter__(self) -> "ChunkStream":
+    def __iter__(self) -> ChunkStream:
         return self
 
     def __next__(self) -> GenerationChunk:
@@ -711,7 +753,7 @@ class ChunkStream:
         self._submitted.close()
         self._chunks.close()  # type: ignore[attr-defined]
 
-    def __enter__(self) -> "ChunkStream":
+    def __enter__(self) -> ChunkStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -726,7 +768,7 @@ class AsyncChunkStream:
         self._chunks = chunks
         self._submitted = submitted
 
-    def __aiter__(self) -> "AsyncChunkStream":
+    def __aiter__(self) -> AsyncChunkStream:
         return self
 
     async def __anext__(self) -> GenerationChunk:
@@ -737,7 +779,7 @@ class AsyncChunkStream:
             submitted.close()
         await self._chunks.aclose()  # type: ignore[attr-defined]
 
-    async def __aenter__(self) -> "AsyncChunkStream":
+    async def __aenter__(self) -> AsyncChunkStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -769,7 +811,9 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
     positive_int("mlx_prefill_step_size", lo=16)
     idle = options["mlx_idle_finished_rows"]
     if idle is not None and not isinstance(idle, bool):
-        raise InvalidControls("mlx_idle_finished_rows must be a boolean or None", field="mlx_idle_finished_rows", value=idle)
+        raise InvalidControls(
+            "mlx_idle_finished_rows must be a boolean or None", field="mlx_idle_finished_rows", value=idle
+        )
     validate_cache_options(options)
     for name in ("mlx_batch_wait_ms", "mlx_burst_gap_ms"):
         wait = options[name]
@@ -777,7 +821,9 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
             raise InvalidControls(f"{name} must be a number in [0, 1000]", field=name, value=wait)
     timeout = options["mlx_queue_timeout_s"]
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise InvalidControls("mlx_queue_timeout_s must be a positive number", field="mlx_queue_timeout_s", value=timeout)
+        raise InvalidControls(
+            "mlx_queue_timeout_s must be a positive number", field="mlx_queue_timeout_s", value=timeout
+        )
     return dict(options)
 
 
@@ -796,7 +842,9 @@ def _offered_tools(call: GenerationRequest) -> list[Mapping[str, Any]]:
     return list(call.tools) if call.tool_choice.mode != "none" else []
 
 
-def _render(loaded: LoadedModel, call: GenerationRequest, controls: ResolvedControls, conversation: list[dict[str, Any]]) -> str:
+def _render(
+    loaded: LoadedModel, call: GenerationRequest, controls: ResolvedControls, conversation: list[dict[str, Any]]
+) -> str:
     """The prompt text of ``call``: its conversation and offered tools through the model's chat template."""
     return render_prompt(loaded.tokenizer, conversation, tools=_offered_tools(call), thinking=controls.thinking)
 
@@ -854,7 +902,9 @@ def _load_images(media: tuple[Any, ...], loaded: LoadedModel) -> list[Any]:
                     raise InvalidMedia(f"media[{i}]: no file at {item}")
                 image = Image.open(item)
             else:
-                raise InvalidMedia(f"media[{i}]: expected a file path, image bytes or a PIL image, got {type(item).__name__}")
+                raise InvalidMedia(
+                    f"media[{i}]: expected a file path, image bytes or a PIL image, got {type(item).__name__}"
+                )
             images.append(image.convert("RGB"))
         except (UnidentifiedImageError, OSError) as exc:
             raise InvalidMedia(f"media[{i}] is not a readable image: {exc}") from exc
@@ -881,7 +931,9 @@ def _continuation_text(tokenizer: Any, prompt: str) -> str:
     bos = getattr(tokenizer, "bos_token", None)
     text = prompt if not isinstance(bos, str) or not bos or prompt.startswith(bos) else bos + prompt
     if not text:
-        raise InvalidRequest("the prompt is empty and this model has no begin-of-sequence token", details={"field": "prompt"})
+        raise InvalidRequest(
+            "the prompt is empty and this model has no begin-of-sequence token", details={"field": "prompt"}
+        )
     return text
 
 
