@@ -13,8 +13,14 @@ import pytest
 from abstractruntime_mlx import errors
 from abstractruntime_mlx.engine.backend import Adopts, HandsOff, PrefillsPartially, Speculates
 from abstractruntime_mlx.engine.loop import Engine, _as_engine_error
-from abstractruntime_mlx.engine.reports import execution_report
-from abstractruntime_mlx.engine.request import EngineRequest, LaneName, PrefillObservation, RequestStatus, TokenDelta
+from abstractruntime_mlx.engine.request import (
+    EngineRequest,
+    LaneName,
+    PrefillObservation,
+    RequestStatus,
+    TokenDelta,
+    execution_report,
+)
 from fake_backend import EOS, FakeBackend, FakeLanes, expected_tokens, fake_engine, text_of
 
 _ids = itertools.count()

@@ -9,12 +9,17 @@ from abstractruntime_mlx.engine.reports import (
     PromptCacheReport,
     SpeculationCounters,
     SpeculationPlan,
-    execution_report,
     in_process_cache_report,
     speculation_report,
     unreached_cache_report,
 )
-from abstractruntime_mlx.engine.request import DecodePath, EngineRequest, ExclusiveReason, ExecutionMode
+from abstractruntime_mlx.engine.request import (
+    DecodePath,
+    EngineRequest,
+    ExclusiveReason,
+    ExecutionMode,
+    execution_report,
+)
 
 
 def wire(value: dict) -> str:

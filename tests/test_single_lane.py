@@ -16,8 +16,7 @@ from abstractruntime_mlx import errors
 from abstractruntime_mlx.engine.backend import BatchBackend
 from abstractruntime_mlx.engine.loop import Engine, EngineConfig, _as_engine_error
 from abstractruntime_mlx.engine.model import Lane, load_model
-from abstractruntime_mlx.engine.reports import execution_report
-from abstractruntime_mlx.engine.request import EngineRequest, PrefillObservation, Sampling, TokenDelta
+from abstractruntime_mlx.engine.request import EngineRequest, PrefillObservation, Sampling, TokenDelta, execution_report
 from abstractruntime_mlx.engine.single import SingleBackend
 from abstractruntime_mlx.engine.text_loop import TextLoopBackend
 

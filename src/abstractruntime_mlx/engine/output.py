@@ -21,8 +21,17 @@ from typing import Any
 
 from ..errors import MLXRuntimeError, StreamBackpressure
 from .backend import PrefillRow, TokenEvent
-from .reports import PromptCacheReport, SpeculationCounters, execution_report, speculation_report
-from .request import END_OF_STREAM, EngineRequest, FinishReason, Outcome, PrefillObservation, RequestStatus, TokenDelta
+from .reports import PromptCacheReport, SpeculationCounters, speculation_report
+from .request import (
+    END_OF_STREAM,
+    EngineRequest,
+    FinishReason,
+    Outcome,
+    PrefillObservation,
+    RequestStatus,
+    TokenDelta,
+    execution_report,
+)
 from .sampling import SampledLogprob
 from .stops import StopMatcher
 

@@ -1,6 +1,7 @@
 """The reports a finished request carries: how it ran, whether MTP ran, what the prefix cache did.
 
-Each report is a frozen dataclass built by one function here, carried on the engine's
+Each report is a frozen dataclass built by one function (the execution report beside the
+request fields it reads, ``request.execution_report``), carried on the engine's
 ``Outcome`` and turned into its wire dict once, by ``to_wire()``, where the provider builds
 the result's metadata (``metadata["execution"]``, ``["speculation"]``, ``["prompt_cache"]``).
 Keys with no known value are absent, not zero; the key order is the wire's.
@@ -10,55 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .request import DecodePath, EngineRequest, ExclusiveReason, ExecutionMode
-
-
-# --- execution ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutionReport:
-    """``metadata["execution"]``: the group's mode, the decode loop, why it ran alone, the
-    widest batch it shared, and its queue and first-token times (seconds from submit)."""
-
-    mode: ExecutionMode | None = None
-    path: DecodePath | None = None
-    reason: ExclusiveReason | None = None
-    peak_batch_size: int = 0
-    queue_s: float | None = None
-    ttft_s: float | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.mode is not None:
-            out["mode"] = self.mode
-        if self.path is not None:
-            out["path"] = self.path
-        if self.reason is not None:
-            out["reason"] = self.reason
-        if self.peak_batch_size:
-            out["peak_batch_size"] = self.peak_batch_size
-        if self.queue_s is not None:
-            out["queue_s"] = self.queue_s
-        if self.ttft_s is not None:
-            out["ttft_s"] = self.ttft_s
-        return out
-
-
-def execution_report(request: EngineRequest) -> ExecutionReport:
-    submitted = request.submitted_at
-    return ExecutionReport(
-        mode=request.mode,
-        path=request.path,
-        reason=request.exclusive_reason,
-        peak_batch_size=request.peak_batch_size,
-        queue_s=None if request.started_at is None else round(request.started_at - submitted, 6),
-        ttft_s=None if request.first_token_at is None else round(request.first_token_at - submitted, 6),
-    )
-
+from typing import Any
 
 # --- speculation -------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from ..controls import Sampling
 from ..errors import MLXRuntimeError
 from .grammar import GrammarProcessor
 from .prefix_break import PrefixBreak
-from .reports import ExecutionReport, PromptCacheReport, SpeculationPlan, SpeculationReport
+from .reports import PromptCacheReport, SpeculationPlan, SpeculationReport
 from .sampling import SampledLogprob
 
 
@@ -274,3 +274,44 @@ class EngineRequest:
         waker = self.waker
         if waker is not None:
             waker()
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionReport:
+    """``metadata["execution"]``: the group's mode, the decode loop, why it ran alone, the
+    widest batch it shared, and its queue and first-token times (seconds from submit)."""
+
+    mode: ExecutionMode | None = None
+    path: DecodePath | None = None
+    reason: ExclusiveReason | None = None
+    peak_batch_size: int = 0
+    queue_s: float | None = None
+    ttft_s: float | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.mode is not None:
+            out["mode"] = self.mode
+        if self.path is not None:
+            out["path"] = self.path
+        if self.reason is not None:
+            out["reason"] = self.reason
+        if self.peak_batch_size:
+            out["peak_batch_size"] = self.peak_batch_size
+        if self.queue_s is not None:
+            out["queue_s"] = self.queue_s
+        if self.ttft_s is not None:
+            out["ttft_s"] = self.ttft_s
+        return out
+
+
+def execution_report(request: EngineRequest) -> ExecutionReport:
+    submitted = request.submitted_at
+    return ExecutionReport(
+        mode=request.mode,
+        path=request.path,
+        reason=request.exclusive_reason,
+        peak_batch_size=request.peak_batch_size,
+        queue_s=None if request.started_at is None else round(request.started_at - submitted, 6),
+        ttft_s=None if request.first_token_at is None else round(request.first_token_at - submitted, 6),
+    )
