@@ -131,7 +131,8 @@ def check_all_four(
                 thinking=call.get("thinking"),
                 run_speculation=run.get("speculation"),
                 run_thinking=run.get("thinking"),
-                sampling={"temperature": 0, "max_output_tokens": 1},
+                sampling={"temperature": 0},
+                max_output_tokens=1,
             )
             prepared = node.prepare(request)
             expected = prepared.controls.to_metadata()

@@ -52,10 +52,12 @@ def test_conflicting_caps_are_refused_at_the_node_edge() -> None:
     with pytest.raises(InvalidControls) as info:
         node_request({"max_output_tokens": 4, "max_tokens": 3})
     assert info.value.code == "invalid_controls" and info.value.field == "max_tokens"
-    # the same rule for a NodeRequest built by hand
-    with pytest.raises(InvalidControls) as info:
-        generation_request(NodeRequest(prompt="hi", sampling={"max_output_tokens": 4, "max_tokens": 3}))
-    assert info.value.field == "max_tokens"
+    # a NodeRequest built by hand carries its cap in its own field, never among the sampling knobs
+    assert generation_request(NodeRequest(prompt="hi", max_output_tokens=4)).max_output_tokens == 4
+    for name in ("max_output_tokens", "max_tokens"):
+        with pytest.raises(InvalidControls) as info:
+            generation_request(NodeRequest(prompt="hi", sampling={name: 4}))
+        assert info.value.field == f"sampling.{name}"
 
 
 def test_the_node_edge_keeps_the_hosts_precedence_below_the_params() -> None:

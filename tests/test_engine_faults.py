@@ -9,13 +9,11 @@ import uuid
 
 import pytest
 
-from fake_backend import FakeLanes
-
 from abstractruntime_mlx import errors
 from abstractruntime_mlx.engine.loop import Engine
 from abstractruntime_mlx.engine.request import EngineRequest, Sampling
 from abstractruntime_mlx.provider import residency
-
+from fake_backend import FakeLanes
 
 REAL_BACKENDS = Engine._backends
 
@@ -24,7 +22,11 @@ def break_steps(monkeypatch, error: BaseException) -> None:
     """Every group started from now on, on any lane, runs on a fake backend whose first step
     raises ``error`` (the loop's own handling is tested on the fake in test_engine_loop.py)."""
 
-    monkeypatch.setattr(Engine, "_backends", property(lambda self: FakeLanes(fail_at=1, fail_with=error, model_lanes=self._factory.model_lanes)))
+    monkeypatch.setattr(
+        Engine,
+        "_backends",
+        property(lambda self: FakeLanes(fail_at=1, fail_with=error, model_lanes=self._factory.model_lanes)),
+    )
 
 
 def mend_steps(monkeypatch) -> None:
@@ -38,7 +40,9 @@ LANES = [pytest.param(True, id="batched"), pytest.param(False, id="serialized")]
 def raw_request(llm, *, sampling: Sampling, max_tokens: int = 4) -> EngineRequest:
     """An engine request built past the provider's validation, as a bug upstream of MLX would."""
     loaded = llm._engine.loaded
-    return EngineRequest(request_id=uuid.uuid4().hex, prompt_ids=loaded.encode(PROMPT), max_tokens=max_tokens, sampling=sampling)
+    return EngineRequest(
+        request_id=uuid.uuid4().hex, prompt_ids=loaded.encode(PROMPT), max_tokens=max_tokens, sampling=sampling
+    )
 
 
 @pytest.mark.parametrize("batching", LANES)
@@ -226,10 +230,10 @@ def test_agenerate_tokenizes_off_the_event_loop(make_llm, dense_model, monkeypat
 
 def test_server_refuses_bad_values_and_recovers_a_failed_model(dense_model, policy_file, monkeypatch):
     import httpx
-    from test_server_harness import serve_in_thread
 
     from abstractruntime_mlx import create_llm
     from abstractruntime_mlx.server import create_app
+    from test_server_harness import serve_in_thread
 
     def factory(model, **options):
         return create_llm("mlx", model=dense_model, **options)
@@ -237,7 +241,9 @@ def test_server_refuses_bad_values_and_recovers_a_failed_model(dense_model, poli
     user = [{"role": "user", "content": PROMPT}]
     from pathlib import Path
 
-    app = create_app(factory(dense_model, mlx_batching=True), model_factory=factory, model_roots=[Path(dense_model).parent])
+    app = create_app(
+        factory(dense_model, mlx_batching=True), model_factory=factory, model_roots=[Path(dense_model).parent]
+    )
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         chat = lambda **extra: client.post("/v1/chat/completions", json={"messages": user, "max_tokens": 3, **extra})  # noqa: E731
         bias = chat(logit_bias={"2000": 5})

@@ -13,7 +13,14 @@ import pytest
 from abstractruntime_mlx import errors
 from abstractruntime_mlx.engine.backend import Adopts, HandsOff, PrefillsPartially, Speculates
 from abstractruntime_mlx.engine.loop import Engine, _as_engine_error
-from abstractruntime_mlx.engine.request import EngineRequest, LaneName, PrefillObservation, RequestStatus, TokenDelta
+from abstractruntime_mlx.engine.request import (
+    EngineRequest,
+    LaneName,
+    PrefillObservation,
+    RequestStatus,
+    TokenDelta,
+    execution_report,
+)
 from fake_backend import EOS, FakeBackend, FakeLanes, expected_tokens, fake_engine, text_of
 
 _ids = itertools.count()
@@ -76,7 +83,7 @@ def test_a_request_gets_its_tokens_and_text():
     assert tokens == expected_tokens([3], 5) == list(req.token_ids)
     assert text == "defgh"
     assert req.outcome is not None and req.outcome.finish_reason == "length" and req.outcome.completion_tokens == 5
-    assert s.lanes.kinds == [LaneName.SINGLE] and req.execution_metadata()["path"] == "single"
+    assert s.lanes.kinds == [LaneName.SINGLE] and execution_report(req).to_wire()["path"] == "single"
     assert s.engine.snapshot()["completed"] == 1
 
 
@@ -178,8 +185,8 @@ def test_hand_off_moves_the_single_row_into_a_batch_keeping_its_tokens():
     s.drain()
     assert delivered(first) == (expected_tokens([0], 8), text_of(expected_tokens([0], 8)))
     assert delivered(second)[0] == expected_tokens([9], 4)
-    assert first.execution_metadata()["path"] == "single_then_batch"
-    assert second.execution_metadata()["path"] == "text_batch"
+    assert execution_report(first).to_wire()["path"] == "single_then_batch"
+    assert execution_report(second).to_wire()["path"] == "text_batch"
     assert first.peak_batch_size == 2
 
 

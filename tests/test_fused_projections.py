@@ -82,8 +82,10 @@ def test_parts_answer_in_any_order_and_for_any_input(pair):
     separate, fused = pair
     fuse(fused)
     ref, attn = separate.layers[0].self_attn, fused.layers[0].self_attn
-    x, other = mx.random.normal((2, 3, ref.q_proj.weight.shape[1]), key=mx.random.key(1)), mx.random.normal(
-        (1, 2, ref.q_proj.weight.shape[1]), key=mx.random.key(2))
+    x, other = (
+        mx.random.normal((2, 3, ref.q_proj.weight.shape[1]), key=mx.random.key(1)),
+        mx.random.normal((1, 2, ref.q_proj.weight.shape[1]), key=mx.random.key(2)),
+    )
 
     def close(a, b):
         return a.shape == b.shape and mx.allclose(a, b, atol=1e-5).item()
@@ -104,7 +106,9 @@ def test_no_activation_outlives_its_layer(pair):
     _, fused = pair
     fuse(fused)
     greedy(fused, steps=2)
-    splits = [layer.self_attn.q_proj.split for layer in fused.layers] + [layer.mlp.gate_proj.split for layer in fused.layers]
+    splits = [layer.self_attn.q_proj.split for layer in fused.layers] + [
+        layer.mlp.gate_proj.split for layer in fused.layers
+    ]
     assert all(s._input is None and s._outputs == [] for s in splits)
 
 
@@ -114,6 +118,7 @@ def test_the_resident_model_takes_views_and_the_weights_are_held_once(dense_mode
     resident, _ = mlx_vlm.load(dense_model)
     lm = getattr(resident, "language_model", resident)
     tokens = mx.array([PROMPTS[2]])
+
     def logits():
         out = lm(tokens)
         return getattr(out, "logits", out)
@@ -126,7 +131,9 @@ def test_the_resident_model_takes_views_and_the_weights_are_held_once(dense_mode
     assert type(twin).__module__.startswith("mlx_lm.models.")
     fuse_text_model(twin, resident)
     gc.collect()
-    stacked = sum(v.nbytes for k, v in tree_flatten(twin.parameters()) if k.split(".")[-2] in ("qkv_proj", "gate_up_proj"))
+    stacked = sum(
+        v.nbytes for k, v in tree_flatten(twin.parameters()) if k.split(".")[-2] in ("qkv_proj", "gate_up_proj")
+    )
     assert stacked > 0
     # The stacked arrays replaced the originals in both models: memory grew by far less than a copy.
     assert mx.get_active_memory() - held < stacked / 4
@@ -150,22 +157,33 @@ def test_share_views_takes_only_the_arrays_that_were_stacked(pair, dense_model):
     views = fuse(twin)
     name = next(iter(views))
     original, view = views[name]
-    assert share_views(separate, {name: (original, view), "model.layers.0.self_attn.nowhere.weight": (original, view)}) == 1
+    assert (
+        share_views(separate, {name: (original, view), "model.layers.0.self_attn.nowhere.weight": (original, view)})
+        == 1
+    )
     assert share_views(separate, views) == len(views) - 1  # the first one is a view already
     assert dict(tree_flatten(separate.parameters()))[name] is view
 
 
 def test_the_option_keeps_tokens_and_switches_the_model(make_llm, dense_model):
-    requests = [{"prompt": p, "thinking": False, "max_output_tokens": 10} for p in ("Explain TTL caches.", "Why batch?")]
+    requests = [
+        {"prompt": p, "thinking": False, "max_output_tokens": 10} for p in ("Explain TTL caches.", "Why batch?")
+    ]
     runs = {}
     for on in (True, False):
-        llm = make_llm(dense_model, mlx_batching=True, mlx_max_batch_size=4, mlx_batch_wait_ms=200,
-                       mlx_single_lane=False, speculation=False, mlx_fused_projections=on)
+        llm = make_llm(
+            dense_model,
+            mlx_batching=True,
+            mlx_max_batch_size=4,
+            mlx_batch_wait_ms=200,
+            mlx_single_lane=False,
+            speculation=False,
+            mlx_fused_projections=on,
+        )
         results = together(llm, requests)
         assert {r.metadata["execution"]["path"] for r in results} == {"text_batch"}
         assert all(r.token_ids for r in results)
-        runs[on] = ([r.token_ids for r in results],
-                    "qkv_proj" in llm._engine._lanes._text_lm.layers[0].self_attn)
+        runs[on] = ([r.token_ids for r in results], "qkv_proj" in llm._engine._lanes._text_lm.layers[0].self_attn)
         llm.unload_model()
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] and not runs[False][1]

@@ -101,9 +101,7 @@ def host_importers() -> list[str]:
     return sorted(
         name
         for name, path in module_files().items()
-        if name != HOST_OWNER
-        and not name.startswith(HOST_OWNER + ".")
-        and absolute_imports(path) & set(HOST_PACKAGES)
+        if name != HOST_OWNER and not name.startswith(HOST_OWNER + ".") and absolute_imports(path) & set(HOST_PACKAGES)
     )
 
 
@@ -115,5 +113,7 @@ def test_the_host_check_sees_the_sub_packages() -> None:
     files = module_files()
     inside = [name for name in files if name.startswith(HOST_OWNER + ".") and name.count(".") >= 3]
     assert "abstractruntime_mlx.runtime_plugin.hosting.host" in inside
-    assert {"abstractruntime", "abstractagent"} <= absolute_imports(files["abstractruntime_mlx.runtime_plugin.hosting.host"])
+    assert {"abstractruntime", "abstractagent"} <= absolute_imports(
+        files["abstractruntime_mlx.runtime_plugin.hosting.host"]
+    )
     assert "abstractruntime" in absolute_imports(files["abstractruntime_mlx.runtime_plugin.adapter.stores"])

@@ -16,7 +16,7 @@ from abstractruntime_mlx.testing import tiny_model
 
 MTP3 = {"mode": "native_mtp", "num_draft_tokens": 3}
 MTP4 = SpeculationControl(mode="native_mtp", num_draft_tokens=4, require_acceleration=False)
-GREEDY = {"temperature": 0, "max_output_tokens": 8}
+GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_node_records_every_phase_event_and_flushes(model, registry, ledger, pol
         seen: list[dict] = []
         key = NodeKey("run-1", "ask", workflow_id="wf", step_id="step-1", attempt=1)
         result = node.run(
-            NodeRequest(prompt="hello", speculation=False, run_thinking="low", sampling=GREEDY),
+            NodeRequest(prompt="hello", speculation=False, run_thinking="low", sampling=GREEDY, max_output_tokens=8),
             key=key,
             on_progress=seen.append,
         )
@@ -136,7 +136,7 @@ def test_speculation_reason_names_the_deciding_level(model, registry, policy_fil
 
     set_default_speculation("output.text", "off", policy_file)
     node = LLMNode(registry=registry, default_model=model)
-    body = node.run(NodeRequest(prompt="x", sampling=GREEDY)).to_runtime_result()
+    body = node.run(NodeRequest(prompt="x", sampling=GREEDY, max_output_tokens=8)).to_runtime_result()
     assert body["metadata"]["controls"]["speculation_source"] == "policy"
     assert body["metadata"]["speculation"]["reason"] == "disabled_by_policy"
 
@@ -151,7 +151,12 @@ def test_concurrent_nodes_batch_on_one_model(model, registry, policy_file):
     node = LLMNode(registry=registry, default_model=model)
     with ThreadPoolExecutor(4) as pool:
         results = list(
-            pool.map(lambda i: node.run(NodeRequest(prompt=f"q{i}", speculation=False, sampling=GREEDY)), range(4))
+            pool.map(
+                lambda i: node.run(
+                    NodeRequest(prompt=f"q{i}", speculation=False, sampling=GREEDY, max_output_tokens=8)
+                ),
+                range(4),
+            )
         )
     assert max(r.generation.metadata["execution"]["peak_batch_size"] for r in results) > 1
 
@@ -177,7 +182,11 @@ def test_unbatched_provider_is_serialized_per_model(model, policy_file):
 
         entry.provider.generate_request = counting
         with ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(lambda i: node.run(NodeRequest(prompt=f"q{i}", sampling=GREEDY)), range(3)))
+            results = list(
+                pool.map(
+                    lambda i: node.run(NodeRequest(prompt=f"q{i}", sampling=GREEDY, max_output_tokens=8)), range(3)
+                )
+            )
         assert peak[0] == 1
         assert {r.concurrency for r in results} == {"serialized"}
     finally:
@@ -188,7 +197,9 @@ def test_buffered_route_attaches_with_original_times(model, registry, ledger, po
     node = LLMNode(ledger=ledger, registry=registry, default_model=model)
     try:
         route = ProgressRoute(buffer=True)
-        result = node.execute(node.prepare(NodeRequest(prompt="early", sampling=GREEDY)), route=route)
+        result = node.execute(
+            node.prepare(NodeRequest(prompt="early", sampling=GREEDY, max_output_tokens=8)), route=route
+        )
         assert ledger.node_timeline("run-2") == []  # nothing written while buffered
         key = NodeKey("run-2", "later", step_id="s", attempt=1)
         replayed: list[dict] = []
@@ -206,10 +217,13 @@ def test_buffered_route_attaches_with_original_times(model, registry, ledger, po
 
 def test_fingerprint_covers_the_whole_request(model, registry, policy_file):
     node = LLMNode(registry=registry, default_model=model)
-    base = node.prepare(NodeRequest(prompt="a", sampling=GREEDY))
-    assert node.prepare(NodeRequest(prompt="a", sampling=GREEDY)).fingerprint == base.fingerprint
-    assert node.prepare(NodeRequest(prompt="b", sampling=GREEDY)).fingerprint != base.fingerprint
-    assert node.prepare(NodeRequest(prompt="a", run_speculation=False, sampling=GREEDY)).fingerprint != base.fingerprint
+    base = node.prepare(NodeRequest(prompt="a", sampling=GREEDY, max_output_tokens=8))
+    assert node.prepare(NodeRequest(prompt="a", sampling=GREEDY, max_output_tokens=8)).fingerprint == base.fingerprint
+    assert node.prepare(NodeRequest(prompt="b", sampling=GREEDY, max_output_tokens=8)).fingerprint != base.fingerprint
+    assert (
+        node.prepare(NodeRequest(prompt="a", run_speculation=False, sampling=GREEDY, max_output_tokens=8)).fingerprint
+        != base.fingerprint
+    )
 
 
 def test_unknown_provider_and_missing_model_are_refused(model, registry):
@@ -237,7 +251,7 @@ def test_a_node_call_is_resolved_once_at_the_node(model, registry, policy_file):
 
     set_default_speculation("output.text", "off", policy_file)
     node = LLMNode(registry=registry, default_model=model)
-    prepared = node.prepare(NodeRequest(prompt="x", sampling=GREEDY))
+    prepared = node.prepare(NodeRequest(prompt="x", sampling=GREEDY, max_output_tokens=8))
     assert prepared.request.resolved == prepared.controls
     assert prepared.controls.speculation == SpeculationControl.off()
     set_default_speculation("output.text", 3, policy_file)  # after the node resolved
@@ -245,4 +259,7 @@ def test_a_node_call_is_resolved_once_at_the_node(model, registry, policy_file):
     assert body["metadata"]["controls"]["speculation_source"] == "policy"
     assert body["metadata"]["speculation"]["reason"] == "disabled_by_policy"
     # a call prepared now sees the new policy
-    assert node.prepare(NodeRequest(prompt="x", sampling=GREEDY)).controls.speculation != SpeculationControl.off()
+    assert (
+        node.prepare(NodeRequest(prompt="x", sampling=GREEDY, max_output_tokens=8)).controls.speculation
+        != SpeculationControl.off()
+    )

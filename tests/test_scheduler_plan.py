@@ -7,7 +7,14 @@ measured.
 from __future__ import annotations
 
 from abstractruntime_mlx.engine.config import EngineConfig
-from abstractruntime_mlx.engine.request import EngineRequest, ExclusiveReason, ExecutionMode, LaneName, RequestStatus, Sampling
+from abstractruntime_mlx.engine.request import (
+    EngineRequest,
+    ExclusiveReason,
+    ExecutionMode,
+    LaneName,
+    RequestStatus,
+    Sampling,
+)
 from abstractruntime_mlx.engine.scheduler import (
     MIN_SHARED_PREFIX,
     Admission,
@@ -114,7 +121,11 @@ def test_exclusive_and_serial_start_alone_without_waiting():
     plan = scheduler().schedule(state([sampled_mtp, other]))
     assert plan.new_group is not None
     key = plan.new_group.key
-    assert (key.mode, key.reason, plan.new_group.max_batch_size) == (ExecutionMode.EXCLUSIVE, ExclusiveReason.SAMPLED_SPECULATION, 1)
+    assert (key.mode, key.reason, plan.new_group.max_batch_size) == (
+        ExecutionMode.EXCLUSIVE,
+        ExclusiveReason.SAMPLED_SPECULATION,
+        1,
+    )
     assert ids(plan) == ["x"]
     plan = scheduler().schedule(state([req("a"), req("b")], model_lanes=frozenset({LaneName.SERIAL})))
     assert plan.new_group is not None and plan.new_group.lane == LaneName.SERIAL
@@ -205,7 +216,11 @@ SYSTEM = tuple(range(100, 100 + MIN_SHARED_PREFIX + 8))
 def test_a_request_sharing_a_prefix_still_prefilling_waits_for_its_leader():
     leader = req("lead", key="s", prompt=SYSTEM + (1, 2))
     leader.transition(RequestStatus.PREFILLING)
-    follower, other_scope, keyless = req("f", key="s", prompt=SYSTEM + (3,)), req("o", key="t", prompt=SYSTEM + (4,)), req("k", prompt=SYSTEM)
+    follower, other_scope, keyless = (
+        req("f", key="s", prompt=SYSTEM + (3,)),
+        req("o", key="t", prompt=SYSTEM + (4,)),
+        req("k", prompt=SYSTEM),
+    )
     group = running(req("g", key="s"), free=3, prefilling=[leader])
     plan = scheduler().schedule(state([follower, other_scope, keyless], group=group, shared_prefixes=FakePrefixIndex()))
     assert [(h.request.request_id, h.leader.request_id) for h in plan.held] == [("f", "lead")]
@@ -275,7 +290,11 @@ def test_text_rows_start_in_the_text_lane_and_hand_off_into_it():
 def test_the_in_process_lane_runs_every_request_alone():
     plan = scheduler().schedule(state([req("a", draft=2), req("b")], model_lanes=frozenset({LaneName.IN_PROCESS})))
     assert plan.new_group is not None and plan.new_group.lane == LaneName.IN_PROCESS
-    assert (plan.new_group.key.reason, plan.new_group.max_batch_size, ids(plan)) == (ExclusiveReason.SERIALIZED_LANE, 1, ["a"])
+    assert (plan.new_group.key.reason, plan.new_group.max_batch_size, ids(plan)) == (
+        ExclusiveReason.SERIALIZED_LANE,
+        1,
+        ["a"],
+    )
 
 
 # --- the text lane's step: prefill and compaction ------------------------------------------

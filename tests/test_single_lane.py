@@ -16,7 +16,7 @@ from abstractruntime_mlx import errors
 from abstractruntime_mlx.engine.backend import BatchBackend
 from abstractruntime_mlx.engine.loop import Engine, EngineConfig, _as_engine_error
 from abstractruntime_mlx.engine.model import Lane, load_model
-from abstractruntime_mlx.engine.request import EngineRequest, PrefillObservation, Sampling, TokenDelta
+from abstractruntime_mlx.engine.request import EngineRequest, PrefillObservation, Sampling, TokenDelta, execution_report
 from abstractruntime_mlx.engine.single import SingleBackend
 from abstractruntime_mlx.engine.text_loop import TextLoopBackend
 
@@ -99,9 +99,9 @@ def alone(make, prompt: str, **kwargs: object) -> EngineRequest:
 def test_lone_request_decodes_on_the_single_lane_with_the_batch_tokens(stepper):
     single = alone(stepper, PROMPTS[0])
     batch = alone(lambda: stepper(single_lane=False), PROMPTS[0])
-    assert single.execution_metadata()["path"] == "single"
-    assert batch.execution_metadata()["path"] in BATCH_PATHS
-    assert single.execution_metadata()["mode"] == batch.execution_metadata()["mode"] == "continuous"
+    assert execution_report(single).to_wire()["path"] == "single"
+    assert execution_report(batch).to_wire()["path"] in BATCH_PATHS
+    assert execution_report(single).to_wire()["mode"] == execution_report(batch).to_wire()["mode"] == "continuous"
     assert single.token_ids == batch.token_ids and len(single.token_ids) == 24
     assert single.outcome is not None and single.outcome.finish_reason == "length"
     assert single.peak_batch_size == 1
@@ -125,8 +125,8 @@ def test_a_second_request_moves_the_first_into_a_batch_without_a_pause(stepper, 
     s.drain()
     # every step after the arrival gave the first request one token: the hand-off took no extra step
     assert counts == [1] * (24 - 5)
-    assert first.execution_metadata()["path"] == "single_then_batch"
-    assert second.execution_metadata()["path"] == ("text_batch" if text_lane else "batch")
+    assert execution_report(first).to_wire()["path"] == "single_then_batch"
+    assert execution_report(second).to_wire()["path"] == ("text_batch" if text_lane else "batch")
     assert first.peak_batch_size == second.peak_batch_size == 2
     assert first.token_ids == reference.token_ids
     assert second.token_ids == joiner_alone.token_ids
@@ -145,7 +145,7 @@ def test_a_request_still_prefilling_moves_after_its_first_token(stepper):
     s.until(lambda: first.num_output_tokens == 1)
     assert isinstance(s.engine._group.backend, SingleBackend)  # it finished its prefill alone
     s.drain()
-    assert first.execution_metadata()["path"] == "single_then_batch"
+    assert execution_report(first).to_wire()["path"] == "single_then_batch"
     assert first.token_ids == reference.token_ids
     observed = [o.processed for o in outputs(first) if isinstance(o, PrefillObservation)]
     total = first.num_prompt_tokens
@@ -177,7 +177,7 @@ def test_stop_string_and_cancel_on_the_single_lane(stepper):
     delivered = "".join(o.text for o in outputs(stopped) if isinstance(o, TokenDelta))
     assert stopped.outcome is not None and stopped.outcome.finish_reason == "stop"
     assert delivered == text[: text.index(stop)]
-    assert stopped.execution_metadata()["path"] == "single"
+    assert execution_report(stopped).to_wire()["path"] == "single"
 
     s = stepper()
     cancelled = s.request(PROMPTS[0])
@@ -191,17 +191,17 @@ def test_stop_string_and_cancel_on_the_single_lane(stepper):
 
 def test_requests_that_cannot_move_as_is_use_the_batch_lane(stepper, hybrid_model):
     penalised = alone(stepper, PROMPTS[0], sampling=Sampling(repetition_penalty=1.3))
-    assert penalised.execution_metadata()["path"] in BATCH_PATHS
+    assert execution_report(penalised).to_wire()["path"] in BATCH_PATHS
     s = Stepper(hybrid_model)  # a hybrid cache cannot merge into a batch as is
     hybrid = s.request(PROMPTS[0], max_tokens=4)
     s.drain()
-    assert hybrid.execution_metadata()["path"] in BATCH_PATHS
+    assert execution_report(hybrid).to_wire()["path"] in BATCH_PATHS
     # two requests that arrive together start a batch at once
     s = stepper()
     a, b = s.request(PROMPTS[0], max_tokens=4), s.request(PROMPTS[1], max_tokens=4)
     s.drain()
-    assert {a.execution_metadata()["path"], b.execution_metadata()["path"]} & set(BATCH_PATHS)
-    assert a.execution_metadata()["path"] == b.execution_metadata()["path"]
+    assert {execution_report(a).to_wire()["path"], execution_report(b).to_wire()["path"]} & set(BATCH_PATHS)
+    assert execution_report(a).to_wire()["path"] == execution_report(b).to_wire()["path"]
 
 
 @pytest.mark.parametrize("text_lane", [True, False], ids=["into-text-batch", "into-batch"])
@@ -219,7 +219,7 @@ def test_a_failed_hand_off_fails_the_moving_request_only(stepper, monkeypatch, t
     assert first.outcome.finish_reason == "error"
     # the newcomer was still waiting: it runs next, alone
     assert second.outcome is not None and second.outcome.finish_reason == "length"
-    assert second.execution_metadata()["path"] == "single"
+    assert execution_report(second).to_wire()["path"] == "single"
     assert s.engine._live == {} and s.engine.stats.failed == 1
 
 
@@ -243,7 +243,7 @@ def test_a_burst_starts_as_one_batch(stepper):
     assert len(s.engine._group.running) == 3  # all three admitted by the first step
     s.drain()
     for req in (first, *arrivals):
-        assert req.execution_metadata()["path"] in BATCH_PATHS and req.peak_batch_size == 3
+        assert execution_report(req).to_wire()["path"] in BATCH_PATHS and req.peak_batch_size == 3
     # without the gap the same first request starts alone on the single lane, then moves
     s = stepper(max_batch_size=4, burst_gap_ms=0)
     first = s.request(PROMPTS[0], max_tokens=6)
@@ -251,7 +251,7 @@ def test_a_burst_starts_as_one_batch(stepper):
     assert isinstance(s.engine._group.backend, SingleBackend)
     s.request(PROMPTS[1], max_tokens=6)
     s.drain()
-    assert first.execution_metadata()["path"] == "single_then_batch"
+    assert execution_report(first).to_wire()["path"] == "single_then_batch"
 
 
 def test_a_full_batch_starts_without_waiting_out_the_gap(stepper):

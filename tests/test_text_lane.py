@@ -36,7 +36,13 @@ def batched(make_llm, model, text_lane, **options):
 MIXED = [
     {"prompt": PROMPTS[0], "thinking": False, "max_output_tokens": 12},
     {"prompt": PROMPTS[1], "thinking": False, "max_output_tokens": 7, "temperature": 0.9, "seed": 5},
-    {"prompt": PROMPTS[2], "thinking": False, "max_output_tokens": 10, "repetition_penalty": 1.3, "logit_bias": {5: 2.0}},
+    {
+        "prompt": PROMPTS[2],
+        "thinking": False,
+        "max_output_tokens": 10,
+        "repetition_penalty": 1.3,
+        "logit_bias": {5: 2.0},
+    },
     {"prompt": PROMPTS[3], "thinking": False, "max_output_tokens": 9, "temperature": 0.7, "top_k": 20, "seed": 9},
 ]
 

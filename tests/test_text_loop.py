@@ -148,8 +148,12 @@ def test_every_arrival_joins_a_decoding_batch_at_once(make):
 
 @pytest.mark.parametrize(
     ("option", "value", "replaced_by"),
-    [("mlx_own_text_loop", False, "always steps its own loop"), ("mlx_own_text_loop", True, "always steps its own loop"),
-     ("mlx_admission_wave_steps", 4, "admits whatever arrived"), ("mlx_admission_wave_steps", 0, "admits whatever arrived")],
+    [
+        ("mlx_own_text_loop", False, "always steps its own loop"),
+        ("mlx_own_text_loop", True, "always steps its own loop"),
+        ("mlx_admission_wave_steps", 4, "admits whatever arrived"),
+        ("mlx_admission_wave_steps", 0, "admits whatever arrived"),
+    ],
 )
 def test_a_removed_loop_option_is_refused_saying_what_replaced_it(make_llm, dense_model, option, value, replaced_by):
     with pytest.raises(errors.OptionRemoved) as info:
@@ -273,7 +277,9 @@ def test_a_calls_answers_share_its_prompts_prefill(make_llm, dense_model):
     from abstractruntime_mlx.request import GenerationRequest
 
     llm = make_llm(dense_model, mlx_batching=True, speculation=False)
-    call = GenerationRequest.build(prompt="Tell me a story", max_output_tokens=4, n=4, sampling={"temperature": 0}, thinking=False)
+    call = GenerationRequest.build(
+        prompt="Tell me a story", max_output_tokens=4, n=4, sampling={"temperature": 0}, thinking=False
+    )
     result = asyncio.run(llm.agenerate_request(call))
     assert result.choices is not None and len(result.choices) == 4
     prompt = result.usage["prompt_tokens"]

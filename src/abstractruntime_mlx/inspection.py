@@ -212,7 +212,9 @@ class CallView:
         load: list[tuple[str, float, float]] = []
         load_start, load_end = as_float(self.load.get("start_s")), as_float(self.load.get("end_s"))
         if load_start is not None:
-            load = [("load", load_start, max(load_start, load_end if load_end is not None else self.end_s or load_start))]
+            load = [
+                ("load", load_start, max(load_start, load_end if load_end is not None else self.end_s or load_start))
+            ]
         if self.start_s is None:
             return load
         return load + self._engine_segments()
@@ -413,7 +415,7 @@ def run_tree_dicts(
     """``summary_dict`` of each run in ``roots`` with ``totals`` (``tree_totals`` as of
     ``as_of``, default now: a running run's time counts up) and ``children``: its child runs
     (from ``child_runs``), each the same way, oldest first."""
-    when = as_of or dt.datetime.now(dt.timezone.utc)
+    when = as_of or dt.datetime.now(dt.UTC)
     out: list[JSONObject] = []
     for run in roots:
         item = summary_dict(run)
@@ -457,7 +459,7 @@ def run_view(ledger: Ledger, run_id: str, *, tree: bool = True) -> RunView | Non
     """Everything the inspector shows about one run, or None if the ledger has no such run.
     With ``tree`` (the default) also its graph's node states, its child runs and their calls
     (``spans``); without, its own calls only (one ledger read fewer per child)."""
-    as_of = dt.datetime.now(dt.timezone.utc)
+    as_of = dt.datetime.now(dt.UTC)
     detail = ledger.get_run(run_id)
     if detail is None:
         return None
@@ -517,7 +519,9 @@ def _spans(
         out.append(SpanView(child, depth, round(offset, 6), round(offset + child.duration_s, 6), calls, node_id, label))
         child_steps = view.steps if view is not None else []
         child_labels = {c.node_id: c.label for c in view.calls} if view is not None else {}
-        out.extend(_spans(ledger, origin, child.run_id, children, steps=child_steps, labels=child_labels, depth=depth + 1))
+        out.extend(
+            _spans(ledger, origin, child.run_id, children, steps=child_steps, labels=child_labels, depth=depth + 1)
+        )
     return out
 
 
@@ -542,7 +546,9 @@ def _shifted(call: CallView, offset: float) -> CallView:
     def move(value: float | None) -> float | None:
         return None if value is None else round(value + offset, 6)
 
-    return dataclasses.replace(call, start_s=move(call.start_s), first_token_s=move(call.first_token_s), end_s=move(call.end_s))
+    return dataclasses.replace(
+        call, start_s=move(call.start_s), first_token_s=move(call.first_token_s), end_s=move(call.end_s)
+    )
 
 
 def run_flow_document(ledger: Ledger, detail: RunDetail) -> Mapping[str, object] | None:
@@ -880,7 +886,9 @@ def _input_of(
     return conversation, list(tools) if isinstance(tools, list) else [], "; ".join(notes) or None
 
 
-def _prompt_as_sent(payload: Mapping[str, object], started_payload: Mapping[str, object], sent: Mapping[str, object]) -> str | None:
+def _prompt_as_sent(
+    payload: Mapping[str, object], started_payload: Mapping[str, object], sent: Mapping[str, object]
+) -> str | None:
     """The prompt the node sent: without the host's stamps when it removed them (``metadata.input``)."""
     if isinstance(sent.get("prompt"), str):
         return str(sent["prompt"])
@@ -913,7 +921,9 @@ def payload_text(payload: Mapping[str, object], name: str, started_payload: Mapp
     return notes[0] if notes else _opt_text(value)
 
 
-def payload_value(payload: Mapping[str, object], name: str, started_payload: Mapping[str, object], notes: list[str]) -> object:
+def payload_value(
+    payload: Mapping[str, object], name: str, started_payload: Mapping[str, object], notes: list[str]
+) -> object:
     """Field ``name`` of a step's effect payload. Where the host slimmed it to a ``$slim``
     marker, the value comes from the STARTED record's payload (``started_payload``), checked
     against the marker's sha256; when that is not there, ``None``, and a sentence saying so is
@@ -1022,9 +1032,13 @@ def run_dict(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int =
     if events:
         out["events"] = [event_dict(row, view.summary.created_at) for row in ledger.node_timeline(run_id)]
     children: list[dict[str, object]] = []
-    for child in sorted(ledger.list_run_states(parent_run_id=run_id, limit=10_000), key=lambda c: str(c.get("created_at") or "")):
+    for child in sorted(
+        ledger.list_run_states(parent_run_id=run_id, limit=10_000), key=lambda c: str(c.get("created_at") or "")
+    ):
         if _depth >= MAX_NESTING:
-            children.append({"run_id": child.get("run_id"), "workflow_id": child.get("workflow_id"), "deeper_than": MAX_NESTING})
+            children.append(
+                {"run_id": child.get("run_id"), "workflow_id": child.get("workflow_id"), "deeper_than": MAX_NESTING}
+            )
             continue
         children.append(run_dict(ledger, str(child["run_id"]), events=events, _depth=_depth + 1))
     out["children"] = children
@@ -1043,8 +1057,17 @@ def tree_call_summary(ledger: Ledger, run_id: str) -> dict[str, object]:
         "prompt_tokens": sum(c.prompt_tokens or 0 for _, c in calls),
         "generated_tokens": sum(c.generated_tokens or 0 for _, c in calls),
         "by_call": [
-            {"run_id": owner, "node_id": c.node_id, "label": c.label, "name": c.name, "step_id": c.step_id, "attempt": c.attempt,
-             "status": c.status, "prompt_tokens": c.prompt_tokens, "generated_tokens": c.generated_tokens}
+            {
+                "run_id": owner,
+                "node_id": c.node_id,
+                "label": c.label,
+                "name": c.name,
+                "step_id": c.step_id,
+                "attempt": c.attempt,
+                "status": c.status,
+                "prompt_tokens": c.prompt_tokens,
+                "generated_tokens": c.generated_tokens,
+            }
             for owner, c in calls
         ],
     }

@@ -32,8 +32,8 @@ from .ledger_location import default_ledger_url, existing_ledger_file, open_for_
 from .terminal import printable
 
 if TYPE_CHECKING:
-    from ..ledger import Ledger, ProgressRow, RunSummary, StepRow
     from ..inspection import CallView
+    from ..ledger import Ledger, ProgressRow, RunSummary, StepRow
     from ..runtime_plugin import FlowRunResult
 
 # AbstractRuntime's RunStatus values, and ``interrupted``: a run stopped by Ctrl-C (the ledger's
@@ -44,7 +44,7 @@ RESUMABLE: Final = ("running", "waiting", "interrupted")
 TEXT_WIDTH = 72
 
 
-def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("runs", help="list, show or replay runs recorded in the ledger")
     parser.set_defaults(handler=help_handler(parser))
     actions = parser.add_subparsers(dest="runs_command", metavar="ACTION")
@@ -52,7 +52,11 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     listing = actions.add_parser("list", help="recent runs, newest first, child runs indented under their root")
     listing.add_argument("--limit", type=integer, default=20, help="how many root runs (default 20)")
     listing.add_argument("--status", default=None, choices=RUN_STATUSES, help="only root runs with this status")
-    listing.add_argument("--flat", action="store_true", help="every run as its own row, child runs too (--limit and --status apply to all)")
+    listing.add_argument(
+        "--flat",
+        action="store_true",
+        help="every run as its own row, child runs too (--limit and --status apply to all)",
+    )
     listing.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
     listing.add_argument("--json", action="store_true")
     listing.set_defaults(handler=_list)
@@ -61,7 +65,11 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     show.add_argument("run_id", help="run id or a unique prefix")
     show.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
     show.add_argument("--events", action="store_true", help="also list every phase event")
-    show.add_argument("--json", action="store_true", help="print the same as JSON: run, steps, LLM nodes and calls, events, child runs")
+    show.add_argument(
+        "--json",
+        action="store_true",
+        help="print the same as JSON: run, steps, LLM nodes and calls, events, child runs",
+    )
     show.set_defaults(handler=_show)
 
     replay = actions.add_parser(
@@ -70,9 +78,16 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
     )
     replay.add_argument("run_id", help="run id or a unique prefix")
     replay.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
-    replay.add_argument("--model", default=None, help="model to resume with (default: the one the run was started with)")
+    replay.add_argument(
+        "--model", default=None, help="model to resume with (default: the one the run was started with)"
+    )
     replay.add_argument("--no-resume", action="store_true", help="only render, even if the run is unfinished")
-    replay.add_argument("--flow", default=None, metavar="FILE", help="compare the run's flow with FILE (default: the file it was started from)")
+    replay.add_argument(
+        "--flow",
+        default=None,
+        metavar="FILE",
+        help="compare the run's flow with FILE (default: the file it was started from)",
+    )
     replay.add_argument("--json", action="store_true")
     replay.set_defaults(handler=_replay)
 
@@ -85,14 +100,33 @@ def add_parser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]"
         "resume",
         help="continue a waiting run: answer its question, send the event it waits for, or wait for its timer",
     )
-    resume.add_argument("run_id", nargs="?", default=None, help="run id or a unique prefix (the root run or any run of its tree)")
-    resume.add_argument("--all-running", action="store_true", help="take over every interrupted run whose driver is gone (runs_takeover_cmd)")
+    resume.add_argument(
+        "run_id", nargs="?", default=None, help="run id or a unique prefix (the root run or any run of its tree)"
+    )
+    resume.add_argument(
+        "--all-running",
+        action="store_true",
+        help="take over every interrupted run whose driver is gone (runs_takeover_cmd)",
+    )
     what = resume.add_mutually_exclusive_group()
     what.add_argument("--answer", default=None, metavar="TEXT", help="the answer to an ask_user question")
-    what.add_argument("--event", default=None, metavar="NAME[=JSON]", help="the event a wait_event node waits for, with an optional JSON payload")
+    what.add_argument(
+        "--event",
+        default=None,
+        metavar="NAME[=JSON]",
+        help="the event a wait_event node waits for, with an optional JSON payload",
+    )
     resume.add_argument("--ledger", default=None, help="ledger URL or SQLite path")
-    resume.add_argument("--model", default=None, help="model to resume with (default: the one the run was started with)")
-    resume.add_argument("--max-timer-wait", type=float, default=60.0, metavar="SECONDS", help="how long to sleep for timers (default 60)")
+    resume.add_argument(
+        "--model", default=None, help="model to resume with (default: the one the run was started with)"
+    )
+    resume.add_argument(
+        "--max-timer-wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long to sleep for timers (default 60)",
+    )
     add_limit_arguments(resume)
     resume.add_argument("--json", action="store_true")
     resume.set_defaults(handler=_resume)
@@ -150,14 +184,29 @@ def runs_list_table(rows: Sequence[tuple[int, RunSummary]], *, width: int | None
         indent = "  " * (depth - 1) + "└ " if depth else ""
         started = f"{r.created_at:%m-%d %H:%M:%S}" if narrow else f"{r.created_at:%Y-%m-%d %H:%M:%S}"
         if narrow:
-            cells = [f"{indent}{r.run_id}\n{' ' * len(indent)}  {r.workflow_id}", r.status, started, f"{r.duration_s:.2f}s"]
+            cells = [
+                f"{indent}{r.run_id}\n{' ' * len(indent)}  {r.workflow_id}",
+                r.status,
+                started,
+                f"{r.duration_s:.2f}s",
+            ]
         else:
-            cells = [f"{indent}{r.run_id}", r.workflow_id, r.status, started, f"{r.duration_s:.2f}s", str(r.node_count), str(r.progress_count)]
+            cells = [
+                f"{indent}{r.run_id}",
+                r.workflow_id,
+                r.status,
+                started,
+                f"{r.duration_s:.2f}s",
+                str(r.node_count),
+                str(r.progress_count),
+            ]
         table.add_row(*cells)
     return render_text(table, width)
 
 
-def _tree_rows(rows: Sequence[RunSummary], children: Mapping[str, list[RunSummary]], depth: int = 0) -> list[tuple[int, RunSummary]]:
+def _tree_rows(
+    rows: Sequence[RunSummary], children: Mapping[str, list[RunSummary]], depth: int = 0
+) -> list[tuple[int, RunSummary]]:
     out: list[tuple[int, RunSummary]] = []
     for r in rows:
         out.append((depth, r))
@@ -198,7 +247,11 @@ def _replay(args: argparse.Namespace) -> int:
     resuming = detail.status in ("running", "interrupted") and not args.no_resume
     report_flow_drift(run_id, detail.state, flow_file=args.flow, resuming=resuming)
     if resuming:
-        print(printable(f"run {run_id} was interrupted at node {detail.state.get('current_node')!r}; resuming (finished nodes are reused)"))
+        print(
+            printable(
+                f"run {run_id} was interrupted at node {detail.state.get('current_node')!r}; resuming (finished nodes are reused)"
+            )
+        )
         result = resume_run(run_id, ledger_url=url, model=args.model, refuse_finished=True)
         print_results([result], as_json=args.json, ledger_url=url)
         return 0 if result.status == "completed" else 1
@@ -221,7 +274,9 @@ def _replay(args: argparse.Namespace) -> int:
     return 0 if result.status == "completed" else 1
 
 
-def report_flow_drift(run_id: str, state: Mapping[str, object], *, flow_file: str | None = None, resuming: bool) -> None:
+def report_flow_drift(
+    run_id: str, state: Mapping[str, object], *, flow_file: str | None = None, resuming: bool
+) -> None:
     """Say on stderr what changed in the run's flow file since the run started. A resume always
     continues the graph the run started with (stored in the run), never the edited file."""
     from ..runtime_plugin.hosting import flow_drift, stored_flow, stored_options
@@ -301,7 +356,6 @@ def exit_code(results: Sequence[FlowRunResult]) -> int:
     return EXIT_OK
 
 
-
 # --------------------------------------------------------------------------------------
 # Rendering (shared with ``run``)
 # --------------------------------------------------------------------------------------
@@ -357,7 +411,11 @@ def print_results(
             peak = max(peak, peak_batch(n.result))
         for f in r.failures:
             where = "" if f.run_id == r.run_id else f" (run {f.run_id[:8]})"
-            print(printable(f"  node failed: {labels.get((f.run_id, f.node_id), repr(f.node_id))}{where}: {_one_line(f.error)}"))
+            print(
+                printable(
+                    f"  node failed: {labels.get((f.run_id, f.node_id), repr(f.node_id))}{where}: {_one_line(f.error)}"
+                )
+            )
         from .show_view import output_lines
 
         for line in output_lines(_json_safe(r.output)):
@@ -486,7 +544,11 @@ def format_node(node_id: str, result: Mapping[str, object]) -> str:
     sibling = object_at(meta, "sibling_batch")
     lines = [f"  - {node_id}: {_clip(str(result.get('content') or ''))!r}"]
     exec_bits = [f"mode={execution.get('mode', '?')}"]
-    for name, label, scale, unit in (("peak_batch_size", "batch", 1, ""), ("queue_s", "queue", 1000, "ms"), ("ttft_s", "ttft", 1000, "ms")):
+    for name, label, scale, unit in (
+        ("peak_batch_size", "batch", 1, ""),
+        ("queue_s", "queue", 1000, "ms"),
+        ("ttft_s", "ttft", 1000, "ms"),
+    ):
         value = execution.get(name)
         if isinstance(value, (int, float)):
             exec_bits.append(f"{label}={value * scale:.0f}{unit}" if unit else f"{label}={value}")
@@ -500,7 +562,9 @@ def format_node(node_id: str, result: Mapping[str, object]) -> str:
     if spec.get("reason"):
         spec_line += f" reason={spec['reason']}"
     lines.append(spec_line)
-    lines.append(f"      thinking: {control_text(controls.get('thinking'))} (from {controls.get('thinking_source', '?')})")
+    lines.append(
+        f"      thinking: {control_text(controls.get('thinking'))} (from {controls.get('thinking_source', '?')})"
+    )
     cache = meta.get("prompt_cache")
     if isinstance(cache, dict):
         line = f"      prompt cache: key={cache.get('key')} {cache.get('outcome', '?')}"
@@ -516,7 +580,9 @@ def format_node(node_id: str, result: Mapping[str, object]) -> str:
         state = "prefetched" if sibling.get("used") else f"not used ({sibling.get('reason')})"
         lines.append(f"      sibling batch: {state}, launched by {sibling.get('trigger_node')}")
     elif sibling.get("launched"):
-        lines.append(f"      sibling batch: launched {', '.join(str(n) for n in array_at(sibling, 'launched'))} with this call")
+        lines.append(
+            f"      sibling batch: launched {', '.join(str(n) for n in array_at(sibling, 'launched'))} with this call"
+        )
     return "\n".join(lines)
 
 
@@ -568,7 +634,7 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
             f"  continue it: abstractruntime-mlx runs resume {run_id}",
         ]
     elif detail.status == "failed" and not detail.parent_run_id:
-        out.append(f"  failed; see its steps below, then start a new run (abstractruntime-mlx run FLOW)")
+        out.append("  failed; see its steps below, then start a new run (abstractruntime-mlx run FLOW)")
     waiting = detail.state.get("waiting")
     if detail.status == "waiting" and isinstance(waiting, dict):
         out.extend(_wait_lines(run_id, node_name, waiting))
@@ -596,7 +662,9 @@ def render_run(ledger: Ledger, run_id: str, *, events: bool = False, _depth: int
     children = ledger.list_run_states(parent_run_id=run_id, limit=10_000)
     for child in sorted(children, key=lambda c: str(c.get("created_at") or "")):
         if _depth >= MAX_NESTING:
-            out.append(f"\n  child run {child.get('run_id')} ({child.get('workflow_id')}): deeper than {MAX_NESTING} levels, see `runs show` on it")
+            out.append(
+                f"\n  child run {child.get('run_id')} ({child.get('workflow_id')}): deeper than {MAX_NESTING} levels, see `runs show` on it"
+            )
             continue
         out.append("")
         body = render_run(ledger, str(child["run_id"]), events=events, _depth=_depth + 1)
@@ -611,11 +679,16 @@ def _wrapped(text: str, width: int) -> list[str]:
     out: list[str] = []
     for line in text.splitlines():
         indent = " " * (len(line) - len(line.lstrip()) + 4)
-        out.extend(textwrap.wrap(line, width=width, subsequent_indent=indent, break_on_hyphens=False, drop_whitespace=True) or [""])
+        out.extend(
+            textwrap.wrap(line, width=width, subsequent_indent=indent, break_on_hyphens=False, drop_whitespace=True)
+            or [""]
+        )
     return out
 
 
-def _steps_table(steps: Sequence[StepRow], labels: Mapping[str, str], *, width: int, calls: Sequence[CallView] = ()) -> str:
+def _steps_table(
+    steps: Sequence[StepRow], labels: Mapping[str, str], *, width: int, calls: Sequence[CallView] = ()
+) -> str:
     """The steps of a run as a ``rich`` table, nodes by label; nothing is cut (a long label wraps).
 
     ``time`` is the step's own (started to ended record); for an LLM step ``llm call`` is its
@@ -642,8 +715,20 @@ def _steps_table(steps: Sequence[StepRow], labels: Mapping[str, str], *, width: 
             name = object_at(object_at(step.record, "effect"), "payload").get("name")
             effect = str(name or effect)
         duration = f"{step.duration_s * 1000:.0f}ms" if step.duration_s is not None else ""
-        call = call_times.get((step.step_id, step.attempt), "") if step.status != "started" and step.effect_type == "llm_call" else ""
-        table.add_row(str(step.seq), labels.get(step.node_id, step.node_id), step.status, effect, str(step.attempt), duration, call)
+        call = (
+            call_times.get((step.step_id, step.attempt), "")
+            if step.status != "started" and step.effect_type == "llm_call"
+            else ""
+        )
+        table.add_row(
+            str(step.seq),
+            labels.get(step.node_id, step.node_id),
+            step.status,
+            effect,
+            str(step.attempt),
+            duration,
+            call,
+        )
     return "\n".join("  " + line for line in render_text(table, width - 2).splitlines())
 
 
@@ -681,11 +766,19 @@ def _tree_call_lines(ledger: Ledger, run_id: str) -> list[str]:
     for c in by_call:
         assert isinstance(c, dict)
         owner = "." if c["run_id"] == run_id else str(c["run_id"])[:8]
-        table.add_row(owner, str(c.get("name") or c["label"]), str(c["status"]), f"{c['prompt_tokens'] or 0:,}", f"{c['generated_tokens'] or 0:,}")
+        table.add_row(
+            owner,
+            str(c.get("name") or c["label"]),
+            str(c["status"]),
+            f"{c['prompt_tokens'] or 0:,}",
+            f"{c['generated_tokens'] or 0:,}",
+        )
     lines = ["", "llm calls of this run and its child runs", "  (run: . for this one, else the child run's id prefix)"]
     lines.extend("  " + line for line in render_text(table, terminal_width() - 2).splitlines())
     lines.append(
-        f"  total: {tree['calls']} LLM call{'s' if tree['calls'] != 1 else ''} in {tree['runs']} run{'s' if tree['runs'] != 1 else ''}, prompt tokens {tree['prompt_tokens']:,}, generated tokens {tree['generated_tokens']:,}"
+        f"  total: {tree['calls']} LLM call{'s' if tree['calls'] != 1 else ''} in {tree['runs']} "
+        f"run{'s' if tree['runs'] != 1 else ''}, prompt tokens {tree['prompt_tokens']:,}, "
+        f"generated tokens {tree['generated_tokens']:,}"
     )
     return lines
 
@@ -702,7 +795,10 @@ def _wait_lines(run_id: str, node: str | None, waiting: Mapping[str, object]) ->
     if reason == "user":
         lines.append(f"    prompt: {waiting.get('prompt')!r}")
         if waiting.get("choices"):
-            lines.append(f"    choices: {', '.join(str(c) for c in array_at(waiting, 'choices'))}" + ("" if waiting.get("allow_free_text", True) else " (nothing else)"))
+            lines.append(
+                f"    choices: {', '.join(str(c) for c in array_at(waiting, 'choices'))}"
+                + ("" if waiting.get("allow_free_text", True) else " (nothing else)")
+            )
     elif reason == "until":
         lines.append(f"    until: {waiting.get('until')}")
     elif reason == "event":

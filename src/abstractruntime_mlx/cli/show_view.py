@@ -14,13 +14,12 @@ never cut: a long one wraps inside its cell. Plain text when stdout is not a ter
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import textwrap
 from typing import TYPE_CHECKING
 
-import json
-
-from ..inspection import CallView, RunView
+from ..inspection import RunView
 from ..json_values import JSONValue, as_float
 
 if TYPE_CHECKING:
@@ -140,7 +139,13 @@ def _narrow_calls_table(view: RunView, width: int) -> str:
     longest = max((len(n) for n in names), default=4)
     for name, justify in columns:
         node = name == "node"
-        table.add_column(name, justify=justify, no_wrap=not node, overflow="fold", min_width=min(longest, width // 3) if node else None)
+        table.add_column(
+            name,
+            justify=justify,
+            no_wrap=not node,
+            overflow="fold",
+            min_width=min(longest, width // 3) if node else None,
+        )
     for name, call in zip(names, view.calls, strict=True):
         table.add_row(
             name,
@@ -158,7 +163,11 @@ def _narrow_calls_table(view: RunView, width: int) -> str:
         lines.append("controls (value ← decided by)")
         for name, call in controls:
             text = f"{name}: " + "; ".join(f"{c.name} {c.value} ← {c.source}" for c in call.controls)
-            lines.extend(textwrap.wrap(text, width=width, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False))
+            lines.extend(
+                textwrap.wrap(
+                    text, width=width, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False
+                )
+            )
     return "\n".join(lines)
 
 
@@ -250,9 +259,13 @@ def call_input_lines(view: RunView) -> list[str]:
         if call.input_note:
             out.append(f"    note: {call.input_note}")
         names = [str(t.get("name") or "?") for t in call.tools if isinstance(t, dict)]
-        out.append(f"    tools offered: {', '.join(names)} (schemas: runs show --json)" if names else "    tools offered: none")
+        out.append(
+            f"    tools offered: {', '.join(names)} (schemas: runs show --json)" if names else "    tools offered: none"
+        )
         if call.new_from:
-            out.append(f"    ({call.new_from} earlier message{'s' if call.new_from != 1 else ''} as in the call before; new in this turn:)")
+            out.append(
+                f"    ({call.new_from} earlier message{'s' if call.new_from != 1 else ''} as in the call before; new in this turn:)"
+            )
         for message in call.messages[call.new_from :]:
             extra = " ".join(f"{k}={message[k]}" for k in ("name", "tool_call_id") if message.get(k))
             out.append(f"    [{message.get('role')}]{' ' + extra if extra else ''}")

@@ -32,24 +32,24 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
+from ..controls import Sampling
 from ..errors import EngineError, UpstreamError
 from .config import PREFILL_STEP_SIZE
 from .grammar import GrammarProcessor
-from ..controls import Sampling
-from .sampling import PendingLogprobs, RowStream, SampledLogprob, make_sampler, row_logprobs, sample_rows
 from .request import LaneName
+from .sampling import PendingLogprobs, RowStream, SampledLogprob, make_sampler, row_logprobs, sample_rows
 
 if TYPE_CHECKING:
     from .prefix_cache import SerialStore
 
 # The prompt kwarg upstream's prefix cache reads a row's salt from (``mlx_vlm.apc``).
 APC_SALT_KWARG = "_apc_semantic_hash"
-
 
 
 @contextlib.contextmanager
@@ -152,13 +152,16 @@ class Backend(Protocol):
     def remove(self, uid: int) -> bool:
         """Drop a row; False when upstream cannot drop it yet (mid multi-row prefill)."""
         ...
+
     def forget(self, uid: int) -> None:
         """The row finished on its own (stop or length): let go of what it held."""
         ...
+
     @property
     def prefilling(self) -> bool:
         """A prompt is mid-prefill (its prefix-cache blocks are leased until it ends)."""
         ...
+
     def step(self, *, observe_prefill: bool) -> StepResult: ...
     def close(self) -> None: ...
 
@@ -171,6 +174,7 @@ class HandsOff(Protocol):
     def can_hand_off(self) -> bool:
         """Its row decodes, its next token in flight: it can move now."""
         ...
+
     def detach(self) -> tuple[int, DecodingRow]:
         """Give up the decoding row (only while ``can_hand_off``); the lane is empty afterwards."""
         ...
@@ -236,11 +240,13 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 class _RowSampler:
     """The one sampler upstream calls: each row drawn with its own request's stream."""
 
-    def __init__(self, backend: "BatchBackend") -> None:
+    def __init__(self, backend: BatchBackend) -> None:
         self._backend = backend
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        raise RuntimeError("mlx-vlm sampled without row positions; per-row sampling needs a supported mlx-vlm (>=0.7.10,<0.8.0)")
+        raise RuntimeError(
+            "mlx-vlm sampled without row positions; per-row sampling needs a supported mlx-vlm (>=0.7.10,<0.8.0)"
+        )
 
     def sample_target(self, logprobs: mx.array, *, row_ids: list[int], positions: list[int]) -> mx.array:
         gen = self._backend._gen
@@ -322,7 +328,9 @@ class BatchBackend:
         generator's prefix cache (``apc_manager``), looked up by its salt."""
         if row.prefix is not None and row.prefix.serial is not None:
             raise RuntimeError("a batch restores prefixes through its prefix-cache manager")
-        prompt_kwargs = row.prompt_inputs if row.prompt_inputs is not None else text_prompt_kwargs(self.model, row.prompt_ids)
+        prompt_kwargs = (
+            row.prompt_inputs if row.prompt_inputs is not None else text_prompt_kwargs(self.model, row.prompt_ids)
+        )
         if row.prefix is not None:
             prompt_kwargs = {**prompt_kwargs, APC_SALT_KWARG: row.prefix.salt}
         with map_upstream_errors("inserting a prompt"):
@@ -331,7 +339,10 @@ class BatchBackend:
             stream = RowStream.for_sampling(row.sampling) if self._per_row else None
             processors = row_processors(row.sampling, row.grammar)
             (uid,) = self._gen.insert(
-                [row.prompt_ids], max_tokens=[row.max_tokens], prompt_kwargs=[prompt_kwargs], logits_processors=[processors]
+                [row.prompt_ids],
+                max_tokens=[row.max_tokens],
+                prompt_kwargs=[prompt_kwargs],
+                logits_processors=[processors],
             )
         if stream is not None:
             self._rows[uid] = stream
@@ -517,7 +528,9 @@ def image_prompt_inputs(model: Any, processor: Any, prompt: str, images: list[An
         inputs = prepare_inputs(processor, images=images, prompts=[prompt], image_token_index=image_token_index)
         input_ids = inputs["input_ids"]
         extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-        out = model.get_input_embeddings(input_ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra)
+        out = model.get_input_embeddings(
+            input_ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra
+        )
     kwargs = {k: v for k, v in out.to_dict().items() if v is not None}
     for key in ("image_grid_thw",):
         if key in extra and key not in kwargs:

@@ -66,7 +66,9 @@ def block_rank(block: BlockInfo, hints: Mapping[str, int | None]) -> tuple[int, 
     return (UNHINTED, 0, block.last_used)
 
 
-def eviction_order(blocks: Sequence[BlockInfo], hints: Mapping[str, int | None], pinned: Iterable[str] = ()) -> list[int]:
+def eviction_order(
+    blocks: Sequence[BlockInfo], hints: Mapping[str, int | None], pinned: Iterable[str] = ()
+) -> list[int]:
     """Indices into ``blocks`` in the order to evict them; blocks a pinned key owns are left out."""
     pins = frozenset(pinned)
     candidates = [i for i, block in enumerate(blocks) if not (block.owners & pins)]
@@ -76,7 +78,9 @@ def eviction_order(blocks: Sequence[BlockInfo], hints: Mapping[str, int | None],
 def validate_hints(hints: object) -> dict[str, int | None]:
     """``{key: steps}`` with steps an int >= 0 or None; ``InvalidControls`` naming the key."""
     if not isinstance(hints, Mapping):
-        raise InvalidControls("prompt-cache hints must be an object of key -> steps (int >= 0) or null", field="hints", value=hints)
+        raise InvalidControls(
+            "prompt-cache hints must be an object of key -> steps (int >= 0) or null", field="hints", value=hints
+        )
     out: dict[str, int | None] = {}
     for key, steps in hints.items():
         if not isinstance(key, str) or not key.strip():
@@ -95,7 +99,9 @@ def validate_pin(key: object, ttl_s: object) -> tuple[str, float]:
     if not isinstance(key, str) or not key.strip():
         raise InvalidControls("a pinned prompt-cache key must be a non-empty string", field="key", value=key)
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= MAX_PIN_TTL_S:
-        raise InvalidControls(f"ttl_s must be a number of seconds in (0, {MAX_PIN_TTL_S:.0f}]", field="ttl_s", value=ttl_s)
+        raise InvalidControls(
+            f"ttl_s must be a number of seconds in (0, {MAX_PIN_TTL_S:.0f}]", field="ttl_s", value=ttl_s
+        )
     return key, float(ttl_s)
 
 

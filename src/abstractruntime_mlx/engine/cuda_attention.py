@@ -38,7 +38,8 @@ import functools
 import logging
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -256,8 +257,11 @@ def prefill_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
         mask = mx.arange(offset, offset + length)[:, None] >= mx.arange(keys.shape[-2])[None]
     if mask is not None:
         if group > 1 and mask.ndim >= 3:
-            mask = mx.expand_dims(mask, -3) if mask.shape[-3] == 1 else mask.reshape(
-                *mask.shape[:-3], kv_heads, group, *mask.shape[-2:])
+            mask = (
+                mx.expand_dims(mask, -3)
+                if mask.shape[-3] == 1
+                else mask.reshape(*mask.shape[:-3], kv_heads, group, *mask.shape[-2:])
+            )
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, dtype=scores.dtype))
         else:

@@ -5,7 +5,8 @@ and SHA-256. A file is used only when it and its sidecar are private regular fil
 (``owned_files``: never a symlink, a hard link, a directory or a FIFO, always this process's
 user's), and size and digest match. Anything else is a miss: the file and its sidecar are
 deleted (a link itself, never what it points at), the index forgets them, ``corrupt`` counts
-the file, one warning names it, and the load goes on without it. A file is hashed when written and when first read; the verdict is kept per (device, inode,
+the file, one warning names it, and the load goes on without it. A file is hashed when written
+and when first read; the verdict is kept per (device, inode,
 size, mtime), so a file read again unchanged is not hashed again. Startup only checks that
 each file has a sidecar of the right size.
 

@@ -31,8 +31,8 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 import llguidance
@@ -122,13 +122,15 @@ class CompiledGrammar:
 class GrammarCompiler:
     """One resident model's llguidance tokenizer and its compiled grammars (thread-safe)."""
 
-    def __init__(self, hf_tokenizer: PreTrainedTokenizerFast, *, vocab_rows: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, hf_tokenizer: PreTrainedTokenizerFast, *, vocab_rows: int, eos_token_ids: frozenset[int]
+    ) -> None:
         self.vocab_rows = vocab_rows
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer = llguidance.hf.from_tokenizer(
             hf_tokenizer, n_vocab=vocab_rows, eos_token=self.eos_token_ids or None
         )
-        encode: Encode = getattr(hf_tokenizer, "encode")
+        encode: Encode = hf_tokenizer.encode
         self._encode = encode
         self._closers = _closing_groups(encode, self.eos_token_ids)
         self._think_start = _single_token(encode, "<think>")
@@ -146,11 +148,15 @@ class GrammarCompiler:
                     closed_objects(fmt.schema), overrides={"whitespace_flexible": False}
                 )
             except ValueError as exc:
-                raise InvalidResponseSchema(f"the response schema cannot be compiled to a grammar: {exc}", path=_error_path(str(exc))) from None
+                raise InvalidResponseSchema(
+                    f"the response schema cannot be compiled to a grammar: {exc}", path=_error_path(str(exc))
+                ) from None
             return grammar
 
         def failed(error: str) -> MLXRuntimeError:
-            return InvalidResponseSchema(f"the response schema cannot be compiled to a grammar: {error}", path=_error_path(error))
+            return InvalidResponseSchema(
+                f"the response schema cannot be compiled to a grammar: {error}", path=_error_path(error)
+            )
 
         return self._compile(fmt.schema_hash, build, shortest_answer_chars(fmt.schema), failed)
 
@@ -177,12 +183,16 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled, False
 
-    def processor(self, fmt: ResponseFormat, *, max_tokens: int, prompt_text: str, thinking: bool | str | None) -> GrammarProcessor:
+    def processor(
+        self, fmt: ResponseFormat, *, max_tokens: int, prompt_text: str, thinking: bool | str | None
+    ) -> GrammarProcessor:
         """A fresh processor for one request (its own copy of the matcher), compiled on this thread."""
         started = time.perf_counter()
         compiled, cached = self.compile(fmt)
         meta: dict[str, object] = {"mode": "constrained", "schema_hash": fmt.schema_hash, "name": fmt.name}
-        return self._processor(compiled, cached, meta, started=started, max_tokens=max_tokens, prompt_text=prompt_text, thinking=thinking)
+        return self._processor(
+            compiled, cached, meta, started=started, max_tokens=max_tokens, prompt_text=prompt_text, thinking=thinking
+        )
 
     def tool_processor(
         self,
@@ -206,7 +216,9 @@ class GrammarCompiler:
 
         compiled, cached = self._compile(key, lambda: grammar, shortest_answer_chars(schema) + 16, failed)
         meta: dict[str, object] = {"mode": "tool_call", "tool_choice": choice.to_openai(), "format": fmt}
-        return self._processor(compiled, cached, meta, started=started, max_tokens=max_tokens, prompt_text=prompt_text, thinking=thinking)
+        return self._processor(
+            compiled, cached, meta, started=started, max_tokens=max_tokens, prompt_text=prompt_text, thinking=thinking
+        )
 
     def _processor(
         self,
@@ -239,7 +251,13 @@ def tool_call_grammar(schema: Mapping[str, object], fmt: ToolFormat, encode: Enc
     ``[TOOL_CALLS][{json}]``. A marker the tokenizer spells as one token is matched as that token."""
     closed = {**closed_objects(schema), "x-guidance": _CALL_JSON_STYLE}
     if fmt == "mistral":
-        closed = {"type": "array", "items": closed_objects(schema), "minItems": 1, "maxItems": 1, "x-guidance": _CALL_JSON_STYLE}
+        closed = {
+            "type": "array",
+            "items": closed_objects(schema),
+            "minItems": 1,
+            "maxItems": 1,
+            "x-guidance": _CALL_JSON_STYLE,
+        }
         if "$defs" in schema or "definitions" in schema:
             closed = {**closed, **{k: schema[k] for k in ("$defs", "definitions") if k in schema}}
     body = "%json " + json.dumps(closed)
@@ -430,7 +448,11 @@ def _single_token(encode: Encode, text: str) -> int | None:
 
 
 def _thinking_state(
-    prompt_text: str, thinking: bool | str | None, start_id: int | None, end_id: int | None, eos_ids: tuple[int, ...] = ()
+    prompt_text: str,
+    thinking: bool | str | None,
+    start_id: int | None,
+    end_id: int | None,
+    eos_ids: tuple[int, ...] = (),
 ) -> _Think | None:
     """Whether the answer starts after a think block: the prompt leaves one open, or thinking is
     asked for (then ``<think>`` is the first token)."""
@@ -449,6 +471,6 @@ def _error_path(message: str) -> str:
     for marker in ("at path ", "path: "):
         at = message.find(marker)
         if at >= 0:
-            rest = message[at + len(marker):].split()[0].strip("'\",;")
+            rest = message[at + len(marker) :].split()[0].strip("'\",;")
             return rest if rest.startswith("/") else ""
     return ""

@@ -11,7 +11,8 @@ can be tested with a fake backend.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Protocol, cast
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 from . import cuda_attention
 from .backend import Backend, BatchBackend, Drafter, PrefillRow

@@ -14,8 +14,9 @@ cohort, exclusive), the lane which loop runs it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from .request import DecodePath, EngineRequest, ExecutionMode, LaneName
 
@@ -63,14 +64,14 @@ class LaneSpec:
 
 def text_lane_row(request: EngineRequest) -> bool:
     """A row the text lane can run as mlx-vlm's loop would: text, no prefix-cache key."""
-    return request.prompt_kwargs_factory is None and request.prompt_cache_key is None
+    return request.image_prompt is None and request.prompt_cache_key is None
 
 
 def single_lane_row(request: EngineRequest, ctx: LaneContext) -> bool:
     """A row that can later move into a batch as is: text, no logits processors, grammar or
     logprobs (the text lane computes them, the single lane does not); a prefix-cache key only
     where the lane restores prefixes (RAM blocks, no SSD tier)."""
-    if request.prompt_kwargs_factory is not None or request.sampling.has_logit_processors() or request.grammar is not None:
+    if request.image_prompt is not None or request.sampling.has_logit_processors() or request.grammar is not None:
         return False
     if request.logprobs is not None:
         return False
@@ -111,15 +112,35 @@ def _batch(mode: ExecutionMode, requests: Sequence[EngineRequest], ctx: LaneCont
 LANES: dict[LaneName, LaneSpec] = {
     spec.name: spec
     for spec in (
-        LaneSpec(LaneName.SERIAL, _serial, lambda b, new, head: b.serial(new, head), "SerialBackend", DecodePath.SERIAL),
         LaneSpec(
-            LaneName.IN_PROCESS, _in_process, lambda b, new, head: b.in_process(new, head), "InProcessBackend", DecodePath.SERIAL
+            LaneName.SERIAL, _serial, lambda b, new, head: b.serial(new, head), "SerialBackend", DecodePath.SERIAL
         ),
-        LaneSpec(LaneName.SINGLE, _single, lambda b, new, head: b.single(new, head), "SingleBackend", DecodePath.SINGLE),
         LaneSpec(
-            LaneName.TEXT, _text, lambda b, new, head: b.text(new, head), "TextLoopBackend", DecodePath.TEXT_BATCH, LaneName.SINGLE
+            LaneName.IN_PROCESS,
+            _in_process,
+            lambda b, new, head: b.in_process(new, head),
+            "InProcessBackend",
+            DecodePath.SERIAL,
         ),
-        LaneSpec(LaneName.BATCH, _batch, lambda b, new, head: b.batch(new, head), "BatchBackend", DecodePath.BATCH, LaneName.SINGLE),
+        LaneSpec(
+            LaneName.SINGLE, _single, lambda b, new, head: b.single(new, head), "SingleBackend", DecodePath.SINGLE
+        ),
+        LaneSpec(
+            LaneName.TEXT,
+            _text,
+            lambda b, new, head: b.text(new, head),
+            "TextLoopBackend",
+            DecodePath.TEXT_BATCH,
+            LaneName.SINGLE,
+        ),
+        LaneSpec(
+            LaneName.BATCH,
+            _batch,
+            lambda b, new, head: b.batch(new, head),
+            "BatchBackend",
+            DecodePath.BATCH,
+            LaneName.SINGLE,
+        ),
     )
 }
 

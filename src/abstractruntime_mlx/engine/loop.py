@@ -35,11 +35,11 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 from ..errors import (
     EngineCrashed,
@@ -60,17 +60,17 @@ from .backend import (
     PrefixReuse,
     RowInput,
     StepResult,
+    image_prompt_inputs,
     speculation_counters,
 )
 from .config import EngineConfig
 from .lane_factory import BackendFactory, LaneFactory
 from .lanes import LANES
 from .model import Lane, LoadedModel
-from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
-from .request import EngineRequest, ExecutionMode, LaneName, RequestStatus
 from .output import Ending, OutputProcessor, outcome_of
-from .stream import PrefillCallback, RequestStream
-from .threads import POOL, WorkerHandle
+from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
+from .reports import PromptCacheReport, SpeculationCounters, in_process_cache_report
+from .request import EngineRequest, ExecutionMode, LaneName, RequestStatus
 from .scheduler import (
     Admission,
     GroupKey,
@@ -81,25 +81,13 @@ from .scheduler import (
     StepPlan,
     prefilling_rows,
 )
+from .stream import PrefillCallback, RequestStream
+from .threads import POOL, WorkerHandle
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _IDLE_WAIT_S = 0.5
-
-DEFERRED_UNDER_LOAD: dict[str, Any] = {
-    "used": False,
-    "reason": "deferred_under_load",
-    "message": "optional MTP ran target-only in the continuous batch while target-only work waited or ran",
-}
-
-
-IN_PROCESS_NO_REUSE: dict[str, Any] = {
-    "outcome": "not_supported",
-    "reason": "in_process_lane",
-    "message": "mlx-vlm's in-process lane (mlx_batching=False with MTP) prefills every prompt in full; "
-    "prefix reuse runs on the mlx-lm lane (speculation=False) or with mlx_batching=True",
-}
 
 
 @dataclass(slots=True)
@@ -165,7 +153,7 @@ class EngineState(StrEnum):
     CLOSED = "closed"
 
 
-_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 @atexit.register
@@ -220,7 +208,7 @@ class Engine:
         self.close_error: MLXRuntimeError | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
-    def start(self, timeout_s: float | None = None) -> "Engine":
+    def start(self, timeout_s: float | None = None) -> Engine:
         """Start the worker and wait until the model is loaded (its load error is raised here)."""
         self._thread = POOL.run(self._run, name=f"abstractruntime-mlx:{self.name}")
         _LIVE_ENGINES.add(self)
@@ -311,7 +299,9 @@ class Engine:
         loaded = self.loaded
         if loaded is not None:
             loaded.check_request(
-                prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens, logit_bias=request.sampling.logit_bias
+                prompt_tokens=request.num_prompt_tokens,
+                max_tokens=request.max_tokens,
+                logit_bias=request.sampling.logit_bias,
             )
         with self._cond:
             self._check_serving()
@@ -385,7 +375,13 @@ class Engine:
         now, read on the caller's thread (the split a start event reports); None on the
         batched lanes, whose prefix blocks are looked up on the worker as prefill starts."""
         loaded, cache = self.loaded, self.prefix_cache
-        if loaded is None or loaded.lane != Lane.MLX_LM or cache is None or cache.serial is None or request.prompt_cache_key is None:
+        if (
+            loaded is None
+            or loaded.lane != Lane.MLX_LM
+            or cache is None
+            or cache.serial is None
+            or request.prompt_cache_key is None
+        ):
             return None
         return cache.serial.peek(cache.salt(request, "serial"), request.prompt_ids)
 
@@ -486,7 +482,11 @@ class Engine:
                     self.prefix_cache.close()  # flushes the SSD tier for later processes
                 except Exception as exc:  # noqa: BLE001 - the worker still stops; unload reports it
                     log.warning("closing the prefix cache: %s", exc)
-                    failure = exc if isinstance(exc, MLXRuntimeError) else EngineError(f"closing the prefix cache failed: {exc}")
+                    failure = (
+                        exc
+                        if isinstance(exc, MLXRuntimeError)
+                        else EngineError(f"closing the prefix cache failed: {exc}")
+                    )
                     self.close_error = failure
                 self.prefix_cache = None
             self.loaded = None  # the worker owns the weights; they go with it
@@ -560,7 +560,9 @@ class Engine:
             stopping=self._stopping,
             model_lanes=self._backends.model_lanes,
             prefix_cache=self.prefix_cache is not None,
-            single_lane_restores=shared is not None and self.prefix_cache is not None and self.prefix_cache.disk is None,
+            single_lane_restores=shared is not None
+            and self.prefix_cache is not None
+            and self.prefix_cache.disk is None,
             shared_prefixes=shared,
             admission_paused=self.prefix_cache is not None and any(item.between_prefills for item in self._controls),
         )
@@ -579,7 +581,12 @@ class Engine:
         if plan.new_group is not None:
             self._admitting = taken  # a backend that cannot be built fails them
             backend = self._backends.build(plan.new_group, taken[0] if taken else None)
-            self._group = _Group(key=plan.new_group.key, backend=backend, speculation_baseline=speculation_counters(backend), size=len(taken))
+            self._group = _Group(
+                key=plan.new_group.key,
+                backend=backend,
+                speculation_baseline=speculation_counters(backend),
+                size=len(taken),
+            )
             self._admitting = []
         if plan.held:
             for hold in plan.held:
@@ -589,7 +596,7 @@ class Engine:
         for admission in plan.admit:
             self._admit(admission)
 
-    def _shared_prefixes(self) -> "_SharedPrefixes | None":
+    def _shared_prefixes(self) -> _SharedPrefixes | None:
         """The prefix cache as the scheduler sees it, where prefixes are shared as blocks."""
         cache = self.prefix_cache
         if cache is None or not cache.shares_blocks(self._model.model):
@@ -599,7 +606,11 @@ class Engine:
     def _make_lanes(self) -> LaneFactory:
         """The loaded model's lanes (at load, on the worker, once the prefix cache exists)."""
         self._lanes = LaneFactory(
-            self._model, self.config, stream=self._stream, prefix_cache=self.prefix_cache, on_prefill=self._on_prefill_row
+            self._model,
+            self.config,
+            stream=self._stream,
+            prefix_cache=self.prefix_cache,
+            on_prefill=self._on_prefill_row,
         )
         return self._lanes
 
@@ -750,8 +761,12 @@ class Engine:
             request.speculation_deferred = True  # optional MTP under load: target-only, in the batch
         try:
             prompt_inputs = None
-            if request.prompt_kwargs_factory is not None:
-                prompt_inputs = request.prompt_kwargs_factory()  # images expand the prompt: check its final length again
+            image = request.image_prompt
+            if image is not None:
+                # Images expand the prompt: its final ids are known here, so its length is checked again.
+                request.prompt_ids, prompt_inputs = image_prompt_inputs(
+                    self._model.model, self._model.processor, image.text, list(image.images)
+                )
                 self._model.check_request(prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens)
             row = RowInput(
                 request.prompt_ids,
@@ -792,7 +807,7 @@ class Engine:
         if self._model.lane == Lane.MLX_VLM:
             # mlx-vlm's in-process generation takes no restored cache without the full
             # prompt's rope positions; the key is served by a full prefill, said by name.
-            request.prompt_cache = {"mode": "key", "key": request.prompt_cache_key, **IN_PROCESS_NO_REUSE}
+            request.prompt_cache = in_process_cache_report(request.prompt_cache_key)
             return None
         if group.backend.kind == LaneName.SERIAL:
             layout = "serial"
@@ -879,18 +894,27 @@ class Engine:
             except Exception:  # noqa: BLE001 - a backend that failed may not close cleanly
                 log.exception("closing a batch backend failed")
 
-    def _finish(self, request: EngineRequest, status: RequestStatus, *, error: MLXRuntimeError | None = None, locked: bool = False) -> None:
+    def _finish(
+        self,
+        request: EngineRequest,
+        status: RequestStatus,
+        *,
+        error: MLXRuntimeError | None = None,
+        locked: bool = False,
+    ) -> None:
         if request.is_finished():
             return
         if status == RequestStatus.FINISHED_CANCELLED and error is None:
             error = RequestCancelled("the request was cancelled")
         request.transition(status)
         request.finished_at = time.perf_counter()
-        self._record_speculation(request)
-        if request.speculation_deferred:
-            request.speculation = dict(DEFERRED_UNDER_LOAD)
-        self._record_prompt_cache(request)
-        request.outcome = outcome_of(request, status, error)
+        request.outcome = outcome_of(
+            request,
+            status,
+            error,
+            speculation=self._speculation_counters(request),
+            prompt_cache=self._prompt_cache_report(request),
+        )
         if locked:
             self._account(request, status)
         else:
@@ -898,35 +922,35 @@ class Engine:
                 self._account(request, status)
         self._output.end_stream(request)
 
-    def _record_speculation(self, request: EngineRequest) -> None:
-        """MTP counters since the group started. A cohort's rounds are batch-wide, and upstream
-        sums the per-round mean acceptance, so they are shared diagnostics, not token totals."""
+    def _speculation_counters(self, request: EngineRequest) -> SpeculationCounters | None:
+        """MTP counters since the group started (None: no MTP, or a backend without them)."""
         group = self._group
         if group is None or group.speculation_baseline is None or not request.draft_tokens:
-            return
+            return None
         now = speculation_counters(group.backend)
         if now is None:
-            return
+            return None
         rounds0, accepted0, drafted0 = group.speculation_baseline
-        shared = group.size > 1
-        request.speculation = {
-            "rounds": now[0] - rounds0,
-            "accepted_tokens": round(now[1] - accepted0, 3),
-            "drafted_tokens": now[2] - drafted0,
-            "accounting": "cohort" if shared else "request",
-            "counter_semantics": "sum_of_round_means_not_batch_token_totals" if shared else "request_tokens",
-        }
+        return SpeculationCounters(
+            rounds=now[0] - rounds0,
+            accepted_tokens=round(now[1] - accepted0, 3),
+            drafted_tokens=now[2] - drafted0,
+            shared=group.size > 1,
+        )
 
-    def _record_prompt_cache(self, request: EngineRequest) -> None:
+    def _prompt_cache_report(self, request: EngineRequest) -> PromptCacheReport | None:
+        """What the prefix cache did for a keyed request (the one set at admission where the
+        lane reuses no prefix; None: unkeyed, or it never reached the cache)."""
         cache = self.prefix_cache
         if cache is None or request.cache_counters is None or request.cache_layout is None:
-            return
+            return request.prompt_cache
         try:
-            request.prompt_cache = cache.report(
+            return cache.report(
                 request, request.cache_counters, shared=request.peak_batch_size > 1, layout=request.cache_layout
             )
         except Exception:  # noqa: BLE001 - a report must never fail the request it describes
             log.exception("prefix-cache report failed")
+            return request.prompt_cache
 
     def prompt_cache_stats(self) -> dict[str, Any] | None:
         """The prefix cache's stats, read on the worker; None when this model has none."""
@@ -934,7 +958,9 @@ class Engine:
 
     def prompt_cache_clear(self) -> dict[str, Any] | None:
         """Drop every owned RAM and SSD entry, between prefills; None without a prefix cache."""
-        return self.control(lambda: self.prefix_cache.clear() if self.prefix_cache is not None else None, between_prefills=True)
+        return self.control(
+            lambda: self.prefix_cache.clear() if self.prefix_cache is not None else None, between_prefills=True
+        )
 
     def prompt_cache_command(self, command: Callable[[PrefixCache], dict[str, Any]]) -> dict[str, Any] | None:
         """Run one prefix-cache command (eviction hints, pin, release) on the worker between

@@ -77,7 +77,9 @@ class LoadedModel:
         """Positions the model was trained for (prompt plus output); None when the config has none."""
         return _text_setting(self.config, "max_position_embeddings")
 
-    def check_request(self, *, prompt_tokens: int, max_tokens: int, logit_bias: tuple[tuple[int, float], ...] = ()) -> None:
+    def check_request(
+        self, *, prompt_tokens: int, max_tokens: int, logit_bias: tuple[tuple[int, float], ...] = ()
+    ) -> None:
         """Refuse what this model cannot run: bias on a token it does not have (MLX would
         index past the logits) and a prompt plus output cap past its context."""
         vocab = self.vocab_size
@@ -237,7 +239,9 @@ def _hf_tokenizer(tokenizer: Any) -> Any:
         if hasattr(tokenizer, "backend_tokenizer"):
             return tokenizer
         tokenizer = getattr(tokenizer, "_tokenizer", None) or getattr(tokenizer, "tokenizer", None)
-    raise InvalidControls("structured output needs a Hugging Face fast tokenizer; this model has none", field="response_format")
+    raise InvalidControls(
+        "structured output needs a Hugging Face fast tokenizer; this model has none", field="response_format"
+    )
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -322,5 +326,7 @@ def _streaming_detokenizer(upstream: Any, tokenizer: Any) -> Any:
     if kind == "BPEStreamingDetokenizer":
         return tokenizer_utils.BPEStreamingDetokenizer(tokenizer)
     if kind == "SPMStreamingDetokenizer":
-        return tokenizer_utils.SPMStreamingDetokenizer(tokenizer, trim_space=bool(getattr(upstream, "trim_space", True)))
+        return tokenizer_utils.SPMStreamingDetokenizer(
+            tokenizer, trim_space=bool(getattr(upstream, "trim_space", True))
+        )
     return upstream  # the naive detokenizer already decodes every token

@@ -21,7 +21,17 @@ from typing import Any
 
 from ..errors import MLXRuntimeError, StreamBackpressure
 from .backend import PrefillRow, TokenEvent
-from .request import END_OF_STREAM, EngineRequest, FinishReason, Outcome, PrefillObservation, RequestStatus, TokenDelta
+from .reports import PromptCacheReport, SpeculationCounters, speculation_report
+from .request import (
+    END_OF_STREAM,
+    EngineRequest,
+    FinishReason,
+    Outcome,
+    PrefillObservation,
+    RequestStatus,
+    TokenDelta,
+    execution_report,
+)
 from .sampling import SampledLogprob
 from .stops import StopMatcher
 
@@ -106,9 +116,15 @@ class OutputProcessor:
 
     def on_prefill(self, request: EngineRequest, row: PrefillRow) -> None:
         """Deliver a prefill observation to a consumer that asked for them, when it is news."""
-        if request.observe_prefill and request.first_token_at is None and reports_position(request.prefill_position, row):
+        if (
+            request.observe_prefill
+            and request.first_token_at is None
+            and reports_position(request.prefill_position, row)
+        ):
             request.prefill_position = row.processed
-            _deliver(request, PrefillObservation(processed=row.processed, total=row.total, cached=row.cached), droppable=True)
+            _deliver(
+                request, PrefillObservation(processed=row.processed, total=row.total, cached=row.cached), droppable=True
+            )
 
     def end_stream(self, request: EngineRequest) -> None:
         """The request finished (its ``outcome`` set): drop its output state, wake its consumer."""
@@ -118,17 +134,26 @@ class OutputProcessor:
         request.notify()
 
 
-def outcome_of(request: EngineRequest, status: RequestStatus, error: MLXRuntimeError | None) -> Outcome:
-    """What a finished request reports (its status already set)."""
+def outcome_of(
+    request: EngineRequest,
+    status: RequestStatus,
+    error: MLXRuntimeError | None,
+    *,
+    speculation: SpeculationCounters | None = None,
+    prompt_cache: PromptCacheReport | None = None,
+) -> Outcome:
+    """What a finished request reports (its status already set), with the group's MTP counters
+    and the prefix cache's report, which the engine reads."""
+    plan = request.speculation
     return Outcome(
         finish_reason=request.finish_reason() or FinishReason.ERROR,
         prompt_tokens=request.num_prompt_tokens,
         completion_tokens=request.num_output_tokens,
         cached_tokens=request.cached_tokens,
-        execution=request.execution_metadata(),
-        speculation=request.speculation,
+        execution=execution_report(request),
+        speculation=None if plan is None else speculation_report(plan, speculation, request.speculation_deferred),
         error=error,
-        prompt_cache=request.prompt_cache,
+        prompt_cache=prompt_cache,
         stop_reason=request.stop_reason if status == RequestStatus.FINISHED_STOPPED else None,
     )
 

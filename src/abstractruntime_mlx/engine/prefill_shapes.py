@@ -113,11 +113,18 @@ def warm(model: Any, buckets: Buckets) -> None:
     for width in buckets.widths:
         for length in buckets.lengths:
             # The last length bucket is the chunk size: each warm-up prompt is one chunk.
-            batch = cls(model, uids=list(range(width)), caches=[make_prompt_cache(model) for _ in range(width)],
-                        prefill_step_size=buckets.lengths[-1])
+            batch = cls(
+                model,
+                uids=list(range(width)),
+                caches=[make_prompt_cache(model) for _ in range(width)],
+                prefill_step_size=buckets.lengths[-1],
+            )
             batch.buckets = buckets
             # Every other row one token short: the padded path, as most real batches take it.
             batch.prompt([[1] * (length - (i % 2)) for i in range(width)])
     mx.clear_cache()
-    log.info("prefill shapes: %d (width x length) warmed in %.2fs",
-             len(buckets.widths) * len(buckets.lengths), time.perf_counter() - t0)
+    log.info(
+        "prefill shapes: %d (width x length) warmed in %.2fs",
+        len(buckets.widths) * len(buckets.lengths),
+        time.perf_counter() - t0,
+    )

@@ -82,7 +82,9 @@ def _excerpt(tokenizer: Any, ids: Sequence[int], *, tail: bool = False) -> str:
     return text[-EXCERPT_CHARS:] if tail else text[:EXCERPT_CHARS]
 
 
-def locate(token: int, prompt_ids: Sequence[int], text: str, conversation: list[dict[str, Any]], renderer: _Renderer) -> dict[str, Any]:
+def locate(
+    token: int, prompt_ids: Sequence[int], text: str, conversation: list[dict[str, Any]], renderer: _Renderer
+) -> dict[str, Any]:
     """The segment of the rendered prompt ``text`` (tokenized: ``prompt_ids``) holding ``token``:
     ``{"segment": "tools"}``, ``{"segment": "message", "message_index", "role"}``,
     ``{"segment": "generation_prompt"}`` or ``{"segment": "prompt_end"}``.
@@ -126,7 +128,11 @@ def attribute(
     thinking: bool | str | None,
 ) -> dict[str, Any]:
     """``prompt_cache.prefix_break``: where the prompt diverged, with the counts and excerpts."""
-    out: dict[str, Any] = {"token": brk.token, "reused_tokens": brk.reused_tokens, "expected_tokens": brk.expected_tokens}
+    out: dict[str, Any] = {
+        "token": brk.token,
+        "reused_tokens": brk.reused_tokens,
+        "expected_tokens": brk.expected_tokens,
+    }
     renderer = _Renderer(tokenizer, tools or None, thinking)
     try:
         out.update(locate(brk.token, prompt_ids, text, conversation, renderer))

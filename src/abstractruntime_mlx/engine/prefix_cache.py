@@ -40,6 +40,7 @@ from typing import Any
 from ..errors import InvalidControls, PromptCacheFlushFailed, PromptCacheLocked, PromptCachePathUnsafe
 from .cache_priority import CachePriorities, eviction_order, validate_hints, validate_pin
 from .prefix_break import find_break
+from .reports import ApcReport, PromptCacheReport
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,15 @@ LOCK_FILE = "abstractruntime-mlx-owner.lock"
 SCHEMA = "abstractruntime-mlx-prefix-cache/v1"
 # Per-call counters reported under ``prompt_cache.apc`` (deltas over the call's lifetime).
 CALL_COUNTERS = (
-    "stores", "exact_stores", "hits", "exact_hits", "misses", "memory_skips", "rejects", "disk_hits", "disk_corrupt",
+    "stores",
+    "exact_stores",
+    "hits",
+    "exact_hits",
+    "misses",
+    "memory_skips",
+    "rejects",
+    "disk_hits",
+    "disk_corrupt",
 )
 _MAX_TRACKED_KEYS = 4096
 
@@ -82,7 +91,12 @@ def validate_options(options: dict[str, Any]) -> CacheOptions:
     """Build ``CacheOptions`` from provider options, with typed errors naming the field."""
 
     def number(name: str, value: Any, *, allow_zero: bool) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or value != value
+            or value in (float("inf"), float("-inf"))
+        ):
             raise InvalidControls(f"{name} must be a finite number of GiB", field=name, value=value)
         if value < 0 or (value == 0 and not allow_zero):
             raise InvalidControls(f"{name} must be {'>= 0' if allow_zero else '> 0'}", field=name, value=value)
@@ -100,13 +114,17 @@ def validate_options(options: dict[str, Any]) -> CacheOptions:
     if memory is not None:
         memory = number("mlx_cache_memory_max_gb", memory, allow_zero=True)
     if disk_path is not None and (not isinstance(disk_path, (str, os.PathLike)) or not str(disk_path)):
-        raise InvalidControls("mlx_cache_disk_path must be a non-empty path", field="mlx_cache_disk_path", value=disk_path)
+        raise InvalidControls(
+            "mlx_cache_disk_path must be a non-empty path", field="mlx_cache_disk_path", value=disk_path
+        )
     if disk_max is None:
         disk_max = DEFAULT_DISK_MAX_GB
     else:
         disk_max = number("mlx_cache_disk_max_gb", disk_max, allow_zero=False)
     if not isinstance(scope, str) or not scope or len(scope) > 256:
-        raise InvalidControls("mlx_cache_scope must be a non-empty string (at most 256 characters)", field="mlx_cache_scope", value=scope)
+        raise InvalidControls(
+            "mlx_cache_scope must be a non-empty string (at most 256 characters)", field="mlx_cache_scope", value=scope
+        )
     return CacheOptions(memory, str(disk_path) if disk_path is not None else None, disk_max, scope, sharing)
 
 
@@ -276,7 +294,9 @@ class DiskNamespace:
                     return
             except (OSError, ValueError):
                 pass
-            log.warning("prompt cache %s: identity marker differs or is damaged; starting the namespace empty", self.dir)
+            log.warning(
+                "prompt cache %s: identity marker differs or is damaged; starting the namespace empty", self.dir
+            )
             self.remove_snapshots()
         with contextlib.suppress(FileNotFoundError):
             marker.unlink()
@@ -361,11 +381,15 @@ def counted_manager_class() -> type:
             if priorities is None or not priorities.active:
                 return bool(super()._make_room(allocation_bytes, retain_bytes=retain_bytes))
             required = self.memory_reserve_bytes + (
-                self._prefill_reserve_bytes + allocation_bytes if retain_bytes else max(self._prefill_reserve_bytes, allocation_bytes)
+                self._prefill_reserve_bytes + allocation_bytes
+                if retain_bytes
+                else max(self._prefill_reserve_bytes, allocation_bytes)
             )
             with self.lock:
                 resident = self._resident_bytes_locked()
-                target = max(0, min(self.memory_max_bytes - retain_bytes, resident + self._memory_headroom() - required))
+                target = max(
+                    0, min(self.memory_max_bytes - retain_bytes, resident + self._memory_headroom() - required)
+                )
                 evicted = 0
                 victims: list[Any] | None = None
                 while resident > target:
@@ -487,7 +511,9 @@ def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
 class PrefixCache:
     """The prefix cache of one resident model (worker thread only)."""
 
-    def __init__(self, loaded: Any, options: CacheOptions, *, max_batch_size: int, restore_align: int = BLOCK_SIZE) -> None:
+    def __init__(
+        self, loaded: Any, options: CacheOptions, *, max_batch_size: int, restore_align: int = BLOCK_SIZE
+    ) -> None:
         self.options = options
         self.lane = loaded.lane
         self.budget = memory_budget(options.memory_max_gb)
@@ -587,7 +613,13 @@ class PrefixCache:
         """Keep ``key``'s blocks resident for ``ttl_s`` (a live request's need still wins)."""
         name, ttl = validate_pin(key, ttl_s)
         pin = self.priorities.pin(name, ttl)
-        return {"eviction": self.eviction, "key": name, "ttl_s": ttl, "pins": len(self.priorities.pins), "expires_in_s": round(pin.expires_at - pin.pinned_at, 3)}
+        return {
+            "eviction": self.eviction,
+            "key": name,
+            "ttl_s": ttl,
+            "pins": len(self.priorities.pins),
+            "expires_in_s": round(pin.expires_at - pin.pinned_at, 3),
+        }
 
     def release(self, key: object) -> dict[str, Any]:
         if not isinstance(key, str) or not key.strip():
@@ -644,8 +676,9 @@ class PrefixCache:
         assert self.serial is not None
         return self.serial.resident_bytes
 
-    def report(self, request: Any, before: dict[str, int], *, shared: bool, layout: str) -> dict[str, Any]:
-        """``metadata["prompt_cache"]`` for a finished keyed request; updates the key's record.
+    def report(self, request: Any, before: dict[str, int], *, shared: bool, layout: str) -> PromptCacheReport:
+        """What the cache did for a finished keyed request (``metadata["prompt_cache"]``);
+        updates the key's record.
 
         Sets ``request.prefix_break`` when the prompt broke the key's previous prompt (see
         ``prefix_break``): the caller locates it, off this thread."""
@@ -691,24 +724,20 @@ class PrefixCache:
         while len(self._keys) > _MAX_TRACKED_KEYS:
             self._keys.popitem(last=False)
         self.totals["requests"] += 1
-        self.totals[{"hit": "hits", "partial": "partial", "miss": "misses", "not_retained": "not_retained"}[outcome]] += 1
-        meta: dict[str, Any] = {
-            "mode": "key",
-            "key": request.prompt_cache_key,
-            "backend": self.backend,
-            "cached_tokens": cached,
-            "fed_tokens": len(prompt) - cached,
-            "outcome": outcome,
-            "apc": {
-                **delta,
-                "accounting": "shared" if shared else "request",
-                "memory_max_bytes": self.budget.max_bytes,
-                "resident_bytes": self.resident_bytes(),
-            },
-        }
-        if degraded is not None:
-            meta["degraded_reason"] = degraded
-        return meta
+        self.totals[
+            {"hit": "hits", "partial": "partial", "miss": "misses", "not_retained": "not_retained"}[outcome]
+        ] += 1
+        return PromptCacheReport(
+            request.prompt_cache_key,
+            outcome,
+            backend=self.backend,
+            cached_tokens=cached,
+            fed_tokens=len(prompt) - cached,
+            apc=ApcReport(
+                **delta, shared=shared, memory_max_bytes=self.budget.max_bytes, resident_bytes=self.resident_bytes()
+            ),
+            degraded_reason=degraded,
+        )
 
     # --- control ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Any, Callable
+from typing import Any
 
 from ..controls import Sampling
 from ..errors import MLXRuntimeError
 from .grammar import GrammarProcessor
 from .prefix_break import PrefixBreak
+from .reports import PromptCacheReport, SpeculationPlan, SpeculationReport
 from .sampling import SampledLogprob
 
 
@@ -143,13 +145,22 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None
-    execution: dict[str, Any]
-    speculation: dict[str, Any] | None
+    execution: ExecutionReport
+    speculation: SpeculationReport | None  # None: submitted without a plan (``EngineRequest.speculation``)
     error: MLXRuntimeError | None = None
-    prompt_cache: dict[str, Any] | None = None
+    prompt_cache: PromptCacheReport | None = None  # keyed requests that reached the cache
     stop_reason: str | int | None = None
     """What ended a stopped request: the stop string that matched, or the end-of-sequence token
     id (None: it ended otherwise)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePrompt:
+    """A prompt with images. Its final ids and the row's embeddings come from the vision
+    processor, on the worker at admission (``Engine._admit``), which sets ``prompt_ids``."""
+
+    text: str
+    images: tuple[Any, ...]
 
 
 @dataclass(slots=True, eq=False)
@@ -163,7 +174,7 @@ class EngineRequest:
     # Strict MTP (``require_acceleration``): never deferred. Optional MTP runs target-only in
     # the continuous batch while target-only work waits or runs (``speculation_deferred``).
     speculation_required: bool = False
-    prompt_kwargs_factory: Callable[[], dict[str, Any]] | None = None
+    image_prompt: ImagePrompt | None = None
     cache_group: Any = None
     prompt_cache_key: str | None = None
     media_hash: int = 0
@@ -184,11 +195,11 @@ class EngineRequest:
     finished_at: float | None = None
     peak_batch_size: int = 0
     cached_tokens: int | None = None
-    speculation: dict[str, Any] | None = None
+    speculation: SpeculationPlan | None = None  # the provider's plan (``draft_tokens`` is its depth)
     speculation_deferred: bool = False  # optional MTP admitted target-only under load
     cache_counters: dict[str, int] | None = None  # prefix-cache counters at admission
     cache_layout: str | None = None
-    prompt_cache: dict[str, Any] | None = None
+    prompt_cache: PromptCacheReport | None = None  # set at admission where the lane reuses no prefix
     prefix_break: PrefixBreak | None = None  # set with ``prompt_cache`` when the prompt broke its key's prefix
     stop_reason: str | int | None = None  # the matched stop string or end-of-sequence id (``Outcome``)
     # The admitted request whose prefill stores the prefix this one shares (see scheduler).
@@ -196,7 +207,7 @@ class EngineRequest:
     # The prefill position last delivered to the consumer (``Engine._on_prefill_row``): an
     # observation is delivered only when it moves past it.
     prefill_position: int = 0
-    outputs: "queue.SimpleQueue[Any]" = field(init=False)
+    outputs: queue.SimpleQueue[Any] = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Outcome | None = None
     waker: Callable[[], None] | None = None
@@ -259,23 +270,48 @@ class EngineRequest:
     def cancelled(self) -> bool:
         return self.cancel_event.is_set()
 
-    def execution_metadata(self) -> dict[str, Any]:
+    def notify(self) -> None:
+        waker = self.waker
+        if waker is not None:
+            waker()
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionReport:
+    """``metadata["execution"]``: the group's mode, the decode loop, why it ran alone, the
+    widest batch it shared, and its queue and first-token times (seconds from submit)."""
+
+    mode: ExecutionMode | None = None
+    path: DecodePath | None = None
+    reason: ExclusiveReason | None = None
+    peak_batch_size: int = 0
+    queue_s: float | None = None
+    ttft_s: float | None = None
+
+    def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.mode is not None:
             out["mode"] = self.mode
         if self.path is not None:
             out["path"] = self.path
-        if self.exclusive_reason is not None:
-            out["reason"] = self.exclusive_reason
+        if self.reason is not None:
+            out["reason"] = self.reason
         if self.peak_batch_size:
             out["peak_batch_size"] = self.peak_batch_size
-        if self.started_at is not None:
-            out["queue_s"] = round(self.started_at - self.submitted_at, 6)
-        if self.first_token_at is not None:
-            out["ttft_s"] = round(self.first_token_at - self.submitted_at, 6)
+        if self.queue_s is not None:
+            out["queue_s"] = self.queue_s
+        if self.ttft_s is not None:
+            out["ttft_s"] = self.ttft_s
         return out
 
-    def notify(self) -> None:
-        waker = self.waker
-        if waker is not None:
-            waker()
+
+def execution_report(request: EngineRequest) -> ExecutionReport:
+    submitted = request.submitted_at
+    return ExecutionReport(
+        mode=request.mode,
+        path=request.path,
+        reason=request.exclusive_reason,
+        peak_batch_size=request.peak_batch_size,
+        queue_s=None if request.started_at is None else round(request.started_at - submitted, 6),
+        ttft_s=None if request.first_token_at is None else round(request.first_token_at - submitted, 6),
+    )

@@ -16,8 +16,9 @@ applied per row before sampling (``backend.make_logits_processors``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, cast
+from typing import cast
 
 import mlx.core as mx
 
@@ -53,7 +54,7 @@ class RowStream:
         self.position = 0
 
     @classmethod
-    def for_sampling(cls, sampling: Sampling) -> "RowStream | None":
+    def for_sampling(cls, sampling: Sampling) -> RowStream | None:
         """The stream of a sampled request, or None for a greedy one (temperature 0)."""
         return None if not sampling.temperature else cls(sampling)
 
@@ -173,7 +174,9 @@ class PendingLogprobs:
         return SampledLogprob(token_id, float(cast(float, self.chosen.item())), top)
 
 
-def row_logprobs(logprobs: mx.array, tokens: mx.array, rows: Sequence[int], tops: Sequence[int]) -> list[PendingLogprobs]:
+def row_logprobs(
+    logprobs: mx.array, tokens: mx.array, rows: Sequence[int], tops: Sequence[int]
+) -> list[PendingLogprobs]:
     """The logprobs of ``tokens`` (B,) drawn from ``logprobs`` (B, V), for the batch rows
     ``rows`` only, each with its ``tops[i]`` best alternatives.
     Lazy: nothing is computed until the arrays are evaluated. Rows that did not ask cost nothing."""

@@ -51,8 +51,9 @@ Policy (the fairness rule):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Protocol, Sequence
+from typing import Protocol
 
 from .config import EngineConfig
 from .lanes import LaneContext, adopting_lane, choose_lane, one_at_a_time_lane, text_lane_row
@@ -77,7 +78,9 @@ class GroupKey:
         if group_key(request, **options) == self:
             return True
         # A continuous group is target-only work running: optional MTP joins it target-only.
-        return self.mode == ExecutionMode.CONTINUOUS and request.deferrable and self == target_only_key(request, **options)
+        return (
+            self.mode == ExecutionMode.CONTINUOUS and request.deferrable and self == target_only_key(request, **options)
+        )
 
 
 def group_key(
@@ -98,14 +101,18 @@ def group_key(
     elif draft_tokens > 0:
         return GroupKey(ExecutionMode.COHORT, draft_tokens, cache_group)
     lane = LaneName.TEXT if text_lane and text_lane_row(request) else LaneName.BATCH
-    return GroupKey(ExecutionMode.CONTINUOUS, 0, cache_group, sampled_exclusive=sampled_exclusive, lane=lane, text_lane=text_lane)
+    return GroupKey(
+        ExecutionMode.CONTINUOUS, 0, cache_group, sampled_exclusive=sampled_exclusive, lane=lane, text_lane=text_lane
+    )
 
 
 def target_only_key(request: EngineRequest, *, sampled_exclusive: bool = False, text_lane: bool = False) -> GroupKey:
     return group_key(request, sampled_exclusive=sampled_exclusive, target_only=True, text_lane=text_lane)
 
 
-def under_load(waiting: Sequence[EngineRequest], *, sampled_exclusive: bool = False, text_lane: bool = False) -> GroupKey | None:
+def under_load(
+    waiting: Sequence[EngineRequest], *, sampled_exclusive: bool = False, text_lane: bool = False
+) -> GroupKey | None:
     """The continuous key the head of ``waiting`` defers to, or None when it runs its MTP.
 
     The head defers when it is optional MTP and the run of requests its target-only group
@@ -175,7 +182,6 @@ def count_compatible_head(waiting: Sequence[EngineRequest], key: GroupKey) -> in
             break
         n += 1
     return n
-
 
 
 # --- the plan --------------------------------------------------------------------------
@@ -322,13 +328,20 @@ class Scheduler:
         lanes = self._lane_context(state)
         alone = one_at_a_time_lane(lanes)
         if alone is not None:
-            key = GroupKey(ExecutionMode.EXCLUSIVE, self._head_key(state).draft_tokens, (head.cache_group, head.request_id), ExclusiveReason.SERIALIZED_LANE)
+            key = GroupKey(
+                ExecutionMode.EXCLUSIVE,
+                self._head_key(state).draft_tokens,
+                (head.cache_group, head.request_id),
+                ExclusiveReason.SERIALIZED_LANE,
+            )
             return self._started(state, NewGroup(key, alone, 1), [head])
         window = self._window
         if window is None or window.head is not head:
             key = self._head_key(state)
             if key.mode == ExecutionMode.EXCLUSIVE:
-                key = GroupKey(ExecutionMode.EXCLUSIVE, key.draft_tokens, (head.cache_group, head.request_id), key.reason)
+                key = GroupKey(
+                    ExecutionMode.EXCLUSIVE, key.draft_tokens, (head.cache_group, head.request_id), key.reason
+                )
                 return self._started(state, NewGroup(key, choose_lane(key.mode, [head], lanes), 1), [head])
             window = _Window(head, key, state.now, count_compatible_head(waiting, key), state.now)
         else:
@@ -382,7 +395,11 @@ class Scheduler:
             return None
         if window.seen >= cfg.max_batch_size or state.stopping:
             return None
-        if cohort and under_load(state.waiting, sampled_exclusive=cfg.sampled_exclusive, text_lane=self._text_lane(state)) is not None:
+        if (
+            cohort
+            and under_load(state.waiting, sampled_exclusive=cfg.sampled_exclusive, text_lane=self._text_lane(state))
+            is not None
+        ):
             return None
         until = window.started + cfg.batch_wait_ms / 1000.0
         if quiet_ms is not None:
@@ -427,7 +444,7 @@ class Scheduler:
         held: list[HeldForPrefix] = []
         for request in requests:
             leader = None
-            if request.prompt_cache_key is not None and request.prompt_kwargs_factory is None:
+            if request.prompt_cache_key is not None and request.image_prompt is None:
                 salt = index.salt(request)
                 same_salt = [r for r in prefilling if index.salt(r) == salt]
                 if same_salt:

@@ -23,8 +23,9 @@ cancellable as any prefill); mlx-lm then generates from that cache.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..errors import UpstreamError
 from .backend import (
@@ -38,8 +39,8 @@ from .backend import (
     row_processors,
 )
 from .prefix_cache import GUARD_TOKENS, SerialStore
-from .sampling import make_sampler
 from .request import LaneName
+from .sampling import make_sampler
 
 PrefillHook = Callable[[int, PrefillRow], bool]
 
@@ -54,7 +55,9 @@ class SerialBackend:
     kind = LaneName.SERIAL
     max_batch_size = 1
 
-    def __init__(self, model: Any, tokenizer: Any, *, prefill_step_size: int, stream: Any, on_prefill: PrefillHook) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, *, prefill_step_size: int, stream: Any, on_prefill: PrefillHook
+    ) -> None:
         self.model = model
         self._tokenizer = tokenizer
         self._prefill_step_size = prefill_step_size
@@ -107,11 +110,19 @@ class SerialBackend:
 
             def observe(position: int) -> bool:
                 nonlocal cancelled
-                cancelled = not self._on_prefill(uid, PrefillRow(processed=position, total=len(prompt), cached=restored.cached))
+                cancelled = not self._on_prefill(
+                    uid, PrefillRow(processed=position, total=len(prompt), cached=restored.cached)
+                )
                 return not cancelled
 
             restored = prefill_to_checkpoint(
-                self._prefix_model(), store, salt, prompt, restored, prefill_step_size=self._prefill_step_size, observe=observe
+                self._prefix_model(),
+                store,
+                salt,
+                prompt,
+                restored,
+                prefill_step_size=self._prefill_step_size,
+                observe=observe,
             )
             if cancelled:
                 return None
@@ -138,7 +149,9 @@ class SerialBackend:
         if prompt_cache is not None:
             kwargs["prompt_cache"] = prompt_cache
         return iter(
-            mlx_lm.stream_generate(self.model, self._tokenizer, prompt, max_tokens=row.max_tokens, stream=self._stream, **kwargs)
+            mlx_lm.stream_generate(
+                self.model, self._tokenizer, prompt, max_tokens=row.max_tokens, stream=self._stream, **kwargs
+            )
         )
 
     def free_slots(self) -> int:

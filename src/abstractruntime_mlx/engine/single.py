@@ -24,13 +24,14 @@ sampled row draws from its own ``RowStream``, so a row's tokens are the same on 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import mlx.core as mx
 
 from .backend import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors
-from .sampling import RowStream, sample_rows
 from .request import LaneName
+from .sampling import RowStream, sample_rows
 
 _CLEAR_CACHE_EVERY = 256  # tokens (mlx-lm's generate_step)
 
@@ -87,7 +88,9 @@ class SingleBackend:
         if row.prefix is not None and row.prefix.serial is not None:
             raise RuntimeError("the single lane restores the native prefix cache's blocks, not a serialized snapshot")
         if row.grammar is not None or row.prompt_inputs is not None:
-            raise RuntimeError("the single lane runs text rows without logits processors; this request runs in the batch")
+            raise RuntimeError(
+                "the single lane runs text rows without logits processors; this request runs in the batch"
+            )
         with map_upstream_errors("inserting a prompt"):
             self._row = RowStream.for_sampling(row.sampling)
         if self._make_cache is not None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from collections.abc import AsyncGenerator, Iterator
-from typing import Callable, Protocol
+from collections.abc import AsyncGenerator, Callable, Iterator
+from typing import Protocol
 
 from ..errors import EngineCrashed
 from .request import END_OF_STREAM, EngineRequest, Outcome, PrefillObservation, TokenDelta
@@ -20,6 +20,7 @@ class Owner(Protocol):
 
     def _worker_alive(self) -> bool: ...
 
+
 _POLL_S = 0.05
 _IDLE_WAIT_S = 0.5
 
@@ -33,7 +34,9 @@ class RequestStream:
     cancels the request.
     """
 
-    def __init__(self, engine: Owner, request: EngineRequest, *, on_prefill_progress: PrefillCallback | None = None) -> None:
+    def __init__(
+        self, engine: Owner, request: EngineRequest, *, on_prefill_progress: PrefillCallback | None = None
+    ) -> None:
         self.engine = engine
         self.request = request
         self.on_prefill_progress = on_prefill_progress
@@ -55,7 +58,7 @@ class RequestStream:
                     item = request.outputs.get(timeout=_POLL_S)
                 except queue.Empty:
                     if not self.engine._worker_alive() and not request.done.is_set():
-                        raise EngineCrashed("the MLX worker stopped while the request was live")
+                        raise EngineCrashed("the MLX worker stopped while the request was live") from None
                     continue
                 if item is END_OF_STREAM:
                     break
@@ -94,12 +97,12 @@ class RequestStream:
                     item = request.outputs.get_nowait()
                 except queue.Empty:
                     if not self.engine._worker_alive() and not request.done.is_set():
-                        raise EngineCrashed("the MLX worker stopped while the request was live")
+                        raise EngineCrashed("the MLX worker stopped while the request was live") from None
                     wake.clear()
                     if request.outputs.empty():
                         try:
                             await asyncio.wait_for(wake.wait(), timeout=_IDLE_WAIT_S)
-                        except asyncio.TimeoutError:
+                        except TimeoutError:
                             pass
                     continue
                 if item is END_OF_STREAM:

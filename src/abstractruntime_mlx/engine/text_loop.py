@@ -51,10 +51,19 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from .backend import DecodingRow, LogitsProcessor, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors, row_processors
+from .backend import (
+    DecodingRow,
+    LogitsProcessor,
+    PrefillRow,
+    RowInput,
+    StepResult,
+    TokenEvent,
+    map_upstream_errors,
+    row_processors,
+)
 from .prefill_shapes import Buckets
-from .sampling import PendingLogprobs, RowStream, row_logprobs, sample_rows
 from .request import LaneName
+from .sampling import PendingLogprobs, RowStream, row_logprobs, sample_rows
 from .scheduler import plan_prefill, should_compact
 
 __all__ = ["TextLoopBackend"]
@@ -288,7 +297,9 @@ class TextLoopBackend:
         live = sum(not r.done for r in self._rows)
         free = self.max_batch_size - live - (len(self._chunked.rows) if self._chunked else 0)
         rows = list(self._waiting)
-        plan = plan_prefill([len(r.prompt) for r in rows], free=free, step_size=self._step_size, chunking=self._chunked is not None)
+        plan = plan_prefill(
+            [len(r.prompt) for r in rows], free=free, step_size=self._step_size, chunking=self._chunked is not None
+        )
         short = [rows[i] for i in plan.short]
         long = [rows[i] for i in plan.long]
         taken = {*plan.short, *plan.long}
@@ -358,7 +369,9 @@ class TextLoopBackend:
     def _join(self, rows: list[_Row], cache: list[Any], inputs: mx.array) -> None:
         """Append rows (their cache, their next inputs) to the decoding batch, finished rows
         dropped first."""
-        if should_compact(len(self._rows), sum(r.done for r in self._rows), joining=True, idle_allowed=self._idle_finished):
+        if should_compact(
+            len(self._rows), sum(r.done for r in self._rows), joining=True, idle_allowed=self._idle_finished
+        ):
             self._compact()
         if not self._rows:
             self._rows, self._cache, self._inputs = list(rows), cache, inputs

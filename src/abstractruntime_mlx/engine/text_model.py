@@ -56,7 +56,9 @@ def language_model(path: Path, model: Any) -> Any | None:
         ours[k].shape == theirs[k].shape and ours[k].dtype == theirs[k].dtype for k in ours
     )
     if not same:
-        log.info("no text lane: mlx-lm's parameters for %s differ from mlx-vlm's; its rows run in mlx-vlm's batch", path)
+        log.info(
+            "no text lane: mlx-lm's parameters for %s differ from mlx-vlm's; its rows run in mlx-vlm's batch", path
+        )
         return None
     twin.load_weights(list(ours.items()))  # the resident arrays, shared
     return twin

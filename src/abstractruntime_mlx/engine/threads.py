@@ -9,8 +9,8 @@ exits: when its engine stops, it parks and serves the next engine that starts.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 @dataclass(slots=True)
@@ -32,7 +32,7 @@ class WorkerHandle:
 
 
 class _Worker:
-    def __init__(self, pool: "WorkerPool") -> None:
+    def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
         self.job: tuple[Callable[[], None], WorkerHandle] | None = None
         self.wake = threading.Condition()

@@ -2,7 +2,7 @@
 
     node = LLMNode(ledger=ledger, default_model="/models/qwen")
     request = NodeRequest(prompt="Explain TTL caches.", speculation=False, run_thinking="low",
-                          sampling={"temperature": 0, "max_output_tokens": 64})
+                          sampling={"temperature": 0}, max_output_tokens=64)
     result = node.run(request, key=NodeKey(run_id, "llm_a", step_id=step_id, attempt=1))
     result.content, result.controls.sources, result.to_runtime_result()
 
@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING, Final, Literal, NotRequired, TypedDict
 
 from ..artifacts import size_on_disk
 from ..controls import NOTHING_SAID, UNSET, ControlLevel, ResolvedControls, resolve_controls
-from ..errors import InvalidRequest, MLXRuntimeError
+from ..errors import InvalidControls, InvalidRequest, MLXRuntimeError
 from ..json_values import JSONObject, JSONValue, object_at
 from ..ledger import Ledger, NodeKey, ProgressEvent, ProgressWriter, progress_idempotency_key
-from ..request import GenerationRequest, Message, ProgressSink, output_cap
+from ..request import OUTPUT_CAP_NAMES, GenerationRequest, Message, ProgressSink
 from ..results import FinishReason, GenerationResult
 from ..structured import ResponseFormat
 
@@ -117,8 +117,9 @@ class NodeRequest:
 
     ``speculation``/``thinking`` are the node (call) level, ``run_speculation``/
     ``run_thinking`` the run level; ``UNSET`` or ``None`` inherit, ``False`` is off.
-    ``sampling`` holds generation knobs (``temperature``, ``seed``, ``max_output_tokens``,
-    ``top_p``, ``stop`` ...). ``base_url`` selects the remote client. ``response_schema``
+    ``sampling`` holds generation knobs (``temperature``, ``seed``, ``top_p``, ``stop`` ...);
+    ``max_output_tokens`` is the output cap (a positive integer; ``None``: the provider's
+    default). ``base_url`` selects the remote client. ``response_schema``
     (a JSON Schema, named ``response_schema_name``) asks for a structured answer: the result's
     ``data`` holds it, parsed and valid. ``affinity_key`` (the run's session id, else its run
     id) is sent to a remote server as the ``X-Session-Affinity`` header, so a load balancer keeps
@@ -139,6 +140,7 @@ class NodeRequest:
     run_speculation: object = UNSET
     run_thinking: object = UNSET
     sampling: Mapping[str, object] = field(default_factory=dict)
+    max_output_tokens: object = None  # as given; validated by ``generation_request``
     prompt_cache_key: str | None = None
     response_schema: Mapping[str, object] | None = None
     response_schema_name: str | None = None
@@ -269,13 +271,17 @@ def _wire_from_metadata(meta: Mapping[str, JSONValue] | None) -> JSONValue:
 
 def generation_request(request: NodeRequest) -> GenerationRequest:
     """The typed request of a node payload (raises ``InvalidControls``/``InvalidRequest``
-    naming the bad field). ``sampling`` may also hold the limits ``max_output_tokens`` (alias
-    ``max_tokens``, see ``output_cap``) and ``stop``."""
+    naming the bad field). ``sampling`` may also hold the limit ``stop``; the output cap is
+    ``request.max_output_tokens``, not a sampling knob."""
     call, run = _levels(request)
     sampling = {name: value for name, value in request.sampling.items() if value is not None}
-    cap = output_cap(
-        max_output_tokens=sampling.pop("max_output_tokens", None), max_tokens=sampling.pop("max_tokens", None)
-    )
+    for name in OUTPUT_CAP_NAMES:
+        if name in sampling:
+            raise InvalidControls(
+                f"sampling.{name}: the output cap is the request's own field; pass max_output_tokens=",
+                field=f"sampling.{name}",
+                value=sampling[name],
+            )
     stop = sampling.pop("stop", None)
     messages = copy.deepcopy(request.messages)
     if messages is None and request.prompt_cache_key is not None:
@@ -287,7 +293,7 @@ def generation_request(request: NodeRequest) -> GenerationRequest:
         tools=copy.deepcopy(request.tools),
         media=request.media,
         sampling=copy.deepcopy(sampling),
-        max_output_tokens=cap,
+        max_output_tokens=request.max_output_tokens,
         stop=stop,
         speculation=call.speculation,
         thinking=call.thinking,

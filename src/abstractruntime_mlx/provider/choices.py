@@ -98,7 +98,12 @@ async def merge_streams(streams: Sequence[AsyncIterator[GenerationChunk]]) -> As
                 reason = stop_reason(chunk.metadata)
                 ended: JSONObject | None = None if reason is None else {"stop_reason": reason}
                 yield dataclasses.replace(
-                    chunk, index=piece.index, finish_reason=None, choice_finish_reason=chunk.finish_reason, usage=None, metadata=ended
+                    chunk,
+                    index=piece.index,
+                    finish_reason=None,
+                    choice_finish_reason=chunk.finish_reason,
+                    usage=None,
+                    metadata=ended,
                 )
             else:
                 yield dataclasses.replace(chunk, index=piece.index, usage=combined_usage(usages))

@@ -11,23 +11,25 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
-from typing import Any, AsyncIterator, Callable, Iterator, Literal, overload
+from typing import Any, Literal, overload
 
 from ..artifacts import DOWNLOAD_COMMAND, companion_candidates, detect_mtp, looks_like_path, resolve_model_path
 from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_controls
+from ..engine.cache_priority import validate_hints, validate_pin
 from ..engine.chat import prepare_conversation, render_prompt
-from ..engine.prefix_break import attribute
 from ..engine.config import REMOVED, EngineConfig
 from ..engine.loop import Engine
 from ..engine.model import HEAD_LANES, Lane, LoadedModel
-from ..engine.cache_priority import validate_hints, validate_pin
-from ..engine.prefix_cache import PrefixCache, image_hash, validate_options as validate_cache_options
+from ..engine.prefix_break import attribute
+from ..engine.prefix_cache import PrefixCache, image_hash
+from ..engine.prefix_cache import validate_options as validate_cache_options
+from ..engine.reports import SpeculationPlan, speculation_report, unreached_cache_report
+from ..engine.request import EngineRequest, FinishReason, ImagePrompt, Outcome, PrefillObservation, TokenDelta
 from ..engine.sampling import SampledLogprob
 from ..engine.stream import RequestStream
-from ..engine.request import EngineRequest, FinishReason, Outcome, PrefillObservation, TokenDelta
 from ..errors import (
     ContextTooLong,
     InvalidControls,
@@ -39,11 +41,11 @@ from ..errors import (
     SpeculationUnavailable,
     UpstreamError,
 )
-from ..policy import read_policy_controls
 from ..model_output import THINK_END, THINK_START, parse_output, tool_format_of
+from ..policy import read_policy_controls
 from ..request import GenerationRequest
 from ..results import GenerationChunk, GenerationResult, TokenLogprob, TopLogprob
-from ..structured import ResponseFormat, parse_answer, run_schema_work
+from ..structured import parse_answer, run_schema_work
 from . import residency
 from .choices import choice_seed, combined_usage, merge_streams
 from .progress import ProgressTracker, progress_interval_from_env
@@ -81,7 +83,10 @@ ENGINE_OPTIONS: dict[str, str] = {
 _ENGINE_DEFAULTS = EngineConfig()
 
 # Options that were removed: refused with ``OptionRemoved``, saying what replaced them.
-REMOVED_OPTIONS: dict[str, str] = {"mlx_own_text_loop": REMOVED["own_text_loop"], "mlx_admission_wave_steps": REMOVED["admission_wave_steps"]}
+REMOVED_OPTIONS: dict[str, str] = {
+    "mlx_own_text_loop": REMOVED["own_text_loop"],
+    "mlx_admission_wave_steps": REMOVED["admission_wave_steps"],
+}
 
 # Constructor options and their defaults.
 EXECUTION_DEFAULTS: dict[str, Any] = {
@@ -102,7 +107,7 @@ _lease_ids = itertools.count(1)
 class _Prepared:
     request: EngineRequest
     tracker: ProgressTracker | None
-    speculation: dict[str, Any]
+    speculation: SpeculationPlan
     controls: ResolvedControls
     prompt_cache_key: str | None
     started: float
@@ -154,7 +159,11 @@ class MLXProvider:
         config = EngineConfig(
             **{field: self.execution_options[option] for option, field in ENGINE_OPTIONS.items()},
             # The serialized lanes chunk by 2,048 (mlx-lm's default) unless the caller chose a step.
-            **({"serial_prefill_step_size": options["mlx_prefill_step_size"]} if "mlx_prefill_step_size" in options else {}),
+            **(
+                {"serial_prefill_step_size": options["mlx_prefill_step_size"]}
+                if "mlx_prefill_step_size" in options
+                else {}
+            ),
         )
         self._lease = next(_lease_ids)
         self._resident: residency.Resident | None = residency.acquire(
@@ -210,7 +219,9 @@ class MLXProvider:
         open (the answer starts inside it), as rendered for a one-message probe with the
         request's resolved thinking; a streamed answer sends such text as reasoning."""
         thinking = (request.resolved or self.resolve_controls(request)).thinking
-        text = render_prompt(self._engine.serving_model().tokenizer, [{"role": "user", "content": "x"}], thinking=thinking)
+        text = render_prompt(
+            self._engine.serving_model().tokenizer, [{"role": "user", "content": "x"}], thinking=thinking
+        )
         return text.rfind(THINK_START) > text.rfind(THINK_END)
 
     def speculation_ready(self) -> bool:
@@ -329,7 +340,9 @@ class MLXProvider:
     def generate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | ChunkStream:
         return self.generate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
 
-    async def agenerate(self, prompt: str = "", *, stream: bool = False, **kwargs: Any) -> GenerationResult | AsyncChunkStream:
+    async def agenerate(
+        self, prompt: str = "", *, stream: bool = False, **kwargs: Any
+    ) -> GenerationResult | AsyncChunkStream:
         return await self.agenerate_request(GenerationRequest.from_kwargs(prompt, **kwargs), stream=stream)
 
     @overload
@@ -355,7 +368,9 @@ class MLXProvider:
             return ChunkStream(chunks, submitted)
         return _result_from_chunks(list(chunks), request)
 
-    async def agenerate_request(self, request: GenerationRequest, *, stream: bool = False) -> GenerationResult | AsyncChunkStream:
+    async def agenerate_request(
+        self, request: GenerationRequest, *, stream: bool = False
+    ) -> GenerationResult | AsyncChunkStream:
         """Run one validated request. With ``n`` > 1 its answers run as rows submitted at once
         (their prompt prefilled once where the lane shares it, see ``choices``): the result is
         the first answer with every answer in ``choices``; a stream tags each piece with its
@@ -404,7 +419,9 @@ class MLXProvider:
             return [self._prepare(call)]
         return [
             self._prepare(
-                dataclasses.replace(call, n=1, sampling=choice_seed(call.sampling, i), progress=call.progress if i == 0 else None)
+                dataclasses.replace(
+                    call, n=1, sampling=choice_seed(call.sampling, i), progress=call.progress if i == 0 else None
+                )
             )
             for i in range(call.n)
         ]
@@ -436,7 +453,7 @@ class MLXProvider:
             text = _render(loaded, call, controls, conversation)
         prompt_ids = _encode_within_context(loaded, text, call.max_output_tokens)
         constrained = call.response_format is not None or call.tool_choice.forced
-        draft_tokens, speculation_meta = self._speculation_plan(controls, call.sampling, loaded, structured=constrained)
+        draft_tokens, speculation = self._speculation_plan(controls, call.sampling, loaded, structured=constrained)
         max_tokens = _output_cap(loaded, len(prompt_ids), call.max_output_tokens)
         grammar = None
         # Compiled here, on the caller's thread: the worker's other rows never wait for it.
@@ -461,6 +478,7 @@ class MLXProvider:
             sampling=call.sampling,
             stop=call.stop,
             draft_tokens=draft_tokens,
+            speculation=speculation,
             speculation_required=bool(draft_tokens and controls.speculation.require_acceleration),
             cache_group=None,
             prompt_cache_key=call.prompt_cache_key,
@@ -468,29 +486,42 @@ class MLXProvider:
             output_queue_size=self.execution_options["mlx_output_queue_size"],
             observe_prefill=call.progress is not None,
             cancel_event=call.cancel or threading.Event(),
+            image_prompt=ImagePrompt(text, tuple(images)) if images else None,
             grammar=grammar,
             logprobs=call.logprobs,
         )
-        if images:
-            request.prompt_kwargs_factory = _image_kwargs_factory(request, loaded, text, images)
         tracker = ProgressTracker(call.progress, min_interval_s=self.progress_min_interval_s) if call.progress else None
         return _Prepared(
-            request, tracker, speculation_meta, controls, call.prompt_cache_key, time.perf_counter(), text, conversation, tuple(_offered_tools(call))
+            request,
+            tracker,
+            speculation,
+            controls,
+            call.prompt_cache_key,
+            time.perf_counter(),
+            text,
+            conversation,
+            tuple(_offered_tools(call)),
         )
 
     def _speculation_plan(
         self, controls: ResolvedControls, sampling: Sampling, loaded: LoadedModel, *, structured: bool = False
-    ) -> tuple[int, dict[str, Any]]:
-        """The draft depth the engine runs (0: none) and the ``speculation`` metadata saying why."""
+    ) -> tuple[int, SpeculationPlan]:
+        """The draft depth the engine runs (0: none) and the plan saying why (``metadata["speculation"]``)."""
         effective, source = controls.speculation, controls.speculation_source
-        meta: dict[str, Any] = {"requested": effective.enabled, "mode": effective.mode, "source": source}
         if not effective.enabled:
-            meta["used"] = False
-            meta["reason"] = controls.speculation_off_reason
-            return 0, meta
+            return 0, SpeculationPlan(
+                requested=False, mode=effective.mode, source=source, used=False, reason=controls.speculation_off_reason
+            )
         depth = effective.num_draft_tokens
         assert depth is not None  # the resolver always fills the depth of native MTP
-        meta.update(num_draft_tokens=depth, require_acceleration=bool(effective.require_acceleration))
+        asked = SpeculationPlan(
+            requested=True,
+            mode=effective.mode,
+            source=source,
+            used=False,
+            num_draft_tokens=depth,
+            require_acceleration=bool(effective.require_acceleration),
+        )
         reason, message = None, None
         attach_s: float | None = None
         if loaded.lane not in HEAD_LANES:
@@ -506,17 +537,19 @@ class MLXProvider:
             try:
                 attach_s = self._engine.attach_head()
             except UpstreamError as exc:
-                reason, message = "mtp_head_attach_failed", f"the MTP head at {loaded.head_source} could not be attached: {exc.message}"
+                reason, message = (
+                    "mtp_head_attach_failed",
+                    f"the MTP head at {loaded.head_source} could not be attached: {exc.message}",
+                )
         if reason is not None:
             if effective.require_acceleration:
                 raise SpeculationUnavailable(message or reason, reason=reason)
-            meta.update(used=False, reason=reason, message=message)
-            return 0, meta
-        meta.update(used=True, runtime="mlx_vlm", draft_kind="mtp", drafter=loaded.drafter_source)
+            return 0, dataclasses.replace(asked, reason=reason, message=message)
+        used = dataclasses.replace(asked, used=True, drafter=loaded.drafter_source)
         if attach_s is not None:
             # This request attached the head (once per resident model): what it cost.
-            meta.update(head_attach_s=round(attach_s, 6), head_bytes=loaded.drafter_bytes)
-        return depth, meta
+            used = dataclasses.replace(used, head_attach_s=round(attach_s, 6), head_bytes=loaded.drafter_bytes)
+        return depth, used
 
     def _mlx_lm_lane_reason(self, loaded: LoadedModel) -> tuple[str, str]:
         """Why MTP cannot run on the mlx-lm lane (a non-batched provider whose default was off)."""
@@ -530,7 +563,11 @@ class MLXProvider:
 
     def _no_head_message(self) -> str:
         """Why no MTP head is available here, naming the command that downloads one."""
-        names = companion_candidates(self.model) if not looks_like_path(self.model) and not Path(self.model).expanduser().is_dir() else []
+        names = (
+            companion_candidates(self.model)
+            if not looks_like_path(self.model) and not Path(self.model).expanduser().is_dir()
+            else []
+        )
         if names:
             return (
                 f"{self.model} has no MTP head on this machine (no embedded mtp.* weights, no companion head "
@@ -573,7 +610,11 @@ class MLXProvider:
                 if chunk is not None:
                     yield chunk
         except MLXRuntimeError as exc:
-            if stream.outcome is None or stream.outcome.finish_reason != FinishReason.CANCELLED or exc.code != "cancelled":
+            if (
+                stream.outcome is None
+                or stream.outcome.finish_reason != FinishReason.CANCELLED
+                or exc.code != "cancelled"
+            ):
                 raise
         finally:
             items.close()  # type: ignore[attr-defined]
@@ -642,7 +683,9 @@ class MLXProvider:
                 "reason": f"attribution failed: {type(exc).__name__}: {exc}",
             }
 
-    def _final_chunk(self, prepared: _Prepared, outcome: Outcome | None, prefix_break: dict[str, Any] | None = None) -> GenerationChunk:
+    def _final_chunk(
+        self, prepared: _Prepared, outcome: Outcome | None, prefix_break: dict[str, Any] | None = None
+    ) -> GenerationChunk:
         assert outcome is not None
         request = prepared.request
         usage = {
@@ -654,23 +697,19 @@ class MLXProvider:
         }
         if outcome.cached_tokens is not None:
             usage["cached_input_tokens"] = outcome.cached_tokens
-        speculation = {**prepared.speculation, **(outcome.speculation or {})}
-        if speculation.get("used") is False:
-            for key in ("runtime", "draft_kind", "drafter"):  # what would have run, had MTP run
-                speculation.pop(key, None)
-        metadata: dict[str, Any] = {"execution": outcome.execution, "speculation": speculation}
+        assert outcome.speculation is not None  # every request this provider submits carries its plan
+        metadata: dict[str, Any] = {
+            "execution": outcome.execution.to_wire(),
+            "speculation": outcome.speculation.to_wire(),
+        }
         if outcome.stop_reason is not None:
             metadata["stop_reason"] = outcome.stop_reason  # the matched stop string, or the end-of-sequence id
         performance = _performance(request)
         if performance:
             metadata["performance"] = performance
-        if outcome.prompt_cache is not None:
-            metadata["prompt_cache"] = outcome.prompt_cache
-            if prefix_break is not None:
-                metadata["prompt_cache"] = {**outcome.prompt_cache, "prefix_break": prefix_break}
-        elif prepared.prompt_cache_key is not None:
-            # The request ended before it reached the cache (rejected, cancelled while waiting).
-            metadata["prompt_cache"] = {"mode": "key", "key": prepared.prompt_cache_key, "outcome": "not_reached"}
+        if prepared.prompt_cache_key is not None:
+            cache_report = outcome.prompt_cache or unreached_cache_report(prepared.prompt_cache_key)
+            metadata["prompt_cache"] = cache_report.to_wire(prefix_break)
         if prepared.controls.thinking is not None:
             metadata["thinking"] = prepared.controls.thinking
         if request.grammar is not None:
@@ -704,7 +743,7 @@ class ChunkStream:
         self._chunks = chunks
         self._submitted = submitted
 
-    def __iter__(self) -> "ChunkStream":
+    def __iter__(self) -> ChunkStream:
         return self
 
     def __next__(self) -> GenerationChunk:
@@ -714,7 +753,7 @@ class ChunkStream:
         self._submitted.close()
         self._chunks.close()  # type: ignore[attr-defined]
 
-    def __enter__(self) -> "ChunkStream":
+    def __enter__(self) -> ChunkStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -729,7 +768,7 @@ class AsyncChunkStream:
         self._chunks = chunks
         self._submitted = submitted
 
-    def __aiter__(self) -> "AsyncChunkStream":
+    def __aiter__(self) -> AsyncChunkStream:
         return self
 
     async def __anext__(self) -> GenerationChunk:
@@ -740,7 +779,7 @@ class AsyncChunkStream:
             submitted.close()
         await self._chunks.aclose()  # type: ignore[attr-defined]
 
-    async def __aenter__(self) -> "AsyncChunkStream":
+    async def __aenter__(self) -> AsyncChunkStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -750,11 +789,10 @@ class AsyncChunkStream:
 def _speculation_event(prepared: _Prepared) -> dict[str, Any]:
     """What phase events say about speculation once the request is admitted: whether MTP runs
     and, when it does not, the named reason (``deferred_under_load`` decided at admission)."""
-    if prepared.request.speculation_deferred:
-        return {"speculation_used": False, "speculation_reason": "deferred_under_load"}
-    if prepared.speculation.get("used"):
+    report = speculation_report(prepared.speculation, None, prepared.request.speculation_deferred)
+    if report.used:
         return {"speculation_used": True}
-    return {"speculation_used": False, "speculation_reason": prepared.speculation.get("reason")}
+    return {"speculation_used": False, "speculation_reason": report.reason}
 
 
 def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -773,7 +811,9 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
     positive_int("mlx_prefill_step_size", lo=16)
     idle = options["mlx_idle_finished_rows"]
     if idle is not None and not isinstance(idle, bool):
-        raise InvalidControls("mlx_idle_finished_rows must be a boolean or None", field="mlx_idle_finished_rows", value=idle)
+        raise InvalidControls(
+            "mlx_idle_finished_rows must be a boolean or None", field="mlx_idle_finished_rows", value=idle
+        )
     validate_cache_options(options)
     for name in ("mlx_batch_wait_ms", "mlx_burst_gap_ms"):
         wait = options[name]
@@ -781,7 +821,9 @@ def _validate_options(options: dict[str, Any]) -> dict[str, Any]:
             raise InvalidControls(f"{name} must be a number in [0, 1000]", field=name, value=wait)
     timeout = options["mlx_queue_timeout_s"]
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise InvalidControls("mlx_queue_timeout_s must be a positive number", field="mlx_queue_timeout_s", value=timeout)
+        raise InvalidControls(
+            "mlx_queue_timeout_s must be a positive number", field="mlx_queue_timeout_s", value=timeout
+        )
     return dict(options)
 
 
@@ -800,29 +842,35 @@ def _offered_tools(call: GenerationRequest) -> list[Mapping[str, Any]]:
     return list(call.tools) if call.tool_choice.mode != "none" else []
 
 
-def _render(loaded: LoadedModel, call: GenerationRequest, controls: ResolvedControls, conversation: list[dict[str, Any]]) -> str:
+def _render(
+    loaded: LoadedModel, call: GenerationRequest, controls: ResolvedControls, conversation: list[dict[str, Any]]
+) -> str:
     """The prompt text of ``call``: its conversation and offered tools through the model's chat template."""
     return render_prompt(loaded.tokenizer, conversation, tools=_offered_tools(call), thinking=controls.thinking)
 
 
 def _encode_within_context(loaded: Any, text: str, cap: int | None) -> list[int]:
-    """Tokenize ``text``, refusing at once (before encoding) a text that cannot fit the context."""
+    """Tokenize ``text``, refusing at once (before encoding) a text that cannot fit the context
+    with the output cap ``_output_cap`` would give its fewest possible tokens."""
     context = loaded.context_length
     if context is not None:
         at_least = loaded.min_prompt_tokens(text)
-        if at_least + (cap or 1) > context:
+        least_cap = _output_cap(loaded, at_least, cap)
+        if at_least + least_cap > context:
             raise ContextTooLong(
                 f"the prompt needs at least {at_least} tokens ({len(text)} characters) and the output cap is "
-                f"{cap or 1}; this model's context is {context} tokens",
-                details={"prompt_tokens_at_least": at_least, "max_output_tokens": cap or 1, "context_length": context},
+                f"{least_cap}; this model's context is {context} tokens",
+                details={"prompt_tokens_at_least": at_least, "max_output_tokens": least_cap, "context_length": context},
             )
     ids: list[int] = loaded.encode(text)
     return ids
 
 
 def _output_cap(loaded: Any, prompt_tokens: int, cap: int | None) -> int:
-    """The caller's cap, or the default shrunk to what the context leaves (at least 1, so a
-    prompt that fills the context is refused as ``context_too_long`` by the engine)."""
+    """The engine's ``max_tokens``, decided here alone: the caller's cap, or the default shrunk
+    to what the context leaves (at least 1, so a prompt that fills the context is refused as
+    ``context_too_long``). The engine checks prompt plus cap against the context again once an
+    image prompt's final length is known (``LoadedModel.check_request``)."""
     if cap is not None:
         return cap
     context = loaded.context_length
@@ -854,24 +902,13 @@ def _load_images(media: tuple[Any, ...], loaded: LoadedModel) -> list[Any]:
                     raise InvalidMedia(f"media[{i}]: no file at {item}")
                 image = Image.open(item)
             else:
-                raise InvalidMedia(f"media[{i}]: expected a file path, image bytes or a PIL image, got {type(item).__name__}")
+                raise InvalidMedia(
+                    f"media[{i}]: expected a file path, image bytes or a PIL image, got {type(item).__name__}"
+                )
             images.append(image.convert("RGB"))
         except (UnidentifiedImageError, OSError) as exc:
             raise InvalidMedia(f"media[{i}] is not a readable image: {exc}") from exc
     return images
-
-
-def _image_kwargs_factory(
-    request: EngineRequest, loaded: Any, text: str, images: list[Any]
-) -> Callable[[], dict[str, Any]]:
-    from ..engine.backend import image_prompt_inputs
-
-    def factory() -> dict[str, Any]:
-        ids, kwargs = image_prompt_inputs(loaded.model, loaded.processor, text, images)
-        request.prompt_ids = ids
-        return kwargs
-
-    return factory
 
 
 def _performance(request: EngineRequest) -> dict[str, Any]:
@@ -894,7 +931,9 @@ def _continuation_text(tokenizer: Any, prompt: str) -> str:
     bos = getattr(tokenizer, "bos_token", None)
     text = prompt if not isinstance(bos, str) or not bos or prompt.startswith(bos) else bos + prompt
     if not text:
-        raise InvalidRequest("the prompt is empty and this model has no begin-of-sequence token", details={"field": "prompt"})
+        raise InvalidRequest(
+            "the prompt is empty and this model has no begin-of-sequence token", details={"field": "prompt"}
+        )
     return text
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..errors import InvalidControls
 from ..json_values import to_float
@@ -32,10 +33,14 @@ def progress_interval_from_env(env: Mapping[str, str] = os.environ) -> float:
         value = to_float(raw)
     except ValueError:
         raise InvalidControls(
-            "ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S must be a number of seconds", field="ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S", value=raw
+            "ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S must be a number of seconds",
+            field="ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S",
+            value=raw,
         ) from None
     if value < 0:
-        raise InvalidControls("ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S must be >= 0", field="ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S", value=raw)
+        raise InvalidControls(
+            "ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S must be >= 0", field="ABSTRACTCORE_PROGRESS_MIN_INTERVAL_S", value=raw
+        )
     return value
 
 
@@ -119,7 +124,14 @@ class ProgressTracker:
         self._generated += count
         self._emit({"phase": "generate", **({"first_token": True} if first else {})}, force=first)
 
-    def complete(self, finish_reason: str | None, *, prompt_tokens: int | None = None, cached_tokens: int | None = None, generated_tokens: int | None = None) -> None:
+    def complete(
+        self,
+        finish_reason: str | None,
+        *,
+        prompt_tokens: int | None = None,
+        cached_tokens: int | None = None,
+        generated_tokens: int | None = None,
+    ) -> None:
         if self._finished:
             return
         if prompt_tokens is not None:

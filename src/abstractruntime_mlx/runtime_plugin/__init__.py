@@ -33,11 +33,10 @@ from abstractruntime.core.runtime import EffectHandler
 
 from ..ledger import Ledger
 from ..nodes import ProviderRegistry
-
 from .adapter import (
-    LLMCallHandler,
     LedgerRunStore,
     LedgerStepStore,
+    LLMCallHandler,
     MLXPack,
     PackOptions,
     PackSettings,
@@ -70,6 +69,7 @@ from .hosting import (
 from .prefetch import FlowCatalog, FlowIndex, SiblingPrefetcher, load_flow
 
 __all__ = [
+    "RuntimeProgress",
     "DriveLimits",
     "FlowBundle",
     "FlowCatalog",

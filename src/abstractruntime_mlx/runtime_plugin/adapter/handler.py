@@ -33,14 +33,13 @@ from ...ledger import Ledger, NodeKey
 from ...nodes import LLMNode, ModelLoad, NodeRequest, NodeResult, PreparedCall
 from ...nodes.llm_node import ClientKind
 from ...request import ProgressSink
-from .payload import explicit_base_url, input_as_sent, request_from_payload
-from .routing import RouteDecision, Routing
+from ..prefetch.catalog import FlowCatalog, FlowIndex
 from ..prefetch.prediction import Unpredictable
 from ..prefetch.prefetch import SiblingPrefetcher
-from ..prefetch.catalog import FlowCatalog, FlowIndex
 from ..prefetch.prompt_cache import CacheHintTarget, CallIdentity, RunCacheHints, node_prompt_cache_key, run_hints
+from .payload import explicit_base_url, input_as_sent, request_from_payload
+from .routing import RouteDecision, Routing
 from .stores import LedgerStepStore
-
 
 __all__ = ["LLMCallHandler", "RuntimeProgress"]
 
@@ -63,6 +62,7 @@ class EffectView(Protocol):
     """What the handler reads of AbstractRuntime's ``Effect``: the LLM_CALL payload (a JSON object)."""
 
     payload: object
+
 
 _NOT_RETRYABLE: Final = (
     InvalidRequest,
@@ -132,7 +132,9 @@ class LLMCallHandler:
         route = self.routing.decide(
             payload.get("provider"),
             payload.get("model"),
-            explicit_base_url=explicit_base_url(payload, run.vars, node_config=node_config, default_base_url=self.server_base_url),
+            explicit_base_url=explicit_base_url(
+                payload, run.vars, node_config=node_config, default_base_url=self.server_base_url
+            ),
         )
         if route.base_url is not None:
             self.routing.remote.check(route.base_url, where=f"node {node_id!r}")
@@ -174,7 +176,9 @@ class LLMCallHandler:
         if result is None:
             result = self.node.execute(prepared, route=self.node.route_for(key, callback), cancel_event=cancel_event)
         if cache_target is not None and request.prompt_cache_key is not None and index is not None:
-            self.cache_hints.after_call(run.run_id, node_id, request.prompt_cache_key, agent=index.node_types.get(node_id) == "agent")
+            self.cache_hints.after_call(
+                run.run_id, node_id, request.prompt_cache_key, agent=index.node_types.get(node_id) == "agent"
+            )
         result.extra_metadata.update(extra)
         body = result.to_runtime_result()
         if result.generation.finish_reason == "cancelled":
@@ -194,7 +198,12 @@ class LLMCallHandler:
 
         def key_of(other: str) -> str | None:
             return node_prompt_cache_key(
-                {}, index.node_config(other), run.vars, dataclasses.replace(call, node_id=other), provider="mlx", model=prepared.model
+                {},
+                index.node_config(other),
+                run.vars,
+                dataclasses.replace(call, node_id=other),
+                provider="mlx",
+                model=prepared.model,
             )
 
         hints = run_hints(index.steps_from(node_id), index.llm_nodes, key_of, (node_id, key))

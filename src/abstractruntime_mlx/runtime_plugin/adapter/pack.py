@@ -1,9 +1,9 @@
 """The pack: one ledger, node, handler, prefetcher and stores wired together.
 
-    pack = build_pack("sqlite:///runs.sqlite", model="/models/qwen")
-    runtime = pack.runtime()            # Runtime(run_store, ledger_store, {LLM_CALL: handler})
-    ...
-    pack.close()
+pack = build_pack("sqlite:///runs.sqlite", model="/models/qwen")
+runtime = pack.runtime()            # Runtime(run_store, ledger_store, {LLM_CALL: handler})
+...
+pack.close()
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from ...json_values import as_str, object_at
 from ...ledger import Ledger, normalize_ledger_url
 from ...nodes import LLMNode, ProviderRegistry
 from ..prefetch.catalog import FlowCatalog
-from .handler import LLMCallHandler, RuntimeProgress
 from ..prefetch.prefetch import SiblingPrefetcher
+from .handler import LLMCallHandler, RuntimeProgress
 from .routing import RemotePolicy, Routing
 from .stores import LedgerRunStore, LedgerStepStore
-
 
 __all__ = ["MLXPack", "PackOptions", "PackSettings", "ResumeOptions", "build_pack", "normalize_ledger_url"]
 
@@ -86,7 +85,9 @@ class PackSettings:
             provider_options=object_at(options, "provider_options") or None,
             sibling_batching=bool(options.get("sibling_batching", True)),
             routes=[str(route) for route in routes] if isinstance(routes, list) else [],
-            allow_remote=[str(host) for host in allow_remote] if isinstance(allow_remote, list) else allow_remote is True,
+            allow_remote=[str(host) for host in allow_remote]
+            if isinstance(allow_remote, list)
+            else allow_remote is True,
         )
 
 

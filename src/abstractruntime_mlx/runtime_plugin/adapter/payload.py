@@ -27,12 +27,12 @@ from ...structured import check_schema_limits
 from ..prefetch.prompt_cache import CallIdentity, node_prompt_cache_key
 from .routing import RouteDecision
 
-
 __all__ = ["explicit_base_url", "input_as_sent", "request_from_payload"]
 
 # Sampling params of the payload (a seed is taken only when it is a valid one: the editor's
 # -1 means "random"); ``stop`` is a limit of the request.
 _SAMPLING_PARAMS: Final = (*(f for f in SAMPLING_FIELDS if f != "seed"), "stop")
+
 
 def request_from_payload(
     payload: Mapping[str, object],
@@ -62,13 +62,12 @@ def request_from_payload(
     config = node_config or {}
     given_messages = payload.get("messages")
     messages = [_strip_message(m) for m in given_messages] if isinstance(given_messages, list) else None
-    sampling: dict[str, object] = {name: copy.deepcopy(params[name]) for name in _SAMPLING_PARAMS if params.get(name) is not None}
+    sampling: dict[str, object] = {
+        name: copy.deepcopy(params[name]) for name in _SAMPLING_PARAMS if params.get(name) is not None
+    }
     seed = params.get("seed")
     if seed is not None and not isinstance(seed, bool) and isinstance(seed, int) and seed >= 0:
         sampling["seed"] = seed
-    max_out = _output_cap(params, payload, run_vars or {})
-    if max_out is not None:
-        sampling["max_output_tokens"] = max_out
     model = given if isinstance(given := payload.get("model"), str) and given else None
     if force_model or model is None:
         model = default_model or model
@@ -90,6 +89,7 @@ def request_from_payload(
         run_speculation=_level(runtime_ns, "speculation"),
         run_thinking=_level(runtime_ns, "thinking"),
         sampling=sampling,
+        max_output_tokens=_output_cap(params, payload, run_vars or {}),
         prompt_cache_key=node_prompt_cache_key(params, config, run_vars or {}, call, provider=provider, model=model),
         response_schema=_response_schema(payload.get("response_schema")),
         response_schema_name=_str_or_none(payload.get("response_schema_name")),
@@ -125,7 +125,12 @@ def _output_cap(params: Mapping[str, object], payload: Mapping[str, object], run
     that is not a positive number falls through to the next level; a params value that is
     neither absent nor a number is kept, so the request refuses it by name."""
     given = output_cap(max_output_tokens=params.get("max_output_tokens"), max_tokens=params.get("max_tokens"))
-    for value in (given, payload.get("max_output_tokens"), payload.get("max_out_tokens"), object_at(run_vars, "_limits").get("max_output_tokens")):
+    for value in (
+        given,
+        payload.get("max_output_tokens"),
+        payload.get("max_out_tokens"),
+        object_at(run_vars, "_limits").get("max_output_tokens"),
+    ):
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     if given is not None and not (isinstance(given, int) and not isinstance(given, bool)):

@@ -138,7 +138,9 @@ class RemotePolicy:
         prompts of ``where`` (``node 'ask'``, ``--route ...``)."""
         reason = forbidden_reason(url)
         if reason is not None:
-            raise RemoteAddressForbidden(f"{where} would send prompts to {url}, which is refused: {reason}", details={"url": url})
+            raise RemoteAddressForbidden(
+                f"{where} would send prompts to {url}, which is refused: {reason}", details={"url": url}
+            )
         if not self.allows(url):
             raise RemoteNotAllowed(
                 f"{where} would send its prompts to {url}, a server you did not allow; pass --allow-remote "
@@ -246,14 +248,25 @@ class Routing:
         asked_model = model.strip() if isinstance(model, str) and model.strip() else None
         key = (asked_provider or LOCAL_PROVIDER).lower()
         if explicit_base_url:
-            return RouteDecision(asked_provider, asked_model, key, asked_model or self.default_model, explicit_base_url, "node base_url")
+            return RouteDecision(
+                asked_provider, asked_model, key, asked_model or self.default_model, explicit_base_url, "node base_url"
+            )
         for exact in (True, False):
             for route in self.routes:
                 if (route.model is not None) != exact or not route.matches(key, asked_model):
                     continue
                 if route.base_url is not None:
-                    return RouteDecision(asked_provider, asked_model, key, asked_model or self.default_model, route.base_url, f"--route {route.spec}")
-                return RouteDecision(asked_provider, asked_model, LOCAL_PROVIDER, route.local_model, None, f"--route {route.spec}")
+                    return RouteDecision(
+                        asked_provider,
+                        asked_model,
+                        key,
+                        asked_model or self.default_model,
+                        route.base_url,
+                        f"--route {route.spec}",
+                    )
+                return RouteDecision(
+                    asked_provider, asked_model, LOCAL_PROVIDER, route.local_model, None, f"--route {route.spec}"
+                )
         if self.serve_all:
             return RouteDecision(asked_provider, asked_model, LOCAL_PROVIDER, self.default_model, None, "--model")
         if key != LOCAL_PROVIDER:

@@ -116,7 +116,9 @@ class LedgerRunStore(RunStore):
         if now is None:
             raise ValueError(f"now_iso is not an ISO timestamp: {now_iso!r}")
         due: list[tuple[dt.datetime, RunState]] = []
-        for row in self.ledger.list_run_states(status=RunStatus.WAITING.value, wait_reason=WaitReason.UNTIL.value, limit=100_000):
+        for row in self.ledger.list_run_states(
+            status=RunStatus.WAITING.value, wait_reason=WaitReason.UNTIL.value, limit=100_000
+        ):
             run = run_from_dict(row)
             until = parse_timestamp(run.waiting.until) if run.waiting is not None else None
             if until is not None and until <= now:
@@ -124,7 +126,9 @@ class LedgerRunStore(RunStore):
         due.sort(key=lambda item: item[0])
         return [run for _, run in due[: max(0, int(limit))]]
 
-    def list_run_index(self, *, session_id: str | None = None, role: str | None = None, limit: int = 100, **filters: object) -> list[dict[str, object]]:
+    def list_run_index(
+        self, *, session_id: str | None = None, role: str | None = None, limit: int = 100, **filters: object
+    ) -> list[dict[str, object]]:
         """The host's run-index rows (``run_id``, ``session_id`` and the attribution fields) of a
         session's runs, which the host reads to attribute a session before starting a run in it."""
         if session_id is None or filters:
@@ -176,7 +180,9 @@ class LedgerStepStore(LedgerStore):
         """Records with ``seq > after`` (cursor semantics of AbstractRuntime's ``SqliteLedgerStore``)."""
         return self.ledger.records_after(run_id, after=after, limit=limit)
 
-    def subscribe(self, callback: Callable[[dict[str, object]], None], *, run_id: str | None = None) -> Callable[[], None]:
+    def subscribe(
+        self, callback: Callable[[dict[str, object]], None], *, run_id: str | None = None
+    ) -> Callable[[], None]:
         """Observers (``Runtime.subscribe_ledger``): every committed record, progress records included."""
         return self.ledger.subscribe(callback, run_id=run_id)
 

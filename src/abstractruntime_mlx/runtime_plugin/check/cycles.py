@@ -45,7 +45,10 @@ def exec_cycles(flow: Mapping[str, object]) -> list[list[str]]:
             continue
         if types[source] in LOOP_NODE_TYPES and edge.get("sourceHandle") == BODY_PIN:
             continue
-        if LOOP_LIMIT_NODE_TYPE in (types[source], types[target]) or object_at(edge, "data").get("loopLimit") is not None:
+        if (
+            LOOP_LIMIT_NODE_TYPE in (types[source], types[target])
+            or object_at(edge, "data").get("loopLimit") is not None
+        ):
             continue
         graph[source].append(target)
     return _cycles(graph)

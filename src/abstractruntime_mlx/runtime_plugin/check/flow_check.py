@@ -47,9 +47,9 @@ from ...controls import SPECULATION_KEYS, Sampling, normalize_sampling, normaliz
 from ...errors import InvalidControls, InvalidFlow, InvalidRequest, MLXRuntimeError, RemoteNotAllowed
 from ...json_values import JSONObject, array_at, as_str, nests_deeper_than, object_at
 from ...request import check_prompt_cache_key
+from ..adapter.routing import RemotePolicy, Routing, forbidden_reason
 from ..prefetch.catalog import BRANCH_HANDLE_PREFIX, BRANCHING_NODE_TYPES, MAX_FLOW_DEPTH, branch_index
 from .cycles import always_run, exec_cycles, subflow_cycles
-from ..adapter.routing import RemotePolicy, Routing, forbidden_reason
 
 __all__ = [
     "HOST_RUNTIME_KEYS",
@@ -148,7 +148,15 @@ PACK_RUNTIME_KEYS: Final = frozenset({"base_url", "server_base_url", "mlx_pack",
 """Keys of ``vars["_runtime"]`` this pack reads."""
 
 LLM_NODE_TYPES: Final = frozenset({"llm_call", "agent"})
-_CONTROL_PINS: Final = ("speculation", "thinking", "temperature", "seed", "max_output_tokens", "max_out_tokens", "max_input_tokens")
+_CONTROL_PINS: Final = (
+    "speculation",
+    "thinking",
+    "temperature",
+    "seed",
+    "max_output_tokens",
+    "max_out_tokens",
+    "max_input_tokens",
+)
 _SEED_RANDOM: Final = -1  # the compiler's default seed: "no seed"
 DEFAULT_PROBE_TIMEOUT_S: Final = 2.0
 
@@ -296,11 +304,18 @@ def check_flow(
     _check_with_compiler(raw, nodes, findings)
     _check_exec_cycles(raw, findings, subflow=None)
     _check_format_templates(raw, nodes, findings)
-    routing = Routing.build(default_model=model, serve_all=force_model, routes=routes, remote=(remote or RemotePolicy()).with_urls([default_base_url]))
+    routing = Routing.build(
+        default_model=model,
+        serve_all=force_model,
+        routes=routes,
+        remote=(remote or RemotePolicy()).with_urls([default_base_url]),
+    )
     if isinstance(raw.get("id"), str) and isinstance(raw.get("nodes"), list):
         if flows_dir is None and shown is not None:
             flows_dir = Path(shown).expanduser().resolve().parent
-        _check_bundle(raw, nodes, findings, flows_dir=flows_dir, allow_network_tools=allow_network_tools, remote=routing.remote)
+        _check_bundle(
+            raw, nodes, findings, flows_dir=flows_dir, allow_network_tools=allow_network_tools, remote=routing.remote
+        )
     run_vars = dict(vars or {})
     _check_runtime_vars(run_vars, findings, remote=routing.remote)
     _check_llm_nodes(
@@ -388,7 +403,11 @@ def _check_format_templates(raw: Mapping[str, object], nodes: _NodeIndex, findin
     a brace that is not a placeholder (``Answer as JSON like {"a": 1}``: write ``{{``, ``}}``),
     a malformed template, or a placeholder the node's own ``values`` do not have (when no wire
     brings the values)."""
-    wired = {str(e.get("target")) + ":" + str(e.get("targetHandle")) for e in array_at(raw, "edges") if isinstance(e, Mapping)}
+    wired = {
+        str(e.get("target")) + ":" + str(e.get("targetHandle"))
+        for e in array_at(raw, "edges")
+        if isinstance(e, Mapping)
+    }
     for node_id, (_, node) in nodes.items():
         if node.get("type") != "format" or f"{node_id}:template" in wired:
             continue
@@ -400,10 +419,19 @@ def _check_format_templates(raw: Mapping[str, object], nodes: _NodeIndex, findin
         try:
             parts = [(name, spec) for _, name, spec, _ in string.Formatter().parse(template) if name is not None]
         except ValueError as exc:
-            findings.add("invalid_format_template", f"the template is not a format template ({exc}); write {{{{ and }}}} for literal braces", node=node_id, field=field)
+            findings.add(
+                "invalid_format_template",
+                f"the template is not a format template ({exc}); write {{{{ and }}}} for literal braces",
+                node=node_id,
+                field=field,
+            )
             continue
         fields = [re.split(r"[.\[]", name, maxsplit=1)[0] for name, _ in parts]
-        odd = [f"{{{name}{':' + spec if spec else ''}}}" for (name, spec), head in zip(parts, fields, strict=True) if not head.isidentifier()]
+        odd = [
+            f"{{{name}{':' + spec if spec else ''}}}"
+            for (name, spec), head in zip(parts, fields, strict=True)
+            if not head.isidentifier()
+        ]
         if odd:
             findings.add(
                 "invalid_format_template",
@@ -418,7 +446,8 @@ def _check_format_templates(raw: Mapping[str, object], nodes: _NodeIndex, findin
             if missing:
                 findings.add(
                     "invalid_format_template",
-                    f"the template reads {', '.join(repr(m) for m in missing)}, which its values do not have (the host's str.format would raise KeyError)",
+                    f"the template reads {', '.join(repr(m) for m in missing)}, which its values do not have "
+                    "(the host's str.format would raise KeyError)",
                     node=node_id,
                     field=field,
                 )
@@ -430,7 +459,8 @@ def _check_exec_cycles(flow: Mapping[str, object], findings: _Findings, *, subfl
         path = " -> ".join(repr(node_id) for node_id in [*cycle, cycle[0]])
         findings.add(
             "exec_cycle",
-            f"execution wires go round {path}" + ("" if subflow is None else f" in subflow {subflow!r}")
+            f"execution wires go round {path}"
+            + ("" if subflow is None else f" in subflow {subflow!r}")
             + " with no loop node or loop limit to end it: the run would never end (repeat inside a "
             "loop/for/while node's body, or put a loop limit on one of these wires)",
             node=cycle[0] if subflow is None else None,
@@ -497,7 +527,11 @@ def _index_nodes(raw: Mapping[str, object]) -> tuple[dict[str, tuple[int, Mappin
     for i, message in malformed:
         findings.add("invalid_node", message, field=f"nodes[{i}]")
     for i, node_id in duplicates:
-        findings.add("duplicate_node_id", f"node id {node_id!r} is used by nodes[{nodes[node_id][0]}] too", field=f"nodes[{i}].id")
+        findings.add(
+            "duplicate_node_id",
+            f"node id {node_id!r} is used by nodes[{nodes[node_id][0]}] too",
+            field=f"nodes[{i}].id",
+        )
     for node_id, (_, node) in nodes.items():
         node_type = node.get("type")
         if not isinstance(node_type, str) or not node_type.strip():
@@ -510,7 +544,9 @@ def _index_nodes(raw: Mapping[str, object]) -> tuple[dict[str, tuple[int, Mappin
 def _check_document(raw: Mapping[str, object], findings: _Findings) -> None:
     flow_id = raw.get("id")
     if not isinstance(flow_id, str) or not flow_id.strip():
-        findings.add("invalid_document", "the flow has no 'id' (AbstractRuntime uses it as the workflow id)", field="id")
+        findings.add(
+            "invalid_document", "the flow has no 'id' (AbstractRuntime uses it as the workflow id)", field="id"
+        )
     if not isinstance(raw.get("nodes"), list):
         findings.add("invalid_document", "'nodes' must be a list of nodes", field="nodes")
     if "edges" in raw and not isinstance(raw.get("edges"), list):
@@ -524,7 +560,9 @@ def _pins(node: Mapping[str, object], side: str) -> set[str] | None:
     if not (isinstance(inputs, list) and inputs) and not (isinstance(outputs, list) and outputs):
         return None  # hand-written flows often declare no pins: nothing to compare with
     pins = data.get(side)
-    return {str(p.get("id")) for p in pins if isinstance(p, Mapping) and p.get("id")} if isinstance(pins, list) else set()
+    return (
+        {str(p.get("id")) for p in pins if isinstance(p, Mapping) and p.get("id")} if isinstance(pins, list) else set()
+    )
 
 
 def _check_edges(raw: Mapping[str, object], nodes: _NodeIndex, findings: _Findings) -> None:
@@ -544,10 +582,19 @@ def _check_edges(raw: Mapping[str, object], nodes: _NodeIndex, findings: _Findin
             ends[end] = node_id
             if node_id not in nodes:
                 hint = _did_you_mean(node_id, nodes)
-                findings.add("edge_to_missing_node", f"{end} {node_id!r} is not a node of this flow{hint}", field=f"{where}.{end}")
+                findings.add(
+                    "edge_to_missing_node",
+                    f"{end} {node_id!r} is not a node of this flow{hint}",
+                    field=f"{where}.{end}",
+                )
                 continue
             if not isinstance(handle, str) or not handle.strip():
-                findings.add("invalid_edge", f"edge has no {handle_key} (the host drops it)", node=node_id, field=f"{where}.{handle_key}")
+                findings.add(
+                    "invalid_edge",
+                    f"edge has no {handle_key} (the host drops it)",
+                    node=node_id,
+                    field=f"{where}.{handle_key}",
+                )
                 continue
             if side == "outputs" and not _valid_branch_handle(nodes[node_id][1], handle):
                 findings.add(
@@ -585,9 +632,7 @@ def _implicit_pin(node: Mapping[str, object], handle: str, side: str) -> bool:
     return handle in ("exec-in", "exec-out") and side == ("inputs" if handle == "exec-in" else "outputs")
 
 
-def _check_with_compiler(
-    raw: Mapping[str, object], nodes: _NodeIndex, findings: _Findings
-) -> None:
+def _check_with_compiler(raw: Mapping[str, object], nodes: _NodeIndex, findings: _Findings) -> None:
     """What AbstractRuntime's own compiler says: unknown node types, graph errors, ignored nodes."""
     from abstractruntime.visualflow_compiler import compile_flow, load_visualflow_json, visual_to_flow
 
@@ -613,7 +658,8 @@ def _check_with_compiler(
         # The compiler stops at the first unknown type. For the rest of its verdict (what the
         # entry reaches) stand a plain execution node in for each unknown one.
         document["nodes"] = [
-            {**n, "type": _STAND_IN_TYPE} if isinstance(n, Mapping) and _is_unknown(n) else n for n in array_at(raw, "nodes")
+            {**n, "type": _STAND_IN_TYPE} if isinstance(n, Mapping) and _is_unknown(n) else n
+            for n in array_at(raw, "nodes")
         ]
     try:
         flow = visual_to_flow(load_visualflow_json(document))
@@ -832,7 +878,17 @@ _CONTROL_RULES: Final[dict[str, Callable[[object], object]]] = {
     "temperature": lambda v: normalize_sampling(temperature=v),
     "seed": _seed,
     "prompt_cache_key": _prompt_cache_key,
-    **{key: _positive_int(key) for key in ("max_output_tokens", "maxOutputTokens", "max_out_tokens", "max_input_tokens", "maxInputTokens", "max_iterations")},
+    **{
+        key: _positive_int(key)
+        for key in (
+            "max_output_tokens",
+            "maxOutputTokens",
+            "max_out_tokens",
+            "max_input_tokens",
+            "maxInputTokens",
+            "max_iterations",
+        )
+    },
 }
 
 
@@ -898,8 +954,15 @@ def _check_llm_nodes(
         pins = object_at(data, "pinDefaults")
         control_pins = _CONTROL_PINS if node_type == "llm_call" else (*_CONTROL_PINS, *_AGENT_LIMIT_PINS)
         limits = {} if node_type == "llm_call" else {k: config[k] for k in _AGENT_LIMIT_PINS if k in config}
-        _check_controls({**{k: v for k, v in config.items() if k not in _AGENT_LIMIT_PINS}, **limits}, findings, prefix=f"data.{config_key}", node=node_id)
-        _check_controls({k: pins[k] for k in control_pins if k in pins}, findings, prefix="data.pinDefaults", node=node_id)
+        _check_controls(
+            {**{k: v for k, v in config.items() if k not in _AGENT_LIMIT_PINS}, **limits},
+            findings,
+            prefix=f"data.{config_key}",
+            node=node_id,
+        )
+        _check_controls(
+            {k: pins[k] for k in control_pins if k in pins}, findings, prefix="data.pinDefaults", node=node_id
+        )
         if node_type == "llm_call":
             model = config.get("model")
             provider_field, model_field = "data.effectConfig.provider", "data.effectConfig.model"
@@ -1057,7 +1120,12 @@ def _check_route(
         return
     chosen = decision.model
     if chosen is None:
-        findings.add("no_model", "the node names no model and the run has no default model (--model)", node=node_id, field=model_field)
+        findings.add(
+            "no_model",
+            "the node names no model and the run has no default model (--model)",
+            node=node_id,
+            field=model_field,
+        )
         return
     if chosen not in seen.models:
         try:
@@ -1066,7 +1134,9 @@ def _check_route(
         except MLXRuntimeError as exc:
             seen.models[chosen] = exc.message
     if seen.models[chosen] is not None:
-        where = {"node model": model_field, "--model": "--model", "default model": "--model"}.get(decision.rule, decision.rule)
+        where = {"node model": model_field, "--model": "--model", "default model": "--model"}.get(
+            decision.rule, decision.rule
+        )
         findings.add("model_not_found", str(seen.models[chosen]), node=node_id, field=where)
 
 

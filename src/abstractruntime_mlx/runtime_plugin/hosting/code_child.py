@@ -46,14 +46,20 @@ def _answer(request: dict[str, object]) -> dict[str, object]:
     spec.loader.exec_module(executor)
     if bool(executor.RESTRICTED_PYTHON_AVAILABLE) != bool(request["restricted"]):
         # The body would run under a weaker sandbox here than in the host process.
-        return {"ok": False, "kind": "error", "message": "the code node process does not see the host's RestrictedPython"}
+        return {
+            "ok": False,
+            "kind": "error",
+            "message": "the code node process does not see the host's RestrictedPython",
+        }
     cpu_s = int(request["cpu_s"])  # type: ignore[call-overload]
     memory = int(request["memory_bytes"])  # type: ignore[call-overload]
     # Set last: the limits bound the body, not this process's start.
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     try:
-        handler = executor.create_code_handler(request["code"], request["function_name"], permissions=request["permissions"])
+        handler = executor.create_code_handler(
+            request["code"], request["function_name"], permissions=request["permissions"]
+        )
         return {"ok": True, "result": handler(request["input"])}
     except BaseException as exc:  # noqa: BLE001 - every failure of the body is the answer
         if _caused_by_memory(exc):

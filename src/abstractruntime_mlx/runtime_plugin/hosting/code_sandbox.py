@@ -133,7 +133,9 @@ def install() -> None:
             return
         in_process = executor.create_code_handler
 
-        def create_code_handler(code: str, function_name: str = "transform", *, permissions: object = "sandbox") -> Callable[[object], object]:
+        def create_code_handler(
+            code: str, function_name: str = "transform", *, permissions: object = "sandbox"
+        ) -> Callable[[object], object]:
             # Built here first, as before: a body the sandbox refuses is refused when the node is built.
             in_process(code, function_name, permissions=permissions)
 
@@ -181,7 +183,9 @@ def run_code(code: str, function_name: str, *, permissions: object, input_data: 
     feeder = threading.Thread(target=_feed, args=(child.stdin, request), name="code-node-input", daemon=True)
     feeder.start()
     try:
-        output = read_bounded(child.stdout.fileno(), deadline=deadline, max_bytes=current.result_mib * _MIB + _HEADER_MAX_BYTES)
+        output = read_bounded(
+            child.stdout.fileno(), deadline=deadline, max_bytes=current.result_mib * _MIB + _HEADER_MAX_BYTES
+        )
         if output.outcome == "eof":
             child.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -198,7 +202,9 @@ def run_code(code: str, function_name: str, *, permissions: object, input_data: 
         raise _trip(runs, CodeTimeLimitExceeded(_time_message(current), limit="--max-code-s", maximum=current.time_s))
     header, body = _split_answer(output.data)
     if header is None:
-        raise code_executor.CodeExecutionError(f"the code node's process ended (status {child.returncode}) without an answer")
+        raise code_executor.CodeExecutionError(
+            f"the code node's process ended (status {child.returncode}) without an answer"
+        )
     if header.get("ok") is True:
         return _result(body, runs)
     if header.get("kind") == "memory":
@@ -324,7 +330,9 @@ def _loaded(value: object, store: ArtifactStore, depth: int) -> object:
         if artifact is None:
             from abstractruntime.visualflow_compiler.visual import code_executor
 
-            raise code_executor.CodeExecutionError(f"the code result kept as artifact {value['$artifact']} is no longer in the artifact store")
+            raise code_executor.CodeExecutionError(
+                f"the code result kept as artifact {value['$artifact']} is no longer in the artifact store"
+            )
         return json.loads(artifact.content)
     if isinstance(value, dict):
         loaded = {key: _loaded(item, store, depth + 1) for key, item in value.items()}

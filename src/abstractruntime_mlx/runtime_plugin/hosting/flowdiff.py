@@ -54,7 +54,8 @@ def _identity(flow: Mapping[str, object]) -> dict[str, object]:
     nodes = array_at(flow, "nodes")
     edges = array_at(flow, "edges")
     out["nodes"] = sorted(
-        (_node_identity(n) if isinstance(n, Mapping) else n for n in nodes), key=lambda n: json.dumps(n, sort_keys=True, default=str)
+        (_node_identity(n) if isinstance(n, Mapping) else n for n in nodes),
+        key=lambda n: json.dumps(n, sort_keys=True, default=str),
     )
     out["edges"] = sorted((_edge_identity(e) for e in edges), key=lambda e: json.dumps(e, sort_keys=True, default=str))
     return out
@@ -118,7 +119,9 @@ def flow_changes(stored: Mapping[str, object], current: Mapping[str, object]) ->
         changes.extend(f"{_named(node_id, new_nodes[node_id])}: {d}" for d in details)
     old_edges = {json.dumps(_edge_identity(e), sort_keys=True, default=str) for e in array_at(stored, "edges")}
     new_edges = {json.dumps(_edge_identity(e), sort_keys=True, default=str) for e in array_at(current, "edges")}
-    for text, verb in [(e, "removed") for e in sorted(old_edges - new_edges)] + [(e, "added") for e in sorted(new_edges - old_edges)]:
+    for text, verb in [(e, "removed") for e in sorted(old_edges - new_edges)] + [
+        (e, "added") for e in sorted(new_edges - old_edges)
+    ]:
         edge = json.loads(text)
         if isinstance(edge, dict):
             changes.append(

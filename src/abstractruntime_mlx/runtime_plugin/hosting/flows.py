@@ -17,7 +17,6 @@ can be resumed from the ledger alone (``resume_run``).
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import time
 import uuid
@@ -34,11 +33,10 @@ from ...errors import RunNotFound, RunNotResumable
 from ...inspection import NodeOutcome, node_outcomes
 from ...json_values import as_str, object_at
 from ...ledger import Ledger, run_lock
-
+from ..adapter.pack import MLXPack, PackOptions, PackSettings, build_pack
 from ..prefetch.catalog import load_flow
 from .flowdiff import flow_hash
 from .host import DriveLimits, FlowHost, drive, waiting_leaf
-from ..adapter.pack import MLXPack, PackOptions, PackSettings, build_pack
 from .waits import describe_wait, event_envelope, event_name, wait_info
 
 if TYPE_CHECKING:
@@ -63,8 +61,6 @@ log = logging.getLogger(__name__)
 
 FLOW_VAR: Final = "mlx_pack"
 """Key under ``vars["_runtime"]`` holding the flow and the options a resume needs."""
-
-
 
 
 # --------------------------------------------------------------------------------------
@@ -192,7 +188,9 @@ def run_flow(
             raise ValueError("run_flow needs ledger_url=... or pack=...")
         pack = build_pack(ledger_url, settings=settings, **options)
     try:
-        host = FlowHost.for_flow(pack, flow_dict, flows_dir=flows_dir, artifacts_dir=artifacts_dir, allow_network_tools=allow_network_tools)
+        host = FlowHost.for_flow(
+            pack, flow_dict, flows_dir=flows_dir, artifacts_dir=artifacts_dir, allow_network_tools=allow_network_tools
+        )
         run_vars = copy.deepcopy(dict(vars or {}))
         runtime_ns = run_vars.setdefault("_runtime", {})
         if not isinstance(runtime_ns, dict):
@@ -248,7 +246,9 @@ def _one_run(host: FlowHost, run_vars: dict[str, object], session_id: str | None
     with run_lock.acquire(pack.ledger, run_id), pack.prefetcher.run_in_progress():
         # Every run has a session: the host derives each LLM call's prompt-cache key from it.
         session = session_id or new_session_id()
-        runtime.start(workflow=registry.get(host.bundle.root_id), vars=copy.deepcopy(run_vars), session_id=session, run_id=run_id)
+        runtime.start(
+            workflow=registry.get(host.bundle.root_id), vars=copy.deepcopy(run_vars), session_id=session, run_id=run_id
+        )
         try:
             state = drive(runtime, registry, run_id, limits=limits)
         finally:
@@ -272,7 +272,11 @@ def _result(pack: MLXPack, state: RunState, wall_s: float) -> FlowRunResult:
     if state.status == RunStatus.WAITING and pack.run_store is not None:
         leaf = state
         for _ in range(256):
-            child = (leaf.waiting.details or {}).get("sub_run_id") if leaf.waiting is not None and isinstance(leaf.waiting.details, dict) else None
+            child = (
+                (leaf.waiting.details or {}).get("sub_run_id")
+                if leaf.waiting is not None and isinstance(leaf.waiting.details, dict)
+                else None
+            )
             loaded = pack.run_store.load(child) if isinstance(child, str) else None
             if loaded is None or loaded.status != RunStatus.WAITING:
                 break
@@ -329,7 +333,9 @@ def resume_run(
             assert ledger_url is not None
             pack = _pack_for_stored_run(ledger_url, run_id, model=model)
         try:
-            return _resume_locked(pack, run_id, answer=answer, event=event, limits=limits, refuse_finished=refuse_finished)
+            return _resume_locked(
+                pack, run_id, answer=answer, event=event, limits=limits, refuse_finished=refuse_finished
+            )
         finally:
             if owned:
                 pack.close()
@@ -365,14 +371,18 @@ def _resume_locked(
     assert pack.run_store is not None
     state = pack.run_store.load(run_id)
     if state is None:
-        raise RunNotFound(f"no run {run_id!r} in {pack.ledger.url if pack.ledger else 'the ledger'}", details={"run_id": run_id[:255]})
+        raise RunNotFound(
+            f"no run {run_id!r} in {pack.ledger.url if pack.ledger else 'the ledger'}", details={"run_id": run_id[:255]}
+        )
     if state.status not in (RunStatus.RUNNING, RunStatus.WAITING):
         if refuse_finished or answer is not None or event is not None:
             raise _not_resumable(run_id, state, "only a waiting or interrupted run can be resumed")
         return _result(pack, state, 0.0)
     stored = stored_flow(state.vars)
     if stored is None:
-        raise ValueError(f"run {run_id} was not started by run_flow: it carries no _runtime.{FLOW_VAR}.flow to resume with")
+        raise ValueError(
+            f"run {run_id} was not started by run_flow: it carries no _runtime.{FLOW_VAR}.flow to resume with"
+        )
     options = stored_options(state.vars)
     host = FlowHost.for_flow(
         pack,
@@ -389,7 +399,9 @@ def _resume_locked(
             if leaf.status == RunStatus.WAITING:
                 _answer_wait(runtime, registry, leaf, answer=answer, event=event)
             elif answer is not None or event is not None:
-                raise _not_resumable(run_id, leaf, "it does not wait for an answer or an event: there is nothing to answer")
+                raise _not_resumable(
+                    run_id, leaf, "it does not wait for an answer or an event: there is nothing to answer"
+                )
             state = drive(runtime, registry, run_id, limits=limits or DriveLimits())
         finally:
             pack.prefetcher.discard_run(run_id)
@@ -407,7 +419,12 @@ def _not_resumable(run_id: str, state: RunState, why: str) -> RunNotResumable:
 
 
 def _answer_wait(
-    runtime: Runtime, registry: WorkflowRegistry, leaf: RunState, *, answer: str | None, event: tuple[str, object] | None
+    runtime: Runtime,
+    registry: WorkflowRegistry,
+    leaf: RunState,
+    *,
+    answer: str | None,
+    event: tuple[str, object] | None,
 ) -> None:
     """Deliver ``answer`` or ``event`` to the run ``leaf`` waits in (a timer needs neither)."""
     wait = leaf.waiting
@@ -415,21 +432,35 @@ def _answer_wait(
     spec = registry.get(leaf.workflow_id)
     if reason == WaitReason.USER:
         if answer is None:
-            raise ValueError(f"run {leaf.run_id} waits for an answer ({describe_wait(wait)}): resume it with --answer TEXT")
+            raise ValueError(
+                f"run {leaf.run_id} waits for an answer ({describe_wait(wait)}): resume it with --answer TEXT"
+            )
         if wait.choices and not wait.allow_free_text and answer not in wait.choices:
             raise ValueError(f"run {leaf.run_id} accepts only one of {list(wait.choices)} (got {answer!r})")
-        runtime.resume(workflow=spec, run_id=leaf.run_id, wait_key=wait.wait_key, payload={"response": answer}, max_steps=0)
+        runtime.resume(
+            workflow=spec, run_id=leaf.run_id, wait_key=wait.wait_key, payload={"response": answer}, max_steps=0
+        )
     elif reason == WaitReason.EVENT:
         if event is None:
-            raise ValueError(f"run {leaf.run_id} waits for an event ({describe_wait(wait)}): resume it with --event NAME[=JSON]")
+            raise ValueError(
+                f"run {leaf.run_id} waits for an event ({describe_wait(wait)}): resume it with --event NAME[=JSON]"
+            )
         name, payload = event
         waited = event_name(wait.wait_key)
         if waited is not None and waited != name:
             raise ValueError(f"run {leaf.run_id} waits for event {waited!r}, not {name!r}")
-        runtime.resume(workflow=spec, run_id=leaf.run_id, wait_key=wait.wait_key, payload=event_envelope(name, payload, leaf), max_steps=0)
+        runtime.resume(
+            workflow=spec,
+            run_id=leaf.run_id,
+            wait_key=wait.wait_key,
+            payload=event_envelope(name, payload, leaf),
+            max_steps=0,
+        )
     elif reason == WaitReason.UNTIL:
         if answer is not None or event is not None:
-            raise ValueError(f"run {leaf.run_id} waits for a timer ({describe_wait(wait)}), not for an answer or an event")
+            raise ValueError(
+                f"run {leaf.run_id} waits for a timer ({describe_wait(wait)}), not for an answer or an event"
+            )
     else:
         raise ValueError(f"run {leaf.run_id} waits for {describe_wait(wait)}, which resume cannot answer")
 
@@ -460,4 +491,6 @@ def _pack_for_stored_run(ledger_url: str, run_id: str, *, model: str | None) -> 
         probe.close()
     if data is None:
         raise RunNotFound(f"no run {run_id!r} in {ledger_url}", details={"run_id": run_id[:255]})
-    return build_pack(ledger_url, settings=PackSettings.from_resume_options(stored_options(object_at(data, "vars")), model=model))
+    return build_pack(
+        ledger_url, settings=PackSettings.from_resume_options(stored_options(object_at(data, "vars")), model=model)
+    )

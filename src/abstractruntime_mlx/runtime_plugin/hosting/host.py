@@ -38,14 +38,14 @@ from abstractruntime import Runtime
 from abstractruntime.core.config import RuntimeConfig
 from abstractruntime.core.models import EffectType, RunState, RunStatus, StepRecord, WaitReason
 
+from ...default_limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_TIMER_WAIT_S, DEFAULT_MAX_WALL_S
 from ...errors import DepthLimitExceeded, RunLimitExceeded, StepLimitExceeded, WallTimeLimitExceeded
 from ...json_values import array_at, object_at
 from ...ledger.store import parse_timestamp
-from ...default_limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_STEPS, DEFAULT_MAX_TIMER_WAIT_S, DEFAULT_MAX_WALL_S
-from . import code_sandbox
-from ..prefetch.catalog import load_flow
-from .host_shims import compile_ready
 from ..adapter.routing import LOCAL_PROVIDER
+from ..prefetch.catalog import load_flow
+from . import code_sandbox
+from .host_shims import compile_ready
 
 if TYPE_CHECKING:
     from abstractcore.tools import ToolDefinition
@@ -353,12 +353,25 @@ class FlowHost:
             from abstractruntime.integrations.abstractcore.default_tools import list_default_tool_specs
 
             defs = [
-                ToolDefinition(name=s["name"], description=str(s.get("description") or ""), parameters=dict(s.get("parameters") or {}))
+                ToolDefinition(
+                    name=s["name"],
+                    description=str(s.get("description") or ""),
+                    parameters=dict(s.get("parameters") or {}),
+                )
                 for s in list_default_tool_specs()
-                if isinstance(s, dict) and s.get("name") and (self.allow_network_tools or s["name"] not in NETWORK_TOOLS)
+                if isinstance(s, dict)
+                and s.get("name")
+                and (self.allow_network_tools or s["name"] not in NETWORK_TOOLS)
             ]
             seen = {d.name for d in defs}
-            for builtin in (ASK_USER_TOOL, RECALL_MEMORY_TOOL, INSPECT_VARS_TOOL, REMEMBER_TOOL, COMPACT_MEMORY_TOOL, DELEGATE_AGENT_TOOL):
+            for builtin in (
+                ASK_USER_TOOL,
+                RECALL_MEMORY_TOOL,
+                INSPECT_VARS_TOOL,
+                REMEMBER_TOOL,
+                COMPACT_MEMORY_TOOL,
+                DELEGATE_AGENT_TOOL,
+            ):
                 if builtin.name not in seen:
                     defs.append(builtin)
                     seen.add(builtin.name)
@@ -367,13 +380,20 @@ class FlowHost:
 
     def effect_handlers(self) -> dict[EffectType, EffectHandler]:
         """The host's tool handlers over our executor, and our LLM_CALL handler."""
-        from abstractruntime.integrations.abstractcore.effect_handlers import make_tool_calls_handler, make_tool_invoke_handler
+        from abstractruntime.integrations.abstractcore.effect_handlers import (
+            make_tool_calls_handler,
+            make_tool_invoke_handler,
+        )
 
         tools = self._tool_executor()
         run_store = self.pack.run_store
         return {
-            EffectType.TOOL_CALLS: make_tool_calls_handler(tools=tools, artifact_store=self.artifact_store, run_store=run_store),
-            EffectType.TOOL_INVOKE: make_tool_invoke_handler(tools=tools, artifact_store=self.artifact_store, run_store=run_store),
+            EffectType.TOOL_CALLS: make_tool_calls_handler(
+                tools=tools, artifact_store=self.artifact_store, run_store=run_store
+            ),
+            EffectType.TOOL_INVOKE: make_tool_invoke_handler(
+                tools=tools, artifact_store=self.artifact_store, run_store=run_store
+            ),
             EffectType.LLM_CALL: self.pack.handler,
         }
 
@@ -401,8 +421,14 @@ class FlowHost:
             for flow_id, node_id, config in agents:
                 # Like AbstractFlow: an Agent node without a tools list may use every tool
                 # the executor has; an explicit list (even empty) is honoured.
-                allowed = [t.strip() for t in array_at(config, "tools") if isinstance(t, str) and t.strip()] if "tools" in config else None
-                workflow_id = config.get("_react_workflow_id") or visual_react_workflow_id(flow_id=flow_id, node_id=node_id)
+                allowed = (
+                    [t.strip() for t in array_at(config, "tools") if isinstance(t, str) and t.strip()]
+                    if "tools" in config
+                    else None
+                )
+                workflow_id = config.get("_react_workflow_id") or visual_react_workflow_id(
+                    flow_id=flow_id, node_id=node_id
+                )
                 registry.register(
                     create_react_workflow(
                         logic=ReActLogic(tools=self._agent_tool_defs()),
@@ -426,7 +452,9 @@ class FlowHost:
         if pack.run_store is None or pack.ledger_store is None:
             raise RuntimeError("this pack has no ledger; build it with a ledger URL to run flows")
         registry = self.registry()
-        options: dict[str, EffectPolicy] = {"effect_policy": pack.effect_policy} if pack.effect_policy is not None else {}
+        options: dict[str, EffectPolicy] = (
+            {"effect_policy": pack.effect_policy} if pack.effect_policy is not None else {}
+        )
         runtime = Runtime(
             config=self.run_defaults(),
             run_store=pack.run_store,
@@ -478,7 +506,11 @@ class DriveLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
-        if isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int) or not 0 <= self.max_depth <= _MAX_DEPTH_LIMIT:
+        if (
+            isinstance(self.max_depth, bool)
+            or not isinstance(self.max_depth, int)
+            or not 0 <= self.max_depth <= _MAX_DEPTH_LIMIT
+        ):
             raise ValueError(f"max_depth must be an integer from 0 to {_MAX_DEPTH_LIMIT} (got {self.max_depth!r})")
         for name in ("max_wall_s", "max_code_s"):
             value = getattr(self, name)
@@ -486,8 +518,9 @@ class DriveLimits:
                 raise ValueError(f"{name} must be > 0 (got {value!r})")
 
     def code_limits(self) -> code_sandbox.CodeLimits:
-        return code_sandbox.CodeLimits(time_s=self.max_code_s, memory_mib=self.max_code_mib, result_mib=self.max_code_result_mib)
-
+        return code_sandbox.CodeLimits(
+            time_s=self.max_code_s, memory_mib=self.max_code_mib, result_mib=self.max_code_result_mib
+        )
 
 
 class _Budget:
@@ -509,10 +542,16 @@ class _Budget:
         """The limit a run that still has steps to take is past, if any."""
         limits = self.limits
         if self.steps >= limits.max_steps:
-            return StepLimitExceeded(f"the run took {limits.max_steps} steps, its limit (--max-steps)", limit="--max-steps", maximum=limits.max_steps)
+            return StepLimitExceeded(
+                f"the run took {limits.max_steps} steps, its limit (--max-steps)",
+                limit="--max-steps",
+                maximum=limits.max_steps,
+            )
         if time.monotonic() >= self.deadline:
             return WallTimeLimitExceeded(
-                f"the run ran for {limits.max_wall_s:g} s, its wall-clock limit (--max-wall-s)", limit="--max-wall-s", maximum=limits.max_wall_s
+                f"the run ran for {limits.max_wall_s:g} s, its wall-clock limit (--max-wall-s)",
+                limit="--max-wall-s",
+                maximum=limits.max_wall_s,
             )
         return None
 
@@ -569,7 +608,9 @@ def _depth_exceeded(chain: list[RunState], limits: DriveLimits) -> RunLimitExcee
     )
 
 
-def fail_run(runtime: Runtime, run_id: str, *, node_id: str | None, error: str, replace_flow_error: bool = False) -> RunState:
+def fail_run(
+    runtime: Runtime, run_id: str, *, node_id: str | None, error: str, replace_flow_error: bool = False
+) -> RunState:
     """Mark a run failed at ``node_id`` with ``error`` (a failed step record, then the state):
     what a tick that raised leaves behind instead of a run ``running`` forever.
     ``replace_flow_error``: ``error`` replaces the node error the host recorded (the host's
@@ -623,7 +664,9 @@ def drive(
     On the pack's ledger the caller holds the tree's run lock (``ledger.run_lock.acquire``), as
     ``run_flow`` and ``resume_run`` do: two processes ticking one run would both run its nodes."""
     with code_sandbox.limits(limits.code_limits(), artifacts=runtime.artifact_store) as code_runs:
-        return _drive(runtime, registry, run_id, limits=limits, budget=_Budget(limits), code_runs=code_runs, cancel=cancel)
+        return _drive(
+            runtime, registry, run_id, limits=limits, budget=_Budget(limits), code_runs=code_runs, cancel=cancel
+        )
 
 
 def _drive(
@@ -645,7 +688,11 @@ def _drive(
         if tripped is not None:
             # The host ended the run as completed with the node's error; past a limit it fails.
             state = runtime.get_state(leaf.run_id)
-            node = state.vars.get("_flow_error_node") if isinstance(state.vars.get("_flow_error_node"), str) else state.current_node
+            node = (
+                state.vars.get("_flow_error_node")
+                if isinstance(state.vars.get("_flow_error_node"), str)
+                else state.current_node
+            )
             fail_run(runtime, leaf.run_id, node_id=node, error=limit_error(tripped, node), replace_flow_error=True)
 
     for _ in range(_MAX_DRIVE_STEPS):
@@ -657,11 +704,18 @@ def _drive(
         if status == RunStatus.RUNNING:
             spec = registry.get(leaf.workflow_id)
             if spec is None:
-                fail_run(runtime, leaf.run_id, node_id=leaf.current_node, error=f"workflow {leaf.workflow_id!r} is not registered")
+                fail_run(
+                    runtime,
+                    leaf.run_id,
+                    node_id=leaf.current_node,
+                    error=f"workflow {leaf.workflow_id!r} is not registered",
+                )
                 continue
             exceeded = _depth_exceeded(chain, limits) or budget.exceeded()
             if exceeded is not None:
-                fail_run(runtime, leaf.run_id, node_id=leaf.current_node, error=limit_error(exceeded, leaf.current_node))
+                fail_run(
+                    runtime, leaf.run_id, node_id=leaf.current_node, error=limit_error(exceeded, leaf.current_node)
+                )
                 continue
             tick(leaf, spec)
             continue
@@ -687,7 +741,13 @@ def _drive(
             parent_spec = registry.get(parent.workflow_id)
             wait_key = parent.waiting.wait_key if parent.waiting is not None else None
             payload = {"sub_run_id": leaf.run_id, "output": leaf.output}
-            _guarded(runtime, parent, lambda: runtime.resume(workflow=parent_spec, run_id=parent_id, wait_key=wait_key, payload=payload, max_steps=0))
+            _guarded(
+                runtime,
+                parent,
+                lambda: runtime.resume(
+                    workflow=parent_spec, run_id=parent_id, wait_key=wait_key, payload=payload, max_steps=0
+                ),
+            )
         else:
             fail_run(
                 runtime,

@@ -60,7 +60,10 @@ def host_needs_shim(version: str | None = None) -> bool:
 def _feeds(flow: Mapping[str, object], node_id: object, pin: str) -> bool:
     if pin in object_at(object_at(_node(flow, node_id), "data"), "pinDefaults"):
         return True
-    return any(isinstance(e, Mapping) and e.get("target") == node_id and e.get("targetHandle") == pin for e in array_at(flow, "edges"))
+    return any(
+        isinstance(e, Mapping) and e.get("target") == node_id and e.get("targetHandle") == pin
+        for e in array_at(flow, "edges")
+    )
 
 
 def _node(flow: Mapping[str, object], node_id: object) -> Mapping[str, object]:

@@ -68,7 +68,11 @@ def resume_interrupted(
     """Resume every interrupted run tree of the ledger (or the trees of ``run_ids``), skipping
     those another process still holds. ``model`` replaces the stored default model."""
     with Ledger(ledger_url) as ledger:
-        roots = interrupted_roots(ledger) if run_ids is None else list(dict.fromkeys(root_run_id(ledger, r) for r in run_ids))
+        roots = (
+            interrupted_roots(ledger)
+            if run_ids is None
+            else list(dict.fromkeys(root_run_id(ledger, r) for r in run_ids))
+        )
     outcomes: list[Takeover] = []
     for root in roots:
         try:

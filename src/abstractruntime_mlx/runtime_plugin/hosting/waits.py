@@ -1,7 +1,7 @@
 """What a waiting run waits for, in words and as data, and the envelope of an event sent to it.
 
-    describe_wait(state.waiting)   # "answer to 'Continue?' (choices: yes, no)"
-    wait_info(state.waiting)       # {"reason": "user", "prompt": ..., "choices": [...], ...}
+describe_wait(state.waiting)   # "answer to 'Continue?' (choices: yes, no)"
+wait_info(state.waiting)       # {"reason": "user", "prompt": ..., "choices": [...], ...}
 """
 
 from __future__ import annotations

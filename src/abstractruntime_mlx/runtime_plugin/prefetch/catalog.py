@@ -19,7 +19,15 @@ from typing import Final
 from ...json_values import array_at, nests_deeper_than, object_at, parse_ascii_int
 from .prediction import LLM_NODE_TYPES, Unpredictable, plan_payload, resolve_payload, steps_to_llm_nodes
 
-__all__ = ["BRANCHING_NODE_TYPES", "BRANCH_HANDLE_PREFIX", "FlowCatalog", "FlowIndex", "SiblingCall", "branch_index", "load_flow"]
+__all__ = [
+    "BRANCHING_NODE_TYPES",
+    "BRANCH_HANDLE_PREFIX",
+    "FlowCatalog",
+    "FlowIndex",
+    "SiblingCall",
+    "branch_index",
+    "load_flow",
+]
 
 BRANCHING_NODE_TYPES: Final = frozenset({"parallel", "sequence"})
 """Nodes whose ``then:N`` branches AbstractRuntime runs one after another on one thread."""
@@ -70,8 +78,6 @@ def load_flow(source: str | Path | Mapping[str, object]) -> dict[str, object]:
     if not flow.get("id"):
         raise ValueError("the flow has no 'id' (AbstractRuntime uses it as the workflow id)")
     return flow
-
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,4 +175,3 @@ class FlowCatalog:
     def get(self, workflow_id: str) -> FlowIndex | None:
         with self._lock:
             return self._flows.get(workflow_id)
-

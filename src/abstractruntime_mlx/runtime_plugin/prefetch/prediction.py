@@ -34,14 +34,27 @@ __all__ = ["LLM_NODE_TYPES", "Unpredictable", "plan_payload", "resolve_payload",
 
 # effectConfig keys a predicted request honours; anything else makes the node unpredictable.
 PREDICTABLE_CONFIG: Final = frozenset(
-    {"provider", "model", "temperature", "seed", "thinking", "speculation", "max_output_tokens", "maxOutputTokens", "base_url", "server_base_url"}
+    {
+        "provider",
+        "model",
+        "temperature",
+        "seed",
+        "thinking",
+        "speculation",
+        "max_output_tokens",
+        "maxOutputTokens",
+        "base_url",
+        "server_base_url",
+    }
 )
 # Data pins of an llm_call node a prediction computes (wired in or from pinDefaults).
 PREDICTABLE_PINS: Final = frozenset({"prompt", "system", "provider", "model", "temperature", "seed"})
 # Flags the editor writes as ``false`` by default: false is no dependency.
 NO_OP_WHEN_FALSE: Final = frozenset({"include_context", "use_context"})
 # Pure data nodes computed here: literals and string building.
-LITERAL_TYPES: Final = frozenset({"literal_string", "literal_number", "literal_boolean", "literal_json", "literal_array"})
+LITERAL_TYPES: Final = frozenset(
+    {"literal_string", "literal_number", "literal_boolean", "literal_json", "literal_array"}
+)
 COMPUTED_TYPES: Final = LITERAL_TYPES | {"concat", "format"}
 START_TYPES: Final = frozenset({"on_flow_start"})
 LLM_NODE_TYPES: Final = frozenset({"llm_call", "agent"})
@@ -153,7 +166,9 @@ class _Graph:
         data = self.data(node_id)
         inputs = self.node_inputs(node_id, seen)
         pin_order = tuple(
-            str(p["id"]) for p in array_at(data, "inputs") if isinstance(p, Mapping) and p.get("type") != "execution" and p.get("id")
+            str(p["id"])
+            for p in array_at(data, "inputs")
+            if isinstance(p, Mapping) and p.get("type") != "execution" and p.get("id")
         )
         if node_type == "concat":
             config = object_at(data, "concatConfig")
@@ -203,12 +218,16 @@ def plan_payload(flow: Mapping[str, object], node_id: str) -> dict[str, object]:
     defaults = graph.pin_defaults(node_id)
     wired = graph.inputs.get(node_id, {})
     extra = sorted(
-        k for k in (set(defaults) | set(wired)) - PREDICTABLE_PINS if not (k in NO_OP_WHEN_FALSE and k not in wired and defaults[k] is False)
+        k
+        for k in (set(defaults) | set(wired)) - PREDICTABLE_PINS
+        if not (k in NO_OP_WHEN_FALSE and k not in wired and defaults[k] is False)
     )
     if extra:
         raise Unpredictable(f"inputs {extra} are not predicted")
     inputs = graph.node_inputs(node_id, frozenset())
-    params: dict[str, object] = {"temperature": inputs.get("temperature", config.get("temperature", DEFAULT_TEMPERATURE))}
+    params: dict[str, object] = {
+        "temperature": inputs.get("temperature", config.get("temperature", DEFAULT_TEMPERATURE))
+    }
     if "seed" in inputs or "seed" in config:
         params["seed"] = inputs.get("seed", config.get("seed"))
     max_out = config.get("max_output_tokens", config.get("maxOutputTokens"))
@@ -219,7 +238,12 @@ def plan_payload(flow: Mapping[str, object], node_id: str) -> dict[str, object]:
         params["thinking"] = thinking.strip() if isinstance(thinking, str) else thinking
     if config.get("speculation") is not None:
         params["speculation"] = copy.deepcopy(config["speculation"])
-    payload: dict[str, object] = {"prompt": inputs.get("prompt"), "system_prompt": inputs.get("system", ""), "tools": [], "params": params}
+    payload: dict[str, object] = {
+        "prompt": inputs.get("prompt"),
+        "system_prompt": inputs.get("system", ""),
+        "tools": [],
+        "params": params,
+    }
     for name in ("provider", "model"):
         value = inputs.get(name, config.get(name))
         if value is not None:

@@ -14,18 +14,16 @@ called again. See docs/runtime-plugin.md.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final
 
-
 from ...nodes import LLMNode, NodeResult, PreparedCall, ProgressRoute
-
 
 __all__ = ["PrefetchStats", "SiblingPrefetcher"]
 
@@ -138,7 +136,9 @@ class SiblingPrefetcher:
         with self._lock:
             return (run_id, node_id) in self._pending
 
-    def launch(self, run_id: str, trigger_node: str, calls: list[tuple[str, PreparedCall]], *, buffer: bool) -> list[str]:
+    def launch(
+        self, run_id: str, trigger_node: str, calls: list[tuple[str, PreparedCall]], *, buffer: bool
+    ) -> list[str]:
         """Start ``calls`` (``(node_id, prepared)``) for ``run_id``; returns the node ids started.
 
         Prefetches only take what the engine can spare: its free batch slots and queue places,
@@ -183,7 +183,9 @@ class SiblingPrefetcher:
                     cancel_event=threading.Event(),
                     launched_at=time.perf_counter(),
                 )
-                entry.future = self._pool.submit(self._node.execute, prepared, route=entry.route, cancel_event=entry.cancel_event)
+                entry.future = self._pool.submit(
+                    self._node.execute, prepared, route=entry.route, cancel_event=entry.cancel_event
+                )
                 self._pending[key] = entry
                 self.stats.launched += 1
                 started.append(node_id)

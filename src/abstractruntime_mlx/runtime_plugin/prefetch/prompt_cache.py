@@ -66,7 +66,9 @@ def node_prompt_cache_key(
     ``call`` None: no run to derive a key from (only given keys count)."""
     explicit = {name: params[name] for name in _EXPLICIT_PARAMS if name in params}
     if not explicit:
-        configured = _nonempty(node_config.get("prompt_cache_key")) or _nonempty(object_at(run_vars, "_runtime").get("prompt_cache_key"))
+        configured = _nonempty(node_config.get("prompt_cache_key")) or _nonempty(
+            object_at(run_vars, "_runtime").get("prompt_cache_key")
+        )
         if configured is not None or call is None:
             return configured
     if call is None:
@@ -114,7 +116,9 @@ class CacheHintTarget(Protocol):
     def prompt_cache_release(self, key: str) -> Mapping[str, object]: ...
 
 
-def run_hints(steps: Mapping[str, int], llm_nodes: Iterable[str], key_of: Callable[[str], str | None], current: tuple[str, str]) -> dict[str, int | None]:
+def run_hints(
+    steps: Mapping[str, int], llm_nodes: Iterable[str], key_of: Callable[[str], str | None], current: tuple[str, str]
+) -> dict[str, int | None]:
     """Steps-to-execution of one run's keys from its current node: the current key 0, a node it
     reaches its edge count, a node it no longer reaches None."""
     hints: dict[str, int | None] = {}
