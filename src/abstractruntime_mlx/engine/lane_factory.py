@@ -61,24 +61,12 @@ class LaneFactory:
         self._on_prefill = on_prefill
         # Both the single and the text lane need a plain KV cache per layer and no position ids.
         plain_kv = loaded.lane == Lane.NATIVE and supports_model(loaded.model)
-        self._plain_kv = plain_kv
         self._text_lm: Any = language_model(loaded.path, loaded.model) if plain_kv and config.text_lane else None
         self._text_ready = False  # fused and routed (on first use)
         self.buckets: Buckets | None = None  # the text lane's prefill shapes, where bounded
-
-    @property
-    def model_lanes(self) -> frozenset[LaneName]:
-        """The lanes this model has; the scheduler closes those the engine's options turn off."""
-        if self.loaded.lane == Lane.MLX_LM:
-            return frozenset({LaneName.SERIAL})
-        if self.loaded.lane == Lane.MLX_VLM:
-            return frozenset({LaneName.IN_PROCESS})
-        lanes = {LaneName.BATCH}
-        if self._plain_kv:
-            lanes.add(LaneName.SINGLE)
-        if self._text_lm is not None:
-            lanes.add(LaneName.TEXT)
-        return frozenset(lanes)
+        # The lanes this model has (fixed at load; the scheduler reads them every step and closes
+        # those the engine's options turn off).
+        self.model_lanes = _model_lanes(loaded.lane, plain_kv=plain_kv, text=self._text_lm is not None)
 
     def prepare(self) -> None:
         """At load, on the worker: route CUDA attention and warm the prefill shapes (the routing
@@ -198,3 +186,16 @@ class LaneFactory:
         except Exception as exc:  # noqa: BLE001 - unwarmed shapes are slower the first time, not wrong
             log.warning("warming the prefill shapes failed: %s", exc)
         return buckets
+
+
+def _model_lanes(lane: Lane, *, plain_kv: bool, text: bool) -> frozenset[LaneName]:
+    if lane == Lane.MLX_LM:
+        return frozenset({LaneName.SERIAL})
+    if lane == Lane.MLX_VLM:
+        return frozenset({LaneName.IN_PROCESS})
+    lanes = {LaneName.BATCH}
+    if plain_kv:
+        lanes.add(LaneName.SINGLE)
+    if text:
+        lanes.add(LaneName.TEXT)
+    return frozenset(lanes)

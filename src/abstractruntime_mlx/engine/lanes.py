@@ -162,9 +162,3 @@ def one_at_a_time_lane(ctx: LaneContext) -> LaneName | None:
         if name in ctx.open:
             return name
     return None
-
-
-def adopting_lane(lane: LaneName) -> LaneName:
-    """The lane a continuous group of ``GroupKey.lane`` moves its single row into."""
-    assert LANES[lane].adopts_from == LaneName.SINGLE, f"the {lane} lane adopts no single-lane row"
-    return lane

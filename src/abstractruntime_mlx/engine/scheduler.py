@@ -34,7 +34,7 @@ Policy (the fairness rule):
   one-at-a-time lanes (``mlx_batching=False``) run every request alone, as exclusive; a
   continuous group of one whose row can later move into a batch as is decodes on the single
   lane, and the first compatible arrival moves that row (once it decodes) into the batch lane
-  of its key (``lanes.adopting_lane``); a continuous group of text rows (``lanes.text_lane_row``)
+  of its key (``LaneSpec.adopts_from``); a continuous group of text rows (``lanes.text_lane_row``)
   on a model that has the text lane runs there; everything else on mlx-vlm's batch.
   A text key (``GroupKey.lane``) never admits rows that need mlx-vlm's loop, so such a row at the
   head of the queue is a barrier like any other.
@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .config import EngineConfig
-from .lanes import LaneContext, adopting_lane, choose_lane, one_at_a_time_lane, text_lane_row
+from .lanes import LaneContext, choose_lane, one_at_a_time_lane, text_lane_row
 from .request import EngineRequest, ExclusiveReason, ExecutionMode, LaneName, RequestStatus
 
 
@@ -421,7 +421,7 @@ class Scheduler:
                 return StepPlan(step=True)
             if count_compatible_head(state.waiting, group.key) == 0:
                 return StepPlan(step=True)
-            hand_off = adopting_lane(group.key.lane)
+            hand_off = group.key.lane  # the lane of its key adopts the row (``LaneSpec.adopts_from``)
             free = self.config.max_batch_size - 1  # the batch holds the moved row
             group = GroupState(group.key, hand_off, free, prefilling=group.prefilling)
         if free <= 0 or state.admission_paused:
