@@ -68,7 +68,7 @@ from .lane_factory import BackendFactory, LaneFactory
 from .lanes import LANES
 from .model import Lane, LoadedModel
 from .output import Ending, OutputProcessor, outcome_of
-from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
+from .prefix_cache import BLOCK_SIZE, CacheOptions, PrefixCache, restore_alignment
 from .reports import PromptCacheReport, SpeculationCounters, in_process_cache_report
 from .request import EngineRequest, ExecutionMode, LaneName, RequestStatus
 from .scheduler import (
@@ -83,6 +83,7 @@ from .scheduler import (
 )
 from .stream import PrefillCallback, RequestStream
 from .threads import POOL, WorkerHandle
+from .warm import MAX_PENDING_WARMS, WarmReport, check_warm
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,7 @@ class Engine:
         self._cond = threading.Condition()
         self._inbox: deque[Command] = deque()
         self._waiting: deque[EngineRequest] = deque()
+        self._warms: deque[EngineRequest] = deque()  # prefix warms held until no live request waits
         self._controls: deque[RunControl[Any]] = deque()
         self._group: _Group | None = None
         self._admitting: list[EngineRequest] = []  # taken from the queue, not yet in a group
@@ -408,11 +410,32 @@ class Engine:
         """Move the callers' commands into the worker's queues (under ``_cond``)."""
         while self._inbox:
             command = self._inbox.popleft()
-            if isinstance(command, Submit):
+            if isinstance(command, Submit) and command.request.warm:
+                self._warms.append(command.request)
+            elif isinstance(command, Submit):
+                self._give_way(command.request)
                 self._waiting.append(command.request)
                 self.stats.submitted += 1
             else:
                 self._controls.append(command)
+        if any(w.cancelled for w in self._warms):
+            # Into the queue, where ``_apply_cancels`` finishes them.
+            self._waiting.extend(w for w in self._warms if w.cancelled)
+            self._warms = deque(w for w in self._warms if not w.cancelled)
+        if self._warms and not self._waiting:
+            # One at a time, and only onto an empty queue: a live request never waits behind it.
+            self._waiting.append(self._warms.popleft())
+            self.stats.submitted += 1
+
+    def _give_way(self, live: EngineRequest) -> None:
+        """A live request arrived (under ``_cond``): every warm still waiting in the queue or
+        prefilling is cancelled, and so is a held warm of the same key (its request is here)."""
+        for warm in self._warms:
+            if warm.prompt_cache_key == live.prompt_cache_key:
+                warm.cancel_event.set()
+        for request in self._live.values():
+            if request.warm and request.status <= RequestStatus.PREFILLING and request not in self._warms:
+                request.cancel_event.set()
 
     def _worker_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -428,7 +451,7 @@ class Engine:
                 "rejected": self._rejected,
                 "peak_batch_size": self.stats.peak_batch_size,
                 "queued": self._num_waiting(),
-                "active": len(self._live) - len(self._waiting) - pending,
+                "active": len(self._live) - len(self._waiting) - len(self._warms) - pending,
                 "closed": self._closed,
                 "state": self.state,
                 "max_batch_size": self.config.max_batch_size,
@@ -657,6 +680,7 @@ class Engine:
         for request in list(self._live.values()):
             self._finish(request, RequestStatus.FINISHED_CANCELLED, error=error, locked=True)
         self._waiting.clear()
+        self._warms.clear()
         while self._controls:
             item = self._controls.popleft()
             item.error = RuntimeClosed("the MLX engine closed before running the control")
@@ -815,7 +839,10 @@ class Engine:
             layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"
         request.cache_layout = layout
         request.cache_counters = cache.counters()
-        return PrefixReuse(cache.admit(request, layout), serial=cache.serial if layout == "serial" else None)
+        salt = cache.admit(request, layout)
+        if request.warm:
+            request.warm_ram_tokens = cache.ram_prefix_tokens(request.prompt_ids, salt)
+        return PrefixReuse(salt, serial=cache.serial if layout == "serial" else None)
 
     def _step_group(self) -> None:
         group = self._group
@@ -944,6 +971,11 @@ class Engine:
         cache = self.prefix_cache
         if cache is None or request.cache_counters is None or request.cache_layout is None:
             return request.prompt_cache
+        if request.warm:
+            # A warm reports nothing of its own: what it stored is counted by the request restoring it.
+            if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                cache.note_warm(request)
+            return None
         try:
             return cache.report(
                 request, request.cache_counters, shared=request.peak_batch_size > 1, layout=request.cache_layout
@@ -966,6 +998,45 @@ class Engine:
         """Run one prefix-cache command (eviction hints, pin, release) on the worker between
         steps; None when this model has no prefix cache."""
         return self.control(lambda: command(self.prefix_cache) if self.prefix_cache is not None else None)
+
+    def warm_prefix(self, request: EngineRequest) -> WarmReport:
+        """Put keyed ``request``'s prompt prefix in RAM ahead of the request that will need it
+        (``warm``): queued as a low-priority warm (one output token, dropped) unless RAM already
+        holds every full block of it, or this model cannot share blocks. Returns at once."""
+        key, prompt_ids = check_warm(request.prompt_cache_key, request.prompt_ids)
+        self._check_serving()
+
+        def plan(cache: PrefixCache | None) -> WarmReport:
+            def refused(reason: str, resident: int = 0) -> WarmReport:
+                return WarmReport(key, len(prompt_ids), resident, queued=False, reason=reason)
+
+            if cache is None:
+                return refused("prefix_cache_not_loaded")
+            if cache.manager is None or self._model.lane == Lane.MLX_VLM:
+                return refused("lane_without_blocks")
+            if request.draft_tokens:
+                return refused("speculation")
+            resident = cache.ram_prefix_tokens(prompt_ids, cache.salt(request, "batch"))
+            if len(prompt_ids) < 2 * BLOCK_SIZE:
+                return refused("prompt_too_short", resident)
+            if resident >= len(prompt_ids) - len(prompt_ids) % BLOCK_SIZE - BLOCK_SIZE:
+                return refused("already_resident", resident)
+            with self._cond:
+                self._check_serving()
+                if len(self._warms) >= MAX_PENDING_WARMS:
+                    return refused("warm_queue_full", resident)
+                for older in self._warms:
+                    if older.prompt_cache_key == key:
+                        older.cancel_event.set()  # the newer prefix of the same key replaces it
+                request.warm = True
+                request.max_tokens = 1
+                request.submitted_at = time.perf_counter()
+                self._live[request.request_id] = request
+                self._inbox.append(Submit(request))
+                self._cond.notify_all()
+            return WarmReport(key, len(prompt_ids), resident, queued=True)
+
+        return self.control(lambda: plan(self.prefix_cache))
 
     def _account(self, request: EngineRequest, status: RequestStatus) -> None:
         self._live.pop(request.request_id, None)
@@ -994,6 +1065,7 @@ class Engine:
             self._take_commands()
             live = list(self._live.values())
             self._waiting.clear()
+            self._warms.clear()
             controls = list(self._controls)
             self._controls.clear()
         for request in live:
