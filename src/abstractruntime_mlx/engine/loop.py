@@ -1002,41 +1002,43 @@ class Engine:
     def warm_prefix(self, request: EngineRequest) -> WarmReport:
         """Put keyed ``request``'s prompt prefix in RAM ahead of the request that will need it
         (``warm``): queued as a low-priority warm (one output token, dropped) unless RAM already
-        holds every full block of it, or this model cannot share blocks. Returns at once."""
+        holds every full block of it, its key's request is live, or this model cannot share
+        blocks. Returns at once: the RAM blocks are read on the caller's thread, under the
+        cache manager's lock (as its stats are)."""
         key, prompt_ids = check_warm(request.prompt_cache_key, request.prompt_ids)
-        self._check_serving()
+        loaded, cache = self.serving_model(), self.prefix_cache
 
-        def plan(cache: PrefixCache | None) -> WarmReport:
-            def refused(reason: str, resident: int = 0) -> WarmReport:
-                return WarmReport(key, len(prompt_ids), resident, queued=False, reason=reason)
+        def refused(reason: str, resident: int = 0) -> WarmReport:
+            return WarmReport(key, len(prompt_ids), resident, queued=False, reason=reason)
 
-            if cache is None:
-                return refused("prefix_cache_not_loaded")
-            if cache.manager is None or self._model.lane == Lane.MLX_VLM:
-                return refused("lane_without_blocks")
-            if request.draft_tokens:
-                return refused("speculation")
-            resident = cache.ram_prefix_tokens(prompt_ids, cache.salt(request, "batch"))
-            if len(prompt_ids) < 2 * BLOCK_SIZE:
-                return refused("prompt_too_short", resident)
-            if resident >= len(prompt_ids) - len(prompt_ids) % BLOCK_SIZE - BLOCK_SIZE:
-                return refused("already_resident", resident)
-            with self._cond:
-                self._check_serving()
-                if len(self._warms) >= MAX_PENDING_WARMS:
-                    return refused("warm_queue_full", resident)
-                for older in self._warms:
-                    if older.prompt_cache_key == key:
-                        older.cancel_event.set()  # the newer prefix of the same key replaces it
-                request.warm = True
-                request.max_tokens = 1
-                request.submitted_at = time.perf_counter()
-                self._live[request.request_id] = request
-                self._inbox.append(Submit(request))
-                self._cond.notify_all()
-            return WarmReport(key, len(prompt_ids), resident, queued=True)
-
-        return self.control(lambda: plan(self.prefix_cache))
+        if cache is None:
+            return refused("prefix_cache_not_loaded")
+        if cache.manager is None or loaded.lane == Lane.MLX_VLM:
+            return refused("lane_without_blocks")
+        if request.draft_tokens:
+            return refused("speculation")
+        resident = cache.ram_prefix_tokens(prompt_ids, cache.salt(request, "batch"))
+        if len(prompt_ids) < 2 * BLOCK_SIZE:
+            return refused("prompt_too_short", resident)
+        if resident >= len(prompt_ids) - len(prompt_ids) % BLOCK_SIZE - BLOCK_SIZE:
+            return refused("already_resident", resident)
+        with self._cond:
+            self._check_serving()
+            if any(r.prompt_cache_key == key and not r.warm for r in self._live.values()):
+                return refused("request_live", resident)  # it stores the prefix itself
+            held = [r for r in self._live.values() if r.warm and not r.is_finished()]
+            if len(held) >= MAX_PENDING_WARMS:
+                return refused("warm_queue_full", resident)
+            for older in held:
+                if older.prompt_cache_key == key and older.status == RequestStatus.WAITING:
+                    older.cancel_event.set()  # the newer prefix of the same key replaces it
+            request.warm = True
+            request.max_tokens = 1
+            request.submitted_at = time.perf_counter()
+            self._live[request.request_id] = request
+            self._inbox.append(Submit(request))
+            self._cond.notify_all()
+        return WarmReport(key, len(prompt_ids), resident, queued=True)
 
     def _account(self, request: EngineRequest, status: RequestStatus) -> None:
         self._live.pop(request.request_id, None)

@@ -745,7 +745,8 @@ class PrefixCache:
 
     # --- prefix warms (``warm``) -------------------------------------------------------------
     def ram_prefix_tokens(self, prompt: list[int], salt: int) -> int:
-        """How many leading tokens of ``prompt`` RAM blocks hold now (the SSD tier not counted)."""
+        """How many leading tokens of ``prompt`` RAM blocks hold now (the SSD tier not counted);
+        read under the manager's lock, so a caller thread may ask (``Engine.warm_prefix``)."""
         manager = self.manager
         if manager is None:
             return 0
