@@ -1,0 +1,201 @@
+"""Prefetch of the next node's prefix: when an LLM node finishes, the ``llm_call`` nodes it enables
+get their predictable prefix warmed in the local model's prefix cache (``Engine.warm_prefix``),
+counted in their report as ``prefetched_tokens``; a live request never waits behind a warm; bad
+warm calls raise ``InvalidPrefixWarm``. Real MLX, the tiny dense model."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from abstractruntime_mlx.errors import InvalidPrefixWarm
+from abstractruntime_mlx.nodes import ProviderRegistry
+from abstractruntime_mlx.runtime_plugin import build_pack, run_flow
+from abstractruntime_mlx.runtime_plugin.prefetch.prediction import Unpredictable, plan_prefix
+
+SYSTEM_A = "You plan the work. " + "Keep every step short and exact. " * 24
+SYSTEM_B = "You review the plan. " + "Check each step against the task and say what is wrong. " * 16
+# A code node between the two calls: the time a real flow spends outside the model (a tool, a
+# check), during which the engine is idle and the second call's prefix is warmed.
+PAUSE = "s = 0\nfor i in range(2000000):\n    s += i\nreturn s"
+
+
+def llm(node_id: str, system: str) -> dict[str, object]:
+    return {
+        "id": node_id,
+        "type": "llm_call",
+        "data": {
+            "effectConfig": {"provider": "mlx", "model": "vendor/some-model", "temperature": 0.0, "max_output_tokens": 6},
+            "pinDefaults": {"system": system, "include_context": False},
+        },
+    }
+
+
+def chain_flow() -> dict[str, object]:
+    """start(query) -> plan (prompt: the query) -> pause (code) -> review (prompt: plan's answer) -> end."""
+    return {
+        "id": "prefix_chain",
+        "entryNode": "start",
+        "nodes": [
+            {"id": "start", "type": "on_flow_start", "data": {"outputs": [{"id": "exec-out"}, {"id": "query"}]}},
+            llm("plan", SYSTEM_A),
+            {
+                "id": "pause",
+                "type": "code",
+                "data": {
+                    "codeBody": PAUSE,
+                    "inputs": [{"id": "exec-in", "type": "execution"}],
+                    "outputs": [{"id": "exec-out", "type": "execution"}, {"id": "output", "type": "any"}],
+                },
+            },
+            llm("review", SYSTEM_B),
+            {"id": "end", "type": "on_flow_end", "data": {}},
+        ],
+        "edges": [
+            {"source": "start", "sourceHandle": "exec-out", "target": "plan", "targetHandle": "exec-in"},
+            {"source": "plan", "sourceHandle": "exec-out", "target": "pause", "targetHandle": "exec-in"},
+            {"source": "pause", "sourceHandle": "exec-out", "target": "review", "targetHandle": "exec-in"},
+            {"source": "review", "sourceHandle": "exec-out", "target": "end", "targetHandle": "exec-in"},
+            {"source": "start", "sourceHandle": "query", "target": "plan", "targetHandle": "prompt"},
+            {"source": "plan", "sourceHandle": "response", "target": "review", "targetHandle": "prompt"},
+        ],
+    }
+
+
+def test_a_prompt_from_an_earlier_answer_leaves_the_system_prompt_to_warm():
+    flow = chain_flow()
+    prefix = plan_prefix(flow, "review")
+    assert prefix["prefix_only"] is True and prefix["prompt"] == "" and prefix["system_prompt"] == SYSTEM_B
+    whole = plan_prefix(flow, "plan")  # its prompt is a start pin: the whole payload is known
+    assert "prefix_only" not in whole
+    flow["nodes"][3]["data"]["pinDefaults"]["system"] = ""
+    with pytest.raises(Unpredictable, match="no system prompt"):
+        plan_prefix(flow, "review")
+
+
+def run_chain(dense_model, tmp_path, *, prefix_warm: bool):
+    registry = ProviderRegistry()  # a fresh resident model: its prefix cache starts empty
+    try:
+        with build_pack(
+            tmp_path / f"warm-{prefix_warm}.sqlite",
+            model=dense_model,
+            force_model=True,
+            registry=registry,
+            prefix_warm=prefix_warm,
+        ) as pack:
+            (result,) = run_flow(chain_flow(), vars={"query": "Plan the release."}, pack=pack, session_id="s-1")
+        assert result.status == "completed", result.error
+        return {n.node_id: n.result for n in result.nodes if n.node_id in ("plan", "review")}
+    finally:
+        registry.close()
+
+
+@pytest.mark.slow
+def test_the_next_node_prefix_is_warmed_and_its_answer_is_the_same(dense_model, tmp_path, policy_file):
+    warmed = run_chain(dense_model, tmp_path, prefix_warm=True)
+    plain = run_chain(dense_model, tmp_path, prefix_warm=False)
+    (warm,) = warmed["plan"]["metadata"]["prefix_warm"]
+    assert warm["node_id"] == "review" and warm["prefix_only"] is True and warm["queued"] is True
+    cache = warmed["review"]["metadata"]["prompt_cache"]
+    assert cache["prefetched_tokens"] > 0 and cache["prefetched_tokens"] <= cache["cached_tokens"]
+    assert "prefix_warm" not in plain["plan"]["metadata"]
+    assert "prefetched_tokens" not in plain["review"]["metadata"]["prompt_cache"]
+    assert plain["review"]["metadata"]["prompt_cache"]["cached_tokens"] == 0
+    for node in ("plan", "review"):
+        assert warmed[node]["content"] == plain[node]["content"]
+
+
+def messages(system: str, user: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def test_a_warm_fills_the_cache_and_the_next_call_counts_it(make_llm, dense_model):
+    llm = make_llm(dense_model, mlx_batching=True)
+    call = {"messages": messages(SYSTEM_A, "Plan it."), "temperature": 0.0, "thinking": False, "prompt_cache_key": "w1"}
+    plain = llm.generate("", max_output_tokens=6, **call)
+    llm.prompt_cache_clear()
+    report = llm.prompt_cache_warm(**call)
+    assert report["queued"] is True and report["resident_tokens"] == 0
+    wait_for_warms(llm, 1)
+    warmed = llm.generate("", max_output_tokens=6, **call)
+    cache = warmed.metadata["prompt_cache"]
+    assert cache["prefetched_tokens"] == cache["cached_tokens"] > 0
+    assert warmed.token_ids == plain.token_ids
+    again = llm.prompt_cache_warm(**call)
+    assert (again["queued"], again["reason"]) == (False, "already_resident")
+    # each warmed block is counted once: the next call restores it as any cached block
+    assert llm.generate("", max_output_tokens=6, **call).metadata["prompt_cache"]["prefetched_tokens"] == 0
+
+
+def wait_for_warms(llm, finished: int) -> None:
+    deadline = time.monotonic() + 60
+    while llm.get_prompt_cache_stats()["warms"]["finished"] < finished:
+        assert time.monotonic() < deadline, "the warm did not finish"
+        time.sleep(0.02)
+
+
+def test_a_live_request_goes_before_a_warm(make_llm, dense_model):
+    """A warm joins a running request's batch; a live request arriving meanwhile cancels it
+    unless its prefill is already over (then it ends at its one token): the live request never
+    waits for a warm's prefill."""
+    llm = make_llm(dense_model, mlx_batching=True)
+    engine = llm._engine
+    busy = threading.Thread(
+        target=llm.generate, args=("",), kwargs={"messages": messages("Busy.", "Count."), "max_output_tokens": 40}
+    )
+    busy.start()
+    long_prefix = {"messages": messages(SYSTEM_B * 4, "Review."), "prompt_cache_key": "w-late", "thinking": False}
+    deadline = time.monotonic() + 30
+    while engine.snapshot()["active"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert llm.prompt_cache_warm(**long_prefix)["queued"] is True
+    (warm,) = [r for r in engine._live.values() if r.warm]
+    stream = llm.generate(
+        "", messages=messages("Live.", "Answer now."), max_output_tokens=4, temperature=0.0, stream=True
+    )
+    first_chunk = next(iter(stream))
+    live_request = max((r for r in engine._live.values() if not r.warm), key=lambda r: r.submitted_at)
+    assert first_chunk is not None and live_request.started_at is not None
+    stream.close()
+    busy.join()
+    assert warm.done.wait(30)
+    assert live_request.first_token_at is not None and warm.finished_at is not None
+    assert (
+        warm.cancelled  # it gave way
+        or live_request.first_token_at < warm.finished_at  # it waited for an empty queue
+        or (warm.first_token_at is not None and warm.first_token_at <= live_request.started_at)  # it had prefilled
+    )
+    stats = llm.get_prompt_cache_stats()["warms"]
+    assert stats["finished"] == (0 if warm.cancelled else 1)
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        ({"messages": messages("s", "u")}, "prompt_cache_key"),
+        ({"messages": [], "prompt_cache_key": "k"}, "messages"),
+        ({"messages": [{"role": "user", "content": ""}], "prompt_cache_key": "k"}, "messages"),
+    ],
+)
+def test_bad_warm_calls_raise_typed_errors(make_llm, dense_model, call, field):
+    llm = make_llm(dense_model, mlx_batching=True)
+    with pytest.raises(InvalidPrefixWarm) as info:
+        llm.prompt_cache_warm(**call)
+    assert info.value.code == "invalid_prefix_warm" and info.value.details["field"] == field
+
+
+def test_bad_engine_warm_calls_raise_typed_errors(make_llm, dense_model):
+    from abstractruntime_mlx.engine.request import EngineRequest
+
+    engine = make_llm(dense_model, mlx_batching=True)._engine
+    for request, field in (
+        (EngineRequest("a", [1, 2, 3], 4), "prompt_cache_key"),
+        (EngineRequest("b", [], 4, prompt_cache_key="k"), "prompt_ids"),
+        (EngineRequest("c", [1, -2], 4, prompt_cache_key="k"), "prompt_ids"),
+    ):
+        with pytest.raises(InvalidPrefixWarm) as info:
+            engine.warm_prefix(request)
+        assert info.value.details["field"] == field
