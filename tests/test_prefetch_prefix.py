@@ -86,16 +86,27 @@ def run_chain(dense_model, tmp_path, *, prefix_warm: bool):
             prefix_warm=prefix_warm,
         ) as pack:
             (result,) = run_flow(chain_flow(), vars={"query": "Plan the release."}, pack=pack, session_id="s-1")
-        assert result.status == "completed", result.error
-        return {n.node_id: n.result for n in result.nodes if n.node_id in ("plan", "review")}
+            assert result.status == "completed", result.error
+            shown = show(pack.ledger, result.run_id)
+        return {n.node_id: n.result for n in result.nodes if n.node_id in ("plan", "review")}, shown
     finally:
         registry.close()
 
 
+def show(ledger, run_id):
+    """What ``runs show`` prints and what the inspector's call views hold."""
+    from abstractruntime_mlx.cli.runs_cmd import render_run
+    from abstractruntime_mlx.inspection import run_view
+
+    view = run_view(ledger, run_id)
+    assert view is not None
+    return render_run(ledger, run_id), {call.node_id: call for call in view.calls}
+
+
 @pytest.mark.slow
 def test_the_next_node_prefix_is_warmed_and_its_answer_is_the_same(dense_model, tmp_path, policy_file):
-    warmed = run_chain(dense_model, tmp_path, prefix_warm=True)
-    plain = run_chain(dense_model, tmp_path, prefix_warm=False)
+    warmed, (text, calls) = run_chain(dense_model, tmp_path, prefix_warm=True)
+    plain, (plain_text, plain_calls) = run_chain(dense_model, tmp_path, prefix_warm=False)
     (warm,) = warmed["plan"]["metadata"]["prefix_warm"]
     assert warm["node_id"] == "review" and warm["prefix_only"] is True and warm["queued"] is True
     cache = warmed["review"]["metadata"]["prompt_cache"]
@@ -105,6 +116,12 @@ def test_the_next_node_prefix_is_warmed_and_its_answer_is_the_same(dense_model, 
     assert plain["review"]["metadata"]["prompt_cache"]["cached_tokens"] == 0
     for node in ("plan", "review"):
         assert warmed[node]["content"] == plain[node]["content"]
+    # shown in the inspector's call view and in ``runs show``
+    assert calls["review"].prefetched_tokens == cache["prefetched_tokens"]
+    assert calls["plan"].prefix_warm[0]["node_id"] == "review"
+    assert f"prefetched={cache['prefetched_tokens']}" in text
+    assert "prefix warm: review's system prompt" in text
+    assert plain_calls["review"].prefetched_tokens is None and "prefix warm" not in plain_text
 
 
 def messages(system: str, user: str) -> list[dict[str, str]]:
