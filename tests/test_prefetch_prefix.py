@@ -27,7 +27,12 @@ def llm(node_id: str, system: str) -> dict[str, object]:
         "id": node_id,
         "type": "llm_call",
         "data": {
-            "effectConfig": {"provider": "mlx", "model": "vendor/some-model", "temperature": 0.0, "max_output_tokens": 6},
+            "effectConfig": {
+                "provider": "mlx",
+                "model": "vendor/some-model",
+                "temperature": 0.0,
+                "max_output_tokens": 6,
+            },
             "pinDefaults": {"system": system, "include_context": False},
         },
     }

@@ -582,7 +582,9 @@ def format_node(node_id: str, result: Mapping[str, object]) -> str:
         if isinstance(warm, dict):
             state = "queued" if warm.get("queued") else f"not queued ({warm.get('reason')})"
             part = "system prompt" if warm.get("prefix_only") else "prompt"
-            lines.append(f"      prefix warm: {warm.get('node_id')}'s {part}, {warm.get('prompt_tokens')} tokens, {state}")
+            lines.append(
+                f"      prefix warm: {warm.get('node_id')}'s {part}, {warm.get('prompt_tokens')} tokens, {state}"
+            )
     if sibling.get("role") == "sibling":
         state = "prefetched" if sibling.get("used") else f"not used ({sibling.get('reason')})"
         lines.append(f"      sibling batch: {state}, launched by {sibling.get('trigger_node')}")

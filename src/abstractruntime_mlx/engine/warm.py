@@ -48,7 +48,9 @@ class WarmReport:
 def check_warm(key: object, prompt_ids: object) -> tuple[str, list[int]]:
     """The key and token ids of a warm call, or ``InvalidPrefixWarm`` naming the bad field."""
     if not isinstance(key, str) or not key.strip():
-        raise InvalidPrefixWarm("a warmed prefix needs a non-empty prompt_cache_key", field="prompt_cache_key", value=key)
+        raise InvalidPrefixWarm(
+            "a warmed prefix needs a non-empty prompt_cache_key", field="prompt_cache_key", value=key
+        )
     if (
         not isinstance(prompt_ids, list)
         or not prompt_ids
