@@ -33,6 +33,7 @@ import atexit
 import logging
 import threading
 import time
+import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -428,13 +429,14 @@ class Engine:
             self.stats.submitted += 1
 
     def _give_way(self, live: EngineRequest) -> None:
-        """A live request arrived (under ``_cond``): every warm still waiting in the queue or
-        prefilling is cancelled, and so is a held warm of the same key (its request is here)."""
+        """A live request arrived (under ``_cond``): a warm still waiting in the queue is cancelled,
+        and so is a held warm of the same key (its request is here). An admitted warm goes on:
+        it feeds one prefill chunk at most, so it holds a live request back one step at most."""
         for warm in self._warms:
             if warm.prompt_cache_key == live.prompt_cache_key:
                 warm.cancel_event.set()
-        for request in self._live.values():
-            if request.warm and request.status <= RequestStatus.PREFILLING and request not in self._warms:
+        for request in self._waiting:
+            if request.warm:
                 request.cancel_event.set()
 
     def _worker_alive(self) -> bool:
@@ -975,6 +977,7 @@ class Engine:
             # A warm reports nothing of its own: what it stored is counted by the request restoring it.
             if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
                 cache.note_warm(request)
+                self._warm_next_chunk(request, cache)
             return None
         try:
             return cache.report(
@@ -999,6 +1002,26 @@ class Engine:
         steps; None when this model has no prefix cache."""
         return self.control(lambda: command(self.prefix_cache) if self.prefix_cache is not None else None)
 
+    def _warm_next_chunk(self, done: EngineRequest, cache: PrefixCache) -> None:
+        """Hold the warm of the next chunk of ``done``'s prefix, where RAM does not hold it all yet."""
+        target = list(done.warm_target)
+        covered = cache.ram_prefix_tokens(target, cache.salt(done, done.cache_layout or "batch"))
+        if covered <= done.warm_ram_tokens or covered >= _warm_goal(target):
+            return  # done, or no progress (not stored: the budget): stop rather than spin
+        chunk = EngineRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_ids=target[: covered + self.config.prefill_step_size],
+            max_tokens=1,
+            sampling=done.sampling,
+            prompt_cache_key=done.prompt_cache_key,
+            media_hash=done.media_hash,
+            warm=True,
+            warm_target=done.warm_target,
+        )
+        with self._cond:
+            self._live[chunk.request_id] = chunk
+            self._warms.append(chunk)
+
     def warm_prefix(self, request: EngineRequest) -> WarmReport:
         """Put keyed ``request``'s prompt prefix in RAM ahead of the request that will need it
         (``warm``): queued as a low-priority warm (one output token, dropped) unless RAM already
@@ -1020,7 +1043,7 @@ class Engine:
         resident = cache.ram_prefix_tokens(prompt_ids, cache.salt(request, "batch"))
         if len(prompt_ids) < 2 * BLOCK_SIZE:
             return refused("prompt_too_short", resident)
-        if resident >= len(prompt_ids) - len(prompt_ids) % BLOCK_SIZE - BLOCK_SIZE:
+        if resident >= _warm_goal(prompt_ids):
             return refused("already_resident", resident)
         with self._cond:
             self._check_serving()
@@ -1033,6 +1056,8 @@ class Engine:
                 if older.prompt_cache_key == key and older.status == RequestStatus.WAITING:
                     older.cancel_event.set()  # the newer prefix of the same key replaces it
             request.warm = True
+            request.warm_target = tuple(prompt_ids)
+            request.prompt_ids = prompt_ids[: resident + self.config.prefill_step_size]  # one chunk
             request.max_tokens = 1
             request.submitted_at = time.perf_counter()
             self._live[request.request_id] = request
@@ -1075,6 +1100,12 @@ class Engine:
         for item in controls:
             item.error = error
             item.done.set()
+
+
+def _warm_goal(prompt_ids: list[int]) -> int:
+    """The RAM coverage at which a prefix counts as warm: every full block but the last (a
+    request always feeds its prompt's last tokens itself)."""
+    return len(prompt_ids) - len(prompt_ids) % BLOCK_SIZE - BLOCK_SIZE
 
 
 class _SharedPrefixes:

@@ -183,8 +183,10 @@ class EngineRequest:
     cancel_event: threading.Event = field(default_factory=threading.Event)
     grammar: GrammarProcessor | None = None  # structured output: this request's own matcher
     logprobs: int | None = None  # token logprobs with this many alternatives each (None: off)
-    # A prefix warm (``engine.warm``): runs only while no live request waits, its token is dropped.
+    # A prefix warm (``engine.warm``): runs only while no live request waits, its token is dropped;
+    # ``warm_target`` is the whole prefix it warms, one prefill chunk a request.
     warm: bool = False
+    warm_target: tuple[int, ...] = ()
 
     status: RequestStatus = RequestStatus.WAITING
     mode: ExecutionMode | None = None
