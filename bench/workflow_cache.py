@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     # The working set: what the cache holds after the workload on a roomy budget (nothing evicted).
     roomy = load(None)
     try:
-        run_workload(roomy, mode="lru", **workload)
+        ceiling = run_workload(roomy, mode="lru", **workload)
         working_set = int(roomy.get_prompt_cache_stats()["memory"]["resident_bytes"])
     finally:
         roomy.unload_model()
@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         f"model {model}; python {platform.python_version()} {platform.machine()}; runs "
         f"{args.runs}, agents {args.agents}, turns {args.turns}, gap {args.gap_ms:g} ms; working set "
         f"{working_set / 1e6:.2f} MB; budget {budget / 1e6:.2f} MB ({args.budget_fraction:.2f}); "
-        f"{args.repeats} repeats, order rotated",
+        f"{args.repeats} repeats, order rotated; nothing evicted (the ceiling): cached "
+        f"{ceiling['cached_ratio']:.1%}, fed {ceiling['fed_tokens']}",
         flush=True,
     )
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             "identical": identical,
             "budget_bytes": budget,
             "working_set_bytes": working_set,
+            "ceiling": {n: v for n, v in ceiling.items() if n != "answers"},
             "args": vars(args),
         }
         Path(args.json_out).write_text(json.dumps(figures, indent=2))
