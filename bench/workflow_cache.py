@@ -66,9 +66,12 @@ def flow_of(agents: int) -> dict[str, Any]:
     return {"id": "bench-workflow-cache", "nodes": nodes, "edges": edges}
 
 
-def system_prompt(k: int, rules: int) -> str:
+def system_prompt(k: int, rules: int, run: int | None = None) -> str:
+    """Agent ``k``'s system prompt; with ``run``, it opens with that run's context, so no two
+    runs share a block of it (``--private-prompts``)."""
     role = ROLES[(k - 1) % len(ROLES)]
-    return f"You are agent {k}, the {role}. " + "".join(RULE.format(i=i, role=role) for i in range(rules))
+    context = f"Session {run}: you work for customer {run * 7919 % 1000}. " if run is not None else ""
+    return context + f"You are agent {k}, the {role}. " + "".join(RULE.format(i=i, role=role) for i in range(rules))
 
 
 def run_workload(
@@ -82,6 +85,7 @@ def run_workload(
     stagger_s: float,
     gap_s: float = 0.0,
     pins: bool = True,
+    private: bool = False,
 ) -> dict[str, Any]:
     from abstractruntime_mlx.runtime_plugin.prefetch.prediction import steps_to_llm_nodes
 
@@ -110,7 +114,7 @@ def run_workload(
                 if aware:
                     llm.prompt_cache_hints(hints_at(run, node))
                 messages = [
-                    {"role": "system", "content": system_prompt(k, rules)},
+                    {"role": "system", "content": system_prompt(k, rules, run if private else None)},
                     {"role": "user", "content": f"Run {run}. {previous}"},
                 ]
                 for turn in range(turns):
@@ -143,7 +147,9 @@ def run_workload(
                 if mode == "prefetch" and k < agents:
                     warms.append(
                         llm.prompt_cache_warm(
-                            messages=[{"role": "system", "content": system_prompt(k + 1, rules)}],
+                            messages=[
+                                {"role": "system", "content": system_prompt(k + 1, rules, run if private else None)}
+                            ],
                             thinking=False,
                             prompt_cache_key=f"run{run}/agent_{k + 1}",
                         )
@@ -196,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--stagger-ms", type=float, default=40.0, help="delay between run starts (default 40 ms)")
     ap.add_argument("--gap-ms", type=float, default=150.0, help="time a run spends between agents (default 150 ms)")
+    ap.add_argument(
+        "--private-prompts",
+        action="store_true",
+        help="each run's system prompts open with its own context: runs share no prompt blocks",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="runs of each mode, order rotated (default 2)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"modes to run (default {','.join(MODES)})")
     ap.add_argument(
@@ -225,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "rules": args.rules,
         "stagger_s": args.stagger_ms / 1000,
         "gap_s": args.gap_ms / 1000,
+        "private": args.private_prompts,
     }
 
     def load(budget_gb: float | None) -> Any:

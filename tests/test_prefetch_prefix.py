@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from abstractruntime_mlx.engine.request import RequestStatus
 from abstractruntime_mlx.errors import InvalidPrefixWarm
 from abstractruntime_mlx.nodes import ProviderRegistry
 from abstractruntime_mlx.runtime_plugin import build_pack, run_flow
@@ -178,6 +179,9 @@ def test_a_live_request_goes_before_a_warm(make_llm, dense_model):
     assert report["queued"] is True and report["prompt_tokens"] > 3 * step
     (first,) = [r for r in engine._live.values() if r.warm]
     assert len(first.prompt_ids) == step  # one chunk of the prefix, not all of it
+    while first.status == RequestStatus.WAITING:  # admitted: from here on it is not cancelled
+        assert time.monotonic() < deadline and not first.cancelled
+        time.sleep(0.001)
     live = llm.generate("", messages=messages("Live.", "Answer now."), max_output_tokens=4, temperature=0.0)
     busy.join()
     assert live.token_ids
@@ -185,7 +189,7 @@ def test_a_live_request_goes_before_a_warm(make_llm, dense_model):
     while any(r.warm for r in list(engine._live.values())):
         assert time.monotonic() < deadline, "the warm chunks did not finish"
         time.sleep(0.02)
-    assert first.cancelled or len(first.prompt_ids) - (first.cached_tokens or 0) <= step
+    assert not first.cancelled and len(first.prompt_ids) - (first.cached_tokens or 0) <= step
     warms = llm.get_prompt_cache_stats()["warms"]
     assert warms["finished"] >= report["prompt_tokens"] // step  # chained, chunk after chunk
     cache = llm.generate("", max_output_tokens=4, temperature=0.0, **call).metadata["prompt_cache"]

@@ -84,7 +84,7 @@ from .scheduler import (
 )
 from .stream import PrefillCallback, RequestStream
 from .threads import POOL, WorkerHandle
-from .warm import MAX_PENDING_WARMS, WarmReport, check_warm
+from .warm import MAX_PENDING_WARMS, MIN_WARM_TOKENS, WarmReport, check_warm
 
 log = logging.getLogger(__name__)
 
@@ -1006,7 +1006,7 @@ class Engine:
         """Hold the warm of the next chunk of ``done``'s prefix, where RAM does not hold it all yet."""
         target = list(done.warm_target)
         covered = cache.ram_prefix_tokens(target, cache.salt(done, done.cache_layout or "batch"))
-        if covered <= done.warm_ram_tokens or covered >= _warm_goal(target):
+        if covered <= done.warm_ram_tokens or covered + MIN_WARM_TOKENS > _warm_goal(target):
             return  # done, or no progress (not stored: the budget): stop rather than spin
         chunk = EngineRequest(
             request_id=uuid.uuid4().hex,
@@ -1041,9 +1041,9 @@ class Engine:
         if request.draft_tokens:
             return refused("speculation")
         resident = cache.ram_prefix_tokens(prompt_ids, cache.salt(request, "batch"))
-        if len(prompt_ids) < 2 * BLOCK_SIZE:
+        if _warm_goal(prompt_ids) < MIN_WARM_TOKENS:
             return refused("prompt_too_short", resident)
-        if resident >= _warm_goal(prompt_ids):
+        if resident + MIN_WARM_TOKENS > _warm_goal(prompt_ids):
             return refused("already_resident", resident)
         with self._cond:
             self._check_serving()

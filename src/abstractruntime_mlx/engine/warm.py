@@ -15,16 +15,19 @@ from typing import Any, Final
 
 from ..errors import InvalidPrefixWarm
 
-__all__ = ["MAX_PENDING_WARMS", "WarmReport", "check_warm"]
+__all__ = ["MAX_PENDING_WARMS", "MIN_WARM_TOKENS", "WarmReport", "check_warm"]
 
 # Warms waiting for an idle engine; more are refused by name (``warm_queue_full``).
 MAX_PENDING_WARMS: Final = 16
+# A warm costs a batch step of its own; one that would compute fewer tokens than this saves the
+# request less than that step costs the rows beside it (the request prefills them in its own).
+MIN_WARM_TOKENS: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
 class WarmReport:
     """What ``Engine.warm_prefix`` did: ``queued`` (a warm will run when the engine is idle), or
-    not and ``reason`` (``already_resident``, ``prefix_cache_not_loaded``, ``lane_without_blocks``,
+    not and ``reason`` (``already_resident``: RAM holds all of it but ``MIN_WARM_TOKENS`` at most, ``prefix_cache_not_loaded``, ``lane_without_blocks``,
     ``speculation``, ``prompt_too_short``, ``warm_queue_full``)."""
 
     key: str
