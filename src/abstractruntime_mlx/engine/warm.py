@@ -27,7 +27,7 @@ MIN_WARM_TOKENS: Final = 64
 @dataclass(frozen=True, slots=True)
 class WarmReport:
     """What ``Engine.warm_prefix`` did: ``queued`` (a warm will run when the engine is idle), or
-    not and ``reason`` (``already_resident``: RAM holds all of it but ``MIN_WARM_TOKENS`` at most, ``prefix_cache_not_loaded``, ``lane_without_blocks``,
+    not and ``reason`` (``already_resident``: RAM holds all but ``MIN_WARM_TOKENS`` at most, ``prefix_cache_not_loaded``, ``lane_without_blocks``,
     ``speculation``, ``prompt_too_short``, ``warm_queue_full``)."""
 
     key: str
