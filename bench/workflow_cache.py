@@ -172,6 +172,7 @@ def run_workload(
     prompt = sum(c["prompt"] for c in calls)
     cached = sum(c["cached"] for c in calls)
     stats = llm.get_prompt_cache_stats()
+    profile = stats["execution"]["step_profile"]
     return {
         "mode": mode,
         "calls": len(calls),
@@ -184,6 +185,8 @@ def run_workload(
         "warms_queued": sum(1 for w in warms if w.get("queued")),
         "warms": len(warms),
         "wall_s": round(wall, 3),
+        "steps": profile["num_steps"],
+        "step_s": round(profile["step_s"], 3),
         "eviction": stats.get("eviction"),
         "resident_bytes": stats["memory"]["resident_bytes"],
         "max_bytes": stats["memory"]["max_bytes"],
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"  #{repeat + 1} {mode:>8}: aggregate TTFT {r['aggregate_ttft_s']:.3f} s, cached "
                 f"{r['cached_tokens']}/{r['prompt_tokens']} ({r['cached_ratio']:.1%}), fed {r['fed_tokens']}, "
                 f"prefetched {r['prefetched_tokens']} (warms {r['warms_queued']}/{r['warms']} queued), wall "
-                f"{r['wall_s']:.2f} s",
+                f"{r['wall_s']:.2f} s, {r['steps']} steps ({r['step_s']:.2f} s)",
                 flush=True,
             )
     reference = results[modes[0]][0]["answers"]

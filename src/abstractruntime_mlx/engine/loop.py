@@ -425,8 +425,19 @@ class Engine:
             self._warms = deque(w for w in self._warms if not w.cancelled)
         if self._warms and not self._waiting:
             # One at a time, and only onto an empty queue: a live request never waits behind it.
-            self._waiting.append(self._warms.popleft())
+            warm = self._warms.popleft()
+            if self._warmed_already(warm):
+                warm.cancel_event.set()  # another warm or request stored it meanwhile
+            self._waiting.append(warm)
             self.stats.submitted += 1
+
+    def _warmed_already(self, warm: EngineRequest) -> bool:
+        cache = self.prefix_cache
+        if cache is None:
+            return False
+        target = list(warm.warm_target)
+        resident = cache.ram_prefix_tokens(target, cache.salt(warm, "batch"))
+        return resident + MIN_WARM_TOKENS > _warm_goal(target)
 
     def _give_way(self, live: EngineRequest) -> None:
         """A live request arrived (under ``_cond``): a warm still waiting in the queue is cancelled,
@@ -1040,7 +1051,8 @@ class Engine:
             return refused("lane_without_blocks")
         if request.draft_tokens:
             return refused("speculation")
-        resident = cache.ram_prefix_tokens(prompt_ids, cache.salt(request, "batch"))
+        salt = cache.salt(request, "batch")
+        resident = cache.ram_prefix_tokens(prompt_ids, salt)
         if _warm_goal(prompt_ids) < MIN_WARM_TOKENS:
             return refused("prompt_too_short", resident)
         if resident + MIN_WARM_TOKENS > _warm_goal(prompt_ids):
@@ -1052,11 +1064,14 @@ class Engine:
             held = [r for r in self._live.values() if r.warm and not r.is_finished()]
             if len(held) >= MAX_PENDING_WARMS:
                 return refused("warm_queue_full", resident)
+            target = tuple(prompt_ids)
+            if any(r.warm_target == target and cache.salt(r, "batch") == salt for r in held):
+                return refused("warm_in_flight", resident)  # the same blocks: another key's warm stores them
             for older in held:
                 if older.prompt_cache_key == key and older.status == RequestStatus.WAITING:
                     older.cancel_event.set()  # the newer prefix of the same key replaces it
             request.warm = True
-            request.warm_target = tuple(prompt_ids)
+            request.warm_target = target
             request.prompt_ids = prompt_ids[: resident + self.config.prefill_step_size]  # one chunk
             request.max_tokens = 1
             request.submitted_at = time.perf_counter()

@@ -28,7 +28,7 @@ MIN_WARM_TOKENS: Final = 64
 class WarmReport:
     """What ``Engine.warm_prefix`` did: ``queued`` (a warm will run when the engine is idle), or
     not and ``reason`` (``already_resident``: RAM holds all but ``MIN_WARM_TOKENS`` at most, ``prefix_cache_not_loaded``, ``lane_without_blocks``,
-    ``speculation``, ``prompt_too_short``, ``warm_queue_full``)."""
+    ``speculation``, ``prompt_too_short``, ``request_live``, ``warm_in_flight``, ``warm_queue_full``)."""
 
     key: str
     prompt_tokens: int
