@@ -160,9 +160,9 @@ def wait_for_warms(llm, finished: int) -> None:
 
 
 def test_a_live_request_goes_before_a_warm(make_llm, dense_model):
-    """A warm joins a running request's batch one prefill chunk at a time, each chunk only onto an
-    empty queue; a live request arriving meanwhile is admitted next to it and waits one chunk at
-    most. The chunks go on until the whole prefix is in RAM, and the call that comes gets it."""
+    """A warm queued while a request runs is held until the engine is idle, then runs one prefill
+    chunk a request; a live request arriving meanwhile is admitted next to it and waits one chunk
+    at most. The chunks go on until the whole prefix is in RAM, and the call that comes gets it."""
     llm = make_llm(dense_model, mlx_batching=True)
     engine = llm._engine
     step = engine.config.prefill_step_size
@@ -179,6 +179,7 @@ def test_a_live_request_goes_before_a_warm(make_llm, dense_model):
     assert report["queued"] is True and report["prompt_tokens"] > 3 * step
     (first,) = [r for r in engine._live.values() if r.warm]
     assert len(first.prompt_ids) == step  # one chunk of the prefix, not all of it
+    assert busy.is_alive() and first.status == RequestStatus.WAITING  # held while the engine is busy
     while first.status == RequestStatus.WAITING:  # admitted: from here on it is not cancelled
         assert time.monotonic() < deadline and not first.cancelled
         time.sleep(0.001)

@@ -84,7 +84,7 @@ from .scheduler import (
 )
 from .stream import PrefillCallback, RequestStream
 from .threads import POOL, WorkerHandle
-from .warm import MAX_PENDING_WARMS, MIN_WARM_TOKENS, WarmReport, check_warm
+from .warm import MAX_PENDING_WARMS, MIN_WARM_TOKENS, WARM_TTL_S, WarmReport, check_warm
 
 log = logging.getLogger(__name__)
 
@@ -419,12 +419,17 @@ class Engine:
                 self.stats.submitted += 1
             else:
                 self._controls.append(command)
+        now = time.perf_counter()
+        for warm in self._warms:
+            if now - warm.submitted_at > WARM_TTL_S:
+                warm.cancel_event.set()  # the engine stayed busy: its call has come and gone
         if any(w.cancelled for w in self._warms):
             # Into the queue, where ``_apply_cancels`` finishes them.
             self._waiting.extend(w for w in self._warms if w.cancelled)
             self._warms = deque(w for w in self._warms if not w.cancelled)
-        if self._warms and not self._waiting:
-            # One at a time, and only onto an empty queue: a live request never waits behind it.
+        if self._warms and not self._waiting and self._group is None:
+            # One at a time, and only onto an idle engine: a live request never waits behind it,
+            # and no running row's steps get longer for it.
             warm = self._warms.popleft()
             if self._warmed_already(warm):
                 warm.cancel_event.set()  # another warm or request stored it meanwhile
@@ -1035,7 +1040,8 @@ class Engine:
 
     def warm_prefix(self, request: EngineRequest) -> WarmReport:
         """Put keyed ``request``'s prompt prefix in RAM ahead of the request that will need it
-        (``warm``): queued as a low-priority warm (one output token, dropped) unless RAM already
+        (``warm``): held as a warm (one prefill chunk a request, its token dropped) that runs
+        only while the engine is idle, unless RAM already
         holds every full block of it, its key's request is live, or this model cannot share
         blocks. Returns at once: the RAM blocks are read on the caller's thread, under the
         cache manager's lock (as its stats are)."""

@@ -1,8 +1,10 @@
 """Warming a prefix ahead of its request: what the runtime asks, and what the engine did.
 
-A warm is a keyed request with one output token (discarded) that the engine runs only when no
-live request waits, and cancels while it still waits or prefills as soon as a live request
-arrives: a live request never queues behind it. Its lookup restores what the SSD tier holds of
+A warm is a keyed request with one output token (discarded) and one prefill chunk of new
+tokens, chained chunk after chunk until the prefix is in RAM. The engine admits one only while
+it is idle (nothing queued, nothing running), cancels one still waiting when a live request
+arrives, and drops a held one after ``WARM_TTL_S``: a live request never queues behind a warm,
+and an admitted one holds it back one step at most. Its lookup restores what the SSD tier holds of
 the prefix and its prefill computes the rest; when it finishes, its blocks stay in RAM as any
 request's do, and the prefix cache remembers which of them the warm put there, so the next
 request that restores them reports them as ``prefetched_tokens`` (docs/prompt-cache.md).
@@ -15,10 +17,12 @@ from typing import Any, Final
 
 from ..errors import InvalidPrefixWarm
 
-__all__ = ["MAX_PENDING_WARMS", "MIN_WARM_TOKENS", "WarmReport", "check_warm"]
+__all__ = ["MAX_PENDING_WARMS", "MIN_WARM_TOKENS", "WARM_TTL_S", "WarmReport", "check_warm"]
 
 # Warms waiting for an idle engine; more are refused by name (``warm_queue_full``).
 MAX_PENDING_WARMS: Final = 16
+# A held warm the engine never got idle for is dropped after this long (its call came and went).
+WARM_TTL_S: Final = 30.0
 # A warm costs a batch step of its own; one that would compute fewer tokens than this saves the
 # request less than that step costs the rows beside it (the request prefills them in its own).
 MIN_WARM_TOKENS: Final = 64
