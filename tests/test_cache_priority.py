@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine import prefix_cache
-from abstractruntime_mlx.engine.cache_priority import BlockInfo, CachePriorities, eviction_order, validate_hints
+from abstractruntime_mlx.engine.cache import prefix_cache
+from abstractruntime_mlx.engine.cache.cache_priority import BlockInfo, CachePriorities, eviction_order, validate_hints
 
 # --- the policy on hand-built blocks ----------------------------------------------------------
 

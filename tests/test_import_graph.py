@@ -82,7 +82,7 @@ def test_no_import_cycles() -> None:
 
 def test_the_checker_sees_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert "abstractruntime_mlx.engine.stream" in module_graph()["abstractruntime_mlx.engine.loop"]
+    assert "abstractruntime_mlx.engine.core.stream" in module_graph()["abstractruntime_mlx.engine.core.loop"]
 
 
 def absolute_imports(path: Path) -> set[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine import disk_store, prefix_cache
+from abstractruntime_mlx.engine.cache import disk_store, prefix_cache
 
 SYSTEM = "You are a careful assistant who answers briefly. " * 12
 TURN_1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Question 0: what does a cache keep?"}]
@@ -266,13 +266,15 @@ def test_the_upstream_methods_the_ssd_tier_overrides_are_still_there(tmp_path):
     from mlx_vlm.apc import DiskBlockStore
 
     for name, parameters in disk_store.UPSTREAM_HOOKS.items():
-        assert hasattr(DiskBlockStore, name), f"mlx-vlm's DiskBlockStore no longer has {name}; see engine/disk_store.py"
+        assert hasattr(DiskBlockStore, name), (
+            f"mlx-vlm's DiskBlockStore no longer has {name}; see engine/cache/disk_store.py"
+        )
         found = tuple(inspect.signature(getattr(DiskBlockStore, name)).parameters)
-        assert found == parameters, f"DiskBlockStore.{name}{found} changed; engine/disk_store.py overrides it"
+        assert found == parameters, f"DiskBlockStore.{name}{found} changed; engine/cache/disk_store.py overrides it"
     store = disk_store.VerifiedDiskStore(tmp_path, namespace="hooks")
     try:
         for name in disk_store.UPSTREAM_STATE:
-            assert hasattr(store, name), f"DiskBlockStore no longer has {name}; engine/disk_store.py reads it"
+            assert hasattr(store, name), f"DiskBlockStore no longer has {name}; engine/cache/disk_store.py reads it"
     finally:
         store.close()
 

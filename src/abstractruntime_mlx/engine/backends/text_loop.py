@@ -51,20 +51,12 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from .backend import (
-    DecodingRow,
-    LogitsProcessor,
-    PrefillRow,
-    RowInput,
-    StepResult,
-    TokenEvent,
-    map_upstream_errors,
-    row_processors,
-)
-from .prefill_shapes import Buckets
-from .request import LaneName
+from ..core.request import LaneName
+from ..core.scheduler import plan_prefill, should_compact
+from ..model.prefill_shapes import Buckets
+from .backend import LogitsProcessor, map_upstream_errors, row_processors
+from .rows import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent
 from .sampling import PendingLogprobs, RowStream, row_logprobs, sample_rows
-from .scheduler import plan_prefill, should_compact
 
 __all__ = ["TextLoopBackend"]
 

@@ -44,7 +44,7 @@ from typing import Any
 
 from mlx_vlm.apc import DiskBlockStore
 
-from ..owned_files import open_owned, owned_fault, read_owned
+from ...owned_files import open_owned, owned_fault, read_owned
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidControls, PromptCacheFlushFailed, PromptCacheLocked, PromptCachePathUnsafe
+from ...errors import InvalidControls, PromptCacheFlushFailed, PromptCacheLocked, PromptCachePathUnsafe
+from ..core.reports import ApcReport, PromptCacheReport
 from .cache_priority import CachePriorities, eviction_order, validate_hints, validate_pin
 from .prefix_break import find_break
-from .reports import ApcReport, PromptCacheReport
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def cache_identity(loaded: Any, *, scope: str) -> dict[str, Any]:
     """What a snapshot on disk depends on. A change to any of it never reuses old files."""
     import importlib.metadata as md
 
-    from ..artifacts import model_fingerprint
+    from ...artifacts import model_fingerprint
 
     def version(name: str) -> str | None:
         try:
@@ -228,7 +228,7 @@ def cache_identity(loaded: Any, *, scope: str) -> dict[str, Any]:
         "head": head,
         "config": hashlib.sha256(json.dumps(loaded.config, sort_keys=True).encode()).hexdigest(),
         "engine_versions": {"mlx": version("mlx"), "mlx-vlm": version("mlx-vlm"), "mlx-lm": version("mlx-lm")},
-        "lane": loaded.lane,
+        "lane": loaded.upstream,
         "block_size": BLOCK_SIZE,
         "scope": scope,
     }
@@ -515,7 +515,7 @@ class PrefixCache:
         self, loaded: Any, options: CacheOptions, *, max_batch_size: int, restore_align: int = BLOCK_SIZE
     ) -> None:
         self.options = options
-        self.lane = loaded.lane
+        self.lane = loaded.upstream
         self.budget = memory_budget(options.memory_max_gb)
         self.disk: DiskNamespace | None = None
         self._keys: OrderedDict[tuple[str, int], _KeyState] = OrderedDict()
@@ -524,7 +524,7 @@ class PrefixCache:
         self.serial: SerialStore | None = None
         self._block_strategy: bool | None = None
         if options.disk_path is not None:
-            if loaded.lane != "native":
+            if loaded.upstream != "native":
                 raise InvalidControls(
                     "mlx_cache_disk_path needs the mlx_batching=True lane (mlx-vlm's SSD tier)",
                     field="mlx_cache_disk_path",
@@ -533,7 +533,7 @@ class PrefixCache:
             self.disk = DiskNamespace(options.disk_path, cache_identity(loaded, scope=options.scope))
         self.restore_align = restore_align
         self.priorities = CachePriorities()
-        if loaded.lane == "native":
+        if loaded.upstream == "native":
             self.manager = self._native_manager(max_batch_size)
             self.manager.restore_align = restore_align
             self.manager.priorities = self.priorities

@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .backend import needs_positions
+from ..backends.backend import needs_positions
 
 __all__ = ["language_model", "make_cache", "supports_model"]
 
