@@ -1,11 +1,13 @@
 """The one adapter over mlx-vlm's batch generator.
 
-Every private upstream field the package reads is read here, and only here
-(``PromptProcessingBatch`` row counters for prefill progress, the generation batch for
-batch sizes, the prefill admission gate, and what ``adopt`` builds a decoding row from:
-``GenerationBatch``'s constructor and token counts, the generator's uid counter, sampler,
-stop test and ``_extend_generation_batch``). Supported range: mlx-vlm >=0.7.10,<0.8.0 (the prefix cache needs 0.7.10), pinned in
-``pyproject.toml``; ``tests/test_backend_contract.py`` checks these fields exist.
+Every private upstream field the backends read is read here, and only here
+(``tests/test_import_graph.py``): ``PromptProcessingBatch`` row counters for prefill progress,
+the generation batch for batch sizes, the prefill admission gate, and what ``adopt`` builds a
+decoding row from (``GenerationBatch``'s constructor and token counts, the generator's uid
+counter, sampler, stop test and ``_extend_generation_batch``); and mlx-lm's ``BatchKVCache``
+column count for the text lane (``kv_columns``). Supported ranges: mlx-vlm >=0.7.10,<0.8.0
+(the prefix cache needs 0.7.10) and mlx-lm >=0.31.3,<0.33, pinned in ``pyproject.toml``;
+``tests/test_backend_contract.py`` checks these fields exist.
 
 Prefix reuse: a group of keyed requests passes the resident model's ``APCManager`` (see
 ``prefix_cache``); each row carries its salt as ``_apc_semantic_hash``, so upstream keys blocks
@@ -387,3 +389,15 @@ def image_prompt_inputs(model: Any, processor: Any, prompt: str, images: list[An
 def needs_positions(model: Any) -> bool:
     model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
     return model_type.startswith("qwen3_5")
+
+
+# mlx-lm's ``BatchKVCache`` keeps how many columns it holds in the private ``_idx``; the text
+# lane reads it to right-justify a merge and moves it when it drops leading padding.
+def kv_columns(cache: Any) -> int:
+    """The columns (positions) one layer's ``BatchKVCache`` holds."""
+    return int(cache._idx)
+
+
+def drop_kv_columns(cache: Any, shift: int) -> None:
+    """Say that ``cache`` lost its ``shift`` leading columns (its arrays already cut)."""
+    cache._idx -= shift

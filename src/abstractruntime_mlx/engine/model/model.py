@@ -21,6 +21,7 @@ from typing import Any
 
 from ...errors import ContextTooLong, InvalidControls, ModelNotFound, UpstreamError
 from .grammar import GrammarCompiler
+from .upstream import tokenizer_parts
 
 log = logging.getLogger(__name__)
 
@@ -291,15 +292,16 @@ def _load_mlx_lm(path: Path, config: dict[str, Any]) -> LoadedModel:
         model, tokenizer = _untyped(mlx_lm.load(str(path)))[:2]
     except Exception as exc:  # noqa: BLE001
         raise UpstreamError(f"mlx-lm could not load {path}: {type(exc).__name__}: {exc}") from exc
+    inner, detokenizer = tokenizer_parts(tokenizer)
     return LoadedModel(
         path=path,
         upstream=Upstream.MLX_LM,
         model=model,
         processor=tokenizer,
-        tokenizer=tokenizer._tokenizer,
+        tokenizer=inner,
         config=config,
         eos_token_ids=frozenset(int(t) for t in tokenizer.eos_token_ids),
-        _detokenizer=tokenizer._detokenizer,
+        _detokenizer=detokenizer,
     )
 
 
