@@ -28,7 +28,7 @@ from typing import Any
 import _models
 import mlx.core as mx
 
-from abstractruntime_mlx.engine.model.model import cuda_attention
+from abstractruntime_mlx.engine.model import cuda_attention
 
 WARPS = (8, 16)  # the kernel's block sizes compared (32 warps exceed the registers a thread may use)
 

@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 from decode_attention import routed_model
 
-from abstractruntime_mlx.engine.model.model import cuda_attention
+from abstractruntime_mlx.engine.model import cuda_attention
 
 CHUNKS = (
     (1, 64, 64),

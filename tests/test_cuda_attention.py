@@ -13,8 +13,8 @@ from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache
 
 from abstractruntime_mlx import errors
+from abstractruntime_mlx.engine.model import cuda_attention
 from abstractruntime_mlx.engine.model.cuda_attention import fits, fits_prefill, install, prefill_attention
-from abstractruntime_mlx.engine.model.model import cuda_attention
 
 cuda = pytest.mark.skipif(not cuda_attention.available(), reason="the kernel is CUDA source: MLX's CUDA backend only")
 

@@ -189,7 +189,7 @@ def test_finished_rows_idle_until_half_the_batch_has_finished(make):
 def test_finished_rows_drop_at_once_unless_the_host_bounds_the_step(make):
     """The default: rows idle only on MLX's CUDA backend; here (CPU) each step drops its
     finished rows, since an idle row's compute is paid by every step."""
-    from abstractruntime_mlx.engine.model.model import cuda_attention
+    from abstractruntime_mlx.engine.model import cuda_attention
 
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], "Hi"]
     limits = [3, 6, 14, 14]
