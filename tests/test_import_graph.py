@@ -296,3 +296,19 @@ def test_each_upstream_module_names_the_pinned_versions() -> None:
         assert "<" in spec, f"{package} has no upper bound in pyproject.toml"
         docstring = ast.get_docstring(ast.parse(files[module].read_text(encoding="utf-8"))) or ""
         assert spec in docstring.replace(" ", "").replace("``", ""), (module, package, spec)
+
+
+def test_the_backend_protocol_and_request_import_no_mlx() -> None:
+    """A backend can be faked, and a request built, without loading MLX."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "import abstractruntime_mlx.engine.backends.rows, abstractruntime_mlx.engine.core.request\n"
+        "print(sorted(m for m in ('mlx', 'mlx.core', 'mlx_lm', 'mlx_vlm') if m in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "[]"
