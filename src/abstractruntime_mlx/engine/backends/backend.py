@@ -44,6 +44,7 @@ from ...errors import EngineError, UpstreamError
 from ..core.config import PREFILL_STEP_SIZE
 from ..core.request import LaneName, SampledLogprob
 from ..model.grammar import GrammarProcessor
+from ..model.text_model import needs_positions
 from .rows import DecodingRow, Drafter, PrefillRow, RowInput, StepResult, TokenEvent
 from .sampling import PendingLogprobs, RowStream, make_sampler, row_logprobs, sample_rows
 
@@ -384,11 +385,6 @@ def image_prompt_inputs(model: Any, processor: Any, prompt: str, images: list[An
         if key in extra and key not in kwargs:
             kwargs[key] = extra[key]
     return [int(t) for t in input_ids[0].tolist()], kwargs
-
-
-def needs_positions(model: Any) -> bool:
-    model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
-    return model_type.startswith("qwen3_5")
 
 
 # mlx-lm's ``BatchKVCache`` keeps how many columns it holds in the private ``_idx``; the text
