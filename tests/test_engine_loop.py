@@ -286,3 +286,20 @@ def test_capabilities_are_asked_not_stubbed():
     assert able(BatchBackend) == {"adopts", "speculates", "partial"}
     assert able(TextLoopBackend) == {"adopts"}
     assert able(SerialBackend) == set() and able(InProcessBackend) == {"speculates"}
+
+
+def test_every_lane_says_whether_its_tokens_carry_logprobs():
+    """``reports_logprobs`` is a member of every backend, not an attribute the loop guesses at:
+    the text lane computes them; the single and serialized lanes do not (``BatchBackend``
+    decides per generator: not when it speculates)."""
+    from abstractruntime_mlx.engine.backends.serial import InProcessBackend, SerialBackend
+    from abstractruntime_mlx.engine.backends.single import SingleBackend
+    from abstractruntime_mlx.engine.backends.text_loop import TextLoopBackend
+
+    lanes = (SingleBackend, SerialBackend, InProcessBackend, TextLoopBackend)
+    assert {cls.__name__: cls.reports_logprobs for cls in lanes} == {
+        "SingleBackend": False,
+        "SerialBackend": False,
+        "InProcessBackend": False,
+        "TextLoopBackend": True,
+    }
