@@ -1,4 +1,4 @@
-"""The text lane's attention on CUDA (``engine/cuda_attention.py``). Fused decode: which calls it
+"""The text lane's attention on CUDA (``engine/model/cuda_attention.py``). Fused decode: which calls it
 takes, that a row's left padding as its start says what upstream's decode mask says, and on
 MLX's CUDA backend that the kernel returns what upstream's masked attention returns. Prompt
 chunks in plain ops: which calls they take, and that they compute what upstream computes."""
@@ -13,8 +13,8 @@ from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine import cuda_attention
-from abstractruntime_mlx.engine.cuda_attention import fits, fits_prefill, install, prefill_attention
+from abstractruntime_mlx.engine.model import cuda_attention
+from abstractruntime_mlx.engine.model.cuda_attention import fits, fits_prefill, install, prefill_attention
 
 cuda = pytest.mark.skipif(not cuda_attention.available(), reason="the kernel is CUDA source: MLX's CUDA backend only")
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine import prefix_cache
+from abstractruntime_mlx.engine.cache import prefix_cache
 
 SYSTEM = "You are a careful assistant who answers briefly. " * 12
 

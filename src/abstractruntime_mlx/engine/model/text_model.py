@@ -17,11 +17,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .backend import needs_positions
-
-__all__ = ["language_model", "make_cache", "supports_model"]
+__all__ = ["language_model", "make_cache", "needs_positions", "supports_model"]
 
 log = logging.getLogger(__name__)
+
+
+def needs_positions(model: Any) -> bool:
+    """Whether ``model``'s rows carry position ids (Qwen3.5's multimodal rope)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
+    return model_type.startswith("qwen3_5")
 
 
 def supports_model(model: Any) -> bool:

@@ -14,20 +14,21 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
-from . import cuda_attention
-from .backend import Backend, BatchBackend, Drafter, PrefillRow
+from ..backends.backend import BatchBackend
+from ..backends.rows import Backend, Drafter, PrefillRow
+from ..backends.serial import InProcessBackend, SerialBackend
+from ..backends.single import SingleBackend
+from ..backends.text_loop import TextLoopBackend
+from ..cache.prefix_cache import PrefixCache
+from ..model import cuda_attention
+from ..model.fused_projections import fuse_text_model
+from ..model.model import LoadedModel, Upstream
+from ..model.prefill_shapes import Buckets, warm
+from ..model.text_model import language_model, make_cache, supports_model
 from .config import EngineConfig
-from .fused_projections import fuse_text_model
 from .lanes import LANES
-from .model import Lane, LoadedModel
-from .prefill_shapes import Buckets, warm
-from .prefix_cache import PrefixCache
 from .request import EngineRequest, ExecutionMode, LaneName
 from .scheduler import NewGroup
-from .serial import InProcessBackend, SerialBackend
-from .single import SingleBackend
-from .text_loop import TextLoopBackend
-from .text_model import language_model, make_cache, supports_model
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +61,13 @@ class LaneFactory:
         self._prefix_cache = prefix_cache
         self._on_prefill = on_prefill
         # Both the single and the text lane need a plain KV cache per layer and no position ids.
-        plain_kv = loaded.lane == Lane.NATIVE and supports_model(loaded.model)
+        plain_kv = loaded.upstream == Upstream.NATIVE and supports_model(loaded.model)
         self._text_lm: Any = language_model(loaded.path, loaded.model) if plain_kv and config.text_lane else None
         self._text_ready = False  # fused and routed (on first use)
         self.buckets: Buckets | None = None  # the text lane's prefill shapes, where bounded
         # The lanes this model has (fixed at load; the scheduler reads them every step and closes
         # those the engine's options turn off).
-        self.model_lanes = _model_lanes(loaded.lane, plain_kv=plain_kv, text=self._text_lm is not None)
+        self.model_lanes = _model_lanes(loaded.upstream, plain_kv=plain_kv, text=self._text_lm is not None)
 
     def prepare(self) -> None:
         """At load, on the worker: route CUDA attention and warm the prefill shapes (the routing
@@ -188,10 +189,10 @@ class LaneFactory:
         return buckets
 
 
-def _model_lanes(lane: Lane, *, plain_kv: bool, text: bool) -> frozenset[LaneName]:
-    if lane == Lane.MLX_LM:
+def _model_lanes(lane: Upstream, *, plain_kv: bool, text: bool) -> frozenset[LaneName]:
+    if lane == Upstream.MLX_LM:
         return frozenset({LaneName.SERIAL})
-    if lane == Lane.MLX_VLM:
+    if lane == Upstream.MLX_VLM:
         return frozenset({LaneName.IN_PROCESS})
     lanes = {LaneName.BATCH}
     if plain_kv:
