@@ -229,3 +229,22 @@ def test_mlx_lm_attention_surface():
     assert cache.left_padding.tolist() == [2, 0, 1]
     assert mask.shape == (3, 1, 1, 5)
     assert mask.reshape(3, 5).tolist() == [[j >= p for j in range(5)] for p in (2, 0, 1)]
+
+
+def test_mlx_vlm_attention_surface():
+    """What ``engine/cuda_attention.py`` routes in the batch lane: mlx-vlm's language models call
+    mlx-vlm's shared attention function by a module-level name, with mlx-lm's leading parameters."""
+    from mlx_vlm.models import base
+    from mlx_vlm.models.qwen3 import language
+
+    assert language.scaled_dot_product_attention is base.scaled_dot_product_attention
+    assert "scaled_dot_product_attention(" in inspect.getsource(language.Attention.__call__)
+    assert list(inspect.signature(base.scaled_dot_product_attention).parameters)[:7] == [
+        "queries",
+        "keys",
+        "values",
+        "cache",
+        "scale",
+        "mask",
+        "sinks",
+    ]
