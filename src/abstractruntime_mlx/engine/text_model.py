@@ -19,7 +19,7 @@ from typing import Any
 
 from .backend import needs_positions
 
-__all__ = ["language_model", "make_cache", "supports_model"]
+__all__ = ["language_model", "make_cache", "supports_model", "upstream_kv_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -71,3 +71,13 @@ def make_cache(model: Any) -> list[Any]:
 
     caches: list[Any] = make_prompt_cache(model)
     return caches
+
+
+def upstream_kv_cache(model: Any) -> list[Any]:
+    """A fresh per-layer KV cache of mlx-vlm's classes for ``model`` (what ``language_model``
+    returned): for a single-lane row that may move into the batch lane, whose generator merges
+    mlx-vlm's caches. mlx-lm's model runs on them as on its own (``update_and_fetch``,
+    ``offset``, ``make_mask``); ``supports_model`` admits plain-KV models only."""
+    from mlx_vlm.models.cache import KVCache
+
+    return [KVCache() for _ in model.layers]
