@@ -24,7 +24,7 @@ from ..model import cuda_attention
 from ..model.fused_projections import fuse_text_model
 from ..model.model import LoadedModel, Upstream
 from ..model.prefill_shapes import Buckets, warm
-from ..model.text_model import language_model, make_cache, supports_model
+from ..model.text_model import language_model, make_cache, supports_model, upstream_kv_cache
 from .config import EngineConfig
 from .lanes import LANES
 from .request import EngineRequest, ExecutionMode, LaneName
@@ -73,6 +73,10 @@ class LaneFactory:
         """At load, on the worker: route CUDA attention and warm the prefill shapes (the routing
         first: the warm-up runs the shapes the way serving will)."""
         cuda_attention.enable(decode=self._fused_decode_attention(), prefill=self._prefill_attention_ops())
+        if self._prefill_attention_ops():
+            # The batch lane's model: a keyed row's suffix over its restored prefix is a chunk
+            # of a new (queries, keys) shape every turn, a cuDNN plan each without this.
+            cuda_attention.install(getattr(self.loaded.model, "language_model", self.loaded.model))
         self.buckets = self._warmed_buckets()
 
     def build(self, new: NewGroup, head: EngineRequest | None) -> Backend:
@@ -106,18 +110,25 @@ class LaneFactory:
         )
 
     def single(self, new: NewGroup, head: EngineRequest | None) -> SingleBackend:
-        """A text-lane key's row may move into a text batch, so its cache is built from mlx-lm's
-        cache classes (the ones that batch merges)."""
+        """The row's forward is the text lane's model where there is one (fused and routed: a
+        keyed row's turns run at the text lane's speed); its cache is of the classes the batch
+        it may move into merges: mlx-lm's for a text-lane key, mlx-vlm's otherwise."""
         processor = self.loaded.processor
         tokenizer = getattr(processor, "tokenizer", processor)
-        lm = self.text_language_model() if new.key.lane == LaneName.TEXT else None
+        lm = self.text_language_model() if self._text_lm is not None else None
+        if lm is not None and new.key.lane == LaneName.TEXT:
+            cache: Callable[[], list[Any]] | None = lambda: make_cache(lm)  # noqa: E731
+        elif lm is not None:
+            cache = lambda: upstream_kv_cache(lm)  # noqa: E731
+        else:
+            cache = None
         return SingleBackend(
             self.loaded.model,
             stop_criteria=tokenizer.stopping_criteria,  # the batch's own eos test
             prefill_step_size=self.config.prefill_step_size,
             stream=self._stream,
             apc_manager=self._cache_manager_for(head),
-            make_cache=(lambda: make_cache(lm)) if lm is not None else None,
+            make_cache=cache,
             language_model=lm,
         )
 
