@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from abstractruntime_mlx.engine.request import RequestStatus
+from abstractruntime_mlx.engine.core.request import RequestStatus
 from abstractruntime_mlx.errors import InvalidPrefixWarm
 from abstractruntime_mlx.nodes import ProviderRegistry
 from abstractruntime_mlx.runtime_plugin import build_pack, run_flow
@@ -213,7 +213,7 @@ def test_bad_warm_calls_raise_typed_errors(make_llm, dense_model, call, field):
 
 
 def test_bad_engine_warm_calls_raise_typed_errors(make_llm, dense_model):
-    from abstractruntime_mlx.engine.request import EngineRequest
+    from abstractruntime_mlx.engine.core.request import EngineRequest
 
     engine = make_llm(dense_model, mlx_batching=True)._engine
     for request, field in (

@@ -29,8 +29,9 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from .backend import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors
-from .request import LaneName
+from ..core.request import LaneName
+from .backend import map_upstream_errors
+from .rows import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent
 from .sampling import RowStream, sample_rows
 
 _CLEAR_CACHE_EVERY = 256  # tokens (mlx-lm's generate_step)
@@ -40,6 +41,7 @@ class SingleBackend:
     """One request at a time on a plain KV cache, with the ``BatchBackend`` interface."""
 
     kind = LaneName.SINGLE
+    reports_logprobs = False
     max_batch_size = 1
 
     def __init__(

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..errors import InvalidPrefixWarm
+from ...errors import InvalidPrefixWarm
 
 __all__ = ["MAX_PENDING_WARMS", "MIN_WARM_TOKENS", "WARM_TTL_S", "WarmReport", "check_warm"]
 
