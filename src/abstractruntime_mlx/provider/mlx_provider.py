@@ -349,8 +349,8 @@ class MLXProvider:
     def prompt_cache_warm(self, prompt: str = "", **kwargs: Any) -> dict[str, Any]:
         """Put the prefix of a call that is coming in RAM before it comes: the same arguments as
         ``generate`` (its ``messages``/``system_prompt``/``tools``, controls and ``prompt_cache_key``),
-        rendered as that call renders them. A warm runs only while no live request waits, and a
-        live request arriving cancels it until it has prefilled (docs/prompt-cache.md). Returns at
+        rendered as that call renders them. A warm runs only while the engine is idle, one prefill
+        chunk at a time, and a live request arriving cancels one still waiting (docs/prompt-cache.md). Returns at
         once: ``queued``, or not with the ``reason``. ``InvalidPrefixWarm`` without a key or any text."""
         return self.prompt_cache_warm_request(GenerationRequest.from_kwargs(prompt, **kwargs))
 

@@ -193,7 +193,7 @@ class Engine:
         self._cond = threading.Condition()
         self._inbox: deque[Command] = deque()
         self._waiting: deque[EngineRequest] = deque()
-        self._warms: deque[EngineRequest] = deque()  # prefix warms held until no live request waits
+        self._warms: deque[EngineRequest] = deque()  # prefix warms held until the engine is idle
         self._controls: deque[RunControl[Any]] = deque()
         self._group: _Group | None = None
         self._admitting: list[EngineRequest] = []  # taken from the queue, not yet in a group

@@ -199,7 +199,7 @@ class EngineRequest:
     cancel_event: threading.Event = field(default_factory=threading.Event)
     grammar: GrammarProcessor | None = None  # structured output: this request's own matcher
     logprobs: int | None = None  # token logprobs with this many alternatives each (None: off)
-    # A prefix warm (``core.warm``): runs only while no live request waits, its token is dropped;
+    # A prefix warm (``core.warm``): runs only while the engine is idle, its token is dropped;
     # ``warm_target`` is the whole prefix it warms, one prefill chunk a request.
     warm: bool = False
     warm_target: tuple[int, ...] = ()
