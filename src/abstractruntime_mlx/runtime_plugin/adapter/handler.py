@@ -218,7 +218,8 @@ class LLMCallHandler:
 
     def _warm_next(self, run: RunView, index: FlowIndex, node_id: str) -> list[JSONValue]:
         """Warm the predictable prefix of each ``llm_call`` node this one enables, in the local
-        model that will serve it (``RunCacheHints.warm``); what each warm did, by node."""
+        model that will serve it when that model is resident (``RunCacheHints.warm``); what each
+        warm did, by node."""
         warmed: list[JSONValue] = []
         for later in index.next_llm_nodes(node_id):
             try:
@@ -229,8 +230,11 @@ class LLMCallHandler:
             prefix_only = bool(payload.pop("prefix_only", False))
             try:
                 request, _ = self._request(run, later, payload, index.node_config(later))
-                if request.prompt_cache_key is None:
+                model = request.model or self.node.default_model
+                if request.prompt_cache_key is None or request.base_url or not model:
                     continue
+                if self.node.registry.resident(model, self.node.provider_options) is None:
+                    continue  # a warm never loads a model: the node's own call does
                 prepared = self.node.prepare(request)
             except MLXRuntimeError as exc:
                 # Its own turn raises the same error on the tick thread, where it belongs.
