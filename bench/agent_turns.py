@@ -3,6 +3,7 @@
     python bench/agent_turns.py                 # tiny dense-long model, 8 turns, sessions 1/4/8, in process + serve
     python bench/agent_turns.py --quick         # 4 turns, sessions 1/4, in process only
     python bench/agent_turns.py --json out.json # also write every figure
+    python bench/agent_turns.py --profile --turns 20  # one session: where each ms of a keyed turn goes
 
 The conversation has the shape of the host's ReAct agent: a system prompt and tool schema of
 about 2,500 tokens (instructions plus 8 tool definitions, rendered by the chat template), the
@@ -269,6 +270,37 @@ def report(name: str, sessions: int, s: dict[str, Any], log: Any) -> None:
         log(f"  [{'ok' if ok else 'MISSED'}] {label}: {detail}")
 
 
+def profile(llm: Any, system: str, schema: list[dict[str, Any]], turns: int, args: Any, log: Any) -> list[Any]:
+    """One keyed session, turn by turn, with the reuse path's pieces timed (``_turn_profile``)."""
+    import _turn_profile  # bench/_turn_profile.py
+
+    _turn_profile.install()
+    rows: list[dict[str, Any]] = []
+
+    def generate(**kwargs: Any) -> Any:
+        result = llm.generate(**kwargs)
+        rows.append({"ttft_ms": result.metadata["execution"]["ttft_s"] * 1000, "pieces": _turn_profile.take()})
+        return result
+
+    llm.prompt_cache_clear()
+    _turn_profile.take()
+    sessions = run_session(
+        generate, 0, system, schema, turns=turns, key="session:profile", obs_lines=args.observation_lines
+    )
+    labels = [label for label, *_ in _turn_profile.PIECES]
+    shown = [t for t in (2, 8, 20) if t <= turns]
+    log(f"\nprofile, 1 session, ms per piece (MLX synchronized after each; turns {shown}):")
+    log("  " + "piece".ljust(54) + "".join(f"turn {t:>3}".rjust(10) for t in shown))
+    for label in labels:
+        if any(rows[t - 1]["pieces"].get(label) for t in shown):
+            log("  " + label.ljust(54) + "".join(f"{rows[t - 1]['pieces'].get(label, 0.0):10.1f}" for t in shown))
+    log("  " + "TTFT (engine, submit to first token)".ljust(54) + "".join(f"{rows[t - 1]['ttft_ms']:10.1f}" for t in shown))
+    log("  " + "prompt / cached tokens".ljust(54) + "".join(
+        f"{sessions[t - 1]['prompt_tokens']:>5}/{sessions[t - 1]['cached_tokens']:<4}" for t in shown
+    ))  # fmt: skip
+    return [{**row, **{k: v for k, v in s.items() if k != "tokens"}} for row, s in zip(rows, sessions)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 turns, sessions 1 and 4, in process only")
@@ -300,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=["0.6b", "4b"],
         default=None,
         help="build a random bf16 checkpoint of this Qwen3 shape (32k context) instead",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="one session with reuse: the ms of each piece of a keyed turn (bench/_turn_profile.py)",
     )
     ap.add_argument("--json", dest="json_out", default=None, help="write every figure here")
     args = ap.parse_args(argv)
@@ -355,6 +392,13 @@ def main(argv: list[str] | None = None) -> int:
             report(name, sessions, summary, log)
             figures["runs"].append({"path": name, "sessions": sessions, **summary})
 
+    if args.profile:
+        figures["profile"] = profile(llm, system_prompt("profile", args.system_tokens, count), schema, turns, args, log)
+        llm.unload_model(llm.model)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(figures, indent=2, default=str))
+        scratch.cleanup()
+        return 0
     measure("in process", llm)
     llm.unload_model(llm.model)
     if serve:
