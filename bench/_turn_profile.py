@@ -25,14 +25,14 @@ PIECES = [
     ("lookup: hash + find blocks", "mlx_vlm.generate.ar", "BatchGenerator", "_apc_pick_for"),
     ("gather: concatenate blocks (batch)", "mlx_vlm.apc_coordinator", "APCCoordinator", "merge_rows"),
     ("restore: lookup + concatenate (single)", "abstractruntime_mlx.engine.single", "SingleBackend", "_restore"),
-    ("resident: take + trim the key's KV", "abstractruntime_mlx.engine.prefix_cache", "PrefixCache", "take_resident"),
+    ("resident: take + trim the key's KV", "abstractruntime_mlx.engine.prefix_cache", "ResidentKV", "take"),
     ("suffix prefill chunks (batch)", "mlx_vlm.generate.ar", "PromptProcessingBatch", "prompt_step"),
     ("suffix prefill chunks (single)", "abstractruntime_mlx.engine.single", "SingleBackend", "_prefill_chunk"),
     ("last prompt token + first token (batch, incl. store)", "mlx_vlm.generate.ar", "PromptProcessingBatch", "generate"),
     ("store new blocks (batch)", "mlx_vlm.apc_coordinator", "APCCoordinator", "commit"),
     ("store new blocks (single)", "abstractruntime_mlx.engine.single", "SingleBackend", "_store_prefix"),
     (FIRST_TOKEN, "abstractruntime_mlx.engine.single", "SingleBackend", "_sample"),
-    ("keep the key's KV resident", "abstractruntime_mlx.engine.prefix_cache", "PrefixCache", "keep_resident"),
+    ("keep the key's KV resident", "abstractruntime_mlx.engine.prefix_cache", "ResidentKV", "keep"),
     ("report building", "abstractruntime_mlx.engine.prefix_cache", "PrefixCache", "report"),
 ]
 

@@ -362,6 +362,7 @@ def counted_manager_class() -> type:
         _block_bytes = 0
         restore_align = BLOCK_SIZE
         priorities: CachePriorities | None = None
+        resident: ResidentKV | None = None
 
         def lookup_prefix(self, token_ids: Any, extra_hash: int = 0) -> tuple[list[Any], int]:
             """Upstream's lookup, cut to a multiple of ``restore_align`` tokens."""
@@ -376,7 +377,9 @@ def counted_manager_class() -> type:
         def _make_room(self, allocation_bytes: int = 0, *, retain_bytes: int = 0) -> bool:
             """Upstream's ``_make_room`` with the blocks evicted in the priorities' order; a
             store (``retain_bytes``) never evicts a pinned block, a live request's allocation
-            takes the oldest pin when nothing else is left."""
+            takes the oldest pin when nothing else is left. Resident KV (``ResidentKV``) goes
+            before any block."""
+            self._drop_resident(allocation_bytes, retain_bytes)
             priorities = self.priorities
             if priorities is None or not priorities.active:
                 return bool(super()._make_room(allocation_bytes, retain_bytes=retain_bytes))
@@ -410,6 +413,50 @@ def counted_manager_class() -> type:
             if evicted or self._memory_headroom() < required:
                 mx.clear_cache()
             return bool(resident + retain_bytes <= self.memory_max_bytes and self._memory_headroom() >= required)
+
+        def keep_resident(self, key: str, salt: int, tokens: list[int], cache: list[Any]) -> bool:
+            """Keep a finished row's KV for its key (``ResidentKV``) if it fits the budget and the
+            free memory with everything else held; older entries go first, blocks never."""
+            resident_kv = self.resident
+            if resident_kv is None or not resident_kv.keep(key, salt, tokens, cache):
+                return False
+            with self.lock:
+                held = self._resident_bytes_locked()
+            limit = min(self.memory_max_bytes, held + self._memory_headroom() - self.memory_reserve_bytes)
+            resident_kv.fit(held, limit)
+            return (key, salt) in resident_kv.entries
+
+        def take_resident(self, key: str, salt: int, prompt: list[int]) -> tuple[list[Any], int, int]:
+            """The key's resident KV for ``prompt`` (``ResidentKV.take``); a take that restores
+            tokens counts as a prefix hit, as a block lookup's does."""
+            if self.resident is None:
+                return [], 0, 0
+            # Cut as ``lookup_prefix`` cuts a block restore, except where blocks are the unit.
+            align = self.restore_align if self.restore_align != BLOCK_SIZE else 1
+            cache, tokens, held = self.resident.take(key, salt, prompt, align=align)
+            if tokens:
+                with self.lock:
+                    self.stats.hits += 1
+            return cache, tokens, held
+
+        def _drop_resident(self, allocation_bytes: int, retain_bytes: int) -> None:
+            """Drop resident KV, oldest first, while the cache is over the target
+            ``_make_room`` evicts down to (the same sum as upstream's)."""
+            resident_kv = self.resident
+            if resident_kv is None or not resident_kv.entries:
+                return
+            required = self.memory_reserve_bytes + (
+                self._prefill_reserve_bytes + allocation_bytes
+                if retain_bytes
+                else max(self._prefill_reserve_bytes, allocation_bytes)
+            )
+            with self.lock:
+                resident = self._resident_bytes_locked()
+                target = max(
+                    0, min(self.memory_max_bytes - retain_bytes, resident + self._memory_headroom() - required)
+                )
+                while resident > target and resident_kv.entries:
+                    resident -= resident_kv.drop_oldest()
 
         def _evict_lru(self, *, cached_only: bool = False) -> Any:
             """An empty pooled block, else the first idle cached block in the priorities' order."""
@@ -464,7 +511,8 @@ def counted_manager_class() -> type:
             if held and not self._block_bytes:
                 self._block_bytes = int(held[0].resident_bytes())
             exact = sum(_cache_nbytes(entry.prompt_cache) for entry in self._exact_cache.values())
-            return len(held) * self._block_bytes + exact
+            kept = self.resident.nbytes if self.resident is not None else 0
+            return len(held) * self._block_bytes + exact + kept
 
     return CountedAPCManager
 
@@ -488,6 +536,95 @@ def block_hashes(prompt: Any, salt: int) -> list[int]:
         parent = _hash_tokens(parent, tuple(tokens[start : start + BLOCK_SIZE]), salt)
         out.append(parent)
     return out
+
+
+# --- a key's KV between turns ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _ResidentEntry:
+    tokens: tuple[int, ...]  # the tokens whose KV ``cache`` holds, in order
+    cache: list[Any]  # one plain KV cache per layer (the single lane's layout)
+    nbytes: int
+
+
+class ResidentKV:
+    """The whole KV of each key's last finished row (the single lane's), kept between turns.
+
+    The key's next prompt usually extends the previous one (the transcript plus an answer and
+    an observation): the row then starts from this KV trimmed to the shared prefix and
+    prefills only its new tokens, with no block lookup or gather, and the previous answer's
+    tokens count as cached too. Blocks stay the fallback (other keys, a broken prefix, after
+    eviction, the SSD tier). The bytes count in the RAM budget (``_resident_bytes_locked``);
+    an entry goes before any block when room is needed (``_make_room``) and is never kept at a
+    block's expense. Worker thread only; the manager's lock guards the table for stats readers.
+    """
+
+    def __init__(self, lock: Any) -> None:
+        self.entries: OrderedDict[tuple[str, int], _ResidentEntry] = OrderedDict()
+        self.nbytes = 0
+        self.tokens_taken = 0  # lifetime: prompt tokens rows started from resident KV
+        self.dropped = 0  # lifetime: entries dropped to make room
+        self._lock = lock
+
+    def take(self, key: str, salt: int, prompt: list[int], *, align: int = 1) -> tuple[list[Any], int, int]:
+        """The key's KV trimmed to the prefix it shares with ``prompt`` (at least one prompt
+        token left to feed), cut to a multiple of ``align`` as a block restore is: (cache,
+        tokens it holds, tokens the entry held). The entry leaves the table either way: the
+        row owns the cache now."""
+        with self._lock:
+            entry = self.entries.pop((key, salt), None)
+            if entry is None:
+                return [], 0, 0
+            self.nbytes -= entry.nbytes
+        shared = min(_common_prefix(entry.tokens, prompt), len(prompt) - 1)
+        shared -= shared % align
+        if shared <= 0:
+            return [], 0, len(entry.tokens)
+        for layer in entry.cache:
+            layer.trim(layer.offset - shared)
+        self.tokens_taken += shared
+        return entry.cache, shared, len(entry.tokens)
+
+    def keep(self, key: str, salt: int, tokens: list[int], cache: list[Any]) -> bool:
+        """Keep ``cache`` (holding exactly ``tokens``) for ``key`` (the manager then fits the
+        table to its budget: ``keep_resident``)."""
+        if not tokens or not all(getattr(layer, "is_trimmable", lambda: False)() for layer in cache):
+            return False
+        size = cache_bytes(cache)
+        with self._lock:
+            old = self.entries.pop((key, salt), None)
+            if old is not None:
+                self.nbytes -= old.nbytes
+            self.entries[(key, salt)] = _ResidentEntry(tuple(tokens), cache, size)
+            self.nbytes += size
+        return True
+
+    def drop_oldest(self) -> int:
+        """Drop the least recently kept entry (under the lock); returns its bytes."""
+        _, entry = self.entries.popitem(last=False)
+        self.nbytes -= entry.nbytes
+        self.dropped += 1
+        return entry.nbytes
+
+    def fit(self, held_bytes: int, max_bytes: int) -> None:
+        """Drop entries, oldest first, until everything held fits ``max_bytes``."""
+        with self._lock:
+            while self.entries and held_bytes > max_bytes:
+                held_bytes -= self.drop_oldest()
+
+    def clear(self) -> None:
+        with self._lock:
+            self.entries.clear()
+            self.nbytes = 0
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "entries": len(self.entries),
+            "bytes": self.nbytes,
+            "tokens_taken": self.tokens_taken,
+            "dropped": self.dropped,
+        }
 
 
 # --- per-key bookkeeping -----------------------------------------------------------------
@@ -519,6 +656,8 @@ class PrefixCache:
         self.budget = memory_budget(options.memory_max_gb)
         self.disk: DiskNamespace | None = None
         self._keys: OrderedDict[tuple[str, int], _KeyState] = OrderedDict()
+        # (key, salt) -> the key's latest prompt, its block owners not recorded yet (``_own``)
+        self._unowned: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
         self.totals = {"requests": 0, "hits": 0, "partial": 0, "misses": 0, "not_retained": 0}
         self.manager: Any = None
         self.serial: SerialStore | None = None
@@ -537,6 +676,7 @@ class PrefixCache:
             self.manager = self._native_manager(max_batch_size)
             self.manager.restore_align = restore_align
             self.manager.priorities = self.priorities
+            self.manager.resident = ResidentKV(self.manager.lock)
             self.backend = "mlx_vlm_apc"
         else:
             self.serial = SerialStore(self.budget.max_bytes)
@@ -589,12 +729,32 @@ class PrefixCache:
         return salt
 
     def _own(self, request: Any, salt: int) -> None:
+        """Ownership is only read while hints or pins order eviction: until then a key's latest
+        prompt is noted and hashed when the first hint or pin arrives (``_own_noted``), so a
+        keyed turn without them hashes nothing."""
         manager = self.manager
-        if manager is None or request.prompt_cache_key is None:
+        key = request.prompt_cache_key
+        if manager is None or key is None:
+            return
+        if not self.priorities.active:
+            self._unowned[(key, salt)] = request.prompt_ids
+            self._unowned.move_to_end((key, salt))
+            while len(self._unowned) > _MAX_TRACKED_KEYS:
+                self._unowned.popitem(last=False)
+            return
+        self._own_noted()
+        self.priorities.own(key, block_hashes(request.prompt_ids, salt))
+
+    def _own_noted(self) -> None:
+        """Record the owners of the prompts noted while no hint or pin was set."""
+        manager = self.manager
+        if manager is None:
             return
         with manager.lock:
             self.priorities.prune(manager.hash_table, len(manager.hash_table))
-        self.priorities.own(request.prompt_cache_key, block_hashes(request.prompt_ids, salt))
+        while self._unowned:
+            (key, salt), prompt = self._unowned.popitem(last=False)
+            self.priorities.own(key, block_hashes(prompt, salt))
 
     # --- eviction hints and pins (``cache_priority``) --------------------------------------
     @property
@@ -606,12 +766,14 @@ class PrefixCache:
     def set_hints(self, hints: object, *, replace: bool = False) -> dict[str, Any]:
         """Steps-to-execution per key (None: no live run reaches it); merged unless ``replace``."""
         valid = validate_hints(hints)
+        self._own_noted()
         self.priorities.set_hints(valid, replace=replace)
         return {"eviction": self.eviction, "hinted_keys": len(self.priorities.hints), "updated": len(valid)}
 
     def pin(self, key: object, ttl_s: object) -> dict[str, Any]:
         """Keep ``key``'s blocks resident for ``ttl_s`` (a live request's need still wins)."""
         name, ttl = validate_pin(key, ttl_s)
+        self._own_noted()
         pin = self.priorities.pin(name, ttl)
         return {
             "eviction": self.eviction,
@@ -754,6 +916,7 @@ class PrefixCache:
                 "budget_source": self.budget.source,
                 "resident_bytes": self.resident_bytes(),
                 "entries": self._ram_entries(),
+                **({"resident_kv": self.manager.resident.stats()} if self.manager is not None else {}),
             },
             "disk": self._disk_stats(),
             "counters": counters,
@@ -796,6 +959,8 @@ class PrefixCache:
             store = self.manager.disk
             if store is not None:
                 store.flush()
+            if self.manager.resident is not None:
+                self.manager.resident.clear()
             self.manager.clear()
             if store is not None:
                 disk_removed = store.remove_all()
@@ -803,6 +968,7 @@ class PrefixCache:
             assert self.serial is not None
             self.serial.clear()
         self._keys.clear()
+        self._unowned.clear()
         self.priorities.owners.clear()  # hints and pins are the runtime's: they stay
         return {"scope": "all_keys", "ram_entries_removed": ram, "disk_files_removed": disk_removed}
 
