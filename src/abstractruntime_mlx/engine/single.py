@@ -30,11 +30,14 @@ from typing import Any, cast
 import mlx.core as mx
 
 from .backend import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors
-from .prefix_cache import BLOCK_SIZE
 from .request import LaneName
 from .sampling import RowStream, sample_rows
 
 _CLEAR_CACHE_EVERY = 256  # tokens (mlx-lm's generate_step)
+
+
+def _same_type(a: object, b: object) -> bool:
+    return type(a) is type(b)
 
 
 class SingleBackend:
@@ -147,14 +150,22 @@ class SingleBackend:
         when the prompt extends it, else the blocks copied in (the blocks, held until the
         row's own are stored; how many prompt tokens the cache holds)."""
         take = getattr(self._apc, "take_resident", None)
+        resident: list[Any] = []
+        kept = 0
         if self._key is not None and take is not None:
-            cache, tokens, held = take(self._key, self._salt, prompt_ids)
-            # Blocks may hold more where the prompt broke the resident KV's tokens early.
-            same_layout = len(cache) == len(self._cache) and all(map(lambda a, b: type(a) is type(b), cache, self._cache))
-            if tokens and tokens + BLOCK_SIZE > held and same_layout:
-                self._cache = cache
-                return [], tokens
+            resident, kept, held = take(self._key, self._salt, prompt_ids)
+            if not (len(resident) == len(self._cache) and all(map(_same_type, resident, self._cache))):
+                kept = 0
+            # Extending it (the usual next turn): no block lookup. Broken early, blocks (of an
+            # earlier turn, of the shared system prompt) may hold more.
+            if kept and 2 * kept >= held:
+                self._cache = resident
+                return [], kept
         blocks, tokens = self._apc.lookup_prefix(prompt_ids[:-1], extra_hash=self._salt)
+        if kept and kept >= tokens:
+            self._apc.release(blocks)
+            self._cache = resident
+            return [], kept
         if tokens == 0:
             return [], 0
         for layer, cache in enumerate(self._cache):
