@@ -414,11 +414,11 @@ def counted_manager_class() -> type:
                 mx.clear_cache()
             return bool(resident + retain_bytes <= self.memory_max_bytes and self._memory_headroom() >= required)
 
-        def keep_resident(self, key: str, salt: int, tokens: list[int], cache: list[Any]) -> bool:
+        def keep_resident(self, key: str, salt: int, tokens: list[int], cache: list[Any], prompt_len: int) -> bool:
             """Keep a finished row's KV for its key (``ResidentKV``) if it fits the budget and the
             free memory with everything else held; older entries go first, blocks never."""
             resident_kv = self.resident
-            if resident_kv is None or not resident_kv.keep(key, salt, tokens, cache):
+            if resident_kv is None or not resident_kv.keep(key, salt, tokens, cache, prompt_len):
                 return False
             with self.lock:
                 held = self._resident_bytes_locked()
@@ -427,17 +427,19 @@ def counted_manager_class() -> type:
             return (key, salt) in resident_kv.entries
 
         def take_resident(self, key: str, salt: int, prompt: list[int]) -> tuple[list[Any], int, int]:
-            """The key's resident KV for ``prompt`` (``ResidentKV.take``); a take that restores
-            tokens counts as a prefix hit, as a block lookup's does."""
+            """The key's resident KV for ``prompt`` (``ResidentKV.take``)."""
             if self.resident is None:
                 return [], 0, 0
             # Cut as ``lookup_prefix`` cuts a block restore, except where blocks are the unit.
             align = self.restore_align if self.restore_align != BLOCK_SIZE else 1
-            cache, tokens, held = self.resident.take(key, salt, prompt, align=align)
-            if tokens:
-                with self.lock:
-                    self.stats.hits += 1
-            return cache, tokens, held
+            return self.resident.take(key, salt, prompt, align=align)
+
+        def resident_used(self, tokens: int) -> None:
+            """A row starts from ``tokens`` of resident KV: a prefix hit, as a block lookup's."""
+            with self.lock:
+                self.stats.hits += 1
+            if self.resident is not None:
+                self.resident.tokens_taken += tokens
 
         def _drop_resident(self, allocation_bytes: int, retain_bytes: int) -> None:
             """Drop resident KV, oldest first, while the cache is over the target
@@ -546,6 +548,7 @@ class _ResidentEntry:
     tokens: tuple[int, ...]  # the tokens whose KV ``cache`` holds, in order
     cache: list[Any]  # one plain KV cache per layer (the single lane's layout)
     nbytes: int
+    prompt_len: int  # how many of ``tokens`` were the row's prompt (the rest: its answer)
 
 
 class ResidentKV:
@@ -570,8 +573,8 @@ class ResidentKV:
     def take(self, key: str, salt: int, prompt: list[int], *, align: int = 1) -> tuple[list[Any], int, int]:
         """The key's KV trimmed to the prefix it shares with ``prompt`` (at least one prompt
         token left to feed), cut to a multiple of ``align`` as a block restore is: (cache,
-        tokens it holds, tokens the entry held). The entry leaves the table either way: the
-        row owns the cache now."""
+        tokens it holds, the previous prompt's length). The entry leaves the table either way:
+        the row owns the cache now."""
         with self._lock:
             entry = self.entries.pop((key, salt), None)
             if entry is None:
@@ -580,15 +583,15 @@ class ResidentKV:
         shared = min(_common_prefix(entry.tokens, prompt), len(prompt) - 1)
         shared -= shared % align
         if shared <= 0:
-            return [], 0, len(entry.tokens)
+            return [], 0, entry.prompt_len
         for layer in entry.cache:
             layer.trim(layer.offset - shared)
-        self.tokens_taken += shared
-        return entry.cache, shared, len(entry.tokens)
+        return entry.cache, shared, entry.prompt_len
 
-    def keep(self, key: str, salt: int, tokens: list[int], cache: list[Any]) -> bool:
-        """Keep ``cache`` (holding exactly ``tokens``) for ``key`` (the manager then fits the
-        table to its budget: ``keep_resident``)."""
+    def keep(self, key: str, salt: int, tokens: list[int], cache: list[Any], prompt_len: int) -> bool:
+        """Keep ``cache`` (holding exactly ``tokens``, the first ``prompt_len`` of them the
+        row's prompt) for ``key`` (the manager then fits the table to its budget:
+        ``keep_resident``)."""
         if not tokens or not all(getattr(layer, "is_trimmable", lambda: False)() for layer in cache):
             return False
         size = cache_bytes(cache)
@@ -596,7 +599,7 @@ class ResidentKV:
             old = self.entries.pop((key, salt), None)
             if old is not None:
                 self.nbytes -= old.nbytes
-            self.entries[(key, salt)] = _ResidentEntry(tuple(tokens), cache, size)
+            self.entries[(key, salt)] = _ResidentEntry(tuple(tokens), cache, size, prompt_len)
             self.nbytes += size
         return True
 

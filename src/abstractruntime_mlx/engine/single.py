@@ -30,6 +30,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from .backend import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors
+from .prefix_cache import GUARD_TOKENS
 from .request import LaneName
 from .sampling import RowStream, sample_rows
 
@@ -153,19 +154,18 @@ class SingleBackend:
         resident: list[Any] = []
         kept = 0
         if self._key is not None and take is not None:
-            resident, kept, held = take(self._key, self._salt, prompt_ids)
+            resident, kept, previous = take(self._key, self._salt, prompt_ids)
             if not (len(resident) == len(self._cache) and all(map(_same_type, resident, self._cache))):
                 kept = 0
-            # Extending it (the usual next turn): no block lookup. Broken early, blocks (of an
-            # earlier turn, of the shared system prompt) may hold more.
-            if kept and 2 * kept >= held:
-                self._cache = resident
-                return [], kept
+            # Extending the previous prompt (the usual next turn; its generation prompt is
+            # re-rendered, so its last few tokens differ): no block lookup. Broken earlier,
+            # blocks (another key's, an earlier turn's) may hold more.
+            if kept and kept + GUARD_TOKENS >= previous:
+                return self._use_resident(resident, kept)
         blocks, tokens = self._apc.lookup_prefix(prompt_ids[:-1], extra_hash=self._salt)
         if kept and kept >= tokens:
             self._apc.release(blocks)
-            self._cache = resident
-            return [], kept
+            return self._use_resident(resident, kept)
         if tokens == 0:
             return [], 0
         for layer, cache in enumerate(self._cache):
@@ -173,6 +173,11 @@ class SingleBackend:
             values = mx.concatenate([block.values[layer] for block in blocks], axis=2)
             cache.keys, cache.values, cache.offset = keys, values, tokens
         return blocks, tokens
+
+    def _use_resident(self, cache: list[Any], tokens: int) -> tuple[list[Any], int]:
+        self._cache = cache
+        self._apc.resident_used(tokens)
+        return [], tokens
 
     def _store_prefix(self) -> None:
         """Store the row's new full blocks (everything in its cache: the prompt but its last
@@ -279,7 +284,7 @@ class SingleBackend:
             self._store_prefix()  # the blocks first: the fallback when the resident KV goes
         # The cache holds the prompt, then each delivered token it was fed.
         tokens = (self._prompt + self._generated)[: int(self._cache[0].offset)]
-        keep(self._key, self._salt, tokens, self._cache)
+        keep(self._key, self._salt, tokens, self._cache, len(self._prompt))
         self._cache = []
 
     def _prefill_chunk(self) -> None:
