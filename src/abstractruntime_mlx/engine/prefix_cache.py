@@ -582,7 +582,7 @@ class ResidentKV:
             self.nbytes -= entry.nbytes
         shared = min(_common_prefix(entry.tokens, prompt), len(prompt) - 1)
         shared -= shared % align
-        if shared <= 0:
+        if shared < BLOCK_SIZE:  # less than a block restores: the prompt shares nothing to speak of
             return [], 0, entry.prompt_len
         for layer in entry.cache:
             layer.trim(layer.offset - shared)
