@@ -301,6 +301,7 @@ def restart(model: Path, system: str, schema: list[dict[str, Any]], turns: int, 
 
     rows = run_session(generate, 0, system, schema, turns=turns, key="session:restart", obs_lines=args.observation_lines)
     last = rows[-1]
+    out["previous_prompt_tokens"] = rows[-2]["prompt_tokens"] if len(rows) > 1 else 0
     disk.cleanup()
     out.update(
         turn=turns,
@@ -312,7 +313,7 @@ def restart(model: Path, system: str, schema: list[dict[str, Any]], turns: int, 
     out["ratio"] = out["restarted_ttft_ms"] / out["cold_ttft_ms"]
     log(
         f"\nrestart: turn {turns} on a new engine over the same SSD dir: {out['cached_tokens']}/{out['prompt_tokens']} "
-        f"cached ({out['cached_fraction']:.1%}); TTFT {out['restarted_ttft_ms']:.1f} ms vs cold "
+        f"cached ({out['cached_fraction']:.1%}; the previous turn's prompt was {out['previous_prompt_tokens']}); TTFT {out['restarted_ttft_ms']:.1f} ms vs cold "
         f"{out['cold_ttft_ms']:.1f} ms ({out['ratio']:.3f}); greedy identical to cold: {out['identical']}"
     )
     log(f"  [{'PASS' if out['cached_fraction'] >= 0.9 else 'FAIL'}] restart: >= 90% of the prompt cached")
@@ -488,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     llm.unload_model(llm.model)
     if args.targets:
         figures["restart"] = restart(
-            model, system_prompt("restart", args.system_tokens, count), schema, min(turns, 4), args, log
+            model, system_prompt("restart", args.system_tokens, count), schema, min(turns, 8), args, log
         )
         resident_targets(figures, log)
     if serve:
