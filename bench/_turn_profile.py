@@ -28,7 +28,12 @@ PIECES = [
     ("resident: take + trim the key's KV", "abstractruntime_mlx.engine.prefix_cache", "ResidentKV", "take"),
     ("suffix prefill chunks (batch)", "mlx_vlm.generate.ar", "PromptProcessingBatch", "prompt_step"),
     ("suffix prefill chunks (single)", "abstractruntime_mlx.engine.single", "SingleBackend", "_prefill_chunk"),
-    ("last prompt token + first token (batch, incl. store)", "mlx_vlm.generate.ar", "PromptProcessingBatch", "generate"),
+    (
+        "last prompt token + first token (batch, incl. store)",
+        "mlx_vlm.generate.ar",
+        "PromptProcessingBatch",
+        "generate",
+    ),
     ("store new blocks (batch)", "mlx_vlm.apc_coordinator", "APCCoordinator", "commit"),
     ("store new blocks (single)", "abstractruntime_mlx.engine.single", "SingleBackend", "_store_prefix"),
     (FIRST_TOKEN, "abstractruntime_mlx.engine.single", "SingleBackend", "_sample"),

@@ -299,7 +299,9 @@ def restart(model: Path, system: str, schema: list[dict[str, Any]], turns: int, 
         out["identical"] = list(result.token_ids or []) == list(cold.token_ids or [])
         return result
 
-    rows = run_session(generate, 0, system, schema, turns=turns, key="session:restart", obs_lines=args.observation_lines)
+    rows = run_session(
+        generate, 0, system, schema, turns=turns, key="session:restart", obs_lines=args.observation_lines
+    )
     last = rows[-1]
     out["previous_prompt_tokens"] = rows[-2]["prompt_tokens"] if len(rows) > 1 else 0
     disk.cleanup()
@@ -313,7 +315,8 @@ def restart(model: Path, system: str, schema: list[dict[str, Any]], turns: int, 
     out["ratio"] = out["restarted_ttft_ms"] / out["cold_ttft_ms"]
     log(
         f"\nrestart: turn {turns} on a new engine over the same SSD dir: {out['cached_tokens']}/{out['prompt_tokens']} "
-        f"cached ({out['cached_fraction']:.1%}; the previous turn's prompt was {out['previous_prompt_tokens']}); TTFT {out['restarted_ttft_ms']:.1f} ms vs cold "
+        f"cached ({out['cached_fraction']:.1%}; the previous turn's prompt was {out['previous_prompt_tokens']}); "
+        f"TTFT {out['restarted_ttft_ms']:.1f} ms vs cold "
         f"{out['cold_ttft_ms']:.1f} ms ({out['ratio']:.3f}); greedy identical to cold: {out['identical']}"
     )
     log(f"  [{'PASS' if out['cached_fraction'] >= 0.9 else 'FAIL'}] restart: >= 90% of the prompt cached")
@@ -329,7 +332,9 @@ def resident_targets(figures: dict[str, Any], log: Any) -> None:
             continue
         later = [row["ratio"] for row in run["by_turn"][1:]]
         worst = max(later) if later else float("inf")
-        log(f"  [{'PASS' if worst <= 1 / 8 else 'FAIL'}] {run['sessions']} session(s): turn >= 2 TTFT on/off <= 1/8: worst {worst:.3f}")
+        log(
+            f"  [{'PASS' if worst <= 1 / 8 else 'FAIL'}] {run['sessions']} session(s): turn >= 2 TTFT on/off <= 1/8: worst {worst:.3f}"
+        )
         by_turn = run["by_turn"]
         if len(by_turn) >= 20:
             growth = by_turn[19]["ttft_on_ms"] / by_turn[1]["ttft_on_ms"]
@@ -363,7 +368,11 @@ def profile(llm: Any, system: str, schema: list[dict[str, Any]], turns: int, arg
     for label in labels:
         if any(rows[t - 1]["pieces"].get(label) for t in shown):
             log("  " + label.ljust(54) + "".join(f"{rows[t - 1]['pieces'].get(label, 0.0):10.1f}" for t in shown))
-    log("  " + "TTFT (engine, submit to first token)".ljust(54) + "".join(f"{rows[t - 1]['ttft_ms']:10.1f}" for t in shown))
+    log(
+        "  "
+        + "TTFT (engine, submit to first token)".ljust(54)
+        + "".join(f"{rows[t - 1]['ttft_ms']:10.1f}" for t in shown)
+    )
     log("  " + "prompt / cached tokens".ljust(54) + "".join(
         f"{sessions[t - 1]['prompt_tokens']:>5}/{sessions[t - 1]['cached_tokens']:<4}" for t in shown
     ))  # fmt: skip
@@ -473,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.restart and not args.targets:
         llm.unload_model(llm.model)
-        figures["restart"] = restart(model, system_prompt("restart", args.system_tokens, count), schema, turns, args, log)
+        figures["restart"] = restart(
+            model, system_prompt("restart", args.system_tokens, count), schema, turns, args, log
+        )
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(figures, indent=2, default=str))
         scratch.cleanup()
