@@ -20,14 +20,24 @@ _first: dict[str, float] = {}  # the first call's ms since the last take (the de
 FIRST_TOKEN = "first token forward (single)"
 # (label, module, class or None, attribute): every piece a keyed turn may run, on either lane.
 PIECES = [
-    ("admit: key bookkeeping (hash blocks, owners)", "abstractruntime_mlx.engine.prefix_cache", "PrefixCache", "admit"),
-    ("embed whole prompt (batch lane)", "abstractruntime_mlx.engine.backend", None, "text_prompt_kwargs"),
+    (
+        "admit: key bookkeeping (hash blocks, owners)",
+        "abstractruntime_mlx.engine.cache.prefix_cache",
+        "PrefixCache",
+        "admit",
+    ),
+    ("embed whole prompt (batch lane)", "abstractruntime_mlx.engine.backends.backend", None, "text_prompt_kwargs"),
     ("lookup: hash + find blocks", "mlx_vlm.generate.ar", "BatchGenerator", "_apc_pick_for"),
     ("gather: concatenate blocks (batch)", "mlx_vlm.apc_coordinator", "APCCoordinator", "merge_rows"),
-    ("restore: lookup + concatenate (single)", "abstractruntime_mlx.engine.single", "SingleBackend", "_restore"),
-    ("resident: take + trim the key's KV", "abstractruntime_mlx.engine.prefix_cache", "ResidentKV", "take"),
+    (
+        "restore: lookup + concatenate (single)",
+        "abstractruntime_mlx.engine.backends.single",
+        "SingleBackend",
+        "_restore",
+    ),
+    ("resident: take + trim the key's KV", "abstractruntime_mlx.engine.cache.resident", "ResidentKV", "take"),
     ("suffix prefill chunks (batch)", "mlx_vlm.generate.ar", "PromptProcessingBatch", "prompt_step"),
-    ("suffix prefill chunks (single)", "abstractruntime_mlx.engine.single", "SingleBackend", "_prefill_chunk"),
+    ("suffix prefill chunks (single)", "abstractruntime_mlx.engine.backends.single", "SingleBackend", "_prefill_chunk"),
     (
         "last prompt token + first token (batch, incl. store)",
         "mlx_vlm.generate.ar",
@@ -35,10 +45,10 @@ PIECES = [
         "generate",
     ),
     ("store new blocks (batch)", "mlx_vlm.apc_coordinator", "APCCoordinator", "commit"),
-    ("store new blocks (single)", "abstractruntime_mlx.engine.single", "SingleBackend", "_store_prefix"),
-    (FIRST_TOKEN, "abstractruntime_mlx.engine.single", "SingleBackend", "_sample"),
-    ("keep the key's KV resident", "abstractruntime_mlx.engine.prefix_cache", "ResidentKV", "keep"),
-    ("report building", "abstractruntime_mlx.engine.prefix_cache", "PrefixCache", "report"),
+    ("store new blocks (single)", "abstractruntime_mlx.engine.backends.single", "SingleBackend", "_store_prefix"),
+    (FIRST_TOKEN, "abstractruntime_mlx.engine.backends.single", "SingleBackend", "_sample"),
+    ("keep the key's KV resident", "abstractruntime_mlx.engine.cache.resident", "ResidentKV", "keep"),
+    ("report building", "abstractruntime_mlx.engine.cache.prefix_cache", "PrefixCache", "report"),
 ]
 
 

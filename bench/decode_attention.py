@@ -1,4 +1,4 @@
-"""Fused decode attention (``engine/cuda_attention.py``) against upstream's masked path, on
+"""Fused decode attention (``engine/model/cuda_attention.py``) against upstream's masked path, on
 MLX's CUDA backend.
 
 Two measurements, in one process:
@@ -28,7 +28,7 @@ from typing import Any
 import _models
 import mlx.core as mx
 
-from abstractruntime_mlx.engine import cuda_attention
+from abstractruntime_mlx.engine.model import cuda_attention
 
 WARPS = (8, 16)  # the kernel's block sizes compared (32 warps exceed the registers a thread may use)
 

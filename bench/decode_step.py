@@ -155,8 +155,8 @@ def single_ms(model: Any, vocab: int, stream: Any, *, lane: bool) -> float:
     row = prompts(1, vocab)[0]
     times = []
     if lane:
-        from abstractruntime_mlx.engine.backend import RowInput
-        from abstractruntime_mlx.engine.single import SingleBackend
+        from abstractruntime_mlx.engine.backends.rows import RowInput
+        from abstractruntime_mlx.engine.backends.single import SingleBackend
 
         single = SingleBackend(model, stop_criteria=lambda t: False, prefill_step_size=256, stream=stream)
         single.insert(RowInput(row, STEPS + 16))
@@ -198,8 +198,9 @@ def batch_steps(backend: Any, width: int) -> float:
 def upstream(model: Any, processor: Any, width: int, vocab: int, stream: Any, *, handed_off: bool) -> float:
     import mlx.core as mx
 
-    from abstractruntime_mlx.engine.backend import BatchBackend, RowInput
-    from abstractruntime_mlx.engine.single import SingleBackend
+    from abstractruntime_mlx.engine.backends.backend import BatchBackend
+    from abstractruntime_mlx.engine.backends.rows import RowInput
+    from abstractruntime_mlx.engine.backends.single import SingleBackend
 
     rows = prompts(width, vocab)
     with mx.stream(stream):

@@ -1,4 +1,4 @@
-"""Prompt chunks' attention in plain ops (``engine/cuda_attention.py``, ``prefill_attention``)
+"""Prompt chunks' attention in plain ops (``engine/model/cuda_attention.py``, ``prefill_attention``)
 against upstream's path (cuDNN's fused kernel), on MLX's CUDA backend.
 
 Two measurements, in one process, on the thread that runs everything (cuDNN keeps its plans
@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 from decode_attention import routed_model
 
-from abstractruntime_mlx.engine import cuda_attention
+from abstractruntime_mlx.engine.model import cuda_attention
 
 CHUNKS = (
     (1, 64, 64),

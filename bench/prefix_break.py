@@ -32,9 +32,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from abstractruntime_mlx.engine.chat import prepare_conversation, render_prompt  # noqa: E402
-from abstractruntime_mlx.engine.prefix_break import attribute, find_break  # noqa: E402
-from abstractruntime_mlx.engine.prefix_cache import GUARD_TOKENS, _common_prefix  # noqa: E402
+from abstractruntime_mlx.engine.cache.prefix_break import attribute, find_break  # noqa: E402
+from abstractruntime_mlx.engine.cache.prefix_cache import GUARD_TOKENS, _common_prefix  # noqa: E402
+from abstractruntime_mlx.engine.model.chat import prepare_conversation, render_prompt  # noqa: E402
 from abstractruntime_mlx.testing import tiny_model  # noqa: E402
 
 TOOLS = [

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
     import mlx_lm
 
-    from abstractruntime_mlx.engine.fused_projections import fuse
+    from abstractruntime_mlx.engine.model.fused_projections import fuse
 
     root = Path(args.model_dir)
     path = _models.tiny(root / "tiny") if args.model == "tiny" else _models.shaped_model(root / args.model, args.model)

@@ -1,5 +1,5 @@
 """What stop strings cost per generated token on the engine worker: the automaton
-(``engine/stops.py``) against the list search it replaced, in one run over the same text.
+(``engine/core/stops.py``) against the list search it replaced, in one run over the same text.
 
     python bench/stop_strings.py                  # 1, 16 and 128 stops (the most allowed), and the old attack sizes
     python bench/stop_strings.py --tokens 4000
@@ -22,8 +22,8 @@ import string
 import time
 
 from abstractruntime_mlx.controls import MAX_STOP_BYTES, MAX_STOP_STRINGS
-from abstractruntime_mlx.engine import stops as stops_module
-from abstractruntime_mlx.engine.stops import StopMatcher
+from abstractruntime_mlx.engine.core import stops as stops_module
+from abstractruntime_mlx.engine.core.stops import StopMatcher
 
 
 class ListMatcher:

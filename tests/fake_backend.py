@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, cast
 
-from abstractruntime_mlx.engine.backend import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent
-from abstractruntime_mlx.engine.loop import Engine, EngineConfig
-from abstractruntime_mlx.engine.model import Lane, LoadedModel
-from abstractruntime_mlx.engine.request import EngineRequest, LaneName
-from abstractruntime_mlx.engine.scheduler import NewGroup
+from abstractruntime_mlx.engine.backends.rows import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent
+from abstractruntime_mlx.engine.core.loop import Engine, EngineConfig
+from abstractruntime_mlx.engine.core.request import EngineRequest, LaneName
+from abstractruntime_mlx.engine.core.scheduler import NewGroup
+from abstractruntime_mlx.engine.model.model import LoadedModel, Upstream
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 EOS = len(LETTERS)  # no text; a row whose next token is EOS stops
@@ -60,6 +60,7 @@ class FakeBackend:
     def __init__(self, lanes: FakeLanes, kind: LaneName, max_batch_size: int) -> None:
         self.lanes = lanes
         self.kind = kind
+        self.reports_logprobs = False
         self.max_batch_size = max_batch_size
         self.rows: dict[int, FakeRow] = {}  # in insertion order
         self.uids: set[int] = set()  # held slots: rows until the engine forgets or removes them
@@ -205,7 +206,7 @@ class FakeModel:
     layers, so the single and text lanes take its rows), the end-of-sequence ids, a
     detokenizer per request and the check at the door."""
 
-    lane: Lane = Lane.NATIVE
+    lane: Upstream = Upstream.NATIVE
     model: Any = field(default_factory=lambda: SimpleNamespace(layers=()))
     eos_token_ids: frozenset[int] = frozenset({EOS})
     drafter: Any = None

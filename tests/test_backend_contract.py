@@ -1,4 +1,5 @@
-"""The private upstream fields ``engine/backend.py`` reads, pinned to the supported mlx-vlm range."""
+"""The private upstream fields the engine reads (``engine/backends/backend.py``, ``engine/model/upstream.py``,
+``engine/cache/upstream.py``), pinned to the supported mlx-lm / mlx-vlm ranges."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def test_batch_generator_fields():
 def test_row_counters_on_a_live_batch(dense_model):
     import mlx_vlm
 
-    from abstractruntime_mlx.engine.backend import BatchBackend, RowInput
+    from abstractruntime_mlx.engine.backends.backend import BatchBackend
+    from abstractruntime_mlx.engine.backends.rows import RowInput
 
     model, processor = mlx_vlm.load(dense_model)
     backend = BatchBackend(model, processor, max_batch_size=2, prefill_step_size=16)
@@ -74,7 +76,7 @@ def test_row_counters_on_a_live_batch(dense_model):
 
 
 def test_prefix_cache_upstream_surface():
-    """What ``engine/prefix_cache.py`` uses of mlx-vlm's APC (verified on 0.7.10)."""
+    """What ``engine/cache/prefix_cache.py`` and ``engine/cache/upstream.py`` use of mlx-vlm's APC (verified on 0.7.10)."""
     from mlx_vlm import apc
     from mlx_vlm.generate.ar import APC_PRIVATE_PROMPT_KEYS, BatchGenerator
 
@@ -169,7 +171,7 @@ def test_adopting_a_decoding_row():
 
 
 def test_mlx_lm_batch_cache_fields():
-    """What ``engine/text_loop.py`` reads and writes of mlx-lm's ``BatchKVCache``: built from a
+    """What ``engine/backends/text_loop.py`` reads and writes of mlx-lm's ``BatchKVCache``: built from a
     left padding, extended in place (right-justified), its rows and leading columns dropped by
     hand through its fields; a plain cache merged into one."""
     import mlx.core as mx
@@ -190,7 +192,7 @@ def test_mlx_lm_batch_cache_fields():
 
 
 def test_mlx_lm_prompt_batch_padding():
-    """What ``engine/prefill_shapes.py`` relies on: the prompt batch the generator keeps and
+    """What ``engine/model/prefill_shapes.py`` (through ``engine/model/upstream.py``) relies on: the prompt batch the generator keeps and
     copies with its own class, and the batch cache's right padding turned into left padding."""
     from mlx_lm.generate import PromptProcessingBatch
     from mlx_lm.models.cache import BatchKVCache
@@ -205,7 +207,7 @@ def test_mlx_lm_prompt_batch_padding():
 
 
 def test_mlx_lm_attention_surface():
-    """What ``engine/cuda_attention.py`` relies on: model modules call mlx-lm's shared attention
+    """What ``engine/model/cuda_attention.py`` relies on: model modules call mlx-lm's shared attention
     function by a module-level name, with the cache and mask as keywords, and a batch cache's
     decode mask hides exactly its rows' left padding."""
     import mlx.core as mx
@@ -229,3 +231,32 @@ def test_mlx_lm_attention_surface():
     assert cache.left_padding.tolist() == [2, 0, 1]
     assert mask.shape == (3, 1, 1, 5)
     assert mask.reshape(3, 5).tolist() == [[j >= p for j in range(5)] for p in (2, 0, 1)]
+
+
+def test_mlx_lm_tokenizer_wrapper_parts():
+    """What ``engine/model/upstream.py``'s ``tokenizer_parts`` reads of mlx-lm's ``TokenizerWrapper``."""
+    import inspect
+
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    source = inspect.getsource(TokenizerWrapper.__init__)
+    assert "self._tokenizer = tokenizer" in source and "self._detokenizer = " in source
+
+
+def test_mlx_vlm_attention_surface():
+    """What ``engine/cuda_attention.py`` routes in the batch lane: mlx-vlm's language models call
+    mlx-vlm's shared attention function by a module-level name, with mlx-lm's leading parameters."""
+    from mlx_vlm.models import base
+    from mlx_vlm.models.qwen3 import language
+
+    assert language.scaled_dot_product_attention is base.scaled_dot_product_attention
+    assert "scaled_dot_product_attention(" in inspect.getsource(language.Attention.__call__)
+    assert list(inspect.signature(base.scaled_dot_product_attention).parameters)[:7] == [
+        "queries",
+        "keys",
+        "values",
+        "cache",
+        "scale",
+        "mask",
+        "sinks",
+    ]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine import prefix_cache
-from abstractruntime_mlx.engine.cache_priority import BlockInfo, CachePriorities, eviction_order, validate_hints
+from abstractruntime_mlx.engine.cache import prefix_cache, upstream
+from abstractruntime_mlx.engine.cache.cache_priority import BlockInfo, CachePriorities, eviction_order, validate_hints
 
 # --- the policy on hand-built blocks ----------------------------------------------------------
 
@@ -108,7 +108,7 @@ def block_bytes() -> int:
 
 def make_manager(max_prompts: float, priorities: CachePriorities | None):
     budget = int(max_prompts * PROMPT_BLOCKS * block_bytes())
-    manager = prefix_cache.counted_manager_class()(
+    manager = upstream.counted_manager_class()(
         num_blocks=64,
         block_size=prefix_cache.BLOCK_SIZE,
         overrides={"memory_max_gb": budget / prefix_cache.GIB, "memory_reserve_gb": 0, "checkpoint_entries": 0},
@@ -125,7 +125,7 @@ def prompt(key: str) -> list[int]:
 def store(manager, priorities: CachePriorities | None, key: str) -> None:
     tokens = prompt(key)
     if priorities is not None:
-        priorities.own(key, prefix_cache.block_hashes(tokens, 0))
+        priorities.own(key, upstream.block_hashes(tokens, 0))
     keys, values = kv(len(tokens))
     manager.release(manager.store_kv_blocks(tokens, keys, values))
 

@@ -1,4 +1,4 @@
-"""The text lane's attention on CUDA (``engine/cuda_attention.py``). Fused decode: which calls it
+"""The text lane's attention on CUDA (``engine/model/cuda_attention.py``). Fused decode: which calls it
 takes, that a row's left padding as its start says what upstream's decode mask says, and on
 MLX's CUDA backend that the kernel returns what upstream's masked attention returns. Prompt
 chunks in plain ops: which calls they take, and that they compute what upstream computes."""
@@ -13,8 +13,8 @@ from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine import cuda_attention
-from abstractruntime_mlx.engine.cuda_attention import fits, fits_prefill, install, prefill_attention
+from abstractruntime_mlx.engine.model import cuda_attention
+from abstractruntime_mlx.engine.model.cuda_attention import fits, fits_prefill, install, prefill_attention
 
 cuda = pytest.mark.skipif(not cuda_attention.available(), reason="the kernel is CUDA source: MLX's CUDA backend only")
 
@@ -309,3 +309,41 @@ def test_prompt_chunks_route_to_plain_ops(dense_model, monkeypatch):
         cuda_attention.enable(decode=False, prefill=False)
     assert lengths and all(n > 1 for n in lengths)
     assert len(lengths) % len(model.layers) == 0  # whole forwards, every layer
+
+
+def test_a_keyed_rows_suffix_over_its_restored_prefix_routes_to_plain_ops(make_llm, dense_model, monkeypatch):
+    """The batch lane (mlx-vlm's model, keyed rows): with prompt chunks routed, a reused turn's
+    suffix runs ``prefill_attention`` over more keys than queries (its restored prefix), and
+    the conversation's tokens are those of upstream's attention. Off the CUDA backend the
+    routing is forced on (the plain ops are MLX's, so the CPU runs them); the fused decode
+    kernel, CUDA source, stays off."""
+    from test_prefix_cache import conversation
+
+    runs, shapes = [], []
+
+    def record(queries, keys, values, scale, mask):
+        shapes.append((queries.shape[2], keys.shape[2]))
+        return prefill_attention(queries, keys, values, scale, mask)
+
+    for routed in (False, True):
+        if routed:
+            monkeypatch.setattr(cuda_attention, "available", lambda: True)
+            monkeypatch.setattr(cuda_attention, "prefill_attention", record)
+        llm = make_llm(
+            dense_model,
+            mlx_batching=True,
+            mlx_single_lane=False,
+            speculation=False,
+            mlx_fused_decode_attention=False,
+            mlx_prefill_attention_ops=routed,
+        )
+        try:
+            results = conversation(llm, "session-1", turns=3, max_output_tokens=6)
+        finally:
+            llm.unload_model()
+            cuda_attention.enable(decode=False, prefill=False)
+        assert [r.metadata["execution"]["path"] for r in results] == ["batch"] * 3
+        assert results[-1].usage["cached_input_tokens"] > 0
+        runs.append([r.token_ids for r in results])
+    assert runs[0] == runs[1]
+    assert any(keys > queries > 1 for queries, keys in shapes)  # a suffix over its cached prefix

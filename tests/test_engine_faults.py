@@ -10,8 +10,8 @@ import uuid
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine.loop import Engine
-from abstractruntime_mlx.engine.request import EngineRequest, Sampling
+from abstractruntime_mlx.engine.core.loop import Engine
+from abstractruntime_mlx.engine.core.request import EngineRequest, Sampling
 from abstractruntime_mlx.provider import residency
 from fake_backend import FakeLanes
 
@@ -293,7 +293,7 @@ def test_a_load_blocks_only_its_own_model(dense_model, models_dir, policy_file, 
     from pathlib import Path
 
     from abstractruntime_mlx import create_llm
-    from abstractruntime_mlx.engine import model as model_module
+    from abstractruntime_mlx.engine.model import model as model_module
     from abstractruntime_mlx.testing import tiny_model
 
     other = str(tiny_model(models_dir / "dense-other", kind="dense", seed=1))

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine.backend import Adopts, HandsOff, PrefillsPartially, Speculates
-from abstractruntime_mlx.engine.loop import Engine, _as_engine_error
-from abstractruntime_mlx.engine.request import (
+from abstractruntime_mlx.engine.backends.rows import Adopts, HandsOff, PrefillsPartially, Speculates
+from abstractruntime_mlx.engine.core.loop import Engine, _as_engine_error
+from abstractruntime_mlx.engine.core.request import (
     EngineRequest,
     LaneName,
     PrefillObservation,
@@ -266,10 +266,10 @@ def test_stop_finishes_live_requests_as_closed():
 
 def test_capabilities_are_asked_not_stubbed():
     """Only the lanes that can hand off, adopt, speculate or prefill partially say they can."""
-    from abstractruntime_mlx.engine.backend import BatchBackend
-    from abstractruntime_mlx.engine.serial import InProcessBackend, SerialBackend
-    from abstractruntime_mlx.engine.single import SingleBackend
-    from abstractruntime_mlx.engine.text_loop import TextLoopBackend
+    from abstractruntime_mlx.engine.backends.backend import BatchBackend
+    from abstractruntime_mlx.engine.backends.serial import InProcessBackend, SerialBackend
+    from abstractruntime_mlx.engine.backends.single import SingleBackend
+    from abstractruntime_mlx.engine.backends.text_loop import TextLoopBackend
 
     members = {
         HandsOff: ("can_hand_off", "detach"),
@@ -286,3 +286,20 @@ def test_capabilities_are_asked_not_stubbed():
     assert able(BatchBackend) == {"adopts", "speculates", "partial"}
     assert able(TextLoopBackend) == {"adopts"}
     assert able(SerialBackend) == set() and able(InProcessBackend) == {"speculates"}
+
+
+def test_every_lane_says_whether_its_tokens_carry_logprobs():
+    """``reports_logprobs`` is a member of every backend, not an attribute the loop guesses at:
+    the text lane computes them; the single and serialized lanes do not (``BatchBackend``
+    decides per generator: not when it speculates)."""
+    from abstractruntime_mlx.engine.backends.serial import InProcessBackend, SerialBackend
+    from abstractruntime_mlx.engine.backends.single import SingleBackend
+    from abstractruntime_mlx.engine.backends.text_loop import TextLoopBackend
+
+    lanes = (SingleBackend, SerialBackend, InProcessBackend, TextLoopBackend)
+    assert {cls.__name__: cls.reports_logprobs for cls in lanes} == {
+        "SingleBackend": False,
+        "SerialBackend": False,
+        "InProcessBackend": False,
+        "TextLoopBackend": True,
+    }

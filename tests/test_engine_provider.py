@@ -404,7 +404,7 @@ def test_vision_images_change_output(make_llm, vision_model, tmp_path):
 
 @pytest.mark.parametrize("lane", ["single", "batch", "text"])
 def test_upstream_failure_fails_the_group_not_the_engine(make_llm, dense_model, monkeypatch, lane):
-    from abstractruntime_mlx.engine import backend, single, text_loop
+    from abstractruntime_mlx.engine.backends import backend, single, text_loop
 
     llm = make_llm(dense_model, mlx_batching=True, mlx_single_lane=lane == "single", mlx_text_lane=lane == "text")
     cls = {"single": single.SingleBackend, "batch": backend.BatchBackend, "text": text_loop.TextLoopBackend}[lane]

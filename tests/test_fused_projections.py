@@ -1,5 +1,5 @@
 """Fused projections: the text lane's model computes q/k/v in one matmul and gate/up in another
-(``engine/fused_projections.py``), with the tokens of upstream's separate projections, its
+(``engine/model/fused_projections.py``), with the tokens of upstream's separate projections, its
 weights held once, and no activation kept past its layer."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine.fused_projections import _Part, fuse, fuse_text_model, share_views
-from abstractruntime_mlx.engine.text_model import language_model
+from abstractruntime_mlx.engine.model.fused_projections import _Part, fuse, fuse_text_model, share_views
+from abstractruntime_mlx.engine.model.text_model import language_model
 from test_call_harness import together
 
 PROMPTS = [[5 + (i * 7 + j * 13) % 200 for j in range(9 + 3 * i)] for i in range(3)]

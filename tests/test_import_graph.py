@@ -82,7 +82,7 @@ def test_no_import_cycles() -> None:
 
 def test_the_checker_sees_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert "abstractruntime_mlx.engine.stream" in module_graph()["abstractruntime_mlx.engine.loop"]
+    assert "abstractruntime_mlx.engine.core.stream" in module_graph()["abstractruntime_mlx.engine.core.loop"]
 
 
 def absolute_imports(path: Path) -> set[str]:
@@ -117,3 +117,198 @@ def test_the_host_check_sees_the_sub_packages() -> None:
         files["abstractruntime_mlx.runtime_plugin.hosting.host"]
     )
     assert "abstractruntime" in absolute_imports(files["abstractruntime_mlx.runtime_plugin.adapter.stores"])
+
+
+# --- the engine's public face ----------------------------------------------------------------
+
+ENGINE = "abstractruntime_mlx.engine"
+FACE = f"{ENGINE}.api"
+
+
+def reaches_past_the_face(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, engine module) for every import from outside ``engine/`` of an engine module
+    other than the face."""
+    return sorted(
+        (name, target)
+        for name, targets in graph.items()
+        if name != ENGINE and not name.startswith(ENGINE + ".")
+        for target in targets
+        if target.startswith(ENGINE + ".") and target != FACE
+    )
+
+
+def test_outside_engine_imports_only_the_face() -> None:
+    assert reaches_past_the_face(module_graph()) == []
+
+
+def test_the_face_check_sees_a_deep_import() -> None:
+    graph = {
+        "abstractruntime_mlx.provider.x": {f"{ENGINE}.core.loop", FACE},
+        f"{ENGINE}.core.loop": {f"{ENGINE}.backends.backend"},
+    }
+    assert reaches_past_the_face(graph) == [("abstractruntime_mlx.provider.x", f"{ENGINE}.core.loop")]
+    assert FACE in module_graph()["abstractruntime_mlx.provider.mlx_provider"]
+
+
+# --- upstream private names: one module per engine folder ------------------------------------
+
+UPSTREAM_PACKAGES = ("mlx", "mlx_lm", "mlx_vlm")
+# The one module of each folder that may touch upstream's private names; core/ touches none.
+UPSTREAM_MODULES = {
+    "backends": f"{ENGINE}.backends.backend",
+    "model": f"{ENGINE}.model.upstream",
+    "cache": f"{ENGINE}.cache.upstream",
+}
+# Private upstream attributes whose names the package also uses for fields of its own
+# (``LoadedModel._detokenizer``): touched on anything but ``self``, they are upstream's.
+SHARED_PRIVATE_NAMES = frozenset({"_detokenizer", "_tokenizer"})
+# Packages whose private attribute reads are another library's, not upstream's.
+NOT_UPSTREAM = {"abstractruntime_mlx.cli": "argparse's sub-parsers and actions"}
+
+
+def _upstream_bindings(tree: ast.AST) -> set[str]:
+    """Names a module binds from upstream imports (at any depth)."""
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] in UPSTREAM_PACKAGES:
+                bound.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            bound.update(
+                (a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in UPSTREAM_PACKAGES
+            )
+    return bound
+
+
+def _upstream_subclasses(tree: ast.AST) -> list[ast.ClassDef]:
+    bound = _upstream_bindings(tree)
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and any(isinstance(b, (ast.Name, ast.Attribute)) and ast.unparse(b).split(".")[0] in bound for b in node.bases)
+    ]
+
+
+def own_private_names(trees: list[ast.AST]) -> set[str]:
+    """Private names the package defines itself: functions, classes, fields (assigned on
+    ``self``), globals and parameters, outside classes that extend an upstream class (whose
+    overrides are upstream's)."""
+    names: set[str] = set()
+    for tree in trees:
+        inside_upstream = {id(n) for cls in _upstream_subclasses(tree) for n in ast.walk(cls) if n is not cls}
+        for node in ast.walk(tree):
+            if id(node) in inside_upstream:
+                continue
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    names.add(node.attr)  # a field of one of ours (``other._x = ...`` may be upstream's)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+    return {n for n in names if n.startswith("_")}
+
+
+def upstream_private_uses(tree: ast.AST, own: set[str]) -> list[str]:
+    """What one module touches of upstream's private names, by line: a private name imported
+    from an upstream package, a class extending an upstream class, an attribute ``x._name``
+    that the package does not define (or that upstream shares with it, unless on ``self``)."""
+    found: list[tuple[int, str]] = [
+        (node.lineno, f"import {node.module}.{a.name}")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+        if node.module.split(".")[0] in UPSTREAM_PACKAGES
+        for a in node.names
+        if a.name.startswith("_") or any(part.startswith("_") for part in node.module.split("."))
+    ]
+    subclasses = _upstream_subclasses(tree)
+    found += [(cls.lineno, f"class {cls.name} extends upstream") for cls in subclasses]
+    inside_upstream = {id(n) for cls in subclasses for n in ast.walk(cls)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        on_self = (
+            isinstance(node.value, ast.Name) and node.value.id in ("self", "cls") and id(node) not in inside_upstream
+        )
+        if node.attr in SHARED_PRIVATE_NAMES and not on_self or node.attr not in own and not on_self:
+            found.append((node.lineno, ast.unparse(node)))
+    return [f"{line}: {what}" for line, what in sorted(found)]
+
+
+def misplaced_upstream_uses() -> dict[str, list[str]]:
+    files = module_files()
+    trees = {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in files.items()}
+    own = own_private_names(list(trees.values()))
+    misplaced: dict[str, list[str]] = {}
+    for name, tree in trees.items():
+        if any(name == p or name.startswith(p + ".") for p in NOT_UPSTREAM):
+            continue
+        folder = name.split(".")[2] if name.startswith(ENGINE + ".") and name.count(".") >= 3 else None
+        if folder is not None and UPSTREAM_MODULES.get(folder) == name:
+            continue
+        uses = upstream_private_uses(tree, own)
+        if uses:
+            misplaced[name] = uses
+    return misplaced
+
+
+def test_upstream_private_names_are_touched_in_one_module_per_folder() -> None:
+    assert misplaced_upstream_uses() == {}
+
+
+def test_the_upstream_check_sees_each_kind_of_use() -> None:
+    tree = ast.parse(
+        "from mlx_vlm.apc import APCManager, _free_ram_bytes\n"
+        "class Counted(APCManager):\n"
+        "    def _make_room(self): return self._free_head\n"
+        "def cut(cache): cache._idx -= 1\n"
+        "def ours(engine): return engine._worker\n"
+    )
+    uses = upstream_private_uses(tree, own={"_worker"})
+    assert uses == [
+        "1: import mlx_vlm.apc._free_ram_bytes",
+        "2: class Counted extends upstream",
+        "3: self._free_head",
+        "4: cache._idx",
+    ]
+    # An override's name is upstream's, so it is not taken for one of the package's own names.
+    assert "_make_room" not in own_private_names([tree]) and "_worker" not in own_private_names([tree])
+    files = module_files()
+    for module in UPSTREAM_MODULES.values():
+        assert upstream_private_uses(ast.parse(files[module].read_text(encoding="utf-8")), set()), module
+
+
+def test_each_upstream_module_names_the_pinned_versions() -> None:
+    """The versions each upstream module was checked against are the ones pyproject.toml pins."""
+    pyproject = (ROOT.parents[1] / "pyproject.toml").read_text(encoding="utf-8")
+    files = module_files()
+    for package, module in (
+        ("mlx-vlm", UPSTREAM_MODULES["backends"]),
+        ("mlx-lm", UPSTREAM_MODULES["backends"]),
+        ("mlx-lm", UPSTREAM_MODULES["model"]),
+        ("mlx-vlm", UPSTREAM_MODULES["cache"]),
+    ):
+        pin = next(line for line in pyproject.splitlines() if line.strip().startswith(f'"{package}>='))
+        spec = pin.strip().strip('",')[len(package) :]
+        assert "<" in spec, f"{package} has no upper bound in pyproject.toml"
+        docstring = ast.get_docstring(ast.parse(files[module].read_text(encoding="utf-8"))) or ""
+        assert spec in docstring.replace(" ", "").replace("``", ""), (module, package, spec)
+
+
+def test_the_backend_protocol_and_request_import_no_mlx() -> None:
+    """A backend can be faked, and a request built, without loading MLX."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "import abstractruntime_mlx.engine.backends.rows, abstractruntime_mlx.engine.core.request\n"
+        "print(sorted(m for m in ('mlx', 'mlx.core', 'mlx_lm', 'mlx_vlm') if m in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "[]"

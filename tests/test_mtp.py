@@ -11,9 +11,9 @@ import pytest
 
 from abstractruntime_mlx import artifacts, errors, get_execution_capabilities
 from abstractruntime_mlx.controls import Sampling
-from abstractruntime_mlx.engine import model as model_module
-from abstractruntime_mlx.engine.request import EngineRequest, ExecutionMode
-from abstractruntime_mlx.engine.scheduler import group_key, take_compatible, target_only_key, under_load
+from abstractruntime_mlx.engine.core.request import EngineRequest, ExecutionMode
+from abstractruntime_mlx.engine.core.scheduler import group_key, take_compatible, target_only_key, under_load
+from abstractruntime_mlx.engine.model import model as model_module
 from abstractruntime_mlx.testing import companion_head_path, tiny_model
 from test_call_harness import together
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine.prefill_shapes import Buckets, length_buckets, width_buckets
+from abstractruntime_mlx.engine.model.prefill_shapes import Buckets, length_buckets, width_buckets
 from test_call_harness import together
 
 # Word counts chosen so that the batch's longest prompt is no bucket's length.

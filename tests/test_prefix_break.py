@@ -10,8 +10,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from abstractruntime_mlx.cli.main import main
-from abstractruntime_mlx.engine.chat import prepare_conversation, render_prompt
-from abstractruntime_mlx.engine.prefix_break import PrefixBreak, attribute
+from abstractruntime_mlx.engine.cache.prefix_break import PrefixBreak, attribute
+from abstractruntime_mlx.engine.model.chat import prepare_conversation, render_prompt
 from abstractruntime_mlx.ledger import Ledger
 from abstractruntime_mlx.runtime_plugin import node_outcomes
 from abstractruntime_mlx.server.inspector import create_inspector_app

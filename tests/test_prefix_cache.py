@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine import prefix_cache
+from abstractruntime_mlx.engine.cache import prefix_cache
 
 SYSTEM = "You are a careful assistant who answers briefly. " * 12
 
@@ -428,3 +428,32 @@ def test_a_lone_keyed_request_restores_and_stores_on_the_single_lane(make_llm, d
     # with the SSD tier (whose restore the batch lane does) a keyed request takes the batch
     disk = make_llm(dense_model, mlx_batching=True, mlx_cache_disk_path=str(tmp_path / "ssd"))
     assert str(conversation(disk, "alone", turns=1)[0].metadata["execution"]["path"]) != "single"
+
+
+def test_a_lone_keyed_request_runs_the_text_lanes_model(make_llm, dense_model, monkeypatch):
+    """On the single lane a keyed row's forward is the text lane's model (fused, and routed on
+    CUDA), on a cache of mlx-vlm's classes (those the batch lane merges): the tokens are the
+    batch lane's, and the restored turns ran through that model."""
+    from mlx_vlm.models.cache import KVCache
+
+    from abstractruntime_mlx.engine.backends.single import SingleBackend
+
+    llm = make_llm(dense_model, mlx_batching=True)
+    text_lm = llm._engine._lanes.text_language_model()
+    caches: list[type] = []
+    insert = SingleBackend.insert
+
+    def recorded(self, row):
+        uid = insert(self, row)
+        assert self._lm is text_lm
+        caches.append(type(self._cache[0]))
+        return uid
+
+    monkeypatch.setattr(SingleBackend, "insert", recorded)
+    keyed = conversation(llm, "text-model", turns=3)
+    assert [str(r.metadata["execution"]["path"]) for r in keyed] == ["single"] * 3
+    assert_reused(keyed, "text-model")
+    assert caches == [KVCache] * 3
+    llm.unload_model(llm.model)
+    batch = make_llm(dense_model, mlx_batching=True, mlx_single_lane=False)
+    assert [r.token_ids for r in conversation(batch, "text-model", turns=3)] == [r.token_ids for r in keyed]

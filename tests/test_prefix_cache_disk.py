@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine import disk_store, prefix_cache
+from abstractruntime_mlx.engine.cache import prefix_cache, upstream
 
 SYSTEM = "You are a careful assistant who answers briefly. " * 12
 TURN_1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Question 0: what does a cache keep?"}]
@@ -183,7 +183,7 @@ def leading_shard(namespace):
     from mlx_vlm.apc import _read_safetensors_metadata
 
     shards = [p for p in namespace.glob("shard_*.safetensors") if _read_safetensors_metadata(p)["segment_index"] == "0"]
-    assert len(shards) == 1 and disk_store.sidecar_of(shards[0]).is_file()
+    assert len(shards) == 1 and upstream.sidecar_of(shards[0]).is_file()
     return shards[0]
 
 
@@ -194,7 +194,7 @@ def test_bytes_changed_in_place_are_a_counted_miss(request, make_llm, model_name
     disk = tmp_path / "cache"
     first, plain, namespace = cache_on_disk(make_llm, model, disk)
     files = sorted(p for p in namespace.glob("*.safetensors"))  # KV block shards (dense), checkpoints (hybrid)
-    assert files and all(disk_store.sidecar_of(p).is_file() for p in files)
+    assert files and all(upstream.sidecar_of(p).is_file() for p in files)
     for path in files:  # 4 KB flipped in place inside the tensor data: same size, same name
         size = path.stat().st_size
         header_end = 8 + int.from_bytes(path.read_bytes()[:8], "little")
@@ -208,7 +208,7 @@ def test_bytes_changed_in_place_are_a_counted_miss(request, make_llm, model_name
         assert path.stat().st_size == size
 
     llm = make_llm(model, mlx_batching=True, speculation=False, mlx_cache_disk_path=str(disk))  # a restart
-    with caplog.at_level(logging.WARNING, logger=disk_store.__name__):
+    with caplog.at_level(logging.WARNING, logger=upstream.__name__):
         later = llm.generate(
             "", messages=turn_2(first.content), prompt_cache_key="disk", max_output_tokens=8, thinking=False
         )
@@ -224,7 +224,7 @@ def test_bytes_changed_in_place_are_a_counted_miss(request, make_llm, model_name
     assert stats["counters"]["disk_corrupt"] == len(files) and stats["disk"]["corrupt_files"] == len(files)
     # each discarded with its checksum, and said once
     for path in files:
-        assert not path.exists() and not disk_store.sidecar_of(path).exists()
+        assert not path.exists() and not upstream.sidecar_of(path).exists()
         warnings = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
         assert len(warnings) == 1 and "does not match its checksum" in warnings[0]
 
@@ -265,14 +265,16 @@ def test_the_upstream_methods_the_ssd_tier_overrides_are_still_there(tmp_path):
     """mlx-vlm is pinned below 0.8; a release that renames or reshapes one of these fails here, loudly."""
     from mlx_vlm.apc import DiskBlockStore
 
-    for name, parameters in disk_store.UPSTREAM_HOOKS.items():
-        assert hasattr(DiskBlockStore, name), f"mlx-vlm's DiskBlockStore no longer has {name}; see engine/disk_store.py"
+    for name, parameters in upstream.UPSTREAM_HOOKS.items():
+        assert hasattr(DiskBlockStore, name), (
+            f"mlx-vlm's DiskBlockStore no longer has {name}; see engine/cache/upstream.py"
+        )
         found = tuple(inspect.signature(getattr(DiskBlockStore, name)).parameters)
-        assert found == parameters, f"DiskBlockStore.{name}{found} changed; engine/disk_store.py overrides it"
-    store = disk_store.VerifiedDiskStore(tmp_path, namespace="hooks")
+        assert found == parameters, f"DiskBlockStore.{name}{found} changed; engine/cache/upstream.py overrides it"
+    store = upstream.VerifiedDiskStore(tmp_path, namespace="hooks")
     try:
-        for name in disk_store.UPSTREAM_STATE:
-            assert hasattr(store, name), f"DiskBlockStore no longer has {name}; engine/disk_store.py reads it"
+        for name in upstream.UPSTREAM_STATE:
+            assert hasattr(store, name), f"DiskBlockStore no longer has {name}; engine/cache/upstream.py reads it"
     finally:
         store.close()
 
@@ -299,7 +301,7 @@ def test_a_checksum_that_is_not_a_private_regular_file_is_a_counted_miss(make_ll
     disk = tmp_path / "cache"
     first, plain, namespace = cache_on_disk(make_llm, dense_model, disk)
     shard = leading_shard(namespace)
-    sidecar = disk_store.sidecar_of(shard)
+    sidecar = upstream.sidecar_of(shard)
     other = tmp_path / "elsewhere.sha256"
     recorded = sidecar.read_bytes()
     other.write_bytes(recorded)  # the right checksum: only what the name is makes it unusable

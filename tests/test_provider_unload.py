@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from abstractruntime_mlx import create_llm
-from abstractruntime_mlx.engine.prefix_cache import PrefixCache
+from abstractruntime_mlx.engine.cache.prefix_cache import PrefixCache
 from abstractruntime_mlx.errors import OwnerBusy, PromptCacheFlushFailed
 from abstractruntime_mlx.provider import residency
 from abstractruntime_mlx.provider.residency import UNLOAD_SETTLE_S

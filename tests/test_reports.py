@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from abstractruntime_mlx.engine.reports import (
+from abstractruntime_mlx.engine.core.reports import (
     ApcReport,
     PromptCacheReport,
     SpeculationCounters,
@@ -13,7 +13,7 @@ from abstractruntime_mlx.engine.reports import (
     speculation_report,
     unreached_cache_report,
 )
-from abstractruntime_mlx.engine.request import (
+from abstractruntime_mlx.engine.core.request import (
     DecodePath,
     EngineRequest,
     ExclusiveReason,

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import pytest
 
-from abstractruntime_mlx.engine.request import Sampling
-from abstractruntime_mlx.engine.sampling import RowStream, make_sampler, sample_rows
+from abstractruntime_mlx.engine.backends.sampling import RowStream, make_sampler, sample_rows
+from abstractruntime_mlx.engine.core.request import Sampling
 
 PROMPTS = [
     "Explain TTL caches.",

@@ -6,9 +6,9 @@ from collections import deque
 
 import pytest
 
-from abstractruntime_mlx.engine.request import EngineRequest, ExecutionMode, RequestStatus, Sampling
-from abstractruntime_mlx.engine.scheduler import group_key, take_compatible
-from abstractruntime_mlx.engine.stops import StopMatcher
+from abstractruntime_mlx.engine.core.request import EngineRequest, ExecutionMode, RequestStatus, Sampling
+from abstractruntime_mlx.engine.core.scheduler import group_key, take_compatible
+from abstractruntime_mlx.engine.core.stops import StopMatcher
 
 
 def req(name, *, temperature=0.0, draft=0, cache=None, penalty=None, strict=False):

@@ -6,8 +6,8 @@ measured.
 
 from __future__ import annotations
 
-from abstractruntime_mlx.engine.config import EngineConfig
-from abstractruntime_mlx.engine.request import (
+from abstractruntime_mlx.engine.core.config import EngineConfig
+from abstractruntime_mlx.engine.core.request import (
     EngineRequest,
     ExclusiveReason,
     ExecutionMode,
@@ -15,7 +15,7 @@ from abstractruntime_mlx.engine.request import (
     RequestStatus,
     Sampling,
 )
-from abstractruntime_mlx.engine.scheduler import (
+from abstractruntime_mlx.engine.core.scheduler import (
     MIN_SHARED_PREFIX,
     Admission,
     GroupState,

@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 
 import abstractruntime_mlx
 from abstractruntime_mlx import capabilities, errors, server
-from abstractruntime_mlx.engine.request import EngineRequest, NativePrefillProgress, PrefillObservation, TokenDelta
+from abstractruntime_mlx.engine.core.request import EngineRequest, NativePrefillProgress, PrefillObservation, TokenDelta
 from abstractruntime_mlx.testing import companion_head_path, tiny_model
 from test_server_harness import FakeProvider
 
@@ -86,7 +86,7 @@ def test_non_batched_provider_runs_mtp_on_mlx_vlms_in_process_lane(make_llm, hyb
     reference = target_only.generate(PROMPT, thinking=False, max_output_tokens=16).token_ids
 
     llm = make_llm(hybrid_model)  # nothing set: the verified default is optional MTP
-    assert llm._engine.loaded.lane == "mlx_vlm" and llm.speculation_ready()
+    assert llm._engine.loaded.upstream == "mlx_vlm" and llm.speculation_ready()
     optional = llm.generate(PROMPT, thinking=False, max_output_tokens=16)
     spec = optional.metadata["speculation"]
     assert spec["used"] is True and spec["runtime"] == "mlx_vlm" and spec["drafted_tokens"] > 0
@@ -100,7 +100,7 @@ def test_non_batched_provider_runs_mtp_on_mlx_vlms_in_process_lane(make_llm, hyb
 
 def test_non_batched_provider_loaded_without_mtp_names_the_load_time_choice(make_llm, hybrid_model):
     llm = make_llm(hybrid_model, speculation=False)
-    assert llm._engine.loaded.lane == "mlx_lm"
+    assert llm._engine.loaded.upstream == "mlx_lm"
     optional = llm.generate("hi", max_output_tokens=2, speculation=OPTIONAL)
     assert optional.metadata["speculation"]["used"] is False
     assert optional.metadata["speculation"]["reason"] == "speculation_is_load_time"

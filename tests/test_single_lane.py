@@ -13,12 +13,18 @@ import mlx.core as mx
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine.backend import BatchBackend
-from abstractruntime_mlx.engine.loop import Engine, EngineConfig, _as_engine_error
-from abstractruntime_mlx.engine.model import Lane, load_model
-from abstractruntime_mlx.engine.request import EngineRequest, PrefillObservation, Sampling, TokenDelta, execution_report
-from abstractruntime_mlx.engine.single import SingleBackend
-from abstractruntime_mlx.engine.text_loop import TextLoopBackend
+from abstractruntime_mlx.engine.backends.backend import BatchBackend
+from abstractruntime_mlx.engine.backends.single import SingleBackend
+from abstractruntime_mlx.engine.backends.text_loop import TextLoopBackend
+from abstractruntime_mlx.engine.core.loop import Engine, EngineConfig, _as_engine_error
+from abstractruntime_mlx.engine.core.request import (
+    EngineRequest,
+    PrefillObservation,
+    Sampling,
+    TokenDelta,
+    execution_report,
+)
+from abstractruntime_mlx.engine.model.model import Upstream, load_model
 
 # A batch of text rows runs in the text lane unless mlx_text_lane is off.
 BATCH_PATHS = ("batch", "text_batch")
@@ -31,7 +37,7 @@ class Stepper:
     """An engine whose worker steps are taken here, one ``step()`` at a time."""
 
     def __init__(self, path: str, **config: object) -> None:
-        self.engine = Engine(lambda: load_model(Path(path), lane=Lane.NATIVE), EngineConfig(**config))  # type: ignore[arg-type]
+        self.engine = Engine(lambda: load_model(Path(path), upstream=Upstream.NATIVE), EngineConfig(**config))  # type: ignore[arg-type]
         self.engine.loaded = self.engine._load()
         self.engine._stream = mx.default_stream(mx.default_device())
         self.engine._make_lanes()

@@ -1,4 +1,4 @@
-"""Stop strings: one automaton matches them (``engine/stops.py``) with the old matcher's results,
+"""Stop strings: one automaton matches them (``engine/core/stops.py``) with the old matcher's results,
 and the list is bounded (``controls.MAX_STOP_STRINGS`` / ``MAX_STOP_BYTES``): a typed
 ``StopTooLarge`` in-process, a 400 ``stop_too_large`` at a real server, rebuilt by the remote client.
 What ended an answer (the stop string that matched, or the end-of-sequence token) is reported by
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from abstractruntime_mlx.controls import MAX_STOP_BYTES, MAX_STOP_STRINGS, normalize_stop
-from abstractruntime_mlx.engine.stops import StopMatcher
+from abstractruntime_mlx.engine.core.stops import StopMatcher
 from abstractruntime_mlx.errors import InvalidControls, StopTooLarge
 from abstractruntime_mlx.remote_client import RemoteClient
 from abstractruntime_mlx.request import GenerationRequest

@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 
 from abstractruntime_mlx import structured
-from abstractruntime_mlx.engine.grammar import GrammarCompiler
+from abstractruntime_mlx.engine.model.grammar import GrammarCompiler
 from abstractruntime_mlx.errors import StructuredOutputInvalid
 from abstractruntime_mlx.remote_client import AsyncRemoteClient, RemoteClient
 from abstractruntime_mlx.server import create_app

@@ -1,4 +1,4 @@
-"""The text lane's own loop (``engine/text_loop.py``): long prompts prefill a chunk a step
+"""The text lane's own loop (``engine/backends/text_loop.py``): long prompts prefill a chunk a step
 between decode steps, rows join and leave with the padding tracked on the host, cancels at
 every stage. What it shares with mlx-vlm's loop is in ``test_text_lane.py``."""
 
@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine.request import EngineRequest
-from abstractruntime_mlx.engine.text_loop import TextLoopBackend
+from abstractruntime_mlx.engine.backends.text_loop import TextLoopBackend
+from abstractruntime_mlx.engine.core.request import EngineRequest
 from test_single_lane import PROMPTS, Stepper
 
 LONG = " ".join(PROMPTS * 6)  # ~190 tokens: 24 chunks of 8
@@ -164,7 +164,7 @@ def test_a_removed_loop_option_is_refused_saying_what_replaced_it(make_llm, dens
 
 @pytest.mark.parametrize("field", ["own_text_loop", "admission_wave_steps"])
 def test_the_engine_config_refuses_the_removed_fields(field):
-    from abstractruntime_mlx.engine.config import EngineConfig
+    from abstractruntime_mlx.engine.core.config import EngineConfig
 
     with pytest.raises(errors.OptionRemoved) as info:
         EngineConfig(**{field: 0})
@@ -189,7 +189,7 @@ def test_finished_rows_idle_until_half_the_batch_has_finished(make):
 def test_finished_rows_drop_at_once_unless_the_host_bounds_the_step(make):
     """The default: rows idle only on MLX's CUDA backend; here (CPU) each step drops its
     finished rows, since an idle row's compute is paid by every step."""
-    from abstractruntime_mlx.engine import cuda_attention
+    from abstractruntime_mlx.engine.model import cuda_attention
 
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], "Hi"]
     limits = [3, 6, 14, 14]

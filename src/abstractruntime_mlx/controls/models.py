@@ -277,7 +277,7 @@ MAX_SEED = 2**64 - 1  # MLX random keys are unsigned 64-bit
 # Far past any context window; the loaded model's context is the real bound (context_too_long).
 MAX_OUTPUT_TOKENS = 1_048_576
 # Stop strings per request and their total UTF-8 size: the list is compiled into one automaton
-# per request (engine/stops.py), built on the engine worker.
+# per request (engine/core/stops.py), built on the engine worker.
 MAX_STOP_STRINGS = 128
 MAX_STOP_BYTES = 4 * 1024
 

@@ -18,18 +18,33 @@ from typing import Any, Literal, overload
 
 from ..artifacts import DOWNLOAD_COMMAND, companion_candidates, detect_mtp, looks_like_path, resolve_model_path
 from ..controls import ControlLevel, ResolvedControls, Sampling, resolve_controls
-from ..engine.cache_priority import validate_hints, validate_pin
-from ..engine.chat import prepare_conversation, render_prompt
-from ..engine.config import REMOVED, EngineConfig
-from ..engine.loop import Engine
-from ..engine.model import HEAD_LANES, Lane, LoadedModel
-from ..engine.prefix_break import attribute
-from ..engine.prefix_cache import PrefixCache, image_hash
-from ..engine.prefix_cache import validate_options as validate_cache_options
-from ..engine.reports import SpeculationPlan, speculation_report, unreached_cache_report
-from ..engine.request import EngineRequest, FinishReason, ImagePrompt, Outcome, PrefillObservation, TokenDelta
-from ..engine.sampling import SampledLogprob
-from ..engine.stream import RequestStream
+from ..engine.api import (
+    HEAD_UPSTREAMS,
+    REMOVED,
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    FinishReason,
+    ImagePrompt,
+    LoadedModel,
+    Outcome,
+    PrefillObservation,
+    PrefixCache,
+    RequestStream,
+    SampledLogprob,
+    SpeculationPlan,
+    TokenDelta,
+    Upstream,
+    attribute,
+    image_hash,
+    prepare_conversation,
+    render_prompt,
+    speculation_report,
+    unreached_cache_report,
+    validate_cache_options,
+    validate_hints,
+    validate_pin,
+)
 from ..errors import (
     ContextTooLong,
     InvalidControls,
@@ -55,7 +70,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_OUTPUT_TOKENS = 1024
 
 # The engine's options: provider option -> ``EngineConfig`` field. Their defaults are the
-# engine's (``engine/config.py``, the one home of both).
+# engine's (``engine/core/config.py``, the one home of both).
 ENGINE_OPTIONS: dict[str, str] = {
     "mlx_max_batch_size": "max_batch_size",
     "mlx_max_queue_size": "max_queue_size",
@@ -154,8 +169,8 @@ class MLXProvider:
         load_head = default.enabled and head_source is not None
         # Non-batched: mlx-vlm's in-process lane when the default runs MTP (the head is loaded
         # with the target), else mlx-lm's; the lane is a load-time choice (docs/provider.md).
-        lane = Lane.NATIVE if batching else (Lane.MLX_VLM if load_head else Lane.MLX_LM)
-        head_lane = lane in HEAD_LANES
+        upstream = Upstream.NATIVE if batching else (Upstream.MLX_VLM if load_head else Upstream.MLX_LM)
+        head_lane = upstream in HEAD_UPSTREAMS
         config = EngineConfig(
             **{field: self.execution_options[option] for option, field in ENGINE_OPTIONS.items()},
             # The serialized lanes chunk by 2,048 (mlx-lm's default) unless the caller chose a step.
@@ -169,7 +184,7 @@ class MLXProvider:
         self._resident: residency.Resident | None = residency.acquire(
             self.path,
             head=head_source if head_lane else None,
-            lane=lane,
+            upstream=upstream,
             head_source=head_source if head_lane else None,
             load_head=load_head,
             options=dict(self.execution_options),
@@ -240,7 +255,7 @@ class MLXProvider:
         return (
             loaded is not None
             and loaded.drafter is None
-            and loaded.lane == Lane.NATIVE
+            and loaded.upstream == Upstream.NATIVE
             and loaded.head_source is not None
             and loaded.drafter_error is None
         )
@@ -524,7 +539,7 @@ class MLXProvider:
         )
         reason, message = None, None
         attach_s: float | None = None
-        if loaded.lane not in HEAD_LANES:
+        if loaded.upstream not in HEAD_UPSTREAMS:
             reason, message = self._mlx_lm_lane_reason(loaded)
         elif loaded.drafter is None and loaded.head_source is None:
             reason, message = "no_mtp_drafter_for_model", self._no_head_message()
@@ -885,7 +900,7 @@ def _load_images(media: tuple[Any, ...], loaded: LoadedModel) -> list[Any]:
     if not loaded.supports_images:
         raise InvalidMedia(
             "this model takes no images: it has no vision tower"
-            if loaded.lane == Lane.NATIVE
+            if loaded.upstream == Upstream.NATIVE
             else "images need the mlx_batching=True lane (mlx-vlm)"
         )
     from PIL import Image, UnidentifiedImageError

@@ -12,10 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.config import EngineConfig
-from ..engine.loop import Engine
-from ..engine.model import Lane, load_model
-from ..engine.prefix_cache import CacheOptions
+from ..engine.api import CacheOptions, Engine, EngineConfig, Upstream, load_model
 from ..errors import OwnerBusy, ResidencyConflict
 
 ResidentKey = tuple[str, str | None, str]
@@ -39,7 +36,7 @@ def acquire(
     path: Path,
     *,
     head: Path | None,
-    lane: Lane,
+    upstream: Upstream,
     head_source: Path | None,
     load_head: bool,
     options: dict[str, Any],
@@ -55,12 +52,14 @@ def acquire(
     ``load_head``, else attached on first use. Whether the head was loaded up front is not
     part of the residency: providers with different speculation defaults share one engine.
     """
-    key = (str(path.resolve()), str(head.resolve()) if head else None, lane)
+    key = (str(path.resolve()), str(head.resolve()) if head else None, upstream)
     while True:
         with _LOCK:
             resident = _RESIDENTS.get(key)
             if resident is None or (resident.loaded.is_set() and not resident.engine.alive):
-                resident = _new_resident(key, path, lane, head_source, load_head, options, config, lease, cache_options)
+                resident = _new_resident(
+                    key, path, upstream, head_source, load_head, options, config, lease, cache_options
+                )
                 _RESIDENTS[key] = resident
                 break
             _check_options(resident, path, options)
@@ -87,7 +86,7 @@ def acquire(
 def _new_resident(
     key: ResidentKey,
     path: Path,
-    lane: Lane,
+    upstream: Upstream,
     head_source: Path | None,
     load_head: bool,
     options: dict[str, Any],
@@ -96,7 +95,7 @@ def _new_resident(
     cache_options: CacheOptions | None,
 ) -> Resident:
     engine = Engine(
-        lambda: load_model(path, lane=lane, head_source=head_source, load_head=load_head),
+        lambda: load_model(path, upstream=upstream, head_source=head_source, load_head=load_head),
         config,
         name=path.name,
         cache_options=cache_options,

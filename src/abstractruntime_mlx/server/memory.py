@@ -107,7 +107,7 @@ def kv_bytes_per_token(config: dict[str, object]) -> int:
 
 def machine_memory() -> MachineMemory:
     """The working set (``engine.prefix_cache.working_set``) and the memory available now."""
-    from ..engine.prefix_cache import working_set
+    from ..engine.api import working_set
 
     total, source = working_set()
     return MachineMemory(total, available_memory(), source)

@@ -722,7 +722,7 @@ class ModelPool:
 
     def _estimate(self, source: str, options: Mapping[str, object]) -> Footprint:
         from ..artifacts import resolve_model_path
-        from ..engine.config import EngineConfig
+        from ..engine.api import EngineConfig
 
         try:
             path = resolve_model_path(source)

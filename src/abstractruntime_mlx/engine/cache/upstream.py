@@ -1,4 +1,15 @@
-"""The SSD tier: mlx-vlm's ``DiskBlockStore``, reading only the files it can vouch for.
+"""Where the prefix cache extends mlx-vlm's APC (``mlx_vlm.apc``): every private upstream name
+the cache folder touches is read here, and only here (``tests/test_import_graph.py``). mlx-vlm is
+pinned ``>=0.7.10,<0.8.0`` in pyproject.toml; ``tests/test_backend_contract.py``,
+``tests/test_cache_priority.py`` and ``tests/test_prefix_cache_disk.py`` check what is read.
+
+- The RAM tier's manager (``counted_manager_class``): ``APCManager`` with its resident bytes
+  counted in blocks and eviction by steps-to-execution; the block hash chain upstream keys
+  blocks by (``block_hashes``); the free RAM it measures (``free_ram_bytes``).
+- The SSD tier (``VerifiedDiskStore``): mlx-vlm's ``DiskBlockStore``, reading only the files it
+  can vouch for.
+
+The SSD tier's files:
 
 Every shard file the store writes gets a sidecar ``<file>.sha256`` holding the file's size
 and SHA-256. A file is used only when it and its sidecar are private regular files
@@ -32,6 +43,7 @@ Upstream state read: ``dir``, ``SUFFIX``, ``_shard_path``, ``_is_canonical_store
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -44,9 +56,14 @@ from typing import Any
 
 from mlx_vlm.apc import DiskBlockStore
 
-from ..owned_files import open_owned, owned_fault, read_owned
+from ...owned_files import open_owned, owned_fault, read_owned
+from .cache_priority import CachePriorities, eviction_order
+from .resident import NOTHING, ResidentKV, Taken
 
 log = logging.getLogger(__name__)
+
+# mlx-vlm's APC block: a KV block holds this many tokens.
+BLOCK_SIZE = 16
 
 SIDECAR_SUFFIX = ".sha256"
 _PARTIAL_SUFFIX = ".partial"
@@ -325,3 +342,223 @@ class VerifiedDiskStore(DiskBlockStore):
         with self._verdict_lock:
             self._verdicts.clear()
         return removed
+
+
+# --- the RAM tier ------------------------------------------------------------------------
+
+
+@functools.cache
+def counted_manager_class() -> type:
+    """mlx-vlm's ``APCManager`` with its resident bytes counted in blocks.
+
+    Upstream sums every tensor of every pooled block (``_resident_bytes_locked``) before each
+    store, each prefill's lookup and each stats read: O(blocks x layers), measured at ~56 ms a
+    call on the worker thread for a 36-layer model holding ~1,000 blocks on an H200. The full
+    KV blocks of one model all hold the same tensors, so the count of blocks holding tensors
+    times one block's bytes is the same sum.
+
+    ``restore_align``: a restored prefix is cut to a multiple of this many tokens. On CUDA it is
+    the prefill step (``restore_alignment``): the prefill after a restore then runs on the
+    (batch, length) shapes a full prefill runs on, which MLX's CUDA kernels have already been
+    built for; a prefix of any 16-token length makes new shapes every turn, each paying the
+    kernels' setup again (measured at hundreds of ms a turn for a 4B model on an H200).
+
+    ``priorities`` (a ``cache_priority.CachePriorities``, set by ``PrefixCache``): while it has
+    hints or live pins, ``_make_room`` and ``_evict_lru`` evict idle blocks in its order
+    (steps-to-execution, then recency) instead of upstream's LRU; without them upstream's own
+    methods run. ``_make_room`` is upstream 0.7.10's with the block choice replaced.
+
+    Private upstream names read here (pinned with mlx-vlm>=0.7.10,<0.8; tests/test_cache_priority.py
+    checks the eviction ones): ``APCManager._resident_bytes_locked``, ``_make_room``, ``_evict_lru``,
+    ``_free_head``, ``_free_remove``, ``_free_push``, ``_memory_headroom``, ``_prefill_reserve_bytes``,
+    ``memory_reserve_bytes``, ``lookup_prefix``, ``release``, ``pool``, ``hash_table``,
+    ``_exact_cache``, ``APCBlock.next``, ``APCNode.components``, ``_cache_nbytes``.
+    """
+    import mlx.core as mx
+    from mlx_vlm.apc import APCManager, _cache_nbytes
+
+    class CountedAPCManager(APCManager):
+        _block_bytes = 0
+        restore_align = BLOCK_SIZE
+        priorities: CachePriorities | None = None
+        resident: ResidentKV | None = None
+
+        def lookup_prefix(self, token_ids: Any, extra_hash: int = 0) -> tuple[list[Any], int]:
+            """Upstream's lookup, cut to a multiple of ``restore_align`` tokens."""
+            matched, tokens = super().lookup_prefix(token_ids, extra_hash=extra_hash)
+            keep = tokens - tokens % self.restore_align
+            if keep < tokens:
+                self.release(matched[keep // self.block_size :])
+                matched, tokens = matched[: keep // self.block_size], keep
+            return matched, tokens
+
+        # --- eviction by steps-to-execution (``cache_priority``) ---------------------
+        def _make_room(self, allocation_bytes: int = 0, *, retain_bytes: int = 0) -> bool:
+            """Upstream's ``_make_room`` with the blocks evicted in the priorities' order; a
+            store (``retain_bytes``) never evicts a pinned block, a live request's allocation
+            takes the oldest pin when nothing else is left. Resident KV (``resident``) goes
+            before any block."""
+            self._drop_resident(allocation_bytes, retain_bytes)
+            priorities = self.priorities
+            if priorities is None or not priorities.active:
+                return bool(super()._make_room(allocation_bytes, retain_bytes=retain_bytes))
+            required = self.memory_reserve_bytes + (
+                self._prefill_reserve_bytes + allocation_bytes
+                if retain_bytes
+                else max(self._prefill_reserve_bytes, allocation_bytes)
+            )
+            with self.lock:
+                resident = self._resident_bytes_locked()
+                target = max(
+                    0, min(self.memory_max_bytes - retain_bytes, resident + self._memory_headroom() - required)
+                )
+                evicted = 0
+                victims: list[Any] | None = None
+                while resident > target:
+                    if self._exact_cache:
+                        resident -= _cache_nbytes(self._exact_cache[next(iter(self._exact_cache))].prompt_cache)
+                        self._exact_cache.popitem(last=False)
+                    else:
+                        if not victims:
+                            victims = self._victims()
+                        if not victims:
+                            if retain_bytes or priorities.drop_oldest_pin() is None:
+                                break
+                            continue
+                        resident -= self._drop_idle_block(victims.pop())
+                    self.stats.evictions += 1
+                    self.stats.memory_evictions += 1
+                    evicted += 1
+            if evicted or self._memory_headroom() < required:
+                mx.clear_cache()
+            return bool(resident + retain_bytes <= self.memory_max_bytes and self._memory_headroom() >= required)
+
+        # --- a key's KV between turns (``resident``) ----------------------------------
+        def keep_resident(self, key: str, salt: int, tokens: list[int], cache: list[Any], prompt_len: int) -> bool:
+            """Keep a finished row's KV for its key if it fits the budget and the free memory
+            with everything else held; older entries go first, blocks never."""
+            resident_kv = self.resident
+            if resident_kv is None or not resident_kv.keep(key, salt, tokens, cache, prompt_len):
+                return False
+            with self.lock:
+                held = self._resident_bytes_locked()
+            limit = min(self.memory_max_bytes, held + self._memory_headroom() - self.memory_reserve_bytes)
+            resident_kv.fit(held, limit)
+            return (key, salt) in resident_kv.entries
+
+        def take_resident(self, key: str, salt: int, prompt: list[int]) -> Taken:
+            """The key's resident KV for ``prompt`` (``ResidentKV.take``), cut as
+            ``lookup_prefix`` cuts a block restore where the alignment is not the block."""
+            if self.resident is None:
+                return NOTHING
+            align = self.restore_align if self.restore_align != BLOCK_SIZE else 1
+            return self.resident.take(key, salt, prompt, align=align)
+
+        def resident_used(self, tokens: int) -> None:
+            """A row starts from ``tokens`` of resident KV: a prefix hit, as a block lookup's."""
+            with self.lock:
+                self.stats.hits += 1
+            if self.resident is not None:
+                self.resident.tokens_taken += tokens
+
+        def _drop_resident(self, allocation_bytes: int, retain_bytes: int) -> None:
+            """Drop resident KV, oldest first, while the cache is over the target
+            ``_make_room`` evicts down to (the same sum as upstream's)."""
+            resident_kv = self.resident
+            if resident_kv is None or not resident_kv.entries:
+                return
+            required = self.memory_reserve_bytes + (
+                self._prefill_reserve_bytes + allocation_bytes
+                if retain_bytes
+                else max(self._prefill_reserve_bytes, allocation_bytes)
+            )
+            with self.lock:
+                resident = self._resident_bytes_locked()
+                target = max(
+                    0, min(self.memory_max_bytes - retain_bytes, resident + self._memory_headroom() - required)
+                )
+                while resident > target and resident_kv.entries:
+                    resident -= resident_kv.drop_oldest()
+
+        def _evict_lru(self, *, cached_only: bool = False) -> Any:
+            """An empty pooled block, else the first idle cached block in the priorities' order."""
+            priorities = self.priorities
+            if priorities is None or not priorities.active:
+                return super()._evict_lru(cached_only=cached_only)
+            block: Any = self._free_head
+            while not cached_only and block is not None and block.block_hash is not None:
+                block = block.next
+            if block is None or cached_only:
+                victims = self._victims()
+                if not victims:
+                    return None
+                block = victims[-1]
+            self._free_remove(block)
+            block_hash = block.block_hash
+            if block_hash is not None and self.hash_table.get(block_hash) is block:
+                del self.hash_table[block_hash]
+                self.stats.evictions += 1
+            block.block_hash = None
+            block.token_ids = ()
+            block.release_components()
+            return block
+
+        def _victims(self) -> list[Any]:
+            """The idle cached blocks a pin does not hold, the next to evict last (pop order)."""
+            assert self.priorities is not None
+            idle: list[Any] = []
+            block: Any = self._free_head  # upstream's free queue: least recently released first
+            while block is not None:
+                if block.block_hash is not None:
+                    idle.append(block)
+                block = block.next
+            infos = [self.priorities.block(b.block_hash, i) for i, b in enumerate(idle)]
+            pinned = [pin.key for pin in self.priorities.live_pins()]
+            order = eviction_order(infos, self.priorities.hints, pinned)
+            return [idle[i] for i in reversed(order)]
+
+        def _drop_idle_block(self, block: Any) -> int:
+            """Evict one idle cached block (it stays pooled, empty); returns the bytes freed."""
+            self._free_remove(block)
+            freed = int(self._block_bytes or block.resident_bytes())
+            self.hash_table.pop(block.block_hash, None)
+            block.block_hash = None
+            block.token_ids = ()
+            block.release_components()
+            self._free_push(block)
+            return freed
+
+        def _resident_bytes_locked(self) -> int:
+            held = [block for block in self.pool if block.components]
+            if held and not self._block_bytes:
+                self._block_bytes = int(held[0].resident_bytes())
+            exact = sum(_cache_nbytes(entry.prompt_cache) for entry in self._exact_cache.values())
+            kept = self.resident.nbytes if self.resident is not None else 0
+            return len(held) * self._block_bytes + exact + kept
+
+    return CountedAPCManager
+
+
+def block_hashes(prompt: Any, salt: int) -> list[int]:
+    """The APC hash chain of ``prompt``'s full 16-token blocks under ``salt``, as upstream keys them."""
+    from mlx_vlm.apc import SEED_PARENT_HASH, _hash_tokens
+
+    parent, out = SEED_PARENT_HASH, []
+    tokens = [int(t) for t in prompt]
+    for start in range(0, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        parent = _hash_tokens(parent, tuple(tokens[start : start + BLOCK_SIZE]), salt)
+        out.append(parent)
+    return out
+
+
+def free_ram_bytes() -> int | None:
+    """The machine's free RAM as upstream measures it for its budget (None: unknown)."""
+    from mlx_vlm.apc import _free_ram_bytes
+
+    free = _free_ram_bytes()
+    return None if free is None else int(free)
+
+
+def exact_entries(manager: Any) -> int:
+    """How many exact (whole prompt) snapshots ``manager`` holds besides its blocks."""
+    return len(manager._exact_cache)

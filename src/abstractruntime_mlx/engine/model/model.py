@@ -1,4 +1,4 @@
-"""Loading a target (and its MTP head) once, for whichever lane serves it.
+"""Loading a target (and its MTP head) once, on whichever upstream serves it.
 
 The MTP head of a resident target is loaded with it when the load asks for it, or attached
 later, on the worker between steps, by ``LoadedModel.attach_drafter``: only the head's own
@@ -19,13 +19,14 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from ..errors import ContextTooLong, InvalidControls, ModelNotFound, UpstreamError
+from ...errors import ContextTooLong, InvalidControls, ModelNotFound, UpstreamError
 from .grammar import GrammarCompiler
+from .upstream import tokenizer_parts
 
 log = logging.getLogger(__name__)
 
 
-class Lane(StrEnum):
+class Upstream(StrEnum):
     """Which upstream serves a resident model."""
 
     NATIVE = "native"  # mlx-vlm: continuous batching, native MTP, images
@@ -35,18 +36,18 @@ class Lane(StrEnum):
     MLX_VLM = "mlx_vlm"
 
 
-# The lanes that run one request at a time (``serial``): the scheduler admits alone there.
-SERIAL_LANES = frozenset({Lane.MLX_LM, Lane.MLX_VLM})
-# The lanes that attach an MTP head (mlx-vlm models).
-HEAD_LANES = frozenset({Lane.NATIVE, Lane.MLX_VLM})
+# The upstreams that run one request at a time (the ``serial`` and ``in_process`` lanes).
+SERIAL_UPSTREAMS = frozenset({Upstream.MLX_LM, Upstream.MLX_VLM})
+# The upstreams that attach an MTP head (mlx-vlm models).
+HEAD_UPSTREAMS = frozenset({Upstream.NATIVE, Upstream.MLX_VLM})
 
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A resident target and the lane that serves it."""
+    """A resident target and the upstream that serves it."""
 
     path: Path
-    lane: Lane
+    upstream: Upstream
     model: Any
     processor: Any
     tokenizer: Any
@@ -124,8 +125,8 @@ class LoadedModel:
             return None
         if self.drafter_error is not None:
             raise UpstreamError(self.drafter_error)
-        if self.lane not in HEAD_LANES or self.head_source is None:
-            raise UpstreamError(f"{self.path} has no MTP head this lane can attach")
+        if self.upstream not in HEAD_UPSTREAMS or self.head_source is None:
+            raise UpstreamError(f"{self.path} has no MTP head its upstream can attach")
         started = time.perf_counter()
         try:
             drafter = _load_drafter(Path(self.head_source))
@@ -145,7 +146,7 @@ class LoadedModel:
 
     @property
     def supports_images(self) -> bool:
-        return self.lane == Lane.NATIVE and "vision_config" in self.config
+        return self.upstream == Upstream.NATIVE and "vision_config" in self.config
 
     def new_detokenizer(self) -> Any:
         """A fresh streaming detokenizer (one per request: they are stateful)."""
@@ -168,15 +169,17 @@ class LoadedModel:
             return self._grammars
 
 
-def load_model(path: Path, *, lane: Lane, head_source: Path | None = None, load_head: bool = False) -> LoadedModel:
-    """Load ``path`` for ``lane``. ``head_source`` is its local MTP head (the checkpoint itself
+def load_model(
+    path: Path, *, upstream: Upstream, head_source: Path | None = None, load_head: bool = False
+) -> LoadedModel:
+    """Load ``path`` on ``upstream``. ``head_source`` is its local MTP head (the checkpoint itself
     for an embedded head, a companion directory, or None for no head); ``load_head`` loads it
     now, else it is attached on first use (``LoadedModel.attach_drafter``)."""
     config = _read_config(path)
-    if lane == Lane.MLX_LM:
+    if upstream == Upstream.MLX_LM:
         return _load_mlx_lm(path, config)
     loaded = _load_native(path, config)
-    loaded.lane = lane
+    loaded.upstream = upstream
     loaded.head_source = str(head_source) if head_source is not None else None
     if load_head and head_source is not None:
         try:
@@ -262,7 +265,7 @@ def _load_native(path: Path, config: dict[str, Any]) -> LoadedModel:
     tokenizer = processor.tokenizer if hasattr(processor, "tokenizer") else processor
     return LoadedModel(
         path=path,
-        lane=Lane.NATIVE,
+        upstream=Upstream.NATIVE,
         model=model,
         processor=processor,
         tokenizer=tokenizer,
@@ -289,15 +292,16 @@ def _load_mlx_lm(path: Path, config: dict[str, Any]) -> LoadedModel:
         model, tokenizer = _untyped(mlx_lm.load(str(path)))[:2]
     except Exception as exc:  # noqa: BLE001
         raise UpstreamError(f"mlx-lm could not load {path}: {type(exc).__name__}: {exc}") from exc
+    inner, detokenizer = tokenizer_parts(tokenizer)
     return LoadedModel(
         path=path,
-        lane=Lane.MLX_LM,
+        upstream=Upstream.MLX_LM,
         model=model,
         processor=tokenizer,
-        tokenizer=tokenizer._tokenizer,
+        tokenizer=inner,
         config=config,
         eos_token_ids=frozenset(int(t) for t in tokenizer.eos_token_ids),
-        _detokenizer=tokenizer._detokenizer,
+        _detokenizer=detokenizer,
     )
 
 

@@ -27,19 +27,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import UpstreamError
-from .backend import (
-    LogitsProcessor,
-    PrefillRow,
-    RestoredPrefix,
-    RowInput,
-    StepResult,
-    TokenEvent,
-    map_upstream_errors,
-    row_processors,
-)
-from .prefix_cache import GUARD_TOKENS, SerialStore
-from .request import LaneName
+from ...errors import UpstreamError
+from ..cache.prefix_cache import GUARD_TOKENS, SerialStore
+from ..core.request import LaneName
+from .backend import LogitsProcessor, map_upstream_errors, row_processors
+from .rows import PrefillRow, RestoredPrefix, RowInput, StepResult, TokenEvent
 from .sampling import make_sampler
 
 PrefillHook = Callable[[int, PrefillRow], bool]
@@ -53,6 +45,7 @@ class SerialBackend:
     """mlx-lm generation for one request at a time, with the ``BatchBackend`` interface."""
 
     kind = LaneName.SERIAL
+    reports_logprobs = False
     max_batch_size = 1
 
     def __init__(

@@ -1,6 +1,6 @@
-"""Attention for the text lane on MLX's CUDA backend: decode steps in one fused kernel
-(``EngineConfig.fused_decode_attention``), short prompt chunks in plain MLX ops
-(``EngineConfig.prefill_attention_ops``).
+"""Attention on MLX's CUDA backend: the text lane's decode steps in one fused kernel
+(``EngineConfig.fused_decode_attention``), short prompt chunks of the text and batch lanes in
+plain MLX ops (``EngineConfig.prefill_attention_ops``).
 
 Decode, why: mlx-lm's ``BatchKVCache`` left-pads its rows, so every decode step hands each
 layer an array mask, and MLX's CUDA vector-attention kernel refuses array masks
@@ -20,15 +20,21 @@ so it keeps meeting new shapes (``docs/benchmarks.md``). For chunks whose score 
 a softmax, whose kernels are built once, whatever the shape. Larger chunks keep cuDNN, where
 its fused kernel pays back the plan (the length buckets of ``prefill_shapes`` bound those).
 
-Where each applies (``fits``, ``fits_prefill``): mlx-lm's plain ``KVCache`` or
-``BatchKVCache`` (no sliding window, no quantised cache), no attention sinks; for decode, one
+A keyed request (the batch lane, mlx-vlm's model) meets the same cost on every reused turn:
+its suffix over the prefix restored from the prefix cache is a (queries, keys) shape of its
+own, so that lane's prompt chunks are routed too.
+
+Where each applies (``fits``, ``fits_prefill``): a plain ``KVCache`` or ``BatchKVCache`` (no
+sliding window, no quantised cache; for prefill mlx-lm's or mlx-vlm's, for decode mlx-lm's
+only), no attention sinks; for decode, one
 query position, an array mask, a head size up to 256 and enough (row, KV head) pairs for the
 cache's length (``MANY_BLOCKS``, ``LONG_CACHE``). Everything else goes to upstream's function
 unchanged. Both are routed only on threads that ``enable`` them (the engine's worker), so
 other users of the same model class in the process keep upstream's path.
 
-Private upstream names relied on (mlx-lm >=0.31.3,<0.33, ``tests/test_backend_contract.py``):
-a model module's ``scaled_dot_product_attention`` (the name its attention layers call) and
+Private upstream names relied on (mlx-lm >=0.31.3,<0.33, mlx-vlm >=0.7.10,<0.8.0,
+``tests/test_backend_contract.py``): a model module's ``scaled_dot_product_attention`` (the name
+its attention layers call: ``mlx_lm.models.base``'s or ``mlx_vlm.models.base``'s) and mlx-lm's
 ``BatchKVCache.left_padding``.
 """
 
@@ -288,6 +294,24 @@ def _cache_classes() -> tuple[type, type]:
     return BatchKVCache, KVCache
 
 
+@functools.cache
+def _prefill_cache_classes() -> tuple[type, ...]:
+    """The plain caches of both upstreams: the batch lane's mlx-vlm model restores a keyed
+    row's prefix into mlx-vlm's own ``KVCache`` / ``BatchKVCache``."""
+    from mlx_vlm.models.cache import BatchKVCache, KVCache
+
+    return (*_cache_classes(), BatchKVCache, KVCache)
+
+
+@functools.cache
+def _shared_functions() -> tuple[Callable[..., mx.array], ...]:
+    """Upstream's shared attention functions a model module may call (mlx-lm's, mlx-vlm's)."""
+    from mlx_lm.models import base as lm_base
+    from mlx_vlm.models import base as vlm_base
+
+    return lm_base.scaled_dot_product_attention, vlm_base.scaled_dot_product_attention
+
+
 def fits(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
     """A decode step on mlx-lm's plain batch cache, in a shape and dtype the kernel takes."""
     return (
@@ -306,10 +330,11 @@ def fits(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -
 
 
 def fits_prefill(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
-    """A prompt chunk on mlx-lm's plain (batch) cache whose scores are few (``SMALL_SCORES``)."""
+    """A prompt chunk on a plain (batch) cache of mlx-lm or mlx-vlm whose scores are few
+    (``SMALL_SCORES``): a cold chunk, or a keyed row's suffix over its restored prefix."""
     batch, heads, length, _ = queries.shape if queries.ndim == 4 else (0, 0, 0, 0)
     return (
-        type(cache) in _cache_classes()
+        type(cache) in _prefill_cache_classes()
         and sinks is None
         and length > 1
         and (mask is None or isinstance(mask, mx.array) or (isinstance(mask, str) and mask == "causal"))
@@ -333,18 +358,18 @@ def _routed(upstream: Callable[..., mx.array]) -> Callable[..., mx.array]:
 
 
 def install(model: Any) -> bool:
-    """Route the attention of ``model``'s mlx-lm module through this module (on enabled
-    threads). Idempotent; False where the module does not call mlx-lm's shared
-    attention function (the model then keeps upstream's path)."""
-    from mlx_lm.models import base
-
+    """Route the attention of ``model``'s module (an mlx-lm model, or an mlx-vlm language
+    model) through this module (on enabled threads). Idempotent; False where the module does
+    not call its upstream's shared attention function (the model then keeps upstream's path).
+    Decode steps are routed on mlx-lm's batch cache only (``fits``)."""
     module = sys.modules.get(type(model).__module__)
     current = getattr(module, "scaled_dot_product_attention", None)
     if module is None or current is None:
         return False
-    if getattr(current, "upstream", None) is base.scaled_dot_product_attention:
+    shared = _shared_functions()
+    if getattr(current, "upstream", None) in shared:
         return True
-    if current is not base.scaled_dot_product_attention:
+    if current not in shared:
         return False
     setattr(module, "scaled_dot_product_attention", _routed(current))
     log.info("CUDA attention routed for %s", module.__name__)

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..errors import MLXRuntimeError, StreamBackpressure
-from .backend import PrefillRow, TokenEvent
+from ...errors import MLXRuntimeError, StreamBackpressure
+from ..backends.rows import PrefillRow, TokenEvent
 from .reports import PromptCacheReport, SpeculationCounters, speculation_report
 from .request import (
     END_OF_STREAM,
@@ -29,10 +29,10 @@ from .request import (
     Outcome,
     PrefillObservation,
     RequestStatus,
+    SampledLogprob,
     TokenDelta,
     execution_report,
 )
-from .sampling import SampledLogprob
 from .stops import StopMatcher
 
 

@@ -29,9 +29,9 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from .backend import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent, map_upstream_errors
-from .prefix_cache import GUARD_TOKENS
-from .request import LaneName
+from ..core.request import LaneName
+from .backend import map_upstream_errors
+from .rows import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent
 from .sampling import RowStream, sample_rows
 
 _CLEAR_CACHE_EVERY = 256  # tokens (mlx-lm's generate_step)
@@ -45,6 +45,7 @@ class SingleBackend:
     """One request at a time on a plain KV cache, with the ``BatchBackend`` interface."""
 
     kind = LaneName.SINGLE
+    reports_logprobs = False
     max_batch_size = 1
 
     def __init__(
@@ -154,13 +155,13 @@ class SingleBackend:
         resident: list[Any] = []
         kept = 0
         if self._key is not None and take is not None:
-            resident, kept, previous = take(self._key, self._salt, prompt_ids)
+            resident, kept, extends = take(self._key, self._salt, prompt_ids)
             if not (len(resident) == len(self._cache) and all(map(_same_type, resident, self._cache))):
                 kept = 0
             # Extending the previous prompt (the usual next turn; its generation prompt is
             # re-rendered, so its last few tokens differ): no block lookup. Broken earlier,
             # blocks (another key's, an earlier turn's) may hold more.
-            if kept and kept + GUARD_TOKENS >= previous:
+            if kept and extends:
                 return self._use_resident(resident, kept)
         blocks, tokens = self._apc.lookup_prefix(prompt_ids[:-1], extra_hash=self._salt)
         if kept and kept >= tokens:

@@ -41,10 +41,10 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import InvalidResponseSchema, InvalidTools, MLXRuntimeError
-from ..model_output import HERMES_END, HERMES_START, MISTRAL_TAG, ToolFormat
-from ..structured import ResponseFormat
-from ..tools import ToolChoice, call_schema
+from ...errors import InvalidResponseSchema, InvalidTools, MLXRuntimeError
+from ...model_output import HERMES_END, HERMES_START, MISTRAL_TAG, ToolFormat
+from ...structured import ResponseFormat
+from ...tools import ToolChoice, call_schema
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidRequest
-from .chat import render_prompt
+from ...errors import InvalidRequest
+from ..model.chat import render_prompt
 
 EXCERPT_TOKENS = 16
 EXCERPT_CHARS = 40

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from ..errors import InvalidControls
+from ...errors import InvalidControls
 
 __all__ = ["BlockInfo", "CachePriorities", "Pin", "eviction_order", "validate_hints", "validate_pin"]
 

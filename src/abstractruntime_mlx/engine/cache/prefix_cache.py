@@ -25,7 +25,6 @@ read counters.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import logging
@@ -37,10 +36,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidControls, PromptCacheFlushFailed, PromptCacheLocked, PromptCachePathUnsafe
-from .cache_priority import CachePriorities, eviction_order, validate_hints, validate_pin
+from ...errors import InvalidControls, PromptCacheFlushFailed, PromptCacheLocked, PromptCachePathUnsafe
+from ..core.reports import ApcReport, PromptCacheReport
+from .cache_priority import CachePriorities, validate_hints, validate_pin
 from .prefix_break import find_break
-from .reports import ApcReport, PromptCacheReport
+from .resident import ResidentKV
+from .upstream import (
+    BLOCK_SIZE,
+    VerifiedDiskStore,
+    block_hashes,
+    counted_manager_class,
+    exact_entries,
+    free_ram_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +56,6 @@ GIB = 1 << 30
 MAX_BUDGET_BYTES = 8 * GIB
 RESERVE_BYTES = 512 << 20
 DEFAULT_DISK_MAX_GB = 4.0
-BLOCK_SIZE = 16
 NUM_BLOCKS = 8192
 # A checkpoint this many tokens short of the prompt's end: the next turn re-renders the
 # assistant header differently (the generation prompt), so the last few tokens diverge.
@@ -209,7 +216,7 @@ def cache_identity(loaded: Any, *, scope: str) -> dict[str, Any]:
     """What a snapshot on disk depends on. A change to any of it never reuses old files."""
     import importlib.metadata as md
 
-    from ..artifacts import model_fingerprint
+    from ...artifacts import model_fingerprint
 
     def version(name: str) -> str | None:
         try:
@@ -228,7 +235,7 @@ def cache_identity(loaded: Any, *, scope: str) -> dict[str, Any]:
         "head": head,
         "config": hashlib.sha256(json.dumps(loaded.config, sort_keys=True).encode()).hexdigest(),
         "engine_versions": {"mlx": version("mlx"), "mlx-vlm": version("mlx-vlm"), "mlx-lm": version("mlx-lm")},
-        "lane": loaded.lane,
+        "lane": loaded.upstream,
         "block_size": BLOCK_SIZE,
         "scope": scope,
     }
@@ -328,197 +335,6 @@ class DiskNamespace:
 # --- the RAM tier's manager ---------------------------------------------------------------
 
 
-@functools.cache
-def counted_manager_class() -> type:
-    """mlx-vlm's ``APCManager`` with its resident bytes counted in blocks.
-
-    Upstream sums every tensor of every pooled block (``_resident_bytes_locked``) before each
-    store, each prefill's lookup and each stats read: O(blocks x layers), measured at ~56 ms a
-    call on the worker thread for a 36-layer model holding ~1,000 blocks on an H200. The full
-    KV blocks of one model all hold the same tensors, so the count of blocks holding tensors
-    times one block's bytes is the same sum.
-
-    ``restore_align``: a restored prefix is cut to a multiple of this many tokens. On CUDA it is
-    the prefill step (``restore_alignment``): the prefill after a restore then runs on the
-    (batch, length) shapes a full prefill runs on, which MLX's CUDA kernels have already been
-    built for; a prefix of any 16-token length makes new shapes every turn, each paying the
-    kernels' setup again (measured at hundreds of ms a turn for a 4B model on an H200).
-
-    ``priorities`` (a ``cache_priority.CachePriorities``, set by ``PrefixCache``): while it has
-    hints or live pins, ``_make_room`` and ``_evict_lru`` evict idle blocks in its order
-    (steps-to-execution, then recency) instead of upstream's LRU; without them upstream's own
-    methods run. ``_make_room`` is upstream 0.7.10's with the block choice replaced.
-
-    Private upstream names read here (pinned with mlx-vlm>=0.7.10,<0.8; tests/test_cache_priority.py
-    checks the eviction ones): ``APCManager._resident_bytes_locked``, ``_make_room``, ``_evict_lru``,
-    ``_free_head``, ``_free_remove``, ``_free_push``, ``_memory_headroom``, ``_prefill_reserve_bytes``,
-    ``memory_reserve_bytes``, ``lookup_prefix``, ``release``, ``pool``, ``hash_table``,
-    ``_exact_cache``, ``APCBlock.next``, ``APCNode.components``, ``_cache_nbytes``.
-    """
-    import mlx.core as mx
-    from mlx_vlm.apc import APCManager, _cache_nbytes
-
-    class CountedAPCManager(APCManager):
-        _block_bytes = 0
-        restore_align = BLOCK_SIZE
-        priorities: CachePriorities | None = None
-        resident: ResidentKV | None = None
-
-        def lookup_prefix(self, token_ids: Any, extra_hash: int = 0) -> tuple[list[Any], int]:
-            """Upstream's lookup, cut to a multiple of ``restore_align`` tokens."""
-            matched, tokens = super().lookup_prefix(token_ids, extra_hash=extra_hash)
-            keep = tokens - tokens % self.restore_align
-            if keep < tokens:
-                self.release(matched[keep // self.block_size :])
-                matched, tokens = matched[: keep // self.block_size], keep
-            return matched, tokens
-
-        # --- eviction by steps-to-execution (``cache_priority``) ---------------------
-        def _make_room(self, allocation_bytes: int = 0, *, retain_bytes: int = 0) -> bool:
-            """Upstream's ``_make_room`` with the blocks evicted in the priorities' order; a
-            store (``retain_bytes``) never evicts a pinned block, a live request's allocation
-            takes the oldest pin when nothing else is left. Resident KV (``ResidentKV``) goes
-            before any block."""
-            self._drop_resident(allocation_bytes, retain_bytes)
-            priorities = self.priorities
-            if priorities is None or not priorities.active:
-                return bool(super()._make_room(allocation_bytes, retain_bytes=retain_bytes))
-            required = self.memory_reserve_bytes + (
-                self._prefill_reserve_bytes + allocation_bytes
-                if retain_bytes
-                else max(self._prefill_reserve_bytes, allocation_bytes)
-            )
-            with self.lock:
-                resident = self._resident_bytes_locked()
-                target = max(
-                    0, min(self.memory_max_bytes - retain_bytes, resident + self._memory_headroom() - required)
-                )
-                evicted = 0
-                victims: list[Any] | None = None
-                while resident > target:
-                    if self._exact_cache:
-                        resident -= _cache_nbytes(self._exact_cache[next(iter(self._exact_cache))].prompt_cache)
-                        self._exact_cache.popitem(last=False)
-                    else:
-                        if not victims:
-                            victims = self._victims()
-                        if not victims:
-                            if retain_bytes or priorities.drop_oldest_pin() is None:
-                                break
-                            continue
-                        resident -= self._drop_idle_block(victims.pop())
-                    self.stats.evictions += 1
-                    self.stats.memory_evictions += 1
-                    evicted += 1
-            if evicted or self._memory_headroom() < required:
-                mx.clear_cache()
-            return bool(resident + retain_bytes <= self.memory_max_bytes and self._memory_headroom() >= required)
-
-        def keep_resident(self, key: str, salt: int, tokens: list[int], cache: list[Any], prompt_len: int) -> bool:
-            """Keep a finished row's KV for its key (``ResidentKV``) if it fits the budget and the
-            free memory with everything else held; older entries go first, blocks never."""
-            resident_kv = self.resident
-            if resident_kv is None or not resident_kv.keep(key, salt, tokens, cache, prompt_len):
-                return False
-            with self.lock:
-                held = self._resident_bytes_locked()
-            limit = min(self.memory_max_bytes, held + self._memory_headroom() - self.memory_reserve_bytes)
-            resident_kv.fit(held, limit)
-            return (key, salt) in resident_kv.entries
-
-        def take_resident(self, key: str, salt: int, prompt: list[int]) -> tuple[list[Any], int, int]:
-            """The key's resident KV for ``prompt`` (``ResidentKV.take``)."""
-            if self.resident is None:
-                return [], 0, 0
-            # Cut as ``lookup_prefix`` cuts a block restore, except where blocks are the unit.
-            align = self.restore_align if self.restore_align != BLOCK_SIZE else 1
-            return self.resident.take(key, salt, prompt, align=align)
-
-        def resident_used(self, tokens: int) -> None:
-            """A row starts from ``tokens`` of resident KV: a prefix hit, as a block lookup's."""
-            with self.lock:
-                self.stats.hits += 1
-            if self.resident is not None:
-                self.resident.tokens_taken += tokens
-
-        def _drop_resident(self, allocation_bytes: int, retain_bytes: int) -> None:
-            """Drop resident KV, oldest first, while the cache is over the target
-            ``_make_room`` evicts down to (the same sum as upstream's)."""
-            resident_kv = self.resident
-            if resident_kv is None or not resident_kv.entries:
-                return
-            required = self.memory_reserve_bytes + (
-                self._prefill_reserve_bytes + allocation_bytes
-                if retain_bytes
-                else max(self._prefill_reserve_bytes, allocation_bytes)
-            )
-            with self.lock:
-                resident = self._resident_bytes_locked()
-                target = max(
-                    0, min(self.memory_max_bytes - retain_bytes, resident + self._memory_headroom() - required)
-                )
-                while resident > target and resident_kv.entries:
-                    resident -= resident_kv.drop_oldest()
-
-        def _evict_lru(self, *, cached_only: bool = False) -> Any:
-            """An empty pooled block, else the first idle cached block in the priorities' order."""
-            priorities = self.priorities
-            if priorities is None or not priorities.active:
-                return super()._evict_lru(cached_only=cached_only)
-            block: Any = self._free_head
-            while not cached_only and block is not None and block.block_hash is not None:
-                block = block.next
-            if block is None or cached_only:
-                victims = self._victims()
-                if not victims:
-                    return None
-                block = victims[-1]
-            self._free_remove(block)
-            block_hash = block.block_hash
-            if block_hash is not None and self.hash_table.get(block_hash) is block:
-                del self.hash_table[block_hash]
-                self.stats.evictions += 1
-            block.block_hash = None
-            block.token_ids = ()
-            block.release_components()
-            return block
-
-        def _victims(self) -> list[Any]:
-            """The idle cached blocks a pin does not hold, the next to evict last (pop order)."""
-            assert self.priorities is not None
-            idle: list[Any] = []
-            block: Any = self._free_head  # upstream's free queue: least recently released first
-            while block is not None:
-                if block.block_hash is not None:
-                    idle.append(block)
-                block = block.next
-            infos = [self.priorities.block(b.block_hash, i) for i, b in enumerate(idle)]
-            pinned = [pin.key for pin in self.priorities.live_pins()]
-            order = eviction_order(infos, self.priorities.hints, pinned)
-            return [idle[i] for i in reversed(order)]
-
-        def _drop_idle_block(self, block: Any) -> int:
-            """Evict one idle cached block (it stays pooled, empty); returns the bytes freed."""
-            self._free_remove(block)
-            freed = int(self._block_bytes or block.resident_bytes())
-            self.hash_table.pop(block.block_hash, None)
-            block.block_hash = None
-            block.token_ids = ()
-            block.release_components()
-            self._free_push(block)
-            return freed
-
-        def _resident_bytes_locked(self) -> int:
-            held = [block for block in self.pool if block.components]
-            if held and not self._block_bytes:
-                self._block_bytes = int(held[0].resident_bytes())
-            exact = sum(_cache_nbytes(entry.prompt_cache) for entry in self._exact_cache.values())
-            kept = self.resident.nbytes if self.resident is not None else 0
-            return len(held) * self._block_bytes + exact + kept
-
-    return CountedAPCManager
-
-
 def restore_alignment(prefill_step_size: int) -> int:
     """How many tokens a restored prefix is a multiple of: the prefill step on CUDA (see
     ``counted_manager_class``), one KV block elsewhere."""
@@ -526,108 +342,6 @@ def restore_alignment(prefill_step_size: int) -> int:
 
     on_cuda = mx.default_device() == mx.gpu and not mx.metal.is_available()
     return prefill_step_size if on_cuda else BLOCK_SIZE
-
-
-def block_hashes(prompt: Any, salt: int) -> list[int]:
-    """The APC hash chain of ``prompt``'s full 16-token blocks under ``salt``, as upstream keys them."""
-    from mlx_vlm.apc import SEED_PARENT_HASH, _hash_tokens
-
-    parent, out = SEED_PARENT_HASH, []
-    tokens = [int(t) for t in prompt]
-    for start in range(0, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
-        parent = _hash_tokens(parent, tuple(tokens[start : start + BLOCK_SIZE]), salt)
-        out.append(parent)
-    return out
-
-
-# --- a key's KV between turns ------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _ResidentEntry:
-    tokens: tuple[int, ...]  # the tokens whose KV ``cache`` holds, in order
-    cache: list[Any]  # one plain KV cache per layer (the single lane's layout)
-    nbytes: int
-    prompt_len: int  # how many of ``tokens`` were the row's prompt (the rest: its answer)
-
-
-class ResidentKV:
-    """The whole KV of each key's last finished row (the single lane's), kept between turns.
-
-    The key's next prompt usually extends the previous one (the transcript plus an answer and
-    an observation): the row then starts from this KV trimmed to the shared prefix and
-    prefills only its new tokens, with no block lookup or gather, and the previous answer's
-    tokens count as cached too. Blocks stay the fallback (other keys, a broken prefix, after
-    eviction, the SSD tier). The bytes count in the RAM budget (``_resident_bytes_locked``);
-    an entry goes before any block when room is needed (``_make_room``) and is never kept at a
-    block's expense. Worker thread only; the manager's lock guards the table for stats readers.
-    """
-
-    def __init__(self, lock: Any) -> None:
-        self.entries: OrderedDict[tuple[str, int], _ResidentEntry] = OrderedDict()
-        self.nbytes = 0
-        self.tokens_taken = 0  # lifetime: prompt tokens rows started from resident KV
-        self.dropped = 0  # lifetime: entries dropped to make room
-        self._lock = lock
-
-    def take(self, key: str, salt: int, prompt: list[int], *, align: int = 1) -> tuple[list[Any], int, int]:
-        """The key's KV trimmed to the prefix it shares with ``prompt`` (at least one prompt
-        token left to feed), cut to a multiple of ``align`` as a block restore is: (cache,
-        tokens it holds, the previous prompt's length). The entry leaves the table either way:
-        the row owns the cache now."""
-        with self._lock:
-            entry = self.entries.pop((key, salt), None)
-            if entry is None:
-                return [], 0, 0
-            self.nbytes -= entry.nbytes
-        shared = min(_common_prefix(entry.tokens, prompt), len(prompt) - 1)
-        shared -= shared % align
-        if shared < BLOCK_SIZE:  # less than a block restores: the prompt shares nothing to speak of
-            return [], 0, entry.prompt_len
-        for layer in entry.cache:
-            layer.trim(layer.offset - shared)
-        return entry.cache, shared, entry.prompt_len
-
-    def keep(self, key: str, salt: int, tokens: list[int], cache: list[Any], prompt_len: int) -> bool:
-        """Keep ``cache`` (holding exactly ``tokens``, the first ``prompt_len`` of them the
-        row's prompt) for ``key`` (the manager then fits the table to its budget:
-        ``keep_resident``)."""
-        if not tokens or not all(getattr(layer, "is_trimmable", lambda: False)() for layer in cache):
-            return False
-        size = cache_bytes(cache)
-        with self._lock:
-            old = self.entries.pop((key, salt), None)
-            if old is not None:
-                self.nbytes -= old.nbytes
-            self.entries[(key, salt)] = _ResidentEntry(tuple(tokens), cache, size, prompt_len)
-            self.nbytes += size
-        return True
-
-    def drop_oldest(self) -> int:
-        """Drop the least recently kept entry (under the lock); returns its bytes."""
-        _, entry = self.entries.popitem(last=False)
-        self.nbytes -= entry.nbytes
-        self.dropped += 1
-        return entry.nbytes
-
-    def fit(self, held_bytes: int, max_bytes: int) -> None:
-        """Drop entries, oldest first, until everything held fits ``max_bytes``."""
-        with self._lock:
-            while self.entries and held_bytes > max_bytes:
-                held_bytes -= self.drop_oldest()
-
-    def clear(self) -> None:
-        with self._lock:
-            self.entries.clear()
-            self.nbytes = 0
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "entries": len(self.entries),
-            "bytes": self.nbytes,
-            "tokens_taken": self.tokens_taken,
-            "dropped": self.dropped,
-        }
 
 
 # --- per-key bookkeeping -----------------------------------------------------------------
@@ -655,7 +369,7 @@ class PrefixCache:
         self, loaded: Any, options: CacheOptions, *, max_batch_size: int, restore_align: int = BLOCK_SIZE
     ) -> None:
         self.options = options
-        self.lane = loaded.lane
+        self.lane = loaded.upstream
         self.budget = memory_budget(options.memory_max_gb)
         self.disk: DiskNamespace | None = None
         self._keys: OrderedDict[tuple[str, int], _KeyState] = OrderedDict()
@@ -666,7 +380,7 @@ class PrefixCache:
         self.serial: SerialStore | None = None
         self._block_strategy: bool | None = None
         if options.disk_path is not None:
-            if loaded.lane != "native":
+            if loaded.upstream != "native":
                 raise InvalidControls(
                     "mlx_cache_disk_path needs the mlx_batching=True lane (mlx-vlm's SSD tier)",
                     field="mlx_cache_disk_path",
@@ -675,19 +389,17 @@ class PrefixCache:
             self.disk = DiskNamespace(options.disk_path, cache_identity(loaded, scope=options.scope))
         self.restore_align = restore_align
         self.priorities = CachePriorities()
-        if loaded.lane == "native":
+        if loaded.upstream == "native":
             self.manager = self._native_manager(max_batch_size)
             self.manager.restore_align = restore_align
             self.manager.priorities = self.priorities
-            self.manager.resident = ResidentKV(self.manager.lock)
+            self.manager.resident = ResidentKV(self.manager.lock, min_tokens=BLOCK_SIZE, guard=GUARD_TOKENS)
             self.backend = "mlx_vlm_apc"
         else:
             self.serial = SerialStore(self.budget.max_bytes)
             self.backend = "mlx_lm_prompt_cache"
 
     def _native_manager(self, max_batch_size: int) -> Any:
-        from .disk_store import VerifiedDiskStore
-
         store = None
         if self.disk is not None:
             max_bytes = int(self.options.disk_max_gb * GIB)
@@ -932,7 +644,7 @@ class PrefixCache:
     def _ram_entries(self) -> int:
         if self.manager is not None:
             with self.manager.lock:
-                return len(self.manager.hash_table) + len(self.manager._exact_cache)
+                return len(self.manager.hash_table) + exact_entries(self.manager)
         assert self.serial is not None
         return len(self.serial.entries)
 
@@ -1092,12 +804,10 @@ class SerialStore:
         return True
 
     def _make_room(self, size: int) -> bool:
-        from mlx_vlm.apc import _free_ram_bytes
-
         while self.entries and self.resident_bytes + size > self.max_bytes:
             _, old = self.entries.popitem(last=False)
             self.resident_bytes -= old.nbytes
-        free = _free_ram_bytes()
+        free = free_ram_bytes()
         return free is None or free - RESERVE_BYTES >= size
 
     def clear(self) -> None:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Generic, TypeVar, cast
 
-from ..errors import (
+from ...errors import (
     EngineCrashed,
     EngineError,
     LogprobsUnavailable,
@@ -51,7 +51,8 @@ from ..errors import (
     RequestCancelled,
     RuntimeClosed,
 )
-from .backend import (
+from ..backends.backend import image_prompt_inputs
+from ..backends.rows import (
     Adopts,
     Backend,
     HandsOff,
@@ -60,15 +61,14 @@ from .backend import (
     PrefixReuse,
     RowInput,
     StepResult,
-    image_prompt_inputs,
     speculation_counters,
 )
+from ..cache.prefix_cache import CacheOptions, PrefixCache, restore_alignment
+from ..model.model import LoadedModel, Upstream
 from .config import EngineConfig
 from .lane_factory import BackendFactory, LaneFactory
 from .lanes import LANES
-from .model import Lane, LoadedModel
 from .output import Ending, OutputProcessor, outcome_of
-from .prefix_cache import CacheOptions, PrefixCache, restore_alignment
 from .reports import PromptCacheReport, SpeculationCounters, in_process_cache_report
 from .request import EngineRequest, ExecutionMode, LaneName, RequestStatus
 from .scheduler import (
@@ -377,7 +377,7 @@ class Engine:
         loaded, cache = self.loaded, self.prefix_cache
         if (
             loaded is None
-            or loaded.lane != Lane.MLX_LM
+            or loaded.upstream != Upstream.MLX_LM
             or cache is None
             or cache.serial is None
             or request.prompt_cache_key is None
@@ -778,7 +778,7 @@ class Engine:
                 logprobs=request.logprobs,
             )
             lane_path = LANES[group.backend.kind].path.value
-            if request.logprobs is not None and not getattr(group.backend, "reports_logprobs", False):
+            if request.logprobs is not None and not group.backend.reports_logprobs:
                 raise LogprobsUnavailable(
                     f"token logprobs are computed by the batched lanes' per-row sampler; this request runs on "
                     f"the {lane_path} lane, which draws without it (MTP speculation, or a "
@@ -804,7 +804,7 @@ class Engine:
         cache = self.prefix_cache
         if request.prompt_cache_key is None or cache is None:
             return None
-        if self._model.lane == Lane.MLX_VLM:
+        if self._model.upstream == Upstream.MLX_VLM:
             # mlx-vlm's in-process generation takes no restored cache without the full
             # prompt's rope positions; the key is served by a full prefill, said by name.
             request.prompt_cache = in_process_cache_report(request.prompt_cache_key)

@@ -17,11 +17,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .backend import needs_positions
-
-__all__ = ["language_model", "make_cache", "supports_model"]
+__all__ = ["language_model", "make_cache", "needs_positions", "supports_model", "upstream_kv_cache"]
 
 log = logging.getLogger(__name__)
+
+
+def needs_positions(model: Any) -> bool:
+    """Whether ``model``'s rows carry position ids (Qwen3.5's multimodal rope)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
+    return model_type.startswith("qwen3_5")
 
 
 def supports_model(model: Any) -> bool:
@@ -71,3 +75,13 @@ def make_cache(model: Any) -> list[Any]:
 
     caches: list[Any] = make_prompt_cache(model)
     return caches
+
+
+def upstream_kv_cache(model: Any) -> list[Any]:
+    """A fresh per-layer KV cache of mlx-vlm's classes for ``model`` (what ``language_model``
+    returned): for a single-lane row that may move into the batch lane, whose generator merges
+    mlx-vlm's caches. mlx-lm's model runs on them as on its own (``update_and_fetch``,
+    ``offset``, ``make_mask``); ``supports_model`` admits plain-KV models only."""
+    from mlx_vlm.models.cache import KVCache
+
+    return [KVCache() for _ in model.layers]

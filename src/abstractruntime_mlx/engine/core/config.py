@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import InitVar, dataclass
 
-from ..errors import OptionRemoved
+from ...errors import OptionRemoved
 
 # Prompt tokens per prefill chunk on the batched lanes.
 PREFILL_STEP_SIZE = 256

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import mlx.core as mx
 
-from ..controls import Sampling
+from ...controls import Sampling
+from ..core.request import SampledLogprob
 
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1
@@ -137,21 +137,6 @@ def _min_p(logprobs: mx.array, min_p: mx.array) -> mx.array:
     probs = mx.softmax(logprobs, axis=-1)
     threshold = mx.max(probs, axis=-1, keepdims=True) * min_p
     return mx.where(probs < threshold, _NEG_INF, logprobs)
-
-
-@dataclass(frozen=True, slots=True)
-class SampledLogprob:
-    """The drawn token of one position, its log-probability and the ``top`` most likely
-    tokens there (``(token_id, logprob)``, most likely first), all read from the distribution
-    the row was sampled from: the model's log-softmax after the row's logits processors
-    (penalties, bias, grammar), before temperature and truncation (top-k / top-p / min-p).
-    ``text``: the token's share of the answer's text, the streaming detokenizer's segment for
-    it (set by the engine; the shares of an answer's tokens concatenate to its text)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-    text: str | None = None
 
 
 class PendingLogprobs:

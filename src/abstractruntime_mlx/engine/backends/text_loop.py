@@ -38,8 +38,9 @@ single lane moves in with its KV cache (``adopt``; the single lane builds mlx-lm
 text-lane groups, ``text_model.make_cache``). It steps mlx-lm's own class for the checkpoint
 (``text_model.language_model``), given the resident weight arrays.
 
-Private upstream fields read here (mlx-lm >=0.31.3,<0.33, ``tests/test_backend_contract.py``):
-``BatchKVCache``'s ``keys``, ``values``, ``offset``, ``left_padding`` and ``_idx``.
+Upstream fields read here (mlx-lm >=0.31.3,<0.33, ``tests/test_backend_contract.py``):
+``BatchKVCache``'s ``keys``, ``values``, ``offset`` and ``left_padding``; its private column
+count through ``backend.kv_columns`` / ``drop_kv_columns``.
 """
 
 from __future__ import annotations
@@ -51,20 +52,12 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from .backend import (
-    DecodingRow,
-    LogitsProcessor,
-    PrefillRow,
-    RowInput,
-    StepResult,
-    TokenEvent,
-    map_upstream_errors,
-    row_processors,
-)
-from .prefill_shapes import Buckets
-from .request import LaneName
+from ..core.request import LaneName
+from ..core.scheduler import plan_prefill, should_compact
+from ..model.prefill_shapes import Buckets
+from .backend import LogitsProcessor, drop_kv_columns, kv_columns, map_upstream_errors, row_processors
+from .rows import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent
 from .sampling import PendingLogprobs, RowStream, row_logprobs, sample_rows
-from .scheduler import plan_prefill, should_compact
 
 __all__ = ["TextLoopBackend"]
 
@@ -377,7 +370,7 @@ class TextLoopBackend:
             self._rows, self._cache, self._inputs = list(rows), cache, inputs
             return
         assert self._inputs is not None
-        ours, theirs = self._cache[0]._idx, cache[0]._idx
+        ours, theirs = kv_columns(self._cache[0]), kv_columns(cache[0])
         for mine, other in zip(self._cache, cache):
             mine.extend(other)  # right-justifies both at the longer one's length
         longest = max(ours, theirs)
@@ -409,7 +402,7 @@ def _filter(cache: list[Any], keep: list[int], shift: int) -> None:
             if shift:
                 c.keys, c.values = c.keys[..., shift:, :], c.values[..., shift:, :]
         if shift:
-            c._idx -= shift
+            drop_kv_columns(c, shift)
             c.left_padding = c.left_padding - shift
 
 

@@ -1,11 +1,13 @@
 """The one adapter over mlx-vlm's batch generator.
 
-Every private upstream field the package reads is read here, and only here
-(``PromptProcessingBatch`` row counters for prefill progress, the generation batch for
-batch sizes, the prefill admission gate, and what ``adopt`` builds a decoding row from:
-``GenerationBatch``'s constructor and token counts, the generator's uid counter, sampler,
-stop test and ``_extend_generation_batch``). Supported range: mlx-vlm >=0.7.10,<0.8.0 (the prefix cache needs 0.7.10), pinned in
-``pyproject.toml``; ``tests/test_backend_contract.py`` checks these fields exist.
+Every private upstream field the backends read is read here, and only here
+(``tests/test_import_graph.py``): ``PromptProcessingBatch`` row counters for prefill progress,
+the generation batch for batch sizes, the prefill admission gate, and what ``adopt`` builds a
+decoding row from (``GenerationBatch``'s constructor and token counts, the generator's uid
+counter, sampler, stop test and ``_extend_generation_batch``); and mlx-lm's ``BatchKVCache``
+column count for the text lane (``kv_columns``). Supported ranges: mlx-vlm >=0.7.10,<0.8.0
+(the prefix cache needs 0.7.10) and mlx-lm >=0.31.3,<0.33, pinned in ``pyproject.toml``;
+``tests/test_backend_contract.py`` checks these fields exist.
 
 Prefix reuse: a group of keyed requests passes the resident model's ``APCManager`` (see
 ``prefix_cache``); each row carries its salt as ``_apc_semantic_hash``, so upstream keys blocks
@@ -33,20 +35,18 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any
 
 import mlx.core as mx
 
-from ..controls import Sampling
-from ..errors import EngineError, UpstreamError
-from .config import PREFILL_STEP_SIZE
-from .grammar import GrammarProcessor
-from .request import LaneName
-from .sampling import PendingLogprobs, RowStream, SampledLogprob, make_sampler, row_logprobs, sample_rows
-
-if TYPE_CHECKING:
-    from .prefix_cache import SerialStore
+from ...controls import Sampling
+from ...errors import EngineError, UpstreamError
+from ..core.config import PREFILL_STEP_SIZE
+from ..core.request import LaneName, SampledLogprob
+from ..model.grammar import GrammarProcessor
+from ..model.text_model import needs_positions
+from .rows import DecodingRow, Drafter, PrefillRow, RowInput, StepResult, TokenEvent
+from .sampling import PendingLogprobs, RowStream, make_sampler, row_logprobs, sample_rows
 
 # The prompt kwarg upstream's prefix cache reads a row's salt from (``mlx_vlm.apc``).
 APC_SALT_KWARG = "_apc_semantic_hash"
@@ -61,160 +61,6 @@ def map_upstream_errors(what: str) -> Iterator[None]:
         raise
     except Exception as exc:  # noqa: BLE001 - upstream raises plain exceptions of every kind
         raise UpstreamError(f"{what} failed in mlx-vlm: {type(exc).__name__}: {exc}") from exc
-
-
-@dataclass(slots=True)
-class TokenEvent:
-    uid: int
-    token: int
-    finish_reason: str | None
-    logprob: SampledLogprob | None = None  # only for a row that asked (``RowInput.logprobs``)
-
-
-@dataclass(slots=True)
-class PrefillRow:
-    processed: int
-    total: int
-    cached: int
-
-
-@dataclass(slots=True)
-class StepResult:
-    tokens: list[TokenEvent] = field(default_factory=list)
-    prompt_done: dict[int, int] = field(default_factory=dict)  # uid -> cached tokens
-    prefill: dict[int, PrefillRow] = field(default_factory=dict)
-    batch_uids: set[int] = field(default_factory=set)
-
-
-@dataclass(slots=True)
-class DecodingRow:
-    """A row that decoded alone (``single.SingleBackend.detach``), for ``BatchBackend.adopt``:
-    its cache holds the prompt and every token delivered; ``next_token`` (in flight) is the
-    next one to deliver."""
-
-    cache: list[Any]
-    next_token: mx.array
-    num_tokens: int
-    max_tokens: int
-    row: RowStream | None
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixReuse:
-    """How a keyed row reuses stored prefixes: blocks (or snapshots) are keyed by its tokens
-    and ``salt``; ``serial`` is the serialized lane's snapshot store (None elsewhere, where the
-    generator's prefix-cache manager holds the blocks)."""
-
-    salt: int
-    serial: SerialStore | None = None
-    # The request's ``prompt_cache_key``: the single lane keeps a finished row's KV resident
-    # for it and starts the key's next row from it (``prefix_cache.ResidentKV``).
-    key: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RowInput:
-    """One request's row, as every backend takes it."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: Sampling = field(default_factory=Sampling)
-    grammar: GrammarProcessor | None = None
-    # The model inputs of a prompt that is more than token ids (an image prompt's embeddings
-    # and positions, from the processor); None: the backend embeds ``prompt_ids`` itself.
-    prompt_inputs: dict[str, Any] | None = None
-    prefix: PrefixReuse | None = None
-    # Token logprobs with this many alternatives per position (None: not asked); only a
-    # backend whose ``reports_logprobs`` is true computes them.
-    logprobs: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RestoredPrefix:
-    """A row's prompt cache restored from the prefix cache (the serialized lane's snapshots):
-    it already holds the prompt's first ``prefilled`` tokens, ``cached`` of them from a stored
-    snapshot (the rest were prefilled for it just now)."""
-
-    prompt_cache: list[Any]
-    prefilled: int
-    cached: int
-
-
-class Backend(Protocol):
-    """What the engine drives, and what every backend does: ``BatchBackend`` (mlx-vlm),
-    ``single.SingleBackend``, ``serial.SerialBackend`` / ``InProcessBackend``,
-    ``text_loop.TextLoopBackend`` and ``text_batch.TextBatchBackend``. What only some do is
-    a capability of its own below (``HandsOff``, ``Adopts``, ``Speculates``,
-    ``PrefillsPartially``), asked with ``isinstance``."""
-
-    # Which lane this is: what the scheduler plans with, its row of ``lanes.LANES``.
-    kind: LaneName
-
-    def insert(self, row: RowInput) -> int: ...
-    def free_slots(self) -> int: ...
-    def remove(self, uid: int) -> bool:
-        """Drop a row; False when upstream cannot drop it yet (mid multi-row prefill)."""
-        ...
-
-    def forget(self, uid: int) -> None:
-        """The row finished on its own (stop or length): let go of what it held."""
-        ...
-
-    @property
-    def prefilling(self) -> bool:
-        """A prompt is mid-prefill (its prefix-cache blocks are leased until it ends)."""
-        ...
-
-    def step(self, *, observe_prefill: bool) -> StepResult: ...
-    def close(self) -> None: ...
-
-
-@runtime_checkable
-class HandsOff(Protocol):
-    """A lane whose one decoding row can move into a batch as is (the single lane's)."""
-
-    @property
-    def can_hand_off(self) -> bool:
-        """Its row decodes, its next token in flight: it can move now."""
-        ...
-
-    def detach(self) -> tuple[int, DecodingRow]:
-        """Give up the decoding row (only while ``can_hand_off``); the lane is empty afterwards."""
-        ...
-
-
-@runtime_checkable
-class Adopts(Protocol):
-    """A batch that takes a row another lane decoded (``HandsOff.detach``), its cache as is."""
-
-    def adopt(self, row: DecodingRow) -> int: ...
-
-
-@runtime_checkable
-class Speculates(Protocol):
-    """A lane that may draft with an MTP head and counts its rounds."""
-
-    def speculation_counters(self) -> tuple[int, float, int] | None:
-        """The drafter's lifetime (rounds, accepted, drafted) counters, or None without one."""
-        ...
-
-
-@runtime_checkable
-class PrefillsPartially(Protocol):
-    """A batch that must be told to admit a late prompt while its other rows decode."""
-
-    def allow_partial_prefill(self) -> None: ...
-
-
-def speculation_counters(backend: Backend) -> tuple[int, float, int] | None:
-    """``backend``'s MTP counters; None for a lane that never drafts."""
-    return backend.speculation_counters() if isinstance(backend, Speculates) else None
-
-
-@dataclass(slots=True)
-class Drafter:
-    model: Any
-    kind: str = "mtp"
 
 
 def make_logits_processors(sampling: Sampling) -> list[Any]:
@@ -541,6 +387,13 @@ def image_prompt_inputs(model: Any, processor: Any, prompt: str, images: list[An
     return [int(t) for t in input_ids[0].tolist()], kwargs
 
 
-def needs_positions(model: Any) -> bool:
-    model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
-    return model_type.startswith("qwen3_5")
+# mlx-lm's ``BatchKVCache`` keeps how many columns it holds in the private ``_idx``; the text
+# lane reads it to right-justify a merge and moves it when it drops leading padding.
+def kv_columns(cache: Any) -> int:
+    """The columns (positions) one layer's ``BatchKVCache`` holds."""
+    return int(cache._idx)
+
+
+def drop_kv_columns(cache: Any, shift: int) -> None:
+    """Say that ``cache`` lost its ``shift`` leading columns (its arrays already cut)."""
+    cache._idx -= shift

@@ -18,18 +18,18 @@ With ``EngineConfig.prefill_attention_ops`` (on by default) chunks of up to
 ``cuda_attention.SMALL_SCORES`` attention scores build no cuDNN plan at all, so the buckets
 matter for longer chunks only.
 
-Private upstream fields read here (mlx-lm >=0.31.3,<0.33, ``tests/test_backend_contract.py``):
-``PromptProcessingBatch._copy`` (the warm-up's prompt batch).
+The warm-up's prompt batch is mlx-lm's, padded to the buckets (``upstream.bucketed_prompt_batch``).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import Any
 
 import mlx.core as mx
+
+from .upstream import bucketed_prompt_batch
 
 __all__ = ["Buckets", "length_buckets", "warm", "width_buckets"]
 
@@ -67,48 +67,12 @@ class Buckets:
         return next((b for b in self.lengths if b >= longest), longest)
 
 
-@functools.cache
-def _bucketed_class() -> Any:
-    from mlx_lm.generate import PromptProcessingBatch
-
-    class BucketedPromptBatch(PromptProcessingBatch):
-        """mlx-lm's prompt batch, each chunk right-padded to its length bucket."""
-
-        buckets: Buckets
-
-        def _copy(self) -> Any:
-            new = PromptProcessingBatch._copy(self)
-            new.buckets = self.buckets
-            return new
-
-        def prompt(self, tokens: list[list[int]]) -> None:
-            longest = max((len(t) for t in tokens), default=0)
-            width = self.buckets.length(longest)
-            if not tokens or len(tokens) != len(self.uids) or width == longest:
-                super().prompt(tokens)  # already a bucket's shape (or upstream's error)
-                return
-            for have, new in zip(self.tokens, tokens):
-                have += new  # the tokens the KV cache holds, as upstream keeps them
-            lengths = [len(t) for t in tokens]
-            padding = [width - n for n in lengths]
-            inputs = mx.array([t + [0] * p for t, p in zip(tokens, padding)])
-            for c in self.prompt_cache:
-                c.prepare(lengths=lengths, right_padding=padding)
-            self.model(inputs, cache=self.prompt_cache)
-            for c in self.prompt_cache:
-                c.finalize()
-            mx.eval([c.state for c in self.prompt_cache])
-            mx.clear_cache()
-
-    return BucketedPromptBatch
-
-
 def warm(model: Any, buckets: Buckets) -> None:
     """Run one prefill at every (width, length) bucket on this thread (cuDNN keeps its plans per
     thread: call it on the worker)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    cls = _bucketed_class()
+    cls = bucketed_prompt_batch()
     t0 = time.perf_counter()
     for width in buckets.widths:
         for length in buckets.lengths:

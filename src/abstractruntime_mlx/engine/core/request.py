@@ -8,14 +8,30 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..controls import Sampling
-from ..errors import MLXRuntimeError
-from .grammar import GrammarProcessor
-from .prefix_break import PrefixBreak
+from ...controls import Sampling
+from ...errors import MLXRuntimeError
+from ..cache.prefix_break import PrefixBreak
 from .reports import PromptCacheReport, SpeculationPlan, SpeculationReport
-from .sampling import SampledLogprob
+
+if TYPE_CHECKING:
+    from ..model.grammar import GrammarProcessor
+
+
+@dataclass(frozen=True, slots=True)
+class SampledLogprob:
+    """The drawn token of one position, its log-probability and the ``top`` most likely
+    tokens there (``(token_id, logprob)``, most likely first), all read from the distribution
+    the row was sampled from: the model's log-softmax after the row's logits processors
+    (penalties, bias, grammar), before temperature and truncation (top-k / top-p / min-p).
+    ``text``: the token's share of the answer's text, the streaming detokenizer's segment for
+    it (set by the engine; the shares of an answer's tokens concatenate to its text)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    text: str | None = None
 
 
 class RequestStatus(IntEnum):

@@ -14,20 +14,21 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
-from . import cuda_attention
-from .backend import Backend, BatchBackend, Drafter, PrefillRow
+from ..backends.backend import BatchBackend
+from ..backends.rows import Backend, Drafter, PrefillRow
+from ..backends.serial import InProcessBackend, SerialBackend
+from ..backends.single import SingleBackend
+from ..backends.text_loop import TextLoopBackend
+from ..cache.prefix_cache import PrefixCache
+from ..model import cuda_attention
+from ..model.fused_projections import fuse_text_model
+from ..model.model import LoadedModel, Upstream
+from ..model.prefill_shapes import Buckets, warm
+from ..model.text_model import language_model, make_cache, supports_model, upstream_kv_cache
 from .config import EngineConfig
-from .fused_projections import fuse_text_model
 from .lanes import LANES
-from .model import Lane, LoadedModel
-from .prefill_shapes import Buckets, warm
-from .prefix_cache import PrefixCache
 from .request import EngineRequest, ExecutionMode, LaneName
 from .scheduler import NewGroup
-from .serial import InProcessBackend, SerialBackend
-from .single import SingleBackend
-from .text_loop import TextLoopBackend
-from .text_model import language_model, make_cache, supports_model
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +61,22 @@ class LaneFactory:
         self._prefix_cache = prefix_cache
         self._on_prefill = on_prefill
         # Both the single and the text lane need a plain KV cache per layer and no position ids.
-        plain_kv = loaded.lane == Lane.NATIVE and supports_model(loaded.model)
+        plain_kv = loaded.upstream == Upstream.NATIVE and supports_model(loaded.model)
         self._text_lm: Any = language_model(loaded.path, loaded.model) if plain_kv and config.text_lane else None
         self._text_ready = False  # fused and routed (on first use)
         self.buckets: Buckets | None = None  # the text lane's prefill shapes, where bounded
         # The lanes this model has (fixed at load; the scheduler reads them every step and closes
         # those the engine's options turn off).
-        self.model_lanes = _model_lanes(loaded.lane, plain_kv=plain_kv, text=self._text_lm is not None)
+        self.model_lanes = _model_lanes(loaded.upstream, plain_kv=plain_kv, text=self._text_lm is not None)
 
     def prepare(self) -> None:
         """At load, on the worker: route CUDA attention and warm the prefill shapes (the routing
         first: the warm-up runs the shapes the way serving will)."""
         cuda_attention.enable(decode=self._fused_decode_attention(), prefill=self._prefill_attention_ops())
+        if self._prefill_attention_ops():
+            # The batch lane's model: a keyed row's suffix over its restored prefix is a chunk
+            # of a new (queries, keys) shape every turn, a cuDNN plan each without this.
+            cuda_attention.install(getattr(self.loaded.model, "language_model", self.loaded.model))
         self.buckets = self._warmed_buckets()
 
     def build(self, new: NewGroup, head: EngineRequest | None) -> Backend:
@@ -105,18 +110,25 @@ class LaneFactory:
         )
 
     def single(self, new: NewGroup, head: EngineRequest | None) -> SingleBackend:
-        """A text-lane key's row may move into a text batch, so its cache is built from mlx-lm's
-        cache classes (the ones that batch merges)."""
+        """The row's forward is the text lane's model where there is one (fused and routed: a
+        keyed row's turns run at the text lane's speed); its cache is of the classes the batch
+        it may move into merges: mlx-lm's for a text-lane key, mlx-vlm's otherwise."""
         processor = self.loaded.processor
         tokenizer = getattr(processor, "tokenizer", processor)
-        lm = self.text_language_model() if new.key.lane == LaneName.TEXT else None
+        lm = self.text_language_model() if self._text_lm is not None else None
+        if lm is not None and new.key.lane == LaneName.TEXT:
+            cache: Callable[[], list[Any]] | None = lambda: make_cache(lm)  # noqa: E731
+        elif lm is not None:
+            cache = lambda: upstream_kv_cache(lm)  # noqa: E731
+        else:
+            cache = None
         return SingleBackend(
             self.loaded.model,
             stop_criteria=tokenizer.stopping_criteria,  # the batch's own eos test
             prefill_step_size=self.config.prefill_step_size,
             stream=self._stream,
             apc_manager=self._cache_manager_for(head),
-            make_cache=(lambda: make_cache(lm)) if lm is not None else None,
+            make_cache=cache,
             language_model=lm,
         )
 
@@ -188,10 +200,10 @@ class LaneFactory:
         return buckets
 
 
-def _model_lanes(lane: Lane, *, plain_kv: bool, text: bool) -> frozenset[LaneName]:
-    if lane == Lane.MLX_LM:
+def _model_lanes(lane: Upstream, *, plain_kv: bool, text: bool) -> frozenset[LaneName]:
+    if lane == Upstream.MLX_LM:
         return frozenset({LaneName.SERIAL})
-    if lane == Lane.MLX_VLM:
+    if lane == Upstream.MLX_VLM:
         return frozenset({LaneName.IN_PROCESS})
     lanes = {LaneName.BATCH}
     if plain_kv:

@@ -7,7 +7,7 @@ import queue
 from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Protocol
 
-from ..errors import EngineCrashed
+from ...errors import EngineCrashed
 from .request import END_OF_STREAM, EngineRequest, Outcome, PrefillObservation, TokenDelta
 
 PrefillCallback = Callable[[PrefillObservation], object]

@@ -6,8 +6,8 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..conversation import final_user_message
-from ..errors import InvalidRequest
+from ...conversation import final_user_message
+from ...errors import InvalidRequest
 
 
 def prepare_conversation(messages: Iterable[Mapping[str, Any]], *, num_images: int = 0) -> list[dict[str, Any]]:
