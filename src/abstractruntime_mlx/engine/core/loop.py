@@ -815,7 +815,11 @@ class Engine:
             layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"
         request.cache_layout = layout
         request.cache_counters = cache.counters()
-        return PrefixReuse(cache.admit(request, layout), serial=cache.serial if layout == "serial" else None)
+        return PrefixReuse(
+            cache.admit(request, layout),
+            serial=cache.serial if layout == "serial" else None,
+            key=request.prompt_cache_key,
+        )
 
     def _step_group(self) -> None:
         group = self._group
