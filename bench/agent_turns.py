@@ -3,6 +3,9 @@
     python bench/agent_turns.py                 # tiny dense-long model, 8 turns, sessions 1/4/8, in process + serve
     python bench/agent_turns.py --quick         # 4 turns, sessions 1/4, in process only
     python bench/agent_turns.py --json out.json # also write every figure
+    python bench/agent_turns.py --profile --turns 20  # one session: where each ms of a keyed turn goes
+    python bench/agent_turns.py --restart       # turns, a restart on the same SSD dir, the next turn
+    python bench/agent_turns.py --targets       # the resident-turn targets: 20 turns at 1 and 4, and --restart
 
 The conversation has the shape of the host's ReAct agent: a system prompt and tool schema of
 about 2,500 tokens (instructions plus 8 tool definitions, rendered by the chat template), the
@@ -269,6 +272,113 @@ def report(name: str, sessions: int, s: dict[str, Any], log: Any) -> None:
         log(f"  [{'ok' if ok else 'MISSED'}] {label}: {detail}")
 
 
+def restart(model: Path, system: str, schema: list[dict[str, Any]], turns: int, args: Any, log: Any) -> dict[str, Any]:
+    """Turns 1..N-1 on one engine with an SSD tier, then the engine closes (the tier flushes)
+    and turn N runs on a new engine over the same directory; turn N again on a fresh engine
+    with no cache is the cold figure."""
+    from abstractruntime_mlx import create_llm
+
+    disk = tempfile.TemporaryDirectory(prefix="bench-agent-turns-disk-")
+    options: dict[str, Any] = dict(mlx_batching=True, speculation=False)
+    engines = [create_llm("mlx", model=str(model), mlx_cache_disk_path=disk.name, **options)]
+    out: dict[str, Any] = {}
+
+    def generate(**kwargs: Any) -> Any:
+        calls = out.setdefault("calls", 0) + 1
+        out["calls"] = calls
+        if calls < turns:
+            return engines[0].generate(**kwargs)
+        engines[0].unload_model(engines[0].model)  # flushes the SSD tier, releases its lock
+        restarted = create_llm("mlx", model=str(model), mlx_cache_disk_path=disk.name, **options)
+        result = restarted.generate(**kwargs)
+        restarted.unload_model(restarted.model)
+        cold_llm = create_llm("mlx", model=str(model), **options)
+        cold = cold_llm.generate(**kwargs)
+        cold_llm.unload_model(cold_llm.model)
+        out["cold_ttft_ms"] = cold.metadata["execution"]["ttft_s"] * 1000
+        out["identical"] = list(result.token_ids or []) == list(cold.token_ids or [])
+        return result
+
+    rows = run_session(
+        generate, 0, system, schema, turns=turns, key="session:restart", obs_lines=args.observation_lines
+    )
+    last = rows[-1]
+    out["previous_prompt_tokens"] = rows[-2]["prompt_tokens"] if len(rows) > 1 else 0
+    disk.cleanup()
+    out.update(
+        turn=turns,
+        prompt_tokens=last["prompt_tokens"],
+        cached_tokens=last["cached_tokens"],
+        cached_fraction=last["cached_tokens"] / last["prompt_tokens"],
+        restarted_ttft_ms=last["ttft_s"] * 1000,
+    )
+    out["ratio"] = out["restarted_ttft_ms"] / out["cold_ttft_ms"]
+    log(
+        f"\nrestart: turn {turns} on a new engine over the same SSD dir: {out['cached_tokens']}/{out['prompt_tokens']} "
+        f"cached ({out['cached_fraction']:.1%}; the previous turn's prompt was {out['previous_prompt_tokens']}); "
+        f"TTFT {out['restarted_ttft_ms']:.1f} ms vs cold "
+        f"{out['cold_ttft_ms']:.1f} ms ({out['ratio']:.3f}); greedy identical to cold: {out['identical']}"
+    )
+    log(f"  [{'PASS' if out['cached_fraction'] >= 0.9 else 'FAIL'}] restart: >= 90% of the prompt cached")
+    log(f"  [{'PASS' if out['ratio'] <= 0.25 else 'FAIL'}] restart: TTFT <= 1/4 of cold")
+    return out
+
+
+def resident_targets(figures: dict[str, Any], log: Any) -> None:
+    """The resident-turn targets, over the in-process runs of ``--targets``."""
+    log("\ntargets (CPU, tiny model, ratios within one run):")
+    for run in figures["runs"]:
+        if run["path"] != "in process":
+            continue
+        later = [row["ratio"] for row in run["by_turn"][1:]]
+        worst = max(later) if later else float("inf")
+        log(
+            f"  [{'PASS' if worst <= 1 / 8 else 'FAIL'}] {run['sessions']} session(s): turn >= 2 TTFT on/off <= 1/8: worst {worst:.3f}"
+        )
+        by_turn = run["by_turn"]
+        if len(by_turn) >= 20:
+            growth = by_turn[19]["ttft_on_ms"] / by_turn[1]["ttft_on_ms"]
+            log(
+                f"  [{'PASS' if growth <= 1.2 else 'FAIL'}] {run['sessions']} session(s): TTFT growth turn 2 -> 20 "
+                f"<= 1.2x (on): {growth:.2f}x ({by_turn[1]['ttft_on_ms']:.0f} -> {by_turn[19]['ttft_on_ms']:.0f} ms)"
+            )
+
+
+def profile(llm: Any, system: str, schema: list[dict[str, Any]], turns: int, args: Any, log: Any) -> list[Any]:
+    """One keyed session, turn by turn, with the reuse path's pieces timed (``_turn_profile``)."""
+    import _turn_profile  # bench/_turn_profile.py
+
+    _turn_profile.install()
+    rows: list[dict[str, Any]] = []
+
+    def generate(**kwargs: Any) -> Any:
+        result = llm.generate(**kwargs)
+        rows.append({"ttft_ms": result.metadata["execution"]["ttft_s"] * 1000, "pieces": _turn_profile.take()})
+        return result
+
+    llm.prompt_cache_clear()
+    _turn_profile.take()
+    sessions = run_session(
+        generate, 0, system, schema, turns=turns, key="session:profile", obs_lines=args.observation_lines
+    )
+    labels = [label for label, *_ in _turn_profile.PIECES]
+    shown = [t for t in (2, 8, 20) if t <= turns]
+    log(f"\nprofile, 1 session, ms per piece (MLX synchronized after each; turns {shown}):")
+    log("  " + "piece".ljust(54) + "".join(f"turn {t:>3}".rjust(10) for t in shown))
+    for label in labels:
+        if any(rows[t - 1]["pieces"].get(label) for t in shown):
+            log("  " + label.ljust(54) + "".join(f"{rows[t - 1]['pieces'].get(label, 0.0):10.1f}" for t in shown))
+    log(
+        "  "
+        + "TTFT (engine, submit to first token)".ljust(54)
+        + "".join(f"{rows[t - 1]['ttft_ms']:10.1f}" for t in shown)
+    )
+    log("  " + "prompt / cached tokens".ljust(54) + "".join(
+        f"{sessions[t - 1]['prompt_tokens']:>5}/{sessions[t - 1]['cached_tokens']:<4}" for t in shown
+    ))  # fmt: skip
+    return [{**row, **{k: v for k, v in s.items() if k != "tokens"}} for row, s in zip(rows, sessions)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 turns, sessions 1 and 4, in process only")
@@ -301,11 +411,26 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="build a random bf16 checkpoint of this Qwen3 shape (32k context) instead",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="one session with reuse: the ms of each piece of a keyed turn (bench/_turn_profile.py)",
+    )
+    ap.add_argument(
+        "--restart",
+        action="store_true",
+        help="one keyed session with an SSD tier: its last turn runs on a new engine over the same directory",
+    )
+    ap.add_argument(
+        "--targets",
+        action="store_true",
+        help="20 turns at sessions 1 and 4 in process, then --restart; PASS/FAIL per target",
+    )
     ap.add_argument("--json", dest="json_out", default=None, help="write every figure here")
     args = ap.parse_args(argv)
-    turns = args.turns or (4 if args.quick else 8)
-    levels = args.sessions or ([1, 4] if args.quick else [1, 4, 8])
-    serve = (not args.quick) if args.serve is None else args.serve
+    turns = args.turns or (20 if args.targets else 4 if args.quick else 8)
+    levels = args.sessions or ([1, 4] if args.quick or args.targets else [1, 4, 8])
+    serve = (not (args.quick or args.targets)) if args.serve is None else args.serve
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -355,8 +480,29 @@ def main(argv: list[str] | None = None) -> int:
             report(name, sessions, summary, log)
             figures["runs"].append({"path": name, "sessions": sessions, **summary})
 
+    if args.restart and not args.targets:
+        llm.unload_model(llm.model)
+        figures["restart"] = restart(
+            model, system_prompt("restart", args.system_tokens, count), schema, turns, args, log
+        )
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(figures, indent=2, default=str))
+        scratch.cleanup()
+        return 0
+    if args.profile:
+        figures["profile"] = profile(llm, system_prompt("profile", args.system_tokens, count), schema, turns, args, log)
+        llm.unload_model(llm.model)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(figures, indent=2, default=str))
+        scratch.cleanup()
+        return 0
     measure("in process", llm)
     llm.unload_model(llm.model)
+    if args.targets:
+        figures["restart"] = restart(
+            model, system_prompt("restart", args.system_tokens, count), schema, min(turns, 8), args, log
+        )
+        resident_targets(figures, log)
     if serve:
         from http_serving import _free_port, _start_server  # bench/http_serving.py: serve on 127.0.0.1
 

@@ -225,7 +225,9 @@ def three_agents(llm, *, hints=None, pin=None):
 def tight_llm(make_llm, dense_model):
     probe = make_llm(dense_model, mlx_batching=True)
     result = ask(probe, "agent-a")
-    per_prompt = result.metadata["prompt_cache"]["apc"]["resident_bytes"]
+    # One prompt's blocks: the key's resident KV between turns is dropped before any block.
+    kept = probe.get_prompt_cache_stats()["memory"]["resident_kv"]["bytes"]
+    per_prompt = result.metadata["prompt_cache"]["apc"]["resident_bytes"] - kept
     probe.unload_model()
 
     def build():

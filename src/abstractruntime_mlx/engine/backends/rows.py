@@ -65,6 +65,9 @@ class PrefixReuse:
 
     salt: int
     serial: SerialStore | None = None
+    # The request's ``prompt_cache_key``: the single lane keeps a finished row's KV resident
+    # for it and starts the key's next row from it (``cache.resident.ResidentKV``).
+    key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

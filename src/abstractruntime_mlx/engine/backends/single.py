@@ -37,6 +37,10 @@ from .sampling import RowStream, sample_rows
 _CLEAR_CACHE_EVERY = 256  # tokens (mlx-lm's generate_step)
 
 
+def _same_type(a: object, b: object) -> bool:
+    return type(a) is type(b)
+
+
 class SingleBackend:
     """One request at a time on a plain KV cache, with the ``BatchBackend`` interface."""
 
@@ -77,8 +81,11 @@ class SingleBackend:
         self.uids: set[int] = set()
         self._prompt: list[int] = []
         self._salt: int | None = None  # a keyed row's prefix-cache salt
+        self._key: str | None = None  # and its key (its KV stays resident for it when it ends)
         self._restored: list[Any] = []  # the blocks it restored, held until its own are stored
         self._cached = 0
+        self._store_pending = False  # the prefill's blocks are stored the step after the first token
+        self._generated: list[int] = []  # tokens delivered, in order (fed to the cache after the prompt)
 
     # --- admission -------------------------------------------------------------------
     def insert(self, row: RowInput) -> int:
@@ -103,7 +110,10 @@ class SingleBackend:
         prompt_ids = row.prompt_ids
         self._prompt = list(prompt_ids)
         self._salt = row.prefix.salt if row.prefix is not None and self._apc is not None else None
+        self._key = row.prefix.key if self._salt is not None and row.prefix is not None else None
         self._restored, self._cached = self._restore(prompt_ids) if self._salt is not None else ([], 0)
+        self._store_pending = False
+        self._generated = []
         self._pending = list(prompt_ids[self._cached :])
         self._total = len(prompt_ids)
         self._next = None
@@ -125,6 +135,8 @@ class SingleBackend:
         if uid != self._uid:
             return
         self._uid = None
+        if self._store_pending:
+            self._store_prefix()
         self._cache, self._pending, self._next, self._row = [], [], None, None
         self._release_restored()
         self.uids.discard(uid)
@@ -132,13 +144,29 @@ class SingleBackend:
     @property
     def prefilling(self) -> bool:
         """A keyed row holds restored prefix-cache blocks until its prefill is stored."""
-        return bool(self._restored)
+        return bool(self._restored) or self._store_pending
 
     # --- prefix cache ----------------------------------------------------------------------
     def _restore(self, prompt_ids: list[int]) -> tuple[list[Any], int]:
-        """The prefix the cache holds for this row, copied into its plain cache: (the blocks,
-        held until the row's own are stored; how many prompt tokens they hold)."""
+        """The prefix the cache holds for this row, in its plain cache: the key's resident KV
+        when the prompt extends it, else the blocks copied in (the blocks, held until the
+        row's own are stored; how many prompt tokens the cache holds)."""
+        take = getattr(self._apc, "take_resident", None)
+        resident: list[Any] = []
+        kept = 0
+        if self._key is not None and take is not None:
+            resident, kept, extends = take(self._key, self._salt, prompt_ids)
+            if not (len(resident) == len(self._cache) and all(map(_same_type, resident, self._cache))):
+                kept = 0
+            # Extending the previous prompt (the usual next turn; its generation prompt is
+            # re-rendered, so its last few tokens differ): no block lookup. Broken earlier,
+            # blocks (another key's, an earlier turn's) may hold more.
+            if kept and extends:
+                return self._use_resident(resident, kept)
         blocks, tokens = self._apc.lookup_prefix(prompt_ids[:-1], extra_hash=self._salt)
+        if kept and kept >= tokens:
+            self._apc.release(blocks)
+            return self._use_resident(resident, kept)
         if tokens == 0:
             return [], 0
         for layer, cache in enumerate(self._cache):
@@ -147,11 +175,17 @@ class SingleBackend:
             cache.keys, cache.values, cache.offset = keys, values, tokens
         return blocks, tokens
 
+    def _use_resident(self, cache: list[Any], tokens: int) -> tuple[list[Any], int]:
+        self._cache = cache
+        self._apc.resident_used(tokens)
+        return [], tokens
+
     def _store_prefix(self) -> None:
         """Store the row's new full blocks (everything in its cache: the prompt but its last
         token) and let go of the restored ones, as a batch row's prefill ends."""
         from mlx_vlm.apc import commit_prefix_blocks
 
+        self._store_pending = False
         blocks, self._restored = self._restored, []
         commit_prefix_blocks(
             self._apc,
@@ -181,6 +215,8 @@ class SingleBackend:
         uid, token = self._uid, self._next
         if uid is None or token is None:
             raise RuntimeError("only a decoding row can move to a batch")
+        if self._store_pending:
+            self._store_prefix()
         row = DecodingRow(self._cache, token, self._num_tokens, self._max_tokens, self._row)
         self._cache, self._next, self._row, self._uid = [], None, None, None
         self.uids.discard(uid)
@@ -194,6 +230,8 @@ class SingleBackend:
             return result
         result.batch_uids = {uid}
         with mx.stream(self._stream), map_upstream_errors("a single-lane step"):
+            if self._store_pending:
+                self._store_prefix()
             if len(self._pending) > 1:
                 self._prefill_chunk()
                 if observe_prefill:
@@ -204,8 +242,9 @@ class SingleBackend:
             token = self._next
             first = token is None
             if token is None:
-                if self._salt is not None:
-                    self._store_prefix()
+                # The prefill's new blocks are stored on the next step: the first token goes
+                # out first (the cache keeps the prompt's positions as later tokens append).
+                self._store_pending = self._salt is not None
                 # The last prompt token gives the first generated one.
                 token = self._sample(mx.array(self._pending)[None])
                 self._pending = []
@@ -231,9 +270,23 @@ class SingleBackend:
         else:
             reason = None
         result.tokens.append(TokenEvent(uid, value, reason))
+        self._generated.append(value)
         if reason is not None:
+            self._keep_resident()
             self.forget(uid)
         return result
+
+    def _keep_resident(self) -> None:
+        """A keyed row that ended on its own leaves its whole KV for its key's next turn."""
+        keep = getattr(self._apc, "keep_resident", None)
+        if self._key is None or self._salt is None or keep is None or not self._cache:
+            return
+        if self._store_pending:
+            self._store_prefix()  # the blocks first: the fallback when the resident KV goes
+        # The cache holds the prompt, then each delivered token it was fed.
+        tokens = (self._prompt + self._generated)[: int(self._cache[0].offset)]
+        keep(self._key, self._salt, tokens, self._cache, len(self._prompt))
+        self._cache = []
 
     def _prefill_chunk(self) -> None:
         n = min(self._prefill_step_size, len(self._pending) - 1)

@@ -40,6 +40,7 @@ from ...errors import InvalidControls, PromptCacheFlushFailed, PromptCacheLocked
 from ..core.reports import ApcReport, PromptCacheReport
 from .cache_priority import CachePriorities, validate_hints, validate_pin
 from .prefix_break import find_break
+from .resident import ResidentKV
 from .upstream import (
     BLOCK_SIZE,
     VerifiedDiskStore,
@@ -372,6 +373,8 @@ class PrefixCache:
         self.budget = memory_budget(options.memory_max_gb)
         self.disk: DiskNamespace | None = None
         self._keys: OrderedDict[tuple[str, int], _KeyState] = OrderedDict()
+        # (key, salt) -> the key's latest prompt, its block owners not recorded yet (``_own``)
+        self._unowned: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
         self.totals = {"requests": 0, "hits": 0, "partial": 0, "misses": 0, "not_retained": 0}
         self.manager: Any = None
         self.serial: SerialStore | None = None
@@ -393,6 +396,7 @@ class PrefixCache:
             self.manager = self._native_manager(max_batch_size)
             self.manager.restore_align = restore_align
             self.manager.priorities = self.priorities
+            self.manager.resident = ResidentKV(self.manager.lock, min_tokens=BLOCK_SIZE, guard=GUARD_TOKENS)
             self.backend = "mlx_vlm_apc"
         else:
             self.serial = SerialStore(self.budget.max_bytes)
@@ -443,12 +447,32 @@ class PrefixCache:
         return salt
 
     def _own(self, request: Any, salt: int) -> None:
+        """Ownership is only read while hints or pins order eviction: until then a key's latest
+        prompt is noted and hashed when the first hint or pin arrives (``_own_noted``), so a
+        keyed turn without them hashes nothing."""
         manager = self.manager
-        if manager is None or request.prompt_cache_key is None:
+        key = request.prompt_cache_key
+        if manager is None or key is None:
+            return
+        if not self.priorities.active:
+            self._unowned[(key, salt)] = request.prompt_ids
+            self._unowned.move_to_end((key, salt))
+            while len(self._unowned) > _MAX_TRACKED_KEYS:
+                self._unowned.popitem(last=False)
+            return
+        self._own_noted()
+        self.priorities.own(key, block_hashes(request.prompt_ids, salt))
+
+    def _own_noted(self) -> None:
+        """Record the owners of the prompts noted while no hint or pin was set."""
+        manager = self.manager
+        if manager is None:
             return
         with manager.lock:
             self.priorities.prune(manager.hash_table, len(manager.hash_table))
-        self.priorities.own(request.prompt_cache_key, block_hashes(request.prompt_ids, salt))
+        while self._unowned:
+            (key, salt), prompt = self._unowned.popitem(last=False)
+            self.priorities.own(key, block_hashes(prompt, salt))
 
     # --- eviction hints and pins (``cache_priority``) --------------------------------------
     @property
@@ -460,12 +484,14 @@ class PrefixCache:
     def set_hints(self, hints: object, *, replace: bool = False) -> dict[str, Any]:
         """Steps-to-execution per key (None: no live run reaches it); merged unless ``replace``."""
         valid = validate_hints(hints)
+        self._own_noted()
         self.priorities.set_hints(valid, replace=replace)
         return {"eviction": self.eviction, "hinted_keys": len(self.priorities.hints), "updated": len(valid)}
 
     def pin(self, key: object, ttl_s: object) -> dict[str, Any]:
         """Keep ``key``'s blocks resident for ``ttl_s`` (a live request's need still wins)."""
         name, ttl = validate_pin(key, ttl_s)
+        self._own_noted()
         pin = self.priorities.pin(name, ttl)
         return {
             "eviction": self.eviction,
@@ -653,6 +679,7 @@ class PrefixCache:
                 "budget_source": self.budget.source,
                 "resident_bytes": self.resident_bytes(),
                 "entries": self._ram_entries(),
+                **({"resident_kv": self.manager.resident.stats()} if self.manager is not None else {}),
             },
             "disk": self._disk_stats(),
             "counters": counters,
@@ -696,6 +723,8 @@ class PrefixCache:
             store = self.manager.disk
             if store is not None:
                 store.flush()
+            if self.manager.resident is not None:
+                self.manager.resident.clear()
             self.manager.clear()
             if store is not None:
                 disk_removed = store.remove_all()
@@ -703,6 +732,7 @@ class PrefixCache:
             assert self.serial is not None
             self.serial.clear()
         self._keys.clear()
+        self._unowned.clear()
         self.priorities.owners.clear()  # hints and pins are the runtime's: they stay
         return {"scope": "all_keys", "ram_entries_removed": ram, "disk_files_removed": disk_removed}
 

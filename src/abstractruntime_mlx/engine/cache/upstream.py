@@ -58,6 +58,7 @@ from mlx_vlm.apc import DiskBlockStore
 
 from ...owned_files import open_owned, owned_fault, read_owned
 from .cache_priority import CachePriorities, eviction_order
+from .resident import NOTHING, ResidentKV, Taken
 
 log = logging.getLogger(__name__)
 
@@ -380,6 +381,7 @@ def counted_manager_class() -> type:
         _block_bytes = 0
         restore_align = BLOCK_SIZE
         priorities: CachePriorities | None = None
+        resident: ResidentKV | None = None
 
         def lookup_prefix(self, token_ids: Any, extra_hash: int = 0) -> tuple[list[Any], int]:
             """Upstream's lookup, cut to a multiple of ``restore_align`` tokens."""
@@ -394,7 +396,9 @@ def counted_manager_class() -> type:
         def _make_room(self, allocation_bytes: int = 0, *, retain_bytes: int = 0) -> bool:
             """Upstream's ``_make_room`` with the blocks evicted in the priorities' order; a
             store (``retain_bytes``) never evicts a pinned block, a live request's allocation
-            takes the oldest pin when nothing else is left."""
+            takes the oldest pin when nothing else is left. Resident KV (``resident``) goes
+            before any block."""
+            self._drop_resident(allocation_bytes, retain_bytes)
             priorities = self.priorities
             if priorities is None or not priorities.active:
                 return bool(super()._make_room(allocation_bytes, retain_bytes=retain_bytes))
@@ -428,6 +432,53 @@ def counted_manager_class() -> type:
             if evicted or self._memory_headroom() < required:
                 mx.clear_cache()
             return bool(resident + retain_bytes <= self.memory_max_bytes and self._memory_headroom() >= required)
+
+        # --- a key's KV between turns (``resident``) ----------------------------------
+        def keep_resident(self, key: str, salt: int, tokens: list[int], cache: list[Any], prompt_len: int) -> bool:
+            """Keep a finished row's KV for its key if it fits the budget and the free memory
+            with everything else held; older entries go first, blocks never."""
+            resident_kv = self.resident
+            if resident_kv is None or not resident_kv.keep(key, salt, tokens, cache, prompt_len):
+                return False
+            with self.lock:
+                held = self._resident_bytes_locked()
+            limit = min(self.memory_max_bytes, held + self._memory_headroom() - self.memory_reserve_bytes)
+            resident_kv.fit(held, limit)
+            return (key, salt) in resident_kv.entries
+
+        def take_resident(self, key: str, salt: int, prompt: list[int]) -> Taken:
+            """The key's resident KV for ``prompt`` (``ResidentKV.take``), cut as
+            ``lookup_prefix`` cuts a block restore where the alignment is not the block."""
+            if self.resident is None:
+                return NOTHING
+            align = self.restore_align if self.restore_align != BLOCK_SIZE else 1
+            return self.resident.take(key, salt, prompt, align=align)
+
+        def resident_used(self, tokens: int) -> None:
+            """A row starts from ``tokens`` of resident KV: a prefix hit, as a block lookup's."""
+            with self.lock:
+                self.stats.hits += 1
+            if self.resident is not None:
+                self.resident.tokens_taken += tokens
+
+        def _drop_resident(self, allocation_bytes: int, retain_bytes: int) -> None:
+            """Drop resident KV, oldest first, while the cache is over the target
+            ``_make_room`` evicts down to (the same sum as upstream's)."""
+            resident_kv = self.resident
+            if resident_kv is None or not resident_kv.entries:
+                return
+            required = self.memory_reserve_bytes + (
+                self._prefill_reserve_bytes + allocation_bytes
+                if retain_bytes
+                else max(self._prefill_reserve_bytes, allocation_bytes)
+            )
+            with self.lock:
+                resident = self._resident_bytes_locked()
+                target = max(
+                    0, min(self.memory_max_bytes - retain_bytes, resident + self._memory_headroom() - required)
+                )
+                while resident > target and resident_kv.entries:
+                    resident -= resident_kv.drop_oldest()
 
         def _evict_lru(self, *, cached_only: bool = False) -> Any:
             """An empty pooled block, else the first idle cached block in the priorities' order."""
@@ -482,7 +533,8 @@ def counted_manager_class() -> type:
             if held and not self._block_bytes:
                 self._block_bytes = int(held[0].resident_bytes())
             exact = sum(_cache_nbytes(entry.prompt_cache) for entry in self._exact_cache.values())
-            return len(held) * self._block_bytes + exact
+            kept = self.resident.nbytes if self.resident is not None else 0
+            return len(held) * self._block_bytes + exact + kept
 
     return CountedAPCManager
 

@@ -861,7 +861,12 @@ class Engine:
         salt = cache.admit(request, layout)
         if request.warm:
             request.warm_ram_tokens = cache.ram_prefix_tokens(request.prompt_ids, salt)
-        return PrefixReuse(salt, serial=cache.serial if layout == "serial" else None)
+        return PrefixReuse(
+            salt,
+            serial=cache.serial if layout == "serial" else None,
+            # A warm leaves shared blocks only: its key's resident KV is its real request's.
+            key=None if request.warm else request.prompt_cache_key,
+        )
 
     def _step_group(self) -> None:
         group = self._group

@@ -1,0 +1,118 @@
+"""A key's KV between turns: the whole cache of each key's last finished single-lane row.
+
+The key's next prompt usually extends the previous one (the transcript plus an answer and an
+observation): the row then starts from this KV trimmed to the prefix the two share and
+prefills only its new tokens, with no block lookup or gather. Blocks stay the fallback (other
+keys, a broken prefix, after eviction, the SSD tier). The bytes count in the prefix cache's RAM
+budget (the manager's ``_resident_bytes_locked``); an entry goes before any block when room is
+needed (its ``_make_room``) and is never kept at a block's expense (``keep_resident``).
+
+Worker thread only; the manager's lock guards the table for stats readers. No MLX import: the
+caches are the single lane's plain per-layer KV caches, used through ``offset``, ``trim``,
+``is_trimmable`` and ``nbytes``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+
+@dataclass(slots=True)
+class _Entry:
+    tokens: tuple[int, ...]  # the tokens whose KV ``cache`` holds, in order
+    cache: list[Any]  # one plain KV cache per layer (the single lane's layout)
+    nbytes: int
+    prompt_len: int  # how many of ``tokens`` were the row's prompt (the rest: its answer)
+
+
+class Taken(NamedTuple):
+    """What ``ResidentKV.take`` gives a row: the cache (empty when nothing is taken), how many
+    prompt tokens it holds, and whether the prompt extends the previous one (to its last
+    ``guard`` tokens: the re-rendered generation prompt), so no block could hold more."""
+
+    cache: list[Any]
+    tokens: int
+    extends: bool
+
+
+NOTHING = Taken([], 0, False)
+
+
+def _shared_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ResidentKV:
+    """One entry per (key, salt): the KV of the key's last finished row."""
+
+    def __init__(self, lock: Any, *, min_tokens: int, guard: int) -> None:
+        self.entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
+        self.nbytes = 0
+        self.tokens_taken = 0  # lifetime: prompt tokens rows started from resident KV
+        self.dropped = 0  # lifetime: entries dropped to make room
+        self._lock = lock
+        self._min_tokens = min_tokens  # less than this shared: take nothing (a block's worth)
+        self._guard = guard
+
+    def take(self, key: str, salt: int, prompt: list[int], *, align: int = 1) -> Taken:
+        """The key's KV trimmed to the prefix it shares with ``prompt`` (at least one prompt
+        token left to feed), cut to a multiple of ``align`` as a block restore is. The entry
+        leaves the table either way: the row owns the cache now."""
+        with self._lock:
+            entry = self.entries.pop((key, salt), None)
+            if entry is None:
+                return NOTHING
+            self.nbytes -= entry.nbytes
+        shared = min(_shared_prefix(entry.tokens, prompt), len(prompt) - 1)
+        shared -= shared % align
+        if shared < self._min_tokens:
+            return NOTHING
+        for layer in entry.cache:
+            layer.trim(layer.offset - shared)
+        return Taken(entry.cache, shared, shared + self._guard >= entry.prompt_len)
+
+    def keep(self, key: str, salt: int, tokens: list[int], cache: list[Any], prompt_len: int) -> bool:
+        """Keep ``cache`` (holding exactly ``tokens``, the first ``prompt_len`` of them the
+        row's prompt) for ``key``; the manager then fits the table to its budget."""
+        if not tokens or not all(getattr(layer, "is_trimmable", lambda: False)() for layer in cache):
+            return False
+        size = sum(int(layer.nbytes) for layer in cache)
+        with self._lock:
+            old = self.entries.pop((key, salt), None)
+            if old is not None:
+                self.nbytes -= old.nbytes
+            self.entries[(key, salt)] = _Entry(tuple(tokens), cache, size, prompt_len)
+            self.nbytes += size
+        return True
+
+    def drop_oldest(self) -> int:
+        """Drop the least recently kept entry (the caller holds the lock); returns its bytes."""
+        _, entry = self.entries.popitem(last=False)
+        self.nbytes -= entry.nbytes
+        self.dropped += 1
+        return entry.nbytes
+
+    def fit(self, held_bytes: int, max_bytes: int) -> None:
+        """Drop entries, oldest first, until everything held fits ``max_bytes``."""
+        with self._lock:
+            while self.entries and held_bytes > max_bytes:
+                held_bytes -= self.drop_oldest()
+
+    def clear(self) -> None:
+        with self._lock:
+            self.entries.clear()
+            self.nbytes = 0
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "entries": len(self.entries),
+            "bytes": self.nbytes,
+            "tokens_taken": self.tokens_taken,
+            "dropped": self.dropped,
+        }
