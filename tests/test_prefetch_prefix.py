@@ -224,3 +224,45 @@ def test_bad_engine_warm_calls_raise_typed_errors(make_llm, dense_model):
         with pytest.raises(InvalidPrefixWarm) as info:
             engine.warm_prefix(request)
         assert info.value.details["field"] == field
+
+
+def test_a_live_request_arriving_with_a_warm_runs_first_and_cancels_its_own_keys(make_llm, dense_model, monkeypatch):
+    """A warm and two live requests reach the worker in one turn (held by a control): the live
+    ones run first; the warm of a live request's own key is cancelled, the other one runs after."""
+    llm = make_llm(dense_model, mlx_batching=True)
+    engine = llm._engine
+    gate, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        gate.wait(30)
+
+    blocker = threading.Thread(target=engine.control, args=(hold,))
+    blocker.start()
+    assert held.wait(30)
+    other = {"messages": messages(SYSTEM_A, "Plan."), "prompt_cache_key": "w-other", "thinking": False}
+    own = {"messages": messages(SYSTEM_B, "Review."), "prompt_cache_key": "w-own", "thinking": False}
+    assert llm.prompt_cache_warm(**other)["queued"] and llm.prompt_cache_warm(**own)["queued"]
+    warms = {r.prompt_cache_key: r for r in engine._live.values() if r.warm}
+    submitted = []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda request, **kw: submitted.append(request) or submit(request, **kw))
+    results: list[object] = []
+    live = threading.Thread(
+        target=lambda: results.append(llm.generate("", max_output_tokens=4, temperature=0.0, **own))
+    )
+    live.start()
+    deadline = time.monotonic() + 30
+    while not any(not c.request.warm for c in list(engine._inbox) if hasattr(c, "request")):
+        assert time.monotonic() < deadline  # until the live request is in the inbox, behind the warms
+        time.sleep(0.001)
+    gate.set()
+    blocker.join()
+    live.join()
+    assert warms["w-own"].done.wait(30) and warms["w-other"].done.wait(30)
+    assert warms["w-own"].cancelled and warms["w-own"].started_at is None
+    assert not warms["w-other"].cancelled and warms["w-other"].started_at is not None
+    (result,), (live_request,) = results, submitted
+    assert result.token_ids and live_request.finished_at is not None
+    # the other key's warm waited for an idle engine: it began after the live request had finished
+    assert warms["w-other"].started_at > live_request.finished_at
