@@ -10,6 +10,7 @@ remote client rebuilds the same class from ``code``.
     │   ├── InvalidControls (400, invalid_controls)
     │   │   └── OptionRemoved (400, option_removed)   an option that no longer exists; the message says what replaced it
     │   │   └── StopTooLarge (400, stop_too_large)   a stop list over its count or byte limit
+    │   │   └── InvalidPrefixWarm (400, invalid_prefix_warm)   a prefix warm without a key, or with bad token ids
     │   ├── InvalidMedia (400, native_media_invalid)
     │   ├── ContextTooLong (400, context_too_long)
     │   ├── NoDrafter (400, no_drafter)
@@ -205,6 +206,13 @@ class PromptCachePathUnsafe(InvalidRequest):
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(message, details={"path": path})
         self.path = path
+
+
+class InvalidPrefixWarm(InvalidControls):
+    """A prefix warm (``warm_prefix`` / ``prompt_cache_warm``) the engine cannot run: no key,
+    no messages, bad token ids; ``details`` names the field."""
+
+    code = "invalid_prefix_warm"
 
 
 class EmbeddingsUnsupported(InvalidRequest):

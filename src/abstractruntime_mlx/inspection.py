@@ -39,7 +39,7 @@ from typing import TypeVar
 
 from .conversation import assemble_conversation
 from .errors import InvalidRequest, RunNotFound
-from .json_values import JSONObject, JSONValue, as_float, as_int, as_str, object_at
+from .json_values import JSONObject, JSONValue, array_at, as_float, as_int, as_str, object_at
 from .ledger import Ledger, ProgressRow, RunDetail, RunSummary, StepRow
 from .run_graph import RunGraph, display_labels, run_graph
 
@@ -169,6 +169,12 @@ class CallView:
     http: dict[str, object] = field(default_factory=dict)
     """A served call's HTTP request (``serve``): ``method``, ``route`` (``/v1/chat/completions``
     ...), ``stream``; empty for a flow's call."""
+    prefetched_tokens: int | None = None
+    """Of the cached tokens, those a prefix warm put in RAM before the call came
+    (``prompt_cache.prefetched_tokens``); None when no warm ran on its model's cache."""
+    prefix_warm: list[dict[str, object]] = field(default_factory=list)
+    """The warms this call started when it finished: the next nodes' prefixes (``node_id``,
+    ``prefix_only``, ``prompt_tokens``, ``queued`` or the ``reason`` not)."""
     prefix_break: str | None = None
     """Where the prompt broke its cache key's previous prompt (``prefix_break_text`` of
     ``prompt_cache.prefix_break``); None when it extended it, or had no key."""
@@ -780,6 +786,8 @@ def _call_view(
         speculation=dict(object_at(meta, "speculation")),
         prompt_cache=dict(object_at(meta, "prompt_cache")),
         prefix_break=prefix_break_text(object_at(object_at(meta, "prompt_cache"), "prefix_break")),
+        prefetched_tokens=as_int(object_at(meta, "prompt_cache").get("prefetched_tokens")),
+        prefix_warm=[dict(w) for w in array_at(meta, "prefix_warm") if isinstance(w, Mapping)],
         sibling_batch=dict(object_at(meta, "sibling_batch")),
         client=client,
         recorded=ended is not None,

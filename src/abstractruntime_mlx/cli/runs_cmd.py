@@ -570,12 +570,21 @@ def format_node(node_id: str, result: Mapping[str, object]) -> str:
         line = f"      prompt cache: key={cache.get('key')} {cache.get('outcome', '?')}"
         if cache.get("cached_tokens") is not None:
             line += f" cached={cache['cached_tokens']}/{usage.get('prompt_tokens', '?')} fed={cache.get('fed_tokens')}"
+        if cache.get("prefetched_tokens"):
+            line += f" prefetched={cache['prefetched_tokens']}"
         if cache.get("degraded_reason"):
             line += f" degraded: {cache['degraded_reason']}"
         lines.append(line)
         broke = prefix_break_text(object_at(cache, "prefix_break"), excerpts=True)
         if broke:
             lines.append(f"        {broke}")
+    for warm in array_at(meta, "prefix_warm"):
+        if isinstance(warm, dict):
+            state = "queued" if warm.get("queued") else f"not queued ({warm.get('reason')})"
+            part = "system prompt" if warm.get("prefix_only") else "prompt"
+            lines.append(
+                f"      prefix warm: {warm.get('node_id')}'s {part}, {warm.get('prompt_tokens')} tokens, {state}"
+            )
     if sibling.get("role") == "sibling":
         state = "prefetched" if sibling.get("used") else f"not used ({sibling.get('reason')})"
         lines.append(f"      sibling batch: {state}, launched by {sibling.get('trigger_node')}")

@@ -419,6 +419,13 @@ class ProviderRegistry:
             on_load(ModelLoad(model, size, "loaded", time.perf_counter() - started))
         return entry
 
+    def resident(self, model: str, options: Mapping[str, object] | None = None) -> _LocalEntry | None:
+        """The local provider for ``model`` with ``options`` when it is loaded already (None: not
+        loaded; nothing is loaded here)."""
+        merged = {**DEFAULT_PROVIDER_OPTIONS, **dict(options or {})}
+        with self._lock:
+            return self._local.get((model, _canonical(merged)))
+
     def _load(self, model: str, options: Mapping[str, object]) -> _LocalEntry:
         from ..provider import create_llm
 

@@ -49,6 +49,7 @@ from ..errors import (
     ContextTooLong,
     InvalidControls,
     InvalidMedia,
+    InvalidPrefixWarm,
     InvalidRequest,
     MLXRuntimeError,
     OptionRemoved,
@@ -344,6 +345,27 @@ class MLXProvider:
         """End ``key``'s pin (``released``: whether one was alive)."""
         name, _ = validate_pin(key, 1.0)
         return self._cache_command(lambda cache: cache.release(name))
+
+    def prompt_cache_warm(self, prompt: str = "", **kwargs: Any) -> dict[str, Any]:
+        """Put the prefix of a call that is coming in RAM before it comes: the same arguments as
+        ``generate`` (its ``messages``/``system_prompt``/``tools``, controls and ``prompt_cache_key``),
+        rendered as that call renders them. A warm runs only while the engine is idle, one prefill
+        chunk at a time, and a live request arriving cancels one still waiting (docs/prompt-cache.md). Returns at
+        once: ``queued``, or not with the ``reason``. ``InvalidPrefixWarm`` without a key or any text."""
+        return self.prompt_cache_warm_request(GenerationRequest.from_kwargs(prompt, **kwargs))
+
+    def prompt_cache_warm_request(self, request: GenerationRequest) -> dict[str, Any]:
+        """``prompt_cache_warm`` for a validated request (what a node would send)."""
+        if request.prompt_cache_key is None:
+            raise InvalidPrefixWarm("a warmed prefix needs a prompt_cache_key", field="prompt_cache_key", value=None)
+        if request.media or request.n > 1 or request.continuation is not None:
+            raise InvalidPrefixWarm(
+                "a warmed prefix is text messages of one answer (no media, n=1, no continuation)", field="messages"
+            )
+        if not any(isinstance(m.get("content"), str) and m["content"] for m in request.messages):
+            raise InvalidPrefixWarm("a warmed prefix needs some text in its messages", field="messages")
+        prepared = self._prepare(dataclasses.replace(request, progress=None))
+        return {"applied": True, **self._engine.warm_prefix(prepared.request).to_dict()}
 
     def _cache_command(self, command: Callable[[PrefixCache], dict[str, Any]]) -> dict[str, Any]:
         result = self._engine.prompt_cache_command(command)

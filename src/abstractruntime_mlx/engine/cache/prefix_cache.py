@@ -389,6 +389,9 @@ class PrefixCache:
             self.disk = DiskNamespace(options.disk_path, cache_identity(loaded, scope=options.scope))
         self.restore_align = restore_align
         self.priorities = CachePriorities()
+        # Blocks a prefix warm put in RAM that no request restored yet (``note_warm``).
+        self._warmed: OrderedDict[int, None] = OrderedDict()
+        self.warms = {"finished": 0, "blocks": 0, "restored_blocks": 0}
         if loaded.upstream == "native":
             self.manager = self._native_manager(max_batch_size)
             self.manager.restore_align = restore_align
@@ -614,7 +617,52 @@ class PrefixCache:
                 **delta, shared=shared, memory_max_bytes=self.budget.max_bytes, resident_bytes=self.resident_bytes()
             ),
             degraded_reason=degraded,
+            prefetched_tokens=self._take_warmed(prompt[:cached], key[1]) if self.warms["finished"] else None,
         )
+
+    # --- prefix warms (``warm``) -------------------------------------------------------------
+    def ram_prefix_tokens(self, prompt: list[int], salt: int) -> int:
+        """How many leading tokens of ``prompt`` RAM blocks hold now (the SSD tier not counted);
+        read under the manager's lock, so a caller thread may ask (``Engine.warm_prefix``)."""
+        manager = self.manager
+        if manager is None:
+            return 0
+        matched = 0
+        with manager.lock:
+            for i, block_hash in enumerate(block_hashes(prompt, salt)):
+                block = manager.hash_table.get(block_hash)
+                if block is None or block.token_ids != tuple(prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]):
+                    break
+                matched += BLOCK_SIZE
+        return matched
+
+    def note_warm(self, request: Any) -> int:
+        """A warm finished: remember the blocks of its prompt it put in RAM (those past what RAM
+        held when it was admitted, now resident), for the next report that restores them."""
+        manager = self.manager
+        if manager is None or request.cache_layout is None:
+            return 0
+        salt = self.salt(request, request.cache_layout)
+        first = request.warm_ram_tokens // BLOCK_SIZE
+        hashes = block_hashes(request.prompt_ids, salt)
+        with manager.lock:
+            added = [h for h in hashes[first:] if h in manager.hash_table]
+        for block_hash in added:
+            self._warmed[block_hash] = None
+            self._warmed.move_to_end(block_hash)
+        while len(self._warmed) > NUM_BLOCKS:
+            self._warmed.popitem(last=False)
+        self.warms["finished"] += 1
+        self.warms["blocks"] += len(added)
+        return len(added) * BLOCK_SIZE
+
+    def _take_warmed(self, restored: list[int], salt: int) -> int:
+        """The tokens of a restored prefix a warm put in RAM; each warmed block is counted once."""
+        taken = [h for h in block_hashes(restored, salt) if h in self._warmed]
+        for block_hash in taken:
+            del self._warmed[block_hash]
+        self.warms["restored_blocks"] += len(taken)
+        return len(taken) * BLOCK_SIZE
 
     # --- control ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -638,6 +686,7 @@ class PrefixCache:
             "requests": dict(self.totals),
             "keys_tracked": len(self._keys),
             "eviction": {"order": self.eviction, **self.priorities.stats()},
+            "warms": {**self.warms, "pending_blocks": len(self._warmed)},
         }
         return out
 

@@ -33,6 +33,7 @@ import atexit
 import logging
 import threading
 import time
+import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -64,6 +65,7 @@ from ..backends.rows import (
     speculation_counters,
 )
 from ..cache.prefix_cache import CacheOptions, PrefixCache, restore_alignment
+from ..cache.upstream import BLOCK_SIZE
 from ..model.model import LoadedModel, Upstream
 from .config import EngineConfig
 from .lane_factory import BackendFactory, LaneFactory
@@ -83,6 +85,7 @@ from .scheduler import (
 )
 from .stream import PrefillCallback, RequestStream
 from .threads import POOL, WorkerHandle
+from .warm import MAX_PENDING_WARMS, MIN_WARM_TOKENS, WARM_TTL_S, WarmReport, check_warm
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +193,7 @@ class Engine:
         self._cond = threading.Condition()
         self._inbox: deque[Command] = deque()
         self._waiting: deque[EngineRequest] = deque()
+        self._warms: deque[EngineRequest] = deque()  # prefix warms held until the engine is idle
         self._controls: deque[RunControl[Any]] = deque()
         self._group: _Group | None = None
         self._admitting: list[EngineRequest] = []  # taken from the queue, not yet in a group
@@ -408,11 +412,49 @@ class Engine:
         """Move the callers' commands into the worker's queues (under ``_cond``)."""
         while self._inbox:
             command = self._inbox.popleft()
-            if isinstance(command, Submit):
+            if isinstance(command, Submit) and command.request.warm:
+                self._warms.append(command.request)
+            elif isinstance(command, Submit):
+                self._give_way(command.request)
                 self._waiting.append(command.request)
                 self.stats.submitted += 1
             else:
                 self._controls.append(command)
+        now = time.perf_counter()
+        for warm in self._warms:
+            if now - warm.submitted_at > WARM_TTL_S:
+                warm.cancel_event.set()  # the engine stayed busy: its call has come and gone
+        if any(w.cancelled for w in self._warms):
+            # Into the queue, where ``_apply_cancels`` finishes them.
+            self._waiting.extend(w for w in self._warms if w.cancelled)
+            self._warms = deque(w for w in self._warms if not w.cancelled)
+        if self._warms and not self._waiting and self._group is None:
+            # One at a time, and only onto an idle engine: a live request never waits behind it,
+            # and no running row's steps get longer for it.
+            warm = self._warms.popleft()
+            if self._warmed_already(warm):
+                warm.cancel_event.set()  # another warm or request stored it meanwhile
+            self._waiting.append(warm)
+            self.stats.submitted += 1
+
+    def _warmed_already(self, warm: EngineRequest) -> bool:
+        cache = self.prefix_cache
+        if cache is None:
+            return False
+        target = list(warm.warm_target)
+        resident = cache.ram_prefix_tokens(target, cache.salt(warm, "batch"))
+        return resident + MIN_WARM_TOKENS > _warm_goal(target)
+
+    def _give_way(self, live: EngineRequest) -> None:
+        """A live request arrived (under ``_cond``): a warm still waiting in the queue is cancelled,
+        and so is a held warm of the same key (its request is here). An admitted warm goes on:
+        it feeds one prefill chunk at most, so it holds a live request back one step at most."""
+        for warm in self._warms:
+            if warm.prompt_cache_key == live.prompt_cache_key:
+                warm.cancel_event.set()
+        for request in self._waiting:
+            if request.warm:
+                request.cancel_event.set()
 
     def _worker_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -428,7 +470,7 @@ class Engine:
                 "rejected": self._rejected,
                 "peak_batch_size": self.stats.peak_batch_size,
                 "queued": self._num_waiting(),
-                "active": len(self._live) - len(self._waiting) - pending,
+                "active": len(self._live) - len(self._waiting) - len(self._warms) - pending,
                 "closed": self._closed,
                 "state": self.state,
                 "max_batch_size": self.config.max_batch_size,
@@ -657,6 +699,7 @@ class Engine:
         for request in list(self._live.values()):
             self._finish(request, RequestStatus.FINISHED_CANCELLED, error=error, locked=True)
         self._waiting.clear()
+        self._warms.clear()
         while self._controls:
             item = self._controls.popleft()
             item.error = RuntimeClosed("the MLX engine closed before running the control")
@@ -815,10 +858,14 @@ class Engine:
             layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"
         request.cache_layout = layout
         request.cache_counters = cache.counters()
+        salt = cache.admit(request, layout)
+        if request.warm:
+            request.warm_ram_tokens = cache.ram_prefix_tokens(request.prompt_ids, salt)
         return PrefixReuse(
-            cache.admit(request, layout),
+            salt,
             serial=cache.serial if layout == "serial" else None,
-            key=request.prompt_cache_key,
+            # A warm leaves shared blocks only: its key's resident KV is its real request's.
+            key=None if request.warm else request.prompt_cache_key,
         )
 
     def _step_group(self) -> None:
@@ -948,6 +995,12 @@ class Engine:
         cache = self.prefix_cache
         if cache is None or request.cache_counters is None or request.cache_layout is None:
             return request.prompt_cache
+        if request.warm:
+            # A warm reports nothing of its own: what it stored is counted by the request restoring it.
+            if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                cache.note_warm(request)
+                self._warm_next_chunk(request, cache)
+            return None
         try:
             return cache.report(
                 request, request.cache_counters, shared=request.peak_batch_size > 1, layout=request.cache_layout
@@ -970,6 +1023,74 @@ class Engine:
         """Run one prefix-cache command (eviction hints, pin, release) on the worker between
         steps; None when this model has no prefix cache."""
         return self.control(lambda: command(self.prefix_cache) if self.prefix_cache is not None else None)
+
+    def _warm_next_chunk(self, done: EngineRequest, cache: PrefixCache) -> None:
+        """Hold the warm of the next chunk of ``done``'s prefix, where RAM does not hold it all yet."""
+        target = list(done.warm_target)
+        covered = cache.ram_prefix_tokens(target, cache.salt(done, done.cache_layout or "batch"))
+        if covered <= done.warm_ram_tokens or covered + MIN_WARM_TOKENS > _warm_goal(target):
+            return  # done, or no progress (not stored: the budget): stop rather than spin
+        chunk = EngineRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_ids=target[: covered + self.config.prefill_step_size],
+            max_tokens=1,
+            sampling=done.sampling,
+            prompt_cache_key=done.prompt_cache_key,
+            media_hash=done.media_hash,
+            warm=True,
+            warm_target=done.warm_target,
+        )
+        with self._cond:
+            self._live[chunk.request_id] = chunk
+            self._warms.append(chunk)
+
+    def warm_prefix(self, request: EngineRequest) -> WarmReport:
+        """Put keyed ``request``'s prompt prefix in RAM ahead of the request that will need it
+        (``warm``): held as a warm (one prefill chunk a request, its token dropped) that runs
+        only while the engine is idle, unless RAM already
+        holds every full block of it, its key's request is live, or this model cannot share
+        blocks. Returns at once: the RAM blocks are read on the caller's thread, under the
+        cache manager's lock (as its stats are)."""
+        key, prompt_ids = check_warm(request.prompt_cache_key, request.prompt_ids)
+        loaded, cache = self.serving_model(), self.prefix_cache
+
+        def refused(reason: str, resident: int = 0) -> WarmReport:
+            return WarmReport(key, len(prompt_ids), resident, queued=False, reason=reason)
+
+        if cache is None:
+            return refused("prefix_cache_not_loaded")
+        if cache.manager is None or loaded.upstream == Upstream.MLX_VLM:
+            return refused("lane_without_blocks")
+        if request.draft_tokens:
+            return refused("speculation")
+        salt = cache.salt(request, "batch")
+        resident = cache.ram_prefix_tokens(prompt_ids, salt)
+        if _warm_goal(prompt_ids) < MIN_WARM_TOKENS:
+            return refused("prompt_too_short", resident)
+        if resident + MIN_WARM_TOKENS > _warm_goal(prompt_ids):
+            return refused("already_resident", resident)
+        with self._cond:
+            self._check_serving()
+            if any(r.prompt_cache_key == key and not r.warm for r in self._live.values()):
+                return refused("request_live", resident)  # it stores the prefix itself
+            held = [r for r in self._live.values() if r.warm and not r.is_finished()]
+            if len(held) >= MAX_PENDING_WARMS:
+                return refused("warm_queue_full", resident)
+            target = tuple(prompt_ids)
+            if any(r.warm_target == target and cache.salt(r, "batch") == salt for r in held):
+                return refused("warm_in_flight", resident)  # the same blocks: another key's warm stores them
+            for older in held:
+                if older.prompt_cache_key == key and older.status == RequestStatus.WAITING:
+                    older.cancel_event.set()  # the newer prefix of the same key replaces it
+            request.warm = True
+            request.warm_target = target
+            request.prompt_ids = prompt_ids[: resident + self.config.prefill_step_size]  # one chunk
+            request.max_tokens = 1
+            request.submitted_at = time.perf_counter()
+            self._live[request.request_id] = request
+            self._inbox.append(Submit(request))
+            self._cond.notify_all()
+        return WarmReport(key, len(prompt_ids), resident, queued=True)
 
     def _account(self, request: EngineRequest, status: RequestStatus) -> None:
         self._live.pop(request.request_id, None)
@@ -998,6 +1119,7 @@ class Engine:
             self._take_commands()
             live = list(self._live.values())
             self._waiting.clear()
+            self._warms.clear()
             controls = list(self._controls)
             self._controls.clear()
         for request in live:
@@ -1005,6 +1127,12 @@ class Engine:
         for item in controls:
             item.error = error
             item.done.set()
+
+
+def _warm_goal(prompt_ids: list[int]) -> int:
+    """The RAM coverage at which a prefix counts as warm: every full block but the last (a
+    request always feeds its prompt's last tokens itself)."""
+    return len(prompt_ids) - len(prompt_ids) % BLOCK_SIZE - BLOCK_SIZE
 
 
 class _SharedPrefixes:

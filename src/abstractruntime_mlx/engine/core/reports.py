@@ -142,7 +142,8 @@ class ApcReport:
 @dataclass(frozen=True, slots=True)
 class PromptCacheReport:
     """``metadata["prompt_cache"]`` of a keyed request: ``outcome`` is ``hit``, ``partial``,
-    ``miss`` or ``not_retained`` (measured by the cache, with the counts and ``apc``),
+    ``miss`` or ``not_retained`` (measured by the cache, with the counts, ``apc`` and, once a
+    prefix warm ran on this cache, ``prefetched_tokens``),
     ``not_supported`` (with ``reason``/``message``) or ``not_reached`` (it ended first)."""
 
     key: str | None
@@ -154,6 +155,8 @@ class PromptCacheReport:
     degraded_reason: str | None = None
     reason: str | None = None
     message: str | None = None
+    # Of ``cached_tokens``, those a prefix warm put in RAM (None: no warm ran on this cache).
+    prefetched_tokens: int | None = None
 
     def to_wire(self, prefix_break: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The wire dict; ``prefix_break`` is the located break (``prefix_break.attribute``)."""
@@ -163,6 +166,8 @@ class PromptCacheReport:
         out["outcome"] = self.outcome
         if self.apc is not None:
             out["apc"] = self.apc.to_wire()
+        if self.prefetched_tokens is not None:
+            out["prefetched_tokens"] = self.prefetched_tokens
         for name in ("degraded_reason", "reason", "message"):
             value = getattr(self, name)
             if value is not None:

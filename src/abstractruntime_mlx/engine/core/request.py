@@ -199,6 +199,10 @@ class EngineRequest:
     cancel_event: threading.Event = field(default_factory=threading.Event)
     grammar: GrammarProcessor | None = None  # structured output: this request's own matcher
     logprobs: int | None = None  # token logprobs with this many alternatives each (None: off)
+    # A prefix warm (``core.warm``): runs only while the engine is idle, its token is dropped;
+    # ``warm_target`` is the whole prefix it warms, one prefill chunk a request.
+    warm: bool = False
+    warm_target: tuple[int, ...] = ()
 
     status: RequestStatus = RequestStatus.WAITING
     mode: ExecutionMode | None = None
@@ -215,6 +219,7 @@ class EngineRequest:
     speculation_deferred: bool = False  # optional MTP admitted target-only under load
     cache_counters: dict[str, int] | None = None  # prefix-cache counters at admission
     cache_layout: str | None = None
+    warm_ram_tokens: int = 0  # a warm's prompt tokens already in RAM when it was admitted
     prompt_cache: PromptCacheReport | None = None  # set at admission where the lane reuses no prefix
     prefix_break: PrefixBreak | None = None  # set with ``prompt_cache`` when the prompt broke its key's prefix
     stop_reason: str | int | None = None  # the matched stop string or end-of-sequence id (``Outcome``)

@@ -28,7 +28,7 @@ from ...errors import (
     PolicyError,
     SpeculationUnavailable,
 )
-from ...json_values import JSONObject, object_at
+from ...json_values import JSONObject, JSONValue, object_at
 from ...ledger import Ledger, NodeKey
 from ...nodes import LLMNode, ModelLoad, NodeRequest, NodeResult, PreparedCall
 from ...nodes.llm_node import ClientKind
@@ -96,6 +96,7 @@ class LLMCallHandler:
         runtime_progress: RuntimeProgress = "auto",
         routing: Routing | None = None,
         cache_hints: RunCacheHints | None = None,
+        prefix_warm: bool = True,
     ) -> None:
         if runtime_progress not in ("auto", "always", "never"):
             raise ValueError(f"runtime_progress must be 'auto', 'always' or 'never' (got {runtime_progress!r})")
@@ -103,6 +104,7 @@ class LLMCallHandler:
         self.flows = flows or FlowCatalog()
         self.prefetcher = prefetcher
         self.cache_hints = cache_hints or RunCacheHints()
+        self.prefix_warm = prefix_warm
         self.model = model
         self.force_model = force_model
         self.server_base_url = server_base_url
@@ -179,6 +181,10 @@ class LLMCallHandler:
             self.cache_hints.after_call(
                 run.run_id, node_id, request.prompt_cache_key, agent=index.node_types.get(node_id) == "agent"
             )
+        if self.prefix_warm and index is not None and result.generation.finish_reason != "cancelled":
+            warmed = self._warm_next(run, index, node_id)
+            if warmed:
+                extra["prefix_warm"] = warmed
         result.extra_metadata.update(extra)
         body = result.to_runtime_result()
         if result.generation.finish_reason == "cancelled":
@@ -209,6 +215,38 @@ class LLMCallHandler:
         hints = run_hints(index.steps_from(node_id), index.llm_nodes, key_of, (node_id, key))
         self.cache_hints.before_call(target, run.run_id, node_id, hints)
         return target
+
+    def _warm_next(self, run: RunView, index: FlowIndex, node_id: str) -> list[JSONValue]:
+        """Warm the predictable prefix of each ``llm_call`` node this one enables, in the local
+        model that will serve it when that model is resident (``RunCacheHints.warm``); what each
+        warm did, by node."""
+        warmed: list[JSONValue] = []
+        for later in index.next_llm_nodes(node_id):
+            try:
+                payload = index.prefix_payload(later, run.vars)
+            except Unpredictable as exc:
+                log.debug("no prefix warm for %s: %s", later, exc)
+                continue
+            prefix_only = bool(payload.pop("prefix_only", False))
+            try:
+                request, _ = self._request(run, later, payload, index.node_config(later))
+                model = request.model or self.node.default_model
+                if request.prompt_cache_key is None or request.base_url or not model:
+                    continue
+                if self.node.registry.resident(model, self.node.provider_options) is None:
+                    continue  # a warm never loads a model: the node's own call does
+                prepared = self.node.prepare(request)
+            except MLXRuntimeError as exc:
+                # Its own turn raises the same error on the tick thread, where it belongs.
+                log.debug("no prefix warm for %s: %s", later, exc.message)
+                continue
+            if prepared.client_kind != ClientKind.LOCAL or prepared.model is None:
+                continue
+            target: CacheHintTarget = self.node.registry.local(prepared.model, self.node.provider_options).provider
+            report = self.cache_hints.warm(target, prepared.request)
+            if report is not None:
+                warmed.append({"node_id": later, "prefix_only": prefix_only, **report})
+        return warmed
 
     def _load_recorder(self, key: NodeKey, seen: list[ModelLoad]) -> Callable[[ModelLoad], None]:
         """Tells the ledger (a ``load`` phase row of this call) when the call's model starts and

@@ -50,6 +50,8 @@ class PackSettings:
     ``provider_options``: load-time options of local providers (``mlx_batching`` is on by
     default). ``server_base_url``: send every node to a remote server unless it names its own.
     ``sibling_batching``: prefetch independent sibling branches (``prefetch``).
+    ``prefix_warm``: when an LLM node finishes, warm the predictable prefix of the LLM nodes it
+    enables in the local model's prefix cache (``prompt_cache.RunCacheHints.warm``).
     ``record_progress=False``: no progress rows (everything else unchanged).
     ``runtime_progress``: when phase events also go to AbstractRuntime's progress channel
     (``handler``). ``routes``: ``--route`` specs (``"lmstudio=mlx:/models/qwen"``,
@@ -67,6 +69,7 @@ class PackSettings:
     provider_options: Mapping[str, object] | None = None
     server_base_url: str | None = None
     sibling_batching: bool = True
+    prefix_warm: bool = True
     record_progress: bool = True
     runtime_progress: RuntimeProgress = "auto"
     effect_policy: EffectPolicy | None | Unset = UNSET
@@ -161,6 +164,7 @@ class PackOptions(TypedDict, total=False):
     provider_options: Mapping[str, object] | None
     server_base_url: str | None
     sibling_batching: bool
+    prefix_warm: bool
     record_progress: bool
     runtime_progress: RuntimeProgress
     effect_policy: EffectPolicy | None | Unset
@@ -217,6 +221,7 @@ def build_pack(
         force_model=settings.force_model,
         server_base_url=settings.server_base_url,
         runtime_progress=settings.runtime_progress,
+        prefix_warm=settings.prefix_warm,
         routing=Routing.build(
             default_model=settings.model,
             serve_all=settings.force_model,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Final
 
 from ...json_values import array_at, nests_deeper_than, object_at, parse_ascii_int
-from .prediction import LLM_NODE_TYPES, Unpredictable, plan_payload, resolve_payload, steps_to_llm_nodes
+from .prediction import LLM_NODE_TYPES, Unpredictable, plan_payload, plan_prefix, resolve_payload, steps_to_llm_nodes
 
 __all__ = [
     "BRANCHING_NODE_TYPES",
@@ -107,6 +107,7 @@ class FlowIndex:
         }
         self._flow = flow
         self._steps: dict[str, dict[str, int]] = {}
+        self._prefixes: dict[str, dict[str, object] | str] = {}  # node -> prefix template, or why none
         self.node_types = {node_id: str(node.get("type")) for node_id, node in nodes.items()}
         self.llm_nodes = tuple(node_id for node_id, kind in self.node_types.items() if kind in LLM_NODE_TYPES)
         edges = [e for e in array_at(flow, "edges") if isinstance(e, Mapping)]
@@ -153,6 +154,27 @@ class FlowIndex:
         if node_id not in self._steps:
             self._steps[node_id] = steps_to_llm_nodes(self._flow, node_id)
         return self._steps[node_id]
+
+    def next_llm_nodes(self, node_id: str) -> list[str]:
+        """The LLM nodes ``node_id`` enables: those it reaches over the fewest execution edges."""
+        steps = self.steps_from(node_id)
+        nearest = min(steps.values(), default=0)
+        return [node for node, distance in steps.items() if distance == nearest and node != node_id]
+
+    def prefix_payload(self, node_id: str, run_vars: Mapping[str, object]) -> dict[str, object]:
+        """The payload of ``llm_call`` node ``node_id``'s predictable prefix for one run
+        (``prediction.plan_prefix``); raises ``Unpredictable``."""
+        if node_id not in self._prefixes:
+            try:
+                if self.node_types.get(node_id) != "llm_call":
+                    raise Unpredictable(f"a {self.node_types.get(node_id)} node's prompt is built by its agent")
+                self._prefixes[node_id] = plan_prefix(self._flow, node_id)
+            except Unpredictable as exc:
+                self._prefixes[node_id] = str(exc)
+        template = self._prefixes[node_id]
+        if isinstance(template, str):
+            raise Unpredictable(template)
+        return resolve_payload(template, run_vars)
 
     def later_siblings(self, node_id: str) -> list[SiblingCall]:
         """Predictable ``llm_call`` branches after ``node_id``'s branch, in pin order."""

@@ -14,7 +14,8 @@ accepted.
 (``llm_call``, ``agent``) is from a node: what the prefix cache's eviction hints are made of.
 
 ``plan_payload(flow, node_id)`` returns a payload template whose values may be expressions
-over the run's vars; ``resolve_payload(template, run_vars)`` computes it for one run. A
+over the run's vars; ``resolve_payload(template, run_vars)`` computes it for one run.
+``plan_prefix`` is the part of it a prefix warm can send before the node's prompt is known. A
 prediction is only ever a guess: the handler uses a prefetched result only when the real
 request's fingerprint matches.
 """
@@ -30,7 +31,7 @@ from abstractruntime.visualflow_compiler.visual.builtins import get_builtin_hand
 
 from ...json_values import array_at, object_at, to_float, to_int
 
-__all__ = ["LLM_NODE_TYPES", "Unpredictable", "plan_payload", "resolve_payload", "steps_to_llm_nodes"]
+__all__ = ["LLM_NODE_TYPES", "Unpredictable", "plan_payload", "plan_prefix", "resolve_payload", "steps_to_llm_nodes"]
 
 # effectConfig keys a predicted request honours; anything else makes the node unpredictable.
 PREDICTABLE_CONFIG: Final = frozenset(
@@ -251,6 +252,34 @@ def plan_payload(flow: Mapping[str, object], node_id: str) -> dict[str, object]:
     # fail now on constants that cannot be a request (a wrong type would fail at run time too)
     if not any(isinstance(v, _EXPRESSIONS) for v in (*payload.values(), *params.values())):
         resolve_payload(payload, {})
+    return payload
+
+
+def plan_prefix(flow: Mapping[str, object], node_id: str) -> dict[str, object]:
+    """The payload template of the predictable prefix of ``llm_call`` node ``node_id``: its whole
+    payload where ``plan_payload`` predicts it, else the node with its prompt left empty (its
+    system prompt and controls), marked ``"prefix_only": True``, when the prompt is the one
+    input wired from a node that runs first (an earlier node's answer); raises ``Unpredictable``."""
+    try:
+        return plan_payload(flow, node_id)
+    except Unpredictable as whole:
+        wired = _Graph(flow).inputs.get(node_id, {})
+        if "prompt" not in wired:
+            raise
+        edges = [
+            e
+            for e in array_at(flow, "edges")
+            if not (isinstance(e, Mapping) and str(e.get("target")) == node_id and e.get("targetHandle") == "prompt")
+        ]
+        try:
+            payload = plan_payload({**flow, "edges": edges}, node_id)
+        except Unpredictable:
+            raise whole from None
+    system = payload.get("system_prompt")
+    if not system and not isinstance(system, _EXPRESSIONS):
+        raise Unpredictable("the prompt is not known and the node has no system prompt")
+    payload["prompt"] = ""
+    payload["prefix_only"] = True
     return payload
 
 

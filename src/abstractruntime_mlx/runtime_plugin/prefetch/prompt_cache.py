@@ -34,7 +34,8 @@ from typing import Final, Protocol
 from abstractruntime.integrations.abstractcore.effect_handlers import _maybe_inject_prompt_cache_key
 
 from ...errors import InvalidRequest, MLXRuntimeError
-from ...json_values import object_at
+from ...json_values import JSONValue, object_at
+from ...request import GenerationRequest
 
 __all__ = ["CallIdentity", "RunCacheHints", "node_prompt_cache_key", "run_hints"]
 
@@ -115,6 +116,8 @@ class CacheHintTarget(Protocol):
 
     def prompt_cache_release(self, key: str) -> Mapping[str, object]: ...
 
+    def prompt_cache_warm_request(self, request: GenerationRequest) -> Mapping[str, object]: ...
+
 
 def run_hints(
     steps: Mapping[str, int], llm_nodes: Iterable[str], key_of: Callable[[str], str | None], current: tuple[str, str]
@@ -170,6 +173,21 @@ class RunCacheHints:
                 return
             state.pinned = (node_id, key)
         _quietly(state.target.prompt_cache_pin, key, self.pin_ttl_s)
+
+    def warm(self, target: CacheHintTarget, request: GenerationRequest) -> dict[str, JSONValue] | None:
+        """Warm ``request``'s prompt prefix in ``target``'s prefix cache (a later node's, before
+        it runs): what the cache did (``queued``, or the ``reason`` not), or None when the
+        command failed (logged: a warm only saves time)."""
+        try:
+            report = target.prompt_cache_warm_request(request)
+        except MLXRuntimeError as exc:
+            log.warning("prefix warm not applied: [%s] %s", exc.code, exc.message)
+            return None
+        return {
+            name: value
+            for name, value in report.items()
+            if name in ("queued", "reason", "prompt_tokens", "resident_tokens") and isinstance(value, (bool, int, str))
+        }
 
     def finish_run(self, run_id: str) -> None:
         with self._lock:
