@@ -13,13 +13,16 @@ attention with that start per row, reading the cache's keys and values in place.
 Prefill, why: MLX sends a prompt chunk's attention to cuDNN, which builds (and NVRTC-compiles)
 a plan for every (rows, queries, keys) shape it has not met on this thread: 41-718 ms of host
 time each on the H200 (about 1 s the first time in a process), for a chunk whose attention then
-computes in about a millisecond. A server's prompt batches take their widths from arrivals
-and their lengths from the prompts, so it keeps meeting new shapes (``docs/benchmarks.md``), and
-a keyed request meets one on every reused turn (its suffix over the prefix restored from the
-prefix cache). The attention here is MLX's own unfused formula, written out: two matmuls and a
-softmax, whose kernels are built once, whatever the shape; a chunk of more than
-``SMALL_SCORES`` scores runs in pieces of its queries, which bounds the scores' memory (warm,
-the plain ops measured 0.55-0.84x cuDNN's time at the largest sizes, so no size is left to it).
+computes in about a millisecond. A
+server's prompt batches take their widths from arrivals and their lengths from the prompts,
+so it keeps meeting new shapes (``docs/benchmarks.md``). For chunks whose score matrix is small
+(``SMALL_SCORES``) the attention here is MLX's own unfused formula, written out: two matmuls and
+a softmax, whose kernels are built once, whatever the shape. Larger chunks keep cuDNN, where
+its fused kernel pays back the plan (the length buckets of ``prefill_shapes`` bound those).
+
+A keyed request (the batch lane, mlx-vlm's model) meets the same cost on every reused turn:
+its suffix over the prefix restored from the prefix cache is a (queries, keys) shape of its
+own, so that lane's prompt chunks are routed too.
 
 Where each applies (``fits``, ``fits_prefill``): a plain ``KVCache`` or ``BatchKVCache`` (no
 sliding window, no quantised cache; for prefill mlx-lm's or mlx-vlm's, for decode mlx-lm's
@@ -231,12 +234,11 @@ def decode_attention(
     return result
 
 
-# A prompt chunk's attention computes at most this many scores at once (rows x query heads x
-# queries x keys; 2**27 is 256 MiB of bf16 scores, the bound on the memory they take); a chunk
-# with more runs in pieces of its queries. Measured on the H200 over 36 layers
-# (bench/prefill_attention.py, docs/benchmarks.md): warm, ops took 1.0-1.5x cuDNN's time below
-# 2**25 scores (at most 3 ms more a forward) and 0.55-0.84x from there up to 2**27, the largest
-# measured in one piece; a shape's first call took 1-88 ms against 41-1,065.
+# A prompt chunk's attention runs in plain ops up to this many scores (rows x query heads x
+# queries x keys; 2**27 is 256 MiB of bf16 scores, the bound on the memory they take). Measured
+# on the H200 over 36 layers (bench/prefill_attention.py, docs/benchmarks.md): warm, ops took
+# 1.0-1.5x cuDNN's time below 2**25 scores (at most 3 ms more a forward) and 0.55-0.84x from
+# there up to 2**27, the largest measured; a shape's first call took 1-88 ms against 41-1,065.
 SMALL_SCORES = 1 << 27
 
 
@@ -245,30 +247,7 @@ def prefill_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     has no kernel for the call: scale the queries, one matmul for the scores (the G query heads
     of a KV head share its keys), the mask (boolean: keep; otherwise added), a precise softmax,
     one matmul over the values. ``mask``: None, ``"causal"`` (aligned to the last key, as
-    upstream aligns it) or an array broadcastable to (B, Hq, L, keys). More than
-    ``SMALL_SCORES`` scores: in pieces of the queries, each with its rows of the mask (a
-    query's attention depends on its own row only)."""
-    batch, heads, length, _ = queries.shape
-    piece = max(1, SMALL_SCORES // max(1, batch * heads * keys.shape[-2]))
-    if length <= piece:
-        return _attention(queries, keys, values, scale, mask)
-    offset = keys.shape[-2] - length
-    outputs = []
-    for start in range(0, length, piece):
-        end = min(start + piece, length)
-        if isinstance(mask, str):
-            if mask != "causal":
-                raise ValueError(f"unknown attention mask {mask!r}")
-            rows: Any = mx.arange(offset + start, offset + end)[:, None] >= mx.arange(keys.shape[-2])[None]
-        elif mask is not None and mask.ndim >= 2 and mask.shape[-2] == length:
-            rows = mask[..., start:end, :]
-        else:
-            rows = mask  # broadcast along the queries
-        outputs.append(_attention(queries[:, :, start:end], keys, values, scale, rows))
-    return mx.concatenate(outputs, axis=2)
-
-
-def _attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+    upstream aligns it) or an array broadcastable to (B, Hq, L, keys)."""
     batch, heads, length, dim = queries.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -351,15 +330,16 @@ def fits(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -
 
 
 def fits_prefill(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
-    """A prompt chunk on a plain (batch) cache of mlx-lm or mlx-vlm: a cold chunk, or a keyed
-    row's suffix over its restored prefix (many scores: in pieces, ``prefill_attention``)."""
-    heads, length = (queries.shape[1], queries.shape[2]) if queries.ndim == 4 else (0, 0)
+    """A prompt chunk on a plain (batch) cache of mlx-lm or mlx-vlm whose scores are few
+    (``SMALL_SCORES``): a cold chunk, or a keyed row's suffix over its restored prefix."""
+    batch, heads, length, _ = queries.shape if queries.ndim == 4 else (0, 0, 0, 0)
     return (
         type(cache) in _prefill_cache_classes()
         and sinks is None
         and length > 1
         and (mask is None or isinstance(mask, mx.array) or (isinstance(mask, str) and mask == "causal"))
         and heads % keys.shape[1] == 0
+        and batch * heads * length * keys.shape[2] <= SMALL_SCORES
     )
 
 

@@ -14,8 +14,9 @@ which the mask hides from then on, exactly as upstream pads a batch's shorter ro
 are the same as unpadded (``tests/test_prefill_shapes.py``); the cost is the padding's compute
 and attention over the extra masked positions.
 
-With ``EngineConfig.prefill_attention_ops`` (on by default) no chunk builds a cuDNN plan
-(``cuda_attention``), so the buckets matter where it is off.
+With ``EngineConfig.prefill_attention_ops`` (on by default) chunks of up to
+``cuda_attention.SMALL_SCORES`` attention scores build no cuDNN plan at all, so the buckets
+matter for longer chunks only.
 
 The warm-up's prompt batch is mlx-lm's, padded to the buckets (``upstream.bucketed_prompt_batch``).
 """
