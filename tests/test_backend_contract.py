@@ -241,22 +241,3 @@ def test_mlx_lm_tokenizer_wrapper_parts():
 
     source = inspect.getsource(TokenizerWrapper.__init__)
     assert "self._tokenizer = tokenizer" in source and "self._detokenizer = " in source
-
-
-def test_mlx_vlm_attention_surface():
-    """What ``engine/cuda_attention.py`` routes in the batch lane: mlx-vlm's language models call
-    mlx-vlm's shared attention function by a module-level name, with mlx-lm's leading parameters."""
-    from mlx_vlm.models import base
-    from mlx_vlm.models.qwen3 import language
-
-    assert language.scaled_dot_product_attention is base.scaled_dot_product_attention
-    assert "scaled_dot_product_attention(" in inspect.getsource(language.Attention.__call__)
-    assert list(inspect.signature(base.scaled_dot_product_attention).parameters)[:7] == [
-        "queries",
-        "keys",
-        "values",
-        "cache",
-        "scale",
-        "mask",
-        "sinks",
-    ]

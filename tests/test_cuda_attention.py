@@ -312,11 +312,11 @@ def test_prompt_chunks_route_to_plain_ops(dense_model, monkeypatch):
 
 
 def test_a_keyed_rows_suffix_over_its_restored_prefix_routes_to_plain_ops(make_llm, dense_model, monkeypatch):
-    """The batch lane (mlx-vlm's model, keyed rows): with prompt chunks routed, a reused turn's
-    suffix runs ``prefill_attention`` over more keys than queries (its restored prefix), and
-    the conversation's tokens are those of upstream's attention. Off the CUDA backend the
-    routing is forced on (the plain ops are MLX's, so the CPU runs them); the fused decode
-    kernel, CUDA source, stays off."""
+    """The single lane (the text lane's model on mlx-vlm's cache, keyed rows): with prompt
+    chunks routed, a reused turn's suffix runs ``prefill_attention`` over more keys than
+    queries (its restored prefix), and the conversation's tokens are those of upstream's
+    attention. Off the CUDA backend the routing is forced on (the plain ops are MLX's, so the
+    CPU runs them); the fused decode kernel, CUDA source, stays off."""
     from test_prefix_cache import conversation
 
     runs, shapes = [], []
@@ -332,17 +332,19 @@ def test_a_keyed_rows_suffix_over_its_restored_prefix_routes_to_plain_ops(make_l
         llm = make_llm(
             dense_model,
             mlx_batching=True,
-            mlx_single_lane=False,
             speculation=False,
             mlx_fused_decode_attention=False,
             mlx_prefill_attention_ops=routed,
         )
+        module = type(llm._engine._lanes._text_lm).__module__
+        # routing installs on the model's module: put upstream's function back afterwards
+        monkeypatch.setattr(f"{module}.scaled_dot_product_attention", base.scaled_dot_product_attention)
         try:
             results = conversation(llm, "session-1", turns=3, max_output_tokens=6)
         finally:
             llm.unload_model()
             cuda_attention.enable(decode=False, prefill=False)
-        assert [r.metadata["execution"]["path"] for r in results] == ["batch"] * 3
+        assert [r.metadata["execution"]["path"] for r in results] == ["single"] * 3
         assert results[-1].usage["cached_input_tokens"] > 0
         runs.append([r.token_ids for r in results])
     assert runs[0] == runs[1]

@@ -73,10 +73,6 @@ class LaneFactory:
         """At load, on the worker: route CUDA attention and warm the prefill shapes (the routing
         first: the warm-up runs the shapes the way serving will)."""
         cuda_attention.enable(decode=self._fused_decode_attention(), prefill=self._prefill_attention_ops())
-        if self._prefill_attention_ops():
-            # The batch lane's model: a keyed row's suffix over its restored prefix is a chunk
-            # of a new (queries, keys) shape every turn, a cuDNN plan each without this.
-            cuda_attention.install(getattr(self.loaded.model, "language_model", self.loaded.model))
         self.buckets = self._warmed_buckets()
 
     def build(self, new: NewGroup, head: EngineRequest | None) -> Backend:

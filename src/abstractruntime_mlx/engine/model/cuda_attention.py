@@ -1,6 +1,7 @@
-"""Attention on MLX's CUDA backend: the text lane's decode steps in one fused kernel
-(``EngineConfig.fused_decode_attention``), short prompt chunks of the text and batch lanes in
-plain MLX ops (``EngineConfig.prefill_attention_ops``).
+"""Attention for the text lane's model on MLX's CUDA backend: decode steps in one fused kernel
+(``EngineConfig.fused_decode_attention``), short prompt chunks in plain MLX ops
+(``EngineConfig.prefill_attention_ops``). The single lane runs that model too, a keyed row on
+mlx-vlm's cache classes (those the batch lane merges).
 
 Decode, why: mlx-lm's ``BatchKVCache`` left-pads its rows, so every decode step hands each
 layer an array mask, and MLX's CUDA vector-attention kernel refuses array masks
@@ -20,13 +21,14 @@ so it keeps meeting new shapes (``docs/benchmarks.md``). For chunks whose score 
 a softmax, whose kernels are built once, whatever the shape. Larger chunks keep cuDNN, where
 its fused kernel pays back the plan (the length buckets of ``prefill_shapes`` bound those).
 
-A keyed request (the batch lane, mlx-vlm's model) meets the same cost on every reused turn:
-its suffix over the prefix restored from the prefix cache is a (queries, keys) shape of its
-own, so that lane's prompt chunks are routed too.
+A keyed request meets the same cost on every reused turn: its suffix over the prefix restored
+from the prefix cache is a (queries, keys) shape of its own. On the single lane it is routed;
+in the batch lane (mlx-vlm's model) it is not: routed there, 4 sessions' third turns took
+6.1-8.2 s against 1.2-1.5 s on the H200 (``docs/benchmarks.md``), a cost not yet explained.
 
-Where each applies (``fits``, ``fits_prefill``): a plain ``KVCache`` or ``BatchKVCache`` (no
-sliding window, no quantised cache; for prefill mlx-lm's or mlx-vlm's, for decode mlx-lm's
-only), no attention sinks; for decode, one
+Where each applies (``fits``, ``fits_prefill``): mlx-lm's plain ``KVCache`` or ``BatchKVCache``
+(no sliding window, no quantised cache; for prefill also mlx-vlm's ``KVCache``), no attention
+sinks; for decode, one
 query position, an array mask, a head size up to 256 and enough (row, KV head) pairs for the
 cache's length (``MANY_BLOCKS``, ``LONG_CACHE``). Everything else goes to upstream's function
 unchanged. Both are routed only on threads that ``enable`` them (the engine's worker), so
@@ -34,8 +36,7 @@ other users of the same model class in the process keep upstream's path.
 
 Private upstream names relied on (mlx-lm >=0.31.3,<0.33, mlx-vlm >=0.7.10,<0.8.0,
 ``tests/test_backend_contract.py``): a model module's ``scaled_dot_product_attention`` (the name
-its attention layers call: ``mlx_lm.models.base``'s or ``mlx_vlm.models.base``'s) and mlx-lm's
-``BatchKVCache.left_padding``.
+its attention layers call) and mlx-lm's ``BatchKVCache.left_padding``.
 """
 
 from __future__ import annotations
@@ -296,20 +297,11 @@ def _cache_classes() -> tuple[type, type]:
 
 @functools.cache
 def _prefill_cache_classes() -> tuple[type, ...]:
-    """The plain caches of both upstreams: the batch lane's mlx-vlm model restores a keyed
-    row's prefix into mlx-vlm's own ``KVCache`` / ``BatchKVCache``."""
-    from mlx_vlm.models.cache import BatchKVCache, KVCache
+    """mlx-lm's plain caches, and mlx-vlm's ``KVCache``: a keyed single-lane row runs the text
+    lane's model on it (``text_model.upstream_kv_cache``)."""
+    from mlx_vlm.models.cache import KVCache
 
-    return (*_cache_classes(), BatchKVCache, KVCache)
-
-
-@functools.cache
-def _shared_functions() -> tuple[Callable[..., mx.array], ...]:
-    """Upstream's shared attention functions a model module may call (mlx-lm's, mlx-vlm's)."""
-    from mlx_lm.models import base as lm_base
-    from mlx_vlm.models import base as vlm_base
-
-    return lm_base.scaled_dot_product_attention, vlm_base.scaled_dot_product_attention
+    return (*_cache_classes(), KVCache)
 
 
 def fits(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
@@ -330,8 +322,8 @@ def fits(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -
 
 
 def fits_prefill(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
-    """A prompt chunk on a plain (batch) cache of mlx-lm or mlx-vlm whose scores are few
-    (``SMALL_SCORES``): a cold chunk, or a keyed row's suffix over its restored prefix."""
+    """A prompt chunk on a plain (batch) cache whose scores are few (``SMALL_SCORES``): a cold
+    chunk, or a keyed single-lane row's suffix over its restored prefix."""
     batch, heads, length, _ = queries.shape if queries.ndim == 4 else (0, 0, 0, 0)
     return (
         type(cache) in _prefill_cache_classes()
@@ -358,18 +350,18 @@ def _routed(upstream: Callable[..., mx.array]) -> Callable[..., mx.array]:
 
 
 def install(model: Any) -> bool:
-    """Route the attention of ``model``'s module (an mlx-lm model, or an mlx-vlm language
-    model) through this module (on enabled threads). Idempotent; False where the module does
-    not call its upstream's shared attention function (the model then keeps upstream's path).
-    Decode steps are routed on mlx-lm's batch cache only (``fits``)."""
+    """Route the attention of ``model``'s mlx-lm module through this module (on enabled
+    threads). Idempotent; False where the module does not call mlx-lm's shared
+    attention function (the model then keeps upstream's path)."""
+    from mlx_lm.models import base
+
     module = sys.modules.get(type(model).__module__)
     current = getattr(module, "scaled_dot_product_attention", None)
     if module is None or current is None:
         return False
-    shared = _shared_functions()
-    if getattr(current, "upstream", None) in shared:
+    if getattr(current, "upstream", None) is base.scaled_dot_product_attention:
         return True
-    if current not in shared:
+    if current is not base.scaled_dot_product_attention:
         return False
     setattr(module, "scaled_dot_product_attention", _routed(current))
     log.info("CUDA attention routed for %s", module.__name__)
