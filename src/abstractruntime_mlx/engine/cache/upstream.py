@@ -402,16 +402,10 @@ def counted_manager_class() -> type:
             priorities = self.priorities
             if priorities is None or not priorities.active:
                 return bool(super()._make_room(allocation_bytes, retain_bytes=retain_bytes))
-            required = self.memory_reserve_bytes + (
-                self._prefill_reserve_bytes + allocation_bytes
-                if retain_bytes
-                else max(self._prefill_reserve_bytes, allocation_bytes)
-            )
+            required = self._required_bytes(allocation_bytes, retain_bytes)
             with self.lock:
                 resident = self._resident_bytes_locked()
-                target = max(
-                    0, min(self.memory_max_bytes - retain_bytes, resident + self._memory_headroom() - required)
-                )
+                target = self._room_target(resident, required, retain_bytes)
                 evicted = 0
                 victims: list[Any] | None = None
                 while resident > target:
@@ -432,6 +426,21 @@ def counted_manager_class() -> type:
             if evicted or self._memory_headroom() < required:
                 mx.clear_cache()
             return bool(resident + retain_bytes <= self.memory_max_bytes and self._memory_headroom() >= required)
+
+        def _required_bytes(self, allocation_bytes: int, retain_bytes: int) -> int:
+            """The free memory upstream's ``_make_room`` asks for (its own sum)."""
+            return int(
+                self.memory_reserve_bytes
+                + (
+                    self._prefill_reserve_bytes + allocation_bytes
+                    if retain_bytes
+                    else max(self._prefill_reserve_bytes, allocation_bytes)
+                )
+            )
+
+        def _room_target(self, resident: int, required: int, retain_bytes: int) -> int:
+            """The resident bytes upstream's ``_make_room`` evicts down to."""
+            return max(0, min(self.memory_max_bytes - retain_bytes, resident + self._memory_headroom() - required))
 
         # --- a key's KV between turns (``resident``) ----------------------------------
         def keep_resident(self, key: str, salt: int, tokens: list[int], cache: list[Any], prompt_len: int) -> bool:
@@ -467,16 +476,10 @@ def counted_manager_class() -> type:
             resident_kv = self.resident
             if resident_kv is None or not resident_kv.entries:
                 return
-            required = self.memory_reserve_bytes + (
-                self._prefill_reserve_bytes + allocation_bytes
-                if retain_bytes
-                else max(self._prefill_reserve_bytes, allocation_bytes)
-            )
+            required = self._required_bytes(allocation_bytes, retain_bytes)
             with self.lock:
                 resident = self._resident_bytes_locked()
-                target = max(
-                    0, min(self.memory_max_bytes - retain_bytes, resident + self._memory_headroom() - required)
-                )
+                target = self._room_target(resident, required, retain_bytes)
                 while resident > target and resident_kv.entries:
                     resident -= resident_kv.drop_oldest()
 
