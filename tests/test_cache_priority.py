@@ -172,16 +172,20 @@ def test_a_pinned_key_survives_a_store_until_its_pin_expires():
     assert priorities.pins_expired == 1
 
 
-def test_a_store_never_evicts_pinned_blocks():
-    priorities = CachePriorities()
+def test_a_store_takes_pins_only_when_nothing_else_is_left_oldest_first():
+    """Pinned blocks go last but lose to a live request, a store included: with every
+    resident block pinned, the store takes the oldest pin's blocks, not none of its own."""
+    now = [0.0]
+    priorities = CachePriorities(clock=lambda: now[0])
     manager = make_manager(2, priorities)
     store(manager, priorities, "a")
     store(manager, priorities, "b")
-    priorities.pin("a", 60)
     priorities.pin("b", 60)
+    now[0] = 1.0
+    priorities.pin("a", 60)
     store(manager, priorities, "c")
-    assert [resident(manager, k) for k in "abc"] == [FULL, FULL, 0]
-    assert len(priorities.pins) == 2
+    assert [resident(manager, k) for k in "abc"] == [FULL, 0, FULL]
+    assert list(priorities.pins) == ["a"] and priorities.pins_dropped == 1
 
 
 def test_pins_lose_to_a_live_request_oldest_first(monkeypatch):

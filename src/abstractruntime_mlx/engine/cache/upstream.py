@@ -394,10 +394,9 @@ def counted_manager_class() -> type:
 
         # --- eviction by steps-to-execution (``cache_priority``) ---------------------
         def _make_room(self, allocation_bytes: int = 0, *, retain_bytes: int = 0) -> bool:
-            """Upstream's ``_make_room`` with the blocks evicted in the priorities' order; a
-            store (``retain_bytes``) never evicts a pinned block, a live request's allocation
-            takes the oldest pin when nothing else is left. Resident KV (``resident``) goes
-            before any block."""
+            """Upstream's ``_make_room`` with the blocks evicted in the priorities' order; pinned
+            blocks go last: a live request's allocation or store takes the oldest pin when
+            nothing else is left. Resident KV (``resident``) goes before any block."""
             self._drop_resident(allocation_bytes, retain_bytes)
             priorities = self.priorities
             if priorities is None or not priorities.active:
@@ -416,7 +415,7 @@ def counted_manager_class() -> type:
                         if not victims:
                             victims = self._victims()
                         if not victims:
-                            if retain_bytes or priorities.drop_oldest_pin() is None:
+                            if priorities.drop_oldest_pin() is None:
                                 break
                             continue
                         resident -= self._drop_idle_block(victims.pop())
@@ -493,6 +492,8 @@ def counted_manager_class() -> type:
                 block = block.next
             if block is None or cached_only:
                 victims = self._victims()
+                while not victims and priorities.drop_oldest_pin() is not None:
+                    victims = self._victims()  # a store takes pins too, the oldest first
                 if not victims:
                     return None
                 block = victims[-1]
