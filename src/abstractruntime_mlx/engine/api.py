@@ -10,9 +10,10 @@ from .cache.cache_priority import validate_hints, validate_pin
 from .cache.prefix_break import attribute
 from .cache.prefix_cache import CacheOptions, PrefixCache, image_hash, working_set
 from .cache.prefix_cache import validate_options as validate_cache_options
+from .cache.report import unreached_cache_report
 from .core.config import REMOVED, EngineConfig
 from .core.loop import Engine
-from .core.reports import SpeculationPlan, speculation_report, unreached_cache_report
+from .core.reports import SpeculationPlan, speculation_report
 from .core.request import (
     EngineRequest,
     FinishReason,

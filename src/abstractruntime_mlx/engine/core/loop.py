@@ -64,12 +64,13 @@ from ..backends.rows import (
     speculation_counters,
 )
 from ..cache.prefix_cache import CacheOptions, PrefixCache, restore_alignment
+from ..cache.report import PromptCacheReport, in_process_cache_report
 from ..model.model import LoadedModel, Upstream
 from .config import EngineConfig
 from .lane_factory import BackendFactory, LaneFactory
 from .lanes import LANES
 from .output import Ending, OutputProcessor, outcome_of
-from .reports import PromptCacheReport, SpeculationCounters, in_process_cache_report
+from .reports import SpeculationCounters
 from .request import EngineRequest, ExecutionMode, LaneName, RequestStatus
 from .scheduler import (
     Admission,

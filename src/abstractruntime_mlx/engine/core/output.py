@@ -21,7 +21,8 @@ from typing import Any
 
 from ...errors import MLXRuntimeError, StreamBackpressure
 from ..backends.rows import PrefillRow, TokenEvent
-from .reports import PromptCacheReport, SpeculationCounters, speculation_report
+from ..cache.report import PromptCacheReport
+from .reports import SpeculationCounters, speculation_report
 from .request import (
     END_OF_STREAM,
     EngineRequest,

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from ...controls import Sampling
 from ...errors import MLXRuntimeError
 from ..cache.prefix_break import PrefixBreak
-from .reports import PromptCacheReport, SpeculationPlan, SpeculationReport
+from ..cache.report import PromptCacheReport
+from .reports import SpeculationPlan, SpeculationReport
 
 if TYPE_CHECKING:
     from ..model.grammar import GrammarProcessor
