@@ -56,6 +56,7 @@ from ..backends.rows import (
     Adopts,
     Backend,
     HandsOff,
+    LaneName,
     PrefillRow,
     PrefillsPartially,
     PrefixReuse,
@@ -71,7 +72,7 @@ from .lane_factory import BackendFactory, LaneFactory
 from .lanes import LANES
 from .output import Ending, OutputProcessor, outcome_of
 from .reports import SpeculationCounters
-from .request import EngineRequest, ExecutionMode, LaneName, RequestStatus
+from .request import EngineRequest, ExecutionMode, RequestStatus
 from .scheduler import (
     Admission,
     GroupKey,

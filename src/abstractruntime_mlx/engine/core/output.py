@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...errors import MLXRuntimeError, StreamBackpressure
-from ..backends.rows import PrefillRow, TokenEvent
+from ..backends.rows import PrefillRow, SampledLogprob, TokenEvent
 from ..cache.report import PromptCacheReport
 from .reports import SpeculationCounters, speculation_report
 from .request import (
@@ -30,7 +30,6 @@ from .request import (
     Outcome,
     PrefillObservation,
     RequestStatus,
-    SampledLogprob,
     TokenDelta,
     execution_report,
 )
