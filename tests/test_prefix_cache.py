@@ -430,6 +430,36 @@ def test_a_lone_keyed_request_restores_and_stores_on_the_single_lane(make_llm, d
     assert str(conversation(disk, "alone", turns=1)[0].metadata["execution"]["path"]) != "single"
 
 
+@pytest.mark.parametrize("max_output_tokens", [1, 6])
+def test_the_single_lane_stores_a_prefix_after_the_first_token(make_llm, dense_model, monkeypatch, max_output_tokens):
+    """A keyed row's new blocks are stored once its first token is out, not on its way: the
+    first token event comes before the store, and a row ending at its first token stores as it
+    ends (the next turn restores it)."""
+    from abstractruntime_mlx.engine.backends.single import SingleBackend
+
+    order: list[str] = []
+    store, step = SingleBackend._store_prefix, SingleBackend.step
+
+    def recorded_store(self):
+        order.append("store")
+        return store(self)
+
+    def recorded_step(self, **kwargs):
+        result = step(self, **kwargs)
+        order.extend("token" for _ in result.tokens)
+        return result
+
+    monkeypatch.setattr(SingleBackend, "_store_prefix", recorded_store)
+    monkeypatch.setattr(SingleBackend, "step", recorded_step)
+    llm = make_llm(dense_model, mlx_batching=True)
+    results = conversation(llm, "after-first", turns=2, max_output_tokens=max_output_tokens)
+    assert [str(r.metadata["execution"]["path"]) for r in results] == ["single"] * 2
+    assert results[1].metadata["prompt_cache"]["outcome"] == "hit"
+    assert order.count("store") == 2
+    if max_output_tokens > 1:  # a row ending at its first token stores as it ends, in that step
+        assert order[:2] == ["token", "store"]
+
+
 def test_a_lone_keyed_request_runs_the_text_lanes_model(make_llm, dense_model, monkeypatch):
     """On the single lane a keyed row's forward is the text lane's model (fused, and routed on
     CUDA), on a cache of mlx-vlm's classes (those the batch lane merges): the tokens are the
