@@ -112,6 +112,14 @@ def run_agents(model, tmp_path, *, prefix_warm: bool):
             registry=registry,
             prefix_warm=prefix_warm,
         ) as pack:
+            warm = pack.handler.cache_hints.warm
+            warmed_keys = []
+
+            def record(target, request):
+                warmed_keys.append(request.prompt_cache_key)
+                return warm(target, request)
+
+            pack.handler.cache_hints.warm = record
             (result,) = run_flow(agents_flow(), pack=pack, session_id="s-agents")
             assert result.status == "completed", result.error
             turns = {}  # agent node -> its one turn (its ReAct run's workflow id ends with the node id)
@@ -120,6 +128,8 @@ def run_agents(model, tmp_path, *, prefix_warm: bool):
                     workflow_id = str(pack.ledger.load_run(node.run_id)["workflow_id"])
                     turns[workflow_id.rsplit("_", 1)[-1]] = node.result
         assert sorted(turns) == ["critic", "writer"]
+        # every warm (one per call of the writer's run) went under the key the critic's first call derived
+        assert set(warmed_keys) == ({turns["critic"]["metadata"]["prompt_cache"]["key"]} if prefix_warm else set())
         return turns["writer"], turns["critic"]
     finally:
         registry.close()
@@ -137,3 +147,28 @@ def test_the_next_agent_prefix_is_warmed_and_its_answer_is_the_same(agent_model,
     assert "prefix_warm" not in plain_writer["metadata"]
     assert "prefetched_tokens" not in plain_critic["metadata"]["prompt_cache"]
     assert writer["content"] == plain_writer["content"] and critic["content"] == plain_critic["content"]
+
+
+@pytest.mark.slow
+def test_an_llm_call_warms_the_agent_it_enables(agent_model, tmp_path, policy_file):
+    """The same from a flow's own ``llm_call`` node: the agent's prefix is warmed from the flow run."""
+    flow = agents_flow()
+    flow["nodes"][1] = {
+        "id": "writer",
+        "type": "llm_call",
+        "data": {
+            "effectConfig": {"provider": "mlx", "temperature": 0.0, "max_output_tokens": 6},
+            "pinDefaults": {"system": WRITER, "prompt": "Name a colour.", "include_context": False},
+        },
+    }
+    registry = ProviderRegistry()
+    try:
+        with build_pack(tmp_path / "llm.sqlite", model=agent_model, force_model=True, registry=registry) as pack:
+            (result,) = run_flow(flow, pack=pack, session_id="s-llm")
+            assert result.status == "completed", result.error
+        nodes = {n.node_id: n.result for n in result.nodes}
+    finally:
+        registry.close()
+    (warm,) = nodes["writer"]["metadata"]["prefix_warm"]
+    assert warm["node_id"] == "critic" and warm["prefix_only"] is True and warm["queued"] is True
+    assert nodes["reason"]["metadata"]["prompt_cache"]["prefetched_tokens"] > 0
