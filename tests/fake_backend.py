@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, cast
 
-from abstractruntime_mlx.engine.backends.rows import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent
+from abstractruntime_mlx.engine.backends.rows import DecodingRow, LaneName, PrefillRow, RowInput, StepResult, TokenEvent
 from abstractruntime_mlx.engine.core.loop import Engine, EngineConfig
-from abstractruntime_mlx.engine.core.request import EngineRequest, LaneName
+from abstractruntime_mlx.engine.core.request import EngineRequest
 from abstractruntime_mlx.engine.core.scheduler import NewGroup
 from abstractruntime_mlx.engine.model.model import LoadedModel, Upstream
 

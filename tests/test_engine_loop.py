@@ -11,11 +11,10 @@ import time
 import pytest
 
 from abstractruntime_mlx import errors
-from abstractruntime_mlx.engine.backends.rows import Adopts, HandsOff, PrefillsPartially, Speculates
+from abstractruntime_mlx.engine.backends.rows import Adopts, HandsOff, LaneName, PrefillsPartially, Speculates
 from abstractruntime_mlx.engine.core.loop import Engine, _as_engine_error
 from abstractruntime_mlx.engine.core.request import (
     EngineRequest,
-    LaneName,
     PrefillObservation,
     RequestStatus,
     TokenDelta,

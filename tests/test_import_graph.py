@@ -150,6 +150,40 @@ def test_the_face_check_sees_a_deep_import() -> None:
     assert FACE in module_graph()["abstractruntime_mlx.provider.mlx_provider"]
 
 
+# The engine's folders, top first: each imports only the folders below it.
+ENGINE_FLOORS = ("core", "backends", "cache", "model")
+
+
+def upward_engine_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, target) for every engine import from a folder to one at or above it in
+    ``ENGINE_FLOORS`` (a folder's own modules excepted)."""
+
+    def floor(module: str) -> int | None:
+        parts = module.split(".")
+        if module.startswith(ENGINE + ".") and len(parts) > 3 and parts[2] in ENGINE_FLOORS:
+            return ENGINE_FLOORS.index(parts[2])
+        return None
+
+    return sorted(
+        (name, target)
+        for name, targets in graph.items()
+        for target in targets
+        if (a := floor(name)) is not None and (b := floor(target)) is not None and b < a
+    )
+
+
+def test_engine_folders_import_only_those_below() -> None:
+    assert upward_engine_imports(module_graph()) == []
+
+
+def test_the_floor_check_sees_an_upward_import() -> None:
+    graph = {
+        f"{ENGINE}.backends.text_loop": {f"{ENGINE}.core.scheduler", f"{ENGINE}.backends.rows"},
+        f"{ENGINE}.core.loop": {f"{ENGINE}.backends.backend", f"{ENGINE}.model.model"},
+    }
+    assert upward_engine_imports(graph) == [(f"{ENGINE}.backends.text_loop", f"{ENGINE}.core.scheduler")]
+
+
 # --- upstream private names: one module per engine folder ------------------------------------
 
 UPSTREAM_PACKAGES = ("mlx", "mlx_lm", "mlx_vlm")

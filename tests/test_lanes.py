@@ -7,8 +7,9 @@ import re
 from pathlib import Path
 
 from abstractruntime_mlx.engine.backends import backend, serial, single, text_loop
+from abstractruntime_mlx.engine.backends.rows import LaneName
 from abstractruntime_mlx.engine.core.lanes import LANES, LaneContext, choose_lane
-from abstractruntime_mlx.engine.core.request import EngineRequest, ExecutionMode, LaneName, Sampling
+from abstractruntime_mlx.engine.core.request import EngineRequest, ExecutionMode, Sampling
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 HEADER = "| lane | admits | backend | adopts from | `execution.path` |"

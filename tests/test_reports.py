@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 
-from abstractruntime_mlx.engine.core.reports import (
+from abstractruntime_mlx.engine.cache.report import (
     ApcReport,
     PromptCacheReport,
-    SpeculationCounters,
-    SpeculationPlan,
     in_process_cache_report,
-    speculation_report,
     unreached_cache_report,
 )
+from abstractruntime_mlx.engine.core.reports import SpeculationCounters, SpeculationPlan, speculation_report
 from abstractruntime_mlx.engine.core.request import (
     DecodePath,
     EngineRequest,

@@ -6,12 +6,13 @@ measured.
 
 from __future__ import annotations
 
+from abstractruntime_mlx.engine.backends.rows import LaneName
+from abstractruntime_mlx.engine.backends.text_plan import PrefillPlan, plan_prefill, should_compact
 from abstractruntime_mlx.engine.core.config import EngineConfig
 from abstractruntime_mlx.engine.core.request import (
     EngineRequest,
     ExclusiveReason,
     ExecutionMode,
-    LaneName,
     RequestStatus,
     Sampling,
 )
@@ -19,13 +20,10 @@ from abstractruntime_mlx.engine.core.scheduler import (
     MIN_SHARED_PREFIX,
     Admission,
     GroupState,
-    PrefillPlan,
     Scheduler,
     SchedulerState,
     StepPlan,
     group_key,
-    plan_prefill,
-    should_compact,
 )
 
 SINGLE_LANE_MODEL = frozenset({LaneName.BATCH, LaneName.SINGLE})

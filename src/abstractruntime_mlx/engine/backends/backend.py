@@ -41,11 +41,19 @@ import mlx.core as mx
 
 from ...controls import Sampling
 from ...errors import EngineError, UpstreamError
-from ..core.config import PREFILL_STEP_SIZE
-from ..core.request import LaneName, SampledLogprob
 from ..model.grammar import GrammarProcessor
 from ..model.text_model import needs_positions
-from .rows import DecodingRow, Drafter, PrefillRow, RowInput, StepResult, TokenEvent
+from .rows import (
+    PREFILL_STEP_SIZE,
+    DecodingRow,
+    Drafter,
+    LaneName,
+    PrefillRow,
+    RowInput,
+    SampledLogprob,
+    StepResult,
+    TokenEvent,
+)
 from .sampling import PendingLogprobs, RowStream, make_sampler, row_logprobs, sample_rows
 
 # The prompt kwarg upstream's prefix cache reads a row's salt from (``mlx_vlm.apc``).

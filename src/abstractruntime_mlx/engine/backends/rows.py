@@ -8,7 +8,8 @@ faked without loading MLX (``tests/fake_backend.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 from ...controls import Sampling
 
@@ -16,9 +17,35 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
     from ..cache.prefix_cache import SerialStore
-    from ..core.request import LaneName, SampledLogprob
     from ..model.grammar import GrammarProcessor
-    from .sampling import RowStream
+
+# Prompt tokens per prefill chunk on the batched lanes, unless told (``EngineConfig.prefill_step_size``).
+PREFILL_STEP_SIZE: Final = 256
+
+
+class LaneName(StrEnum):
+    """Where a group runs: one row of ``lanes.LANES`` each, and the ``kind`` of its backend."""
+
+    SERIAL = "serial"  # mlx-lm, one request at a time (``mlx_batching=False``)
+    IN_PROCESS = "in_process"  # mlx-vlm's in-process generation, one at a time, MTP included
+    SINGLE = "single"  # one row on a plain KV cache; a compatible arrival moves it into a batch
+    TEXT = "text"  # the text lane's own loop, plain text rows
+    BATCH = "batch"  # mlx-vlm's batch generator: everything else
+
+
+@dataclass(frozen=True, slots=True)
+class SampledLogprob:
+    """The drawn token of one position, its log-probability and the ``top`` most likely
+    tokens there (``(token_id, logprob)``, most likely first), all read from the distribution
+    the row was sampled from: the model's log-softmax after the row's logits processors
+    (penalties, bias, grammar), before temperature and truncation (top-k / top-p / min-p).
+    ``text``: the token's share of the answer's text, the streaming detokenizer's segment for
+    it (set by the engine; the shares of an answer's tokens concatenate to its text)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    text: str | None = None
 
 
 @dataclass(slots=True)
@@ -54,7 +81,7 @@ class DecodingRow:
     next_token: mx.array
     num_tokens: int
     max_tokens: int
-    row: RowStream | None
+    row: Any  # its ``sampling.RowStream`` (None: greedy); not imported: sampling imports these types
 
 
 @dataclass(frozen=True, slots=True)

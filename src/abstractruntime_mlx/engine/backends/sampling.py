@@ -22,7 +22,7 @@ from typing import cast
 import mlx.core as mx
 
 from ...controls import Sampling
-from ..core.request import SampledLogprob
+from .rows import SampledLogprob
 
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1

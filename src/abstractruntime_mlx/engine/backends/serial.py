@@ -29,9 +29,8 @@ from typing import Any
 
 from ...errors import UpstreamError
 from ..cache.prefix_cache import GUARD_TOKENS, SerialStore
-from ..core.request import LaneName
 from .backend import LogitsProcessor, map_upstream_errors, row_processors
-from .rows import PrefillRow, RestoredPrefix, RowInput, StepResult, TokenEvent
+from .rows import LaneName, PrefillRow, RestoredPrefix, RowInput, StepResult, TokenEvent
 from .sampling import make_sampler
 
 PrefillHook = Callable[[int, PrefillRow], bool]

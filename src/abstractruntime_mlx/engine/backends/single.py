@@ -29,9 +29,8 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from ..core.request import LaneName
 from .backend import map_upstream_errors
-from .rows import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent
+from .rows import DecodingRow, LaneName, PrefillRow, RowInput, StepResult, TokenEvent
 from .sampling import RowStream, sample_rows
 
 _CLEAR_CACHE_EVERY = 256  # tokens (mlx-lm's generate_step)

@@ -17,7 +17,7 @@ host building and encoding the graph (``docs/benchmarks.md``):
   costs no host work either: its slot idles in the batch until half the batch has finished or
   rows join, then one compaction drops every finished row. Where the step is bound by compute
   (the CPU: each row adds about 7% to a step of 8 rows of the tiny model), it is dropped at once
-  (``scheduler.should_compact``).
+  (``text_plan.should_compact``).
 - Rows admitted together with the same prompt (a call's ``n`` choices) prefill it once: one
   cache row, copied to each of them when the prefill ends; the copies report it as cached.
 - One sampling call for the batch (``sampling.sample_rows``; greedy rows share its argmax).
@@ -29,7 +29,7 @@ The step keeps mlx-lm's pipelining: the forward for step n+1 is queued (``mx.asy
 before the host reads step n's tokens. Long prompts (more than ``prefill_step_size`` tokens)
 prefill one chunk per step, interleaved with decode, so a long prompt arriving never stalls the
 rows already decoding for more than a chunk; short prompts are admitted meanwhile, each step
-whatever arrived (``scheduler.plan_prefill``).
+whatever arrived (``text_plan.plan_prefill``).
 
 A sampled row draws from its own ``RowStream``, penalties, bias and grammar are per-row logits
 processors fed the tokens so far as mlx-lm feeds them, the tokenizer's end-of-sequence ids stop
@@ -52,12 +52,11 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from ..core.request import LaneName
-from ..core.scheduler import plan_prefill, should_compact
 from ..model.prefill_shapes import Buckets
 from .backend import LogitsProcessor, drop_kv_columns, kv_columns, map_upstream_errors, row_processors
-from .rows import DecodingRow, PrefillRow, RowInput, StepResult, TokenEvent
+from .rows import DecodingRow, LaneName, PrefillRow, RowInput, StepResult, TokenEvent
 from .sampling import PendingLogprobs, RowStream, row_logprobs, sample_rows
+from .text_plan import plan_prefill, should_compact
 
 __all__ = ["TextLoopBackend"]
 
@@ -285,7 +284,7 @@ class TextLoopBackend:
             r.pad -= shift
 
     def _prefill(self, result: StepResult, observe: bool) -> None:
-        """Admit what the free slots allow (``scheduler.plan_prefill``): short prompts in one
+        """Admit what the free slots allow (``text_plan.plan_prefill``): short prompts in one
         forward, long ones as a group that runs a chunk a step (one such group at a time)."""
         live = sum(not r.done for r in self._rows)
         free = self.max_batch_size - live - (len(self._chunked.rows) if self._chunked else 0)

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InvalidControls, PromptCacheFlushFailed, PromptCacheLocked, PromptCachePathUnsafe
-from ..core.reports import ApcReport, PromptCacheReport
 from .cache_priority import CachePriorities, validate_hints, validate_pin
 from .prefix_break import find_break
+from .report import ApcReport, PromptCacheReport
 from .resident import ResidentKV
 from .upstream import (
     BLOCK_SIZE,

@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import InitVar, dataclass
 
 from ...errors import OptionRemoved
+from ..backends.rows import PREFILL_STEP_SIZE  # prompt tokens per prefill chunk on the batched lanes
 
-# Prompt tokens per prefill chunk on the batched lanes.
-PREFILL_STEP_SIZE = 256
 # Prompt tokens per prefill chunk on the serialized lanes (``mlx_batching=False``): mlx-lm's
 # and mlx-vlm's own default, the seed's 2,048. One request runs at a time there, so a chunk
 # never holds back another request's decode, and fewer chunks prefill faster.

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 from ..backends.backend import BatchBackend
-from ..backends.rows import Backend, Drafter, PrefillRow
+from ..backends.rows import Backend, Drafter, LaneName, PrefillRow
 from ..backends.serial import InProcessBackend, SerialBackend
 from ..backends.single import SingleBackend
 from ..backends.text_loop import TextLoopBackend
@@ -27,7 +27,7 @@ from ..model.prefill_shapes import Buckets, warm
 from ..model.text_model import language_model, make_cache, supports_model, upstream_kv_cache
 from .config import EngineConfig
 from .lanes import LANES
-from .request import EngineRequest, ExecutionMode, LaneName
+from .request import EngineRequest, ExecutionMode
 from .scheduler import NewGroup
 
 log = logging.getLogger(__name__)

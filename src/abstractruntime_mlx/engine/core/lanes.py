@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .request import DecodePath, EngineRequest, ExecutionMode, LaneName
+from ..backends.rows import LaneName
+from .request import DecodePath, EngineRequest, ExecutionMode
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,6 @@ import atexit
 import logging
 import threading
 import time
-import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -57,6 +56,7 @@ from ..backends.rows import (
     Adopts,
     Backend,
     HandsOff,
+    LaneName,
     PrefillRow,
     PrefillsPartially,
     PrefixReuse,
@@ -65,14 +65,14 @@ from ..backends.rows import (
     speculation_counters,
 )
 from ..cache.prefix_cache import CacheOptions, PrefixCache, restore_alignment
-from ..cache.upstream import BLOCK_SIZE
+from ..cache.report import PromptCacheReport, in_process_cache_report
 from ..model.model import LoadedModel, Upstream
 from .config import EngineConfig
 from .lane_factory import BackendFactory, LaneFactory
 from .lanes import LANES
 from .output import Ending, OutputProcessor, outcome_of
-from .reports import PromptCacheReport, SpeculationCounters, in_process_cache_report
-from .request import EngineRequest, ExecutionMode, LaneName, RequestStatus
+from .reports import SpeculationCounters
+from .request import EngineRequest, ExecutionMode, RequestStatus
 from .scheduler import (
     Admission,
     GroupKey,
@@ -85,7 +85,7 @@ from .scheduler import (
 )
 from .stream import PrefillCallback, RequestStream
 from .threads import POOL, WorkerHandle
-from .warm import MAX_PENDING_WARMS, MIN_WARM_TOKENS, WARM_TTL_S, WarmReport, check_warm
+from .warm import WarmQueue, WarmReport, check_warm
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Engine:
         self._cond = threading.Condition()
         self._inbox: deque[Command] = deque()
         self._waiting: deque[EngineRequest] = deque()
-        self._warms: deque[EngineRequest] = deque()  # prefix warms held until the engine is idle
+        self._warms = WarmQueue(self.config.prefill_step_size)  # prefix warms held until the engine is idle
         self._controls: deque[RunControl[Any]] = deque()
         self._group: _Group | None = None
         self._admitting: list[EngineRequest] = []  # taken from the queue, not yet in a group
@@ -413,48 +413,19 @@ class Engine:
         while self._inbox:
             command = self._inbox.popleft()
             if isinstance(command, Submit) and command.request.warm:
-                self._warms.append(command.request)
+                self._warms.hold(command.request)
             elif isinstance(command, Submit):
-                self._give_way(command.request)
+                self._warms.give_way(command.request, self._waiting)
                 self._waiting.append(command.request)
                 self.stats.submitted += 1
             else:
                 self._controls.append(command)
-        now = time.perf_counter()
-        for warm in self._warms:
-            if now - warm.submitted_at > WARM_TTL_S:
-                warm.cancel_event.set()  # the engine stayed busy: its call has come and gone
-        if any(w.cancelled for w in self._warms):
-            # Into the queue, where ``_apply_cancels`` finishes them.
-            self._waiting.extend(w for w in self._warms if w.cancelled)
-            self._warms = deque(w for w in self._warms if not w.cancelled)
-        if self._warms and not self._waiting and self._group is None:
-            # One at a time, and only onto an idle engine: a live request never waits behind it,
-            # and no running row's steps get longer for it.
-            warm = self._warms.popleft()
-            if self._warmed_already(warm):
-                warm.cancel_event.set()  # another warm or request stored it meanwhile
+        # Finished warms into the queue, where ``_apply_cancels`` finishes them.
+        done, warm = self._warms.take(idle=not self._waiting and self._group is None, cache=self.prefix_cache)
+        self._waiting.extend(done)
+        if warm is not None:
             self._waiting.append(warm)
             self.stats.submitted += 1
-
-    def _warmed_already(self, warm: EngineRequest) -> bool:
-        cache = self.prefix_cache
-        if cache is None:
-            return False
-        target = list(warm.warm_target)
-        resident = cache.ram_prefix_tokens(target, cache.salt(warm, "batch"))
-        return resident + MIN_WARM_TOKENS > _warm_goal(target)
-
-    def _give_way(self, live: EngineRequest) -> None:
-        """A live request arrived (under ``_cond``): a warm still waiting in the queue is cancelled,
-        and so is a held warm of the same key (its request is here). An admitted warm goes on:
-        it feeds one prefill chunk at most, so it holds a live request back one step at most."""
-        for warm in self._warms:
-            if warm.prompt_cache_key == live.prompt_cache_key:
-                warm.cancel_event.set()
-        for request in self._waiting:
-            if request.warm:
-                request.cancel_event.set()
 
     def _worker_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -999,7 +970,11 @@ class Engine:
             # A warm reports nothing of its own: what it stored is counted by the request restoring it.
             if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
                 cache.note_warm(request)
-                self._warm_next_chunk(request, cache)
+                chunk = self._warms.next_chunk(request, cache)
+                if chunk is not None:
+                    with self._cond:
+                        self._live[chunk.request_id] = chunk
+                        self._warms.hold(chunk)
             return None
         try:
             return cache.report(
@@ -1024,26 +999,6 @@ class Engine:
         steps; None when this model has no prefix cache."""
         return self.control(lambda: command(self.prefix_cache) if self.prefix_cache is not None else None)
 
-    def _warm_next_chunk(self, done: EngineRequest, cache: PrefixCache) -> None:
-        """Hold the warm of the next chunk of ``done``'s prefix, where RAM does not hold it all yet."""
-        target = list(done.warm_target)
-        covered = cache.ram_prefix_tokens(target, cache.salt(done, done.cache_layout or "batch"))
-        if covered <= done.warm_ram_tokens or covered + MIN_WARM_TOKENS > _warm_goal(target):
-            return  # done, or no progress (not stored: the budget): stop rather than spin
-        chunk = EngineRequest(
-            request_id=uuid.uuid4().hex,
-            prompt_ids=target[: covered + self.config.prefill_step_size],
-            max_tokens=1,
-            sampling=done.sampling,
-            prompt_cache_key=done.prompt_cache_key,
-            media_hash=done.media_hash,
-            warm=True,
-            warm_target=done.warm_target,
-        )
-        with self._cond:
-            self._live[chunk.request_id] = chunk
-            self._warms.append(chunk)
-
     def warm_prefix(self, request: EngineRequest) -> WarmReport:
         """Put keyed ``request``'s prompt prefix in RAM ahead of the request that will need it
         (``warm``): held as a warm (one prefill chunk a request, its token dropped) that runs
@@ -1054,8 +1009,8 @@ class Engine:
         key, prompt_ids = check_warm(request.prompt_cache_key, request.prompt_ids)
         loaded, cache = self.serving_model(), self.prefix_cache
 
-        def refused(reason: str, resident: int = 0) -> WarmReport:
-            return WarmReport(key, len(prompt_ids), resident, queued=False, reason=reason)
+        def refused(reason: str) -> WarmReport:
+            return WarmReport(key, len(prompt_ids), 0, queued=False, reason=reason)
 
         if cache is None:
             return refused("prefix_cache_not_loaded")
@@ -1063,34 +1018,15 @@ class Engine:
             return refused("lane_without_blocks")
         if request.draft_tokens:
             return refused("speculation")
-        salt = cache.salt(request, "batch")
-        resident = cache.ram_prefix_tokens(prompt_ids, salt)
-        if _warm_goal(prompt_ids) < MIN_WARM_TOKENS:
-            return refused("prompt_too_short", resident)
-        if resident + MIN_WARM_TOKENS > _warm_goal(prompt_ids):
-            return refused("already_resident", resident)
+        resident = cache.ram_prefix_tokens(prompt_ids, cache.salt(request, "batch"))  # the manager's lock, not ours
         with self._cond:
             self._check_serving()
-            if any(r.prompt_cache_key == key and not r.warm for r in self._live.values()):
-                return refused("request_live", resident)  # it stores the prefix itself
-            held = [r for r in self._live.values() if r.warm and not r.is_finished()]
-            if len(held) >= MAX_PENDING_WARMS:
-                return refused("warm_queue_full", resident)
-            target = tuple(prompt_ids)
-            if any(r.warm_target == target and cache.salt(r, "batch") == salt for r in held):
-                return refused("warm_in_flight", resident)  # the same blocks: another key's warm stores them
-            for older in held:
-                if older.prompt_cache_key == key and older.status == RequestStatus.WAITING:
-                    older.cancel_event.set()  # the newer prefix of the same key replaces it
-            request.warm = True
-            request.warm_target = target
-            request.prompt_ids = prompt_ids[: resident + self.config.prefill_step_size]  # one chunk
-            request.max_tokens = 1
-            request.submitted_at = time.perf_counter()
-            self._live[request.request_id] = request
-            self._inbox.append(Submit(request))
-            self._cond.notify_all()
-        return WarmReport(key, len(prompt_ids), resident, queued=True)
+            report = self._warms.plan(request, cache, list(self._live.values()), resident)
+            if report.queued:
+                self._live[request.request_id] = request
+                self._inbox.append(Submit(request))
+                self._cond.notify_all()
+        return report
 
     def _account(self, request: EngineRequest, status: RequestStatus) -> None:
         self._live.pop(request.request_id, None)
@@ -1127,12 +1063,6 @@ class Engine:
         for item in controls:
             item.error = error
             item.done.set()
-
-
-def _warm_goal(prompt_ids: list[int]) -> int:
-    """The RAM coverage at which a prefix counts as warm: every full block but the last (a
-    request always feeds its prompt's last tokens itself)."""
-    return len(prompt_ids) - len(prompt_ids) % BLOCK_SIZE - BLOCK_SIZE
 
 
 class _SharedPrefixes:

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...errors import MLXRuntimeError, StreamBackpressure
-from ..backends.rows import PrefillRow, TokenEvent
-from .reports import PromptCacheReport, SpeculationCounters, speculation_report
+from ..backends.rows import PrefillRow, SampledLogprob, TokenEvent
+from ..cache.report import PromptCacheReport
+from .reports import SpeculationCounters, speculation_report
 from .request import (
     END_OF_STREAM,
     EngineRequest,
@@ -29,7 +30,6 @@ from .request import (
     Outcome,
     PrefillObservation,
     RequestStatus,
-    SampledLogprob,
     TokenDelta,
     execution_report,
 )

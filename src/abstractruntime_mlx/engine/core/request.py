@@ -12,26 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from ...controls import Sampling
 from ...errors import MLXRuntimeError
+from ..backends.rows import SampledLogprob
 from ..cache.prefix_break import PrefixBreak
-from .reports import PromptCacheReport, SpeculationPlan, SpeculationReport
+from ..cache.report import PromptCacheReport
+from .reports import SpeculationPlan, SpeculationReport
 
 if TYPE_CHECKING:
     from ..model.grammar import GrammarProcessor
-
-
-@dataclass(frozen=True, slots=True)
-class SampledLogprob:
-    """The drawn token of one position, its log-probability and the ``top`` most likely
-    tokens there (``(token_id, logprob)``, most likely first), all read from the distribution
-    the row was sampled from: the model's log-softmax after the row's logits processors
-    (penalties, bias, grammar), before temperature and truncation (top-k / top-p / min-p).
-    ``text``: the token's share of the answer's text, the streaming detokenizer's segment for
-    it (set by the engine; the shares of an answer's tokens concatenate to its text)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-    text: str | None = None
 
 
 class RequestStatus(IntEnum):
@@ -87,16 +74,6 @@ class ExecutionMode(StrEnum):
     CONTINUOUS = "continuous"
     COHORT = "cohort"
     EXCLUSIVE = "exclusive"
-
-
-class LaneName(StrEnum):
-    """Where a group runs: one row of ``lanes.LANES`` each, and the ``kind`` of its backend."""
-
-    SERIAL = "serial"  # mlx-lm, one request at a time (``mlx_batching=False``)
-    IN_PROCESS = "in_process"  # mlx-vlm's in-process generation, one at a time, MTP included
-    SINGLE = "single"  # one row on a plain KV cache; a compatible arrival moves it into a batch
-    TEXT = "text"  # the text lane's own loop, plain text rows
-    BATCH = "batch"  # mlx-vlm's batch generator: everything else
 
 
 class DecodePath(StrEnum):

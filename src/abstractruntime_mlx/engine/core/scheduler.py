@@ -55,9 +55,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..backends.rows import LaneName
 from .config import EngineConfig
 from .lanes import LaneContext, choose_lane, one_at_a_time_lane, text_lane_row
-from .request import EngineRequest, ExclusiveReason, ExecutionMode, LaneName, RequestStatus
+from .request import EngineRequest, ExclusiveReason, ExecutionMode, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,44 +463,3 @@ class Scheduler:
 def prefilling_rows(requests: Sequence[EngineRequest]) -> tuple[EngineRequest, ...]:
     """The keyed rows of a group whose prefill is not done (prefix leaders for late joiners)."""
     return tuple(r for r in requests if r.status == RequestStatus.PREFILLING and r.prompt_cache_key is not None)
-
-
-# --- the text lane's step: prefill and compaction ------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillPlan:
-    """Which waiting rows (indices, in arrival order) a text-lane step admits: ``short`` ones
-    (their prompt fits one chunk) prefill together at once, ``long`` ones start a group that
-    runs a chunk a step; the rest wait."""
-
-    short: tuple[int, ...] = ()
-    long: tuple[int, ...] = ()
-
-
-def plan_prefill(prompt_lengths: Sequence[int], *, free: int, step_size: int, chunking: bool) -> PrefillPlan:
-    """Admit waiting rows (``prompt_lengths``, in arrival order) into ``free`` slots: a prompt
-    whose all but last token fit ``step_size`` is short; a longer one starts a chunked group
-    unless one is ``chunking`` already (one such group at a time; it waits meanwhile)."""
-    short: list[int] = []
-    long: list[int] = []
-    for i, length in enumerate(prompt_lengths):
-        if free <= 0:
-            break
-        if length - 1 <= step_size:
-            short.append(i)
-        elif not chunking:
-            long.append(i)
-        else:
-            continue
-        free -= 1
-    return PrefillPlan(tuple(short), tuple(long))
-
-
-def should_compact(n_rows: int, n_finished: int, *, joining: bool, idle_allowed: bool) -> bool:
-    """Whether a text-lane step drops its finished rows from the batch now. Rows joining always
-    compact first; otherwise finished rows idle (``idle_allowed``, where idle slots cost the
-    step less than a compaction) until half the batch has finished, or leave at once."""
-    if n_finished == 0:
-        return False
-    return joining or not idle_allowed or 2 * n_finished >= n_rows

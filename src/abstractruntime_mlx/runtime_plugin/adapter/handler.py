@@ -195,7 +195,11 @@ class LLMCallHandler:
             result = self.node.execute(prepared, route=self.node.route_for(key, callback), cancel_event=cancel_event)
         if cache_target is not None and request.prompt_cache_key is not None and index is not None:
             self.cache_hints.after_call(
-                run.run_id, node_id, request.prompt_cache_key, agent=index.node_types.get(node_id) == "agent"
+                run.run_id,
+                node_id,
+                request.prompt_cache_key,
+                agent=index.node_types.get(node_id) == "agent",
+                return_wait_s=index.return_wait_s(node_id),
             )
         if self.prefix_warm and result.generation.finish_reason != "cancelled":
             warmed = self._warm_next(run, node_id)

@@ -20,6 +20,7 @@ from typing import Final
 
 from ...json_values import array_at, nests_deeper_than, object_at, parse_ascii_int
 from .agent_prefix import AgentWorkflow, child_vars, first_payload
+from .pin_ttl import return_wait_s
 from .prediction import (
     LLM_NODE_TYPES,
     Unpredictable,
@@ -134,6 +135,7 @@ class FlowIndex:
         }
         self._flow = flow
         self._steps: dict[str, dict[str, int]] = {}
+        self._return_waits: dict[str, float | None] = {}
         self._prefixes: dict[str, dict[str, object] | str] = {}  # node -> prefix template, or why none
         self._agent_workflows: dict[str, AgentWorkflow] = {}  # agent node -> its ReAct workflow
         self.node_types = {node_id: str(node.get("type")) for node_id, node in nodes.items()}
@@ -176,6 +178,12 @@ class FlowIndex:
 
     def node_config(self, node_id: str) -> dict[str, object]:
         return dict(self._configs.get(node_id, {}))
+
+    def return_wait_s(self, node_id: str) -> float | None:
+        """How long a run waits before it comes back to ``node_id`` (``pin_ttl.return_wait_s``)."""
+        if node_id not in self._return_waits:
+            self._return_waits[node_id] = return_wait_s(self._flow, node_id)
+        return self._return_waits[node_id]
 
     def steps_from(self, node_id: str) -> dict[str, int]:
         """Execution edges from ``node_id`` to each LLM node it reaches (``prediction``)."""

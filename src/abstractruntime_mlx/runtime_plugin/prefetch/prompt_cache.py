@@ -24,6 +24,7 @@ pins (steps-to-execution from ``prediction.steps_to_llm_nodes``).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -105,6 +106,11 @@ def _nonempty(value: object) -> str | None:
 # --- what the graph tells the prefix cache ---------------------------------------------------
 
 DEFAULT_AGENT_PIN_TTL_S: Final = 120.0
+# A node whose run comes back to it through a person or an event (``pin_ttl.return_wait_s`` is
+# infinite) keeps its pin this long; a timer's literal wait is added to the agent's TTL, up to
+# the longest pin.
+WAIT_PIN_TTL_S: Final = 900.0
+MAX_PIN_TTL_S: Final = 3600.0
 
 
 class CacheHintTarget(Protocol):
@@ -143,11 +149,12 @@ class _RunCache:
 class RunCacheHints:
     """Tells each local model's prefix cache what the runs ahead of it need (docs/prompt-cache.md).
 
-    Before an LLM node's call: the run's hints (``run_hints``), and the pin of an agent the run
-    has left is released. After an agent node's call: its key is pinned for ``pin_ttl_s`` (its
-    next turn follows a tool call or a wait). When the run ends (``finish_run``): its pin is
-    released and its keys are hinted None. A cache command that fails is logged, never raised:
-    hints only order eviction.
+    Before an LLM node's call: the run's hints (``run_hints``), and the pin of a node the run
+    has left is released. After the call of an agent node, or of a node its run comes back to
+    through a wait (``return_wait_s``, from the graph): its key is pinned (``ttl_for``: an
+    agent's next turn follows a tool call; a chat loop's follows a person, an event or a timer).
+    When the run ends (``finish_run``): its pin is released and its keys are hinted None. A
+    cache command that fails is logged, never raised: hints only order eviction.
     """
 
     def __init__(self, *, pin_ttl_s: float = DEFAULT_AGENT_PIN_TTL_S) -> None:
@@ -166,13 +173,28 @@ class RunCacheHints:
             _quietly(target.prompt_cache_release, left[1])
         _quietly(target.prompt_cache_hints, dict(hints))
 
-    def after_call(self, run_id: str, node_id: str, key: str, *, agent: bool) -> None:
+    def ttl_for(self, return_wait_s: float | None) -> float:
+        """The pin's TTL for a node whose run comes back after ``return_wait_s`` (None: an
+        agent's turns, ``pin_ttl_s``; infinite: ``WAIT_PIN_TTL_S``; a timer: added, capped)."""
+        if return_wait_s is None:
+            return self.pin_ttl_s
+        if math.isinf(return_wait_s):
+            return max(self.pin_ttl_s, WAIT_PIN_TTL_S)
+        return min(self.pin_ttl_s + return_wait_s, max(self.pin_ttl_s, MAX_PIN_TTL_S))
+
+    def after_call(
+        self, run_id: str, node_id: str, key: str, *, agent: bool, return_wait_s: float | None = None
+    ) -> float | None:
+        """Pin ``key`` when the node is an agent or its run comes back to it through a wait;
+        the TTL sent, or None when nothing was pinned."""
         with self._lock:
             state = self._runs.get(run_id)
-            if state is None or not agent:
-                return
+            if state is None or not (agent or return_wait_s is not None):
+                return None
             state.pinned = (node_id, key)
-        _quietly(state.target.prompt_cache_pin, key, self.pin_ttl_s)
+        ttl = self.ttl_for(return_wait_s)
+        _quietly(state.target.prompt_cache_pin, key, ttl)
+        return ttl
 
     def warm(self, target: CacheHintTarget, request: GenerationRequest) -> dict[str, JSONValue] | None:
         """Warm ``request``'s prompt prefix in ``target``'s prefix cache (a later node's, before
