@@ -58,6 +58,16 @@ class RunView(Protocol):
     vars: Mapping[str, object]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlowRun:
+    """The run of a registered flow that a call belongs to (an agent's ReAct run belongs to the
+    run that started it)."""
+
+    run_id: str
+    workflow_id: str
+    vars: Mapping[str, object]
+
+
 class EffectView(Protocol):
     """What the handler reads of AbstractRuntime's ``Effect``: the LLM_CALL payload (a JSON object)."""
 
@@ -126,22 +136,26 @@ class LLMCallHandler:
     # -- internals ----------------------------------------------------------------------
 
     def _request(
-        self, run: RunView, node_id: str, payload: Mapping[str, object], node_config: Mapping[str, object] | None
+        self,
+        call: CallIdentity,
+        run_vars: Mapping[str, object],
+        payload: Mapping[str, object],
+        node_config: Mapping[str, object] | None,
     ) -> tuple[NodeRequest, RouteDecision]:
-        """Node ``node_id``'s request, served where ``self.routing`` says (see ``routing``), with
-        the prompt-cache key the host would give it (see ``prompt_cache``). A server the user did
-        not allow is refused here, before anything is sent (``routing.RemotePolicy``)."""
+        """The request ``call`` sends from a run with ``run_vars``, served where ``self.routing``
+        says (see ``routing``), with the prompt-cache key the host would give it (see
+        ``prompt_cache``). A server the user did not allow is refused here, before anything is
+        sent (``routing.RemotePolicy``)."""
         route = self.routing.decide(
             payload.get("provider"),
             payload.get("model"),
             explicit_base_url=explicit_base_url(
-                payload, run.vars, node_config=node_config, default_base_url=self.server_base_url
+                payload, run_vars, node_config=node_config, default_base_url=self.server_base_url
             ),
         )
         if route.base_url is not None:
-            self.routing.remote.check(route.base_url, where=f"node {node_id!r}")
-        call = _call_identity(run, node_id)
-        return request_from_payload(payload, run.vars, node_config=node_config, route=route, call=call), route
+            self.routing.remote.check(route.base_url, where=f"node {call.node_id!r}")
+        return request_from_payload(payload, run_vars, node_config=node_config, route=route, call=call), route
 
     def _handle(self, run: RunView, effect: EffectView) -> EffectOutcome:
         payload = effect.payload if isinstance(effect.payload, Mapping) else {}
@@ -160,7 +174,9 @@ class LLMCallHandler:
         callback = current_effect_progress_callback() if forward else None
         cancel_event = current_effect_cancel_event()
         index = self.flows.get(run.workflow_id)
-        request, route = self._request(run, node_id, payload, index.node_config(node_id) if index is not None else None)
+        request, route = self._request(
+            _call_identity(run, node_id), run.vars, payload, index.node_config(node_id) if index is not None else None
+        )
         loads: list[ModelLoad] = []
         prepared = self.node.prepare(request, on_load=self._load_recorder(key, loads))
 
@@ -185,8 +201,8 @@ class LLMCallHandler:
                 agent=index.node_types.get(node_id) == "agent",
                 return_wait_s=index.return_wait_s(node_id),
             )
-        if self.prefix_warm and index is not None and result.generation.finish_reason != "cancelled":
-            warmed = self._warm_next(run, index, node_id)
+        if self.prefix_warm and result.generation.finish_reason != "cancelled":
+            warmed = self._warm_next(run, node_id)
             if warmed:
                 extra["prefix_warm"] = warmed
         result.extra_metadata.update(extra)
@@ -220,20 +236,49 @@ class LLMCallHandler:
         self.cache_hints.before_call(target, run.run_id, node_id, hints)
         return target
 
-    def _warm_next(self, run: RunView, index: FlowIndex, node_id: str) -> list[JSONValue]:
-        """Warm the predictable prefix of each ``llm_call`` node this one enables, in the local
-        model that will serve it when that model is resident (``RunCacheHints.warm``); what each
-        warm did, by node."""
+    def _flow_position(self, run: RunView, node_id: str) -> tuple[FlowIndex, str, FlowRun] | None:
+        """Where a call stands in a registered flow: the flow, its node, and the flow's run. A
+        call of an agent's ReAct run stands at the agent node, in the run that started it (read
+        back from the ledger); None for a run of no registered flow."""
+        index = self.flows.get(run.workflow_id)
+        if index is not None:
+            return index, node_id, FlowRun(run.run_id, str(run.workflow_id), run.vars)
+        agent = self.flows.agent_of(str(run.workflow_id))
+        parent_id = getattr(run, "parent_run_id", None)
+        if agent is None or not isinstance(parent_id, str) or self.node.ledger is None:
+            return None
+        parent = self.node.ledger.load_run(parent_id)
+        if parent is None:
+            return None
+        return agent[0], agent[1], FlowRun(parent_id, str(parent.get("workflow_id")), object_at(parent, "vars"))
+
+    def _warm_next(self, run: RunView, node_id: str) -> list[JSONValue]:
+        """Warm the predictable prefix of each LLM node this call's node enables (an
+        ``llm_call``'s system prompt or whole payload, an agent's first request up to its task;
+        ``FlowIndex.prefix_call``), in the local model that will serve it when that model is
+        resident (``RunCacheHints.warm``); what each warm did, by node."""
+        position = self._flow_position(run, node_id)
+        if position is None:
+            return []
+        index, at, flow_run = position
         warmed: list[JSONValue] = []
-        for later in index.next_llm_nodes(node_id):
+        for later in index.next_llm_nodes(at):
             try:
-                payload = index.prefix_payload(later, run.vars)
+                prefix = index.prefix_call(later, flow_run.vars)
             except Unpredictable as exc:
                 log.debug("no prefix warm for %s: %s", later, exc)
                 continue
-            prefix_only = bool(payload.pop("prefix_only", False))
+            session_id = getattr(run, "session_id", None)
+            call = CallIdentity(
+                run_id=flow_run.run_id,
+                workflow_id=prefix.workflow_id or flow_run.workflow_id,
+                node_id=prefix.node_id,
+                session_id=session_id if isinstance(session_id, str) and session_id else None,
+            )
+            # an agent's call comes from its ReAct run, which has no node config in the flow
+            config = index.node_config(later) if prefix.workflow_id is None else None
             try:
-                request, _ = self._request(run, later, payload, index.node_config(later))
+                request, _ = self._request(call, prefix.run_vars, prefix.payload, config)
                 model = request.model or self.node.default_model
                 if request.prompt_cache_key is None or request.base_url or not model:
                     continue
@@ -249,7 +294,7 @@ class LLMCallHandler:
             target: CacheHintTarget = self.node.registry.local(prepared.model, self.node.provider_options).provider
             report = self.cache_hints.warm(target, prepared.request)
             if report is not None:
-                warmed.append({"node_id": later, "prefix_only": prefix_only, **report})
+                warmed.append({"node_id": later, "prefix_only": prefix.prefix_only, **report})
         return warmed
 
     def _load_recorder(self, key: NodeKey, seen: list[ModelLoad]) -> Callable[[ModelLoad], None]:
@@ -323,7 +368,8 @@ class LLMCallHandler:
                 log.info("not prefetching %s: %s", sibling.node_id, exc)
                 continue
             try:
-                request, _ = self._request(run, sibling.node_id, payload, sibling.config)
+                call = _call_identity(run, sibling.node_id)
+                request, _ = self._request(call, run.vars, payload, sibling.config)
                 calls.append((sibling.node_id, self.node.prepare(request)))
             except MLXRuntimeError as exc:
                 # Its own turn will raise the same error on the tick thread, where it belongs.

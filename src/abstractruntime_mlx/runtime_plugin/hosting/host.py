@@ -429,13 +429,14 @@ class FlowHost:
                 workflow_id = config.get("_react_workflow_id") or visual_react_workflow_id(
                     flow_id=flow_id, node_id=node_id
                 )
-                registry.register(
-                    create_react_workflow(
-                        logic=ReActLogic(tools=self._agent_tool_defs()),
-                        workflow_id=str(workflow_id),
-                        allowed_tools=allowed,
-                    )
+                react = create_react_workflow(
+                    logic=ReActLogic(tools=self._agent_tool_defs()),
+                    workflow_id=str(workflow_id),
+                    allowed_tools=allowed,
                 )
+                registry.register(react)
+                # the handler predicts the agent's first request with it (a prefix warm)
+                self.pack.flows.add_agent_workflow(flow_id, node_id, react)
         return registry
 
     def run_defaults(self) -> RuntimeConfig:

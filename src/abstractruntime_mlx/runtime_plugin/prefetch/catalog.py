@@ -3,7 +3,9 @@
 
 ``FlowCatalog`` holds one ``FlowIndex`` per workflow id; ``FlowIndex.later_siblings(node)``
 lists the later ``llm_call`` branches of the same parallel/sequence node whose payload
-``prediction`` can compute before the runtime reaches them.
+``prediction`` can compute before the runtime reaches them; ``FlowIndex.prefix_call(node)`` is
+the predictable prefix of an LLM node's (first) request, for a warm. The catalog also knows
+each agent node's ReAct workflow (``add_agent_workflow``), whose runs send the agent's calls.
 """
 
 from __future__ import annotations
@@ -17,14 +19,25 @@ from pathlib import Path
 from typing import Final
 
 from ...json_values import array_at, nests_deeper_than, object_at, parse_ascii_int
+from .agent_prefix import AgentWorkflow, child_vars, first_payload
 from .pin_ttl import return_wait_s
-from .prediction import LLM_NODE_TYPES, Unpredictable, plan_payload, plan_prefix, resolve_payload, steps_to_llm_nodes
+from .prediction import (
+    LLM_NODE_TYPES,
+    Unpredictable,
+    plan_agent_inputs,
+    plan_payload,
+    plan_prefix,
+    resolve_agent_inputs,
+    resolve_payload,
+    steps_to_llm_nodes,
+)
 
 __all__ = [
     "BRANCHING_NODE_TYPES",
     "BRANCH_HANDLE_PREFIX",
     "FlowCatalog",
     "FlowIndex",
+    "PrefixCall",
     "SiblingCall",
     "branch_index",
     "load_flow",
@@ -97,6 +110,20 @@ class SiblingCall:
         return resolve_payload(self.payload, run_vars)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixCall:
+    """The predictable prefix of an LLM node's next request, and who sends it: ``payload`` (an
+    LLM_CALL payload) goes out from a run with ``run_vars``, of workflow ``workflow_id`` (None:
+    the flow's own run), at node ``node_id`` (an agent's: its ReAct workflow's ``reason``).
+    ``prefix_only``: the payload lacks the prompt (it comes from a node that runs first)."""
+
+    payload: dict[str, object]
+    run_vars: Mapping[str, object]
+    node_id: str
+    workflow_id: str | None = None
+    prefix_only: bool = False
+
+
 class FlowIndex:
     """What the handler needs to know about one flow: node configs and, per ``llm_call`` node
     that is a direct branch of a parallel/sequence node, its predictable later siblings."""
@@ -110,6 +137,7 @@ class FlowIndex:
         self._steps: dict[str, dict[str, int]] = {}
         self._return_waits: dict[str, float | None] = {}
         self._prefixes: dict[str, dict[str, object] | str] = {}  # node -> prefix template, or why none
+        self._agent_workflows: dict[str, AgentWorkflow] = {}  # agent node -> its ReAct workflow
         self.node_types = {node_id: str(node.get("type")) for node_id, node in nodes.items()}
         self.llm_nodes = tuple(node_id for node_id, kind in self.node_types.items() if kind in LLM_NODE_TYPES)
         edges = [e for e in array_at(flow, "edges") if isinstance(e, Mapping)]
@@ -169,20 +197,41 @@ class FlowIndex:
         nearest = min(steps.values(), default=0)
         return [node for node, distance in steps.items() if distance == nearest and node != node_id]
 
-    def prefix_payload(self, node_id: str, run_vars: Mapping[str, object]) -> dict[str, object]:
-        """The payload of ``llm_call`` node ``node_id``'s predictable prefix for one run
-        (``prediction.plan_prefix``); raises ``Unpredictable``."""
+    def add_agent_workflow(self, node_id: str, workflow: AgentWorkflow) -> None:
+        """The ReAct workflow the host registered for agent node ``node_id``."""
+        self._agent_workflows[node_id] = workflow
+
+    def agent_workflow(self, node_id: str) -> AgentWorkflow | None:
+        return self._agent_workflows.get(node_id)
+
+    def prefix_call(self, node_id: str, run_vars: Mapping[str, object]) -> PrefixCall:
+        """The predictable prefix of LLM node ``node_id``'s request in a run with ``run_vars``: an
+        ``llm_call``'s from ``prediction.plan_prefix``, an agent's first request up to its task
+        from ``agent_prefix``; raises ``Unpredictable``."""
         if node_id not in self._prefixes:
             try:
-                if self.node_types.get(node_id) != "llm_call":
-                    raise Unpredictable(f"a {self.node_types.get(node_id)} node's prompt is built by its agent")
-                self._prefixes[node_id] = plan_prefix(self._flow, node_id)
+                kind = self.node_types.get(node_id)
+                if kind == "agent":
+                    self._prefixes[node_id] = plan_agent_inputs(self._flow, node_id)
+                elif kind == "llm_call":
+                    self._prefixes[node_id] = plan_prefix(self._flow, node_id)
+                else:
+                    raise Unpredictable(f"a {kind} node sends no LLM call")
             except Unpredictable as exc:
                 self._prefixes[node_id] = str(exc)
         template = self._prefixes[node_id]
         if isinstance(template, str):
             raise Unpredictable(template)
-        return resolve_payload(template, run_vars)
+        if self.node_types.get(node_id) != "agent":
+            payload = resolve_payload(template, run_vars)
+            prefix_only = bool(payload.pop("prefix_only", False))
+            return PrefixCall(payload, run_vars, node_id, prefix_only=prefix_only)
+        workflow = self._agent_workflows.get(node_id)
+        if workflow is None:
+            raise Unpredictable("the host registered no ReAct workflow for this agent")
+        vars = child_vars(*resolve_agent_inputs(template, run_vars), run_vars)
+        sender, payload = first_payload(workflow, vars)
+        return PrefixCall(payload, vars, sender, workflow_id=workflow.workflow_id, prefix_only=True)
 
     def later_siblings(self, node_id: str) -> list[SiblingCall]:
         """Predictable ``llm_call`` branches after ``node_id``'s branch, in pin order."""
@@ -195,6 +244,7 @@ class FlowCatalog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._flows: dict[str, FlowIndex] = {}
+        self._agents: dict[str, tuple[FlowIndex, str]] = {}  # ReAct workflow id -> (flow, agent node)
 
     def register(self, flow: Mapping[str, object]) -> FlowIndex:
         index = FlowIndex(flow)
@@ -205,3 +255,18 @@ class FlowCatalog:
     def get(self, workflow_id: str) -> FlowIndex | None:
         with self._lock:
             return self._flows.get(workflow_id)
+
+    def add_agent_workflow(self, flow_id: str, node_id: str, workflow: AgentWorkflow) -> None:
+        """Agent node ``node_id`` of flow ``flow_id`` runs as ``workflow`` (a no-op for a flow
+        not registered)."""
+        with self._lock:
+            index = self._flows.get(flow_id)
+            if index is None:
+                return
+            index.add_agent_workflow(node_id, workflow)
+            self._agents[workflow.workflow_id] = (index, node_id)
+
+    def agent_of(self, workflow_id: str) -> tuple[FlowIndex, str] | None:
+        """The flow and the agent node whose ReAct workflow is ``workflow_id``."""
+        with self._lock:
+            return self._agents.get(workflow_id)

@@ -15,9 +15,11 @@ accepted.
 
 ``plan_payload(flow, node_id)`` returns a payload template whose values may be expressions
 over the run's vars; ``resolve_payload(template, run_vars)`` computes it for one run.
-``plan_prefix`` is the part of it a prefix warm can send before the node's prompt is known. A
-prediction is only ever a guess: the handler uses a prefetched result only when the real
-request's fingerprint matches.
+``plan_prefix`` is the part of it a prefix warm can send before the node's prompt is known.
+``plan_agent_inputs(flow, node_id)`` is the same for an ``agent`` node: the inputs that shape
+its first request before its task (``agent_prefix`` builds that request). A prediction is only
+ever a guess: the handler uses a prefetched result only when the real request's fingerprint
+matches.
 """
 
 from __future__ import annotations
@@ -31,7 +33,16 @@ from abstractruntime.visualflow_compiler.visual.builtins import get_builtin_hand
 
 from ...json_values import array_at, object_at, to_float, to_int
 
-__all__ = ["LLM_NODE_TYPES", "Unpredictable", "plan_payload", "plan_prefix", "resolve_payload", "steps_to_llm_nodes"]
+__all__ = [
+    "LLM_NODE_TYPES",
+    "Unpredictable",
+    "plan_agent_inputs",
+    "plan_payload",
+    "plan_prefix",
+    "resolve_agent_inputs",
+    "resolve_payload",
+    "steps_to_llm_nodes",
+]
 
 # effectConfig keys a predicted request honours; anything else makes the node unpredictable.
 PREDICTABLE_CONFIG: Final = frozenset(
@@ -60,6 +71,28 @@ COMPUTED_TYPES: Final = LITERAL_TYPES | {"concat", "format"}
 START_TYPES: Final = frozenset({"on_flow_start"})
 LLM_NODE_TYPES: Final = frozenset({"llm_call", "agent"})
 DEFAULT_TEMPERATURE: Final = 0.7  # the VisualFlow compiler's default for an llm_call node
+
+# Inputs of an agent node that reach its first request before the task: its system prompt (the
+# ``system`` pin is appended to AbstractAgent's ReAct prompt), its tools, the model that serves
+# it and its thinking. A prediction computes them (wired in, or from pinDefaults / agentConfig).
+AGENT_PREFIX_PINS: Final = frozenset({"system", "tools", "provider", "model", "thinking", "speculation"})
+# Inputs that reach the request after its prefix (the task) or not its tokens at all (sampling,
+# budgets): they may be wired from any node.
+AGENT_LATER_PINS: Final = frozenset(
+    {
+        "task",
+        "prompt",
+        "temperature",
+        "seed",
+        "max_iterations",
+        "max_input_tokens",
+        "max_output_tokens",
+        "max_out_tokens",
+    }
+)
+AGENT_CONFIG: Final = AGENT_PREFIX_PINS | AGENT_LATER_PINS | {"_react_workflow_id", "outputSchema"}
+# Agent inputs that add messages to its first request (memory recall, parent context) when true.
+AGENT_NO_OP_WHEN_FALSE: Final = NO_OP_WHEN_FALSE | {"use_span_memory", "use_kg_memory", "use_semantic_search"}
 
 
 class Unpredictable(Exception):
@@ -281,6 +314,40 @@ def plan_prefix(flow: Mapping[str, object], node_id: str) -> dict[str, object]:
     payload["prompt"] = ""
     payload["prefix_only"] = True
     return payload
+
+
+def plan_agent_inputs(flow: Mapping[str, object], node_id: str) -> dict[str, object]:
+    """The template of agent node ``node_id``'s inputs that shape its first request before its
+    task (``AGENT_PREFIX_PINS``): ``{"inputs": pin -> value, "config": agentConfig}``, the two
+    places the visual compiler reads them from, pins first; raises ``Unpredictable``."""
+    graph = _Graph(flow)
+    data = graph.data(node_id)
+    config = dict(object_at(data, "agentConfig"))
+    extra = sorted(k for k in set(config) - AGENT_CONFIG if not (k in AGENT_NO_OP_WHEN_FALSE and config[k] is False))
+    if extra:
+        raise Unpredictable(f"agentConfig keys {extra} are not predicted")
+    defaults = graph.pin_defaults(node_id)
+    wired = graph.inputs.get(node_id, {})
+    extra = sorted(
+        k
+        for k in (set(defaults) | set(wired)) - AGENT_PREFIX_PINS - AGENT_LATER_PINS
+        if not (k in AGENT_NO_OP_WHEN_FALSE and k not in wired and defaults[k] is False)
+    )
+    if extra:
+        raise Unpredictable(f"inputs {extra} are not predicted")
+    for pin in set(wired) & AGENT_LATER_PINS:
+        del wired[pin]  # this graph's copy: the task comes after the prefix, whoever computes it
+    inputs = {pin: value for pin, value in graph.node_inputs(node_id, frozenset()).items() if pin in AGENT_PREFIX_PINS}
+    return {"inputs": inputs, "config": config}
+
+
+def resolve_agent_inputs(
+    template: Mapping[str, object], run_vars: Mapping[str, object]
+) -> tuple[dict[str, object], dict[str, object]]:
+    """The agent inputs and agentConfig ``template`` (``plan_agent_inputs``) gives for a run."""
+    inputs = _evaluate(object_at(template, "inputs"), run_vars)
+    assert isinstance(inputs, dict)
+    return inputs, copy.deepcopy(dict(object_at(template, "config")))
 
 
 def resolve_payload(template: Mapping[str, object], run_vars: Mapping[str, object]) -> dict[str, object]:
