@@ -438,10 +438,11 @@ def test_the_single_lane_stores_a_prefix_after_the_first_token(make_llm, dense_m
     from abstractruntime_mlx.engine.backends.single import SingleBackend
 
     order: list[str] = []
-    store, step = SingleBackend._store_prefix, SingleBackend.step
+    store, step = SingleBackend._store_if_pending, SingleBackend.step
 
     def recorded_store(self):
-        order.append("store")
+        if self._store_pending:
+            order.append("store")
         return store(self)
 
     def recorded_step(self, **kwargs):
@@ -449,7 +450,7 @@ def test_the_single_lane_stores_a_prefix_after_the_first_token(make_llm, dense_m
         order.extend("token" for _ in result.tokens)
         return result
 
-    monkeypatch.setattr(SingleBackend, "_store_prefix", recorded_store)
+    monkeypatch.setattr(SingleBackend, "_store_if_pending", recorded_store)
     monkeypatch.setattr(SingleBackend, "step", recorded_step)
     llm = make_llm(dense_model, mlx_batching=True)
     results = conversation(llm, "after-first", turns=2, max_output_tokens=max_output_tokens)

@@ -15,8 +15,9 @@ Which requests and models qualify (``text_model.supports_model``, ``lanes.single
 text prompts without logits processors, on models whose cache is a plain ``KVCache`` per layer
 and whose rows need no position ids. A keyed row (``apc_manager`` given, the salt in
 ``RowInput.prefix`` as the batch takes it) restores the prefix's KV blocks
-into its plain cache and prefills the rest; when its prefill is done, before its first token,
-its new full blocks are stored as a batch row's are, so either lane finds the other's. The prefill is chunked as upstream
+into its plain cache (or starts from its key's resident KV, ``cache/resident.py``) and prefills
+the rest; once its first token is out (the next step, a hand-off or its end) its new full
+blocks are stored as a batch row's are, so either lane finds the other's. The prefill is chunked as upstream
 chunks a batch's (``prefill_step_size`` columns, the last prompt token on its own), and a
 sampled row draws from its own ``RowStream``, so a row's tokens are the same on either lane.
 """
@@ -134,8 +135,7 @@ class SingleBackend:
         if uid != self._uid:
             return
         self._uid = None
-        if self._store_pending:
-            self._store_prefix()
+        self._store_if_pending()
         self._cache, self._pending, self._next, self._row = [], [], None, None
         self._release_restored()
         self.uids.discard(uid)
@@ -179,9 +179,12 @@ class SingleBackend:
         self._apc.resident_used(tokens)
         return [], tokens
 
-    def _store_prefix(self) -> None:
+    def _store_if_pending(self) -> None:
         """Store the row's new full blocks (everything in its cache: the prompt but its last
-        token) and let go of the restored ones, as a batch row's prefill ends."""
+        token) if its first token went out since, and let go of the restored ones, as a batch
+        row's prefill ends."""
+        if not self._store_pending:
+            return
         from mlx_vlm.apc import commit_prefix_blocks
 
         self._store_pending = False
@@ -214,8 +217,7 @@ class SingleBackend:
         uid, token = self._uid, self._next
         if uid is None or token is None:
             raise RuntimeError("only a decoding row can move to a batch")
-        if self._store_pending:
-            self._store_prefix()
+        self._store_if_pending()
         row = DecodingRow(self._cache, token, self._num_tokens, self._max_tokens, self._row)
         self._cache, self._next, self._row, self._uid = [], None, None, None
         self.uids.discard(uid)
@@ -229,8 +231,7 @@ class SingleBackend:
             return result
         result.batch_uids = {uid}
         with mx.stream(self._stream), map_upstream_errors("a single-lane step"):
-            if self._store_pending:
-                self._store_prefix()
+            self._store_if_pending()
             if len(self._pending) > 1:
                 self._prefill_chunk()
                 if observe_prefill:
@@ -280,8 +281,7 @@ class SingleBackend:
         keep = getattr(self._apc, "keep_resident", None)
         if self._key is None or self._salt is None or keep is None or not self._cache:
             return
-        if self._store_pending:
-            self._store_prefix()  # the blocks first: the fallback when the resident KV goes
+        self._store_if_pending()  # the blocks first: the fallback when the resident KV goes
         # The cache holds the prompt, then each delivered token it was fed.
         tokens = (self._prompt + self._generated)[: int(self._cache[0].offset)]
         keep(self._key, self._salt, tokens, self._cache, len(self._prompt))

@@ -40,7 +40,7 @@ from ...errors import InvalidControls, PromptCacheFlushFailed, PromptCacheLocked
 from .cache_priority import CachePriorities, validate_hints, validate_pin
 from .prefix_break import find_break
 from .report import ApcReport, PromptCacheReport
-from .resident import ResidentKV
+from .resident import ResidentKV, common_prefix
 from .upstream import (
     BLOCK_SIZE,
     VerifiedDiskStore,
@@ -354,14 +354,6 @@ class _KeyState:
     reason: str | None = None
 
 
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class PrefixCache:
     """The prefix cache of one resident model (worker thread only)."""
 
@@ -513,13 +505,14 @@ class PrefixCache:
             self._block_strategy = self.manager is not None and not self.manager.coordinator(model).is_checkpoint
         return self._block_strategy
 
-    def resident_prefix_tokens(self, prompt: list[int], salt: int) -> int:
-        """How many leading tokens of ``prompt`` a lookup would restore now (RAM or SSD blocks),
-        without taking the blocks."""
+    def resident_prefix_tokens(self, prompt: list[int], salt: int, *, ssd: bool = True) -> int:
+        """How many leading tokens of ``prompt`` a lookup would restore now (RAM or, with
+        ``ssd``, SSD blocks), without taking the blocks; read under the manager's lock, so a
+        caller thread may ask (``Engine.warm_prefix``)."""
         manager = self.manager
         if manager is None:
             return 0
-        disk = manager.disk
+        disk = manager.disk if ssd else None
         matched = 0
         with manager.lock:
             for i, block_hash in enumerate(block_hashes(prompt, salt)):
@@ -572,7 +565,7 @@ class PrefixCache:
         outcome, degraded = "miss", None
         request.prefix_break = None
         if previous is not None:
-            num_shared = _common_prefix(previous.prompt_ids, prompt)
+            num_shared = common_prefix(previous.prompt_ids, prompt)
             request.prefix_break = find_break(previous.prompt_ids, shared=num_shared, reused=cached, guard=GUARD_TOKENS)
             common = min(num_shared, len(prompt) - 1)
             tolerance = max(BLOCK_SIZE, self.restore_align) + GUARD_TOKENS
@@ -621,21 +614,6 @@ class PrefixCache:
         )
 
     # --- prefix warms (``warm``) -------------------------------------------------------------
-    def ram_prefix_tokens(self, prompt: list[int], salt: int) -> int:
-        """How many leading tokens of ``prompt`` RAM blocks hold now (the SSD tier not counted);
-        read under the manager's lock, so a caller thread may ask (``Engine.warm_prefix``)."""
-        manager = self.manager
-        if manager is None:
-            return 0
-        matched = 0
-        with manager.lock:
-            for i, block_hash in enumerate(block_hashes(prompt, salt)):
-                block = manager.hash_table.get(block_hash)
-                if block is None or block.token_ids != tuple(prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]):
-                    break
-                matched += BLOCK_SIZE
-        return matched
-
     def note_warm(self, request: Any) -> int:
         """A warm finished: remember the blocks of its prompt it put in RAM (those past what RAM
         held when it was admitted, now resident), for the next report that restores them."""

@@ -40,7 +40,8 @@ class Taken(NamedTuple):
 NOTHING = Taken([], 0, False)
 
 
-def _shared_prefix(a: tuple[int, ...], b: list[int]) -> int:
+def common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -69,7 +70,7 @@ class ResidentKV:
             if entry is None:
                 return NOTHING
             self.nbytes -= entry.nbytes
-        shared = min(_shared_prefix(entry.tokens, prompt), len(prompt) - 1)
+        shared = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
         shared -= shared % align
         if shared < self._min_tokens:
             return NOTHING

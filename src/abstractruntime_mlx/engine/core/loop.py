@@ -831,7 +831,7 @@ class Engine:
         request.cache_counters = cache.counters()
         salt = cache.admit(request, layout)
         if request.warm:
-            request.warm_ram_tokens = cache.ram_prefix_tokens(request.prompt_ids, salt)
+            request.warm_ram_tokens = cache.resident_prefix_tokens(request.prompt_ids, salt, ssd=False)
         return PrefixReuse(
             salt,
             serial=cache.serial if layout == "serial" else None,
@@ -1018,7 +1018,9 @@ class Engine:
             return refused("lane_without_blocks")
         if request.draft_tokens:
             return refused("speculation")
-        resident = cache.ram_prefix_tokens(prompt_ids, cache.salt(request, "batch"))  # the manager's lock, not ours
+        resident = cache.resident_prefix_tokens(
+            prompt_ids, cache.salt(request, "batch"), ssd=False
+        )  # the manager's lock, not ours
         with self._cond:
             self._check_serving()
             report = self._warms.plan(request, cache, list(self._live.values()), resident)

@@ -119,7 +119,9 @@ class WarmQueue:
         warm = self.held.popleft()
         if cache is not None:
             target = list(warm.warm_target)
-            if cache.ram_prefix_tokens(target, cache.salt(warm, "batch")) + MIN_WARM_TOKENS > warm_goal(target):
+            if cache.resident_prefix_tokens(target, cache.salt(warm, "batch"), ssd=False) + MIN_WARM_TOKENS > warm_goal(
+                target
+            ):
                 warm.cancel_event.set()  # another warm or request stored it meanwhile
         return done, warm
 
@@ -136,9 +138,9 @@ class WarmQueue:
 
     def plan(self, request: EngineRequest, cache: PrefixCache, live: list[EngineRequest], resident: int) -> WarmReport:
         """Whether keyed ``request`` becomes a warm (``Engine.warm_prefix`` has checked the call
-        and the model, and read that RAM holds ``resident`` tokens of its prompt): refused by
-        name, or turned into its first chunk (``queued``)."""
-        key, prompt_ids = check_warm(request.prompt_cache_key, request.prompt_ids)
+        (``check_warm``) and the model, and read that RAM holds ``resident`` tokens of its
+        prompt): refused by name, or turned into its first chunk (``queued``)."""
+        key, prompt_ids = str(request.prompt_cache_key), request.prompt_ids
         salt = cache.salt(request, "batch")
 
         def refused(reason: str) -> WarmReport:
@@ -170,7 +172,7 @@ class WarmQueue:
         """The warm of the next chunk of ``done``'s prefix, where RAM does not hold it all yet;
         None when it does, or when ``done`` made no progress (not stored: the budget)."""
         target = list(done.warm_target)
-        covered = cache.ram_prefix_tokens(target, cache.salt(done, done.cache_layout or "batch"))
+        covered = cache.resident_prefix_tokens(target, cache.salt(done, done.cache_layout or "batch"), ssd=False)
         if covered <= done.warm_ram_tokens or covered + MIN_WARM_TOKENS > warm_goal(target):
             return None
         return EngineRequest(

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Final, Literal, Protocol
 
@@ -44,6 +45,8 @@ from .stores import LedgerStepStore
 __all__ = ["LLMCallHandler", "RuntimeProgress"]
 
 log = logging.getLogger(__name__)
+
+_MAX_WARMED_AGENT_RUNS: Final = 1024  # ReAct runs remembered as having warmed (``_first_agent_turn``)
 
 RuntimeProgress = Literal["auto", "always", "never"]
 
@@ -115,6 +118,11 @@ class LLMCallHandler:
         self.prefetcher = prefetcher
         self.cache_hints = cache_hints or RunCacheHints()
         self.prefix_warm = prefix_warm
+        # The agents' ReAct runs whose first call warmed what their agent enables: each later
+        # turn would read the parent run back and build the same prefix again, for a warm the
+        # engine refuses as already resident.
+        self._agent_runs_warmed: OrderedDict[str, None] = OrderedDict()
+        self._warm_lock = threading.Lock()
         self.model = model
         self.force_model = force_model
         self.server_base_url = server_base_url
@@ -252,11 +260,23 @@ class LLMCallHandler:
             return None
         return agent[0], agent[1], FlowRun(parent_id, str(parent.get("workflow_id")), object_at(parent, "vars"))
 
+    def _first_agent_turn(self, run_id: str) -> bool:
+        """Whether this is the first call of ReAct run ``run_id`` to warm (remembered, bounded)."""
+        with self._warm_lock:
+            if run_id in self._agent_runs_warmed:
+                return False
+            self._agent_runs_warmed[run_id] = None
+            while len(self._agent_runs_warmed) > _MAX_WARMED_AGENT_RUNS:
+                self._agent_runs_warmed.popitem(last=False)
+            return True
+
     def _warm_next(self, run: RunView, node_id: str) -> list[JSONValue]:
         """Warm the predictable prefix of each LLM node this call's node enables (an
         ``llm_call``'s system prompt or whole payload, an agent's first request up to its task;
         ``FlowIndex.prefix_call``), in the local model that will serve it when that model is
         resident (``RunCacheHints.warm``); what each warm did, by node."""
+        if self.flows.get(run.workflow_id) is None and not self._first_agent_turn(run.run_id):
+            return []
         position = self._flow_position(run, node_id)
         if position is None:
             return []

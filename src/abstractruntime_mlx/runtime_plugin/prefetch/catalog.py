@@ -201,9 +201,6 @@ class FlowIndex:
         """The ReAct workflow the host registered for agent node ``node_id``."""
         self._agent_workflows[node_id] = workflow
 
-    def agent_workflow(self, node_id: str) -> AgentWorkflow | None:
-        return self._agent_workflows.get(node_id)
-
     def prefix_call(self, node_id: str, run_vars: Mapping[str, object]) -> PrefixCall:
         """The predictable prefix of LLM node ``node_id``'s request in a run with ``run_vars``: an
         ``llm_call``'s from ``prediction.plan_prefix``, an agent's first request up to its task
