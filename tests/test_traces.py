@@ -519,3 +519,60 @@ def test_served_calls_carry_the_route_and_the_model_name(receiver, dense_model, 
         assert not CONTENT_KEYS & set(a)  # prompts and answers: opt-in
         node = spans[by_route[path]["parent"]]
         assert spans[node["parent"]]["name"] == "run serve"
+
+
+@pytest.mark.slow
+def test_a_call_span_waits_for_its_record_and_a_changed_span_is_sent_again(
+    receiver, dense_model, tmp_path, monkeypatch
+) -> None:
+    """A served call's last phase event reaches the ledger before its terminal record (which names the model):
+    the call's span is not ended until that record is written, and one sent early is sent again once it changed."""
+    import datetime as dt
+
+    from abstractruntime_mlx.server.app import create_app
+    from abstractruntime_mlx.server.pool import ModelSpec
+    from abstractruntime_mlx.server.serve_ledger import ServeLedger
+    from abstractruntime_mlx.traces import LiveExport, OtlpTarget
+    from test_server_harness import serve_in_thread
+
+    flushed, release = threading.Event(), threading.Event()
+    record_end = ServeLedger._finish
+
+    def held_finish(self, call, record, status) -> None:  # the phase events written, the record held back
+        self.writer.flush(call.key)
+        flushed.set()
+        assert release.wait(60)
+        record_end(self, call, record, status)
+
+    monkeypatch.setattr(ServeLedger, "_finish", held_finish)
+    url = sqlite_url(tmp_path / "serve.sqlite")
+    ledger = Ledger(url)
+    recorder = ServeLedger(ledger)
+    app = create_app(models=[ModelSpec("tiny", dense_model)], serve_ledger=recorder, stream_interval_ms=0)
+
+    def chat_spans() -> list[dict[str, object]]:
+        return [s for s in receiver.spans() if s["attributes"].get("gen_ai.operation.name") == "chat"]
+
+    body = {"model": "tiny", "max_tokens": 3, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    try:  # poll_s: the exporter's own thread never polls here, the test does
+        with LiveExport(url, OtlpTarget.parse(receiver.url), since=dt.datetime.now(dt.UTC), poll_s=3600) as exporter:
+            with serve_in_thread(app) as base:
+                assert httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).status_code == 200
+                assert flushed.wait(60)
+                exporter.poll()
+                assert chat_spans() == []  # its phase events are all there, its record is not: not ended
+                exporter.poll(final=True)  # sent as it stands
+                (early,) = chat_spans()
+                assert "gen_ai.request.model" not in early["attributes"]
+                release.set()
+                recorder.drain()
+                exporter.poll()
+    finally:
+        release.set()
+        recorder.close()
+        ledger.close()
+    early, late = chat_spans()
+    assert late["span_id"] == early["span_id"]
+    assert (
+        late["attributes"]["gen_ai.request.model"] == "tiny" and late["attributes"]["gen_ai.response.model"] == "tiny"
+    )

@@ -55,7 +55,7 @@ class LiveExport:
         self._ledger: Ledger | None = None
         self._cursors: dict[str, RunCursor | None] = {}
         self._pending: dict[str, list[TraceSpan]] = {}
-        self._sent: dict[str, int] = {}  # span id -> end time sent
+        self._sent: dict[str, int] = {}  # span id -> the fingerprint of what was sent
         self._warned: set[str] = set()
         self.num_sent = 0
 
@@ -102,7 +102,7 @@ class LiveExport:
             span
             for spans in self._pending.values()
             for span in spans
-            if (span.finished or final) and self._sent.get(span.span_id) != span.end_ns
+            if (span.finished or final) and self._sent.get(span.span_id) != _fingerprint(span)
         ]
         if not due:
             return 0
@@ -112,7 +112,7 @@ class LiveExport:
             self._warn(f"trace export failed, spans kept for the next try: [{exc.code}] {exc.message}")
             return 0
         for span in due:
-            self._sent[span.span_id] = span.end_ns
+            self._sent[span.span_id] = _fingerprint(span)
         self.num_sent += len(due)
         for run_id, spans in list(self._pending.items()):  # a run fully ended and sent is re-read only when it moves
             if all(s.finished for s in spans):
@@ -123,3 +123,8 @@ class LiveExport:
         if text not in self._warned:
             self._warned.add(text)
             log.warning("%s", text)
+
+
+def _fingerprint(span: TraceSpan) -> int:
+    """What a receiver would see change: a span re-read with a later end, new attributes or a new status is sent again."""
+    return hash(repr((span.end_ns, span.name, span.status, span.status_message, span.attributes, len(span.events))))

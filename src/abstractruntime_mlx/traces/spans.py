@@ -359,7 +359,8 @@ def _call_spans(
     start_ns = at(segments[0][1])
     end_ns = max(at(max(b for _, _, b in segments)), start_ns)
     span_id = span_id_of(run_id, f"call:{call.step_id or call.node_id}:{call.attempt}")
-    finished = call.recorded or call.status in TERMINAL_STEP_STATUSES
+    # Its last phase event comes before its terminal record (the route, the model): ended only with the record.
+    finished = call.recorded
     failed = call.status == "failed"
     remote = call.client.get("kind") == "remote"
     engine = [(phase, a) for phase, a, _ in segments if phase != "load"]
