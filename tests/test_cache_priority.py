@@ -7,7 +7,13 @@ import pytest
 
 from abstractruntime_mlx import errors
 from abstractruntime_mlx.engine.cache import prefix_cache, upstream
-from abstractruntime_mlx.engine.cache.cache_priority import BlockInfo, CachePriorities, eviction_order, validate_hints
+from abstractruntime_mlx.engine.cache.cache_priority import (
+    BlockInfo,
+    CachePriorities,
+    eviction_order,
+    validate_hints,
+    warm_rank,
+)
 
 # --- the policy on hand-built blocks ----------------------------------------------------------
 
@@ -188,6 +194,26 @@ def test_a_store_takes_pins_only_when_nothing_else_is_left_oldest_first():
     assert list(priorities.pins) == ["a"] and priorities.pins_dropped == 1
 
 
+def test_a_warm_stores_only_over_blocks_needed_later_and_never_takes_a_pin():
+    """A prefetch fills room: the next node's warm (steps 1) may push out a block needed in three
+    steps, not the current node's (steps 0) nor a pin; where only those are left it stores nothing."""
+    now = [0.0]
+    priorities = CachePriorities(clock=lambda: now[0])
+    manager = make_manager(2, priorities)
+    store(manager, priorities, "a")
+    store(manager, priorities, "b")
+    priorities.set_hints({"a": 0, "b": 3, "c": 1, "d": 1})
+    with manager.storing_ahead("c"):
+        store(manager, priorities, "c")
+    assert [resident(manager, k) for k in "abc"] == [FULL, 0, FULL]
+    priorities.pin("a", 60)
+    with manager.storing_ahead("d"):
+        store(manager, priorities, "d")  # a: pinned, c: as soon as d
+    assert [resident(manager, k) for k in "acd"] == [FULL, FULL, 0] and priorities.pins_dropped == 0
+    store(manager, priorities, "d")  # d's own request: it may push out c (as soon as d)
+    assert [resident(manager, k) for k in "acd"] == [FULL, 0, FULL]
+
+
 def test_pins_lose_to_a_live_request_oldest_first(monkeypatch):
     now = [0.0]
     priorities = CachePriorities(clock=lambda: now[0])
@@ -267,3 +293,59 @@ def test_provider_commands_validate_and_release(tight_llm):
     assert llm.prompt_cache_pin("agent-a", 30)["pins"] == 1
     assert llm.prompt_cache_release("agent-a")["released"] is True
     assert llm.prompt_cache_release("agent-a")["released"] is False
+
+
+SHARED_SYSTEM = "You are the planner of every run. " + "You answer briefly and carefully. " * 10
+
+
+def planner(llm, key: str, question: str = "What does a cache keep?"):
+    messages = [{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": question}]
+    return llm.generate("", messages=messages, max_output_tokens=4, thinking=False, prompt_cache_key=key)
+
+
+def test_a_warm_of_a_prefix_in_ram_makes_its_key_an_owner(tight_llm):
+    """Run 1's planner stored the system prompt every run's planner shares, and is done (hinted None); run 2's
+    planner is next. Its warm finds the prefix in RAM (nothing to prefill) yet names run 2's key an owner of its
+    blocks, so run 2's hint keeps them; without the warm only run 1 owns them and they go first."""
+    cached = {}
+    for warm in (False, True):
+        llm = tight_llm()
+        first = planner(llm, "run1/planner")
+        if warm:
+            report = llm.prompt_cache_warm(
+                messages=[{"role": "system", "content": SHARED_SYSTEM}], thinking=False, prompt_cache_key="run2/planner"
+            )
+            assert (report["queued"], report["reason"]) == (False, "already_resident")
+        llm.prompt_cache_hints({"run1/planner": None, "run2/planner": 0, "agent-b": None, "agent-c": None})
+        ask(llm, "agent-b")
+        ask(llm, "agent-c")
+        second = planner(llm, "run2/planner")
+        cached[warm] = second.metadata["prompt_cache"]["cached_tokens"]
+        assert second.token_ids == first.token_ids  # eviction never changes an answer
+        llm.unload_model()
+    assert cached[False] == 0 and cached[True] > 0
+
+
+def test_a_shared_block_of_keys_that_are_done_ranks_with_the_unhinted():
+    """None speaks for its own key: a prefix several keys began with is what a key not seen yet begins with too."""
+    idle = blocks((0, {"stranger"}), (1, {"gone", "left"}), (2, {"gone"}), (3, {"near"}))
+    assert eviction_order(idle, {"gone": None, "left": None, "near": 0}) == [2, 0, 1, 3]
+
+
+def test_a_warm_ranks_its_victims_below_its_own_blocks():
+    idle = blocks((0, {"near"}), (1, {"far"}), (2, {"gone"}), (3, {"stranger"}), (4, {"next"}))
+    hints = {"near": 0, "far": 3, "gone": None, "next": 1, "warmed": 1}
+    assert eviction_order(idle, hints, below=warm_rank("warmed", hints)) == [2, 3, 1]
+    assert eviction_order(idle, hints, below=warm_rank("unhinted", hints)) == [2]  # only what no run reaches
+
+
+def test_the_reused_bytes_count_the_blocks_a_lookup_restored(make_llm, dense_model):
+    """``memory.reused_bytes``: of what the cache holds, the blocks some lookup restored (what a budget must keep)."""
+    llm = make_llm(dense_model, mlx_batching=True)
+    planner(llm, "run1/planner")
+    memory = llm.get_prompt_cache_stats()["memory"]
+    assert memory["reused_bytes"] == 0 < memory["resident_bytes"]
+    cached = planner(llm, "run2/planner", "And what does it drop?").metadata["prompt_cache"]["cached_tokens"]
+    memory = llm.get_prompt_cache_stats()["memory"]
+    block_bytes = (memory["resident_bytes"] - memory["resident_kv"]["bytes"]) // memory["entries"]
+    assert cached > 0 and memory["reused_bytes"] == cached // prefix_cache.BLOCK_SIZE * block_bytes

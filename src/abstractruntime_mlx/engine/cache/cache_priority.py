@@ -6,11 +6,15 @@ tells the cache, per ``prompt_cache_key``, how many steps away that key's next c
 (``hints``: ``{key: steps}``, or ``None`` when no live run reaches the key again) and pins the
 key of an agent that is between turns (``pin``). The order (after KVFlow, arXiv 2507.07400):
 
-1. blocks only unreachable keys own (every owner hinted ``None``), least recently used first;
-2. blocks of keys nobody hinted (or blocks of no known key);
+1. blocks only one key owns, hinted ``None``, least recently used first;
+2. blocks of keys nobody hinted (or of no known key), and shared blocks whose owners are all
+   hinted ``None``: a prefix several keys began with (a system prompt under ``mlx_cache_sharing=
+   "scope"``) is what a key not seen yet begins with too, and ``None`` speaks for its own key only;
 3. blocks of hinted keys, the farthest next call first (a block's steps: its nearest owner's);
 
-recency breaks every tie. Blocks of a live pin are never in the order: they are evicted only
+recency breaks every tie. A prefix warm's store (``warm_rank``) evicts only blocks ranked below
+its own and never takes a pin: a prefetch fills room, it never costs a live run a hit. Blocks of
+a live pin are never in the order: they are evicted only
 when a live request needs memory and nothing else is left, and then the oldest pin goes first
 (``drop_oldest_pin``). Without hints or pins the order is the manager's own LRU
 (``active`` is False), so nothing changes for callers that never give any.
@@ -28,7 +32,7 @@ from typing import Final
 
 from ...errors import InvalidControls
 
-__all__ = ["BlockInfo", "CachePriorities", "Pin", "eviction_order", "validate_hints", "validate_pin"]
+__all__ = ["BlockInfo", "CachePriorities", "Pin", "eviction_order", "validate_hints", "validate_pin", "warm_rank"]
 
 MAX_STEPS: Final = 1 << 20
 MAX_PIN_TTL_S: Final = 24 * 3600.0
@@ -61,18 +65,32 @@ def block_rank(block: BlockInfo, hints: Mapping[str, int | None]) -> tuple[int, 
     steps = [s for s in (hints.get(k) for k in block.owners if k in hints) if s is not None]
     if steps:
         return (HINTED, -min(steps), block.last_used)
-    if block.owners and all(k in hints for k in block.owners):
+    if len(block.owners) == 1 and all(k in hints for k in block.owners):
         return (UNREACHABLE, 0, block.last_used)
     return (UNHINTED, 0, block.last_used)
 
 
 def eviction_order(
-    blocks: Sequence[BlockInfo], hints: Mapping[str, int | None], pinned: Iterable[str] = ()
+    blocks: Sequence[BlockInfo],
+    hints: Mapping[str, int | None],
+    pinned: Iterable[str] = (),
+    *,
+    below: tuple[int, int] | None = None,
 ) -> list[int]:
-    """Indices into ``blocks`` in the order to evict them; blocks a pinned key owns are left out."""
+    """Indices into ``blocks`` in the order to evict them; blocks a pinned key owns are left out,
+    and with ``below`` (a warm's ``warm_rank``) every block needed as soon as the warm's or sooner."""
     pins = frozenset(pinned)
     candidates = [i for i, block in enumerate(blocks) if not (block.owners & pins)]
+    if below is not None:
+        candidates = [i for i in candidates if block_rank(blocks[i], hints)[:2] < below]
     return sorted(candidates, key=lambda i: block_rank(blocks[i], hints))
+
+
+def warm_rank(key: str, hints: Mapping[str, int | None]) -> tuple[int, int]:
+    """The class and steps the blocks of ``key``'s warm will rank with: a warm makes room only
+    from blocks below them, so a prefetch never pushes out what a run needs first."""
+    steps = hints.get(key)
+    return (HINTED, -steps) if steps is not None else (UNHINTED, 0)
 
 
 def validate_hints(hints: object) -> dict[str, int | None]:

@@ -442,18 +442,23 @@ class PrefixCache:
         """Ownership is only read while hints or pins order eviction: until then a key's latest
         prompt is noted and hashed when the first hint or pin arrives (``_own_noted``), so a
         keyed turn without them hashes nothing."""
-        manager = self.manager
-        key = request.prompt_cache_key
-        if manager is None or key is None:
+        if request.prompt_cache_key is not None:
+            self.own(request.prompt_cache_key, request.prompt_ids, salt)
+
+    def own(self, key: str, prompt: list[int], salt: int) -> None:
+        """Record ``key`` as an owner of ``prompt``'s blocks (worker thread): as a keyed request is
+        admitted, and as a warm names the prefix its node's request will begin with, cached or not,
+        so that the key's hints rank those blocks before the request comes."""
+        if self.manager is None:
             return
         if not self.priorities.active:
-            self._unowned[(key, salt)] = request.prompt_ids
+            self._unowned[(key, salt)] = prompt
             self._unowned.move_to_end((key, salt))
             while len(self._unowned) > _MAX_TRACKED_KEYS:
                 self._unowned.popitem(last=False)
             return
         self._own_noted()
-        self.priorities.own(key, block_hashes(request.prompt_ids, salt))
+        self.priorities.own(key, block_hashes(prompt, salt))
 
     def _own_noted(self) -> None:
         """Record the owners of the prompts noted while no hint or pin was set."""
@@ -656,6 +661,7 @@ class PrefixCache:
                 "working_set_bytes": self.budget.working_set_bytes,
                 "budget_source": self.budget.source,
                 "resident_bytes": self.resident_bytes(),
+                **({"reused_bytes": self.manager.reused_bytes()} if self.manager is not None else {}),
                 "entries": self._ram_entries(),
                 **({"resident_kv": self.manager.resident.stats()} if self.manager is not None else {}),
             },

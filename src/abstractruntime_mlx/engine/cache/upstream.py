@@ -50,14 +50,14 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from mlx_vlm.apc import DiskBlockStore
 
 from ...owned_files import open_owned, owned_fault, read_owned
-from .cache_priority import CachePriorities, eviction_order
+from .cache_priority import CachePriorities, eviction_order, warm_rank
 from .resident import NOTHING, ResidentKV, Taken
 
 log = logging.getLogger(__name__)
@@ -383,6 +383,26 @@ def counted_manager_class() -> type:
         priorities: CachePriorities | None = None
         resident: ResidentKV | None = None
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.reused: set[int] = set()  # hashes of blocks a lookup restored (``reused_bytes``)
+            self.ahead_of: tuple[int, int] | None = None  # while a warm stores: its blocks' rank
+
+        @contextlib.contextmanager
+        def storing_ahead(self, key: str) -> Iterator[None]:
+            """A prefix warm's store: it makes room only from blocks ranked below its own
+            (``cache_priority.warm_rank``), never from a pin or another key's resident KV, and
+            stores nothing when that is not enough. Without hints or pins: as any store (LRU)."""
+            priorities = self.priorities
+            if priorities is None or not priorities.active:
+                yield
+                return
+            self.ahead_of = warm_rank(key, priorities.hints)
+            try:
+                yield
+            finally:
+                self.ahead_of = None
+
         def lookup_prefix(self, token_ids: Any, extra_hash: int = 0) -> tuple[list[Any], int]:
             """Upstream's lookup, cut to a multiple of ``restore_align`` tokens."""
             matched, tokens = super().lookup_prefix(token_ids, extra_hash=extra_hash)
@@ -390,15 +410,30 @@ def counted_manager_class() -> type:
             if keep < tokens:
                 self.release(matched[keep // self.block_size :])
                 matched, tokens = matched[: keep // self.block_size], keep
+            if matched:
+                with self.lock:
+                    self.reused.update(b.block_hash for b in matched if b.block_hash is not None)
+                    if len(self.reused) > 2 * len(self.hash_table) + 4096:  # forget evicted ones
+                        self.reused &= self.hash_table.keys()
             return matched, tokens
+
+        def reused_bytes(self) -> int:
+            """RAM held by blocks a lookup restored at least once: the part of the cache that paid.
+            A budget below it (after a workload on a roomy one) evicts what that workload reuses."""
+            with self.lock:
+                held = sum(1 for h in self.reused if h in self.hash_table)
+                if held and not self._block_bytes:
+                    self._resident_bytes_locked()  # learns one block's bytes
+                return held * int(self._block_bytes)
 
         # --- eviction by steps-to-execution (``cache_priority``) ---------------------
         def _make_room(self, allocation_bytes: int = 0, *, retain_bytes: int = 0) -> bool:
             """Upstream's ``_make_room`` with the blocks evicted in the priorities' order; pinned
             blocks go last: a live request's allocation or store takes the oldest pin when
             nothing else is left. Resident KV (``resident``) goes before any block."""
-            self._drop_resident(allocation_bytes, retain_bytes)
             priorities = self.priorities
+            if self.ahead_of is None:
+                self._drop_resident(allocation_bytes, retain_bytes)
             if priorities is None or not priorities.active:
                 return bool(super()._make_room(allocation_bytes, retain_bytes=retain_bytes))
             required = self._required_bytes(allocation_bytes, retain_bytes)
@@ -415,7 +450,7 @@ def counted_manager_class() -> type:
                         if not victims:
                             victims = self._victims()
                         if not victims:
-                            if priorities.drop_oldest_pin() is None:
+                            if self.ahead_of is not None or priorities.drop_oldest_pin() is None:
                                 break
                             continue
                         resident -= self._drop_idle_block(victims.pop())
@@ -492,7 +527,7 @@ def counted_manager_class() -> type:
                 block = block.next
             if block is None or cached_only:
                 victims = self._victims()
-                while not victims and priorities.drop_oldest_pin() is not None:
+                while not victims and self.ahead_of is None and priorities.drop_oldest_pin() is not None:
                     victims = self._victims()  # a store takes pins too, the oldest first
                 if not victims:
                     return None
@@ -518,7 +553,7 @@ def counted_manager_class() -> type:
                 block = block.next
             infos = [self.priorities.block(b.block_hash, i) for i, b in enumerate(idle)]
             pinned = [pin.key for pin in self.priorities.live_pins()]
-            order = eviction_order(infos, self.priorities.hints, pinned)
+            order = eviction_order(infos, self.priorities.hints, pinned, below=self.ahead_of)
             return [idle[i] for i in reversed(order)]
 
         def _drop_idle_block(self, block: Any) -> int:

@@ -837,6 +837,7 @@ class Engine:
             serial=cache.serial if layout == "serial" else None,
             # A warm leaves shared blocks only: its key's resident KV is its real request's.
             key=None if request.warm else request.prompt_cache_key,
+            warm_key=request.prompt_cache_key if request.warm else None,
         )
 
     def _step_group(self) -> None:
@@ -1018,11 +1019,15 @@ class Engine:
             return refused("lane_without_blocks")
         if request.draft_tokens:
             return refused("speculation")
-        resident = cache.resident_prefix_tokens(
-            prompt_ids, cache.salt(request, "batch"), ssd=False
-        )  # the manager's lock, not ours
+        salt = cache.salt(request, "batch")
+        resident = cache.resident_prefix_tokens(prompt_ids, salt, ssd=False)  # the manager's lock, not ours
+        prefix = list(prompt_ids)
         with self._cond:
             self._check_serving()
+            # Queued or not (already in RAM, say), the key now owns its prefix's blocks: its hints keep
+            # them. On the worker (the owners are its), not waited on.
+            self._inbox.append(RunControl(lambda: cache.own(key, prefix, salt)))
+            self._cond.notify_all()
             report = self._warms.plan(request, cache, list(self._live.values()), resident)
             if report.queued:
                 self._live[request.request_id] = request
