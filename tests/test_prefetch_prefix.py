@@ -266,3 +266,28 @@ def test_a_live_request_arriving_with_a_warm_runs_first_and_cancels_its_own_keys
     assert result.token_ids and live_request.finished_at is not None
     # the other key's warm waited for an idle engine: it began after the live request had finished
     assert warms["w-other"].started_at > live_request.finished_at
+
+
+@pytest.mark.slow
+def test_a_prefix_on_the_ssd_tier_is_warmed_back_in_one_step(make_llm, dense_model, tmp_path):
+    """After a restart the SSD tier holds the prefix: the warm's first chunk runs to its end, so one
+    step reads it back, and its store keeps it in RAM (upstream's SSD restore makes no RAM blocks);
+    the call then finds it in RAM."""
+    disk = str(tmp_path / "cache")
+    call = {"messages": messages(SYSTEM_A, "Plan it."), "temperature": 0.0, "thinking": False, "prompt_cache_key": "s1"}
+    first = make_llm(dense_model, mlx_batching=True, mlx_cache_disk_path=disk)
+    plain = first.generate("", max_output_tokens=6, **call)
+    first.unload_model()  # flushes the SSD tier
+    restarted = make_llm(dense_model, mlx_batching=True, mlx_cache_disk_path=disk)
+    report = restarted.prompt_cache_warm(**call)
+    assert report["queued"] is True and report["resident_tokens"] == 0
+    assert report["ssd_tokens"] > restarted.get_prompt_cache_stats()["execution"].get("prefill_step_size", 256)
+    wait_for_warms(restarted, 1)
+    again = restarted.prompt_cache_warm(**call)
+    assert (again["queued"], again["reason"]) == (False, "already_resident")  # in RAM after one warm
+    warmed = restarted.generate("", max_output_tokens=6, **call)
+    warms = restarted.get_prompt_cache_stats()["warms"]
+    assert warms["finished"] == 1 and warms["blocks"] * 16 >= report["ssd_tokens"]  # one step, no chunk after it
+    assert warmed.metadata["prompt_cache"]["prefetched_tokens"] >= report["ssd_tokens"]
+    assert warmed.metadata["prompt_cache"]["apc"]["disk_hits"] == 0  # RAM had it: no disk read in the call
+    assert warmed.token_ids == plain.token_ids

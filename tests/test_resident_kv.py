@@ -168,9 +168,14 @@ def test_a_restarted_engine_reuses_at_least_90_percent_from_its_ssd_tier(make_ll
         {"role": "user", "content": "Why?"},
     ]
     result = turn(restarted, messages, "k")
+    # The prefix read from the SSD tier was stored in RAM by that turn: the next one reads no disk.
+    following = messages + [{"role": "assistant", "content": result.content}, {"role": "user", "content": "And?"}]
+    after = turn(restarted, following, "k")
     restarted.unload_model()
     prompt, cached = result.usage["prompt_tokens"], result.usage["cached_input_tokens"]
     assert cached >= 0.9 * prompt, (cached, prompt)
     assert result.metadata["prompt_cache"]["apc"]["disk_hits"] >= 1
+    assert after.metadata["prompt_cache"]["apc"]["disk_hits"] == 0
+    assert after.usage["cached_input_tokens"] >= cached
     plain = turn(make_llm(dense_model, mlx_batching=True), messages, None)
     assert result.token_ids == plain.token_ids

@@ -95,9 +95,6 @@ class PrefixReuse:
     # The request's ``prompt_cache_key``: the single lane keeps a finished row's KV resident
     # for it and starts the key's next row from it (``cache.resident.ResidentKV``).
     key: str | None = None
-    # A prefix warm's key: its blocks are stored only where they push out blocks needed later
-    # than its own (``cache.cache_priority.warm_rank``).
-    warm_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

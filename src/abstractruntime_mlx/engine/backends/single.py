@@ -24,7 +24,6 @@ sampled row draws from its own ``RowStream``, so a row's tokens are the same on 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Callable
 from typing import Any, cast
@@ -83,7 +82,6 @@ class SingleBackend:
         self._prompt: list[int] = []
         self._salt: int | None = None  # a keyed row's prefix-cache salt
         self._key: str | None = None  # and its key (its KV stays resident for it when it ends)
-        self._warm_key: str | None = None  # a prefix warm's: its store makes room only from blocks needed later
         self._restored: list[Any] = []  # the blocks it restored, held until its own are stored
         self._cached = 0
         self._store_pending = False  # the prefill's blocks are stored the step after the first token
@@ -113,7 +111,6 @@ class SingleBackend:
         self._prompt = list(prompt_ids)
         self._salt = row.prefix.salt if row.prefix is not None and self._apc is not None else None
         self._key = row.prefix.key if self._salt is not None and row.prefix is not None else None
-        self._warm_key = row.prefix.warm_key if self._salt is not None and row.prefix is not None else None
         self._restored, self._cached = self._restore(prompt_ids) if self._salt is not None else ([], 0)
         self._store_pending = False
         self._generated = []
@@ -192,16 +189,14 @@ class SingleBackend:
 
         self._store_pending = False
         blocks, self._restored = self._restored, []
-        ahead = getattr(self._apc, "storing_ahead", None)
-        with ahead(self._warm_key) if ahead is not None and self._warm_key is not None else contextlib.nullcontext():
-            commit_prefix_blocks(
-                self._apc,
-                self._cache,
-                self._prompt[:-1],
-                extra_hash=self._salt or 0,
-                skip_first_n_tokens=self._cached,
-                blocks_in_use=blocks,
-            )
+        commit_prefix_blocks(
+            self._apc,
+            self._cache,
+            self._prompt[:-1],
+            extra_hash=self._salt or 0,
+            skip_first_n_tokens=self._cached,
+            blocks_in_use=blocks,
+        )
 
     def _release_restored(self) -> None:
         if self._restored:

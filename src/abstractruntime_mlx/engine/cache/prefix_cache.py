@@ -445,6 +445,12 @@ class PrefixCache:
         if request.prompt_cache_key is not None:
             self.own(request.prompt_cache_key, request.prompt_ids, salt)
 
+    def storing_ahead(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """While a warm of ``key`` stores its blocks (worker thread): they make room only from
+        blocks ranked below their own, take no pin (``cache_priority.warm_rank``)."""
+        manager = self.manager
+        return manager.storing_ahead(key) if manager is not None else contextlib.nullcontext()
+
     def own(self, key: str, prompt: list[int], salt: int) -> None:
         """Record ``key`` as an owner of ``prompt``'s blocks (worker thread): as a keyed request is
         admitted, and as a warm names the prefix its node's request will begin with, cached or not,
@@ -697,6 +703,7 @@ class PrefixCache:
             "snapshots_indexed": int(store.num_exact_indexed),
             "corrupt_files": int(store.corrupt),
             "write_failures": int(store.write_failures),
+            "promoted_to_ram": int(self.manager.promoted_from_disk),
         }
 
     def clear(self) -> dict[str, Any]:

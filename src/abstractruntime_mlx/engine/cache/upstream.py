@@ -387,6 +387,8 @@ def counted_manager_class() -> type:
             super().__init__(*args, **kwargs)
             self.reused: set[int] = set()  # hashes of blocks a lookup restored (``reused_bytes``)
             self.ahead_of: tuple[int, int] | None = None  # while a warm stores: its blocks' rank
+            self._from_disk: dict[tuple[int, int, int], None] = {}  # prefixes restored from SSD, not stored yet
+            self.promoted_from_disk = 0  # stores that kept an SSD-restored prefix in RAM
 
         @contextlib.contextmanager
         def storing_ahead(self, key: str) -> Iterator[None]:
@@ -416,6 +418,50 @@ def counted_manager_class() -> type:
                     if len(self.reused) > 2 * len(self.hash_table) + 4096:  # forget evicted ones
                         self.reused &= self.hash_table.keys()
             return matched, tokens
+
+        # --- a prefix restored from the SSD tier comes back to RAM ----------------------
+        def lookup_prefix_disk_cache(
+            self,
+            token_ids: Sequence[int],
+            extra_hash: int = 0,
+            max_prefix_tokens: int | None = None,
+            min_prefix_tokens: int = 0,
+            allow_memory_overlap: bool = False,
+        ) -> tuple[list[Any] | None, int]:
+            """Upstream's SSD restore (one per-layer K/V set for the row, no RAM blocks), noted
+            so that the row's store (``store_kv_blocks``) keeps the restored prefix in RAM too."""
+            cache, tokens = super().lookup_prefix_disk_cache(
+                token_ids, extra_hash, max_prefix_tokens, min_prefix_tokens, allow_memory_overlap
+            )
+            if cache is not None and tokens > 0:
+                with self.lock:
+                    self._from_disk[_prefix_key(token_ids, tokens, extra_hash)] = None
+                    while len(self._from_disk) > 256:
+                        self._from_disk.pop(next(iter(self._from_disk)))
+            return cache, tokens
+
+        def store_kv_blocks(
+            self,
+            token_ids: Sequence[int],
+            layer_keys: list[Any],
+            layer_values: list[Any],
+            *,
+            extra_hash: int = 0,
+            skip_first_n_tokens: int = 0,
+        ) -> Any:
+            """Upstream's store; a row whose prefix came from the SSD tier stores it as well (its
+            prefill skips it as already cached), else every later request reads the SSD again."""
+            if skip_first_n_tokens and self._from_disk:
+                key = _prefix_key(token_ids, skip_first_n_tokens, extra_hash)
+                with self.lock:
+                    promoted = key in self._from_disk
+                    self._from_disk.pop(key, None)
+                if promoted:
+                    skip_first_n_tokens = 0
+                    self.promoted_from_disk += 1
+            return super().store_kv_blocks(
+                token_ids, layer_keys, layer_values, extra_hash=extra_hash, skip_first_n_tokens=skip_first_n_tokens
+            )
 
         def reused_bytes(self) -> int:
             """RAM held by blocks a lookup restored at least once: the part of the cache that paid.
@@ -576,6 +622,11 @@ def counted_manager_class() -> type:
             return len(held) * self._block_bytes + exact + kept
 
     return CountedAPCManager
+
+
+def _prefix_key(token_ids: Sequence[int], tokens: int, extra_hash: int) -> tuple[int, int, int]:
+    """A prefix of ``tokens`` tokens under ``extra_hash``, as a small key."""
+    return (int(extra_hash), tokens, hash(tuple(int(t) for t in token_ids[:tokens])))
 
 
 def block_hashes(prompt: Any, salt: int) -> list[int]:

@@ -30,6 +30,7 @@ Who writes what (the ownership rule):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 import time
@@ -837,12 +838,25 @@ class Engine:
             serial=cache.serial if layout == "serial" else None,
             # A warm leaves shared blocks only: its key's resident KV is its real request's.
             key=None if request.warm else request.prompt_cache_key,
-            warm_key=request.prompt_cache_key if request.warm else None,
         )
 
     def _step_group(self) -> None:
         group = self._group
         assert group is not None
+        with self._warm_stores(group):
+            self._step_rows(group)
+        self._close_group_if_idle()
+
+    def _warm_stores(self, group: _Group) -> contextlib.AbstractContextManager[None]:
+        """A warm runs alone on an idle engine: while it does, the blocks it stores make room only
+        from blocks needed later than its own (``PrefixCache.storing_ahead``)."""
+        cache = self.prefix_cache
+        rows = list(group.running.values())
+        if cache is None or not rows or not all(r.warm for r in rows):
+            return contextlib.nullcontext()
+        return cache.storing_ahead(str(rows[0].prompt_cache_key))
+
+    def _step_rows(self, group: _Group) -> None:
         if group.mode == ExecutionMode.CONTINUOUS and isinstance(group.backend, PrefillsPartially):
             group.backend.allow_partial_prefill()
         observe = any(r.observe_prefill for r in group.running.values())
@@ -870,7 +884,6 @@ class Engine:
             if ending is not None:
                 self._end_row(group, event.uid, ending)
         self.stats.tokens_s += time.perf_counter() - stepped
-        self._close_group_if_idle()
 
     def _on_prefill_row(self, uid: int, row: PrefillRow) -> bool:
         """Deliver one prefill observation; False when the row's request was cancelled (a
@@ -1021,6 +1034,7 @@ class Engine:
             return refused("speculation")
         salt = cache.salt(request, "batch")
         resident = cache.resident_prefix_tokens(prompt_ids, salt, ssd=False)  # the manager's lock, not ours
+        restorable = cache.resident_prefix_tokens(prompt_ids, salt) if cache.disk is not None else resident
         prefix = list(prompt_ids)
         with self._cond:
             self._check_serving()
@@ -1028,7 +1042,7 @@ class Engine:
             # them. On the worker (the owners are its), not waited on.
             self._inbox.append(RunControl(lambda: cache.own(key, prefix, salt)))
             self._cond.notify_all()
-            report = self._warms.plan(request, cache, list(self._live.values()), resident)
+            report = self._warms.plan(request, cache, list(self._live.values()), resident, restorable)
             if report.queued:
                 self._live[request.request_id] = request
                 self._inbox.append(Submit(request))

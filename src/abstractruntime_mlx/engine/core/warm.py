@@ -46,12 +46,15 @@ class WarmReport:
     resident_tokens: int
     queued: bool
     reason: str | None = None
+    # Tokens past ``resident_tokens`` the SSD tier holds: the warm's first step restores them all.
+    ssd_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "key": self.key,
             "prompt_tokens": self.prompt_tokens,
             "resident_tokens": self.resident_tokens,
+            "ssd_tokens": self.ssd_tokens,
             "queued": self.queued,
         }
         if self.reason is not None:
@@ -136,15 +139,20 @@ class WarmQueue:
             if request.warm:
                 request.cancel_event.set()
 
-    def plan(self, request: EngineRequest, cache: PrefixCache, live: list[EngineRequest], resident: int) -> WarmReport:
+    def plan(
+        self, request: EngineRequest, cache: PrefixCache, live: list[EngineRequest], resident: int, restorable: int
+    ) -> WarmReport:
         """Whether keyed ``request`` becomes a warm (``Engine.warm_prefix`` has checked the call
         (``check_warm``) and the model, and read that RAM holds ``resident`` tokens of its
-        prompt): refused by name, or turned into its first chunk (``queued``)."""
+        prompt, RAM and SSD ``restorable``): refused by name, or turned into its first chunk
+        (``queued``): what the SSD holds and one prefill chunk past it, so a prefix the SSD tier
+        holds comes back to RAM in one step (a lookup restores it, nothing is computed)."""
         key, prompt_ids = str(request.prompt_cache_key), request.prompt_ids
         salt = cache.salt(request, "batch")
+        ssd = max(0, restorable - resident)
 
         def refused(reason: str) -> WarmReport:
-            return WarmReport(key, len(prompt_ids), resident, queued=False, reason=reason)
+            return WarmReport(key, len(prompt_ids), resident, queued=False, reason=reason, ssd_tokens=ssd)
 
         if warm_goal(prompt_ids) < MIN_WARM_TOKENS:
             return refused("prompt_too_short")
@@ -163,21 +171,23 @@ class WarmQueue:
                 older.cancel_event.set()  # the newer prefix of the same key replaces it
         request.warm = True
         request.warm_target = target
-        request.prompt_ids = prompt_ids[: resident + self._step]  # one chunk
+        request.prompt_ids = prompt_ids[: resident + ssd + self._step]  # one chunk past what the SSD holds
         request.max_tokens = 1
         request.submitted_at = time.perf_counter()
-        return WarmReport(key, len(prompt_ids), resident, queued=True)
+        return WarmReport(key, len(prompt_ids), resident, queued=True, ssd_tokens=ssd)
 
     def next_chunk(self, done: EngineRequest, cache: PrefixCache) -> EngineRequest | None:
         """The warm of the next chunk of ``done``'s prefix, where RAM does not hold it all yet;
         None when it does, or when ``done`` made no progress (not stored: the budget)."""
         target = list(done.warm_target)
-        covered = cache.resident_prefix_tokens(target, cache.salt(done, done.cache_layout or "batch"), ssd=False)
+        salt = cache.salt(done, done.cache_layout or "batch")
+        covered = cache.resident_prefix_tokens(target, salt, ssd=False)
         if covered <= done.warm_ram_tokens or covered + MIN_WARM_TOKENS > warm_goal(target):
             return None
+        restorable = cache.resident_prefix_tokens(target, salt) if cache.disk is not None else covered
         return EngineRequest(
             request_id=uuid.uuid4().hex,
-            prompt_ids=target[: covered + self._step],
+            prompt_ids=target[: max(covered, restorable) + self._step],
             max_tokens=1,
             sampling=done.sampling,
             prompt_cache_key=done.prompt_cache_key,

@@ -208,7 +208,8 @@ class RunCacheHints:
         return {
             name: value
             for name, value in report.items()
-            if name in ("queued", "reason", "prompt_tokens", "resident_tokens") and isinstance(value, (bool, int, str))
+            if name in ("queued", "reason", "prompt_tokens", "resident_tokens", "ssd_tokens")
+            and isinstance(value, (bool, int, str))
         }
 
     def finish_run(self, run_id: str) -> None:
