@@ -275,7 +275,8 @@ def report(name: str, sessions: int, s: dict[str, Any], log: Any) -> None:
 def restart(model: Path, system: str, schema: list[dict[str, Any]], turns: int, args: Any, log: Any) -> dict[str, Any]:
     """Turns 1..N-1 on one engine with an SSD tier, then the engine closes (the tier flushes)
     and turn N runs on a new engine over the same directory; turn N again on a fresh engine
-    with no cache is the cold figure."""
+    with no cache is the cold figure. Turn N+1 runs on the restarted engine: what turn N read
+    from the SSD tier it restores from RAM."""
     from abstractruntime_mlx import create_llm
 
     disk = tempfile.TemporaryDirectory(prefix="bench-agent-turns-disk-")
@@ -288,22 +289,30 @@ def restart(model: Path, system: str, schema: list[dict[str, Any]], turns: int, 
         out["calls"] = calls
         if calls < turns:
             return engines[0].generate(**kwargs)
+        if calls > turns:  # the turn after the restart, on the restarted engine
+            result = engines[-1].generate(**kwargs)
+            out["next_disk_hits"] = int(result.metadata["prompt_cache"]["apc"].get("disk_hits", 0))
+            engines[-1].unload_model(engines[-1].model)
+            return result
         engines[0].unload_model(engines[0].model)  # flushes the SSD tier, releases its lock
         restarted = create_llm("mlx", model=str(model), mlx_cache_disk_path=disk.name, **options)
+        engines.append(restarted)
         result = restarted.generate(**kwargs)
-        restarted.unload_model(restarted.model)
-        cold_llm = create_llm("mlx", model=str(model), **options)
-        cold = cold_llm.generate(**kwargs)
-        cold_llm.unload_model(cold_llm.model)
-        out["cold_ttft_ms"] = cold.metadata["execution"]["ttft_s"] * 1000
-        out["identical"] = list(result.token_ids or []) == list(cold.token_ids or [])
+        out["disk_hits"] = int(result.metadata["prompt_cache"]["apc"].get("disk_hits", 0))
+        asked.update(kwargs=kwargs, tokens=list(result.token_ids or []))
         return result
 
+    asked: dict[str, Any] = {}
     rows = run_session(
-        generate, 0, system, schema, turns=turns, key="session:restart", obs_lines=args.observation_lines
+        generate, 0, system, schema, turns=turns + 1, key="session:restart", obs_lines=args.observation_lines
     )
-    last = rows[-1]
-    out["previous_prompt_tokens"] = rows[-2]["prompt_tokens"] if len(rows) > 1 else 0
+    cold_llm = create_llm("mlx", model=str(model), **options)  # turn N on no cache at all (one model a process)
+    cold = cold_llm.generate(**asked["kwargs"])
+    cold_llm.unload_model(cold_llm.model)
+    out["cold_ttft_ms"] = cold.metadata["execution"]["ttft_s"] * 1000
+    out["identical"] = asked["tokens"] == list(cold.token_ids or [])
+    last, following = rows[-2], rows[-1]
+    out["previous_prompt_tokens"] = rows[-3]["prompt_tokens"] if len(rows) > 2 else 0
     disk.cleanup()
     out.update(
         turn=turns,
@@ -311,13 +320,20 @@ def restart(model: Path, system: str, schema: list[dict[str, Any]], turns: int, 
         cached_tokens=last["cached_tokens"],
         cached_fraction=last["cached_tokens"] / last["prompt_tokens"],
         restarted_ttft_ms=last["ttft_s"] * 1000,
+        next_prompt_tokens=following["prompt_tokens"],
+        next_cached_tokens=following["cached_tokens"],
+        next_ttft_ms=following["ttft_s"] * 1000,
     )
     out["ratio"] = out["restarted_ttft_ms"] / out["cold_ttft_ms"]
     log(
         f"\nrestart: turn {turns} on a new engine over the same SSD dir: {out['cached_tokens']}/{out['prompt_tokens']} "
-        f"cached ({out['cached_fraction']:.1%}; the previous turn's prompt was {out['previous_prompt_tokens']}); "
-        f"TTFT {out['restarted_ttft_ms']:.1f} ms vs cold "
+        f"cached ({out['cached_fraction']:.1%}; the previous turn's prompt was {out['previous_prompt_tokens']}; "
+        f"{out['disk_hits']} SSD reads); TTFT {out['restarted_ttft_ms']:.1f} ms vs cold "
         f"{out['cold_ttft_ms']:.1f} ms ({out['ratio']:.3f}); greedy identical to cold: {out['identical']}"
+    )
+    log(
+        f"  turn {turns + 1} on the restarted engine: {out['next_cached_tokens']}/{out['next_prompt_tokens']} cached, "
+        f"{out['next_disk_hits']} SSD reads (what turn {turns} read is in RAM), TTFT {out['next_ttft_ms']:.1f} ms"
     )
     log(f"  [{'PASS' if out['cached_fraction'] >= 0.9 else 'FAIL'}] restart: >= 90% of the prompt cached")
     log(f"  [{'PASS' if out['ratio'] <= 0.25 else 'FAIL'}] restart: TTFT <= 1/4 of cold")
