@@ -72,7 +72,12 @@ def test_a_new_group_runs_on_the_first_lane_that_admits_it():
     assert choose_lane(continuous, [req()], native) == LaneName.SINGLE
     assert choose_lane(continuous, [req(), req()], native) == LaneName.TEXT
     assert choose_lane(continuous, [req(sampling=Sampling(repetition_penalty=1.2))], native) == LaneName.TEXT
-    assert choose_lane(continuous, [req(prompt_cache_key="k"), req(prompt_cache_key="k")], native) == LaneName.BATCH
+    keyed = [req(prompt_cache_key="k"), req(prompt_cache_key="k")]
+    assert choose_lane(continuous, keyed, native) == LaneName.BATCH
+    # Keyed rows run on the text lane where it restores their prefixes (RAM blocks, no SSD tier).
+    restoring = LaneContext(native.open, prefix_cache=True, lanes_restore=True)
+    assert choose_lane(continuous, keyed, restoring) == LaneName.TEXT
+    assert choose_lane(continuous, keyed, LaneContext(native.open, prefix_cache=True)) == LaneName.BATCH
     assert choose_lane(ExecutionMode.COHORT, [req()], native) == LaneName.BATCH
     assert choose_lane(ExecutionMode.EXCLUSIVE, [req()], native) == LaneName.BATCH
     assert choose_lane(continuous, [req()], LaneContext(frozenset({LaneName.BATCH}))) == LaneName.BATCH

@@ -441,7 +441,7 @@ def test_the_single_lane_stores_a_prefix_after_the_first_token(make_llm, dense_m
     store, step = SingleBackend._store_if_pending, SingleBackend.step
 
     def recorded_store(self):
-        if self._store_pending:
+        if self._keyed is not None and self._keyed.store_pending:
             order.append("store")
         return store(self)
 
@@ -463,9 +463,10 @@ def test_the_single_lane_stores_a_prefix_after_the_first_token(make_llm, dense_m
 
 def test_a_lone_keyed_request_runs_the_text_lanes_model(make_llm, dense_model, monkeypatch):
     """On the single lane a keyed row's forward is the text lane's model (fused, and routed on
-    CUDA), on a cache of mlx-vlm's classes (those the batch lane merges): the tokens are the
-    batch lane's, and the restored turns ran through that model."""
-    from mlx_vlm.models.cache import KVCache
+    CUDA), on a cache of mlx-lm's classes (those the text lane merges, where a keyed row moves
+    when company arrives): the tokens are the text lane's and mlx-vlm's batch's, and the
+    restored turns ran through that model."""
+    from mlx_lm.models.cache import KVCache
 
     from abstractruntime_mlx.engine.backends.single import SingleBackend
 
@@ -486,5 +487,11 @@ def test_a_lone_keyed_request_runs_the_text_lanes_model(make_llm, dense_model, m
     assert_reused(keyed, "text-model")
     assert caches == [KVCache] * 3
     llm.unload_model(llm.model)
-    batch = make_llm(dense_model, mlx_batching=True, mlx_single_lane=False)
-    assert [r.token_ids for r in conversation(batch, "text-model", turns=3)] == [r.token_ids for r in keyed]
+    text = make_llm(dense_model, mlx_batching=True, mlx_single_lane=False)
+    on_text = conversation(text, "text-model", turns=3)
+    assert [str(r.metadata["execution"]["path"]) for r in on_text] == ["text_batch"] * 3
+    text.unload_model(text.model)
+    batch = make_llm(dense_model, mlx_batching=True, mlx_single_lane=False, mlx_text_lane=False)
+    on_batch = conversation(batch, "text-model", turns=3)
+    assert [str(r.metadata["execution"]["path"]) for r in on_batch] == ["batch"] * 3
+    assert [r.token_ids for r in on_batch] == [r.token_ids for r in on_text] == [r.token_ids for r in keyed]

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from ..cache.prefix_cache import SerialStore
     from ..model.grammar import GrammarProcessor
+    from .keyed_prefix import KeyedPrefix
 
 # Prompt tokens per prefill chunk on the batched lanes, unless told (``EngineConfig.prefill_step_size``).
 PREFILL_STEP_SIZE: Final = 256
@@ -82,6 +83,10 @@ class DecodingRow:
     num_tokens: int
     max_tokens: int
     row: Any  # its ``sampling.RowStream`` (None: greedy); not imported: sampling imports these types
+    # A keyed row's prefix (its blocks stored already), kept resident for its key when it ends,
+    # and the tokens its cache holds (the prompt, then each token delivered).
+    keyed: KeyedPrefix | None = None
+    tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

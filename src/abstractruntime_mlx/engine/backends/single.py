@@ -31,14 +31,11 @@ from typing import Any, cast
 import mlx.core as mx
 
 from .backend import map_upstream_errors
+from .keyed_prefix import KeyedPrefix
 from .rows import DecodingRow, LaneName, PrefillRow, RowInput, StepResult, TokenEvent
 from .sampling import RowStream, sample_rows
 
 _CLEAR_CACHE_EVERY = 256  # tokens (mlx-lm's generate_step)
-
-
-def _same_type(a: object, b: object) -> bool:
-    return type(a) is type(b)
 
 
 class SingleBackend:
@@ -80,11 +77,8 @@ class SingleBackend:
         self._row: RowStream | None = None
         self.uids: set[int] = set()
         self._prompt: list[int] = []
-        self._salt: int | None = None  # a keyed row's prefix-cache salt
-        self._key: str | None = None  # and its key (its KV stays resident for it when it ends)
-        self._restored: list[Any] = []  # the blocks it restored, held until its own are stored
+        self._keyed: KeyedPrefix | None = None  # a keyed row's prefix-cache work
         self._cached = 0
-        self._store_pending = False  # the prefill's blocks are stored the step after the first token
         self._generated: list[int] = []  # tokens delivered, in order (fed to the cache after the prompt)
 
     # --- admission -------------------------------------------------------------------
@@ -109,10 +103,12 @@ class SingleBackend:
             self._cache = list(make_cache()) if make_cache is not None else [KVCache() for _ in self._lm.layers]
         prompt_ids = row.prompt_ids
         self._prompt = list(prompt_ids)
-        self._salt = row.prefix.salt if row.prefix is not None and self._apc is not None else None
-        self._key = row.prefix.key if self._salt is not None and row.prefix is not None else None
-        self._restored, self._cached = self._restore(prompt_ids) if self._salt is not None else ([], 0)
-        self._store_pending = False
+        self._keyed = None
+        self._cached = 0
+        if row.prefix is not None and self._apc is not None:
+            self._keyed = KeyedPrefix(self._apc, row.prefix.salt, row.prefix.key, self._prompt)
+            self._cache = self._keyed.restore(self._cache)
+            self._cached = self._keyed.cached
         self._generated = []
         self._pending = list(prompt_ids[self._cached :])
         self._total = len(prompt_ids)
@@ -143,65 +139,16 @@ class SingleBackend:
     @property
     def prefilling(self) -> bool:
         """A keyed row holds restored prefix-cache blocks until its prefill is stored."""
-        return bool(self._restored) or self._store_pending
-
-    # --- prefix cache ----------------------------------------------------------------------
-    def _restore(self, prompt_ids: list[int]) -> tuple[list[Any], int]:
-        """The prefix the cache holds for this row, in its plain cache: the key's resident KV
-        when the prompt extends it, else the blocks copied in (the blocks, held until the
-        row's own are stored; how many prompt tokens the cache holds)."""
-        take = getattr(self._apc, "take_resident", None)
-        resident: list[Any] = []
-        kept = 0
-        if self._key is not None and take is not None:
-            resident, kept, extends = take(self._key, self._salt, prompt_ids)
-            if not (len(resident) == len(self._cache) and all(map(_same_type, resident, self._cache))):
-                kept = 0
-            # Extending the previous prompt (the usual next turn; its generation prompt is
-            # re-rendered, so its last few tokens differ): no block lookup. Broken earlier,
-            # blocks (another key's, an earlier turn's) may hold more.
-            if kept and extends:
-                return self._use_resident(resident, kept)
-        blocks, tokens = self._apc.lookup_prefix(prompt_ids[:-1], extra_hash=self._salt)
-        if kept and kept >= tokens:
-            self._apc.release(blocks)
-            return self._use_resident(resident, kept)
-        if tokens == 0:
-            return [], 0
-        for layer, cache in enumerate(self._cache):
-            keys = mx.concatenate([block.keys[layer] for block in blocks], axis=2)
-            values = mx.concatenate([block.values[layer] for block in blocks], axis=2)
-            cache.keys, cache.values, cache.offset = keys, values, tokens
-        return blocks, tokens
-
-    def _use_resident(self, cache: list[Any], tokens: int) -> tuple[list[Any], int]:
-        self._cache = cache
-        self._apc.resident_used(tokens)
-        return [], tokens
+        keyed = self._keyed
+        return keyed is not None and (bool(keyed.restored) or keyed.store_pending)
 
     def _store_if_pending(self) -> None:
-        """Store the row's new full blocks (everything in its cache: the prompt but its last
-        token) if its first token went out since, and let go of the restored ones, as a batch
-        row's prefill ends."""
-        if not self._store_pending:
-            return
-        from mlx_vlm.apc import commit_prefix_blocks
-
-        self._store_pending = False
-        blocks, self._restored = self._restored, []
-        commit_prefix_blocks(
-            self._apc,
-            self._cache,
-            self._prompt[:-1],
-            extra_hash=self._salt or 0,
-            skip_first_n_tokens=self._cached,
-            blocks_in_use=blocks,
-        )
+        if self._keyed is not None:
+            self._keyed.store(self._cache)
 
     def _release_restored(self) -> None:
-        if self._restored:
-            self._apc.release(self._restored)
-            self._restored = []
+        if self._keyed is not None:
+            self._keyed.release()
 
     @property
     def decoding(self) -> bool:
@@ -218,8 +165,9 @@ class SingleBackend:
         if uid is None or token is None:
             raise RuntimeError("only a decoding row can move to a batch")
         self._store_if_pending()
-        row = DecodingRow(self._cache, token, self._num_tokens, self._max_tokens, self._row)
-        self._cache, self._next, self._row, self._uid = [], None, None, None
+        tokens = self._prompt + self._generated if self._keyed is not None else []
+        row = DecodingRow(self._cache, token, self._num_tokens, self._max_tokens, self._row, self._keyed, tokens)
+        self._cache, self._next, self._row, self._uid, self._keyed = [], None, None, None, None
         self.uids.discard(uid)
         return uid, row
 
@@ -244,7 +192,8 @@ class SingleBackend:
             if token is None:
                 # The prefill's new blocks are stored on the next step: the first token goes
                 # out first (the cache keeps the prompt's positions as later tokens append).
-                self._store_pending = self._salt is not None
+                if self._keyed is not None:
+                    self._keyed.store_pending = True
                 # The last prompt token gives the first generated one.
                 token = self._sample(mx.array(self._pending)[None])
                 self._pending = []
@@ -278,13 +227,12 @@ class SingleBackend:
 
     def _keep_resident(self) -> None:
         """A keyed row that ended on its own leaves its whole KV for its key's next turn."""
-        keep = getattr(self._apc, "keep_resident", None)
-        if self._key is None or self._salt is None or keep is None or not self._cache:
+        if self._keyed is None or not self._cache:
             return
         self._store_if_pending()  # the blocks first: the fallback when the resident KV goes
         # The cache holds the prompt, then each delivered token it was fed.
         tokens = (self._prompt + self._generated)[: int(self._cache[0].offset)]
-        keep(self._key, self._salt, tokens, self._cache, len(self._prompt))
+        self._keyed.keep(self._cache, tokens)
         self._cache = []
 
     def _prefill_chunk(self) -> None:

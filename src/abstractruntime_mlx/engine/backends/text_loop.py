@@ -53,7 +53,9 @@ from typing import Any, cast
 import mlx.core as mx
 
 from ..model.prefill_shapes import Buckets
+from ..model.text_model import make_cache
 from .backend import LogitsProcessor, drop_kv_columns, kv_columns, map_upstream_errors, row_processors
+from .keyed_prefix import KeyedPrefix
 from .rows import DecodingRow, LaneName, PrefillRow, RowInput, StepResult, TokenEvent
 from .sampling import PendingLogprobs, RowStream, row_logprobs, sample_rows
 from .text_plan import plan_prefill, should_compact
@@ -77,6 +79,13 @@ class _Row:
     done: bool = False  # finished: its slot idles in the batch until the next compaction
     logprobs: int | None = None  # alternatives asked per position (None: no logprobs)
     pending: PendingLogprobs | None = None  # the logprobs of its token in flight
+    # A keyed row: its prefix-cache work, the plain cache it starts from (its restored prefix),
+    # the tokens its cache holds once it decodes (the prompt, then each one delivered), and
+    # its prompt's KV (but the last token) until its blocks are stored.
+    keyed: KeyedPrefix | None = None
+    start: list[Any] | None = None
+    tokens: list[int] | None = None
+    prompt_kv: list[Any] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -91,6 +100,7 @@ class _Prefill:
     chunks: list[int]  # column counts still to run, in order
     source: list[int]
     done: int = 0  # columns run
+    cached: int = 0  # a keyed row's group: the prompt tokens its cache started with
 
 
 class TextLoopBackend:
@@ -110,12 +120,13 @@ class TextLoopBackend:
         stream: Any,
         buckets: Buckets | None = None,
         idle_finished: bool = False,
+        apc_manager: Any = None,
     ) -> None:
         """``language_model``: ``text_model.language_model``'s result (``model(tokens, cache=)
         -> logits``, a plain ``KVCache`` per layer); ``buckets``: pad the last chunk of each
         prefill to these lengths (``prefill_shapes``); ``idle_finished``: finished rows idle in
         the batch until half of it has finished or rows join (False: each step drops its
-        finished rows)."""
+        finished rows); ``apc_manager``: the prefix cache's manager, for a group of keyed rows."""
         self.model = model
         self.max_batch_size = max_batch_size
         self._lm = language_model
@@ -132,11 +143,15 @@ class TextLoopBackend:
         self._inputs: mx.array | None = None  # each decoding row's next input token, in flight
         self._steps = 0
         self._idle_finished = idle_finished
+        self._apc = apc_manager
+        self._storing: list[_Row] = []  # keyed rows whose blocks are stored once their first token is out
 
     # --- admission -------------------------------------------------------------------
     def insert(self, row: RowInput) -> int:
-        if row.prefix is not None or row.prompt_inputs is not None:
-            raise RuntimeError("the text lane runs text rows without a prefix-cache key")
+        if row.prompt_inputs is not None:
+            raise RuntimeError("the text lane runs text rows")
+        if row.prefix is not None and (row.prefix.serial is not None or self._apc is None):
+            raise RuntimeError("the text lane restores the native prefix cache's blocks of a keyed group")
         with map_upstream_errors("inserting a prompt"):
             if not row.prompt_ids:
                 raise ValueError("a prompt needs at least one token")
@@ -147,9 +162,11 @@ class TextLoopBackend:
             processors = row_processors(row.sampling, row.grammar) or []
             context = _token_buffer(row.prompt_ids[:-1]) if processors else None
         uid = next(self._uid_count)
-        self._waiting.append(
-            _Row(uid, list(row.prompt_ids), row.max_tokens, stream, processors, context, logprobs=row.logprobs)
-        )
+        prompt = list(row.prompt_ids)
+        waiting = _Row(uid, prompt, row.max_tokens, stream, processors, context, logprobs=row.logprobs)
+        if row.prefix is not None:  # restored when a step first sees it (``_prefill``)
+            waiting.keyed = KeyedPrefix(self._apc, row.prefix.salt, row.prefix.key, prompt)
+        self._waiting.append(waiting)
         self.uids.add(uid)
         return uid
 
@@ -160,6 +177,8 @@ class TextLoopBackend:
         with map_upstream_errors("moving a row into the text batch"):
             cache = [type(c).merge([c]) for c in row.cache]  # mlx-lm: a BatchKVCache of one row
             moving = _Row(uid, [], row.max_tokens, row.row, [], num_tokens=row.num_tokens, generated=True)
+            if row.keyed is not None:  # its blocks are stored: its KV stays resident when it ends
+                moving.keyed, moving.tokens = row.keyed, list(row.tokens)
             self._join([moving], cache, row.next_token.reshape(1).astype(mx.uint32))
         self.uids.add(uid)
         return uid
@@ -170,6 +189,10 @@ class TextLoopBackend:
     def remove(self, uid: int) -> bool:
         """Drop a row at any stage (waiting, mid-prefill or decoding)."""
         with map_upstream_errors("removing a request"):
+            group_rows = self._chunked.rows if self._chunked is not None else []
+            for r in itertools.chain(self._waiting, group_rows, self._rows):
+                if r.uid == uid:
+                    self._end_keyed(r)
             self._waiting = collections.deque(r for r in self._waiting if r.uid != uid)
             group = self._chunked
             if group is not None and any(r.uid == uid for r in group.rows):
@@ -191,9 +214,45 @@ class TextLoopBackend:
     def forget(self, uid: int) -> None:
         self.uids.discard(uid)
 
+    # --- keyed rows ------------------------------------------------------------------
+    def _store_ready(self) -> None:
+        """Store the blocks of the keyed rows whose first token went out since the last step
+        (after it: the first token does not wait for the store)."""
+        ready = [r for r in self._storing if r.keyed is not None and r.keyed.store_pending]
+        for r in ready:
+            self._end_keyed(r)
+
+    def _end_keyed(self, r: _Row) -> None:
+        """A keyed row's prefill is over for the cache: its new blocks stored if its first token
+        is out, else (cancelled before it) its restored blocks let go."""
+        if r in self._storing:
+            self._storing.remove(r)
+        keyed = r.keyed
+        if keyed is None:
+            return
+        if r.prompt_kv is not None:
+            keyed.store(r.prompt_kv)
+        keyed.release()
+        r.prompt_kv, r.start = None, None
+
+    def _keep_resident(self, r: _Row, e: int) -> None:
+        """A keyed row that ended on its own (row ``e`` of the batch, its last token fed) leaves
+        its whole KV for its key's next turn."""
+        if r.keyed is None or r.tokens is None:
+            return
+        self._end_keyed(r)
+        kv = make_cache(self._lm)
+        for mine, c in zip(kv, self._cache):
+            end = kv_columns(c)
+            mine.keys = mx.contiguous(c.keys[e : e + 1, :, r.pad : end, :])
+            mine.values = mx.contiguous(c.values[e : e + 1, :, r.pad : end, :])
+            mine.offset = end - r.pad
+        r.keyed.keep(kv, r.tokens[: kv[0].offset])
+        r.keyed, r.tokens = None, None
+
     @property
     def prefilling(self) -> bool:
-        return bool(self._waiting) or self._chunked is not None
+        return bool(self._waiting) or self._chunked is not None or bool(self._storing)
 
     @property
     def has_work(self) -> bool:
@@ -203,6 +262,7 @@ class TextLoopBackend:
     def step(self, *, observe_prefill: bool) -> StepResult:
         result = StepResult()
         with mx.stream(self._stream), map_upstream_errors("a text batch step"):
+            self._store_ready()
             if self._rows:
                 self._decode(result)
             self._prefill(result, observe_prefill)
@@ -244,13 +304,17 @@ class TextLoopBackend:
         if self._steps % _CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         tokens = cast(list[int], inputs.tolist())  # waits for the step before only
-        for row, token, lp in zip(rows, tokens, delivered):
+        for e, (row, token, lp) in enumerate(zip(rows, tokens, delivered)):
             if row.done:
                 continue
             if not row.generated:  # its last prompt token: the first generated one is now in flight
                 row.generated = True
                 continue
             row.num_tokens += 1
+            if row.tokens is not None:
+                row.tokens.append(token)
+            if row.keyed is not None and row in self._storing:
+                row.keyed.store_pending = True  # the next step stores its blocks
             if token in self._eos:
                 reason: str | None = "stop"
             elif row.num_tokens >= row.max_tokens:
@@ -258,6 +322,8 @@ class TextLoopBackend:
             else:
                 reason = None
             row.done = reason is not None
+            if row.done:
+                self._keep_resident(row, e)
             result.tokens.append(TokenEvent(row.uid, token, reason, None if lp is None else lp.read(token)))
         # Idle slots cost compute, each compaction host work (every layer's cache rebuilt): which
         # costs more depends on what bounds the step (``idle_finished``).
@@ -289,8 +355,17 @@ class TextLoopBackend:
         live = sum(not r.done for r in self._rows)
         free = self.max_batch_size - live - (len(self._chunked.rows) if self._chunked else 0)
         rows = list(self._waiting)
+        for r in rows:
+            # After the step's stores (``_store_ready``): a row admitted once its prefix leader's
+            # first token is out finds the leader's blocks.
+            if r.keyed is not None and r.start is None:
+                r.start = r.keyed.restore(make_cache(self._lm))
         plan = plan_prefill(
-            [len(r.prompt) for r in rows], free=free, step_size=self._step_size, chunking=self._chunked is not None
+            [len(r.prompt) - (r.keyed.cached if r.keyed is not None else 0) for r in rows],
+            free=free,
+            step_size=self._step_size,
+            chunking=self._chunked is not None,
+            alone=[r.keyed is not None for r in rows],
         )
         short = [rows[i] for i in plan.short]
         long = [rows[i] for i in plan.long]
@@ -299,10 +374,13 @@ class TextLoopBackend:
         if long:
             self._chunked = self._start(long)
         if short:
-            arrived = self._start(short)
-            while arrived.chunks:  # one chunk: every prompt fits
-                self._run_chunk(arrived, result, observe)
-            self._finish_prefill(arrived, result)
+            together = [r for r in short if r.keyed is None]
+            groups = [self._start(together)] if together else []
+            groups += [self._start([r]) for r in short if r.keyed is not None]
+            for arrived in groups:
+                while arrived.chunks:  # one chunk: every prompt fits
+                    self._run_chunk(arrived, result, observe)
+                self._finish_prefill(arrived, result)
         chunked = self._chunked
         if chunked is not None:
             self._run_chunk(chunked, result, observe)
@@ -315,9 +393,13 @@ class TextLoopBackend:
         of ``prefill_step_size`` columns and a last, shorter one (padded to its length bucket,
         where buckets are on): the longest prompt is chunked as the single lane chunks it.
         Rows with the same prompt (a call's several choices) share its row: its KV is computed
-        once and copied to each of them when the prefill ends."""
+        once and copied to each of them when the prefill ends. A keyed row prefills alone
+        (``_start_keyed``)."""
         from mlx_lm.models.cache import BatchKVCache
 
+        if rows[0].keyed is not None:
+            assert len(rows) == 1, "a keyed row prefills in a group of its own"
+            return self._start_keyed(rows[0])
         distinct: dict[tuple[int, ...], int] = {}
         source = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows]
         prompts = [list(p) for p in distinct]
@@ -336,6 +418,22 @@ class TextLoopBackend:
         cache = [BatchKVCache(pads) for _ in self._lm.layers]
         return _Prefill(rows, tokens, cache, chunks, source)
 
+    def _start_keyed(self, row: _Row) -> _Prefill:
+        """A keyed row's group: its cache starts from its restored prefix, and what follows
+        (but the last prompt token) is chunked as the single lane chunks it. No left padding
+        (it would sit between the prefix and the rest), so no length buckets either."""
+        from mlx_lm.models.cache import BatchKVCache
+
+        assert row.keyed is not None and row.start is not None
+        cached = row.keyed.cached
+        rest = row.prompt[cached:-1]
+        full = max(0, len(rest) - 1) // self._step_size
+        last = len(rest) - full * self._step_size
+        chunks = [self._step_size] * full + ([last] if last else [])
+        cache = [BatchKVCache.merge([c]) for c in row.start]
+        row.start, row.pad = None, 0
+        return _Prefill([row], [rest], cache, chunks, [0], cached=cached)
+
     def _run_chunk(self, group: _Prefill, result: StepResult, observe: bool) -> None:
         n = group.chunks.pop(0)
         columns = mx.array([t[group.done : group.done + n] for t in group.tokens])
@@ -344,19 +442,32 @@ class TextLoopBackend:
         group.done += n
         if observe:
             for r in group.rows:
-                result.prefill[r.uid] = PrefillRow(processed=max(0, group.done - r.pad), total=len(r.prompt), cached=0)
+                done = group.cached + max(0, group.done - r.pad)
+                result.prefill[r.uid] = PrefillRow(processed=done, total=len(r.prompt), cached=group.cached)
 
     def _finish_prefill(self, group: _Prefill, result: StepResult) -> None:
         last = mx.array([r.prompt[-1] for r in group.rows], dtype=mx.uint32)
         if len(group.tokens) < len(group.rows):  # one cache row per row: a shared prompt's copied
             _filter(group.cache, group.source, shift=0)
+        if group.rows[0].keyed is not None:
+            self._await_store(group.rows[0], group.cache)
         self._join(group.rows, group.cache, last)
         first: set[int] = set()
         for r, j in zip(group.rows, group.source):
             # A row whose prompt another row computed reports that KV as cached.
-            result.prompt_done[r.uid] = 0 if j not in first else len(r.prompt) - 1
+            result.prompt_done[r.uid] = group.cached if j not in first else len(r.prompt) - 1
             first.add(j)
             r.prompt = []
+
+    def _await_store(self, row: _Row, cache: list[Any]) -> None:
+        """Hold a keyed row's prompt KV (the group's cache, which the batch now extends) until
+        its first token is out, then store its blocks (``_store_ready``)."""
+        kv = make_cache(self._lm)
+        for mine, c in zip(kv, cache):
+            end = kv_columns(c)
+            mine.keys, mine.values, mine.offset = c.keys[..., :end, :], c.values[..., :end, :], end
+        row.prompt_kv, row.tokens = kv, list(row.prompt)
+        self._storing.append(row)
 
     def _join(self, rows: list[_Row], cache: list[Any], inputs: mx.array) -> None:
         """Append rows (their cache, their next inputs) to the decoding batch, finished rows
@@ -381,6 +492,9 @@ class TextLoopBackend:
         self._inputs = mx.concatenate([self._inputs, inputs])
 
     def close(self) -> None:
+        group_rows = self._chunked.rows if self._chunked is not None else []
+        for r in [*self._waiting, *group_rows, *self._rows, *self._storing]:
+            self._end_keyed(r)
         self._waiting.clear()
         self._chunked = None
         self._rows, self._cache, self._inputs = [], [], None

@@ -23,21 +23,32 @@ class PrefillPlan:
     long: tuple[int, ...] = ()
 
 
-def plan_prefill(prompt_lengths: Sequence[int], *, free: int, step_size: int, chunking: bool) -> PrefillPlan:
-    """Admit waiting rows (``prompt_lengths``, in arrival order) into ``free`` slots: a prompt
-    whose all but last token fit ``step_size`` is short; a longer one starts a chunked group
-    unless one is ``chunking`` already (one such group at a time; it waits meanwhile)."""
+def plan_prefill(
+    prompt_lengths: Sequence[int], *, free: int, step_size: int, chunking: bool, alone: Sequence[bool] = ()
+) -> PrefillPlan:
+    """Admit waiting rows (``prompt_lengths``: the tokens each has to prefill, in arrival order)
+    into ``free`` slots: a prompt whose all but last token fit ``step_size`` is short; a longer
+    one starts a chunked group unless one is ``chunking`` already (one such group at a time; it
+    waits meanwhile). A row marked ``alone`` (a keyed row: its cache starts from its own
+    restored prefix) prefills in a group of its own: short, at once; long, as the chunked group
+    by itself, the long rows after it waiting."""
     short: list[int] = []
     long: list[int] = []
+    closed = chunking  # no more rows join a chunked group this step
     for i, length in enumerate(prompt_lengths):
         if free <= 0:
             break
         if length - 1 <= step_size:
             short.append(i)
-        elif not chunking:
-            long.append(i)
-        else:
+        elif closed:
             continue
+        elif i < len(alone) and alone[i]:
+            if long:
+                continue
+            long.append(i)
+            closed = True
+        else:
+            long.append(i)
         free -= 1
     return PrefillPlan(tuple(short), tuple(long))
 

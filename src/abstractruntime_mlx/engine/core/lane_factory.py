@@ -139,6 +139,7 @@ class LaneFactory:
             stream=self._stream,
             buckets=self.buckets,
             idle_finished=cuda_attention.available() if idle is None else idle,
+            apc_manager=self._cache_manager_for(head),
         )
 
     def batch(self, new: NewGroup, head: EngineRequest | None) -> BatchBackend:

@@ -29,7 +29,8 @@ class LaneContext:
 
     open: frozenset[LaneName]
     prefix_cache: bool = False  # a prefix cache is resident (keyed requests use it)
-    single_lane_restores: bool = False  # the single lane can restore and store keyed rows' prefixes
+    # The single and text lanes restore and store keyed rows' prefixes (RAM blocks, no SSD tier).
+    lanes_restore: bool = False
 
 
 class LaneBuilders(Protocol):
@@ -63,9 +64,10 @@ class LaneSpec:
         return DecodePath.SINGLE_THEN_BATCH if self.adopts_from is not None else None
 
 
-def text_lane_row(request: EngineRequest) -> bool:
-    """A row the text lane can run as mlx-vlm's loop would: text, no prefix-cache key."""
-    return request.image_prompt is None and request.prompt_cache_key is None
+def text_lane_row(request: EngineRequest, *, keyed: bool) -> bool:
+    """A row the text lane can run as mlx-vlm's loop would: text; a prefix-cache key only where
+    the lane restores prefixes (``keyed``: ``LaneContext.lanes_restore``)."""
+    return request.image_prompt is None and (request.prompt_cache_key is None or keyed)
 
 
 def single_lane_row(request: EngineRequest, ctx: LaneContext) -> bool:
@@ -76,7 +78,7 @@ def single_lane_row(request: EngineRequest, ctx: LaneContext) -> bool:
         return False
     if request.logprobs is not None:
         return False
-    return request.prompt_cache_key is None or not ctx.prefix_cache or ctx.single_lane_restores
+    return request.prompt_cache_key is None or not ctx.prefix_cache or ctx.lanes_restore
 
 
 def _serial(mode: ExecutionMode, requests: Sequence[EngineRequest], ctx: LaneContext) -> bool:
@@ -100,12 +102,16 @@ def _single(mode: ExecutionMode, requests: Sequence[EngineRequest], ctx: LaneCon
 
 
 def _text(mode: ExecutionMode, requests: Sequence[EngineRequest], ctx: LaneContext) -> bool:
-    """a continuous group of text rows without a prefix-cache key (`text_lane_row`)"""
-    return LaneName.TEXT in ctx.open and mode == ExecutionMode.CONTINUOUS and all(text_lane_row(r) for r in requests)
+    """a continuous group of text rows, keyed ones where the lane restores prefixes (`text_lane_row`)"""
+    return (
+        LaneName.TEXT in ctx.open
+        and mode == ExecutionMode.CONTINUOUS
+        and all(text_lane_row(r, keyed=ctx.lanes_restore) for r in requests)
+    )
 
 
 def _batch(mode: ExecutionMode, requests: Sequence[EngineRequest], ctx: LaneContext) -> bool:
-    """every other group: images, prefix-cache keys, MTP cohorts, exclusive requests"""
+    """every other group: images, prefix-cache keys with an SSD tier, MTP cohorts, exclusive requests"""
     return True
 
 

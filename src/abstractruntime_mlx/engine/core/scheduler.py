@@ -71,11 +71,16 @@ class GroupKey:
     # The batch lane its continuous rows share: the text lane (``lanes.text_lane_row``) or mlx-vlm's.
     lane: LaneName = LaneName.BATCH
     text_lane: bool = field(default=False, compare=False)  # whether the text lane is open
+    keyed_text: bool = field(default=False, compare=False)  # and takes keyed rows (``LaneContext.lanes_restore``)
 
     def admits(self, request: EngineRequest) -> bool:
         if self.mode == ExecutionMode.EXCLUSIVE:
             return False
-        options = {"sampled_exclusive": self.sampled_exclusive, "text_lane": self.text_lane}
+        options = {
+            "sampled_exclusive": self.sampled_exclusive,
+            "text_lane": self.text_lane,
+            "keyed_text": self.keyed_text,
+        }
         if group_key(request, **options) == self:
             return True
         # A continuous group is target-only work running: optional MTP joins it target-only.
@@ -85,10 +90,16 @@ class GroupKey:
 
 
 def group_key(
-    request: EngineRequest, *, sampled_exclusive: bool = False, target_only: bool = False, text_lane: bool = False
+    request: EngineRequest,
+    *,
+    sampled_exclusive: bool = False,
+    target_only: bool = False,
+    text_lane: bool = False,
+    keyed_text: bool = False,
 ) -> GroupKey:
     """The group ``request`` runs in; ``target_only``: the group it runs in without its MTP;
-    ``text_lane``: the text lane is open (the model has it and the engine enables it)."""
+    ``text_lane``: the text lane is open (the model has it and the engine enables it);
+    ``keyed_text``: it runs keyed rows too (``lanes.text_lane_row``)."""
     cache_group = request.cache_group if request.prompt_cache_key is None else ("prefix", request.cache_group)
     draft_tokens = 0 if target_only else request.draft_tokens
     if not request.sampling.is_greedy_neutral():
@@ -101,18 +112,32 @@ def group_key(
             return GroupKey(ExecutionMode.EXCLUSIVE, draft_tokens, (cache_group, request.request_id), reason)
     elif draft_tokens > 0:
         return GroupKey(ExecutionMode.COHORT, draft_tokens, cache_group)
-    lane = LaneName.TEXT if text_lane and text_lane_row(request) else LaneName.BATCH
+    lane = LaneName.TEXT if text_lane and text_lane_row(request, keyed=keyed_text) else LaneName.BATCH
     return GroupKey(
-        ExecutionMode.CONTINUOUS, 0, cache_group, sampled_exclusive=sampled_exclusive, lane=lane, text_lane=text_lane
+        ExecutionMode.CONTINUOUS,
+        0,
+        cache_group,
+        sampled_exclusive=sampled_exclusive,
+        lane=lane,
+        text_lane=text_lane,
+        keyed_text=keyed_text,
     )
 
 
-def target_only_key(request: EngineRequest, *, sampled_exclusive: bool = False, text_lane: bool = False) -> GroupKey:
-    return group_key(request, sampled_exclusive=sampled_exclusive, target_only=True, text_lane=text_lane)
+def target_only_key(
+    request: EngineRequest, *, sampled_exclusive: bool = False, text_lane: bool = False, keyed_text: bool = False
+) -> GroupKey:
+    return group_key(
+        request, sampled_exclusive=sampled_exclusive, target_only=True, text_lane=text_lane, keyed_text=keyed_text
+    )
 
 
 def under_load(
-    waiting: Sequence[EngineRequest], *, sampled_exclusive: bool = False, text_lane: bool = False
+    waiting: Sequence[EngineRequest],
+    *,
+    sampled_exclusive: bool = False,
+    text_lane: bool = False,
+    keyed_text: bool = False,
 ) -> GroupKey | None:
     """The continuous key the head of ``waiting`` defers to, or None when it runs its MTP.
 
@@ -122,7 +147,7 @@ def under_load(
     """
     if not waiting or not waiting[0].deferrable:
         return None
-    key = target_only_key(waiting[0], sampled_exclusive=sampled_exclusive, text_lane=text_lane)
+    key = target_only_key(waiting[0], sampled_exclusive=sampled_exclusive, text_lane=text_lane, keyed_text=keyed_text)
     if key.mode != ExecutionMode.CONTINUOUS:
         return None
     for request in list(waiting)[1:]:
@@ -282,7 +307,7 @@ class SchedulerState:
     # The lanes the loaded model has (``LaneFactory.model_lanes``); the engine's options close some.
     model_lanes: frozenset[LaneName] = frozenset({LaneName.BATCH})
     prefix_cache: bool = False  # a prefix cache is resident (keyed requests use it)
-    single_lane_restores: bool = False  # the single lane can restore and store keyed rows' prefixes
+    lanes_restore: bool = False  # the single and text lanes restore keyed rows' prefixes (``LaneContext``)
     shared_prefixes: PrefixIndex | None = None  # set where prefixes are shared as blocks
     admission_paused: bool = False  # a control waits for a step with no prompt mid-prefill
 
@@ -358,7 +383,7 @@ class Scheduler:
         self._window = None
         if key.mode == ExecutionMode.COHORT:
             # Target-only work arrived while the cohort waited: its optional-MTP head defers to it.
-            key = under_load(waiting, sampled_exclusive=cfg.sampled_exclusive, text_lane=self._text_lane(state)) or key
+            key = under_load(waiting, **self._key_options(state)) or key
         requests = compatible_head(waiting, key, limit)
         if not requests:
             return StepPlan()  # the head waits for its prefix leader
@@ -371,15 +396,21 @@ class Scheduler:
             closed.add(LaneName.SINGLE)
         if not self.config.text_lane:
             closed.add(LaneName.TEXT)
-        return LaneContext(state.model_lanes - closed, state.prefix_cache, state.single_lane_restores)
+        return LaneContext(state.model_lanes - closed, state.prefix_cache, state.lanes_restore)
 
-    def _text_lane(self, state: SchedulerState) -> bool:
-        return LaneName.TEXT in self._lane_context(state).open
+    def _key_options(self, state: SchedulerState) -> dict[str, bool]:
+        """What ``group_key`` reads of the engine's state: which rows the text lane takes."""
+        ctx = self._lane_context(state)
+        return {
+            "sampled_exclusive": self.config.sampled_exclusive,
+            "text_lane": LaneName.TEXT in ctx.open,
+            "keyed_text": ctx.lanes_restore,
+        }
 
     def _head_key(self, state: SchedulerState) -> GroupKey:
         """The head's group; optional MTP with target-only work right behind it runs
         target-only, with that work."""
-        options = {"sampled_exclusive": self.config.sampled_exclusive, "text_lane": self._text_lane(state)}
+        options = self._key_options(state)
         return under_load(state.waiting, **options) or group_key(state.waiting[0], **options)
 
     def _wait_until(self, state: SchedulerState, window: _Window) -> float | None:
@@ -396,11 +427,7 @@ class Scheduler:
             return None
         if window.seen >= cfg.max_batch_size or state.stopping:
             return None
-        if (
-            cohort
-            and under_load(state.waiting, sampled_exclusive=cfg.sampled_exclusive, text_lane=self._text_lane(state))
-            is not None
-        ):
+        if cohort and under_load(state.waiting, **self._key_options(state)) is not None:
             return None
         until = window.started + cfg.batch_wait_ms / 1000.0
         if quiet_ms is not None:
@@ -438,7 +465,7 @@ class Scheduler:
         a request of the batch is still prefilling (see ``prefix_leader``)."""
         target_only = group.mode == ExecutionMode.CONTINUOUS
         index = state.shared_prefixes
-        if index is None or group.mode != ExecutionMode.CONTINUOUS or group.lane != LaneName.BATCH:
+        if index is None or group.mode != ExecutionMode.CONTINUOUS or group.lane == LaneName.SINGLE:
             return tuple(Admission(r, target_only and r.draft_tokens > 0) for r in requests), ()
         prefilling = list(group.prefilling)
         admit: list[Admission] = []
