@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import itertools
 
-from test_single_lane import Stepper
-
 from abstractruntime_mlx.engine.backends.text_plan import PrefillPlan, plan_prefill
 from abstractruntime_mlx.engine.cache.prefix_cache import CacheOptions, PrefixCache, restore_alignment
 from abstractruntime_mlx.engine.core.request import EngineRequest, execution_report
+from test_single_lane import Stepper
 
 SYSTEM = "You are a careful assistant who answers briefly and checks every step twice. " * 12
 QUESTIONS = ["What does a cache keep?", "And what does it drop?", "When does it drop it?"]
