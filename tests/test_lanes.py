@@ -74,7 +74,8 @@ def test_a_new_group_runs_on_the_first_lane_that_admits_it():
     assert choose_lane(continuous, [req(sampling=Sampling(repetition_penalty=1.2))], native) == LaneName.TEXT
     keyed = [req(prompt_cache_key="k"), req(prompt_cache_key="k")]
     assert choose_lane(continuous, keyed, native) == LaneName.BATCH
-    # Keyed rows run on the text lane where it restores their prefixes (RAM blocks, no SSD tier).
+    # Keyed rows run on the text lane where it restores their prefixes (a model whose prefixes are
+    # shared as blocks, from RAM or the SSD tier); elsewhere (hybrid models) on the batch lane.
     restoring = LaneContext(native.open, prefix_cache=True, lanes_restore=True)
     assert choose_lane(continuous, keyed, restoring) == LaneName.TEXT
     assert choose_lane(continuous, keyed, LaneContext(native.open, prefix_cache=True)) == LaneName.BATCH

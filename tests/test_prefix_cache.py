@@ -425,9 +425,18 @@ def test_a_lone_keyed_request_restores_and_stores_on_the_single_lane(make_llm, d
     assert [str(r.metadata["execution"]["path"]) for r in keyed] == ["single"] * 3
     assert_reused(keyed, "alone")
     llm.unload_model(llm.model)
-    # with the SSD tier (whose restore the batch lane does) a keyed request takes the batch
+    # With the SSD tier too: a new engine over the same directory restores the first turn's
+    # prefix from the disk, on the single lane, with the same tokens.
     disk = make_llm(dense_model, mlx_batching=True, mlx_cache_disk_path=str(tmp_path / "ssd"))
-    assert str(conversation(disk, "alone", turns=1)[0].metadata["execution"]["path"]) != "single"
+    written = conversation(disk, "alone", turns=2)
+    assert [str(r.metadata["execution"]["path"]) for r in written] == ["single"] * 2
+    disk.unload_model(disk.model)
+    again = make_llm(dense_model, mlx_batching=True, mlx_cache_disk_path=str(tmp_path / "ssd"))
+    read = conversation(again, "alone", turns=2)
+    assert [r.token_ids for r in read] == [p.token_ids for p in plain[:2]]
+    assert str(read[0].metadata["execution"]["path"]) == "single"
+    first = read[0].metadata["prompt_cache"]
+    assert first["apc"]["disk_hits"] > 0 and read[0].usage["cached_input_tokens"] >= 16
 
 
 @pytest.mark.parametrize("max_output_tokens", [1, 6])

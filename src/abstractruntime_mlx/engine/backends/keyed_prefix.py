@@ -2,7 +2,8 @@
 
 A keyed row (``RowInput.prefix`` with the prefix cache's manager) starts from the KV the cache
 holds for its prompt: its key's resident KV when the prompt extends the key's last one
-(``cache/resident.py``), else the prefix's blocks copied into a plain cache. Once its first
+(``cache/resident.py``), else the longer of the SSD tier's prefix (one K/V set per layer) and
+the RAM blocks copied into a plain cache. Once its first
 token is out its new full blocks are stored, as a batch row's are, so every lane finds the
 others'; a row that ends on its own leaves its whole KV resident for its key's next turn.
 """
@@ -19,6 +20,12 @@ __all__ = ["KeyedPrefix"]
 
 def _same_type(a: object, b: object) -> bool:
     return type(a) is type(b)
+
+
+def _plain_kv(read: object, mine: object) -> bool:
+    """An SSD-restored layer (mlx-vlm's ``KVCache``) that fits a plain cache layer of ours
+    (mlx-lm's): both unquantized K/V caches."""
+    return type(read).__name__ == type(mine).__name__ == "KVCache" and getattr(read, "keys", None) is not None
 
 
 @dataclass(slots=True, eq=False)
@@ -51,6 +58,16 @@ class KeyedPrefix:
             if kept and extends:
                 return self._use_resident(resident, kept)
         blocks, tokens = self.apc.lookup_prefix(self.prompt[:-1], extra_hash=self.salt)
+        disk, on_disk = self._lookup_disk(max(tokens, kept), overlap=tokens > 0)
+        if on_disk and len(disk) == len(cache) and all(map(_plain_kv, disk, cache)):
+            # The SSD tier holds more than RAM: read as one K/V set per layer (upstream's order,
+            # disk before blocks; mlx-vlm's cache class, its arrays taken into the row's). Its
+            # store puts the prefix back in RAM (``cache/upstream.py``).
+            self.apc.release(blocks)
+            for mine, read in zip(cache, disk):
+                mine.keys, mine.values, mine.offset = read.keys, read.values, on_disk
+            self.cached = on_disk
+            return cache
         if kept and kept >= tokens:
             self.apc.release(blocks)
             return self._use_resident(resident, kept)
@@ -62,6 +79,17 @@ class KeyedPrefix:
             c.offset = tokens
         self.restored, self.cached = blocks, tokens
         return cache
+
+    def _lookup_disk(self, at_least: int, *, overlap: bool) -> tuple[list[Any], int]:
+        """The SSD tier's prefix of the prompt (but its last token) when it is longer than
+        ``at_least`` tokens; ``overlap``: RAM holds the leading blocks (upstream then still
+        reads the disk, for more)."""
+        if getattr(self.apc, "disk", None) is None:
+            return [], 0
+        disk, tokens = self.apc.lookup_prefix_disk_cache(
+            self.prompt[:-1], extra_hash=self.salt, min_prefix_tokens=at_least, allow_memory_overlap=overlap
+        )
+        return (list(disk), tokens) if disk is not None and tokens > at_least else ([], 0)
 
     def _use_resident(self, cache: list[Any], tokens: int) -> list[Any]:
         self.apc.resident_used(tokens)

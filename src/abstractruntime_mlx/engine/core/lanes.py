@@ -29,7 +29,8 @@ class LaneContext:
 
     open: frozenset[LaneName]
     prefix_cache: bool = False  # a prefix cache is resident (keyed requests use it)
-    # The single and text lanes restore and store keyed rows' prefixes (RAM blocks, no SSD tier).
+    # The single and text lanes restore and store keyed rows' prefixes (a model whose prefixes
+    # are shared as blocks: a plain KV cache per layer; from RAM or the SSD tier).
     lanes_restore: bool = False
 
 
@@ -73,7 +74,7 @@ def text_lane_row(request: EngineRequest, *, keyed: bool) -> bool:
 def single_lane_row(request: EngineRequest, ctx: LaneContext) -> bool:
     """A row that can later move into a batch as is: text, no logits processors, grammar or
     logprobs (the text lane computes them, the single lane does not); a prefix-cache key only
-    where the lane restores prefixes (RAM blocks, no SSD tier)."""
+    where the lane restores prefixes (``LaneContext.lanes_restore``)."""
     if request.image_prompt is not None or request.sampling.has_logit_processors() or request.grammar is not None:
         return False
     if request.logprobs is not None:
@@ -111,7 +112,7 @@ def _text(mode: ExecutionMode, requests: Sequence[EngineRequest], ctx: LaneConte
 
 
 def _batch(mode: ExecutionMode, requests: Sequence[EngineRequest], ctx: LaneContext) -> bool:
-    """every other group: images, prefix-cache keys with an SSD tier, MTP cohorts, exclusive requests"""
+    """every other group: images, prefix-cache keys on hybrid models, MTP cohorts, exclusive requests"""
     return True
 
 
