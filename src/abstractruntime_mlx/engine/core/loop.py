@@ -30,7 +30,6 @@ Who writes what (the ownership rule):
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import threading
 import time
@@ -60,14 +59,14 @@ from ..backends.rows import (
     LaneName,
     PrefillRow,
     PrefillsPartially,
-    PrefixReuse,
     RowInput,
     StepResult,
     speculation_counters,
 )
 from ..cache.prefix_cache import CacheOptions, PrefixCache, restore_alignment
-from ..cache.report import PromptCacheReport, in_process_cache_report
+from ..cache.report import PromptCacheReport
 from ..model.model import LoadedModel, Upstream
+from . import keyed
 from .config import EngineConfig
 from .lane_factory import BackendFactory, LaneFactory
 from .lanes import LANES
@@ -376,19 +375,9 @@ class Engine:
         return cast(T, item.result)  # set when done without an error
 
     def restorable_prefix_tokens(self, request: EngineRequest) -> int | None:
-        """The prompt tokens of keyed ``request`` the serialized lane's snapshot store restores
-        now, read on the caller's thread (the split a start event reports); None on the
-        batched lanes, whose prefix blocks are looked up on the worker as prefill starts."""
-        loaded, cache = self.loaded, self.prefix_cache
-        if (
-            loaded is None
-            or loaded.upstream != Upstream.MLX_LM
-            or cache is None
-            or cache.serial is None
-            or request.prompt_cache_key is None
-        ):
-            return None
-        return cache.serial.peek(cache.salt(request, "serial"), request.prompt_ids)
+        """The prompt tokens of keyed ``request`` the serialized lane restores now, read on the
+        caller's thread (``keyed.restorable_prefix_tokens``)."""
+        return keyed.restorable_prefix_tokens(self.loaded, self.prefix_cache, request)
 
     def attach_head(self, timeout_s: float = 600.0) -> float | None:
         """Attach the resident target's MTP head on the worker, between steps, once.
@@ -555,7 +544,7 @@ class Engine:
     def _scheduler_state(self) -> SchedulerState:
         """What the scheduler decides from (under ``_cond``: the waiting queue is shared)."""
         group = self._group
-        shared = self._shared_prefixes()
+        shared = keyed.shared_prefixes(self.prefix_cache, self._model.model)
         view = None
         if group is not None:
             backend = group.backend
@@ -607,13 +596,6 @@ class Engine:
                 self._waiting.extendleft(reversed([hold.request for hold in plan.held]))
         for admission in plan.admit:
             self._admit(admission)
-
-    def _shared_prefixes(self) -> _SharedPrefixes | None:
-        """The prefix cache as the scheduler sees it, where prefixes are shared as blocks."""
-        cache = self.prefix_cache
-        if cache is None or not cache.shares_blocks(self._model.model):
-            return None
-        return _SharedPrefixes(cache)
 
     def _make_lanes(self) -> LaneFactory:
         """The loaded model's lanes (at load, on the worker, once the prefix cache exists)."""
@@ -787,7 +769,9 @@ class Engine:
                 request.sampling,
                 request.grammar,
                 prompt_inputs=prompt_inputs,
-                prefix=self._prefix_reuse(request, group),
+                prefix=keyed.prefix_reuse(
+                    self.prefix_cache, self._model, request, lane=group.backend.kind, mode=group.mode
+                ),
                 logprobs=request.logprobs,
             )
             lane_path = LANES[group.backend.kind].path.value
@@ -811,48 +795,12 @@ class Engine:
         group.running[uid] = request
         self._output.add(request, self._model.new_detokenizer(), self._model.eos_token_ids)
 
-    def _prefix_reuse(self, request: EngineRequest, group: _Group) -> PrefixReuse | None:
-        """How a keyed request reuses stored prefixes in this group's layout (None: unkeyed,
-        or no prefix cache); records the layout and the cache's counters for its report."""
-        cache = self.prefix_cache
-        if request.prompt_cache_key is None or cache is None:
-            return None
-        if self._model.upstream == Upstream.MLX_VLM:
-            # mlx-vlm's in-process generation takes no restored cache without the full
-            # prompt's rope positions; the key is served by a full prefill, said by name.
-            request.prompt_cache = in_process_cache_report(request.prompt_cache_key)
-            return None
-        if group.backend.kind == LaneName.SERIAL:
-            layout = "serial"
-        else:
-            layout = "exclusive" if group.mode == ExecutionMode.EXCLUSIVE else "batch"
-        request.cache_layout = layout
-        request.cache_counters = cache.counters()
-        salt = cache.admit(request, layout)
-        if request.warm:
-            request.warm_ram_tokens = cache.resident_prefix_tokens(request.prompt_ids, salt, ssd=False)
-        return PrefixReuse(
-            salt,
-            serial=cache.serial if layout == "serial" else None,
-            # A warm leaves shared blocks only: its key's resident KV is its real request's.
-            key=None if request.warm else request.prompt_cache_key,
-        )
-
     def _step_group(self) -> None:
         group = self._group
         assert group is not None
-        with self._warm_stores(group):
+        with keyed.warm_stores(self.prefix_cache, list(group.running.values())):
             self._step_rows(group)
         self._close_group_if_idle()
-
-    def _warm_stores(self, group: _Group) -> contextlib.AbstractContextManager[None]:
-        """A warm runs alone on an idle engine: while it does, the blocks it stores make room only
-        from blocks needed later than its own (``PrefixCache.storing_ahead``)."""
-        cache = self.prefix_cache
-        rows = list(group.running.values())
-        if cache is None or not rows or not all(r.warm for r in rows):
-            return contextlib.nullcontext()
-        return cache.storing_ahead(str(rows[0].prompt_cache_key))
 
     def _step_rows(self, group: _Group) -> None:
         if group.mode == ExecutionMode.CONTINUOUS and isinstance(group.backend, PrefillsPartially):
@@ -988,13 +936,7 @@ class Engine:
                         self._live[chunk.request_id] = chunk
                         self._warms.hold(chunk)
             return None
-        try:
-            return cache.report(
-                request, request.cache_counters, shared=request.peak_batch_size > 1, layout=request.cache_layout
-            )
-        except Exception:  # noqa: BLE001 - a report must never fail the request it describes
-            log.exception("prefix-cache report failed")
-            return request.prompt_cache
+        return keyed.cache_report(cache, request)
 
     def prompt_cache_stats(self) -> dict[str, Any] | None:
         """The prefix cache's stats, read on the worker; None when this model has none."""
@@ -1082,19 +1024,6 @@ class Engine:
         for item in controls:
             item.error = error
             item.done.set()
-
-
-class _SharedPrefixes:
-    """``scheduler.PrefixIndex`` over the resident prefix cache, in a batch's layout."""
-
-    def __init__(self, cache: PrefixCache) -> None:
-        self._cache = cache
-
-    def salt(self, request: EngineRequest) -> int:
-        return self._cache.salt(request, "batch")
-
-    def resident_tokens(self, prompt_ids: list[int], salt: int) -> int:
-        return self._cache.resident_prefix_tokens(prompt_ids, salt)
 
 
 class _WorkerBroken(BaseException):
