@@ -86,6 +86,9 @@ class KeyedPrefix:
         reads the disk, for more)."""
         if getattr(self.apc, "disk", None) is None:
             return [], 0
+        block = int(getattr(self.apc, "block_size", 1))
+        if at_least >= (len(self.prompt) - 1) // block * block:
+            return [], 0  # RAM holds every full block the disk could: no walk of its hash chain
         disk, tokens = self.apc.lookup_prefix_disk_cache(
             self.prompt[:-1], extra_hash=self.salt, min_prefix_tokens=at_least, allow_memory_overlap=overlap
         )
