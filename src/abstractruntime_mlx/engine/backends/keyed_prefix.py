@@ -82,8 +82,8 @@ class KeyedPrefix:
 
     def _lookup_disk(self, at_least: int, *, overlap: bool) -> tuple[list[Any], int]:
         """The SSD tier's prefix of the prompt (but its last token) when it is longer than
-        ``at_least`` tokens; ``overlap``: RAM holds the leading blocks (upstream then still
-        reads the disk, for more)."""
+        ``at_least`` tokens (upstream reads nothing otherwise); ``overlap``: RAM holds the
+        leading blocks (upstream then still reads the disk, for more)."""
         if getattr(self.apc, "disk", None) is None:
             return [], 0
         block = int(getattr(self.apc, "block_size", 1))
@@ -92,7 +92,7 @@ class KeyedPrefix:
         disk, tokens = self.apc.lookup_prefix_disk_cache(
             self.prompt[:-1], extra_hash=self.salt, min_prefix_tokens=at_least, allow_memory_overlap=overlap
         )
-        return (list(disk), tokens) if disk is not None and tokens > at_least else ([], 0)
+        return (list(disk), tokens) if disk is not None else ([], 0)
 
     def _use_resident(self, cache: list[Any], tokens: int) -> list[Any]:
         self.apc.resident_used(tokens)

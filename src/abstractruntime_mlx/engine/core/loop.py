@@ -563,7 +563,7 @@ class Engine:
             stopping=self._stopping,
             model_lanes=self._backends.model_lanes,
             prefix_cache=self.prefix_cache is not None,
-            lanes_restore=shared is not None and self.prefix_cache is not None,
+            lanes_restore=shared is not None,  # a cache whose prefixes this model shares as blocks
             shared_prefixes=shared,
             admission_paused=self.prefix_cache is not None and any(item.between_prefills for item in self._controls),
         )
