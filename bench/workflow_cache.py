@@ -1,11 +1,14 @@
 """Workflow-aware prefix caching against LRU: N concurrent runs of a multi-agent flow.
 
-    python bench/workflow_cache.py                 # 8 runs of a 4-agent chain, 2 turns an agent
+    python bench/workflow_cache.py                 # 8 runs of a 4-agent chain, 4 turns an agent
     python bench/workflow_cache.py --repeats 3 --runs 4 --agents 3 --json out.json
+    python bench/workflow_cache.py --turns 2 --tool-ms 0 --no-private-prompts   # the chain of shared prompts
 
 The flow (built here, VisualFlow JSON): start -> agent_1 -> ... -> agent_K -> end. Each agent
-has its own long system prompt (the same in every run, so in one cache scope the runs share its
-blocks) and runs ``--turns`` turns: the first sends the system prompt, the run's task and the
+has its own long system prompt (by default opening with the run's own context, as a prompt
+naming its customer or date does, so runs share no block of it; ``--no-private-prompts``: the
+same in every run, so in one cache scope the runs share its blocks) and runs ``--turns`` turns,
+a tool call between two (``--tool-ms``): the first sends the system prompt, the run's task and the
 previous agent's answer; each later turn re-sends that transcript plus the answer and a tool
 observation, as an agent does. Every (run, agent) has its own ``prompt_cache_key``, as the host
 derives one per node. The runs start together, each a little behind the previous one
@@ -14,10 +17,15 @@ spends ``--gap-ms`` outside the model (the runtime's tick, a tool or code node),
 turns of an agent ``--tool-ms`` (the tool call the agent waits on), in every mode.
 
 Each mode runs on its own resident model with a prefix-cache budget of ``--budget-fraction`` of
-the workload's working set, measured first on a roomy budget: the blocks a lookup restored at
-least once (``memory.reused_bytes``), not all the cache stored (each key's last prompt and every
-finished agent's transcript are stored and never read again; on the default workload they are
-most of it, and a third of that total holds everything reused):
+the workload's working set, measured first on a roomy budget: what it read back, not all the
+cache stored (each key's last prompt and every finished agent's transcript are stored and never
+read again, most of it): the blocks a lookup restored at least once (``memory.reused_bytes``)
+plus the resident KV later turns started from, at its peak (``memory.resident_kv.
+reused_peak_bytes``: the most bytes of such entries held at one time). With shared prompts and
+no tool waits (``--turns 2 --tool-ms 0 --no-private-prompts``) the runs move in step, LRU keeps
+what the next call needs and caches as much as nothing evicted does: no keeping policy can
+gain there. Agents waiting on tools are LRU's worst case: the entry a run needs next is the one
+it left longest ago.
 
 - ``lru``: upstream's eviction (least recently released first);
 - ``graph``: before each call the run sends its eviction hints (``prompt_cache_hints``): the
@@ -205,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=8, help="concurrent runs (default 8)")
     ap.add_argument("--agents", type=int, default=4, help="agents in the chain (default 4)")
-    ap.add_argument("--turns", type=int, default=2, help="turns an agent (default 2)")
+    ap.add_argument("--turns", type=int, default=4, help="turns an agent (default 4)")
     ap.add_argument("--rules", type=int, default=24, help="rules in each system prompt (default 24: ~600 tokens)")
     ap.add_argument(
         "--budget-fraction", type=float, default=1 / 3, help="prefix-cache budget / working set (default 1/3)"
@@ -213,15 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stagger-ms", type=float, default=40.0, help="delay between run starts (default 40 ms)")
     ap.add_argument("--gap-ms", type=float, default=150.0, help="time a run spends between agents (default 150 ms)")
     ap.add_argument(
-        "--tool-ms", type=float, default=0.0, help="time an agent waits on its tool between turns (default 0)"
+        "--tool-ms", type=float, default=300.0, help="time an agent waits on its tool between turns (default 300 ms)"
     )
     ap.add_argument(
         "--observation", type=int, default=3, help="lines of a tool's observation, ~30 tokens each (default 3)"
     )
     ap.add_argument(
         "--private-prompts",
-        action="store_true",
-        help="each run's system prompts open with its own context: runs share no prompt blocks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each run's system prompts open with its own context, so runs share no prompt blocks (default on)",
     )
     ap.add_argument("--repeats", type=int, default=2, help="runs of each mode, order rotated (default 2)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"modes to run (default {','.join(MODES)})")
@@ -271,14 +280,17 @@ def main(argv: list[str] | None = None) -> int:
         # What the workload reuses (blocks a lookup restored), not all it stored: most of that
         # (each key's last prompt, an agent's transcript once it is done) is never read again.
         stored = int(memory["resident_bytes"])
-        working_set = int(memory["reused_bytes"])
+        reused_blocks = int(memory["reused_bytes"])
+        reused_resident = int(memory["resident_kv"]["reused_peak_bytes"])
+        working_set = reused_blocks + reused_resident
     finally:
         roomy.unload_model()
     budget = int(working_set * args.budget_fraction)
     print(
         f"model {model}; python {platform.python_version()} {platform.machine()}; runs "
         f"{args.runs}, agents {args.agents}, turns {args.turns}, gap {args.gap_ms:g} ms, tool {args.tool_ms:g} ms; working set "
-        f"(reused) {working_set / 1e6:.2f} MB of {stored / 1e6:.2f} MB stored; budget {budget / 1e6:.2f} MB ({args.budget_fraction:.2f}); "
+        f"(reused) {working_set / 1e6:.2f} MB (blocks {reused_blocks / 1e6:.2f}, resident KV at its peak "
+        f"{reused_resident / 1e6:.2f}) of {stored / 1e6:.2f} MB stored; budget {budget / 1e6:.2f} MB ({args.budget_fraction:.2f}); "
         f"{args.repeats} repeats, order rotated; nothing evicted (the ceiling): cached "
         f"{ceiling['cached_ratio']:.1%}, fed {ceiling['fed_tokens']}, aggregate TTFT {ceiling['aggregate_ttft_s']:.3f} s",
         flush=True,

@@ -47,7 +47,7 @@ def test_pinned_owners_keep_their_blocks_out_of_the_order():
     assert eviction_order(idle, {}) == [0, 1, 2]  # no hints: plain LRU
 
 
-def test_pins_expire_renew_and_the_oldest_goes_first():
+def test_pins_expire_renew_and_the_newest_goes_first():
     now = [100.0]
     priorities = CachePriorities(clock=lambda: now[0])
     assert not priorities.active
@@ -61,8 +61,9 @@ def test_pins_expire_renew_and_the_oldest_goes_first():
     assert [p.key for p in priorities.live_pins()] == ["a"]
     assert priorities.pins_expired == 1
     priorities.pin("c", 10)
-    assert priorities.drop_oldest_pin().key == "a"
-    assert priorities.release("c") is True and priorities.release("c") is False
+    assert priorities.drop_pin().key == "c"
+    assert priorities.release("c") is False
+    assert priorities.release("a") is True and priorities.release("a") is False
     assert not priorities.active and priorities.pins_dropped == 1
 
 
@@ -178,9 +179,9 @@ def test_a_pinned_key_survives_a_store_until_its_pin_expires():
     assert priorities.pins_expired == 1
 
 
-def test_a_store_takes_pins_only_when_nothing_else_is_left_oldest_first():
+def test_a_store_takes_pins_only_when_nothing_else_is_left_newest_first():
     """Pinned blocks go last but lose to a live request, a store included: with every
-    resident block pinned, the store takes the oldest pin's blocks, not none of its own."""
+    resident block pinned, the store takes the newest pin's blocks, not none of its own."""
     now = [0.0]
     priorities = CachePriorities(clock=lambda: now[0])
     manager = make_manager(2, priorities)
@@ -190,8 +191,8 @@ def test_a_store_takes_pins_only_when_nothing_else_is_left_oldest_first():
     now[0] = 1.0
     priorities.pin("a", 60)
     store(manager, priorities, "c")
-    assert [resident(manager, k) for k in "abc"] == [FULL, 0, FULL]
-    assert list(priorities.pins) == ["a"] and priorities.pins_dropped == 1
+    assert [resident(manager, k) for k in "abc"] == [0, FULL, FULL]
+    assert list(priorities.pins) == ["b"] and priorities.pins_dropped == 1
 
 
 def test_a_warm_stores_only_over_blocks_needed_later_and_never_takes_a_pin():
@@ -214,7 +215,7 @@ def test_a_warm_stores_only_over_blocks_needed_later_and_never_takes_a_pin():
     assert [resident(manager, k) for k in "acd"] == [FULL, 0, FULL]
 
 
-def test_pins_lose_to_a_live_request_oldest_first(monkeypatch):
+def test_pins_lose_to_a_live_request_newest_first(monkeypatch):
     now = [0.0]
     priorities = CachePriorities(clock=lambda: now[0])
     manager = make_manager(3, priorities)
@@ -227,8 +228,83 @@ def test_pins_lose_to_a_live_request_oldest_first(monkeypatch):
     held = manager.resident_bytes()
     monkeypatch.setattr(manager, "_memory_headroom", lambda: -(held * 2 // 3) + block_bytes() // 2)
     manager._make_room(0)
-    assert [resident(manager, k) for k in "abc"] == [0, 0, FULL]
-    assert [p.key for p in priorities.live_pins()] == ["c"] and priorities.pins_dropped == 2
+    assert [resident(manager, k) for k in "abc"] == [FULL, 0, 0]
+    assert [p.key for p in priorities.live_pins()] == ["a"] and priorities.pins_dropped == 2
+
+
+def keep_resident(manager, key: str) -> None:
+    """``key``'s whole KV kept between turns (mlx-lm's plain cache per layer, as the lanes keep it)."""
+    from mlx_lm.models.cache import KVCache
+
+    tokens = prompt(key)
+    layers = []
+    for k, v in zip(*kv(len(tokens))):
+        layer = KVCache()
+        layer.keys, layer.values, layer.offset = k, v, len(tokens)
+        layers.append(layer)
+    assert manager.keep_resident(key, 0, tokens, layers, len(tokens))
+
+
+def test_resident_kv_follows_the_priorities_and_a_pinned_one_goes_after_every_unpinned_block(monkeypatch):
+    """Resident KV of keys not pinned goes first (unreachable before hinted), then blocks not
+    pinned, then a pinned key's resident KV (its pin still holds its blocks), then the pin."""
+    priorities = CachePriorities(clock=lambda: 0.0)
+    manager = make_manager(8, priorities)
+    manager.resident = upstream.ResidentKV(manager.lock, min_tokens=prefix_cache.BLOCK_SIZE, guard=0)
+    store(manager, priorities, "a")
+    store(manager, priorities, "c")
+    for key in "dba":  # d kept first: least recently kept, as LRU would drop it anyway
+        keep_resident(manager, key)
+    priorities.set_hints({"a": 0, "b": 0, "c": 3, "d": None})
+    priorities.pin("a", 60)
+    size = PROMPT_BLOCKS * block_bytes()
+    total = manager.resident_bytes()  # the machine's free memory: what the cache does not hold
+    monkeypatch.setattr(manager, "_memory_headroom", lambda: total - manager.resident_bytes())
+    monkeypatch.setattr(manager, "_prefill_reserve_bytes", 0)
+
+    def held() -> tuple[list[str], list[int]]:
+        kept = [key for key, _ in manager.resident.entries]
+        return kept, [resident(manager, k) for k in "ac"]
+
+    assert held() == (["d", "b", "a"], [FULL, FULL])
+    steps = []
+    for need in range(1, 6):
+        manager._make_room(need * size)  # a live request needs one prompt's worth more each time
+        steps.append((*held(), [p.key for p in priorities.live_pins()]))
+    assert steps == [
+        (["b", "a"], [FULL, FULL], ["a"]),  # d: hinted None
+        (["a"], [FULL, FULL], ["a"]),  # b: not pinned
+        (["a"], [FULL, 0], ["a"]),  # c's blocks: not pinned
+        ([], [FULL, 0], ["a"]),  # a's resident KV: its blocks stay pinned
+        ([], [0, 0], []),  # a's pin, then its blocks
+    ]
+
+
+def test_without_priorities_resident_kv_goes_least_recently_kept_first(monkeypatch):
+    manager = make_manager(8, None)
+    manager.resident = upstream.ResidentKV(manager.lock, min_tokens=prefix_cache.BLOCK_SIZE, guard=0)
+    for key in "dba":
+        keep_resident(manager, key)
+    total = manager.resident_bytes()
+    monkeypatch.setattr(manager, "_memory_headroom", lambda: total - manager.resident_bytes())
+    monkeypatch.setattr(manager, "_prefill_reserve_bytes", 0)
+    manager._make_room(PROMPT_BLOCKS * block_bytes())
+    assert [key for key, _ in manager.resident.entries] == ["b", "a"]
+
+
+def test_the_resident_kv_read_back_counts_at_its_peak():
+    """``reused_peak_bytes``: the most bytes of entries held at once that a later turn took."""
+    manager = make_manager(8, None)
+    manager.resident = upstream.ResidentKV(manager.lock, min_tokens=prefix_cache.BLOCK_SIZE, guard=0)
+    size = PROMPT_BLOCKS * block_bytes()
+    keep_resident(manager, "a")
+    keep_resident(manager, "b")
+    assert manager.resident.reused_peak_bytes() == 0  # nothing read back yet
+    assert manager.take_resident("a", 0, prompt("a") + [1]).tokens == FULL
+    assert manager.take_resident("b", 0, prompt("b") + [1]).tokens == FULL
+    keep_resident(manager, "c")  # kept after both were taken, never read back
+    assert manager.take_resident("c", 0, [7] * 80).tokens == 0  # shares nothing: no read
+    assert manager.resident.reused_peak_bytes() == 2 * size  # a and b were held together
 
 
 # --- a resident tiny model under a tight budget -------------------------------------------------

@@ -337,7 +337,7 @@ class MLXProvider:
 
     def prompt_cache_pin(self, key: str, ttl_s: float) -> dict[str, Any]:
         """Keep ``key``'s idle blocks resident for ``ttl_s`` seconds (again: renew). A store never
-        evicts them; a live request that needs the memory takes the oldest pin first."""
+        evicts them; a live request that needs the memory takes the newest pin first."""
         name, ttl = validate_pin(key, ttl_s)
         return self._cache_command(lambda cache: cache.pin(name, ttl))
 

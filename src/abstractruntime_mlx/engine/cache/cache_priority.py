@@ -15,8 +15,10 @@ key of an agent that is between turns (``pin``). The order (after KVFlow, arXiv 
 recency breaks every tie. A prefix warm's store (``warm_rank``) evicts only blocks ranked below
 its own and never takes a pin: a prefetch fills room, it never costs a live run a hit. Blocks of
 a live pin are never in the order: they are evicted only
-when a live request needs memory and nothing else is left, and then the oldest pin goes first
-(``drop_oldest_pin``). Without hints or pins the order is the manager's own LRU
+when a live request needs memory and nothing else is left, and then the newest pin goes first
+(``drop_pin``: of agents waiting alike, the last to begin waiting comes back last). A key's
+resident KV (its whole cache between turns) follows the same order (``resident_rank``): of keys
+not pinned before any block, of pinned ones after every block not pinned. Without hints or pins the order is the manager's own LRU
 (``active`` is False), so nothing changes for callers that never give any.
 
 A block is owned by every key whose prompt covered it (``own``): with ``mlx_cache_sharing=
@@ -162,13 +164,31 @@ class CachePriorities:
             self.pins_expired += 1
         return sorted(self.pins.values(), key=lambda p: (p.pinned_at, p.key))
 
-    def drop_oldest_pin(self) -> Pin | None:
+    def drop_pin(self) -> Pin | None:
+        """Give up the newest live pin: of agents waiting alike (a tool call each), the one
+        that began waiting last comes back last, so its prefix is the one to lose."""
         pins = self.live_pins()
         if not pins:
             return None
-        del self.pins[pins[0].key]
+        del self.pins[pins[-1].key]
         self.pins_dropped += 1
-        return pins[0]
+        return pins[-1]
+
+    def resident_rank(self, *, pinned: bool) -> Callable[[str, int], tuple[int, float, int, int] | None]:
+        """The drop order of resident KV entries (``ResidentKV.drop_first``): an entry ranks
+        as a block only its key owns; entries of pinned keys come after all others, the newest
+        pin first, or (``pinned`` False) stay."""
+        pins = {pin.key: pin for pin in self.live_pins()}
+        hints = self.hints
+
+        def rank(key: str, kept_at: int) -> tuple[int, float, int, int] | None:
+            pin = pins.get(key)
+            if pin is not None:
+                return (1, -pin.pinned_at, 0, kept_at) if pinned else None
+            cls, steps, last = block_rank(BlockInfo(kept_at, frozenset((key,))), hints)
+            return (0, cls, steps, last)
+
+        return rank
 
     def own(self, key: str, block_hashes: Iterable[int]) -> None:
         for block_hash in block_hashes:

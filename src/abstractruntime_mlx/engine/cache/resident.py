@@ -14,9 +14,13 @@ caches are the single lane's plain per-layer KV caches, used through ``offset``,
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+# Where an entry goes in the drop order: (its key, when it was kept) -> a sort key, or None to keep it.
+Rank = Callable[[str, int], tuple[Any, ...] | None]
 
 
 @dataclass(slots=True)
@@ -25,6 +29,7 @@ class _Entry:
     cache: list[Any]  # one plain KV cache per layer (the single lane's layout)
     nbytes: int
     prompt_len: int  # how many of ``tokens`` were the row's prompt (the rest: its answer)
+    kept_at: int  # the table's event count when it was kept
 
 
 class Taken(NamedTuple):
@@ -57,6 +62,8 @@ class ResidentKV:
         self.nbytes = 0
         self.tokens_taken = 0  # lifetime: prompt tokens rows started from resident KV
         self.dropped = 0  # lifetime: entries dropped to make room
+        self._events = 0  # keeps and takes so far: the clock of ``_reads``
+        self._reads: deque[tuple[int, int, int]] = deque(maxlen=4096)  # (kept_at, taken_at, bytes)
         self._lock = lock
         self._min_tokens = min_tokens  # less than this shared: take nothing (a block's worth)
         self._guard = guard
@@ -70,10 +77,14 @@ class ResidentKV:
             if entry is None:
                 return NOTHING
             self.nbytes -= entry.nbytes
+            self._events += 1
+            taken_at = self._events
         shared = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
         shared -= shared % align
         if shared < self._min_tokens:
             return NOTHING
+        with self._lock:
+            self._reads.append((entry.kept_at, taken_at, entry.nbytes))
         for layer in entry.cache:
             layer.trim(layer.offset - shared)
         return Taken(entry.cache, shared, shared + self._guard >= entry.prompt_len)
@@ -88,27 +99,51 @@ class ResidentKV:
             old = self.entries.pop((key, salt), None)
             if old is not None:
                 self.nbytes -= old.nbytes
-            self.entries[(key, salt)] = _Entry(tuple(tokens), cache, size, prompt_len)
+            self._events += 1
+            self.entries[(key, salt)] = _Entry(tuple(tokens), cache, size, prompt_len, self._events)
             self.nbytes += size
         return True
 
-    def drop_oldest(self) -> int:
-        """Drop the least recently kept entry (the caller holds the lock); returns its bytes."""
-        _, entry = self.entries.popitem(last=False)
+    def drop_first(self, rank: Rank | None = None) -> int | None:
+        """Drop the entry ``rank`` puts first (the caller holds the lock): the lowest
+        ``rank(key, kept_at)``, entries it ranks None left out; without ``rank``, the least
+        recently kept. Returns its bytes, None when no entry may go."""
+        if rank is None:
+            if not self.entries:
+                return None
+            _, entry = self.entries.popitem(last=False)
+        else:
+            ranked = [(r, k) for k, e in self.entries.items() if (r := rank(k[0], e.kept_at)) is not None]
+            if not ranked:
+                return None
+            entry = self.entries.pop(min(ranked)[1])
         self.nbytes -= entry.nbytes
         self.dropped += 1
         return entry.nbytes
 
-    def fit(self, held_bytes: int, max_bytes: int) -> None:
-        """Drop entries, oldest first, until everything held fits ``max_bytes``."""
+    def fit(self, held_bytes: int, max_bytes: int, rank: Rank | None = None) -> None:
+        """Drop entries in ``drop_first``'s order until everything held fits ``max_bytes``."""
         with self._lock:
-            while self.entries and held_bytes > max_bytes:
-                held_bytes -= self.drop_oldest()
+            while held_bytes > max_bytes and (freed := self.drop_first(rank)) is not None:
+                held_bytes -= freed
 
     def clear(self) -> None:
         with self._lock:
             self.entries.clear()
             self.nbytes = 0
+
+    def reused_peak_bytes(self) -> int:
+        """The most bytes of entries that were held at one time and later taken (of the last
+        4,096 takes): the resident KV a workload reads back, at its peak. A budget below it (after
+        the workload on a roomy one) drops some entry a later turn would have started from."""
+        with self._lock:
+            reads = list(self._reads)
+        edges = sorted([(kept, size) for kept, _, size in reads] + [(taken, -size) for _, taken, size in reads])
+        peak = held = 0
+        for _, size in edges:
+            held += size
+            peak = max(peak, held)
+        return peak
 
     def stats(self) -> dict[str, int]:
         return {
@@ -116,4 +151,5 @@ class ResidentKV:
             "bytes": self.nbytes,
             "tokens_taken": self.tokens_taken,
             "dropped": self.dropped,
+            "reused_peak_bytes": self.reused_peak_bytes(),
         }

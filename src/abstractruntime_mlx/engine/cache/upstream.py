@@ -58,7 +58,7 @@ from mlx_vlm.apc import DiskBlockStore
 
 from ...owned_files import open_owned, owned_fault, read_owned
 from .cache_priority import CachePriorities, eviction_order, warm_rank
-from .resident import NOTHING, ResidentKV, Taken
+from .resident import NOTHING, Rank, ResidentKV, Taken
 
 log = logging.getLogger(__name__)
 
@@ -475,8 +475,9 @@ def counted_manager_class() -> type:
         # --- eviction by steps-to-execution (``cache_priority``) ---------------------
         def _make_room(self, allocation_bytes: int = 0, *, retain_bytes: int = 0) -> bool:
             """Upstream's ``_make_room`` with the blocks evicted in the priorities' order; pinned
-            blocks go last: a live request's allocation or store takes the oldest pin when
-            nothing else is left. Resident KV (``resident``) goes before any block."""
+            blocks go last: a live request's allocation or store takes the newest pin when
+            nothing else is left. Resident KV (``resident``) goes before any block, but for a
+            pinned key's: that goes after every block not pinned, before any pin is given up."""
             priorities = self.priorities
             if self.ahead_of is None:
                 self._drop_resident(allocation_bytes, retain_bytes)
@@ -496,7 +497,12 @@ def counted_manager_class() -> type:
                         if not victims:
                             victims = self._victims()
                         if not victims:
-                            if self.ahead_of is not None or priorities.drop_oldest_pin() is None:
+                            if self.ahead_of is not None:
+                                break
+                            freed = self._drop_pinned_resident()
+                            if freed is not None:
+                                resident -= freed
+                            elif priorities.drop_pin() is None:
                                 break
                             continue
                         resident -= self._drop_idle_block(victims.pop())
@@ -532,7 +538,7 @@ def counted_manager_class() -> type:
             with self.lock:
                 held = self._resident_bytes_locked()
             limit = min(self.memory_max_bytes, held + self._memory_headroom() - self.memory_reserve_bytes)
-            resident_kv.fit(held, limit)
+            resident_kv.fit(held, limit, self._resident_rank(pinned=True))
             return (key, salt) in resident_kv.entries
 
         def take_resident(self, key: str, salt: int, prompt: list[int]) -> Taken:
@@ -550,18 +556,34 @@ def counted_manager_class() -> type:
             if self.resident is not None:
                 self.resident.tokens_taken += tokens
 
+        def _resident_rank(self, *, pinned: bool) -> Rank | None:
+            """The drop order of resident KV: the priorities' (``resident_rank``) when hints or
+            pins are given, else the least recently kept first."""
+            priorities = self.priorities
+            if priorities is None or not priorities.active:
+                return None
+            return priorities.resident_rank(pinned=pinned)
+
         def _drop_resident(self, allocation_bytes: int, retain_bytes: int) -> None:
-            """Drop resident KV, oldest first, while the cache is over the target
-            ``_make_room`` evicts down to (the same sum as upstream's)."""
+            """Drop resident KV (of keys not pinned, when pins are given) while the cache is
+            over the target ``_make_room`` evicts down to (the same sum as upstream's)."""
             resident_kv = self.resident
             if resident_kv is None or not resident_kv.entries:
                 return
             required = self._required_bytes(allocation_bytes, retain_bytes)
+            rank = self._resident_rank(pinned=False)
             with self.lock:
                 resident = self._resident_bytes_locked()
                 target = self._room_target(resident, required, retain_bytes)
-                while resident > target and resident_kv.entries:
-                    resident -= resident_kv.drop_oldest()
+                while resident > target and (freed := resident_kv.drop_first(rank)) is not None:
+                    resident -= freed
+
+        def _drop_pinned_resident(self) -> int | None:
+            """Drop a pinned key's resident KV, the newest pin's first (the caller holds the
+            lock); None when there is none. Its blocks stay: the pin still holds them."""
+            if self.resident is None:
+                return None
+            return self.resident.drop_first(self._resident_rank(pinned=True))
 
         def _evict_lru(self, *, cached_only: bool = False) -> Any:
             """An empty pooled block, else the first idle cached block in the priorities' order."""
@@ -573,8 +595,8 @@ def counted_manager_class() -> type:
                 block = block.next
             if block is None or cached_only:
                 victims = self._victims()
-                while not victims and self.ahead_of is None and priorities.drop_oldest_pin() is not None:
-                    victims = self._victims()  # a store takes pins too, the oldest first
+                while not victims and self.ahead_of is None and priorities.drop_pin() is not None:
+                    victims = self._victims()  # a store takes pins too, the newest first
                 if not victims:
                     return None
                 block = victims[-1]
