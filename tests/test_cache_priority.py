@@ -232,7 +232,7 @@ def test_pins_lose_to_a_live_request_newest_first(monkeypatch):
     assert [p.key for p in priorities.live_pins()] == ["a"] and priorities.pins_dropped == 2
 
 
-def keep_resident(manager, key: str) -> None:
+def keep_resident(manager, key: str) -> bool:
     """``key``'s whole KV kept between turns (mlx-lm's plain cache per layer, as the lanes keep it)."""
     from mlx_lm.models.cache import KVCache
 
@@ -242,19 +242,20 @@ def keep_resident(manager, key: str) -> None:
         layer = KVCache()
         layer.keys, layer.values, layer.offset = k, v, len(tokens)
         layers.append(layer)
-    assert manager.keep_resident(key, 0, tokens, layers, len(tokens))
+    return bool(manager.keep_resident(key, 0, tokens, layers, len(tokens)))
 
 
-def test_resident_kv_follows_the_priorities_and_a_pinned_one_goes_after_every_unpinned_block(monkeypatch):
-    """Resident KV of keys not pinned goes first (unreachable before hinted), then blocks not
-    pinned, then a pinned key's resident KV (its pin still holds its blocks), then the pin."""
+def test_blocks_and_resident_kv_go_in_one_order_and_a_pin_holds_its_entry_longest(monkeypatch):
+    """With hints and pins, blocks and resident KV are evicted in one order: an entry ranks as
+    its key's blocks (after blocks of its rank), a pinned key's entry after everything not
+    pinned, then the pin with its blocks."""
     priorities = CachePriorities(clock=lambda: 0.0)
     manager = make_manager(8, priorities)
     manager.resident = upstream.ResidentKV(manager.lock, min_tokens=prefix_cache.BLOCK_SIZE, guard=0)
     store(manager, priorities, "a")
     store(manager, priorities, "c")
-    for key in "dba":  # d kept first: least recently kept, as LRU would drop it anyway
-        keep_resident(manager, key)
+    for key in "dba":
+        assert keep_resident(manager, key)
     priorities.set_hints({"a": 0, "b": 0, "c": 3, "d": None})
     priorities.pin("a", 60)
     size = PROMPT_BLOCKS * block_bytes()
@@ -262,29 +263,47 @@ def test_resident_kv_follows_the_priorities_and_a_pinned_one_goes_after_every_un
     monkeypatch.setattr(manager, "_memory_headroom", lambda: total - manager.resident_bytes())
     monkeypatch.setattr(manager, "_prefill_reserve_bytes", 0)
 
-    def held() -> tuple[list[str], list[int]]:
+    def held() -> tuple[list[str], list[int], list[str]]:
         kept = [key for key, _ in manager.resident.entries]
-        return kept, [resident(manager, k) for k in "ac"]
+        return kept, [resident(manager, k) for k in "ac"], [p.key for p in priorities.live_pins()]
 
-    assert held() == (["d", "b", "a"], [FULL, FULL])
+    assert held() == (["d", "b", "a"], [FULL, FULL], ["a"])
     steps = []
     for need in range(1, 6):
         manager._make_room(need * size)  # a live request needs one prompt's worth more each time
-        steps.append((*held(), [p.key for p in priorities.live_pins()]))
+        steps.append(held())
     assert steps == [
         (["b", "a"], [FULL, FULL], ["a"]),  # d: hinted None
-        (["a"], [FULL, FULL], ["a"]),  # b: not pinned
-        (["a"], [FULL, 0], ["a"]),  # c's blocks: not pinned
+        (["b", "a"], [FULL, 0], ["a"]),  # c's blocks: three steps away
+        (["a"], [FULL, 0], ["a"]),  # b: next, but not pinned
         ([], [FULL, 0], ["a"]),  # a's resident KV: its blocks stay pinned
         ([], [0, 0], []),  # a's pin, then its blocks
     ]
+
+
+def test_a_kept_entry_takes_room_from_entries_ranked_below_it_never_from_blocks():
+    """With hints, keeping a key's resident KV over budget drops the entries that rank below
+    it; where that is not enough the entry goes and every block stays."""
+    priorities = CachePriorities(clock=lambda: 0.0)
+    manager = make_manager(3.5, priorities)
+    manager.resident = upstream.ResidentKV(manager.lock, min_tokens=prefix_cache.BLOCK_SIZE, guard=0)
+    store(manager, priorities, "a")
+    store(manager, priorities, "b")
+    priorities.set_hints({"a": 0, "b": 2, "c": None})
+    assert keep_resident(manager, "b")
+    assert keep_resident(manager, "a")  # b's entry is needed later than a's: it goes
+    assert [key for key, _ in manager.resident.entries] == ["a"]
+    # c is reached by no live run: nothing held ranks below its entry, so it is not kept.
+    assert not keep_resident(manager, "c")
+    assert [key for key, _ in manager.resident.entries] == ["a"]
+    assert [resident(manager, k) for k in "ab"] == [FULL, FULL]
 
 
 def test_without_priorities_resident_kv_goes_least_recently_kept_first(monkeypatch):
     manager = make_manager(8, None)
     manager.resident = upstream.ResidentKV(manager.lock, min_tokens=prefix_cache.BLOCK_SIZE, guard=0)
     for key in "dba":
-        keep_resident(manager, key)
+        assert keep_resident(manager, key)
     total = manager.resident_bytes()
     monkeypatch.setattr(manager, "_memory_headroom", lambda: total - manager.resident_bytes())
     monkeypatch.setattr(manager, "_prefill_reserve_bytes", 0)
@@ -297,12 +316,11 @@ def test_the_resident_kv_read_back_counts_at_its_peak():
     manager = make_manager(8, None)
     manager.resident = upstream.ResidentKV(manager.lock, min_tokens=prefix_cache.BLOCK_SIZE, guard=0)
     size = PROMPT_BLOCKS * block_bytes()
-    keep_resident(manager, "a")
-    keep_resident(manager, "b")
+    assert keep_resident(manager, "a") and keep_resident(manager, "b")
     assert manager.resident.reused_peak_bytes() == 0  # nothing read back yet
     assert manager.take_resident("a", 0, prompt("a") + [1]).tokens == FULL
     assert manager.take_resident("b", 0, prompt("b") + [1]).tokens == FULL
-    keep_resident(manager, "c")  # kept after both were taken, never read back
+    assert keep_resident(manager, "c")  # kept after both were taken, never read back
     assert manager.take_resident("c", 0, [7] * 80).tokens == 0  # shares nothing: no read
     assert manager.resident.reused_peak_bytes() == 2 * size  # a and b were held together
 

@@ -17,8 +17,9 @@ its own and never takes a pin: a prefetch fills room, it never costs a live run 
 a live pin are never in the order: they are evicted only
 when a live request needs memory and nothing else is left, and then the newest pin goes first
 (``drop_pin``: of agents waiting alike, the last to begin waiting comes back last). A key's
-resident KV (its whole cache between turns) follows the same order (``resident_rank``): of keys
-not pinned before any block, of pinned ones after every block not pinned. Without hints or pins the order is the manager's own LRU
+resident KV ranks as its key's blocks, after the blocks of that rank; a pinned key's goes
+after every block and entry not pinned, the newest pin's first (``pinned_resident_rank``), before the
+pin itself. Without hints or pins the order is the manager's own LRU
 (``active`` is False), so nothing changes for callers that never give any.
 
 A block is owned by every key whose prompt covered it (``own``): with ``mlx_cache_sharing=
@@ -78,14 +79,28 @@ def eviction_order(
     pinned: Iterable[str] = (),
     *,
     below: tuple[int, int] | None = None,
+    resident: Sequence[tuple[str, int]] = (),
 ) -> list[int]:
-    """Indices into ``blocks`` in the order to evict them; blocks a pinned key owns are left out,
-    and with ``below`` (a warm's ``warm_rank``) every block needed as soon as the warm's or sooner."""
+    """Indices into ``blocks`` in the order to evict them, and into ``resident`` (the keys and
+    keep times of the resident KV entries, indexed from ``len(blocks)`` on): an entry ranks as a
+    block only its key owns, after the blocks of its class and steps (losing it costs a gather
+    from its blocks, theirs a prefill). A pinned key's blocks and entry are left out; with
+    ``below`` (a warm's ``warm_rank``), every block needed as soon as the warm's or sooner, and
+    every entry."""
     pins = frozenset(pinned)
-    candidates = [i for i, block in enumerate(blocks) if not (block.owners & pins)]
-    if below is not None:
-        candidates = [i for i in candidates if block_rank(blocks[i], hints)[:2] < below]
-    return sorted(candidates, key=lambda i: block_rank(blocks[i], hints))
+    ranks: dict[int, tuple[int, int, int, int]] = {}
+    for i, block in enumerate(blocks):
+        if not (block.owners & pins):
+            cls, steps, last = block_rank(block, hints)
+            ranks[i] = (cls, steps, 0, last)
+    if below is None:
+        for j, (key, kept_at) in enumerate(resident):
+            if key not in pins:
+                cls, steps, _ = block_rank(BlockInfo(kept_at, frozenset((key,))), hints)
+                ranks[len(blocks) + j] = (cls, steps, 1, kept_at)
+    else:
+        ranks = {i: r for i, r in ranks.items() if r[:2] < below}
+    return sorted(ranks, key=ranks.__getitem__)
 
 
 def warm_rank(key: str, hints: Mapping[str, int | None]) -> tuple[int, int]:
@@ -174,19 +189,14 @@ class CachePriorities:
         self.pins_dropped += 1
         return pins[-1]
 
-    def resident_rank(self, *, pinned: bool) -> Callable[[str, int], tuple[int, float, int, int] | None]:
-        """The drop order of resident KV entries (``ResidentKV.drop_first``): an entry ranks
-        as a block only its key owns; entries of pinned keys come after all others, the newest
-        pin first, or (``pinned`` False) stay."""
+    def pinned_resident_rank(self) -> Callable[[str, int], tuple[float, int] | None]:
+        """The order pinned keys' resident KV goes in once nothing else may: the newest pin's
+        first; entries of keys not pinned are left to ``eviction_order``."""
         pins = {pin.key: pin for pin in self.live_pins()}
-        hints = self.hints
 
-        def rank(key: str, kept_at: int) -> tuple[int, float, int, int] | None:
+        def rank(key: str, kept_at: int) -> tuple[float, int] | None:
             pin = pins.get(key)
-            if pin is not None:
-                return (1, -pin.pinned_at, 0, kept_at) if pinned else None
-            cls, steps, last = block_rank(BlockInfo(kept_at, frozenset((key,))), hints)
-            return (0, cls, steps, last)
+            return (-pin.pinned_at, kept_at) if pin is not None else None
 
         return rank
 

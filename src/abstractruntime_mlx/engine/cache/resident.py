@@ -109,22 +109,25 @@ class ResidentKV:
         ``rank(key, kept_at)``, entries it ranks None left out; without ``rank``, the least
         recently kept. Returns its bytes, None when no entry may go."""
         if rank is None:
-            if not self.entries:
-                return None
-            _, entry = self.entries.popitem(last=False)
+            first = next(iter(self.entries), None)
         else:
             ranked = [(r, k) for k, e in self.entries.items() if (r := rank(k[0], e.kept_at)) is not None]
-            if not ranked:
-                return None
-            entry = self.entries.pop(min(ranked)[1])
+            first = min(ranked)[1] if ranked else None
+        return None if first is None else self.drop(first)
+
+    def drop(self, key_salt: tuple[str, int]) -> int | None:
+        """Drop one entry (the caller holds the lock); returns its bytes, None if not held."""
+        entry = self.entries.pop(key_salt, None)
+        if entry is None:
+            return None
         self.nbytes -= entry.nbytes
         self.dropped += 1
         return entry.nbytes
 
-    def fit(self, held_bytes: int, max_bytes: int, rank: Rank | None = None) -> None:
-        """Drop entries in ``drop_first``'s order until everything held fits ``max_bytes``."""
+    def fit(self, held_bytes: int, max_bytes: int) -> None:
+        """Drop entries, least recently kept first, until everything held fits ``max_bytes``."""
         with self._lock:
-            while held_bytes > max_bytes and (freed := self.drop_first(rank)) is not None:
+            while held_bytes > max_bytes and (freed := self.drop_first()) is not None:
                 held_bytes -= freed
 
     def clear(self) -> None:

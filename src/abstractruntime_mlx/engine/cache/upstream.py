@@ -58,7 +58,7 @@ from mlx_vlm.apc import DiskBlockStore
 
 from ...owned_files import open_owned, owned_fault, read_owned
 from .cache_priority import CachePriorities, eviction_order, warm_rank
-from .resident import NOTHING, Rank, ResidentKV, Taken
+from .resident import NOTHING, ResidentKV, Taken
 
 log = logging.getLogger(__name__)
 
@@ -474,14 +474,14 @@ def counted_manager_class() -> type:
 
         # --- eviction by steps-to-execution (``cache_priority``) ---------------------
         def _make_room(self, allocation_bytes: int = 0, *, retain_bytes: int = 0) -> bool:
-            """Upstream's ``_make_room`` with the blocks evicted in the priorities' order; pinned
-            blocks go last: a live request's allocation or store takes the newest pin when
-            nothing else is left. Resident KV (``resident``) goes before any block, but for a
-            pinned key's: that goes after every block not pinned, before any pin is given up."""
+            """Upstream's ``_make_room`` with blocks and resident KV (``resident``) evicted in
+            the priorities' order (``eviction_order``); what a pin holds goes last: a live
+            request's allocation or store takes a pinned key's resident KV, then the newest pin,
+            when nothing else is left. Without hints or pins, resident KV goes before any block
+            and the blocks go in upstream's LRU order."""
             priorities = self.priorities
-            if self.ahead_of is None:
-                self._drop_resident(allocation_bytes, retain_bytes)
             if priorities is None or not priorities.active:
+                self._drop_resident(allocation_bytes, retain_bytes)
                 return bool(super()._make_room(allocation_bytes, retain_bytes=retain_bytes))
             required = self._required_bytes(allocation_bytes, retain_bytes)
             with self.lock:
@@ -505,7 +505,7 @@ def counted_manager_class() -> type:
                             elif priorities.drop_pin() is None:
                                 break
                             continue
-                        resident -= self._drop_idle_block(victims.pop())
+                        resident -= self._drop_victim(victims.pop())
                     self.stats.evictions += 1
                     self.stats.memory_evictions += 1
                     evicted += 1
@@ -531,15 +531,35 @@ def counted_manager_class() -> type:
         # --- a key's KV between turns (``resident``) ----------------------------------
         def keep_resident(self, key: str, salt: int, tokens: list[int], cache: list[Any], prompt_len: int) -> bool:
             """Keep a finished row's KV for its key if it fits the budget and the free memory
-            with everything else held; older entries go first, blocks never."""
+            with everything else held. Without hints or pins older entries go first, blocks
+            never; with them, the entries that rank below it in the priorities' order make the
+            room, else it goes. A block never goes for an entry (the entry is the faster copy,
+            the blocks the one that lasts), nor does a pin."""
             resident_kv = self.resident
             if resident_kv is None or not resident_kv.keep(key, salt, tokens, cache, prompt_len):
                 return False
             with self.lock:
                 held = self._resident_bytes_locked()
-            limit = min(self.memory_max_bytes, held + self._memory_headroom() - self.memory_reserve_bytes)
-            resident_kv.fit(held, limit, self._resident_rank(pinned=True))
-            return (key, salt) in resident_kv.entries
+                limit = min(self.memory_max_bytes, held + self._memory_headroom() - self.memory_reserve_bytes)
+                if self.priorities is None or not self.priorities.active:
+                    resident_kv.fit(held, limit)
+                    return (key, salt) in resident_kv.entries
+                if held <= limit:
+                    return True
+                order: list[Any] = [v for v in reversed(self._victims()) if isinstance(v, tuple)]
+                rank = self.priorities.pinned_resident_rank()
+                pinned = [(r, ks) for ks, e in resident_kv.entries.items() if (r := rank(ks[0], e.kept_at)) is not None]
+                order += [ks for _, ks in sorted(pinned)]
+                mine = (key, salt)
+                below = order[: order.index(mine)] if mine in order else order
+                if held - sum(map(self._victim_bytes, below)) > limit:
+                    resident_kv.drop(mine)
+                    return False
+                for victim in below:
+                    if held <= limit:
+                        break
+                    held -= self._drop_victim(victim)
+            return True
 
         def take_resident(self, key: str, salt: int, prompt: list[int]) -> Taken:
             """The key's resident KV for ``prompt`` (``ResidentKV.take``), cut as
@@ -556,34 +576,38 @@ def counted_manager_class() -> type:
             if self.resident is not None:
                 self.resident.tokens_taken += tokens
 
-        def _resident_rank(self, *, pinned: bool) -> Rank | None:
-            """The drop order of resident KV: the priorities' (``resident_rank``) when hints or
-            pins are given, else the least recently kept first."""
-            priorities = self.priorities
-            if priorities is None or not priorities.active:
-                return None
-            return priorities.resident_rank(pinned=pinned)
-
         def _drop_resident(self, allocation_bytes: int, retain_bytes: int) -> None:
-            """Drop resident KV (of keys not pinned, when pins are given) while the cache is
-            over the target ``_make_room`` evicts down to (the same sum as upstream's)."""
+            """Drop resident KV, least recently kept first, while the cache is over the target
+            ``_make_room`` evicts down to (the same sum as upstream's)."""
             resident_kv = self.resident
             if resident_kv is None or not resident_kv.entries:
                 return
             required = self._required_bytes(allocation_bytes, retain_bytes)
-            rank = self._resident_rank(pinned=False)
             with self.lock:
                 resident = self._resident_bytes_locked()
                 target = self._room_target(resident, required, retain_bytes)
-                while resident > target and (freed := resident_kv.drop_first(rank)) is not None:
+                while resident > target and (freed := resident_kv.drop_first()) is not None:
                     resident -= freed
 
         def _drop_pinned_resident(self) -> int | None:
             """Drop a pinned key's resident KV, the newest pin's first (the caller holds the
-            lock); None when there is none. Its blocks stay: the pin still holds them."""
-            if self.resident is None:
+            lock); None when there is none. The pin still holds its blocks."""
+            if self.resident is None or self.priorities is None:
                 return None
-            return self.resident.drop_first(self._resident_rank(pinned=True))
+            return self.resident.drop_first(self.priorities.pinned_resident_rank())
+
+        def _victim_bytes(self, victim: Any) -> int:
+            if isinstance(victim, tuple):
+                assert self.resident is not None
+                return self.resident.entries[victim].nbytes
+            return int(self._block_bytes or victim.resident_bytes())
+
+        def _drop_victim(self, victim: Any) -> int:
+            """Evict one entry of ``_victims``: an idle block, or a key's resident KV."""
+            if isinstance(victim, tuple):
+                assert self.resident is not None
+                return self.resident.drop(victim) or 0
+            return self._drop_idle_block(victim)
 
         def _evict_lru(self, *, cached_only: bool = False) -> Any:
             """An empty pooled block, else the first idle cached block in the priorities' order."""
@@ -594,9 +618,9 @@ def counted_manager_class() -> type:
             while not cached_only and block is not None and block.block_hash is not None:
                 block = block.next
             if block is None or cached_only:
-                victims = self._victims()
+                victims = self._victims(blocks_only=True)
                 while not victims and self.ahead_of is None and priorities.drop_pin() is not None:
-                    victims = self._victims()  # a store takes pins too, the newest first
+                    victims = self._victims(blocks_only=True)  # a store takes pins too, the newest first
                 if not victims:
                     return None
                 block = victims[-1]
@@ -610,8 +634,9 @@ def counted_manager_class() -> type:
             block.release_components()
             return block
 
-        def _victims(self) -> list[Any]:
-            """The idle cached blocks a pin does not hold, the next to evict last (pop order)."""
+        def _victims(self, *, blocks_only: bool = False) -> list[Any]:
+            """The idle cached blocks and the resident KV entries (their ``(key, salt)``) a pin
+            does not hold, in ``eviction_order``, the next to evict last (pop order)."""
             assert self.priorities is not None
             idle: list[Any] = []
             block: Any = self._free_head  # upstream's free queue: least recently released first
@@ -621,8 +646,11 @@ def counted_manager_class() -> type:
                 block = block.next
             infos = [self.priorities.block(b.block_hash, i) for i, b in enumerate(idle)]
             pinned = [pin.key for pin in self.priorities.live_pins()]
-            order = eviction_order(infos, self.priorities.hints, pinned, below=self.ahead_of)
-            return [idle[i] for i in reversed(order)]
+            entries = list(self.resident.entries.items()) if self.resident is not None else []
+            kept = [(key, entry.kept_at) for (key, _), entry in entries]
+            order = eviction_order(infos, self.priorities.hints, pinned, below=self.ahead_of, resident=kept)
+            victims = [idle[i] if i < len(idle) else entries[i - len(idle)][0] for i in reversed(order)]
+            return [v for v in victims if not isinstance(v, tuple)] if blocks_only else victims
 
         def _drop_idle_block(self, block: Any) -> int:
             """Evict one idle cached block (it stays pooled, empty); returns the bytes freed."""
