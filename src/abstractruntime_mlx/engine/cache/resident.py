@@ -4,8 +4,10 @@ The key's next prompt usually extends the previous one (the transcript plus an a
 observation): the row then starts from this KV trimmed to the prefix the two share and
 prefills only its new tokens, with no block lookup or gather. Blocks stay the fallback (other
 keys, a broken prefix, after eviction, the SSD tier). The bytes count in the prefix cache's RAM
-budget (the manager's ``_resident_bytes_locked``); an entry goes before any block when room is
-needed (its ``_make_room``) and is never kept at a block's expense (``keep_resident``).
+budget (the manager's ``_resident_bytes_locked``); without hints or pins an entry goes before
+any block when room is needed (its ``_make_room``), with them in the priorities' order
+(``cache_priority.eviction_order``), and it is never kept at a block's expense
+(``keep_resident``).
 
 Worker thread only; the manager's lock guards the table for stats readers. No MLX import: the
 caches are the single lane's plain per-layer KV caches, used through ``offset``, ``trim``,
