@@ -145,6 +145,9 @@ def run_workload(
                         answers[(run, node, turn)] = list(result.token_ids)
                         calls.append(
                             {
+                                "run": run,
+                                "node": node,
+                                "turn": turn,
                                 "ttft_s": float(result.metadata["execution"]["ttft_s"]),
                                 "prompt": int(result.usage["prompt_tokens"]),
                                 "cached": int(result.usage.get("cached_input_tokens", 0)),
@@ -206,6 +209,7 @@ def run_workload(
         "resident_bytes": stats["memory"]["resident_bytes"],
         "max_bytes": stats["memory"]["max_bytes"],
         "answers": answers,
+        "calls_detail": calls,
     }
 
 

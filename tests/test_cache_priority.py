@@ -311,6 +311,22 @@ def test_without_priorities_resident_kv_goes_least_recently_kept_first(monkeypat
     assert [key for key, _ in manager.resident.entries] == ["b", "a"]
 
 
+@pytest.mark.parametrize("priorities", [None, CachePriorities()], ids=["lru", "priorities"])
+def test_a_store_past_a_restored_prefix_makes_room_for_its_new_blocks_only(priorities):
+    """A turn that restored its transcript and adds one block evicts one block's worth, not
+    room for its whole KV (upstream's admission: five blocks here, and b's and c's would go)."""
+    manager = make_manager(3, priorities)
+    for key in "abc":
+        store(manager, priorities, key)
+    assert len(manager.hash_table) == 3 * PROMPT_BLOCKS
+    tokens = prompt("a") + [9000 + i for i in range(prefix_cache.BLOCK_SIZE)]
+    keys, values = kv(len(tokens))
+    manager.release(manager.store_kv_blocks(tokens, keys, values, skip_first_n_tokens=FULL))
+    assert len(manager.hash_table) == 3 * PROMPT_BLOCKS
+    assert [resident(manager, k) for k in "bc"] == [FULL, FULL]
+    assert manager._store_adds is None
+
+
 def test_the_resident_kv_read_back_counts_at_its_peak():
     """``reused_peak_bytes``: the most bytes of entries held at once that a later turn took."""
     manager = make_manager(8, None)

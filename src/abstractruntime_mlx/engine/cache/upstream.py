@@ -389,6 +389,7 @@ def counted_manager_class() -> type:
             self.ahead_of: tuple[int, int] | None = None  # while a warm stores: its blocks' rank
             self._from_disk: dict[tuple[int, int, int], None] = {}  # prefixes restored from SSD, not stored yet
             self.promoted_from_disk = 0  # stores that kept an SSD-restored prefix in RAM
+            self._store_adds: int | None = None  # while a store runs: the bytes of the blocks it may add
 
         @contextlib.contextmanager
         def storing_ahead(self, key: str) -> Iterator[None]:
@@ -450,7 +451,10 @@ def counted_manager_class() -> type:
             skip_first_n_tokens: int = 0,
         ) -> Any:
             """Upstream's store; a row whose prefix came from the SSD tier stores it as well (its
-            prefill skips it as already cached), else every later request reads the SSD again."""
+            prefill skips it as already cached), else every later request reads the SSD again.
+            The room it makes is for the blocks past ``skip_first_n_tokens`` (``_store_adds``):
+            upstream asks for the whole KV handed in, so a turn that adds a few blocks to a long
+            restored transcript evicted a transcript's worth of others' blocks."""
             if skip_first_n_tokens and self._from_disk:
                 key = _prefix_key(token_ids, skip_first_n_tokens, extra_hash)
                 with self.lock:
@@ -459,9 +463,16 @@ def counted_manager_class() -> type:
                 if promoted:
                     skip_first_n_tokens = 0
                     self.promoted_from_disk += 1
-            return super().store_kv_blocks(
-                token_ids, layer_keys, layer_values, extra_hash=extra_hash, skip_first_n_tokens=skip_first_n_tokens
-            )
+            if layer_keys and skip_first_n_tokens:
+                per_token = _cache_nbytes(list(layer_keys) + list(layer_values)) / max(1, layer_keys[0].shape[2])
+                blocks = len(token_ids) // self.block_size - skip_first_n_tokens // self.block_size
+                self._store_adds = int(per_token * self.block_size) * max(0, blocks)
+            try:
+                return super().store_kv_blocks(
+                    token_ids, layer_keys, layer_values, extra_hash=extra_hash, skip_first_n_tokens=skip_first_n_tokens
+                )
+            finally:
+                self._store_adds = None
 
         def reused_bytes(self) -> int:
             """RAM held by blocks a lookup restored at least once: the part of the cache that paid.
@@ -479,6 +490,10 @@ def counted_manager_class() -> type:
             request's allocation or store takes a pinned key's resident KV, then the newest pin,
             when nothing else is left. Without hints or pins, resident KV goes before any block
             and the blocks go in upstream's LRU order."""
+            if self._store_adds is not None:  # a store's room: what it adds (``store_kv_blocks``)
+                allocation_bytes = min(allocation_bytes, self._store_adds)
+                retain_bytes = min(retain_bytes, self._store_adds)
+                self._store_adds = None
             priorities = self.priorities
             if priorities is None or not priorities.active:
                 self._drop_resident(allocation_bytes, retain_bytes)
