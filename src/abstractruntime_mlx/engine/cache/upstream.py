@@ -372,7 +372,9 @@ def counted_manager_class() -> type:
     checks the eviction ones): ``APCManager._resident_bytes_locked``, ``_make_room``, ``_evict_lru``,
     ``_free_head``, ``_free_remove``, ``_free_push``, ``_memory_headroom``, ``_prefill_reserve_bytes``,
     ``memory_reserve_bytes``, ``lookup_prefix``, ``release``, ``pool``, ``hash_table``,
-    ``_exact_cache``, ``APCBlock.next``, ``APCNode.components``, ``_cache_nbytes``.
+    ``_exact_cache``, ``APCBlock.next``, ``APCNode.components``, ``_cache_nbytes``; and that
+    ``store_kv_blocks`` asks ``_make_room`` for its admission before any other call of it
+    (``test_a_store_past_a_restored_prefix_makes_room_for_its_new_blocks_only``).
     """
     import mlx.core as mx
     from mlx_vlm.apc import APCManager, _cache_nbytes
