@@ -47,6 +47,14 @@ def test_pinned_owners_keep_their_blocks_out_of_the_order():
     assert eviction_order(idle, {}) == [0, 1, 2]  # no hints: plain LRU
 
 
+def test_resident_entries_rank_as_their_keys_blocks_and_pinned_ones_go_last_newest_first():
+    idle = blocks((0, {"a"}), (1, {"b"}))
+    resident = [("p1", 5), ("b", 6), ("p2", 7), ("gone", 8)]  # indexed 2.. after the blocks
+    order = eviction_order(idle, {"b": 0, "gone": None}, pinned=["p1", "p2"], resident=resident)
+    assert order == [5, 0, 1, 3, 4, 2]  # gone, a's block, b's block, b's entry, p2 (newer pin), p1
+    assert eviction_order(idle, {"b": 0}, resident=resident, below=(2, 0)) == [0]  # a warm: no entry
+
+
 def test_pins_expire_renew_and_the_newest_goes_first():
     now = [100.0]
     priorities = CachePriorities(clock=lambda: now[0])

@@ -18,8 +18,7 @@ a live pin are never in the order: they are evicted only
 when a live request needs memory and nothing else is left, and then the newest pin goes first
 (``drop_pin``: of agents waiting alike, the last to begin waiting comes back last). A key's
 resident KV ranks as its key's blocks, after the blocks of that rank; a pinned key's goes
-after every block and entry not pinned, the newest pin's first (``pinned_resident_rank``), before the
-pin itself. Without hints or pins the order is the manager's own LRU
+after every block and entry not pinned, the newest pin's first, before the pin itself. Without hints or pins the order is the manager's own LRU
 (``active`` is False), so nothing changes for callers that never give any.
 
 A block is owned by every key whose prompt covered it (``own``): with ``mlx_cache_sharing=
@@ -45,6 +44,7 @@ _OWNER_SLACK: Final = 4096
 UNREACHABLE: Final = 0
 UNHINTED: Final = 1
 HINTED: Final = 2
+PINNED: Final = 3  # a pinned key's resident KV: after everything not pinned
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,18 +84,21 @@ def eviction_order(
     """Indices into ``blocks`` in the order to evict them, and into ``resident`` (the keys and
     keep times of the resident KV entries, indexed from ``len(blocks)`` on): an entry ranks as a
     block only its key owns, after the blocks of its class and steps (losing it costs a gather
-    from its blocks, theirs a prefill). A pinned key's blocks and entry are left out; with
-    ``below`` (a warm's ``warm_rank``), every block needed as soon as the warm's or sooner, and
-    every entry."""
-    pins = frozenset(pinned)
+    from its blocks, theirs a prefill). A pinned key's blocks are left out, its entry comes after
+    everything else, the newest pin's first (``pinned``: oldest first, as ``live_pins``). With
+    ``below`` (a warm's ``warm_rank``): every block needed as soon as the warm's or sooner, and
+    every entry, left out."""
+    pin_age = {key: age for age, key in enumerate(pinned)}
     ranks: dict[int, tuple[int, int, int, int]] = {}
     for i, block in enumerate(blocks):
-        if not (block.owners & pins):
+        if not any(key in pin_age for key in block.owners):
             cls, steps, last = block_rank(block, hints)
             ranks[i] = (cls, steps, 0, last)
     if below is None:
         for j, (key, kept_at) in enumerate(resident):
-            if key not in pins:
+            if key in pin_age:
+                ranks[len(blocks) + j] = (PINNED, -pin_age[key], 1, kept_at)
+            else:
                 cls, steps, _ = block_rank(BlockInfo(kept_at, frozenset((key,))), hints)
                 ranks[len(blocks) + j] = (cls, steps, 1, kept_at)
     else:
@@ -188,17 +191,6 @@ class CachePriorities:
         del self.pins[pins[-1].key]
         self.pins_dropped += 1
         return pins[-1]
-
-    def pinned_resident_rank(self) -> Callable[[str, int], tuple[float, int] | None]:
-        """The order pinned keys' resident KV goes in once nothing else may: the newest pin's
-        first; entries of keys not pinned are left to ``eviction_order``."""
-        pins = {pin.key: pin for pin in self.live_pins()}
-
-        def rank(key: str, kept_at: int) -> tuple[float, int] | None:
-            pin = pins.get(key)
-            return (-pin.pinned_at, kept_at) if pin is not None else None
-
-        return rank
 
     def own(self, key: str, block_hashes: Iterable[int]) -> None:
         for block_hash in block_hashes:

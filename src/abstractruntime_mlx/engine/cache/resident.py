@@ -17,12 +17,8 @@ caches are the single lane's plain per-layer KV caches, used through ``offset``,
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
-
-# Where an entry goes in the drop order: (its key, when it was kept) -> a sort key, or None to keep it.
-Rank = Callable[[str, int], tuple[Any, ...] | None]
 
 
 @dataclass(slots=True)
@@ -79,14 +75,13 @@ class ResidentKV:
             if entry is None:
                 return NOTHING
             self.nbytes -= entry.nbytes
-            self._events += 1
-            taken_at = self._events
         shared = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
         shared -= shared % align
         if shared < self._min_tokens:
             return NOTHING
         with self._lock:
-            self._reads.append((entry.kept_at, taken_at, entry.nbytes))
+            self._events += 1
+            self._reads.append((entry.kept_at, self._events, entry.nbytes))
         for layer in entry.cache:
             layer.trim(layer.offset - shared)
         return Taken(entry.cache, shared, shared + self._guard >= entry.prompt_len)
@@ -106,15 +101,10 @@ class ResidentKV:
             self.nbytes += size
         return True
 
-    def drop_first(self, rank: Rank | None = None) -> int | None:
-        """Drop the entry ``rank`` puts first (the caller holds the lock): the lowest
-        ``rank(key, kept_at)``, entries it ranks None left out; without ``rank``, the least
-        recently kept. Returns its bytes, None when no entry may go."""
-        if rank is None:
-            first = next(iter(self.entries), None)
-        else:
-            ranked = [(r, k) for k, e in self.entries.items() if (r := rank(k[0], e.kept_at)) is not None]
-            first = min(ranked)[1] if ranked else None
+    def drop_oldest(self) -> int | None:
+        """Drop the least recently kept entry (the caller holds the lock); its bytes, None when
+        the table is empty."""
+        first = next(iter(self.entries), None)
         return None if first is None else self.drop(first)
 
     def drop(self, key_salt: tuple[str, int]) -> int | None:
@@ -129,7 +119,7 @@ class ResidentKV:
     def fit(self, held_bytes: int, max_bytes: int) -> None:
         """Drop entries, least recently kept first, until everything held fits ``max_bytes``."""
         with self._lock:
-            while held_bytes > max_bytes and (freed := self.drop_first()) is not None:
+            while held_bytes > max_bytes and (freed := self.drop_oldest()) is not None:
                 held_bytes -= freed
 
     def clear(self) -> None:

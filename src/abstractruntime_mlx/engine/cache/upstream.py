@@ -514,12 +514,7 @@ def counted_manager_class() -> type:
                         if not victims:
                             victims = self._victims()
                         if not victims:
-                            if self.ahead_of is not None:
-                                break
-                            freed = self._drop_pinned_resident()
-                            if freed is not None:
-                                resident -= freed
-                            elif priorities.drop_pin() is None:
+                            if self.ahead_of is not None or priorities.drop_pin() is None:
                                 break
                             continue
                         resident -= self._drop_victim(victims.pop())
@@ -563,10 +558,7 @@ def counted_manager_class() -> type:
                     return (key, salt) in resident_kv.entries
                 if held <= limit:
                     return True
-                order: list[Any] = [v for v in reversed(self._victims()) if isinstance(v, tuple)]
-                rank = self.priorities.pinned_resident_rank()
-                pinned = [(r, ks) for ks, e in resident_kv.entries.items() if (r := rank(ks[0], e.kept_at)) is not None]
-                order += [ks for _, ks in sorted(pinned)]
+                order = [v for v in reversed(self._victims()) if isinstance(v, tuple)]
                 mine = (key, salt)
                 below = order[: order.index(mine)] if mine in order else order
                 if held - sum(map(self._victim_bytes, below)) > limit:
@@ -603,15 +595,8 @@ def counted_manager_class() -> type:
             with self.lock:
                 resident = self._resident_bytes_locked()
                 target = self._room_target(resident, required, retain_bytes)
-                while resident > target and (freed := resident_kv.drop_first()) is not None:
+                while resident > target and (freed := resident_kv.drop_oldest()) is not None:
                     resident -= freed
-
-        def _drop_pinned_resident(self) -> int | None:
-            """Drop a pinned key's resident KV, the newest pin's first (the caller holds the
-            lock); None when there is none. The pin still holds its blocks."""
-            if self.resident is None or self.priorities is None:
-                return None
-            return self.resident.drop_first(self.priorities.pinned_resident_rank())
 
         def _victim_bytes(self, victim: Any) -> int:
             if isinstance(victim, tuple):
@@ -652,8 +637,9 @@ def counted_manager_class() -> type:
             return block
 
         def _victims(self, *, blocks_only: bool = False) -> list[Any]:
-            """The idle cached blocks and the resident KV entries (their ``(key, salt)``) a pin
-            does not hold, in ``eviction_order``, the next to evict last (pop order)."""
+            """The idle cached blocks a pin does not hold and the resident KV entries (their
+            ``(key, salt)``; a pinned key's last), in ``eviction_order``, the next to evict last
+            (pop order)."""
             assert self.priorities is not None
             idle: list[Any] = []
             block: Any = self._free_head  # upstream's free queue: least recently released first
