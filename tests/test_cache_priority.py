@@ -335,6 +335,24 @@ def test_a_store_past_a_restored_prefix_makes_room_for_its_new_blocks_only(prior
     assert manager._store_adds is None
 
 
+def test_a_store_skips_only_the_leading_blocks_ram_holds():
+    """A row that started from its key's resident KV holds the previous answer, which no store
+    made blocks of; skipping it as cached (upstream) leaves a gap no lookup gets past, and the
+    blocks stored after it are never found. Here the gap is stored too."""
+    manager = make_manager(8, None)
+    store(manager, None, "a")
+    answer = [9000 + i for i in range(2 * prefix_cache.BLOCK_SIZE)]
+    turn = [9500 + i for i in range(2 * prefix_cache.BLOCK_SIZE)]
+    tokens = prompt("a") + answer + turn
+    keys, values = kv(len(tokens))
+    held = manager.stats.stores
+    manager.release(manager.store_kv_blocks(tokens, keys, values, skip_first_n_tokens=FULL + len(answer)))
+    assert manager.stats.stores - held == 4  # the answer's two blocks and the turn's two
+    matched, restored = manager.lookup_prefix(tokens)
+    manager.release(matched)
+    assert restored == len(tokens)
+
+
 def test_the_resident_kv_read_back_counts_at_its_peak():
     """``reused_peak_bytes``: the most bytes of entries held at once that a later turn took."""
     manager = make_manager(8, None)

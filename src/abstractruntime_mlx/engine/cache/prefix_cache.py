@@ -48,6 +48,7 @@ from .upstream import (
     counted_manager_class,
     exact_entries,
     free_ram_bytes,
+    held_prefix_tokens,
 )
 
 log = logging.getLogger(__name__)
@@ -523,17 +524,7 @@ class PrefixCache:
         manager = self.manager
         if manager is None:
             return 0
-        disk = manager.disk if ssd else None
-        matched = 0
-        with manager.lock:
-            for i, block_hash in enumerate(block_hashes(prompt, salt)):
-                chunk = tuple(prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
-                block = manager.hash_table.get(block_hash)
-                in_ram = block is not None and block.token_ids == chunk
-                if not in_ram and (disk is None or not disk.has(block_hash)):
-                    break
-                matched += BLOCK_SIZE
-        return matched
+        return held_prefix_tokens(manager, prompt, salt, disk=manager.disk if ssd else None)
 
     def counters(self) -> dict[str, int]:
         if self.manager is not None:

@@ -452,19 +452,23 @@ def counted_manager_class() -> type:
             extra_hash: int = 0,
             skip_first_n_tokens: int = 0,
         ) -> Any:
-            """Upstream's store; a row whose prefix came from the SSD tier stores it as well (its
-            prefill skips it as already cached), else every later request reads the SSD again.
-            The room it makes is for the blocks past ``skip_first_n_tokens`` (``_store_adds``):
-            upstream asks for the whole KV handed in, so a turn that adds a few blocks to a long
-            restored transcript evicted a transcript's worth of others' blocks."""
+            """Upstream's store, skipping only the leading blocks RAM holds: upstream skips the
+            first ``skip_first_n_tokens`` whatever holds them, so a row that started from
+            elsewhere left a gap no later lookup gets past. A prefix read from the SSD tier
+            (one K/V set for the row, no RAM blocks) would be read from the disk again by every
+            later request (``promoted_from_disk`` counts these stores); one taken from a key's
+            resident KV holds the previous answer, which no store had made blocks of. The room
+            it makes is for the blocks past the skip (``_store_adds``): upstream asks for the
+            whole KV handed in, so a turn that adds a few blocks to a long restored transcript
+            evicted a transcript's worth of others' blocks."""
             if skip_first_n_tokens and self._from_disk:
                 key = _prefix_key(token_ids, skip_first_n_tokens, extra_hash)
                 with self.lock:
-                    promoted = key in self._from_disk
-                    self._from_disk.pop(key, None)
-                if promoted:
-                    skip_first_n_tokens = 0
-                    self.promoted_from_disk += 1
+                    if key in self._from_disk:
+                        del self._from_disk[key]
+                        self.promoted_from_disk += 1
+            if skip_first_n_tokens:
+                skip_first_n_tokens = held_prefix_tokens(self, token_ids[:skip_first_n_tokens], extra_hash)
             if layer_keys and skip_first_n_tokens:
                 per_token = _cache_nbytes(list(layer_keys) + list(layer_values)) / max(1, layer_keys[0].shape[2])
                 blocks = len(token_ids) // self.block_size - skip_first_n_tokens // self.block_size
@@ -692,6 +696,21 @@ def block_hashes(prompt: Any, salt: int) -> list[int]:
         parent = _hash_tokens(parent, tuple(tokens[start : start + BLOCK_SIZE]), salt)
         out.append(parent)
     return out
+
+
+def held_prefix_tokens(manager: Any, prompt: Sequence[int], salt: int, *, disk: Any = None) -> int:
+    """How many leading tokens of ``prompt`` have their blocks held now, in ``manager``'s RAM
+    or (``disk``) its SSD tier, under the manager's lock; a multiple of ``BLOCK_SIZE``."""
+    matched = 0
+    with manager.lock:
+        for i, block_hash in enumerate(block_hashes(prompt, salt)):
+            chunk = tuple(int(t) for t in prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            block = manager.hash_table.get(block_hash)
+            in_ram = block is not None and block.token_ids == chunk
+            if not in_ram and (disk is None or not disk.has(block_hash)):
+                break
+            matched += BLOCK_SIZE
+    return matched
 
 
 def free_ram_bytes() -> int | None:
